@@ -1,0 +1,223 @@
+"""GPU catalog and model specs: the facts the perf model, the planner and the router reason over.
+
+Built-in rows carry a source comment each; users add or override rows from YAML (`load_catalog(path)`):
+
+```yaml
+gpus:
+  L4: {cost_per_hour: 0.62}            # override one field of a built-in row
+  RTX-6000-Ada: {memory_gb: 48, hbm_gbps: 960, tflops: 364, cost_per_hour: 1.4, memory_kind: gddr}
+models:
+  my-llama: {layers: 32, hidden_size: 4096, num_heads: 32, num_kv_heads: 8, head_dim: 128,
+             params_b: 8.03, max_context: 8192}
+```
+Names are matched case-insensitively; common aliases (`H100` → `H100-SXM`, `A100` → `A100-80GB`) resolve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class CatalogError(ValueError):
+    """An unknown name or a malformed catalog file; the message lists the valid choices."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    name: str
+    memory_gb: float  # GB (1e9 bytes) of device memory
+    hbm_gbps: float  # peak memory bandwidth, GB/s
+    tflops: float  # dense bf16 (fp16 where no bf16) TFLOP/s, no sparsity
+    cost_per_hour: float  # typical on-demand $ per GPU-hour
+    memory_kind: str = "hbm"  # "hbm" | "gddr": decode bandwidth efficiency differs
+    # Tokens per step at which prefill reaches half its peak MFU (closed-form MFU ramp, REFERENCE.md).
+    # None: derived from the GPU's ridge point (FLOP per byte), see `mfu_half_tokens`.
+    mfu_half: float | None = None
+    # Plateau MFU of large prefills; None → PerfConstants.mfu_max. Calibrated for A100 and H100 only.
+    mfu_max: float | None = None
+    source: str = ""
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    @property
+    def mfu_half_tokens(self) -> float:
+        if self.mfu_half is not None:
+            return self.mfu_half
+        # A100: ridge 153 FLOP/B ↔ 60 tokens; H100: ridge 295 ↔ 200. Interpolate linearly in the ridge.
+        ridge = self.tflops * 1e12 / (self.hbm_gbps * 1e9)
+        return max(30.0, 60.0 + (ridge - 153.0) * (140.0 / 142.0))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    params_b: float  # parameters, billions
+    max_context: int
+    dtype_bytes: int = 2
+    source: str = ""
+
+    @property
+    def params(self) -> float:
+        return self.params_b * 1e9
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """2 (K and V) · layers · kv_heads · head_dim · dtype_bytes (DESIGN.md, KV budget)."""
+        return 2 * self.layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+# fmt: off
+_BUILTIN_GPUS: tuple[GpuSpec, ...] = (
+    # NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, 65 TFLOP/s fp16 (no bf16); AWS g4dn price (unverified)
+    GpuSpec("T4", 16, 320, 65, 0.53, "gddr", None, None, "NVIDIA T4 datasheet; AWS g4dn.xlarge on-demand"),
+    # NVIDIA A10G (AWS): 24 GB GDDR6, 600 GB/s, 125 TFLOP/s; $1.01/h AWS g5.xlarge as used by Mélange
+    GpuSpec("A10G", 24, 600, 125, 1.01, "gddr", None, None, "AWS A10G spec; Mélange (arXiv 2404.14527) price"),
+    # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, 121 TFLOP/s bf16 dense; GCP g2 price (unverified)
+    GpuSpec("L4", 24, 300, 121, 0.70, "gddr", None, None, "NVIDIA L4 datasheet; GCP g2-standard-4 on-demand"),
+    # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, 362 TFLOP/s bf16 dense; AWS g6e price (unverified)
+    GpuSpec("L40S", 48, 864, 362, 1.85, "gddr", None, None, "NVIDIA L40S datasheet; AWS g6e per-GPU on-demand"),
+    # NVIDIA A40 datasheet: 48 GB GDDR6, 696 GB/s, 150 TFLOP/s; CoreWeave price as used by Vidur
+    GpuSpec("A40", 48, 696, 150, 1.28, "gddr", None, None, "NVIDIA A40 datasheet; CoreWeave price (Vidur)"),
+    # NVIDIA A100 40GB SXM datasheet: 1,555 GB/s, 312 TFLOP/s; AWS p4d.24xlarge / 8 (unverified)
+    GpuSpec("A100-40GB", 40, 1555, 312, 4.10, "hbm", 60, 0.66, "NVIDIA A100 datasheet; AWS p4d.24xlarge/8"),
+    # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s, 312 TFLOP/s; $3.67/h Azure NC24ads (Mélange)
+    GpuSpec("A100-80GB", 80, 2039, 312, 3.67, "hbm", 60, 0.66, "NVIDIA A100 datasheet; Mélange price (Azure)"),
+    # H100: splitwise-sim's Llama-2-70B TP2 prefills and Lambda's Llama-3-8B TTFT put vLLM at ~47% MFU.
+    # NVIDIA H100 SXM datasheet: 80 GB HBM3, 3,350 GB/s, 989 TFLOP/s bf16 dense; CoreWeave (Vidur)
+    GpuSpec("H100-SXM", 80, 3350, 989, 4.25, "hbm", 120, 0.50, "NVIDIA H100 datasheet; CoreWeave price (Vidur)"),
+    # NVIDIA H200 datasheet: 141 GB HBM3e, 4,800 GB/s, 989 TFLOP/s; AWS p5e capacity block (unverified)
+    GpuSpec("H200", 141, 4800, 989, 5.41, "hbm", 120, 0.50, "NVIDIA H200 datasheet; AWS p5e capacity block/8"),
+    # MI300X: ROCm vLLM reaches a lower MFU than CUDA on dense GEMMs (0.45, unverified).
+    # AMD MI300X datasheet: 192 GB HBM3, 5,300 GB/s, 1,307 TFLOP/s bf16 dense; marketplace (unverified)
+    GpuSpec("MI300X", 192, 5300, 1307, 1.80, "hbm", None, 0.45, "AMD MI300X datasheet; GPU marketplace price"),
+)
+
+_BUILTIN_MODELS: tuple[ModelSpec, ...] = (
+    # meta-llama/Llama-2-7b-hf config.json: MHA, 4k context
+    ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 6.74, 4096, 2, "meta-llama/Llama-2-7b-hf config.json"),
+    # meta-llama/Llama-2-70b-hf config.json: GQA 8 KV heads (used by splitwise-sim's calibration data)
+    ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 68.98, 4096, 2, "meta-llama/Llama-2-70b-hf config.json"),
+    # meta-llama/Meta-Llama-3-8B config.json: GQA 8 KV heads, 8k context
+    ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 8.03, 8192, 2, "meta-llama/Meta-Llama-3-8B config.json"),
+    # meta-llama/Meta-Llama-3-70B config.json
+    ModelSpec("llama-3-70b", 80, 8192, 64, 8, 128, 70.55, 8192, 2, "meta-llama/Meta-Llama-3-70B config.json"),
+    # mistralai/Mistral-7B-Instruct-v0.2 config.json: 32k context, no sliding window
+    ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 7.24, 32768, 2, "mistralai/Mistral-7B-Instruct-v0.2 config.json"),
+    # Qwen/Qwen2.5-7B config.json: 28 layers, 28 heads, 4 KV heads, 32k native context
+    ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 7.62, 32768, 2, "Qwen/Qwen2.5-7B config.json"),
+    # Qwen/Qwen2.5-32B config.json: 64 layers, 40 heads, 8 KV heads
+    ModelSpec("qwen2.5-32b", 64, 5120, 40, 8, 128, 32.76, 32768, 2, "Qwen/Qwen2.5-32B config.json"),
+)
+# fmt: on
+
+_GPU_ALIASES = {"H100": "H100-SXM", "H100-80GB": "H100-SXM", "A100": "A100-80GB", "A100-80G": "A100-80GB"}
+_MODEL_ALIASES = {
+    "meta-llama/llama-2-7b-hf": "llama-2-7b",
+    "meta-llama/llama-2-70b-hf": "llama-2-70b",
+    "meta-llama/meta-llama-3-8b": "llama-3-8b",
+    "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
+    "meta-llama/llama-3.1-8b-instruct": "llama-3-8b",
+    "meta-llama/meta-llama-3-70b": "llama-3-70b",
+    "mistralai/mistral-7b-instruct-v0.2": "mistral-7b",
+    "qwen/qwen2.5-7b": "qwen2.5-7b",
+    "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen2.5-32b": "qwen2.5-32b",
+}
+
+
+@dataclass(slots=True)
+class Catalog:
+    """GPU and model rows by canonical name; lookups are case-insensitive and alias-aware."""
+
+    gpus: dict[str, GpuSpec] = field(default_factory=dict)
+    models: dict[str, ModelSpec] = field(default_factory=dict)
+
+    def gpu(self, name: str) -> GpuSpec:
+        found = _lookup(self.gpus, _GPU_ALIASES, name)
+        if found is None:
+            raise CatalogError(f"unknown GPU {name!r}; valid GPUs: {', '.join(self.gpus)}")
+        return found
+
+    def model(self, name: str) -> ModelSpec:
+        found = _lookup(self.models, _MODEL_ALIASES, name)
+        if found is None:
+            raise CatalogError(f"unknown model {name!r}; valid models: {', '.join(self.models)}")
+        return found
+
+    def with_overrides(self, data: dict[str, Any]) -> Catalog:
+        """A new catalog with `gpus:` / `models:` rows from parsed YAML merged over this one."""
+        if not isinstance(data, dict) or set(data) - {"gpus", "models"}:
+            raise CatalogError("catalog file must be a mapping with only 'gpus' and 'models' keys")
+        gpus = dict(self.gpus)
+        models = dict(self.models)
+        for name, row in (data.get("gpus") or {}).items():
+            gpus[_canonical(gpus, _GPU_ALIASES, name)] = _merge(GpuSpec, gpus, _GPU_ALIASES, name, row)
+        for name, row in (data.get("models") or {}).items():
+            models[_canonical(models, _MODEL_ALIASES, name)] = _merge(ModelSpec, models, _MODEL_ALIASES, name, row)
+        return Catalog(gpus, models)
+
+
+def _lookup(rows: dict[str, Any], aliases: dict[str, str], name: str) -> Any:
+    key = _canonical(rows, aliases, name)
+    return rows.get(key)
+
+
+def _canonical(rows: dict[str, Any], aliases: dict[str, str], name: str) -> str:
+    lowered = {k.lower(): k for k in rows}
+    name = str(name)
+    if name.lower() in lowered:
+        return lowered[name.lower()]
+    for alias, target in aliases.items():
+        if alias.lower() == name.lower():
+            return target
+    return name
+
+
+def _merge(cls: type, rows: dict[str, Any], aliases: dict[str, str], name: str, row: Any) -> Any:
+    if not isinstance(row, dict):
+        raise CatalogError(f"catalog entry {name!r} must be a mapping of fields")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(row) - fields
+    if unknown:
+        raise CatalogError(f"catalog entry {name!r}: unknown fields {sorted(unknown)}; valid: {sorted(fields)}")
+    existing = rows.get(_canonical(rows, aliases, name))
+    try:
+        if existing is not None:
+            return dataclasses.replace(existing, **row)
+        return cls(name=name, **row)
+    except TypeError as exc:
+        raise CatalogError(f"catalog entry {name!r}: {exc}") from None
+
+
+def builtin_catalog() -> Catalog:
+    return Catalog({g.name: g for g in _BUILTIN_GPUS}, {m.name: m for m in _BUILTIN_MODELS})
+
+
+def load_catalog(path: str | Path | None = None) -> Catalog:
+    """The built-in catalog, with the rows of the YAML file at `path` (if any) merged over it."""
+    catalog = builtin_catalog()
+    if path is None:
+        return catalog
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise CatalogError(f"cannot read catalog file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"catalog file {path} is not valid YAML: {exc}") from None
+    return catalog.with_overrides(data)

@@ -1,0 +1,1 @@
+"""One module per `mosaic` sub-command; each exposes `register(app: typer.Typer) -> None`."""

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from placement.catalog import CatalogError, load_catalog
+
+REQUIRED_GPUS = ["T4", "A10G", "L4", "L40S", "A100-40GB", "A100-80GB", "H100-SXM", "H200", "MI300X"]
+REQUIRED_MODELS = ["llama-2-7b", "llama-3-8b", "llama-3-70b", "mistral-7b", "qwen2.5-7b", "qwen2.5-32b"]
+
+
+def test_builtin_rows_present_with_sources() -> None:
+    catalog = load_catalog()
+    for name in REQUIRED_GPUS:
+        gpu = catalog.gpu(name)
+        assert gpu.memory_gb > 0 and gpu.hbm_gbps > 0 and gpu.tflops > 0 and gpu.cost_per_hour > 0
+        assert gpu.source
+    for name in REQUIRED_MODELS:
+        assert catalog.model(name).source
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        pytest.param("llama-2-7b", 524_288, id="llama-2-7b MHA: 2·32·32·128·2 = 512 KiB per token"),
+        pytest.param("llama-3-8b", 131_072, id="llama-3-8b GQA: 2·32·8·128·2 = 128 KiB per token"),
+        pytest.param("qwen2.5-7b", 57_344, id="qwen2.5-7b: 2·28·4·128·2 = 56 KiB per token"),
+    ],
+)
+def test_kv_bytes_per_token(model: str, expected: int) -> None:
+    assert load_catalog().model(model).kv_bytes_per_token == expected
+
+
+def test_aliases_and_case() -> None:
+    catalog = load_catalog()
+    assert catalog.gpu("h100").name == "H100-SXM"
+    assert catalog.gpu("A100").name == "A100-80GB"
+    assert catalog.model("meta-llama/Meta-Llama-3-8B-Instruct").name == "llama-3-8b"
+
+
+def test_unknown_names_list_valid_choices() -> None:
+    catalog = load_catalog()
+    with pytest.raises(CatalogError, match="valid GPUs: T4, A10G"):
+        catalog.gpu("B200")
+    with pytest.raises(CatalogError, match="llama-3-8b"):
+        catalog.model("gpt-5")
+
+
+def test_yaml_overrides_and_additions(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.yaml"
+    path.write_text(
+        "gpus:\n  l4: {cost_per_hour: 0.5}\n"
+        "  RTX-6000-Ada: {memory_gb: 48, hbm_gbps: 960, tflops: 364, cost_per_hour: 1.4, memory_kind: gddr}\n"
+        "models:\n  tiny: {layers: 2, hidden_size: 128, num_heads: 4, num_kv_heads: 2, head_dim: 32,"
+        " params_b: 0.0008, max_context: 512}\n"
+    )
+    catalog = load_catalog(path)
+    assert catalog.gpu("L4").cost_per_hour == 0.5
+    assert catalog.gpu("L4").memory_gb == 24  # untouched fields keep the built-in value
+    assert catalog.gpu("rtx-6000-ada").tflops == 364
+    assert catalog.model("tiny").kv_bytes_per_token == 2 * 2 * 2 * 32 * 2
+
+
+def test_bad_catalog_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("gpus:\n  L4: {bandwidth: 3}\n")
+    with pytest.raises(CatalogError, match="unknown fields \\['bandwidth'\\]"):
+        load_catalog(path)
+    with pytest.raises(CatalogError, match="cannot read"):
+        load_catalog(tmp_path / "missing.yaml")
