@@ -1,0 +1,180 @@
+"""Mosaic's P/D-coordinated autoscaler (after HeteroScale, arXiv 2508.19559).
+
+Per model, each cycle:
+
+1. **Signal**: decode demand D = Σ decode tokens/s over the model's decode and mixed pools, plus the
+   backlog that queueing hides: (gateway admission queue + Σ num_requests_waiting) · mean output tokens /
+   `queue_drain_s`. Decode tokens/s is linear in load, unlike GPU utilisation (high even when light) or
+   latency (flat, then a cliff).
+2. **Latency safety net** (only adds): a TPOT p90 over the SLO multiplies decode demand by
+   `moderate_boost` (1.1), over `severe_factor`·SLO by `severe_boost` (1.2); TTFT does the same for
+   prefill. While a breach lasts no pool of that phase scales in.
+3. **Buy decode capacity** D / utilisation_target across the decode pools, cheapest $/h per token/s
+   first when adding and priciest first when removing (see `buying.rebalance`). Instances still starting
+   count as arriving capacity; draining ones do not.
+4. **Prefill follows** in the same decision: `pd_ratio` prefill instances per decode instance (the
+   profiled P/D ratio), or, in `prompt_tokens` mode, prompt tokens/s demand over prefill capacity.
+5. **Damping**: no change while capacity is within ±`tolerance` of the requirement; scale-up at once
+   (bounded by `max_scale_up_step` / `max_scale_up_factor`); scale-down only to the highest target
+   recommended over the last `scale_down_window_s` and by at most `max_scale_down_fraction` per cycle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from scheduler.autoscaler.buying import CapacityOf, capacity, rebalance
+from scheduler.autoscaler.signals import Observation, PoolSpec, ScalingDecision
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalerConfig:
+    utilization_target: float = 0.8
+    tolerance: float = 0.1
+    scale_down_window_s: float = 300.0
+    max_scale_up_step: int = 4  # at least this many may be added per cycle …
+    max_scale_up_factor: float = 2.0  # … or up to this multiple of the current count
+    max_scale_down_fraction: float = 0.25  # at most this share (and at least 1) removed per cycle
+    prefill_mode: Literal["ratio", "prompt_tokens"] = "ratio"
+    pd_ratio: float = 0.5  # prefill instances per decode instance (HeteroScale saw 1P:5D to 9P:1D)
+    queue_drain_s: float = 30.0  # waiting requests are demand to be served within this horizon
+    default_output_tokens: float = 256.0  # when the observation has no mean output length yet
+    default_input_tokens: float = 1024.0
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    moderate_boost: float = 1.1
+    severe_boost: float = 1.2
+    severe_factor: float = 1.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.utilization_target <= 1:
+            raise ValueError("utilization_target must be in (0, 1]")
+        if self.pd_ratio < 0 or self.tolerance < 0:
+            raise ValueError("pd_ratio and tolerance must be ≥ 0")
+
+
+class MosaicAutoscaler:
+    """Implements `ScalingPolicy`. Holds only its recommendation history (for the scale-down window)."""
+
+    def __init__(self, pools: Sequence[PoolSpec], config: AutoscalerConfig = AutoscalerConfig()) -> None:
+        names = [p.name for p in pools]
+        if len(set(names)) != len(names):
+            raise ValueError("pool names must be unique")
+        self.pools = tuple(pools)
+        self.config = config
+        self._history: dict[str, deque[tuple[float, int]]] = {p.name: deque() for p in pools}
+
+    def decide(self, obs: Observation) -> ScalingDecision:
+        targets: dict[str, int] = {}
+        reasons: dict[str, str] = {}
+        signal: dict[str, float] = {}
+        for model in sorted({p.model for p in self.pools}):
+            self._decide_model(model, obs, targets, reasons, signal)
+        return ScalingDecision(obs.now, targets, reasons, signal)
+
+    # -- one model -----------------------------------------------------------------------------------
+
+    def _decide_model(
+        self, model: str, obs: Observation, targets: dict[str, int], reasons: dict[str, str], signal: dict[str, float]
+    ) -> None:
+        cfg = self.config
+        pools = [p for p in self.pools if p.model == model]
+        decode_pools = [p for p in pools if p.role in ("decode", "mixed")]
+        prefill_pools = [p for p in pools if p.role == "prefill"]
+        current = {p.name: obs.pools[p.name].provisioned if p.name in obs.pools else 0 for p in pools}
+
+        waiting = obs.admission_queue.get(model, 0) + sum(
+            obs.pools[p.name].num_waiting for p in pools if p.name in obs.pools
+        )
+        out_tokens = obs.mean_output_tokens or cfg.default_output_tokens
+        in_tokens = obs.mean_input_tokens or cfg.default_input_tokens
+        decode_tps = sum(obs.pools[p.name].decode_tokens_per_s for p in decode_pools if p.name in obs.pools)
+        decode_boost = self._boost(obs.tpot_p90_s, cfg.tpot_slo_s)
+        decode_demand = (decode_tps + waiting * out_tokens / cfg.queue_drain_s) * decode_boost
+        signal[f"{model}/decode_tps"] = decode_tps
+        signal[f"{model}/waiting"] = float(waiting)
+        signal[f"{model}/decode_demand_tps"] = decode_demand
+
+        def decode_cap(p: PoolSpec) -> float:
+            return p.decode_tps_capacity
+
+        self._settle(decode_pools, current, decode_demand / cfg.utilization_target, decode_cap, decode_boost > 1,
+                     obs.now, targets, reasons)
+
+        if not prefill_pools:
+            return
+        prefill_boost = self._boost(obs.ttft_p90_s, cfg.ttft_slo_s)
+        if cfg.prefill_mode == "ratio":
+            decode_instances = sum(targets[p.name] for p in decode_pools if p.role == "decode")
+            mean_cap = sum(p.prefill_tps_capacity for p in prefill_pools) / len(prefill_pools)
+            required = math.ceil(decode_instances * cfg.pd_ratio * prefill_boost - 1e-9) * mean_cap
+            signal[f"{model}/prefill_instances_by_ratio"] = required / mean_cap
+            # the ratio already includes the utilisation target through the decode side
+            required_capacity = required
+        else:
+            prompt_tps = sum(obs.pools[p.name].prompt_tokens_per_s for p in prefill_pools if p.name in obs.pools)
+            demand = (prompt_tps + waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
+            signal[f"{model}/prefill_demand_tps"] = demand
+            required_capacity = demand / cfg.utilization_target
+
+        def prefill_cap(p: PoolSpec) -> float:
+            return p.prefill_tps_capacity
+
+        self._settle(prefill_pools, current, required_capacity, prefill_cap, prefill_boost > 1, obs.now, targets, reasons)
+
+    def _boost(self, measured: float | None, slo: float | None) -> float:
+        cfg = self.config
+        if measured is None or slo is None or measured <= slo:
+            return 1.0
+        return cfg.severe_boost if measured > cfg.severe_factor * slo else cfg.moderate_boost
+
+    def _settle(
+        self,
+        pools: Sequence[PoolSpec],
+        current: Mapping[str, int],
+        required: float,
+        cap_of: CapacityOf,
+        breached: bool,
+        now: float,
+        targets: dict[str, int],
+        reasons: dict[str, str],
+    ) -> None:
+        """Turn a capacity requirement into damped, bounded per-pool targets."""
+        if not pools:
+            return
+        cfg = self.config
+        have = capacity(pools, current, cap_of)
+        within_band = have > 0 and abs(required - have) / have <= cfg.tolerance
+        if within_band and not breached:
+            raw = {p.name: min(max(current[p.name], p.min_replicas), p.max_replicas) for p in pools}
+            why = f"within ±{cfg.tolerance:.0%} of {required:.0f}"
+        else:
+            raw = rebalance(pools, current, required, cap_of)
+            why = f"need {required:.0f}, have {have:.0f}"
+        for pool in pools:
+            n = current[pool.name]
+            want = max(raw[pool.name], n) if breached else raw[pool.name]
+            target = self._damp(pool, n, want, now)
+            targets[pool.name] = target
+            reasons[pool.name] = why + (" (latency SLO breached: no scale-in)" if breached else "")
+
+    def _damp(self, pool: PoolSpec, n: int, want: int, now: float) -> int:
+        cfg = self.config
+        history = self._history[pool.name]
+        history.append((now, want))
+        while history and history[0][0] < now - cfg.scale_down_window_s:
+            history.popleft()
+        if want > n:
+            ceiling = max(n + cfg.max_scale_up_step, math.ceil(n * cfg.max_scale_up_factor))
+            target = min(want, ceiling)
+        elif want < n:
+            stabilised = max(w for _, w in history)  # highest recommendation within the window
+            floor = n - max(1, math.floor(n * cfg.max_scale_down_fraction))
+            target = max(want, stabilised if stabilised < n else n, floor)
+        else:
+            target = n
+        return min(max(target, pool.min_replicas), pool.max_replicas)

@@ -1,0 +1,89 @@
+"""What an autoscaling policy sees (pools and one observation per cycle) and what it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+PoolRole = Literal["prefill", "decode", "mixed"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """A scalable pool: one model on one GPU type in one role.
+
+    `decode_tps_capacity` is the decode tokens/s one instance sustains within the TPOT SLO (from the
+    throughput profile or the perf model); `prefill_tps_capacity` the prompt tokens/s one instance sustains
+    within the TTFT SLO. The policy applies its utilisation target on top of these.
+    """
+
+    name: str
+    model: str
+    role: PoolRole
+    gpu: str
+    cost_per_hour: float
+    min_replicas: int = 0
+    max_replicas: int = 64
+    decode_tps_capacity: float = 0.0
+    prefill_tps_capacity: float = 0.0
+    domain: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"pool {self.name}: need 0 ≤ min_replicas ≤ max_replicas")
+        if self.role in ("decode", "mixed") and self.decode_tps_capacity <= 0:
+            raise ValueError(f"pool {self.name}: a {self.role} pool needs decode_tps_capacity > 0")
+        if self.role == "prefill" and self.prefill_tps_capacity <= 0:
+            raise ValueError(f"pool {self.name}: a prefill pool needs prefill_tps_capacity > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolObservation:
+    """One pool's state at a cycle. Rates are sums over the pool's ready instances."""
+
+    ready: int
+    starting: int = 0  # counted as arriving capacity
+    draining: int = 0  # leaving: not counted
+    decode_tokens_per_s: float = 0.0  # rate of vllm:generation_tokens_total
+    prompt_tokens_per_s: float = 0.0  # rate of vllm:prompt_tokens_total
+    num_waiting: int = 0  # Σ vllm:num_requests_waiting
+    gpu_utilization: float = 0.0  # mean busy fraction of the pool's GPUs (HPA baseline only)
+
+    @property
+    def provisioned(self) -> int:
+        return self.ready + self.starting
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    now: float
+    pools: Mapping[str, PoolObservation]
+    admission_queue: Mapping[str, int] = field(default_factory=dict)  # per model: gateway admission queue depth
+    ttft_p90_s: float | None = None  # measured at the gateway over the last interval
+    tpot_p90_s: float | None = None
+    request_rate: float = 0.0  # requests/s arriving over the last interval (Dynamo-style baseline)
+    mean_input_tokens: float = 0.0
+    mean_output_tokens: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingDecision:
+    now: float
+    targets: Mapping[str, int]  # desired replicas per pool (ready + starting), every pool present
+    reasons: Mapping[str, str] = field(default_factory=dict)
+    signal: Mapping[str, float] = field(default_factory=dict)  # the numbers the decision came from
+
+    def changes(self, obs: Observation) -> dict[str, int]:
+        """Pools whose target differs from what is provisioned now, with the delta."""
+        return {
+            name: target - obs.pools[name].provisioned
+            for name, target in self.targets.items()
+            if name in obs.pools and target != obs.pools[name].provisioned
+        }
+
+
+class ScalingPolicy(Protocol):
+    def decide(self, obs: Observation) -> ScalingDecision:
+        """Desired replicas for every pool. Deterministic given the sequence of observations."""
+        ...

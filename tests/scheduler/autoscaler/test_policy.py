@@ -1,0 +1,168 @@
+"""The P/D-coordinated autoscaler and its baselines, as pure policies over observations."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.autoscaler.baselines import DynamoPlanner, HpaPolicy, StaticPolicy
+from scheduler.autoscaler.buying import rebalance
+from scheduler.autoscaler.policy import AutoscalerConfig, MosaicAutoscaler
+from scheduler.autoscaler.signals import Observation, PoolObservation, PoolSpec
+
+
+def decode_pool(name: str = "d-a100", gpu: str = "A100-80GB", cost: float = 3.67, tps: float = 1000.0,
+                lo: int = 1, hi: int = 32) -> PoolSpec:
+    return PoolSpec(name, "llama-3-8b", "decode", gpu, cost, lo, hi, decode_tps_capacity=tps)
+
+
+def prefill_pool(name: str = "p-h100", cost: float = 4.25, tps: float = 20000.0, lo: int = 1, hi: int = 32) -> PoolSpec:
+    return PoolSpec(name, "llama-3-8b", "prefill", "H100-SXM", cost, lo, hi, prefill_tps_capacity=tps)
+
+
+def obs(now: float, **pools: PoolObservation) -> Observation:
+    return Observation(now=now, pools=pools)
+
+
+def po(ready: int, decode_tps: float = 0.0, starting: int = 0, waiting: int = 0) -> PoolObservation:
+    return PoolObservation(ready=ready, starting=starting, decode_tokens_per_s=decode_tps, num_waiting=waiting)
+
+
+CFG = AutoscalerConfig(utilization_target=0.8, pd_ratio=0.5, scale_down_window_s=300)
+
+
+def test_decode_sized_from_tokens_per_second_and_prefill_follows_ratio() -> None:
+    policy = MosaicAutoscaler([decode_pool(), prefill_pool()], CFG)
+    # 6,000 tok/s / (1,000 tok/s · 0.8) = 7.5 → 8 decode; but one step may add max(4, 2·2) = 4 → 6
+    decision = policy.decide(obs(0, **{"d-a100": po(2, 6000), "p-h100": po(1)}))
+    assert decision.targets["d-a100"] == 6
+    assert decision.targets["p-h100"] == 3  # ceil(6 · 0.5) in the same decision
+    # next cycle (instances starting count as arriving capacity): 8 decode, ceil(8 · 0.5) = 4 prefill
+    decision = policy.decide(obs(15, **{"d-a100": po(2, 6000, starting=4), "p-h100": po(1, starting=2)}))
+    assert decision.targets == {"d-a100": 8, "p-h100": 4}
+
+
+def test_pending_instances_count_as_arriving_capacity() -> None:
+    policy = MosaicAutoscaler([decode_pool()], CFG)
+    # need 4,000/(800) = 5; 2 ready + 3 starting = 5 provisioned → no change
+    decision = policy.decide(obs(0, **{"d-a100": po(2, 4000, starting=3)}))
+    assert decision.targets["d-a100"] == 5
+    assert decision.changes(obs(0, **{"d-a100": po(2, 4000, starting=3)})) == {}
+
+
+def test_flat_load_within_tolerance_never_oscillates() -> None:
+    policy = MosaicAutoscaler([decode_pool()], CFG)
+    targets = []
+    for i in range(100):
+        # 5 instances provide 5 · 800 = 4,000 at target; load jitters ±8% around it (inside the ±10% band)
+        load = 4000 * (1.08 if i % 2 else 0.92)
+        targets.append(policy.decide(obs(i * 15.0, **{"d-a100": po(5, load)})).targets["d-a100"])
+    assert set(targets) == {5}
+
+
+def test_scale_down_waits_for_the_stabilisation_window_and_is_damped() -> None:
+    policy = MosaicAutoscaler([decode_pool()], CFG)
+    assert policy.decide(obs(0, **{"d-a100": po(8, 6400)})).targets["d-a100"] == 8  # 6,400/800 = 8
+    # load halves: the recommendation (4) is below the window's max (8) → hold
+    assert policy.decide(obs(100, **{"d-a100": po(8, 3200)})).targets["d-a100"] == 8
+    assert policy.decide(obs(299, **{"d-a100": po(8, 3200)})).targets["d-a100"] == 8
+    # after 300 s the high recommendation has left the window; at most 25% (2 of 8) removed per cycle
+    assert policy.decide(obs(301, **{"d-a100": po(8, 3200)})).targets["d-a100"] == 6
+    assert policy.decide(obs(316, **{"d-a100": po(6, 3200)})).targets["d-a100"] == 5
+    assert policy.decide(obs(331, **{"d-a100": po(5, 3200)})).targets["d-a100"] == 4
+
+
+def test_latency_safety_net_only_adds() -> None:
+    cfg = AutoscalerConfig(utilization_target=0.8, tpot_slo_s=0.05, scale_down_window_s=0)
+    policy = MosaicAutoscaler([decode_pool()], cfg)
+    # light load would scale 8 → 6 (2,000/800 = 2.5 → 3, damped to 8 − 2), but TPOT breaches: hold at 8
+    breached = Observation(now=0, pools={"d-a100": po(8, 2000)}, tpot_p90_s=0.06)
+    assert policy.decide(breached).targets["d-a100"] == 8
+    # moderate breach (≤ 1.5× SLO) adds 10%: 4,000 · 1.1 / 800 = 5.5 → 6 from 5
+    moderate = Observation(now=15, pools={"d-a100": po(5, 4000)}, tpot_p90_s=0.06)
+    assert policy.decide(moderate).targets["d-a100"] == 6
+    # severe breach (> 1.5× SLO) adds 20%: 4,000 · 1.2 / 800 = 6 exactly
+    severe = Observation(now=30, pools={"d-a100": po(5, 4000)}, tpot_p90_s=0.08)
+    assert policy.decide(severe).targets["d-a100"] == 6
+
+
+def test_queueing_is_seen_as_demand() -> None:
+    cfg = AutoscalerConfig(utilization_target=0.8, queue_drain_s=30, default_output_tokens=200)
+    policy = MosaicAutoscaler([decode_pool()], cfg)
+    # backpressure: decode tokens/s capped at what 2 instances do (1,600), but 300 requests wait
+    # demand = 1,600 + 300 · 200 / 30 = 3,600 → 3,600 / 800 = 4.5 → 5 (within the +4 step from 2)
+    queued = Observation(now=0, pools={"d-a100": po(2, 1600, waiting=100)}, admission_queue={"llama-3-8b": 200})
+    assert policy.decide(queued).targets["d-a100"] == 5
+
+
+def test_consolidation_check_before_scale_in() -> None:
+    cfg = AutoscalerConfig(utilization_target=0.8, tolerance=0.0, scale_down_window_s=0)
+    policy = MosaicAutoscaler([decode_pool()], cfg)
+    # 4 instances at 2,500 tok/s: removing one gives 2,500/3 = 833 per instance > 800 target → keep 4
+    assert policy.decide(obs(0, **{"d-a100": po(4, 2500)})).targets["d-a100"] == 4
+    # at 2,300 tok/s: 2,300/3 = 767 < 800 → remove one
+    assert policy.decide(obs(15, **{"d-a100": po(4, 2300)})).targets["d-a100"] == 3
+
+
+def test_buys_cheapest_capacity_first_and_sells_priciest_first() -> None:
+    l4 = decode_pool("d-l4", "L4", cost=0.70, tps=300.0, lo=0)  # $2.33 per 1,000 tok/s
+    h100 = decode_pool("d-h100", "H100-SXM", cost=4.25, tps=2500.0, lo=0)  # $1.70 per 1,000 tok/s
+    # need 5,000: H100s are cheaper per token/s → 2 H100s, no L4
+    assert rebalance([l4, h100], {"d-l4": 0, "d-h100": 0}, 5000, lambda p: p.decode_tps_capacity) == {
+        "d-l4": 0, "d-h100": 2}
+    # too much capacity: sell the L4s (priciest per unit) first
+    assert rebalance([l4, h100], {"d-l4": 3, "d-h100": 2}, 5000, lambda p: p.decode_tps_capacity) == {
+        "d-l4": 0, "d-h100": 2}
+
+
+def test_min_and_max_replicas_are_respected() -> None:
+    policy = MosaicAutoscaler([decode_pool(lo=2, hi=5)], AutoscalerConfig(scale_down_window_s=0))
+    assert policy.decide(obs(0, **{"d-a100": po(4, 100_000)})).targets["d-a100"] == 5
+    assert policy.decide(obs(15, **{"d-a100": po(2, 0)})).targets["d-a100"] == 2
+
+
+def test_prompt_token_mode_sizes_prefill_by_prompt_demand() -> None:
+    cfg = AutoscalerConfig(utilization_target=0.8, prefill_mode="prompt_tokens")
+    policy = MosaicAutoscaler([decode_pool(), prefill_pool(tps=10_000)], cfg)
+    o = Observation(now=0, pools={"d-a100": po(1, 800), "p-h100": PoolObservation(ready=1, prompt_tokens_per_s=20_000)})
+    # 20,000 / (10,000 · 0.8) = 2.5 → 3
+    assert policy.decide(o).targets["p-h100"] == 3
+
+
+@pytest.mark.parametrize(
+    ("utilization", "current", "expected"),
+    [
+        pytest.param(0.95, 4, 6, id="busy: ceil(4 · 0.95/0.75) = ceil(5.07) = 6"),
+        pytest.param(0.80, 4, 4, id="0.80/0.75 = 1.067 is within the 0.1 tolerance → 4"),
+        pytest.param(1.50, 3, 6, id="twice the target doubles: ceil(3 · 2) = 6"),
+    ],
+)
+def test_hpa_formula(utilization: float, current: int, expected: int) -> None:
+    policy = HpaPolicy([decode_pool()], "gpu_utilization", target=0.75)
+    o = Observation(now=0, pools={"d-a100": PoolObservation(ready=current, gpu_utilization=utilization)})
+    assert policy.decide(o).targets["d-a100"] == expected
+
+
+def test_hpa_tolerance_and_scale_down_window() -> None:
+    policy = HpaPolicy([decode_pool()], "num_requests_waiting", target=2.0)
+    # 4 instances, 9 waiting → 2.25 per instance: ratio 1.125 > 1.1 → ceil(4 · 1.125) = 5
+    assert policy.decide(Observation(0, {"d-a100": po(4, waiting=9)})).targets["d-a100"] == 5
+    # 8.5 waiting / 4 = 2.125: ratio 1.0625 within tolerance → 4
+    assert policy.decide(Observation(15, {"d-a100": po(4, waiting=8)})).targets["d-a100"] == 4
+    # no waiting: recommendation 0 → held by the window at the max recent recommendation (5 > 4 → 4)
+    assert policy.decide(Observation(30, {"d-a100": po(4, waiting=0)})).targets["d-a100"] == 4
+    assert policy.decide(Observation(400, {"d-a100": po(4, waiting=0)})).targets["d-a100"] == 1
+
+
+def test_static_policy_holds() -> None:
+    assert StaticPolicy({"d-a100": 7}).decide(Observation(0, {"d-a100": po(1)})).targets == {"d-a100": 7}
+
+
+def test_dynamo_planner_sizes_p_and_d_separately_every_interval() -> None:
+    planner = DynamoPlanner([decode_pool(), prefill_pool()], interval_s=180)
+    o = Observation(0, {"d-a100": po(1), "p-h100": po(1)}, request_rate=10, mean_input_tokens=3000,
+                    mean_output_tokens=250)
+    # decode: 10 req/s · 250 tok = 2,500 tok/s / 1,000 = 2.5 → 3; prefill: 30,000 / 20,000 = 1.5 → 2
+    assert planner.decide(o).targets == {"d-a100": 3, "p-h100": 2}
+    later = Observation(60, {"d-a100": po(3), "p-h100": po(2)}, request_rate=40, mean_input_tokens=3000,
+                        mean_output_tokens=250)
+    assert planner.decide(later).targets == {"d-a100": 3, "p-h100": 2}  # not re-planned before 180 s
