@@ -1,0 +1,192 @@
+"""The fleet as the router sees it: one frozen snapshot (`FleetView`) of frozen `WorkerView`s per cycle.
+
+A `WorkerView` joins three sources, each with its own freshness:
+
+- **capacity** (`WorkerCapacity`): static facts from the perf model for that GPU, model and tensor-parallel
+  degree (`capacity_for`), so an L4 and an H100 can be compared in the same units;
+- **scraped** stats from the worker's `/metrics` (vLLM v1 names), `None` when never scraped or stale;
+- **gateway-side in-flight accounting**, updated at dispatch / first token / completion, so routing never
+  waits for the next scrape.
+
+Everything here is immutable: the gateway (or the cluster simulator) builds a new `FleetView` per cycle
+(`dataclasses.replace` on the views it changes) and the router's plugins only read it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from placement.catalog import Catalog, GpuSpec, ModelSpec, load_catalog
+from placement.perf_model import PerfModel
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    UNHEALTHY = "unhealthy"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCapacity:
+    """What one worker can do, from the perf model (or overridden by config).
+
+    prefill_tokens_per_s: sustained prefill rate at a 2,048-token chunk (`PerfModel.prefill_tokens_per_s`);
+    decode_tokens_per_s: batch decode throughput at a representative batch (see `capacity_for`);
+    kv_blocks: vLLM's `num_gpu_blocks`; cost_per_hour: $ for the whole TP group;
+    max_model_len: the engine's context limit (None = unknown, not checked).
+    """
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    kv_blocks: int
+    block_size: int
+    cost_per_hour: float
+    max_num_seqs: int
+    max_model_len: int | None = None
+    api_overhead_s: float = 0.0  # fixed per-request TTFT at the worker's API server
+
+    def service_time_s(self, prompt_tokens: int, output_tokens: int) -> float:
+        """GPU-seconds one request of this shape occupies at representative batching:
+
+        s = prompt / prefill_tokens_per_s + output / decode_tokens_per_s
+
+        (the decode term is this request's share of a batched step, not its wall-clock decode time).
+        Its inverse is the worker's request throughput for that shape: the unit capacity is measured in.
+        """
+        prefill = prompt_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s > 0 else math.inf
+        decode = output_tokens / self.decode_tokens_per_s if self.decode_tokens_per_s > 0 else math.inf
+        return prefill + decode
+
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks a sequence of `tokens` tokens occupies: ceil(tokens / block_size)."""
+        return -(-max(0, tokens) // self.block_size)
+
+
+# A representative decode batch: 64 sequences of 1,024 tokens of context, fewer when the KV cache or
+# max_num_seqs cannot hold that many (an L4 with Llama-3-8B holds ~34 such sequences).
+REPRESENTATIVE_BATCH = 64
+REPRESENTATIVE_CONTEXT = 1024
+
+
+def capacity_for(
+    gpu: str | GpuSpec,
+    model: str | ModelSpec,
+    tp: int = 1,
+    catalog: Catalog | None = None,
+    *,
+    max_num_seqs: int = 256,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    num_gpu_blocks: int | None = None,
+    max_model_len: int | None = None,
+    cost_per_hour: float | None = None,
+    decode_batch: int = REPRESENTATIVE_BATCH,
+    decode_context: int = REPRESENTATIVE_CONTEXT,
+) -> WorkerCapacity:
+    """A worker's `WorkerCapacity` from the perf model for (gpu, model, tp) and the engine knobs.
+
+    decode batch b = max(1, min(decode_batch, max_num_seqs, kv_tokens // decode_context)), so the rate is
+    one the worker can actually sustain; cost = gpu.cost_per_hour · tp unless `cost_per_hour` is given;
+    kv_blocks = `num_gpu_blocks` if given, else `PerfModel.kv_capacity_blocks`; max_model_len defaults to
+    the model's max context. Raises `CatalogError` for unknown names.
+    """
+    cat = catalog if catalog is not None else load_catalog()
+    gpu_spec = gpu if isinstance(gpu, GpuSpec) else cat.gpu(gpu)
+    model_spec = model if isinstance(model, ModelSpec) else cat.model(model)
+    perf = PerfModel(gpu_spec, model_spec, tp)
+    blocks = num_gpu_blocks if num_gpu_blocks is not None else perf.kv_capacity_blocks(gpu_memory_utilization, block_size)
+    batch = max(1, min(decode_batch, max_num_seqs, (blocks * block_size) // max(1, decode_context)))
+    return WorkerCapacity(
+        prefill_tokens_per_s=perf.prefill_tokens_per_s(),
+        decode_tokens_per_s=perf.decode_tokens_per_s(batch, decode_context),
+        kv_blocks=blocks,
+        block_size=block_size,
+        cost_per_hour=cost_per_hour if cost_per_hour is not None else gpu_spec.cost_per_hour * tp,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len if max_model_len is not None else model_spec.max_context,
+        api_overhead_s=perf.constants.api_overhead_s,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker in one routing cycle's snapshot. Scraped fields are None when never scraped or stale."""
+
+    id: str
+    url: str
+    pool: str
+    model: str
+    gpu: str
+    role: Role
+    state: WorkerState
+    breaker_open: bool
+    capacity: WorkerCapacity
+    # scraped from /metrics (vLLM v1 names, summed across the `engine` label)
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_usage: float | None = None  # vllm:kv_cache_usage_perc, a fraction in [0, 1]
+    num_gpu_blocks: int | None = None  # from vllm:cache_config_info
+    block_size: int | None = None
+    generation_tokens_per_s: float | None = None
+    prompt_tokens_per_s: float | None = None
+    preemptions_total: float | None = None
+    scrape_age_s: float | None = None
+    # gateway-side in-flight accounting (this gateway process only)
+    inflight_requests: int = 0  # dispatched, not yet completed
+    inflight_prefill_tokens: int = 0  # prompt tokens of dispatched requests whose first token has not arrived
+    inflight_decode_requests: int = 0  # requests past their first token, still streaming
+
+    @property
+    def demand(self) -> int:
+        """Requests on the worker: max(gateway in-flight, scraped running + waiting).
+
+        The in-flight count is fresh; the scrape also sees other gateways' requests. The max of the two
+        never under-counts either source.
+        """
+        scraped = (self.num_running or 0) + (self.num_waiting or 0)
+        return max(self.inflight_requests, scraped)
+
+    @property
+    def kv_blocks_total(self) -> int:
+        """Blocks the worker reports (`num_gpu_blocks`), else the perf model's estimate."""
+        return self.num_gpu_blocks if self.num_gpu_blocks else self.capacity.kv_blocks
+
+    @property
+    def effective_block_size(self) -> int:
+        return self.block_size if self.block_size else self.capacity.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        """ceil(tokens / block_size) with the worker's reported block size."""
+        return -(-max(0, tokens) // self.effective_block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """A frozen snapshot of every known worker, taken at the start of a routing cycle."""
+
+    workers: tuple[WorkerView, ...] = ()
+
+    def for_model(self, model: str) -> tuple[WorkerView, ...]:
+        return tuple(w for w in self.workers if w.model == model)
+
+    def get(self, worker_id: str) -> WorkerView | None:
+        for w in self.workers:
+            if w.id == worker_id:
+                return w
+        return None
+
+    def models(self) -> tuple[str, ...]:
+        """Served model names, in first-seen order (the union `/v1/models` lists)."""
+        return tuple(dict.fromkeys(w.model for w in self.workers))
+
+    def has_role(self, model: str, role: Role) -> bool:
+        return any(w.model == model and w.role == role for w in self.workers)

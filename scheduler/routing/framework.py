@@ -1,0 +1,377 @@
+"""The routing cycle: PreFilter → Filter → Score → Pick → Reserve, over one frozen `FleetView`.
+
+Shaped like the Kubernetes scheduling framework (and llm-d's endpoint picker). One cycle:
+
+1. **PreFilter** (`PreFilter.pre_filter`): request-level checks, once; a reason rejects the whole request.
+2. A **profile handler** (`profiles.py`) decides which scheduling profiles run: for P/D, `decode` then
+   `prefill`; short prompts skip P/D. Each `Cycle.run(profile)` does:
+   - **Filter**: every worker of the snapshot either passes or gets one `FilterReason`;
+   - **Score**: each scorer scores all candidates in [0, 1] (1 best); weights live in the profile;
+   - **Pick**: the picker orders candidates best first (ties broken by the injected rng);
+   - **Reserve**: every `ReservePlugin` reserves on the first candidate in that order; if one refuses,
+     the ones already made for that worker are released (reverse order) and the next candidate is tried.
+3. On a `Reject` or an exception, every reservation made in the cycle is released in reverse order
+   (Unreserve, `Outcome.UNRESERVED`); on a `Decision` the caller owns them and releases them exactly once
+   (`Decision.release(outcome)`, or `with decision.lease() as d:`).
+
+Plugins only read the snapshot; Reserve is the only step that changes state (the KV ledger). `now` and
+`rng` come in with each cycle, so a seeded run replays exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from scheduler.fleet import FleetView, Role, WorkerView
+from scheduler.routing.reasons import FilterReason, Outcome, Reject
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the router knows about a request: its footprint, not its body.
+
+    predicted_output_tokens: the length predictor's estimate (≤ max_output_tokens);
+    prefix_hashes: chained hashes of the prompt's blocks (`scheduler.routing.prefix.block_hashes`).
+    """
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_output_tokens: int
+    predicted_output_tokens: int
+    prefix_hashes: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_s: float = 0.0
+
+    @property
+    def expected_tokens(self) -> int:
+        """prompt + predicted output: the tokens of KV the request is expected to hold at its end."""
+        return self.prompt_tokens + self.predicted_output_tokens
+
+
+# ---------------------------------------------------------------------------------------------------
+# Extension points: one Protocol, one method each.
+
+
+class Reservation(Protocol):
+    """A debit on one worker (e.g. KV blocks). `release` is idempotent: the first call frees, later ones
+    do nothing. The framework releases a reservation at most once itself; the gateway does so at the end."""
+
+    worker_id: str
+
+    def release(self, outcome: Outcome) -> None: ...
+
+
+class ReservePlugin(Protocol):
+    """Reserve capacity on `worker` for `req`, or return None when it does not fit (→ next candidate)."""
+
+    def reserve(self, req: RouteRequest, worker: WorkerView, now: float) -> Reservation | None: ...
+
+
+@runtime_checkable
+class FitChecker(Protocol):
+    """Optional second face of a ReservePlugin: would `reserve` succeed? Read-only; used by the kv-fit
+    filter so workers that cannot hold the request are filtered (with `kv_full`) before scoring."""
+
+    def fits(self, req: RouteRequest, worker: WorkerView, now: float) -> bool: ...
+
+
+class PreFilter(Protocol):
+    """Request-level check run once per cycle; a reason rejects the request on every worker."""
+
+    def pre_filter(self, cycle: Cycle) -> FilterReason | None: ...
+
+
+class Filter(Protocol):
+    """None if `worker` may serve the request in the current profile, else the one reason it may not."""
+
+    def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None: ...
+
+
+class Scorer(Protocol):
+    """One score per candidate, in the same order, each in [0, 1], 1 best. Candidates are non-empty."""
+
+    def score(self, cycle: Cycle, candidates: Sequence[WorkerView]) -> Sequence[float]: ...
+
+
+class Picker(Protocol):
+    """Order the scored candidates best first (a permutation of them); ties broken with `cycle.rng`."""
+
+    def pick(self, cycle: Cycle, scored: Sequence[Scored]) -> Sequence[WorkerView]: ...
+
+
+class ProfileHandler(Protocol):
+    """Decide which profiles run, in which order, and build the Decision (or Reject) from their results."""
+
+    def handle(self, cycle: Cycle) -> Decision | Reject: ...
+
+
+@runtime_checkable
+class DispatchObserver(Protocol):
+    """Feedback: the gateway (or simulator) dispatched `decision` for `req` at `now`."""
+
+    def on_dispatch(self, decision: Decision, req: RouteRequest, now: float) -> None: ...
+
+
+@runtime_checkable
+class CompletionObserver(Protocol):
+    """Feedback: `req` ended on `worker_id` with `outcome` at `now`."""
+
+    def on_complete(self, worker_id: str, req: RouteRequest, outcome: Outcome, now: float) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------------
+# Profiles and results
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    name: str
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingProfile:
+    """One pass of Filter → Score → Pick → Reserve over workers of `roles`."""
+
+    name: str
+    roles: frozenset[Role]
+    filters: tuple[Filter, ...]
+    scorers: tuple[WeightedScorer, ...]
+    picker: Picker
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A candidate, its weighted total Σ wᵢ·sᵢ, and each scorer's raw score by name."""
+
+    worker: WorkerView
+    total: float
+    parts: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """The picked worker and its reservations, or None with every worker's reason counted."""
+
+    profile: str
+    worker: WorkerView | None
+    reservations: tuple[Reservation, ...]
+    counts: Mapping[FilterReason, int]
+    scored: tuple[Scored, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where to send the request: `decode` always (a mixed worker, or the decode side of a P/D pair),
+    `prefill` only for the P/D two-hop path. The caller owns `reservations` and must release them once."""
+
+    decode: WorkerView
+    prefill: WorkerView | None = None
+    reservations: tuple[Reservation, ...] = ()
+    path: str = "single"  # "single" | "pd" | "decode-only" (P/D eligible, no prefill worker available)
+    scores: Mapping[str, float] = field(default_factory=dict)  # picked workers' weighted totals by worker id
+
+    def release(self, outcome: Outcome) -> None:
+        """Release every reservation, last made first (each reservation is itself idempotent)."""
+        for reservation in reversed(self.reservations):
+            reservation.release(outcome)
+
+    @contextmanager
+    def lease(self, outcome_on_error: Outcome = Outcome.WORKER_ERROR) -> Iterator[Decision]:
+        """`with decision.lease() as d:` releases with COMPLETED on exit, `outcome_on_error` on exception.
+
+        To report another outcome (client disconnected, ...) call `release` inside the block; the
+        reservations' idempotence makes the exit's release a no-op.
+        """
+        try:
+            yield self
+        except BaseException:
+            self.release(outcome_on_error)
+            raise
+        self.release(Outcome.COMPLETED)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cycle
+
+
+class Cycle:
+    """State of one routing cycle: the request, the frozen snapshot, `now`, `rng`, and the reservations
+    made so far (a stack, so Unreserve runs in reverse). `facts` is a scratch dict PreFilters may fill
+    for later plugins (request facts computed once)."""
+
+    __slots__ = ("_held", "exclude", "facts", "now", "profile", "req", "reserve_plugins", "rng", "view")
+
+    def __init__(
+        self,
+        req: RouteRequest,
+        view: FleetView,
+        now: float,
+        rng: random.Random,
+        exclude: frozenset[str] = frozenset(),
+        reserve_plugins: Sequence[ReservePlugin] = (),
+    ) -> None:
+        self.req = req
+        self.view = view
+        self.now = now
+        self.rng = rng
+        self.exclude = exclude
+        self.reserve_plugins = tuple(reserve_plugins)
+        self.facts: dict[str, Any] = {}
+        self.profile: SchedulingProfile | None = None
+        self._held: list[Reservation] = []
+
+    @property
+    def roles(self) -> frozenset[Role]:
+        """Roles the running profile accepts (all roles outside a profile)."""
+        return self.profile.roles if self.profile is not None else frozenset(Role)
+
+    @property
+    def held(self) -> tuple[Reservation, ...]:
+        return tuple(self._held)
+
+    def filter(self, profile: SchedulingProfile) -> tuple[list[WorkerView], Counter[FilterReason]]:
+        """Workers passing every filter of `profile`, and a count of each rejected worker's first reason."""
+        self.profile = profile
+        passed: list[WorkerView] = []
+        counts: Counter[FilterReason] = Counter()
+        for worker in self.view.workers:
+            reason = next((r for f in profile.filters if (r := f.filter(self, worker)) is not None), None)
+            if reason is None:
+                passed.append(worker)
+            else:
+                counts[reason] += 1
+        return passed, counts
+
+    def score(self, profile: SchedulingProfile, candidates: Sequence[WorkerView]) -> list[Scored]:
+        """Σ weight · score per candidate; raises ValueError if a scorer breaks its [0, 1] contract."""
+        totals = [0.0] * len(candidates)
+        parts: list[dict[str, float]] = [{} for _ in candidates]
+        for ws in profile.scorers:
+            scores = list(ws.scorer.score(self, candidates))
+            if len(scores) != len(candidates):
+                raise ValueError(f"scorer {ws.name!r} returned {len(scores)} scores for {len(candidates)} candidates")
+            for i, s in enumerate(scores):
+                if not 0.0 <= s <= 1.0:  # also catches NaN
+                    raise ValueError(f"scorer {ws.name!r} scored {candidates[i].id!r} {s}, outside [0, 1]")
+                parts[i][ws.name] = s
+                totals[i] += ws.weight * s
+        return [Scored(w, totals[i], parts[i]) for i, w in enumerate(candidates)]
+
+    def run(self, profile: SchedulingProfile) -> ProfileResult:
+        """Filter → Score → Pick → Reserve for one profile; the first candidate every plugin reserves wins."""
+        candidates, counts = self.filter(profile)
+        if not candidates:
+            return ProfileResult(profile.name, None, (), dict(counts))
+        scored = self.score(profile, candidates)
+        for worker in profile.picker.pick(self, scored):
+            made = self.reserve(worker)
+            if made is not None:
+                return ProfileResult(profile.name, worker, made, dict(counts), tuple(scored))
+            counts[FilterReason.KV_FULL] += 1  # a ReservePlugin refused: the ledger says it does not fit
+        return ProfileResult(profile.name, None, (), dict(counts), tuple(scored))
+
+    def reserve(self, worker: WorkerView) -> tuple[Reservation, ...] | None:
+        """Reserve on `worker` with every plugin; if one refuses, release the others (reverse) → None."""
+        made: list[Reservation] = []
+        for plugin in self.reserve_plugins:
+            reservation = plugin.reserve(self.req, worker, self.now)
+            if reservation is None:
+                for r in reversed(made):
+                    r.release(Outcome.UNRESERVED)
+                return None
+            made.append(reservation)
+        self._held.extend(made)
+        return tuple(made)
+
+    def unreserve_all(self, keep: Sequence[Reservation] = ()) -> None:
+        """Release (reverse order) every reservation held by the cycle except those in `keep`."""
+        kept = {id(r) for r in keep}
+        for r in reversed(self._held):
+            if id(r) not in kept:
+                r.release(Outcome.UNRESERVED)
+        self._held = [r for r in self._held if id(r) in kept]
+
+    def decide(self, decode: ProfileResult, prefill: ProfileResult | None = None, path: str = "single") -> Decision:
+        """A Decision from picked results; carries every reservation they made, decode's first."""
+        assert decode.worker is not None, "decide() needs a picked decode worker"
+        reservations = decode.reservations + (prefill.reservations if prefill is not None else ())
+        picked = [r for r in (decode, prefill) if r is not None and r.worker is not None]
+        scores = {s.worker.id: s.total for r in picked for s in r.scored if s.worker.id == r.worker.id}  # type: ignore[union-attr]
+        return Decision(decode.worker, prefill.worker if prefill else None, reservations, path, scores)
+
+    def reject(self, *results: ProfileResult) -> Reject:
+        """A Reject summarising the reasons of the failed profile runs (summed)."""
+        counts: Counter[FilterReason] = Counter()
+        for r in results:
+            counts.update(r.counts)
+        return Reject.from_counts(counts)
+
+
+class Router:
+    """Runs routing cycles. Build it once (`config.build_router`), call `route` per request.
+
+    `route` is pure apart from the reserve plugins it is given (and stateful pickers such as
+    round-robin's cursor); feedback reaches stateful plugins only through `on_dispatch` / `on_complete`.
+    """
+
+    def __init__(
+        self,
+        handler: ProfileHandler,
+        pre_filters: Sequence[PreFilter] = (),
+        reserve_plugins: Sequence[ReservePlugin] = (),
+        observers: Sequence[object] = (),
+        policy: str = "custom",
+        description: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.handler = handler
+        self.pre_filters = tuple(pre_filters)
+        self.reserve_plugins = tuple(reserve_plugins)
+        self.observers = tuple(observers)
+        self.policy = policy
+        self._description = dict(description or {})
+
+    def route(
+        self,
+        req: RouteRequest,
+        view: FleetView,
+        now: float,
+        rng: random.Random,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Decision | Reject:
+        """One cycle over the frozen `view`. Every reservation not handed out in the Decision is released."""
+        cycle = Cycle(req, view, now, rng, exclude, self.reserve_plugins)
+        try:
+            for pre in self.pre_filters:
+                reason = pre.pre_filter(cycle)
+                if reason is not None:
+                    return Reject.from_counts({reason: max(1, len(view.for_model(req.model)))})
+            result = self.handler.handle(cycle)
+        except BaseException:
+            cycle.unreserve_all()
+            raise
+        cycle.unreserve_all(keep=result.reservations if isinstance(result, Decision) else ())
+        return result
+
+    def on_dispatch(self, decision: Decision, req: RouteRequest, now: float) -> None:
+        """Tell stateful plugins (prefix affinity) where `req` went. Call once per dispatched Decision."""
+        for obs in self.observers:
+            if isinstance(obs, DispatchObserver):
+                obs.on_dispatch(decision, req, now)
+
+    def on_complete(self, worker_id: str, req: RouteRequest, outcome: Outcome, now: float) -> None:
+        """Tell stateful plugins that `req` ended on `worker_id` (call once per worker it was sent to)."""
+        for obs in self.observers:
+            if isinstance(obs, CompletionObserver):
+                obs.on_complete(worker_id, req, outcome, now)
+
+    def describe(self) -> dict[str, Any]:
+        """The policy, profiles, plugins and weights, as JSON-able data (for /admin/routing)."""
+        return {"policy": self.policy, **self._description}

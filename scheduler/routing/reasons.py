@@ -1,0 +1,120 @@
+"""Why a worker was filtered, how a request ended, and the one table mapping reasons to HTTP errors.
+
+`REJECT_TABLE` is the single source for a rejected request's HTTP status, OpenAI error `type` and
+`code`, whether the gateway should hold it in the admission queue and retry (`retryable`), and the
+`Retry-After` hint. `Reject.from_counts` turns per-worker reason counts into one summary:
+
+    "no worker fits: 3 kv_full, 1 draining"
+
+Its `primary` reason picks the table row: the most frequent *retryable* reason if any (a worker that is
+full now may free up), else the most frequent other reason; `wrong_model` counts only when no worker
+serves the model at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class FilterReason(StrEnum):
+    """Why one worker cannot serve one request (a metric label and part of the Reject message)."""
+
+    WRONG_MODEL = "wrong_model"
+    WRONG_ROLE = "wrong_role"
+    STARTING = "starting"
+    DRAINING = "draining"
+    UNHEALTHY = "unhealthy"
+    BREAKER_OPEN = "breaker_open"
+    EXCLUDED = "excluded"  # the gateway already failed on it for this request
+    AT_CAPACITY = "at_capacity"  # in-flight requests at the worker's concurrency limit
+    KV_FULL = "kv_full"  # the request's KV does not fit now (ledger or scraped usage)
+    EXCEEDS_CONTEXT = "exceeds_context"  # prompt longer than the worker's max_model_len or whole KV cache
+    NO_WORKERS = "no_workers"  # the fleet is empty
+
+
+class Outcome(StrEnum):
+    """How a reservation ended (the gateway's terminal outcomes, plus the router's own rollback)."""
+
+    COMPLETED = "completed"
+    FAILED_BEFORE_FIRST_BYTE = "failed_before_first_byte"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    WORKER_ERROR = "worker_error"
+    LEASE_EXPIRED = "lease_expired"
+    UNRESERVED = "unreserved"  # released inside the routing cycle (Unreserve); the request never ran there
+
+
+@dataclass(frozen=True, slots=True)
+class RejectRule:
+    status: int  # HTTP status the gateway answers with once it stops retrying
+    error_type: str  # OpenAI error `type`
+    code: str  # OpenAI error `code`
+    retryable: bool  # True → hold in the admission queue and route again until its deadline
+    retry_after_s: float  # Retry-After hint on the final 429/503
+
+
+# One row per reason; tests iterate it. Order = precedence among equal counts.
+REJECT_TABLE: Mapping[FilterReason, RejectRule] = {
+    FilterReason.KV_FULL: RejectRule(429, "rate_limit_error", "kv_cache_full", True, 1.0),
+    FilterReason.AT_CAPACITY: RejectRule(429, "rate_limit_error", "workers_at_capacity", True, 1.0),
+    FilterReason.STARTING: RejectRule(503, "server_error", "workers_starting", True, 5.0),
+    FilterReason.DRAINING: RejectRule(503, "server_error", "workers_draining", True, 5.0),
+    FilterReason.BREAKER_OPEN: RejectRule(503, "server_error", "workers_unavailable", True, 5.0),
+    FilterReason.UNHEALTHY: RejectRule(503, "server_error", "workers_unavailable", True, 5.0),
+    FilterReason.NO_WORKERS: RejectRule(503, "server_error", "no_workers", True, 5.0),
+    FilterReason.EXCLUDED: RejectRule(502, "server_error", "upstream_failed", False, 1.0),
+    FilterReason.WRONG_ROLE: RejectRule(503, "server_error", "no_worker_for_role", False, 5.0),
+    FilterReason.EXCEEDS_CONTEXT: RejectRule(400, "invalid_request_error", "context_length_exceeded", False, 0.0),
+    FilterReason.WRONG_MODEL: RejectRule(404, "invalid_request_error", "model_not_found", False, 0.0),
+}
+_ORDER = {reason: i for i, reason in enumerate(REJECT_TABLE)}
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """No worker can take the request now. `reason` is the human summary; `counts` the per-reason tally."""
+
+    reason: str
+    counts: Mapping[FilterReason, int]
+    retry_after_s: float
+    retryable: bool
+    primary: FilterReason = FilterReason.NO_WORKERS
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def rule(self) -> RejectRule:
+        return REJECT_TABLE[self.primary]
+
+    @property
+    def http_status(self) -> int:
+        return self.rule.status
+
+    def error_body(self, model: str | None = None) -> dict[str, Any]:
+        """The OpenAI error JSON the gateway returns when it gives up on this request."""
+        message = self.reason if model is None else f"{self.reason} (model {model!r})"
+        if self.primary is FilterReason.WRONG_MODEL and model is not None:
+            message = f"The model {model!r} does not exist or no worker serves it"
+        return {"error": {"message": message, "type": self.rule.error_type, "param": None, "code": self.rule.code}}
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[FilterReason, int]) -> Reject:
+        """Summarise per-reason counts; `wrong_model` is left out of the summary when other reasons exist
+        (workers of other models are not news), and an empty tally means an empty fleet."""
+        tally = {FilterReason(r): n for r, n in counts.items() if n > 0}
+        shown = {r: n for r, n in tally.items() if r is not FilterReason.WRONG_MODEL} or tally
+        if not shown:
+            rule = REJECT_TABLE[FilterReason.NO_WORKERS]
+            return cls("no worker fits: no workers", {}, rule.retry_after_s, rule.retryable, FilterReason.NO_WORKERS)
+        primary = _primary(shown)
+        rule = REJECT_TABLE[primary]
+        ordered = sorted(shown.items(), key=lambda kv: (-kv[1], _ORDER[kv[0]]))
+        summary = "no worker fits: " + ", ".join(f"{n} {r.value}" for r, n in ordered)
+        return cls(summary, dict(tally), rule.retry_after_s, rule.retryable, primary)
+
+
+def _primary(shown: Mapping[FilterReason, int]) -> FilterReason:
+    retryable = {r: n for r, n in shown.items() if REJECT_TABLE[r].retryable}
+    pool = retryable or shown
+    return min(pool, key=lambda r: (-pool[r], _ORDER[r]))
