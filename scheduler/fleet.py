@@ -103,7 +103,11 @@ def capacity_for(
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else cat.gpu(gpu)
     model_spec = model if isinstance(model, ModelSpec) else cat.model(model)
     perf = PerfModel(gpu_spec, model_spec, tp)
-    blocks = num_gpu_blocks if num_gpu_blocks is not None else perf.kv_capacity_blocks(gpu_memory_utilization, block_size)
+    blocks = (
+        num_gpu_blocks
+        if num_gpu_blocks is not None
+        else perf.kv_capacity_blocks(gpu_memory_utilization, block_size)
+    )
     batch = max(1, min(decode_batch, max_num_seqs, (blocks * block_size) // max(1, decode_context)))
     return WorkerCapacity(
         prefill_tokens_per_s=perf.prefill_tokens_per_s(),

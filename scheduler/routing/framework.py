@@ -257,7 +257,9 @@ class Cycle:
         for ws in profile.scorers:
             scores = list(ws.scorer.score(self, candidates))
             if len(scores) != len(candidates):
-                raise ValueError(f"scorer {ws.name!r} returned {len(scores)} scores for {len(candidates)} candidates")
+                raise ValueError(
+                    f"scorer {ws.name!r} returned {len(scores)} scores for {len(candidates)} candidates"
+                )
             for i, s in enumerate(scores):
                 if not 0.0 <= s <= 1.0:  # also catches NaN
                     raise ValueError(f"scorer {ws.name!r} scored {candidates[i].id!r} {s}, outside [0, 1]")
@@ -299,7 +301,9 @@ class Cycle:
                 r.release(Outcome.UNRESERVED)
         self._held = [r for r in self._held if id(r) in kept]
 
-    def decide(self, decode: ProfileResult, prefill: ProfileResult | None = None, path: str = "single") -> Decision:
+    def decide(
+        self, decode: ProfileResult, prefill: ProfileResult | None = None, path: str = "single"
+    ) -> Decision:
         """A Decision from picked results; carries every reservation they made, decode's first."""
         assert decode.worker is not None, "decide() needs a picked decode worker"
         reservations = decode.reservations + (prefill.reservations if prefill is not None else ())

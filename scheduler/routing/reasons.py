@@ -66,7 +66,9 @@ REJECT_TABLE: Mapping[FilterReason, RejectRule] = {
     FilterReason.NO_WORKERS: RejectRule(503, "server_error", "no_workers", True, 5.0),
     FilterReason.EXCLUDED: RejectRule(502, "server_error", "upstream_failed", False, 1.0),
     FilterReason.WRONG_ROLE: RejectRule(503, "server_error", "no_worker_for_role", False, 5.0),
-    FilterReason.EXCEEDS_CONTEXT: RejectRule(400, "invalid_request_error", "context_length_exceeded", False, 0.0),
+    FilterReason.EXCEEDS_CONTEXT: RejectRule(
+        400, "invalid_request_error", "context_length_exceeded", False, 0.0
+    ),
     FilterReason.WRONG_MODEL: RejectRule(404, "invalid_request_error", "model_not_found", False, 0.0),
 }
 _ORDER = {reason: i for i, reason in enumerate(REJECT_TABLE)}
@@ -96,7 +98,9 @@ class Reject:
         message = self.reason if model is None else f"{self.reason} (model {model!r})"
         if self.primary is FilterReason.WRONG_MODEL and model is not None:
             message = f"The model {model!r} does not exist or no worker serves it"
-        return {"error": {"message": message, "type": self.rule.error_type, "param": None, "code": self.rule.code}}
+        return {
+            "error": {"message": message, "type": self.rule.error_type, "param": None, "code": self.rule.code}
+        }
 
     @classmethod
     def from_counts(cls, counts: Mapping[FilterReason, int]) -> Reject:
@@ -106,7 +110,9 @@ class Reject:
         shown = {r: n for r, n in tally.items() if r is not FilterReason.WRONG_MODEL} or tally
         if not shown:
             rule = REJECT_TABLE[FilterReason.NO_WORKERS]
-            return cls("no worker fits: no workers", {}, rule.retry_after_s, rule.retryable, FilterReason.NO_WORKERS)
+            return cls(
+                "no worker fits: no workers", {}, rule.retry_after_s, rule.retryable, FilterReason.NO_WORKERS
+            )
         primary = _primary(shown)
         rule = REJECT_TABLE[primary]
         ordered = sorted(shown.items(), key=lambda kv: (-kv[1], _ORDER[kv[0]]))

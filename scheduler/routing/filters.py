@@ -1,0 +1,174 @@
+"""Filter plugins: each returns None (the worker may serve the request) or one `FilterReason`.
+
+Default order (the first reason wins, so workers of other models count as `wrong_model`):
+
+| type | reason | rule |
+|---|---|---|
+| `model` | wrong_model | worker.model ≠ req.model |
+| `role` | wrong_role | worker.role ∉ the running profile's roles |
+| `excluded` | excluded | worker.id ∈ the cycle's `exclude` (the gateway already failed on it) |
+| `state` | starting / draining / unhealthy | worker.state ≠ ready |
+| `breaker` | breaker_open | worker.breaker_open |
+| `context-length` | exceeds_context | prompt ≥ max_model_len, or ceil((prompt+1)/block) > the worker's KV blocks |
+| `at-capacity` | at_capacity | demand ≥ ceil(max_num_seqs · inflight_factor) |
+| `kv-fit` | kv_full | a reserve plugin's `fits` says no; without one, scraped KV usage: |
+|  |  | usage ≥ max_usage, or ceil(expected/block) > (max_usage − usage) · blocks |
+
+```yaml
+plugins:
+  - {type: at-capacity, params: {inflight_factor: 1.5}}
+  - {type: kv-fit, params: {max_usage: 0.98}}
+```
+demand = max(gateway in-flight, scraped running + waiting) (`WorkerView.demand`); expected = prompt +
+predicted output tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler.fleet import WorkerState, WorkerView
+from scheduler.routing.framework import Cycle, FitChecker
+from scheduler.routing.reasons import FilterReason
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelFilter:
+    type: ClassVar[str] = "model"
+    Params = NoParams
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        self.params = params or NoParams()
+
+    def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
+        return None if worker.model == cycle.req.model else FilterReason.WRONG_MODEL
+
+
+class RoleFilter:
+    type: ClassVar[str] = "role"
+    Params = NoParams
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        self.params = params or NoParams()
+
+    def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
+        return None if worker.role in cycle.roles else FilterReason.WRONG_ROLE
+
+
+class ExcludedFilter:
+    type: ClassVar[str] = "excluded"
+    Params = NoParams
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        self.params = params or NoParams()
+
+    def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
+        return FilterReason.EXCLUDED if worker.id in cycle.exclude else None
+
+
+_STATE_REASONS = {
+    WorkerState.STARTING: FilterReason.STARTING,
+    WorkerState.DRAINING: FilterReason.DRAINING,
+    WorkerState.UNHEALTHY: FilterReason.UNHEALTHY,
+}
+
+
+class StateFilter:
+    type: ClassVar[str] = "state"
+    Params = NoParams
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        self.params = params or NoParams()
+
+    def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
+        return _STATE_REASONS.get(WorkerState(worker.state))
+
+
+class BreakerFilter:
+    type: ClassVar[str] = "breaker"
+    Params = NoParams
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        self.params = params or NoParams()
+
+    def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
+        return FilterReason.BREAKER_OPEN if worker.breaker_open else None
+
+
+class ContextLengthFilter:
+    """The prompt (plus one output token) must fit the worker's context limit and its whole KV cache."""
+
+    type: ClassVar[str] = "context-length"
+    Params = NoParams
+
+    def __init__(self, params: NoParams | None = None) -> None:
+        self.params = params or NoParams()
+
+    def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
+        tokens = cycle.req.prompt_tokens + 1
+        limit = worker.capacity.max_model_len
+        if limit is not None and tokens > limit:
+            return FilterReason.EXCEEDS_CONTEXT
+        if worker.blocks_for(tokens) > worker.kv_blocks_total:
+            return FilterReason.EXCEEDS_CONTEXT
+        return None
+
+
+class AtCapacityParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # limit = ceil(max_num_seqs · inflight_factor): >1 lets a short queue form on the worker so its next
+    # batch is ready; beyond it requests wait in the gateway's admission queue, where routing is still free.
+    inflight_factor: float = Field(default=1.5, gt=0)
+
+
+class AtCapacityFilter:
+    type: ClassVar[str] = "at-capacity"
+    Params = AtCapacityParams
+
+    def __init__(self, params: AtCapacityParams | None = None) -> None:
+        self.params = params or AtCapacityParams()
+
+    def limit(self, worker: WorkerView) -> int:
+        return max(1, math.ceil(worker.capacity.max_num_seqs * self.params.inflight_factor))
+
+    def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
+        return FilterReason.AT_CAPACITY if worker.demand >= self.limit(worker) else None
+
+
+class KvFitParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Scraped-usage fallback (no ledger): keep this fraction as the ceiling so a burst between scrapes
+    # does not push the worker into preemption.
+    max_usage: float = Field(default=0.98, gt=0, le=1)
+    use_ledger: bool = True  # ask a reserve plugin's `fits` when one is configured
+
+
+class KvFitFilter:
+    type: ClassVar[str] = "kv-fit"
+    Params = KvFitParams
+
+    def __init__(self, params: KvFitParams | None = None) -> None:
+        self.params = params or KvFitParams()
+
+    def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
+        checkers = (
+            [p for p in cycle.reserve_plugins if isinstance(p, FitChecker)] if self.params.use_ledger else []
+        )
+        if checkers:
+            fits = all(c.fits(cycle.req, worker, cycle.now) for c in checkers)
+            return None if fits else FilterReason.KV_FULL
+        if worker.kv_usage is None:
+            return None  # never scraped: nothing to go on; the worker's own scheduler queues if needed
+        free_blocks = (self.params.max_usage - worker.kv_usage) * worker.kv_blocks_total
+        if (
+            worker.kv_usage >= self.params.max_usage
+            or worker.blocks_for(cycle.req.expected_tokens) > free_blocks
+        ):
+            return FilterReason.KV_FULL
+        return None

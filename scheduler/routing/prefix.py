@@ -1,0 +1,106 @@
+"""Prompt-prefix hashing and the bounded per-worker LRU the prefix-affinity scorer reads.
+
+Hashes are **chained** over fixed-size blocks, like vLLM's prefix cache: hᵢ = H(hᵢ₋₁ ‖ blockᵢ), so hᵢ
+identifies the whole prefix up to block i and a match of hᵢ implies a match of every earlier block.
+H is BLAKE2b truncated to 63 bits: stable across processes (Python's `hash` of str is salted), so
+several gateway replicas and the simulator agree.
+
+- `block_hashes(tokens, block_size)`: exact, from token ids (the gateway has them for token-id prompts
+  or with a tokenizer); only full blocks are hashed, as vLLM caches only full blocks.
+- `text_block_hashes(text, chars_per_block)`: from text when no tokenizer is configured; ~4 characters
+  per token, so 64 characters ≈ one 16-token block.
+
+`PrefixIndex` keeps, per worker, the most recently dispatched block hashes (bounded: the oldest fall out
+first, as a worker's KV cache evicts). All state changes are explicit (`record`, `forget`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+_MASK = (1 << 63) - 1
+
+
+def _chain(prev: int, payload: bytes) -> int:
+    digest = hashlib.blake2b(prev.to_bytes(8, "little") + payload, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK
+
+
+def block_hashes(
+    tokens: Sequence[int], block_size: int = 16, max_blocks: int | None = None
+) -> tuple[int, ...]:
+    """Chained hashes of each full `block_size`-token block of `tokens` (at most `max_blocks`)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be ≥ 1, got {block_size}")
+    n = len(tokens) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    out: list[int] = []
+    h = 0
+    for i in range(n):
+        block = tokens[i * block_size : (i + 1) * block_size]
+        h = _chain(h, b"".join(int(t).to_bytes(8, "little", signed=True) for t in block))
+        out.append(h)
+    return tuple(out)
+
+
+def text_block_hashes(text: str, chars_per_block: int = 64, max_blocks: int | None = None) -> tuple[int, ...]:
+    """Chained hashes of each full `chars_per_block`-character block of `text` (at most `max_blocks`)."""
+    if chars_per_block < 1:
+        raise ValueError(f"chars_per_block must be ≥ 1, got {chars_per_block}")
+    n = len(text) // chars_per_block
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    out: list[int] = []
+    h = 0
+    for i in range(n):
+        h = _chain(h, text[i * chars_per_block : (i + 1) * chars_per_block].encode("utf-8", "surrogatepass"))
+        out.append(h)
+    return tuple(out)
+
+
+class PrefixIndex:
+    """Per-worker LRU of block hashes, each worker bounded to `capacity` hashes.
+
+    `record(worker, hashes, now)` marks the hashes most recent; `match(worker, hashes, now)` counts how many
+    leading hashes the worker holds (entries older than `ttl_s`, if set, count as gone).
+    """
+
+    __slots__ = ("_lru", "capacity", "ttl_s")
+
+    def __init__(self, capacity: int, ttl_s: float | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be ≥ 1, got {capacity}")
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._lru: dict[str, OrderedDict[int, float]] = {}
+
+    def record(self, worker_id: str, hashes: Iterable[int], now: float) -> None:
+        lru = self._lru.setdefault(worker_id, OrderedDict())
+        for h in hashes:
+            lru[h] = now
+            lru.move_to_end(h)
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+    def match(self, worker_id: str, hashes: Sequence[int], now: float) -> int:
+        """Leading blocks of `hashes` held by `worker_id` (chained hashes: stop at the first miss)."""
+        lru = self._lru.get(worker_id)
+        if not lru:
+            return 0
+        n = 0
+        for h in hashes:
+            seen = lru.get(h)
+            if seen is None or (self.ttl_s is not None and now - seen > self.ttl_s):
+                break
+            n += 1
+        return n
+
+    def size(self, worker_id: str) -> int:
+        return len(self._lru.get(worker_id, ()))
+
+    def forget(self, worker_id: str) -> None:
+        """Drop a worker's entries (it restarted or left the fleet: its cache is gone)."""
+        self._lru.pop(worker_id, None)

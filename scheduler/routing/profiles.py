@@ -1,0 +1,118 @@
+"""Scheduling profiles, the P/D decider, and the named policies' defaults.
+
+Three profiles, each one Filter → Score → Pick → Reserve pass over the workers of some roles:
+
+| profile | roles | used for |
+|---|---|---|
+| `mixed` | mixed, decode | prompts shorter than `pd_threshold_tokens`, or models with no prefill pool |
+| `decode` | decode, mixed | P/D-eligible prompts: picked **first**, as decode holds the KV for the whole generation |
+| `prefill` | prefill | P/D-eligible prompts whose decode pick is a decode-role worker |
+
+The decider (`PdProfileHandler.handle`):
+
+1. prompt ≥ `pd_threshold_tokens` and the model has a prefill pool → run `decode`;
+   - nothing fits → Reject (reasons from the decode pass);
+   - a mixed worker won → single hop to it (path `single`);
+   - a decode worker won → run `prefill`; a prefill worker fits → P/D pair (path `pd`), else the decode
+     worker prefills itself (path `decode-only`; its reservation is kept).
+2. otherwise → run `mixed`; nothing fits → Reject.
+
+Policies differ in scorers and picker only: `round-robin` (no scorers, rotating picker), `least-loaded`
+(no scorers, fewest raw requests), `mosaic` (capacity-aware scorers, max weighted score).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.fleet import Role
+from scheduler.routing.framework import Cycle, Decision, SchedulingProfile
+from scheduler.routing.reasons import Reject
+
+MIXED_ROLES = frozenset({Role.MIXED, Role.DECODE})
+DECODE_ROLES = frozenset({Role.DECODE, Role.MIXED})
+PREFILL_ROLES = frozenset({Role.PREFILL})
+PROFILE_ROLES: Mapping[str, frozenset[Role]] = {
+    "mixed": MIXED_ROLES,
+    "decode": DECODE_ROLES,
+    "prefill": PREFILL_ROLES,
+}
+
+POLICIES = ("round-robin", "least-loaded", "mosaic")
+DEFAULT_POLICY = "mosaic"
+POLICY_PICKERS: Mapping[str, str] = {
+    "round-robin": "round-robin",
+    "least-loaded": "least-loaded",
+    "mosaic": "max-score",
+}
+
+DEFAULT_FILTERS = ("model", "role", "excluded", "state", "breaker", "context-length", "at-capacity", "kv-fit")
+MOSAIC_SCORERS = ("capacity-load", "est-ttft", "prefix-affinity", "kv-headroom", "cost")
+
+# Weights per profile (the same scorer serves every profile with its own weight). Why these:
+# - mixed: load dominates (keeps every GPU at a similar utilisation, so traffic splits by capacity);
+#   TTFT breaks near-ties towards fast prefill; affinity is strong but escapes under load; cost is a nudge.
+# - decode: the decode worker's TTFT is decided by the prefill pick, so load and KV headroom matter.
+# - prefill: prefill is compute-bound and short; TTFT decides, affinity saves recomputing the prompt.
+MOSAIC_WEIGHTS: Mapping[str, Mapping[str, float]] = {
+    "mixed": {"capacity-load": 3.0, "est-ttft": 2.0, "prefix-affinity": 2.0, "kv-headroom": 1.0, "cost": 0.5},
+    "decode": {
+        "capacity-load": 3.0,
+        "est-ttft": 0.0,
+        "prefix-affinity": 1.0,
+        "kv-headroom": 2.0,
+        "cost": 0.5,
+    },
+    "prefill": {
+        "capacity-load": 1.0,
+        "est-ttft": 3.0,
+        "prefix-affinity": 2.0,
+        "kv-headroom": 0.5,
+        "cost": 0.5,
+    },
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PdProfileHandler:
+    """The P/D decider over three profiles (see the module docstring)."""
+
+    mixed: SchedulingProfile
+    decode: SchedulingProfile
+    prefill: SchedulingProfile
+    pd_threshold_tokens: int = 256
+
+    def pd_eligible(self, cycle: Cycle) -> bool:
+        req = cycle.req
+        return req.prompt_tokens >= self.pd_threshold_tokens and cycle.view.has_role(req.model, Role.PREFILL)
+
+    def handle(self, cycle: Cycle) -> Decision | Reject:
+        if not self.pd_eligible(cycle):
+            single = cycle.run(self.mixed)
+            return cycle.decide(single) if single.worker is not None else cycle.reject(single)
+        decode = cycle.run(self.decode)
+        if decode.worker is None:
+            return cycle.reject(decode)
+        if decode.worker.role != Role.DECODE:
+            return cycle.decide(decode)
+        prefill = cycle.run(self.prefill)
+        if prefill.worker is None:
+            return cycle.decide(decode, path="decode-only")
+        return cycle.decide(decode, prefill, path="pd")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "pd_threshold_tokens": self.pd_threshold_tokens,
+            "profiles": {p.name: describe_profile(p) for p in (self.mixed, self.decode, self.prefill)},
+        }
+
+
+def describe_profile(profile: SchedulingProfile) -> dict[str, Any]:
+    return {
+        "roles": sorted(r.value for r in profile.roles),
+        "filters": [getattr(f, "type", type(f).__name__) for f in profile.filters],
+        "weights": {ws.name: ws.weight for ws in profile.scorers},
+        "picker": getattr(profile.picker, "type", type(profile.picker).__name__),
+    }
