@@ -1,0 +1,227 @@
+{{/*
+Names. Every object is "<fullname>-<component>"; pools are "<fullname>-<pool name>" (the schema keeps pool
+names DNS labels and refuses the component names, so the two never collide).
+*/}}
+{{- define "mosaic.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "mosaic.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "mosaic.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "mosaic.labels" -}}
+helm.sh/chart: {{ include "mosaic.chart" . }}
+{{ include "mosaic.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: mosaic
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The release's selector labels; each component adds app.kubernetes.io/component. */}}
+{{- define "mosaic.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "mosaic.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "mosaic.gateway.fullname" -}}
+{{- printf "%s-gateway" (include "mosaic.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "mosaic.controller.fullname" -}}
+{{- printf "%s-controller" (include "mosaic.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "mosaic.gateway.selectorLabels" -}}
+{{ include "mosaic.selectorLabels" . }}
+app.kubernetes.io/component: gateway
+{{- end }}
+
+{{- define "mosaic.controller.selectorLabels" -}}
+{{ include "mosaic.selectorLabels" . }}
+app.kubernetes.io/component: controller
+{{- end }}
+
+{{- define "mosaic.gateway.serviceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create }}
+{{- default (include "mosaic.gateway.fullname" .) .Values.gateway.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.gateway.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "mosaic.controller.serviceAccountName" -}}
+{{- if .Values.controller.serviceAccount.create }}
+{{- default (include "mosaic.controller.fullname" .) .Values.controller.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.controller.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "mosaic.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "mosaic.configMapName" -}}
+{{- printf "%s-config" (include "mosaic.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "mosaic.authSecretName" -}}
+{{- if .Values.auth.existingSecret }}
+{{- .Values.auth.existingSecret }}
+{{- else }}
+{{- printf "%s-api-keys" (include "mosaic.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "mosaic.hfSecretName" -}}
+{{- if .Values.vllm.hfToken.existingSecret }}
+{{- .Values.vllm.hfToken.existingSecret }}
+{{- else }}
+{{- printf "%s-hf-token" (include "mosaic.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* True ("true") when the HF token env var is wired: an existing Secret or a value the chart stores. */}}
+{{- define "mosaic.hfTokenEnabled" -}}
+{{- if or .Values.vllm.hfToken.existingSecret .Values.vllm.hfToken.value }}true{{ end }}
+{{- end }}
+
+{{/* Prometheus operator CRDs replace the plain scrape annotations when enabled. */}}
+{{- define "mosaic.scrapeAnnotations" -}}
+{{- $root := index . 0 -}}
+{{- $port := index . 1 -}}
+{{- if and $root.Values.monitoring.scrapeAnnotations (not $root.Values.monitoring.serviceMonitor.enabled) (not $root.Values.monitoring.podMonitor.enabled) }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ $port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end }}
+
+{{/*
+Pools, resolved: each entry of .Values.pools merged over .Values.poolDefaults, with the derived fields
+the templates need (fullname, simulated, selector labels). Returned as YAML ({pools: [...]}) so templates
+call `fromYaml` once; invalid combinations fail the render with a message naming the pool.
+*/}}
+{{- define "mosaic.pools" -}}
+{{- $root := . }}
+{{- $fullname := include "mosaic.fullname" $root }}
+{{- $resolved := list }}
+{{- $seen := dict }}
+{{- range $i, $p := $root.Values.pools }}
+{{- $pool := mustMergeOverwrite (deepCopy $root.Values.poolDefaults) (deepCopy $p) }}
+{{- if hasKey $seen $pool.name }}
+{{- fail (printf "pools[%d]: pool name %q is used twice; pool names must be unique" $i $pool.name) }}
+{{- end }}
+{{- $_ := set $seen $pool.name true }}
+{{- if has $pool.name (list "gateway" "controller") }}
+{{- fail (printf "pools[%d]: pool name %q is reserved (the chart's own components use it); choose another" $i $pool.name) }}
+{{- end }}
+{{- $name := printf "%s-%s" $fullname $pool.name }}
+{{- if gt (len $name) 63 }}
+{{- fail (printf "pools[%d] (%s): object name %q is %d characters, over Kubernetes' 63; shorten the pool name or set fullnameOverride" $i $pool.name $name (len $name)) }}
+{{- end }}
+{{- if gt (int $pool.minReplicas) (int $pool.maxReplicas) }}
+{{- fail (printf "pools[%d] (%s): minReplicas %d is above maxReplicas %d" $i $pool.name (int $pool.minReplicas) (int $pool.maxReplicas)) }}
+{{- end }}
+{{- if or (lt (int $pool.replicas) (int $pool.minReplicas)) (gt (int $pool.replicas) (int $pool.maxReplicas)) }}
+{{- fail (printf "pools[%d] (%s): replicas %d is outside [minReplicas %d, maxReplicas %d]" $i $pool.name (int $pool.replicas) (int $pool.minReplicas) (int $pool.maxReplicas)) }}
+{{- end }}
+{{- $sim := $root.Values.simulated }}
+{{- if hasKey $p "simulated" }}{{ $sim = $p.simulated }}{{ end }}
+{{- $_ := set $pool "simulated" $sim }}
+{{- $_ := set $pool "fullname" $name }}
+{{- $resolved = append $resolved $pool }}
+{{- end }}
+{{- toYaml (dict "pools" $resolved) }}
+{{- end }}
+
+{{/* Selector labels of one pool's pods: the labels Mosaic's Kubernetes discovery selects on. */}}
+{{- define "mosaic.pool.selectorLabels" -}}
+{{- $root := index . 0 -}}
+{{- $pool := index . 1 -}}
+{{ include "mosaic.selectorLabels" $root }}
+app.kubernetes.io/component: worker
+mosaic.dev/pool: {{ $pool.name }}
+{{- end }}
+
+{{/* Labels a pool's objects add to "mosaic.labels": the discovery labels the gateway reads off each pod. */}}
+{{- define "mosaic.pool.labels" -}}
+{{- $pool := index . 1 -}}
+app.kubernetes.io/component: worker
+mosaic.dev/pool: {{ $pool.name }}
+mosaic.dev/role: {{ $pool.role }}
+mosaic.dev/gpu: {{ $pool.gpu }}
+mosaic.dev/simulated: {{ $pool.simulated | quote }}
+{{- end }}
+
+{{/* The label selector string the gateway config gives Kubernetes discovery for one pool: exactly the
+pool's selector labels, as "k=v,k=v" in key order. */}}
+{{- define "mosaic.pool.selectorString" -}}
+{{- $labels := include "mosaic.pool.selectorLabels" . | fromYaml }}
+{{- $pairs := list }}
+{{- range $k := keys $labels | sortAlpha }}
+{{- $pairs = append $pairs (printf "%s=%s" $k (get $labels $k)) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
+{{/*
+The gateway's config.yaml (server/config.py, INTERFACES.md §4): `.Values.config` plus the sections the chart
+owns. Each pool is found through the Kubernetes API in the release namespace: by default the EndpointSlices
+of the pool's Service (ready endpoints only), or with gateway.discovery.resource=pods the pool's pods by
+their selector labels. `gateway.replicas` is the N of the 1/N KV share each gateway replica owns: with the
+HPA it is maxReplicas, the pessimistic share.
+*/}}
+{{- define "mosaic.gatewayConfig" -}}
+{{- $root := . }}
+{{- $cfg := deepCopy $root.Values.config }}
+{{- $disc := $root.Values.gateway.discovery }}
+{{- $pools := list }}
+{{- range (include "mosaic.pools" $root | fromYaml).pools }}
+{{- $selector := printf "kubernetes.io/service-name=%s" .fullname }}
+{{- if eq $disc.resource "pods" }}
+{{- $selector = include "mosaic.pool.selectorString" (list $root .) }}
+{{- end }}
+{{- $k8s := dict "namespace" $root.Release.Namespace "label_selector" $selector "port" (int $root.Values.vllm.port) "resource" $disc.resource "resync_s" (float64 $disc.resyncSeconds) "in_cluster" true }}
+{{- $entry := dict "name" .name "model" .model "gpu" .gpu "role" .role "tp" (int .tp) }}
+{{- $_ := set $entry "min_replicas" (int .minReplicas) }}
+{{- $_ := set $entry "max_replicas" (int .maxReplicas) }}
+{{- $_ := set $entry "max_num_seqs" (int .maxNumSeqs) }}
+{{- $_ := set $entry "block_size" (int .blockSize) }}
+{{- $_ := set $entry "gpu_memory_utilization" (float64 .gpuMemoryUtilization) }}
+{{- if not (kindIs "invalid" .costPerHour) }}
+{{- $_ := set $entry "cost_per_hour" (float64 .costPerHour) }}
+{{- end }}
+{{- $_ := set $entry "endpoints" (dict "kubernetes" $k8s) }}
+{{- $pools = append $pools $entry }}
+{{- end }}
+{{- $_ := set $cfg "pools" $pools }}
+{{- $n := $root.Values.gateway.replicas }}
+{{- if $root.Values.gateway.autoscaling.enabled }}{{ $n = $root.Values.gateway.autoscaling.maxReplicas }}{{ end }}
+{{- $_ := set $cfg "gateway" (dict "replicas" (int $n) "host" "0.0.0.0" "port" (int $root.Values.gateway.port)) }}
+{{- if $root.Values.auth.enabled }}
+{{- $_ := set $cfg "auth" (dict "api_keys_env" "MOSAIC_API_KEYS" "admin_keys_env" "MOSAIC_ADMIN_KEYS") }}
+{{- end }}
+{{- if $root.Values.catalog }}
+{{- $_ := set $cfg "catalog" "/etc/mosaic/catalog.yaml" }}
+{{- end }}
+{{- toYaml $cfg }}
+{{- end }}

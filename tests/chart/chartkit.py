@@ -1,0 +1,128 @@
+"""Render the Helm chart offline with the Helm library itself (helm-python-sdk binds libhelm_c, Helm v4's Go
+SDK compiled to a shared library shipped in the wheel: no `helm` binary, no network) and look objects up.
+
+Used by the chart tests; nothing here talks to a cluster. `lookup` returns nothing offline, so renders are
+those of a first install.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO_ROOT / "helm" / "mosaic"
+EXAMPLES_DIR = CHART_DIR / "examples"
+FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+RELEASE = "mosaic"
+NAMESPACE = "llm"
+
+# Kinds the Prometheus operator and the Gateway API define as CRDs: kubernetes-validate ships only the
+# built-in API's OpenAPI schemas, so these are checked by structure (tests/chart/test_chart_structure.py).
+CRD_KINDS = frozenset({"ServiceMonitor", "PodMonitor", "HTTPRoute"})
+
+# Label values: ≤ 63 chars, alphanumeric at both ends, `-_.` inside (Kubernetes' validation.IsValidLabelValue).
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def example_files() -> list[Path]:
+    return sorted(EXAMPLES_DIR.glob("*.yaml"))
+
+
+def load_values(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text()) or {}
+    assert isinstance(data, dict), f"{path} must hold a mapping"
+    return data
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One render: the parsed objects (with the template each came from) and NOTES.txt."""
+
+    objects: tuple[dict[str, Any], ...]
+    sources: tuple[str, ...]
+    notes: str
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        found = [o for o in self.of_kind(kind) if o["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+        return found[0]
+
+    def find(self, kind: str, name: str) -> dict[str, Any] | None:
+        found = [o for o in self.of_kind(kind) if o["metadata"]["name"] == name]
+        return found[0] if found else None
+
+    def pool_deployments(self) -> list[dict[str, Any]]:
+        return [d for d in self.of_kind("Deployment") if "mosaic.dev/pool" in d["metadata"]["labels"]]
+
+    def config_text(self) -> str:
+        return self.get("ConfigMap", f"{RELEASE}-config")["data"]["config.yaml"]
+
+    def config(self) -> dict[str, Any]:
+        data = yaml.safe_load(self.config_text())
+        assert isinstance(data, dict)
+        return data
+
+
+def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> Rendered:
+    manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects: list[dict[str, Any]] = []
+    sources: list[str] = []
+    notes = ""
+    for template, text in sorted(manifests.items()):
+        if template.endswith("NOTES.txt"):
+            notes = text
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objects.append(doc)
+                sources.append(template)
+    return Rendered(tuple(objects), tuple(sources), notes)
+
+
+def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    return spec
+
+
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = deployment["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def container(deployment: dict[str, Any], index: int = 0) -> dict[str, Any]:
+    c: dict[str, Any] = pod_spec(deployment)["containers"][index]
+    return c
+
+
+def env_map(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in c.get("env") or []}
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    """A matchLabels/Service selector selects `labels` when every pair is present."""
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def parse_selector(text: str) -> dict[str, str]:
+    """`k=v,k=v` (equality-based label selector, the only form the chart writes) → dict."""
+    pairs = [p.split("=", 1) for p in text.split(",")]
+    assert all(len(p) == 2 for p in pairs), f"not an equality selector: {text}"
+    return {k: v for k, v in pairs}
+
+
+def walk_labels(obj: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """Every label of an object and of its pod template, if any."""
+    yield from (obj["metadata"].get("labels") or {}).items()
+    template = (obj.get("spec") or {}).get("template")
+    if isinstance(template, dict):
+        yield from ((template.get("metadata") or {}).get("labels") or {}).items()
