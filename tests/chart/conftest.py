@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import helm_python as helm
 import pytest
+
 from tests.chart.chartkit import CHART_DIR
 
 

@@ -15,6 +15,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+
 from tests.chart.chartkit import (
     CHART_DIR,
     CRD_KINDS,
@@ -54,13 +55,17 @@ def test_chart_metadata_matches_the_package_version(chart: helm.Chart) -> None:
 
 @pytest.mark.parametrize("values_file", CASES)
 def test_lint_has_no_errors_or_warnings(values_file: Path | None) -> None:
-    report = helm.lint(CHART_DIR, _values(values_file), strict=True, namespace=NAMESPACE, kube_version="v1.33.0")
+    report = helm.lint(
+        CHART_DIR, _values(values_file), strict=True, namespace=NAMESPACE, kube_version="v1.33.0"
+    )
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert report["errors"] == [] and problems == [], report
 
 
 @pytest.mark.parametrize("values_file", CASES)
-def test_every_object_validates_against_the_kubernetes_api(chart: helm.Chart, values_file: Path | None) -> None:
+def test_every_object_validates_against_the_kubernetes_api(
+    chart: helm.Chart, values_file: Path | None
+) -> None:
     rendered = render(chart, _values(values_file))
     assert rendered.objects, "nothing rendered"
     checked = 0
@@ -72,7 +77,9 @@ def test_every_object_validates_against_the_kubernetes_api(chart: helm.Chart, va
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as exc:
                 where = ".".join(str(p) for p in exc.path)
-                pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {where}: {exc.message}")
+                pytest.fail(
+                    f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {where}: {exc.message}"
+                )
         checked += 1
     assert checked >= 8  # gateway (Deployment, Service, SA, Role, Binding, ConfigMap, PDB) + ≥1 pool
 
@@ -95,7 +102,9 @@ def test_every_object_is_namespaced_in_the_release_and_named_validly(
 
 
 @pytest.mark.parametrize("values_file", CASES)
-def test_notes_tell_how_to_reach_the_gateway_and_try_a_request(chart: helm.Chart, values_file: Path | None) -> None:
+def test_notes_tell_how_to_reach_the_gateway_and_try_a_request(
+    chart: helm.Chart, values_file: Path | None
+) -> None:
     values = _values(values_file)
     rendered = render(chart, values)
     pools = values.get("pools") or chart.values["pools"]
