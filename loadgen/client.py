@@ -1,0 +1,174 @@
+"""One streaming OpenAI request, timed the way vLLM's `benchmark_serving` times it.
+
+Timing (all `time.perf_counter()` seconds relative to the replay's start):
+- `sent_s`: just before the POST is handed to httpx (the send-lag end point);
+- `chunk_s`: arrival of every SSE chunk whose `choices` is non-empty (content chunks); usage-only and
+  `[DONE]` chunks are not content;
+- TTFT = chunk_s[0] − sent_s; E2EL = chunk_s[-1] − sent_s; ITLs = successive differences of chunk_s
+  (a chunk may carry several tokens); output tokens from the `usage` chunk (`completion_tokens`), or the
+  number of content chunks when the server sends no usage.
+
+A request fails (and is excluded from latency statistics, as in vLLM) with one error type:
+`connect_error`, `timeout` (whole request longer than the per-request timeout), `http_<status>`,
+`stream_error` (an `{"error": ...}` event in the stream), `no_content` (stream ended without a content
+chunk), `read_error` (connection lost mid-stream), `bad_chunk` (a chunk that is not JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+Clock = Callable[[], float]
+
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request; times are seconds since the replay start."""
+
+    index: int
+    scheduled_s: float
+    input_tokens: int
+    expected_output_tokens: int
+    slot_s: float = 0.0  # when a concurrency slot was free (= scheduled_s without a concurrency limit)
+    sent_s: float = 0.0
+    chunk_s: array = field(default_factory=lambda: array("d"))  # arrival of each content chunk
+    output_tokens: int = 0
+    usage_prompt_tokens: int | None = None
+    success: bool = False
+    error_type: str | None = None
+    error: str | None = None
+    end_s: float = 0.0  # when the request finished (success or failure)
+    trace_line: int = 0  # the request's line in the trace file
+
+    @property
+    def send_lag_s(self) -> float:
+        """Actual send − the later of (scheduled time, free concurrency slot): the generator's own delay."""
+        return self.sent_s - max(self.scheduled_s, self.slot_s)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_s[0] - self.sent_s if self.success and self.chunk_s else None
+
+    @property
+    def e2el_s(self) -> float | None:
+        return self.chunk_s[-1] - self.sent_s if self.success and self.chunk_s else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2EL − TTFT) / (output_tokens − 1); None when fewer than 2 output tokens (vLLM skips those)."""
+        if not self.success or self.output_tokens < 2:
+            return None
+        return (self.chunk_s[-1] - self.chunk_s[0]) / (self.output_tokens - 1)
+
+    def itls_s(self) -> list[float]:
+        c = self.chunk_s
+        return [c[i] - c[i - 1] for i in range(1, len(c))] if self.success else []
+
+
+class _Fail(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _consume(rec: RequestRecord, data: str, now: float) -> bool:
+    """Handle one SSE `data:` payload; True at `[DONE]`."""
+    if data == "[DONE]":
+        return True
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError:
+        raise _Fail("bad_chunk", f"chunk is not JSON: {data[:80]!r}") from None
+    if not isinstance(chunk, dict):
+        raise _Fail("bad_chunk", f"chunk is not an object: {data[:80]!r}")
+    if "error" in chunk:
+        err = chunk["error"]
+        msg = err.get("message") if isinstance(err, dict) else err
+        raise _Fail("stream_error", str(msg)[:300])
+    if chunk.get("choices"):
+        rec.chunk_s.append(now)
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        if isinstance(usage.get("completion_tokens"), int):
+            rec.output_tokens = usage["completion_tokens"]
+        if isinstance(usage.get("prompt_tokens"), int):
+            rec.usage_prompt_tokens = usage["prompt_tokens"]
+    return False
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    rec: RequestRecord,
+    since: Clock,
+) -> None:
+    try:
+        async with client.stream("POST", url, content=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                raise _Fail(f"http_{resp.status_code}", _error_message(text))
+            async for line in resp.aiter_lines():
+                if line.startswith("data:") and _consume(rec, line[5:].strip(), since()):
+                    break
+    except httpx.ConnectError as e:
+        raise _Fail("connect_error", str(e) or type(e).__name__) from None
+    except httpx.TimeoutException as e:
+        raise _Fail("timeout", str(e) or type(e).__name__) from None
+    except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+        raise _Fail("read_error", str(e) or type(e).__name__) from None
+
+
+def _error_message(text: str) -> str:
+    try:
+        err = json.loads(text).get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:300]
+    except (json.JSONDecodeError, AttributeError):
+        pass
+    return text[:300]
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    rec: RequestRecord,
+    origin: float,
+    timeout_s: float | None,
+    clock: Clock = time.perf_counter,
+) -> RequestRecord:
+    """Send one request and fill `rec`; never raises for server or network failures (they are recorded).
+
+    Times are `clock() − origin`; tests inject a clock to get exact chunk timings.
+    """
+
+    def since() -> float:
+        return clock() - origin
+
+    rec.sent_s = since()
+    try:
+        async with asyncio.timeout(timeout_s):
+            await _stream(client, url, body, headers, rec, since)
+        if not rec.chunk_s:
+            raise _Fail("no_content", "the stream ended without a content chunk")
+        if rec.output_tokens == 0:
+            rec.output_tokens = len(rec.chunk_s)  # no usage chunk: one token per content chunk
+        rec.success = True
+    except _Fail as f:
+        rec.error_type, rec.error = f.kind, str(f)
+    except TimeoutError:
+        rec.error_type, rec.error = "timeout", f"no complete response within {timeout_s} s"
+    rec.end_s = since()
+    return rec

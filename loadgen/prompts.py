@@ -1,0 +1,104 @@
+"""Prompts of an exact length, and the OpenAI request bodies that carry them.
+
+Completions (`/v1/completions`): the prompt is a list of token ids, so the server sees exactly
+`input_tokens` tokens without a tokenizer on our side (vLLM accepts token-id prompts). Ids are drawn from
+[1000, 30000): inside every supported vocabulary (Llama-2/Mistral 32k, Llama-3 128k, Qwen 152k) and above
+the byte/special tokens.
+
+Chat (`/v1/chat/completions`): the user message is text of `input_tokens` words from `WORDS`, common
+English words that are each one token (with their leading space) in both the Llama-2 SentencePiece and the
+Llama-3 tiktoken vocabularies. The server's chat template adds its own few tokens around the message;
+exact input lengths need the completions endpoint.
+
+Prefix reproduction: a Mooncake hash id is one block of 512 tokens. Block `h` is drawn from an RNG seeded
+by (seed, h), so the same id yields the same 512 ids (or words) in every request and every run with that
+seed; requests sharing leading hash ids share their leading tokens exactly, as in the trace. Tokens past
+the last hash id, and whole prompts of traces without hash ids, come from an RNG seeded by
+(seed, request index): unique per request, so nothing is shared by accident.
+
+Output length: `max_tokens` = the trace's output length with `ignore_eos: true` (vLLM's sampling
+extension), so the server generates exactly that many tokens; `stream_options.include_usage` asks for
+the usage chunk that the metrics take token counts from.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import numpy as np
+
+from loadgen.schedule import ScheduledRequest
+
+BLOCK_TOKENS = 512  # tokens per hash id (Mooncake FAST'25 traces)
+TOKEN_ID_LOW, TOKEN_ID_HIGH = 1000, 30000
+
+# fmt: off
+WORDS: tuple[str, ...] = (
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
+    "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "had", "they", "you", "were",
+    "their", "one", "all", "we", "can", "her", "has", "there", "been", "if", "more", "when", "will", "would",
+    "who", "so", "no", "she", "other", "its", "may", "these", "about", "than", "into", "time", "only", "some",
+    "could", "them", "first", "new", "two", "then", "do", "any", "like", "my", "now", "over", "such", "our",
+    "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back",
+    "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those",
+    "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men",
+    "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same",
+    "another", "know", "while", "last", "might", "us",
+)
+# fmt: on
+_WORDS = np.array(WORDS)
+
+
+def _rng(seed: int, kind: int, key: int) -> np.random.Generator:
+    # SeedSequence mixes the three integers into independent streams: (seed, block h) ≠ (seed, request h).
+    return np.random.Generator(
+        np.random.PCG64(np.random.SeedSequence([seed & 0xFFFFFFFF, kind, key & (2**63 - 1)]))
+    )
+
+
+class PromptBuilder:
+    """Token ids and texts for scheduled requests, deterministic for `seed`."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._block = lru_cache(maxsize=4096)(self._make_block)
+
+    def _make_block(self, hash_id: int) -> np.ndarray:
+        return _rng(self.seed, 1, hash_id).integers(TOKEN_ID_LOW, TOKEN_ID_HIGH, BLOCK_TOKENS, dtype=np.int64)
+
+    def _ids(self, req: ScheduledRequest) -> np.ndarray:
+        """Symbol indices: the hash-id blocks first, then request-unique symbols up to input_tokens."""
+        n = req.input_tokens
+        parts = [self._block(h) for h in req.hash_ids[: -(-n // BLOCK_TOKENS)]]
+        have = len(parts) * BLOCK_TOKENS
+        if have < n:
+            parts.append(
+                _rng(self.seed, 2, req.index).integers(TOKEN_ID_LOW, TOKEN_ID_HIGH, n - have, dtype=np.int64)
+            )
+        return np.concatenate(parts)[:n] if parts else np.zeros(0, dtype=np.int64)
+
+    def token_ids(self, req: ScheduledRequest) -> list[int]:
+        """Exactly `req.input_tokens` token ids."""
+        return self._ids(req).tolist()
+
+    def text(self, req: ScheduledRequest) -> str:
+        """Exactly `req.input_tokens` single-token words, space separated (same block → same words)."""
+        return " ".join(_WORDS[self._ids(req) % len(WORDS)].tolist())
+
+
+def build_body(req: ScheduledRequest, endpoint: str, model: str, prompts: PromptBuilder) -> bytes:
+    """The JSON body of one streaming request for `endpoint` ("completions" | "chat")."""
+    body: dict[str, object] = {"model": model}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompts.text(req)}]
+    else:
+        body["prompt"] = prompts.token_ids(req)
+    body.update(
+        max_tokens=req.output_tokens,
+        ignore_eos=True,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    return json.dumps(body, separators=(",", ":")).encode()

@@ -1,0 +1,127 @@
+"""A whole replay as one call: trace → schedule → requests → metrics → report, table and plots.
+
+`mosaic replay` is a thin shell over `run_replay`; tests and benches call it directly. Input errors
+(`TraceError`, `ScheduleError`) are raised before any request is sent when they can be known up front,
+and as soon as the bad row is reached otherwise (in-flight requests are then cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from loadgen.console import ProgressDisplay, print_summary
+from loadgen.formats import Trace, open_trace
+from loadgen.metrics import Metrics, Slo, compute_metrics
+from loadgen.plots import write_plots
+from loadgen.report import ReplayConfig, build_report, write_report
+from loadgen.runner import RunOptions, RunResult, Target, replay
+from loadgen.schedule import ScheduleOptions, schedule
+from loadgen.synthetic import parse_spec
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRequest:
+    """Everything `mosaic replay` takes."""
+
+    trace: str
+    url: str
+    model: str
+    format: str | None = None
+    endpoint: str = "completions"
+    api_key: str | None = None
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
+    concurrency: int | None = None
+    timeout_s: float | None = 600.0
+    skip_bad_rows: bool = False
+    slo: Slo = field(default_factory=Slo)
+    lag_threshold_ms: float = 5.0
+    out: Path | None = None
+    plot_dir: Path | None = None
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class ReplayOutcome:
+    metrics: Metrics
+    result: RunResult
+    report: dict[str, Any]
+    plots: list[Path] = field(default_factory=list)
+
+
+def prepare(req: ReplayRequest) -> Trace:
+    """Open and check the trace and the schedule options before anything is sent."""
+    trace = open_trace(req.trace, req.format, req.skip_bad_rows, req.seed)
+    req.schedule.validate(trace.timed)
+    if req.concurrency is not None and req.concurrency <= 0:
+        raise ValueError(f"--concurrency must be > 0, got {req.concurrency}")
+    if req.timeout_s is not None and req.timeout_s <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {req.timeout_s}")
+    return trace
+
+
+def _known_total(req: ReplayRequest, trace: Trace) -> int | None:
+    total = req.schedule.max_requests
+    if trace.format == "synthetic":
+        spec = parse_spec(trace.source)
+        if spec.n is not None and spec.duration_s is None:
+            total = spec.n if total is None else min(spec.n, total)
+    return total
+
+
+async def run_replay_async(
+    req: ReplayRequest, console: Console | None = None, transport: httpx.AsyncBaseTransport | None = None
+) -> ReplayOutcome:
+    console = console or Console(stderr=True)
+    trace = prepare(req)
+    target = Target(req.url, req.model, req.endpoint, req.api_key)
+    opts = RunOptions(req.concurrency, req.timeout_s, req.seed)
+    scheduled = schedule(trace, req.schedule)
+    if req.progress:
+        with ProgressDisplay(console, _known_total(req, trace)) as progress:
+            result = await replay(scheduled, target, opts, progress, transport)
+    else:
+        result = await replay(scheduled, target, opts, None, transport)
+    if not result.records:
+        raise ValueError("no requests to send: the trace (or the --start/--duration window) is empty")
+    metrics = compute_metrics(result.records, result.duration_s, req.slo, req.lag_threshold_ms)
+    s = req.schedule
+    config = ReplayConfig(
+        trace=req.trace,
+        format=trace.format,
+        url=req.url,
+        endpoint=req.endpoint,
+        model=req.model,
+        rate_scale=s.rate_scale,
+        rate=s.rate,
+        arrival=s.arrival,
+        burstiness=s.burstiness,
+        start_s=s.start_s,
+        duration_s=s.duration_s,
+        max_requests=s.max_requests,
+        concurrency=req.concurrency,
+        timeout_s=req.timeout_s,
+        seed=req.seed,
+    )
+    trace_stats = {"source": trace.source, "format": trace.format, **trace.stats.as_dict()}
+    report = build_report(config, metrics, result.records, trace_stats, result.started_at)
+    outcome = ReplayOutcome(metrics, result, report)
+    if req.out is not None:
+        write_report(report, req.out)
+    if req.plot_dir is not None:
+        outcome.plots = write_plots(result.records, req.plot_dir)
+    return outcome
+
+
+def run_replay(req: ReplayRequest, console: Console | None = None) -> ReplayOutcome:
+    """Run a replay to completion on a fresh event loop and print its summary."""
+    console = console or Console(stderr=True)
+    outcome = asyncio.run(run_replay_async(req, console))
+    print_summary(console, outcome.metrics)
+    return outcome

@@ -1,0 +1,151 @@
+"""The replay loop: send each scheduled request at its time, stream the answers, keep the records.
+
+One asyncio task per request. The loop prepares the next request's body while it waits for that
+request's send time, so building a 100k-token prompt does not delay the send; whatever delay remains
+(event-loop load, a slow body) is measured as send lag, never hidden. With `concurrency` set, a request
+whose time has come waits for a free slot (the wait is reported apart from send lag, like vLLM's
+`--max-concurrency`). The trace is consumed lazily: memory holds the records and the in-flight requests,
+never the trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+import httpx
+
+from loadgen.client import ENDPOINT_PATHS, RequestRecord, send_request
+from loadgen.prompts import PromptBuilder, build_body
+from loadgen.schedule import ScheduledRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    url: str  # base URL, e.g. http://127.0.0.1:8000
+    model: str
+    endpoint: str = "completions"  # completions | chat
+    api_key: str | None = None
+
+    @property
+    def request_url(self) -> str:
+        return self.url.rstrip("/") + ENDPOINT_PATHS[self.endpoint]
+
+    def headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    concurrency: int | None = None  # max requests in flight; None = unbounded (trace timing rules)
+    timeout_s: float | None = 600.0  # per request, from send to the last byte
+    seed: int = 0  # prompt token ids
+
+
+class Observer(Protocol):
+    """Progress callbacks; called on the event loop, must be quick."""
+
+    def sent(self, rec: RequestRecord) -> None: ...
+
+    def done(self, rec: RequestRecord) -> None: ...
+
+
+@dataclass(slots=True)
+class RunResult:
+    records: list[RequestRecord] = field(default_factory=list)
+    started_at: str = ""  # wall-clock ISO time of t = 0
+    duration_s: float = 0.0  # t = 0 → end of the last request
+
+
+async def _one(
+    rec: RequestRecord,
+    body: bytes,
+    client: httpx.AsyncClient,
+    target: Target,
+    opts: RunOptions,
+    origin: float,
+    slots: asyncio.Semaphore | None,
+    observer: Observer | None,
+) -> None:
+    if slots is None:
+        rec.slot_s = rec.scheduled_s
+        await _send(rec, body, client, target, opts, origin, observer)
+        return
+    async with slots:
+        rec.slot_s = time.perf_counter() - origin
+        await _send(rec, body, client, target, opts, origin, observer)
+
+
+async def _send(
+    rec: RequestRecord,
+    body: bytes,
+    client: httpx.AsyncClient,
+    target: Target,
+    opts: RunOptions,
+    origin: float,
+    observer: Observer | None,
+) -> None:
+    if observer is not None:
+        observer.sent(rec)
+    await send_request(client, target.request_url, body, target.headers(), rec, origin, opts.timeout_s)
+    if observer is not None:
+        observer.done(rec)
+
+
+def make_client(opts: RunOptions, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """An httpx client sized so that its pool never queues a request the replay meant to send now."""
+    limits = httpx.Limits(
+        max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency or 1000
+    )
+    return httpx.AsyncClient(transport=transport, limits=limits, timeout=httpx.Timeout(opts.timeout_s))
+
+
+async def replay(
+    requests: Iterable[ScheduledRequest],
+    target: Target,
+    opts: RunOptions = RunOptions(),
+    observer: Observer | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> RunResult:
+    """Send every scheduled request at `send_at_s` after the start; return when all have finished."""
+    if target.endpoint not in ENDPOINT_PATHS:
+        raise ValueError(f"endpoint must be one of {', '.join(ENDPOINT_PATHS)}, got {target.endpoint!r}")
+    prompts = PromptBuilder(opts.seed)
+    slots = asyncio.Semaphore(opts.concurrency) if opts.concurrency else None
+    result = RunResult(started_at=datetime.now(UTC).isoformat())
+    tasks: set[asyncio.Task[None]] = set()
+    it = iter(requests)
+    async with make_client(opts, transport) as client:
+        try:
+            nxt = next(it, None)
+            body = build_body(nxt, target.endpoint, target.model, prompts) if nxt else b""
+            origin = time.perf_counter()
+            while nxt is not None:
+                delay = origin + nxt.send_at_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                rec = RequestRecord(
+                    nxt.index, nxt.send_at_s, nxt.input_tokens, nxt.output_tokens, trace_line=nxt.trace_line
+                )
+                result.records.append(rec)
+                task = asyncio.create_task(_one(rec, body, client, target, opts, origin, slots, observer))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                nxt = next(it, None)
+                body = build_body(nxt, target.endpoint, target.model, prompts) if nxt else b""
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:  # a trace error mid-replay (or Ctrl-C): no request is left running
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+    result.duration_s = max((r.end_s for r in result.records), default=0.0)
+    return result

@@ -1,0 +1,95 @@
+"""When each request is sent: the trace's own timing (scaled, windowed) or a fixed-rate arrival process.
+
+Trace timing: a request that arrived at `a` seconds into the trace is sent at
+
+    send_at = (a − start) / rate_scale           for start ≤ a < start + duration
+
+so `--rate-scale 2` replays twice as fast, and `--start 600 --duration 60` replays the 11th minute
+(the window is in trace seconds, before scaling). Fixed rate (`--rate R`): the window still selects by
+the trace's own times when it has any, then the selected requests keep their order and lengths and are
+re-timed by a Poisson process at R req/s (gamma gaps with shape k = `burstiness`; `constant` spacing on
+request), starting at 0. Traces without times (ShareGPT, length samples) need `--rate`.
+`max_requests` cuts the stream after N requests. Everything is lazy: one request in, one out.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from loadgen.synthetic import interarrival_sampler
+from loadgen.trace import TraceRequest
+
+
+class ScheduleError(ValueError):
+    """Replay options that contradict each other or the trace."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleOptions:
+    rate_scale: float = 1.0
+    rate: float | None = None  # fixed arrival rate (req/s); None = the trace's timing
+    arrival: str = "poisson"  # with `rate`: poisson | gamma | constant
+    burstiness: float = 1.0  # gamma shape k for `rate` (1 = Poisson)
+    start_s: float = 0.0
+    duration_s: float | None = None
+    max_requests: int | None = None
+    seed: int = 0
+
+    def validate(self, timed: bool) -> None:
+        """Raise ScheduleError for impossible combinations; `timed` = the trace carries arrival times."""
+        if not (math.isfinite(self.rate_scale) and self.rate_scale > 0):
+            raise ScheduleError(f"rate scale must be > 0, got {self.rate_scale}")
+        if self.rate is not None and not (math.isfinite(self.rate) and self.rate > 0):
+            raise ScheduleError(f"rate must be > 0 requests/s, got {self.rate}")
+        if self.rate is not None and self.rate_scale != 1.0:
+            raise ScheduleError("--rate replaces the trace's timing; --rate-scale only scales it: give one")
+        if self.burstiness <= 0:
+            raise ScheduleError(f"burstiness must be > 0, got {self.burstiness}")
+        if self.start_s < 0 or (self.duration_s is not None and self.duration_s <= 0):
+            raise ScheduleError("--start must be ≥ 0 and --duration > 0")
+        if self.max_requests is not None and self.max_requests <= 0:
+            raise ScheduleError(f"--max-requests must be > 0, got {self.max_requests}")
+        if not timed and self.rate is None:
+            raise ScheduleError("this trace has no arrival times: give --rate R (requests/s)")
+        if not timed and (self.start_s > 0 or self.duration_s is not None):
+            raise ScheduleError("--start/--duration select by arrival time, and this trace has none")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    index: int  # 0-based position in the replay
+    send_at_s: float  # seconds after the replay's start
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()
+    trace_line: int = 0
+
+
+def schedule(requests: Iterable[TraceRequest], opts: ScheduleOptions) -> Iterator[ScheduledRequest]:
+    """The replay's send times, lazily; stops reading the trace as soon as the window or the cap is passed."""
+    end = None if opts.duration_s is None else opts.start_s + opts.duration_s
+    gap = None
+    rng = random.Random(f"mosaic-schedule-{opts.seed}")
+    if opts.rate is not None:
+        gap = interarrival_sampler(opts.rate, opts.arrival, opts.burstiness)
+    t_fixed = 0.0
+    index = 0
+    for req in requests:
+        if opts.max_requests is not None and index >= opts.max_requests:
+            return
+        if req.arrival_s is not None:
+            if req.arrival_s < opts.start_s:
+                continue
+            if end is not None and req.arrival_s >= end:
+                return  # arrivals are non-decreasing (readers enforce it): nothing later is in the window
+        if gap is not None:
+            send_at = t_fixed
+            t_fixed += gap(rng)
+        else:
+            assert req.arrival_s is not None
+            send_at = (req.arrival_s - opts.start_s) / opts.rate_scale
+        yield ScheduledRequest(index, send_at, req.input_tokens, req.output_tokens, req.hash_ids, req.line)
+        index += 1

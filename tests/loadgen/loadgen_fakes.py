@@ -1,0 +1,60 @@
+"""A minimal OpenAI-streaming ASGI app for the loadgen tests: records what it was sent, answers max_tokens tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+@dataclass
+class FakeWorker:
+    """Counts prompt tokens exactly (token-id lists) or as words (chat text); streams one chunk per token."""
+
+    step_s: float = 0.0
+    fail_every: int = 0  # every n-th request gets a 503 (0 = never)
+    received: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Any:
+            return await self._handle(await request.json(), chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Any:
+            return await self._handle(await request.json(), chat=True)
+
+        return app
+
+    async def _handle(self, body: dict[str, Any], chat: bool) -> Any:
+        self.received.append(body)
+        if self.fail_every and len(self.received) % self.fail_every == 0:
+            err = {"message": "overloaded", "type": "ServiceUnavailable", "param": None, "code": 503}
+            return JSONResponse({"error": err}, status_code=503)
+        prompt = body["messages"][-1]["content"].split(" ") if chat else body["prompt"]
+        n_out = int(body["max_tokens"])
+
+        async def stream() -> AsyncIterator[bytes]:
+            for i in range(n_out):
+                if self.step_s:
+                    await asyncio.sleep(self.step_s)
+                choice = (
+                    {"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"}
+                )
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": n_out,
+                "total_tokens": len(prompt) + n_out,
+            }
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")

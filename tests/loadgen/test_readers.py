@@ -1,0 +1,246 @@
+"""Trace readers on small fixtures: well formed, malformed (error names file and line), skipped, empty."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadgen.formats import detect_format, open_trace
+from loadgen.readers_json import estimate_tokens
+from loadgen.trace import TraceError, TraceRequest
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+def read(name: str, **kw: object) -> tuple[list[TraceRequest], dict[str, object]]:
+    trace = open_trace(FIX / name, **kw)  # type: ignore[arg-type]
+    reqs = list(trace)
+    return reqs, trace.stats.as_dict()
+
+
+def arrivals(reqs: list[TraceRequest]) -> list[float | None]:
+    return [None if r.arrival_s is None else round(r.arrival_s, 6) for r in reqs]
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        pytest.param("azure_2023.csv", "azure", id="Azure 2023 header → azure"),
+        pytest.param("azure_2024.csv", "azure", id="Azure 2024 header (same columns) → azure"),
+        pytest.param("burstgpt.csv", "burstgpt", id="BurstGPT with Session ID and Elapsed time → burstgpt"),
+        pytest.param(
+            "burstgpt_old.csv", "burstgpt", id="older BurstGPT release without session columns → burstgpt"
+        ),
+        pytest.param(
+            "burstgpt_lengths.csv", "burstgpt-lengths", id="request_tokens,response_tokens → burstgpt-lengths"
+        ),
+        pytest.param(
+            "sharegpt_lengths.csv", "sharegpt-lengths", id="Vidur ShareGPT lengths → sharegpt-lengths"
+        ),
+        pytest.param("mooncake.jsonl", "mooncake", id="JSON line with hash_ids → mooncake"),
+        pytest.param("sharegpt.json", "sharegpt", id="top-level JSON array → sharegpt"),
+        pytest.param(
+            "sharegpt.jsonl", "sharegpt-jsonl", id="JSON line with conversations → sharegpt (JSONL)"
+        ),
+    ],
+)
+def test_format_is_detected_from_the_first_line(name: str, fmt: str) -> None:
+    assert detect_format(FIX / name) == fmt
+
+
+def test_azure_2023_arrivals_are_seconds_since_the_first_row() -> None:
+    reqs, stats = read("azure_2023.csv")
+    # 18:15:46.68059 is t = 0; then +0.3 s, +1.5 s, +1.5 s (a tie is allowed)
+    assert arrivals(reqs) == [0.0, 0.3, 1.5, 1.5]
+    assert [(r.input_tokens, r.output_tokens, r.line) for r in reqs] == [
+        (374, 44, 2),
+        (396, 109, 3),
+        (879, 55, 4),
+        (91, 16, 5),
+    ]
+    assert stats["requests"] == 4 and stats["skipped_bad_rows"] == 0
+
+
+def test_azure_2024_timestamps_with_zone_and_without_fraction() -> None:
+    reqs, _ = read("azure_2024.csv")
+    # 00:00:01 − 00:00:00.009930 = 0.99007; 01.509930 − 00.009930 = 1.5
+    assert arrivals(reqs) == [0.0, 0.99007, 1.5]
+    assert [(r.input_tokens, r.output_tokens) for r in reqs] == [(2048, 12), (100, 3), (7, 1)]
+
+
+def test_malformed_azure_row_names_file_and_line() -> None:
+    with pytest.raises(
+        TraceError, match=r"azure_bad_tokens\.csv:3: ContextTokens must be an integer, got 'lots'"
+    ):
+        read("azure_bad_tokens.csv")
+
+
+def test_bad_rows_are_streamed_up_to_the_error() -> None:
+    """A reader is lazy: the good row before the bad one is produced before the error is raised."""
+    it = iter(open_trace(FIX / "azure_bad_tokens.csv"))
+    assert next(it).line == 2
+    with pytest.raises(TraceError, match=":3:"):
+        next(it)
+
+
+def test_skip_bad_rows_counts_each_reason() -> None:
+    reqs, stats = read("azure_bad_tokens.csv", skip_bad_rows=True)
+    # kept: line 2 (t = 0) and line 7 (18:15:50 − 18:15:46.68059 = 3.31941 s); line 6 goes back in time
+    assert [(r.line, round(r.arrival_s or 0, 5)) for r in reqs] == [(2, 0.0), (7, 3.31941)]
+    assert stats["skipped_by_reason"] == {"bad_count": 3, "bad_time": 1, "time_backwards": 1}
+    assert stats["rows"] == 7 and stats["requests"] == 2
+
+
+def test_burstgpt_drops_failed_rows_and_zero_prompts() -> None:
+    reqs, stats = read("burstgpt.csv")
+    # Timestamp 5 is t = 0; rows at 45 (0 response tokens) and 118.5 (0 request tokens) are dropped
+    assert arrivals(reqs) == [0.0, 113.0, 125.0]
+    assert [(r.input_tokens, r.output_tokens) for r in reqs] == [(472, 18), (417, 1123), (61, 7)]
+    assert stats["dropped_by_reason"] == {"failed_in_source": 1, "zero_input_tokens": 1}
+    assert stats["skipped_bad_rows"] == 0
+
+
+def test_burstgpt_row_with_missing_fields_is_malformed() -> None:
+    with pytest.raises(TraceError, match=r"burstgpt_bad\.csv:3: expected 6 fields like the header, got 4"):
+        read("burstgpt_bad.csv")
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        pytest.param("burstgpt_lengths.csv", [(632, 34), (220, 7), (70, 30)], id="BurstGPT length sample"),
+        pytest.param(
+            "sharegpt_lengths.csv",
+            [(3742, 284), (18, 243)],
+            id="Vidur ShareGPT lengths (extra columns ignored)",
+        ),
+    ],
+)
+def test_length_only_csvs_have_no_arrival_times(name: str, expected: list[tuple[int, int]]) -> None:
+    trace = open_trace(FIX / name)
+    reqs = list(trace)
+    assert not trace.timed
+    assert [(r.input_tokens, r.output_tokens) for r in reqs] == expected
+    assert all(r.arrival_s is None for r in reqs)
+
+
+def test_mooncake_times_are_ms_and_hash_ids_kept() -> None:
+    reqs, _ = read("mooncake.jsonl")
+    # timestamps 1000, 1000, 2500 ms → 0, 0, 1.5 s; the blank line 3 is not a row
+    assert arrivals(reqs) == [0.0, 0.0, 1.5]
+    assert [(r.hash_ids, r.line) for r in reqs] == [((0, 1, 2), 1), ((0, 3), 2), ((4,), 4)]
+
+
+def test_mooncake_invalid_json_names_the_line() -> None:
+    with pytest.raises(TraceError, match=r"mooncake_bad\.jsonl:2: invalid JSON"):
+        read("mooncake_bad.jsonl")
+
+
+def test_mooncake_skip_counts_reasons() -> None:
+    reqs, stats = read("mooncake_bad.jsonl", skip_bad_rows=True)
+    # line 2 broken JSON, line 3 no output_length, line 4: 2 ids for 100 tokens > ceil(100/512) = 1, line 5 ids not ints
+    assert [r.line for r in reqs] == [1, 6]
+    assert stats["skipped_by_reason"] == {"bad_hash_ids": 2, "bad_json": 1, "missing_field": 1}
+
+
+def test_sharegpt_takes_the_first_prompt_reply_pair_with_estimated_lengths() -> None:
+    reqs, stats = read("sharegpt.json")
+    # "What is the capital of France?" 30 ASCII chars → ceil(30/4) = 8; the 31-char reply → 8;
+    # conversation c: 6 and 4 CJK characters → 6 and 4 tokens; conversation b has no human turn
+    assert [(r.input_tokens, r.output_tokens, r.line) for r in reqs] == [(8, 8, 2), (6, 4, 8)]
+    assert stats["dropped_by_reason"] == {"no_prompt_reply_pair": 1}
+
+
+def test_sharegpt_bad_record_names_line_and_can_be_skipped() -> None:
+    with pytest.raises(TraceError, match=r"sharegpt_bad\.json:3: missing 'conversations' list"):
+        read("sharegpt_bad.json")
+    reqs, stats = read("sharegpt_bad.json", skip_bad_rows=True)
+    # "hi there" 8 chars → 2, "hello" 5 → 2, "x" → 1, "y" → 1
+    assert [(r.input_tokens, r.output_tokens, r.line) for r in reqs] == [(2, 2, 2), (1, 1, 4)]
+    assert stats["skipped_by_reason"] == {"bad_record": 1}
+
+
+def test_sharegpt_jsonl() -> None:
+    reqs, _ = read("sharegpt.jsonl")
+    # 8 chars → 2, 4 → 1; 3 → 1, 9 → 3
+    assert [(r.input_tokens, r.output_tokens) for r in reqs] == [(2, 1), (1, 3)]
+
+
+def test_sharegpt_array_larger_than_the_read_buffer_streams(tmp_path: Path) -> None:
+    convs = [
+        {
+            "id": str(i),
+            "conversations": [
+                {"from": "human", "value": "w" * (4 * (i % 50 + 1))},
+                {"from": "gpt", "value": "ok"},
+            ],
+        }
+        for i in range(3000)
+    ]
+    path = tmp_path / "big.json"
+    path.write_text(
+        "[\n" + ",\n".join(json.dumps(c) for c in convs) + "\n]\n"
+    )  # ~330 kB: several 64 KiB refills
+    reqs = list(open_trace(path))
+    assert len(reqs) == 3000
+    assert [r.input_tokens for r in reqs[:3]] == [1, 2, 3]  # 4·k chars → k tokens
+    assert reqs[-1].line == 3001 and reqs[-1].input_tokens == 50  # element i is on line i + 2
+
+
+def test_truncated_sharegpt_array_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "cut.json"
+    path.write_text(
+        '[{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}, {"conv'
+    )
+    with pytest.raises(TraceError, match=r"cut\.json:1: invalid JSON"):
+        list(open_trace(path, skip_bad_rows=True))  # an array cannot resynchronise, even when skipping
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        pytest.param("azure_header_only.csv", None, id="a header without rows → no requests"),
+        pytest.param("sharegpt_empty.json", None, id="an empty ShareGPT array → no requests"),
+    ],
+)
+def test_header_only_traces_are_empty(name: str, fmt: str | None) -> None:
+    assert read(name, format=fmt)[0] == []
+
+
+def test_empty_file_is_an_error() -> None:
+    with pytest.raises(TraceError, match=r"empty\.csv: empty file"):
+        open_trace(FIX / "empty.csv")
+    with pytest.raises(TraceError, match=r"empty\.csv: empty file \(no header row\)"):
+        list(open_trace(FIX / "empty.csv", format="azure"))
+
+
+def test_forced_format_with_the_wrong_header_names_the_missing_columns() -> None:
+    with pytest.raises(
+        TraceError, match=r"azure_2023\.csv:1: not a burstgpt trace: header lacks Model, Request tokens"
+    ):
+        list(open_trace(FIX / "azure_2023.csv", format="burstgpt"))
+
+
+def test_unknown_header_and_missing_file() -> None:
+    with pytest.raises(TraceError, match=r"unrecognised header"):
+        open_trace(FIX / "unknown.csv")
+    with pytest.raises(TraceError, match=r"nope\.csv: no such file"):
+        open_trace(FIX / "nope.csv")
+    with pytest.raises(TraceError, match=r"unknown format 'parquet'"):
+        open_trace(FIX / "azure_2023.csv", format="parquet")
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [
+        pytest.param("", 1, id="empty text still costs one token"),
+        pytest.param("abcd", 1, id="4 ASCII chars → 1"),
+        pytest.param("abcde", 2, id="5 ASCII chars → ceil(5/4) = 2"),
+        pytest.param("héllo", 2, id="4 ASCII chars and one é → ceil(4/4) + 1 = 2"),
+        pytest.param("東京です", 4, id="4 CJK characters → 4"),
+    ],
+)
+def test_token_estimate(text: str, tokens: int) -> None:
+    assert estimate_tokens(text) == tokens

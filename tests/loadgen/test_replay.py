@@ -1,0 +1,132 @@
+"""Replay end to end against an in-process fake worker (httpx.ASGITransport): counts and lengths exact."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from rich.console import Console
+
+from loadgen.formats import open_trace
+from loadgen.metrics import Slo
+from loadgen.prompts import BLOCK_TOKENS
+from loadgen.replay import ReplayRequest, run_replay_async
+from loadgen.report import SCHEMA, load_report
+from loadgen.schedule import ScheduleOptions
+from loadgen.trace import TraceError
+from tests.loadgen.loadgen_fakes import FakeWorker
+
+FIX = Path(__file__).parent / "fixtures"
+SPEC = "synthetic:rate=400,n=25,arrival=constant,input=uniform:5:60,output=uniform:1:9,seed=3"
+
+
+def run(req: ReplayRequest, worker: FakeWorker) -> object:
+    transport = httpx.ASGITransport(app=worker.app())
+    console = Console(file=open("/dev/null", "w"), force_terminal=False)  # noqa: SIM115 - closed below
+    try:
+        return asyncio.run(run_replay_async(req, console, transport))
+    finally:
+        console.file.close()
+
+
+def test_synthetic_replay_sends_every_request_with_exact_lengths(tmp_path: Path) -> None:
+    worker = FakeWorker()
+    expected = list(open_trace(SPEC))
+    out = run(ReplayRequest(SPEC, "http://fake", "m", out=tmp_path / "r.json", progress=False), worker)
+    m = out.metrics  # type: ignore[attr-defined]
+    assert (m.sent, m.completed, m.failed) == (25, 25, 0)
+    assert m.total_input_tokens == sum(r.input_tokens for r in expected)
+    assert m.total_output_tokens == sum(r.output_tokens for r in expected)
+    assert m.output_length_mismatches == 0
+    # the worker saw exactly the trace's prompt lengths and max_tokens, in order
+    assert [(len(b["prompt"]), b["max_tokens"], b["ignore_eos"]) for b in worker.received] == [
+        (r.input_tokens, r.output_tokens, True) for r in expected
+    ]
+    report = load_report(tmp_path / "r.json")
+    assert report["schema"] == SCHEMA and report["summary"]["completed"] == 25
+    assert report["config"]["format"] == "synthetic" and len(report["requests"]) == 25
+    assert [row["output_tokens"] for row in report["requests"]] == [r.output_tokens for r in expected]
+
+
+def test_chat_endpoint_sends_text_of_the_target_length() -> None:
+    worker = FakeWorker()
+    run(ReplayRequest(SPEC, "http://fake", "m", endpoint="chat", progress=False), worker)
+    expected = list(open_trace(SPEC))
+    assert [len(b["messages"][0]["content"].split(" ")) for b in worker.received] == [
+        r.input_tokens for r in expected
+    ]
+
+
+def test_mooncake_replay_reproduces_shared_prefixes() -> None:
+    worker = FakeWorker()
+    req = ReplayRequest(
+        str(FIX / "mooncake.jsonl"),
+        "http://fake",
+        "m",
+        schedule=ScheduleOptions(rate_scale=100),
+        progress=False,
+    )
+    out = run(req, worker)
+    assert out.metrics.completed == 3  # type: ignore[attr-defined]
+    a, b, c = (body["prompt"] for body in worker.received)
+    assert (len(a), len(b), len(c)) == (1100, 600, 10)
+    assert a[:BLOCK_TOKENS] == b[:BLOCK_TOKENS]  # hash id 0 leads both
+    assert a[BLOCK_TOKENS:600] != b[BLOCK_TOKENS:600]  # ids 1 vs 3
+    assert a[0] != c[0]  # id 4 shares nothing
+
+
+def test_failures_are_counted_by_type_and_goodput_uses_all_sent() -> None:
+    worker = FakeWorker(fail_every=5)
+    out = run(ReplayRequest(SPEC, "http://fake", "m", slo=Slo(ttft_ms=60_000), progress=False), worker)
+    m = out.metrics  # type: ignore[attr-defined]
+    assert m.errors == {"http_503": 5} and m.completed == 20  # requests 5, 10, 15, 20, 25 fail
+    assert m.slo_attainment == pytest.approx(20 / 25)
+
+
+def test_window_and_max_requests_on_a_timed_trace() -> None:
+    worker = FakeWorker()
+    # azure fixture arrivals 0, 0.3, 1.5, 1.5: the window [0.3, 1.6) keeps 3, the cap keeps 2
+    opts = ScheduleOptions(start_s=0.3, duration_s=1.3, max_requests=2, rate_scale=50)
+    out = run(
+        ReplayRequest(str(FIX / "azure_2023.csv"), "http://fake", "m", schedule=opts, progress=False), worker
+    )
+    assert [len(b["prompt"]) for b in worker.received] == [396, 879]
+    assert [r.trace_line for r in out.result.records] == [3, 4]  # type: ignore[attr-defined]
+
+
+def test_a_bad_row_mid_replay_stops_it_with_file_and_line() -> None:
+    worker = FakeWorker()
+    req = ReplayRequest(
+        str(FIX / "azure_bad_tokens.csv"),
+        "http://fake",
+        "m",
+        schedule=ScheduleOptions(rate_scale=1000),
+        progress=False,
+    )
+    with pytest.raises(TraceError, match=r"azure_bad_tokens\.csv:3:"):
+        run(req, worker)
+    skip = ReplayRequest(
+        req.trace, req.url, req.model, schedule=req.schedule, skip_bad_rows=True, progress=False
+    )
+    out = run(skip, worker)
+    assert out.report["trace"]["skipped_bad_rows"] == 5  # type: ignore[attr-defined]
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    out = run(
+        ReplayRequest(SPEC, "http://fake", "m", plot_dir=tmp_path / "plots", progress=False), FakeWorker()
+    )
+    names = sorted(p.name for p in out.plots)  # type: ignore[attr-defined]
+    assert names == ["latency_cdf.png", "timeline.png"]
+    for p in out.plots:  # type: ignore[attr-defined]
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+def test_report_is_strict_json(tmp_path: Path) -> None:
+    run(ReplayRequest(SPEC, "http://fake", "m", out=tmp_path / "r.json", progress=False), FakeWorker())
+    json.loads(
+        (tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")
+    )
