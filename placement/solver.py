@@ -1,0 +1,320 @@
+"""Solve a `MixProblem` exactly: pick the engine, run it under a time limit, verify, explain failures.
+
+`solve_mix(problem)` is the call the planner and the autoscaler make: the cheapest fleet (instances per
+option, GPUs per type) that serves every window of demand, the bucket → option fractions (routing hints),
+status, gap, bound and wall time. Every answer is re-checked in floating point: an option whose load
+exceeds its count is repaired upward (and the status downgraded to `feasible`), never hidden.
+
+Engine choice ("auto") follows `bench/placement_scale.py` (docs/placement.md has the table): CP-SAT for
+the sliced model, SCIP for the continuous one (CP-SAT has no real variables).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from placement.binpacking import (
+    EngineResult,
+    MixProblem,
+    MixSolution,
+    Path,
+    PlacementError,
+    Status,
+    Unservable,
+    Variant,
+    check_problem,
+    load_coefficients,
+    needed_instances,
+    serving_paths,
+    window_loads,
+)
+from placement.mip_engines import count_bounds, solve_cp_sat, solve_mip
+
+ENGINES = ("auto", "cp-sat", "scip")
+DEFAULT_TIME_LIMIT_S = 10.0
+
+
+class UnservableError(PlacementError):
+    """Some bucket has demand but no option serves it within the SLO; `.buckets` lists them."""
+
+    def __init__(self, message: str, buckets: Sequence[Unservable]) -> None:
+        super().__init__(message)
+        self.buckets = tuple(buckets)
+
+
+class InfeasibleError(PlacementError):
+    """No fleet within the GPU/instance caps serves the demand; the message says what is short."""
+
+
+def default_engine(variant: Variant) -> str:
+    return "cp-sat" if variant is Variant.SLICED else "scip"
+
+
+def solve_mix(
+    problem: MixProblem,
+    *,
+    variant: Variant = Variant.CONTINUOUS,
+    slice_factor: int = 4,
+    engine: str = "auto",
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    drop_unservable: bool = False,
+) -> MixSolution:
+    """The cheapest fleet for `problem` (see `placement.binpacking` for the model).
+
+    Raises UnservableError when a bucket with demand has no serving option (unless `drop_unservable`, which
+    solves the rest and lists them in `.unservable`), InfeasibleError when the caps cannot be met, and
+    PlacementError for malformed input. A time limit always applies; on expiry the incumbent comes back
+    with status `feasible` and its gap.
+    """
+    check_problem(problem)
+    if engine not in ENGINES:
+        raise PlacementError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+    if slice_factor < 1:
+        raise PlacementError(f"slice factor must be ≥ 1, got {slice_factor}")
+    if time_limit_s <= 0:
+        raise PlacementError(f"time limit must be > 0 s, got {time_limit_s}")
+    engine = default_engine(variant) if engine == "auto" else engine
+    if engine == "cp-sat" and variant is Variant.CONTINUOUS:
+        raise PlacementError("CP-SAT has no continuous variables: use engine scip or the sliced variant")
+    paths, unservable = serving_paths(problem)
+    if unservable and not drop_unservable:
+        worst = ", ".join(f"{u.model} bucket {u.bucket} ({u.rate:g} req/s)" for u in unservable[:5])
+        raise UnservableError(f"{len(unservable)} bucket(s) with demand no GPU type serves within the SLO: {worst}", unservable)
+    units = slice_factor if variant is Variant.SLICED else 1
+    coefs = load_coefficients(problem, paths, units)
+    _check_bounds(problem, paths, coefs, units)
+    result = _run(problem, paths, coefs, units, engine, variant, time_limit_s)
+    if result.status is Status.INFEASIBLE:
+        raise InfeasibleError(explain_infeasible(problem))
+    if result.status is Status.UNKNOWN:
+        raise PlacementError(f"no solution found within the {time_limit_s:g} s time limit ({engine}); raise --time-limit")
+    return _finish(problem, paths, coefs, units, result, variant, slice_factor, unservable)
+
+
+def _run(
+    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int, engine: str, variant: Variant, limit: float
+) -> EngineResult:
+    if variant is Variant.CONTINUOUS:
+        return solve_mip(problem, paths, coefs, units, limit, backend=engine.upper(), integral_shares=False)
+    # Sliced: the continuous optimum (same model, real shares) is a lower bound. Rounding its shares to
+    # whole slices often meets that bound, which proves optimality at once; otherwise the exact engine
+    # starts from the rounded fleet as a hint and the bound as a cut.
+    deadline = time.perf_counter() + limit
+    relax = solve_mip(problem, paths, coefs, units, limit * 0.4, backend="SCIP", integral_shares=False)
+    if relax.status is Status.INFEASIBLE:
+        return relax
+    lower = relax.bound if relax.status is Status.OPTIMAL or relax.bound is not None else None
+    hint = _round_shares(problem, paths, coefs, units, relax) if relax.status in (Status.OPTIMAL, Status.FEASIBLE) else None
+    if hint is not None and lower is not None and hint.objective is not None and hint.objective <= lower * (1 + 1e-9) + 1e-9:
+        return replace(hint, wall_s=relax.wall_s, notes=("optimal: whole slices from the continuous optimum meet its bound",))
+    if relax.status is Status.OPTIMAL and engine == "cp-sat":
+        # Do whole slices fit in the continuous optimum's fleet? Then that fleet is optimal for slices too.
+        budget = max((deadline - time.perf_counter()) * 0.25, 0.02)
+        fit = solve_cp_sat(problem, paths, coefs, units, budget, round_up=True, fixed_counts=relax.counts, hint=hint)
+        if fit.status in (Status.OPTIMAL, Status.FEASIBLE):  # counts pinned: any solution costs the bound
+            note = "optimal: whole slices fit the continuous optimum's fleet"
+            wall = relax.wall_s + fit.wall_s
+            return replace(fit, status=Status.OPTIMAL, objective=relax.objective, bound=relax.objective, wall_s=wall, notes=(note,))
+    left = max(deadline - time.perf_counter(), 0.05)
+    if engine != "cp-sat":
+        exact = solve_mip(problem, paths, coefs, units, left, backend=engine.upper(), lower_bound=lower)
+        return _best(exact, hint, relax.wall_s)
+    exact = solve_cp_sat(problem, paths, coefs, units, left, lower_bound=lower, hint=hint)
+    if exact.status in (Status.OPTIMAL, Status.FEASIBLE) and _violations(problem, paths, coefs, exact):
+        # The rounded-down model's answer overloads some option by float dust: solve the rounded-up model,
+        # whose answers are all truly feasible; the relaxation's bound still bounds the true optimum.
+        left = max(deadline - time.perf_counter(), 0.05)
+        restricted = solve_cp_sat(problem, paths, coefs, units, left, round_up=True, lower_bound=lower, hint=hint)
+        if restricted.status in (Status.OPTIMAL, Status.FEASIBLE):
+            assert exact.bound is not None and restricted.objective is not None
+            proven = restricted.status is Status.OPTIMAL and restricted.objective <= exact.bound * (1 + 1e-9) + 1e-6
+            exact = replace(
+                restricted,
+                status=Status.OPTIMAL if proven else Status.FEASIBLE,
+                bound=exact.bound,
+                wall_s=exact.wall_s + restricted.wall_s,
+            )
+    return _best(exact, hint, relax.wall_s)
+
+
+def _best(exact: EngineResult, hint: EngineResult | None, extra_s: float) -> EngineResult:
+    """The exact engine's answer, or the rounded hint when the engine ran out of time with nothing better."""
+    exact = replace(exact, wall_s=exact.wall_s + extra_s)
+    if exact.status is Status.OPTIMAL or hint is None or hint.objective is None:
+        return exact
+    if exact.objective is None or hint.objective < exact.objective:
+        return replace(hint, status=Status.FEASIBLE, bound=exact.bound, wall_s=exact.wall_s, engine=exact.engine)
+    return exact
+
+
+def _round_shares(
+    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int, relax: EngineResult
+) -> EngineResult | None:
+    """Whole slices from real shares (largest remainder per path), counts from the loads; None if a cap breaks."""
+    shares: list[dict[int, float]] = []
+    for p, real in zip(paths, relax.shares, strict=True):
+        first = p.mixed + (p.prefill if p.prefill and p.decode else ())
+        whole = _largest_remainder({o: real.get(o, 0.0) for o in first}, units)
+        if p.prefill and p.decode:
+            target = sum(whole.get(o, 0) for o in p.prefill)
+            whole |= _largest_remainder({o: real.get(o, 0.0) for o in p.decode}, target)
+        shares.append({o: float(v) for o, v in whole.items()})
+    loads = window_loads(problem, paths, coefs, shares)
+    counts = [opt.min_instances for opt in problem.options]
+    for (_, o), load in loads.items():
+        counts[o] = max(counts[o], needed_instances(load))
+    if not _within_caps(problem, counts):
+        return None
+    cost = sum(problem.option_cost(opt) * n for opt, n in zip(problem.options, counts, strict=True))
+    return EngineResult(Status.OPTIMAL, tuple(counts), tuple(shares), cost, cost, 0.0, "scip+rounding")
+
+
+def _largest_remainder(real: Mapping[int, float], total: int) -> dict[int, int]:
+    scale = sum(real.values())
+    if total == 0 or scale <= 0:
+        return {o: 0 for o in real} | ({next(iter(real)): total} if real and total else {})
+    exact = {o: v * total / scale for o, v in real.items()}
+    whole = {o: math.floor(v) for o, v in exact.items()}
+    for o in sorted(exact, key=lambda o: exact[o] - whole[o], reverse=True)[: total - sum(whole.values())]:
+        whole[o] += 1
+    return whole
+
+
+def _within_caps(problem: MixProblem, counts: Sequence[int]) -> bool:
+    for opt, n in zip(problem.options, counts, strict=True):
+        if opt.max_instances is not None and n > opt.max_instances:
+            return False
+    for name, offer in problem.gpus.items():
+        used = sum(n * opt.tp for opt, n in zip(problem.options, counts, strict=True) if opt.gpu == name)
+        if used < offer.min_gpus or (offer.max_gpus is not None and used > offer.max_gpus):
+            return False
+    return True
+
+
+def _violations(problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], r: EngineResult) -> int:
+    loads = window_loads(problem, paths, coefs, r.shares)
+    return sum(1 for (_, o), load in loads.items() if needed_instances(load) > r.counts[o])
+
+
+def _check_bounds(problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int) -> None:
+    for o, (lb, ub) in enumerate(count_bounds(problem, paths, coefs, units)):
+        if lb > ub:
+            opt = problem.options[o]
+            raise InfeasibleError(f"{opt.key}: min_instances {lb} exceeds what the caps allow ({ub})")
+
+
+def _finish(
+    problem: MixProblem,
+    paths: Sequence[Path],
+    coefs: Sequence[Mapping[int, float]],
+    units: int,
+    r: EngineResult,
+    variant: Variant,
+    slice_factor: int,
+    unservable: Sequence[Unservable],
+) -> MixSolution:
+    loads = window_loads(problem, paths, coefs, r.shares)
+    peak = [max((v for (_, o), v in loads.items() if o == idx), default=0.0) for idx in range(len(problem.options))]
+    counts = list(r.counts)
+    status, notes = r.status, list(r.notes)
+    for o, load in enumerate(peak):
+        need = needed_instances(load)
+        if need > counts[o]:  # the engine's tolerance let an option overload: add what the load needs
+            notes.append(f"{problem.options[o].key}: load {load:.6f} > {counts[o]} instances, raised to {need}")
+            counts[o], status = need, Status.FEASIBLE
+    if status is not Status.OPTIMAL:
+        _trim(problem, counts, peak)
+    opts = problem.options
+    cost = sum(problem.option_cost(opt) * n for opt, n in zip(opts, counts, strict=True))
+    bound = cost if status is Status.OPTIMAL else min(cost, r.bound if r.bound is not None else 0.0)
+    gpus: dict[str, int] = {}
+    for opt, n in zip(opts, counts, strict=True):
+        if n:
+            gpus[opt.gpu] = gpus.get(opt.gpu, 0) + n * opt.tp
+    fractions: list[dict[tuple[str, int], dict[str, float]]] = [{} for _ in problem.windows]
+    for p, s in zip(paths, r.shares, strict=True):
+        fractions[p.window][(p.model, p.bucket)] = {opts[o].key: v / units for o, v in s.items() if v > 1e-12}
+    return MixSolution(
+        status=status,
+        variant=variant,
+        slice_factor=slice_factor if variant is Variant.SLICED else 0,
+        engine=r.engine,
+        counts={opt.key: n for opt, n in zip(opts, counts, strict=True)},
+        gpus=gpus,
+        cost_per_hour=cost,
+        gap=0.0 if status is Status.OPTIMAL or cost <= 0 else max(0.0, (cost - bound) / cost),
+        bound=bound,
+        wall_s=r.wall_s,
+        fractions=tuple(fractions),
+        loads={opt.key: load for opt, load in zip(opts, peak, strict=True)},
+        unservable=tuple(unservable),
+        notes=tuple(notes),
+    )
+
+
+def _trim(problem: MixProblem, counts: list[int], peak: Sequence[float]) -> None:
+    """Drop instances an incumbent carries beyond its load, while every min cap still holds."""
+    for o, opt in enumerate(problem.options):
+        offer = problem.gpus[opt.gpu]
+        floor = max(needed_instances(peak[o]), opt.min_instances)
+        while counts[o] > floor:
+            gpus = sum(c * x.tp for c, x in zip(counts, problem.options, strict=True) if x.gpu == opt.gpu)
+            if gpus - opt.tp < offer.min_gpus:
+                break
+            counts[o] -= 1
+
+
+def explain_infeasible(problem: MixProblem) -> str:
+    """Say which caps bind: the cheapest fleet without max caps, against the caps it would break."""
+    caps = {n: g.max_gpus for n, g in problem.gpus.items() if g.max_gpus is not None}
+    inst_caps = {o.key: o.max_instances for o in problem.options if o.max_instances is not None}
+    free = MixProblem(
+        {n: replace(g, max_gpus=None) for n, g in problem.gpus.items()},
+        tuple(replace(o, max_instances=None) for o in problem.options),
+        problem.windows,
+    )
+    try:
+        uncapped = solve_mix(free, time_limit_s=5.0)
+    except PlacementError as exc:
+        return f"no fleet serves the demand even without availability caps: {exc}"
+    over = [f"{g} needs {n} GPUs > cap {caps[g]}" for g, n in sorted(uncapped.gpus.items()) if g in caps and n > caps[g]]
+    over += [f"{k} needs {n} instances > cap {inst_caps[k]}" for k, n in uncapped.counts.items() if k in inst_caps and n > inst_caps[k]]
+    fleet = ", ".join(f"{n}× {g}" for g, n in sorted(uncapped.gpus.items()))
+    detail = "; ".join(over) if over else "the caps together leave too little capacity"
+    cap_text = ", ".join(f"{g} ≤ {c}" for g, c in sorted(caps.items())) or "none"
+    return f"no fleet within the caps ({cap_text}) serves the demand: {detail} (uncapped cheapest: {fleet}, ${uncapped.cost_per_hour:.2f}/h)"
+
+
+@dataclass(frozen=True, slots=True)
+class SingleType:
+    """The cheapest fleet using one GPU type only, or why there is none."""
+
+    gpu: str
+    solution: MixSolution | None
+    reason: str = ""
+
+
+def single_type_fleets(problem: MixProblem, **kwargs: object) -> list[SingleType]:
+    """For every offered GPU type, `solve_mix` restricted to its options (Mélange's baselines)."""
+    out: list[SingleType] = []
+    for name in problem.gpus:
+        options = tuple(o for o in problem.options if o.gpu == name)
+        if not options:
+            out.append(SingleType(name, None, "no profile"))
+            continue
+        sub = MixProblem({name: problem.gpus[name]}, options, problem.windows)
+        try:
+            out.append(SingleType(name, solve_mix(sub, **kwargs)))  # type: ignore[arg-type]
+        except UnservableError as exc:
+            out.append(SingleType(name, None, f"cannot serve {len(exc.buckets)} bucket(s) within the SLO"))
+        except PlacementError as exc:
+            out.append(SingleType(name, None, str(exc)))
+    return out
+
+
+def best_single_type(singles: Sequence[SingleType]) -> SingleType | None:
+    feasible = [s for s in singles if s.solution is not None]
+    return min(feasible, key=lambda s: s.solution.cost_per_hour if s.solution else math.inf, default=None)
