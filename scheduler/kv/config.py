@@ -1,0 +1,137 @@
+"""`kv:` section of the gateway config (pydantic v2, unknown keys refused) and the ledger it builds.
+
+```yaml
+kv:
+  enabled: true            # false → no reservation: workers admit greedily and may preempt (vLLM default)
+  mode: worst_case         # worst_case: reserve max_tokens (never preempts) | predicted: a quantile, grown as it streams
+  watermark: 0.02          # fraction of each worker's KV kept unreserved
+  share: null              # this gateway's share of every worker; null → 1 / gateway.replicas
+  lease_s: 900             # a reservation not renewed for this long is released (lease_expired)
+  alpha: 2.0               # per-head budget μ + α·σ for compression pools
+  reconcile_tolerance: 0.02  # reported usage may exceed what reservations explain by this fraction before shrinking
+  predictor: {quantile: 0.9, window: 512, min_samples: 20}
+  overbook: {max_frac: 0.1, preemption_budget: 0}   # predicted mode only
+  compression:             # pools whose workers compress KV per head (ragged paging)
+    - pool: decode-h100
+      profile: profiles/llama-3.1-8b/profile.npz   # Tangram .npz, or JSON/CSV (placement/kv_profile.py)
+      heads_per_group: 4
+      prefill_chunk: 8192
+  batch_admission: {enabled: false, time_limit_ms: 5, max_head: 32}
+```
+`build_ledger(cfg, gateway_replicas)` reads the profiles once (file I/O at build time only) and returns a
+pure `KvLedger`; `None` when `enabled: false`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from placement.kv_layout import sorted_groups
+from placement.kv_profile import ProfileError, load_head_profile
+from scheduler.kv.footprint import CompressionSpec
+from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
+from scheduler.length_predictor import DEFAULT_INPUT_EDGES, LengthPredictor
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PredictorConfig(_Strict):
+    quantile: float = Field(default=0.9, gt=0, le=1)
+    window: int = Field(default=512, ge=1)
+    min_samples: int = Field(default=20, ge=1)
+    input_edges: list[int] = Field(default_factory=lambda: list(DEFAULT_INPUT_EDGES))
+
+
+class OverbookConfig(_Strict):
+    max_frac: float = Field(default=0.1, ge=0, le=1)  # worst-case reservations may exceed capacity by this
+    preemption_budget: float = Field(default=0.0, ge=0)  # preemptions per reconcile tolerated before halving
+
+
+class CompressionPoolConfig(_Strict):
+    pool: str | None = None
+    model: str | None = None
+    profile: str
+    heads_per_group: int = Field(default=4, ge=1)
+    alpha: float | None = Field(default=None, ge=0)  # None → kv.alpha
+    prefill_chunk: int = Field(default=8192, ge=1)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> CompressionPoolConfig:
+        if (self.pool is None) == (self.model is None):
+            raise ValueError("give exactly one of pool or model")
+        return self
+
+
+class BatchAdmissionConfig(_Strict):
+    enabled: bool = False
+    time_limit_ms: float = Field(default=5.0, gt=0)
+    max_head: int = Field(default=32, ge=1)
+
+
+class KvConfig(_Strict):
+    """KV budget reservation settings (docs/kv.md)."""
+
+    enabled: bool = True
+    mode: Literal["worst_case", "predicted"] = "worst_case"
+    watermark: float = Field(default=0.02, ge=0, lt=1)
+    share: float | None = Field(default=None, gt=0, le=1)
+    lease_s: float = Field(default=900.0, gt=0)
+    alpha: float = Field(default=2.0, ge=0)
+    reconcile_tolerance: float = Field(default=0.02, ge=0, le=1)
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig)
+    overbook: OverbookConfig = Field(default_factory=OverbookConfig)
+    compression: list[CompressionPoolConfig] = Field(default_factory=list)
+    batch_admission: BatchAdmissionConfig = Field(default_factory=BatchAdmissionConfig)
+
+
+class KvConfigError(ValueError):
+    """A `kv:` setting that cannot be used (e.g. an unreadable profile); the message names the field."""
+
+
+def build_predictor(cfg: KvConfig) -> LengthPredictor:
+    p = cfg.predictor
+    try:
+        return LengthPredictor(p.quantile, p.window, p.min_samples, p.input_edges)
+    except ValueError as exc:
+        raise KvConfigError(f"kv.predictor: {exc}") from None
+
+
+def build_compression(cfg: KvConfig, base_dir: str | Path | None = None) -> tuple[dict[str, CompressionSpec], dict[str, CompressionSpec]]:
+    """(by pool, by model) compression specs from `kv.compression`; profile paths relative to `base_dir`."""
+    by_pool: dict[str, CompressionSpec] = {}
+    by_model: dict[str, CompressionSpec] = {}
+    for i, c in enumerate(cfg.compression):
+        path = Path(c.profile)
+        if base_dir is not None and not path.is_absolute():
+            path = Path(base_dir) / path
+        try:
+            profile = load_head_profile(path)
+        except ProfileError as exc:
+            raise KvConfigError(f"kv.compression.{i}.profile: {exc}") from None
+        groups = sorted_groups(profile, c.heads_per_group, cfg.alpha if c.alpha is None else c.alpha)
+        spec = CompressionSpec(groups.sizes, groups.budgets, profile.sink, profile.window, c.prefill_chunk,
+                               name=profile.name)
+        (by_pool if c.pool is not None else by_model)[c.pool or c.model or ""] = spec
+    return by_pool, by_model
+
+
+def build_ledger(cfg: KvConfig, gateway_replicas: int = 1, base_dir: str | Path | None = None) -> KvLedger | None:
+    """The gateway's ledger for `cfg` (None when reservation is disabled). Share = cfg.share or 1/replicas."""
+    if not cfg.enabled:
+        return None
+    by_pool, by_model = build_compression(cfg, base_dir)
+    settings = LedgerSettings(
+        mode=cfg.mode,
+        watermark=cfg.watermark,
+        share=cfg.share if cfg.share is not None else 1.0 / max(1, gateway_replicas),
+        lease_s=cfg.lease_s,
+        max_overbook_frac=cfg.overbook.max_frac,
+        preemption_budget=cfg.overbook.preemption_budget,
+        reconcile_tolerance=cfg.reconcile_tolerance,
+    )
+    return KvLedger(settings, SpecTable(by_pool=by_pool, by_model=by_model), build_predictor(cfg))

@@ -1,0 +1,364 @@
+"""KV budget ledger: reserve each request's KV footprint on a worker before dispatch (the router's Reserve step).
+
+Per worker, in the worker's ledger units (blocks, or head-pages for compression workers; `footprint.py`):
+
+    total     = num_gpu_blocks · units_per_block      scraped `vllm:cache_config_info`, else the perf model
+    capacity  = floor(total · (1 − watermark) · share) − shrink
+    admit  ⇔  reserved + need.peak + holds of others ≤ capacity
+              (predicted mode also: worst_reserved + worst.peak ≤ capacity · (1 + overbook allowance))
+
+`share` is this gateway process's part of every worker (1/N for N gateway replicas, DESIGN "Scaling the
+gateway out"); `shrink` comes from `reconcile`: when a worker reports more KV in use than this process's
+reservations (plus the other processes' shares, plus what was released since the last reconcile) explain,
+by more than `reconcile_tolerance` of the total, the excess is withheld until usage falls back.
+
+Lifecycle of a `KvReservation` (every path ends in exactly one `release`):
+admission → `reserve` holds `peak` → `first_token` shrinks to `steady` (the transient prefill chunk is
+freed) → `on_tokens` renews the lease and, in predicted mode, grows the output reservation as tokens
+stream → `release(outcome)` (idempotent: later calls are no-ops, counted in `stats.double_releases`).
+A reservation whose lease (`lease_s` since the last renewal) has passed is released by `sweep(now)` with
+`Outcome.LEASE_EXPIRED`, so a lost completion can never leak pages.
+
+Holds (aging): `hold(req, worker, units)` sets pages aside for one waiting request (a large long-context
+request that many small ones keep overtaking); others cannot reserve them, the holder's reserve can.
+
+Pure: no clock (every method takes `now`), no I/O. Not thread-safe: the gateway calls it from its event loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Literal
+
+from scheduler.fleet import FleetView, WorkerView
+from scheduler.kv.footprint import CompressionSpec, Footprint, WorkerKvSpec, need
+from scheduler.length_predictor import LengthPredictor
+from scheduler.routing.framework import RouteRequest
+from scheduler.routing.reasons import Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSettings:
+    mode: Literal["worst_case", "predicted"] = "worst_case"
+    watermark: float = 0.02
+    share: float = 1.0
+    lease_s: float = 900.0
+    max_overbook_frac: float = 0.1  # predicted mode: Σ worst-case peaks may exceed capacity by this fraction
+    preemption_budget: float = 0.0  # preemptions seen per reconcile before the overbook allowance halves
+    reconcile_tolerance: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.watermark < 1.0 or not 0.0 < self.share <= 1.0 or self.lease_s <= 0:
+            raise ValueError("watermark in [0, 1), share in (0, 1], lease_s > 0")
+
+
+@dataclass(slots=True)
+class SpecTable:
+    """Which workers compress KV: a layout per pool, else per model, else stock vLLM."""
+
+    by_pool: Mapping[str, CompressionSpec] = field(default_factory=dict)
+    by_model: Mapping[str, CompressionSpec] = field(default_factory=dict)
+
+    def spec_for(self, worker: WorkerView) -> WorkerKvSpec:
+        comp = self.by_pool.get(worker.pool) or self.by_model.get(worker.model)
+        return WorkerKvSpec(worker.effective_block_size, worker.capacity.max_model_len, comp)
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileSample:
+    """One worker's reported usage against this process's reservations (the estimate-error metric)."""
+
+    worker_id: str
+    reported_units: float
+    reserved_units: int
+    error_frac: float  # (reported − reserved) / total: > 0 means the worker holds more than was reserved
+    shrink_units: int
+
+
+@dataclass(slots=True)
+class LedgerStats:
+    reserved: int = 0
+    refused: int = 0
+    released: Counter[str] = field(default_factory=Counter)
+    double_releases: int = 0
+    grows: int = 0
+    grow_refused: int = 0
+
+
+class KvReservation:
+    """Pages held on one worker for one request. Use as a context manager or call `release` once."""
+
+    __slots__ = ("_ledger", "expires_s", "fp_steady", "fp_worst_steady", "key", "max_output", "model", "outcome",
+                 "prefilled", "prompt_tokens", "request_id", "reserved_output", "units", "worker_id", "worst_units")
+
+    def __init__(self, ledger: KvLedger, key: int, req: RouteRequest, worker_id: str, fp: Footprint,
+                 worst: Footprint, now: float) -> None:
+        self._ledger = ledger
+        self.key = key
+        self.worker_id = worker_id
+        self.request_id = req.request_id
+        self.model = req.model
+        self.prompt_tokens = req.prompt_tokens
+        self.max_output = req.max_output_tokens
+        self.reserved_output = fp.reserved_output
+        self.units = fp.peak
+        self.fp_steady = fp.steady
+        self.worst_units = worst.peak
+        self.fp_worst_steady = worst.steady
+        self.prefilled = False
+        self.outcome: Outcome | None = None
+        self.expires_s = now + ledger.settings.lease_s
+
+    @property
+    def released(self) -> bool:
+        return self.outcome is not None
+
+    def release(self, outcome: Outcome) -> None:
+        """Free the pages (first call only; later calls are counted and ignored)."""
+        self._ledger._release(self, outcome)
+
+    def touch(self, now: float) -> None:
+        """Renew the lease (call on streamed chunks; `on_tokens` does it too)."""
+        if self.outcome is None:
+            self.expires_s = now + self._ledger.settings.lease_s
+
+    def first_token(self, now: float) -> None:
+        """Prefill is done: drop the transient first-chunk pages (peak → steady)."""
+        self._ledger._settle(self, now)
+
+    def on_tokens(self, generated: int, now: float) -> bool:
+        """`generated` output tokens so far; grows the reservation if needed. False if it could not grow."""
+        return self._ledger._grow(self, generated, now)
+
+    def __enter__(self) -> KvReservation:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release(Outcome.COMPLETED if exc_type is None else Outcome.WORKER_ERROR)
+
+    def __repr__(self) -> str:
+        return f"KvReservation({self.request_id!r} on {self.worker_id!r}, {self.units} units, outcome={self.outcome})"
+
+
+@dataclass(slots=True)
+class _Book:
+    total: int = 0  # units on the worker (last seen)
+    reserved: int = 0
+    worst_reserved: int = 0
+    shrink: int = 0
+    released_since_reconcile: int = 0
+    overbook: float = 0.0  # current allowance (predicted mode)
+    last_preemptions: float | None = None
+    error_frac: float | None = None
+    active: dict[int, KvReservation] = field(default_factory=dict)
+    holds: dict[str, int] = field(default_factory=dict)
+
+
+class KvLedger:
+    """Reserved KV per worker against its capacity. Implements the router's ReservePlugin and FitChecker."""
+
+    def __init__(self, settings: LedgerSettings | None = None, specs: SpecTable | None = None,
+                 predictor: LengthPredictor | None = None) -> None:
+        self.settings = settings or LedgerSettings()
+        self.specs = specs or SpecTable()
+        self.predictor = predictor or LengthPredictor()
+        self.stats = LedgerStats()
+        self._books: dict[str, _Book] = {}
+        self._specs: dict[str, WorkerKvSpec] = {}  # last spec seen per worker id (for grow)
+        self._next_key = 0
+
+    # --- capacity --------------------------------------------------------------------------------------
+    def spec_for(self, worker: WorkerView) -> WorkerKvSpec:
+        return self.specs.spec_for(worker)
+
+    def total_units(self, worker: WorkerView) -> int:
+        return worker.kv_blocks_total * self.spec_for(worker).units_per_block
+
+    def capacity(self, worker: WorkerView) -> int:
+        """floor(total · (1 − watermark) · share) − shrink, never below 0."""
+        return self._capacity_of(self._book(worker))
+
+    def _capacity_of(self, book: _Book) -> int:
+        s = self.settings
+        return max(0, math.floor(book.total * (1.0 - s.watermark) * s.share) - book.shrink)
+
+    def reserved(self, worker_id: str) -> int:
+        book = self._books.get(worker_id)
+        return book.reserved if book else 0
+
+    def free(self, worker: WorkerView, request_id: str | None = None) -> int:
+        """Units `request_id` could reserve now (holds of other requests excluded)."""
+        book = self._book(worker)
+        held = sum(u for k, u in book.holds.items() if k != request_id)
+        return self.capacity(worker) - book.reserved - held
+
+    def active(self, worker_id: str | None = None) -> list[KvReservation]:
+        books = [self._books[worker_id]] if worker_id is not None and worker_id in self._books else (
+            [] if worker_id is not None else list(self._books.values()))
+        return [r for b in books for r in b.active.values()]
+
+    # --- footprint -------------------------------------------------------------------------------------
+    def footprint(self, req: RouteRequest, worker: WorkerView) -> tuple[Footprint, Footprint]:
+        """(the footprint to reserve, the worst-case footprint); equal in worst_case mode."""
+        spec = self.spec_for(worker)
+        worst = need(req.prompt_tokens, req.max_output_tokens, spec)
+        if self.settings.mode == "worst_case":
+            return worst, worst
+        predicted = min(req.max_output_tokens, max(1, req.predicted_output_tokens))
+        return need(req.prompt_tokens, predicted, spec), worst
+
+    def can_ever_fit(self, req: RouteRequest, worker: WorkerView) -> bool:
+        """Whether the request fits this worker's capacity when nothing else is reserved."""
+        fp, _ = self.footprint(req, worker)
+        return fp.peak <= self.capacity(worker)
+
+    # --- ReservePlugin / FitChecker ----------------------------------------------------------------------
+    def fits(self, req: RouteRequest, worker: WorkerView, now: float) -> bool:
+        fp, worst = self.footprint(req, worker)
+        return self._admissible(worker, req.request_id, fp, worst)
+
+    def reserve(self, req: RouteRequest, worker: WorkerView, now: float) -> KvReservation | None:
+        fp, worst = self.footprint(req, worker)
+        if not self._admissible(worker, req.request_id, fp, worst):
+            self.stats.refused += 1
+            return None
+        book = self._book(worker)
+        self._next_key += 1
+        res = KvReservation(self, self._next_key, req, worker.id, fp, worst, now)
+        book.active[res.key] = res
+        book.reserved += res.units
+        book.worst_reserved += res.worst_units
+        book.holds.pop(req.request_id, None)
+        self.stats.reserved += 1
+        return res
+
+    def _admissible(self, worker: WorkerView, request_id: str, fp: Footprint, worst: Footprint) -> bool:
+        if fp.peak > self.free(worker, request_id):
+            return False
+        if self.settings.mode == "predicted" and worst.peak > fp.peak:
+            book = self._book(worker)
+            limit = self.capacity(worker) * (1.0 + book.overbook)
+            return book.worst_reserved + worst.peak <= limit
+        return True
+
+    # --- holds (aging) ---------------------------------------------------------------------------------
+    def hold(self, request_id: str, worker: WorkerView, units: int) -> None:
+        """Set `units` aside on `worker` for `request_id` (replaces its previous hold there)."""
+        self._book(worker).holds[request_id] = max(0, int(units))
+
+    def drop_hold(self, request_id: str) -> None:
+        for book in self._books.values():
+            book.holds.pop(request_id, None)
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+    def _release(self, res: KvReservation, outcome: Outcome) -> None:
+        if res.outcome is not None:
+            self.stats.double_releases += 1
+            return
+        res.outcome = Outcome(outcome)
+        book = self._books[res.worker_id]
+        del book.active[res.key]
+        book.reserved -= res.units
+        book.worst_reserved -= res.worst_units
+        book.released_since_reconcile += res.units
+        self.stats.released[res.outcome.value] += 1
+
+    def _settle(self, res: KvReservation, now: float) -> None:
+        if res.outcome is not None or res.prefilled:
+            return
+        res.prefilled = True
+        res.touch(now)
+        self._resize(res, res.fp_steady, res.fp_worst_steady)
+
+    def _resize(self, res: KvReservation, units: int, worst_units: int) -> None:
+        book = self._books[res.worker_id]
+        book.reserved += units - res.units
+        book.worst_reserved += worst_units - res.worst_units
+        if units < res.units:
+            book.released_since_reconcile += res.units - units
+        res.units, res.worst_units = units, worst_units
+
+    def _grow(self, res: KvReservation, generated: int, now: float) -> bool:
+        res.touch(now)
+        if res.outcome is not None or generated < res.reserved_output:
+            return True
+        if res.reserved_output >= res.max_output:
+            return True  # already the worst case (or the context limit): nothing more can be needed
+        target = self.predictor.grow(res.model, res.prompt_tokens, generated, res.max_output)
+        book = self._books[res.worker_id]
+        fp = need(res.prompt_tokens, target, self._specs[res.worker_id])
+        new_units = fp.steady if res.prefilled else fp.peak
+        delta = new_units - res.units
+        held = sum(u for k, u in book.holds.items() if k != res.request_id)
+        if delta > 0 and book.reserved + delta + held > self._capacity_of(book):
+            self.stats.grow_refused += 1
+            return False
+        self._resize(res, new_units, res.worst_units)
+        res.reserved_output = fp.reserved_output
+        self.stats.grows += 1
+        return True
+
+    def sweep(self, now: float) -> list[KvReservation]:
+        """Release (LEASE_EXPIRED) every reservation whose lease has passed; returns them."""
+        expired = [r for b in self._books.values() for r in b.active.values() if r.expires_s <= now]
+        for r in expired:
+            r.release(Outcome.LEASE_EXPIRED)
+        return expired
+
+    # --- reconcile -------------------------------------------------------------------------------------
+    def reconcile(self, view: FleetView | Iterable[WorkerView], now: float) -> list[ReconcileSample]:
+        """Compare reported KV usage with reservations; shrink capacity by unexplained usage. Per worker."""
+        workers = view.workers if isinstance(view, FleetView) else tuple(view)
+        s = self.settings
+        out: list[ReconcileSample] = []
+        for w in workers:
+            if w.kv_usage is None:
+                continue
+            book = self._book(w)
+            total = book.total
+            used = w.kv_usage * total
+            explained = book.reserved + book.released_since_reconcile + total * (1.0 - s.share)
+            excess = used - explained - s.reconcile_tolerance * total
+            book.shrink = max(0, math.ceil(excess))
+            book.released_since_reconcile = 0
+            book.error_frac = (used - book.reserved) / total if total else 0.0
+            self._track_preemptions(book, w.preemptions_total)
+            out.append(ReconcileSample(w.id, used, book.reserved, book.error_frac, book.shrink))
+        return out
+
+    def _track_preemptions(self, book: _Book, total: float | None) -> None:
+        """Predicted mode: halve the overbook allowance when preemptions exceed the budget, else regrow it."""
+        if total is None:
+            return
+        delta = 0.0 if book.last_preemptions is None else max(0.0, total - book.last_preemptions)
+        book.last_preemptions = total
+        cap = self.settings.max_overbook_frac
+        if delta > self.settings.preemption_budget:
+            book.overbook /= 2.0
+        else:
+            book.overbook = min(cap, book.overbook + cap / 4.0)
+
+    def estimate_error(self, worker_id: str) -> float | None:
+        """Last (reported − reserved) / total for the worker, None before its first reconcile."""
+        book = self._books.get(worker_id)
+        return book.error_frac if book else None
+
+    def snapshot(self) -> dict[str, dict[str, float | int | None]]:
+        """Per worker: total, reserved, shrink, active count, estimate error (for /metrics and /admin)."""
+        return {wid: {"total_units": b.total, "reserved_units": b.reserved, "shrink_units": b.shrink,
+                      "active": len(b.active), "estimate_error": b.error_frac, "holds": sum(b.holds.values())}
+                for wid, b in self._books.items()}
+
+    # --- internals -------------------------------------------------------------------------------------
+    def _book(self, worker: WorkerView) -> _Book:
+        book = self._books.get(worker.id)
+        if book is None:
+            book = self._books[worker.id] = _Book(overbook=self.settings.max_overbook_frac)
+        spec = self.spec_for(worker)
+        self._specs[worker.id] = spec
+        book.total = worker.kv_blocks_total * spec.units_per_block
+        return book
