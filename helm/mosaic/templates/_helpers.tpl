@@ -225,3 +225,15 @@ HPA it is maxReplicas, the pessimistic share.
 {{- end }}
 {{- toYaml $cfg }}
 {{- end }}
+
+{{/*
+Soft scale-in: on deletion the pod leaves its Service's EndpointSlice at once, and the gateway (resyncing
+every gateway.discovery.resyncSeconds) stops sending it new requests; the worker keeps serving for
+drainSeconds before SIGTERM, and in-flight streams get the rest of terminationGracePeriodSeconds.
+*/}}
+{{- define "mosaic.pool.preStop" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ .drainSeconds | int | toString | quote }}]
+{{- end }}

@@ -1,0 +1,354 @@
+"""What the rendered objects must say to work together: selectors select the pods they are meant to, RBAC is
+namespaced and minimal, every pool becomes a Deployment + Service with the discovery labels, GPU placement,
+tensor parallelism and P/D KV-transfer arguments its values ask for.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+
+from tests.chart.chartkit import (
+    EXAMPLES_DIR,
+    NAMESPACE,
+    RELEASE,
+    Rendered,
+    container,
+    env_map,
+    example_files,
+    load_values,
+    parse_selector,
+    pod_labels,
+    pod_spec,
+    render,
+    selects,
+)
+
+CASES = [pytest.param(None, id="default values")] + [
+    pytest.param(path, id=f"example {path.name}") for path in example_files()
+]
+
+
+def _render(chart: helm.Chart, values_file: Path | None, **overrides: Any) -> Rendered:
+    values = {} if values_file is None else load_values(values_file)
+    values.update(overrides)
+    return render(chart, values)
+
+
+def _args(c: dict[str, Any]) -> list[str]:
+    return [str(a) for a in c.get("args") or []]
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value after `name` in an argument list (None when the flag is absent)."""
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.mark.parametrize("values_file", CASES)
+def test_every_deployment_selector_matches_its_pod_template(
+    chart: helm.Chart, values_file: Path | None
+) -> None:
+    for dep in _render(chart, values_file).of_kind("Deployment"):
+        assert selects(dep["spec"]["selector"]["matchLabels"], pod_labels(dep)), dep["metadata"]["name"]
+
+
+@pytest.mark.parametrize("values_file", CASES)
+def test_every_service_selects_exactly_one_deployment_on_a_named_port(
+    chart: helm.Chart, values_file: Path | None
+) -> None:
+    rendered = _render(chart, values_file)
+    deployments = rendered.of_kind("Deployment")
+    for svc in rendered.of_kind("Service"):
+        matched = [d for d in deployments if selects(svc["spec"]["selector"], pod_labels(d))]
+        assert [d["metadata"]["name"] for d in matched] == [svc["metadata"]["name"]], svc["metadata"]["name"]
+        port_names = {p["name"] for c in pod_spec(matched[0])["containers"] for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in port_names
+
+
+@pytest.mark.parametrize("values_file", CASES)
+def test_pdb_and_hpa_target_the_gateway(chart: helm.Chart, values_file: Path | None) -> None:
+    rendered = _render(chart, values_file)
+    gateway = rendered.get("Deployment", f"{RELEASE}-gateway")
+    for pdb in rendered.of_kind("PodDisruptionBudget"):
+        assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels(gateway))
+    hpas = rendered.of_kind("HorizontalPodAutoscaler")
+    for hpa in hpas:
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": f"{RELEASE}-gateway",
+        }
+    # With an HPA, the Deployment must not pin replicas (each `helm upgrade` would undo the HPA).
+    assert ("replicas" in gateway["spec"]) == (not hpas)
+
+
+CONTROLLER_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+]
+
+
+@pytest.mark.parametrize("values_file", CASES)
+def test_rbac_is_namespaced_and_minimal(chart: helm.Chart, values_file: Path | None) -> None:
+    rendered = _render(chart, values_file)
+    kinds = {o["kind"] for o in rendered.objects}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}, "no cluster-wide RBAC"
+    pool_names = [d["metadata"]["name"] for d in rendered.pool_deployments()]  # values order
+
+    controller = rendered.get("Role", f"{RELEASE}-controller")
+    scale_rule = {
+        "apiGroups": ["apps"],
+        "resources": ["deployments/scale"],
+        "resourceNames": pool_names,
+        "verbs": ["get", "patch"],
+    }
+    assert controller["rules"] == [*CONTROLLER_RULES, scale_rule]
+    # The gateway only reads (discovery).
+    assert rendered.get("Role", f"{RELEASE}-gateway")["rules"] == CONTROLLER_RULES
+
+    for binding in rendered.of_kind("RoleBinding"):
+        role = rendered.get("Role", binding["roleRef"]["name"])
+        assert binding["roleRef"]["kind"] == "Role" and role["metadata"]["namespace"] == NAMESPACE
+        for subject in binding["subjects"]:
+            assert subject["namespace"] == NAMESPACE
+            rendered.get("ServiceAccount", subject["name"])
+    uses = {pod_spec(d).get("serviceAccountName") for d in rendered.of_kind("Deployment")}
+    assert {f"{RELEASE}-gateway", f"{RELEASE}-controller"} <= uses
+    for dep in rendered.pool_deployments():  # workers never talk to the API
+        assert pod_spec(dep)["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in pod_spec(dep)
+
+
+def test_controller_can_be_turned_off(chart: helm.Chart) -> None:
+    rendered = render(chart, {"controller": {"enabled": False}})
+    names = {(o["kind"], o["metadata"]["name"]) for o in rendered.objects}
+    assert not {n for n in names if n[1].endswith("-controller")}
+    assert ("Deployment", f"{RELEASE}-gateway") in names
+
+
+def test_controller_runs_the_autoscaler_once_on_the_shared_config(chart: helm.Chart) -> None:
+    rendered = render(chart)
+    dep = rendered.get("Deployment", f"{RELEASE}-controller")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    c = container(dep)
+    assert c["command"] == ["mosaic"] and _args(c)[:3] == ["autoscale", "--config", "/etc/mosaic/config.yaml"]
+    assert {"name": "config", "configMap": {"name": f"{RELEASE}-config"}} in pod_spec(dep)["volumes"]
+
+
+@pytest.mark.parametrize("values_file", CASES)
+def test_pools_carry_the_labels_the_gateway_discovers_them_by(
+    chart: helm.Chart, values_file: Path | None
+) -> None:
+    rendered = _render(chart, values_file)
+    config_pools = rendered.config()["pools"]
+    assert len(config_pools) == len(rendered.pool_deployments())
+    for pool in config_pools:
+        k8s = pool["endpoints"]["kubernetes"]
+        assert k8s["namespace"] == NAMESPACE and k8s["resource"] == "endpointslices"
+        # EndpointSlices carry kubernetes.io/service-name: the pool's Service, which selects the pool's pods.
+        service_name = parse_selector(k8s["label_selector"])["kubernetes.io/service-name"]
+        svc = rendered.get("Service", service_name)
+        dep = rendered.get("Deployment", service_name)
+        labels = pod_labels(dep)
+        assert selects(svc["spec"]["selector"], labels)
+        assert labels["mosaic.dev/pool"] == pool["name"]
+        assert labels["mosaic.dev/role"] == pool["role"]
+        assert labels["mosaic.dev/gpu"] == pool["gpu"]
+        assert k8s["port"] in {p["port"] for p in svc["spec"]["ports"]}
+        assert k8s["port"] in {p["containerPort"] for p in container(dep)["ports"]}
+
+
+def test_discovery_by_pods_selects_exactly_each_pools_pods(chart: helm.Chart) -> None:
+    values = load_values(EXAMPLES_DIR / "simulated-fleet.yaml")
+    values["gateway"] = {**values["gateway"], "discovery": {"resource": "pods", "resyncSeconds": 5}}
+    rendered = render(chart, values)
+    deployments = rendered.pool_deployments()
+    for pool in rendered.config()["pools"]:
+        k8s = pool["endpoints"]["kubernetes"]
+        assert k8s["resource"] == "pods" and k8s["resync_s"] == 5
+        selector = parse_selector(k8s["label_selector"])
+        matched = [d["metadata"]["name"] for d in deployments if selects(selector, pod_labels(d))]
+        assert matched == [f"{RELEASE}-{pool['name']}"]
+
+
+@pytest.mark.parametrize("values_file", CASES)
+def test_autoscaler_bounds_agree_between_annotations_and_config(
+    chart: helm.Chart, values_file: Path | None
+) -> None:
+    rendered = _render(chart, values_file)
+    for pool in rendered.config()["pools"]:
+        dep = rendered.get("Deployment", f"{RELEASE}-{pool['name']}")
+        notes = dep["metadata"]["annotations"]
+        assert int(notes["mosaic.dev/min-replicas"]) == pool["min_replicas"]
+        assert int(notes["mosaic.dev/max-replicas"]) == pool["max_replicas"]
+        assert pool["min_replicas"] <= dep["spec"]["replicas"] <= pool["max_replicas"]
+
+
+# heterogeneous-pd.yaml / multi-model.yaml, pool by pool: (pool, tp, kv_role or None, max-model-len, products)
+REAL_POOLS = [
+    pytest.param(
+        "heterogeneous-pd.yaml",
+        "h100-prefill",
+        1,
+        "kv_both",
+        "8192",
+        ["NVIDIA-H100-80GB-HBM3"],
+        id="H100 prefill pool gets the NIXL kv-transfer config, 1 GPU",
+    ),
+    pytest.param(
+        "heterogeneous-pd.yaml",
+        "a100-decode",
+        1,
+        "kv_both",
+        "8192",
+        ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"],
+        id="A100 decode pool gets the NIXL kv-transfer config",
+    ),
+    pytest.param(
+        "heterogeneous-pd.yaml",
+        "l4-mixed",
+        1,
+        None,
+        "4096",
+        ["NVIDIA-L4"],
+        id="L4 mixed pool has no kv-transfer config and its own max-model-len",
+    ),
+    pytest.param(
+        "multi-model.yaml",
+        "qwen-h100",
+        2,
+        None,
+        "16384",
+        ["NVIDIA-H100-80GB-HBM3"],
+        id="TP 2 pool asks for 2 GPUs and --tensor-parallel-size 2",
+    ),
+]
+
+
+@pytest.mark.parametrize(("example", "pool", "tp", "kv_role", "max_len", "products"), REAL_POOLS)
+def test_real_pool_runs_vllm_as_configured(
+    chart: helm.Chart,
+    example: str,
+    pool: str,
+    tp: int,
+    kv_role: str | None,
+    max_len: str,
+    products: list[str],
+) -> None:
+    values = load_values(EXAMPLES_DIR / example)
+    rendered = render(chart, values)
+    dep = rendered.get("Deployment", f"{RELEASE}-{pool}")
+    spec = pod_spec(dep)
+    c = container(dep)
+    args = _args(c)
+    entry = next(p for p in values["pools"] if p["name"] == pool)
+    assert c["command"] == ["vllm", "serve"] and args[0] == entry["model"]
+    assert _flag(args, "--served-model-name") == entry["model"]
+    assert _flag(args, "--tensor-parallel-size") == str(tp)
+    assert _flag(args, "--max-model-len") == max_len
+    assert _flag(args, "--port") == "8000" and _flag(args, "--host") == "0.0.0.0"
+    assert "--enable-prefix-caching" in args
+    assert (
+        c["resources"]["limits"]["nvidia.com/gpu"] == tp
+        and c["resources"]["requests"]["nvidia.com/gpu"] == tp
+    )
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms == [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": products}]}
+    ]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+
+    env = env_map(c)
+    if kv_role is None:
+        assert "--kv-transfer-config" not in args and "VLLM_NIXL_SIDE_CHANNEL_HOST" not in env
+    else:
+        assert json.loads(_flag(args, "--kv-transfer-config") or "") == {
+            "kv_connector": "NixlConnector",
+            "kv_role": kv_role,
+        }
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
+        assert {"name": "nixl", "containerPort": 5600, "protocol": "TCP"} in c["ports"]
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert env["HF_HOME"]["value"] == "/models/hf"
+
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts == {"model-cache": "/models", "dshm": "/dev/shm"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # 10 s × 180 = 30 min for weights to download and load before liveness can kill the pod.
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 1800
+    # A replacement needs free GPUs: never surge.
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+@pytest.mark.parametrize(
+    ("cache", "expected"),
+    [
+        pytest.param(
+            {}, {"emptyDir": {"sizeLimit": "100Gi"}}, id="no claim or host path → emptyDir of sizeLimit"
+        ),
+        pytest.param(
+            {"existingClaim": "weights"},
+            {"persistentVolumeClaim": {"claimName": "weights"}},
+            id="existing PVC",
+        ),
+        pytest.param(
+            {"hostPath": "/mnt/models"},
+            {"hostPath": {"path": "/mnt/models", "type": "DirectoryOrCreate"}},
+            id="host path",
+        ),
+    ],
+)
+def test_model_cache_volume(chart: helm.Chart, cache: dict[str, str], expected: dict[str, Any]) -> None:
+    rendered = render(chart, {"vllm": {"modelCache": cache}})
+    volumes = {v["name"]: v for v in pod_spec(rendered.pool_deployments()[0])["volumes"]}
+    assert volumes["model-cache"] == {"name": "model-cache", **expected}
+
+
+def test_hf_token_value_is_stored_in_a_secret_the_pods_read(chart: helm.Chart) -> None:
+    rendered = render(chart, {"vllm": {"hfToken": {"value": "hf_abc"}}})
+    secret = rendered.get("Secret", f"{RELEASE}-hf-token")
+    assert secret["data"] == {"token": "aGZfYWJj"}  # base64("hf_abc")
+    env = env_map(container(rendered.pool_deployments()[0]))
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": f"{RELEASE}-hf-token", "key": "token"}
+    assert "HF_TOKEN" not in env_map(container(render(chart).pool_deployments()[0])), "no token → no env var"
+
+
+def test_simulated_pools_run_mosaic_worker_without_gpus(chart: helm.Chart) -> None:
+    values = load_values(EXAMPLES_DIR / "simulated-fleet.yaml")
+    rendered = render(chart, values)
+    for entry, dep in zip(values["pools"], rendered.pool_deployments(), strict=True):
+        spec = pod_spec(dep)
+        c = container(dep)
+        args = _args(c)
+        assert c["command"] == ["mosaic"] and args[0] == "worker"
+        assert _flag(args, "--gpu") == entry["gpu"] and _flag(args, "--model") == entry["model"]
+        assert _flag(args, "--role") == entry["role"] and _flag(args, "--port") == "8000"
+        assert _flag(args, "--host") == "0.0.0.0"
+        assert not any("gpu" in k for k in c["resources"].get("limits", {})), "simulated workers need no GPU"
+        assert "affinity" not in spec
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert pod_labels(dep)["mosaic.dev/simulated"] == "true"
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_one_pool_can_be_simulated_among_real_ones(chart: helm.Chart) -> None:
+    values = load_values(EXAMPLES_DIR / "heterogeneous-pd.yaml")
+    values["pools"][2] = {**values["pools"][2], "simulated": True}
+    rendered = render(chart, values)
+    commands = {d["metadata"]["name"]: container(d)["command"] for d in rendered.pool_deployments()}
+    assert commands == {
+        f"{RELEASE}-h100-prefill": ["vllm", "serve"],
+        f"{RELEASE}-a100-decode": ["vllm", "serve"],
+        f"{RELEASE}-l4-mixed": ["mosaic"],
+    }

@@ -1,0 +1,211 @@
+"""The Grafana dashboard queries only metrics that exist: `mosaic_*` names from the gateway's own registry
+(server/metrics.py) and `vllm:*` names from what the simulated worker's /metrics serves (it speaks vLLM's
+metric names, REFERENCE.md). A renamed metric fails here instead of leaving an empty panel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.chart.chartkit import CHART_DIR, REPO_ROOT
+
+DASHBOARDS = sorted((CHART_DIR / "dashboards").glob("*.json"))
+
+# Sample names a metric family exposes, by type (Prometheus text format 0.0.4, prometheus_client's naming).
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "gauge": ("",),
+    "info": ("_info",),
+    "unknown": ("",),
+}
+# PromQL words that look like identifiers but are not metric names.
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (no PromQL parser is among the dependencies; the grammar
+    subset the dashboard uses is: functions and aggregations, `by (...)`, label matchers, range vectors)."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals (label values, $variables)
+    s = re.sub(r"\{[^}]*\}", " ", s)  # label matchers
+    s = re.sub(r"\[[^\]]*\]", " ", s)  # range selectors, e.g. [$__rate_interval]
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)  # label lists
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
+        followed_by_call = s[m.end() :].lstrip().startswith("(")
+        if not followed_by_call and m.group().lower() not in _KEYWORDS:
+            names.add(m.group())
+    return names
+
+
+@pytest.mark.parametrize(
+    ("expr", "expected"),
+    [
+        pytest.param(
+            'sum by (status) (rate(mosaic_requests_total{model=~"$model"}[$__rate_interval]))',
+            {"mosaic_requests_total"},
+            id="aggregation over a rate",
+        ),
+        pytest.param(
+            "histogram_quantile(0.9, sum by (le, pool) (rate(x_bucket[5m])))",
+            {"x_bucket"},
+            id="quantile: 0.9 and le are not names",
+        ),
+        pytest.param(
+            'count by (pool) (max by (pool, worker) (s{state="ready"}))', {"s"}, id="nested aggregations"
+        ),
+        pytest.param(
+            "max by (instance) (vllm:kv_cache_usage_perc)",
+            {"vllm:kv_cache_usage_perc"},
+            id="colon in a vLLM name",
+        ),
+        pytest.param("a / on (pod) group_left b", {"a", "b"}, id="binary operator with matching"),
+    ],
+)
+def test_metric_name_extraction(expr: str, expected: set[str]) -> None:
+    assert metric_names(expr) == expected
+
+
+def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for panel in panels:
+        yield panel
+        yield from _panels(panel.get("panels") or [])
+
+
+def _exprs(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    for panel in _panels(dashboard["panels"]):
+        for target in panel.get("targets") or []:
+            yield panel["title"], target["expr"]
+    for var in dashboard.get("templating", {}).get("list", []):
+        query = var.get("query")
+        if var["type"] == "query" and isinstance(query, dict):
+            yield f"variable {var['name']}", re.sub(r"^label_values\((\w+),.*\)$", r"\1", query["query"])
+
+
+def _family_samples(name: str, kind: str) -> set[str]:
+    base = name.removesuffix("_total") if kind == "counter" else name
+    return {base + suffix for suffix in _SUFFIXES.get(kind, ("",))}
+
+
+def gateway_exports() -> set[str]:
+    """Every sample name the gateway's registry can expose (families exist before any label is used)."""
+    from server.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.attach_live(lambda: [], dict)
+    return {s for fam in metrics.registry.collect() for s in _family_samples(fam.name, fam.type)}
+
+
+def simulated_worker_exports() -> set[str]:
+    """Sample names the simulated worker's /metrics serves, read over HTTP in-process (ASGI)."""
+    worker_app = pytest.importorskip(
+        "simulator.worker_app", reason="simulator/worker_app.py is not written yet"
+    )
+    import httpx
+
+    app = worker_app.create_worker_app(worker_app.WorkerConfig(gpu="A100-80GB", model="llama-3-8b"))
+
+    async def scrape() -> str:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://worker"
+        ) as client:
+            response = await client.get("/metrics")
+            response.raise_for_status()
+            return response.text
+
+    names: set[str] = set()
+    for fam in text_string_to_metric_families(asyncio.run(scrape())):
+        names |= _family_samples(fam.name, fam.type) | {s.name for s in fam.samples}
+    return names
+
+
+def test_dashboards_exist_and_are_grafana_json() -> None:
+    assert [p.name for p in DASHBOARDS] == ["mosaic.json"]
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 36
+        ids = [p["id"] for p in _panels(dashboard["panels"])]
+        assert len(ids) == len(set(ids)), "panel ids must be unique"
+        for panel in _panels(dashboard["panels"]):
+            for target in panel.get("targets") or []:
+                assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+
+
+# What the issue asks the dashboard to show, as (topic, metric a panel must query).
+REQUIRED = [
+    pytest.param("requests", "mosaic_requests_total", id="requests per second"),
+    pytest.param("TTFT", "mosaic_time_to_first_token_seconds_bucket", id="TTFT percentiles"),
+    pytest.param("ITL", "mosaic_inter_token_latency_seconds_bucket", id="ITL percentiles"),
+    pytest.param("e2e", "mosaic_e2e_request_latency_seconds_bucket", id="end-to-end percentiles"),
+    pytest.param("tokens/s", "vllm:generation_tokens_total", id="tokens per second"),
+    pytest.param("KV usage per worker", "vllm:kv_cache_usage_perc", id="KV usage per worker"),
+    pytest.param("queue depth", "mosaic_admission_queue_depth", id="queue depth"),
+    pytest.param("rejections", "mosaic_rejections_total", id="rejections"),
+    pytest.param("replicas per pool", "mosaic_worker_state", id="replicas per pool"),
+]
+
+
+@pytest.mark.parametrize(("topic", "metric"), REQUIRED)
+def test_dashboard_covers(topic: str, metric: str) -> None:
+    queried = {
+        name
+        for path in DASHBOARDS
+        for _, e in _exprs(json.loads(path.read_text()))
+        for name in metric_names(e)
+    }
+    assert metric in queried, f"no panel shows {topic}"
+
+
+def test_every_mosaic_metric_queried_is_exported_by_the_gateway() -> None:
+    exported = gateway_exports()
+    assert "mosaic_requests_total" in exported  # sanity: the registry was read
+    missing = {
+        (path.name, title, name)
+        for path in DASHBOARDS
+        for title, expr in _exprs(json.loads(path.read_text()))
+        for name in metric_names(expr)
+        if name.startswith("mosaic_") and name not in exported
+    }
+    assert not missing, f"queried but not exported by server/metrics.py: {sorted(missing)}"
+
+
+def test_every_vllm_metric_queried_is_served_by_the_simulated_worker() -> None:
+    exported = simulated_worker_exports()
+    missing = {
+        (path.name, title, name)
+        for path in DASHBOARDS
+        for title, expr in _exprs(json.loads(path.read_text()))
+        for name in metric_names(expr)
+        if name.startswith("vllm:") and name not in exported
+    }
+    assert not missing, f"queried but not served by the simulated worker: {sorted(missing)}"
+
+
+def test_every_metric_queried_is_mosaic_or_vllm() -> None:
+    dashboards = [*DASHBOARDS, REPO_ROOT / "deploy" / "grafana" / "dashboards" / "mosaic.json"]
+    for path in dashboards:
+        for title, expr in _exprs(json.loads(path.read_text())):
+            for name in metric_names(expr):
+                assert name.startswith(("mosaic_", "vllm:")), f"{path.name} / {title}: {name}"
