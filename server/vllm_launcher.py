@@ -225,6 +225,12 @@ class VllmProcess:
                 )
             time.sleep(interval_s)
 
+    def terminate(self) -> None:
+        """Send SIGTERM without waiting (a later `stop()` or `poll()` reaps it)."""
+        if self._popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM the PID, wait up to `timeout_s`, then SIGKILL its process group. Returns the exit code.
         Idempotent."""

@@ -1,0 +1,144 @@
+"""`launch: vllm` pools: GPU assignment without overlap, ports, scale up/down, the autoscaler actuator.
+
+Processes are real (a stand-in `vllm serve` from fixtures/fake_vllm.py that reports the argv and environment
+the launcher gave it), so spawning, /health, SIGTERM and reaping are exercised without a GPU or vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from server.vllm_launcher import LaunchError, VllmLaunchSpec
+from server.vllm_pool import GpuAllocator, VllmActuator, VllmPoolLauncher, free_port_block, pool_template
+
+FAKE_VLLM = (sys.executable, str(Path(__file__).parent / "fixtures" / "fake_vllm.py"))
+
+
+def launch_info(url: str) -> dict[str, object]:
+    with urllib.request.urlopen(f"{url}/launch", timeout=10) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def template(role: str = "prefill", tp: int = 2) -> VllmLaunchSpec:
+    return pool_template(
+        model="/models/llama-3-8b",
+        served_model_name="llama-3-8b",
+        role=role,
+        tp=tp,
+        max_model_len=4096,
+        gpu_memory_utilization=0.9,
+        vllm_command=FAKE_VLLM,
+    )
+
+
+@pytest.mark.parametrize(
+    ("requests", "expected"),
+    [
+        pytest.param(
+            [("a", 2), ("b", 2)], {"a": ("0", "1"), "b": ("2", "3")}, id="two TP2 replicas → GPUs 0,1 and 2,3"
+        ),
+        pytest.param(
+            [("a", 1), ("b", 2), ("c", 1)],
+            {"a": ("0",), "b": ("1", "2"), "c": ("3",)},
+            id="mixed sizes fill lowest free ids first",
+        ),
+    ],
+)
+def test_allocator_assigns_lowest_free_without_overlap(
+    requests: list[tuple[str, int]], expected: dict[str, tuple[str, ...]]
+) -> None:
+    alloc = GpuAllocator(["0", "1", "2", "3"])
+    got = {owner: alloc.allocate(owner, n) for owner, n in requests}
+    assert got == expected
+    assert alloc.free == ()
+
+
+def test_allocator_refuses_shortfall_and_reuses_released() -> None:
+    alloc = GpuAllocator(["0", "1", "2"])
+    alloc.allocate("a", 2)
+    with pytest.raises(LaunchError, match=r"b needs 2 GPU\(s\), 1 free of 3 \(in use: 0→a, 1→a\)"):
+        alloc.allocate("b", 2)
+    assert alloc.release("a") == ("0", "1")
+    assert alloc.allocate("b", 2) == ("0", "1")
+    with pytest.raises(ValueError, match="listed twice"):
+        GpuAllocator(["0", "0"])
+
+
+def test_free_port_block_is_bindable() -> None:
+    base = free_port_block(4)
+    assert 1024 <= base <= 65535 - 3
+
+
+def _wait_stopped(pool: VllmPoolLauncher, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while pool.reap() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pool.reap() == 0
+
+
+def test_prefill_pool_scales_on_disjoint_gpus(tmp_path: Path) -> None:
+    alloc = GpuAllocator(["0", "1", "2", "3"])
+    pool = VllmPoolLauncher("prefill-h100", template("prefill", tp=2), alloc, tmp_path, stop_grace_s=10)
+    actuator = VllmActuator({"prefill-h100": pool})
+    try:
+        action = actuator.scale("prefill-h100", 2, now=5.0)
+        assert (action.before, action.after, action.applied) == (0, 2, True)
+        infos = []
+        for replica in pool.replicas:
+            pool.wait_ready(replica, timeout_s=30)
+            infos.append(launch_info(replica.url))
+        assert [i["env"]["CUDA_VISIBLE_DEVICES"] for i in infos] == ["0,1", "2,3"]  # type: ignore[index]
+        side_ports = [int(i["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for i in infos]  # type: ignore[index]
+        assert abs(side_ports[0] - side_ports[1]) >= 2  # TP2: each replica owns base and base + 1
+        argv = infos[0]["argv"]
+        assert (
+            argv[argv.index("--kv-transfer-config") + 1]
+            == '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'
+        )  # type: ignore[union-attr,index]
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2"  # type: ignore[union-attr,index]
+
+        # A third TP2 replica needs 2 more GPUs: none free → not applied, the two running stay.
+        action = actuator.scale("prefill-h100", 3, now=6.0)
+        assert action.applied is False and action.after == 2
+        assert "needs 2 GPU(s), 0 free of 4" in (action.error or "")
+        assert actuator.replicas("prefill-h100") == 2
+
+        # Scale down stops the newest; its GPUs come back once it has exited.
+        action = actuator.scale("prefill-h100", 1, now=7.0)
+        assert (action.before, action.after, action.applied) == (2, 1, True)
+        _wait_stopped(pool)
+        assert alloc.free == ("2", "3")
+        assert [r.gpu_ids for r in pool.replicas] == [("0", "1")]
+    finally:
+        pool.stop_all()
+    assert alloc.free == ("0", "1", "2", "3")
+
+
+def test_unknown_pool_is_reported_not_raised() -> None:
+    action = VllmActuator({}).scale("nope", 2, now=1.0)
+    assert action.applied is False and action.error == "pool 'nope' is not launched here"
+
+
+def test_cpu_mixed_pool_without_gpus(tmp_path: Path) -> None:
+    pool = VllmPoolLauncher("cpu", template("mixed", tp=1), GpuAllocator([]), tmp_path, use_gpus=False)
+    try:
+        (replica,) = pool.scale_to(1)[0]
+        pool.wait_ready(replica, timeout_s=30)
+        info = launch_info(replica.url)
+        # No GPU assignment (CUDA_VISIBLE_DEVICES as inherited) and no NIXL side channel for a mixed worker.
+        assert info["env"] == {
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": None,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": None,
+        }
+        assert "--kv-transfer-config" not in info["argv"]  # type: ignore[operator]
+    finally:
+        pool.stop_all()
+    assert pool.replicas == ()
