@@ -109,6 +109,20 @@ class PdProfileHandler:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class SingleProfileHandler:
+    """One profile, no P/D: the simplest handler (tests, and callers with a custom profile)."""
+
+    profile: SchedulingProfile
+
+    def handle(self, cycle: Cycle) -> Decision | Reject:
+        result = cycle.run(self.profile)
+        return cycle.decide(result) if result.worker is not None else cycle.reject(result)
+
+    def describe(self) -> dict[str, Any]:
+        return {"profiles": {self.profile.name: describe_profile(self.profile)}}
+
+
 def describe_profile(profile: SchedulingProfile) -> dict[str, Any]:
     return {
         "roles": sorted(r.value for r in profile.roles),

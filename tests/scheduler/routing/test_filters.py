@@ -1,0 +1,153 @@
+"""Filter plugins, one table: each row a worker, a request and the reason (or None) expected."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler.fleet import Role
+from scheduler.routing import filters as f
+from scheduler.routing.framework import Cycle
+from scheduler.routing.reasons import FilterReason as R
+from tests.scheduler.routing.builders import BlockLedger, profile, req, view, worker
+
+MIXED_ONLY = frozenset({Role.MIXED})
+
+
+def run(flt, w, r=None, *, roles=frozenset(Role), exclude=frozenset(), reserve=()):
+    cycle = Cycle(r or req(), view(w), 0.0, random.Random(0), exclude, reserve)
+    cycle.profile = profile(roles=roles, picker=None)
+    return flt.filter(cycle, w)
+
+
+@pytest.mark.parametrize(
+    ("flt", "w", "r", "kw", "expected"),
+    [
+        pytest.param(
+            f.ModelFilter(), worker(model="other"), None, {}, R.WRONG_MODEL, id="other model → wrong_model"
+        ),
+        pytest.param(f.ModelFilter(), worker(), None, {}, None, id="same model passes"),
+        pytest.param(
+            f.RoleFilter(),
+            worker(role="prefill"),
+            None,
+            {"roles": MIXED_ONLY},
+            R.WRONG_ROLE,
+            id="prefill worker in a mixed-only profile → wrong_role",
+        ),
+        pytest.param(
+            f.RoleFilter(), worker(role="mixed"), None, {"roles": MIXED_ONLY}, None, id="mixed worker passes"
+        ),
+        pytest.param(
+            f.ExcludedFilter(),
+            worker("a"),
+            None,
+            {"exclude": frozenset({"a"})},
+            R.EXCLUDED,
+            id="worker the gateway already failed on → excluded",
+        ),
+        pytest.param(
+            f.StateFilter(), worker(state="draining"), None, {}, R.DRAINING, id="draining → draining"
+        ),
+        pytest.param(
+            f.StateFilter(), worker(state="starting"), None, {}, R.STARTING, id="starting → starting"
+        ),
+        pytest.param(
+            f.StateFilter(), worker(state="unhealthy"), None, {}, R.UNHEALTHY, id="unhealthy → unhealthy"
+        ),
+        pytest.param(f.StateFilter(), worker(state="ready"), None, {}, None, id="ready passes"),
+        pytest.param(
+            f.BreakerFilter(),
+            worker(breaker=True),
+            None,
+            {},
+            R.BREAKER_OPEN,
+            id="open breaker → breaker_open",
+        ),
+        pytest.param(
+            f.ContextLengthFilter(),
+            worker(),
+            req(prompt=8192),
+            {},
+            R.EXCEEDS_CONTEXT,
+            id="8192-token prompt leaves no room for output in 8192 context → exceeds_context",
+        ),
+        pytest.param(
+            f.ContextLengthFilter(),
+            worker(),
+            req(prompt=8191),
+            {},
+            None,
+            id="8191 + 1 output token fits 8192",
+        ),
+        pytest.param(
+            f.ContextLengthFilter(),
+            worker(num_gpu_blocks=10),
+            req(prompt=160),
+            {},
+            R.EXCEEDS_CONTEXT,
+            id="ceil(161/16) = 11 blocks > a 10-block cache → exceeds_context",
+        ),
+        # at-capacity: limit = ceil(256 · 1.5) = 384
+        pytest.param(
+            f.AtCapacityFilter(),
+            worker(inflight=384),
+            None,
+            {},
+            R.AT_CAPACITY,
+            id="384 in flight = limit → at_capacity",
+        ),
+        pytest.param(f.AtCapacityFilter(), worker(inflight=383), None, {}, None, id="383 in flight passes"),
+        pytest.param(
+            f.AtCapacityFilter(f.AtCapacityParams(inflight_factor=1.0)),
+            worker(running=200, waiting=56),
+            None,
+            {},
+            R.AT_CAPACITY,
+            id="scraped 200 running + 56 waiting = 256 = limit at factor 1 → at_capacity",
+        ),
+        # kv-fit from scraped usage, L4: 2183 blocks; expected = 512 + 256 = 768 tokens = 48 blocks
+        pytest.param(
+            f.KvFitFilter(),
+            worker(kv_usage=0.98),
+            None,
+            {},
+            R.KV_FULL,
+            id="usage at the 0.98 ceiling → kv_full",
+        ),
+        pytest.param(
+            f.KvFitFilter(),
+            worker(kv_usage=0.96),
+            None,
+            {},
+            R.KV_FULL,
+            id="(0.98 − 0.96) · 2183 = 43.7 free < 48 needed → kv_full",
+        ),
+        pytest.param(
+            f.KvFitFilter(),
+            worker(kv_usage=0.95),
+            None,
+            {},
+            None,
+            id="(0.98 − 0.95) · 2183 = 65.5 free ≥ 48 needed passes",
+        ),
+        pytest.param(
+            f.KvFitFilter(), worker(), None, {}, None, id="never scraped passes (the engine queues)"
+        ),
+    ],
+)
+def test_filter(flt, w, r, kw, expected):
+    assert run(flt, w, r, **kw) == expected
+
+
+def test_kv_fit_asks_the_ledger_when_one_is_configured():
+    w = worker("a", kv_usage=0.99)  # the scrape says full, the ledger has the final word
+    ledger = BlockLedger({"a": 48})  # ceil((512 + 256) / 16) = 48 blocks fits exactly
+    assert run(f.KvFitFilter(), w, reserve=(ledger,)) is None
+    ledger.used["a"] = 1
+    assert run(f.KvFitFilter(), w, reserve=(ledger,)) == R.KV_FULL
+    assert (
+        run(f.KvFitFilter(f.KvFitParams(use_ledger=False)), worker("a", kv_usage=0.5), reserve=(ledger,))
+        is None
+    )
