@@ -40,7 +40,6 @@ from scheduler.routing.framework import (
 )
 from scheduler.routing.profiles import (
     DEFAULT_FILTERS,
-    DEFAULT_POLICY,
     MOSAIC_SCORERS,
     MOSAIC_WEIGHTS,
     POLICY_PICKERS,
@@ -50,7 +49,9 @@ from scheduler.routing.profiles import (
 )
 
 # Built here, not registered by import side effects: the whole vocabulary of plugin types in one place.
-FILTER_TYPES: Mapping[str, type] = {
+# Values are plugin classes with a `type` name and a pydantic `Params` model (typed Any: a class-level
+# protocol with ClassVars is not expressible for mypy).
+FILTER_TYPES: Mapping[str, Any] = {
     cls.type: cls
     for cls in (
         filters.ModelFilter,
@@ -63,7 +64,7 @@ FILTER_TYPES: Mapping[str, type] = {
         filters.KvFitFilter,
     )
 }
-SCORER_TYPES: Mapping[str, type] = {
+SCORER_TYPES: Mapping[str, Any] = {
     cls.type: cls
     for cls in (
         scorers.CapacityLoadScorer,
@@ -73,10 +74,10 @@ SCORER_TYPES: Mapping[str, type] = {
         scorers.CostScorer,
     )
 }
-PICKER_TYPES: Mapping[str, type] = {
+PICKER_TYPES: Mapping[str, Any] = {
     cls.type: cls for cls in (pickers.MaxScorePicker, pickers.RoundRobinPicker, pickers.LeastLoadedPicker)
 }
-PLUGIN_TYPES: Mapping[str, type] = {**FILTER_TYPES, **SCORER_TYPES}
+PLUGIN_TYPES: Mapping[str, Any] = {**FILTER_TYPES, **SCORER_TYPES}
 
 
 class RoutingConfigError(ValueError):
@@ -104,7 +105,7 @@ class ProfileSpec(_Strict):
 
 
 class RoutingConfig(_Strict):
-    policy: Literal["round-robin", "least-loaded", "mosaic"] = DEFAULT_POLICY
+    policy: Literal["round-robin", "least-loaded", "mosaic"] = "mosaic"
     pd_threshold_tokens: int = Field(default=256, ge=0)
     weights: dict[str, float] = Field(default_factory=dict)
     plugins: list[PluginSpec] = Field(default_factory=list)
@@ -220,7 +221,7 @@ def build_router(
     return Router(handler, pre_filters, reserve, tuple(plugins.values()), cfg.policy, description)
 
 
-def _picker_type(cfg: RoutingConfig, profile: str) -> type:
+def _picker_type(cfg: RoutingConfig, profile: str) -> Any:
     spec = cfg.profiles.get(profile)  # type: ignore[call-overload]
     name = spec.picker if spec is not None and spec.picker else POLICY_PICKERS[cfg.policy]
     if name not in PICKER_TYPES:

@@ -107,7 +107,9 @@ class Reject:
         """Summarise per-reason counts; `wrong_model` is left out of the summary when other reasons exist
         (workers of other models are not news), and an empty tally means an empty fleet."""
         tally = {FilterReason(r): n for r, n in counts.items() if n > 0}
-        shown = {r: n for r, n in tally.items() if r is not FilterReason.WRONG_MODEL} or tally
+        shown: dict[FilterReason, int] = {
+            r: n for r, n in tally.items() if r is not FilterReason.WRONG_MODEL
+        } or tally
         if not shown:
             rule = REJECT_TABLE[FilterReason.NO_WORKERS]
             return cls(
