@@ -1,0 +1,314 @@
+"""Gateway configuration: one YAML file → `MosaicConfig` (pydantic v2, unknown keys refused).
+
+```yaml
+models:
+  - name: llama-3-8b                # the name clients send as "model"
+    spec: llama-3-8b                # catalog row for the perf model (default: name; aliases resolve)
+pools:
+  - name: decode-a100
+    model: llama-3-8b
+    gpu: A100-80GB
+    role: decode                    # prefill | decode | mixed
+    endpoints:                      # exactly one of static | kubernetes | simulated
+      static: [http://10.0.0.5:8000, http://10.0.0.6:8000]
+routing: {policy: mosaic, pd_threshold_tokens: 256}   # scheduler.routing.config.RoutingConfig
+auth: {api_keys_env: MOSAIC_API_KEYS, admin_keys: [admin-secret]}
+limits: {max_body_bytes: 4194304, queue_size: 256, queue_deadline_s: 10}
+```
+
+`load_config(path)` raises `ConfigError` whose message is one line naming the file and the field
+(`pools.1.gpu: unknown GPU 'B200'; valid GPUs: T4, ...`). `docs/gateway.md` is the full reference.
+
+Slots owned by others: `kv` (the KV budget engineer's reservation settings) and `autoscaler` are
+sub-models here so one file configures everything; they refuse unknown keys like the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from placement.catalog import Catalog, CatalogError, load_catalog
+from scheduler.routing.config import RoutingConfig, RoutingConfigError
+
+RoleName = Literal["prefill", "decode", "mixed"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message is one line naming the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1)
+    spec: str | None = None  # catalog model name; None → `name`
+    max_model_len: int | None = Field(default=None, ge=1)  # None → the catalog's max context
+
+    @property
+    def spec_name(self) -> str:
+        return self.spec or self.name
+
+
+class KubernetesSource(_Strict):
+    """Workers found through the Kubernetes API (EndpointSlices of a Service, or pods) by label selector.
+
+    EndpointSlices carry `kubernetes.io/service-name=<svc>`, so for `resource: endpointslices` the selector
+    usually names the Service; for `resource: pods` it matches the pods' own labels.
+    """
+
+    namespace: str = "default"
+    label_selector: str = Field(min_length=1)
+    port: int | str = 8000  # number, or the port's name in the EndpointSlice / container spec
+    resource: Literal["endpointslices", "pods"] = "endpointslices"
+    scheme: Literal["http", "https"] = "http"
+    resync_s: float = Field(default=10.0, gt=0)  # periodic re-list
+    in_cluster: bool | None = None  # None: in-cluster config when available, else ~/.kube/config
+
+
+class SimulatedSource(_Strict):
+    """Simulated vLLM workers started in-process (`simulator.worker_server.start_worker_server`)."""
+
+    replicas: int = Field(default=1, ge=0)
+    time_scale: float = Field(default=1.0, gt=0)  # X times faster than real time
+    seed: int = 0
+    kv_link_gbps: float | None = Field(default=None, gt=0)  # P/D transfer link; None → the worker's default
+    error_rate: float = Field(default=0.0, ge=0, le=1)  # failure injection (reliability tests)
+
+
+class EndpointsConfig(_Strict):
+    static: list[str] | None = None
+    kubernetes: KubernetesSource | None = None
+    simulated: SimulatedSource | None = None
+    # `launch: vllm` (start real vLLM processes) is reserved for the real-vLLM issue; added here when it lands.
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EndpointsConfig:
+        given = [k for k in ("static", "kubernetes", "simulated") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of static, kubernetes, simulated (got {given or 'none'})")
+        return self
+
+    @field_validator("static")
+    @classmethod
+    def _urls(cls, urls: list[str] | None) -> list[str] | None:
+        if urls is None:
+            return None
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s):// URL")
+        return [u.rstrip("/") for u in urls]
+
+    @property
+    def kind(self) -> str:
+        return "static" if self.static is not None else "kubernetes" if self.kubernetes else "simulated"
+
+
+class PoolConfig(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    model: str
+    gpu: str
+    role: RoleName = "mixed"
+    tp: int = Field(default=1, ge=1)
+    endpoints: EndpointsConfig
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int | None = Field(default=None, ge=0)
+    cost_per_hour: float | None = Field(default=None, ge=0)  # per worker; None → catalog price × tp
+    # vLLM engine knobs the gateway needs to size capacity before the first scrape (and simulated workers use).
+    max_num_seqs: int = Field(default=256, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> PoolConfig:
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
+        return self
+
+
+class SloConfig(_Strict):
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+
+
+class AuthConfig(_Strict):
+    api_keys: list[str] = Field(default_factory=list)
+    api_keys_env: str | None = None  # env var holding comma-separated keys, merged with api_keys
+    admin_keys: list[str] = Field(default_factory=list)
+    admin_keys_env: str | None = None
+
+
+class RateLimitConfig(_Strict):
+    """Per API key token buckets; None disables that bucket."""
+
+    requests_per_s: float | None = Field(default=None, gt=0)
+    burst: int | None = Field(default=None, ge=1)  # request bucket size; None → max(1, ceil(requests_per_s))
+    tokens_per_min: float | None = Field(default=None, gt=0)  # prompt + reserved output tokens
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    rate_limit: RateLimitConfig = Field(default_factory=RateLimitConfig)
+    queue_size: int = Field(default=1024, ge=0)  # waiting requests per model; 0 → reject at once
+    queue_deadline_s: float = Field(default=10.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    first_token_timeout_s: float = Field(default=60.0, gt=0)  # dispatch → first byte (P/D: incl. prefill)
+    stall_timeout_s: float = Field(default=60.0, gt=0)  # longest gap between stream chunks
+    total_timeout_s: float = Field(default=600.0, gt=0)
+    retry_budget_s: float = Field(default=10.0, ge=0)  # retries allowed while within this of arrival
+    max_retries: int = Field(default=2, ge=0)
+    max_upstream_connections: int = Field(default=1024, ge=1)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)  # drain in-flight streams on SIGTERM
+
+
+class ScrapeConfig(_Strict):
+    interval_s: float = Field(default=1.0, gt=0)
+    timeout_s: float = Field(default=0.5, gt=0)
+    stale_after_s: float = Field(default=5.0, gt=0)  # older stats are dropped from the fleet view
+
+
+class HealthConfig(_Strict):
+    """Active `/health` checks and the circuit breaker (passive ejection on connection errors)."""
+
+    interval_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    failure_threshold: int = Field(default=3, ge=1)  # consecutive failures that open the breaker
+    open_s: float = Field(default=5.0, gt=0)  # open this long, then one probe decides (half-open)
+
+
+class KvConfig(_Strict):
+    """KV budget reservation settings. Owned by the KV-budget engineer, who adds the fields here."""
+
+
+class AutoscalerConfig(_Strict):
+    """P/D autoscaler settings. Owned by the autoscaler engineer, who adds the fields here."""
+
+
+class GatewaySettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    replicas: int = Field(default=1, ge=1)  # gateway processes sharing the fleet: each owns 1/N of capacity
+
+
+class MosaicConfig(_Strict):
+    models: list[ModelConfig] = Field(default_factory=list)  # empty → one entry per pool model
+    pools: list[PoolConfig] = Field(min_length=1)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)  # the router's own model (policy, plugins, weights)
+    slo: SloConfig = Field(default_factory=SloConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    kv: KvConfig = Field(default_factory=KvConfig)
+    autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    catalog: str | None = None  # YAML file of GPU/model rows merged over the built-in catalog
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> MosaicConfig:
+        _unique([p.name for p in self.pools], "pools", "pool name")
+        _unique([m.name for m in self.models], "models", "model name")
+        if self.models:
+            known = {m.name for m in self.models}
+            for i, pool in enumerate(self.pools):
+                if pool.model not in known:
+                    raise _FieldError(f"pools.{i}.model", f"model {pool.model!r} is not listed under models")
+        return self
+
+    def model_configs(self) -> list[ModelConfig]:
+        """Listed models, or one per distinct pool model when `models` is empty."""
+        if self.models:
+            return list(self.models)
+        names = dict.fromkeys(p.model for p in self.pools)
+        return [ModelConfig(name=n) for n in names]
+
+    def model_config_for(self, name: str) -> ModelConfig:
+        for m in self.model_configs():
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+
+class _FieldError(ValueError):
+    def __init__(self, loc: str, msg: str) -> None:
+        super().__init__(f"{loc}: {msg}")
+        self.loc = loc
+        self.msg = msg
+
+
+def _unique(names: list[str], loc: str, what: str) -> None:
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise _FieldError(f"{loc}.{i}.name", f"duplicate {what} {name!r}")
+        seen.add(name)
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = err["msg"]
+    ctx_error = (err.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, _FieldError | RoutingConfigError):
+        return str(ctx_error)  # already names its field (RoutingConfigError: `routing.plugins[0] ...`)
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    return f"{loc}: {msg}".replace("\n", " ")
+
+
+def validate_config(data: Any, source: str = "config") -> MosaicConfig:
+    """Parsed YAML/JSON (a mapping) → MosaicConfig, checked against the catalog; `ConfigError` otherwise."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of keys (models, pools, ...)")
+    try:
+        config = MosaicConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_first_error(exc)}") from None
+    check_catalog(config, source)
+    return config
+
+
+def check_catalog(config: MosaicConfig, source: str = "config") -> Catalog:
+    """Every pool's GPU and model resolve in the catalog (needed for capacity); returns the catalog."""
+    try:
+        catalog = load_catalog(config.catalog)
+    except CatalogError as exc:
+        raise ConfigError(f"{source}: catalog: {exc}") from None
+    for i, pool in enumerate(config.pools):
+        try:
+            catalog.gpu(pool.gpu)
+        except CatalogError as exc:
+            raise ConfigError(f"{source}: pools.{i}.gpu: {exc}") from None
+        spec = config.model_config_for(pool.model).spec_name
+        try:
+            catalog.model(spec)
+        except CatalogError as exc:
+            where = f"pools.{i}.model" if not config.models else f"models.{pool.model}.spec"
+            raise ConfigError(f"{source}: {where}: {exc}; set models[].spec to a catalog model") from None
+        if pool.endpoints.kubernetes is not None and not math.isfinite(pool.endpoints.kubernetes.resync_s):
+            raise ConfigError(f"{source}: pools.{i}.endpoints.kubernetes.resync_s: must be finite")
+    return catalog
+
+
+def load_config(path: str | Path) -> MosaicConfig:
+    """Read and validate a YAML (or JSON) config file; `ConfigError` with one line on any problem."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{p}: not valid YAML{where}") from None
+    return validate_config(data, str(p))

@@ -1,0 +1,204 @@
+"""Where a pool's workers are: static URLs, simulated in-process workers, or Kubernetes.
+
+Each source lists `Endpoint`s (name, url, ready, terminating); the registry re-lists every `resync_s`
+and reconciles (new → added, gone → removed, terminating → draining, not ready → starting).
+
+Kubernetes (`endpoints.kubernetes`, optional dependency `kubernetes`, extra `mosaic-serve[k8s]`):
+
+- `resource: endpointslices` (default) lists `discovery.k8s.io/v1` EndpointSlices matching the label
+  selector (e.g. `kubernetes.io/service-name=vllm-decode`). Per endpoint, conditions follow the API's
+  contract: `ready` nil → ready; `terminating` nil → not terminating; a terminating endpoint is listed as
+  draining (its in-flight streams finish; nothing new is routed to it) whether or not still `serving`.
+- `resource: pods` lists pods by label selector: ready = the pod's `Ready` condition is `True` and it has
+  an IP; terminating = `metadata.deletionTimestamp` is set; pods in phase Succeeded/Failed are skipped.
+
+`port` is a number, or a port name looked up in the slice's `ports` (or the pod's container ports).
+The parsers take the API's JSON (camelCase, as `kubectl get -o json` prints it), so they are unit-tested
+against recorded objects in `tests/gateway/fixtures/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from server.config import KubernetesSource
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    name: str  # stable within its pool: host:port, pod name, or replica index
+    url: str
+    ready: bool = True
+    terminating: bool = False
+
+
+class Source(Protocol):
+    """A pool's endpoint source. `resync_s` None → listed once at start."""
+
+    resync_s: float | None
+
+    async def start(self) -> None: ...
+
+    async def list(self) -> list[Endpoint]: ...
+
+    async def stop(self) -> None: ...
+
+
+class StaticSource:
+    """Fixed URLs from the config; always listed as ready (health checks decide the rest)."""
+
+    resync_s: float | None = None
+
+    def __init__(self, urls: list[str]) -> None:
+        self._endpoints = [Endpoint(_host_port(u), u) for u in urls]
+
+    async def start(self) -> None:
+        return None
+
+    async def list(self) -> list[Endpoint]:
+        return list(self._endpoints)
+
+    async def stop(self) -> None:
+        return None
+
+
+def _host_port(url: str) -> str:
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+# ---------------------------------------------------------------------------------------------- kubernetes
+
+
+def endpoints_from_slices(slices: dict[str, Any], port: int | str, scheme: str = "http") -> list[Endpoint]:
+    """EndpointSliceList JSON → endpoints, one per address (deduplicated across slices by address)."""
+    found: dict[str, Endpoint] = {}
+    for item in slices.get("items") or []:
+        if item.get("addressType", "IPv4") not in ("IPv4", "IPv6"):
+            continue  # FQDN slices name hosts we cannot health-check reliably
+        number = _slice_port(item.get("ports") or [], port)
+        if number is None:
+            continue
+        for ep in item.get("endpoints") or []:
+            cond = ep.get("conditions") or {}
+            ready = cond.get("ready") is not False  # nil → ready (API contract)
+            terminating = cond.get("terminating") is True  # nil → not terminating
+            ref = ep.get("targetRef") or {}
+            for addr in ep.get("addresses") or []:
+                host = f"[{addr}]" if ":" in addr else addr
+                name = ref.get("name") or addr
+                key = f"{addr}:{number}"
+                prev = found.get(key)
+                endpoint = Endpoint(name, f"{scheme}://{host}:{number}", ready and not terminating, terminating)
+                # The same address can sit in two slices during an update: prefer the terminating view.
+                if prev is None or (terminating and not prev.terminating):
+                    found[key] = endpoint
+    return sorted(found.values(), key=lambda e: e.name)
+
+
+def _slice_port(ports: list[dict[str, Any]], port: int | str) -> int | None:
+    if isinstance(port, int):
+        return port
+    for p in ports:
+        if p.get("name") == port and p.get("port") is not None:
+            return int(p["port"])
+    return None
+
+
+def endpoints_from_pods(pods: dict[str, Any], port: int | str, scheme: str = "http") -> list[Endpoint]:
+    """PodList JSON → endpoints; see the module docstring for the ready / terminating rules."""
+    out: list[Endpoint] = []
+    for pod in pods.get("items") or []:
+        meta = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        if status.get("phase") in ("Succeeded", "Failed"):
+            continue
+        ip = status.get("podIP")
+        number = port if isinstance(port, int) else _container_port(pod, port)
+        if not ip or number is None:
+            continue
+        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+        terminating = meta.get("deletionTimestamp") is not None
+        ready = conditions.get("Ready") == "True" and not terminating
+        host = f"[{ip}]" if ":" in ip else ip
+        out.append(Endpoint(meta.get("name") or ip, f"{scheme}://{host}:{number}", ready, terminating))
+    return sorted(out, key=lambda e: e.name)
+
+
+def _container_port(pod: dict[str, Any], name: str) -> int | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for p in container.get("ports") or []:
+            if p.get("name") == name and p.get("containerPort") is not None:
+                return int(p["containerPort"])
+    return None
+
+
+class KubernetesDiscovery:
+    """Lists EndpointSlices or pods through the official client (in a thread: the client is blocking).
+
+    `lister` is injectable for tests: a callable (resource, namespace, label_selector) → API JSON dict.
+    """
+
+    def __init__(self, cfg: KubernetesSource, lister: Any | None = None) -> None:
+        self._cfg = cfg
+        self.resync_s: float | None = cfg.resync_s
+        self._lister = lister
+
+    async def start(self) -> None:
+        if self._lister is None:
+            self._lister = await asyncio.to_thread(_official_lister, self._cfg.in_cluster)
+
+    async def list(self) -> list[Endpoint]:
+        assert self._lister is not None, "start() first"
+        cfg = self._cfg
+        data = await asyncio.to_thread(self._lister, cfg.resource, cfg.namespace, cfg.label_selector)
+        if cfg.resource == "pods":
+            return endpoints_from_pods(data, cfg.port, cfg.scheme)
+        return endpoints_from_slices(data, cfg.port, cfg.scheme)
+
+    async def stop(self) -> None:
+        return None
+
+
+class KubernetesUnavailable(RuntimeError):
+    """The `kubernetes` package is missing or no cluster config could be loaded."""
+
+
+def _official_lister(in_cluster: bool | None) -> Any:
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        raise KubernetesUnavailable(
+            "kubernetes endpoints need the 'kubernetes' package: pip install 'mosaic-serve[k8s]'"
+        ) from None
+    try:
+        if in_cluster is True:
+            config.load_incluster_config()
+        elif in_cluster is False:
+            config.load_kube_config()
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+    except Exception as exc:  # the client raises several unrelated types for a missing/bad kubeconfig
+        raise KubernetesUnavailable(f"cannot load Kubernetes config: {exc}") from None
+    api_client = client.ApiClient()
+    core = client.CoreV1Api(api_client)
+    discovery = client.DiscoveryV1Api(api_client)
+
+    def lister(resource: str, namespace: str, selector: str) -> dict[str, Any]:
+        # _preload_content=False: the raw API JSON, the same shape the recorded fixtures have.
+        if resource == "pods":
+            resp = core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+        else:
+            resp = discovery.list_namespaced_endpoint_slice(
+                namespace, label_selector=selector, _preload_content=False
+            )
+        return json.loads(resp.data)
+
+    return lister

@@ -1,0 +1,373 @@
+"""The request path after parsing: route → (admission wait) → proxy one or two hops → relay, with retries.
+
+Per request:
+
+1. `RouteRequest` from the parsed body; `Router.route(req, registry.view(), now, rng, exclude)` through
+   the admission queue (waits when every worker is busy; 429/503 when it gives up).
+2. A `Lease` holds the decision's reservations and in-flight tickets until the request ends.
+3. P/D decision: the prefill hop (non-streaming copy, `max_tokens=1`, `kv_transfer_params.do_remote_decode`);
+   its answer's `kv_transfer_params` go into the decode hop. If the prefill hop fails in any way, the
+   decode worker serves the request alone (decode-only fallback; `mosaic_pd_fallbacks_total`).
+4. Decode (or mixed) hop. Until its first byte is relayed, a connect error, timeout, protocol error or
+   a 429/502/503/504 is an `UpstreamFailure`: the lease is released as failed_before_first_byte, the
+   worker reported (breaker), and the request routed again excluding it, while attempts ≤ `max_retries`
+   and the time since arrival ≤ `retry_budget_s`. A retry does not queue: when no other worker can take
+   it at once, the request ends with the failure it has. Out of retries: the worker's own error body passes
+   through unchanged if it answered, else 502 (or 504 for timeouts) in OpenAI's shape.
+5. Streams are relayed byte for byte (`SseRelay`); after the first byte a failure ends the stream with
+   an OpenAI error event and `data: [DONE]`. Non-streaming answers are returned whole.
+
+Timeouts: `first_token_timeout_s` bounds dispatch → first byte of a stream (prefill hop included);
+`total_timeout_s` bounds a whole non-streaming request and is checked between stream chunks;
+`stall_timeout_s` (the client's read timeout) bounds every gap between chunks.
+
+Client disconnects: while waiting for the first byte, a watcher on the ASGI `receive` channel cancels
+the work (the upstream connection is closed, which aborts the request in vLLM); once streaming,
+Starlette's disconnect listener cancels the relay, which closes the upstream response.
+
+Every accepted request ends in exactly one terminal outcome (`RequestRecord.finish` runs once), and every
+lease is released exactly once with its own outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive
+
+from scheduler.routing.framework import Decision, Router, RouteRequest
+from scheduler.routing.reasons import Outcome, Reject
+from server.admission import AdmissionQueue
+from server.auth import RateLimiter
+from server.config import MosaicConfig
+from server.errors import Cause, GatewayError, stream_error_event
+from server.failure import Lease, RelayResponse, UpstreamFailure, classify
+from server.footprint import ParsedRequest, route_request
+from server.metrics import GatewayMetrics
+from server.proxy import (
+    RETRYABLE_STATUSES,
+    SseRelay,
+    decode_body,
+    prefill_body,
+    response_usage,
+    upstream_headers,
+    usage_body,
+)
+from server.registry import Registry
+
+log = logging.getLogger("mosaic.dispatch")
+
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": recorded, never sent
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Bookkeeping of one accepted request; `Dispatcher.finish` closes it exactly once."""
+
+    request_id: str
+    model: str
+    key: str
+    arrival: float
+    reserved_tokens: int
+    pool: str = "none"
+    finished: bool = False
+    first_byte_at: float | None = None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: MosaicConfig,
+        registry: Registry,
+        router: Router,
+        admission: AdmissionQueue[Decision],
+        client: httpx.AsyncClient,
+        metrics: GatewayMetrics,
+        limiter: RateLimiter,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = config
+        self.limits = config.limits
+        self.registry = registry
+        self.router = router
+        self.admission = admission
+        self.client = client
+        self.metrics = metrics
+        self.limiter = limiter
+        self.clock = clock
+        self.rng = random.Random(config.routing.seed)
+        self.outcomes: dict[str, int] = {}  # terminal outcomes by name (tests and /admin read it)
+
+    # ------------------------------------------------------------------ entry
+    async def handle(self, parsed: ParsedRequest, path: str, rec: RequestRecord, receive: Receive) -> Response:
+        """Serve one parsed request; returns the response (errors included). Never raises GatewayError."""
+        work = asyncio.ensure_future(self._serve(parsed, path, rec))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():  # client gone (or we were cancelled): stop the upstream work
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+            watcher.cancel()
+        if work.cancelled():
+            self.finish(rec, CLIENT_CLOSED_STATUS, Outcome.CLIENT_DISCONNECTED)
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        exc = work.exception()
+        if isinstance(exc, GatewayError):
+            self.finish(rec, exc.status, None, reason=exc.cause.value)
+            return exc.to_response(rec.request_id)
+        if exc is not None:
+            log.error("request %s failed: %r", rec.request_id, exc, exc_info=exc)
+            self.finish(rec, 500, Outcome.WORKER_ERROR)
+            return GatewayError(Cause.UPSTREAM_UNAVAILABLE, "Internal gateway error").to_response(rec.request_id)
+        return work.result()
+
+    def finish(self, rec: RequestRecord, status: int, outcome: Outcome | None, usage: dict[str, Any] | None = None, reason: str | None = None) -> None:
+        """Record the request's single terminal outcome (no-op if already finished)."""
+        if rec.finished:
+            return
+        rec.finished = True
+        m = self.metrics
+        m.requests.labels(rec.model, rec.pool, str(status)).inc()
+        name = outcome.value if outcome is not None else f"rejected_{reason or status}"
+        self.outcomes[name] = self.outcomes.get(name, 0) + 1
+        m.outcomes.labels(rec.model, name).inc()
+        if reason is not None:
+            m.rejections.labels(reason).inc()
+        now = self.clock()
+        if status == 200:
+            m.e2e.labels(rec.model, rec.pool).observe(now - rec.arrival)
+        used = 0
+        if usage:
+            prompt = int(usage.get("prompt_tokens") or 0)
+            gen = int(usage.get("completion_tokens") or 0)
+            m.prompt_tokens.labels(rec.model).inc(prompt)
+            m.generation_tokens.labels(rec.model).inc(gen)
+            used = prompt + gen
+        elif status != 200:
+            used = 0
+        else:
+            used = rec.reserved_tokens  # no usage reported: keep the whole debit
+        self.limiter.refund(rec.key, rec.reserved_tokens - used, now)
+
+    # ------------------------------------------------------------------ routing + retries
+    def _route(self, rreq: RouteRequest, exclude: set[str]) -> Decision | Reject:
+        return self.router.route(rreq, self.registry.view(), self.clock(), self.rng, frozenset(exclude))
+
+    async def _serve(self, parsed: ParsedRequest, path: str, rec: RequestRecord) -> Response:
+        rreq = route_request(parsed, rec.request_id, rec.arrival, self.cfg.routing.default_output_tokens)
+        exclude: set[str] = set()
+        last: UpstreamFailure | None = None
+        attempt = 0
+        while True:
+            if last is None:  # first dispatch: may wait in the admission queue
+                decision = await self.admission.admit(parsed.model, lambda: self._route(rreq, exclude))
+            else:  # a retry was admitted already: another worker now, or give up with the real failure
+                routed = self._route(rreq, exclude)
+                if isinstance(routed, Reject):
+                    return self._give_up(rec, last)
+                decision = routed
+            rec.pool = decision.decode.pool
+            lease = Lease(decision, rreq, self.registry, self.router, self.admission.notify, self.clock)
+            try:
+                return await self._attempt(decision, parsed, path, rec, lease)
+            except UpstreamFailure as failure:
+                lease.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
+                if failure.kind not in ("pool_timeout", "removed"):
+                    self.registry.report_failure(failure.worker_id, failure.kind, failure.hard)
+                exclude.add(failure.worker_id)
+                last = failure
+                attempt += 1
+                if attempt > self.limits.max_retries or self.clock() - rec.arrival > self.limits.retry_budget_s:
+                    return self._give_up(rec, failure)
+                self.metrics.retries.labels(parsed.model, failure.kind).inc()
+                log.info("request %s: retrying after %s", rec.request_id, failure)
+            except BaseException as exc:
+                lease.release(Outcome.CLIENT_DISCONNECTED if isinstance(exc, asyncio.CancelledError) else Outcome.WORKER_ERROR)
+                raise
+
+    def _give_up(self, rec: RequestRecord, failure: UpstreamFailure) -> Response:
+        if failure.status is not None:  # the worker answered: its body passes through unchanged
+            self.finish(rec, failure.status, Outcome.FAILED_BEFORE_FIRST_BYTE)
+            return Response(failure.body, failure.status, {"x-request-id": rec.request_id}, media_type=failure.content_type)
+        cause = Cause.UPSTREAM_TIMEOUT if failure.is_timeout else Cause.UPSTREAM_UNAVAILABLE
+        err = GatewayError(cause, f"Upstream worker failed before responding ({failure.kind}); retries exhausted.")
+        self.finish(rec, err.status, Outcome.FAILED_BEFORE_FIRST_BYTE)
+        return err.to_response(rec.request_id)
+
+    # ------------------------------------------------------------------ one attempt
+    async def _attempt(self, decision: Decision, parsed: ParsedRequest, path: str, rec: RequestRecord, lease: Lease) -> Response:
+        headers = upstream_headers(rec.request_id)
+        timeout = self.limits.first_token_timeout_s if parsed.stream else self.limits.total_timeout_s
+        decode = decision.decode
+        try:
+            async with asyncio.timeout(timeout):
+                params = None
+                if decision.prefill is not None:
+                    params = await self._prefill(decision, parsed, path, headers, lease)
+                body = self._decode_body(parsed, params)
+                lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
+                req = self.client.build_request("POST", decode.url + path, content=body, headers=headers)
+                resp = await self.client.send(req, stream=True)
+                try:
+                    if resp.status_code != 200 or not parsed.stream:
+                        content = await resp.aread()
+                        await resp.aclose()
+                        return self._whole(resp, content, decode.id, parsed, rec, lease)
+                    chunks = resp.aiter_raw()
+                    first = await anext(chunks, b"")
+                    if not first:
+                        raise UpstreamFailure(decode.id, "protocol")  # closed before any event
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await resp.aclose()
+                    raise
+        except (httpx.HTTPError, TimeoutError) as exc:
+            kind, hard = classify(exc)
+            raise UpstreamFailure(decode.id, kind, hard) from None
+        self.registry.report_success(decode.id)
+        lease.first_token()
+        return self._stream(resp, chunks, first, parsed, rec, lease)
+
+    def _decode_body(self, parsed: ParsedRequest, params: dict[str, Any] | None) -> bytes:
+        needs_usage = parsed.stream and not parsed.client_wants_usage
+        if params is not None:
+            return decode_body(parsed.data(), params, needs_usage)
+        if needs_usage:
+            return usage_body(parsed.body, parsed.data, parsed.has_stream_options)
+        return parsed.body
+
+    async def _prefill(self, decision: Decision, parsed: ParsedRequest, path: str, headers: dict[str, str], lease: Lease) -> dict[str, Any] | None:
+        """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure."""
+        worker = decision.prefill
+        assert worker is not None
+        ticket = lease.track(worker.id, parsed.prompt_tokens)
+        try:
+            resp = await self.client.post(worker.url + path, content=prefill_body(parsed.data()), headers=headers)
+            params = resp.json().get("kv_transfer_params") if resp.status_code == 200 else None
+            if resp.status_code >= 500 or resp.status_code == 429:
+                self.registry.report_failure(worker.id, f"status_{resp.status_code}")
+            elif resp.status_code == 200:
+                self.registry.report_success(worker.id)
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            kind, hard = classify(exc) if isinstance(exc, httpx.HTTPError) else ("bad_response", False)
+            self.registry.report_failure(worker.id, f"prefill_{kind}", hard)
+            params = None
+        finally:
+            ticket.done()
+        if not isinstance(params, dict) or not params:
+            self.metrics.pd_fallbacks.labels(parsed.model).inc()
+            log.info("request %s: prefill hop on %s failed; decode-only", lease.req.request_id, worker.id)
+            return None
+        return params
+
+    # ------------------------------------------------------------------ responses
+    def _whole(self, resp: httpx.Response, content: bytes, worker_id: str, parsed: ParsedRequest, rec: RequestRecord, lease: Lease) -> Response:
+        status = resp.status_code
+        ctype = resp.headers.get("content-type", "application/json")
+        if status in RETRYABLE_STATUSES:
+            raise UpstreamFailure(worker_id, f"status_{status}", status=status, body=content, content_type=ctype)
+        if status >= 500:
+            self.registry.report_failure(worker_id, f"status_{status}")
+        else:
+            self.registry.report_success(worker_id)
+        outcome = Outcome.WORKER_ERROR if status >= 500 else Outcome.COMPLETED
+        lease.release(outcome)
+        self.finish(rec, status, outcome, response_usage(content) if status == 200 else None)
+        return Response(content, status, {"x-request-id": rec.request_id}, media_type=ctype)
+
+    def _stream(self, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, parsed: ParsedRequest, rec: RequestRecord, lease: Lease) -> Response:
+        session = _StreamSession(self, resp, chunks, first, parsed, rec, lease)
+        return RelayResponse(
+            session.body(),
+            session.close,
+            status_code=200,
+            headers={"x-request-id": rec.request_id, "cache-control": "no-cache"},
+            media_type=resp.headers.get("content-type", "text/event-stream"),
+        )
+
+
+class _StreamSession:
+    """One relayed stream: yields bytes, measures TTFT/ITL, and closes exactly once with an outcome."""
+
+    def __init__(self, d: Dispatcher, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, parsed: ParsedRequest, rec: RequestRecord, lease: Lease) -> None:
+        self.d = d
+        self.resp = resp
+        self.chunks = chunks
+        self.first = first
+        self.rec = rec
+        self.lease = lease
+        self.relay = SseRelay(strip_usage=not parsed.client_wants_usage)
+        self.closed = False
+
+    async def body(self) -> AsyncIterator[bytes]:
+        d, rec = self.d, self.rec
+        clock = d.clock
+        labels = (rec.model, rec.pool)
+        itl = d.metrics.itl.labels(*labels)
+        deadline = rec.arrival + d.limits.total_timeout_s
+        outcome = Outcome.WORKER_ERROR
+        try:
+            out = self.relay.feed(self.first)
+            last = clock()
+            d.metrics.ttft.labels(*labels).observe(last - rec.arrival)
+            if out:
+                yield out
+            async for chunk in self.chunks:
+                out = self.relay.feed(chunk)
+                if not out:
+                    continue
+                now = clock()
+                itl.observe(now - last)
+                last = now
+                yield out
+                if now > deadline:
+                    raise TimeoutError(f"total timeout {d.limits.total_timeout_s:g} s")
+            tail = self.relay.flush()
+            if tail:
+                yield tail
+            outcome = Outcome.COMPLETED
+        except (httpx.HTTPError, TimeoutError) as exc:
+            kind, hard = classify(exc)
+            d.registry.report_failure(self.lease.decision.decode.id, f"stream_{kind}", hard)
+            yield stream_error_event(f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError")
+            outcome = Outcome.WORKER_ERROR
+        except BaseException:
+            outcome = Outcome.CLIENT_DISCONNECTED
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close(outcome)
+
+    async def close(self) -> None:
+        """Called by the response however it ends; a no-op after the body's own close."""
+        await self._close(Outcome.CLIENT_DISCONNECTED)
+
+    async def _close(self, outcome: Outcome) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await self.resp.aclose()  # unread → the connection is dropped, which aborts the request upstream
+        finally:
+            self.lease.release(outcome)
+            self.d.finish(self.rec, 200, outcome, self.relay.usage)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

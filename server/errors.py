@@ -1,0 +1,110 @@
+"""Gateway-originated errors in OpenAI's nested shape, and the one table mapping each cause to its status.
+
+Body: `{"error": {"message": str, "type": str, "param": str | None, "code": int | str | None}}`, the shape
+vLLM (≥ 0.10.1) and OpenAI return, so the `openai` client raises the matching exception class
+(400 → BadRequestError, 401 → AuthenticationError, 404 → NotFoundError, 413 → APIStatusError,
+429 → RateLimitError, 5xx → InternalServerError). `code` carries the HTTP status like vLLM does, except
+where a stable string code is more useful to scripts (rate limits, queue full).
+
+Errors from workers are never rebuilt here: their bodies pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from starlette.responses import Response
+
+
+class Cause(StrEnum):
+    """Why the gateway itself answered with an error; also the `reason` label of rejection metrics."""
+
+    BAD_REQUEST = "bad_request"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    MODEL_NOT_FOUND = "model_not_found"
+    BODY_TOO_LARGE = "body_too_large"
+    RATE_LIMITED = "rate_limited"
+    TOKEN_RATE_LIMITED = "token_rate_limited"
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    NO_WORKER = "no_worker"
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    SHUTTING_DOWN = "shutting_down"
+    NOT_FOUND = "not_found"
+
+
+# cause → (HTTP status, OpenAI error `type`); a test iterates this table.
+ERROR_TABLE: dict[Cause, tuple[int, str]] = {
+    Cause.BAD_REQUEST: (400, "BadRequestError"),
+    Cause.UNAUTHORIZED: (401, "AuthenticationError"),
+    Cause.FORBIDDEN: (403, "PermissionDeniedError"),
+    Cause.MODEL_NOT_FOUND: (404, "NotFoundError"),
+    Cause.NOT_FOUND: (404, "NotFoundError"),
+    Cause.BODY_TOO_LARGE: (413, "RequestTooLargeError"),
+    Cause.RATE_LIMITED: (429, "RateLimitError"),
+    Cause.TOKEN_RATE_LIMITED: (429, "RateLimitError"),
+    Cause.QUEUE_FULL: (429, "RateLimitError"),
+    Cause.QUEUE_TIMEOUT: (429, "RateLimitError"),
+    Cause.NO_WORKER: (503, "ServiceUnavailableError"),
+    Cause.UPSTREAM_UNAVAILABLE: (502, "BadGatewayError"),
+    Cause.UPSTREAM_TIMEOUT: (504, "GatewayTimeoutError"),
+    Cause.SHUTTING_DOWN: (503, "ServiceUnavailableError"),
+}
+
+# Causes whose `code` is a stable string rather than the status number (OpenAI uses strings here too).
+_STRING_CODES = {
+    Cause.MODEL_NOT_FOUND: "model_not_found",
+    Cause.RATE_LIMITED: "rate_limit_exceeded",
+    Cause.TOKEN_RATE_LIMITED: "tokens_rate_limit_exceeded",
+    Cause.QUEUE_FULL: "queue_full",
+    Cause.QUEUE_TIMEOUT: "queue_timeout",
+    Cause.UNAUTHORIZED: "invalid_api_key",
+}
+
+
+@dataclass(slots=True)
+class GatewayError(Exception):
+    """Raised anywhere on the request path; the app turns it into one OpenAI error response."""
+
+    cause: Cause
+    message: str
+    param: str | None = None
+    retry_after_s: float | None = None
+    status_override: int | None = None  # a router Reject's own status and body (its REJECT_TABLE row)
+    body_override: dict[str, object] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.cause}: {self.message}"
+
+    @property
+    def status(self) -> int:
+        return self.status_override or ERROR_TABLE[self.cause][0]
+
+    def body(self) -> dict[str, object]:
+        if self.body_override is not None:
+            return self.body_override
+        status, err_type = ERROR_TABLE[self.cause]
+        code: int | str = _STRING_CODES.get(self.cause, status)
+        return {"error": {"message": self.message, "type": err_type, "param": self.param, "code": code}}
+
+    def to_response(self, request_id: str | None = None) -> Response:
+        headers: dict[str, str] = {}
+        if self.retry_after_s is not None:
+            # Retry-After is whole seconds (RFC 9110); round up so clients never retry early.
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        if self.cause is Cause.UNAUTHORIZED:
+            headers["WWW-Authenticate"] = 'Bearer realm="mosaic"'
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return Response(json.dumps(self.body()), self.status, headers, media_type="application/json")
+
+
+def stream_error_event(message: str, status: int = 500, err_type: str = "InternalServerError") -> bytes:
+    """The SSE tail vLLM sends when a stream fails after it began: an error event, then `[DONE]`."""
+    payload = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"

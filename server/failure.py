@@ -1,0 +1,157 @@
+"""Failure handling primitives: the reservation lease, upstream failure classes, and the relay response.
+
+**Lease.** One routing decision's reservations (the router's Reserve step, e.g. the KV ledger) and the
+in-flight tickets of the hops dispatched under it. `release(outcome)` runs exactly once — later calls
+are no-ops — and does everything the end of a request on those workers implies: the reservations'
+`release(outcome)` (last made first), in-flight tickets done, the router's `on_complete` per worker, and
+an admission wake-up for the model. As an async context manager it releases on exit with the outcome
+its exception implies (none → completed; cancellation → client_disconnected; `UpstreamFailure` →
+failed_before_first_byte; anything else → worker_error).
+
+**UpstreamFailure.** A worker could not serve the request before any byte reached the client: connect
+error, timeout, a protocol error, or a retryable status (429, 502, 503, 504). The dispatcher may retry
+it on another worker. `hard` failures (connection refused) eject the worker at once (breaker).
+
+**RelayResponse.** A streaming response that always runs its session's `close()` — also when the client
+disconnects before the body iterator ever started, which a plain async generator's `finally` would miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import TracebackType
+
+import anyio
+import httpx
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from scheduler.routing.framework import Decision, Router, RouteRequest
+from scheduler.routing.reasons import Outcome
+from server.registry import InflightTicket, Registry
+
+
+@dataclass(slots=True)
+class UpstreamFailure(Exception):
+    worker_id: str
+    kind: str  # connect, connect_timeout, timeout, protocol, status_503, removed, ...
+    hard: bool = False  # eject the worker now (connection refused)
+    status: int | None = None  # the worker's status, when it answered
+    body: bytes = b""  # the worker's error body, passed through if retries run out
+    content_type: str = "application/json"
+
+    def __str__(self) -> str:
+        return f"{self.worker_id}: {self.kind}"
+
+    @property
+    def is_timeout(self) -> bool:
+        return "timeout" in self.kind
+
+
+def classify(exc: BaseException) -> tuple[str, bool]:
+    """(kind, hard) for an exception raised while talking to a worker."""
+    if isinstance(exc, httpx.ConnectError):
+        return "connect", True
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "connect_timeout", False
+    if isinstance(exc, httpx.PoolTimeout):
+        return "pool_timeout", False
+    if isinstance(exc, httpx.TimeoutException | TimeoutError):
+        return "timeout", False
+    return "protocol", False
+
+
+def outcome_for(exc: BaseException | None) -> Outcome:
+    if exc is None:
+        return Outcome.COMPLETED
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return Outcome.CLIENT_DISCONNECTED
+    if isinstance(exc, UpstreamFailure):
+        return Outcome.FAILED_BEFORE_FIRST_BYTE
+    return Outcome.WORKER_ERROR
+
+
+class Lease:
+    """See module docstring. `track()` adds a hop's in-flight ticket; `first_token()` marks prefill done."""
+
+    __slots__ = ("_notify", "_released", "_router", "_tickets", "clock", "decision", "registry", "req")
+
+    def __init__(
+        self,
+        decision: Decision,
+        req: RouteRequest,
+        registry: Registry,
+        router: Router,
+        notify: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.decision = decision
+        self.req = req
+        self.registry = registry
+        self._router = router
+        self._notify = notify
+        self.clock = clock
+        self._tickets: list[InflightTicket] = []
+        self._released: Outcome | None = None
+        router.on_dispatch(decision, req, clock())
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """The outcome it was released with (None while held)."""
+        return self._released
+
+    def track(self, worker_id: str, prompt_tokens: int, prefilled_remotely: bool = False) -> InflightTicket:
+        try:
+            ticket = self.registry.track(worker_id, prompt_tokens, prefilled_remotely)
+        except KeyError:
+            raise UpstreamFailure(worker_id, "removed") from None
+        self._tickets.append(ticket)
+        return ticket
+
+    def first_token(self) -> None:
+        for t in self._tickets:
+            t.first_token()
+
+    def release(self, outcome: Outcome) -> bool:
+        """Release everything once; True if this call did it."""
+        if self._released is not None:
+            return False
+        self._released = outcome
+        try:
+            self.decision.release(outcome)
+        finally:
+            for t in self._tickets:
+                t.done()
+            now = self.clock()
+            workers = [self.decision.decode] + ([self.decision.prefill] if self.decision.prefill else [])
+            for w in workers:
+                self._router.on_complete(w.id, self.req, outcome, now)
+            self._notify(self.req.model)
+        return True
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release(outcome_for(exc))
+
+
+class RelayResponse(StreamingResponse):
+    """StreamingResponse that awaits `on_close()` (shielded from cancellation) however the response ends."""
+
+    def __init__(self, content: object, on_close: Callable[[], Awaitable[None]], **kwargs: object) -> None:
+        super().__init__(content, **kwargs)  # type: ignore[arg-type]
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # finalises a generator left suspended at a yield
+                await self._on_close()

@@ -1,0 +1,200 @@
+"""Read what the gateway needs from an OpenAI request body, and size the request for the router.
+
+The body is validated with small pydantic models that declare only the fields the gateway reads
+(`extra="ignore"`): every other field — vLLM's many extensions included — is never touched, because the
+original bytes are what gets forwarded (the body is rewritten only to add `stream_options` upstream or for
+the P/D prefill hop).
+
+**Prompt tokens** (no tokenizer is configured in the gateway):
+- token-id prompts (`prompt: [int, ...]` or `[[int, ...], ...]`): exact, the number of ids;
+- text: ceil(characters / 4), OpenAI's rule of thumb for English (~4 characters per token);
+- chat: Σ over messages of (text estimate of its text parts + 3) + 3, the per-message framing and reply
+  priming of OpenAI's token-counting recipe. Non-text parts (images, audio) are not counted.
+The estimate only steers routing and rate limits; workers count exactly and their `usage` is what is
+reported and metered.
+
+**Output tokens** reserved: `max_completion_tokens` or `max_tokens`; absent, vLLM's defaults — 16 for
+`/v1/completions`, and for chat the rest of the context, max_model_len − prompt. Batched prompts and `n`
+multiply both (each sequence holds its own KV). `predicted_output_tokens` = min(reserved, the routing
+config's `default_output_tokens`) until a length predictor is plugged in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from scheduler.routing.framework import RouteRequest
+from scheduler.routing.prefix import block_hashes, text_block_hashes
+from server.errors import Cause, GatewayError
+
+CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text
+TOKENS_PER_MESSAGE = 3  # chat framing per message (OpenAI cookbook "How to count tokens")
+REPLY_PRIMING_TOKENS = 3
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM and OpenAI default for /v1/completions
+PREFIX_HASH_BLOCKS = 64  # hash at most this many leading blocks (affinity needs the prefix, not all of it)
+
+Kind = Literal["chat", "completions"]
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Message(_Lenient):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _Common(_Lenient):
+    model: str = Field(min_length=1)
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+
+
+class _Chat(_Common):
+    messages: list[_Message] = Field(min_length=1)
+
+
+class _Completion(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    kind: Kind
+    body: bytes  # the client's bytes, forwarded as they are when nothing must change
+    model: str
+    stream: bool
+    client_wants_usage: bool  # stream_options.include_usage was set by the client
+    has_stream_options: bool
+    prompt_tokens: int
+    prompt_exact: bool
+    sequences: int  # prompts × n
+    max_output_tokens: int  # over all sequences
+    token_ids: list[int] | None  # first prompt's ids, when given as ids (exact prefix hashing)
+    prompt_text: str | None  # the text prefix hashing uses otherwise
+    _data: dict[str, Any] | None = None
+
+    def data(self) -> dict[str, Any]:
+        """The body as a dict (parsed once, lazily: only the rewriting paths need it)."""
+        if self._data is None:
+            self._data = json.loads(self.body)
+        return self._data
+
+
+def estimate_text_tokens(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def _message_tokens(msg: _Message) -> int:
+    content = msg.content
+    if isinstance(content, str):
+        text_tokens = estimate_text_tokens(content)
+    elif content is None:
+        text_tokens = 0
+    else:
+        text_tokens = sum(estimate_text_tokens(str(p.get("text", ""))) for p in content if p.get("type") == "text")
+    return text_tokens + TOKENS_PER_MESSAGE
+
+
+def _chat_text(messages: list[_Message]) -> str:
+    parts = []
+    for m in messages:
+        c = m.content
+        text = c if isinstance(c, str) else "".join(str(p.get("text", "")) for p in c or [] if p.get("type") == "text")
+        parts.append(f"{m.role}\n{text}\n")
+    return "".join(parts)
+
+
+def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | None = None) -> ParsedRequest:
+    """Validate the fields the gateway reads; `GatewayError(bad_request)` naming the field otherwise.
+
+    `max_model_len` (model → context limit) sizes the chat default output; unknown models assume 8,192."""
+    try:
+        req: _Chat | _Completion = (_Chat if kind == "chat" else _Completion).model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "json_invalid":
+            raise GatewayError(Cause.BAD_REQUEST, f"Request body is not valid JSON: {err['msg']}") from None
+        if err["type"] == "model_type":
+            raise GatewayError(Cause.BAD_REQUEST, "Request body must be a JSON object") from None
+        raise GatewayError(Cause.BAD_REQUEST, f"Invalid value for '{param}': {err['msg']}", param=param) from None
+    n = req.n if req.n and req.n > 0 else 1
+    token_ids: list[int] | None = None
+    text: str | None = None
+    if isinstance(req, _Chat):
+        prompt = sum(_message_tokens(m) for m in req.messages) + REPLY_PRIMING_TOKENS
+        exact, prompts = False, 1
+        text = _chat_text(req.messages)
+        default_out = None
+    else:
+        prompt, exact, prompts, token_ids, text = _completion_prompt(req.prompt)
+        default_out = COMPLETIONS_DEFAULT_MAX_TOKENS
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    per_seq_prompt = math.ceil(prompt / prompts)
+    if limit is None:
+        context = (max_model_len or {}).get(req.model) or 8192
+        limit = default_out if default_out is not None else max(1, context - per_seq_prompt)
+    opts = req.stream_options or {}
+    return ParsedRequest(
+        kind=kind,
+        body=body,
+        model=req.model,
+        stream=bool(req.stream),
+        client_wants_usage=bool(opts.get("include_usage")),
+        has_stream_options=req.stream_options is not None,
+        prompt_tokens=prompt,
+        prompt_exact=exact,
+        sequences=prompts * n,
+        max_output_tokens=max(0, limit) * prompts * n,
+        token_ids=token_ids,
+        prompt_text=text,
+    )
+
+
+def _completion_prompt(prompt: Any) -> tuple[int, bool, int, list[int] | None, str | None]:
+    """(tokens, exact, number of prompts, first prompt's ids, first prompt's text)."""
+    if isinstance(prompt, str):
+        return estimate_text_tokens(prompt), False, 1, None, prompt
+    if not prompt:
+        raise GatewayError(Cause.BAD_REQUEST, "'prompt' must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return len(prompt), True, 1, list(prompt), None
+    if isinstance(prompt[0], str):
+        return sum(estimate_text_tokens(p) for p in prompt), False, len(prompt), None, prompt[0]
+    return sum(len(p) for p in prompt), True, len(prompt), list(prompt[0]), None
+
+
+def route_request(
+    parsed: ParsedRequest,
+    request_id: str,
+    arrival_s: float,
+    default_output_tokens: int,
+    block_size: int = 16,
+) -> RouteRequest:
+    """The router's view of the request: footprint and prefix hashes, never the body."""
+    if parsed.token_ids is not None:
+        hashes = block_hashes(parsed.token_ids, block_size, PREFIX_HASH_BLOCKS)
+    elif parsed.prompt_text:
+        hashes = text_block_hashes(parsed.prompt_text, block_size * CHARS_PER_TOKEN, PREFIX_HASH_BLOCKS)
+    else:
+        hashes = ()
+    return RouteRequest(
+        request_id=request_id,
+        model=parsed.model,
+        prompt_tokens=parsed.prompt_tokens,
+        max_output_tokens=parsed.max_output_tokens,
+        predicted_output_tokens=min(parsed.max_output_tokens, default_output_tokens * parsed.sequences),
+        prefix_hashes=hashes,
+        arrival_s=arrival_s,
+    )

@@ -1,0 +1,122 @@
+"""`Gateway`: every long-lived object of one gateway process, built from a `MosaicConfig` in one place.
+
+Nothing here is global: `create_app(config)` builds one `Gateway`, the app's lifespan starts and stops
+it, and tests build as many as they like side by side. Injection points for tests: `transport` (an
+`httpx` transport used for every upstream call, e.g. `httpx.MockTransport`), `sources` (a pool's
+discovery source by pool name), `reserve` (the router's Reserve plugins, e.g. the KV ledger) and `clock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from placement.catalog import load_catalog
+from scheduler.fleet import Role, WorkerState, capacity_for
+from scheduler.routing.config import build_router
+from scheduler.routing.framework import Decision, ReservePlugin
+from scheduler.routing.reasons import Reject
+from server.admission import AdmissionQueue
+from server.auth import KeyStore, RateLimiter
+from server.config import MosaicConfig, PoolConfig
+from server.discovery import KubernetesDiscovery, Source, StaticSource
+from server.dispatch import Dispatcher
+from server.metrics import GatewayMetrics
+from server.proxy import make_client
+from server.registry import PoolInfo, Registry
+
+log = logging.getLogger("mosaic.gateway")
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: MosaicConfig,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        sources: Mapping[str, Source] | None = None,
+        reserve: Sequence[ReservePlugin] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.started_at = int(time.time())
+        self.draining = False
+        self.metrics = GatewayMetrics()
+        self.keys = KeyStore(config.auth)
+        self.limiter = RateLimiter(config.limits.rate_limit)
+        probe_client = httpx.AsyncClient(transport=transport) if transport is not None else None
+        self.registry = Registry(config.scrape, config.health, self.metrics, client=probe_client, clock=clock)
+        self._own_probe_client = probe_client
+        catalog = load_catalog(config.catalog)
+        self.max_model_len: dict[str, int] = {}
+        for pool in config.pools:
+            info = self._pool_info(pool, catalog)
+            self.max_model_len.setdefault(pool.model, info.capacity.max_model_len or 0)
+            source = (sources or {}).get(pool.name) or self._source(pool)
+            self.registry.add_pool(info, source)
+        self.models: tuple[str, ...] = tuple(self.registry.models())
+        self.router = build_router(config.routing, reserve=reserve)
+        self.admission: AdmissionQueue[Decision] = AdmissionQueue(
+            config.limits.queue_size,
+            config.limits.queue_deadline_s,
+            is_reject=lambda r: isinstance(r, Reject),
+            clock=clock,
+        )
+        self.registry.on_refresh.append(self.admission.notify_all)
+        self.metrics.attach_live(self.registry.gauge_rows, self.admission.depths)
+        self.client = make_client(config.limits, transport)
+        self.dispatcher = Dispatcher(
+            config, self.registry, self.router, self.admission, self.client, self.metrics, self.limiter, clock
+        )
+
+    def _pool_info(self, pool: PoolConfig, catalog: Any) -> PoolInfo:
+        model_cfg = self.config.model_config_for(pool.model)
+        capacity = capacity_for(
+            pool.gpu,
+            model_cfg.spec_name,
+            pool.tp,
+            catalog,
+            max_num_seqs=pool.max_num_seqs,
+            block_size=pool.block_size,
+            gpu_memory_utilization=pool.gpu_memory_utilization,
+            max_model_len=model_cfg.max_model_len,
+            cost_per_hour=pool.cost_per_hour,
+        )
+        return PoolInfo(pool.name, pool.model, catalog.gpu(pool.gpu).name, Role(pool.role), capacity)
+
+    def _source(self, pool: PoolConfig) -> Source:
+        ep = pool.endpoints
+        if ep.static is not None:
+            return StaticSource(ep.static)
+        if ep.kubernetes is not None:
+            return KubernetesDiscovery(ep.kubernetes)
+        from server.embedded import SimulatedPoolSource  # the simulator is needed only for simulated pools
+
+        assert ep.simulated is not None
+        return SimulatedPoolSource(pool, self.config.model_config_for(pool.model), ep.simulated)
+
+    async def start(self) -> None:
+        warning = self.keys.open_warning()
+        if warning:
+            log.warning(warning)
+        await self.registry.start()
+
+    async def stop(self) -> None:
+        await self.registry.stop()
+        await self.client.aclose()
+        if self._own_probe_client is not None:
+            await self._own_probe_client.aclose()
+
+    def readiness(self) -> tuple[bool, dict[str, int]]:
+        """Ready when not draining and every configured model has at least one ready worker."""
+        ready = dict.fromkeys(self.models, 0)
+        now = self.clock()
+        for rec in self.registry.records():
+            if rec.state() is WorkerState.READY and not rec.breaker.is_open(now):
+                ready[rec.pool.model] = ready.get(rec.pool.model, 0) + 1
+        return (not self.draining and all(n > 0 for n in ready.values())), ready

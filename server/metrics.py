@@ -1,0 +1,109 @@
+"""The gateway's Prometheus metrics (`mosaic_` namespace), in a registry of its own per app.
+
+Measured at the gateway, so they are what a client sees (P/D TTFT includes the prefill hop and the KV
+transfer). Request-path metrics are updated as events happen; per-worker and queue gauges are read from
+the live objects when `/metrics` is scraped (a custom collector), so they are never stale and cost
+nothing per request.
+
+| metric | type | labels |
+|---|---|---|
+| mosaic_requests_total | counter | model, pool, status (HTTP status sent to the client; pool `none` when never routed) |
+| mosaic_request_outcomes_total | counter | model, outcome (completed, failed_before_first_byte, client_disconnected, worker_error, ...) |
+| mosaic_time_to_first_token_seconds | histogram | model, pool (arrival → first streamed event relayed) |
+| mosaic_inter_token_latency_seconds | histogram | model, pool (gap between relayed stream events) |
+| mosaic_e2e_request_latency_seconds | histogram | model, pool (arrival → last byte) |
+| mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
+| mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |
+| mosaic_retries_total | counter | model, reason (connect, timeout, status_429, status_503, ...) |
+| mosaic_pd_fallbacks_total | counter | model (prefill hop failed → decode-only) |
+| mosaic_upstream_errors_total | counter | worker, kind |
+| mosaic_scrape_errors_total | counter | worker |
+| mosaic_worker_inflight_requests, mosaic_worker_inflight_prefill_tokens | gauge | worker, pool |
+| mosaic_worker_state | gauge (1) | worker, pool, state |
+| mosaic_worker_breaker_open | gauge | worker, pool |
+| mosaic_worker_scrape_age_seconds | gauge | worker, pool (absent until first scrape) |
+| mosaic_admission_queue_depth | gauge | model |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Buckets span a zero-compute simulator (sub-ms) to long-context requests on real GPUs (minutes).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 600.0)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGaugeRow:
+    worker: str
+    pool: str
+    state: str
+    inflight_requests: int
+    inflight_prefill_tokens: int
+    breaker_open: bool
+    scrape_age_s: float | None
+
+
+class _LiveCollector(Collector):
+    """Reads worker rows and queue depths from callables at scrape time."""
+
+    def __init__(
+        self, workers: Callable[[], Iterable[WorkerGaugeRow]], queues: Callable[[], dict[str, int]]
+    ) -> None:
+        self._workers = workers
+        self._queues = queues
+
+    def collect(self) -> Iterator[Metric]:
+        inflight = GaugeMetricFamily("mosaic_worker_inflight_requests", "Requests in flight per worker (gateway-side)", labels=["worker", "pool"])
+        prefill = GaugeMetricFamily("mosaic_worker_inflight_prefill_tokens", "Prompt tokens dispatched and not yet past first token", labels=["worker", "pool"])
+        state = GaugeMetricFamily("mosaic_worker_state", "Worker state (1 for the current state)", labels=["worker", "pool", "state"])
+        breaker = GaugeMetricFamily("mosaic_worker_breaker_open", "1 when the worker's circuit breaker is open", labels=["worker", "pool"])
+        age = GaugeMetricFamily("mosaic_worker_scrape_age_seconds", "Seconds since the worker's last successful /metrics scrape", labels=["worker", "pool"])
+        for row in self._workers():
+            labels = [row.worker, row.pool]
+            inflight.add_metric(labels, row.inflight_requests)
+            prefill.add_metric(labels, row.inflight_prefill_tokens)
+            state.add_metric([*labels, row.state], 1)
+            breaker.add_metric(labels, 1 if row.breaker_open else 0)
+            if row.scrape_age_s is not None:
+                age.add_metric(labels, row.scrape_age_s)
+        depth = GaugeMetricFamily("mosaic_admission_queue_depth", "Requests waiting in the admission queue", labels=["model"])
+        for model, n in self._queues().items():
+            depth.add_metric([model], n)
+        yield from (inflight, prefill, state, breaker, age, depth)
+
+
+class GatewayMetrics:
+    """All gateway metrics in one `CollectorRegistry` owned by this object (one per app, no globals)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("mosaic_requests", "Requests answered, by HTTP status", ["model", "pool", "status"], registry=r)
+        self.outcomes = Counter("mosaic_request_outcomes", "Terminal outcome of each accepted request", ["model", "outcome"], registry=r)
+        self.ttft = Histogram("mosaic_time_to_first_token_seconds", "Arrival to first streamed event, at the gateway", ["model", "pool"], buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("mosaic_inter_token_latency_seconds", "Gap between relayed stream events", ["model", "pool"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("mosaic_e2e_request_latency_seconds", "Arrival to last byte, at the gateway", ["model", "pool"], buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("mosaic_prompt_tokens", "Prompt tokens reported by workers' usage", ["model"], registry=r)
+        self.generation_tokens = Counter("mosaic_generation_tokens", "Generated tokens reported by workers' usage", ["model"], registry=r)
+        self.rejections = Counter("mosaic_rejections", "Requests refused by the gateway, by reason", ["reason"], registry=r)
+        self.retries = Counter("mosaic_retries", "Dispatches retried on another worker", ["model", "reason"], registry=r)
+        self.pd_fallbacks = Counter("mosaic_pd_fallbacks", "P/D requests served decode-only after the prefill hop failed", ["model"], registry=r)
+        self.upstream_errors = Counter("mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"], registry=r)
+        self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"], registry=r)
+
+    def attach_live(
+        self, workers: Callable[[], Iterable[WorkerGaugeRow]], queues: Callable[[], dict[str, int]]
+    ) -> None:
+        self.registry.register(_LiveCollector(workers, queues))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

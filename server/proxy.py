@@ -1,0 +1,171 @@
+"""Talking to workers: one pooled keep-alive HTTP client, the body rewrites, and the SSE relay filter.
+
+**Client.** One `httpx.AsyncClient` per gateway (connections pooled per worker origin and kept alive),
+with `limits.connect_timeout_s` to connect, `limits.stall_timeout_s` as the longest wait for any read
+(a stalled stream fails instead of hanging) and the pool wait bounded by `first_token_timeout_s`.
+
+**Bodies.** The client's bytes are forwarded untouched unless something must change:
+- streaming without `stream_options.include_usage`: usage is requested upstream (to count tokens) by
+  splicing `"stream_options":{"include_usage":true}` into the JSON object (no re-serialisation; when the
+  client sent other `stream_options`, the dict is merged and re-encoded instead) and the usage chunk is
+  stripped from what the client receives;
+- P/D prefill hop (vLLM's disaggregated-serving proxy protocol, NixlConnector): a copy with
+  `kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+  "remote_block_ids": null, "remote_host": null, "remote_port": null}`, `stream: false`,
+  `max_tokens: 1`, `max_completion_tokens: 1`, and `stream_options`, `min_tokens` removed;
+- P/D decode hop: the original request plus the `kv_transfer_params` the prefill worker answered with.
+
+**Relay.** `SseRelay` passes stream bytes through as they came, holding back only an incomplete event
+at a chunk's end (events end with a blank line), and looks inside only chunks that mention `"usage"`:
+there it reads the usage event (`choices: []` + `usage`) and drops it when the client did not ask.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from server.config import LimitsConfig
+
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Statuses that mean "this worker cannot take it now": safe to retry elsewhere before the first byte.
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+
+
+def make_client(limits: LimitsConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The gateway's upstream client: pooled keep-alive connections, bounded waits (module docstring)."""
+    n = limits.max_upstream_connections
+    return httpx.AsyncClient(
+        transport=transport,
+        limits=httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=60.0),
+        timeout=httpx.Timeout(
+            connect=limits.connect_timeout_s,
+            read=limits.stall_timeout_s,
+            write=limits.connect_timeout_s,
+            pool=limits.first_token_timeout_s,
+        ),
+        follow_redirects=False,
+    )
+
+
+def upstream_headers(request_id: str) -> dict[str, str]:
+    """Headers sent to a worker: never the client's Authorization (that is a gateway key)."""
+    return {"content-type": "application/json", "accept": "application/json, text/event-stream", "x-request-id": request_id}
+
+
+def splice_usage_option(body: bytes) -> bytes | None:
+    """`body` with `"stream_options":{"include_usage":true}` added as the last member, or None when
+    the body does not end like a JSON object (the caller then re-encodes)."""
+    end = body.rstrip()
+    if not end.endswith(b"}"):
+        return None
+    head = end[:-1].rstrip()
+    sep = b"" if head.endswith(b"{") else b","
+    return head + sep + b'"stream_options":{"include_usage":true}}'
+
+
+def usage_body(body: bytes, data: Callable[[], dict[str, Any]], has_stream_options: bool) -> bytes:
+    """The streaming body to send upstream so that the final usage chunk is produced (`data()` parses
+    the body; called only when splicing is not possible)."""
+    if not has_stream_options:
+        spliced = splice_usage_option(body)
+        if spliced is not None:
+            return spliced
+    parsed = data()
+    out = dict(parsed)
+    out["stream_options"] = {**(parsed.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(out, separators=(",", ":")).encode()
+
+
+def prefill_body(data: dict[str, Any]) -> bytes:
+    """The P/D prefill hop's body (module docstring)."""
+    out = dict(data)
+    out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    return json.dumps(out, separators=(",", ":")).encode()
+
+
+def decode_body(data: dict[str, Any], kv_transfer_params: dict[str, Any], stream_needs_usage: bool) -> bytes:
+    """The P/D decode hop's body: the original request with the prefill worker's `kv_transfer_params`."""
+    out = dict(data)
+    out["kv_transfer_params"] = kv_transfer_params
+    if stream_needs_usage:
+        out["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(out, separators=(",", ":")).encode()
+
+
+class SseRelay:
+    """Pass-through filter for an upstream SSE stream (see module docstring).
+
+    `feed(chunk)` returns the bytes to send now; `flush()` the held-back remainder at the end.
+    `usage` is the last usage object seen; `events` counts relayed `data:` events.
+    """
+
+    __slots__ = ("_buf", "strip_usage", "usage")
+
+    def __init__(self, strip_usage: bool) -> None:
+        self.strip_usage = strip_usage
+        self.usage: dict[str, Any] | None = None
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._buf:
+            chunk = self._buf + chunk
+            self._buf = b""
+        if not chunk.endswith(b"\n\n"):
+            cut = chunk.rfind(b"\n\n")
+            if cut < 0:
+                self._buf = chunk
+                return b""
+            self._buf = chunk[cut + 2 :]
+            chunk = chunk[: cut + 2]
+        if b'"usage"' not in chunk:
+            return chunk  # the fast path: nothing to look at
+        return self._filter(chunk)
+
+    def _filter(self, chunk: bytes) -> bytes:
+        out: list[bytes] = []
+        for event in chunk.split(b"\n\n")[:-1]:
+            if b'"usage"' in event and event.startswith(b"data:"):
+                payload = _json_or_none(event[5:])
+                if isinstance(payload, dict) and payload.get("usage"):
+                    self.usage = payload["usage"]
+                    if self.strip_usage and not payload.get("choices"):
+                        continue  # the injected usage-only chunk the client did not ask for
+            out.append(event + b"\n\n")
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self._buf = self._buf, b""
+        return rest
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def response_usage(body: bytes) -> dict[str, Any] | None:
+    """`usage` of a non-streaming JSON response (None when absent or not JSON)."""
+    if b'"usage"' not in body:
+        return None
+    payload = _json_or_none(body)
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    return usage if isinstance(usage, dict) else None

@@ -1,0 +1,385 @@
+"""The gateway's live fleet: workers per pool, their scraped stats, health, breaker and in-flight counts.
+
+`Registry.view()` freezes it into the router's `FleetView` (one `WorkerView` per routable worker).
+
+- **Discovery**: each pool has a `Source`; `sync_pool` reconciles its listing (new → added and
+  health-checked at once; gone → dropped; terminating → draining; not ready → starting). Sources with a
+  `resync_s` are re-listed periodically.
+- **Scrape** (`scrape.interval_s`, default 1 s): every worker's `/metrics` concurrently, each with
+  `scrape.timeout_s`; counters become per-second rates between scrapes. Stats older than
+  `scrape.stale_after_s` are withheld from the view (the router sees None rather than stale numbers).
+- **Health** (`health.interval_s`): GET `/health`; `failure_threshold` consecutive failures → unhealthy.
+  A worker whose breaker is open gets no requests; its next health check after `open_s` is the probe.
+- **In-flight accounting**: `track()` returns an `InflightTicket` (dispatch → `first_token()` → `done()`),
+  so routing sees new load immediately, without waiting for a scrape. Counts are this process's only.
+
+State in the view: terminating → draining; not ready in discovery or never health-checked → starting;
+failed health checks → unhealthy; else ready. The breaker is reported separately (`breaker_open`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from scheduler.fleet import FleetView, Role, WorkerCapacity, WorkerState, WorkerView
+from server.breaker import CircuitBreaker
+from server.config import HealthConfig, ScrapeConfig
+from server.discovery import Endpoint, Source
+from server.metrics import GatewayMetrics, WorkerGaugeRow
+from server.scrape import WorkerStats, counter_rate, parse_vllm_metrics
+
+log = logging.getLogger("mosaic.registry")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    name: str
+    model: str
+    gpu: str
+    role: Role
+    capacity: WorkerCapacity
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    id: str
+    url: str
+    pool: PoolInfo
+    breaker: CircuitBreaker
+    discovered_ready: bool = True
+    terminating: bool = False
+    health_ok: bool | None = None  # None: not checked yet
+    health_failures: int = 0
+    last_error: str | None = None
+    stats: WorkerStats | None = None
+    stats_at: float | None = None
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
+    inflight_requests: int = 0
+    inflight_prefill_tokens: int = 0
+    inflight_decode_requests: int = 0
+    dispatched_total: int = 0
+
+    def state(self) -> WorkerState:
+        if self.terminating:
+            return WorkerState.DRAINING
+        if not self.discovered_ready or self.health_ok is None:
+            return WorkerState.STARTING
+        return WorkerState.READY if self.health_ok else WorkerState.UNHEALTHY
+
+    def fresh_stats(self, now: float, stale_after_s: float) -> WorkerStats | None:
+        if self.stats is None or self.stats_at is None or now - self.stats_at > stale_after_s:
+            return None
+        return self.stats
+
+    def view(self, now: float, stale_after_s: float) -> WorkerView:
+        s = self.fresh_stats(now, stale_after_s)
+        p = self.pool
+        return WorkerView(
+            id=self.id,
+            url=self.url,
+            pool=p.name,
+            model=p.model,
+            gpu=p.gpu,
+            role=p.role,
+            state=self.state(),
+            breaker_open=self.breaker.is_open(now),
+            capacity=p.capacity,
+            num_running=s.num_running if s else None,
+            num_waiting=s.num_waiting if s else None,
+            kv_usage=s.kv_usage if s else None,
+            num_gpu_blocks=s.num_gpu_blocks if s else None,
+            block_size=s.block_size if s else None,
+            generation_tokens_per_s=self.generation_tokens_per_s if s else None,
+            prompt_tokens_per_s=self.prompt_tokens_per_s if s else None,
+            preemptions_total=s.preemptions_total if s else None,
+            scrape_age_s=(now - self.stats_at) if s and self.stats_at is not None else None,
+            inflight_requests=self.inflight_requests,
+            inflight_prefill_tokens=self.inflight_prefill_tokens,
+            inflight_decode_requests=self.inflight_decode_requests,
+        )
+
+
+class InflightTicket:
+    """One request's load on one worker. `first_token()` moves its prompt out of the prefill backlog;
+    `done()` removes it entirely. Both are idempotent; `done()` implies the first."""
+
+    __slots__ = ("_done", "_first", "prompt_tokens", "record")
+
+    def __init__(self, record: WorkerRecord, prompt_tokens: int, prefilled_remotely: bool) -> None:
+        self.record = record
+        self.prompt_tokens = prompt_tokens if not prefilled_remotely else 0
+        self._first = prefilled_remotely
+        self._done = False
+        record.inflight_requests += 1
+        record.dispatched_total += 1
+        record.inflight_prefill_tokens += self.prompt_tokens
+        if self._first:
+            record.inflight_decode_requests += 1
+
+    def first_token(self) -> None:
+        if self._first or self._done:
+            return
+        self._first = True
+        self.record.inflight_prefill_tokens -= self.prompt_tokens
+        self.record.inflight_decode_requests += 1
+
+    def done(self) -> None:
+        if self._done:
+            return
+        if not self._first:
+            self.record.inflight_prefill_tokens -= self.prompt_tokens
+        else:
+            self.record.inflight_decode_requests -= 1
+        self._done = True
+        self.record.inflight_requests -= 1
+
+
+@dataclass(slots=True)
+class _Pool:
+    info: PoolInfo
+    source: Source
+    task: asyncio.Task[None] | None = None
+    ids: set[str] = field(default_factory=set)
+
+
+class Registry:
+    """Workers of every pool, kept fresh by background loops started with `start()`."""
+
+    def __init__(
+        self,
+        scrape: ScrapeConfig,
+        health: HealthConfig,
+        metrics: GatewayMetrics,
+        client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._scrape_cfg = scrape
+        self._health_cfg = health
+        self._metrics = metrics
+        self._clock = clock
+        self._own_client = client is None
+        self._client = client or httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=64))
+        self._pools: dict[str, _Pool] = {}
+        self._workers: dict[str, WorkerRecord] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self.on_refresh: list[Callable[[], None]] = []  # called after each scrape round (admission wake-up)
+
+    # ------------------------------------------------------------------ pools and discovery
+    def add_pool(self, info: PoolInfo, source: Source) -> None:
+        self._pools[info.name] = _Pool(info, source)
+
+    async def start(self) -> None:
+        """Start sources, list them once, health-check everything, then run the background loops."""
+        for pool in self._pools.values():
+            await pool.source.start()
+        await asyncio.gather(*(self.resync(name) for name in self._pools))
+        await self.health_once()
+        await self.scrape_once()
+        self._loops.append(asyncio.create_task(self._every(self._scrape_cfg.interval_s, self.scrape_once)))
+        self._loops.append(asyncio.create_task(self._every(self._health_cfg.interval_s, self.health_once)))
+        for name, pool in self._pools.items():
+            if pool.source.resync_s:
+                pool.task = asyncio.create_task(self._every(pool.source.resync_s, lambda n=name: self.resync(n)))
+
+    async def stop(self) -> None:
+        tasks = [*self._loops, *self._tasks, *(p.task for p in self._pools.values() if p.task)]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for pool in self._pools.values():
+            with contextlib.suppress(Exception):
+                await pool.source.stop()
+        if self._own_client:
+            await self._client.aclose()
+
+    async def resync(self, pool_name: str) -> None:
+        pool = self._pools[pool_name]
+        try:
+            endpoints = await pool.source.list()
+        except Exception as exc:  # keep the last good listing: a flaky API server must not empty the pool
+            log.warning("discovery for pool %s failed: %s", pool_name, exc)
+            return
+        self.sync_pool(pool_name, endpoints)
+
+    def sync_pool(self, pool_name: str, endpoints: Iterable[Endpoint]) -> None:
+        pool = self._pools[pool_name]
+        seen: set[str] = set()
+        for ep in endpoints:
+            wid = f"{pool_name}/{ep.name}"
+            seen.add(wid)
+            rec = self._workers.get(wid)
+            if rec is None or rec.url != ep.url:
+                cfg = self._health_cfg
+                rec = WorkerRecord(wid, ep.url, pool.info, CircuitBreaker(cfg.failure_threshold, cfg.open_s))
+                self._workers[wid] = rec
+                self._spawn(self._check(rec))
+            rec.discovered_ready = ep.ready
+            rec.terminating = ep.terminating
+        for wid in pool.ids - seen:
+            self._workers.pop(wid, None)  # in-flight tickets keep their record object; counts stay right
+        pool.ids = seen
+
+    # ------------------------------------------------------------------ the view
+    def view(self) -> FleetView:
+        now = self._clock()
+        stale = self._scrape_cfg.stale_after_s
+        return FleetView(tuple(rec.view(now, stale) for rec in self._workers.values()))
+
+    def records(self) -> list[WorkerRecord]:
+        return list(self._workers.values())
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._workers.get(worker_id)
+
+    def models(self) -> list[str]:
+        """Models of every configured pool (served or not yet), in config order."""
+        return list(dict.fromkeys(p.info.model for p in self._pools.values()))
+
+    def pools(self) -> list[PoolInfo]:
+        return [p.info for p in self._pools.values()]
+
+    def track(self, worker_id: str, prompt_tokens: int, prefilled_remotely: bool = False) -> InflightTicket:
+        rec = self._workers.get(worker_id)
+        if rec is None:  # removed between routing and dispatch: account on a detached record
+            raise KeyError(worker_id)
+        return InflightTicket(rec, prompt_tokens, prefilled_remotely)
+
+    # ------------------------------------------------------------------ passive health
+    def report_success(self, worker_id: str) -> None:
+        rec = self._workers.get(worker_id)
+        if rec is not None and rec.breaker.opened_at is None:
+            rec.breaker.failures = 0
+
+    def report_failure(self, worker_id: str, kind: str, hard: bool = False) -> None:
+        """A request to the worker failed (`kind`: connect, timeout, status_5xx...); `hard` ejects at once."""
+        self._metrics.upstream_errors.labels(worker_id, kind).inc()
+        rec = self._workers.get(worker_id)
+        if rec is None:
+            return
+        rec.last_error = kind
+        if rec.breaker.record_failure(self._clock(), hard=hard):
+            log.warning("worker %s ejected (circuit breaker open) after %s", worker_id, kind)
+
+    # ------------------------------------------------------------------ loops
+    async def _every(self, interval_s: float, fn: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await fn()
+            except Exception:  # a loop must survive anything one round throws
+                log.exception("background round failed")
+
+    def _spawn(self, coro: Any) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:  # no loop yet (sync_pool before start): start() health-checks everything
+            coro.close()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def health_once(self) -> None:
+        await asyncio.gather(*(self._check(rec) for rec in list(self._workers.values())))
+
+    async def _check(self, rec: WorkerRecord) -> None:
+        now = self._clock()
+        probing = rec.breaker.is_open(now)
+        if probing and not rec.breaker.probe_due(now):
+            return
+        ok, hard, why = await self._get_health(rec.url)
+        now = self._clock()
+        if probing:
+            rec.breaker.record_probe(ok, now)
+        if ok:
+            rec.health_ok = True
+            rec.health_failures = 0
+            return
+        rec.last_error = why
+        rec.health_failures += 1
+        if rec.health_failures >= self._health_cfg.failure_threshold or rec.health_ok is None:
+            rec.health_ok = False
+        if not probing:
+            rec.breaker.record_failure(now, hard=hard)
+
+    async def _get_health(self, url: str) -> tuple[bool, bool, str]:
+        try:
+            resp = await self._client.get(url + "/health", timeout=self._health_cfg.timeout_s)
+        except httpx.ConnectError:
+            return False, True, "health: connect"
+        except httpx.HTTPError as exc:
+            return False, False, f"health: {type(exc).__name__}"
+        return resp.status_code == 200, False, f"health: status {resp.status_code}"
+
+    async def scrape_once(self) -> None:
+        now = self._clock()
+        targets = [r for r in self._workers.values() if not r.breaker.is_open(now)]
+        await asyncio.gather(*(self._scrape(rec) for rec in targets))
+        for cb in self.on_refresh:
+            cb()
+
+    async def _scrape(self, rec: WorkerRecord) -> None:
+        try:
+            resp = await self._client.get(rec.url + "/metrics", timeout=self._scrape_cfg.timeout_s)
+            resp.raise_for_status()
+            stats = parse_vllm_metrics(resp.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            self._metrics.scrape_errors.labels(rec.id).inc()
+            rec.last_error = f"scrape: {type(exc).__name__}"
+            return
+        now = self._clock()
+        prev, prev_at = rec.stats, rec.stats_at
+        if prev is not None and prev_at is not None:
+            dt = now - prev_at
+            rec.prompt_tokens_per_s = counter_rate(prev.prompt_tokens_total, stats.prompt_tokens_total, dt)
+            rec.generation_tokens_per_s = counter_rate(prev.generation_tokens_total, stats.generation_tokens_total, dt)
+        rec.stats, rec.stats_at = stats, now
+
+    # ------------------------------------------------------------------ reporting
+    def gauge_rows(self) -> list[WorkerGaugeRow]:
+        now = self._clock()
+        return [
+            WorkerGaugeRow(
+                r.id, r.pool.name, r.state().value, r.inflight_requests, r.inflight_prefill_tokens,
+                r.breaker.is_open(now), (now - r.stats_at) if r.stats_at is not None else None,
+            )
+            for r in self._workers.values()
+        ]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each worker's identity, state, breaker, parsed stats and in-flight counts (for /admin/workers)."""
+        now = self._clock()
+        out = []
+        for r in self._workers.values():
+            v = r.view(now, self._scrape_cfg.stale_after_s)
+            stats = r.stats
+            out.append({
+                "id": r.id, "url": r.url, "pool": r.pool.name, "model": r.pool.model, "gpu": r.pool.gpu,
+                "role": r.pool.role.value, "state": v.state.value,
+                "breaker": {"state": r.breaker.state(now).value, "trips": r.breaker.trips, "failures": r.breaker.failures},
+                "last_error": r.last_error,
+                "inflight": {"requests": r.inflight_requests, "prefill_tokens": r.inflight_prefill_tokens,
+                             "decode_requests": r.inflight_decode_requests, "dispatched_total": r.dispatched_total},
+                "scrape_age_s": None if r.stats_at is None else round(now - r.stats_at, 3),
+                "stale": stats is not None and v.scrape_age_s is None,
+                "stats": None if stats is None else {
+                    **{k: getattr(stats, k) for k in stats.__slots__},  # type: ignore[attr-defined]
+                    "prompt_tokens_per_s": r.prompt_tokens_per_s,
+                    "generation_tokens_per_s": r.generation_tokens_per_s,
+                    "mean_itl_s": stats.mean_itl_s, "mean_ttft_s": stats.mean_ttft_s,
+                },
+                "capacity": {k: getattr(r.pool.capacity, k) for k in r.pool.capacity.__slots__},  # type: ignore[attr-defined]
+            })
+        return out
+

@@ -1,0 +1,173 @@
+"""vLLM `/metrics` text → the numbers the router reads (`WorkerStats`), tolerant of renamed metrics.
+
+Names (vLLM v1; REFERENCE.md), with the legacy name each replaced:
+
+| stat | metric | legacy |
+|---|---|---|
+| num_running | `vllm:num_requests_running` | |
+| num_waiting | `vllm:num_requests_waiting` | |
+| kv_usage | `vllm:kv_cache_usage_perc` (0–1) | `vllm:gpu_cache_usage_perc` |
+| num_gpu_blocks, block_size | labels of `vllm:cache_config_info` | |
+| prompt/generation tokens | `vllm:prompt_tokens_total`, `vllm:generation_tokens_total` | |
+| preemptions | `vllm:num_preemptions_total` | |
+| prefix cache | `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` | `vllm:gpu_prefix_cache_*` |
+| ITL | `vllm:inter_token_latency_seconds` (sum, count) | `vllm:time_per_output_token_seconds` |
+| TTFT | `vllm:time_to_first_token_seconds` (sum, count) | |
+
+A data-parallel vLLM server exposes one series per engine (`engine` label): counts, counters and
+`num_gpu_blocks` are summed across engines; `kv_usage` is the block-weighted mean
+Σ usage_e · blocks_e / Σ blocks_e (plain mean when block counts are unknown), so it stays a fraction.
+When both a v1 name and its legacy name are present, the v1 name wins.
+
+Parsing is `prometheus_client.parser`; lines of families we do not read are dropped first (a real vLLM
+exposition is mostly histogram buckets), which makes a scrape several times cheaper.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# sample name → (stat key, is_legacy)
+_SAMPLES: dict[str, tuple[str, bool]] = {
+    "vllm:num_requests_running": ("num_running", False),
+    "vllm:num_requests_waiting": ("num_waiting", False),
+    "vllm:kv_cache_usage_perc": ("kv_usage", False),
+    "vllm:gpu_cache_usage_perc": ("kv_usage", True),
+    "vllm:prompt_tokens_total": ("prompt_tokens_total", False),
+    "vllm:generation_tokens_total": ("generation_tokens_total", False),
+    "vllm:num_preemptions_total": ("preemptions_total", False),
+    "vllm:request_success_total": ("requests_success_total", False),
+    "vllm:prefix_cache_queries_total": ("prefix_cache_queries_total", False),
+    "vllm:prefix_cache_hits_total": ("prefix_cache_hits_total", False),
+    "vllm:gpu_prefix_cache_queries_total": ("prefix_cache_queries_total", True),
+    "vllm:gpu_prefix_cache_hits_total": ("prefix_cache_hits_total", True),
+    "vllm:inter_token_latency_seconds_sum": ("itl_sum", False),
+    "vllm:inter_token_latency_seconds_count": ("itl_count", False),
+    "vllm:time_per_output_token_seconds_sum": ("itl_sum", True),
+    "vllm:time_per_output_token_seconds_count": ("itl_count", True),
+    "vllm:time_to_first_token_seconds_sum": ("ttft_sum", False),
+    "vllm:time_to_first_token_seconds_count": ("ttft_count", False),
+}
+_CACHE_INFO = "vllm:cache_config_info"
+_WANTED_PREFIXES = tuple(sorted({*_SAMPLES, _CACHE_INFO}))
+# Family names as they appear in `# TYPE`/`# HELP` lines (counters and histograms drop their suffix there).
+_WANTED_FAMILIES = frozenset(_WANTED_PREFIXES) | frozenset(
+    n.removesuffix("_total").removesuffix("_sum").removesuffix("_count") for n in _WANTED_PREFIXES
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One scrape's worth of a worker's state; None where the worker does not expose the metric."""
+
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_usage: float | None = None
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    preemptions_total: float | None = None
+    requests_success_total: float | None = None
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
+    itl_sum: float | None = None
+    itl_count: float | None = None
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
+    engines: int = 0  # distinct `engine` label values seen (0 when the label is absent)
+    legacy_names: tuple[str, ...] = field(default=())  # legacy metric names read (for /admin/workers)
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        return self.itl_sum / self.itl_count if self.itl_sum is not None and self.itl_count else None
+
+    @property
+    def mean_ttft_s(self) -> float | None:
+        return self.ttft_sum / self.ttft_count if self.ttft_sum is not None and self.ttft_count else None
+
+
+def _keep(line: str) -> bool:
+    if line.startswith("#"):
+        parts = line.split(" ", 3)
+        return len(parts) >= 3 and parts[1] in ("TYPE", "HELP") and parts[2] in _WANTED_FAMILIES
+    return line.startswith(_WANTED_PREFIXES)
+
+
+def parse_vllm_metrics(text: str) -> WorkerStats:
+    """Parse a vLLM Prometheus exposition; raises ValueError when the text is not valid exposition format."""
+    kept = "\n".join(line for line in text.splitlines() if _keep(line)) + "\n"
+    new: dict[str, float] = defaultdict(float)
+    old: dict[str, float] = defaultdict(float)
+    usage_by_engine: dict[str, tuple[float, bool]] = {}
+    blocks_by_engine: dict[str, int] = {}
+    block_size: int | None = None
+    engines: set[str] = set()
+    legacy: set[str] = set()
+    for family in text_string_to_metric_families(kept):
+        for sample in family.samples:
+            engine = sample.labels.get("engine", "")
+            if engine:
+                engines.add(engine)
+            if sample.name == _CACHE_INFO:
+                blocks = sample.labels.get("num_gpu_blocks")
+                if blocks not in (None, "", "None"):
+                    blocks_by_engine[engine] = int(float(blocks))
+                if sample.labels.get("block_size") not in (None, "", "None"):
+                    block_size = int(float(sample.labels["block_size"]))
+                continue
+            hit = _SAMPLES.get(sample.name)
+            if hit is None:
+                continue
+            key, is_legacy = hit
+            if key == "kv_usage":
+                prev = usage_by_engine.get(engine)
+                if prev is None or (prev[1] and not is_legacy):  # a v1 series replaces a legacy one
+                    usage_by_engine[engine] = (float(sample.value), is_legacy)
+            else:
+                (old if is_legacy else new)[key] += float(sample.value)
+            if is_legacy:
+                legacy.add(sample.name)
+    values = {**old, **new}  # v1 names win over legacy ones
+    return WorkerStats(
+        num_running=_int(values.get("num_running")),
+        num_waiting=_int(values.get("num_waiting")),
+        kv_usage=_weighted_usage(usage_by_engine, blocks_by_engine),
+        num_gpu_blocks=sum(blocks_by_engine.values()) if blocks_by_engine else None,
+        block_size=block_size,
+        prompt_tokens_total=values.get("prompt_tokens_total"),
+        generation_tokens_total=values.get("generation_tokens_total"),
+        preemptions_total=values.get("preemptions_total"),
+        requests_success_total=values.get("requests_success_total"),
+        prefix_cache_queries_total=values.get("prefix_cache_queries_total"),
+        prefix_cache_hits_total=values.get("prefix_cache_hits_total"),
+        itl_sum=values.get("itl_sum"),
+        itl_count=values.get("itl_count"),
+        ttft_sum=values.get("ttft_sum"),
+        ttft_count=values.get("ttft_count"),
+        engines=len(engines),
+        legacy_names=tuple(sorted(legacy)),
+    )
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+def _weighted_usage(usage: dict[str, tuple[float, bool]], blocks: dict[str, int]) -> float | None:
+    if not usage:
+        return None
+    if all(e in blocks for e in usage) and sum(blocks[e] for e in usage) > 0:
+        total = sum(blocks[e] for e in usage)
+        return sum(u * blocks[e] for e, (u, _) in usage.items()) / total
+    return sum(u for u, _ in usage.values()) / len(usage)
+
+
+def counter_rate(prev: float | None, cur: float | None, dt_s: float) -> float | None:
+    """Per-second rate between two counter samples; a counter reset (restart) yields None, not a negative rate."""
+    if prev is None or cur is None or dt_s <= 0 or cur < prev:
+        return None
+    return (cur - prev) / dt_s

@@ -1,0 +1,99 @@
+"""The bounded per-model admission queue: FIFO, woken when capacity frees, deadline and size → 429."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from server.admission import AdmissionQueue
+from server.errors import Cause, GatewayError
+
+
+@dataclass
+class R:
+    reason: str = "no worker fits: 2 at_capacity"
+    retry_after_s: float = 1.0
+    retryable: bool = True
+
+
+def _queue(size: int = 4, deadline: float = 5.0, poll: float = 10.0) -> AdmissionQueue[str]:
+    return AdmissionQueue(size, deadline, is_reject=lambda r: isinstance(r, R), poll_s=poll)
+
+
+def test_uncontended_request_is_admitted_at_once() -> None:
+    q = _queue()
+    assert asyncio.run(q.admit("m", lambda: "worker-1")) == "worker-1"
+
+
+def test_waiters_are_admitted_in_order_when_capacity_frees() -> None:
+    async def run() -> list[str]:
+        q = _queue()
+        free = {"slots": 0}
+        order: list[str] = []
+
+        def attempt(name: str) -> object:
+            def go() -> object:
+                if free["slots"] > 0:
+                    free["slots"] -= 1
+                    return name
+                return R()
+            return go
+
+        async def client(name: str) -> None:
+            order.append(await q.admit("m", attempt(name)))
+
+        tasks = [asyncio.create_task(client(n)) for n in ("a", "b", "c")]
+        await asyncio.sleep(0.01)
+        assert q.depths() == {"m": 3}
+        free["slots"] = 2  # two completions free two slots; one notify admits the head, which wakes the next
+        q.notify("m")
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b"] and q.depths() == {"m": 1}
+        free["slots"] = 1
+        q.notify("m")
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(run()) == ["a", "b", "c"]
+
+
+def test_full_queue_rejects_with_429_and_retry_after() -> None:
+    async def run() -> None:
+        q = _queue(size=1)
+        waiting = asyncio.create_task(q.admit("m", R))
+        await asyncio.sleep(0.01)
+        with pytest.raises(GatewayError) as err:
+            await q.admit("m", lambda: R(retry_after_s=2.5))
+        # a newcomer does not ask the router while others wait (FIFO): Retry-After is the queue deadline
+        assert err.value.cause is Cause.QUEUE_FULL and err.value.status == 429 and err.value.retry_after_s == 5.0
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert q.depths() == {"m": 0}  # a cancelled waiter leaves the queue
+
+    asyncio.run(run())
+
+
+def test_deadline_rejects_with_429() -> None:
+    async def run() -> None:
+        q = _queue(deadline=0.05, poll=0.01)
+        with pytest.raises(GatewayError) as err:
+            await q.admit("m", R)
+        assert err.value.cause is Cause.QUEUE_TIMEOUT and err.value.status == 429
+        assert "at_capacity" in err.value.message
+
+    asyncio.run(run())
+
+
+def test_non_retryable_reject_is_final() -> None:
+    with pytest.raises(GatewayError) as err:
+        asyncio.run(_queue().admit("m", lambda: R(reason="no worker fits: 1 wrong_role", retryable=False)))
+    assert err.value.cause is Cause.NO_WORKER and err.value.status == 503
+
+
+def test_zero_size_queue_rejects_at_once() -> None:
+    with pytest.raises(GatewayError) as err:
+        asyncio.run(_queue(size=0).admit("m", R))
+    assert err.value.cause is Cause.QUEUE_FULL

@@ -1,0 +1,107 @@
+"""API keys, admin keys and per-key token buckets (pure: time is passed in)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.auth import OPEN_KEY_ID, KeyStore, RateLimiter, TokenBucket, key_id
+from server.config import AuthConfig, RateLimitConfig
+from server.errors import Cause, GatewayError
+
+
+@pytest.mark.parametrize(
+    ("header", "ok"),
+    [
+        pytest.param("Bearer sk-one", True, id="first configured key → accepted"),
+        pytest.param("bearer sk-env-2", True, id="key from the environment, lower-case scheme → accepted"),
+        pytest.param("Bearer sk-on", False, id="a prefix of a key → 401"),
+        pytest.param("Basic sk-one", False, id="wrong scheme → 401"),
+        pytest.param("Bearer ", False, id="empty token → 401"),
+        pytest.param(None, False, id="no header → 401"),
+    ],
+)
+def test_api_keys(header: str | None, ok: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOSAIC_TEST_KEYS", "sk-env-1, sk-env-2")
+    keys = KeyStore(AuthConfig(api_keys=["sk-one"], api_keys_env="MOSAIC_TEST_KEYS"))
+    if ok:
+        assert keys.authenticate(header).startswith("key-")
+    else:
+        with pytest.raises(GatewayError) as err:
+            keys.authenticate(header)
+        assert err.value.cause is Cause.UNAUTHORIZED and err.value.status == 401
+
+
+def test_key_id_never_contains_the_key() -> None:
+    assert "sk-one" not in key_id("sk-one") and key_id("sk-one") == key_id("sk-one") != key_id("sk-two")
+
+
+def test_open_gateway_warns_and_allows_admin() -> None:
+    keys = KeyStore(AuthConfig())
+    assert keys.open and keys.open_warning() is not None
+    assert keys.authenticate(None) == OPEN_KEY_ID
+    keys.authenticate_admin(None)  # open gateway, no admin key: admin open too
+
+
+@pytest.mark.parametrize(
+    ("config", "header", "cause"),
+    [
+        pytest.param(AuthConfig(api_keys=["k"]), "Bearer k", Cause.FORBIDDEN, id="keys but no admin key → admin disabled (403)"),
+        pytest.param(AuthConfig(api_keys=["k"], admin_keys=["adm"]), "Bearer k", Cause.UNAUTHORIZED, id="an API key is not an admin key → 401"),
+        pytest.param(AuthConfig(api_keys=["k"], admin_keys=["adm"]), "Bearer adm", None, id="admin key → allowed"),
+    ],
+)
+def test_admin_keys(config: AuthConfig, header: str, cause: Cause | None) -> None:
+    keys = KeyStore(config)
+    if cause is None:
+        keys.authenticate_admin(header)
+    else:
+        with pytest.raises(GatewayError) as err:
+            keys.authenticate_admin(header)
+        assert err.value.cause is cause
+
+
+def test_token_bucket_arithmetic() -> None:
+    b = TokenBucket(capacity=10, rate=2, level=10, updated=0.0)
+    assert b.take(10, now=0.0) == 0.0  # the whole burst
+    assert b.take(1, now=0.0) == pytest.approx(0.5)  # (1 − 0) / 2 per s
+    assert b.take(3, now=1.0) == pytest.approx(0.5)  # refilled 2 by t=1, short 1 → 0.5 s
+    assert b.take(2, now=1.0) == 0.0
+    b.give(100, now=1.0)
+    assert b.level == 10  # never above capacity
+
+
+def test_request_rate_limit_with_retry_after() -> None:
+    lim = RateLimiter(RateLimitConfig(requests_per_s=2, burst=2))
+    lim.admit("k", 0, now=0.0)
+    lim.admit("k", 0, now=0.0)
+    with pytest.raises(GatewayError) as err:
+        lim.admit("k", 0, now=0.0)
+    assert err.value.cause is Cause.RATE_LIMITED and err.value.retry_after_s == pytest.approx(0.5)  # 1 token at 2/s
+    lim.admit("other", 0, now=0.0)  # buckets are per key
+    lim.admit("k", 0, now=0.5)
+
+
+def test_token_rate_limit_refunds_unused_tokens() -> None:
+    lim = RateLimiter(RateLimitConfig(tokens_per_min=600))  # 10 tokens/s refill
+    lim.admit("k", 500, now=0.0)
+    with pytest.raises(GatewayError) as err:
+        lim.admit("k", 200, now=0.0)  # 100 left, 200 needed: short 100 → 10 s
+    assert err.value.cause is Cause.TOKEN_RATE_LIMITED and err.value.retry_after_s == pytest.approx(10.0)
+    lim.refund("k", 450, now=0.0)  # the first request used 50 of its 500
+    lim.admit("k", 200, now=0.0)
+
+
+def test_token_limit_failure_refunds_the_request_token() -> None:
+    lim = RateLimiter(RateLimitConfig(requests_per_s=1, burst=1, tokens_per_min=60))  # tokens refill 1/s
+    lim.admit("k", 50, now=0.0)  # request bucket 1 → 0; tokens 60 → 10
+    with pytest.raises(GatewayError) as err:
+        lim.admit("k", 30, now=1.0)  # requests refilled to 1; tokens 11, short 19 → 19 s
+    assert err.value.cause is Cause.TOKEN_RATE_LIMITED and err.value.retry_after_s == pytest.approx(19.0)
+    lim.admit("k", 5, now=1.0)  # the refused request gave its request token back
+
+
+def test_request_larger_than_the_bucket_is_charged_a_full_bucket() -> None:
+    lim = RateLimiter(RateLimitConfig(tokens_per_min=60))
+    lim.admit("k", 10_000, now=0.0)  # min(10000, 60): never refused forever
+    with pytest.raises(GatewayError):
+        lim.admit("k", 1, now=0.0)

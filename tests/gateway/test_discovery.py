@@ -1,0 +1,137 @@
+"""Discovery: static URLs, and Kubernetes EndpointSlices / pods parsed from recorded API objects.
+
+`fixtures/endpointslices.json` and `fixtures/pods.json` are API list objects as `kubectl get -o json`
+prints them (camelCase), covering ready, not-ready, terminating, nil conditions, duplicate addresses
+across slices, IPv6, FQDN slices, pending and failed pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from scheduler.fleet import Role, WorkerState, capacity_for
+from server.config import HealthConfig, KubernetesSource, ScrapeConfig
+from server.discovery import (
+    Endpoint,
+    KubernetesDiscovery,
+    StaticSource,
+    endpoints_from_pods,
+    endpoints_from_slices,
+)
+from server.metrics import GatewayMetrics
+from server.registry import PoolInfo, Registry
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SLICES = json.loads((FIXTURES / "endpointslices.json").read_text())
+PODS = json.loads((FIXTURES / "pods.json").read_text())
+P = "vllm-decode-a100-6d5f7b9c4-"
+
+
+def _offline_registry() -> Registry:
+    """A registry whose probes never leave the process (every worker answers 503 to /health)."""
+    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
+    return Registry(ScrapeConfig(), HealthConfig(), GatewayMetrics(), client=client)
+
+
+def test_endpointslices_honour_ready_and_terminating() -> None:
+    eps = {e.name: e for e in endpoints_from_slices(SLICES, "http")}
+    assert eps == {
+        # ready → routable; the duplicate in the second slice collapses into one endpoint
+        P + "2kq8x": Endpoint(P + "2kq8x", "http://10.42.0.17:8000", ready=True, terminating=False),
+        # ready: false → starting (never routed until it turns ready)
+        P + "9zt4m": Endpoint(P + "9zt4m", "http://10.42.1.23:8000", ready=False, terminating=False),
+        # terminating (still serving) → draining, never ready
+        P + "c7w1v": Endpoint(P + "c7w1v", "http://10.42.2.9:8000", ready=False, terminating=True),
+        # nil conditions → ready and not terminating (the API's contract)
+        P + "h3r6p": Endpoint(P + "h3r6p", "http://10.42.3.4:8000", ready=True, terminating=False),
+        # IPv6 addresses are bracketed in the URL; the FQDN slice is skipped
+        P + "v6pod": Endpoint(P + "v6pod", "http://[fd00:10:42::5]:8000", ready=True, terminating=False),
+    }
+
+
+@pytest.mark.parametrize(
+    ("port", "expected_port"),
+    [
+        pytest.param(9000, 9000, id="a numeric port is used as given"),
+        pytest.param("http", 8000, id="a named port is looked up in the slice's ports"),
+        pytest.param("grpc", None, id="a port name the slice lacks → no endpoints"),
+    ],
+)
+def test_endpointslice_ports(port: int | str, expected_port: int | None) -> None:
+    eps = endpoints_from_slices(SLICES, port)
+    if expected_port is None:
+        assert eps == []
+    else:
+        assert {e.url.rsplit(":", 1)[1] for e in eps} == {str(expected_port)}
+
+
+def test_pods_ready_terminating_pending_failed() -> None:
+    eps = endpoints_from_pods(PODS, "http")
+    assert eps == [
+        Endpoint("vllm-prefill-h100-0", "http://10.42.5.11:8000", ready=True, terminating=False),
+        Endpoint("vllm-prefill-h100-1", "http://10.42.6.12:8000", ready=False, terminating=False),
+        # deletionTimestamp set → terminating even though its Ready condition is still True
+        Endpoint("vllm-prefill-h100-2", "http://10.42.7.13:8000", ready=False, terminating=True),
+        # -3 is Pending without an IP and -4 Failed (evicted): both skipped
+    ]
+
+
+def test_kubernetes_source_relists_and_registry_reconciles() -> None:
+    """Periodic re-list: a pod that starts terminating turns draining; one that disappears is dropped."""
+    listings: list[dict[str, Any]] = [PODS, {"items": [PODS["items"][0], {**PODS["items"][2]}]}]
+    calls: list[tuple[str, str, str]] = []
+
+    def lister(resource: str, namespace: str, selector: str) -> dict[str, Any]:
+        calls.append((resource, namespace, selector))
+        return listings[min(len(calls) - 1, 1)]
+
+    cfg = KubernetesSource(namespace="mosaic", label_selector="mosaic.dev/pool=prefill-h100", port="http", resource="pods")
+    source = KubernetesDiscovery(cfg, lister=lister)
+
+    async def run() -> None:
+        reg = _offline_registry()
+        reg.add_pool(PoolInfo("prefill-h100", "llama-3-8b", "H100-SXM", Role.PREFILL, capacity_for("H100", "llama-3-8b")), source)
+        await source.start()
+        await reg.resync("prefill-h100")
+        states = {r.id: r.state() for r in reg.records()}
+        assert states == {
+            "prefill-h100/vllm-prefill-h100-0": WorkerState.STARTING,  # ready in k8s, not yet health-checked
+            "prefill-h100/vllm-prefill-h100-1": WorkerState.STARTING,
+            "prefill-h100/vllm-prefill-h100-2": WorkerState.DRAINING,
+        }
+        await reg.resync("prefill-h100")
+        assert sorted(r.id for r in reg.records()) == ["prefill-h100/vllm-prefill-h100-0", "prefill-h100/vllm-prefill-h100-2"]
+        assert calls == [("pods", "mosaic", "mosaic.dev/pool=prefill-h100")] * 2
+        await reg.stop()
+        await reg._client.aclose()
+
+    asyncio.run(run())
+
+
+def test_failed_listing_keeps_last_good_endpoints() -> None:
+    def lister(resource: str, namespace: str, selector: str) -> dict[str, Any]:
+        raise RuntimeError("apiserver unavailable")
+
+    async def run() -> None:
+        reg = _offline_registry()
+        cfg = KubernetesSource(label_selector="x=y")
+        reg.add_pool(PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b")), KubernetesDiscovery(cfg, lister=lister))
+        reg.sync_pool("p", [Endpoint("a", "http://10.0.0.1:8000")])
+        await reg.resync("p")  # raises inside; the listing must survive
+        assert [r.id for r in reg.records()] == ["p/a"]
+        await reg.stop()
+        await reg._client.aclose()
+
+    asyncio.run(run())
+
+
+def test_static_source_names_by_host_port() -> None:
+    eps = asyncio.run(StaticSource(["http://10.0.0.5:8000", "https://gpu.example:443"]).list())
+    assert [e.name for e in eps] == ["10.0.0.5:8000", "gpu.example:443"]
+    assert all(e.ready and not e.terminating for e in eps)

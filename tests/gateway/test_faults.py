@@ -1,0 +1,256 @@
+"""Failure handling through the HTTP seam: fake vLLM workers behind `httpx.MockTransport`, the gateway app
+driven in-process (`httpx.ASGITransport`). After every test: each request ended in exactly one terminal
+outcome and every in-flight ticket was released (no worker shows load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from server.app import create_app
+from server.gateway import Gateway
+from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+
+CHAT = "/v1/chat/completions"
+LONG_PROMPT = "word " * 400  # ≈ 2,000 chars ≈ 500 estimated tokens: over the 256-token P/D threshold
+
+
+def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"model": "llama-3-8b", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+
+
+@asynccontextmanager
+async def gateway(cfg: Any, fleet: FakeFleet) -> AsyncIterator[tuple[httpx.AsyncClient, Gateway]]:
+    app = create_app(cfg, transport=fleet.transport)
+    gw: Gateway = app.state.gateway
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10)
+    async with app.router.lifespan_context(app), client as c:
+        yield c, gw
+    assert all(r.inflight_requests == 0 and r.inflight_prefill_tokens == 0 for r in gw.registry.records())
+
+
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def metric(gw: Gateway, name: str, **labels: str) -> float:
+    value = gw.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+def sse_events(text: str) -> list[str]:
+    return [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+
+
+RR = {"routing": {"policy": "round-robin"}}
+
+
+def test_retry_on_503_then_succeeds_elsewhere() -> None:
+    a, b = FakeWorker("a", mode="status", status=503), FakeWorker("b")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a, b), **RR), FakeFleet(a, b)) as (c, gw):
+            for i in range(4):
+                r = await c.post(CHAT, json=chat(f"q{i}"))
+                assert r.status_code == 200
+            assert len(a.seen) >= 1 and len(b.seen) == 4
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="status_503") == len(a.seen)
+            assert gw.dispatcher.outcomes == {"completed": 4}
+
+    run(body)
+
+
+def test_worker_killed_before_dispatch_is_ejected_and_retried() -> None:
+    a, b = FakeWorker("a"), FakeWorker("b")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a, b), **RR), FakeFleet(a, b)) as (c, gw):
+            a.mode = "refuse"  # dies after the startup health check
+            results = await asyncio.gather(*(c.post(CHAT, json=chat(f"q{i}")) for i in range(6)))
+            assert [r.status_code for r in results] == [200] * 6
+            assert len(b.seen) == 6
+            # connection refused ejects at once: exactly one request ever tried `a` … unless several were
+            # dispatched to it concurrently before the first refusal came back; never more than 6
+            retries = metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="connect")
+            assert 1 <= retries <= 6
+            assert gw.registry.get("p/a:8000").breaker.is_open(gw.clock())
+            assert gw.dispatcher.outcomes == {"completed": 6}
+
+    run(body)
+
+
+def test_every_worker_503_passes_the_last_worker_error_through() -> None:
+    a, b = FakeWorker("a", mode="status", status=503), FakeWorker("b", mode="status", status=503)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a, b), **RR), FakeFleet(a, b)) as (c, gw):
+            r = await c.post(CHAT, json=chat())
+            assert r.status_code == 503
+            assert r.json()["error"]["message"] in ("worker a says 503", "worker b says 503")  # unchanged body
+            assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
+
+    run(body)
+
+
+def test_every_worker_refusing_is_a_502_in_openai_shape() -> None:
+    a = FakeWorker("a")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            a.mode = "refuse"
+            r = await c.post(CHAT, json=chat())
+            assert r.status_code == 502
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
+
+    run(body)
+
+
+def test_worker_4xx_passes_through_unchanged_without_retry() -> None:
+    a, b = FakeWorker("a", mode="status", status=400), FakeWorker("b", mode="status", status=400)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a, b)), FakeFleet(a, b)) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True))
+            assert r.status_code == 400  # vLLM answers plain JSON 400 even for stream=true
+            assert r.json()["error"]["code"] == 400
+            assert len(a.seen) + len(b.seen) == 1
+            assert gw.dispatcher.outcomes == {"completed": 1}
+
+    run(body)
+
+
+def test_mid_stream_death_ends_with_error_event_and_done() -> None:
+    a = FakeWorker("a", mode="die_mid_stream", tokens=6, die_after=2)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=6))
+            assert r.status_code == 200
+            events = sse_events(r.text)
+            assert len(events) == 4  # two content chunks, the error event, [DONE]
+            assert json.loads(events[2])["error"]["type"] == "BadGatewayError"
+            assert events[3] == "[DONE]"
+            assert len(a.seen) == 1  # never retried after the first byte
+            assert gw.dispatcher.outcomes == {"worker_error": 1}
+
+    run(body)
+
+
+def test_stalled_worker_times_out_and_retries() -> None:
+    a, b = FakeWorker("a", mode="stall"), FakeWorker("b")
+    limits = {"first_token_timeout_s": 0.2, "total_timeout_s": 0.3}
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a, b), limits=limits, **RR), FakeFleet(a, b)) as (c, gw):
+            r1 = await c.post(CHAT, json=chat("s", stream=True))
+            r2 = await c.post(CHAT, json=chat("n"))
+            assert (r1.status_code, r2.status_code) == (200, 200)
+            assert sse_events(r1.text)[-1] == "[DONE]"
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="timeout") == len(a.seen)
+            assert gw.dispatcher.outcomes == {"completed": 2}
+
+    run(body)
+
+
+def test_usage_injected_upstream_and_stripped_for_the_client() -> None:
+    a = FakeWorker("a", tokens=3)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=3))
+            events = sse_events(r.text)
+            assert len(events) == 4 and not any('"usage"' in e for e in events)  # 3 chunks + [DONE]
+            assert a.seen[0]["stream_options"] == {"include_usage": True}
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=3, stream_options={"include_usage": True}))
+            assert json.loads(sse_events(r.text)[-2])["usage"]["completion_tokens"] == 3
+            # both counted from upstream usage: 3 + 3 generated, 7 + 7 prompt
+            assert metric(gw, "mosaic_generation_tokens_total", model="llama-3-8b") == 6
+            assert metric(gw, "mosaic_prompt_tokens_total", model="llama-3-8b") == 14
+
+    run(body)
+
+
+def test_request_id_propagated_or_created() -> None:
+    a = FakeWorker("a")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, _):
+            r = await c.post(CHAT, json=chat(), headers={"X-Request-Id": "client-id-42"})
+            assert r.headers["x-request-id"] == "client-id-42" == a.headers_seen[0]["x-request-id"]
+            r = await c.post(CHAT, json=chat(), headers={"X-Request-Id": "bad id with spaces"})
+            rid = r.headers["x-request-id"]
+            assert len(rid) == 32 and rid == a.headers_seen[1]["x-request-id"]
+            assert "authorization" not in a.headers_seen[0]  # the client's key never reaches workers
+
+    run(body)
+
+
+def test_pd_two_hop_handshake() -> None:
+    p, d = FakeWorker("p"), FakeWorker("d", tokens=5)
+    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            r = await c.post(CHAT, json=chat(LONG_PROMPT, stream=True, max_tokens=5, min_tokens=2,
+                                             stream_options={"include_usage": True}),
+                             headers={"X-Request-Id": "pd-1"})
+            assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
+            hop1, hop2 = p.seen[0], d.seen[0]
+            assert hop1["kv_transfer_params"] == {
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None,
+            }
+            assert (hop1["stream"], hop1["max_tokens"], hop1["max_completion_tokens"]) == (False, 1, 1)
+            assert "stream_options" not in hop1 and "min_tokens" not in hop1
+            assert hop2["kv_transfer_params"]["remote_engine_id"] == "engine-p"
+            assert hop2["kv_transfer_params"]["remote_block_ids"] == [1, 2, 3]
+            assert (hop2["stream"], hop2["max_tokens"], hop2["min_tokens"]) == (True, 5, 2)
+            assert p.headers_seen[0]["x-request-id"] == d.headers_seen[0]["x-request-id"] == "pd-1"
+            # short prompt: no prefill hop
+            await c.post(CHAT, json=chat("short"))
+            assert len(p.seen) == 1 and "kv_transfer_params" not in d.seen[1]
+            assert metric(gw, "mosaic_time_to_first_token_seconds_count", model="llama-3-8b", pool="decode") == 1
+
+    run(body)
+
+
+@pytest.mark.parametrize("mode", ["refuse", "no_kv_params", "status"], ids=["prefill worker dead", "prefill answered without kv_transfer_params", "prefill 503"])
+def test_pd_falls_back_to_decode_only(mode: str) -> None:
+    p, d = FakeWorker("p"), FakeWorker("d")
+    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            p.mode = mode
+            r = await c.post(CHAT, json=chat(LONG_PROMPT))
+            assert r.status_code == 200
+            assert len(d.seen) == 1 and "kv_transfer_params" not in d.seen[0]
+            assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b") == 1
+            assert gw.dispatcher.outcomes == {"completed": 1}
+
+    run(body)
+
+
+def test_concurrent_faults_every_request_one_outcome() -> None:
+    """Mixed failures under concurrency: every request gets exactly one terminal outcome; none hangs."""
+    ok = FakeWorker("ok", chunk_delay_s=0.01)
+    dying = FakeWorker("dying", mode="die_mid_stream", die_after=1, chunk_delay_s=0.01)
+    busy = FakeWorker("busy", mode="status", status=429)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", ok, dying, busy), **RR), FakeFleet(ok, dying, busy)) as (c, gw):
+            reqs = [c.post(CHAT, json=chat(f"q{i}", stream=bool(i % 2), max_tokens=3)) for i in range(24)]
+            results = await asyncio.gather(*reqs)
+            assert all(r.status_code in (200, 429) for r in results)
+            assert sum(gw.dispatcher.outcomes.values()) == 24
+            assert set(gw.dispatcher.outcomes) <= {"completed", "worker_error", "failed_before_first_byte"}
+
+    run(body)

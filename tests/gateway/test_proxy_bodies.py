@@ -1,0 +1,126 @@
+"""Body rewrites (usage injection, P/D hops), the SSE relay filter, and request parsing / footprint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.errors import Cause, GatewayError
+from server.footprint import parse_request, route_request
+from server.proxy import (
+    PREFILL_KV_PARAMS,
+    SseRelay,
+    decode_body,
+    prefill_body,
+    splice_usage_option,
+    usage_body,
+)
+
+
+def test_splice_adds_include_usage_without_reencoding() -> None:
+    body = b'{"model":"m","stream":true,"vllm_xargs":{"a":1}}  \n'
+    out = splice_usage_option(body)
+    assert out == b'{"model":"m","stream":true,"vllm_xargs":{"a":1},"stream_options":{"include_usage":true}}'
+    assert splice_usage_option(b"{}") == b'{"stream_options":{"include_usage":true}}'
+
+
+def test_usage_body_merges_existing_stream_options() -> None:
+    data = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    out = json.loads(usage_body(json.dumps(data).encode(), lambda: data, has_stream_options=True))
+    assert out["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+
+
+def test_prefill_body_follows_vllm_pd_protocol() -> None:
+    data = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": 200, "min_tokens": 5, "top_k": 3}
+    out = json.loads(prefill_body(data))
+    assert out["kv_transfer_params"] == PREFILL_KV_PARAMS == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    }
+    assert (out["stream"], out["max_tokens"], out["max_completion_tokens"]) == (False, 1, 1)
+    assert "stream_options" not in out and "min_tokens" not in out
+    assert out["top_k"] == 3  # unknown fields pass through
+    assert data["max_tokens"] == 200  # the original is not mutated
+
+
+def test_decode_body_carries_prefill_params() -> None:
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h", "remote_port": 1}
+    out = json.loads(decode_body({"model": "m", "stream": True, "max_tokens": 9}, params, stream_needs_usage=True))
+    assert out["kv_transfer_params"] == params and out["max_tokens"] == 9
+    assert out["stream_options"] == {"include_usage": True}
+
+
+def _events(*payloads: object) -> bytes:
+    return b"".join(b"data: " + (p if isinstance(p, bytes) else json.dumps(p).encode()) + b"\n\n" for p in payloads)
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
+CHUNK = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
+
+
+@pytest.mark.parametrize("strip", [True, False], ids=["client did not ask → usage chunk stripped", "client asked → kept"])
+def test_relay_strips_injected_usage_only_when_not_asked(strip: bool) -> None:
+    relay = SseRelay(strip_usage=strip)
+    stream = _events(CHUNK, CHUNK, USAGE, b"[DONE]")
+    out = b"".join(relay.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + relay.flush()
+    expected = _events(CHUNK, CHUNK, b"[DONE]") if strip else stream
+    assert out == expected
+    assert relay.usage == USAGE["usage"]
+
+
+def test_relay_passes_chunks_through_untouched() -> None:
+    relay = SseRelay(strip_usage=True)
+    raw = b'data: {"choices":[{"delta":{"content":"a\\n\\nb"}}]}\n\n'  # escaped newlines stay inside JSON
+    assert relay.feed(raw) is raw
+
+
+def test_relay_holds_back_only_an_incomplete_event() -> None:
+    relay = SseRelay(strip_usage=True)
+    assert relay.feed(b"data: {}\n\ndata: {") == b"data: {}\n\n"
+    assert relay.feed(b'"x": 1}\n\n') == b'data: {"x": 1}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "prompt", "exact", "max_out"),
+    [
+        pytest.param("completions", {"model": "m", "prompt": "abcdefgh"}, 2, False, 16,
+                     id="text prompt: ceil(8 chars / 4) = 2 tokens; completions default max_tokens 16"),
+        pytest.param("completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}, 3, True, 5,
+                     id="token ids: exact count"),
+        pytest.param("completions", {"model": "m", "prompt": [[1, 2], [3, 4, 5]], "max_tokens": 4, "n": 2}, 5, True, 16,
+                     id="two id prompts × n=2: 2+3 tokens, 4 × 2 × 2 = 16 output"),
+        pytest.param("chat", {"model": "m", "messages": [{"role": "user", "content": "abcdefghi"}], "max_completion_tokens": 7},
+                     9, False, 7, id="chat: ceil(9/4)=3 + 3 framing + 3 priming = 9; max_completion_tokens wins"),
+        pytest.param("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+                     7, False, 8192 - 7, id="chat parts: text counted (1) + 6; no max_tokens → context − prompt"),
+    ],
+)
+def test_footprint(kind: str, body: dict[str, object], prompt: int, exact: bool, max_out: int) -> None:
+    p = parse_request(kind, json.dumps(body).encode(), {"m": 8192})  # type: ignore[arg-type]
+    assert (p.prompt_tokens, p.prompt_exact, p.max_output_tokens) == (prompt, exact, max_out)
+    r = route_request(p, "rid", 0.0, default_output_tokens=256)
+    assert r.predicted_output_tokens == min(max_out, 256 * p.sequences)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        pytest.param("chat", b"{not json", None, id="malformed JSON → 400"),
+        pytest.param("chat", b"[1, 2]", None, id="not an object → 400"),
+        pytest.param("chat", b'{"messages": [{"role": "user", "content": "x"}]}', "model", id="missing model → 400 param model"),
+        pytest.param("chat", b'{"model": "m", "messages": []}', "messages", id="empty messages → 400"),
+        pytest.param("completions", b'{"model": "m", "prompt": "x", "max_tokens": "lots"}', "max_tokens", id="max_tokens not an int → 400"),
+    ],
+)
+def test_bad_bodies_are_400_with_param(kind: str, body: bytes, param: str | None) -> None:
+    with pytest.raises(GatewayError) as err:
+        parse_request(kind, body)  # type: ignore[arg-type]
+    assert err.value.cause is Cause.BAD_REQUEST
+    assert err.value.param == param
+
+
+def test_unknown_fields_are_ignored_by_the_parser() -> None:
+    p = parse_request("completions", b'{"model":"m","prompt":"x","guided_json":{"type":"object"},"ignore_eos":true}')
+    assert p.body.endswith(b'"ignore_eos":true}')  # forwarded bytes are the client's

@@ -1,0 +1,129 @@
+"""Scraping vLLM's /metrics: v1 names summed across engines, legacy names, rates, staleness.
+
+Fixtures (`fixtures/*.metrics.txt`) were produced with prometheus_client — the library vLLM exposes its
+metrics with — using vLLM's documented families and labels (REFERENCE.md, REAL_VLLM.md): a data-parallel
+v1 server with two engines, and a pre-v1 server with the legacy names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from scheduler.fleet import Role, capacity_for
+from server.config import HealthConfig, ScrapeConfig
+from server.discovery import StaticSource
+from server.metrics import GatewayMetrics
+from server.registry import PoolInfo, Registry
+from server.scrape import WorkerStats, counter_rate, parse_vllm_metrics
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_v1_two_engines_sums_counts_and_weights_kv_usage() -> None:
+    s = parse_vllm_metrics((FIXTURES / "vllm_v1_two_engines.metrics.txt").read_text())
+    assert s.engines == 2
+    assert (s.num_running, s.num_waiting) == (12, 2)  # 7 + 5, 2 + 0
+    assert s.kv_usage == pytest.approx(0.375)  # (0.5·27000 + 0.25·27000) / 54000
+    assert (s.num_gpu_blocks, s.block_size) == (54000, 16)  # 27000 per engine
+    assert s.prompt_tokens_total == 200000  # 120000 + 80000
+    assert s.generation_tokens_total == 50000
+    assert s.preemptions_total == 4
+    assert s.requests_success_total == 165  # 90 + 10 + 60 + 5 over finished_reason
+    assert (s.prefix_cache_queries_total, s.prefix_cache_hits_total) == (200000, 4096)
+    assert s.itl_count == 1500 and s.mean_itl_s == pytest.approx((1000 * 0.0125 + 500 * 0.015625) / 1500)
+    assert s.ttft_count == 165 and s.mean_ttft_s == pytest.approx((100 * 0.05 + 65 * 0.07) / 165)
+    assert s.legacy_names == ()
+
+
+def test_legacy_names_are_read_and_reported() -> None:
+    s = parse_vllm_metrics((FIXTURES / "vllm_legacy.metrics.txt").read_text())
+    assert s.engines == 0  # no engine label before v1
+    assert (s.num_running, s.num_waiting, s.kv_usage) == (4, 1, 0.625)
+    assert (s.num_gpu_blocks, s.block_size) == (4000, 16)
+    assert (s.prefix_cache_queries_total, s.prefix_cache_hits_total) == (5000, 1000)
+    assert s.mean_itl_s == pytest.approx(0.03125)  # 64 observations of 0.03125 s
+    assert "vllm:gpu_cache_usage_perc" in s.legacy_names
+    assert "vllm:time_per_output_token_seconds_sum" in s.legacy_names
+
+
+def test_v1_name_wins_when_both_present() -> None:
+    text = (
+        "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.9\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.2\n"
+        "# TYPE vllm:gpu_prefix_cache_hits_total counter\nvllm:gpu_prefix_cache_hits_total 50\n"
+        "# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total 7\n"
+    )
+    s = parse_vllm_metrics(text)
+    assert (s.kv_usage, s.prefix_cache_hits_total) == (0.2, 7)
+
+
+def test_usage_is_plain_mean_without_block_counts() -> None:
+    text = '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.6\n'
+    assert parse_vllm_metrics(text).kv_usage == pytest.approx(0.4)  # (0.2 + 0.6) / 2
+
+
+def test_unrelated_exposition_gives_empty_stats() -> None:
+    assert parse_vllm_metrics("# TYPE up gauge\nup 1\n") == WorkerStats()
+
+
+@pytest.mark.parametrize(
+    ("prev", "cur", "dt", "rate"),
+    [
+        pytest.param(100.0, 300.0, 2.0, 100.0, id="200 tokens over 2 s → 100/s"),
+        pytest.param(300.0, 10.0, 1.0, None, id="counter reset (worker restarted) → no rate, never negative"),
+        pytest.param(None, 10.0, 1.0, None, id="first scrape → no rate yet"),
+        pytest.param(1.0, 2.0, 0.0, None, id="zero interval → no rate"),
+    ],
+)
+def test_counter_rate(prev: float | None, cur: float, dt: float, rate: float | None) -> None:
+    assert counter_rate(prev, cur, dt) == rate
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_registry_scrapes_rates_and_drops_stale_stats() -> None:
+    counts = iter([1000.0, 1300.0])
+    alive = {"up": True}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if not alive["up"]:
+            raise httpx.ConnectError("down", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        gen = next(counts)
+        return httpx.Response(200, text=f"# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{{engine=\"0\"}} {gen}\n"
+                              "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 3\n")
+
+    async def run() -> None:
+        clock = _Clock()
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        reg = Registry(ScrapeConfig(stale_after_s=5.0), HealthConfig(), GatewayMetrics(), client=client, clock=clock)
+        info = PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b"))
+        reg.add_pool(info, StaticSource(["http://w1:8000"]))
+        await reg.resync("p")
+        await reg.scrape_once()
+        clock.t += 3.0
+        await reg.scrape_once()
+        v = reg.view().workers[0]
+        assert v.num_running == 3
+        assert v.generation_tokens_per_s == pytest.approx(100.0)  # (1300 − 1000) / 3 s
+        assert v.scrape_age_s == 0.0
+        alive["up"] = False
+        clock.t += 5.5  # last good scrape is now 5.5 s old > stale_after_s 5
+        await reg.scrape_once()
+        v = reg.view().workers[0]
+        assert v.num_running is None and v.generation_tokens_per_s is None and v.scrape_age_s is None
+        await client.aclose()
+        await reg.stop()
+
+    asyncio.run(run())
