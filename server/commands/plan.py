@@ -1,0 +1,222 @@
+"""`mosaic plan`: the cheapest GPU mix that meets the SLO, and where to put it (docs/placement.md).
+
+    mosaic plan --workload W --gpus G --profile P [--profile P2 ...] --slo-tpot-ms T [--nodes N] [--json]
+    mosaic plan --trace T --gpus G --profile P ... [--window-s 3600] [--rate R]
+    mosaic plan --melange F [--variant continuous] [--json]
+    ... [--what-if tpot_ms=40,120 --what-if rate_scale=0.5,1,2]
+
+Input assembly only: the model lives in `placement.planner`, the JSON in `placement.plan_report`, the
+tables in `plan_render`. A trace is binned on the profiles' bucket edges with the load generator's readers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from placement.binpacking import PlacementError, Variant
+from placement.catalog import CatalogError, load_catalog
+from placement.melange import MELANGE_MODEL, MelangeInput, load_melange
+from placement.plan_report import instance_counts, placement_to_dict, plan_to_dict
+from placement.planner import (
+    Grid,
+    Plan,
+    PlanInput,
+    WhatIfRow,
+    canonical_model,
+    load_gpu_offers,
+    make_plan,
+    select_profiles,
+    solve_plan,
+    what_if,
+)
+from placement.profiles import ProfileError, Slo, ThroughputProfile, load_profile, read_structured
+from placement.topology import groups_from_counts, nodes_from_dict, place_instances
+from placement.workload import ModelWorkload, WorkloadError, histogram_from_requests, load_workload
+from server.commands.common import fail
+from server.commands.plan_render import render_plan
+
+WHAT_IF_KEYS = ("tpot_ms", "ttft_ms", "rate_scale", "rate")
+
+
+def parse_what_if(specs: list[str]) -> dict[str, list[float]]:
+    """`key=v1,v2` specs → {key: [values]}; keys tpot_ms, ttft_ms, rate_scale, rate."""
+    out: dict[str, list[float]] = {}
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in WHAT_IF_KEYS:
+            raise PlacementError(f"--what-if {spec!r}: expected KEY=V1,V2 with KEY one of {', '.join(WHAT_IF_KEYS)}")
+        try:
+            vals = [float(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise PlacementError(f"--what-if {spec!r}: values must be numbers") from None
+        if not vals or any(v <= 0 for v in vals):
+            raise PlacementError(f"--what-if {spec!r}: give one or more values > 0")
+        out.setdefault(key, []).extend(vals)
+    if "rate" in out and "rate_scale" in out:
+        raise PlacementError("--what-if: give rate or rate_scale, not both")
+    return out
+
+
+def _trace_workload(path: str, fmt: str | None, model: str | None, profiles: list[ThroughputProfile], slo: Slo | None, window_s: float | None, rate: float | None) -> ModelWorkload:
+    try:
+        from loadgen.formats import open_trace
+        from loadgen.trace import TraceError
+    except ImportError:  # pragma: no cover - loadgen ships with Mosaic; kept for partial installs
+        fail("--trace needs the load generator's trace readers (loadgen), which are not installed")
+    catalog = load_catalog()
+    chosen, _ = select_profiles(profiles, slo)
+    models = sorted({canonical_model(p.model, catalog) for p in chosen})
+    if model is None and len(models) != 1:
+        raise PlacementError(f"profiles cover models {models}: say which one the trace is with --model")
+    name = canonical_model(model or models[0], catalog)
+    grid = next((p for p in chosen if canonical_model(p.model, catalog) == name), None)
+    if grid is None:
+        raise PlacementError(f"no profile for model {model!r}")
+    try:
+        trace = open_trace(path, fmt)
+        rows = ((r.arrival_s, r.input_tokens, r.output_tokens) for r in trace)
+        return histogram_from_requests(rows, name, grid.input_edges, grid.output_edges, window_s=window_s, rate=rate)
+    except TraceError as exc:
+        raise PlacementError(str(exc)) from None
+
+
+def _melange_plan(mi: MelangeInput, variant: Variant | None, slice_factor: int | None, engine: str, time_limit_s: float, scales: list[float]) -> tuple[Plan, list[WhatIfRow] | None]:
+    settings = {
+        "variant": variant or Variant.SLICED,
+        "slice_factor": slice_factor or mi.slice_factor,
+        "engine": engine,
+        "time_limit_s": time_limit_s,
+    }
+    grids = {MELANGE_MODEL: Grid(None, None, mi.shape)}
+    plan = solve_plan(mi.problem, grids, (3600.0,), notes=mi.notes, **settings)
+    if not scales:
+        return plan, None
+    rows = []
+    for scale in scales:
+        demand = tuple(replace(d, rates=tuple(r * scale for r in d.rates)) for d in mi.problem.windows[0])
+        problem = replace(mi.problem, windows=(demand,))
+        total = sum(d.total for d in demand)
+        try:
+            rows.append(WhatIfRow(None, scale, total, solve_plan(problem, grids, (3600.0,), **settings)))
+        except PlacementError as exc:
+            rows.append(WhatIfRow(None, scale, total, None, str(exc)))
+    return plan, rows
+
+
+def _what_if_axes(spec: dict[str, list[float]], base: Slo | None, peak: float) -> tuple[list[Slo | None], list[float]]:
+    tpots = spec.get("tpot_ms") or [base.tpot_ms if base else None]
+    ttfts = spec.get("ttft_ms") or [base.ttft_ms if base else None]
+    slos: list[Slo | None] = []
+    for tp in tpots:
+        for tf in ttfts:
+            slos.append(None if tp is None and tf is None and base is None else Slo(tpot_ms=tp, ttft_ms=tf, e2e_ms=base.e2e_ms if base else None))
+    if "rate" in spec:
+        return slos, [r / peak for r in spec["rate"]]
+    return slos, spec.get("rate_scale") or [1.0]
+
+
+def run_plan(opts: dict[str, Any]) -> dict[str, Any]:
+    """Everything `mosaic plan` does short of printing; returns the plan document (schema mosaic.plan/v1)."""
+    spec = parse_what_if(opts["what_if"] or [])
+    variant = Variant(opts["variant"]) if opts["variant"] else None
+    if opts["melange"]:
+        if opts["workload"] or opts["trace"] or opts["profile"] or opts["gpus"]:
+            raise PlacementError("--melange takes the whole problem from its file: drop --workload/--trace/--gpus/--profile")
+        if "tpot_ms" in spec or "ttft_ms" in spec or "rate" in spec:
+            raise PlacementError("--what-if with --melange varies rate_scale only (the file holds one profile per GPU)")
+        mi = load_melange(opts["melange"])
+        plan, rows = _melange_plan(mi, variant, opts["slice_factor"], opts["engine"], opts["time_limit"], spec.get("rate_scale", []))
+    else:
+        plan, rows = _mosaic_plan(opts, spec, variant)
+    placement = None
+    if opts["nodes"]:
+        nodes, cap, same = nodes_from_dict(read_structured(opts["nodes"], PlacementError), opts["nodes"])
+        placed = place_instances(nodes, groups_from_counts(instance_counts(plan), cap), same_domain=opts["same_domain"] or same)  # type: ignore[arg-type]
+        placement = placement_to_dict(placed, nodes)
+    return plan_to_dict(plan, what_if=rows, placement=placement)
+
+
+def _mosaic_plan(opts: dict[str, Any], spec: dict[str, list[float]], variant: Variant | None) -> tuple[Plan, list[WhatIfRow] | None]:
+    if not opts["gpus"] or not opts["profile"]:
+        raise PlacementError("give --gpus and at least one --profile (or --melange FILE)")
+    if bool(opts["workload"]) == bool(opts["trace"]):
+        raise PlacementError("give exactly one of --workload or --trace")
+    catalog = load_catalog(opts["catalog"]) if opts["catalog"] else load_catalog()
+    profiles = [load_profile(p) for p in opts["profile"]]
+    slo = None
+    if opts["slo_tpot_ms"] is not None or opts["slo_ttft_ms"] is not None:
+        slo = Slo(tpot_ms=opts["slo_tpot_ms"], ttft_ms=opts["slo_ttft_ms"])
+    if opts["workload"]:
+        workloads = load_workload(opts["workload"])
+    else:
+        workloads = (_trace_workload(opts["trace"], opts["trace_format"], opts["model"], profiles, slo, opts["window_s"], opts["rate"]),)
+    inp = PlanInput(
+        offers=load_gpu_offers(opts["gpus"], catalog),
+        profiles=tuple(profiles),
+        workloads=workloads,
+        slo=slo,
+        mode=opts["mode"],
+        variant=variant or Variant.CONTINUOUS,
+        slice_factor=opts["slice_factor"] or 4,
+        engine=opts["engine"],
+        time_limit_s=opts["time_limit"],
+        drop_unservable=opts["drop_unservable"],
+    )
+    plan = make_plan(inp, catalog)
+    if not spec:
+        return plan, None
+    peak = max(sum(w.windows[k].total for w in workloads) for k in range(len(workloads[0].windows)))
+    slos, scales = _what_if_axes(spec, slo, peak)
+    return plan, what_if(inp, slos, scales, catalog)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan")
+    def plan_command(
+        workload: str = typer.Option(None, "--workload", help="Workload file (mosaic.workload/v1): rate + histogram per model, or windows."),
+        trace: str = typer.Option(None, "--trace", help="A trace file (any format `mosaic replay` reads), binned on the profiles' edges."),
+        trace_format: str = typer.Option(None, "--trace-format", help="Force the trace format (azure, mooncake, sharegpt, ...)."),
+        model: str = typer.Option(None, "--model", help="Model the trace belongs to (when profiles cover several)."),
+        rate: float = typer.Option(None, "--rate", help="req/s for a trace without times; for a timed trace, the peak window's rate."),
+        window_s: float = typer.Option(None, "--window-s", help="Time-varying plan: windows of this many seconds of the trace."),
+        gpus: str = typer.Option(None, "--gpus", help="GPU types: a YAML/JSON file (costs, min, max) or a comma list (catalog prices)."),
+        profile: list[str] = typer.Option(None, "--profile", help="Throughput profile file (mosaic.profile/v1); repeat per GPU type/role/SLO."),
+        slo_tpot_ms: float = typer.Option(None, "--slo-tpot-ms", help="TPOT SLO in ms: picks the loosest profile at or under it."),
+        slo_ttft_ms: float = typer.Option(None, "--slo-ttft-ms", help="TTFT SLO in ms."),
+        melange: str = typer.Option(None, "--melange", help="Solve a Mélange input JSON as is."),
+        mode: str = typer.Option("auto", "--mode", help="auto (mixed and P/D), mixed, or pd."),
+        variant: str = typer.Option(None, "--variant", help="continuous (default) or sliced (Mélange's; default with --melange)."),
+        slice_factor: int = typer.Option(None, "--slice-factor", help="Slices per bucket in the sliced variant (default 4; --melange: the file's)."),
+        engine: str = typer.Option("auto", "--engine", help="auto, cp-sat or scip."),
+        time_limit: float = typer.Option(10.0, "--time-limit", help="Solver time limit per solve, seconds."),
+        drop_unservable: bool = typer.Option(False, "--drop-unservable", help="Plan without buckets no GPU type serves (listed in the output)."),
+        nodes: str = typer.Option(None, "--nodes", help="Node inventory YAML: place the planned instances topology-aware."),
+        same_domain: str = typer.Option(None, "--same-domain", help="prefer (default) or require P/D groups in one network domain."),
+        catalog: str = typer.Option(None, "--catalog", help="GPU/model catalog overrides (YAML)."),
+        what_if_spec: list[str] = typer.Option(None, "--what-if", help="Compare: tpot_ms=40,120 | ttft_ms=... | rate_scale=0.5,1,2 | rate=10,30 (repeatable)."),
+        as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema mosaic.plan/v1)."),
+    ) -> None:
+        """Cheapest GPU mix that meets the SLO (Mélange's bin-packing, solved exactly), and where to put it."""
+        opts = dict(locals())
+        opts["what_if"] = opts.pop("what_if_spec")
+        if mode not in ("auto", "mixed", "pd"):
+            fail(f"--mode must be auto, mixed or pd, got {mode!r}")
+        if variant not in (None, "continuous", "sliced"):
+            fail(f"--variant must be continuous or sliced, got {variant!r}")
+        if same_domain not in (None, "prefer", "require"):
+            fail(f"--same-domain must be prefer or require, got {same_domain!r}")
+        try:
+            doc = run_plan(opts)
+        except (PlacementError, ProfileError, WorkloadError, CatalogError) as exc:
+            fail(str(exc))
+        if as_json:
+            typer.echo(json.dumps(doc, indent=2))
+        else:
+            render_plan(doc, Console(width=max(100, Console().width)))
+
