@@ -13,6 +13,7 @@ import typer
 # Sub-command modules, in the order `mosaic --help` lists them. Each exposes `register(app)`.
 COMMAND_MODULES: tuple[str, ...] = (
     "server.commands.worker",
+    "server.commands.plan",
 )
 
 app = typer.Typer(
