@@ -335,6 +335,9 @@ def test_simulated_pools_run_mosaic_worker_without_gpus(chart: helm.Chart) -> No
         assert _flag(args, "--gpu") == entry["gpu"] and _flag(args, "--model") == entry["model"]
         assert _flag(args, "--role") == entry["role"] and _flag(args, "--port") == "8000"
         assert _flag(args, "--host") == "0.0.0.0"
+        # P/D: the decode worker calls the prefill worker back at the advertised address (its pod IP).
+        assert _flag(args, "--advertise-host") == ("$(POD_IP)" if entry["role"] != "mixed" else None)
+        assert env_map(c)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert not any("gpu" in k for k in c["resources"].get("limits", {})), "simulated workers need no GPU"
         assert "affinity" not in spec
         assert spec["securityContext"]["runAsNonRoot"] is True

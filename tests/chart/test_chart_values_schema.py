@@ -129,3 +129,26 @@ def test_a_pool_may_name_its_own_gpu_products(chart: helm.Chart) -> None:
     affinity = rendered.pool_deployments()[0]["spec"]["template"]["spec"]["affinity"]
     term = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchExpressions"][0]["values"] == ["NVIDIA-B200"]
+
+
+def _key_paths(values: dict[str, object], prefix: str = "", depth: int = 2) -> list[str]:
+    paths = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        paths.append(path)
+        if isinstance(value, dict) and value and depth > 1 and key not in {"gpuProducts", "resources"}:
+            paths += _key_paths(value, f"{path}.", depth - 1)
+    return paths
+
+
+def test_every_value_is_documented_in_the_reference_table(chart: helm.Chart) -> None:
+    doc = (CHART_DIR.parents[1] / "docs" / "deploy.md").read_text()
+    pool_keys = chart.schema["definitions"]["poolFields"]["properties"]  # type: ignore[index]
+    # poolDefaults.<k> is documented as pools[].<k> (the same keys, merged under each pool).
+    missing = [
+        p
+        for p in _key_paths(chart.values)
+        if p != "pools" and not p.startswith("poolDefaults.") and f"`{p}" not in doc
+    ]
+    missing += [f"pools[].{k}" for k in pool_keys if f"`pools[].{k}`" not in doc]
+    assert not missing, f"add to docs/deploy.md's values table: {missing}"

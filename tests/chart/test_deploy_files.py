@@ -95,6 +95,8 @@ def test_simulated_workers_match_their_pools_and_parse_with_the_cli() -> None:
         assert args[0] == "worker"
         assert args[args.index("--gpu") + 1] == pool.gpu and args[args.index("--role") + 1] == pool.role
         assert args[args.index("--model") + 1] == pool.model and args[args.index("--port") + 1] == "8000"
+        if pool.role != "mixed":  # the P/D peer calls it back by its compose service name
+            assert args[args.index("--advertise-host") + 1] == host
         commands.append(args)
     for args in commands:
         parse_mosaic_args(args)
