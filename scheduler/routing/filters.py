@@ -25,6 +25,7 @@ predicted output tokens.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -149,6 +150,12 @@ class KvFitParams(BaseModel):
     use_ledger: bool = True  # ask a reserve plugin's `fits` when one is configured
 
 
+@functools.cache
+def _is_fit_checker(cls: type) -> bool:
+    """`FitChecker` is a runtime Protocol; its isinstance check is slow, so decide once per class."""
+    return issubclass(cls, FitChecker)
+
+
 class KvFitFilter:
     type: ClassVar[str] = "kv-fit"
     Params = KvFitParams
@@ -157,9 +164,7 @@ class KvFitFilter:
         self.params = params or KvFitParams()
 
     def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
-        checkers = (
-            [p for p in cycle.reserve_plugins if isinstance(p, FitChecker)] if self.params.use_ledger else []
-        )
+        checkers = [p for p in cycle.reserve_plugins if _is_fit_checker(type(p))] if self.params.use_ledger else []
         if checkers:
             fits = all(c.fits(cycle.req, worker, cycle.now) for c in checkers)
             return None if fits else FilterReason.KV_FULL

@@ -339,6 +339,9 @@ class Router:
         self.pre_filters = tuple(pre_filters)
         self.reserve_plugins = tuple(reserve_plugins)
         self.observers = tuple(observers)
+        # Protocol isinstance checks are slow (typing walks the members): sort the observers once.
+        self._on_dispatch = tuple(o for o in self.observers if isinstance(o, DispatchObserver))
+        self._on_complete = tuple(o for o in self.observers if isinstance(o, CompletionObserver))
         self.policy = policy
         self._description = dict(description or {})
 
@@ -366,15 +369,13 @@ class Router:
 
     def on_dispatch(self, decision: Decision, req: RouteRequest, now: float) -> None:
         """Tell stateful plugins (prefix affinity) where `req` went. Call once per dispatched Decision."""
-        for obs in self.observers:
-            if isinstance(obs, DispatchObserver):
-                obs.on_dispatch(decision, req, now)
+        for obs in self._on_dispatch:
+            obs.on_dispatch(decision, req, now)
 
     def on_complete(self, worker_id: str, req: RouteRequest, outcome: Outcome, now: float) -> None:
         """Tell stateful plugins that `req` ended on `worker_id` (call once per worker it was sent to)."""
-        for obs in self.observers:
-            if isinstance(obs, CompletionObserver):
-                obs.on_complete(worker_id, req, outcome, now)
+        for obs in self._on_complete:
+            obs.on_complete(worker_id, req, outcome, now)
 
     def describe(self) -> dict[str, Any]:
         """The policy, profiles, plugins and weights, as JSON-able data (for /admin/routing)."""
