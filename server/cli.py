@@ -14,6 +14,10 @@ import typer
 COMMAND_MODULES: tuple[str, ...] = (
     "server.commands.worker",
     "server.commands.plan",
+    "server.commands.serve",
+    "server.commands.simulate",
+    "server.commands.replay",
+    "server.commands.profile",
 )
 
 app = typer.Typer(

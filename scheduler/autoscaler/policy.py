@@ -13,7 +13,8 @@ Per model, each cycle:
    first when adding and priciest first when removing (see `buying.rebalance`). Instances still starting
    count as arriving capacity; draining ones do not.
 4. **Prefill follows** in the same decision: `pd_ratio` prefill instances per decode instance (the
-   profiled P/D ratio), or, in `prompt_tokens` mode, prompt tokens/s demand over prefill capacity.
+   profiled P/D ratio; while requests wait for prefill, at least their prompt-token demand), or, in
+   `prompt_tokens` mode, prompt tokens/s demand (plus backlog) over prefill capacity.
 5. **Damping**: no change while capacity is within ±`tolerance` of the requirement; scale-up at once
    (bounded by `max_scale_up_step` / `max_scale_up_factor`); scale-down only to the highest target
    recommended over the last `scale_down_window_s` and by at most `max_scale_down_fraction` per cycle.
@@ -108,18 +109,24 @@ class MosaicAutoscaler:
         if not prefill_pools:
             return
         prefill_boost = self._boost(obs.ttft_p90_s, cfg.ttft_slo_s)
+        prompt_tps = sum(obs.pools[p.name].prompt_tokens_per_s for p in prefill_pools if p.name in obs.pools)
+        prefill_waiting = obs.admission_queue.get(model, 0) + sum(
+            obs.pools[p.name].num_waiting for p in prefill_pools if p.name in obs.pools
+        )
+        # prompt tokens/s demand, with the prefill backlog to be cleared within queue_drain_s
+        demand = (prompt_tps + prefill_waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
+        signal[f"{model}/prefill_demand_tps"] = demand
+        by_demand = demand / cfg.utilization_target
         if cfg.prefill_mode == "ratio":
             decode_instances = sum(targets[p.name] for p in decode_pools if p.role == "decode")
             mean_cap = sum(p.prefill_tps_capacity for p in prefill_pools) / len(prefill_pools)
-            required = math.ceil(decode_instances * cfg.pd_ratio * prefill_boost - 1e-9) * mean_cap
-            signal[f"{model}/prefill_instances_by_ratio"] = required / mean_cap
-            # the ratio already includes the utilisation target through the decode side
-            required_capacity = required
+            by_ratio = math.ceil(decode_instances * cfg.pd_ratio * prefill_boost - 1e-9) * mean_cap
+            signal[f"{model}/prefill_instances_by_ratio"] = by_ratio / mean_cap
+            # The profiled ratio leads; a prefill backlog (requests waiting for prefill) can only add to it,
+            # so a ratio profiled on another workload cannot hide queueing.
+            required_capacity = max(by_ratio, by_demand) if prefill_waiting else by_ratio
         else:
-            prompt_tps = sum(obs.pools[p.name].prompt_tokens_per_s for p in prefill_pools if p.name in obs.pools)
-            demand = (prompt_tps + waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
-            signal[f"{model}/prefill_demand_tps"] = demand
-            required_capacity = demand / cfg.utilization_target
+            required_capacity = by_demand
 
         def prefill_cap(p: PoolSpec) -> float:
             return p.prefill_tps_capacity

@@ -1,0 +1,86 @@
+"""`mosaic simulate`: replay a trace through the router, KV ledger and autoscaler over a simulated fleet."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from loadgen.formats import open_trace
+from loadgen.trace import TraceError
+from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
+from server.commands.common import fail
+from simulator.cluster import ClusterSimulator
+from simulator.cluster_config import FleetConfigError, load_fleet, pool_specs
+from simulator.cluster_report import build_report, write_plots
+from simulator.trace_adapter import sim_requests
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("simulate")
+    def simulate(
+        trace: str = typer.Option(..., "--trace", help="trace file (any format `mosaic replay` reads) or synthetic: spec"),
+        fleet: Path = typer.Option(..., "--fleet", help="fleet YAML: pools, SLO, cold start, intervals"),
+        policy: str = typer.Option("mosaic", "--policy", help=f"autoscaling policy: {', '.join(POLICY_NAMES)}"),
+        out: Path | None = typer.Option(None, "--out", help="write the JSON report (schema mosaic.simulate/v1)"),
+        plot: Path | None = typer.Option(None, "--plot", help="write replicas.png and latency.png here"),
+        trace_format: str | None = typer.Option(None, "--format", help="force the trace format"),
+        rate_scale: float = typer.Option(1.0, "--rate-scale", help="replay the trace this many times faster"),
+        rate: float | None = typer.Option(None, "--rate", help="Poisson arrivals at this rate (untimed traces)"),
+        max_requests: int | None = typer.Option(None, "--max-requests", min=1),
+        seed: int = typer.Option(0, "--seed"),
+        as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of the table"),
+    ) -> None:
+        """Discrete-event cluster simulation: GPU-hours, $, SLO attainment, replicas over time."""
+        try:
+            cfg = load_fleet(fleet)
+            specs = pool_specs(cfg)
+            scaling = build_policy(policy, specs, cfg.autoscaler_config(), {p.name: p.replicas for p in cfg.pools})
+            source = open_trace(trace, trace_format, seed=seed)
+        except (FleetConfigError, PolicyError, TraceError) as exc:
+            fail(str(exc))
+        if not source.timed and rate is None:
+            fail(f"trace {trace} has no arrival times: give --rate")
+        sim = ClusterSimulator(cfg, scaling, policy)
+        started = time.perf_counter()
+        try:
+            result = sim.run(sim_requests(source, rate_scale, rate, max_requests, seed))
+        except (TraceError, ValueError) as exc:
+            fail(str(exc))
+        report = build_report(result, time.perf_counter() - started)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+        if plot is not None:
+            write_plots(report, result, plot)
+        if as_json:
+            typer.echo(json.dumps(report, indent=2))
+        else:
+            Console().print(summary_table(report))
+
+
+def summary_table(report: dict) -> Table:
+    table = Table(title=f"mosaic simulate — policy {report['policy']}", show_header=False)
+    req, slo = report["requests"], report["slo"]
+    rows = [
+        ("requests", f"{report['trace_requests']} ({req['completed']} completed, {req['failed']} failed, "
+                     f"{req['aborted_by_scale_in']} aborted by scale-in)"),
+        ("simulated time", f"{report['simulated_s']:.0f} s in {report['wall_s']:.1f} s wall "
+                           f"({report['sim_requests_per_wall_s']} req/s)"),
+        ("SLO attainment", f"{slo['attainment']:.2%} (TTFT ≤ {slo['ttft_ms']:.0f} ms: {slo['attainment_ttft']:.2%}, "
+                           f"TPOT ≤ {slo['tpot_ms']:.0f} ms: {slo['attainment_tpot']:.2%})"),
+        ("goodput", f"{report['goodput_rps']:.2f} req/s"),
+        ("GPU-hours", ", ".join(f"{g} {h:.2f}" for g, h in report["gpu_hours"]["by_gpu"].items())
+         + f" (total {report['gpu_hours']['total']:.2f})"),
+        ("cost", f"${report['cost_usd']['total']:.2f}"),
+        ("utilization", f"{report['utilization']:.1%}" if report["utilization"] is not None else "-"),
+        ("scale events", str(len(report["scale_events"]))),
+        ("preemptions", str(report["preemptions"])),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table

@@ -1,0 +1,583 @@
+"""Discrete-event cluster simulator: a trace through the real router, KV ledger and autoscaler.
+
+"One policy, two drivers" (DESIGN.md): the `Router` (`scheduler/routing`), the optional `KvLedger`
+(`scheduler/kv`) and any `ScalingPolicy` (`scheduler/autoscaler`) run here exactly as in the gateway, driven
+by simulated time and the engine model's state instead of wall-clock time and scraped `/metrics`.
+
+Events, ordered by (time, priority, sequence) so a seeded run replays exactly:
+- STEP: an instance's engine step ends (its tokens, first tokens and finishes take effect) and the next
+  one starts; an instance only has a STEP pending while its engine has work.
+- READY: a starting instance finished its cold start.
+- ARRIVAL: a trace request is routed (or queued in the admission queue, or failed).
+- SCRAPE: the router's scraped view of each instance (running, waiting, KV usage) is refreshed.
+- DECIDE: the autoscaler sees one `Observation` and its targets are applied: new instances start cold
+  (billed from the start), surplus ones are first cancelled if still starting, else drained — the router
+  stops sending them work and they are removed once empty (soft scale-in: nothing is aborted).
+
+P/D: the prefill instance runs the prompt with max_tokens=1 and holds its blocks; the decode instance
+receives the KV after prompt KV bytes / `kv_link_gbps` and then streams; the held blocks are freed when
+the transfer lands (vLLM's NIXL protocol). The client-visible TTFT is the decode side's first token.
+
+Not modelled: the gateway's own latency and the API server's per-request overhead (~10–25 ms), network
+time of token streams, and instance failures.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from placement.catalog import Catalog, load_catalog
+from placement.perf_model import PerfModel
+from scheduler.autoscaler.signals import Observation, PoolObservation, PoolSpec, ScalingPolicy
+from scheduler.fleet import FleetView, Role, WorkerCapacity, WorkerState, WorkerView, capacity_for
+from scheduler.routing.config import build_router, parse_routing_config
+from scheduler.routing.framework import Decision, ReservePlugin, RouteRequest
+from scheduler.routing.reasons import Outcome, Reject
+from simulator.cluster_config import FleetConfig, pool_specs
+from simulator.engine import Engine, EngineConfig, StepResult
+from simulator.requests import EngineRequest, KvTransfer
+
+
+class _Ev(IntEnum):  # priority among events at the same instant
+    STEP = 0
+    READY = 1
+    ARRIVAL = 2
+    SCRAPE = 3
+    DECIDE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """A trace request: arrival (s), prompt and output lengths (tokens), optional prefix block ids."""
+
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class _Req:
+    idx: int
+    rid: str
+    src: SimRequest
+    route: RouteRequest
+    decision: Decision | None = None
+    phase: str = "new"  # new | queued | prefill | decode | done | failed
+    queued_at: float = 0.0
+    first_token: float | None = None
+    finished: float | None = None
+    fail_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Instance:
+    id: str
+    pool: str
+    spec: PoolSpec
+    engine: Engine
+    capacity: WorkerCapacity
+    created: float
+    state: WorkerState
+    removed: float | None = None
+    stepping: bool = False
+    pending: StepResult | None = None
+    inflight: int = 0
+    inflight_prefill_tokens: int = 0
+    inflight_decode: int = 0
+    scraped: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, kv usage at the last scrape
+    view: WorkerView | None = None
+
+
+@dataclass(slots=True)
+class _PoolTotals:
+    """Counters of instances already removed, so pool rates stay continuous across scale-in."""
+
+    generation_tokens: int = 0
+    prompt_tokens: int = 0
+    busy_s: float = 0.0
+    preemptions: int = 0
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Raw outcome of a run; `simulator.cluster_report.build_report` turns it into the JSON report."""
+
+    policy: str
+    fleet: FleetConfig
+    end_s: float
+    completed: list[tuple[float, float, float | None, float, int, int]] = field(default_factory=list)
+    # (arrival, ttft, tpot | None, e2e, prompt, output) per completed request
+    failed: dict[str, int] = field(default_factory=dict)
+    aborted_by_scale_in: int = 0
+    instance_seconds: dict[str, float] = field(default_factory=dict)  # by GPU type, × tp
+    cost_usd: dict[str, float] = field(default_factory=dict)
+    busy_seconds: float = 0.0
+    billed_seconds: float = 0.0
+    preemptions: int = 0
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    scale_events: list[dict[str, Any]] = field(default_factory=list)
+    requests_total: int = 0
+
+
+class ClusterSimulator:
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        policy: ScalingPolicy | None,
+        policy_name: str = "fixed",
+        catalog: Catalog | None = None,
+        reserve: Iterable[ReservePlugin] = (),
+    ) -> None:
+        self.fleet = fleet
+        self.catalog = catalog or load_catalog()
+        self.policy = policy
+        self.policy_name = policy_name
+        self.specs = {s.name: s for s in pool_specs(fleet, self.catalog)}
+        self.router = build_router(parse_routing_config(fleet.routing), reserve=tuple(reserve))
+        self.rng = random.Random(fleet.seed)
+        self._pools = {p.name: p for p in fleet.pools}
+        self._perf = {
+            p.name: PerfModel(self.catalog.gpu(p.gpu), self.catalog.model(p.model or fleet.model), p.tp)
+            for p in fleet.pools
+        }
+        k = fleet.engine
+        self._engine_cfg = EngineConfig(
+            max_num_seqs=k.max_num_seqs, max_num_batched_tokens=k.max_num_batched_tokens, block_size=k.block_size,
+            gpu_memory_utilization=k.gpu_memory_utilization, num_gpu_blocks=k.num_gpu_blocks,
+        )
+        self._caps = {
+            p.name: capacity_for(
+                self.catalog.gpu(p.gpu), self.catalog.model(p.model or fleet.model), p.tp, self.catalog,
+                max_num_seqs=k.max_num_seqs, block_size=k.block_size, gpu_memory_utilization=k.gpu_memory_utilization,
+                num_gpu_blocks=k.num_gpu_blocks, cost_per_hour=self.specs[p.name].cost_per_hour,
+            )
+            for p in fleet.pools
+        }
+        self._heap: list[tuple[float, int, int, _Ev, Any]] = []
+        self._seq = 0
+        self._instances: dict[str, _Instance] = {}
+        self._live: list[_Instance] = []
+        self._n_created = 0
+        self._reqs: dict[str, _Req] = {}
+        self._queue: deque[_Req] = deque()
+        self._fleet_view: FleetView | None = None
+        self._retired = {p.name: _PoolTotals() for p in fleet.pools}
+        self._window = _Window()
+        self._now = 0.0
+        self._pending_arrival = False
+        self._open_requests = 0  # arrived, not yet completed or failed (queued ones included)
+        self.result = SimResult(policy_name, fleet, 0.0)
+
+    # -- event plumbing --------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: _Ev, obj: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, int(kind), self._seq, kind, obj))
+
+    def run(self, requests: Iterable[SimRequest]) -> SimResult:
+        arrivals = iter(requests)
+        for pool in self.fleet.pools:
+            for _ in range(pool.replicas):
+                self._start_instance(pool.name, 0.0, cold=False)
+        self._next_arrival(arrivals)
+        self._push(self.fleet.scrape_interval_s, _Ev.SCRAPE)
+        self._push(self.fleet.decision_interval_s, _Ev.DECIDE)
+        self._sample_replicas(0.0)
+        while self._heap:
+            t, _, _, kind, obj = heapq.heappop(self._heap)
+            self._now = t
+            if kind is _Ev.STEP:
+                self._on_step(obj, t)
+            elif kind is _Ev.ARRIVAL:
+                self._on_arrival(obj, t)
+                self._next_arrival(arrivals)
+            elif kind is _Ev.READY:
+                self._on_ready(obj, t)
+            elif not self._pending_arrival and self._open_requests == 0:
+                continue  # periodic events stop once the trace is served
+            elif kind is _Ev.SCRAPE:
+                self._on_scrape(t)
+                self._push(t + self.fleet.scrape_interval_s, _Ev.SCRAPE)
+            elif kind is _Ev.DECIDE:
+                self._on_decide(t)
+                self._push(t + self.fleet.decision_interval_s, _Ev.DECIDE)
+        return self._finish()
+
+    def _next_arrival(self, arrivals: Iterator[SimRequest]) -> None:
+        src = next(arrivals, None)
+        self._pending_arrival = src is not None
+        if src is not None:
+            self._push(src.arrival_s, _Ev.ARRIVAL, src)
+
+    # -- instances -------------------------------------------------------------------------------
+
+    def _start_instance(self, pool: str, now: float, cold: bool) -> _Instance:
+        self._n_created += 1
+        iid = f"{pool}-{self._n_created}"
+        engine = Engine(self._perf[pool], self._engine_cfg, seed=self.fleet.seed * 1_000_003 + self._n_created)
+        inst = _Instance(iid, pool, self.specs[pool], engine, self._caps[pool], now,
+                         WorkerState.STARTING if cold else WorkerState.READY)
+        self._instances[iid] = inst
+        self._live.append(inst)
+        self._fleet_view = None
+        if cold:
+            self._push(now + self.fleet.cold_start_s, _Ev.READY, inst)
+        return inst
+
+    def _on_ready(self, inst: _Instance, now: float) -> None:
+        if inst.removed is not None:
+            return  # cancelled while starting
+        inst.state = WorkerState.READY
+        self._dirty(inst)
+        self._drain_queue(now)
+
+    def _remove(self, inst: _Instance, now: float) -> None:
+        inst.removed = now
+        totals = self._retired[inst.pool]
+        c = inst.engine.counters
+        totals.generation_tokens += c.generation_tokens
+        totals.prompt_tokens += c.prompt_tokens
+        totals.busy_s += c.busy_s
+        totals.preemptions += c.preemptions
+        self._bill(inst, now)
+        self._live.remove(inst)
+        self._fleet_view = None
+
+    def _bill(self, inst: _Instance, now: float) -> None:
+        seconds = now - inst.created
+        gpu = inst.spec.gpu
+        tp = self._pools[inst.pool].tp
+        self.result.instance_seconds[gpu] = self.result.instance_seconds.get(gpu, 0.0) + seconds * tp
+        self.result.cost_usd[gpu] = self.result.cost_usd.get(gpu, 0.0) + seconds / 3600 * inst.spec.cost_per_hour
+        self.result.billed_seconds += seconds
+        self.result.busy_seconds += inst.engine.counters.busy_s
+
+    def _dirty(self, inst: _Instance) -> None:
+        inst.view = None
+        self._fleet_view = None
+
+    def _view(self) -> FleetView:
+        if self._fleet_view is None:
+            self._fleet_view = FleetView(tuple(self._worker_view(i) for i in self._live))
+        return self._fleet_view
+
+    def _worker_view(self, inst: _Instance) -> WorkerView:
+        if inst.view is None:
+            running, waiting, usage = inst.scraped
+            inst.view = WorkerView(
+                id=inst.id, url=f"sim://{inst.id}", pool=inst.pool, model=inst.spec.model, gpu=inst.spec.gpu,
+                role=Role(inst.spec.role), state=inst.state, breaker_open=False, capacity=inst.capacity,
+                num_running=running, num_waiting=waiting, kv_usage=usage,
+                num_gpu_blocks=inst.engine.num_gpu_blocks, block_size=inst.engine.block_size,
+                inflight_requests=inst.inflight, inflight_prefill_tokens=inst.inflight_prefill_tokens,
+                inflight_decode_requests=inst.inflight_decode,
+            )
+        return inst.view
+
+    def _kick(self, inst: _Instance, now: float) -> None:
+        if not inst.stepping:
+            inst.stepping = True
+            self._push(now, _Ev.STEP, inst)
+
+    def _on_step(self, inst: _Instance, now: float) -> None:
+        if inst.pending is not None:
+            result, inst.pending = inst.pending, None
+            self._apply(inst, result, now)
+        engine = inst.engine
+        engine.expire_held(now)
+        if engine.has_work():
+            result = engine.step(now)
+            if not result.idle:
+                inst.pending = result
+                self._push(result.end, _Ev.STEP, inst)
+                return
+            wake = engine.next_event_time()
+            if wake is not None and wake > now:
+                self._push(wake, _Ev.STEP, inst)
+                return
+        inst.stepping = False
+        self._maybe_retire(inst, now)
+
+    def _maybe_retire(self, inst: _Instance, now: float) -> None:
+        if inst.state is WorkerState.DRAINING and inst.inflight == 0 and not inst.engine.has_work() \
+                and inst.engine.num_held == 0 and inst.removed is None:
+            self._remove(inst, now)
+
+    def _apply(self, inst: _Instance, result: StepResult, now: float) -> None:
+        for rid in result.first_tokens:
+            req = self._reqs[rid]
+            if req.phase == "decode" or req.decision is None or req.decision.prefill is None:
+                req.first_token = now
+                inst.inflight_prefill_tokens -= req.src.input_tokens
+                inst.inflight_decode += 1
+                for res in req.decision.reservations if req.decision else ():
+                    first = getattr(res, "first_token", None)
+                    if first is not None and res.worker_id == inst.id:
+                        first(now)
+        for rid in result.kv_received:
+            req = self._reqs[rid]
+            if req.decision is not None and req.decision.prefill is not None:
+                src = self._instances[req.decision.prefill.id]
+                src.engine.release_held(rid)
+                self._kick(src, now)
+                self._maybe_retire(src, now)
+        for rec in result.finished:
+            req = self._reqs[rec.request_id]
+            if req.phase == "prefill":
+                self._prefill_done(req, inst, now)
+            else:
+                self._complete(req, inst, rec.first_token, rec.tpot, now)
+        self._dirty(inst)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _on_arrival(self, src: SimRequest, now: float) -> None:
+        idx = self.result.requests_total
+        self.result.requests_total += 1
+        rid = f"r{idx}"
+        route = RouteRequest(rid, self.fleet.model, src.input_tokens, src.output_tokens, src.output_tokens,
+                             prefix_hashes=src.hash_ids, arrival_s=src.arrival_s)
+        req = _Req(idx, rid, src, route)
+        self._reqs[rid] = req
+        self._open_requests += 1
+        self._window.arrive(src)
+        if self._queue or not self._try_dispatch(req, now):
+            self._enqueue(req, now)
+
+    def _enqueue(self, req: _Req, now: float) -> None:
+        if req.phase == "failed":
+            return
+        if len(self._queue) >= self.fleet.admission_queue_size:
+            self._fail(req, "admission_queue_full")
+            return
+        req.phase = "queued"
+        req.queued_at = now
+        self._queue.append(req)
+
+    def _try_dispatch(self, req: _Req, now: float) -> bool:
+        """Route and send; False when it should wait in the admission queue (a retryable reject)."""
+        if req.src.input_tokens < 1:
+            self._fail(req, "empty_prompt")
+            return True
+        decision = self.router.route(req.route, self._view(), now, self.rng)
+        if isinstance(decision, Reject):
+            if decision.retryable:
+                return False
+            self._fail(req, decision.primary.value)
+            return True
+        self.router.on_dispatch(decision, req.route, now)
+        req.decision = decision
+        if decision.prefill is not None:
+            inst = self._instances[decision.prefill.id]
+            req.phase = "prefill"
+            er = EngineRequest(req.rid, req.src.input_tokens, max_tokens=1, ignore_eos=True,
+                               kv_transfer=KvTransfer(prefill_only=True))
+        else:
+            inst = self._instances[decision.decode.id]
+            req.phase = "decode"
+            er = EngineRequest(req.rid, req.src.input_tokens, max_tokens=req.src.output_tokens, ignore_eos=True)
+        self._send(inst, er, req, now)
+        return True
+
+    def _send(self, inst: _Instance, er: EngineRequest, req: _Req, now: float) -> None:
+        try:
+            inst.engine.add_request(er, now, arrival=req.src.arrival_s)
+        except ValueError:  # e.g. prompt over the instance's max_model_len
+            if req.decision is not None:
+                req.decision.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
+            self._fail(req, "engine_rejected")
+            return
+        inst.inflight += 1
+        inst.inflight_prefill_tokens += req.src.input_tokens
+        self._dirty(inst)
+        self._kick(inst, now)
+
+    def _prefill_done(self, req: _Req, inst: _Instance, now: float) -> None:
+        inst.inflight -= 1
+        inst.inflight_prefill_tokens -= req.src.input_tokens
+        self.router.on_complete(inst.id, req.route, Outcome.COMPLETED, now)
+        assert req.decision is not None
+        decode = self._instances[req.decision.decode.id]
+        kv_bytes = req.src.input_tokens * self._perf[decode.pool].model.kv_bytes_per_token
+        transfer = KvTransfer(remote_prefilled=True, transfer_delay_s=kv_bytes / (self.fleet.kv_link_gbps * 1e9))
+        req.phase = "decode"
+        er = EngineRequest(req.rid, req.src.input_tokens, max_tokens=req.src.output_tokens, ignore_eos=True,
+                           kv_transfer=transfer)
+        self._send(decode, er, req, now)
+        self._maybe_retire(inst, now)
+
+    def _complete(self, req: _Req, inst: _Instance, first: float | None, tpot: float | None, now: float) -> None:
+        req.phase = "done"
+        req.finished = now
+        self._open_requests -= 1
+        inst.inflight -= 1
+        inst.inflight_decode -= 1
+        if req.decision is not None:
+            req.decision.release(Outcome.COMPLETED)
+        self.router.on_complete(inst.id, req.route, Outcome.COMPLETED, now)
+        ttft = (first if first is not None else now) - req.src.arrival_s
+        e2e = now - req.src.arrival_s
+        self.result.completed.append((req.src.arrival_s, ttft, tpot, e2e, req.src.input_tokens, req.src.output_tokens))
+        self._window.complete(ttft, tpot)
+        del self._reqs[req.rid]
+        self._maybe_retire(inst, now)
+        self._drain_queue(now)
+
+    def _fail(self, req: _Req, reason: str) -> None:
+        if req.phase in ("done", "failed"):
+            return
+        req.phase = "failed"
+        req.fail_reason = reason
+        self._open_requests -= 1
+        self.result.failed[reason] = self.result.failed.get(reason, 0) + 1
+        self._reqs.pop(req.rid, None)
+
+    def _drain_queue(self, now: float) -> None:
+        while self._queue:
+            head = self._queue[0]
+            if now - head.queued_at > self.fleet.admission_deadline_s:
+                self._queue.popleft()
+                self._fail(head, "admission_deadline")
+                continue
+            if not self._try_dispatch(head, now):
+                return
+            self._queue.popleft()
+
+    # -- periodic --------------------------------------------------------------------------------
+
+    def _on_scrape(self, now: float) -> None:
+        for inst in self._live:
+            e = inst.engine
+            scraped = (e.num_running, e.num_waiting, e.kv_usage)
+            if scraped != inst.scraped:
+                inst.scraped = scraped
+                self._dirty(inst)
+        self._drain_queue(now)
+
+    def _pool_counters(self, pool: str) -> tuple[int, int, float, int]:
+        t = self._retired[pool]
+        gen, prompt, busy, pre = t.generation_tokens, t.prompt_tokens, t.busy_s, t.preemptions
+        for inst in self._live:
+            if inst.pool == pool:
+                c = inst.engine.counters
+                gen += c.generation_tokens
+                prompt += c.prompt_tokens
+                busy += c.busy_s
+                pre += c.preemptions
+        return gen, prompt, busy, pre
+
+    def _on_decide(self, now: float) -> None:
+        interval = self.fleet.decision_interval_s
+        pools: dict[str, PoolObservation] = {}
+        for name in self._pools:
+            gen, prompt, busy, _ = self._pool_counters(name)
+            prev = self._window.counters.get(name, (0, 0, 0.0))
+            self._window.counters[name] = (gen, prompt, busy)
+            members = [i for i in self._live if i.pool == name]
+            ready = sum(i.state is WorkerState.READY for i in members)
+            pools[name] = PoolObservation(
+                ready=ready,
+                starting=sum(i.state is WorkerState.STARTING for i in members),
+                draining=sum(i.state is WorkerState.DRAINING for i in members),
+                decode_tokens_per_s=(gen - prev[0]) / interval,
+                prompt_tokens_per_s=(prompt - prev[1]) / interval,
+                num_waiting=sum(i.engine.num_waiting for i in members if i.state is WorkerState.READY),
+                gpu_utilization=min(1.0, (busy - prev[2]) / (interval * ready)) if ready else 0.0,
+            )
+        obs = self._window.observation(now, interval, pools, {self.fleet.model: len(self._queue)})
+        if self.policy is not None:
+            decision = self.policy.decide(obs)
+            for name, target in decision.targets.items():
+                self._apply_target(name, target, pools[name], now)
+        self._sample_replicas(now)
+
+    def _apply_target(self, pool: str, target: int, obs: PoolObservation, now: float) -> None:
+        have = obs.provisioned
+        if target == have:
+            return
+        self.result.scale_events.append({"t": round(now, 3), "pool": pool, "before": have, "after": target})
+        if target > have:
+            for _ in range(target - have):
+                self._start_instance(pool, now, cold=True)
+            return
+        surplus = have - target
+        members = [i for i in self._live if i.pool == pool]
+        for inst in sorted((i for i in members if i.state is WorkerState.STARTING), key=lambda i: -i.created):
+            if surplus == 0:
+                break
+            self._remove(inst, now)  # cancelled before it served anything
+            surplus -= 1
+        ready = sorted((i for i in members if i.state is WorkerState.READY), key=lambda i: (i.inflight, i.id))
+        for inst in ready[:surplus]:
+            inst.state = WorkerState.DRAINING
+            self._dirty(inst)
+            self._maybe_retire(inst, now)
+
+    def _sample_replicas(self, now: float) -> None:
+        counts: dict[str, Any] = {"t": round(now, 3)}
+        for name in self._pools:
+            counts[name] = sum(1 for i in self._live if i.pool == name and i.state is not WorkerState.DRAINING)
+        self.result.replicas.append(counts)
+
+    def _finish(self) -> SimResult:
+        end = self._now
+        for req in list(self._queue):
+            self._fail(req, "admission_deadline")
+        self._queue.clear()
+        for inst in list(self._live):
+            self._remove(inst, end)
+        self.result.preemptions = sum(t.preemptions for t in self._retired.values())
+        self.result.end_s = end
+        return self.result
+
+
+@dataclass(slots=True)
+class _Window:
+    """What happened since the last DECIDE: arrivals and completions, for the observation's rates and p90s."""
+
+    arrivals: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    tpots: list[float] = field(default_factory=list)
+    counters: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+
+    def arrive(self, src: SimRequest) -> None:
+        self.arrivals += 1
+        self.input_tokens += src.input_tokens
+        self.output_tokens += src.output_tokens
+
+    def complete(self, ttft: float, tpot: float | None) -> None:
+        self.ttfts.append(ttft)
+        if tpot is not None:
+            self.tpots.append(tpot)
+
+    def observation(self, now: float, interval: float, pools: dict[str, PoolObservation],
+                    queue: dict[str, int]) -> Observation:
+        n = self.arrivals
+        obs = Observation(
+            now=now, pools=pools, admission_queue=queue,
+            ttft_p90_s=_p90(self.ttfts), tpot_p90_s=_p90(self.tpots),
+            request_rate=n / interval,
+            mean_input_tokens=self.input_tokens / n if n else 0.0,
+            mean_output_tokens=self.output_tokens / n if n else 0.0,
+        )
+        self.arrivals = self.input_tokens = self.output_tokens = 0
+        self.ttfts.clear()
+        self.tpots.clear()
+        return obs
+
+
+def _p90(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]

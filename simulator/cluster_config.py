@@ -1,0 +1,177 @@
+"""The fleet a cluster simulation runs: pools of engine-model instances, timing knobs, SLO (YAML → pydantic).
+
+```yaml
+model: llama-3-8b
+slo: {ttft_ms: 2000, tpot_ms: 100}
+cold_start_s: 120          # instance start → ready (image pull, weight load, CUDA graphs)
+decision_interval_s: 15    # autoscaler cycle
+scrape_interval_s: 1       # how fresh the router's scraped stats are
+kv_link_gbps: 25           # prefill → decode KV transfer bandwidth (GB/s)
+routing: {policy: mosaic}  # the router's config (scheduler.routing.config.RoutingConfig)
+engine: {max_num_seqs: 256, max_num_batched_tokens: 8192}
+autoscaler: {utilization_target: 0.8, pd_ratio: 0.5}
+pools:
+  - {name: prefill-h100, gpu: H100, role: prefill, replicas: 1, min_replicas: 1, max_replicas: 8}
+  - {name: decode-a100, gpu: A100-80GB, role: decode, replicas: 2, min_replicas: 1, max_replicas: 16}
+```
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from placement.catalog import Catalog, CatalogError, load_catalog
+from placement.perf_model import PerfModel
+from scheduler.autoscaler.policy import AutoscalerConfig
+from scheduler.autoscaler.signals import PoolSpec
+
+
+class FleetConfigError(ValueError):
+    """A fleet file that cannot be simulated; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SloSpec(_Strict):
+    ttft_ms: float = Field(default=2000.0, gt=0)
+    tpot_ms: float = Field(default=100.0, gt=0)
+
+
+class EngineKnobs(_Strict):
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    num_gpu_blocks: int | None = Field(default=None, ge=1)
+
+
+class PoolConfig(_Strict):
+    name: str
+    gpu: str
+    role: Literal["prefill", "decode", "mixed"] = "mixed"
+    model: str | None = None  # defaults to the fleet's model
+    tp: int = Field(default=1, ge=1)
+    replicas: int = Field(default=1, ge=0)
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int = Field(default=64, ge=0)
+    cost_per_hour: float | None = Field(default=None, gt=0)  # per instance; default: catalog $/GPU-h · tp
+    domain: str | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolConfig:
+        if not self.min_replicas <= self.max_replicas:
+            raise ValueError(f"pool {self.name}: min_replicas must be ≤ max_replicas")
+        return self
+
+
+class FleetConfig(_Strict):
+    model: str = "llama-3-8b"
+    slo: SloSpec = SloSpec()
+    cold_start_s: float = Field(default=120.0, ge=0)
+    decision_interval_s: float = Field(default=15.0, gt=0)
+    scrape_interval_s: float = Field(default=1.0, gt=0)
+    kv_link_gbps: float = Field(default=25.0, gt=0)
+    admission_queue_size: int = Field(default=100_000, ge=0)
+    admission_deadline_s: float = Field(default=600.0, gt=0)
+    routing: dict[str, Any] = Field(default_factory=dict)
+    engine: EngineKnobs = EngineKnobs()
+    autoscaler: dict[str, Any] = Field(default_factory=dict)
+    pools: list[PoolConfig] = Field(min_length=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _unique(self) -> FleetConfig:
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError("pool names must be unique")
+        return self
+
+    def autoscaler_config(self) -> AutoscalerConfig:
+        data = {"ttft_slo_s": self.slo.ttft_ms / 1e3, "tpot_slo_s": self.slo.tpot_ms / 1e3, **self.autoscaler}
+        try:
+            return AutoscalerConfig(**data)
+        except (TypeError, ValueError) as exc:
+            raise FleetConfigError(f"autoscaler: {exc}") from None
+
+
+def load_fleet(path: str | Path) -> FleetConfig:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise FleetConfigError(f"cannot read fleet file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise FleetConfigError(f"fleet file {path} is not valid YAML: {exc}") from None
+    return parse_fleet(data, str(path))
+
+
+def parse_fleet(data: Any, source: str = "fleet") -> FleetConfig:
+    try:
+        return FleetConfig.model_validate(data or {})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise FleetConfigError(f"{source}: {where}: {err['msg']}") from None
+
+
+def decode_tps_within_slo(
+    perf: PerfModel, tpot_s: float, context: int, max_seqs: int, kv_tokens: int
+) -> float:
+    """Decode tokens/s one instance sustains with every step ≤ the TPOT SLO at `context` tokens per sequence.
+
+    The largest batch b ≤ min(max_seqs, kv_tokens // context) whose decode step fits the SLO (binary search:
+    step time grows with b); rate = b / step(b). 0 when even b = 1 misses the SLO.
+    """
+    hi = max(0, min(max_seqs, kv_tokens // max(1, context)))
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if perf.decode_step_time([context] * mid) <= tpot_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo / perf.decode_step_time([context] * lo) if lo else 0.0
+
+
+def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int = 1024) -> list[PoolSpec]:
+    """Autoscaler `PoolSpec`s with capacities from the perf model within the fleet's SLO."""
+    cat = catalog or load_catalog()
+    specs = []
+    for pool in fleet.pools:
+        try:
+            gpu, model = cat.gpu(pool.gpu), cat.model(pool.model or fleet.model)
+        except CatalogError as exc:
+            raise FleetConfigError(f"pool {pool.name}: {exc}") from None
+        perf = PerfModel(gpu, model, pool.tp)
+        kv_tokens = (
+            fleet.engine.num_gpu_blocks
+            or perf.kv_capacity_blocks(fleet.engine.gpu_memory_utilization, fleet.engine.block_size)
+        ) * fleet.engine.block_size
+        decode = decode_tps_within_slo(
+            perf, fleet.slo.tpot_ms / 1e3, context, fleet.engine.max_num_seqs, kv_tokens
+        )
+        prefill = perf.prefill_tokens_per_s(min(2048, fleet.engine.max_num_batched_tokens))
+        if pool.role in ("decode", "mixed") and decode <= 0:
+            raise FleetConfigError(
+                f"pool {pool.name}: {gpu.name} cannot decode {model.name} within TPOT {fleet.slo.tpot_ms} ms"
+            )
+        specs.append(
+            PoolSpec(
+                name=pool.name,
+                model=model.name,
+                role=pool.role,
+                gpu=gpu.name,
+                cost_per_hour=pool.cost_per_hour or gpu.cost_per_hour * pool.tp,
+                min_replicas=pool.min_replicas,
+                max_replicas=pool.max_replicas,
+                decode_tps_capacity=decode if pool.role != "prefill" else 0.0,
+                prefill_tps_capacity=prefill,
+                domain=pool.domain,
+            )
+        )
+    return specs
