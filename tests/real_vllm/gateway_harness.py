@@ -1,7 +1,7 @@
 """What the real-vLLM tests talk to: a `Target` (base URL + model + key) and the Mosaic gateway process.
 
-`MosaicGateway` runs `mosaic serve --config FILE --port P` as a subprocess with a static-endpoint pool in
-front of given vLLM URLs: the whole CLI → config → gateway path, as a user would run it.
+`MosaicGateway` runs the gateway (`create_app(load_config(FILE))` under uvicorn, fixtures/run_gateway.py) as
+a subprocess with a static-endpoint pool in front of given vLLM URLs: config file → gateway → real vLLM.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import yaml
 
 from server.vllm_launcher import free_port, health_ok, log_tail
 
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+CATALOG = FIXTURES / "catalog.yaml"
+RUN_GATEWAY = FIXTURES / "run_gateway.py"
 API_KEY = "sk-mosaic-real-vllm-test"
 ADMIN_KEY = "sk-mosaic-real-vllm-admin"
 
@@ -53,14 +56,27 @@ class Target:
 def static_config(
     model: str, urls: Sequence[str], *, pool: str = "real-vllm", extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """A Mosaic config with one static pool of real vLLM servers serving `model` (the tiny CPU model)."""
+    """A Mosaic config with one static pool of real vLLM CPU servers serving the tiny model.
+
+    The catalog fixture describes the tiny model and the CPU "GPU"; `block_size: 128` is vLLM's CPU block size
+    (the gateway reads the real one from `vllm:cache_config_info` after the first scrape anyway)."""
     config: dict[str, Any] = {
-        "models": [{"name": model}],
+        "catalog": str(CATALOG),
+        "models": [{"name": model, "max_model_len": 512}],
         "pools": [
-            {"name": pool, "model": model, "gpu": "L4", "role": "mixed", "endpoints": {"static": list(urls)}}
+            {
+                "name": pool,
+                "model": model,
+                "gpu": "CPU-AVX2",
+                "role": "mixed",
+                "block_size": 128,
+                "endpoints": {"static": list(urls)},
+            }
         ],
         "auth": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]},
-        "scrape": {"interval_s": 0.5},
+        # Under streaming load the CPU server answers /metrics in 0.1-0.8 s (its API process shares a core with
+        # the engine): the default 0.5 s scrape timeout would leave the stats stale exactly when they matter.
+        "scrape": {"interval_s": 0.25, "timeout_s": 3.0, "stale_after_s": 10.0},
     }
     for key, value in (extra or {}).items():
         config[key] = value
@@ -68,7 +84,7 @@ def static_config(
 
 
 class MosaicGateway:
-    """`mosaic serve --config` as a subprocess on a free loopback port. Context manager; stop() is idempotent."""
+    """The gateway as a subprocess on a free loopback port. Context manager; stop() is idempotent."""
 
     def __init__(self, config: Mapping[str, Any], workdir: Path) -> None:
         self.config_path = workdir / "mosaic.yaml"
@@ -77,18 +93,8 @@ class MosaicGateway:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = self.log_path.open("wb")
-        mosaic = Path(sys.executable).with_name("mosaic")
         self._proc = subprocess.Popen(
-            [
-                str(mosaic),
-                "serve",
-                "--config",
-                str(self.config_path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-            ],
+            [sys.executable, str(RUN_GATEWAY), str(self.config_path), str(self.port)],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -123,19 +123,50 @@ def test_unknown_model_is_404(target: Target) -> None:
     assert set(err.value.body) >= {"message", "type", "param", "code"}  # openai unwraps {"error": {...}}
 
 
-def test_prompt_over_max_model_len_streaming_is_plain_json_400(target: Target) -> None:
+# 200 CJK characters: 600 tokens for the tiny model's byte-level BPE (3 bytes each, no merges learnt from
+# English), while Mosaic's estimate without a tokenizer is ceil(200 / 4) = 50: only vLLM can see it is too long.
+CJK_600_TOKENS = "漢字テスト" * 40
+
+
+def test_prompt_only_vllm_sees_too_long_streaming_is_passed_through_as_json_400(target: Target) -> None:
     """vLLM refuses before streaming starts, with a plain JSON 400 even for `stream: true`; Mosaic must relay
-    it as such, not as a 200 event stream carrying an error."""
-    prompt = "hello world " * 400  # ≥ 513 tokens > max-model-len 512
-    body = {"model": target.model, "prompt": prompt, "max_tokens": 4, "stream": True}
+    that answer verbatim, not turn it into a 200 event stream carrying an error."""
+    body = {"model": target.model, "prompt": CJK_600_TOKENS, "max_tokens": 4, "stream": True}
     with target.http() as http:
         resp = http.post("/v1/completions", json=body)
-    assert resp.status_code == 400
+    assert resp.status_code == 400, resp.text
     assert resp.headers["content-type"].startswith("application/json")
     error = resp.json()["error"]
     assert error["type"] == "BadRequestError"
     assert error["param"] == "input_tokens"
-    assert "maximum context length is 512" in error["message"]
+    assert error["code"] == 400
+    assert "maximum context length is 512 tokens" in error["message"]
+    assert "prompt contains at least 513 input tokens" in error["message"]
+
+
+def test_prompt_anyone_sees_too_long_streaming_is_json_400(target: Target) -> None:
+    """4,800 characters: over 512 tokens by Mosaic's estimate too, so Mosaic may refuse it itself (its own
+    error; see docs/real_vllm.md, fidelity limits) — but as a plain JSON 400 either way."""
+    body = {"model": target.model, "prompt": "hello world " * 400, "max_tokens": 4, "stream": True}
+    with target.http() as http:
+        resp = http.post("/v1/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_prompt_fits_but_max_tokens_overflows_is_clamped_not_refused(target: Target) -> None:
+    """vLLM answers 200 and stops at max-model-len when prompt + max_tokens exceeds it; Mosaic must not
+    refuse what vLLM would serve. 20 token ids + 500 max_tokens (520 > 512): 492 come back (512 − 20).
+    (max_tokens alone over max-model-len is a 400 in vLLM 0.32: "cannot be greater than max_model_len".)"""
+    with target.openai() as client:
+        resp = client.completions.create(
+            model=target.model, prompt=list(range(100, 120)), max_tokens=500, temperature=0, extra_body=EXACT
+        )
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == 20
+    assert resp.usage.completion_tokens == 512 - 20
+    assert resp.choices[0].finish_reason == "length"
 
 
 def test_malformed_json_is_400(target: Target) -> None:

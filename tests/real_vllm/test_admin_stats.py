@@ -1,0 +1,129 @@
+"""What Mosaic reads from a real vLLM server's /metrics, as `/admin/workers` shows it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from conftest import RealServer
+from gateway_harness import MosaicGateway
+
+from server.scrape import parse_vllm_metrics
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
+
+
+def worker_stats(gateway: MosaicGateway) -> dict[str, Any]:
+    (worker,) = gateway.admin_get("/admin/workers")["workers"]
+    return dict(worker)
+
+
+def wait_for(
+    gateway: MosaicGateway, pred: Callable[[dict[str, Any]], bool], timeout_s: float = 20.0
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        worker = worker_stats(gateway)
+        if worker["stats"] is not None and pred(worker):
+            return worker
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached in {timeout_s} s; last: {worker}")
+        time.sleep(0.1)
+
+
+def test_capacity_comes_from_cache_config_info(mosaic_gateway: MosaicGateway, real_vllm: RealServer) -> None:
+    worker = wait_for(mosaic_gateway, lambda w: w["state"] == "ready")
+    stats = worker["stats"]
+    # 1 GiB of KV (VLLM_CPU_KVCACHE_SPACE=1) / (128 tokens x 512 B per token: 2 layers x 2 KV heads x 32 x 2 x 2 B)
+    # = 2^30 / 65,536 = 16,384 blocks of 128 tokens.
+    assert stats["num_gpu_blocks"] == 16384
+    assert stats["block_size"] == 128
+    assert stats["engines"] == 1
+    assert stats["legacy_names"] == []
+    assert worker["url"] == real_vllm.url
+
+
+def test_counters_match_what_was_served(mosaic_gateway: MosaicGateway) -> None:
+    before = wait_for(mosaic_gateway, lambda w: w["stats"]["generation_tokens_total"] is not None)["stats"]
+    target = mosaic_gateway.target("tiny-llama")
+    with target.openai() as client:
+        for _ in range(3):
+            client.completions.create(
+                model="tiny-llama",
+                prompt=list(range(200, 232)),
+                max_tokens=9,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+    # 3 requests x 9 generated tokens = 27; 3 x 32 prompt ids = 96 (other tests may not run concurrently).
+    after = wait_for(
+        mosaic_gateway,
+        lambda w: w["stats"]["generation_tokens_total"] >= before["generation_tokens_total"] + 27,
+    )["stats"]
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 27
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 96
+    assert after["requests_success_total"] - before["requests_success_total"] == 3
+    assert after["ttft_count"] - before["ttft_count"] == 3
+    assert after["itl_count"] - before["itl_count"] == 3 * 8  # 8 gaps between 9 tokens per request
+
+
+def test_running_and_kv_usage_seen_during_long_streams(mosaic_gateway: MosaicGateway) -> None:
+    """Four concurrent streams of 32 prompt + 480 output tokens (~1-3 s on the CPU server) against a 0.25 s
+    scrape interval: some scrape sees them running and holding KV blocks."""
+    target = mosaic_gateway.target("tiny-llama")
+    streams = 4
+    finished = threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        try:
+            with target.openai() as client:
+                chunks = client.completions.create(
+                    model="tiny-llama",
+                    prompt=list(range(300 + i, 332 + i)),
+                    max_tokens=480,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for _ in chunks:
+                    pass
+        finally:
+            finished.release()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    try:
+        busy = wait_for(mosaic_gateway, lambda w: (w["stats"]["num_running"] or 0) >= 1, timeout_s=30)
+    finally:
+        for t in threads:
+            t.join(timeout=60)
+    stats = busy["stats"]
+    assert 1 <= stats["num_running"] <= streams
+    # Each stream holds at most ceil(512 / 128) = 4 blocks of 16,384: usage in (0, 16/16384].
+    assert 0 < stats["kv_usage"] <= streams * 4 / 16384
+    assert stats["num_waiting"] == 0  # 4 sequences are far below max-num-seqs (256 on CPU)
+    idle = wait_for(mosaic_gateway, lambda w: w["stats"]["num_running"] == 0)
+    assert idle["stats"]["kv_usage"] == 0.0
+
+
+def test_gateway_parse_equals_direct_parse(mosaic_gateway: MosaicGateway, real_vllm: RealServer) -> None:
+    """The scraped stats /admin/workers shows are what `parse_vllm_metrics` reads from the server right now
+    (counters may only grow between the two reads; on an idle server they are equal)."""
+    worker = wait_for(mosaic_gateway, lambda w: w["stats"]["num_running"] == 0)
+    with httpx.Client(timeout=10) as http:
+        direct = parse_vllm_metrics(http.get(f"{real_vllm.url}/metrics").text)
+    for key in (
+        "num_gpu_blocks",
+        "block_size",
+        "num_running",
+        "num_waiting",
+        "kv_usage",
+        "generation_tokens_total",
+        "prompt_tokens_total",
+        "preemptions_total",
+    ):
+        assert worker["stats"][key] == getattr(direct, key), key
