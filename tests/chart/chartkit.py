@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import click
 import helm_python as helm
 import pytest
 import typer
@@ -133,25 +132,26 @@ def walk_labels(obj: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 @functools.cache
-def _mosaic_cli() -> click.Group | str:
-    """The real `mosaic` command tree, or why it cannot be built yet (a listed sub-command module missing)."""
+def _mosaic_commands() -> dict[str, Any] | str:
+    """The real `mosaic` sub-commands by name (Typer's click objects), or why the CLI cannot be built yet."""
     try:
         from server.cli import build_app
 
         command = typer.main.get_command(build_app())
     except ImportError as exc:
         return f"the mosaic CLI does not build yet: {exc}"
-    assert isinstance(command, click.Group)
-    return command
+    # A group has `.commands`; Typer collapses an app with a single command into that command.
+    commands = getattr(command, "commands", None)
+    return dict(commands) if commands is not None else {command.name or "": command}
 
 
 def parse_mosaic_args(args: list[str]) -> None:
     """Parse `mosaic <args>` with Mosaic's own CLI (click parses, nothing runs): an unknown flag or a bad
     value fails the test. Skips while the sub-command is not registered yet."""
-    cli = _mosaic_cli()
-    if isinstance(cli, str):
-        pytest.skip(cli)
-    sub = cli.commands.get(args[0])
+    commands = _mosaic_commands()
+    if isinstance(commands, str):
+        pytest.skip(commands)
+    sub = commands.get(args[0])
     if sub is None:
         pytest.skip(f"`mosaic {args[0]}` is not registered in server/cli.py yet")
     with sub.make_context(args[0], list(args[1:])) as ctx:

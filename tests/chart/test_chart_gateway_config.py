@@ -167,9 +167,11 @@ def _mosaic_commands(rendered: Rendered, name: str) -> list[list[str]]:
     return commands
 
 
-def test_simulated_workers_command_parses_with_the_mosaic_cli(chart: helm.Chart) -> None:
-    rendered = render(chart, load_values(EXAMPLES_DIR / "simulated-fleet.yaml"))
-    for args in _mosaic_commands(rendered, "worker"):
+@pytest.mark.parametrize("example", ["simulated-fleet.yaml", "multi-model.yaml", "heterogeneous-pd.yaml"])
+def test_simulated_workers_command_parses_with_the_mosaic_cli(chart: helm.Chart, example: str) -> None:
+    values = load_values(EXAMPLES_DIR / example)
+    values["simulated"] = True
+    for args in _mosaic_commands(render(chart, values), "worker"):
         parse_mosaic_args(args)
 
 

@@ -335,8 +335,14 @@ def test_simulated_pools_run_mosaic_worker_without_gpus(chart: helm.Chart) -> No
         assert _flag(args, "--gpu") == entry["gpu"] and _flag(args, "--model") == entry["model"]
         assert _flag(args, "--role") == entry["role"] and _flag(args, "--port") == "8000"
         assert _flag(args, "--host") == "0.0.0.0"
-        # P/D: the decode worker calls the prefill worker back at the advertised address (its pod IP).
-        assert _flag(args, "--advertise-host") == ("$(POD_IP)" if entry["role"] != "mixed" else None)
+        # Clients (and the gateway) ask for the pool's model name; the worker must serve that name.
+        assert _flag(args, "--served-model-name") == entry["model"]
+        # The same engine knobs the gateway sizes capacity with (poolDefaults: 256 seqs, 16-token blocks, 0.9).
+        assert (
+            _flag(args, "--max-num-seqs"),
+            _flag(args, "--block-size"),
+            _flag(args, "--gpu-memory-utilization"),
+        ) == ("256", "16", "0.9")
         assert env_map(c)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert not any("gpu" in k for k in c["resources"].get("limits", {})), "simulated workers need no GPU"
         assert "affinity" not in spec
@@ -355,3 +361,22 @@ def test_one_pool_can_be_simulated_among_real_ones(chart: helm.Chart) -> None:
         f"{RELEASE}-a100-decode": ["vllm", "serve"],
         f"{RELEASE}-l4-mixed": ["mosaic"],
     }
+
+
+def test_simulated_worker_is_timed_by_the_catalog_row_the_config_names(chart: helm.Chart) -> None:
+    """multi-model.yaml serves Qwen/Qwen2.5-32B-Instruct, a name the catalog does not know; config.models
+    maps it to the catalog row qwen2.5-32b, and its catalog overrides are mounted for the worker."""
+    values = load_values(EXAMPLES_DIR / "multi-model.yaml")
+    values["simulated"] = True
+    rendered = render(chart, values)
+    dep = rendered.get("Deployment", f"{RELEASE}-qwen-h100")
+    c = container(dep)
+    args = _args(c)
+    assert (_flag(args, "--model"), _flag(args, "--served-model-name")) == (
+        "qwen2.5-32b",
+        "Qwen/Qwen2.5-32B-Instruct",
+    )
+    assert (_flag(args, "--tp"), _flag(args, "--max-model-len")) == ("2", "16384")
+    assert _flag(args, "--catalog") == "/etc/mosaic/catalog.yaml"
+    assert {"name": "config", "mountPath": "/etc/mosaic", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "config", "configMap": {"name": f"{RELEASE}-config"}} in pod_spec(dep)["volumes"]

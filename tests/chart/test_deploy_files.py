@@ -17,10 +17,12 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from placement.catalog import load_catalog
 from server.config import load_config
 from tests.chart.chartkit import CHART_DIR, REPO_ROOT, parse_mosaic_args
 
 DEPLOY = REPO_ROOT / "deploy"
+CATALOG = load_catalog()
 
 
 def _compose() -> dict[str, Any]:
@@ -94,9 +96,10 @@ def test_simulated_workers_match_their_pools_and_parse_with_the_cli() -> None:
         args = [str(a) for a in _services()[host]["command"]]
         assert args[0] == "worker"
         assert args[args.index("--gpu") + 1] == pool.gpu and args[args.index("--role") + 1] == pool.role
-        assert args[args.index("--model") + 1] == pool.model and args[args.index("--port") + 1] == "8000"
-        if pool.role != "mixed":  # the P/D peer calls it back by its compose service name
-            assert args[args.index("--advertise-host") + 1] == host
+        # The worker is timed by the catalog row the gateway sizes the pool with.
+        assert CATALOG.model(args[args.index("--model") + 1]) == CATALOG.model(pool.model)
+        assert args[args.index("--port") + 1] == "8000"
+        assert args[args.index("--served-model-name") + 1] == pool.model
         commands.append(args)
     for args in commands:
         parse_mosaic_args(args)
