@@ -73,6 +73,12 @@ def real_vllm() -> Iterator[RealServer]:
 @pytest.fixture(scope="session")
 def real_vllm_kv() -> Iterator[RealServer]:
     _skip_if_absent()
+    external = os.environ.get("MOSAIC_REAL_VLLM_KV_URL")  # e.g. `real_vllm.sh start --name kv --kv-pressure`
+    if external:
+        if not health_ok(external):
+            pytest.fail(f"MOSAIC_REAL_VLLM_KV_URL={external} does not answer /health")
+        yield RealServer(url=external.rstrip("/"), model=vllm_env.SERVED_MODEL_NAME, process=None)
+        return
     yield from _serve("pytest-kv", vllm_env.KV_PRESSURE_ARGS)
 
 

@@ -108,6 +108,19 @@ class MosaicGateway:
                 raise RuntimeError(f"mosaic serve did not become healthy:\n{log_tail(self.log_path, 40)}")
             time.sleep(0.2)
 
+    def wait_worker_scraped(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Until every worker is ready and has been scraped (capacity known from `cache_config_info`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workers = self.admin_get("/admin/workers")["workers"]
+            if workers and all(
+                w["state"] == "ready" and (w["stats"] or {}).get("num_gpu_blocks") for w in workers
+            ):
+                return list(workers)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers not ready and scraped after {timeout_s} s: {workers}")
+            time.sleep(0.1)
+
     def target(self, model: str) -> Target:
         return Target("mosaic", self.url, model, api_key=API_KEY, admin_key=ADMIN_KEY)
 
