@@ -221,9 +221,10 @@ def build_problem(inp: PlanInput, catalog: Catalog | None = None) -> tuple[MixPr
     for name in offers:
         if not any(o.gpu == name for o in options):
             notes.append(f"{name}: no usable profile, not considered")
-    windows, dropped = _demand(inp.workloads, grids, catalog, options, inp.drop_unservable)
     if not options:
-        raise PlacementError("no usable profile for the offered GPUs (check --gpus, --profile and the SLO)")
+        why = "; ".join(notes[:3]) or f"profiles are for GPUs {sorted({p.gpu for p in inp.profiles})}, offered {sorted(offers)}"
+        raise PlacementError(f"no usable profile for the offered GPUs: {why}")
+    windows, dropped = _demand(inp.workloads, grids, catalog, options, inp.drop_unservable)
     return MixProblem(offers, tuple(options), windows), grids, dropped, notes
 
 

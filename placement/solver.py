@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from placement.binpacking import (
     EngineResult,
@@ -88,7 +89,7 @@ def solve_mix(
     _check_bounds(problem, paths, coefs, units)
     result = _run(problem, paths, coefs, units, engine, variant, time_limit_s)
     if result.status is Status.INFEASIBLE:
-        raise InfeasibleError(explain_infeasible(problem))
+        raise InfeasibleError(explain_infeasible(problem, variant=variant, slice_factor=slice_factor, time_limit_s=min(time_limit_s, 5.0)))
     if result.status is Status.UNKNOWN:
         raise PlacementError(f"no solution found within the {time_limit_s:g} s time limit ({engine}); raise --time-limit")
     return _finish(problem, paths, coefs, units, result, variant, slice_factor, unservable)
@@ -267,25 +268,31 @@ def _trim(problem: MixProblem, counts: list[int], peak: Sequence[float]) -> None
             counts[o] -= 1
 
 
-def explain_infeasible(problem: MixProblem) -> str:
-    """Say which caps bind: the cheapest fleet without max caps, against the caps it would break."""
+def explain_infeasible(problem: MixProblem, **settings: Any) -> str:
+    """Say which caps bind: for each capped GPU type, the GPUs it would need if only its cap were lifted."""
     caps = {n: g.max_gpus for n, g in problem.gpus.items() if g.max_gpus is not None}
-    inst_caps = {o.key: o.max_instances for o in problem.options if o.max_instances is not None}
+    cap_text = ", ".join(f"{g} ≤ {c}" for g, c in sorted(caps.items())) or "none"
+    fixes = []
+    for name in sorted(caps):
+        lifted = replace(problem, gpus={**problem.gpus, name: replace(problem.gpus[name], max_gpus=None)})
+        try:
+            sol = solve_mix(lifted, **settings)
+        except PlacementError:
+            continue
+        fixes.append(f"{name} to {sol.gpus.get(name, 0)} (${sol.cost_per_hour:.2f}/h)")
+    if fixes:
+        return f"no fleet within the caps ({cap_text}) serves the demand; raising one cap would: " + ", or ".join(fixes)
     free = MixProblem(
         {n: replace(g, max_gpus=None) for n, g in problem.gpus.items()},
         tuple(replace(o, max_instances=None) for o in problem.options),
         problem.windows,
     )
     try:
-        uncapped = solve_mix(free, time_limit_s=5.0)
+        uncapped = solve_mix(free, **settings)
     except PlacementError as exc:
-        return f"no fleet serves the demand even without availability caps: {exc}"
-    over = [f"{g} needs {n} GPUs > cap {caps[g]}" for g, n in sorted(uncapped.gpus.items()) if g in caps and n > caps[g]]
-    over += [f"{k} needs {n} instances > cap {inst_caps[k]}" for k, n in uncapped.counts.items() if k in inst_caps and n > inst_caps[k]]
+        return f"no fleet serves the demand even without caps: {exc}"
     fleet = ", ".join(f"{n}× {g}" for g, n in sorted(uncapped.gpus.items()))
-    detail = "; ".join(over) if over else "the caps together leave too little capacity"
-    cap_text = ", ".join(f"{g} ≤ {c}" for g, c in sorted(caps.items())) or "none"
-    return f"no fleet within the caps ({cap_text}) serves the demand: {detail} (uncapped cheapest: {fleet}, ${uncapped.cost_per_hour:.2f}/h)"
+    return f"no fleet within the caps ({cap_text}) serves the demand, nor with any one cap lifted; without caps: {fleet} (${uncapped.cost_per_hour:.2f}/h)"
 
 
 @dataclass(frozen=True, slots=True)

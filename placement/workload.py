@@ -41,6 +41,12 @@ class WorkloadError(ValueError):
     """A malformed workload; the message names the file and the field."""
 
 
+def _check_weights(rows: tuple[tuple[float, ...], ...] | None) -> tuple[tuple[float, ...], ...] | None:
+    if rows is not None and any(not math.isfinite(v) or v < 0 for row in rows for v in row):
+        raise ValueError("weights must be finite and ≥ 0")
+    return rows
+
+
 class _Window(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     duration_s: float = Field(default=3600.0, gt=0)
@@ -50,9 +56,7 @@ class _Window(BaseModel):
     @field_validator("histogram")
     @classmethod
     def _weights(cls, rows: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
-        if any(not math.isfinite(v) or v < 0 for row in rows for v in row):
-            raise ValueError("weights must be finite and ≥ 0")
-        return rows
+        return _check_weights(rows)
 
 
 class _ModelWorkload(BaseModel):
@@ -63,6 +67,11 @@ class _ModelWorkload(BaseModel):
     rate: float | None = Field(default=None, ge=0)
     histogram: tuple[tuple[float, ...], ...] | None = None
     windows: tuple[_Window, ...] | None = None
+
+    @field_validator("histogram")
+    @classmethod
+    def _weights(cls, rows: tuple[tuple[float, ...], ...] | None) -> tuple[tuple[float, ...], ...] | None:
+        return _check_weights(rows)
 
     @model_validator(mode="after")
     def _one_form(self) -> _ModelWorkload:

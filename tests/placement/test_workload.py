@@ -1,0 +1,102 @@
+"""Workload files and trace → histogram binning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from placement.workload import WorkloadError, histogram_from_requests, load_workload, workload_from_dict
+
+FIXTURES = Path(__file__).parent / "fixtures"
+EDGES_IN, EDGES_OUT = (1, 512, 2048, 8193), (1, 128, 512, 2049)
+
+
+def test_fixture_workload_normalises_the_histogram() -> None:
+    (wl,) = load_workload(str(FIXTURES / "workload.yaml"))
+    assert wl.model == "llama-3-8b" and len(wl.windows) == 1
+    # weights sum to 40+20+5+15+10+3+4+2+1 = 100, rate 20 → bucket (0, 0) gets 20 · 40/100 = 8 req/s
+    assert wl.windows[0].rates[0] == pytest.approx(8.0)
+    assert sum(wl.windows[0].rates) == pytest.approx(20.0)
+
+
+def single(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "schema": "mosaic.workload/v1",
+        "model": "m",
+        "input_edges": [1, 100, 200],
+        "output_edges": [1, 50],
+        "rate": 10,
+        "histogram": [[1], [3]],
+    }
+    return {k: v for k, v in (base | overrides).items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param(single(rate=0), "0 req/s", id="zero rate → nothing to place"),
+        pytest.param(single(histogram=[[0], [0]]), "all zeros", id="empty histogram"),
+        pytest.param(single(histogram=[[1]]), "shape must be 2×1", id="histogram missing a row"),
+        pytest.param(single(histogram=[[1], [-1]]), "≥ 0", id="negative weight"),
+        pytest.param(single(schema="v0"), "field schema", id="wrong schema"),
+        pytest.param(single(rate=None), "give rate and histogram, or windows", id="no rate"),
+        pytest.param(single(windows=[{"rate": 1, "histogram": [[1], [1]]}]), "not both", id="both forms"),
+        pytest.param(single(input_edges=[1, 100, 50]), "strictly increasing", id="edges out of order"),
+    ],
+)
+def test_workload_errors_name_the_field(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(WorkloadError, match=message):
+        workload_from_dict(data, "w.yaml")
+
+
+def test_windows_and_several_models() -> None:
+    data = {
+        "schema": "mosaic.workload/v1",
+        "models": [
+            single(schema=None, rate=None, histogram=None, windows=[{"duration_s": 1800, "rate": 4, "histogram": [[1], [1]]}, {"rate": 8, "histogram": [[1], [0]]}]),
+            single(schema=None, model="n"),
+        ],
+    }
+    a, b = workload_from_dict(data)
+    assert [w.duration_s for w in a.windows] == [1800, 3600]
+    assert a.windows[0].rates == (2.0, 2.0) and a.windows[1].rates == (8.0, 0.0)
+    assert b.windows[0].rates == (2.5, 7.5)  # 10 · 1/4, 10 · 3/4
+    with pytest.raises(WorkloadError, match="appears twice"):
+        workload_from_dict({"schema": "mosaic.workload/v1", "models": [single(schema=None), single(schema=None)]})
+
+
+def test_timed_trace_is_binned_per_window() -> None:
+    # 3 requests in the first 10 s window, 1 in the second; one prompt of 9000 tokens is outside the edges.
+    reqs = [(0.0, 10, 10), (2.0, 600, 10), (9.0, 9000, 10), (12.0, 10, 600)]
+    wl = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT, window_s=10.0)
+    assert len(wl.windows) == 2
+    first, second = wl.windows
+    assert first.rates[0] == pytest.approx(0.1) and first.rates[3] == pytest.approx(0.1)  # 1 request / 10 s each
+    assert first.out_of_range == pytest.approx(0.1)
+    assert second.rates[2] == pytest.approx(0.1)  # (10 in, 600 out) → bucket (0, 2)
+    # one window over the whole trace: 4 requests over 12 s of arrivals
+    whole = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT)
+    assert whole.windows[0].total == pytest.approx(4 / 12)
+
+
+def test_untimed_trace_needs_a_rate() -> None:
+    reqs = [(None, 10, 10), (None, 10, 10), (None, 600, 10), (None, 600, 600)]
+    with pytest.raises(WorkloadError, match="no arrival times"):
+        histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT)
+    wl = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT, rate=8.0)
+    # half the requests in bucket (0, 0): 8 · 2/4 = 4 req/s
+    assert wl.windows[0].rates[0] == pytest.approx(4.0)
+    assert wl.windows[0].total == pytest.approx(8.0)
+
+
+def test_rate_rescales_the_busiest_window_of_a_timed_trace() -> None:
+    reqs = [(0.0, 10, 10), (1.0, 10, 10), (15.0, 10, 10)]
+    wl = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT, window_s=10.0, rate=20.0)
+    assert [w.total for w in wl.windows] == pytest.approx([20.0, 10.0])  # 2 : 1 kept
+
+
+def test_empty_trace_is_an_error() -> None:
+    with pytest.raises(WorkloadError, match="no requests"):
+        histogram_from_requests([], "m", EDGES_IN, EDGES_OUT)
