@@ -242,12 +242,15 @@ class Cycle:
         self.profile = profile
         passed: list[WorkerView] = []
         counts: Counter[FilterReason] = Counter()
+        filters = profile.filters
         for worker in self.view.workers:
-            reason = next((r for f in profile.filters if (r := f.filter(self, worker)) is not None), None)
-            if reason is None:
-                passed.append(worker)
+            for f in filters:  # a plain loop: this is the router's hottest path (workers × filters)
+                reason = f.filter(self, worker)
+                if reason is not None:
+                    counts[reason] += 1
+                    break
             else:
-                counts[reason] += 1
+                passed.append(worker)
         return passed, counts
 
     def score(self, profile: SchedulingProfile, candidates: Sequence[WorkerView]) -> list[Scored]:
@@ -260,11 +263,12 @@ class Cycle:
                 raise ValueError(
                     f"scorer {ws.name!r} returned {len(scores)} scores for {len(candidates)} candidates"
                 )
+            name, weight = ws.name, ws.weight
             for i, s in enumerate(scores):
                 if not 0.0 <= s <= 1.0:  # also catches NaN
-                    raise ValueError(f"scorer {ws.name!r} scored {candidates[i].id!r} {s}, outside [0, 1]")
-                parts[i][ws.name] = s
-                totals[i] += ws.weight * s
+                    raise ValueError(f"scorer {name!r} scored {candidates[i].id!r} {s}, outside [0, 1]")
+                parts[i][name] = s
+                totals[i] += weight * s
         return [Scored(w, totals[i], parts[i]) for i, w in enumerate(candidates)]
 
     def run(self, profile: SchedulingProfile) -> ProfileResult:
