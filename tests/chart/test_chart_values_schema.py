@@ -13,6 +13,7 @@ import pytest
 from tests.chart.chartkit import CHART_DIR, FIXTURES_DIR, NAMESPACE, example_files, load_values, render
 
 SCHEMA_REJECTS = [
+    pytest.param("bad-no-pools.yaml", "at '/pools': minItems: got 0, want 1", id="no pools → at least one"),
     pytest.param(
         "bad-unknown-role.yaml",
         "at '/pools/0/role': value must be one of 'prefill', 'decode', 'mixed'",
