@@ -6,9 +6,12 @@ Completions (`/v1/completions`): the prompt is a list of token ids, so the serve
 the byte/special tokens.
 
 Chat (`/v1/chat/completions`): the user message is text of `input_tokens` words from `WORDS`, common
-English words that are each one token (with their leading space) in both the Llama-2 SentencePiece and the
-Llama-3 tiktoken vocabularies. The server's chat template adds its own few tokens around the message;
-exact input lengths need the completions endpoint.
+three-letter English words that are each one token (with their leading space) in both the Llama-2
+SentencePiece and the Llama-3 tiktoken vocabularies. With the separating spaces the text is
+4·input_tokens − 1 characters, so tokenizer-free estimates of ceil(characters / 4) (the simulated
+worker's, OpenAI's rule of thumb) count exactly `input_tokens` too. The server's chat template adds its
+own few tokens around the message (the simulated worker's adds 6); exact input lengths need the
+completions endpoint.
 
 Prefix reproduction: a Mooncake hash id is one block of 512 tokens. Block `h` is drawn from an RNG seeded
 by (seed, h), so the same id yields the same 512 ids (or words) in every request and every run with that
@@ -34,17 +37,14 @@ BLOCK_TOKENS = 512  # tokens per hash id (Mooncake FAST'25 traces)
 TOKEN_ID_LOW, TOKEN_ID_HIGH = 1000, 30000
 
 # fmt: off
+# 64 three-letter words: one token each (with the leading space) in Llama-2/3 vocabularies, and 4 characters
+# each with the separating space, so the 4-characters-per-token estimate (simulator, gateway) counts them exactly.
 WORDS: tuple[str, ...] = (
-    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
-    "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "had", "they", "you", "were",
-    "their", "one", "all", "we", "can", "her", "has", "there", "been", "if", "more", "when", "will", "would",
-    "who", "so", "no", "she", "other", "its", "may", "these", "about", "than", "into", "time", "only", "some",
-    "could", "them", "first", "new", "two", "then", "do", "any", "like", "my", "now", "over", "such", "our",
-    "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back",
-    "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those",
-    "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men",
-    "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same",
-    "another", "know", "while", "last", "might", "us",
+    "the", "and", "for", "was", "not", "are", "his", "but", "had", "you", "one", "all", "can", "her", "has",
+    "who", "she", "its", "may", "new", "two", "any", "now", "our", "man", "did", "way", "how", "too", "own",
+    "see", "men", "get", "day", "use", "old", "off", "out", "end", "set", "put", "say", "why", "let", "big",
+    "few", "far", "run", "yes", "top", "air", "car", "war", "law", "eye", "job", "art", "act", "age", "boy",
+    "sea", "sun", "red", "low",
 )
 # fmt: on
 _WORDS = np.array(WORDS)

@@ -25,6 +25,10 @@ from loadgen.schedule import ScheduleOptions, schedule
 from loadgen.synthetic import parse_spec
 
 
+class ReplayError(ValueError):
+    """Replay options that cannot work (bad concurrency or timeout, nothing to send)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ReplayRequest:
     """Everything `mosaic replay` takes."""
@@ -60,9 +64,9 @@ def prepare(req: ReplayRequest) -> Trace:
     trace = open_trace(req.trace, req.format, req.skip_bad_rows, req.seed)
     req.schedule.validate(trace.timed)
     if req.concurrency is not None and req.concurrency <= 0:
-        raise ValueError(f"--concurrency must be > 0, got {req.concurrency}")
+        raise ReplayError(f"--concurrency must be > 0, got {req.concurrency}")
     if req.timeout_s is not None and req.timeout_s <= 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {req.timeout_s}")
+        raise ReplayError(f"--timeout must be > 0 seconds, got {req.timeout_s}")
     return trace
 
 
@@ -89,7 +93,7 @@ async def run_replay_async(
     else:
         result = await replay(scheduled, target, opts, None, transport)
     if not result.records:
-        raise ValueError("no requests to send: the trace (or the --start/--duration window) is empty")
+        raise ReplayError("no requests to send: the trace (or the --start/--duration window) is empty")
     metrics = compute_metrics(result.records, result.duration_s, req.slo, req.lag_threshold_ms)
     s = req.schedule
     config = ReplayConfig(
@@ -119,9 +123,10 @@ async def run_replay_async(
     return outcome
 
 
-def run_replay(req: ReplayRequest, console: Console | None = None) -> ReplayOutcome:
-    """Run a replay to completion on a fresh event loop and print its summary."""
+def run_replay(req: ReplayRequest, console: Console | None = None, summary: bool = True) -> ReplayOutcome:
+    """Run a replay to completion on a fresh event loop and (unless `summary=False`) print its summary."""
     console = console or Console(stderr=True)
     outcome = asyncio.run(run_replay_async(req, console))
-    print_summary(console, outcome.metrics)
+    if summary:
+        print_summary(console, outcome.metrics)
     return outcome

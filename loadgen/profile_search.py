@@ -1,0 +1,159 @@
+"""The highest request rate that meets an SLO, found with a bracketing search over a fixed rate grid.
+
+`search_max_rate(measure, slo, config)` calls `measure(rate) -> Measurement` (a load test at that rate,
+from the simulator or a live URL) and returns the largest grid rate whose measurement *passes*:
+
+    passes(m) = m.stable and (slo.ttft_ms is None or m.ttft_p90_ms ≤ slo.ttft_ms)
+                         and (slo.tpot_ms is None or m.tpot_p90_ms ≤ slo.tpot_ms)
+                         and m.failed == 0
+
+The grid is geometric, rate_k = min_rate · (1 + resolution)^k up to max_rate, so every answer is a grid
+point and two searches can be compared exactly. Search: probe the hint (or the grid's start), gallop
+(steps 1, 2, 4, … grid points) up while passing or down while failing until a pass and a fail bracket
+the boundary, then bisect the bracket. **Stopping rule**: stop when the bracket is two adjacent grid
+points (the answer is known to `resolution`, 5% by default), or after `max_probes` measurements (the
+best pass so far is returned, `converged=False`). A fail at the grid's first rate gives 0 ("cannot").
+
+Guarantees (tested): with a deterministic `measure`, the result is deterministic; and it is monotone in
+the SLO — loosening the SLO never lowers the answer, *whatever* the shape of the measurements — because
+every pass only raises the lower bound and every fail only lowers the upper bound: two searches behave
+identically until the first rate where the looser SLO passes and the tighter fails, after which the
+looser one's answer is ≥ that rate and the tighter one's is below it.
+
+`stable` guards against an SLO that overload does not break: in vLLM v1 a saturated engine keeps its
+batch (and TPOT) bounded and queues the rest, so with only a TPOT SLO an overloaded run could pass.
+`queue_is_stable` declares a run unstable when TTFT grows across it (arrivals outpace service).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One load test at `rate` req/s: p90 latencies of completed requests and whether the queue held."""
+
+    rate: float
+    n: int  # requests completed and measured
+    ttft_p90_ms: float
+    tpot_p90_ms: float
+    stable: bool = True
+    failed: int = 0
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return {
+            "rate": self.rate,
+            "n": self.n,
+            "ttft_p90_ms": self.ttft_p90_ms,
+            "tpot_p90_ms": self.tpot_p90_ms,
+            "stable": self.stable,
+            "failed": self.failed,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSlo:
+    tpot_ms: float | None = None
+    ttft_ms: float | None = None
+
+    def passes(self, m: Measurement) -> bool:
+        return (
+            m.stable
+            and m.failed == 0
+            and m.n > 0
+            and (self.ttft_ms is None or m.ttft_p90_ms <= self.ttft_ms)
+            and (self.tpot_ms is None or m.tpot_p90_ms <= self.tpot_ms)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SearchConfig:
+    min_rate: float = 0.05  # req/s; a fail here means the bucket cannot be served within the SLO
+    max_rate: float = 500.0  # req/s; a pass here is reported as max_rate (capped=True)
+    resolution: float = 0.05  # relative step between grid rates: the answer's precision
+    max_probes: int = 30
+    hint: float | None = None  # a first guess (e.g. from the perf model); the grid point at or below it
+
+    def grid(self) -> list[float]:
+        if not (0 < self.min_rate < self.max_rate) or self.resolution <= 0:
+            raise ValueError("need 0 < min_rate < max_rate and resolution > 0")
+        k = math.floor(math.log(self.max_rate / self.min_rate) / math.log1p(self.resolution) + 1e-9)
+        return [self.min_rate * (1 + self.resolution) ** i for i in range(k + 1)]
+
+
+@dataclass(slots=True)
+class SearchResult:
+    max_rate: float  # 0.0 = not even min_rate passes
+    measurement: Measurement | None  # at max_rate
+    probes: list[tuple[float, Measurement, bool]] = field(default_factory=list)  # (rate, m, passed), in order
+    converged: bool = True  # False when max_probes ran out before the bracket closed
+    capped: bool = False  # True when max_rate itself passed (the real limit may be higher)
+
+
+def search_max_rate(
+    measure: Callable[[float], Measurement], slo: SearchSlo, config: SearchConfig = SearchConfig()
+) -> SearchResult:
+    grid = config.grid()
+    cache: dict[int, Measurement] = {}
+    result = SearchResult(0.0, None)
+    lo, hi = -1, len(grid)  # invariant: grid[lo] passed (or lo = -1), grid[hi] failed (or hi = len)
+
+    def probe(k: int) -> bool:
+        if k not in cache:
+            cache[k] = measure(grid[k])
+        ok = slo.passes(cache[k])
+        result.probes.append((grid[k], cache[k], ok))
+        return ok
+
+    start = 0 if config.hint is None else _index_at_or_below(grid, config.hint)
+    step = 1
+    k = start
+    # gallop: from the start, double the step in the direction the first probe points to
+    while hi - lo > 1 and len(result.probes) < config.max_probes:
+        if probe(k):
+            lo = k
+            nxt = k + step if hi == len(grid) else (lo + hi) // 2
+        else:
+            hi = k
+            nxt = k - step if lo == -1 else (lo + hi) // 2
+        step *= 2
+        nxt = min(max(nxt, lo + 1), hi - 1)
+        if hi - lo <= 1:
+            break
+        k = nxt
+    result.converged = hi - lo <= 1
+    if lo >= 0:
+        result.max_rate = grid[lo]
+        result.measurement = cache[lo]
+        result.capped = lo == len(grid) - 1
+    return result
+
+
+def _index_at_or_below(grid: Sequence[float], rate: float) -> int:
+    return max(0, min(len(grid) - 1, int(np.searchsorted(grid, rate, side="right")) - 1))
+
+
+def queue_is_stable(
+    arrivals_s: Sequence[float], ttfts_s: Sequence[float], factor: float = 1.5, slack_s: float = 0.25
+) -> bool:
+    """False when TTFT grows across the run: arrivals outpace service and the queue diverges.
+
+    Requests are ordered by arrival; the median TTFT of the last quarter is compared with that of the
+    second quarter (the first is the warm-up from an empty engine). Stable iff
+    median(last) ≤ factor · median(second) + slack_s. A stationary queue keeps the two medians close
+    (ratio ≈ 1); an overloaded one waits (1 − capacity/rate) s longer per second of arrivals, so TTFT grows
+    linearly and the ratio tends to 0.875/0.375 ≈ 2.3 (the quarters' midpoints) — far above 1.5. A queue
+    near saturation that is still filling up when the run ends is also refused: conservative on purpose.
+    """
+    if len(arrivals_s) < 8:
+        return True
+    order = np.argsort(np.asarray(arrivals_s), kind="stable")
+    t = np.asarray(ttfts_s, dtype=float)[order]
+    q = len(t) // 4
+    second, last = float(np.median(t[q : 2 * q])), float(np.median(t[3 * q :]))
+    return last <= factor * second + slack_s

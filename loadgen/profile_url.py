@@ -1,0 +1,70 @@
+"""`mosaic profile --url`: measure a bucket at a rate by replaying its test requests against a live server.
+
+Each probe sends the bucket's test stream (`loadgen.profiling`: uniform lengths, Poisson arrivals at the
+probed rate) through the replay client — token-id prompts of the exact length, `max_tokens` +
+`ignore_eos` — and summarises the requests sent in the measured window: p90 TTFT and TPOT as
+`benchmark_serving` defines them, failures counted, stability judged from TTFT growth. It runs in real
+time: a probe lasts 2·W seconds plus the drain (W from `ProbePlan`), so a full profile of a real GPU takes
+hours; shrink `ProbePlan` for quick looks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+
+from loadgen.profile_search import Measurement
+from loadgen.profiling import (
+    Bucket,
+    BucketMeasure,
+    MeasureFactory,
+    ProbePlan,
+    bucket_requests,
+    probe_requests,
+    summarize,
+)
+from loadgen.runner import RunOptions, Target, replay
+from loadgen.schedule import ScheduledRequest
+
+PROBE_TPOT_S = 0.05  # per-token time assumed when sizing a probe (never the SLO: see profile_search)
+
+
+def url_measure_factory(
+    target: Target,
+    max_context: int,
+    seed: int = 0,
+    plan: ProbePlan = ProbePlan(),
+    opts: RunOptions = RunOptions(),
+    hint: Callable[[Bucket], float | None] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> MeasureFactory:
+    """`measure(rate)` per bucket against `target`; buckets longer than `max_context` cannot be served."""
+
+    def factory(bucket: Bucket) -> BucketMeasure | None:
+        if not bucket.feasible(max_context):
+            return None
+        e2e_estimate = 1.0 + (bucket.output_hi - 1) * PROBE_TPOT_S
+
+        def measure(rate: float) -> Measurement:
+            window = plan.window_s(rate, e2e_estimate)
+            reqs, lo, hi = probe_requests(bucket_requests(bucket, max_context, seed), rate, window)
+            sched = [
+                ScheduledRequest(k, r.offset / rate, r.input_tokens, r.output_tokens)
+                for k, r in enumerate(reqs)
+            ]
+            result = asyncio.run(replay(sched, target, opts, None, transport))
+            window_recs = [r for r in result.records if lo <= r.scheduled_s < hi]
+            ok = [r for r in window_recs if r.success]
+            return summarize(
+                rate,
+                [r.scheduled_s for r in ok],
+                [r.ttft_s or 0.0 for r in ok],
+                [r.tpot_s for r in ok],
+                failed=len(window_recs) - len(ok),
+            )
+
+        return BucketMeasure(measure, None if hint is None else hint(bucket))
+
+    return factory

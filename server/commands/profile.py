@@ -1,0 +1,210 @@
+"""`mosaic profile (--url U | --sim) --gpu G --model M --out P`: max request rate per length bucket within an SLO.
+
+For every (input, output) bucket the highest Poisson request rate whose p90 TPOT (and p90 TTFT, when
+given) meets the SLO with a stable queue and no failures is searched on a 5% rate grid
+(`loadgen.profile_search`). `--sim` measures on the engine model (`simulator.profile_driver`: seconds per
+profile); `--url` measures a live server in real time (`loadgen.profile_url`). The output is the planner's
+profile file (`placement.profiles`, schema mosaic.profile/v1): YAML for .yaml/.yml, JSON otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from loadgen.profile_search import SearchConfig, SearchResult, SearchSlo
+from loadgen.profile_url import url_measure_factory
+from loadgen.profiling import Bucket, MeasureFactory, ProbePlan, ProfileGrid, profile_grid
+from loadgen.runner import RunOptions, Target
+from placement.catalog import CatalogError, load_catalog
+from placement.perf_model import PerfModel
+from placement.profiles import MeasuredPoint, ThroughputProfile, save_profile
+from placement.profiles import Slo as ProfileSlo
+from server.commands.common import fail
+from simulator.engine import EngineConfig
+from simulator.profile_driver import capacity_hint, engine_max_model_len, sim_measure_factory
+
+DEFAULT_INPUT_EDGES = "1,256,1024,4096,8193"
+DEFAULT_OUTPUT_EDGES = "1,64,256,1024,2049"
+
+
+def parse_edges(name: str, text: str) -> list[int]:
+    try:
+        edges = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"{name} must be comma-separated integers like {DEFAULT_INPUT_EDGES}, got {text!r}")
+    if len(edges) < 2 or edges[0] < 1 or any(b <= a for a, b in itertools.pairwise(edges)):
+        fail(f"{name} must be ≥ 1 and strictly increasing, at least two edges, got {text!r}")
+    return edges
+
+
+def build_profile(
+    grid: ProfileGrid,
+    model: str,
+    gpu: str,
+    tp: int,
+    source: str,
+    slo: SearchSlo,
+    inp: list[int],
+    out: list[int],
+) -> ThroughputProfile:
+    measured = [
+        [
+            None
+            if m is None
+            else MeasuredPoint(
+                rate=round(m.rate, 4),
+                ttft_p90_ms=round(m.ttft_p90_ms, 3),
+                tpot_p90_ms=round(m.tpot_p90_ms, 3),
+                n=m.n,
+            )
+            for m in row
+        ]
+        for row in grid.measured
+    ]
+    return ThroughputProfile.model_validate(
+        {
+            "schema": "mosaic.profile/v1",
+            "model": model,
+            "gpu": gpu,
+            "tp": tp,
+            "source": source,
+            "slo": ProfileSlo(tpot_ms=slo.tpot_ms, ttft_ms=slo.ttft_ms),
+            "input_edges": inp,
+            "output_edges": out,
+            "max_rate": [[round(r, 4) for r in row] for row in grid.max_rate],
+            "measured": measured,
+        }
+    )
+
+
+def _table(profile: ThroughputProfile) -> Table:
+    t = Table(
+        title=f"{profile.model} on {profile.gpu}: max req/s within {profile.slo.model_dump(exclude_none=True)}"
+    )
+    t.add_column("input \\ output")
+    edges_o = profile.output_edges
+    for j in range(len(edges_o) - 1):
+        t.add_column(f"[{edges_o[j]},{edges_o[j + 1]})", justify="right")
+    for i, row in enumerate(profile.max_rate):
+        t.add_row(f"[{profile.input_edges[i]},{profile.input_edges[i + 1]})", *(f"{r:.2f}" for r in row))
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("profile")
+    def profile_cmd(
+        gpu: str = typer.Option(..., "--gpu", help="GPU type from the catalog (e.g. H100, A100-80GB, L4)."),
+        model: str = typer.Option(..., "--model", help="Model from the catalog (e.g. llama-3-8b)."),
+        out: Path = typer.Option(..., "--out", help="Profile file to write (.yaml/.yml or .json)."),
+        sim: bool = typer.Option(False, "--sim", help="Measure the engine model directly (no HTTP, fast)."),
+        url: str | None = typer.Option(
+            None, "--url", help="Measure a live server at this base URL (real time)."
+        ),
+        tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree of one instance."),
+        slo_tpot_ms: float | None = typer.Option(
+            40.0, "--slo-tpot-ms", help="p90 TPOT limit (ms); 0 = none."
+        ),
+        slo_ttft_ms: float | None = typer.Option(None, "--slo-ttft-ms", help="p90 TTFT limit (ms)."),
+        input_edges: str = typer.Option(
+            DEFAULT_INPUT_EDGES, "--input-edges", help="Input bucket edges, comma-separated."
+        ),
+        output_edges: str = typer.Option(DEFAULT_OUTPUT_EDGES, "--output-edges", help="Output bucket edges."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the test requests (lengths, arrivals)."),
+        resolution: float = typer.Option(0.05, "--resolution", help="Relative step of the rate grid."),
+        min_rate: float = typer.Option(0.05, "--min-rate", help="Lowest rate tried; failing it means 0."),
+        max_rate: float = typer.Option(2000.0, "--max-rate", help="Highest rate tried."),
+        max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="--sim: vLLM max_num_seqs."),
+        max_num_batched_tokens: int = typer.Option(
+            8192, "--max-num-batched-tokens", help="--sim: token budget per step."
+        ),
+        served_model: str | None = typer.Option(
+            None, "--served-model", help="--url: model name in requests."
+        ),
+        api_key: str | None = typer.Option(
+            None, "--api-key", envvar="MOSAIC_API_KEY", help="--url: bearer key."
+        ),
+        probe_window_s: float = typer.Option(
+            20.0, "--probe-window-s", help="Minimum measured window per probe (s)."
+        ),
+        probe_requests: int = typer.Option(
+            300, "--probe-requests", help="Minimum requests per measured window."
+        ),
+        probe_e2e_factor: float = typer.Option(
+            1.5, "--probe-e2e-factor", help="Measured window ≥ this × the expected end-to-end latency."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout."),
+    ) -> None:
+        """Profile one GPU type and model: the max request rate per (input, output) bucket within the SLO."""
+        if sim == (url is not None):
+            fail("give exactly one of --sim or --url URL")
+        if url is not None and not url.startswith(("http://", "https://")):
+            fail(f"--url must start with http:// or https://, got {url!r}")
+        try:
+            catalog = load_catalog()
+            gpu_spec, model_spec = catalog.gpu(gpu), catalog.model(model)
+        except CatalogError as e:
+            fail(str(e))
+        if tp < 1:
+            fail(f"--tp must be ≥ 1, got {tp}")
+        for name, value in (
+            ("--resolution", resolution),
+            ("--min-rate", min_rate),
+            ("--probe-window-s", probe_window_s),
+        ):
+            if not value > 0:
+                fail(f"{name} must be > 0, got {value:g}")
+        if max_rate <= min_rate:
+            fail(f"--max-rate must exceed --min-rate ({min_rate:g}), got {max_rate:g}")
+        slo = SearchSlo(tpot_ms=slo_tpot_ms or None, ttft_ms=slo_ttft_ms or None)
+        if slo.tpot_ms is None and slo.ttft_ms is None:
+            fail("give an SLO: --slo-tpot-ms and/or --slo-ttft-ms")
+        inp, outp = parse_edges("--input-edges", input_edges), parse_edges("--output-edges", output_edges)
+        perf = PerfModel(gpu_spec, model_spec, tp)
+        try:
+            config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        except ValueError as e:
+            fail(str(e))
+        if probe_e2e_factor < 0:
+            fail(f"--probe-e2e-factor must be ≥ 0, got {probe_e2e_factor:g}")
+        plan = ProbePlan(probe_window_s, max(1, probe_requests), probe_e2e_factor)
+        factory: MeasureFactory
+        if sim:
+            factory = sim_measure_factory(perf, config, seed, plan)
+        else:
+            assert url is not None
+            max_len = engine_max_model_len(perf, config) or model_spec.max_context
+
+            def hint(b: Bucket) -> float:
+                return capacity_hint(perf, b, 0.05, config, max_len)
+
+            target = Target(url, served_model or model, "completions", api_key)
+            factory = url_measure_factory(target, model_spec.max_context, seed, plan, RunOptions(), hint)
+        console = Console(stderr=True)
+        t0 = time.perf_counter()
+
+        def progress(b: Bucket, res: SearchResult | None) -> None:
+            rate = (
+                "cannot (does not fit)"
+                if res is None
+                else f"{res.max_rate:.2f} req/s ({len(res.probes)} probes)"
+            )
+            console.print(f"{b.label}: {rate}  [{time.perf_counter() - t0:.1f} s]")
+
+        cfg = SearchConfig(min_rate=min_rate, max_rate=max_rate, resolution=resolution)
+        grid = profile_grid(inp, outp, factory, slo, cfg, progress)
+        profile = build_profile(
+            grid, model_spec.name, gpu_spec.name, tp, "sim" if sim else "url", slo, inp, outp
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_profile(profile, out)
+        console.print(_table(profile))
+        console.print(f"profile: {out}  ({time.perf_counter() - t0:.1f} s)")
+        if as_json:
+            typer.echo(json.dumps(profile.to_dict(), indent=1))

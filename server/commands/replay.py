@@ -1,0 +1,133 @@
+"""`mosaic replay TRACE --url U ...`: replay a trace (or a synthetic spec) against an OpenAI-compatible server.
+
+TRACE is a trace file (format auto-detected: azure, burstgpt, burstgpt-lengths, sharegpt-lengths,
+mooncake, sharegpt) or a synthetic spec such as `synthetic:rate=20,n=1000,input=512,output=128`
+(docs/loadgen.md). The summary tables go to stderr with the progress bar; `--json` prints the report's
+summary to stdout for scripts. Exit 0 when the replay ran (even with failed requests: they are in the
+report), 2 with one line on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from loadgen.console import print_summary
+from loadgen.formats import FORMATS
+from loadgen.metrics import Slo
+from loadgen.replay import ReplayError, ReplayRequest, run_replay
+from loadgen.schedule import ScheduleError, ScheduleOptions
+from loadgen.synthetic import SpecError
+from loadgen.trace import TraceError
+from server.commands.common import fail
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        fail(f"{name} must be > 0, got {value:g}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("replay")
+    def replay_cmd(
+        trace: str = typer.Argument(..., help="Trace file, or a synthetic spec 'synthetic:rate=R,n=N,...'."),
+        url: str = typer.Option(..., "--url", help="Base URL of the server, e.g. http://127.0.0.1:8000."),
+        format: str | None = typer.Option(
+            None, "--format", help=f"Force a reader: {', '.join(FORMATS[:-1])}."
+        ),
+        rate_scale: float = typer.Option(
+            1.0, "--rate-scale", help="Replay the trace's timing X times faster."
+        ),
+        rate: float | None = typer.Option(
+            None, "--rate", help="Fixed arrival rate (req/s), replacing trace timing."
+        ),
+        burstiness: float = typer.Option(
+            1.0, "--burstiness", help="With --rate: gamma shape k (1 = Poisson)."
+        ),
+        start: float = typer.Option(0.0, "--start", help="Window start, seconds into the trace."),
+        duration: float | None = typer.Option(None, "--duration", help="Window length, trace seconds."),
+        max_requests: int | None = typer.Option(None, "--max-requests", help="Send at most N requests."),
+        model: str = typer.Option("llama-3-8b", "--model", help="Model name sent in each request."),
+        api_key: str | None = typer.Option(
+            None, "--api-key", envvar="MOSAIC_API_KEY", help="Bearer API key."
+        ),
+        endpoint: str = typer.Option(
+            "completions", "--endpoint", help="completions (token-id prompts) | chat."
+        ),
+        concurrency: int | None = typer.Option(None, "--concurrency", help="Max requests in flight."),
+        timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout, seconds."),
+        skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Count and skip malformed rows."),
+        slo_ttft_ms: float | None = typer.Option(None, "--slo-ttft-ms", help="TTFT SLO for goodput (ms)."),
+        slo_tpot_ms: float | None = typer.Option(None, "--slo-tpot-ms", help="TPOT SLO for goodput (ms)."),
+        slo_e2el_ms: float | None = typer.Option(
+            None, "--slo-e2el-ms", help="E2E latency SLO for goodput (ms)."
+        ),
+        lag_threshold_ms: float = typer.Option(
+            5.0, "--lag-threshold-ms", help="Warn when p99 send lag exceeds it."
+        ),
+        out: Path | None = typer.Option(
+            None, "--out", help="Write the JSON report (mosaic.loadgen.report/v1)."
+        ),
+        plot: Path | None = typer.Option(None, "--plot", help="Write PNG plots into this directory."),
+        seed: int = typer.Option(0, "--seed", help="Seed for prompts, synthetic traces and --rate arrivals."),
+        quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+        as_json: bool = typer.Option(False, "--json", help="Print the report's summary as JSON on stdout."),
+    ) -> None:
+        """Replay a trace against a server and report TTFT/TPOT/ITL/E2EL, throughput and goodput (vLLM's definitions)."""
+        if endpoint not in ("completions", "chat"):
+            fail(f"--endpoint must be completions or chat, got {endpoint!r}")
+        if not url.startswith(("http://", "https://")):
+            fail(f"--url must start with http:// or https://, got {url!r}")
+        for name, value in (
+            ("--timeout", timeout),
+            ("--slo-ttft-ms", slo_ttft_ms),
+            ("--slo-tpot-ms", slo_tpot_ms),
+        ):
+            _positive(name, value)
+        _positive("--slo-e2el-ms", slo_e2el_ms)
+        _positive("--lag-threshold-ms", lag_threshold_ms)
+        req = ReplayRequest(
+            trace=trace,
+            url=url,
+            model=model,
+            format=format,
+            endpoint=endpoint,
+            api_key=api_key,
+            schedule=ScheduleOptions(
+                rate_scale=rate_scale,
+                rate=rate,
+                arrival="gamma" if burstiness != 1.0 else "poisson",
+                burstiness=burstiness,
+                start_s=start,
+                duration_s=duration,
+                max_requests=max_requests,
+                seed=seed,
+            ),
+            concurrency=concurrency,
+            timeout_s=timeout,
+            skip_bad_rows=skip_bad_rows,
+            slo=Slo(slo_ttft_ms, slo_tpot_ms, slo_e2el_ms),
+            lag_threshold_ms=lag_threshold_ms,
+            out=out,
+            plot_dir=plot,
+            seed=seed,
+            progress=not quiet,
+        )
+        try:
+            console = Console(stderr=True)
+            outcome = run_replay(req, console, summary=False)
+        except (TraceError, ScheduleError, SpecError, ReplayError) as e:
+            fail(str(e))
+        m = outcome.metrics
+        if m.completed == 0 and set(m.errors) == {"connect_error"}:
+            fail(f"cannot connect to {url}: every request failed to connect")
+        print_summary(console, m)
+        if as_json:
+            typer.echo(json.dumps(outcome.report["summary"], indent=1))
+        if out is not None:
+            typer.echo(f"report: {out}", err=True)
+        for p in outcome.plots:
+            typer.echo(f"plot: {p}", err=True)

@@ -1,0 +1,123 @@
+"""`mosaic profile --sim` and its engine driver: deterministic for a seed, monotone in the SLO, the file schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from loadgen.profile_search import SearchConfig, SearchSlo
+from loadgen.profiling import Bucket, ProbePlan, bucket_requests, buckets, profile_grid
+from placement.catalog import load_catalog
+from placement.perf_model import PerfModel
+from placement.profiles import load_profile
+from server.cli import build_app
+from simulator.profile_driver import sim_measure_factory
+
+CAT = load_catalog()
+A100 = PerfModel(CAT.gpu("A100-80GB"), CAT.model("llama-3-8b"))
+PLAN = ProbePlan(min_window_s=10, min_requests=100, e2e_factor=1.0)  # short probes: a test, not a profile
+IN, OUT = [1, 512, 2048], [1, 128, 512]
+CFG = SearchConfig(0.1, 500.0, 0.05)
+
+
+def grid(tpot_ms: float, seed: int = 1, perf: PerfModel = A100) -> list[list[float]]:
+    return profile_grid(
+        IN, OUT, sim_measure_factory(perf, seed=seed, plan=PLAN), SearchSlo(tpot_ms=tpot_ms), CFG
+    ).max_rate
+
+
+def test_deterministic_for_a_seed() -> None:
+    assert grid(40, seed=1) == grid(40, seed=1)
+    assert grid(40, seed=1) != grid(40, seed=2)  # different test requests, (slightly) different answers
+
+
+def test_monotone_in_the_slo() -> None:
+    tight, mid, loose = grid(25), grid(40), grid(80)
+    for i in range(2):
+        for j in range(2):
+            assert 0 < tight[i][j] <= mid[i][j] <= loose[i][j], (i, j)
+    assert loose[0][0] > tight[0][0]  # and the SLO matters
+
+
+def test_longer_requests_sustain_lower_rates() -> None:
+    g = grid(40)
+    assert g[0][0] > g[1][0] and g[0][0] > g[0][1]  # short-short is the easiest bucket
+
+
+def test_a_bucket_the_gpu_cannot_hold_is_zero_without_probing() -> None:
+    # Llama-2-7B on a T4: 16 GB · (0.9 − 0.04) − 13.48 GB weights leaves ~534 tokens of KV (max_model_len)
+    t4 = PerfModel(CAT.gpu("T4"), CAT.model("llama-2-7b"))
+    factory = sim_measure_factory(t4, plan=PLAN)
+    assert factory(Bucket(0, 0, 1, 256, 1, 64)) is not None  # ≤ 255 + 63 = 318 tokens fit
+    assert factory(Bucket(0, 1, 1, 256, 256, 1024)) is None  # up to 255 + 1023 tokens do not
+
+
+def test_bucket_requests_stay_in_the_bucket_and_within_context() -> None:
+    b = buckets([1024, 4096], [1024, 4000])[0]
+    reqs = [r for _, r in zip(range(500), bucket_requests(b, 4096, seed=0), strict=False)]
+    assert all(1024 <= r.input_tokens < 4096 and 1024 <= r.output_tokens < 4000 for r in reqs)
+    assert all(r.input_tokens + r.output_tokens <= 4096 for r in reqs)  # Llama-2's context
+
+
+def test_profile_cli_writes_the_planner_schema(tmp_path: Path) -> None:
+    out = tmp_path / "llama-3-8b" / "A100-80GB.yaml"
+    args = ["profile", "--sim", "--gpu", "A100", "--model", "llama-3-8b", "--out", str(out)]
+    args += [
+        "--input-edges",
+        "1,512,2048",
+        "--output-edges",
+        "1,128,512",
+        "--slo-tpot-ms",
+        "40",
+        "--seed",
+        "1",
+    ]
+    args += [
+        "--probe-window-s",
+        "10",
+        "--probe-requests",
+        "100",
+        "--probe-e2e-factor",
+        "1",
+        "--min-rate",
+        "0.1",
+    ]
+    args += ["--max-rate", "500"]
+    res = CliRunner().invoke(build_app(), args)
+    assert res.exit_code == 0, res.output
+    p = load_profile(out)
+    assert (p.model, p.gpu, p.tp, p.source) == ("llama-3-8b", "A100-80GB", 1, "sim")
+    assert p.slo.tpot_ms == 40 and p.input_edges == (1, 512, 2048) and p.output_edges == (1, 128, 512)
+    assert [list(r) for r in p.max_rate] == [
+        [round(x, 4) for x in row] for row in grid(40)
+    ]  # same as the API
+    assert p.measured is not None
+    for i in range(2):
+        for j in range(2):
+            m = p.measured[i][j]
+            assert (
+                m is not None
+                and m.rate == p.max_rate[i][j]
+                and m.tpot_p90_ms is not None
+                and m.tpot_p90_ms <= 40
+            )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b"], "exactly one of --sim or --url", id="neither --sim nor --url"),
+        pytest.param(["--sim", "--url", "http://x", "--gpu", "H100", "--model", "llama-3-8b"], "exactly one", id="both"),
+        pytest.param(["--sim", "--gpu", "V100", "--model", "llama-3-8b"], "V100", id="unknown GPU names it"),
+        pytest.param(["--sim", "--gpu", "H100", "--model", "llama-3-8b", "--input-edges", "1,1"], "strictly increasing", id="bad edges"),
+        pytest.param(["--sim", "--gpu", "H100", "--model", "llama-3-8b", "--slo-tpot-ms", "0"], "give an SLO", id="no SLO at all"),
+        pytest.param(["--url", "localhost:8000", "--gpu", "H100", "--model", "llama-3-8b"], "http://", id="URL without scheme"),
+    ],
+)  # fmt: skip
+def test_bad_profile_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    res = CliRunner().invoke(build_app(), ["profile", *args, "--out", str(tmp_path / "p.yaml")])
+    assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, (
+        res.output
+    )

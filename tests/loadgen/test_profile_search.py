@@ -1,0 +1,120 @@
+"""The max-rate search: exact on known curves, deterministic, monotone in the SLO whatever the curve."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loadgen.profile_search import (
+    Measurement,
+    SearchConfig,
+    SearchSlo,
+    queue_is_stable,
+    search_max_rate,
+)
+
+CFG = SearchConfig(min_rate=0.1, max_rate=200.0, resolution=0.05)
+GRID = CFG.grid()
+
+
+def linear_tpot(rate: float) -> Measurement:
+    """TPOT p90 = 10 + rate ms, TTFT p90 = 50 + 2·rate ms: a smooth, monotone engine."""
+    return Measurement(rate, 100, 50 + 2 * rate, 10 + rate)
+
+
+def test_grid_is_geometric_within_bounds() -> None:
+    assert GRID[0] == 0.1 and GRID[-1] <= 200.0 < GRID[-1] * 1.05
+    assert all(b / a == pytest.approx(1.05) for a, b in itertools.pairwise(GRID))
+
+
+@pytest.mark.parametrize(
+    ("slo", "limit"),
+    [
+        pytest.param(SearchSlo(tpot_ms=40), 30.0, id="TPOT ≤ 40 → 10 + r ≤ 40 → r ≤ 30"),
+        pytest.param(SearchSlo(ttft_ms=250), 100.0, id="TTFT ≤ 250 → 50 + 2r ≤ 250 → r ≤ 100"),
+        pytest.param(SearchSlo(tpot_ms=40, ttft_ms=90), 20.0, id="both: TTFT binds first at r ≤ 20"),
+    ],
+)
+def test_finds_the_largest_grid_rate_within_the_slo(slo: SearchSlo, limit: float) -> None:
+    res = search_max_rate(linear_tpot, slo, CFG)
+    assert res.max_rate == max(g for g in GRID if g <= limit + 1e-9)
+    assert res.converged and not res.capped
+    assert res.measurement is not None and slo.passes(res.measurement)
+    assert len(res.probes) <= 2 * 8 + 2  # gallop + bisect over ~200 grid points: ≤ 2·log2(200) + 2
+
+
+def test_hint_near_the_answer_saves_probes() -> None:
+    cold = search_max_rate(linear_tpot, SearchSlo(tpot_ms=40), CFG)
+    warm = search_max_rate(linear_tpot, SearchSlo(tpot_ms=40), SearchConfig(0.1, 200.0, 0.05, hint=28.0))
+    assert warm.max_rate == cold.max_rate and len(warm.probes) < len(cold.probes)
+
+
+def test_cannot_and_capped() -> None:
+    never = search_max_rate(lambda r: Measurement(r, 10, 1e6, 1e6), SearchSlo(tpot_ms=40), CFG)
+    assert never.max_rate == 0.0 and never.measurement is None and len(never.probes) == 1
+    always = search_max_rate(lambda r: Measurement(r, 10, 1.0, 1.0), SearchSlo(tpot_ms=40), CFG)
+    assert always.max_rate == GRID[-1] and always.capped
+
+
+def test_unstable_or_failing_runs_do_not_pass() -> None:
+    # TPOT always fine, but the queue diverges above 20 req/s (TPOT-only SLOs cannot see overload)
+    res = search_max_rate(
+        lambda r: Measurement(r, 100, 10.0, 10.0, stable=r <= 20), SearchSlo(tpot_ms=40), CFG
+    )
+    assert res.max_rate == max(g for g in GRID if g <= 20)
+    res = search_max_rate(
+        lambda r: Measurement(r, 100, 1.0, 1.0, failed=int(r > 5)), SearchSlo(tpot_ms=40), CFG
+    )
+    assert res.max_rate == max(g for g in GRID if g <= 5)
+
+
+def test_probe_budget_is_the_stopping_rule_of_last_resort() -> None:
+    res = search_max_rate(linear_tpot, SearchSlo(tpot_ms=40), SearchConfig(0.1, 200.0, 0.05, max_probes=4))
+    assert len(res.probes) == 4 and not res.converged and 0 < res.max_rate <= 30
+
+
+def test_deterministic_measure_gives_a_deterministic_search() -> None:
+    a = search_max_rate(linear_tpot, SearchSlo(tpot_ms=33), CFG)
+    b = search_max_rate(linear_tpot, SearchSlo(tpot_ms=33), CFG)
+    assert a.max_rate == b.max_rate and [p[0] for p in a.probes] == [p[0] for p in b.probes]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    curve=st.lists(st.floats(1, 100), min_size=len(GRID), max_size=len(GRID)),
+    slos=st.tuples(st.floats(1, 100), st.floats(1, 100)),
+    hint=st.one_of(st.none(), st.floats(0.1, 200)),
+)
+def test_monotone_in_the_slo_for_any_curve(
+    curve: list[float], slos: tuple[float, float], hint: float | None
+) -> None:
+    """Even for a non-monotone (noisy) curve, a looser SLO never yields a lower max rate."""
+    tight, loose = sorted(slos)
+    table = dict(zip(GRID, curve, strict=True))
+    measure: Callable[[float], Measurement] = lambda r: Measurement(r, 10, 0.0, table[r])  # noqa: E731
+    cfg = SearchConfig(0.1, 200.0, 0.05, hint=hint)
+    assert (
+        search_max_rate(measure, SearchSlo(tpot_ms=loose), cfg).max_rate
+        >= search_max_rate(measure, SearchSlo(tpot_ms=tight), cfg).max_rate
+    )
+
+
+@pytest.mark.parametrize(
+    ("ttfts", "stable"),
+    [
+        pytest.param([0.05] * 40, True, id="flat TTFT → stable"),
+        pytest.param([0.05 + 0.01 * (i % 3) for i in range(40)], True, id="noisy but stationary → stable"),
+        pytest.param(
+            [0.05 + 0.1 * i for i in range(40)], False, id="TTFT grows 0.1 s per request → unstable"
+        ),
+        pytest.param([0.3] * 20 + [0.7] * 20, True, id="last quarter 0.7 ≤ 1.5·0.3 + 0.25 = 0.7 → stable"),
+        pytest.param([0.3] * 20 + [0.75] * 20, False, id="last quarter 0.75 > 0.7 → unstable"),
+        pytest.param([0.05] * 7, True, id="fewer than 8 requests: too few to judge → stable"),
+    ],
+)
+def test_queue_stability(ttfts: list[float], stable: bool) -> None:
+    assert queue_is_stable([float(i) for i in range(len(ttfts))], ttfts) is stable
