@@ -1,0 +1,280 @@
+"""Fidelity diff: Mosaic's simulated worker beside the real vLLM server, as a client and a scraper see them.
+
+Same requests to both; every difference in response fields, stream events, error (status, type, param) and
+metric families/labels must be a listed one (`fidelity.KNOWN_*`, mirrored in docs/real_vllm.md). The framing
+rules (one SSE event per HTTP chunk, `data: [DONE]` last, usage only when asked) must hold on both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import RealServer
+from fidelity import (
+    CORE_FAMILIES,
+    KNOWN_BODY,
+    KNOWN_ERRORS,
+    KNOWN_METRIC_FAMILIES,
+    KNOWN_METRIC_LABELS,
+    KNOWN_STREAM,
+    raw_chunks,
+    shape_diff,
+)
+from gateway_harness import CATALOG
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.vllm_launcher import free_port, health_ok, log_tail
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
+
+MODEL = "tiny-llama"
+CHAT = [{"role": "user", "content": "Compare paged attention with a contiguous KV cache."}]
+
+
+@pytest.fixture(scope="module")
+def sim_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`mosaic worker` (the simulator) serving the same tiny model: its catalog row, name, block size, length."""
+    if importlib.util.find_spec("simulator.worker_app") is None:
+        pytest.skip("simulated worker (simulator/worker_app.py) not present yet")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("sim") / "worker.log"
+    cmd = [
+        str(Path(sys.executable).with_name("mosaic")),
+        "worker",
+        "--gpu",
+        "CPU-AVX2",
+        "--model",
+        MODEL,
+        "--catalog",
+        str(CATALOG),
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        "512",
+        "--block-size",
+        "128",
+        "--port",
+        str(port),
+    ]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while not health_ok(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"simulated worker did not start:\n{log_tail(log_path)}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
+def both(
+    real: RealServer, sim: str, method: str, path: str, **kwargs: Any
+) -> tuple[httpx.Response, httpx.Response]:
+    with httpx.Client(timeout=60) as http:
+        return http.request(method, real.url + path, **kwargs), http.request(method, sim + path, **kwargs)
+
+
+BODIES = {
+    "chat": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4, "ignore_eos": True}),
+    "completion": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "def route(request):", "max_tokens": 4, "ignore_eos": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BODIES))
+def test_response_fields(real_vllm: RealServer, sim_url: str, case: str) -> None:
+    path, body = BODIES[case]
+    real, sim = both(real_vllm, sim_url, "POST", path, json=body)
+    assert real.status_code == sim.status_code == 200
+    assert real.json()["usage"]["completion_tokens"] == sim.json()["usage"]["completion_tokens"] == 4
+    unexpected = shape_diff(case, real.json(), sim.json()) - KNOWN_BODY.keys()
+    assert not unexpected, sorted(unexpected)
+
+
+def events_of(chunks: list[bytes]) -> list[dict[str, Any]]:
+    """Framing rules both servers follow; returns the JSON events (without [DONE])."""
+    assert chunks[-1] == b"data: [DONE]\n\n"
+    for chunk in chunks:  # one event per HTTP chunk, no `event:`/`id:` lines
+        assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n") and chunk.count(b"\n\n") == 1, chunk
+    return [json.loads(c[len(b"data: ") :]) for c in chunks[:-1]]
+
+
+def by_kind(case: str, events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Representative events: chat's opening role event, a content event, the finishing event, the usage event."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, event in enumerate(events):
+        if not event["choices"]:
+            out["usage"] = event
+        elif event["choices"][0].get("finish_reason"):
+            out["last"] = event
+        elif case == "chat-stream" and i == 0:
+            out["first"] = event
+        else:
+            out.setdefault("content", event)
+    return out
+
+
+STREAMS = {
+    "chat-stream": (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": CHAT,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    "completion-stream": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "import os\n", "max_tokens": 4, "ignore_eos": True, "stream": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAMS))
+def test_stream_framing_and_events(real_vllm: RealServer, sim_url: str, case: str) -> None:
+    path, body = STREAMS[case]
+    seen: dict[str, dict[str, dict[str, Any]]] = {}
+    for side, url in (("real", real_vllm.url), ("sim", sim_url)):
+        status, headers, chunks = raw_chunks(url, path, body)
+        assert status == 200
+        assert headers["content-type"] == "text/event-stream; charset=utf-8"
+        events = events_of(chunks)
+        kinds = by_kind(case, events)
+        if case == "chat-stream":
+            assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, side
+            assert kinds["usage"]["usage"]["completion_tokens"] == 4, side
+            assert "usage" not in kinds["last"] or kinds["last"]["usage"] is None
+        else:
+            assert "usage" not in kinds, side  # not asked for: no usage event
+        seen[side] = kinds
+    assert seen["real"].keys() == seen["sim"].keys()
+    diffs: set[str] = set()
+    for kind_ in seen["real"]:
+        diffs |= shape_diff(f"{case} {kind_}", seen["real"][kind_], seen["sim"][kind_])
+    unexpected = diffs - KNOWN_STREAM.keys()
+    assert not unexpected, sorted(unexpected)
+
+
+BAD_REQUESTS = [
+    ("unknown model", "/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 2}),
+    ("negative max_tokens", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}),
+    (
+        "prompt over max-model-len, streaming",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hello world " * 400, "max_tokens": 2, "stream": True},
+    ),
+    ("chat without messages", "/v1/chat/completions", {"model": MODEL}),
+    ("prompt of the wrong type", "/v1/completions", {"model": MODEL, "prompt": 5}),
+    (
+        "temperature not a number",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 1, "temperature": "hot"},
+    ),
+    ("n = 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}),
+    (
+        "max_tokens over max-model-len",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 1000},
+    ),
+]
+
+
+def status_type_param(resp: httpx.Response) -> tuple[int, str | None, str | None]:
+    if resp.status_code == 200:
+        return (200, None, None)
+    assert resp.headers["content-type"].startswith("application/json")
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == resp.status_code
+    return (resp.status_code, error["type"], error["param"])
+
+
+@pytest.mark.parametrize(("case", "path", "body"), BAD_REQUESTS, ids=[c for c, _, _ in BAD_REQUESTS])
+def test_error_status_type_param(
+    real_vllm: RealServer, sim_url: str, case: str, path: str, body: dict[str, Any]
+) -> None:
+    real, sim = both(real_vllm, sim_url, "POST", path, json=body)
+    a, b = status_type_param(real), status_type_param(sim)
+    assert a == b or f"{case}: {a} vs {b}" in KNOWN_ERRORS, f"{case}: {a} vs {b}"
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("malformed JSON", {"content": b'{"model": ', "headers": {"content-type": "application/json"}}),
+        (
+            "no JSON content type",
+            {
+                "content": json.dumps({"model": MODEL, "prompt": "hi"}).encode(),
+                "headers": {"content-type": "text/plain"},
+            },
+        ),
+    ],
+)
+def test_unparseable_bodies(real_vllm: RealServer, sim_url: str, case: str, kwargs: dict[str, Any]) -> None:
+    real, sim = both(real_vllm, sim_url, "POST", "/v1/completions", **kwargs)
+    a, b = status_type_param(real), status_type_param(sim)
+    assert a[0] == 400 and a[1] == "Bad Request"
+    assert a == b or f"{case}: {a} vs {b}" in KNOWN_ERRORS, f"{case}: {a} vs {b}"
+
+
+def test_unknown_path_is_plain_404(real_vllm: RealServer, sim_url: str) -> None:
+    real, sim = both(real_vllm, sim_url, "GET", "/v1/no-such-path")
+    assert (real.status_code, real.json()) == (sim.status_code, sim.json()) == (404, {"detail": "Not Found"})
+
+
+def families(url: str) -> dict[str, tuple[str, frozenset[str], tuple[str, ...]]]:
+    """vllm:* family → (type, label names, histogram bucket bounds)."""
+    with httpx.Client(timeout=30) as http:
+        resp = http.get(f"{url}/metrics")
+    assert resp.headers["content-type"].startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(resp.text):
+        if not fam.name.startswith("vllm:") or fam.name.endswith("_created"):
+            continue
+        labels = frozenset(k for s in fam.samples for k in s.labels if k != "le")
+        buckets = tuple(dict.fromkeys(s.labels["le"] for s in fam.samples if "le" in s.labels))
+        out[fam.name] = (fam.type, labels, buckets)
+    return out
+
+
+def test_metric_families_and_labels(real_vllm: RealServer, sim_url: str) -> None:
+    real, sim = families(real_vllm.url), families(sim_url)
+    diffs: set[str] = set()
+    for name in CORE_FAMILIES:
+        assert name in real and name in sim, name
+        (rtype, rlabels, rbuckets), (stype, slabels, sbuckets) = real[name], sim[name]
+        assert rtype == stype, name
+        if name == "vllm:cache_config_info":  # the labels the gateway reads capacity from
+            assert {"engine", "block_size", "num_gpu_blocks"} <= rlabels & slabels
+            if slabels - rlabels:
+                diffs.add(f"{name} extra label {','.join(sorted(slabels - rlabels))}")
+            if rlabels - slabels:
+                diffs.add(f"{name} missing labels")
+            continue
+        assert rlabels == slabels, name
+        if rbuckets != sbuckets:
+            diffs.add(f"{name} buckets")
+    unexpected_labels = diffs - KNOWN_METRIC_LABELS.keys()
+    assert not unexpected_labels, sorted(unexpected_labels)
+    family_diffs = {f"{n}: present vs absent" for n in real.keys() - sim.keys()}
+    family_diffs |= {f"{n}: absent vs present" for n in sim.keys() - real.keys()}
+    unexpected = family_diffs - KNOWN_METRIC_FAMILIES.keys()
+    assert not unexpected, sorted(unexpected)
