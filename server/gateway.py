@@ -54,10 +54,11 @@ class Gateway:
         self._own_probe_client = probe_client
         catalog = load_catalog(config.catalog)
         self.max_model_len: dict[str, int] = {}
+        self.sources: dict[str, Source] = {}  # by pool name (the embedded autoscaler scales simulated ones)
         for pool in config.pools:
             info = self._pool_info(pool, catalog)
             self.max_model_len.setdefault(pool.model, info.capacity.max_model_len or 0)
-            source = (sources or {}).get(pool.name) or self._source(pool)
+            source = self.sources[pool.name] = (sources or {}).get(pool.name) or self._source(pool)
             self.registry.add_pool(info, source)
         self.models: tuple[str, ...] = tuple(self.registry.models())
         self.router = build_router(config.routing, reserve=reserve)
@@ -95,10 +96,9 @@ class Gateway:
             return StaticSource(ep.static)
         if ep.kubernetes is not None:
             return KubernetesDiscovery(ep.kubernetes)
-        from server.embedded import SimulatedPoolSource  # the simulator is needed only for simulated pools
+        from server.embedded import simulated_source  # the simulator is needed only for simulated pools
 
-        assert ep.simulated is not None
-        return SimulatedPoolSource(pool, self.config.model_config_for(pool.model), ep.simulated)
+        return simulated_source(self.config, pool)
 
     async def start(self) -> None:
         warning = self.keys.open_warning()

@@ -15,6 +15,8 @@ import httpx
 import pytest
 
 from server.app import create_app
+from server.dispatch import RequestRecord
+from server.footprint import parse_request
 from server.gateway import Gateway
 from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
 
@@ -252,5 +254,42 @@ def test_concurrent_faults_every_request_one_outcome() -> None:
             assert all(r.status_code in (200, 429) for r in results)
             assert sum(gw.dispatcher.outcomes.values()) == 24
             assert set(gw.dispatcher.outcomes) <= {"completed", "worker_error", "failed_before_first_byte"}
+
+    run(body)
+
+
+def test_client_disconnect_before_first_byte_cancels_the_upstream_call() -> None:
+    """The disconnect watcher: the client leaves while the worker is still thinking (non-streaming)."""
+    a = FakeWorker("a", mode="stall")
+
+    async def body() -> None:
+        cancelled = asyncio.Event()
+        original = a.handle
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            try:
+                return await original(request)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        a.handle = handle  # type: ignore[method-assign]
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (_, gw):
+            disconnect = asyncio.Event()
+
+            async def receive() -> dict[str, Any]:
+                await disconnect.wait()
+                return {"type": "http.disconnect"}
+
+            parsed = parse_request("chat", json.dumps(chat()).encode())
+            rec = RequestRecord("rid-1", "llama-3-8b", "anonymous", gw.clock(), 0)
+            task = asyncio.create_task(gw.dispatcher.handle(parsed, CHAT, rec, receive))
+            await asyncio.sleep(0.05)
+            assert len(a.seen) == 1 and not task.done()
+            disconnect.set()
+            response = await task
+            await asyncio.wait_for(cancelled.wait(), 1)  # the upstream call was cancelled, not left running
+            assert response.status_code == 499
+            assert gw.dispatcher.outcomes == {"client_disconnected": 1}
 
     run(body)

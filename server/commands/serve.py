@@ -1,0 +1,77 @@
+"""`mosaic serve`: the OpenAI-compatible gateway.
+
+    mosaic serve                                  # embedded default: simulated llama-3-8b on H100/A100/L4
+    mosaic serve --config mosaic.yaml --port 8000
+
+With no `--config` it starts the embedded heterogeneous simulated fleet (`server.embedded`), prints the
+URL and a ready-to-paste `curl` line, and serves until SIGINT/SIGTERM, which drains in-flight requests
+(up to `limits.shutdown_grace_s`) before exiting. A bad config file or an unusable address exits 2 with
+one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import typer
+
+from server.commands.common import fail
+from server.config import ConfigError, MosaicConfig, load_config
+from server.discovery import KubernetesUnavailable
+
+
+def curl_line(url: str, model: str, needs_key: bool) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    auth = ' -H "Authorization: Bearer $MOSAIC_API_KEY"' if needs_key else ""
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, embedded: bool) -> None:
+    from server.runner import bind_socket, start_gateway_server  # imports uvicorn/fastapi only when serving
+
+    try:
+        sock = bind_socket(host, port)
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    try:
+        running = await start_gateway_server(config, host, port, install_signals=True, log_level=log_level, sock=sock)
+    except KubernetesUnavailable as exc:
+        fail(str(exc))
+    gw = running.gateway
+    pools = ", ".join(f"{p.name} ({p.gpu}, {p.role.value})" for p in gw.registry.pools())
+    what = "embedded simulated fleet" if embedded else f"{len(gw.registry.records())} workers"
+    typer.echo(f"mosaic gateway serving {', '.join(gw.models)} at {running.url} — {what}: {pools}")
+    typer.echo(curl_line(running.url, gw.models[0], not gw.keys.open))
+    await running.wait()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("serve")
+    def serve(
+        config: str | None = typer.Option(None, "--config", "-c", help="Gateway config YAML (default: embedded simulated fleet)."),
+        host: str | None = typer.Option(None, "--host", help="Address to bind (default: config's gateway.host, 127.0.0.1)."),
+        port: int | None = typer.Option(None, "--port", help="Port to bind (default: config's gateway.port, 8000; 0 = free port)."),
+        time_scale: float | None = typer.Option(None, "--time-scale", help="Embedded default only: simulate this many times faster than real time."),
+        log_level: str = typer.Option("warning", "--log-level", help="uvicorn/gateway log level."),
+    ) -> None:
+        """OpenAI-compatible gateway over a heterogeneous fleet (simulated by default, or real vLLM servers)."""
+        if port is not None and not 0 <= port <= 65535:
+            fail(f"--port must be in 0..65535, got {port}")
+        try:
+            if config is not None:
+                if time_scale is not None:
+                    fail("--time-scale applies to the embedded default only; set endpoints.simulated.time_scale in the config")
+                cfg = load_config(config)
+            else:
+                from server.embedded import default_config
+
+                if time_scale is not None and not time_scale > 0:
+                    fail(f"--time-scale must be > 0, got {time_scale}")
+                cfg = default_config(time_scale=time_scale or 1.0)
+        except ConfigError as exc:
+            fail(str(exc))
+        logging.basicConfig(level=log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "WARNING",
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        asyncio.run(_serve(cfg, host or cfg.gateway.host, cfg.gateway.port if port is None else port, log_level, config is None))

@@ -1,0 +1,130 @@
+"""Run the gateway app with uvicorn inside the current event loop (`mosaic serve`, tests, benchmarks).
+
+    running = await start_gateway_server(config, host="127.0.0.1", port=0)
+    running.url, running.gateway            # bound URL; the app's Gateway
+    await running.stop()                    # graceful: drains in-flight requests (limits.shutdown_grace_s)
+
+Graceful shutdown: on SIGTERM/SIGINT (when `install_signals`) or `stop()`, the gateway is marked
+draining first (new requests → 503, `/ready` → 503 so load balancers stop sending), uvicorn stops
+accepting connections and waits up to `limits.shutdown_grace_s` for in-flight requests — streams
+included — to finish, then the lifespan stops discovery, scraping and simulated workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from server.app import create_app
+from server.config import MosaicConfig
+from server.gateway import Gateway
+
+
+class _GatewayServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, install_signals: bool) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self._install_signals = install_signals
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.gateway.draining = True  # refuse new work before uvicorn starts draining connections
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if self._install_signals:
+            with super().capture_signals():
+                yield
+        else:
+            yield
+
+
+@dataclass(slots=True)
+class RunningGateway:
+    app: FastAPI
+    host: str
+    port: int
+    server: _GatewayServer
+    task: asyncio.Task[None]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.app.state.gateway  # type: ignore[no-any-return]
+
+    async def stop(self) -> None:
+        """Drain and stop; idempotent."""
+        self.gateway.draining = True
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+    async def wait(self) -> None:
+        """Until the server exits (a signal, or `stop()` from elsewhere)."""
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on host:port (0 → a free port); OSError when it cannot bind."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def start_gateway_server(
+    config: MosaicConfig,
+    host: str | None = None,
+    port: int | None = None,
+    *,
+    install_signals: bool = False,
+    log_level: str = "warning",
+    sock: socket.socket | None = None,
+    **app_kwargs: Any,
+) -> RunningGateway:
+    """Start `create_app(config)` on host:port in this loop; returns once it accepts connections
+    (simulated workers started, first health checks and scrapes done)."""
+    host = host if host is not None else config.gateway.host
+    port = port if port is not None else config.gateway.port
+    sock = sock or bind_socket(host, port)
+    bound = sock.getsockname()[1]
+    app = create_app(config, **app_kwargs)
+    uv = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=config.limits.shutdown_grace_s,
+        backlog=4096,
+    )
+    server = _GatewayServer(uv, app.state.gateway, install_signals)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("gateway exited during startup")
+            await asyncio.sleep(0.01)
+    except BaseException:
+        server.should_exit = True
+        with contextlib.suppress(BaseException):
+            await task
+        sock.close()
+        raise
+    return RunningGateway(app, host, bound, server, task)
