@@ -1,0 +1,118 @@
+"""`mosaic worker`: one simulated vLLM worker (OpenAI API + /metrics) for a GPU type and model.
+
+    mosaic worker --gpu H100 --model llama-3-8b --port 8001 --time-scale 10
+
+The engine flags keep vLLM's names (`--max-num-seqs`, `--max-num-batched-tokens`, `--block-size`,
+`--gpu-memory-utilization`, `--num-gpu-blocks` = vLLM's --num-gpu-blocks-override, `--max-model-len`).
+Port 0 picks a free port; the line printed at start names the URL. SIGINT/SIGTERM stop it.
+
+The worker is the simulator today; `serve_simulated` is one backend so that a later `--engine vllm`
+(launching a real vLLM server with the same flags) can sit beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import typer
+
+from server.commands.common import fail
+from simulator.engine import EngineConfig
+from simulator.worker_app import ROLES, FaultConfig, WorkerConfig, WorkerRuntime
+from simulator.worker_server import start_worker_server
+
+
+async def serve_simulated(cfg: WorkerConfig, host: str, port: int, log_level: str) -> None:
+    """Serve until SIGINT/SIGTERM; prints one line with the URL and the engine's capacity."""
+    try:
+        worker = await start_worker_server(cfg, host=host, port=port, log_level=log_level)
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    rt = worker.runtime
+    eng = rt.engine
+    typer.echo(
+        f"mosaic worker: simulated {rt.perf.gpu.name} ×{cfg.tp} serving {rt.served} ({cfg.role}) at {worker.url} "
+        f"— num_gpu_blocks={eng.num_gpu_blocks} block_size={eng.block_size} max_model_len={eng.max_model_len} "
+        f"time_scale={cfg.time_scale:g}",
+        err=False,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await worker.stop()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("worker")
+    def worker(
+        gpu: str = typer.Option(..., "--gpu", help="GPU type from the catalog (e.g. H100, A100-80GB, L4)."),
+        model: str = typer.Option(..., "--model", help="Model from the catalog (e.g. llama-3-8b)."),
+        role: str = typer.Option("mixed", "--role", help="mixed | prefill | decode (P/D disaggregation)."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+        port: int = typer.Option(8001, "--port", help="Port to bind (0 = a free port)."),
+        time_scale: float = typer.Option(
+            1.0, "--time-scale", help="Run this many times faster than real time."
+        ),
+        seed: int = typer.Option(0, "--seed", help="Seed of output lengths, text and failure injection."),
+        tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (GPUs per worker)."),
+        max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="vLLM --max-num-seqs."),
+        max_num_batched_tokens: int = typer.Option(
+            8192, "--max-num-batched-tokens", help="Token budget per step."
+        ),
+        block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens."),
+        gpu_memory_utilization: float = typer.Option(
+            0.9, "--gpu-memory-utilization", help="vLLM's fraction."
+        ),
+        num_gpu_blocks: int | None = typer.Option(
+            None, "--num-gpu-blocks", help="Override the KV block count."
+        ),
+        max_model_len: int | None = typer.Option(
+            None, "--max-model-len", help="Context limit (default: model's)."
+        ),
+        served_model_name: str | None = typer.Option(None, "--served-model-name", help="Name clients use."),
+        catalog: str | None = typer.Option(
+            None, "--catalog", help="YAML of GPU/model rows over the built-ins."
+        ),
+        kv_link_gbps: float = typer.Option(
+            25.0, "--kv-link-gbps", help="P/D: GB/s the decode side pulls KV at."
+        ),
+        error_rate: float = typer.Option(
+            0.0, "--error-rate", help="Fraction of requests answered with a 500."
+        ),
+        stall_rate: float = typer.Option(0.0, "--stall-rate", help="Fraction of requests stalled --stall-s."),
+        stall_s: float = typer.Option(0.0, "--stall-s", help="Wall seconds a stalled request waits."),
+        midstream_error_rate: float = typer.Option(
+            0.0, "--midstream-error-rate", help="Streams cut with an error."
+        ),
+        log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+    ) -> None:
+        """One simulated vLLM worker: vLLM's OpenAI API and /metrics, timed by the GPU perf model."""
+        if role not in ROLES:
+            fail(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+        if not 0 <= port <= 65535:
+            fail(f"--port must be in 0..65535, got {port}")
+        try:
+            cfg = WorkerConfig(
+                gpu=gpu, model=model, role=role, tp=tp, time_scale=time_scale, seed=seed,
+                engine=EngineConfig(
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                    gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks=num_gpu_blocks,
+                    max_model_len=max_model_len,
+                ),
+                served_model_name=served_model_name, catalog_path=catalog, kv_link_gbps=kv_link_gbps,
+                faults=FaultConfig(error_rate=error_rate, stall_rate=stall_rate, stall_s=stall_s,
+                                   midstream_error_rate=midstream_error_rate),
+                advertise_host=host,
+            )  # fmt: skip
+            # Build the runtime once up front so catalog and capacity errors exit 2 before binding.
+            WorkerRuntime(cfg)
+        except ValueError as exc:  # CatalogError is one; its message lists the valid names
+            fail(str(exc))
+        asyncio.run(serve_simulated(cfg, host, port, log_level))

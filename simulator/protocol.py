@@ -1,0 +1,293 @@
+"""vLLM's OpenAI server surface, as the simulated worker speaks it: request parsing/validation and response JSON.
+
+Validation follows vLLM 0.32 as observed (`../shared/REAL_VLLM.md`): unknown fields are accepted; a body
+that is not JSON, not an object or has wrongly typed fields → 400 `"type": "Bad Request"`; semantic
+errors → 400 `BadRequestError` naming the `param` (`max_tokens`, `min_tokens`, `n`, `prompt`,
+`stream_options`); unknown model → 404 `NotFoundError`; a prompt that leaves no room for one output token
+→ 400 `BadRequestError` with `param: "input_tokens"` (plain JSON even for streams). A prompt that fits but
+whose `max_tokens` does not is accepted with `max_tokens` clamped to `max_model_len − prompt`.
+
+Not supported by the simulated worker (400 with a clear message): `n` > 1 and several prompts in one
+completions request. Accepted and ignored: sampling parameters (temperature, top_p, seed, stop, logprobs,
+…), tools, response_format, echo.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from simulator.tokens import count_text_tokens, render_chat, text_token_ids
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
+
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        }
+
+
+def bad_shape(message: str) -> ApiError:
+    """Malformed JSON or a field of the wrong type: vLLM answers these with type "Bad Request"."""
+    return ApiError(400, message, "Bad Request")
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """A validated /v1/completions or /v1/chat/completions request."""
+
+    chat: bool
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int | None  # None → up to max_model_len
+    min_tokens: int
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    kv_transfer_params: dict[str, Any] | None
+
+
+def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    if content_type is None or "application/json" not in content_type.lower():
+        raise bad_shape("Unsupported Media Type: Only 'application/json' is allowed")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_shape(f"JSON decode error: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_shape("Input should be a valid dictionary or object to extract fields from")
+    return body
+
+
+def _int_field(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad_shape(f"{name}: Input should be a valid integer")
+    return value
+
+
+def _bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_shape(f"{name}: Input should be a valid boolean")
+    return value
+
+
+def _prompt_ids(body: Mapping[str, Any], chat: bool) -> list[int]:
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise bad_shape("messages: Field required (a list of message objects)")
+        if not messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        try:
+            return text_token_ids(render_chat(messages))
+        except TypeError as exc:
+            raise bad_shape(f"messages: {exc}") from None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "Prompt cannot be empty", param="prompt")
+        return text_token_ids(prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        if any(t < 0 for t in prompt):
+            raise ApiError(400, "token ids must be non-negative", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "the simulated worker serves one prompt per request, not a batch", param="prompt")
+    if prompt is None:
+        raise bad_shape("prompt: Field required")
+    raise ApiError(
+        400, "prompt must be a string, a list of token ids or a batch of one of those", param="prompt"
+    )
+
+
+def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiRequest:
+    """Validate `body`; raises ApiError. The model check comes first, as in vLLM."""
+    model = body.get("model", served)
+    if model is None:
+        model = served
+    if not isinstance(model, str):
+        raise bad_shape("model: Input should be a valid string")
+    if model != served:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    prompt_ids = _prompt_ids(body, chat)
+    max_tokens = _int_field(body, "max_tokens")
+    if chat:
+        max_tokens = _int_field(body, "max_completion_tokens") or max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+    min_tokens = _int_field(body, "min_tokens") or 0
+    if min_tokens < 0:
+        raise ApiError(
+            400, f"min_tokens must be greater than or equal to 0, got {min_tokens}.", param="min_tokens"
+        )
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ApiError(
+            400,
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            param="min_tokens",
+        )
+    n = _int_field(body, "n")
+    if n is not None and n != 1:
+        raise ApiError(400, f"n must be 1 on the simulated worker, got {n}.", param="n")
+    stream = _bool_field(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, Mapping):
+        raise bad_shape("stream_options: Input should be a valid dictionary")
+    if opts and not stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+    include_usage = bool(opts and _bool_field(opts, "include_usage"))
+    kvp = body.get("kv_transfer_params")
+    if kvp is not None and not isinstance(kvp, Mapping):
+        raise bad_shape("kv_transfer_params: Input should be a valid dictionary")
+    return ApiRequest(
+        chat, model, prompt_ids, max_tokens, min_tokens, _bool_field(body, "ignore_eos"), stream, include_usage,
+        dict(kvp) if kvp else None,
+    )  # fmt: skip
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """max_tokens to run with: clamped to max_model_len − prompt; ApiError when no output token fits."""
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        requested = max_tokens or 0
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {requested} "
+            f"output tokens and your prompt contains {prompt_tokens} input tokens, for a total of "
+            f"{prompt_tokens + requested} tokens. Please reduce the length of the input prompt or the number of "
+            f"requested output tokens. (parameter=input_tokens, value={prompt_tokens})",
+            param="input_tokens",
+        )
+    return room if max_tokens is None else min(max_tokens, room)
+
+
+def count_prompt_tokens(body: Mapping[str, Any], chat: bool) -> int:
+    """The worker's prompt-token count for a request body (what `usage.prompt_tokens` will say)."""
+    if chat:
+        return count_text_tokens(render_chat(body.get("messages") or []))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return count_text_tokens(prompt) if isinstance(prompt, str) else len(prompt or [])
+
+
+# ------------------------------------------------------------------ responses
+def usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": None,
+    }
+
+
+def completion_body(
+    rid: str, model: str, created: int, text: str, finish: str, prompt: int, completion: int, kvp: Any
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+             "prompt_logprobs": None}
+        ],
+        "usage": usage(prompt, completion),
+        "system_fingerprint": None,
+        "kv_transfer_params": kvp,
+    }  # fmt: skip
+
+
+def chat_body(
+    rid: str, model: str, created: int, text: str, finish: str, prompt: int, completion: int, kvp: Any
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "reasoning_content": None,
+                    "tool_calls": [],
+                },
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+        ],
+        "usage": usage(prompt, completion),
+        "prompt_logprobs": None,
+        "kv_transfer_params": kvp,
+    }
+
+
+class ChunkWriter:
+    """Server-sent-event lines of one stream: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`."""
+
+    __slots__ = ("_head", "_tail", "chat", "created", "model", "rid")
+
+    def __init__(self, rid: str, model: str, chat: bool) -> None:
+        self.rid, self.model, self.chat = rid, model, chat
+        self.created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        # The constant head of every chunk, serialised once: a stream writes one chunk per token.
+        self._head = f'data: {{"id":{json.dumps(rid)},"object":"{obj}","created":{self.created},"model":{json.dumps(model)},'
+        self._tail = "}\n\n"
+
+    def role(self) -> str:
+        return (
+            self._head
+            + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def token(self, text: str, finish: str | None = None) -> str:
+        fr = "null" if finish is None else json.dumps(finish)
+        t = json.dumps(text)
+        if self.chat:
+            choice = f'{{"index":0,"delta":{{"content":{t}}},"logprobs":null,"finish_reason":{fr},"stop_reason":null}}'
+        else:
+            choice = f'{{"index":0,"text":{t},"logprobs":null,"finish_reason":{fr},"stop_reason":null}}'
+        return f'{self._head}"choices":[{choice}]{self._tail}'
+
+    def usage(self, prompt: int, completion: int) -> str:
+        return f'{self._head}"choices":[],"usage":{json.dumps(usage(prompt, completion))}{self._tail}'
+
+    @staticmethod
+    def error(err: ApiError) -> str:
+        return f"data: {json.dumps(err.body())}\n\n"
+
+    @staticmethod
+    def done() -> str:
+        return "data: [DONE]\n\n"

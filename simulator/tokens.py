@@ -1,0 +1,99 @@
+"""The simulated worker's stand-in for a tokenizer: prompt token estimates and deterministic pseudo-word output.
+
+Text prompts. There is no real tokenizer, so a text is cut into pieces of `CHARS_PER_TOKEN` (4) characters,
+OpenAI's rule of thumb for English (≈ 0.75 words per token); each piece becomes one pseudo token id (a
+CRC-32 of the piece, modulo the vocabulary). So `count_text_tokens(text) = max(1, ceil(len(text) / 4))`,
+identical texts give identical ids (prefix-caching and natural-length draws behave as with a real
+tokenizer), and a gateway can reproduce the count exactly with the same formula. Token-id prompts (a list
+of ints on /v1/completions) are used as they are, so their count is exact.
+
+Chat prompts are rendered with a fixed template before counting, mimicking the framing tokens a real chat
+template adds: `<|role|>\\n{content}\\n` per message, then `<|assistant|>\\n`.
+
+Output text. Token i of a request is the pseudo-word `WORDS[h(seed, prompt fingerprint, i) % len(WORDS)]`
+with a leading space: deterministic for a seed and prompt, one word per token.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+VOCAB_SIZE = 128_256  # Llama-3's vocabulary size; ids only need to be stable, not meaningful
+
+# fmt: off
+WORDS: tuple[str, ...] = (
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
+    "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her",
+    "she", "there", "been", "one", "all", "we", "their", "has", "would", "when", "if", "so", "no", "will",
+    "more", "can", "out", "up", "into", "its", "time", "only", "other", "new", "some", "could", "these", "two",
+    "may", "then", "first", "any", "like", "now", "my", "such", "over", "our", "even", "most", "made", "after",
+    "also", "did", "many", "well", "way", "down", "back", "should", "because", "each", "just", "those",
+    "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men",
+    "work", "long", "here", "get", "both", "between", "life", "being", "under", "never", "day", "same",
+    "another", "know", "while", "last", "might", "great", "old", "year", "off", "come", "since", "against",
+    "go", "came", "right", "used", "take", "three", "small", "large", "next", "early", "young", "important",
+    "few", "public", "bad", "able", "model", "token", "cache", "page", "block", "batch", "prefill", "decode",
+    "route", "worker", "queue", "stream", "latency", "kernel", "tensor", "memory", "bandwidth", "compute",
+    "budget",
+)
+# fmt: on
+_MASK64 = (1 << 64) - 1
+
+
+def count_text_tokens(text: str) -> int:
+    """max(1, ceil(len(text) / 4)): the documented estimate (see module docstring)."""
+    return max(1, -(-len(text) // CHARS_PER_TOKEN))
+
+
+def text_token_ids(text: str) -> list[int]:
+    """One pseudo id per 4-character piece; an empty text is one id (like a BOS token)."""
+    if not text:
+        return [0]
+    crc = zlib.crc32
+    return [
+        crc(text[i : i + CHARS_PER_TOKEN].encode()) % VOCAB_SIZE for i in range(0, len(text), CHARS_PER_TOKEN)
+    ]
+
+
+def message_text(content: Any) -> str:
+    """The text of a chat message's `content`: a string, or the text parts of a list of content parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+        return "".join(parts)
+    raise TypeError("message content must be a string, a list of content parts or null")
+
+
+def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
+    """The simulated chat template: `<|role|>\\n{content}\\n` per message, then the assistant header."""
+    out = []
+    for m in messages:
+        out.append(f"<|{m.get('role', 'user')}|>\n{message_text(m.get('content'))}\n")
+    out.append("<|assistant|>\n")
+    return "".join(out)
+
+
+def fingerprint(ids: Sequence[int]) -> int:
+    """Stable 32-bit key of a token-id sequence (seeds the pseudo-words of the answer)."""
+    return zlib.crc32(b"".join((t & 0xFFFFFFFF).to_bytes(4, "little") for t in ids))
+
+
+def pseudo_words(seed: int, fp: int, start: int, stop: int) -> list[str]:
+    """Tokens start..stop−1 of the answer to a prompt with fingerprint `fp`, each ' word'."""
+    n = len(WORDS)
+    base = (seed * 0x9E3779B97F4A7C15 + fp * 0xBF58476D1CE4E5B9) & _MASK64
+    out = []
+    for i in range(start, stop):
+        z = (base + i * 0x94D049BB133111EB) & _MASK64
+        z = ((z ^ (z >> 31)) * 0xD6E8FEB86659FD93) & _MASK64
+        out.append(" " + WORDS[(z >> 32) % n])
+    return out

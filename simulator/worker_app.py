@@ -1,0 +1,351 @@
+"""The simulated vLLM worker: a FastAPI app speaking vLLM's OpenAI server surface over the engine model.
+
+    app = create_worker_app(WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=10.0))
+    app.state.worker -> WorkerRuntime   (engine, driver, metrics, faults; `await aclose()` when not served
+                                         by uvicorn — the app's lifespan does it otherwise)
+
+Routes (vLLM's): POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Simulator-only (not in vLLM, under /sim/): GET|POST /sim/faults (failure injection at
+run time), POST /sim/kv/release (P/D: the decode side tells the prefill side its KV was fetched),
+GET /sim/state (engine state as JSON). See docs/worker.md.
+
+P/D (vLLM's NixlConnector protocol, simulated). A `prefill` worker given
+`kv_transfer_params.do_remote_decode=true` prefills and answers with `kv_transfer_params`
+{do_remote_prefill: true, do_remote_decode: false, remote_engine_id, remote_block_ids, remote_host,
+remote_port, remote_request_id, tp_size}, holding the blocks until released or `kv_hold_timeout_s`.
+A `decode` worker given `do_remote_prefill=true` allocates the prompt's blocks, waits
+prompt_tokens · kv_bytes_per_token / (kv_link_gbps · 10⁹) s of simulated time, computes the last prompt
+token, decodes, and POSTs /sim/kv/release to remote_host:remote_port (best effort). A `mixed` worker, or a
+role that does not match the params, answers `kv_transfer_params: null` like vLLM without a connector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from placement.catalog import load_catalog
+from placement.perf_model import PerfModel
+from simulator.engine import Engine, EngineConfig
+from simulator.metrics import WorkerMetrics
+from simulator.protocol import (
+    ApiError,
+    ApiRequest,
+    ChunkWriter,
+    chat_body,
+    check_context,
+    completion_body,
+    parse_body,
+    parse_request,
+)
+from simulator.requests import EngineRequest, KvTransfer, RequestRecord, prompt_fingerprint
+from simulator.tokens import pseudo_words
+from simulator.worker_runtime import EngineDriver, Ticket
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass(slots=True)
+class FaultConfig:
+    """Failure injection for reliability tests; probabilities per request, drawn from the worker's seed."""
+
+    error_rate: float = 0.0  # answer 500 before any byte
+    stall_rate: float = 0.0  # hold the request `stall_s` wall seconds before handling it
+    stall_s: float = 0.0
+    midstream_error_rate: float = 0.0  # streams: end with an error event halfway through
+    healthy: bool = True  # False → /health answers 503
+
+    def validate(self) -> None:
+        for name in ("error_rate", "stall_rate", "midstream_error_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.stall_s < 0:
+            raise ValueError(f"stall_s must be ≥ 0, got {self.stall_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything one simulated worker needs. `served_model_name` None → the catalog model name."""
+
+    gpu: str = "H100"
+    model: str = "llama-3-8b"
+    role: str = "mixed"
+    tp: int = 1
+    time_scale: float = 1.0
+    seed: int = 0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None
+    catalog_path: str | None = None  # YAML rows merged over the built-in catalog
+    kv_link_gbps: float = 25.0  # GB/s the decode side pulls KV at (≈ a 200 Gb/s RDMA NIC)
+    kv_hold_timeout_s: float = 480.0  # simulated s a prefill worker keeps unfetched KV (vLLM's NIXL default)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    advertise_host: str = "127.0.0.1"  # remote_host in kv_transfer_params
+    advertise_port: int = 0  # remote_port; start_worker_server fills in the bound port
+    engine_id: str | None = None  # remote_engine_id; None → random
+
+    def validate(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if self.kv_link_gbps <= 0:
+            raise ValueError(f"kv_link_gbps must be > 0, got {self.kv_link_gbps}")
+        self.faults.validate()
+
+
+class WorkerRuntime:
+    """The app's state: engine + driver + metrics + P/D holds + faults. Built by `create_worker_app`."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        cfg.validate()
+        catalog = load_catalog(cfg.catalog_path)
+        self.cfg = cfg
+        self.perf = PerfModel(catalog.gpu(cfg.gpu), catalog.model(cfg.model), tp=cfg.tp)
+        self.engine = Engine(self.perf, cfg.engine, seed=cfg.seed)
+        self.served = cfg.served_model_name or self.perf.model.name
+        self.metrics = WorkerMetrics(self.engine, self.served)
+        self.driver = EngineDriver(self.engine, self.metrics, cfg.time_scale)
+        self.driver.on_kv_received = self._kv_received
+        self.faults = FaultConfig(**asdict(cfg.faults))
+        self.rng = random.Random(cfg.seed)
+        self.engine_id = cfg.engine_id or f"sim-{secrets.token_hex(6)}"
+        self.advertise_port = cfg.advertise_port
+        self.created = int(time.time())
+        self._next_block_id = 1
+        self._holds: dict[int, str] = {}  # first remote block id → request id (prefill side)
+        self._remote: dict[str, dict[str, Any]] = {}  # request id → kv_transfer_params (decode side)
+        self._client: httpx.AsyncClient | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def aclose(self) -> None:
+        await self.driver.aclose()
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # ------------------------------------------------------------ completions
+    async def handle(self, request: Request, chat: bool) -> Response:
+        try:
+            body = parse_body(await request.body(), request.headers.get("content-type"))
+            api = parse_request(body, chat, self.served)
+            max_tokens = check_context(len(api.prompt_ids), api.max_tokens, self.engine.max_model_len)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        faults = self.faults
+        if faults.stall_rate and self.rng.random() < faults.stall_rate:
+            await asyncio.sleep(faults.stall_s)
+        if faults.error_rate and self.rng.random() < faults.error_rate:
+            err = ApiError(500, "simulated worker failure (error_rate)", "InternalServerError")
+            return JSONResponse(err.body(), status_code=500)
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(8)
+        kvt = self._kv_transfer(api, rid)
+        ereq = EngineRequest(rid, api.prompt_ids, max_tokens, api.min_tokens, api.ignore_eos, None, kvt)
+        tk = await self.driver.submit(ereq, stream=api.stream)
+        if api.stream:
+            cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
+            return StreamingResponse(self._stream(api, tk, bool(cut)), media_type="text/event-stream")
+        try:
+            rec = await tk.wait_done()
+        except asyncio.CancelledError:
+            self.driver.abort(tk)
+            raise
+        text = "".join(pseudo_words(self.cfg.seed, prompt_fingerprint(ereq), 0, rec.output_tokens))
+        build = chat_body if chat else completion_body
+        out = build(rid, self.served, self.created, text, rec.finish_reason.value, rec.prompt_tokens,
+                    rec.output_tokens, self._kv_response(rec))  # fmt: skip
+        return JSONResponse(out)
+
+    async def _stream(self, api: ApiRequest, tk: Ticket, cut: bool) -> AsyncIterator[str]:
+        w = ChunkWriter(tk.request.request_id, self.served, api.chat)
+        seed, fp = self.cfg.seed, prompt_fingerprint(tk.request)
+        sent = 0
+        try:
+            if api.chat:
+                yield w.role()
+            while True:
+                if tk.produced > sent:
+                    words = pseudo_words(seed, fp, sent, tk.produced)
+                    last = tk.record.output_tokens - 1 if tk.done and tk.record is not None else -1
+                    for i, word in enumerate(words, start=sent):
+                        if cut and tk.request.max_tokens > 1 and i >= tk.request.max_tokens // 2:
+                            self.driver.abort(tk)
+                            yield w.error(
+                                ApiError(500, "simulated mid-stream failure", "InternalServerError")
+                            )
+                            yield w.done()
+                            return
+                        reason = tk.record.finish_reason.value if i == last and tk.record else None
+                        yield w.token(word, reason)
+                    sent = tk.produced
+                if tk.done:
+                    break
+                tk.event.clear()
+                await tk.event.wait()
+            rec = tk.record
+            if api.include_usage and rec is not None:
+                yield w.usage(rec.prompt_tokens, rec.output_tokens)
+            yield w.done()
+        finally:
+            self.driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
+
+    # ------------------------------------------------------------ P/D
+    def _kv_transfer(self, api: ApiRequest, rid: str) -> KvTransfer | None:
+        kvp = api.kv_transfer_params
+        if not kvp:
+            return None
+        role = self.cfg.role
+        if role == "prefill" and kvp.get("do_remote_decode"):
+            return KvTransfer(prefill_only=True, hold_timeout_s=self.cfg.kv_hold_timeout_s)
+        if role == "decode" and kvp.get("do_remote_prefill"):
+            self._remote[rid] = kvp
+            nbytes = len(api.prompt_ids) * self.perf.model.kv_bytes_per_token
+            return KvTransfer(remote_prefilled=True, transfer_delay_s=nbytes / (self.cfg.kv_link_gbps * 1e9))
+        return None
+
+    def _kv_response(self, rec: RequestRecord) -> dict[str, Any] | None:
+        if not rec.held_blocks:
+            return None
+        first = self._next_block_id
+        self._next_block_id += rec.held_blocks
+        self._holds[first] = rec.request_id
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": list(range(first, first + rec.held_blocks)),
+            "remote_host": self.cfg.advertise_host,
+            "remote_port": self.advertise_port,
+            "remote_request_id": rec.request_id,
+            "tp_size": self.cfg.tp,
+        }
+
+    def release_kv(self, body: dict[str, Any]) -> int:
+        """Free a hold named by `remote_block_ids` (or `remote_request_id`); returns blocks freed."""
+        ids = body.get("remote_block_ids")
+        rid = body.get("remote_request_id")
+        if isinstance(ids, list) and ids and isinstance(ids[0], int):
+            rid = self._holds.pop(ids[0], rid)
+        if not isinstance(rid, str):
+            return 0
+        return self.engine.release_held(rid)
+
+    def _kv_received(self, rid: str) -> None:
+        kvp = self._remote.pop(rid, None)
+        if not kvp or not kvp.get("remote_host") or not kvp.get("remote_port"):
+            return
+        task = asyncio.get_running_loop().create_task(self._notify_release(kvp))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _notify_release(self, kvp: dict[str, Any]) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=2.0)
+        url = f"http://{kvp['remote_host']}:{kvp['remote_port']}/sim/kv/release"
+        payload = {k: kvp.get(k) for k in ("remote_engine_id", "remote_block_ids", "remote_request_id")}
+        with contextlib.suppress(httpx.HTTPError):  # best effort: the hold times out otherwise
+            await self._client.post(url, json=payload)
+
+    # ------------------------------------------------------------ views
+    def models_body(self) -> dict[str, Any]:
+        card = {
+            "id": self.served, "object": "model", "created": self.created, "owned_by": "vllm",
+            "root": self.perf.model.name, "parent": None, "max_model_len": self.engine.max_model_len,
+            "permission": [],
+        }  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    def state_body(self) -> dict[str, Any]:
+        eng = self.engine
+        return {
+            "gpu": self.perf.gpu.name, "model": self.perf.model.name, "served_model_name": self.served,
+            "role": self.cfg.role, "tp": self.cfg.tp, "time_scale": self.cfg.time_scale,
+            "sim_time_s": self.driver.now(), "num_running": eng.num_running, "num_waiting": eng.num_waiting,
+            "num_held": eng.num_held, "kv_usage": eng.kv_usage, "num_gpu_blocks": eng.num_gpu_blocks,
+            "block_size": eng.block_size, "max_model_len": eng.max_model_len, "counters": asdict(eng.counters),
+        }  # fmt: skip
+
+
+def create_worker_app(cfg: WorkerConfig) -> FastAPI:
+    """Build one simulated worker (no globals: each app has its own engine, registry and RNG)."""
+    rt = WorkerRuntime(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await rt.aclose()
+
+    app = FastAPI(title=f"mosaic simulated vLLM worker ({rt.perf.gpu.name}, {rt.served})", lifespan=lifespan)
+    app.state.worker = rt
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await rt.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await rt.handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(rt.models_body())
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if rt.faults.healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        rt.engine.expire_held(rt.driver.now())
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(rt.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/sim/state")
+    async def state() -> JSONResponse:
+        return JSONResponse(rt.state_body())
+
+    @app.get("/sim/faults")
+    async def get_faults() -> JSONResponse:
+        return JSONResponse(asdict(rt.faults))
+
+    @app.post("/sim/faults")
+    async def set_faults(request: Request) -> JSONResponse:
+        try:
+            body = parse_body(await request.body(), request.headers.get("content-type"))
+            known = {f.name for f in fields(FaultConfig)}
+            unknown = set(body) - known
+            if unknown:
+                raise ApiError(400, f"unknown fault fields {sorted(unknown)}; valid: {sorted(known)}")
+            new = FaultConfig(**{**asdict(rt.faults), **body})
+            new.validate()
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        except (TypeError, ValueError) as exc:
+            return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
+        rt.faults = new
+        return JSONResponse(asdict(new))
+
+    @app.post("/sim/kv/release")
+    async def kv_release(request: Request) -> JSONResponse:
+        try:
+            body = parse_body(await request.body(), request.headers.get("content-type"))
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse({"released_blocks": rt.release_kv(body)})
+
+    return app

@@ -1,0 +1,85 @@
+"""Serve a simulated worker with uvicorn inside the current event loop (tests, the gateway's embedded fleet).
+
+    worker = await start_worker_server(WorkerConfig(...), host="127.0.0.1", port=0)
+    worker.url            # "http://127.0.0.1:<bound port>"
+    worker.port, worker.app, worker.runtime
+    await worker.stop()   # graceful: uvicorn shutdown, then the app's lifespan closes the engine task
+
+Port 0 binds a free port; the bound port is reported and written into the worker's kv_transfer_params
+(`remote_port`). uvicorn's signal handlers are not installed (the embedding process owns signals).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+from simulator.worker_app import WorkerConfig, WorkerRuntime, create_worker_app
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[no-untyped-def]
+        yield  # leave signal handling to whoever owns the process
+
+
+@dataclass(slots=True)
+class RunningWorker:
+    app: FastAPI
+    host: str
+    port: int
+    _server: uvicorn.Server
+    _task: asyncio.Task[None]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def runtime(self) -> WorkerRuntime:
+        return self.app.state.worker
+
+    async def stop(self) -> None:
+        """Stop serving (open streams are cut) and wait for the server task; idempotent."""
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+async def start_worker_server(
+    cfg: WorkerConfig, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+) -> RunningWorker:
+    """Start `create_worker_app(cfg)` on host:port in this loop; returns once it accepts connections."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    bound = sock.getsockname()[1]
+    app = create_worker_app(cfg)
+    app.state.worker.advertise_port = cfg.advertise_port or bound
+    config = uvicorn.Config(
+        app, log_level=log_level, lifespan="on", access_log=False, timeout_graceful_shutdown=1
+    )
+    server = _EmbeddedServer(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # surfaces the startup error
+                raise RuntimeError("worker server exited during startup")
+            await asyncio.sleep(0.005)
+    except BaseException:
+        server.should_exit = True
+        with contextlib.suppress(BaseException):
+            await task
+        sock.close()
+        raise
+    return RunningWorker(app, host, bound, server, task)
