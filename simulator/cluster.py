@@ -150,14 +150,23 @@ class ClusterSimulator:
         }
         k = fleet.engine
         self._engine_cfg = EngineConfig(
-            max_num_seqs=k.max_num_seqs, max_num_batched_tokens=k.max_num_batched_tokens, block_size=k.block_size,
-            gpu_memory_utilization=k.gpu_memory_utilization, num_gpu_blocks=k.num_gpu_blocks,
+            max_num_seqs=k.max_num_seqs,
+            max_num_batched_tokens=k.max_num_batched_tokens,
+            block_size=k.block_size,
+            gpu_memory_utilization=k.gpu_memory_utilization,
+            num_gpu_blocks=k.num_gpu_blocks,
         )
         self._caps = {
             p.name: capacity_for(
-                self.catalog.gpu(p.gpu), self.catalog.model(p.model or fleet.model), p.tp, self.catalog,
-                max_num_seqs=k.max_num_seqs, block_size=k.block_size, gpu_memory_utilization=k.gpu_memory_utilization,
-                num_gpu_blocks=k.num_gpu_blocks, cost_per_hour=self.specs[p.name].cost_per_hour,
+                self.catalog.gpu(p.gpu),
+                self.catalog.model(p.model or fleet.model),
+                p.tp,
+                self.catalog,
+                max_num_seqs=k.max_num_seqs,
+                block_size=k.block_size,
+                gpu_memory_utilization=k.gpu_memory_utilization,
+                num_gpu_blocks=k.num_gpu_blocks,
+                cost_per_hour=self.specs[p.name].cost_per_hour,
             )
             for p in fleet.pools
         }
@@ -222,9 +231,18 @@ class ClusterSimulator:
     def _start_instance(self, pool: str, now: float, cold: bool) -> _Instance:
         self._n_created += 1
         iid = f"{pool}-{self._n_created}"
-        engine = Engine(self._perf[pool], self._engine_cfg, seed=self.fleet.seed * 1_000_003 + self._n_created)
-        inst = _Instance(iid, pool, self.specs[pool], engine, self._caps[pool], now,
-                         WorkerState.STARTING if cold else WorkerState.READY)
+        engine = Engine(
+            self._perf[pool], self._engine_cfg, seed=self.fleet.seed * 1_000_003 + self._n_created
+        )
+        inst = _Instance(
+            iid,
+            pool,
+            self.specs[pool],
+            engine,
+            self._caps[pool],
+            now,
+            WorkerState.STARTING if cold else WorkerState.READY,
+        )
         self._instances[iid] = inst
         self._live.append(inst)
         self._fleet_view = None
@@ -256,7 +274,9 @@ class ClusterSimulator:
         gpu = inst.spec.gpu
         tp = self._pools[inst.pool].tp
         self.result.instance_seconds[gpu] = self.result.instance_seconds.get(gpu, 0.0) + seconds * tp
-        self.result.cost_usd[gpu] = self.result.cost_usd.get(gpu, 0.0) + seconds / 3600 * inst.spec.cost_per_hour
+        self.result.cost_usd[gpu] = (
+            self.result.cost_usd.get(gpu, 0.0) + seconds / 3600 * inst.spec.cost_per_hour
+        )
         self.result.billed_seconds += seconds
         self.result.busy_seconds += inst.engine.counters.busy_s
 
@@ -273,11 +293,22 @@ class ClusterSimulator:
         if inst.view is None:
             running, waiting, usage = inst.scraped
             inst.view = WorkerView(
-                id=inst.id, url=f"sim://{inst.id}", pool=inst.pool, model=inst.spec.model, gpu=inst.spec.gpu,
-                role=Role(inst.spec.role), state=inst.state, breaker_open=False, capacity=inst.capacity,
-                num_running=running, num_waiting=waiting, kv_usage=usage,
-                num_gpu_blocks=inst.engine.num_gpu_blocks, block_size=inst.engine.block_size,
-                inflight_requests=inst.inflight, inflight_prefill_tokens=inst.inflight_prefill_tokens,
+                id=inst.id,
+                url=f"sim://{inst.id}",
+                pool=inst.pool,
+                model=inst.spec.model,
+                gpu=inst.spec.gpu,
+                role=Role(inst.spec.role),
+                state=inst.state,
+                breaker_open=False,
+                capacity=inst.capacity,
+                num_running=running,
+                num_waiting=waiting,
+                kv_usage=usage,
+                num_gpu_blocks=inst.engine.num_gpu_blocks,
+                block_size=inst.engine.block_size,
+                inflight_requests=inst.inflight,
+                inflight_prefill_tokens=inst.inflight_prefill_tokens,
                 inflight_decode_requests=inst.inflight_decode,
             )
         return inst.view
@@ -307,8 +338,13 @@ class ClusterSimulator:
         self._maybe_retire(inst, now)
 
     def _maybe_retire(self, inst: _Instance, now: float) -> None:
-        if inst.state is WorkerState.DRAINING and inst.inflight == 0 and not inst.engine.has_work() \
-                and inst.engine.num_held == 0 and inst.removed is None:
+        if (
+            inst.state is WorkerState.DRAINING
+            and inst.inflight == 0
+            and not inst.engine.has_work()
+            and inst.engine.num_held == 0
+            and inst.removed is None
+        ):
             self._remove(inst, now)
 
     def _apply(self, inst: _Instance, result: StepResult, now: float) -> None:
@@ -343,8 +379,15 @@ class ClusterSimulator:
         idx = self.result.requests_total
         self.result.requests_total += 1
         rid = f"r{idx}"
-        route = RouteRequest(rid, self.fleet.model, src.input_tokens, src.output_tokens, src.output_tokens,
-                             prefix_hashes=src.hash_ids, arrival_s=src.arrival_s)
+        route = RouteRequest(
+            rid,
+            self.fleet.model,
+            src.input_tokens,
+            src.output_tokens,
+            src.output_tokens,
+            prefix_hashes=src.hash_ids,
+            arrival_s=src.arrival_s,
+        )
         req = _Req(idx, rid, src, route)
         self._reqs[rid] = req
         self._open_requests += 1
@@ -378,12 +421,19 @@ class ClusterSimulator:
         if decision.prefill is not None:
             inst = self._instances[decision.prefill.id]
             req.phase = "prefill"
-            er = EngineRequest(req.rid, req.src.input_tokens, max_tokens=1, ignore_eos=True,
-                               kv_transfer=KvTransfer(prefill_only=True))
+            er = EngineRequest(
+                req.rid,
+                req.src.input_tokens,
+                max_tokens=1,
+                ignore_eos=True,
+                kv_transfer=KvTransfer(prefill_only=True),
+            )
         else:
             inst = self._instances[decision.decode.id]
             req.phase = "decode"
-            er = EngineRequest(req.rid, req.src.input_tokens, max_tokens=req.src.output_tokens, ignore_eos=True)
+            er = EngineRequest(
+                req.rid, req.src.input_tokens, max_tokens=req.src.output_tokens, ignore_eos=True
+            )
         self._send(inst, er, req, now)
         return True
 
@@ -407,14 +457,23 @@ class ClusterSimulator:
         assert req.decision is not None
         decode = self._instances[req.decision.decode.id]
         kv_bytes = req.src.input_tokens * self._perf[decode.pool].model.kv_bytes_per_token
-        transfer = KvTransfer(remote_prefilled=True, transfer_delay_s=kv_bytes / (self.fleet.kv_link_gbps * 1e9))
+        transfer = KvTransfer(
+            remote_prefilled=True, transfer_delay_s=kv_bytes / (self.fleet.kv_link_gbps * 1e9)
+        )
         req.phase = "decode"
-        er = EngineRequest(req.rid, req.src.input_tokens, max_tokens=req.src.output_tokens, ignore_eos=True,
-                           kv_transfer=transfer)
+        er = EngineRequest(
+            req.rid,
+            req.src.input_tokens,
+            max_tokens=req.src.output_tokens,
+            ignore_eos=True,
+            kv_transfer=transfer,
+        )
         self._send(decode, er, req, now)
         self._maybe_retire(inst, now)
 
-    def _complete(self, req: _Req, inst: _Instance, first: float | None, tpot: float | None, now: float) -> None:
+    def _complete(
+        self, req: _Req, inst: _Instance, first: float | None, tpot: float | None, now: float
+    ) -> None:
         req.phase = "done"
         req.finished = now
         self._open_requests -= 1
@@ -425,7 +484,9 @@ class ClusterSimulator:
         self.router.on_complete(inst.id, req.route, Outcome.COMPLETED, now)
         ttft = (first if first is not None else now) - req.src.arrival_s
         e2e = now - req.src.arrival_s
-        self.result.completed.append((req.src.arrival_s, ttft, tpot, e2e, req.src.input_tokens, req.src.output_tokens))
+        self.result.completed.append(
+            (req.src.arrival_s, ttft, tpot, e2e, req.src.input_tokens, req.src.output_tokens)
+        )
         self._window.complete(ttft, tpot)
         del self._reqs[req.rid]
         self._maybe_retire(inst, now)
@@ -524,7 +585,9 @@ class ClusterSimulator:
     def _sample_replicas(self, now: float) -> None:
         counts: dict[str, Any] = {"t": round(now, 3)}
         for name in self._pools:
-            counts[name] = sum(1 for i in self._live if i.pool == name and i.state is not WorkerState.DRAINING)
+            counts[name] = sum(
+                1 for i in self._live if i.pool == name and i.state is not WorkerState.DRAINING
+            )
         self.result.replicas.append(counts)
 
     def _finish(self) -> SimResult:
@@ -560,12 +623,16 @@ class _Window:
         if tpot is not None:
             self.tpots.append(tpot)
 
-    def observation(self, now: float, interval: float, pools: dict[str, PoolObservation],
-                    queue: dict[str, int]) -> Observation:
+    def observation(
+        self, now: float, interval: float, pools: dict[str, PoolObservation], queue: dict[str, int]
+    ) -> Observation:
         n = self.arrivals
         obs = Observation(
-            now=now, pools=pools, admission_queue=queue,
-            ttft_p90_s=_p90(self.ttfts), tpot_p90_s=_p90(self.tpots),
+            now=now,
+            pools=pools,
+            admission_queue=queue,
+            ttft_p90_s=_p90(self.ttfts),
+            tpot_p90_s=_p90(self.tpots),
             request_rate=n / interval,
             mean_input_tokens=self.input_tokens / n if n else 0.0,
             mean_output_tokens=self.output_tokens / n if n else 0.0,

@@ -45,7 +45,9 @@ def build_report(result: SimResult, wall_s: float) -> dict[str, Any]:
     e2e = np.array([r[3] for r in rows]) * 1e3
     ok_ttft = sum(1 for r in rows if r[1] * 1e3 <= slo.ttft_ms)
     ok_tpot = sum(1 for r in rows if r[2] is None or r[2] * 1e3 <= slo.tpot_ms)
-    ok_both = sum(1 for r in rows if r[1] * 1e3 <= slo.ttft_ms and (r[2] is None or r[2] * 1e3 <= slo.tpot_ms))
+    ok_both = sum(
+        1 for r in rows if r[1] * 1e3 <= slo.ttft_ms and (r[2] is None or r[2] * 1e3 <= slo.tpot_ms)
+    )
     hours = {gpu: round(s / 3600, 4) for gpu, s in sorted(result.instance_seconds.items())}
     cost = {gpu: round(c, 4) for gpu, c in sorted(result.cost_usd.items())}
     span = max(result.end_s, 1e-9)
@@ -73,7 +75,9 @@ def build_report(result: SimResult, wall_s: float) -> dict[str, Any]:
         "latency_ms": {"ttft": _stats(ttft), "tpot": _stats(tpot), "e2e": _stats(e2e)},
         "gpu_hours": {"by_gpu": hours, "total": round(sum(result.instance_seconds.values()) / 3600, 4)},
         "cost_usd": {"by_gpu": cost, "total": round(sum(result.cost_usd.values()), 4)},
-        "utilization": round(result.busy_seconds / result.billed_seconds, 4) if result.billed_seconds else None,
+        "utilization": round(result.busy_seconds / result.billed_seconds, 4)
+        if result.billed_seconds
+        else None,
         "preemptions": result.preemptions,
         "scale_events": result.scale_events,
         "replicas": result.replicas,

@@ -12,8 +12,8 @@ Per model, each cycle:
 3. **Buy decode capacity** D / utilisation_target across the decode pools, cheapest $/h per token/s
    first when adding and priciest first when removing (see `buying.rebalance`). Instances still starting
    count as arriving capacity; draining ones do not.
-4. **Prefill follows** in the same decision: `pd_ratio` prefill instances per decode instance (the
-   profiled P/D ratio; while requests wait for prefill, at least their prompt-token demand), or, in
+4. **Prefill follows** in the same decision: `pd_ratio` prefill instances per decode instance needed
+   (unrounded; the profiled P/D ratio; while requests wait for prefill, at least their prompt-token demand), or, in
    `prompt_tokens` mode, prompt tokens/s demand (plus backlog) over prefill capacity.
 5. **Damping**: no change while capacity is within ±`tolerance` of the requirement; scale-up at once
    (bounded by `max_scale_up_step` / `max_scale_up_factor`); scale-down only to the highest target
@@ -118,7 +118,7 @@ class MosaicAutoscaler:
         signal[f"{model}/prefill_demand_tps"] = demand
         by_demand = demand / cfg.utilization_target
         if cfg.prefill_mode == "ratio":
-            decode_instances = sum(targets[p.name] for p in decode_pools if p.role == "decode")
+            decode_instances = self._decode_instance_equivalents(decode_pools, targets, decode_demand)
             mean_cap = sum(p.prefill_tps_capacity for p in prefill_pools) / len(prefill_pools)
             by_ratio = math.ceil(decode_instances * cfg.pd_ratio * prefill_boost - 1e-9) * mean_cap
             signal[f"{model}/prefill_instances_by_ratio"] = by_ratio / mean_cap
@@ -132,6 +132,22 @@ class MosaicAutoscaler:
             return p.prefill_tps_capacity
 
         self._settle(prefill_pools, current, required_capacity, prefill_cap, prefill_boost > 1, obs.now, targets, reasons)
+
+    def _decode_instance_equivalents(
+        self, decode_pools: Sequence[PoolSpec], targets: Mapping[str, int], decode_demand: float
+    ) -> float:
+        """Decode instances the demand needs, unrounded: demand / (utilisation target · capacity of the
+        decode instances being bought). The ratio applies to this, not to the rounded counts, so small
+        fleets don't round twice (ceil(ceil(d) · r) over-provisions prefill)."""
+        pools = [p for p in decode_pools if p.role == "decode"]
+        if not pools:
+            return 0.0
+        count = sum(targets[p.name] for p in pools)
+        if count:
+            mean_cap = sum(targets[p.name] * p.decode_tps_capacity for p in pools) / count
+        else:
+            mean_cap = sum(p.decode_tps_capacity for p in pools) / len(pools)
+        return decode_demand / (self.config.utilization_target * mean_cap)
 
     def _boost(self, measured: float | None, slo: float | None) -> float:
         cfg = self.config

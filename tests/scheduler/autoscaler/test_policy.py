@@ -35,8 +35,9 @@ def test_decode_sized_from_tokens_per_second_and_prefill_follows_ratio() -> None
     # 6,000 tok/s / (1,000 tok/s · 0.8) = 7.5 → 8 decode; but one step may add max(4, 2·2) = 4 → 6
     decision = policy.decide(obs(0, **{"d-a100": po(2, 6000), "p-h100": po(1)}))
     assert decision.targets["d-a100"] == 6
-    assert decision.targets["p-h100"] == 3  # ceil(6 · 0.5) in the same decision
-    # next cycle (instances starting count as arriving capacity): 8 decode, ceil(8 · 0.5) = 4 prefill
+    # prefill follows in the same decision, from the unrounded decode need: ceil(7.5 · 0.5) = ceil(3.75) = 4
+    assert decision.targets["p-h100"] == 4
+    # next cycle (instances starting count as arriving capacity): 8 decode, prefill stays 4
     decision = policy.decide(obs(15, **{"d-a100": po(2, 6000, starting=4), "p-h100": po(1, starting=2)}))
     assert decision.targets == {"d-a100": 8, "p-h100": 4}
 

@@ -1,0 +1,216 @@
+"""Autoscaling policies on the same traces in the cluster simulator, compared at equal SLO attainment.
+
+For each trace, every policy is run over its main knob; a policy's best run is the one with the fewest
+GPU-hours among those with ≥ 99% of requests within both TTFT and TPOT SLOs and no request aborted by
+scale-in. Reported: GPU-hours, $, utilisation, scale events, aborted requests, and the ratios
+Mosaic / best-tuned HPA and Mosaic / Dynamo-style planner (bars: ≤ 0.80 and ≤ 0.95).
+
+Traces: a synthetic diurnal + burst curve (`loadgen.diurnal`), and the real Azure LLM inference trace 2023
+(conversation) from ../shared/data when present, else a small Azure-format fixture from tests/.
+
+    python bench/autoscale_eval.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import ROOT, SHARED_DATA, append_line, write_result
+from loadgen.diurnal import Burst, DiurnalSpec, diurnal_trace
+from loadgen.formats import open_trace
+from scheduler.autoscaler.factory import build_policy
+from simulator.cluster import ClusterSimulator, SimRequest
+from simulator.cluster_config import FleetConfig, parse_fleet, pool_specs
+from simulator.cluster_report import build_report
+from simulator.trace_adapter import sim_requests
+
+SLO_TARGET = 0.99
+FLEET: dict[str, Any] = {
+    "model": "llama-3-8b",
+    "slo": {"ttft_ms": 2000, "tpot_ms": 60},
+    "cold_start_s": 120,
+    "decision_interval_s": 15,
+    "scrape_interval_s": 1,
+    "pools": [
+        {"name": "prefill-h100", "gpu": "H100", "role": "prefill", "replicas": 2, "min_replicas": 1, "max_replicas": 16},
+        {"name": "decode-a100", "gpu": "A100-80GB", "role": "decode", "replicas": 2, "min_replicas": 1,
+         "max_replicas": 24},
+    ],
+}
+
+
+def traces(quick: bool) -> dict[str, list[SimRequest]]:
+    scale = 0.5 if quick else 1.0
+    spec = DiurnalSpec(duration_s=2400 * scale, mean_rate=8, amplitude=0.6, period_s=2400 * scale,
+                       bursts=(Burst(1500 * scale, 120, 2.5),))
+    out = {"diurnal+burst": [SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens)
+                             for r in diurnal_trace(spec, seed=7)]}
+    azure = SHARED_DATA / "traces" / "azure_llm_2023_conv.csv"
+    if azure.exists():
+        name, source, rate_scale = "azure-2023-conv (real, 2x speed)", azure, 2.0
+    else:
+        name, source, rate_scale = "azure-format fixture", ROOT / "tests" / "cluster" / "fixtures" / "azure_conv.csv", 1.0
+    limit = 6000 if quick else None
+    out[name] = list(sim_requests(open_trace(source), rate_scale=rate_scale, max_requests=limit))
+    return out
+
+
+def profiled_pd_ratio(fleet: FleetConfig, reqs: list[SimRequest]) -> float:
+    """Prefill instances per decode instance from a profiling window (the first 10% of the trace)."""
+    window = reqs[: max(1, len(reqs) // 10)]
+    mean_in = sum(r.input_tokens for r in window) / len(window)
+    mean_out = sum(r.output_tokens for r in window) / len(window)
+    specs = {s.role: s for s in pool_specs(fleet)}
+    return (mean_in / specs["prefill"].prefill_tps_capacity) / (mean_out / specs["decode"].decode_tps_capacity)
+
+
+def static_peak_counts(fleet: FleetConfig, reqs: list[SimRequest], factor: float) -> dict[str, int]:
+    """Static provisioning for the peak minute of the trace, times `factor`."""
+    specs = {s.role: s for s in pool_specs(fleet)}
+    per_min: dict[int, list[SimRequest]] = {}
+    for r in reqs:
+        per_min.setdefault(int(r.arrival_s // 60), []).append(r)
+    peak = max(per_min.values(), key=len)
+    rate = len(peak) / 60
+    mean_in = sum(r.input_tokens for r in peak) / len(peak)
+    mean_out = sum(r.output_tokens for r in peak) / len(peak)
+    return {
+        "prefill-h100": max(1, math.ceil(factor * rate * mean_in / specs["prefill"].prefill_tps_capacity)),
+        "decode-a100": max(1, math.ceil(factor * rate * mean_out / specs["decode"].decode_tps_capacity)),
+    }
+
+
+def candidates(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
+    """(family, policy spec, autoscaler overrides) for every knob value tried."""
+    pd = round(profiled_pd_ratio(fleet, reqs), 3)
+    runs: list[tuple[str, str, dict[str, Any]]] = []
+    for u in ((0.4, 0.7) if quick else (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)):
+        runs.append(("mosaic", "mosaic", {"utilization_target": u, "pd_ratio": pd}))
+    for t in ((0.7,) if quick else (0.5, 0.7, 0.9)):
+        runs.append(("hpa-util", f"hpa-util:{t}", {}))
+    for t in ((1, 4) if quick else (0.5, 1, 2, 4, 8)):
+        runs.append(("hpa-waiting", f"hpa-waiting:{t}", {}))
+    for u in ((0.4, 0.8) if quick else (0.3, 0.4, 0.6, 0.8, 1.0)):
+        runs.append(("dynamo", "dynamo:180", {"utilization_target": u}))
+    for f in ((1.0, 1.5) if quick else (1.0, 1.25, 1.5, 2.0)):
+        counts = static_peak_counts(fleet, reqs, f)
+        runs.append(("static-peak", "static:" + ",".join(f"{k}={v}" for k, v in counts.items()), {"factor": f}))
+    return runs
+
+
+def run_one(args: tuple[str, str, str, dict[str, Any], list[SimRequest]]) -> dict[str, Any]:
+    trace_name, family, spec, overrides, reqs = args
+    knobs = {k: v for k, v in overrides.items() if k != "factor"}
+    fleet = parse_fleet({**FLEET, "autoscaler": knobs})
+    policy = build_policy(spec, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools})
+    if family == "static-peak":  # start at the static size
+        counts = dict(item.split("=") for item in spec.split(":", 1)[1].split(","))
+        fleet = parse_fleet({**FLEET, "pools": [{**p, "replicas": int(counts[p["name"]])} for p in FLEET["pools"]]})
+    started = time.perf_counter()
+    result = ClusterSimulator(fleet, policy, spec).run(reqs)
+    report = build_report(result, time.perf_counter() - started)
+    report["family"], report["knobs"], report["trace"] = family, overrides, trace_name
+    return report
+
+
+def best_of(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
+    ok = [r for r in reports if r["slo"]["attainment"] >= SLO_TARGET and r["requests"]["aborted_by_scale_in"] == 0]
+    return min(ok, key=lambda r: r["gpu_hours"]["total"]) if ok else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="shorter traces and fewer knob values")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    base = parse_fleet(FLEET)
+    summary: dict[str, Any] = {}
+    lines = []
+    plotted: dict[str, Any] = {}
+    for trace_name, reqs in traces(args.quick).items():
+        jobs = [(trace_name, fam, spec, ov, reqs) for fam, spec, ov in candidates(base, reqs, args.quick)]
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            reports = list(pool.map(run_one, jobs))
+        families: dict[str, Any] = {}
+        for fam in dict.fromkeys(r["family"] for r in reports):
+            runs = [r for r in reports if r["family"] == fam]
+            best = best_of(runs)
+            families[fam] = {
+                "best": None if best is None else _row(best),
+                "best_attainment_if_none_met": None if best else max(r["slo"]["attainment"] for r in runs),
+                "runs": [_row(r) for r in runs],
+            }
+        mosaic = families["mosaic"]["best"]
+        hpa = [families[f]["best"] for f in ("hpa-util", "hpa-waiting") if families[f]["best"]]
+        best_hpa = min(hpa, key=lambda r: r["gpu_hours"]) if hpa else None
+        dynamo = families["dynamo"]["best"]
+        ratios = {
+            "mosaic_vs_best_hpa": _ratio(mosaic, best_hpa),
+            "mosaic_vs_dynamo": _ratio(mosaic, dynamo),
+            "mosaic_vs_static_peak": _ratio(mosaic, families["static-peak"]["best"]),
+        }
+        summary[trace_name] = {"requests": len(reqs), "families": families, "ratios": ratios}
+        lines.append(f"{trace_name}: Mosaic/HPA {ratios['mosaic_vs_best_hpa']}, Mosaic/Dynamo "
+                     f"{ratios['mosaic_vs_dynamo']} GPU-h at ≥99% SLO")
+        if mosaic and "mosaic" not in plotted:
+            plotted["mosaic"] = (trace_name, mosaic)
+    write_result("autoscale_eval", {"slo_target": SLO_TARGET, "fleet": FLEET, "traces": summary})
+    _plot_replicas(summary)
+    command = "python bench/autoscale_eval.py" + (" --quick" if args.quick else "")
+    append_line("autoscale_eval", command, "; ".join(lines))
+    for line in lines:
+        print(line)
+
+
+def _row(r: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "policy": r["policy"], "knobs": r["knobs"], "attainment": r["slo"]["attainment"],
+        "gpu_hours": r["gpu_hours"]["total"], "cost_usd": r["cost_usd"]["total"],
+        "utilization": r["utilization"], "scale_events": len(r["scale_events"]),
+        "aborted": r["requests"]["aborted_by_scale_in"], "failed": r["requests"]["failed"],
+        "ttft_p99_ms": r["latency_ms"]["ttft"]["p99"], "tpot_p99_ms": r["latency_ms"]["tpot"]["p99"],
+        "wall_s": r["wall_s"], "replicas": r["replicas"],
+    }
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    if not a or not b or not b["gpu_hours"]:
+        return None
+    return round(a["gpu_hours"] / b["gpu_hours"], 3)
+
+
+def _plot_replicas(summary: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace_name = next(iter(summary))
+    fams = summary[trace_name]["families"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
+    for ax, pool in zip(axes, ("prefill-h100", "decode-a100"), strict=True):
+        for fam in ("mosaic", "hpa-waiting", "dynamo", "static-peak"):
+            best = fams.get(fam, {}).get("best")
+            if not best:
+                continue
+            samples = best["replicas"]
+            ax.step([s["t"] / 60 for s in samples], [s[pool] for s in samples], where="post", label=fam)
+        ax.set_title(f"{pool} — {trace_name}")
+        ax.set_xlabel("time (min)")
+    axes[0].set_ylabel("instances")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs" / "img" / "autoscale_replicas.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
