@@ -3,7 +3,8 @@
 Rendered by prometheus_client from a per-app `CollectorRegistry` (never the global one) through a custom
 collector, so gauges and counters are read from the engine at scrape time (no per-step updates) and
 histograms accept bulk observations (`observe(value, count)`: a step's inter-token latencies are one call).
-Every family carries `model_name` and `engine="0"` labels, as vLLM ≥ 0.10 does. Times are simulated
+Every family carries `model_name` and `engine="0"` labels, as vLLM ≥ 0.10 does (cache_config_info only
+`engine`, as in vLLM 0.32). Times are simulated
 seconds (at time scale X, X times the wall-clock figure a client measures).
 
 Families (REFERENCE.md, "Metrics"): gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`,
@@ -173,12 +174,13 @@ class WorkerMetrics:
             "num_gpu_blocks": str(eng.num_gpu_blocks),
             "num_gpu_blocks_override": str(cfg.num_gpu_blocks),
         }
+        # vLLM 0.32 labels cache_config_info with `engine` but not `model_name`.
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            labels=[*info_labels, *labels],
+            labels=[*info_labels, "engine"],
         )
-        info.add_metric([*info_labels.values(), *values], 1.0)
+        info.add_metric([*info_labels.values(), "0"], 1.0)
         yield info
         c = eng.counters
         yield counter(

@@ -9,7 +9,8 @@ whose `max_tokens` does not is accepted with `max_tokens` clamped to `max_model_
 
 Not supported by the simulated worker (400 with a clear message): `n` > 1 and several prompts in one
 completions request. Accepted and ignored: sampling parameters (temperature, top_p, seed, stop, logprobs,
-…), tools, response_format, echo.
+…; numeric ones are type-checked), tools, response_format, echo. `max_tokens` > max_model_len → 400
+(param `max_tokens`), as vLLM 0.32 answers.
 """
 
 from __future__ import annotations
@@ -39,9 +40,15 @@ class ApiError(Exception):
         }
 
 
-def bad_shape(message: str) -> ApiError:
-    """Malformed JSON or a field of the wrong type: vLLM answers these with type "Bad Request"."""
-    return ApiError(400, message, "Bad Request")
+def bad_shape(message: str, param: str | None = None) -> ApiError:
+    """Malformed JSON or a field of the wrong type: vLLM (FastAPI/pydantic) answers these with type "Bad Request"
+    and the error location as param (`body.<field>`, or `body.<byte offset>` for JSON that does not parse)."""
+    return ApiError(400, message, "Bad Request", param)
+
+
+# Sampling parameters the simulator ignores but, like vLLM's pydantic models, type-checks.
+_NUMBER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty", "seed")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +72,8 @@ def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_shape(f"JSON decode error: {exc}") from None
+        pos = f"body.{exc.pos}" if isinstance(exc, json.JSONDecodeError) else None
+        raise bad_shape(f"JSON decode error: {exc}", pos) from None
     if not isinstance(body, dict):
         raise bad_shape("Input should be a valid dictionary or object to extract fields from")
     return body
@@ -78,7 +86,7 @@ def _int_field(body: Mapping[str, Any], name: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise bad_shape(f"{name}: Input should be a valid integer")
+        raise bad_shape(f"{name}: Input should be a valid integer", f"body.{name}")
     return value
 
 
@@ -87,7 +95,7 @@ def _bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> bo
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_shape(f"{name}: Input should be a valid boolean")
+        raise bad_shape(f"{name}: Input should be a valid boolean", f"body.{name}")
     return value
 
 
@@ -95,13 +103,13 @@ def _prompt_ids(body: Mapping[str, Any], chat: bool) -> list[int]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
-            raise bad_shape("messages: Field required (a list of message objects)")
+            raise bad_shape("messages: Field required (a list of message objects)", "body.messages")
         if not messages:
             raise ApiError(400, "messages must not be empty", param="messages")
         try:
             return text_token_ids(render_chat(messages))
         except TypeError as exc:
-            raise bad_shape(f"messages: {exc}") from None
+            raise bad_shape(f"messages: {exc}", "body.messages") from None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -120,9 +128,9 @@ def _prompt_ids(body: Mapping[str, Any], chat: bool) -> list[int]:
     if isinstance(prompt, list) and len(prompt) > 1:
         raise ApiError(400, "the simulated worker serves one prompt per request, not a batch", param="prompt")
     if prompt is None:
-        raise bad_shape("prompt: Field required")
-    raise ApiError(
-        400, "prompt must be a string, a list of token ids or a batch of one of those", param="prompt"
+        raise bad_shape("prompt: Field required", "body.prompt")
+    raise bad_shape(
+        "prompt: Input should be a string, a list of token ids or a batch of those", "body.prompt"
     )
 
 
@@ -132,7 +140,11 @@ def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiReques
     if model is None:
         model = served
     if not isinstance(model, str):
-        raise bad_shape("model: Input should be a valid string")
+        raise bad_shape("model: Input should be a valid string", "body.model")
+    for name in _NUMBER_FIELDS:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise bad_shape(f"{name}: Input should be a valid number", f"body.{name}")
     if model != served:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     prompt_ids = _prompt_ids(body, chat)
@@ -153,18 +165,20 @@ def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiReques
             param="min_tokens",
         )
     n = _int_field(body, "n")
-    if n is not None and n != 1:
+    if n is not None and n < 1:
+        raise ApiError(400, f"n must be at least 1, got {n}.")  # vLLM names no param here
+    if n is not None and n > 1:
         raise ApiError(400, f"n must be 1 on the simulated worker, got {n}.", param="n")
     stream = _bool_field(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, Mapping):
-        raise bad_shape("stream_options: Input should be a valid dictionary")
+        raise bad_shape("stream_options: Input should be a valid dictionary", "body.stream_options")
     if opts and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     include_usage = bool(opts and _bool_field(opts, "include_usage"))
     kvp = body.get("kv_transfer_params")
     if kvp is not None and not isinstance(kvp, Mapping):
-        raise bad_shape("kv_transfer_params: Input should be a valid dictionary")
+        raise bad_shape("kv_transfer_params: Input should be a valid dictionary", "body.kv_transfer_params")
     return ApiRequest(
         chat, model, prompt_ids, max_tokens, min_tokens, _bool_field(body, "ignore_eos"), stream, include_usage,
         dict(kvp) if kvp else None,
@@ -172,7 +186,8 @@ def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiReques
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """max_tokens to run with: clamped to max_model_len − prompt; ApiError when no output token fits."""
+    """max_tokens to run with: clamped to max_model_len − prompt. ApiError when no output token fits (param
+    input_tokens) or when max_tokens alone exceeds max_model_len (param max_tokens), as vLLM 0.32 does."""
     room = max_model_len - prompt_tokens
     if room < 1:
         requested = max_tokens or 0
@@ -183,6 +198,14 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
             f"{prompt_tokens + requested} tokens. Please reduce the length of the input prompt or the number of "
             f"requested output tokens. (parameter=input_tokens, value={prompt_tokens})",
             param="input_tokens",
+        )
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {prompt_tokens}).",
+            param="max_tokens",
         )
     return room if max_tokens is None else min(max_tokens, room)
 
@@ -239,8 +262,11 @@ def chat_body(
                 "message": {
                     "role": "assistant",
                     "content": text,
-                    "reasoning_content": None,
-                    "tool_calls": [],
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
                 },
                 "logprobs": None,
                 "finish_reason": finish,
@@ -275,14 +301,18 @@ class ChunkWriter:
     def token(self, text: str, finish: str | None = None) -> str:
         fr = "null" if finish is None else json.dumps(finish)
         t = json.dumps(text)
-        if self.chat:
-            choice = f'{{"index":0,"delta":{{"content":{t}}},"logprobs":null,"finish_reason":{fr},"stop_reason":null}}'
+        if self.chat:  # vLLM puts stop_reason on a chat stream's final event only
+            stop = "" if finish is None else ',"stop_reason":null'
+            choice = f'{{"index":0,"delta":{{"content":{t}}},"logprobs":null,"finish_reason":{fr}{stop}}}'
         else:
             choice = f'{{"index":0,"text":{t},"logprobs":null,"finish_reason":{fr},"stop_reason":null}}'
         return f'{self._head}"choices":[{choice}]{self._tail}'
 
     def usage(self, prompt: int, completion: int) -> str:
-        return f'{self._head}"choices":[],"usage":{json.dumps(usage(prompt, completion))}{self._tail}'
+        u = usage(prompt, completion)
+        if self.chat:
+            del u["prompt_tokens_details"]  # vLLM's chat usage event omits it
+        return f'{self._head}"choices":[],"usage":{json.dumps(u)}{self._tail}'
 
     @staticmethod
     def error(err: ApiError) -> str:

@@ -1,0 +1,142 @@
+"""The simulated worker through the real `openai` client over a real socket: completions and chat, streaming
+and not, usage and include_usage, token-id prompts, natural EOS and min_tokens, SSE framing, pacing."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from simulator.engine import EngineConfig
+from simulator.requests import EngineRequest, prompt_fingerprint, sample_natural_output
+from simulator.tokens import render_chat, text_token_ids
+from simulator.worker_app import WorkerConfig
+
+pytestmark = pytest.mark.anyio
+FAST = WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=1000.0, seed=7)
+PROMPT = "The quick brown fox jumps over the lazy dog."  # 44 characters → ceil(44 / 4) = 11 tokens
+
+
+def natural_length(ids: list[int], seed: int = 7) -> int:
+    cfg = EngineConfig()
+    fp = prompt_fingerprint(EngineRequest("x", ids, 1))
+    return sample_natural_output(seed, fp, cfg.natural_output_mean, cfg.natural_output_shape)
+
+
+async def test_completion_non_stream_usage_and_text(served) -> None:
+    async with served(FAST) as w, openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="none") as client:
+        r = await client.completions.create(
+            model="llama-3-8b", prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True}
+        )
+    assert re.fullmatch(r"cmpl-[0-9a-f]{16}", r.id)
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (11, 12, 23)
+    assert r.choices[0].finish_reason == "length"
+    assert len(r.choices[0].text.split()) == 12  # one pseudo-word per token
+
+
+async def test_token_id_prompt_counts_exactly_and_natural_eos_stops(served) -> None:
+    ids = list(range(100, 137))  # 37 token ids
+    expected = natural_length(ids)
+    async with served(FAST) as w, openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="none") as client:
+        r = await client.completions.create(model="llama-3-8b", prompt=ids, max_tokens=4000)
+        longer = await client.completions.create(
+            model="llama-3-8b", prompt=ids, max_tokens=4000, extra_body={"min_tokens": expected + 5}
+        )
+    assert r.usage is not None and longer.usage is not None
+    assert r.usage.prompt_tokens == 37
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (expected, "stop")
+    assert (longer.usage.completion_tokens, longer.choices[0].finish_reason) == (expected + 5, "stop")
+
+
+async def test_completion_stream_with_include_usage(served) -> None:
+    async with served(FAST) as w, openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="none") as client:
+        stream = await client.completions.create(
+            model="llama-3-8b", prompt=PROMPT, max_tokens=9, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        plain = await client.completions.create(
+            model="llama-3-8b", prompt=PROMPT, max_tokens=9, extra_body={"ignore_eos": True}
+        )
+    content, last = chunks[:-1], chunks[-1]
+    assert len(content) == 9  # one chunk per token
+    assert [c.choices[0].finish_reason for c in content] == [None] * 8 + ["length"]
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (11, 9)
+    assert "".join(c.choices[0].text for c in content) == plain.choices[0].text  # same prompt, same words
+
+
+async def test_chat_non_stream_and_stream_agree(served) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    prompt_tokens = len(text_token_ids(render_chat(messages)))
+    async with served(FAST) as w, openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="none") as client:
+        r = await client.chat.completions.create(
+            model="llama-3-8b", messages=messages, max_completion_tokens=6, extra_body={"ignore_eos": True}
+        )
+        stream = await client.chat.completions.create(
+            model="llama-3-8b", messages=messages, max_tokens=6, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{16}", r.id)
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, 6)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    first, content, usage = chunks[0], chunks[1:-1], chunks[-1]
+    assert (first.choices[0].delta.role, first.choices[0].delta.content) == ("assistant", "")
+    assert len(content) == 6 and content[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in content) == r.choices[0].message.content
+    assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 6
+
+
+async def test_models_and_health(served) -> None:
+    cfg = WorkerConfig(
+        gpu="L4", model="llama-3-8b", served_model_name="meta-llama/Meta-Llama-3-8B", time_scale=1e3
+    )
+    async with served(cfg) as w:
+        async with openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="none") as client:
+            models = await client.models.list()
+        async with httpx.AsyncClient() as h:
+            health = await h.get(w.url + "/health")
+    assert [m.id for m in models.data] == ["meta-llama/Meta-Llama-3-8B"]
+    assert health.status_code == 200
+
+
+async def test_sse_framing_raw(served) -> None:
+    async with served(FAST) as w, httpx.AsyncClient() as h:
+        body = {"model": "llama-3-8b", "prompt": "hi", "max_tokens": 3, "ignore_eos": True, "stream": True}
+        async with h.stream("POST", w.url + "/v1/completions", json=body) as resp:
+            ctype = resp.headers["content-type"]
+            raw = b"".join([part async for part in resp.aiter_raw()]).decode()
+    assert ctype == "text/event-stream; charset=utf-8"
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert len(events) == 3 + 2  # three token events, [DONE], and the empty tail after the last separator
+    assert all(e.startswith("data: {") for e in events[:3])
+
+
+async def test_stream_is_paced_by_engine_step_times(served) -> None:
+    """At time scale 1, a stream lasts about as long as the engine's simulated steps (not faster)."""
+    cfg = WorkerConfig(gpu="A100-80GB", model="llama-3-8b", time_scale=1.0)
+    async with served(cfg) as w:
+        async with httpx.AsyncClient(timeout=30) as h:
+            body = {
+                "model": "llama-3-8b",
+                "prompt": "hi",
+                "max_tokens": 25,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            stamps = []
+            async with h.stream("POST", w.url + "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        stamps.append(time.monotonic())
+        busy = w.runtime.engine.counters.busy_s
+    # 25 steps of an A100 decode ≈ 25 × 11.7 ms ≈ 0.29 s of simulated = wall time; chunks cannot come faster
+    assert len(stamps) == 25
+    assert stamps[-1] - stamps[0] >= 0.8 * busy * 24 / 25
+    assert stamps[-1] - stamps[0] <= busy + 1.0  # generous: a loaded CI machine
