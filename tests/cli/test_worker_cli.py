@@ -1,0 +1,101 @@
+"""`mosaic worker`: bad input exits 2 with one line naming the valid choices; a real process serves and stops."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from server.commands import worker as worker_command
+
+
+@pytest.fixture(scope="module")
+def app() -> typer.Typer:
+    app = typer.Typer()
+
+    @app.callback()
+    def main() -> None:  # keeps `worker` a sub-command, as under `mosaic`
+        pass
+
+    worker_command.register(app)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--gpu", "B300", "--model", "llama-3-8b"], "valid GPUs: T4, A10G", id="unknown GPU → valid GPUs"),
+        pytest.param(["--gpu", "H100", "--model", "gpt-9"], "valid models: llama-2-7b", id="unknown model → valid models"),
+        pytest.param(["--gpu", "T4", "--model", "llama-3-8b"], "does not fit", id="model larger than the GPU → refused"),
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--role", "both"], "--role must be one of",
+                     id="unknown role"),
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--max-num-seqs", "512", "--max-num-batched-tokens",
+                      "256"], "max_num_batched_tokens (256) must be ≥ max_num_seqs (512)", id="budget under seqs"),
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--time-scale", "0"], "time_scale must be > 0",
+                     id="time scale 0"),
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--error-rate", "1.5"], "error_rate must be in [0, 1]",
+                     id="error rate over 1"),
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--num-gpu-blocks", "4", "--max-model-len", "100"],
+                     "exceeds the KV cache capacity", id="max_model_len over the KV capacity"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_with_one_line(app: typer.Typer, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["worker", *args])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+def test_worker_process_serves_on_a_free_port_and_stops_on_sigterm() -> None:
+    mosaic = Path(sys.executable).with_name("mosaic")
+    cmd = [
+        str(mosaic),
+        "worker",
+        "--gpu",
+        "L4",
+        "--model",
+        "llama-3-8b",
+        "--port",
+        "0",
+        "--time-scale",
+        "100",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ)
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # printed once the port is bound
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)", line)
+        assert match, line
+        url = match.group(1)
+        assert "L4" in line and "max_model_len=8192" in line
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "worker never became healthy"
+            time.sleep(0.1)
+        body = {"model": "llama-3-8b", "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
