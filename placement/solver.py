@@ -47,7 +47,14 @@ class UnservableError(PlacementError):
 
 
 class InfeasibleError(PlacementError):
-    """No fleet within the GPU/instance caps serves the demand; the message says what is short."""
+    """No fleet within the GPU/instance caps serves the demand; the message says what is short.
+
+    `fixes` maps a capped GPU type to (GPUs it would need, $/h) when lifting its cap alone suffices.
+    """
+
+    def __init__(self, message: str, fixes: Mapping[str, tuple[int, float]] | None = None) -> None:
+        super().__init__(message)
+        self.fixes = dict(fixes or {})
 
 
 def default_engine(variant: Variant) -> str:
@@ -89,10 +96,14 @@ def solve_mix(
     _check_bounds(problem, paths, coefs, units)
     result = _run(problem, paths, coefs, units, engine, variant, time_limit_s)
     if result.status is Status.INFEASIBLE:
-        raise InfeasibleError(explain_infeasible(problem, variant=variant, slice_factor=slice_factor, time_limit_s=min(time_limit_s, 5.0)))
+        raise explain_infeasible(problem, variant=variant, slice_factor=slice_factor, time_limit_s=min(time_limit_s, 5.0))
     if result.status is Status.UNKNOWN:
         raise PlacementError(f"no solution found within the {time_limit_s:g} s time limit ({engine}); raise --time-limit")
     return _finish(problem, paths, coefs, units, result, variant, slice_factor, unservable)
+
+
+QUICK_S = 0.25  # first, plain CP-SAT on one worker: small and medium instances close within this
+EXACT_WORKERS = 8
 
 
 def _run(
@@ -100,45 +111,72 @@ def _run(
 ) -> EngineResult:
     if variant is Variant.CONTINUOUS:
         return solve_mip(problem, paths, coefs, units, limit, backend=engine.upper(), integral_shares=False)
-    # Sliced: the continuous optimum (same model, real shares) is a lower bound. Rounding its shares to
-    # whole slices often meets that bound, which proves optimality at once; otherwise the exact engine
-    # starts from the rounded fleet as a hint and the bound as a cut.
     deadline = time.perf_counter() + limit
-    relax = solve_mip(problem, paths, coefs, units, limit * 0.4, backend="SCIP", integral_shares=False)
+    quick: EngineResult | None = None
+    if engine == "cp-sat":
+        quick = _cp_sat_exact(problem, paths, coefs, units, min(QUICK_S, limit * 0.25), workers=1)
+        if quick.status in (Status.OPTIMAL, Status.INFEASIBLE):
+            return quick
+    # Larger instances: the continuous optimum (same model, real shares) is a lower bound. Rounding its shares
+    # to whole slices often meets it, which proves optimality at once; else, whole slices may still fit its
+    # fleet (a feasibility question); else the exact engine runs with the bound as a cut and the best fleet
+    # so far as a hint, on every worker.
+    spent = quick.wall_s if quick else 0.0
+    relax = solve_mip(problem, paths, coefs, units, max(deadline - time.perf_counter(), 0.05) * 0.4, backend="SCIP", integral_shares=False)
+    spent += relax.wall_s
     if relax.status is Status.INFEASIBLE:
         return relax
-    lower = relax.bound if relax.status is Status.OPTIMAL or relax.bound is not None else None
+    lower = relax.bound
     hint = _round_shares(problem, paths, coefs, units, relax) if relax.status in (Status.OPTIMAL, Status.FEASIBLE) else None
     if hint is not None and lower is not None and hint.objective is not None and hint.objective <= lower * (1 + 1e-9) + 1e-9:
-        return replace(hint, wall_s=relax.wall_s, notes=("optimal: whole slices from the continuous optimum meet its bound",))
+        return replace(hint, wall_s=spent, notes=("optimal: whole slices from the continuous optimum meet its bound",))
+    if quick is not None and quick.objective is not None and (hint is None or hint.objective is None or quick.objective < hint.objective):
+        hint = quick
     if relax.status is Status.OPTIMAL and engine == "cp-sat":
-        # Do whole slices fit in the continuous optimum's fleet? Then that fleet is optimal for slices too.
         budget = max((deadline - time.perf_counter()) * 0.25, 0.02)
-        fit = solve_cp_sat(problem, paths, coefs, units, budget, round_up=True, fixed_counts=relax.counts, hint=hint)
+        fit = solve_cp_sat(problem, paths, coefs, units, budget, round_up=True, fixed_counts=relax.counts, hint=hint, workers=1)
+        spent += fit.wall_s
         if fit.status in (Status.OPTIMAL, Status.FEASIBLE):  # counts pinned: any solution costs the bound
             note = "optimal: whole slices fit the continuous optimum's fleet"
-            wall = relax.wall_s + fit.wall_s
-            return replace(fit, status=Status.OPTIMAL, objective=relax.objective, bound=relax.objective, wall_s=wall, notes=(note,))
+            return replace(fit, status=Status.OPTIMAL, objective=relax.objective, bound=relax.objective, wall_s=spent, notes=(note,))
     left = max(deadline - time.perf_counter(), 0.05)
     if engine != "cp-sat":
         exact = solve_mip(problem, paths, coefs, units, left, backend=engine.upper(), lower_bound=lower)
-        return _best(exact, hint, relax.wall_s)
-    exact = solve_cp_sat(problem, paths, coefs, units, left, lower_bound=lower, hint=hint)
-    if exact.status in (Status.OPTIMAL, Status.FEASIBLE) and _violations(problem, paths, coefs, exact):
-        # The rounded-down model's answer overloads some option by float dust: solve the rounded-up model,
-        # whose answers are all truly feasible; the relaxation's bound still bounds the true optimum.
-        left = max(deadline - time.perf_counter(), 0.05)
-        restricted = solve_cp_sat(problem, paths, coefs, units, left, round_up=True, lower_bound=lower, hint=hint)
-        if restricted.status in (Status.OPTIMAL, Status.FEASIBLE):
-            assert exact.bound is not None and restricted.objective is not None
-            proven = restricted.status is Status.OPTIMAL and restricted.objective <= exact.bound * (1 + 1e-9) + 1e-6
-            exact = replace(
-                restricted,
-                status=Status.OPTIMAL if proven else Status.FEASIBLE,
-                bound=exact.bound,
-                wall_s=exact.wall_s + restricted.wall_s,
-            )
-    return _best(exact, hint, relax.wall_s)
+    else:
+        exact = _cp_sat_exact(problem, paths, coefs, units, left, workers=EXACT_WORKERS, lower_bound=lower, hint=hint)
+    return _best(exact, hint, spent)
+
+
+def _cp_sat_exact(
+    problem: MixProblem,
+    paths: Sequence[Path],
+    coefs: Sequence[Mapping[int, float]],
+    units: int,
+    limit: float,
+    *,
+    workers: int,
+    lower_bound: float | None = None,
+    hint: EngineResult | None = None,
+) -> EngineResult:
+    """CP-SAT on the rounded-down (relaxed) scaling; if float dust overloads an option, the rounded-up one."""
+    deadline = time.perf_counter() + limit
+    kw: dict[str, Any] = {"workers": workers, "lower_bound": lower_bound, "hint": hint}
+    exact = solve_cp_sat(problem, paths, coefs, units, limit, **kw)
+    if exact.status not in (Status.OPTIMAL, Status.FEASIBLE) or not _violations(problem, paths, coefs, exact):
+        return exact
+    # The relaxation's answer overloads some option by float dust: solve the rounded-up model, whose answers
+    # are all truly feasible; the relaxation's bound still bounds the true optimum.
+    restricted = solve_cp_sat(problem, paths, coefs, units, max(deadline - time.perf_counter(), 0.05), round_up=True, **kw)
+    if restricted.status not in (Status.OPTIMAL, Status.FEASIBLE):
+        return replace(exact, status=Status.FEASIBLE, notes=("rounded-up model found no solution in time; counts repaired",))
+    assert exact.bound is not None and restricted.objective is not None
+    proven = restricted.status is Status.OPTIMAL and restricted.objective <= exact.bound * (1 + 1e-9) + 1e-6
+    return replace(
+        restricted,
+        status=Status.OPTIMAL if proven else Status.FEASIBLE,
+        bound=exact.bound,
+        wall_s=exact.wall_s + restricted.wall_s,
+    )
 
 
 def _best(exact: EngineResult, hint: EngineResult | None, extra_s: float) -> EngineResult:
@@ -268,20 +306,21 @@ def _trim(problem: MixProblem, counts: list[int], peak: Sequence[float]) -> None
             counts[o] -= 1
 
 
-def explain_infeasible(problem: MixProblem, **settings: Any) -> str:
+def explain_infeasible(problem: MixProblem, **settings: Any) -> InfeasibleError:
     """Say which caps bind: for each capped GPU type, the GPUs it would need if only its cap were lifted."""
     caps = {n: g.max_gpus for n, g in problem.gpus.items() if g.max_gpus is not None}
     cap_text = ", ".join(f"{g} ≤ {c}" for g, c in sorted(caps.items())) or "none"
-    fixes = []
+    fixes: dict[str, tuple[int, float]] = {}
     for name in sorted(caps):
         lifted = replace(problem, gpus={**problem.gpus, name: replace(problem.gpus[name], max_gpus=None)})
         try:
             sol = solve_mix(lifted, **settings)
         except PlacementError:
             continue
-        fixes.append(f"{name} to {sol.gpus.get(name, 0)} (${sol.cost_per_hour:.2f}/h)")
+        fixes[name] = (sol.gpus.get(name, 0), sol.cost_per_hour)
     if fixes:
-        return f"no fleet within the caps ({cap_text}) serves the demand; raising one cap would: " + ", or ".join(fixes)
+        ways = ", or ".join(f"{g} to {n} (${c:.2f}/h)" for g, (n, c) in fixes.items())
+        return InfeasibleError(f"no fleet within the caps ({cap_text}) serves the demand; raising one cap would: {ways}", fixes)
     free = MixProblem(
         {n: replace(g, max_gpus=None) for n, g in problem.gpus.items()},
         tuple(replace(o, max_instances=None) for o in problem.options),
@@ -290,9 +329,11 @@ def explain_infeasible(problem: MixProblem, **settings: Any) -> str:
     try:
         uncapped = solve_mix(free, **settings)
     except PlacementError as exc:
-        return f"no fleet serves the demand even without caps: {exc}"
+        return InfeasibleError(f"no fleet serves the demand even without caps: {exc}")
     fleet = ", ".join(f"{n}× {g}" for g, n in sorted(uncapped.gpus.items()))
-    return f"no fleet within the caps ({cap_text}) serves the demand, nor with any one cap lifted; without caps: {fleet} (${uncapped.cost_per_hour:.2f}/h)"
+    return InfeasibleError(
+        f"no fleet within the caps ({cap_text}) serves the demand, nor with any one cap lifted; without caps: {fleet} (${uncapped.cost_per_hour:.2f}/h)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +358,11 @@ def single_type_fleets(problem: MixProblem, **kwargs: object) -> list[SingleType
             out.append(SingleType(name, solve_mix(sub, **kwargs)))  # type: ignore[arg-type]
         except UnservableError as exc:
             out.append(SingleType(name, None, f"cannot serve {len(exc.buckets)} bucket(s) within the SLO"))
+        except InfeasibleError as exc:
+            need = exc.fixes.get(name)
+            cap = problem.gpus[name].max_gpus
+            reason = f"needs {need[0]} GPUs, {cap} available (${need[1]:.2f}/h uncapped)" if need else str(exc)
+            out.append(SingleType(name, None, reason))
         except PlacementError as exc:
             out.append(SingleType(name, None, str(exc)))
     return out

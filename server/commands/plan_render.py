@@ -65,16 +65,19 @@ def _assignment(doc: Mapping[str, Any], console: Console) -> None:
     rows = doc["assignment"]
     if not rows:
         return
-    table = Table(title="Routing hints: share of each bucket's requests per instance type")
-    has_window = "window" in rows[0]
-    cols = ["window"] if has_window else []
-    for col in (*cols, "model", "input tokens", "output tokens", "req/s", "shares"):
+    title = "Routing hints: share of each bucket's requests per instance type"
+    if doc.get("time_varying"):  # one table per window would drown the reader: show the busiest
+        busiest = max(doc["time_varying"]["windows"], key=lambda w: w["rate"])["index"]
+        rows = [r for r in rows if r.get("window") == busiest]
+        title += f" (busiest window {busiest}; every window in --json)"
+    table = Table(title=title)
+    for col in ("model", "input tokens", "output tokens", "req/s", "shares"):
         table.add_column(col)
     for r in rows[:60]:
         inp = f"[{r['input'][0]}, {r['input'][1]})" if "input" in r else f"#{r['bucket'][0]}"
         out = f"[{r['output'][0]}, {r['output'][1]})" if "output" in r else f"#{r['bucket'][1]}"
         shares = ", ".join(f"{k.split('/', 1)[1]} {v:.0%}" for k, v in r["shares"].items())
-        table.add_row(*([str(r["window"])] if has_window else []), r["model"], inp, out, f"{r['rate']:.3g}", shares)
+        table.add_row(r["model"], inp, out, f"{r['rate']:.3g}", shares)
     console.print(table)
     if len(rows) > 60:
         console.print(f"… {len(rows) - 60} more buckets in --json")

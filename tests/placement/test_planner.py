@@ -170,3 +170,12 @@ def test_cheapest_mix_online_call() -> None:
     assert sol.gpus == {"A100-80GB": 2, "A10G": 1}
     with pytest.raises(PlacementError, match="no profile for model"):
         cheapest_mix({"other": [1.0]}, profiles, {"A10G": A10G})
+
+
+def test_single_type_over_its_cap_says_how_many_it_would_need() -> None:
+    # A100 alone needs 5 (load 4.638, see above) but only 2 are available; the mix still has A10G/L4 for the
+    # short buckets and 2 A100 for the long ones.
+    offers = load_gpu_offers({"A10G": {}, "L4": {}, "A100-80GB": {"max": 2}})
+    inp = PlanInput(offers, fixture_profiles(*TPOT40), load_workload(str(FIXTURES / "workload.yaml")), Slo(tpot_ms=40))
+    reasons = {s.gpu: s.reason for s in make_plan(inp).singles}
+    assert reasons["A100-80GB"] == "needs 5 GPUs, 2 available ($18.35/h uncapped)"
