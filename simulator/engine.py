@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 from placement.perf_model import PerfModel
 from simulator.kv_blocks import KvAccounting
@@ -114,15 +115,17 @@ class EngineCounters:
     prefix_cache_hits: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What one engine step did. Every id in `decoded` or `prefilled` emitted exactly one token at `end`."""
+class StepResult(NamedTuple):
+    """What one engine step did. Every id in `decoded` or `prefilled` emitted exactly one token at `end`.
+
+    A NamedTuple rather than a dataclass: one is built per step, and tuple construction is the cheapest.
+    """
 
     start: float
     duration_s: float
     num_prefill_tokens: int = 0
     num_decodes: int = 0
-    decoded: tuple[str, ...] = ()  # decoding sequences (admission order at join); includes those finishing
+    decoded: tuple[str, ...] = ()  # decoding sequences (in decode-join order); includes those finishing
     prefilled: tuple[str, ...] = ()  # prefill or recompute completed → one token
     first_tokens: tuple[str, ...] = ()  # subset of `prefilled`: the request's very first token
     finished: tuple[RequestRecord, ...] = ()
@@ -139,7 +142,7 @@ class StepResult:
 
     @property
     def idle(self) -> bool:
-        return self.num_tokens == 0
+        return self.num_prefill_tokens + self.num_decodes == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +254,7 @@ class Engine:
         self._waiting: deque[_Seq] = deque()
         self._running: dict[str, _Seq] = {}  # admission order; the last one is "most recently admitted"
         self._decoding: dict[str, _Seq] = {}
+        self._decoded: tuple[str, ...] | None = ()  # tuple(self._decoding), None when stale
         self._partial: _Seq | None = None  # the running sequence still mid-prefill (tail of running)
         self._transferring: dict[str, _Seq] = {}
         self._transfer_heap: list[tuple[float, int, _Seq]] = []
@@ -397,16 +401,19 @@ class Engine:
             self._land_transfers(now)
         g = self._g
         preempted: list[str] = []
-        self._grow_decodes(g, preempted)
-        budget = self.config.max_num_batched_tokens - len(self._decoding)
+        if g in self._growth:
+            self._grow_decodes(g, preempted)
+        decoding = self._decoding
+        budget = self.config.max_num_batched_tokens - len(decoding)
         chunks: list[tuple[_Seq, int]] = []
-        budget = self._schedule_partial(chunks, budget, preempted)
-        if not preempted:  # vLLM skips admissions in a step that preempted
+        if self._partial is not None:
+            budget = self._schedule_partial(chunks, budget, preempted)
+        if self._waiting and not preempted:  # vLLM skips admissions in a step that preempted
             self._admit_waiting(now, chunks, budget)
-        n_dec = len(self._decoding)
+        n_dec = len(decoding)
         landed = tuple(self._landed) if self._landed else ()
         if n_dec == 0 and not chunks:
-            return StepResult(now, 0.0, preempted=tuple(preempted), kv_received=landed)
+            return StepResult(now, 0.0, 0, 0, (), (), (), (), tuple(preempted), landed)
         p_tokens = 0
         pairs = 0.0
         for s, n in chunks:
@@ -419,7 +426,9 @@ class Engine:
         c.steps += 1
         c.busy_s += dur
         c.generation_tokens += n_dec
-        decoded = tuple(self._decoding) if n_dec else ()
+        decoded = self._decoded
+        if decoded is None:  # rebuilt only when the decoding set changed since the last step
+            decoded = self._decoded = tuple(decoding)
         finished: list[RequestRecord] = []
         fin = self._finish.pop(g, None)
         if fin:
@@ -428,17 +437,19 @@ class Engine:
                     self._finish_decode(s, g, end, finished)
         prefilled: list[str] = []
         firsts: list[str] = []
-        self._partial = None
-        for s, n in chunks:
-            s.computed += n
-            if s.computed < s.num_tokens:
-                self._partial = s  # budget ran out mid-prompt: only ever the last chunk
-            else:
-                self._prefill_done(s, g, end, prefilled, firsts, finished)
+        if chunks:
+            self._partial = None
+            for s, n in chunks:
+                s.computed += n
+                if s.computed < s.num_tokens:
+                    self._partial = s  # budget ran out mid-prompt: only ever the last chunk
+                else:
+                    self._prefill_done(s, g, end, prefilled, firsts, finished)
         self._g = g + 1
         return StepResult(
-            now, dur, p_tokens, n_dec, decoded, tuple(prefilled), tuple(firsts), tuple(finished),
-            tuple(preempted), landed,
+            now, dur, p_tokens, n_dec, decoded, tuple(prefilled) if prefilled else (),
+            tuple(firsts) if firsts else (), tuple(finished) if finished else (),
+            tuple(preempted) if preempted else (), landed,
         )  # fmt: skip
 
     def _grow_decodes(self, g: int, preempted: list[str]) -> None:
@@ -571,6 +582,7 @@ class Engine:
         s.g0, s.c0, s.out0 = g_next, s.computed, s.out
         s.g_fin = g_next + s.stop_at - s.out - 1  # the step that emits token number stop_at
         self._decoding[s.id] = s
+        self._decoded = None
         self._ctx_base += s.c0 - g_next
         self._file(self._finish, s.g_fin, s)
         gg = s.grow_at = g_next + self.kv.next_growth(s.req, s.c0) - s.c0
@@ -584,6 +596,7 @@ class Engine:
         s.computed = s.c0 + k
         s.num_tokens = s.prompt_len + s.out
         del self._decoding[s.id]
+        self._decoded = None
         self._ctx_base -= s.c0 - s.g0
         s.grow_at = -1
 
