@@ -42,6 +42,7 @@ class NoParams(BaseModel):
 
 class ModelFilter:
     type: ClassVar[str] = "model"
+    partition: ClassVar[str] = "model"  # the framework may apply it as a fleet partition (same result)
     Params = NoParams
 
     def __init__(self, params: NoParams | None = None) -> None:
@@ -53,6 +54,7 @@ class ModelFilter:
 
 class RoleFilter:
     type: ClassVar[str] = "role"
+    partition: ClassVar[str] = "role"  # the framework may apply it as a fleet partition (same result)
     Params = NoParams
 
     def __init__(self, params: NoParams | None = None) -> None:
@@ -88,7 +90,7 @@ class StateFilter:
         self.params = params or NoParams()
 
     def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
-        return _STATE_REASONS.get(WorkerState(worker.state))
+        return _STATE_REASONS.get(worker.state)  # StrEnum: a plain str state hashes the same
 
 
 class BreakerFilter:
@@ -113,10 +115,13 @@ class ContextLengthFilter:
 
     def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
         tokens = cycle.req.prompt_tokens + 1
-        limit = worker.capacity.max_model_len
+        capacity = worker.capacity
+        limit = capacity.max_model_len
         if limit is not None and tokens > limit:
             return FilterReason.EXCEEDS_CONTEXT
-        if worker.blocks_for(tokens) > worker.kv_blocks_total:
+        block = worker.block_size or capacity.block_size
+        total = worker.num_gpu_blocks or capacity.kv_blocks
+        if -(-tokens // block) > total:  # ceil(tokens / block_size) blocks
             return FilterReason.EXCEEDS_CONTEXT
         return None
 
@@ -150,6 +155,9 @@ class KvFitParams(BaseModel):
     use_ledger: bool = True  # ask a reserve plugin's `fits` when one is configured
 
 
+_CHECKERS = "kv-fit/checkers"
+
+
 @functools.cache
 def _is_fit_checker(cls: type) -> bool:
     """`FitChecker` is a runtime Protocol; its isinstance check is slow, so decide once per class."""
@@ -164,7 +172,11 @@ class KvFitFilter:
         self.params = params or KvFitParams()
 
     def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
-        checkers = [p for p in cycle.reserve_plugins if _is_fit_checker(type(p))] if self.params.use_ledger else []
+        key = f"{_CHECKERS}/{id(self)}"
+        checkers = cycle.facts.get(key)
+        if checkers is None:  # once per cycle, not per worker
+            checkers = [p for p in cycle.reserve_plugins if _is_fit_checker(type(p))] if self.params.use_ledger else []
+            cycle.facts[key] = checkers
         if checkers:
             fits = all(c.fits(cycle.req, worker, cycle.now) for c in checkers)
             return None if fits else FilterReason.KV_FULL
