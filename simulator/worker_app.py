@@ -160,16 +160,27 @@ class WorkerRuntime:
         if api.stream:
             cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
             return StreamingResponse(self._stream(api, tk, bool(cut)), media_type="text/event-stream")
-        try:
-            rec = await tk.wait_done()
-        except asyncio.CancelledError:
-            self.driver.abort(tk)
-            raise
+        rec = await self._finished_or_disconnected(request, tk)
+        if rec is None:
+            return Response(status_code=499)  # nobody is listening any more
         text = "".join(pseudo_words(self.cfg.seed, prompt_fingerprint(ereq), 0, rec.output_tokens))
         build = chat_body if chat else completion_body
         out = build(rid, self.served, self.created, text, rec.finish_reason.value, rec.prompt_tokens,
                     rec.output_tokens, self._kv_response(rec))  # fmt: skip
         return JSONResponse(out)
+
+    async def _finished_or_disconnected(self, request: Request, tk: Ticket) -> RequestRecord | None:
+        """Wait for the request to finish; if the client disconnects first, abort it (as vLLM does) → None."""
+        waiter = asyncio.ensure_future(tk.wait_done())
+        listener = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({waiter, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            listener.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                self.driver.abort(tk)
+        return waiter.result() if waiter in done else None
 
     async def _stream(self, api: ApiRequest, tk: Ticket, cut: bool) -> AsyncIterator[str]:
         w = ChunkWriter(tk.request.request_id, self.served, api.chat)
@@ -279,6 +290,12 @@ class WorkerRuntime:
             "num_held": eng.num_held, "kv_usage": eng.kv_usage, "num_gpu_blocks": eng.num_gpu_blocks,
             "block_size": eng.block_size, "max_model_len": eng.max_model_len, "counters": asdict(eng.counters),
         }  # fmt: skip
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the ASGI server reports the client gone (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_worker_app(cfg: WorkerConfig) -> FastAPI:

@@ -3,6 +3,7 @@ and not, usage and include_usage, token-id prompts, natural EOS and min_tokens, 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
@@ -140,3 +141,33 @@ async def test_stream_is_paced_by_engine_step_times(served) -> None:
     assert len(stamps) == 25
     assert stamps[-1] - stamps[0] >= 0.8 * busy * 24 / 25
     assert stamps[-1] - stamps[0] <= busy + 1.0  # generous: a loaded CI machine
+
+
+@pytest.mark.parametrize(
+    "stream", [False, True], ids=["non-stream disconnect aborts", "stream disconnect aborts"]
+)
+async def test_client_disconnect_aborts_the_request(served, stream: bool) -> None:
+    cfg = WorkerConfig(gpu="L4", model="llama-3-8b", time_scale=1.0)  # L4 decode ≈ 66 ms per token
+    async with served(cfg) as w:
+        eng = w.runtime.engine
+        body = {
+            "model": "llama-3-8b",
+            "prompt": "hi",
+            "max_tokens": 500,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=0.3)) as h:
+            if stream:
+                async with h.stream("POST", w.url + "/v1/completions", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            break  # leave after the first token
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    await h.post(w.url + "/v1/completions", json=body)
+        deadline = time.monotonic() + 5
+        while eng.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert eng.num_running == 0 and eng.kv.used == 0
+        assert eng.counters.success == {"stop": 0, "length": 0}  # vLLM counts no success for an abort
