@@ -42,8 +42,11 @@ per block_size tokens per sequence), admissions, preemptions — because decodin
 implicitly by a global step counter: a sequence that joined decode at step g0 with c0 tokens computed has
 c0 + (g − g0) at step g. Only `StepResult.decoded` (a tuple of the decoding ids) is O(batch), in C.
 
-Not modelled: prefix caching (counters exist and stay 0), speculative decoding, priorities, LoRA,
-swap-based preemption, CUDA-graph padding, async scheduling overlap.
+Prefix caching (`enable_prefix_caching`, token-id prompts): full prompt blocks are hashed and reused at
+admission (simulator/prefix_cache.py); hit tokens cost no prefill work.
+
+Not modelled: speculative decoding, priorities, LoRA, swap-based preemption, CUDA-graph padding, async
+scheduling overlap.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from typing import NamedTuple
 
 from placement.perf_model import PerfModel
 from simulator.kv_blocks import KvAccounting
+from simulator.prefix_cache import PrefixCache, block_hashes
 from simulator.requests import (
     EngineRequest,
     FinishReason,
@@ -76,7 +80,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks: int | None = None  # None → perf model capacity (vLLM: --num-gpu-blocks-override)
     max_model_len: int | None = None  # None → min(model.max_context, KV capacity in tokens)
-    enable_prefix_caching: bool = False  # accepted for API parity; not modelled (see module docstring)
+    enable_prefix_caching: bool = False  # vLLM's automatic prefix caching (simulator/prefix_cache.py)
     natural_output_mean: float = 204.0  # mean EOS position of the simulated model (ShareGPT-like)
     natural_output_shape: float = 2.0  # gamma shape k of the EOS position: cv = 1/√k (ShareGPT: 0.71)
 
@@ -176,8 +180,8 @@ class _Seq:
 
     __slots__ = (
         "arrival", "blocks", "c0", "computed", "expiry", "first_scheduled", "first_token", "g0", "g_fin", "grow_at",
-        "id", "num_tokens", "out", "out0", "pending", "preemptions", "prompt_len", "ready_at", "remote_pending",
-        "req", "state", "stop_at", "stop_reason",
+        "hashes", "id", "n_hashed", "num_tokens", "out", "out0", "pending", "preemptions", "prompt_len", "ready_at",
+        "remote_pending", "req", "shared", "state", "stop_at", "stop_reason",
     )  # fmt: skip
 
     def __init__(self, req: EngineRequest, arrival: float, stop_at: int, stop_reason: FinishReason) -> None:
@@ -204,6 +208,11 @@ class _Seq:
         self.remote_pending = bool(kvt and kvt.remote_prefilled)
         self.ready_at = 0.0
         self.expiry = 0.0
+        # Prefix caching: the prompt's full-block hashes, how many of them this sequence has registered or
+        # reused (a prefix), and the cached blocks it references (included in `blocks`, not private).
+        self.hashes: tuple[int, ...] = ()
+        self.n_hashed = 0
+        self.shared: list[int] = []
 
 
 class Engine:
@@ -248,6 +257,7 @@ class Engine:
         # Per-request API-server time (tokenise, schedule, detokenise): drivers add it before admission.
         self.api_overhead_s = perf.constants.api_overhead_s
         self.counters = EngineCounters()
+        self._pc = PrefixCache(kv) if config.enable_prefix_caching else None
         self._g = 0  # step counter: decoding sequences advance implicitly with it
         self._ctx_base = 0  # Σ (c0 − g0) over decoding sequences → Σ context = ctx_base + n·(g + 1)
         self._seqs: dict[str, _Seq] = {}
@@ -264,6 +274,7 @@ class Engine:
         self._finish: dict[int, list[_Seq]] = {}  # step → sequences emitting their last token
         self._tie = 0
         self._landed: list[str] = []  # transfers landed during the current step (StepResult.kv_received)
+        self._now = 0.0  # start of the step being scheduled
 
     # ---------------------------------------------------------------- state
     @property
@@ -350,6 +361,8 @@ class Engine:
             if natural < cap:  # EOS before the length limit; at equality vLLM reports "length"
                 stop_at, reason = natural, FinishReason.STOP
         s = _Seq(req, now if arrival is None else arrival, stop_at, reason)
+        if self._pc is not None and req.token_ids is not None:
+            s.hashes = block_hashes(req.token_ids, self.kv.block_size)
         self._seqs[rid] = s
         self._waiting.append(s)
 
@@ -365,8 +378,7 @@ class Engine:
             del self._transferring[request_id]
         else:
             self._leave_running(s)
-        self.kv.release(s.blocks)
-        s.blocks = 0
+        self._free_blocks(s)
         s.state = _State.DONE
         del self._seqs[request_id]
         return self._record(s, FinishReason.ABORT, now)
@@ -377,8 +389,8 @@ class Engine:
         if s is None:
             return 0
         s.state = _State.DONE
-        freed, s.blocks = s.blocks, 0
-        self.kv.release(freed)
+        freed = s.blocks
+        self._free_blocks(s)
         return freed
 
     def expire_held(self, now: float) -> int:
@@ -393,6 +405,7 @@ class Engine:
     # ---------------------------------------------------------------- the step
     def step(self, now: float) -> StepResult:
         """Schedule and execute one forward pass starting at `now`. Idle (duration 0) when nothing can run."""
+        self._now = now
         if self._held_heap:
             self.expire_held(now)
         if self._landed:
@@ -475,6 +488,8 @@ class Engine:
             need -= victim.pending
             self._preempt(victim, g)
             preempted.append(victim.id)
+        if self._pc is not None:
+            self._pc.make_room(need)
         kv.allocate(need)
         book = self._growth
         bs = kv.block_size
@@ -506,8 +521,12 @@ class Engine:
             self._preempt(p, self._g)
             preempted.append(p.id)
             return budget
+        if self._pc is not None:
+            self._pc.make_room(extra)
         self.kv.allocate(extra)
         p.blocks += extra
+        if p.hashes and self._pc is not None:
+            self._register_blocks(self._pc, p, p.computed + n)
         chunks.append((p, n))
         return budget - n
 
@@ -520,19 +539,86 @@ class Engine:
                 if not self._start_transfer(s, now):
                     break
                 continue  # in flight → the next waiting request may go; landed already → back at the front
+            if s.hashes and s.computed == 0:
+                n = self._admit_cached(s, budget, chunks)
+                if n == 0:
+                    break
+                budget -= n
+                continue
             n = min(s.num_tokens - s.computed, budget)
             extra = kv.blocks_for(s.req, s.computed + n) - s.blocks
             if extra > kv.free:
                 break  # new requests never preempt
             waiting.popleft()
+            if self._pc is not None:
+                self._pc.make_room(extra)
             kv.allocate(extra)
             s.blocks += extra
+            if (
+                s.hashes and self._pc is not None
+            ):  # remote KV landed (P/D): its prompt blocks become cacheable
+                self._register_blocks(self._pc, s, s.computed + n)
             s.state = _State.PREFILL
             running[s.id] = s
             if s.first_scheduled is None:
                 s.first_scheduled = now
             chunks.append((s, n))
             budget -= n
+
+    def _admit_cached(self, s: _Seq, budget: int, chunks: list[tuple[_Seq, int]]) -> int:
+        """Admit `s` reusing its cached prompt prefix (prefix caching); returns the chunk's tokens, 0 when it
+        does not fit."""
+        pc, kv = self._pc, self.kv
+        assert pc is not None
+        bs = kv.block_size
+        k = pc.match(s.hashes, (s.num_tokens - 1) // bs)  # leave ≥ 1 token to compute (for the logits)
+        hit = s.hashes[:k]
+        n = min(s.num_tokens - k * bs, budget)
+        extra = kv.blocks_for(s.req, k * bs + n) - k
+        if extra + pc.pool_cost(hit) > kv.free:
+            return 0  # new requests never preempt
+        self._waiting.popleft()
+        c = self.counters
+        c.prefix_cache_queries += s.num_tokens
+        c.prefix_cache_hits += k * bs
+        pc.acquire(hit)
+        s.shared = list(hit)
+        s.n_hashed = k
+        s.computed = k * bs
+        pc.make_room(extra)
+        kv.allocate(extra)
+        s.blocks = k + extra
+        self._register_blocks(pc, s, k * bs + n)
+        s.state = _State.PREFILL
+        self._running[s.id] = s
+        if s.first_scheduled is None:
+            s.first_scheduled = self._now
+        chunks.append((s, n))
+        return n
+
+    def _register_blocks(self, pc: PrefixCache, s: _Seq, tokens: int) -> None:
+        """Cache the prompt blocks that are full once `tokens` are computed. Done when the chunk is scheduled,
+        as vLLM v1 does, so a request admitted later in the same step already hits them (the forward pass
+        writes a layer's KV before that layer's attention reads it)."""
+        full = min(tokens // self.kv.block_size, len(s.hashes))
+        for i in range(s.n_hashed, full):
+            h = s.hashes[i]
+            pc.register(h)
+            s.shared.append(h)
+        if full > s.n_hashed:
+            s.n_hashed = full
+
+    def _free_blocks(self, s: _Seq) -> None:
+        """Give back a sequence's blocks: private ones to the pool, cached ones by reference."""
+        if s.shared:
+            assert self._pc is not None
+            self.kv.release(s.blocks - len(s.shared))
+            self._pc.release(s.shared)
+            s.shared = []
+        else:
+            self.kv.release(s.blocks)
+        s.blocks = 0
+        s.n_hashed = 0
 
     # ---------------------------------------------------------------- P/D transfers
     def _start_transfer(self, s: _Seq, now: float) -> bool:
@@ -541,6 +627,8 @@ class Engine:
         if need > self.kv.free:
             return False
         self._waiting.popleft()
+        if self._pc is not None:
+            self._pc.make_room(need)
         self.kv.allocate(need)
         s.blocks += need
         assert s.req.kv_transfer is not None
@@ -610,8 +698,7 @@ class Engine:
 
     def _preempt(self, s: _Seq, g: int) -> None:
         self._leave_running(s)
-        self.kv.release(s.blocks)
-        s.blocks = 0
+        self._free_blocks(s)
         self.counters.preemptions += 1
         self.counters.recomputed_tokens += s.computed
         s.computed = 0
@@ -659,8 +746,7 @@ class Engine:
             heapq.heappush(self._held_heap, (s.expiry, self._tie, s))
             finished.append(self._record(s, s.stop_reason, end, held=s.blocks))
             return
-        self.kv.release(s.blocks)
-        s.blocks = 0
+        self._free_blocks(s)
         s.state = _State.DONE
         finished.append(self._record(s, s.stop_reason, end))
 

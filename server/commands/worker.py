@@ -76,6 +76,11 @@ def register(app: typer.Typer) -> None:
         max_model_len: int | None = typer.Option(
             None, "--max-model-len", help="Context limit (default: model's)."
         ),
+        enable_prefix_caching: bool = typer.Option(
+            False,
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            help="Reuse cached full prompt blocks.",
+        ),
         served_model_name: str | None = typer.Option(None, "--served-model-name", help="Name clients use."),
         catalog: str | None = typer.Option(
             None, "--catalog", help="YAML of GPU/model rows over the built-ins."
@@ -104,7 +109,7 @@ def register(app: typer.Typer) -> None:
                 engine=EngineConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks=num_gpu_blocks,
-                    max_model_len=max_model_len,
+                    max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                 ),
                 served_model_name=served_model_name, catalog_path=catalog, kv_link_gbps=kv_link_gbps,
                 faults=FaultConfig(error_rate=error_rate, stall_rate=stall_rate, stall_s=stall_s,

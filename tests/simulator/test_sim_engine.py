@@ -34,6 +34,9 @@ def drain(eng: Engine, now: float = 0.0, limit: int = 100_000) -> list[StepResul
 
 def assert_kv_consistent(eng: Engine) -> None:
     """Blocks in use = Σ blocks the requests hold, and each holds blocks_for(its KV tokens) (stock paging)."""
+    if eng._pc is not None:
+        assert_cache_consistent(eng)
+        return
     views = eng.requests()
     assert eng.kv.used == sum(v.blocks for v in views)
     for v in views:
@@ -245,3 +248,86 @@ def test_remote_prefilled_request_pays_the_transfer_then_computes_one_token() ->
     assert res.duration_s == pytest.approx(H100.step_time_totals(1, 1 * (99 + 0.5), 0, 0, 1))
     recs = [r for s in drain(eng, res.end) for r in s.finished]
     assert recs[0].output_tokens == 3 and recs[0].ttft == pytest.approx(res.end)
+
+
+# ---------------------------------------------------------------- prefix caching
+def cached_engine(**cfg: object) -> Engine:
+    return Engine(H100, EngineConfig(enable_prefix_caching=True, block_size=16, **cfg), seed=0)  # type: ignore[arg-type]
+
+
+def assert_cache_consistent(eng: Engine) -> None:
+    """In use = private blocks of every request + cached blocks someone references (each once)."""
+    pc = eng._pc
+    assert pc is not None
+    views = {v.request_id: v for v in eng.requests()}
+    shared = sum(len(eng._seqs[r].shared) if r in eng._seqs else len(eng._held[r].shared) for r in views)
+    private = sum(v.blocks for v in views.values()) - shared
+    referenced = sum(1 for n in pc.refs.values() if n > 0)
+    assert eng.kv.used == private + referenced
+    assert set(pc.evictable) == {h for h, n in pc.refs.items() if n == 0}
+
+
+def test_prefix_cache_reuses_full_prompt_blocks() -> None:
+    eng = cached_engine()
+    prompt = list(range(1000, 1100))  # 100 tokens: 6 full blocks (96 tokens) + 4
+    eng.add_request(req("a", prompt, 50), 0.0)  # type: ignore[arg-type]
+    first = eng.step(0.0)
+    assert first.num_prefill_tokens == 100
+    eng.add_request(req("b", prompt, 50), first.end)  # type: ignore[arg-type]
+    second = eng.step(first.end)
+    # b reuses a's 6 registered blocks: only its last 4 tokens are prefilled (after 96 cached)
+    assert (second.num_prefill_tokens, second.first_tokens) == (4, ("b",))
+    assert second.duration_s == pytest.approx(H100.step_time_totals(4, 4 * (96 + 2), 1, 101, 2))
+    assert (eng.counters.prefix_cache_queries, eng.counters.prefix_cache_hits) == (200, 96)
+    # a holds 7 blocks (6 cached + 1); b holds the same 6 by reference + 1 private: 8 blocks in use
+    assert eng.kv.used == 8
+    assert_cache_consistent(eng)
+    drain(eng, second.end)
+    assert eng.kv.used == 0 and eng.kv_usage == 0.0  # cached but unreferenced blocks count as free
+    assert len(eng._pc.evictable) == 6  # type: ignore[union-attr]
+
+
+def test_fully_cached_prompt_still_computes_its_last_block() -> None:
+    eng = cached_engine()
+    prompt = list(range(96))  # exactly 6 blocks
+    eng.add_request(req("a", prompt, 1), 0.0)  # type: ignore[arg-type]
+    end = eng.step(0.0).end
+    eng.add_request(req("b", prompt, 1), end)  # type: ignore[arg-type]
+    # at most (96 − 1) // 16 = 5 blocks are reused, so 16 tokens are computed for the logits
+    assert eng.step(end).num_prefill_tokens == 16
+    assert eng.counters.prefix_cache_hits == 80
+
+
+def test_unreferenced_cached_blocks_are_evicted_lru_when_room_is_needed() -> None:
+    from simulator.prefix_cache import block_hashes
+
+    eng = cached_engine(num_gpu_blocks=10, max_model_len=160)
+    p0, p1, big = list(range(64)), list(range(1000, 1064)), list(range(5000, 5096))
+    now = 0.0
+    for i, prompt in enumerate((p0, p1)):  # two 64-token prompts (4 full blocks each) prefilled and finished
+        eng.add_request(req(f"p{i}", prompt, 1), now)  # type: ignore[arg-type]
+        now = eng.step(now).end
+    pc = eng._pc
+    assert pc is not None and len(pc.evictable) == 8 and eng.kv.used == 0 and eng.kv_usage == 0.0
+    eng.add_request(req("big", big, 1), now)  # type: ignore[arg-type]
+    eng.step(now)
+    # big needs 6 blocks: 10 − 8 cached = 2 truly free, so the 4 least recently freed (p0's) are evicted;
+    # then big's own 6 blocks are cached as it finishes: p1's 4 + big's 6 remain.
+    assert not set(block_hashes(p0, 16)) & set(pc.refs)
+    assert set(pc.refs) == set(block_hashes(p1, 16)) | set(block_hashes(big, 16))
+    assert len(pc.evictable) == 10 and eng.kv.used == 0
+
+
+def test_prefix_cache_stays_consistent_under_preemption() -> None:
+    eng = cached_engine(num_gpu_blocks=40, max_model_len=640, max_num_seqs=8)
+    shared = list(range(64))
+    for i in range(8):
+        eng.add_request(req(f"r{i}", shared + list(range(1000 * (i + 1), 1000 * (i + 1) + 40)), 60), 0.0)  # type: ignore[arg-type]
+    now = 0.0
+    while eng.has_work():
+        res = eng.step(now)
+        assert_cache_consistent(eng)
+        now = res.end
+    assert eng.counters.preemptions > 0
+    assert eng.counters.prefix_cache_hits >= 7 * 64  # the shared 4 blocks, once per later admission
+    assert eng.kv.used == 0

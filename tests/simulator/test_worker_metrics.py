@@ -131,3 +131,17 @@ async def test_counters_and_histograms_after_a_workload(asgi) -> None:
         fams, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_bucket", le="+Inf"
     )
     assert le_inf == 5
+
+
+async def test_prefix_cache_counters_with_caching_on(asgi) -> None:
+    cfg = WorkerConfig(gpu="H100", model=M, time_scale=1e5, engine=EngineConfig(enable_prefix_caching=True))
+    async with asgi(cfg) as (client, _):
+        body = {"model": M, "prompt": "q" * 200, "max_tokens": 2, "ignore_eos": True}  # 200 chars → 50 tokens
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        fams = parse((await client.get("/metrics")).text)
+    # both look up 50 tokens; the second finds the first's 3 full blocks of 16 = 48 tokens
+    assert value(fams, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 100
+    assert value(fams, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 48
+    info = fams["vllm:cache_config_info"]["samples"][0][1]
+    assert info["enable_prefix_caching"] == "True"
