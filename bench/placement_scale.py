@@ -46,11 +46,30 @@ from placement.solver import solve_mix  # noqa: E402
 
 # (GPU, tp) options in the order instances take them: Mélange's four first, then the rest of the catalog.
 OPTIONS = [
-    ("A10G", 1), ("A100-80GB", 1), ("H100-SXM", 1), ("L4", 1), ("L40S", 1), ("A40", 1), ("A100-40GB", 1),
-    ("H200", 1), ("T4", 2), ("A10G", 2), ("L4", 2), ("L40S", 2), ("A100-80GB", 2), ("H100-SXM", 2),
+    ("A10G", 1),
+    ("A100-80GB", 1),
+    ("H100-SXM", 1),
+    ("L4", 1),
+    ("L40S", 1),
+    ("A40", 1),
+    ("A100-40GB", 1),
+    ("H200", 1),
+    ("T4", 2),
+    ("A10G", 2),
+    ("L4", 2),
+    ("L40S", 2),
+    ("A100-80GB", 2),
+    ("H100-SXM", 2),
 ]
 # (types, input buckets, output buckets, slice factor, seeds)
-SIZES = [(2, 2, 2, 1, 1), (4, 6, 6, 4, 4), (4, 6, 6, 16, 1), (8, 8, 8, 8, 1), (12, 10, 10, 4, 1), (12, 10, 10, 16, 2)]
+SIZES = [
+    (2, 2, 2, 1, 1),
+    (4, 6, 6, 4, 4),
+    (4, 6, 6, 16, 1),
+    (8, 8, 8, 8, 1),
+    (12, 10, 10, 4, 1),
+    (12, 10, 10, 16, 2),
+]
 QUICK_SIZES = [(2, 2, 2, 1, 1), (4, 6, 6, 4, 1), (12, 10, 10, 16, 1)]
 TPOT_S = 0.120
 TOTAL_RATE = 150.0  # req/s
@@ -96,12 +115,16 @@ def make_instance(n_types: int, n_in: int, n_out: int, seed: int) -> tuple[MixPr
         # prices differ by provider and month: each instance draws its own within ±50 % of the catalog's
         gpus.setdefault(gpu.name, GpuOffer(gpu.name, round(gpu.cost_per_hour * rng.uniform(0.5, 1.5), 2)))
         rates = tuple(
-            round(max_rate(perf, kv, ins[i + 1] - 1, outs[j + 1] - 1) * rng.uniform(0.9, 1.1), 4) if kv else 0.0
+            round(max_rate(perf, kv, ins[i + 1] - 1, outs[j + 1] - 1) * rng.uniform(0.9, 1.1), 4)
+            if kv
+            else 0.0
             for i in range(n_in)
             for j in range(n_out)
         )
         options.append(InstanceOption("llama-3-8b", gpu.name, rates, tp))
-    weights = [math.exp(-0.25 * i - 0.25 * j) * rng.uniform(0.3, 1.7) for i in range(n_in) for j in range(n_out)]
+    weights = [
+        math.exp(-0.25 * i - 0.25 * j) * rng.uniform(0.3, 1.7) for i in range(n_in) for j in range(n_out)
+    ]
     servable = [any(o.rates[b] > 0 for o in options) for b in range(len(weights))]
     weights = [w if ok else 0.0 for w, ok in zip(weights, servable, strict=True)]
     total = sum(weights)
@@ -116,16 +139,24 @@ def melange_cbc(problem: MixProblem, k: int, time_limit_s: float) -> dict[str, A
     opts = problem.options
     slices = [(b, rate / k) for b, rate in enumerate(demand.rates) if rate > 0 for _ in range(k)]
     prob = pulp.LpProblem("GpuAllocation", pulp.LpMinimize)
-    x = [{g: pulp.LpVariable(f"x_{s}_{g}", cat=pulp.LpBinary) for g, o in enumerate(opts) if o.rates[b] > 0} for s, (b, _) in enumerate(slices)]
+    x = [
+        {g: pulp.LpVariable(f"x_{s}_{g}", cat=pulp.LpBinary) for g, o in enumerate(opts) if o.rates[b] > 0}
+        for s, (b, _) in enumerate(slices)
+    ]
     y = [pulp.LpVariable(f"y_{g}", lowBound=0, cat=pulp.LpInteger) for g in range(len(opts))]
     prob += pulp.lpSum(problem.option_cost(o) * y[g] for g, o in enumerate(opts))
     for row in x:
         prob += pulp.lpSum(row.values()) == 1
     for g, o in enumerate(opts):
-        prob += pulp.lpSum(x[s][g] * (rate / o.rates[b]) for s, (b, rate) in enumerate(slices) if g in x[s]) <= y[g]
+        prob += (
+            pulp.lpSum(x[s][g] * (rate / o.rates[b]) for s, (b, rate) in enumerate(slices) if g in x[s])
+            <= y[g]
+        )
     prob.solve(pulp.PULP_CBC_CMD(msg=0, timeLimit=time_limit_s))
     wall = time.perf_counter() - started
-    status = {1: "optimal", 2: "feasible (time limit)"}.get(prob.sol_status, pulp.LpStatus[prob.status].lower())
+    status = {1: "optimal", 2: "feasible (time limit)"}.get(
+        prob.sol_status, pulp.LpStatus[prob.status].lower()
+    )
     cost = None
     if prob.sol_status in (1, 2):
         cost = sum(problem.option_cost(o) * round(y[g].value() or 0) for g, o in enumerate(opts))
@@ -154,7 +185,13 @@ def run(sizes: list[tuple[int, int, int, int, int]], cbc_limit: float) -> list[d
     for n_types, n_in, n_out, k, seeds in sizes:
         for seed in range(seeds):
             problem, unservable = make_instance(n_types, n_in, n_out, seed)
-            row: dict[str, Any] = {"types": n_types, "buckets": n_in * n_out, "slice_factor": k, "seed": seed, "unservable_buckets": unservable}
+            row: dict[str, Any] = {
+                "types": n_types,
+                "buckets": n_in * n_out,
+                "slice_factor": k,
+                "seed": seed,
+                "unservable_buckets": unservable,
+            }
             row["load_avg_1m"] = os.getloadavg()[0]
             row["mosaic_sliced_cp_sat"] = mosaic(problem, Variant.SLICED, k, "cp-sat")
             row["mosaic_sliced_scip"] = mosaic(problem, Variant.SLICED, k, "scip")
@@ -162,7 +199,9 @@ def run(sizes: list[tuple[int, int, int, int, int]], cbc_limit: float) -> list[d
             row["melange_cbc"] = melange_cbc(problem, k, cbc_limit)
             cbc = row["melange_cbc"]
             ours = row["mosaic_sliced_cp_sat"]
-            row["cost_ok"] = cbc["cost_per_hour"] is None or ours["cost_per_hour"] <= cbc["cost_per_hour"] + 1e-6
+            row["cost_ok"] = (
+                cbc["cost_per_hour"] is None or ours["cost_per_hour"] <= cbc["cost_per_hour"] + 1e-6
+            )
             row["time_ratio_cbc_over_mosaic"] = cbc["wall_s"] / ours["wall_s"]
             rows.append(row)
             print(
@@ -178,18 +217,30 @@ def run(sizes: list[tuple[int, int, int, int, int]], cbc_limit: float) -> list[d
 def bars(rows: list[dict[str, Any]]) -> dict[str, Any]:
     bar_rows = [r for r in rows if (r["types"], r["buckets"], r["slice_factor"]) == (4, 36, 4)]
     limited = [r for r in bar_rows if r["melange_cbc"]["status"] != "optimal"]
-    size = max((r["types"] * r["buckets"] * r["slice_factor"], r["types"], r["buckets"], r["slice_factor"]) for r in rows)[1:]
+    size = max(
+        (r["types"] * r["buckets"] * r["slice_factor"], r["types"], r["buckets"], r["slice_factor"])
+        for r in rows
+    )[1:]
     largest_rows = [r for r in rows if (r["types"], r["buckets"], r["slice_factor"]) == size]
     ours = [r["mosaic_sliced_cp_sat"] for r in rows]
     return {
         "same_or_lower_cost_everywhere": all(r["cost_ok"] for r in rows),
-        "continuous_never_dearer": all(r["mosaic_continuous"]["cost_per_hour"] <= r["mosaic_sliced_cp_sat"]["cost_per_hour"] + 1e-6 for r in rows),
+        "continuous_never_dearer": all(
+            r["mosaic_continuous"]["cost_per_hour"] <= r["mosaic_sliced_cp_sat"]["cost_per_hour"] + 1e-6
+            for r in rows
+        ),
         "mosaic_optimal_everywhere": all(o["status"] == "optimal" for o in ours),
         "36x4x4_instances": len(bar_rows),
         "36x4x4_cbc_hit_time_limit": len(limited),
-        "36x4x4_mosaic_max_wall_s": max((r["mosaic_sliced_cp_sat"]["wall_s"] for r in bar_rows), default=None),
+        "36x4x4_mosaic_max_wall_s": max(
+            (r["mosaic_sliced_cp_sat"]["wall_s"] for r in bar_rows), default=None
+        ),
         "36x4x4_mosaic_max_cpu_s": max((r["mosaic_sliced_cp_sat"]["cpu_s"] for r in bar_rows), default=None),
-        "36x4x4_under_100ms_wall_where_cbc_hit_limit": all(r["mosaic_sliced_cp_sat"]["wall_s"] < 0.1 for r in limited) if limited else None,
+        "36x4x4_under_100ms_wall_where_cbc_hit_limit": all(
+            r["mosaic_sliced_cp_sat"]["wall_s"] < 0.1 for r in limited
+        )
+        if limited
+        else None,
         "largest": "×".join(map(str, size)),
         "largest_max_wall_s": max(r["mosaic_sliced_cp_sat"]["wall_s"] for r in largest_rows),
         "largest_under_2s_wall": all(r["mosaic_sliced_cp_sat"]["wall_s"] < 2.0 for r in largest_rows),
@@ -206,8 +257,17 @@ def main() -> None:
     result = {
         "bench": "placement_scale",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
-        "settings": {"tpot_ms": TPOT_S * 1000, "total_rate": TOTAL_RATE, "cbc_time_limit_s": args.cbc_time_limit, "model": "llama-3-8b"},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+        "settings": {
+            "tpot_ms": TPOT_S * 1000,
+            "total_rate": TOTAL_RATE,
+            "cbc_time_limit_s": args.cbc_time_limit,
+            "model": "llama-3-8b",
+        },
         "rows": rows,
         "bars": bars(rows),
         "total_wall_s": time.perf_counter() - started,
@@ -226,7 +286,11 @@ def main() -> None:
     bench_md = ROOT / "BENCHMARKS.md"
     if not bench_md.exists():
         bench_md.write_text("| date | bench | command | result |\n|---|---|---|---|\n")
-    cmd = "python bench/placement_scale.py" + (" --quick" if args.quick else "") + f" --cbc-time-limit {args.cbc_time_limit:g}"
+    cmd = (
+        "python bench/placement_scale.py"
+        + (" --quick" if args.quick else "")
+        + f" --cbc-time-limit {args.cbc_time_limit:g}"
+    )
     with bench_md.open("a") as fh:
         fh.write(f"| {result['date'][:10]} | placement_scale | `{cmd}` | {summary} |\n")
 

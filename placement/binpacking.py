@@ -62,7 +62,9 @@ class GpuOffer:
         if not math.isfinite(self.cost_per_hour) or self.cost_per_hour < 0:
             raise PlacementError(f"GPU {self.name}: cost_per_hour must be ≥ 0, got {self.cost_per_hour}")
         if self.min_gpus < 0 or (self.max_gpus is not None and self.max_gpus < self.min_gpus):
-            raise PlacementError(f"GPU {self.name}: need 0 ≤ min_gpus ≤ max_gpus, got {self.min_gpus}, {self.max_gpus}")
+            raise PlacementError(
+                f"GPU {self.name}: need 0 ≤ min_gpus ≤ max_gpus, got {self.min_gpus}, {self.max_gpus}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +146,9 @@ def check_problem(problem: MixProblem) -> None:
     lengths: dict[str, int] = {}
     for o in problem.options:
         if o.gpu not in problem.gpus:
-            raise PlacementError(f"option {o.key}: GPU {o.gpu!r} is not among the offered GPUs {sorted(problem.gpus)}")
+            raise PlacementError(
+                f"option {o.key}: GPU {o.gpu!r} is not among the offered GPUs {sorted(problem.gpus)}"
+            )
         if any(not math.isfinite(r) or r < 0 for r in o.rates):
             raise PlacementError(f"option {o.key}: rates must be finite and ≥ 0")
         if lengths.setdefault(o.model, len(o.rates)) != len(o.rates):
@@ -154,7 +158,9 @@ def check_problem(problem: MixProblem) -> None:
             if d.model not in lengths:
                 raise PlacementError(f"demand for model {d.model!r} but no option (profile) serves it")
             if len(d.rates) != lengths[d.model]:
-                raise PlacementError(f"demand for {d.model} has {len(d.rates)} buckets, its profiles {lengths[d.model]}")
+                raise PlacementError(
+                    f"demand for {d.model} has {len(d.rates)} buckets, its profiles {lengths[d.model]}"
+                )
             if any(not math.isfinite(r) or r < 0 for r in d.rates):
                 raise PlacementError(f"demand for {d.model}: rates must be finite and ≥ 0")
 
@@ -172,7 +178,9 @@ def serving_paths(problem: MixProblem) -> tuple[list[Path], list[Unservable]]:
                 for idx, o in enumerate(problem.options):
                     if o.model == d.model and o.rates[b] > 0:
                         by_role[o.role].append(idx)
-                path = Path(w, d.model, b, rate, *(tuple(by_role[r]) for r in (Role.MIXED, Role.PREFILL, Role.DECODE)))
+                path = Path(
+                    w, d.model, b, rate, *(tuple(by_role[r]) for r in (Role.MIXED, Role.PREFILL, Role.DECODE))
+                )
                 if path.servable:
                     paths.append(path)
                 else:
@@ -223,7 +231,10 @@ def load_coefficients(problem: MixProblem, paths: Sequence[Path], units: int) ->
 
 
 def window_loads(
-    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], shares: Sequence[Mapping[int, float]]
+    problem: MixProblem,
+    paths: Sequence[Path],
+    coefs: Sequence[Mapping[int, float]],
+    shares: Sequence[Mapping[int, float]],
 ) -> dict[tuple[int, int], float]:
     """(window, option) → load in instances, from shares."""
     loads: dict[tuple[int, int], float] = {}

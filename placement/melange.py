@@ -51,7 +51,9 @@ def _matrix(value: Any, where: str, shape: tuple[int, int] | None = None) -> lis
     if any(len(r) != width for r in rows):
         raise MelangeFormatError(f"{where}: rows have different lengths")
     if shape is not None and (len(rows), width) != shape:
-        raise MelangeFormatError(f"{where}: shape {len(rows)}×{width} differs from workload_distribution's {shape[0]}×{shape[1]}")
+        raise MelangeFormatError(
+            f"{where}: shape {len(rows)}×{width} differs from workload_distribution's {shape[0]}×{shape[1]}"
+        )
     if any(not math.isfinite(v) or v < 0 for r in rows for v in r):
         raise MelangeFormatError(f"{where}: cells must be finite and ≥ 0")
     return rows
@@ -91,13 +93,19 @@ def melange_from_dict(data: Any, origin: str = "<melange>") -> MelangeInput:
             raise MelangeFormatError(f"{where}: unknown key(s) {extra}")
         tputs = _matrix(info["tputs"], f"{where}.tputs", shape)
         try:
-            offers[name] = GpuOffer(name, float(info["cost"]), int(info.get("min_count", 0)), _opt_int(info.get("max_count")))
+            offers[name] = GpuOffer(
+                name, float(info["cost"]), int(info.get("min_count", 0)), _opt_int(info.get("max_count"))
+            )
         except (TypeError, ValueError) as exc:
             raise MelangeFormatError(f"{where}: {exc}") from None
         options.append(InstanceOption(MELANGE_MODEL, name, tuple(v for row in tputs for v in row)))
     demand = Demand(MELANGE_MODEL, tuple(f * rate for row in dist for f in row))
     total = sum(map(sum, dist))
-    notes = () if math.isclose(total, 1.0, rel_tol=1e-9) else (f"workload_distribution sums to {total:g}, used as written (as Mélange does)",)
+    notes = (
+        ()
+        if math.isclose(total, 1.0, rel_tol=1e-9)
+        else (f"workload_distribution sums to {total:g}, used as written (as Mélange does)",)
+    )
     return MelangeInput(MixProblem(offers, tuple(options), ((demand,),)), k, shape, float(rate), notes)
 
 

@@ -26,7 +26,9 @@ COST_SCALE = 1_000_000  # CP-SAT objective unit: micro-dollars per hour
 MAX_SCALED = 2**52  # keep every scaled load row exactly representable as a double (CP-SAT's LP uses them)
 
 
-def count_bounds(problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int) -> list[tuple[int, int]]:
+def count_bounds(
+    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int
+) -> list[tuple[int, int]]:
     """(lb, ub) of N_o: ub is the most any optimum needs (all its paths on o in the worst window), capped."""
     worst: dict[tuple[int, int], float] = {}
     for p, a in zip(paths, coefs, strict=True):
@@ -165,8 +167,12 @@ def solve_mip(
     backend: str = "SCIP",
     integral_shares: bool = True,
     lower_bound: float | None = None,
+    hint: EngineResult | None = None,
 ) -> EngineResult:
-    """Either variant on a MIP solver through pywraplp (`backend` SCIP or HIGHS), with a gap target of 0."""
+    """Either variant on a MIP solver through pywraplp (`backend` SCIP), with a gap target of 0.
+
+    `hint` (a known fleet, e.g. CP-SAT's incumbent) seeds the search with a primal solution.
+    """
     started = time.perf_counter()
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:  # pragma: no cover - depends on the OR-Tools build
@@ -194,6 +200,11 @@ def solve_mip(
         solver.Add(objective >= lower_bound * (1 - 1e-9) - 1e-9)
     solver.Minimize(objective)
     solver.SuppressOutput()
+    if hint is not None and hint.counts:
+        pairs = list(zip(counts, map(float, hint.counts), strict=True))
+        for vars_, values in zip(shares, hint.shares, strict=True):
+            pairs += [(var, values.get(o, 0.0)) for o, var in vars_.items()]
+        solver.SetHint([v for v, _ in pairs], [x for _, x in pairs])
     solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-9)

@@ -62,7 +62,12 @@ def assignment(plan: Plan, window: int = 0) -> list[dict[str, Any]]:
         grid = plan.grids[model]
         i, j = grid.cell(b)
         rate = next(d.rates[b] for d in plan.problem.windows[window] if d.model == model)
-        row: dict[str, Any] = {"model": model, "bucket": [i, j], "rate": _r(rate), "shares": {k: _r(v) for k, v in sorted(shares.items())}}
+        row: dict[str, Any] = {
+            "model": model,
+            "bucket": [i, j],
+            "rate": _r(rate),
+            "shares": {k: _r(v) for k, v in sorted(shares.items())},
+        }
         if len(plan.problem.windows) > 1:
             row["window"] = window
         if grid.input_edges is not None and grid.output_edges is not None:
@@ -96,7 +101,15 @@ def time_varying(plan: Plan) -> dict[str, Any] | None:
     windows = []
     for k, (sol, dur) in enumerate(zip(plan.per_window, plan.durations_s, strict=True)):
         rate = sum(d.total for d in plan.problem.windows[k])
-        windows.append({"index": k, "start_s": _r(start), "duration_s": _r(dur), "rate": _r(rate), **solution_summary(sol)})
+        windows.append(
+            {
+                "index": k,
+                "start_s": _r(start),
+                "duration_s": _r(dur),
+                "rate": _r(rate),
+                **solution_summary(sol),
+            }
+        )
         start += dur
     dyn_gpu_h = sum(sum(s.gpus.values()) * h for s, h in zip(plan.per_window, hours, strict=True))
     dyn_cost = sum(s.cost_per_hour * h for s, h in zip(plan.per_window, hours, strict=True))
@@ -106,7 +119,11 @@ def time_varying(plan: Plan) -> dict[str, Any] | None:
         "hours": _r(sum(hours)),
         "windows": windows,
         "dynamic": {"gpu_hours": _r(dyn_gpu_h), "cost": _r(dyn_cost)},
-        "static": {"gpu_hours": _r(static_gpu_h), "cost": _r(static_cost), "gpus": dict(sorted(plan.solution.gpus.items()))},
+        "static": {
+            "gpu_hours": _r(static_gpu_h),
+            "cost": _r(static_cost),
+            "gpus": dict(sorted(plan.solution.gpus.items())),
+        },
         "savings_fraction": _r((static_cost - dyn_cost) / static_cost) if static_cost > 0 else 0.0,
     }
 
@@ -125,13 +142,19 @@ def what_if_rows(rows: Sequence[WhatIfRow]) -> list[dict[str, Any]]:
         else:
             best = r.plan.best_single
             row |= solution_summary(r.plan.solution)
-            row["best_single"] = None if best is None or best.solution is None else {"gpu": best.gpu, "cost_per_hour": _r(best.solution.cost_per_hour)}
+            row["best_single"] = (
+                None
+                if best is None or best.solution is None
+                else {"gpu": best.gpu, "cost_per_hour": _r(best.solution.cost_per_hour)}
+            )
             row["savings_fraction"] = None if r.plan.savings is None else _r(r.plan.savings)
         out.append(row)
     return out
 
 
-def plan_to_dict(plan: Plan, *, what_if: Sequence[WhatIfRow] | None = None, placement: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def plan_to_dict(
+    plan: Plan, *, what_if: Sequence[WhatIfRow] | None = None, placement: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     s = plan.solution
     best = plan.best_single
     return {
@@ -142,7 +165,13 @@ def plan_to_dict(plan: Plan, *, what_if: Sequence[WhatIfRow] | None = None, plac
         "instances": instances(plan),
         "assignment": [row for w in range(len(plan.problem.windows)) for row in assignment(plan, w)],
         "single_type": {
-            "best": None if best is None or best.solution is None else {"gpu": best.gpu, "cost_per_hour": _r(best.solution.cost_per_hour), "gpus": dict(best.solution.gpus)},
+            "best": None
+            if best is None or best.solution is None
+            else {
+                "gpu": best.gpu,
+                "cost_per_hour": _r(best.solution.cost_per_hour),
+                "gpus": dict(best.solution.gpus),
+            },
             "all": single_types(plan.singles),
         },
         "savings": None
@@ -161,7 +190,11 @@ def placement_to_dict(placement: Placement, nodes: Sequence[Node]) -> dict[str, 
     per_node: dict[str, dict[str, int]] = {n.name: {} for n in nodes}
     for p in placement.instances:
         k = p.kind
-        label = f"{k.model}/{k.gpu}" + (f"/tp{k.tp}" if k.tp > 1 else "") + ("" if k.role is Role.MIXED else f"/{k.role.value}")
+        label = (
+            f"{k.model}/{k.gpu}"
+            + (f"/tp{k.tp}" if k.tp > 1 else "")
+            + ("" if k.role is Role.MIXED else f"/{k.role.value}")
+        )
         per_node[p.node][label] = per_node[p.node].get(label, 0) + 1
     return {
         "status": placement.status,
@@ -169,7 +202,13 @@ def placement_to_dict(placement: Placement, nodes: Sequence[Node]) -> dict[str, 
         "fragmented_nodes": list(placement.fragmented_nodes),
         "groups": {g: list(d) for g, d in placement.group_domains.items()},
         "nodes": [
-            {"name": n.name, "domain": n.domain, "gpu": n.gpu, "gpus": n.gpus, "instances": [f"{k} ×{c}" for k, c in sorted(per_node[n.name].items())]}
+            {
+                "name": n.name,
+                "domain": n.domain,
+                "gpu": n.gpu,
+                "gpus": n.gpus,
+                "instances": [f"{k} ×{c}" for k, c in sorted(per_node[n.name].items())],
+            }
             for n in nodes
         ],
         "wall_s": _r(placement.wall_s),

@@ -49,7 +49,9 @@ def canonical_model(name: str, catalog: Catalog) -> str:
         return name
 
 
-def load_gpu_offers(source: str | Path | Sequence[str] | Mapping[str, Any], catalog: Catalog | None = None) -> dict[str, GpuOffer]:
+def load_gpu_offers(
+    source: str | Path | Sequence[str] | Mapping[str, Any], catalog: Catalog | None = None
+) -> dict[str, GpuOffer]:
     """GPU offers from a YAML/JSON file, a mapping, or a list of names (costs default to the catalog's).
 
     ```yaml
@@ -71,7 +73,12 @@ def load_gpu_offers(source: str | Path | Sequence[str] | Mapping[str, Any], cata
         if extra:
             raise PlacementError(f"{origin}: unknown key(s) {extra}; expected 'gpus'")
         source = source["gpus"]
-    rows: dict[str, Any] = {str(n): {} for n in source} if isinstance(source, list | tuple) else dict(source or {})
+    if isinstance(source, list | tuple):
+        rows: dict[str, Any] = {str(n): {} for n in source}
+    elif isinstance(source, Mapping):
+        rows = dict(source)
+    else:
+        raise PlacementError(f"{origin}: expected a mapping of GPU types or a list of names")
     if not rows:
         raise PlacementError(f"{origin}: no GPU types given")
     offers: dict[str, GpuOffer] = {}
@@ -85,9 +92,13 @@ def load_gpu_offers(source: str | Path | Sequence[str] | Mapping[str, Any], cata
             try:
                 cost = catalog.gpu(name).cost_per_hour
             except CatalogError:
-                raise PlacementError(f"{origin}: GPU {raw} is not in the catalog: give cost_per_hour") from None
+                raise PlacementError(
+                    f"{origin}: GPU {raw} is not in the catalog: give cost_per_hour"
+                ) from None
         try:
-            offers[name] = GpuOffer(name, float(cost), int(row.get("min", 0)), None if row.get("max") is None else int(row["max"]))
+            offers[name] = GpuOffer(
+                name, float(cost), int(row.get("min", 0)), None if row.get("max") is None else int(row["max"])
+            )
         except (TypeError, ValueError) as exc:
             raise PlacementError(f"{origin}: GPU {raw}: {exc}") from None
     return offers
@@ -102,7 +113,9 @@ def _relevant(target: Slo, role: Role) -> Slo:
     return target
 
 
-def select_profiles(profiles: Sequence[ThroughputProfile], target: Slo | None, mode: Mode = "auto") -> tuple[list[ThroughputProfile], list[str]]:
+def select_profiles(
+    profiles: Sequence[ThroughputProfile], target: Slo | None, mode: Mode = "auto"
+) -> tuple[list[ThroughputProfile], list[str]]:
     """One profile per (model, GPU, tp, role): the loosest one measured at or under the target SLO.
 
     With no target every profile is used as given, and two for the same key is an error (which SLO?).
@@ -115,26 +128,45 @@ def select_profiles(profiles: Sequence[ThroughputProfile], target: Slo | None, m
             by_key.setdefault(p.key, []).append(p)
     chosen, notes = [], []
     for key, group in by_key.items():
-        label = f"{key[0]}/{key[1]}" + (f"/tp{key[2]}" if key[2] > 1 else "") + ("" if key[3] is Role.MIXED else f"/{key[3].value}")
+        label = (
+            f"{key[0]}/{key[1]}"
+            + (f"/tp{key[2]}" if key[2] > 1 else "")
+            + ("" if key[3] is Role.MIXED else f"/{key[3].value}")
+        )
         if target is None:
             if len(group) > 1:
-                raise PlacementError(f"{len(group)} profiles for {label} (SLOs {[_slo_text(p.slo) for p in group]}): give the SLO to choose")
+                raise PlacementError(
+                    f"{len(group)} profiles for {label} (SLOs {[_slo_text(p.slo) for p in group]}): give the SLO to choose"
+                )
             chosen.append(group[0])
             continue
         need = _relevant(target, key[3])
         fit = [p for p in group if p.slo.within(need)]
         if not fit:
-            notes.append(f"{label}: no profile at or under {_slo_text(need)} (have {', '.join(_slo_text(p.slo) for p in group)}); not used")
+            notes.append(
+                f"{label}: no profile at or under {_slo_text(need)} (have {', '.join(_slo_text(p.slo) for p in group)}); not used"
+            )
             continue
-        best = max(fit, key=lambda p: tuple(math.inf if v is None else v for v in (p.slo.tpot_ms, p.slo.ttft_ms, p.slo.e2e_ms)))
+        best = max(
+            fit,
+            key=lambda p: tuple(
+                math.inf if v is None else v for v in (p.slo.tpot_ms, p.slo.ttft_ms, p.slo.e2e_ms)
+            ),
+        )
         if _relevant(best.slo, key[3]) != need:
-            notes.append(f"{label}: profile measured at {_slo_text(best.slo)} used for {_slo_text(need)} (conservative)")
+            notes.append(
+                f"{label}: profile measured at {_slo_text(best.slo)} used for {_slo_text(need)} (conservative)"
+            )
         chosen.append(best)
     return chosen, notes
 
 
 def _slo_text(slo: Slo) -> str:
-    parts = [f"{n} {v:g} ms" for n, v in (("TPOT", slo.tpot_ms), ("TTFT", slo.ttft_ms), ("E2E", slo.e2e_ms)) if v is not None]
+    parts = [
+        f"{n} {v:g} ms"
+        for n, v in (("TPOT", slo.tpot_ms), ("TTFT", slo.ttft_ms), ("E2E", slo.e2e_ms))
+        if v is not None
+    ]
     return ", ".join(parts) or "no SLO"
 
 
@@ -203,7 +235,9 @@ class Plan:
         return (best.solution.cost_per_hour - self.solution.cost_per_hour) / best.solution.cost_per_hour
 
 
-def build_problem(inp: PlanInput, catalog: Catalog | None = None) -> tuple[MixProblem, dict[str, Grid], list[Dropped], list[str]]:
+def build_problem(
+    inp: PlanInput, catalog: Catalog | None = None
+) -> tuple[MixProblem, dict[str, Grid], list[Dropped], list[str]]:
     """Options from the selected profiles, demand per window from the workloads (edges must agree)."""
     catalog = catalog or load_catalog()
     chosen, notes = select_profiles(inp.profiles, inp.slo, inp.mode)
@@ -216,24 +250,35 @@ def build_problem(inp: PlanInput, catalog: Catalog | None = None) -> tuple[MixPr
             continue
         grid = Grid(p.input_edges, p.output_edges, p.shape)
         if grids.setdefault(model, grid) != grid:
-            raise PlacementError(f"profiles of {model} use different bucket edges ({p.gpu} differs): re-profile on one grid")
+            raise PlacementError(
+                f"profiles of {model} use different bucket edges ({p.gpu} differs): re-profile on one grid"
+            )
         options.append(InstanceOption(model, gpu, p.flat_rates(), p.tp, p.role))
     for name in offers:
         if not any(o.gpu == name for o in options):
             notes.append(f"{name}: no usable profile, not considered")
     if not options:
-        why = "; ".join(notes[:3]) or f"profiles are for GPUs {sorted({p.gpu for p in inp.profiles})}, offered {sorted(offers)}"
+        why = (
+            "; ".join(notes[:3])
+            or f"profiles are for GPUs {sorted({p.gpu for p in inp.profiles})}, offered {sorted(offers)}"
+        )
         raise PlacementError(f"no usable profile for the offered GPUs: {why}")
     windows, dropped = _demand(inp.workloads, grids, catalog, options, inp.drop_unservable)
     return MixProblem(offers, tuple(options), windows), grids, dropped, notes
 
 
 def _demand(
-    workloads: Sequence[ModelWorkload], grids: Mapping[str, Grid], catalog: Catalog, options: Sequence[InstanceOption], drop: bool
+    workloads: Sequence[ModelWorkload],
+    grids: Mapping[str, Grid],
+    catalog: Catalog,
+    options: Sequence[InstanceOption],
+    drop: bool,
 ) -> tuple[tuple[tuple[Demand, ...], ...], list[Dropped]]:
     counts = {len(w.windows) for w in workloads}
     if len(counts) != 1:
-        raise PlacementError(f"models have different numbers of windows {sorted(counts)}: give them the same windows")
+        raise PlacementError(
+            f"models have different numbers of windows {sorted(counts)}: give them the same windows"
+        )
     per_window: list[list[Demand]] = [[] for _ in range(counts.pop())]
     dropped: list[Dropped] = []
     for wl in workloads:
@@ -242,12 +287,16 @@ def _demand(
         if grid is None:
             raise PlacementError(f"workload model {wl.model!r} has no profile among the offered GPUs")
         if (wl.input_edges, wl.output_edges) != (grid.input_edges, grid.output_edges):
-            raise PlacementError(f"workload of {wl.model} uses bucket edges {list(wl.input_edges)} × {list(wl.output_edges)}, its profiles {list(grid.input_edges or ())} × {list(grid.output_edges or ())}")
+            raise PlacementError(
+                f"workload of {wl.model} uses bucket edges {list(wl.input_edges)} × {list(wl.output_edges)}, its profiles {list(grid.input_edges or ())} × {list(grid.output_edges or ())}"
+            )
         unserved = _unservable_buckets(model, options, grid.shape[0] * grid.shape[1])
         outside = max(w.out_of_range for w in wl.windows)
         if outside > 0:
             if not drop:
-                raise PlacementError(f"{wl.model}: {outside:g} req/s fall outside the profiled lengths; extend the profile or pass --drop-unservable")
+                raise PlacementError(
+                    f"{wl.model}: {outside:g} req/s fall outside the profiled lengths; extend the profile or pass --drop-unservable"
+                )
             dropped.append(Dropped(model, "outside the profiled lengths", outside))
         for k, w in enumerate(wl.windows):
             rates = list(w.rates)
@@ -275,7 +324,12 @@ def _unservable_buckets(model: str, options: Sequence[InstanceOption], n: int) -
 def make_plan(inp: PlanInput, catalog: Catalog | None = None) -> Plan:
     problem, grids, dropped, notes = build_problem(inp, catalog)
     durations = tuple(w.duration_s for w in inp.workloads[0].windows)
-    settings = {"variant": inp.variant, "slice_factor": inp.slice_factor, "engine": inp.engine, "time_limit_s": inp.time_limit_s}
+    settings = {
+        "variant": inp.variant,
+        "slice_factor": inp.slice_factor,
+        "engine": inp.engine,
+        "time_limit_s": inp.time_limit_s,
+    }
     return solve_plan(problem, grids, durations, dropped, notes, **settings)
 
 
@@ -292,14 +346,27 @@ def solve_plan(
     try:
         solution = solve_mix(problem, **kwargs)
     except UnservableError as exc:
-        where = ", ".join(f"{u.model} {grids[u.model].label(u.bucket)} ({u.rate:g} req/s)" for u in exc.buckets[:4])
+        where = ", ".join(
+            f"{u.model} {grids[u.model].label(u.bucket)} ({u.rate:g} req/s)" for u in exc.buckets[:4]
+        )
         more = f" and {len(exc.buckets) - 4} more" if len(exc.buckets) > 4 else ""
-        raise PlacementError(f"no GPU type serves {where}{more} within the SLO; pass --drop-unservable to plan the rest") from None
+        raise PlacementError(
+            f"no GPU type serves {where}{more} within the SLO; pass --drop-unservable to plan the rest"
+        ) from None
     singles = tuple(single_type_fleets(problem, **kwargs))
     per_window: tuple[MixSolution, ...] = ()
     if len(problem.windows) > 1:
         per_window = tuple(solve_mix(replace(problem, windows=(w,)), **kwargs) for w in problem.windows)
-    return Plan(solution, singles, grids, problem, tuple(durations), per_window, tuple(dropped), (*notes, *solution.notes))
+    return Plan(
+        solution,
+        singles,
+        grids,
+        problem,
+        tuple(durations),
+        per_window,
+        tuple(dropped),
+        (*notes, *solution.notes),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,13 +378,18 @@ class WhatIfRow:
     error: str = ""
 
 
-def what_if(inp: PlanInput, slos: Sequence[Slo | None], rate_scales: Sequence[float], catalog: Catalog | None = None) -> list[WhatIfRow]:
+def what_if(
+    inp: PlanInput, slos: Sequence[Slo | None], rate_scales: Sequence[float], catalog: Catalog | None = None
+) -> list[WhatIfRow]:
     """`make_plan` for every (SLO, rate scale) pair; a row that cannot be planned carries the reason."""
     rows = []
     for slo in slos:
         for scale in rate_scales:
             scaled = replace(inp, slo=slo, workloads=tuple(w.scaled(scale) for w in inp.workloads))
-            peak = max(sum(w.windows[k].total for w in scaled.workloads) for k in range(len(scaled.workloads[0].windows)))
+            peak = max(
+                sum(w.windows[k].total for w in scaled.workloads)
+                for k in range(len(scaled.workloads[0].windows))
+            )
             try:
                 rows.append(WhatIfRow(slo, scale, peak, make_plan(scaled, catalog)))
             except PlacementError as exc:
@@ -346,14 +418,20 @@ def cheapest_mix(
         match = [p for p in profiles if canonical_model(p.model, catalog) == canonical_model(model, catalog)]
         if not match:
             raise PlacementError(f"no profile for model {model!r}")
-        workloads.append(ModelWorkload(model, match[0].input_edges, match[0].output_edges, (Window(1.0, tuple(rates)),)))
+        workloads.append(
+            ModelWorkload(model, match[0].input_edges, match[0].output_edges, (Window(1.0, tuple(rates)),))
+        )
     inp = PlanInput(offers, tuple(profiles), tuple(workloads), slo, mode, variant, time_limit_s=time_limit_s)
     problem, _, _, _ = build_problem(inp, catalog)
     return solve_mix(problem, variant=variant, time_limit_s=time_limit_s)
 
 
 def cheapest_capacity(
-    need: float, per_instance: Mapping[str, float], offers: Mapping[str, GpuOffer], *, time_limit_s: float = 1.0
+    need: float,
+    per_instance: Mapping[str, float],
+    offers: Mapping[str, GpuOffer],
+    *,
+    time_limit_s: float = 1.0,
 ) -> MixSolution:
     """The cheapest integer mix whose summed capacity covers `need` (one resource, e.g. decode tokens/s).
 
@@ -362,6 +440,8 @@ def cheapest_capacity(
     """
     if not math.isfinite(need) or need < 0:
         raise PlacementError(f"capacity need must be a finite number ≥ 0, got {need}")
-    options = tuple(InstanceOption("capacity", g, (float(c),)) for g, c in per_instance.items() if g in offers)
+    options = tuple(
+        InstanceOption("capacity", g, (float(c),)) for g, c in per_instance.items() if g in offers
+    )
     problem = MixProblem(dict(offers), options, ((Demand("capacity", (float(need),)),),))
     return solve_mix(problem, variant=Variant.CONTINUOUS, time_limit_s=time_limit_s)

@@ -64,7 +64,11 @@ class Slo(BaseModel):
         A rate sustained under a tighter latency limit is sustained under a looser one too, so a profile
         measured at TPOT 40 ms is a (conservative) profile for a 120 ms target, never the reverse.
         """
-        for mine, theirs in ((self.tpot_ms, target.tpot_ms), (self.ttft_ms, target.ttft_ms), (self.e2e_ms, target.e2e_ms)):
+        for mine, theirs in (
+            (self.tpot_ms, target.tpot_ms),
+            (self.ttft_ms, target.ttft_ms),
+            (self.e2e_ms, target.e2e_ms),
+        ):
             if theirs is not None and (mine is None or mine > theirs):
                 return False
         return True
@@ -82,7 +86,7 @@ class ThroughputProfile(BaseModel):
     """One (model, GPU, tp, role) profile. `max_rate[i][j]` is req/s for input bucket i, output bucket j."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    schema_: Literal["mosaic.profile/v1"] = Field(default=SCHEMA, alias="schema")
+    schema_: Literal["mosaic.profile/v1"] = Field(default="mosaic.profile/v1", alias="schema")
     model: str = Field(min_length=1)
     gpu: str = Field(min_length=1)
     tp: int = Field(default=1, ge=1)
@@ -147,7 +151,9 @@ def _check_shape(name: str, rows: Sequence[Sequence[Any]], shape: tuple[int, int
         raise ValueError(f"{name} has {len(rows)} rows, but input_edges define {shape[0]} input buckets")
     for i, row in enumerate(rows):
         if len(row) != shape[1]:
-            raise ValueError(f"{name}[{i}] has {len(row)} cells, but output_edges define {shape[1]} output buckets")
+            raise ValueError(
+                f"{name}[{i}] has {len(row)} cells, but output_edges define {shape[1]} output buckets"
+            )
 
 
 def bucket_index(edges: Sequence[int], value: int) -> int | None:
@@ -184,7 +190,10 @@ def profile_from_dict(data: Any, origin: str = "<profile>") -> ThroughputProfile
         if not err["loc"]:  # model-level check (shapes): the message names the field itself
             raise ProfileError(f"{origin}: {msg}") from None
         if msg.startswith("["):  # a cell check reports its own index: max_rate[2][1]
-            field, msg = field + msg[: msg.index("]", msg.index("]") + 1) + 1], msg[msg.index("]", msg.index("]") + 1) + 2 :]
+            field, msg = (
+                field + msg[: msg.index("]", msg.index("]") + 1) + 1],
+                msg[msg.index("]", msg.index("]") + 1) + 2 :],
+            )
         raise ProfileError(f"{origin}: field {field}: {msg}") from None
 
 
@@ -200,7 +209,9 @@ def read_structured(path: str | Path, error: type[ValueError] = ProfileError) ->
             return json.loads(text)
         return yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise error(f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {exc}") from None
+        raise error(
+            f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {exc}"
+        ) from None
 
 
 def load_profile(path: str | Path) -> ThroughputProfile:
@@ -233,7 +244,9 @@ def profile_from_aibrix(path: str | Path, *, model: str, gpu: str, tp: int = 1) 
         tputs = data["tputs"]
         max_rate = [[float(tputs[o][i]) for o in range(len(outs))] for i in range(len(ins))]
     except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise ProfileError(f"{origin}: not an AIBrix profile (needs tputs[output][input] and indexes): {exc}") from None
+        raise ProfileError(
+            f"{origin}: not an AIBrix profile (needs tputs[output][input] and indexes): {exc}"
+        ) from None
     slos = data.get("slos") or {}
     e2e_s = slos.get("e2e")
     body = {

@@ -12,6 +12,7 @@ the sliced model, SCIP for the continuous one (CP-SAT has no real variables).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -90,24 +91,37 @@ def solve_mix(
     paths, unservable = serving_paths(problem)
     if unservable and not drop_unservable:
         worst = ", ".join(f"{u.model} bucket {u.bucket} ({u.rate:g} req/s)" for u in unservable[:5])
-        raise UnservableError(f"{len(unservable)} bucket(s) with demand no GPU type serves within the SLO: {worst}", unservable)
+        raise UnservableError(
+            f"{len(unservable)} bucket(s) with demand no GPU type serves within the SLO: {worst}", unservable
+        )
     units = slice_factor if variant is Variant.SLICED else 1
     coefs = load_coefficients(problem, paths, units)
     _check_bounds(problem, paths, coefs, units)
     result = _run(problem, paths, coefs, units, engine, variant, time_limit_s)
     if result.status is Status.INFEASIBLE:
-        raise explain_infeasible(problem, variant=variant, slice_factor=slice_factor, time_limit_s=min(time_limit_s, 5.0))
+        raise explain_infeasible(
+            problem, variant=variant, slice_factor=slice_factor, time_limit_s=min(time_limit_s, 5.0)
+        )
     if result.status is Status.UNKNOWN:
-        raise PlacementError(f"no solution found within the {time_limit_s:g} s time limit ({engine}); raise --time-limit")
+        raise PlacementError(
+            f"no solution found within the {time_limit_s:g} s time limit ({engine}); raise --time-limit"
+        )
     return _finish(problem, paths, coefs, units, result, variant, slice_factor, unservable)
 
 
 QUICK_S = 0.25  # first, plain CP-SAT on one worker: small and medium instances close within this
-EXACT_WORKERS = 8
+# CP-SAT's portfolio for the hard tail: up to 8 workers, never more than the machine has cores
+EXACT_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
 def _run(
-    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int, engine: str, variant: Variant, limit: float
+    problem: MixProblem,
+    paths: Sequence[Path],
+    coefs: Sequence[Mapping[int, float]],
+    units: int,
+    engine: str,
+    variant: Variant,
+    limit: float,
 ) -> EngineResult:
     if variant is Variant.CONTINUOUS:
         return solve_mip(problem, paths, coefs, units, limit, backend=engine.upper(), integral_shares=False)
@@ -120,30 +134,74 @@ def _run(
     # Larger instances: the continuous optimum (same model, real shares) is a lower bound. Rounding its shares
     # to whole slices often meets it, which proves optimality at once; else, whole slices may still fit its
     # fleet (a feasibility question); else the exact engine runs with the bound as a cut and the best fleet
-    # so far as a hint, on every worker.
+    # so far as a hint, on every worker. CP-SAT's incumbent (whole slices are real shares too) seeds SCIP.
     spent = quick.wall_s if quick else 0.0
-    relax = solve_mip(problem, paths, coefs, units, max(deadline - time.perf_counter(), 0.05) * 0.4, backend="SCIP", integral_shares=False)
+    seed = quick if quick is not None and quick.counts else None
+    relax = solve_mip(
+        problem,
+        paths,
+        coefs,
+        units,
+        max(deadline - time.perf_counter(), 0.05) * 0.4,
+        backend="SCIP",
+        integral_shares=False,
+        hint=seed,
+    )
     spent += relax.wall_s
     if relax.status is Status.INFEASIBLE:
         return relax
     lower = relax.bound
-    hint = _round_shares(problem, paths, coefs, units, relax) if relax.status in (Status.OPTIMAL, Status.FEASIBLE) else None
-    if hint is not None and lower is not None and hint.objective is not None and hint.objective <= lower * (1 + 1e-9) + 1e-9:
-        return replace(hint, wall_s=spent, notes=("optimal: whole slices from the continuous optimum meet its bound",))
-    if quick is not None and quick.objective is not None and (hint is None or hint.objective is None or quick.objective < hint.objective):
+    hint = (
+        _round_shares(problem, paths, coefs, units, relax)
+        if relax.status in (Status.OPTIMAL, Status.FEASIBLE)
+        else None
+    )
+    if (
+        hint is not None
+        and lower is not None
+        and hint.objective is not None
+        and hint.objective <= lower * (1 + 1e-9) + 1e-9
+    ):
+        return replace(
+            hint, wall_s=spent, notes=("optimal: whole slices from the continuous optimum meet its bound",)
+        )
+    if (
+        quick is not None
+        and quick.objective is not None
+        and (hint is None or hint.objective is None or quick.objective < hint.objective)
+    ):
         hint = quick
     if relax.status is Status.OPTIMAL and engine == "cp-sat":
         budget = max((deadline - time.perf_counter()) * 0.25, 0.02)
-        fit = solve_cp_sat(problem, paths, coefs, units, budget, round_up=True, fixed_counts=relax.counts, hint=hint, workers=1)
+        fit = solve_cp_sat(
+            problem,
+            paths,
+            coefs,
+            units,
+            budget,
+            round_up=True,
+            fixed_counts=relax.counts,
+            hint=hint,
+            workers=1,
+        )
         spent += fit.wall_s
         if fit.status in (Status.OPTIMAL, Status.FEASIBLE):  # counts pinned: any solution costs the bound
             note = "optimal: whole slices fit the continuous optimum's fleet"
-            return replace(fit, status=Status.OPTIMAL, objective=relax.objective, bound=relax.objective, wall_s=spent, notes=(note,))
+            return replace(
+                fit,
+                status=Status.OPTIMAL,
+                objective=relax.objective,
+                bound=relax.objective,
+                wall_s=spent,
+                notes=(note,),
+            )
     left = max(deadline - time.perf_counter(), 0.05)
     if engine != "cp-sat":
         exact = solve_mip(problem, paths, coefs, units, left, backend=engine.upper(), lower_bound=lower)
     else:
-        exact = _cp_sat_exact(problem, paths, coefs, units, left, workers=EXACT_WORKERS, lower_bound=lower, hint=hint)
+        exact = _cp_sat_exact(
+            problem, paths, coefs, units, left, workers=EXACT_WORKERS, lower_bound=lower, hint=hint
+        )
     return _best(exact, hint, spent)
 
 
@@ -166,9 +224,15 @@ def _cp_sat_exact(
         return exact
     # The relaxation's answer overloads some option by float dust: solve the rounded-up model, whose answers
     # are all truly feasible; the relaxation's bound still bounds the true optimum.
-    restricted = solve_cp_sat(problem, paths, coefs, units, max(deadline - time.perf_counter(), 0.05), round_up=True, **kw)
+    restricted = solve_cp_sat(
+        problem, paths, coefs, units, max(deadline - time.perf_counter(), 0.05), round_up=True, **kw
+    )
     if restricted.status not in (Status.OPTIMAL, Status.FEASIBLE):
-        return replace(exact, status=Status.FEASIBLE, notes=("rounded-up model found no solution in time; counts repaired",))
+        return replace(
+            exact,
+            status=Status.FEASIBLE,
+            notes=("rounded-up model found no solution in time; counts repaired",),
+        )
     assert exact.bound is not None and restricted.objective is not None
     proven = restricted.status is Status.OPTIMAL and restricted.objective <= exact.bound * (1 + 1e-9) + 1e-6
     return replace(
@@ -185,12 +249,18 @@ def _best(exact: EngineResult, hint: EngineResult | None, extra_s: float) -> Eng
     if exact.status is Status.OPTIMAL or hint is None or hint.objective is None:
         return exact
     if exact.objective is None or hint.objective < exact.objective:
-        return replace(hint, status=Status.FEASIBLE, bound=exact.bound, wall_s=exact.wall_s, engine=exact.engine)
+        return replace(
+            hint, status=Status.FEASIBLE, bound=exact.bound, wall_s=exact.wall_s, engine=exact.engine
+        )
     return exact
 
 
 def _round_shares(
-    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int, relax: EngineResult
+    problem: MixProblem,
+    paths: Sequence[Path],
+    coefs: Sequence[Mapping[int, float]],
+    units: int,
+    relax: EngineResult,
 ) -> EngineResult | None:
     """Whole slices from real shares (largest remainder per path), counts from the loads; None if a cap breaks."""
     shares: list[dict[int, float]] = []
@@ -233,12 +303,16 @@ def _within_caps(problem: MixProblem, counts: Sequence[int]) -> bool:
     return True
 
 
-def _violations(problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], r: EngineResult) -> int:
+def _violations(
+    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], r: EngineResult
+) -> int:
     loads = window_loads(problem, paths, coefs, r.shares)
     return sum(1 for (_, o), load in loads.items() if needed_instances(load) > r.counts[o])
 
 
-def _check_bounds(problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int) -> None:
+def _check_bounds(
+    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int
+) -> None:
     for o, (lb, ub) in enumerate(count_bounds(problem, paths, coefs, units)):
         if lb > ub:
             opt = problem.options[o]
@@ -256,13 +330,18 @@ def _finish(
     unservable: Sequence[Unservable],
 ) -> MixSolution:
     loads = window_loads(problem, paths, coefs, r.shares)
-    peak = [max((v for (_, o), v in loads.items() if o == idx), default=0.0) for idx in range(len(problem.options))]
+    peak = [
+        max((v for (_, o), v in loads.items() if o == idx), default=0.0)
+        for idx in range(len(problem.options))
+    ]
     counts = list(r.counts)
     status, notes = r.status, list(r.notes)
     for o, load in enumerate(peak):
         need = needed_instances(load)
         if need > counts[o]:  # the engine's tolerance let an option overload: add what the load needs
-            notes.append(f"{problem.options[o].key}: load {load:.6f} > {counts[o]} instances, raised to {need}")
+            notes.append(
+                f"{problem.options[o].key}: load {load:.6f} > {counts[o]} instances, raised to {need}"
+            )
             counts[o], status = need, Status.FEASIBLE
     if status is not Status.OPTIMAL:
         _trim(problem, counts, peak)
@@ -320,7 +399,9 @@ def explain_infeasible(problem: MixProblem, **settings: Any) -> InfeasibleError:
         fixes[name] = (sol.gpus.get(name, 0), sol.cost_per_hour)
     if fixes:
         ways = ", or ".join(f"{g} to {n} (${c:.2f}/h)" for g, (n, c) in fixes.items())
-        return InfeasibleError(f"no fleet within the caps ({cap_text}) serves the demand; raising one cap would: {ways}", fixes)
+        return InfeasibleError(
+            f"no fleet within the caps ({cap_text}) serves the demand; raising one cap would: {ways}", fixes
+        )
     free = MixProblem(
         {n: replace(g, max_gpus=None) for n, g in problem.gpus.items()},
         tuple(replace(o, max_instances=None) for o in problem.options),
@@ -361,7 +442,9 @@ def single_type_fleets(problem: MixProblem, **kwargs: object) -> list[SingleType
         except InfeasibleError as exc:
             need = exc.fixes.get(name)
             cap = problem.gpus[name].max_gpus
-            reason = f"needs {need[0]} GPUs, {cap} available (${need[1]:.2f}/h uncapped)" if need else str(exc)
+            reason = (
+                f"needs {need[0]} GPUs, {cap} available (${need[1]:.2f}/h uncapped)" if need else str(exc)
+            )
             out.append(SingleType(name, None, reason))
         except PlacementError as exc:
             out.append(SingleType(name, None, str(exc)))

@@ -102,7 +102,10 @@ def groups_from_counts(counts: Mapping[InstanceKind, int], max_group_gpus: int |
         kinds = {k: n for k, n in counts.items() if k.model == model and k.role is not Role.MIXED and n > 0}
         gpus = sum(k.tp * n for k, n in kinds.items())
         n_groups = 1 if not max_group_gpus else max(1, math.ceil(gpus / max_group_gpus))
-        n_groups = min(n_groups, min(sum(n for k, n in kinds.items() if k.role is r) for r in (Role.PREFILL, Role.DECODE)) or 1)
+        n_groups = min(
+            n_groups,
+            min(sum(n for k, n in kinds.items() if k.role is r) for r in (Role.PREFILL, Role.DECODE)) or 1,
+        )
         members: list[dict[InstanceKind, int]] = [{} for _ in range(n_groups)]
         for kind, n in sorted(kinds.items(), key=lambda kv: (kv[0].role.value, kv[0].gpu, kv[0].tp)):
             for g in range(n_groups):
@@ -136,16 +139,30 @@ def _precheck(nodes: Sequence[Node], groups: Sequence[Group], require: bool) -> 
         room = sum(x.free // tp for x in nodes if x.gpu == gpu)
         if room < n:
             largest = max((x.free for x in nodes if x.gpu == gpu), default=0)
-            raise TopologyError(f"{n} instances of tp {tp} on {gpu} need {tp} free GPUs on one node each; nodes hold only {room} (largest free block {largest})")
+            raise TopologyError(
+                f"{n} instances of tp {tp} on {gpu} need {tp} free GPUs on one node each; nodes hold only {room} (largest free block {largest})"
+            )
     if require:
         domains = sorted({x.domain for x in nodes})
         for g in groups:
-            fits = [d for d in domains if all(sum(x.free for x in nodes if x.domain == d and x.gpu == gpu) >= n for gpu, n in g.gpus_by_type.items())]
+            fits = [
+                d
+                for d in domains
+                if all(
+                    sum(x.free for x in nodes if x.domain == d and x.gpu == gpu) >= n
+                    for gpu, n in g.gpus_by_type.items()
+                )
+            ]
             if not fits:
                 want = ", ".join(f"{n}× {gpu}" for gpu, n in sorted(g.gpus_by_type.items()))
                 best = max(domains, key=lambda d: sum(x.free for x in nodes if x.domain == d))
-                have = ", ".join(f"{sum(x.free for x in nodes if x.domain == best and x.gpu == gpu)}× {gpu}" for gpu in sorted(g.gpus_by_type))
-                raise TopologyError(f"group {g.name} needs {want} in one domain; the roomiest domain {best} has {have} free")
+                have = ", ".join(
+                    f"{sum(x.free for x in nodes if x.domain == best and x.gpu == gpu)}× {gpu}"
+                    for gpu in sorted(g.gpus_by_type)
+                )
+                raise TopologyError(
+                    f"group {g.name} needs {want} in one domain; the roomiest domain {best} has {have} free"
+                )
 
 
 def place_instances(
@@ -172,10 +189,14 @@ def place_instances(
             cells = []
             for ni, node in enumerate(nodes):
                 if node.gpu == kind.gpu and node.free >= kind.tp:
-                    y[(gi, kind, ni)] = var = m.new_int_var(0, min(count, node.free // kind.tp), f"y{gi}_{ni}")
+                    y[(gi, kind, ni)] = var = m.new_int_var(
+                        0, min(count, node.free // kind.tp), f"y{gi}_{ni}"
+                    )
                     cells.append(var)
             if not cells:
-                raise TopologyError(f"group {g.name}: no {kind.gpu} node has {kind.tp} free GPUs for a tp {kind.tp} instance")
+                raise TopologyError(
+                    f"group {g.name}: no {kind.gpu} node has {kind.tp} free GPUs for a tp {kind.tp} instance"
+                )
             m.add(sum(cells) == count)
     used_vars, frag_vars = [], []
     for ni, node in enumerate(nodes):
@@ -212,15 +233,29 @@ def place_instances(
         if pre and dec:
             cross_terms.append(pre * dec)
             for d in domains:
-                p = sum(v for (gg, k, ni), v in y.items() if gg == gi and k.role is Role.PREFILL and nodes[ni].domain == d)
-                q = sum(v for (gg, k, ni), v in y.items() if gg == gi and k.role is Role.DECODE and nodes[ni].domain == d)
-                pv, qv, prod = m.new_int_var(0, pre, ""), m.new_int_var(0, dec, ""), m.new_int_var(0, pre * dec, "")
+                p = sum(
+                    v
+                    for (gg, k, ni), v in y.items()
+                    if gg == gi and k.role is Role.PREFILL and nodes[ni].domain == d
+                )
+                q = sum(
+                    v
+                    for (gg, k, ni), v in y.items()
+                    if gg == gi and k.role is Role.DECODE and nodes[ni].domain == d
+                )
+                pv, qv, prod = (
+                    m.new_int_var(0, pre, ""),
+                    m.new_int_var(0, dec, ""),
+                    m.new_int_var(0, pre * dec, ""),
+                )
                 m.add(pv == p)
                 m.add(qv == q)
                 m.add_multiplication_equality(prod, [pv, qv])
                 shared_terms.append(prod)
     cross = sum(cross_terms) - sum(shared_terms)
-    m.minimize(W_CROSS * cross + W_SPREAD * sum(spread_terms) + W_FRAG * sum(frag_vars) + W_NODE * sum(used_vars))
+    m.minimize(
+        W_CROSS * cross + W_SPREAD * sum(spread_terms) + W_FRAG * sum(frag_vars) + W_NODE * sum(used_vars)
+    )
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 8
@@ -232,14 +267,16 @@ def place_instances(
         raise TopologyError(f"no placement found within {time_limit_s:g} s; raise the time limit")
     placed = []
     for (gi, kind, ni), v in sorted(y.items(), key=lambda kv: (kv[0][0], kv[0][2])):
-        placed += [PlacedInstance(groups[gi].name, kind, nodes[ni].name, nodes[ni].domain)] * int(solver.value(v))
+        placed += [PlacedInstance(groups[gi].name, kind, nodes[ni].name, nodes[ni].domain)] * int(
+            solver.value(v)
+        )
     group_domains = {g.name: tuple(sorted({p.domain for p in placed if p.group == g.name})) for g in groups}
-    frag = tuple(nodes[i].name for i, f in enumerate(frag_vars) if solver.value(f))
+    fragmented = tuple(nodes[i].name for i, f in enumerate(frag_vars) if solver.value(f))
     return Placement(
         "optimal" if code == cp_model.OPTIMAL else "feasible",
         tuple(placed),
         int(solver.value(cross)) if cross_terms else 0,
-        frag,
+        fragmented,
         group_domains,
         wall,
     )
@@ -251,9 +288,13 @@ def _explain(nodes: Sequence[Node], groups: Sequence[Group], require: bool) -> s
     for x in nodes:
         per_domain.setdefault(x.domain, {}).setdefault(x.gpu, 0)
         per_domain[x.domain][x.gpu] += x.free
-    have = "; ".join(f"{d}: " + ", ".join(f"{n}× {g}" for g, n in sorted(c.items())) for d, c in sorted(per_domain.items()))
+    have = "; ".join(
+        f"{d}: " + ", ".join(f"{n}× {g}" for g, n in sorted(c.items())) for d, c in sorted(per_domain.items())
+    )
     mode = "with every group in one domain" if require else "on whole nodes"
-    return f"the groups do not fit {mode} together (free per domain — {have}); add nodes or relax --same-domain"
+    return (
+        f"the groups do not fit {mode} together (free per domain — {have}); add nodes or relax --same-domain"
+    )
 
 
 def nodes_from_dict(data: object, origin: str = "<nodes>") -> tuple[list[Node], int | None, str]:
@@ -265,10 +306,22 @@ def nodes_from_dict(data: object, origin: str = "<nodes>") -> tuple[list[Node], 
         raise TopologyError(f"{origin}: unknown key(s) {extra}")
     nodes = []
     for i, row in enumerate(data["nodes"]):
-        if not isinstance(row, dict) or not {"name", "gpu", "gpus"} <= set(row) or set(row) - {"name", "gpu", "gpus", "domain", "used"}:
+        if (
+            not isinstance(row, dict)
+            or not {"name", "gpu", "gpus"} <= set(row)
+            or set(row) - {"name", "gpu", "gpus", "domain", "used"}
+        ):
             raise TopologyError(f"{origin}: nodes[{i}]: needs name, gpu, gpus (and optional domain, used)")
         try:
-            nodes.append(Node(str(row["name"]), str(row["gpu"]), int(row["gpus"]), str(row.get("domain", "default")), int(row.get("used", 0))))
+            nodes.append(
+                Node(
+                    str(row["name"]),
+                    str(row["gpu"]),
+                    int(row["gpus"]),
+                    str(row.get("domain", "default")),
+                    int(row.get("used", 0)),
+                )
+            )
         except (TypeError, ValueError) as exc:
             raise TopologyError(f"{origin}: nodes[{i}]: {exc}") from None
     same = data.get("same_domain", "prefer")

@@ -41,10 +41,9 @@ class WorkloadError(ValueError):
     """A malformed workload; the message names the file and the field."""
 
 
-def _check_weights(rows: tuple[tuple[float, ...], ...] | None) -> tuple[tuple[float, ...], ...] | None:
+def _check_weights(rows: tuple[tuple[float, ...], ...] | None) -> None:
     if rows is not None and any(not math.isfinite(v) or v < 0 for row in rows for v in row):
         raise ValueError("weights must be finite and ≥ 0")
-    return rows
 
 
 class _Window(BaseModel):
@@ -56,7 +55,8 @@ class _Window(BaseModel):
     @field_validator("histogram")
     @classmethod
     def _weights(cls, rows: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
-        return _check_weights(rows)
+        _check_weights(rows)
+        return rows
 
 
 class _ModelWorkload(BaseModel):
@@ -71,7 +71,8 @@ class _ModelWorkload(BaseModel):
     @field_validator("histogram")
     @classmethod
     def _weights(cls, rows: tuple[tuple[float, ...], ...] | None) -> tuple[tuple[float, ...], ...] | None:
-        return _check_weights(rows)
+        _check_weights(rows)
+        return rows
 
     @model_validator(mode="after")
     def _one_form(self) -> _ModelWorkload:
@@ -117,7 +118,10 @@ class ModelWorkload:
             self.model,
             self.input_edges,
             self.output_edges,
-            tuple(Window(w.duration_s, tuple(r * factor for r in w.rates), w.out_of_range * factor) for w in self.windows),
+            tuple(
+                Window(w.duration_s, tuple(r * factor for r in w.rates), w.out_of_range * factor)
+                for w in self.windows
+            ),
         )
 
 
@@ -136,14 +140,20 @@ def _model_from(raw: _ModelWorkload, where: str) -> ModelWorkload:
         raise WorkloadError(f"{where}: input_edges and output_edges need at least two edges each")
     for name, edges in (("input_edges", raw.input_edges), ("output_edges", raw.output_edges)):
         if edges[0] < 0 or any(b <= a for a, b in itertools.pairwise(edges)):
-            raise WorkloadError(f"{where}: field {name}: must be ≥ 0 and strictly increasing, got {list(edges)}")
-    windows = raw.windows or (_Window(duration_s=3600.0, rate=raw.rate or 0.0, histogram=raw.histogram or ()),)
+            raise WorkloadError(
+                f"{where}: field {name}: must be ≥ 0 and strictly increasing, got {list(edges)}"
+            )
+    windows = raw.windows or (
+        _Window(duration_s=3600.0, rate=raw.rate or 0.0, histogram=raw.histogram or ()),
+    )
     out = []
     for k, w in enumerate(windows):
         field = f"windows[{k}]" if raw.windows else "histogram"
         hist = w.histogram
         if len(hist) != n_in or any(len(row) != n_out for row in hist):
-            raise WorkloadError(f"{where}: field {field}: shape must be {n_in}×{n_out} (input × output buckets)")
+            raise WorkloadError(
+                f"{where}: field {field}: shape must be {n_in}×{n_out} (input × output buckets)"
+            )
         out.append(Window(w.duration_s, normalised_rates(w.rate, hist, f"{where}: {field}")))
     if all(w.total <= 0 for w in out):
         raise WorkloadError(f"{where}: model {raw.model}: request rate is 0 req/s: nothing to place")
@@ -217,7 +227,10 @@ def histogram_from_requests(
         raise WorkloadError("this trace has no arrival times: give a request rate")
     if not timed:
         window_s = None
-        counts, outside = {0: [sum(c[b] for c in counts.values()) for b in range(n_buckets)]}, {0: sum(outside.values())}
+        counts, outside = (
+            {0: [sum(c[b] for c in counts.values()) for b in range(n_buckets)]},
+            {0: sum(outside.values())},
+        )
     duration = window_s if window_s else max(span[1] - span[0], 1.0) if timed else 1.0
     windows = []
     for k in range(max(counts) + 1):
@@ -226,5 +239,7 @@ def histogram_from_requests(
     if rate is not None:
         peak = max(w.total for w in windows)
         scale = rate / peak if peak else 0.0
-        windows = [Window(w.duration_s, tuple(r * scale for r in w.rates), w.out_of_range * scale) for w in windows]
+        windows = [
+            Window(w.duration_s, tuple(r * scale for r in w.rates), w.out_of_range * scale) for w in windows
+        ]
     return ModelWorkload(model, tuple(input_edges), tuple(output_edges), tuple(windows))

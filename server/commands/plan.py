@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import typer
 from rich.console import Console
@@ -50,7 +50,9 @@ def parse_what_if(specs: list[str]) -> dict[str, list[float]]:
         key, sep, values = spec.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in WHAT_IF_KEYS:
-            raise PlacementError(f"--what-if {spec!r}: expected KEY=V1,V2 with KEY one of {', '.join(WHAT_IF_KEYS)}")
+            raise PlacementError(
+                f"--what-if {spec!r}: expected KEY=V1,V2 with KEY one of {', '.join(WHAT_IF_KEYS)}"
+            )
         try:
             vals = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
@@ -63,7 +65,15 @@ def parse_what_if(specs: list[str]) -> dict[str, list[float]]:
     return out
 
 
-def _trace_workload(path: str, fmt: str | None, model: str | None, profiles: list[ThroughputProfile], slo: Slo | None, window_s: float | None, rate: float | None) -> ModelWorkload:
+def _trace_workload(
+    path: str,
+    fmt: str | None,
+    model: str | None,
+    profiles: list[ThroughputProfile],
+    slo: Slo | None,
+    window_s: float | None,
+    rate: float | None,
+) -> ModelWorkload:
     try:
         from loadgen.formats import open_trace
         from loadgen.trace import TraceError
@@ -81,13 +91,22 @@ def _trace_workload(path: str, fmt: str | None, model: str | None, profiles: lis
     try:
         trace = open_trace(path, fmt)
         rows = ((r.arrival_s, r.input_tokens, r.output_tokens) for r in trace)
-        return histogram_from_requests(rows, name, grid.input_edges, grid.output_edges, window_s=window_s, rate=rate)
+        return histogram_from_requests(
+            rows, name, grid.input_edges, grid.output_edges, window_s=window_s, rate=rate
+        )
     except TraceError as exc:
         raise PlacementError(str(exc)) from None
 
 
-def _melange_plan(mi: MelangeInput, variant: Variant | None, slice_factor: int | None, engine: str, time_limit_s: float, scales: list[float]) -> tuple[Plan, list[WhatIfRow] | None]:
-    settings = {
+def _melange_plan(
+    mi: MelangeInput,
+    variant: Variant | None,
+    slice_factor: int | None,
+    engine: str,
+    time_limit_s: float,
+    scales: list[float],
+) -> tuple[Plan, list[WhatIfRow] | None]:
+    settings: dict[str, Any] = {
         "variant": variant or Variant.SLICED,
         "slice_factor": slice_factor or mi.slice_factor,
         "engine": engine,
@@ -109,13 +128,19 @@ def _melange_plan(mi: MelangeInput, variant: Variant | None, slice_factor: int |
     return plan, rows
 
 
-def _what_if_axes(spec: dict[str, list[float]], base: Slo | None, peak: float) -> tuple[list[Slo | None], list[float]]:
-    tpots = spec.get("tpot_ms") or [base.tpot_ms if base else None]
-    ttfts = spec.get("ttft_ms") or [base.ttft_ms if base else None]
+def _what_if_axes(
+    spec: dict[str, list[float]], base: Slo | None, peak: float
+) -> tuple[list[Slo | None], list[float]]:
+    tpots: list[float | None] = [*spec.get("tpot_ms", [])] or [base.tpot_ms if base else None]
+    ttfts: list[float | None] = [*spec.get("ttft_ms", [])] or [base.ttft_ms if base else None]
     slos: list[Slo | None] = []
     for tp in tpots:
         for tf in ttfts:
-            slos.append(None if tp is None and tf is None and base is None else Slo(tpot_ms=tp, ttft_ms=tf, e2e_ms=base.e2e_ms if base else None))
+            slos.append(
+                None
+                if tp is None and tf is None and base is None
+                else Slo(tpot_ms=tp, ttft_ms=tf, e2e_ms=base.e2e_ms if base else None)
+            )
     if "rate" in spec:
         return slos, [r / peak for r in spec["rate"]]
     return slos, spec.get("rate_scale") or [1.0]
@@ -127,22 +152,35 @@ def run_plan(opts: dict[str, Any]) -> dict[str, Any]:
     variant = Variant(opts["variant"]) if opts["variant"] else None
     if opts["melange"]:
         if opts["workload"] or opts["trace"] or opts["profile"] or opts["gpus"]:
-            raise PlacementError("--melange takes the whole problem from its file: drop --workload/--trace/--gpus/--profile")
+            raise PlacementError(
+                "--melange takes the whole problem from its file: drop --workload/--trace/--gpus/--profile"
+            )
         if "tpot_ms" in spec or "ttft_ms" in spec or "rate" in spec:
-            raise PlacementError("--what-if with --melange varies rate_scale only (the file holds one profile per GPU)")
+            raise PlacementError(
+                "--what-if with --melange varies rate_scale only (the file holds one profile per GPU)"
+            )
         mi = load_melange(opts["melange"])
-        plan, rows = _melange_plan(mi, variant, opts["slice_factor"], opts["engine"], opts["time_limit"], spec.get("rate_scale", []))
+        plan, rows = _melange_plan(
+            mi, variant, opts["slice_factor"], opts["engine"], opts["time_limit"], spec.get("rate_scale", [])
+        )
     else:
         plan, rows = _mosaic_plan(opts, spec, variant)
     placement = None
     if opts["nodes"]:
         nodes, cap, same = nodes_from_dict(read_structured(opts["nodes"], PlacementError), opts["nodes"])
-        placed = place_instances(nodes, groups_from_counts(instance_counts(plan), cap), same_domain=opts["same_domain"] or same)  # type: ignore[arg-type]
+        same_domain: Literal["prefer", "require"] = (
+            "require" if (opts["same_domain"] or same) == "require" else "prefer"
+        )
+        placed = place_instances(
+            nodes, groups_from_counts(instance_counts(plan), cap), same_domain=same_domain
+        )
         placement = placement_to_dict(placed, nodes)
     return plan_to_dict(plan, what_if=rows, placement=placement)
 
 
-def _mosaic_plan(opts: dict[str, Any], spec: dict[str, list[float]], variant: Variant | None) -> tuple[Plan, list[WhatIfRow] | None]:
+def _mosaic_plan(
+    opts: dict[str, Any], spec: dict[str, list[float]], variant: Variant | None
+) -> tuple[Plan, list[WhatIfRow] | None]:
     if not opts["gpus"] or not opts["profile"]:
         raise PlacementError("give --gpus and at least one --profile (or --melange FILE)")
     if bool(opts["workload"]) == bool(opts["trace"]):
@@ -155,7 +193,17 @@ def _mosaic_plan(opts: dict[str, Any], spec: dict[str, list[float]], variant: Va
     if opts["workload"]:
         workloads = load_workload(opts["workload"])
     else:
-        workloads = (_trace_workload(opts["trace"], opts["trace_format"], opts["model"], profiles, slo, opts["window_s"], opts["rate"]),)
+        workloads = (
+            _trace_workload(
+                opts["trace"],
+                opts["trace_format"],
+                opts["model"],
+                profiles,
+                slo,
+                opts["window_s"],
+                opts["rate"],
+            ),
+        )
     inp = PlanInput(
         offers=load_gpu_offers(opts["gpus"], catalog),
         profiles=tuple(profiles),
@@ -179,27 +227,69 @@ def _mosaic_plan(opts: dict[str, Any], spec: dict[str, list[float]], variant: Va
 def register(app: typer.Typer) -> None:
     @app.command("plan")
     def plan_command(
-        workload: str = typer.Option(None, "--workload", help="Workload file (mosaic.workload/v1): rate + histogram per model, or windows."),
-        trace: str = typer.Option(None, "--trace", help="A trace file (any format `mosaic replay` reads), binned on the profiles' edges."),
-        trace_format: str = typer.Option(None, "--trace-format", help="Force the trace format (azure, mooncake, sharegpt, ...)."),
-        model: str = typer.Option(None, "--model", help="Model the trace belongs to (when profiles cover several)."),
-        rate: float = typer.Option(None, "--rate", help="req/s for a trace without times; for a timed trace, the peak window's rate."),
-        window_s: float = typer.Option(None, "--window-s", help="Time-varying plan: windows of this many seconds of the trace."),
-        gpus: str = typer.Option(None, "--gpus", help="GPU types: a YAML/JSON file (costs, min, max) or a comma list (catalog prices)."),
-        profile: list[str] = typer.Option(None, "--profile", help="Throughput profile file (mosaic.profile/v1); repeat per GPU type/role/SLO."),
-        slo_tpot_ms: float = typer.Option(None, "--slo-tpot-ms", help="TPOT SLO in ms: picks the loosest profile at or under it."),
+        workload: str = typer.Option(
+            None,
+            "--workload",
+            help="Workload file (mosaic.workload/v1): rate + histogram per model, or windows.",
+        ),
+        trace: str = typer.Option(
+            None,
+            "--trace",
+            help="A trace file (any format `mosaic replay` reads), binned on the profiles' edges.",
+        ),
+        trace_format: str = typer.Option(
+            None, "--trace-format", help="Force the trace format (azure, mooncake, sharegpt, ...)."
+        ),
+        model: str = typer.Option(
+            None, "--model", help="Model the trace belongs to (when profiles cover several)."
+        ),
+        rate: float = typer.Option(
+            None, "--rate", help="req/s for a trace without times; for a timed trace, the peak window's rate."
+        ),
+        window_s: float = typer.Option(
+            None, "--window-s", help="Time-varying plan: windows of this many seconds of the trace."
+        ),
+        gpus: str = typer.Option(
+            None,
+            "--gpus",
+            help="GPU types: a YAML/JSON file (costs, min, max) or a comma list (catalog prices).",
+        ),
+        profile: list[str] = typer.Option(
+            None,
+            "--profile",
+            help="Throughput profile file (mosaic.profile/v1); repeat per GPU type/role/SLO.",
+        ),
+        slo_tpot_ms: float = typer.Option(
+            None, "--slo-tpot-ms", help="TPOT SLO in ms: picks the loosest profile at or under it."
+        ),
         slo_ttft_ms: float = typer.Option(None, "--slo-ttft-ms", help="TTFT SLO in ms."),
         melange: str = typer.Option(None, "--melange", help="Solve a Mélange input JSON as is."),
         mode: str = typer.Option("auto", "--mode", help="auto (mixed and P/D), mixed, or pd."),
-        variant: str = typer.Option(None, "--variant", help="continuous (default) or sliced (Mélange's; default with --melange)."),
-        slice_factor: int = typer.Option(None, "--slice-factor", help="Slices per bucket in the sliced variant (default 4; --melange: the file's)."),
+        variant: str = typer.Option(
+            None, "--variant", help="continuous (default) or sliced (Mélange's; default with --melange)."
+        ),
+        slice_factor: int = typer.Option(
+            None,
+            "--slice-factor",
+            help="Slices per bucket in the sliced variant (default 4; --melange: the file's).",
+        ),
         engine: str = typer.Option("auto", "--engine", help="auto, cp-sat or scip."),
         time_limit: float = typer.Option(10.0, "--time-limit", help="Solver time limit per solve, seconds."),
-        drop_unservable: bool = typer.Option(False, "--drop-unservable", help="Plan without buckets no GPU type serves (listed in the output)."),
-        nodes: str = typer.Option(None, "--nodes", help="Node inventory YAML: place the planned instances topology-aware."),
-        same_domain: str = typer.Option(None, "--same-domain", help="prefer (default) or require P/D groups in one network domain."),
+        drop_unservable: bool = typer.Option(
+            False, "--drop-unservable", help="Plan without buckets no GPU type serves (listed in the output)."
+        ),
+        nodes: str = typer.Option(
+            None, "--nodes", help="Node inventory YAML: place the planned instances topology-aware."
+        ),
+        same_domain: str = typer.Option(
+            None, "--same-domain", help="prefer (default) or require P/D groups in one network domain."
+        ),
         catalog: str = typer.Option(None, "--catalog", help="GPU/model catalog overrides (YAML)."),
-        what_if_spec: list[str] = typer.Option(None, "--what-if", help="Compare: tpot_ms=40,120 | ttft_ms=... | rate_scale=0.5,1,2 | rate=10,30 (repeatable)."),
+        what_if_spec: list[str] = typer.Option(
+            None,
+            "--what-if",
+            help="Compare: tpot_ms=40,120 | ttft_ms=... | rate_scale=0.5,1,2 | rate=10,30 (repeatable).",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (schema mosaic.plan/v1)."),
     ) -> None:
         """Cheapest GPU mix that meets the SLO (Mélange's bin-packing, solved exactly), and where to put it."""
@@ -219,4 +309,3 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(doc, indent=2))
         else:
             render_plan(doc, Console(width=max(100, Console().width)))
-

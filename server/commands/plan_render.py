@@ -20,17 +20,30 @@ def _gpus(g: Mapping[str, int] | None) -> str:
 def render_plan(doc: Mapping[str, Any], console: Console) -> None:
     """Print the plan document (`plan_to_dict` output) as tables."""
     gap = f"gap {doc['gap']:.2%}" if doc["status"] != "optimal" else "proven optimal"
-    variant = doc["variant"] + (f" (slice factor {doc['slice_factor']})" if doc["variant"] == "sliced" else "")
+    variant = doc["variant"] + (
+        f" (slice factor {doc['slice_factor']})" if doc["variant"] == "sliced" else ""
+    )
     console.print(
         f"[bold]Cheapest fleet[/bold]: {_money(doc['cost_per_hour'])}/h  ·  {_gpus(doc['gpus'])}  ·  "
         f"{doc['status']} ({gap})  ·  {variant}  ·  {doc['engine']}  ·  {doc['wall_s'] * 1000:.0f} ms"
     )
     table = Table(title="Instances")
     for col in ("model", "GPU", "tp", "role", "instances", "GPUs", "$/h", "load"):
-        table.add_column(col, justify="right" if col in ("tp", "instances", "GPUs", "$/h", "load") else "left")
+        table.add_column(
+            col, justify="right" if col in ("tp", "instances", "GPUs", "$/h", "load") else "left"
+        )
     for row in doc["instances"]:
         if row["count"]:
-            table.add_row(row["model"], row["gpu"], str(row["tp"]), row["role"], str(row["count"]), str(row["gpus"]), _money(row["cost_per_hour"]), f"{row['load']:.3f}")
+            table.add_row(
+                row["model"],
+                row["gpu"],
+                str(row["tp"]),
+                row["role"],
+                str(row["count"]),
+                str(row["gpus"]),
+                _money(row["cost_per_hour"]),
+                f"{row['load']:.3f}",
+            )
     console.print(table)
     _singles(doc, console)
     _assignment(doc, console)
@@ -41,7 +54,9 @@ def render_plan(doc: Mapping[str, Any], console: Console) -> None:
     if doc.get("placement"):
         render_placement(doc["placement"], console)
     for d in doc.get("dropped", []):
-        console.print(f"[yellow]dropped[/yellow]: {d['model']} {d['bucket']} ({d['rate']:g} req/s) — no GPU type serves it within the SLO")
+        console.print(
+            f"[yellow]dropped[/yellow]: {d['model']} {d['bucket']} ({d['rate']:g} req/s) — no GPU type serves it within the SLO"
+        )
     for note in doc.get("notes", []):
         console.print(f"note: {note}")
 
@@ -53,10 +68,17 @@ def _singles(doc: Mapping[str, Any], console: Console) -> None:
         table.add_column(col)
     for row in doc["single_type"]["all"]:
         mark = "best" if best and row["gpu"] == best["gpu"] else ""
-        table.add_row(row["gpu"], _gpus(row["gpus"]) if row["gpus"] else row["reason"], _money(row["cost_per_hour"]), mark)
+        table.add_row(
+            row["gpu"],
+            _gpus(row["gpus"]) if row["gpus"] else row["reason"],
+            _money(row["cost_per_hour"]),
+            mark,
+        )
     console.print(table)
     if best and savings:
-        console.print(f"Savings against {best['gpu']} alone: {_money(savings['per_hour'])}/h ({savings['fraction']:.1%})")
+        console.print(
+            f"Savings against {best['gpu']} alone: {_money(savings['per_hour'])}/h ({savings['fraction']:.1%})"
+        )
     elif not best:
         console.print("No single GPU type can serve the whole workload; the mix is the only answer.")
 
@@ -88,7 +110,14 @@ def _time_varying(tv: Mapping[str, Any], console: Console) -> None:
     for col in ("window", "start", "req/s", "fleet", "$/h", "status"):
         table.add_column(col)
     for w in tv["windows"]:
-        table.add_row(str(w["index"]), f"{w['start_s'] / 3600:.2f} h", f"{w['rate']:.3g}", _gpus(w["gpus"]), _money(w["cost_per_hour"]), w["status"])
+        table.add_row(
+            str(w["index"]),
+            f"{w['start_s'] / 3600:.2f} h",
+            f"{w['rate']:.3g}",
+            _gpus(w["gpus"]),
+            _money(w["cost_per_hour"]),
+            w["status"],
+        )
     console.print(table)
     dyn, st = tv["dynamic"], tv["static"]
     console.print(
@@ -102,7 +131,12 @@ def _what_if(rows: list[Mapping[str, Any]], console: Console) -> None:
     for col in ("TPOT ms", "TTFT ms", "rate ×", "req/s", "fleet", "$/h", "best single", "savings"):
         table.add_column(col)
     for r in rows:
-        head = ["—" if r["tpot_ms"] is None else f"{r['tpot_ms']:g}", "—" if r["ttft_ms"] is None else f"{r['ttft_ms']:g}", f"{r['rate_scale']:g}", f"{r['rate']:.3g}"]
+        head = [
+            "—" if r["tpot_ms"] is None else f"{r['tpot_ms']:g}",
+            "—" if r["ttft_ms"] is None else f"{r['ttft_ms']:g}",
+            f"{r['rate_scale']:g}",
+            f"{r['rate']:.3g}",
+        ]
         if r["status"] == "error":
             table.add_row(*head, f"[red]{r['error']}[/red]", "", "", "")
             continue
@@ -114,7 +148,9 @@ def _what_if(rows: list[Mapping[str, Any]], console: Console) -> None:
 
 
 def render_placement(p: Mapping[str, Any], console: Console) -> None:
-    table = Table(title=f"Placement on nodes ({p['status']}, {p['cross_domain_pairs']} cross-domain P/D pairs, {len(p['fragmented_nodes'])} fragmented nodes)")
+    table = Table(
+        title=f"Placement on nodes ({p['status']}, {p['cross_domain_pairs']} cross-domain P/D pairs, {len(p['fragmented_nodes'])} fragmented nodes)"
+    )
     for col in ("node", "domain", "instances"):
         table.add_column(col)
     for node in p["nodes"]:

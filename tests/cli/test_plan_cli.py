@@ -15,8 +15,24 @@ from server.commands import plan as plan_command
 
 PLACEMENT = Path(__file__).parent.parent / "placement" / "fixtures"
 HERE = Path(__file__).parent / "fixtures"
-PROFILES = ["--profile", str(PLACEMENT / "llama3-a100-tpot40.yaml"), "--profile", str(PLACEMENT / "llama3-a10g-tpot40.yaml"), "--profile", str(PLACEMENT / "llama3-l4-tpot40.json")]
-BASE = ["plan", "--workload", str(PLACEMENT / "workload.yaml"), "--gpus", str(PLACEMENT / "gpus.yaml"), *PROFILES, "--slo-tpot-ms", "40"]
+PROFILES = [
+    "--profile",
+    str(PLACEMENT / "llama3-a100-tpot40.yaml"),
+    "--profile",
+    str(PLACEMENT / "llama3-a10g-tpot40.yaml"),
+    "--profile",
+    str(PLACEMENT / "llama3-l4-tpot40.json"),
+]
+BASE = [
+    "plan",
+    "--workload",
+    str(PLACEMENT / "workload.yaml"),
+    "--gpus",
+    str(PLACEMENT / "gpus.yaml"),
+    *PROFILES,
+    "--slo-tpot-ms",
+    "40",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +60,41 @@ def run_json(app: typer.Typer, *args: str) -> dict[str, Any]:
 def test_table_output(app: typer.Typer) -> None:
     result = run(app, *BASE)
     assert result.exit_code == 0, result.output
-    for text in ("Cheapest fleet", "proven optimal", "Single GPU type", "Savings against A100-80GB alone", "Routing hints"):
+    for text in (
+        "Cheapest fleet",
+        "proven optimal",
+        "Single GPU type",
+        "Savings against A100-80GB alone",
+        "Routing hints",
+    ):
         assert text in result.output
 
 
 def test_json_document(app: typer.Typer) -> None:
     doc = run_json(app, *BASE)
     assert doc["schema"] == "mosaic.plan/v1" and doc["status"] == "optimal" and doc["gap"] == 0
-    assert doc["single_type"]["best"] == {"gpu": "A100-80GB", "cost_per_hour": 18.35, "gpus": {"A100-80GB": 5}}
+    assert doc["single_type"]["best"] == {
+        "gpu": "A100-80GB",
+        "cost_per_hour": 18.35,
+        "gpus": {"A100-80GB": 5},
+    }
     assert doc["cost_per_hour"] == pytest.approx(sum(r["cost_per_hour"] for r in doc["instances"]))
     assert doc["savings"]["per_hour"] == pytest.approx(18.35 - doc["cost_per_hour"])
-    assert len(doc["assignment"]) == 9 and all(sum(a["shares"].values()) == pytest.approx(1.0) for a in doc["assignment"])
-    for key in ("variant", "slice_factor", "engine", "wall_s", "bound_per_hour", "time_varying", "what_if", "placement", "notes", "dropped"):
+    assert len(doc["assignment"]) == 9 and all(
+        sum(a["shares"].values()) == pytest.approx(1.0) for a in doc["assignment"]
+    )
+    for key in (
+        "variant",
+        "slice_factor",
+        "engine",
+        "wall_s",
+        "bound_per_hour",
+        "time_varying",
+        "what_if",
+        "placement",
+        "notes",
+        "dropped",
+    ):
         assert key in doc
 
 
@@ -65,7 +104,10 @@ def test_melange_example_as_is(app: typer.Typer, shared_data: Path) -> None:
     # 3 A10G + 1 A100 = $6.70 (hand check in tests/placement/test_binpacking.py); A100 alone ⌈1.125⌉ = 2 → $7.34
     assert doc["gpus"] == {"A10G": 3, "A100-80GB": 1} and doc["cost_per_hour"] == 6.7
     assert doc["variant"] == "sliced" and doc["slice_factor"] == 1
-    assert doc["savings"] == {"per_hour": pytest.approx(0.64), "fraction": pytest.approx(0.64 / 7.34, abs=1e-6)}
+    assert doc["savings"] == {
+        "per_hour": pytest.approx(0.64),
+        "fraction": pytest.approx(0.64 / 7.34, abs=1e-6),
+    }
     cont = run_json(app, "plan", "--melange", example, "--variant", "continuous")
     assert cont["cost_per_hour"] == 4.68  # 1 A100 + 1 A10G (a third of bucket (1, 0) on the A10G)
     rows = run_json(app, "plan", "--melange", example, "--what-if", "rate_scale=1,2")["what_if"]
@@ -74,7 +116,12 @@ def test_melange_example_as_is(app: typer.Typer, shared_data: Path) -> None:
 
 
 def test_what_if_table_over_slos(app: typer.Typer) -> None:
-    extra = ["--profile", str(PLACEMENT / "llama3-a100-tpot120.yaml"), "--profile", str(PLACEMENT / "llama3-a10g-tpot120.yaml")]
+    extra = [
+        "--profile",
+        str(PLACEMENT / "llama3-a100-tpot120.yaml"),
+        "--profile",
+        str(PLACEMENT / "llama3-a10g-tpot120.yaml"),
+    ]
     doc = run_json(app, *BASE, *extra, "--what-if", "tpot_ms=40,120", "--what-if", "rate=20,40")
     rows = {(r["tpot_ms"], r["rate"]): r for r in doc["what_if"]}
     assert set(rows) == {(40.0, 20.0), (40.0, 40.0), (120.0, 20.0), (120.0, 40.0)}
@@ -85,7 +132,16 @@ def test_what_if_table_over_slos(app: typer.Typer) -> None:
 
 
 def test_trace_input_time_varying_and_nodes(app: typer.Typer) -> None:
-    args = ["plan", "--trace", str(HERE / "azure_small.csv"), "--gpus", "A10G,A100-80GB", *PROFILES[:4], "--slo-tpot-ms", "40"]
+    args = [
+        "plan",
+        "--trace",
+        str(HERE / "azure_small.csv"),
+        "--gpus",
+        "A10G,A100-80GB",
+        *PROFILES[:4],
+        "--slo-tpot-ms",
+        "40",
+    ]
     doc = run_json(app, *args, "--window-s", "600", "--nodes", str(PLACEMENT / "nodes.yaml"))
     tv = doc["time_varying"]
     assert len(tv["windows"]) == 2 and tv["windows"][0]["rate"] > tv["windows"][1]["rate"]  # busy, then quiet
@@ -98,7 +154,17 @@ def test_trace_input_time_varying_and_nodes(app: typer.Typer) -> None:
 
 def test_real_azure_trace(app: typer.Typer, shared_data: Path) -> None:
     trace = str(shared_data / "traces" / "azure_llm_2023_conv.csv")
-    args = ["plan", "--trace", trace, "--gpus", "A10G,A100-80GB", *PROFILES[:4], "--slo-tpot-ms", "40", "--drop-unservable"]
+    args = [
+        "plan",
+        "--trace",
+        trace,
+        "--gpus",
+        "A10G,A100-80GB",
+        *PROFILES[:4],
+        "--slo-tpot-ms",
+        "40",
+        "--drop-unservable",
+    ]
     doc = run_json(app, *args)
     assert doc["status"] == "optimal" and doc["cost_per_hour"] > 0
     # ~19k requests over one hour ≈ 5.4 req/s
@@ -109,14 +175,35 @@ def test_real_azure_trace(app: typer.Typer, shared_data: Path) -> None:
     ("args", "message"),
     [
         pytest.param(["plan", "--gpus", "A10G"], "give --gpus and at least one --profile", id="no profile"),
-        pytest.param([*BASE, "--trace", "x.csv"], "exactly one of --workload or --trace", id="workload and trace"),
+        pytest.param(
+            [*BASE, "--trace", "x.csv"], "exactly one of --workload or --trace", id="workload and trace"
+        ),
         pytest.param(["plan", "--melange", "nope.json"], "nope.json: cannot read", id="missing Mélange file"),
         pytest.param([*BASE, "--what-if", "colour=1"], "--what-if 'colour=1'", id="unknown what-if key"),
         pytest.param([*BASE, "--mode", "both"], "--mode must be", id="bad mode"),
         pytest.param([*BASE, "--engine", "gurobi"], "unknown engine", id="bad engine"),
-        pytest.param([*BASE[:-2], "--slo-tpot-ms", "10"], "no usable profile", id="SLO nothing was profiled at"),
-        pytest.param(["plan", "--melange", "x.json", "--gpus", "A10G"], "--melange takes the whole problem", id="melange plus gpus"),
-        pytest.param(["plan", "--workload", str(PLACEMENT / "workload.yaml"), "--gpus", "A10G", *PROFILES[2:4], "--slo-tpot-ms", "40"], "--drop-unservable", id="unservable buckets named"),
+        pytest.param(
+            [*BASE[:-2], "--slo-tpot-ms", "10"], "no usable profile", id="SLO nothing was profiled at"
+        ),
+        pytest.param(
+            ["plan", "--melange", "x.json", "--gpus", "A10G"],
+            "--melange takes the whole problem",
+            id="melange plus gpus",
+        ),
+        pytest.param(
+            [
+                "plan",
+                "--workload",
+                str(PLACEMENT / "workload.yaml"),
+                "--gpus",
+                "A10G",
+                *PROFILES[2:4],
+                "--slo-tpot-ms",
+                "40",
+            ],
+            "--drop-unservable",
+            id="unservable buckets named",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(app: typer.Typer, args: list[str], message: str) -> None:

@@ -29,7 +29,10 @@ A100 = GpuOffer("A100-80GB", 3.67)
 def melange_example(**caps: int) -> MixProblem:
     """Mélange's config/example.json: tputs A10G [[2, 1], [5, 2]], A100 [[20, 20], [40, 20]],
     distribution [[0.2, 0.1], [0.5, 0.2]], λ = 30 → bucket rates 6, 3, 15, 6 req/s."""
-    gpus = {"A10G": GpuOffer("A10G", 1.01, 0, caps.get("A10G")), "A100-80GB": GpuOffer("A100-80GB", 3.67, 0, caps.get("A100"))}
+    gpus = {
+        "A10G": GpuOffer("A10G", 1.01, 0, caps.get("A10G")),
+        "A100-80GB": GpuOffer("A100-80GB", 3.67, 0, caps.get("A100")),
+    }
     options = (InstanceOption("m", "A10G", (2, 1, 5, 2)), InstanceOption("m", "A100-80GB", (20, 20, 40, 20)))
     demand = Demand("m", tuple(f * 30.0 for f in (0.2, 0.1, 0.5, 0.2)))
     return MixProblem(gpus, options, ((demand,),))
@@ -72,9 +75,13 @@ def test_slice_factor_3_reaches_the_continuous_optimum(engine: str) -> None:
 
 
 def test_single_type_baselines_of_the_example() -> None:
-    singles = {s.gpu: s for s in single_type_fleets(melange_example(), variant=Variant.SLICED, slice_factor=1)}
+    singles = {
+        s.gpu: s for s in single_type_fleets(melange_example(), variant=Variant.SLICED, slice_factor=1)
+    }
     assert singles["A10G"].solution is not None and singles["A10G"].solution.gpus == {"A10G": 12}  # 3+3+3+3
-    assert singles["A100-80GB"].solution is not None and singles["A100-80GB"].solution.gpus == {"A100-80GB": 2}  # ⌈1.125⌉
+    assert singles["A100-80GB"].solution is not None and singles["A100-80GB"].solution.gpus == {
+        "A100-80GB": 2
+    }  # ⌈1.125⌉
     best = best_single_type(list(singles.values()))
     assert best is not None and best.gpu == "A100-80GB"
 
@@ -99,7 +106,11 @@ def test_caps_too_small_explain_what_is_short() -> None:
 
 def test_gpu_minimum_is_honoured_even_when_not_needed() -> None:
     problem = melange_example()
-    problem = MixProblem({**problem.gpus, "A100-80GB": GpuOffer("A100-80GB", 3.67, min_gpus=3)}, problem.options, problem.windows)
+    problem = MixProblem(
+        {**problem.gpus, "A100-80GB": GpuOffer("A100-80GB", 3.67, min_gpus=3)},
+        problem.options,
+        problem.windows,
+    )
     sol = solve_mix(problem, variant=Variant.SLICED, slice_factor=1)
     assert sol.gpus == {"A100-80GB": 3}  # 3 A100 hold the whole 1.125 load; no A10G needed
     assert sol.cost_per_hour == pytest.approx(3 * 3.67)
@@ -112,7 +123,9 @@ def test_gpu_minimum_is_honoured_even_when_not_needed() -> None:
         pytest.param((2, 1, 5), (20, 20, 40, 20), "disagree", id="a profile missing a bucket → shape error"),
     ],
 )
-def test_degenerate_profiles_give_clear_errors(a10g: tuple[float, ...], a100: tuple[float, ...], match: str) -> None:
+def test_degenerate_profiles_give_clear_errors(
+    a10g: tuple[float, ...], a100: tuple[float, ...], match: str
+) -> None:
     options = (InstanceOption("m", "A10G", a10g), InstanceOption("m", "A100-80GB", a100))
     problem = MixProblem({"A10G": A10G, "A100-80GB": A100}, options, ((Demand("m", (6.0, 3.0, 15.0, 6.0)),),))
     with pytest.raises(PlacementError, match=match):
@@ -120,7 +133,9 @@ def test_degenerate_profiles_give_clear_errors(a10g: tuple[float, ...], a100: tu
 
 
 def test_unservable_bucket_error_lists_the_bucket() -> None:
-    problem = MixProblem({"A10G": A10G}, (InstanceOption("m", "A10G", (2.0, 0.0)),), ((Demand("m", (1.0, 0.5)),),))
+    problem = MixProblem(
+        {"A10G": A10G}, (InstanceOption("m", "A10G", (2.0, 0.0)),), ((Demand("m", (1.0, 0.5)),),)
+    )
     with pytest.raises(UnservableError) as info:
         solve_mix(problem)
     assert [(u.model, u.bucket, u.rate) for u in info.value.buckets] == [("m", 1, 0.5)]
@@ -140,7 +155,9 @@ def test_zero_demand_needs_no_gpus() -> None:
     ("kwargs", "match"),
     [
         pytest.param({"engine": "gurobi"}, "unknown engine", id="unknown engine named"),
-        pytest.param({"slice_factor": 0, "variant": Variant.SLICED}, "slice factor", id="slice factor 0 refused"),
+        pytest.param(
+            {"slice_factor": 0, "variant": Variant.SLICED}, "slice factor", id="slice factor 0 refused"
+        ),
         pytest.param({"time_limit_s": 0}, "time limit", id="no time limit refused"),
         pytest.param({"engine": "cp-sat"}, "continuous", id="CP-SAT cannot take the continuous variant"),
     ],
@@ -152,9 +169,13 @@ def test_bad_settings(kwargs: dict[str, object], match: str) -> None:
 
 def test_unknown_gpu_and_negative_rate_are_refused() -> None:
     with pytest.raises(PlacementError, match="not among the offered"):
-        solve_mix(MixProblem({"A10G": A10G}, (InstanceOption("m", "H100", (1.0,)),), ((Demand("m", (1.0,)),),)))
+        solve_mix(
+            MixProblem({"A10G": A10G}, (InstanceOption("m", "H100", (1.0,)),), ((Demand("m", (1.0,)),),))
+        )
     with pytest.raises(PlacementError, match="≥ 0"):
-        solve_mix(MixProblem({"A10G": A10G}, (InstanceOption("m", "A10G", (1.0,)),), ((Demand("m", (-1.0,)),),)))
+        solve_mix(
+            MixProblem({"A10G": A10G}, (InstanceOption("m", "A10G", (1.0,)),), ((Demand("m", (-1.0,)),),))
+        )
     with pytest.raises(PlacementError, match="cost_per_hour"):
         GpuOffer("X", -1.0)
 
@@ -180,11 +201,15 @@ def test_several_models_share_one_availability_cap() -> None:
     # Models a and b, 8 req/s each. A100: 4 req/s for $3.67 ($0.92 per req/s); A10G: 1 req/s for $1.01.
     # Uncapped: 2 A100 per model = 4 × 3.67 = $14.68. With 3 A100 in total, 12 req/s fit on A100 and the other
     # 4 req/s need 4 A10G: 3 × 3.67 + 4 × 1.01 = $15.05. An instance serves one model, so the A100s split 2 + 1.
-    options = tuple(InstanceOption(m, g, (r,)) for m in ("a", "b") for g, r in (("A100-80GB", 4.0), ("A10G", 1.0)))
+    options = tuple(
+        InstanceOption(m, g, (r,)) for m in ("a", "b") for g, r in (("A100-80GB", 4.0), ("A10G", 1.0))
+    )
     demand = ((Demand("a", (8.0,)), Demand("b", (8.0,))),)
     free = solve_mix(MixProblem({"A10G": A10G, "A100-80GB": A100}, options, demand))
     assert free.gpus == {"A100-80GB": 4}
-    capped = solve_mix(MixProblem({"A10G": A10G, "A100-80GB": GpuOffer("A100-80GB", 3.67, 0, 3)}, options, demand))
+    capped = solve_mix(
+        MixProblem({"A10G": A10G, "A100-80GB": GpuOffer("A100-80GB", 3.67, 0, 3)}, options, demand)
+    )
     assert capped.gpus == {"A100-80GB": 3, "A10G": 4}
     assert capped.cost_per_hour == pytest.approx(15.05)
     assert sorted(n for k, n in capped.counts.items() if "A100" in k) == [1, 2]

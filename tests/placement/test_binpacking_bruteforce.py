@@ -64,12 +64,20 @@ def caps_ok(problem: MixProblem, counts: Sequence[int]) -> bool:
 
 
 def fleet_cost(problem: MixProblem, counts: Sequence[int]) -> float:
-    return sum(n * o.tp * problem.gpus[o.gpu].cost_per_hour for n, o in zip(counts, problem.options, strict=True))
+    return sum(
+        n * o.tp * problem.gpus[o.gpu].cost_per_hour for n, o in zip(counts, problem.options, strict=True)
+    )
 
 
 def brute_sliced(problem: MixProblem, units: int) -> float | None:
     best: float | None = None
-    cells = [(w, d.model, b, r) for w, win in enumerate(problem.windows) for d in win for b, r in enumerate(d.rates) if r > 0]
+    cells = [
+        (w, d.model, b, r)
+        for w, win in enumerate(problem.windows)
+        for d in win
+        for b, r in enumerate(d.rates)
+        if r > 0
+    ]
     choices = [path_splits(problem, m, b, units) for (_, m, b, _) in cells]
     for combo in itertools.product(*choices):
         loads: dict[tuple[int, int], float] = {}
@@ -77,7 +85,10 @@ def brute_sliced(problem: MixProblem, units: int) -> float | None:
             for i, s in split.items():
                 loads[(w, i)] = loads.get((w, i), 0.0) + s * r / (units * problem.options[i].rates[b])
         counts = [
-            max(o.min_instances, max((needed_instances(v) for (_, i), v in loads.items() if i == idx), default=0))
+            max(
+                o.min_instances,
+                max((needed_instances(v) for (_, i), v in loads.items() if i == idx), default=0),
+            )
             for idx, o in enumerate(problem.options)
         ]
         if not caps_ok(problem, counts):
@@ -110,7 +121,9 @@ def lp_feasible(problem: MixProblem, counts: Sequence[int]) -> bool:
             for b, rate in enumerate(d.rates):
                 if rate <= 0:
                     continue
-                opts = [(i, o) for i, o in enumerate(problem.options) if o.model == d.model and o.rates[b] > 0]
+                opts = [
+                    (i, o) for i, o in enumerate(problem.options) if o.model == d.model and o.rates[b] > 0
+                ]
                 x = {i: lp.NumVar(0, 1, "") for i, _ in opts}
                 mixed = [x[i] for i, o in opts if o.role is Role.MIXED]
                 pre = [x[i] for i, o in opts if o.role is Role.PREFILL]
@@ -132,7 +145,10 @@ def lp_feasible(problem: MixProblem, counts: Sequence[int]) -> bool:
 def count_limit(problem: MixProblem, i: int) -> int:
     """No optimum runs more instances of option i than its load if it alone served every bucket it can."""
     o = problem.options[i]
-    alone = max(sum(r / o.rates[b] for d in w for b, r in enumerate(d.rates) if o.rates[b] > 0) for w in problem.windows)
+    alone = max(
+        sum(r / o.rates[b] for d in w for b, r in enumerate(d.rates) if o.rates[b] > 0)
+        for w in problem.windows
+    )
     return max(math.ceil(alone), problem.gpus[o.gpu].min_gpus)
 
 
@@ -159,9 +175,21 @@ def problems(draw: st.DrawFn, pd: bool = False, small: bool = False) -> MixProbl
         low = draw(st.sampled_from([0, 0, 0, 1, 2]))
         cap = draw(st.one_of(st.none(), st.integers(low, 6)))
         offers[g] = GpuOffer(g, draw(st.sampled_from([0.7, 1.01, 1.28, 3.67])), low, cap)
-        roles = [Role.MIXED] if not pd else draw(st.sampled_from([[Role.MIXED], [Role.PREFILL, Role.DECODE], [Role.MIXED, Role.DECODE]]))
+        roles = (
+            [Role.MIXED]
+            if not pd
+            else draw(st.sampled_from([[Role.MIXED], [Role.PREFILL, Role.DECODE], [Role.MIXED, Role.DECODE]]))
+        )
         for role in roles:
-            rates = tuple(draw(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 8.0]), min_size=n_buckets, max_size=n_buckets)))
+            rates = tuple(
+                draw(
+                    st.lists(
+                        st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 8.0]),
+                        min_size=n_buckets,
+                        max_size=n_buckets,
+                    )
+                )
+            )
             options.append(InstanceOption("m", g, rates, role=role))
     demand = rate if not small else st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0])
     windows = tuple(
@@ -213,7 +241,10 @@ def test_pd_sliced_optimum_equals_enumeration(problem: MixProblem, units: int) -
     except InfeasibleError:
         assert expected is None
         return
-    assert expected is not None and math.isclose(got.cost_per_hour, expected, abs_tol=1e-9), (got.counts, expected)
+    assert expected is not None and math.isclose(got.cost_per_hour, expected, abs_tol=1e-9), (
+        got.counts,
+        expected,
+    )
 
 
 @SETTINGS
@@ -230,4 +261,6 @@ def test_continuous_optimum_equals_enumeration(problem: MixProblem) -> None:
     assert expected is not None, got.counts
     assert math.isclose(got.cost_per_hour, expected, abs_tol=1e-9), (got.counts, expected)
     # Never dearer than any slicing of the same problem.
-    assert got.cost_per_hour <= solve_mix(problem, variant=Variant.SLICED, slice_factor=2).cost_per_hour + 1e-9
+    assert (
+        got.cost_per_hour <= solve_mix(problem, variant=Variant.SLICED, slice_factor=2).cost_per_hour + 1e-9
+    )

@@ -14,7 +14,10 @@ from placement.melange import MelangeFormatError, load_melange, melange_from_dic
 from placement.solver import solve_mix
 
 EXAMPLE: dict[str, Any] = {
-    "gpu_info": {"A10G": {"cost": 1.01, "tputs": [[2, 1], [5, 2]]}, "A100-80GB": {"cost": 3.67, "tputs": [[20, 20], [40, 20]]}},
+    "gpu_info": {
+        "A10G": {"cost": 1.01, "tputs": [[2, 1], [5, 2]]},
+        "A100-80GB": {"cost": 3.67, "tputs": [[20, 20], [40, 20]]},
+    },
     "workload_distribution": [[0.2, 0.1], [0.5, 0.2]],
     "total_request_rate": 30.0,
     "slice_factor": 1,
@@ -33,14 +36,20 @@ def test_example_in_memory_matches_melange_output_format() -> None:
     ("name", "gpus", "cost"),
     [
         # example.json: the worked example (test_binpacking.py) → 3 A10G + 1 A100 = $6.70 (SOURCES.md agrees)
-        pytest.param("example.json", {"A10G": 3, "A100-80GB": 1}, 6.70, id="example.json → 3 A10G + 1 A100, $6.70"),
+        pytest.param(
+            "example.json", {"A10G": 3, "A100-80GB": 1}, 6.70, id="example.json → 3 A10G + 1 A100, $6.70"
+        ),
         # example_f8b586e: λ = 1, rates .25/.125/.375/.25; A10G loads .05 + .125 + .0375 + .05 = .2625 → 1 A10G
         pytest.param("example_f8b586e.json", {"A10G": 1}, 1.01, id="example_f8b586e.json → 1 A10G, $1.01"),
         # example_c83e4ae: only A100; loads .25/20 + .125/2 + .375/50 + .25/20 = .095 → 1 A100
-        pytest.param("example_c83e4ae.json", {"A100-80GB": 1}, 3.67, id="example_c83e4ae.json → 1 A100, $3.67"),
+        pytest.param(
+            "example_c83e4ae.json", {"A100-80GB": 1}, 3.67, id="example_c83e4ae.json → 1 A100, $3.67"
+        ),
         # main_py_ad10bce: λ = 16, rates 4/8/4/4; A10G loads .8 + 8 + .4 + .8 = 10 → 10 A10G ($10.10); moving the
         # 8-load bucket to A100 costs 8/2 = 4 A100 ($14.68): Mélange's README of that era prints {A10G: 10, cost 10.1}
-        pytest.param("main_py_ad10bce.json", {"A10G": 10}, 10.10, id="main_py_ad10bce.json → 10 A10G, $10.10 (README)"),
+        pytest.param(
+            "main_py_ad10bce.json", {"A10G": 10}, 10.10, id="main_py_ad10bce.json → 10 A10G, $10.10 (README)"
+        ),
         # main_py_d461c5e: rates 4/2/6/4; A10G loads .8 + 2 + .6 + .8 = 4.2 → 5 A10G ($5.05); one A100 can only take
         # 0.52 of load (b00, b10, b11) leaving 2.0 → 2 A10G: 3.67 + 2.02 = $5.69 > $5.05
         pytest.param("main_py_d461c5e.json", {"A10G": 5}, 5.05, id="main_py_d461c5e.json → 5 A10G, $5.05"),
@@ -86,8 +95,16 @@ def _with(**changes: Any) -> dict[str, Any]:
         pytest.param(_with(total_request_rate="fast"), "total_request_rate", id="non-numeric rate"),
         pytest.param(_with(gpu_info=None), "missing key 'gpu_info'", id="missing gpu_info"),
         pytest.param(_with(slice_factor=0), "slice_factor", id="slice factor 0"),
-        pytest.param(_with(workload_distribution=[[0.5, 0.5]]), "shape 2×2 differs from workload_distribution's 1×2", id="tputs shape differs"),
-        pytest.param(_with(gpu_info={"A10G": {"cost": 1.01, "tputs": [[2, 1], [5]]}}), "rows have different lengths", id="missing profile cell"),
+        pytest.param(
+            _with(workload_distribution=[[0.5, 0.5]]),
+            "shape 2×2 differs from workload_distribution's 1×2",
+            id="tputs shape differs",
+        ),
+        pytest.param(
+            _with(gpu_info={"A10G": {"cost": 1.01, "tputs": [[2, 1], [5]]}}),
+            "rows have different lengths",
+            id="missing profile cell",
+        ),
         pytest.param(_with(gpu_info={"A10G": {"cost": 1.01}}), "needs 'cost' and 'tputs'", id="no tputs"),
         pytest.param(_with(extra=1), "unknown key", id="unknown top-level key"),
     ],

@@ -24,10 +24,20 @@ def fixture_profiles(*names: str) -> tuple[ThroughputProfile, ...]:
 TPOT40 = ("llama3-a100-tpot40.yaml", "llama3-a10g-tpot40.yaml", "llama3-l4-tpot40.json")
 
 
-def one_bucket(gpu: str, rate: float, role: str = "mixed", model: str = "m", slo: float | None = None) -> ThroughputProfile:
+def one_bucket(
+    gpu: str, rate: float, role: str = "mixed", model: str = "m", slo: float | None = None
+) -> ThroughputProfile:
     return profile_from_dict(
-        {"schema": "mosaic.profile/v1", "model": model, "gpu": gpu, "role": role, "slo": {"tpot_ms": slo},
-         "input_edges": [1, 100], "output_edges": [1, 100], "max_rate": [[rate]]}
+        {
+            "schema": "mosaic.profile/v1",
+            "model": model,
+            "gpu": gpu,
+            "role": role,
+            "slo": {"tpot_ms": slo},
+            "input_edges": [1, 100],
+            "output_edges": [1, 100],
+            "max_rate": [[rate]],
+        }
     )
 
 
@@ -37,7 +47,12 @@ def demand(rate: float, model: str = "m", *windows: float) -> ModelWorkload:
 
 
 def test_fixture_plan_beats_the_best_single_type_and_routes_every_bucket() -> None:
-    inp = PlanInput(load_gpu_offers(FIXTURES / "gpus.yaml"), fixture_profiles(*TPOT40), load_workload(str(FIXTURES / "workload.yaml")), Slo(tpot_ms=40))
+    inp = PlanInput(
+        load_gpu_offers(FIXTURES / "gpus.yaml"),
+        fixture_profiles(*TPOT40),
+        load_workload(str(FIXTURES / "workload.yaml")),
+        Slo(tpot_ms=40),
+    )
     plan = make_plan(inp)
     assert plan.solution.status is Status.OPTIMAL
     # A100 alone: loads 8/12 + 4/6 + 1/2 + 3/6 + 2/3.5 + .6/1.5 + .8/1.5 + .4/1 + .2/.5 = 4.638 → 5 × 3.67 = $18.35
@@ -54,7 +69,9 @@ def test_fixture_plan_beats_the_best_single_type_and_routes_every_bucket() -> No
     for key, load in plan.solution.loads.items():
         assert load <= plan.solution.counts[key] + 1e-9
     doc = plan_to_dict(plan)
-    assert doc["schema"] == PLAN_SCHEMA and doc["savings"]["fraction"] == pytest.approx(plan.savings, abs=1e-6)
+    assert doc["schema"] == PLAN_SCHEMA and doc["savings"]["fraction"] == pytest.approx(
+        plan.savings, abs=1e-6
+    )
     assert {row["gpu"] for row in doc["instances"]} == {"A100-80GB", "A10G", "L4"}
     assert doc["assignment"][0]["input"] == [1, 512] and doc["assignment"][0]["output"] == [1, 128]
 
@@ -63,7 +80,9 @@ def test_fixture_plan_beats_the_best_single_type_and_routes_every_bucket() -> No
     ("target", "chosen", "note"),
     [
         pytest.param(Slo(tpot_ms=40), 40, "", id="exact SLO match → that profile"),
-        pytest.param(Slo(tpot_ms=100), 40, "conservative", id="between → the tighter profile, noted as conservative"),
+        pytest.param(
+            Slo(tpot_ms=100), 40, "conservative", id="between → the tighter profile, noted as conservative"
+        ),
         pytest.param(Slo(tpot_ms=150), 120, "conservative", id="looser than all → the loosest profile"),
     ],
 )
@@ -80,7 +99,9 @@ def test_select_profiles_errors() -> None:
         select_profiles(profiles, None)
     picked, notes = select_profiles(profiles, Slo(tpot_ms=30))
     assert not picked and "no profile at or under TPOT 30 ms" in notes[0]
-    inp = PlanInput({"A100-80GB": A100}, profiles, load_workload(str(FIXTURES / "workload.yaml")), Slo(tpot_ms=30))
+    inp = PlanInput(
+        {"A100-80GB": A100}, profiles, load_workload(str(FIXTURES / "workload.yaml")), Slo(tpot_ms=30)
+    )
     with pytest.raises(PlacementError, match="no usable profile"):
         make_plan(inp)
 
@@ -88,7 +109,9 @@ def test_select_profiles_errors() -> None:
 def test_unservable_buckets_are_named_or_dropped() -> None:
     workload = load_workload(str(FIXTURES / "workload.yaml"))
     inp = PlanInput({"A10G": A10G}, fixture_profiles("llama3-a10g-tpot40.yaml"), workload, Slo(tpot_ms=40))
-    with pytest.raises(PlacementError, match=r"no GPU type serves llama-3-8b in \[2048,8193\) out \[1,128\) \(0.8 req/s\)"):
+    with pytest.raises(
+        PlacementError, match=r"no GPU type serves llama-3-8b in \[2048,8193\) out \[1,128\) \(0.8 req/s\)"
+    ):
         make_plan(inp)
     plan = make_plan(PlanInput(inp.offers, inp.profiles, workload, inp.slo, drop_unservable=True))
     # the three 2k+ buckets carry 20 · (4 + 2 + 1)/100 = 1.4 req/s
@@ -99,13 +122,21 @@ def test_unservable_buckets_are_named_or_dropped() -> None:
 def test_workload_edges_must_match_the_profiles() -> None:
     wl = ModelWorkload("llama-3-8b", (1, 1024, 8193), (1, 2049), (Window(3600.0, (1.0, 1.0)),))
     with pytest.raises(PlacementError, match="bucket edges"):
-        make_plan(PlanInput({"A100-80GB": A100}, fixture_profiles("llama3-a100-tpot40.yaml"), (wl,), Slo(tpot_ms=40)))
+        make_plan(
+            PlanInput(
+                {"A100-80GB": A100}, fixture_profiles("llama3-a100-tpot40.yaml"), (wl,), Slo(tpot_ms=40)
+            )
+        )
 
 
 def test_pd_profiles_are_sized_with_mixed_ones() -> None:
     # 10 req/s. Mixed A100 at 4 req/s → 3 × 3.67 = $11.01. P/D: prefill A100 at 20 req/s (1 × 3.67) and decode
     # A10G at 2.5 req/s (4 × 1.01) = $7.71 → P/D wins; with --mode mixed only the mixed option remains.
-    profiles = (one_bucket("A100-80GB", 4.0), one_bucket("A100-80GB", 20.0, "prefill"), one_bucket("A10G", 2.5, "decode"))
+    profiles = (
+        one_bucket("A100-80GB", 4.0),
+        one_bucket("A100-80GB", 20.0, "prefill"),
+        one_bucket("A10G", 2.5, "decode"),
+    )
     offers = {"A10G": A10G, "A100-80GB": A100}
     plan = make_plan(PlanInput(offers, profiles, (demand(10.0),)))
     assert plan.solution.counts == {"m/A100-80GB": 0, "m/A100-80GB/prefill": 1, "m/A10G/decode": 4}
@@ -118,7 +149,9 @@ def test_pd_profiles_are_sized_with_mixed_ones() -> None:
 def test_several_models_at_once() -> None:
     # a: 6 req/s on A10G at 2 → 3 A10G; b: 8 req/s on A100 at 4 → 2 A100 (b has no A10G profile)
     profiles = (one_bucket("A10G", 2.0, model="a"), one_bucket("A100-80GB", 4.0, model="b"))
-    plan = make_plan(PlanInput({"A10G": A10G, "A100-80GB": A100}, profiles, (demand(6.0, "a"), demand(8.0, "b"))))
+    plan = make_plan(
+        PlanInput({"A10G": A10G, "A100-80GB": A100}, profiles, (demand(6.0, "a"), demand(8.0, "b")))
+    )
     assert plan.solution.gpus == {"A10G": 3, "A100-80GB": 2}
     assert plan.best_single is None  # no one type serves both models
 
@@ -126,7 +159,9 @@ def test_several_models_at_once() -> None:
 def test_time_varying_plan_against_one_static_fleet() -> None:
     # Two 1 h windows at 10 and 2 req/s on A100 (4 req/s each): per window ⌈2.5⌉ = 3 then 1 A100 → 4 GPU-h,
     # $14.68; one static fleet for the peak: 3 A100 × 2 h = 6 GPU-h, $22.02; saving 1 − 14.68/22.02 = 1/3.
-    plan = make_plan(PlanInput({"A100-80GB": A100}, (one_bucket("A100-80GB", 4.0),), (demand(10.0, "m", 2.0),)))
+    plan = make_plan(
+        PlanInput({"A100-80GB": A100}, (one_bucket("A100-80GB", 4.0),), (demand(10.0, "m", 2.0),))
+    )
     assert [s.gpus for s in plan.per_window] == [{"A100-80GB": 3}, {"A100-80GB": 1}]
     tv = plan_to_dict(plan)["time_varying"]
     assert tv["dynamic"] == {"gpu_hours": 4.0, "cost": pytest.approx(14.68)}
@@ -135,14 +170,29 @@ def test_time_varying_plan_against_one_static_fleet() -> None:
 
 
 def test_what_if_over_slos_and_rates() -> None:
-    profiles = fixture_profiles("llama3-a100-tpot40.yaml", "llama3-a100-tpot120.yaml", "llama3-a10g-tpot40.yaml", "llama3-a10g-tpot120.yaml")
-    inp = PlanInput({"A10G": A10G, "A100-80GB": A100}, profiles, load_workload(str(FIXTURES / "workload.yaml")), Slo(tpot_ms=40))
+    profiles = fixture_profiles(
+        "llama3-a100-tpot40.yaml",
+        "llama3-a100-tpot120.yaml",
+        "llama3-a10g-tpot40.yaml",
+        "llama3-a10g-tpot120.yaml",
+    )
+    inp = PlanInput(
+        {"A10G": A10G, "A100-80GB": A100},
+        profiles,
+        load_workload(str(FIXTURES / "workload.yaml")),
+        Slo(tpot_ms=40),
+    )
     rows = what_if(inp, [Slo(tpot_ms=40), Slo(tpot_ms=120), Slo(tpot_ms=20)], [1.0, 2.0])
-    cost = {(r.slo.tpot_ms if r.slo else None, r.rate_scale): r.plan.solution.cost_per_hour for r in rows if r.plan}
+    cost = {
+        (r.slo.tpot_ms if r.slo else None, r.rate_scale): r.plan.solution.cost_per_hour
+        for r in rows
+        if r.plan
+    }
     assert cost[(120, 1.0)] < cost[(40, 1.0)]  # a looser SLO → higher per-GPU rates → cheaper
     assert cost[(40, 2.0)] > cost[(40, 1.0)]
-    failed = [r for r in rows if r.plan is None]
-    assert len(failed) == 2 and all("no usable profile" in r.error for r in failed)  # nothing profiled at 20 ms
+    failed = [r for r in rows if r.plan is None]  # nothing was profiled at 20 ms
+    assert len(failed) == 2
+    assert all("no usable profile" in r.error for r in failed)
     assert rows[1].rate == pytest.approx(40.0)  # 20 req/s × 2
 
 
@@ -166,7 +216,9 @@ def test_cheapest_mix_online_call() -> None:
     sol = cheapest_mix({"m": [9.0]}, profiles, {"A10G": A10G, "A100-80GB": A100})
     assert sol.gpus == {"A10G": 5}
     # only adding: 2 A100 already run (min 2) → they carry 8 req/s, 1 more req/s needs 1 A10G
-    sol = cheapest_mix({"m": [9.0]}, profiles, {"A10G": A10G, "A100-80GB": GpuOffer("A100-80GB", 3.67, min_gpus=2)})
+    sol = cheapest_mix(
+        {"m": [9.0]}, profiles, {"A10G": A10G, "A100-80GB": GpuOffer("A100-80GB", 3.67, min_gpus=2)}
+    )
     assert sol.gpus == {"A100-80GB": 2, "A10G": 1}
     with pytest.raises(PlacementError, match="no profile for model"):
         cheapest_mix({"other": [1.0]}, profiles, {"A10G": A10G})
@@ -176,6 +228,8 @@ def test_single_type_over_its_cap_says_how_many_it_would_need() -> None:
     # A100 alone needs 5 (load 4.638, see above) but only 2 are available; the mix still has A10G/L4 for the
     # short buckets and 2 A100 for the long ones.
     offers = load_gpu_offers({"A10G": {}, "L4": {}, "A100-80GB": {"max": 2}})
-    inp = PlanInput(offers, fixture_profiles(*TPOT40), load_workload(str(FIXTURES / "workload.yaml")), Slo(tpot_ms=40))
+    inp = PlanInput(
+        offers, fixture_profiles(*TPOT40), load_workload(str(FIXTURES / "workload.yaml")), Slo(tpot_ms=40)
+    )
     reasons = {s.gpu: s.reason for s in make_plan(inp).singles}
     assert reasons["A100-80GB"] == "needs 5 GPUs, 2 available ($18.35/h uncapped)"

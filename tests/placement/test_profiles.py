@@ -54,12 +54,30 @@ def test_save_then_load_is_identity(tmp_path: Path, suffix: str) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        pytest.param({"schema": "mosaic.profile/v2"}, "field schema", id="wrong schema version → names schema"),
-        pytest.param({"max_rate": [[3.5], [-1.0]]}, "field max_rate[1][0]: must be a finite number ≥ 0", id="negative rate → names the cell"),
-        pytest.param({"max_rate": [[3.5], ["fast"]]}, "field max_rate[1][0]", id="non-number rate → names the cell"),
-        pytest.param({"max_rate": [[3.5]]}, "max_rate has 1 rows, but input_edges define 2", id="missing profile row → shape error"),
-        pytest.param({"max_rate": [[3.5], [1.2, 9.0]]}, "max_rate[1] has 2 cells", id="ragged row → shape error"),
-        pytest.param({"input_edges": [1, 512, 100]}, "field input_edges: edges must be ≥ 0 and strictly increasing", id="edges out of order"),
+        pytest.param(
+            {"schema": "mosaic.profile/v2"}, "field schema", id="wrong schema version → names schema"
+        ),
+        pytest.param(
+            {"max_rate": [[3.5], [-1.0]]},
+            "field max_rate[1][0]: must be a finite number ≥ 0",
+            id="negative rate → names the cell",
+        ),
+        pytest.param(
+            {"max_rate": [[3.5], ["fast"]]}, "field max_rate[1][0]", id="non-number rate → names the cell"
+        ),
+        pytest.param(
+            {"max_rate": [[3.5]]},
+            "max_rate has 1 rows, but input_edges define 2",
+            id="missing profile row → shape error",
+        ),
+        pytest.param(
+            {"max_rate": [[3.5], [1.2, 9.0]]}, "max_rate[1] has 2 cells", id="ragged row → shape error"
+        ),
+        pytest.param(
+            {"input_edges": [1, 512, 100]},
+            "field input_edges: edges must be ≥ 0 and strictly increasing",
+            id="edges out of order",
+        ),
         pytest.param({"tp": 0}, "field tp", id="tp 0 refused"),
         pytest.param({"role": "both"}, "field role", id="unknown role refused"),
         pytest.param({"colour": "red"}, "field colour", id="unknown key refused"),
@@ -110,10 +128,14 @@ def test_rate_for_looks_up_the_bucket() -> None:
     ("measured_at", "target", "ok"),
     [
         pytest.param(Slo(tpot_ms=40), Slo(tpot_ms=120), True, id="tighter profile is safe for a looser SLO"),
-        pytest.param(Slo(tpot_ms=120), Slo(tpot_ms=40), False, id="looser profile is not safe for a tighter SLO"),
+        pytest.param(
+            Slo(tpot_ms=120), Slo(tpot_ms=40), False, id="looser profile is not safe for a tighter SLO"
+        ),
         pytest.param(Slo(), Slo(tpot_ms=40), False, id="unconstrained profile says nothing about TPOT"),
         pytest.param(Slo(tpot_ms=40), Slo(), True, id="no target: anything goes"),
-        pytest.param(Slo(tpot_ms=40), Slo(tpot_ms=40, ttft_ms=500), False, id="target TTFT the profile never checked"),
+        pytest.param(
+            Slo(tpot_ms=40), Slo(tpot_ms=40, ttft_ms=500), False, id="target TTFT the profile never checked"
+        ),
     ],
 )
 def test_slo_within(measured_at: Slo, target: Slo, ok: bool) -> None:

@@ -32,7 +32,12 @@ def gpus_used(placement: object, nodes: list[Node]) -> dict[str, int]:
 
 
 def test_pd_group_lands_in_the_domain_that_holds_it() -> None:
-    nodes = [Node("a0", "A100-80GB", 4, "rack-a"), Node("l0", "L4", 4, "rack-a"), Node("a1", "A100-80GB", 4, "rack-b"), Node("l1", "L4", 2, "rack-b")]
+    nodes = [
+        Node("a0", "A100-80GB", 4, "rack-a"),
+        Node("l0", "L4", 4, "rack-a"),
+        Node("a1", "A100-80GB", 4, "rack-b"),
+        Node("l1", "L4", 2, "rack-b"),
+    ]
     group = Group("g", {PRE: 2, DEC: 4})  # rack-b has only 2 L4: the group fits only rack-a
     placed = place_instances(nodes, [group])
     assert placed.status == "optimal"
@@ -45,12 +50,19 @@ def test_pd_group_lands_in_the_domain_that_holds_it() -> None:
 def test_capacity_is_honoured_and_a_split_group_minimises_cross_pairs() -> None:
     # rack-a: 2 A100 + 2 L4, rack-b: 2 L4 only. The 2 prefills must go to rack-a; 4 decodes need both racks.
     # Cross pairs = P·D − Σ_d P_d·D_d = 2·4 − (2·2 + 0·2) = 4 (the 2 decodes in rack-b pair with both prefills).
-    nodes = [Node("a0", "A100-80GB", 2, "rack-a"), Node("l0", "L4", 2, "rack-a"), Node("l1", "L4", 2, "rack-b")]
+    nodes = [
+        Node("a0", "A100-80GB", 2, "rack-a"),
+        Node("l0", "L4", 2, "rack-a"),
+        Node("l1", "L4", 2, "rack-b"),
+    ]
     placed = place_instances(nodes, [Group("g", {PRE: 2, DEC: 4})])
     assert placed.cross_domain_pairs == 4
     assert placed.group_domains["g"] == ("rack-a", "rack-b")
     assert all(used <= n.gpus for n, used in zip(nodes, gpus_used(placed, nodes).values(), strict=True))
-    with pytest.raises(TopologyError, match="group g needs 2× A100-80GB, 4× L4 in one domain; the roomiest domain rack-a has 2× A100-80GB, 2× L4 free"):
+    with pytest.raises(
+        TopologyError,
+        match="group g needs 2× A100-80GB, 4× L4 in one domain; the roomiest domain rack-a has 2× A100-80GB, 2× L4 free",
+    ):
         place_instances(nodes, [Group("g", {PRE: 2, DEC: 4})], same_domain="require")
 
 
@@ -97,10 +109,17 @@ def test_short_inventories_say_what_is_short(nodes: list[Node], groups: list[Gro
 def test_groups_that_fit_alone_but_not_together_get_the_domain_summary() -> None:
     # Each group needs 3 A100 + 1 L4 in one domain. Only rack-a has L4s, so both groups need rack-a, which has
     # 4 A100 for their 6. Per type the inventory suffices (8 A100, 2 L4), and each group alone fits rack-a.
-    nodes = [Node("a0", "A100-80GB", 4, "rack-a"), Node("l0", "L4", 2, "rack-a"), Node("a1", "A100-80GB", 4, "rack-b")]
+    nodes = [
+        Node("a0", "A100-80GB", 4, "rack-a"),
+        Node("l0", "L4", 2, "rack-a"),
+        Node("a1", "A100-80GB", 4, "rack-b"),
+    ]
     kinds = {InstanceKind("m", "A100-80GB", 1, Role.PREFILL): 3, InstanceKind("m", "L4", 1, Role.DECODE): 1}
     groups = [Group("g1", kinds), Group("g2", kinds)]
-    with pytest.raises(TopologyError, match=r"do not fit with every group in one domain together \(free per domain — rack-a: 4× A100-80GB, 2× L4; rack-b: 4× A100-80GB\)"):
+    with pytest.raises(
+        TopologyError,
+        match=r"do not fit with every group in one domain together \(free per domain — rack-a: 4× A100-80GB, 2× L4; rack-b: 4× A100-80GB\)",
+    ):
         place_instances(nodes, groups, same_domain="require")
     # preferring (not requiring) one domain: rack-a's 4 A100 take 3 prefills of one group and 1 of the other,
     # whose 2 remaining prefills go to rack-b and pair across with its decode in rack-a: 2 cross pairs
@@ -124,7 +143,13 @@ def test_groups_from_counts_deals_pd_instances_evenly() -> None:
 
 
 def test_nodes_file_errors() -> None:
-    nodes, cap, same = nodes_from_dict({"nodes": [{"name": "n", "gpu": "L4", "gpus": 8, "domain": "a"}], "max_group_gpus": 16, "same_domain": "require"})
+    nodes, cap, same = nodes_from_dict(
+        {
+            "nodes": [{"name": "n", "gpu": "L4", "gpus": 8, "domain": "a"}],
+            "max_group_gpus": 16,
+            "same_domain": "require",
+        }
+    )
     assert nodes == [Node("n", "L4", 8, "a")] and cap == 16 and same == "require"
     with pytest.raises(TopologyError, match=r"nodes\[0\]: needs name, gpu, gpus"):
         nodes_from_dict({"nodes": [{"name": "n"}]}, "n.yaml")

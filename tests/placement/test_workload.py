@@ -55,7 +55,15 @@ def test_windows_and_several_models() -> None:
     data = {
         "schema": "mosaic.workload/v1",
         "models": [
-            single(schema=None, rate=None, histogram=None, windows=[{"duration_s": 1800, "rate": 4, "histogram": [[1], [1]]}, {"rate": 8, "histogram": [[1], [0]]}]),
+            single(
+                schema=None,
+                rate=None,
+                histogram=None,
+                windows=[
+                    {"duration_s": 1800, "rate": 4, "histogram": [[1], [1]]},
+                    {"rate": 8, "histogram": [[1], [0]]},
+                ],
+            ),
             single(schema=None, model="n"),
         ],
     }
@@ -64,7 +72,9 @@ def test_windows_and_several_models() -> None:
     assert a.windows[0].rates == (2.0, 2.0) and a.windows[1].rates == (8.0, 0.0)
     assert b.windows[0].rates == (2.5, 7.5)  # 10 · 1/4, 10 · 3/4
     with pytest.raises(WorkloadError, match="appears twice"):
-        workload_from_dict({"schema": "mosaic.workload/v1", "models": [single(schema=None), single(schema=None)]})
+        workload_from_dict(
+            {"schema": "mosaic.workload/v1", "models": [single(schema=None), single(schema=None)]}
+        )
 
 
 def test_timed_trace_is_binned_per_window() -> None:
@@ -73,7 +83,9 @@ def test_timed_trace_is_binned_per_window() -> None:
     wl = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT, window_s=10.0)
     assert len(wl.windows) == 2
     first, second = wl.windows
-    assert first.rates[0] == pytest.approx(0.1) and first.rates[3] == pytest.approx(0.1)  # 1 request / 10 s each
+    # 1 request / 10 s each in buckets (0, 0) and (1, 0)
+    assert first.rates[0] == pytest.approx(0.1)
+    assert first.rates[3] == pytest.approx(0.1)
     assert first.out_of_range == pytest.approx(0.1)
     assert second.rates[2] == pytest.approx(0.1)  # (10 in, 600 out) → bucket (0, 2)
     # one window over the whole trace: 4 requests over 12 s of arrivals
