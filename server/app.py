@@ -13,12 +13,13 @@
 Before dispatch, in order: request id (the client's `X-Request-Id` when it is a sane token, else a new
 one; echoed on every response and sent to workers), draining check (503), API key (401), body size
 (`limits.max_body_bytes` → 413, checked on Content-Length and while reading), body validation (400),
-model known (404), per-key rate limits (429). The proxy endpoints are plain Starlette routes (no
-dependency injection on the hot path).
+model known (404), per-key rate limits (429). The proxy endpoints are served by `GatewayApp`'s fast path
+(plain ASGI: no middleware stack, router or dependency injection on the hot path).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from scheduler.routing.framework import ReservePlugin
 from server.config import MosaicConfig
@@ -40,6 +42,7 @@ from server.footprint import Kind, parse_request
 from server.gateway import Gateway
 from server.metrics import CONTENT_TYPE
 
+log = logging.getLogger("mosaic.app")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -83,12 +86,47 @@ def create_app(
         finally:
             await gw.stop()
 
-    app = FastAPI(title="Mosaic gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = GatewayApp(title="Mosaic gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions")):
-        app.router.add_route(path, _proxy_endpoint(gw, path, kind), methods=["POST"])  # type: ignore[arg-type]
+        endpoint = _proxy_endpoint(gw, path, kind)
+        app.router.add_route(path, endpoint, methods=["POST"])  # listed for completeness; served by the fast path
+        app.fast_routes[path] = _asgi(endpoint)
     _add_info_routes(app, gw)
     _add_error_handlers(app)
+    return app
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, except that POSTs to the proxy paths skip the middleware stack and router (hot path).
+
+    The proxy endpoints handle their own errors (OpenAI shape) and need none of FastAPI's machinery;
+    everything else — lifespan, info/admin routes, 404s — goes through FastAPI as usual.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fast_routes: dict[str, ASGIApp] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.fast_routes.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def _asgi(endpoint: Callable[[Request], Awaitable[Response]]) -> ASGIApp:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            response = await endpoint(Request(scope, receive))
+        except Exception as exc:  # the endpoint answers its own errors; this is the last resort
+            log.exception("unhandled error on %s", scope.get("path"), exc_info=exc)
+            response = GatewayError(Cause.UPSTREAM_UNAVAILABLE, "Internal gateway error").to_response()
+            response.status_code = 500
+        await response(scope, receive, send)
+
     return app
 
 

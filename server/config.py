@@ -19,8 +19,9 @@ limits: {max_body_bytes: 4194304, queue_size: 256, queue_deadline_s: 10}
 `load_config(path)` raises `ConfigError` whose message is one line naming the file and the field
 (`pools.1.gpu: unknown GPU 'B200'; valid GPUs: T4, ...`). `docs/gateway.md` is the full reference.
 
-Slots owned by others: `kv` (the KV budget engineer's reservation settings) and `autoscaler` are
-sub-models here so one file configures everything; they refuse unknown keys like the rest.
+Sections owned by other parts are their own pydantic models, plugged in here so one file configures
+everything and unknown keys are refused everywhere: `routing` (`scheduler.routing.config.RoutingConfig`),
+`kv` (`scheduler.kv.config.KvConfig`); `autoscaler` is a slot its owner fills.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from placement.catalog import Catalog, CatalogError, load_catalog
+from scheduler.kv.config import KvConfig
 from scheduler.routing.config import RoutingConfig, RoutingConfigError
 
 RoleName = Literal["prefill", "decode", "mixed"]
@@ -182,10 +184,6 @@ class HealthConfig(_Strict):
     open_s: float = Field(default=5.0, gt=0)  # open this long, then one probe decides (half-open)
 
 
-class KvConfig(_Strict):
-    """KV budget reservation settings. Owned by the KV-budget engineer, who adds the fields here."""
-
-
 class AutoscalerConfig(_Strict):
     """P/D autoscaler settings. Owned by the autoscaler engineer, who adds the fields here."""
 
@@ -205,7 +203,7 @@ class MosaicConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
-    kv: KvConfig = Field(default_factory=KvConfig)
+    kv: KvConfig = Field(default_factory=KvConfig)  # the KV budget ledger's own model (scheduler.kv.config)
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     catalog: str | None = None  # YAML file of GPU/model rows merged over the built-in catalog

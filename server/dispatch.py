@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -45,6 +46,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive
 
+from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome, Reject
 from server.admission import AdmissionQueue
@@ -57,6 +59,7 @@ from server.metrics import GatewayMetrics
 from server.proxy import (
     RETRYABLE_STATUSES,
     SseRelay,
+    Upstream,
     decode_body,
     prefill_body,
     response_usage,
@@ -91,20 +94,22 @@ class Dispatcher:
         registry: Registry,
         router: Router,
         admission: AdmissionQueue[Decision],
-        client: httpx.AsyncClient,
+        upstream: Upstream,
         metrics: GatewayMetrics,
         limiter: RateLimiter,
         clock: Callable[[], float] = time.monotonic,
+        predictor: LengthPredictor | None = None,
     ) -> None:
         self.cfg = config
         self.limits = config.limits
         self.registry = registry
         self.router = router
         self.admission = admission
-        self.client = client
+        self.upstream = upstream
         self.metrics = metrics
         self.limiter = limiter
         self.clock = clock
+        self.predictor = predictor
         self.rng = random.Random(config.routing.seed)
         self.outcomes: dict[str, int] = {}  # terminal outcomes by name (tests and /admin read it)
 
@@ -156,9 +161,9 @@ class Dispatcher:
             m.prompt_tokens.labels(rec.model).inc(prompt)
             m.generation_tokens.labels(rec.model).inc(gen)
             used = prompt + gen
-        elif status != 200:
-            used = 0
-        else:
+            if outcome is Outcome.COMPLETED and self.predictor is not None:
+                self.predictor.observe(rec.model, prompt, gen)  # output lengths for `predicted` KV reservations
+        elif status == 200:
             used = rec.reserved_tokens  # no usage reported: keep the whole debit
         self.limiter.refund(rec.key, rec.reserved_tokens - used, now)
 
@@ -167,7 +172,8 @@ class Dispatcher:
         return self.router.route(rreq, self.registry.view(), self.clock(), self.rng, frozenset(exclude))
 
     async def _serve(self, parsed: ParsedRequest, path: str, rec: RequestRecord) -> Response:
-        rreq = route_request(parsed, rec.request_id, rec.arrival, self.cfg.routing.default_output_tokens)
+        rreq = route_request(parsed, rec.request_id, rec.arrival, self.cfg.routing.default_output_tokens,
+                             predictor=self.predictor)
         exclude: set[str] = set()
         last: UpstreamFailure | None = None
         attempt = 0
@@ -219,8 +225,7 @@ class Dispatcher:
                     params = await self._prefill(decision, parsed, path, headers, lease)
                 body = self._decode_body(parsed, params)
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
-                req = self.client.build_request("POST", decode.url + path, content=body, headers=headers)
-                resp = await self.client.send(req, stream=True)
+                resp = await self.upstream.post(decode.url, path, body, headers)
                 try:
                     if resp.status_code != 200 or not parsed.stream:
                         content = await resp.aread()
@@ -249,14 +254,18 @@ class Dispatcher:
             return usage_body(parsed.body, parsed.data, parsed.has_stream_options)
         return parsed.body
 
-    async def _prefill(self, decision: Decision, parsed: ParsedRequest, path: str, headers: dict[str, str], lease: Lease) -> dict[str, Any] | None:
+    async def _prefill(self, decision: Decision, parsed: ParsedRequest, path: str, headers: list[tuple[bytes, bytes]], lease: Lease) -> dict[str, Any] | None:
         """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure."""
         worker = decision.prefill
         assert worker is not None
         ticket = lease.track(worker.id, parsed.prompt_tokens)
         try:
-            resp = await self.client.post(worker.url + path, content=prefill_body(parsed.data()), headers=headers)
-            params = resp.json().get("kv_transfer_params") if resp.status_code == 200 else None
+            resp = await self.upstream.post(worker.url, path, prefill_body(parsed.data()), headers)
+            try:
+                content = await resp.aread()
+            finally:
+                await resp.aclose()
+            params = json.loads(content).get("kv_transfer_params") if resp.status_code == 200 else None
             if resp.status_code >= 500 or resp.status_code == 429:
                 self.registry.report_failure(worker.id, f"status_{resp.status_code}")
             elif resp.status_code == 200:
@@ -325,6 +334,8 @@ class _StreamSession:
             d.metrics.ttft.labels(*labels).observe(last - rec.arrival)
             if out:
                 yield out
+            lease = self.lease
+            generated = out.count(b"data: ")  # ≈ tokens: vLLM sends one event per step per sequence
             async for chunk in self.chunks:
                 out = self.relay.feed(chunk)
                 if not out:
@@ -332,6 +343,8 @@ class _StreamSession:
                 now = clock()
                 itl.observe(now - last)
                 last = now
+                generated += out.count(b"data: ")
+                lease.on_tokens(generated, now)  # renews KV leases; grows `predicted` reservations
                 yield out
                 if now > deadline:
                     raise TimeoutError(f"total timeout {d.limits.total_timeout_s:g} s")

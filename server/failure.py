@@ -77,7 +77,7 @@ def outcome_for(exc: BaseException | None) -> Outcome:
 class Lease:
     """See module docstring. `track()` adds a hop's in-flight ticket; `first_token()` marks prefill done."""
 
-    __slots__ = ("_notify", "_released", "_router", "_tickets", "clock", "decision", "registry", "req")
+    __slots__ = ("_growable", "_notify", "_released", "_router", "_tickets", "clock", "decision", "registry", "req")
 
     def __init__(
         self,
@@ -96,6 +96,9 @@ class Lease:
         self.clock = clock
         self._tickets: list[InflightTicket] = []
         self._released: Outcome | None = None
+        # reservations on the worker that streams (decode side) with an `on_tokens(generated, now)` hook
+        self._growable = [r for r in decision.reservations
+                          if r.worker_id == decision.decode.id and hasattr(r, "on_tokens")]
         router.on_dispatch(decision, req, clock())
 
     @property
@@ -112,8 +115,20 @@ class Lease:
         return ticket
 
     def first_token(self) -> None:
+        """Prefill is over: in-flight prompt tokens leave the backlog; KV reservations drop their
+        transient prefill pages (reservations that have a `first_token(now)` hook, like the KV ledger's)."""
         for t in self._tickets:
             t.first_token()
+        now = self.clock()
+        for r in self.decision.reservations:
+            hook = getattr(r, "first_token", None)
+            if hook is not None:
+                hook(now)
+
+    def on_tokens(self, generated: int, now: float) -> None:
+        """`generated` output tokens streamed so far: renews leases and lets reservations grow."""
+        for r in self._growable:
+            r.on_tokens(generated, now)
 
     def release(self, outcome: Outcome) -> bool:
         """Release everything once; True if this call did it."""

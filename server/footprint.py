@@ -15,8 +15,9 @@ reported and metered.
 
 **Output tokens** reserved: `max_completion_tokens` or `max_tokens`; absent, vLLM's defaults — 16 for
 `/v1/completions`, and for chat the rest of the context, max_model_len − prompt. Batched prompts and `n`
-multiply both (each sequence holds its own KV). `predicted_output_tokens` = min(reserved, the routing
-config's `default_output_tokens`) until a length predictor is plugged in.
+multiply both (each sequence holds its own KV). `predicted_output_tokens` comes from the length predictor
+(a quantile of observed output lengths, fed by the gateway at completion) once it has enough samples,
+else min(reserved, the routing config's `default_output_tokens`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import RouteRequest
 from scheduler.routing.prefix import block_hashes, text_block_hashes
 from server.errors import Cause, GatewayError
@@ -181,20 +183,27 @@ def route_request(
     arrival_s: float,
     default_output_tokens: int,
     block_size: int = 16,
+    predictor: LengthPredictor | None = None,
 ) -> RouteRequest:
-    """The router's view of the request: footprint and prefix hashes, never the body."""
+    """The router's view of the request: footprint and prefix hashes, never the body.
+
+    predicted output = the predictor's quantile for this model and input bucket once it has
+    `min_samples` observations, else min(reserved output, default_output_tokens × sequences)."""
     if parsed.token_ids is not None:
         hashes = block_hashes(parsed.token_ids, block_size, PREFIX_HASH_BLOCKS)
     elif parsed.prompt_text:
         hashes = text_block_hashes(parsed.prompt_text, block_size * CHARS_PER_TOKEN, PREFIX_HASH_BLOCKS)
     else:
         hashes = ()
+    predicted = min(parsed.max_output_tokens, default_output_tokens * parsed.sequences)
+    if predictor is not None and len(predictor.samples(parsed.model, parsed.prompt_tokens)) >= predictor.min_samples:
+        predicted = predictor.predict(parsed.model, parsed.prompt_tokens, parsed.max_output_tokens)
     return RouteRequest(
         request_id=request_id,
         model=parsed.model,
         prompt_tokens=parsed.prompt_tokens,
         max_output_tokens=parsed.max_output_tokens,
-        predicted_output_tokens=min(parsed.max_output_tokens, default_output_tokens * parsed.sequences),
+        predicted_output_tokens=predicted,
         prefix_hashes=hashes,
         arrival_s=arrival_s,
     )

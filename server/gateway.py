@@ -3,7 +3,12 @@
 Nothing here is global: `create_app(config)` builds one `Gateway`, the app's lifespan starts and stops
 it, and tests build as many as they like side by side. Injection points for tests: `transport` (an
 `httpx` transport used for every upstream call, e.g. `httpx.MockTransport`), `sources` (a pool's
-discovery source by pool name), `reserve` (the router's Reserve plugins, e.g. the KV ledger) and `clock`.
+discovery source by pool name), `reserve` (extra Reserve plugins for the router) and `clock`.
+
+The KV ledger (`scheduler.kv`, built from the `kv:` section unless `kv.enabled: false`) is the first
+Reserve plugin: every dispatch reserves the request's KV footprint on its worker(s) and the request's
+`Lease` releases it exactly once. After each scrape round the gateway sweeps expired leases and
+reconciles reservations with the KV usage workers report.
 """
 
 from __future__ import annotations
@@ -17,16 +22,19 @@ import httpx
 
 from placement.catalog import load_catalog
 from scheduler.fleet import Role, WorkerState, capacity_for
+from scheduler.kv.config import KvConfigError, build_ledger
+from scheduler.kv.ledger import KvLedger
+from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.config import build_router
 from scheduler.routing.framework import Decision, ReservePlugin
 from scheduler.routing.reasons import Reject
 from server.admission import AdmissionQueue
 from server.auth import KeyStore, RateLimiter
-from server.config import MosaicConfig, PoolConfig
+from server.config import ConfigError, MosaicConfig, PoolConfig
 from server.discovery import KubernetesDiscovery, Source, StaticSource
 from server.dispatch import Dispatcher
 from server.metrics import GatewayMetrics
-from server.proxy import make_client
+from server.proxy import Upstream
 from server.registry import PoolInfo, Registry
 
 log = logging.getLogger("mosaic.gateway")
@@ -61,19 +69,36 @@ class Gateway:
             source = self.sources[pool.name] = (sources or {}).get(pool.name) or self._source(pool)
             self.registry.add_pool(info, source)
         self.models: tuple[str, ...] = tuple(self.registry.models())
-        self.router = build_router(config.routing, reserve=reserve)
+        try:
+            self.ledger: KvLedger | None = build_ledger(config.kv, config.gateway.replicas)
+        except KvConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        # The output-length predictor the ledger sizes `predicted` reservations with; fed at completion.
+        self.predictor: LengthPredictor | None = self.ledger.predictor if self.ledger is not None else None
+        plugins: list[ReservePlugin] = [self.ledger] if self.ledger is not None else []
+        self.router = build_router(config.routing, reserve=[*plugins, *reserve])
         self.admission: AdmissionQueue[Decision] = AdmissionQueue(
             config.limits.queue_size,
             config.limits.queue_deadline_s,
             is_reject=lambda r: isinstance(r, Reject),
             clock=clock,
         )
+        self.registry.on_refresh.append(self._kv_tick)
         self.registry.on_refresh.append(self.admission.notify_all)
-        self.metrics.attach_live(self.registry.gauge_rows, self.admission.depths)
-        self.client = make_client(config.limits, transport)
+        self.metrics.attach_live(self.registry.gauge_rows, self.admission.depths,
+                                 self.ledger.snapshot if self.ledger is not None else None)
+        self.upstream = Upstream(config.limits, transport)
         self.dispatcher = Dispatcher(
-            config, self.registry, self.router, self.admission, self.client, self.metrics, self.limiter, clock
+            config, self.registry, self.router, self.admission, self.upstream, self.metrics, self.limiter, clock,
+            self.predictor,
         )
+
+    def _kv_tick(self) -> None:
+        """After each scrape round: expire lost reservations, then reconcile against reported KV usage."""
+        if self.ledger is not None:
+            now = self.clock()
+            self.ledger.sweep(now)
+            self.ledger.reconcile(self.registry.view(), now)
 
     def _pool_info(self, pool: PoolConfig, catalog: Any) -> PoolInfo:
         model_cfg = self.config.model_config_for(pool.model)
@@ -108,7 +133,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.registry.stop()
-        await self.client.aclose()
+        await self.upstream.aclose()
         if self._own_probe_client is not None:
             await self._own_probe_client.aclose()
 

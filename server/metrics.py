@@ -23,11 +23,13 @@ nothing per request.
 | mosaic_worker_breaker_open | gauge | worker, pool |
 | mosaic_worker_scrape_age_seconds | gauge | worker, pool (absent until first scrape) |
 | mosaic_admission_queue_depth | gauge | model |
+| mosaic_kv_total_units, mosaic_kv_reserved_units, mosaic_kv_shrink_units, mosaic_kv_active_reservations | gauge | worker (KV ledger, when `kv.enabled`) |
+| mosaic_kv_estimate_error | gauge | worker: (reported − reserved) / total at the last reconcile |
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -57,10 +59,14 @@ class _LiveCollector(Collector):
     """Reads worker rows and queue depths from callables at scrape time."""
 
     def __init__(
-        self, workers: Callable[[], Iterable[WorkerGaugeRow]], queues: Callable[[], dict[str, int]]
+        self,
+        workers: Callable[[], Iterable[WorkerGaugeRow]],
+        queues: Callable[[], dict[str, int]],
+        kv: Callable[[], Mapping[str, Mapping[str, float | int | None]]] | None = None,
     ) -> None:
         self._workers = workers
         self._queues = queues
+        self._kv = kv
 
     def collect(self) -> Iterator[Metric]:
         inflight = GaugeMetricFamily("mosaic_worker_inflight_requests", "Requests in flight per worker (gateway-side)", labels=["worker", "pool"])
@@ -80,6 +86,27 @@ class _LiveCollector(Collector):
         for model, n in self._queues().items():
             depth.add_metric([model], n)
         yield from (inflight, prefill, state, breaker, age, depth)
+        if self._kv is not None:
+            yield from _kv_families(self._kv())
+
+
+_KV_GAUGES = (
+    ("total_units", "mosaic_kv_total_units", "KV units (blocks or head-pages) per worker, as the ledger sees it"),
+    ("reserved_units", "mosaic_kv_reserved_units", "KV units reserved by this gateway's in-flight requests"),
+    ("shrink_units", "mosaic_kv_shrink_units", "KV units withheld because reported usage exceeds reservations"),
+    ("active", "mosaic_kv_active_reservations", "Open KV reservations per worker"),
+    ("estimate_error", "mosaic_kv_estimate_error", "(reported − reserved) / total KV at the last reconcile"),
+)
+
+
+def _kv_families(snapshot: Mapping[str, Mapping[str, float | int | None]]) -> Iterator[Metric]:
+    for key, name, doc in _KV_GAUGES:
+        fam = GaugeMetricFamily(name, doc, labels=["worker"])
+        for worker, row in snapshot.items():
+            value = row.get(key)
+            if value is not None:
+                fam.add_metric([worker], float(value))
+        yield fam
 
 
 class GatewayMetrics:
@@ -101,9 +128,12 @@ class GatewayMetrics:
         self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"], registry=r)
 
     def attach_live(
-        self, workers: Callable[[], Iterable[WorkerGaugeRow]], queues: Callable[[], dict[str, int]]
+        self,
+        workers: Callable[[], Iterable[WorkerGaugeRow]],
+        queues: Callable[[], dict[str, int]],
+        kv: Callable[[], Mapping[str, Mapping[str, float | int | None]]] | None = None,
     ) -> None:
-        self.registry.register(_LiveCollector(workers, queues))
+        self.registry.register(_LiveCollector(workers, queues, kv))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -53,3 +54,10 @@ class GatewayThread:
 
     def metric(self, name: str, **labels: str) -> float:
         return self.gateway.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def metric_reaches(self, name: str, value: float, timeout: float = 3.0, **labels: str) -> float:
+        """The metric once it reaches `value` (a stream is accounted just after its last byte was sent)."""
+        deadline = time.monotonic() + timeout
+        while (current := self.metric(name, **labels)) < value and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return current

@@ -35,7 +35,11 @@ async def gateway(cfg: Any, fleet: FakeFleet) -> AsyncIterator[tuple[httpx.Async
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10)
     async with app.router.lifespan_context(app), client as c:
         yield c, gw
+    # every path released everything exactly once: in-flight tickets and KV reservations
     assert all(r.inflight_requests == 0 and r.inflight_prefill_tokens == 0 for r in gw.registry.records())
+    assert gw.ledger is not None
+    assert all(row["reserved_units"] == 0 and row["active"] == 0 for row in gw.ledger.snapshot().values())
+    assert gw.ledger.stats.double_releases == 0
 
 
 def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -291,5 +295,27 @@ def test_client_disconnect_before_first_byte_cancels_the_upstream_call() -> None
             await asyncio.wait_for(cancelled.wait(), 1)  # the upstream call was cancelled, not left running
             assert response.status_code == 499
             assert gw.dispatcher.outcomes == {"client_disconnected": 1}
+
+    run(body)
+
+
+def test_kv_reservations_follow_each_request() -> None:
+    """The KV ledger reserves on dispatch, settles at the first token, releases at the end; the predictor
+    learns output lengths from upstream usage."""
+    a = FakeWorker("a", tokens=3, chunk_delay_s=0.05)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            assert gw.ledger is not None and gw.predictor is not None
+            task = asyncio.create_task(c.post(CHAT, json=chat(stream=True, max_tokens=3)))
+            await asyncio.sleep(0.08)
+            (row,) = gw.ledger.snapshot().values()
+            # one reservation: prompt ceil(5/4) + 3 + 3 = 8 tokens, + 3 output → ceil(11 / 16) = 1 block
+            assert (row["active"], row["reserved_units"]) == (1, 1)
+            assert (await task).status_code == 200
+            assert gw.ledger.stats.released["completed"] == 1
+            assert gw.predictor.samples("llama-3-8b", 7) == (3,)  # usage: 7 prompt, 3 completion tokens
+            text = (await c.get("/metrics")).text
+            assert 'mosaic_kv_reserved_units{worker="p/a:8000"} 0.0' in text
 
     run(body)

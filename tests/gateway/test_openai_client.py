@@ -62,7 +62,7 @@ def test_streaming_chat_with_and_without_usage(client: openai.OpenAI, gw: Gatewa
                                                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
     # both streams' tokens were counted at the gateway: 6 + 6
-    assert gw.metric("mosaic_generation_tokens_total", model=MODEL) - before == 12
+    assert gw.metric_reaches("mosaic_generation_tokens_total", before + 12, model=MODEL) - before == 12
 
 
 def test_pd_path_end_to_end(client: openai.OpenAI, gw: GatewayThread) -> None:
@@ -74,7 +74,7 @@ def test_pd_path_end_to_end(client: openai.OpenAI, gw: GatewayThread) -> None:
     chunks = list(stream)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
     assert prefill.dispatched_total == before + 1  # the prefill hop went to the H100
-    assert gw.metric("mosaic_time_to_first_token_seconds_count", model=MODEL, pool="decode-a100") >= 1
+    assert gw.metric_reaches("mosaic_time_to_first_token_seconds_count", 1, model=MODEL, pool="decode-a100") >= 1
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,89 @@
+"""Gateway config: every documented example loads; bad configs fail with one line naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server.config import ConfigError, MosaicConfig, load_config, validate_config
+from server.embedded import default_config
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "docs" / "examples" / "gateway").glob("*.yaml"))
+STATIC = {"static": ["http://10.0.0.5:8000"]}
+
+
+def _pool(**over: object) -> dict[str, object]:
+    return {"name": "p", "model": "llama-3-8b", "gpu": "H100", "endpoints": STATIC, **over}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_documented_examples_load(path: Path) -> None:
+    cfg = load_config(path)
+    assert isinstance(cfg, MosaicConfig) and cfg.pools
+
+
+def test_there_are_documented_examples() -> None:
+    assert {p.name for p in EXAMPLES} >= {"config.yaml", "real-vllm.yaml", "kubernetes.yaml", "simulated.yaml"}
+
+
+def test_defaults() -> None:
+    cfg = validate_config({"pools": [_pool()]})
+    assert (cfg.routing.policy, cfg.routing.pd_threshold_tokens) == ("mosaic", 256)
+    assert (cfg.scrape.interval_s, cfg.scrape.stale_after_s) == (1.0, 5.0)
+    assert (cfg.limits.queue_size, cfg.limits.max_retries, cfg.gateway.port) == (1024, 2, 8000)
+    assert cfg.pools[0].role == "mixed" and cfg.kv.enabled
+    assert [m.name for m in cfg.model_configs()] == ["llama-3-8b"]  # derived from the pools
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param({"pools": [_pool(gpu="B200")]}, "test: pools.0.gpu: unknown GPU 'B200'", id="unknown GPU names the pool field"),
+        pytest.param({"pools": [_pool(model="gpt-9")]}, "test: pools.0.model: unknown model 'gpt-9'", id="unknown model without a models list"),
+        pytest.param({"models": [{"name": "m"}], "pools": [_pool()]}, "test: pools.0.model: model 'llama-3-8b' is not listed under models",
+                     id="pool model not in the models list"),
+        pytest.param({"pools": [_pool(role="both")]}, "test: pools.0.role: Input should be 'prefill', 'decode' or 'mixed'", id="bad role"),
+        pytest.param({"pools": [_pool(endpoints={})]}, "test: pools.0.endpoints: give exactly one of static, kubernetes, simulated",
+                     id="no endpoints"),
+        pytest.param({"pools": [_pool(endpoints={"static": ["10.0.0.5:8000"]})]}, "test: pools.0.endpoints.static: '10.0.0.5:8000' is not an http(s):// URL",
+                     id="static URL without scheme"),
+        pytest.param({"pools": [_pool(endpoints={"kubernetes": {"namespace": "x"}})]}, "test: pools.0.endpoints.kubernetes.label_selector: Field required",
+                     id="kubernetes without a selector"),
+        pytest.param({"pools": [_pool(), _pool()]}, "test: pools.1.name: duplicate pool name 'p'", id="duplicate pool names"),
+        pytest.param({"pools": [_pool(min_replicas=3, max_replicas=1)]}, "test: pools.0: max_replicas 1 < min_replicas 3", id="replica bounds"),
+        pytest.param({"pools": [_pool()], "limits": {"queue_sise": 3}}, "test: limits.queue_sise: unknown key", id="typo in a key is refused"),
+        pytest.param({"pools": [_pool()], "routing": {"plugins": [{"type": "nope"}]}}, "test: routing.plugins[0] (nope).type: unknown plugin type 'nope'",
+                     id="routing errors come from the router's own config"),
+        pytest.param({"pools": [_pool()], "kv": {"mode": "yolo"}}, "test: kv.mode: Input should be 'worst_case' or 'predicted'", id="kv section validated"),
+        pytest.param({"pools": []}, "test: pools: List should have at least 1 item", id="no pools"),
+        pytest.param(["not", "a", "mapping"], "test: top level must be a mapping", id="not a mapping"),
+    ],
+)
+def test_bad_configs_name_the_field(data: object, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_config(data, "test")
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_load_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools: [\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d"):
+        load_config(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump({"pools": [_pool()]}))
+    assert load_config(good).pools[0].gpu == "H100"
+
+
+def test_embedded_default_is_heterogeneous() -> None:
+    cfg = default_config(time_scale=7.0)
+    assert [(p.name, p.gpu, p.role) for p in cfg.pools] == [
+        ("prefill-h100", "H100-SXM", "prefill"), ("decode-a100", "A100-80GB", "decode"), ("mixed-l4", "L4", "mixed"),
+    ]
+    assert all(p.endpoints.simulated and p.endpoints.simulated.time_scale == 7.0 for p in cfg.pools)
+    assert sum(p.endpoints.simulated.replicas for p in cfg.pools if p.endpoints.simulated) == 5
