@@ -75,15 +75,21 @@ class LayoutReport:
         return 0.0 if ideal <= 0 else cost / ideal - 1.0
 
     def as_dict(self) -> dict[str, float | int]:
-        out: dict[str, float | int] = {"heads": self.heads, "heads_per_group": self.heads_per_group,
-                                       "alpha": self.alpha, "ideal": self.ideal}
+        out: dict[str, float | int] = {
+            "heads": self.heads,
+            "heads_per_group": self.heads_per_group,
+            "alpha": self.alpha,
+            "ideal": self.ideal,
+        }
         for name in ("monolithic", "adjacent", "sorted"):
             cost = getattr(self, name)
             out[f"{name}_cost"] = cost
             out[f"{name}_waste"] = self.waste(cost, self.ideal)
             out[f"{name}_over_allocation"] = self.over_allocation(cost, self.ideal)
         # Fraction of the full (uncompressed) KV that sorted grouping reclaims against adjacent heads.
-        out["sorted_saves_of_full_kv_vs_adjacent"] = (self.adjacent - self.sorted) / self.heads if self.heads else 0.0
+        out["sorted_saves_of_full_kv_vs_adjacent"] = (
+            (self.adjacent - self.sorted) / self.heads if self.heads else 0.0
+        )
         return out
 
 
@@ -106,14 +112,14 @@ def sorted_chunking(budgets: Sequence[float], heads_per_group: int) -> list[list
         return []
     full, rem = divmod(n, heads_per_group)
     if rem == 0:
-        return [order[i:i + heads_per_group] for i in range(0, n, heads_per_group)]
+        return [order[i : i + heads_per_group] for i in range(0, n, heads_per_group)]
     best: list[list[int]] | None = None
     best_cost = float("inf")
     for pos in range(full + 1):  # position of the short group among the full + 1 groups
         sizes = [heads_per_group] * pos + [rem] + [heads_per_group] * (full - pos)
         groups, start = [], 0
         for size in sizes:
-            groups.append(order[start:start + size])
+            groups.append(order[start : start + size])
             start += size
         cost = group_cost(groups, budgets)
         if cost < best_cost - 1e-12:
@@ -129,7 +135,9 @@ def adjacent_grouping(n: int, heads_per_group: int) -> list[list[int]]:
     return [list(range(i, min(n, i + heads_per_group))) for i in range(0, n, heads_per_group)]
 
 
-def make_groups(groups: Sequence[Sequence[int]], budgets: Sequence[float], heads_per_group: int) -> HeadGroups:
+def make_groups(
+    groups: Sequence[Sequence[int]], budgets: Sequence[float], heads_per_group: int
+) -> HeadGroups:
     members = tuple(tuple(int(h) for h in g) for g in groups if g)
     return HeadGroups(heads_per_group, members, tuple(float(max(budgets[h] for h in g)) for g in members))
 

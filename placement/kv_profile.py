@@ -49,7 +49,9 @@ class HeadProfile:
     samples: np.ndarray | None  # [S, L, H] per-sample ratios, None when only μ and σ were given
     sink: int = DEFAULT_SINK
     window: int = DEFAULT_WINDOW
-    layer_ids: tuple[int, ...] = ()  # physical layer index of each profiled layer (Tangram's static_layer_ids)
+    layer_ids: tuple[
+        int, ...
+    ] = ()  # physical layer index of each profiled layer (Tangram's static_layer_ids)
 
     @property
     def layers(self) -> int:
@@ -87,7 +89,9 @@ def load_head_profile(path: str | Path) -> HeadProfile:
     loaders = {".npz": _load_npz, ".json": _load_json, ".csv": _load_csv}
     loader = loaders.get(p.suffix.lower())
     if loader is None:
-        raise ProfileError(f"profile file {p}: unknown format {p.suffix!r}; use .npz (Tangram), .json or .csv")
+        raise ProfileError(
+            f"profile file {p}: unknown format {p.suffix!r}; use .npz (Tangram), .json or .csv"
+        )
     try:
         return loader(p)
     except ProfileError as exc:
@@ -95,7 +99,9 @@ def load_head_profile(path: str | Path) -> HeadProfile:
         raise ProfileError(msg if str(p) in msg else f"profile file {p}: {msg}") from None
 
 
-def from_samples(name: str, samples: np.ndarray, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW) -> HeadProfile:
+def from_samples(
+    name: str, samples: np.ndarray, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW
+) -> HeadProfile:
     """A profile from per-sample ratios [S, L, H]: μ = mean, σ = population std over samples."""
     arr = np.asarray(samples, dtype=np.float64)
     if arr.ndim != 3 or arr.shape[0] < 1 or arr.shape[1] < 1 or arr.shape[2] < 1:
@@ -104,20 +110,31 @@ def from_samples(name: str, samples: np.ndarray, sink: int = DEFAULT_SINK, windo
     return _frozen(name, arr.mean(axis=0), arr.std(axis=0), arr, sink, window, tuple(range(arr.shape[1])))
 
 
-def from_moments(name: str, mu: np.ndarray, sigma: np.ndarray, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW) -> HeadProfile:
+def from_moments(
+    name: str, mu: np.ndarray, sigma: np.ndarray, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW
+) -> HeadProfile:
     """A profile from μ and σ arrays [L, H] (no samples: the simulator then draws from N(μ, σ) clipped)."""
     m = np.asarray(mu, dtype=np.float64)
     s = np.asarray(sigma, dtype=np.float64)
     if m.ndim != 2 or m.shape != s.shape or m.size == 0:
-        raise ProfileError(f"profile {name}: mu and sigma must be [L, H] arrays of one shape, got {m.shape} and {s.shape}")
+        raise ProfileError(
+            f"profile {name}: mu and sigma must be [L, H] arrays of one shape, got {m.shape} and {s.shape}"
+        )
     _check_ratios(name, "mu", m)
     if (s < 0).any() or not np.isfinite(s).all():
         raise ProfileError(f"profile {name}: sigma must be finite and ≥ 0")
     return _frozen(name, m, s, None, sink, window, tuple(range(m.shape[0])))
 
 
-def _frozen(name: str, mu: np.ndarray, sigma: np.ndarray, samples: np.ndarray | None, sink: int, window: int,
-            layer_ids: tuple[int, ...]) -> HeadProfile:
+def _frozen(
+    name: str,
+    mu: np.ndarray,
+    sigma: np.ndarray,
+    samples: np.ndarray | None,
+    sink: int,
+    window: int,
+    layer_ids: tuple[int, ...],
+) -> HeadProfile:
     if sink < 0 or window < 0:
         raise ProfileError(f"profile {name}: sink and window must be ≥ 0, got {sink} and {window}")
     for a in (mu, sigma, samples):
@@ -156,7 +173,9 @@ def _load_npz(p: Path) -> HeadProfile:
     prof = from_samples(name, raw[0], sink, window)
     ids = arrays.get("static_layer_ids")
     if ids is not None and len(ids) == prof.layers:
-        prof = HeadProfile(prof.name, prof.mu, prof.sigma, prof.samples, sink, window, tuple(int(i) for i in ids))
+        prof = HeadProfile(
+            prof.name, prof.mu, prof.sigma, prof.samples, sink, window, tuple(int(i) for i in ids)
+        )
     return prof
 
 
@@ -168,8 +187,13 @@ def _load_json(p: Path) -> HeadProfile:
     if not isinstance(data, dict) or not isinstance(data.get("heads"), list):
         raise ProfileError(f"profile file {p}: expected an object with a 'heads' list")
     rows = [_row_from_mapping(p, i, h) for i, h in enumerate(data["heads"])]
-    return _from_rows(p, str(data.get("model", p.stem)), rows, _int_field(p, data, "sink", DEFAULT_SINK),
-                      _int_field(p, data, "window", DEFAULT_WINDOW))
+    return _from_rows(
+        p,
+        str(data.get("model", p.stem)),
+        rows,
+        _int_field(p, data, "sink", DEFAULT_SINK),
+        _int_field(p, data, "window", DEFAULT_WINDOW),
+    )
 
 
 def _load_csv(p: Path) -> HeadProfile:
@@ -192,7 +216,13 @@ def _load_csv(p: Path) -> HeadProfile:
             norm["samples"] = [x for x in str(norm["samples"]).replace(";", " ").split()]
         rows.append(_row_from_mapping(p, i, norm))
     first = {k: v for k, v in records[0].items() if k}
-    return _from_rows(p, p.stem, rows, _int_field(p, first, "sink", DEFAULT_SINK), _int_field(p, first, "window", DEFAULT_WINDOW))
+    return _from_rows(
+        p,
+        p.stem,
+        rows,
+        _int_field(p, first, "sink", DEFAULT_SINK),
+        _int_field(p, first, "window", DEFAULT_WINDOW),
+    )
 
 
 def _int_field(p: Path, data: dict[str, Any], key: str, default: int) -> int:
@@ -216,14 +246,17 @@ def _row_from_mapping(p: Path, i: int, h: Any) -> tuple[int, int, list[float] | 
             return layer, head, samples, 0.0, 0.0
         return layer, head, None, float(h["mu"]), float(h["sigma"])
     except KeyError as exc:
-        raise ProfileError(f"profile file {p}: heads[{i}] is missing field {exc.args[0]!r} "
-                           "(need layer, head and samples or mu+sigma)") from None
+        raise ProfileError(
+            f"profile file {p}: heads[{i}] is missing field {exc.args[0]!r} "
+            "(need layer, head and samples or mu+sigma)"
+        ) from None
     except (TypeError, ValueError) as exc:
         raise ProfileError(f"profile file {p}: heads[{i}] has a non-numeric field ({exc})") from None
 
 
-def _from_rows(p: Path, name: str, rows: list[tuple[int, int, list[float] | None, float, float]], sink: int,
-               window: int) -> HeadProfile:
+def _from_rows(
+    p: Path, name: str, rows: list[tuple[int, int, list[float] | None, float, float]], sink: int, window: int
+) -> HeadProfile:
     layers = sorted({r[0] for r in rows})
     heads = sorted({r[1] for r in rows})
     if min(layers) < 0 or min(heads) < 0:
@@ -231,15 +264,21 @@ def _from_rows(p: Path, name: str, rows: list[tuple[int, int, list[float] | None
     li = {v: i for i, v in enumerate(layers)}
     hi = {v: i for i, v in enumerate(heads)}
     if len(rows) != len(layers) * len(heads) or len({(r[0], r[1]) for r in rows}) != len(rows):
-        raise ProfileError(f"profile file {p}: every (layer, head) of a {len(layers)}×{len(heads)} grid must appear "
-                           f"exactly once, got {len(rows)} rows")
+        raise ProfileError(
+            f"profile file {p}: every (layer, head) of a {len(layers)}×{len(heads)} grid must appear "
+            f"exactly once, got {len(rows)} rows"
+        )
     with_samples = [r for r in rows if r[2] is not None]
     if with_samples and len(with_samples) != len(rows):
-        raise ProfileError(f"profile file {p}: mix of heads with samples and heads with mu/sigma; use one form")
+        raise ProfileError(
+            f"profile file {p}: mix of heads with samples and heads with mu/sigma; use one form"
+        )
     if with_samples:
         counts = {len(r[2] or []) for r in rows}
         if len(counts) != 1:
-            raise ProfileError(f"profile file {p}: every head must have the same number of samples, got {sorted(counts)}")
+            raise ProfileError(
+                f"profile file {p}: every head must have the same number of samples, got {sorted(counts)}"
+            )
         arr = np.zeros((counts.pop(), len(layers), len(heads)))
         for layer, head, samples, _, _ in rows:
             arr[:, li[layer], hi[head]] = samples

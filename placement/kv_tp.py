@@ -65,7 +65,9 @@ class TpPartition:
         return perm
 
 
-def tp_partition(budgets: np.ndarray, tp: int, heads_per_group: int, time_limit_s: float = 5.0) -> TpPartition:
+def tp_partition(
+    budgets: np.ndarray, tp: int, heads_per_group: int, time_limit_s: float = 5.0
+) -> TpPartition:
     """Assign the heads of `budgets` [L, H] to `tp` ranks minimising the most loaded rank's grouped cost."""
     b2 = np.asarray(budgets, dtype=np.float64)
     if b2.ndim != 2:
@@ -81,7 +83,9 @@ def tp_partition(budgets: np.ndarray, tp: int, heads_per_group: int, time_limit_
     if tp == 1:
         return _result(b2, tp, heads_per_group, contiguous, contiguous, lower, "OPTIMAL")
     # Hint CP-SAT with the better of the greedy deal and stock contiguous sharding; keep the best of all three.
-    start = min((_greedy(b2, tp, heads_per_group), contiguous), key=lambda a: _score(b2, a, tp, heads_per_group))
+    start = min(
+        (_greedy(b2, tp, heads_per_group), contiguous), key=lambda a: _score(b2, a, tp, heads_per_group)
+    )
     assign, status = _solve(b2, tp, heads_per_group, start, time_limit_s)
     if assign is None or _score(b2, assign, tp, heads_per_group) > _score(b2, start, tp, heads_per_group):
         assign, status = start, "GREEDY"
@@ -93,7 +97,9 @@ def _score(b2: np.ndarray, assign: list[list[int]], tp: int, hp: int) -> tuple[f
     return max(costs), sum(costs)
 
 
-def rank_cost(b2: np.ndarray, rank_of: list[list[int]], rank: int, heads_per_group: int) -> tuple[list[list[int]], float]:
+def rank_cost(
+    b2: np.ndarray, rank_of: list[list[int]], rank: int, heads_per_group: int
+) -> tuple[list[list[int]], float]:
     heads = b2.shape[1]
     mine = [layer * heads + h for layer, row in enumerate(rank_of) for h, r in enumerate(row) if r == rank]
     flat = b2.ravel()
@@ -102,15 +108,24 @@ def rank_cost(b2: np.ndarray, rank_of: list[list[int]], rank: int, heads_per_gro
     return groups, group_cost(groups, flat.tolist())
 
 
-def _result(b2: np.ndarray, tp: int, hp: int, assign: list[list[int]], contiguous: list[list[int]], lower: float,
-            status: str) -> TpPartition:
+def _result(
+    b2: np.ndarray,
+    tp: int,
+    hp: int,
+    assign: list[list[int]],
+    contiguous: list[list[int]],
+    lower: float,
+    status: str,
+) -> TpPartition:
     groups, costs, cont = [], [], []
     for r in range(tp):
         g, c = rank_cost(b2, assign, r, hp)
         groups.append(tuple(tuple(x) for x in g))
         costs.append(c)
         cont.append(rank_cost(b2, contiguous, r, hp)[1])
-    return TpPartition(tp, hp, tuple(tuple(row) for row in assign), tuple(groups), tuple(costs), tuple(cont), lower, status)
+    return TpPartition(
+        tp, hp, tuple(tuple(row) for row in assign), tuple(groups), tuple(costs), tuple(cont), lower, status
+    )
 
 
 def _greedy(b2: np.ndarray, tp: int, hp: int) -> list[list[int]]:
@@ -141,8 +156,9 @@ def _greedy(b2: np.ndarray, tp: int, hp: int) -> list[list[int]]:
     return assign
 
 
-def _solve(b2: np.ndarray, tp: int, hp: int, hint: list[list[int]], time_limit_s: float
-           ) -> tuple[list[list[int]] | None, str]:
+def _solve(
+    b2: np.ndarray, tp: int, hp: int, hint: list[list[int]], time_limit_s: float
+) -> tuple[list[list[int]] | None, str]:
     layers, heads = b2.shape
     n = layers * heads
     order = sorted(range(n), key=lambda f: (-b2.flat[f], f))

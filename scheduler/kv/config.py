@@ -101,7 +101,9 @@ def build_predictor(cfg: KvConfig) -> LengthPredictor:
         raise KvConfigError(f"kv.predictor: {exc}") from None
 
 
-def build_compression(cfg: KvConfig, base_dir: str | Path | None = None) -> tuple[dict[str, CompressionSpec], dict[str, CompressionSpec]]:
+def build_compression(
+    cfg: KvConfig, base_dir: str | Path | None = None
+) -> tuple[dict[str, CompressionSpec], dict[str, CompressionSpec]]:
     """(by pool, by model) compression specs from `kv.compression`; profile paths relative to `base_dir`."""
     by_pool: dict[str, CompressionSpec] = {}
     by_model: dict[str, CompressionSpec] = {}
@@ -114,13 +116,16 @@ def build_compression(cfg: KvConfig, base_dir: str | Path | None = None) -> tupl
         except ProfileError as exc:
             raise KvConfigError(f"kv.compression.{i}.profile: {exc}") from None
         groups = sorted_groups(profile, c.heads_per_group, cfg.alpha if c.alpha is None else c.alpha)
-        spec = CompressionSpec(groups.sizes, groups.budgets, profile.sink, profile.window, c.prefill_chunk,
-                               name=profile.name)
+        spec = CompressionSpec(
+            groups.sizes, groups.budgets, profile.sink, profile.window, c.prefill_chunk, name=profile.name
+        )
         (by_pool if c.pool is not None else by_model)[c.pool or c.model or ""] = spec
     return by_pool, by_model
 
 
-def build_ledger(cfg: KvConfig, gateway_replicas: int = 1, base_dir: str | Path | None = None) -> KvLedger | None:
+def build_ledger(
+    cfg: KvConfig, gateway_replicas: int = 1, base_dir: str | Path | None = None
+) -> KvLedger | None:
     """The gateway's ledger for `cfg` (None when reservation is disabled). Share = cfg.share or 1/replicas."""
     if not cfg.enabled:
         return None

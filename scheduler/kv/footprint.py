@@ -121,7 +121,10 @@ def need(prompt_tokens: int, output_tokens: int, spec: WorkerKvSpec) -> Footprin
         return Footprint(blocks, blocks, blocks, out)
     kept = tuple(kept_tokens(b, prompt_tokens, comp.sink, comp.window) for b in comp.group_budgets)
     steady_g = [_ceil_div(k + out, bs) for k in kept]
-    peak_g = [max(_ceil_div(min(prompt_tokens, k + comp.prefill_chunk), bs), s) for k, s in zip(kept, steady_g, strict=True)]
+    peak_g = [
+        max(_ceil_div(min(prompt_tokens, k + comp.prefill_chunk), bs), s)
+        for k, s in zip(kept, steady_g, strict=True)
+    ]
     sizes = comp.group_sizes
     steady = _pooled(comp, [n * p for n, p in zip(sizes, steady_g, strict=True)])
     peak = _pooled(comp, [n * p for n, p in zip(sizes, peak_g, strict=True)])

@@ -40,6 +40,8 @@ from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import RouteRequest
 from scheduler.routing.reasons import Outcome
 
+_NEED_CACHE_MAX = 65_536
+
 
 @dataclass(frozen=True, slots=True)
 class LedgerSettings:
@@ -92,11 +94,34 @@ class LedgerStats:
 class KvReservation:
     """Pages held on one worker for one request. Use as a context manager or call `release` once."""
 
-    __slots__ = ("_ledger", "expires_s", "fp_steady", "fp_worst_steady", "key", "max_output", "model", "outcome",
-                 "prefilled", "prompt_tokens", "request_id", "reserved_output", "units", "worker_id", "worst_units")
+    __slots__ = (
+        "_ledger",
+        "expires_s",
+        "fp_steady",
+        "fp_worst_steady",
+        "key",
+        "max_output",
+        "model",
+        "outcome",
+        "prefilled",
+        "prompt_tokens",
+        "request_id",
+        "reserved_output",
+        "units",
+        "worker_id",
+        "worst_units",
+    )
 
-    def __init__(self, ledger: KvLedger, key: int, req: RouteRequest, worker_id: str, fp: Footprint,
-                 worst: Footprint, now: float) -> None:
+    def __init__(
+        self,
+        ledger: KvLedger,
+        key: int,
+        req: RouteRequest,
+        worker_id: str,
+        fp: Footprint,
+        worst: Footprint,
+        now: float,
+    ) -> None:
         self._ledger = ledger
         self.key = key
         self.worker_id = worker_id
@@ -137,7 +162,9 @@ class KvReservation:
     def __enter__(self) -> KvReservation:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release(Outcome.COMPLETED if exc_type is None else Outcome.WORKER_ERROR)
 
     def __repr__(self) -> str:
@@ -156,24 +183,31 @@ class _Book:
     error_frac: float | None = None
     active: dict[int, KvReservation] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
+    key: tuple[object, ...] = ()  # what the spec was derived from (pool, model, block size, limits, blocks)
+    spec: WorkerKvSpec = field(default_factory=WorkerKvSpec)
+    needs: dict[tuple[int, int], Footprint] = field(default_factory=dict)  # memoised `need` for this spec
+    view: WorkerView | None = None  # the snapshot the key was last checked against (a cycle reuses it)
 
 
 class KvLedger:
     """Reserved KV per worker against its capacity. Implements the router's ReservePlugin and FitChecker."""
 
-    def __init__(self, settings: LedgerSettings | None = None, specs: SpecTable | None = None,
-                 predictor: LengthPredictor | None = None) -> None:
+    def __init__(
+        self,
+        settings: LedgerSettings | None = None,
+        specs: SpecTable | None = None,
+        predictor: LengthPredictor | None = None,
+    ) -> None:
         self.settings = settings or LedgerSettings()
         self.specs = specs or SpecTable()
         self.predictor = predictor or LengthPredictor()
         self.stats = LedgerStats()
         self._books: dict[str, _Book] = {}
-        self._specs: dict[str, WorkerKvSpec] = {}  # last spec seen per worker id (for grow)
         self._next_key = 0
 
     # --- capacity --------------------------------------------------------------------------------------
     def spec_for(self, worker: WorkerView) -> WorkerKvSpec:
-        return self.specs.spec_for(worker)
+        return self._book(worker).spec
 
     def total_units(self, worker: WorkerView) -> int:
         return worker.kv_blocks_total * self.spec_for(worker).units_per_block
@@ -197,19 +231,32 @@ class KvLedger:
         return self.capacity(worker) - book.reserved - held
 
     def active(self, worker_id: str | None = None) -> list[KvReservation]:
-        books = [self._books[worker_id]] if worker_id is not None and worker_id in self._books else (
-            [] if worker_id is not None else list(self._books.values()))
+        books = (
+            [self._books[worker_id]]
+            if worker_id is not None and worker_id in self._books
+            else ([] if worker_id is not None else list(self._books.values()))
+        )
         return [r for b in books for r in b.active.values()]
 
     # --- footprint -------------------------------------------------------------------------------------
     def footprint(self, req: RouteRequest, worker: WorkerView) -> tuple[Footprint, Footprint]:
         """(the footprint to reserve, the worst-case footprint); equal in worst_case mode."""
-        spec = self.spec_for(worker)
-        worst = need(req.prompt_tokens, req.max_output_tokens, spec)
+        book = self._book(worker)
+        worst = self._need(book, req.prompt_tokens, req.max_output_tokens)
         if self.settings.mode == "worst_case":
             return worst, worst
         predicted = min(req.max_output_tokens, max(1, req.predicted_output_tokens))
-        return need(req.prompt_tokens, predicted, spec), worst
+        return self._need(book, req.prompt_tokens, predicted), worst
+
+    @staticmethod
+    def _need(book: _Book, prompt: int, output: int) -> Footprint:
+        """`need` memoised per worker: routing asks for the same request shape on every filter, score and retry."""
+        fp = book.needs.get((prompt, output))
+        if fp is None:
+            if len(book.needs) >= _NEED_CACHE_MAX:
+                book.needs.clear()
+            fp = book.needs[(prompt, output)] = need(prompt, output, book.spec)
+        return fp
 
     def can_ever_fit(self, req: RouteRequest, worker: WorkerView) -> bool:
         """Whether the request fits this worker's capacity when nothing else is reserved."""
@@ -290,7 +337,7 @@ class KvLedger:
             return True  # already the worst case (or the context limit): nothing more can be needed
         target = self.predictor.grow(res.model, res.prompt_tokens, generated, res.max_output)
         book = self._books[res.worker_id]
-        fp = need(res.prompt_tokens, target, self._specs[res.worker_id])
+        fp = self._need(book, res.prompt_tokens, target)
         new_units = fp.steady if res.prefilled else fp.peak
         delta = new_units - res.units
         held = sum(u for k, u in book.holds.items() if k != res.request_id)
@@ -349,16 +396,36 @@ class KvLedger:
 
     def snapshot(self) -> dict[str, dict[str, float | int | None]]:
         """Per worker: total, reserved, shrink, active count, estimate error (for /metrics and /admin)."""
-        return {wid: {"total_units": b.total, "reserved_units": b.reserved, "shrink_units": b.shrink,
-                      "active": len(b.active), "estimate_error": b.error_frac, "holds": sum(b.holds.values())}
-                for wid, b in self._books.items()}
+        return {
+            wid: {
+                "total_units": b.total,
+                "reserved_units": b.reserved,
+                "shrink_units": b.shrink,
+                "active": len(b.active),
+                "estimate_error": b.error_frac,
+                "holds": sum(b.holds.values()),
+            }
+            for wid, b in self._books.items()
+        }
 
     # --- internals -------------------------------------------------------------------------------------
     def _book(self, worker: WorkerView) -> _Book:
         book = self._books.get(worker.id)
         if book is None:
             book = self._books[worker.id] = _Book(overbook=self.settings.max_overbook_frac)
-        spec = self.spec_for(worker)
-        self._specs[worker.id] = spec
-        book.total = worker.kv_blocks_total * spec.units_per_block
+        elif book.view is worker:
+            return book
+        book.view = worker
+        key = (
+            worker.pool,
+            worker.model,
+            worker.effective_block_size,
+            worker.capacity.max_model_len,
+            worker.kv_blocks_total,
+        )
+        if key != book.key:  # first sight, or a scrape changed the cache config: re-derive the spec
+            book.key = key
+            book.spec = self.specs.spec_for(worker)
+            book.total = worker.kv_blocks_total * book.spec.units_per_block
+            book.needs.clear()
         return book

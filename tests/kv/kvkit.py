@@ -7,21 +7,62 @@ from scheduler.kv.footprint import CompressionSpec
 from scheduler.routing.framework import RouteRequest
 
 
-def worker(wid: str = "w0", blocks: int = 100, block_size: int = 16, pool: str = "p", model: str = "m",
-           max_model_len: int | None = None, kv_usage: float | None = None, scraped_blocks: int | None = None,
-           preemptions: float | None = None, max_num_seqs: int = 256) -> WorkerView:
-    cap = WorkerCapacity(prefill_tokens_per_s=10_000.0, decode_tokens_per_s=2_000.0, kv_blocks=blocks,
-                         block_size=block_size, cost_per_hour=1.0, max_num_seqs=max_num_seqs,
-                         max_model_len=max_model_len)
-    return WorkerView(id=wid, url=f"http://{wid}", pool=pool, model=model, gpu="A100-80GB", role=Role.MIXED,
-                      state=WorkerState.READY, breaker_open=False, capacity=cap, kv_usage=kv_usage,
-                      num_gpu_blocks=scraped_blocks, preemptions_total=preemptions)
+def worker(
+    wid: str = "w0",
+    blocks: int = 100,
+    block_size: int = 16,
+    pool: str = "p",
+    model: str = "m",
+    max_model_len: int | None = None,
+    kv_usage: float | None = None,
+    scraped_blocks: int | None = None,
+    preemptions: float | None = None,
+    max_num_seqs: int = 256,
+    prefill_tps: float = 10_000.0,
+) -> WorkerView:
+    cap = WorkerCapacity(
+        prefill_tokens_per_s=prefill_tps,
+        decode_tokens_per_s=2_000.0,
+        kv_blocks=blocks,
+        block_size=block_size,
+        cost_per_hour=1.0,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+    )
+    return WorkerView(
+        id=wid,
+        url=f"http://{wid}",
+        pool=pool,
+        model=model,
+        gpu="A100-80GB",
+        role=Role.MIXED,
+        state=WorkerState.READY,
+        breaker_open=False,
+        capacity=cap,
+        kv_usage=kv_usage,
+        num_gpu_blocks=scraped_blocks,
+        preemptions_total=preemptions,
+    )
 
 
-def request(rid: str = "r0", prompt: int = 100, max_out: int = 50, predicted: int | None = None, model: str = "m",
-            priority: int = 0, arrival: float = 0.0) -> RouteRequest:
-    return RouteRequest(rid, model, prompt, max_out, max_out if predicted is None else predicted,
-                        priority=priority, arrival_s=arrival)
+def request(
+    rid: str = "r0",
+    prompt: int = 100,
+    max_out: int = 50,
+    predicted: int | None = None,
+    model: str = "m",
+    priority: int = 0,
+    arrival: float = 0.0,
+) -> RouteRequest:
+    return RouteRequest(
+        rid,
+        model,
+        prompt,
+        max_out,
+        max_out if predicted is None else predicted,
+        priority=priority,
+        arrival_s=arrival,
+    )
 
 
 def two_group_spec() -> CompressionSpec:

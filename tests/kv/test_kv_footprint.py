@@ -14,13 +14,18 @@ from tests.kv.kvkit import two_group_spec
     [
         pytest.param(100, 50, 16, None, 10, 50, id="stock: ceil(150/16) = 10 blocks"),
         pytest.param(96, 0, 16, None, 6, 0, id="stock: exact multiple 96/16 = 6"),
-        pytest.param(97, 0, 16, None, 7, 0, id="stock: one token past a block opens another: ceil(97/16) = 7"),
-        pytest.param(100, 1000, 16, 512, 32, 412, id="stock: context limit min(1100, 512)/16 = 32, output cut to 412"),
+        pytest.param(
+            97, 0, 16, None, 7, 0, id="stock: one token past a block opens another: ceil(97/16) = 7"
+        ),
+        pytest.param(
+            100, 1000, 16, 512, 32, 412, id="stock: context limit min(1100, 512)/16 = 32, output cut to 412"
+        ),
         pytest.param(1, 1, 1, None, 2, 1, id="stock: block size 1 counts tokens"),
     ],
 )
-def test_stock_worker_needs_ceil_of_tokens_over_block_size(prompt: int, out: int, bs: int, max_len: int | None,
-                                                           blocks: int, reserved_out: int) -> None:
+def test_stock_worker_needs_ceil_of_tokens_over_block_size(
+    prompt: int, out: int, bs: int, max_len: int | None, blocks: int, reserved_out: int
+) -> None:
     fp = need(prompt, out, WorkerKvSpec(bs, max_len))
     assert (fp.peak, fp.steady, fp.group_pages, fp.reserved_output) == (blocks, blocks, blocks, reserved_out)
     assert fp.transient == 0

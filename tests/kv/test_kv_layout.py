@@ -90,7 +90,9 @@ def test_sorted_chunking_reproduces_tangrams_released_cluster_map(shared_data: P
 
 
 def test_real_profile_sorted_grouping_wastes_far_less_than_adjacent(shared_data: Path) -> None:
-    p = load_head_profile(shared_data / "kv_profiles" / "cluster_maps" / "ea" / "llama-3.1-8b-instruct" / "profile.npz")
+    p = load_head_profile(
+        shared_data / "kv_profiles" / "cluster_maps" / "ea" / "llama-3.1-8b-instruct" / "profile.npz"
+    )
     r = layout_report_from_budgets(p.budgets(2.0), 4, 2.0)
     assert r.ideal <= r.sorted <= r.adjacent <= r.monolithic
     # Tangram: clustered groups waste 2–15%, adjacent heads 20–73%
@@ -101,13 +103,19 @@ def test_real_profile_sorted_grouping_wastes_far_less_than_adjacent(shared_data:
 def brute_force_tp(b: np.ndarray, tp: int, hp: int) -> tuple[float, float]:
     layers, heads = b.shape
     quota = heads // tp
-    per_layer = [list(p) for p in itertools.product(range(tp), repeat=heads) if all(p.count(r) == quota for r in range(tp))]
+    per_layer = [
+        list(p)
+        for p in itertools.product(range(tp), repeat=heads)
+        if all(p.count(r) == quota for r in range(tp))
+    ]
     best = (float("inf"), float("inf"))
     flat = b.ravel().tolist()
     for combo in itertools.product(per_layer, repeat=layers):
         costs = []
         for r in range(tp):
-            mine = [layer * heads + h for layer in range(layers) for h in range(heads) if combo[layer][h] == r]
+            mine = [
+                layer * heads + h for layer in range(layers) for h in range(heads) if combo[layer][h] == r
+            ]
             local = [flat[f] for f in mine]
             costs.append(group_cost(sorted_chunking(local, hp), local))
         best = min(best, (max(costs), sum(costs)))

@@ -20,10 +20,18 @@ from tests.kv.kvkit import request, two_group_spec, worker
 @pytest.mark.parametrize(
     ("settings_", "blocks", "scraped", "capacity"),
     [
-        pytest.param(LedgerSettings(watermark=0.02), 100, None, 98, id="perf-model blocks: floor(100 · 0.98) = 98"),
-        pytest.param(LedgerSettings(watermark=0.02), 100, 200, 196, id="scraped num_gpu_blocks wins: 200 · 0.98"),
-        pytest.param(LedgerSettings(watermark=0.02, share=0.5), 100, None, 49, id="two gateways: floor(98 · 0.5) = 49"),
-        pytest.param(LedgerSettings(watermark=0.0, share=1 / 3), 100, None, 33, id="three gateways: floor(33.3) = 33"),
+        pytest.param(
+            LedgerSettings(watermark=0.02), 100, None, 98, id="perf-model blocks: floor(100 · 0.98) = 98"
+        ),
+        pytest.param(
+            LedgerSettings(watermark=0.02), 100, 200, 196, id="scraped num_gpu_blocks wins: 200 · 0.98"
+        ),
+        pytest.param(
+            LedgerSettings(watermark=0.02, share=0.5), 100, None, 49, id="two gateways: floor(98 · 0.5) = 49"
+        ),
+        pytest.param(
+            LedgerSettings(watermark=0.0, share=1 / 3), 100, None, 33, id="three gateways: floor(33.3) = 33"
+        ),
     ],
 )
 def test_capacity(settings_: LedgerSettings, blocks: int, scraped: int | None, capacity: int) -> None:
@@ -122,7 +130,13 @@ def test_predicted_mode_reserves_the_prediction_bounded_by_overbooking() -> None
     w = worker(blocks=100)
     # predicted: ceil((100 + 60)/16) = 10 blocks; worst: ceil((100 + 380)/16) = 30 blocks
     made = [ledger.reserve(request(f"r{i}", 100, 380, predicted=60), w, 0.0) for i in range(5)]
-    assert [m is not None for m in made] == [True, True, True, True, False]  # worst 4·30 = 120 ≤ 120; 150 > 120
+    assert [m is not None for m in made] == [
+        True,
+        True,
+        True,
+        True,
+        False,
+    ]  # worst 4·30 = 120 ≤ 120; 150 > 120
     assert ledger.reserved("w0") == 40
 
 
@@ -187,10 +201,17 @@ def test_router_reserves_through_the_ledger_and_rejects_kv_full() -> None:
 # first tokens, growth and lease sweeps, reserved never exceeds capacity, every reservation ends exactly
 # once, and the books always equal the sum of live reservations.
 
-OUTCOMES = [Outcome.COMPLETED, Outcome.WORKER_ERROR, Outcome.CLIENT_DISCONNECTED, Outcome.FAILED_BEFORE_FIRST_BYTE]
+OUTCOMES = [
+    Outcome.COMPLETED,
+    Outcome.WORKER_ERROR,
+    Outcome.CLIENT_DISCONNECTED,
+    Outcome.FAILED_BEFORE_FIRST_BYTE,
+]
 
 op = st.one_of(
-    st.tuples(st.just("reserve"), st.integers(0, 2), st.integers(1, 400), st.integers(1, 300), st.integers(1, 300)),
+    st.tuples(
+        st.just("reserve"), st.integers(0, 2), st.integers(1, 400), st.integers(1, 300), st.integers(1, 300)
+    ),
     st.tuples(st.just("release"), st.integers(0, 1000), st.sampled_from(OUTCOMES)),
     st.tuples(st.just("first_token"), st.integers(0, 1000)),
     st.tuples(st.just("tokens"), st.integers(0, 1000), st.integers(0, 400)),
@@ -209,7 +230,9 @@ def test_ledger_invariants_under_random_lifecycles(ops: list[tuple], mode: str, 
     for o in ops:
         if o[0] == "reserve":
             _, wi, prompt, max_out, pred = o
-            r = ledger.reserve(request(f"r{len(made)}", prompt, max_out, predicted=min(pred, max_out)), workers[wi], now)
+            r = ledger.reserve(
+                request(f"r{len(made)}", prompt, max_out, predicted=min(pred, max_out)), workers[wi], now
+            )
             if r is not None:
                 made.append(r)
         elif o[0] == "advance":

@@ -52,7 +52,9 @@ def test_grow_doubles_past_everything_seen() -> None:
     assert p.grow("m", 100, 4, 10_000) == 91
 
 
-@pytest.mark.parametrize("kw", [{"quantile": 0.0}, {"window": 0}, {"input_edges": (5, 10)}, {"input_edges": (0, 10, 10)}])
+@pytest.mark.parametrize(
+    "kw", [{"quantile": 0.0}, {"window": 0}, {"input_edges": (5, 10)}, {"input_edges": (0, 10, 10)}]
+)
 def test_bad_settings(kw: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         LengthPredictor(**kw)  # type: ignore[arg-type]

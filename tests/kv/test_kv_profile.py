@@ -48,8 +48,13 @@ def test_tiny_npz_in_tangrams_schema(tmp_path: Path) -> None:
     meta = np.frombuffer(json.dumps({"scorer": "snapkv"}).encode(), dtype=np.uint8)
     path = tmp_path / "m" / "profile.npz"
     path.parent.mkdir()
-    np.savez(path, raw_ratio=raw, sample_meta=np.array([[100, 16, 116, 64], [90, 16, 106, 64]], dtype=np.int32),
-             static_layer_ids=np.array([7]), meta=meta)
+    np.savez(
+        path,
+        raw_ratio=raw,
+        sample_meta=np.array([[100, 16, 116, 64], [90, 16, 106, 64]], dtype=np.int32),
+        static_layer_ids=np.array([7]),
+        meta=meta,
+    )
     p = load_head_profile(path)
     assert (p.name, p.sink, p.window, p.layer_ids) == ("snapkv/m", 16, 64, (7,))
     assert np.allclose(p.mu, [[0.2, 0.4]])  # mean of samples (0.1, 0.3) and (0.3, 0.5)

@@ -1,0 +1,369 @@
+"""KV reservation policies B0–B4 on a fleet under memory pressure (issue 6), plus head layouts and batch admission.
+
+Fleet: 2 compression workers (ragged paging, Llama-3.1-8B's ExpectedAttention profile from Tangram's release,
+4 heads per page table, static budgets, raw prefill chunk 4096) and 2 stock vLLM workers, all A100-40GB with
+Llama-3-8B weights (8.8k KV blocks each: memory, not compute, binds on long prompts). Policies:
+
+  B0  no reservation: each request goes straight to the least-loaded engine (vLLM greedy, preempts)
+  B1  reserve the uncompressed worst case ceil((P + max_tokens)/16) everywhere
+  B2  uniform ratio: every head at the profile's mean retention μ̄ (what a "keeps 8.5%" system reserves)
+  B3  per-group μ + 2σ budgets of the sorted (clustered) layout — Mosaic's footprint model
+  B4  oracle: exactly the peak each request will hold (the simulator knows its draw and output length)
+
+Workloads: a synthetic long-context mix (60% 1–4k-token prompts, 40% 12–28k) and the first requests of the
+Mooncake conversation trace (`../shared/data/traces`, arrivals stretched to fit the fleet). Extra rows: B3 with
+CP-SAT batch admission, B3 with predicted output reservation, and B3 on dynamic (uncapped) compression workers.
+
+    .venv/bin/python bench/kv_reservation.py [--quick]
+
+Writes bench/results/kv_reservation.json, one line in BENCHMARKS.md, and docs/img/kv_reservation.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from bench._common import ROOT, SHARED_DATA, append_line, write_result
+from loadgen.readers_json import read_mooncake
+from loadgen.trace import ReadStats
+from placement.kv_layout import layout_report, sorted_groups
+from placement.kv_profile import HeadProfile, load_head_profile
+from scheduler.kv.batch_admission import AdmissionParams, plan_admission
+from scheduler.kv.footprint import CompressionSpec
+from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
+from simulator.engine import EngineConfig
+from simulator.kv_compression import CompressionModel
+from simulator.kv_fleet import Arrival, KvFleet, WorkerSpec, with_oracle
+from simulator.kv_metrics import Slo, summarize
+
+PROFILES = SHARED_DATA / "kv_profiles" / "cluster_maps"
+PROFILE = PROFILES / "ea" / "llama-3.1-8b-instruct" / "profile.npz"
+GPU, MODEL, MAX_LEN, CHUNK = "A100-40GB", "llama-3-8b", 131072, 4096
+SLO = Slo(ttft_s=30.0, tpot_s=0.25)
+
+
+def fleet_specs(model: CompressionModel, n_comp: int = 2, n_stock: int = 2) -> list[WorkerSpec]:
+    cfg = EngineConfig(max_model_len=MAX_LEN)
+    comp = [WorkerSpec(f"comp{i}", GPU, MODEL, cfg, model, seed=i) for i in range(n_comp)]
+    return comp + [WorkerSpec(f"stock{i}", GPU, MODEL, cfg, None, seed=10 + i) for i in range(n_stock)]
+
+
+def policies(
+    profile: HeadProfile, model: CompressionModel
+) -> dict[str, Callable[[list[WorkerSpec]], KvFleet]]:
+    settings = LedgerSettings()
+    b2 = CompressionSpec.uniform(
+        model.num_heads,
+        float(np.mean(profile.mu)),
+        sink=profile.sink,
+        window=profile.window,
+        prefill_chunk=CHUNK,
+    )
+
+    def table(specs: list[WorkerSpec], spec: CompressionSpec | None) -> SpecTable:
+        return SpecTable(by_pool={s.id: (spec or s.compression.spec()) for s in specs if s.compression})  # type: ignore[union-attr]
+
+    return {
+        "B0": lambda specs: KvFleet(specs, None),
+        "B1": lambda specs: KvFleet(specs, KvLedger(settings, SpecTable())),
+        "B2": lambda specs: KvFleet(specs, KvLedger(settings, table(specs, b2))),
+        "B3": lambda specs: KvFleet(specs, KvLedger(settings, table(specs, None))),
+        "B4": lambda specs: with_oracle(KvFleet(specs, None), settings, table(specs, None)),
+        "B3+plan-greedy": lambda specs: KvFleet(
+            specs, KvLedger(settings, table(specs, None)), admission="plan-greedy"
+        ),
+        "B3+cp-sat": lambda specs: KvFleet(specs, KvLedger(settings, table(specs, None)), admission="cp-sat"),
+        "B3 predicted": lambda specs: KvFleet(
+            specs, KvLedger(LedgerSettings(mode="predicted"), table(specs, None))
+        ),
+    }
+
+
+def synthetic(n: int, rate: float, seed: int = 0) -> list[Arrival]:
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt = rng.randint(1000, 4000) if rng.random() < 0.6 else rng.randint(12000, 28000)
+        output = min(1024, max(1, round(rng.lognormvariate(5.3, 0.8))))  # median e^5.3 ≈ 200 tokens
+        out.append(Arrival(t, f"s{i}", prompt, 1024, output))
+    return out
+
+
+def mooncake(n: int, stretch: float) -> list[Arrival] | None:
+    path = SHARED_DATA / "traces" / "mooncake_fast25_conversation_first4000.jsonl"
+    if not path.is_file():
+        return None
+    out = []
+    with path.open() as fh:
+        for i, r in enumerate(read_mooncake(path, fh, ReadStats())):
+            if len(out) >= n:
+                break
+            if r.input_tokens + 2048 > MAX_LEN or r.output_tokens < 1:
+                continue
+            out.append(
+                Arrival((r.arrival_s or 0.0) * stretch, f"m{i}", r.input_tokens, 2048, r.output_tokens)
+            )
+    return out
+
+
+def run_policies(
+    arrivals: list[Arrival],
+    specs: list[WorkerSpec],
+    pols: dict[str, Callable[[list[WorkerSpec]], KvFleet]],
+    names: list[str],
+) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        fleet = pols[name](specs)
+        run = fleet.run(arrivals)
+        m = summarize(run, SLO).as_dict()
+        if fleet.solves:
+            cp = [s for s in fleet.solves if s[0] == "cp-sat"]
+            m["admission_solves"] = len(fleet.solves)
+            m["admission_cp_sat_used"] = len(cp)
+            m["admission_solve_ms_p50"] = round(statistics.median(s[1] for s in fleet.solves), 3)
+        m["wall_s"] = round(time.perf_counter() - t0, 2)
+        rows[name] = m
+        print(
+            f"  {name:14s} pre {m['preemptions']:5d}  conc(comp) {m['concurrency_compression'] or 0:5.1f}  "
+            f"goodput {m['goodput_rps']:.3f}/s  ttft p99 {m['ttft_p99_s']:7.1f}s  "
+            f"eff {m['reservation_efficiency'] or 0:.2f}  under {m['under_reservation_rate'] or 0:.2f}  "
+            f"({m['wall_s']}s)",
+            flush=True,
+        )
+    return rows
+
+
+def layouts() -> list[dict[str, Any]]:
+    rows = []
+    for path in sorted(PROFILES.glob("*/*/profile.npz")):
+        p = load_head_profile(path)
+        hp = 2 if p.kv_heads == 2 else 4
+        r = layout_report(p, hp, 2.0).as_dict()
+        r["group_violation_rate"] = group_violation_rate(p, hp, 2.0)
+        rows.append(
+            {
+                "profile": f"{path.parent.parent.name}/{path.parent.name}",
+                **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()},
+            }
+        )
+    return rows
+
+
+def group_violation_rate(p: HeadProfile, hp: int, alpha: float) -> float:
+    """Share of (calibration sample, group) pairs whose largest sampled head ratio exceeds the group budget B_g:
+    how often a dynamic (uncapped) compression worker would outgrow a per-group μ + α·σ reservation."""
+    assert p.samples is not None
+    groups = sorted_groups(p, hp, alpha)
+    flat = p.samples.reshape(p.samples.shape[0], -1)
+    hits = [
+        (flat[:, list(m)].max(axis=1) > b + 1e-12).mean()
+        for m, b in zip(groups.members, groups.budgets, strict=True)
+    ]
+    return float(np.mean(hits))
+
+
+def admission_micro(instances: int, seed: int = 7) -> dict[str, Any]:
+    """Random queue heads × workers: CP-SAT (5 ms) against greedy on the same instance."""
+    from scheduler.fleet import Role, WorkerCapacity, WorkerState, WorkerView
+    from scheduler.routing.framework import RouteRequest
+
+    rng = random.Random(seed)
+    gains, admitted_gain, ms, better = [], [], [], 0
+    for k in range(instances):
+        ledger = KvLedger(LedgerSettings(watermark=0.0))
+        workers = []
+        for j in range(rng.randint(3, 8)):
+            cap = WorkerCapacity(
+                rng.choice([4000.0, 13000.0, 40000.0]),
+                2000.0,
+                rng.randint(200, 2000),
+                16,
+                1.0,
+                rng.randint(4, 32),
+                None,
+            )
+            workers.append(
+                WorkerView(
+                    f"w{j}",
+                    "",
+                    "p",
+                    "m",
+                    "g",
+                    Role.MIXED,
+                    WorkerState.READY,
+                    False,
+                    cap,
+                    inflight_prefill_tokens=rng.randint(0, 20000),
+                )
+            )
+        queue = [
+            RouteRequest(
+                f"q{i}",
+                "m",
+                rng.choice([rng.randint(100, 3000), rng.randint(8000, 24000)]),
+                rng.randint(16, 1024),
+                256,
+                priority=rng.choice([0, 0, 0, 1]),
+                arrival_s=rng.uniform(0, 20),
+            )
+            for i in range(rng.randint(8, 48))
+        ]
+        g = plan_admission(queue, workers, ledger, 20.0, use_cp_sat=False)
+        c = plan_admission(queue, workers, ledger, 20.0, AdmissionParams(time_limit_ms=5.0))
+        gains.append((c.objective - g.objective) / g.objective if g.objective > 0 else 0.0)
+        admitted_gain.append(len(c.assignments) - len(g.assignments))
+        ms.append(c.solve_ms)
+        better += c.objective > g.objective + 1e-9
+        del k
+    return {
+        "instances": instances,
+        "cp_sat_better_share": round(better / instances, 3),
+        "objective_gain_mean_pct": round(100 * statistics.fmean(gains), 3),
+        "objective_gain_max_pct": round(100 * max(gains), 3),
+        "admitted_gain_mean": round(statistics.fmean(admitted_gain), 3),
+        "solve_ms_p50": round(statistics.median(ms), 3),
+        "solve_ms_max": round(max(ms), 3),
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["B0", "B1", "B2", "B3", "B4"]
+    metrics = [
+        ("preemptions", "preemptions"),
+        ("concurrency_compression", "running seqs / compression worker"),
+        ("goodput_rps", f"goodput (req/s, TTFT≤{SLO.ttft_s:g}s, TPOT≤{SLO.tpot_s * 1000:g}ms)"),
+        ("ttft_p99_s", "TTFT p99 (s)"),
+    ]
+    workloads = [w for w in ("synthetic", "mooncake") if w in results["policies"]]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6))
+    width = 0.8 / len(workloads)
+    for ax, (key, label) in zip(axes, metrics, strict=True):
+        for k, wl in enumerate(workloads):
+            vals = [results["policies"][wl][n][key] or 0 for n in names]
+            ax.bar([i + k * width for i in range(len(names))], vals, width, label=wl)
+        ax.set_xticks([i + width * (len(workloads) - 1) / 2 for i in range(len(names))], names)
+        ax.set_title(label, fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        "KV reservation policies, 2 compression + 2 stock A100-40GB workers (simulated)", fontsize=10
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer requests (CI smoke run)")
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--rate", type=float, default=4.0, help="synthetic arrivals per second")
+    ap.add_argument("--mooncake-requests", type=int, default=500)
+    ap.add_argument("--mooncake-stretch", type=float, default=1.0, help="multiply the trace's arrival times")
+    ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "kv_reservation.png")
+    ap.add_argument("--dry-run", action="store_true", help="print only: no JSON, BENCHMARKS.md line or plot")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.mooncake_requests = 120, 150
+    if not PROFILE.is_file():
+        sys.exit(f"profile {PROFILE} is absent (../shared/data): nothing to benchmark")
+    profile = load_head_profile(PROFILE)
+    model = CompressionModel.build(profile, 4, 2.0, CHUNK, static_budget=True)
+    pols = policies(profile, model)
+    names = ["B0", "B1", "B2", "B3", "B4", "B3+plan-greedy", "B3+cp-sat", "B3 predicted"]
+    specs = fleet_specs(model)
+    results: dict[str, Any] = {
+        "config": {
+            "gpu": GPU,
+            "model": MODEL,
+            "max_model_len": MAX_LEN,
+            "profile": str(PROFILE.relative_to(SHARED_DATA)),
+            "heads_per_group": 4,
+            "alpha": 2.0,
+            "prefill_chunk": CHUNK,
+            "workers": [s.id for s in specs],
+            "slo": {"ttft_s": SLO.ttft_s, "tpot_s": SLO.tpot_s},
+            "synthetic": {"requests": args.requests, "rate": args.rate},
+            "mooncake": {"requests": args.mooncake_requests, "stretch": args.mooncake_stretch},
+        },
+        "policies": {},
+    }
+    workloads = {"synthetic": synthetic(args.requests, args.rate)}
+    mc = mooncake(args.mooncake_requests, args.mooncake_stretch)
+    if mc is not None:
+        workloads["mooncake"] = mc
+    for wl, arrivals in workloads.items():
+        print(f"== {wl}: {len(arrivals)} requests", flush=True)
+        results["policies"][wl] = run_policies(arrivals, specs, pols, names)
+    dyn = CompressionModel.build(profile, 4, 2.0, CHUNK, static_budget=False)
+    print("== synthetic, dynamic (uncapped) compression workers", flush=True)
+    results["dynamic_workers"] = run_policies(
+        workloads["synthetic"], fleet_specs(dyn), policies(profile, dyn), ["B0", "B3"]
+    )
+    print("== batch admission micro-benchmark", flush=True)
+    results["batch_admission"] = admission_micro(60 if args.quick else 300)
+    print(" ", results["batch_admission"])
+    results["layouts"] = layouts()
+    results["bars"] = bars(results)
+    print("bars:", results["bars"])
+    if args.dry_run:
+        return
+    path = write_result("kv_reservation", results)
+    plot(results, args.plot)
+    syn = results["policies"]["synthetic"]
+    cmd = "python bench/kv_reservation.py" + (" --quick" if args.quick else "")
+    summary = (
+        f"synthetic: preemptions B0 {syn['B0']['preemptions']} → B1 {syn['B1']['preemptions']} / B3 {syn['B3']['preemptions']}; "
+        f"B3/B1 concurrency on compression workers {results['bars']['synthetic']['b3_over_b1_concurrency']:.2f}×; "
+        f"goodput B3/B0 {results['bars']['synthetic']['b3_over_b0_goodput']:.2f}×; bars met: {results['bars']['all_met']}"
+    )
+    append_line("kv_reservation", cmd, summary)
+    print(f"wrote {path} and {args.plot}")
+
+
+def bars(results: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ok = True
+    for wl, rows in results["policies"].items():
+        b = {
+            "b0_preempts": rows["B0"]["preemptions"] > 0,
+            "b1_zero_preemptions": rows["B1"]["preemptions"] == 0,
+            "b3_zero_preemptions": rows["B3"]["preemptions"] == 0,
+            "b3_over_b1_concurrency": (rows["B3"]["concurrency_compression"] or 0)
+            / max(1e-9, rows["B1"]["concurrency_compression"] or 0),
+            "b3_over_b0_goodput": rows["B3"]["goodput_rps"] / max(1e-9, rows["B0"]["goodput_rps"]),
+        }
+        b["met"] = (
+            b["b0_preempts"]
+            and b["b1_zero_preemptions"]
+            and b["b3_zero_preemptions"]
+            and b["b3_over_b1_concurrency"] >= 1.5
+            and b["b3_over_b0_goodput"] >= 1.0
+        )
+        ok = ok and b["met"]
+        out[wl] = b
+    out["all_met"] = ok
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Batch admission: place the admission queue's head on workers at once, as a multi-knapsack (CP-SAT).
+
+Each tick the gateway may take the first n waiting requests (tens) and the workers of their model and solve
+
+    maximise   Σ_{i,w} v_iw · x_iw
+    subject to Σ_w x_iw ≤ 1                          each request at most once
+               Σ_i need_iw · x_iw ≤ free_w           KV pages (ledger units of w: `KvLedger.free`)
+               Σ_i x_iw ≤ slots_w                     sequences: max_num_seqs − demand
+    v_iw = W · weight_i − λ · ttft_iw / ttft_ref      (pairs with v_iw ≤ 0 or need_iw > free_w are left out)
+    weight_i = (1 + priority_i) · (1 + age_i / aging_s)                  age = now − arrival (aging)
+    ttft_iw  = overhead_w + (queued prefill tokens_w + P_i) / prefill_tps_w   (the est-ttft scorer's estimate)
+
+with CP-SAT under a time limit of a few milliseconds, hinted with the greedy plan, so it never returns worse
+than greedy. **Greedy** (the fallback, and the baseline it must beat): requests by weight (then age), each
+to the worker with the highest v_iw among those it fits, ties to the tightest fit (least free left).
+
+`bench/kv_reservation.py` measures both on random queue heads and inside the fleet simulation; docs/kv.md
+says where CP-SAT wins (it is kept only there). Pure: OR-Tools enforces its own time limit; the solve time
+reported is the solver's own `wall_time`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from scheduler.fleet import WorkerView
+from scheduler.kv.ledger import KvLedger
+from scheduler.routing.framework import RouteRequest
+
+VALUE_SCALE = 1000  # integer objective units per 1.0 of value
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionParams:
+    aging_s: float = 10.0  # a request waiting this long counts twice its base weight
+    weight_scale: float = 1.0  # W
+    latency_weight: float = 0.5  # λ
+    ttft_ref_s: float = 1.0  # TTFT that costs λ
+    time_limit_ms: float = 5.0
+    max_head: int = 32
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPlan:
+    assignments: tuple[tuple[str, str], ...]  # (request_id, worker_id), in request order
+    objective: float  # Σ v_iw of the assignments
+    method: str  # "cp-sat" | "greedy"
+    status: str  # CP-SAT status name, or "GREEDY"
+    solve_ms: float  # CP-SAT's own wall time (0 for greedy)
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """The numbers the knapsack sees: values and needs per (request, worker) pair that could be admitted."""
+
+    request_ids: tuple[str, ...]
+    worker_ids: tuple[str, ...]
+    value: dict[tuple[int, int], float]  # only admissible pairs
+    need: dict[tuple[int, int], int]
+    free: tuple[int, ...]
+    slots: tuple[int, ...]
+    order: tuple[int, ...]  # greedy order of requests (weight desc, then age)
+
+
+def weight(req: RouteRequest, now: float, p: AdmissionParams) -> float:
+    return (1.0 + max(0, req.priority)) * (1.0 + max(0.0, now - req.arrival_s) / p.aging_s)
+
+
+def est_ttft_s(req: RouteRequest, w: WorkerView) -> float:
+    tps = w.capacity.prefill_tokens_per_s
+    queued = w.inflight_prefill_tokens
+    return w.capacity.api_overhead_s + ((queued + req.prompt_tokens) / tps if tps > 0 else float("inf"))
+
+
+def build_instance(
+    queue: Sequence[RouteRequest],
+    workers: Sequence[WorkerView],
+    ledger: KvLedger,
+    now: float,
+    p: AdmissionParams,
+) -> Instance:
+    head = list(queue[: p.max_head])
+    free = tuple(max(0, ledger.free(w)) for w in workers)
+    slots = tuple(max(0, w.capacity.max_num_seqs - w.demand) for w in workers)
+    value: dict[tuple[int, int], float] = {}
+    need: dict[tuple[int, int], int] = {}
+    weights = [weight(r, now, p) for r in head]
+    for i, r in enumerate(head):
+        for j, w in enumerate(workers):
+            if w.model != r.model:
+                continue
+            fp, _ = ledger.footprint(r, w)
+            v = p.weight_scale * weights[i] - p.latency_weight * est_ttft_s(r, w) / p.ttft_ref_s
+            if fp.peak <= free[j] and v > 0 and ledger.fits(r, w, now):
+                value[(i, j)] = v
+                need[(i, j)] = fp.peak
+    order = tuple(sorted(range(len(head)), key=lambda i: (-weights[i], head[i].arrival_s, i)))
+    return Instance(
+        tuple(r.request_id for r in head), tuple(w.id for w in workers), value, need, free, slots, order
+    )
+
+
+def greedy(inst: Instance) -> list[tuple[int, int]]:
+    free, slots = list(inst.free), list(inst.slots)
+    out = []
+    for i in inst.order:
+        best = None
+        for j in range(len(free)):
+            if (i, j) in inst.value and inst.need[(i, j)] <= free[j] and slots[j] > 0:
+                key = (inst.value[(i, j)], -(free[j] - inst.need[(i, j)]))
+                if best is None or key > best[0]:
+                    best = (key, j)
+        if best is not None:
+            j = best[1]
+            free[j] -= inst.need[(i, j)]
+            slots[j] -= 1
+            out.append((i, j))
+    return out
+
+
+def solve_cp_sat(
+    inst: Instance, hint: list[tuple[int, int]], time_limit_ms: float
+) -> tuple[list[tuple[int, int]] | None, str, float]:
+    m = cp_model.CpModel()
+    x = {k: m.new_bool_var(f"x{k[0]}_{k[1]}") for k in inst.value}
+    for i in range(len(inst.request_ids)):
+        row = [x[k] for k in x if k[0] == i]
+        if len(row) > 1:
+            m.add_at_most_one(row)
+    for j in range(len(inst.worker_ids)):
+        col = [k for k in x if k[1] == j]
+        if col:
+            m.add(sum(inst.need[k] * x[k] for k in col) <= inst.free[j])
+            m.add(sum(x[k] for k in col) <= inst.slots[j])
+    m.maximize(sum(round(inst.value[k] * VALUE_SCALE) * x[k] for k in x))
+    chosen = set(hint)
+    for k, var in x.items():
+        m.add_hint(var, k in chosen)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_ms / 1000.0
+    solver.parameters.num_workers = 1
+    st = solver.solve(m)
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, solver.status_name(st), solver.wall_time * 1000.0
+    return [k for k, var in x.items() if solver.value(var)], solver.status_name(st), solver.wall_time * 1000.0
+
+
+def plan_admission(
+    queue: Sequence[RouteRequest],
+    workers: Sequence[WorkerView],
+    ledger: KvLedger,
+    now: float,
+    params: AdmissionParams | None = None,
+    use_cp_sat: bool = True,
+) -> AdmissionPlan:
+    """The assignments to reserve (with `ledger.reserve`) this tick; the rest stay queued."""
+    p = params or AdmissionParams()
+    inst = build_instance(queue, workers, ledger, now, p)
+    base = greedy(inst)
+    base_obj = sum(inst.value[k] for k in base)
+    if not use_cp_sat or not inst.value:
+        return _plan(inst, base, base_obj, "greedy", "GREEDY", 0.0)
+    found, status, ms = solve_cp_sat(inst, base, p.time_limit_ms)
+    if found is None:
+        return _plan(inst, base, base_obj, "greedy", status, ms)
+    obj = sum(inst.value[k] for k in found)
+    if obj + 1e-9 < base_obj:  # a hinted solve should not, but a timed-out one may
+        return _plan(inst, base, base_obj, "greedy", status, ms)
+    return _plan(inst, found, obj, "cp-sat", status, ms)
+
+
+def _plan(
+    inst: Instance, pairs: list[tuple[int, int]], obj: float, method: str, status: str, ms: float
+) -> AdmissionPlan:
+    ordered = sorted(pairs)
+    return AdmissionPlan(
+        tuple((inst.request_ids[i], inst.worker_ids[j]) for i, j in ordered), obj, method, status, ms
+    )
