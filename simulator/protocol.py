@@ -312,7 +312,7 @@ class ChunkWriter:
         u = usage(prompt, completion)
         if self.chat:
             del u["prompt_tokens_details"]  # vLLM's chat usage event omits it
-        return f'{self._head}"choices":[],"usage":{json.dumps(u)}{self._tail}'
+        return f'{self._head}"choices":[],"usage":{json.dumps(u, separators=(",", ":"))}{self._tail}'
 
     @staticmethod
     def error(err: ApiError) -> str:

@@ -165,7 +165,7 @@ class WorkerRuntime:
             return Response(status_code=499)  # nobody is listening any more
         text = "".join(pseudo_words(self.cfg.seed, prompt_fingerprint(ereq), 0, rec.output_tokens))
         build = chat_body if chat else completion_body
-        out = build(rid, self.served, self.created, text, rec.finish_reason.value, rec.prompt_tokens,
+        out = build(rid, self.served, int(time.time()), text, rec.finish_reason.value, rec.prompt_tokens,
                     rec.output_tokens, self._kv_response(rec))  # fmt: skip
         return JSONResponse(out)
 
