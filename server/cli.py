@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "server.commands.simulate",
     "server.commands.replay",
     "server.commands.profile",
+    "server.commands.kv_layout",
 )
 
 app = typer.Typer(
