@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
 
-from scheduler.fleet import FleetView, WorkerView
+from scheduler.fleet import FleetView, Role, WorkerView
 from scheduler.kv.footprint import CompressionSpec, Footprint, WorkerKvSpec, need
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import RouteRequest
@@ -240,8 +240,15 @@ class KvLedger:
 
     # --- footprint -------------------------------------------------------------------------------------
     def footprint(self, req: RouteRequest, worker: WorkerView) -> tuple[Footprint, Footprint]:
-        """(the footprint to reserve, the worst-case footprint); equal in worst_case mode."""
+        """(the footprint to reserve, the worst-case footprint); equal in worst_case mode.
+
+        A prefill worker (P/D) computes the prompt and one token (the prefill hop runs with max_tokens=1), so
+        its footprint is the prompt's KV plus one token, whatever the request's max_tokens.
+        """
         book = self._book(worker)
+        if worker.role is Role.PREFILL:
+            fp = self._need(book, req.prompt_tokens, 1)
+            return fp, fp
         worst = self._need(book, req.prompt_tokens, req.max_output_tokens)
         if self.settings.mode == "worst_case":
             return worst, worst

@@ -19,6 +19,7 @@ def worker(
     preemptions: float | None = None,
     max_num_seqs: int = 256,
     prefill_tps: float = 10_000.0,
+    role: Role = Role.MIXED,
 ) -> WorkerView:
     cap = WorkerCapacity(
         prefill_tokens_per_s=prefill_tps,
@@ -35,7 +36,7 @@ def worker(
         pool=pool,
         model=model,
         gpu="A100-80GB",
-        role=Role.MIXED,
+        role=role,
         state=WorkerState.READY,
         breaker_open=False,
         capacity=cap,

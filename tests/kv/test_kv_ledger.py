@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.fleet import FleetView
+from scheduler.fleet import FleetView, Role
 from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.config import RoutingConfig, build_router
@@ -82,6 +82,12 @@ def test_compression_worker_reserves_peak_then_steady_after_first_token() -> Non
     assert ledger.reserved("w0") == 104
     r.first_token(2.0)  # once only
     assert ledger.reserved("w0") == 104
+
+
+def test_prefill_worker_reserves_the_prompt_and_one_token() -> None:
+    ledger = KvLedger(LedgerSettings(watermark=0.0))
+    r = ledger.reserve(request(prompt=100, max_out=1000), worker(role=Role.PREFILL), 0.0)
+    assert r is not None and r.units == 7  # ceil((100 + 1)/16), not ceil(1100/16) = 69
 
 
 def test_lease_timeout_sweeps_lost_reservations() -> None:
