@@ -18,6 +18,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class FinishReason(StrEnum):
@@ -67,9 +68,11 @@ class EngineRequest:
         return None if isinstance(self.prompt_tokens, int) else self.prompt_tokens
 
 
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    """Timings of one finished (or aborted) request, simulated seconds; None where the phase never happened."""
+class RequestRecord(NamedTuple):
+    """Timings of one finished (or aborted) request, simulated seconds; None where the phase never happened.
+
+    A NamedTuple (immutable, attribute access) because the engine builds one per request in its hot loop.
+    """
 
     request_id: str
     prompt_tokens: int
