@@ -161,6 +161,7 @@ class WorkerRuntime:
             cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
             return StreamingResponse(self._stream(api, tk, bool(cut)), media_type="text/event-stream")
         rec = await self._finished_or_disconnected(request, tk)
+        self._remote.pop(rid, None)  # the KV never landed if it was aborted first
         if rec is None:
             return Response(status_code=499)  # nobody is listening any more
         text = "".join(pseudo_words(self.cfg.seed, prompt_fingerprint(ereq), 0, rec.output_tokens))
@@ -214,6 +215,7 @@ class WorkerRuntime:
             yield w.done()
         finally:
             self.driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
+            self._remote.pop(tk.request.request_id, None)
 
     # ------------------------------------------------------------ P/D
     def _kv_transfer(self, api: ApiRequest, rid: str) -> KvTransfer | None:
@@ -234,6 +236,8 @@ class WorkerRuntime:
             return None
         first = self._next_block_id
         self._next_block_id += rec.held_blocks
+        if len(self._holds) > 2 * self.engine.num_held + 64:  # forget holds that timed out in the engine
+            self._holds = {b: r for b, r in self._holds.items() if self.engine.inspect(r) is not None}
         self._holds[first] = rec.request_id
         return {
             "do_remote_prefill": True,
