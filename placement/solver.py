@@ -70,6 +70,7 @@ def solve_mix(
     engine: str = "auto",
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     drop_unservable: bool = False,
+    explain: bool = True,
 ) -> MixSolution:
     """The cheapest fleet for `problem` (see `placement.binpacking` for the model).
 
@@ -99,6 +100,8 @@ def solve_mix(
     _check_bounds(problem, paths, coefs, units)
     result = _run(problem, paths, coefs, units, engine, variant, time_limit_s)
     if result.status is Status.INFEASIBLE:
+        if not explain:  # explain_infeasible's own probes: one level only, never recursive
+            raise InfeasibleError("no fleet within the caps serves the demand")
         raise explain_infeasible(
             problem, variant=variant, slice_factor=slice_factor, time_limit_s=min(time_limit_s, 5.0)
         )
@@ -393,7 +396,7 @@ def explain_infeasible(problem: MixProblem, **settings: Any) -> InfeasibleError:
     for name in sorted(caps):
         lifted = replace(problem, gpus={**problem.gpus, name: replace(problem.gpus[name], max_gpus=None)})
         try:
-            sol = solve_mix(lifted, **settings)
+            sol = solve_mix(lifted, explain=False, **settings)
         except PlacementError:
             continue
         fixes[name] = (sol.gpus.get(name, 0), sol.cost_per_hour)
@@ -408,7 +411,7 @@ def explain_infeasible(problem: MixProblem, **settings: Any) -> InfeasibleError:
         problem.windows,
     )
     try:
-        uncapped = solve_mix(free, **settings)
+        uncapped = solve_mix(free, explain=False, **settings)
     except PlacementError as exc:
         return InfeasibleError(f"no fleet serves the demand even without caps: {exc}")
     fleet = ", ".join(f"{n}× {g}" for g, n in sorted(uncapped.gpus.items()))

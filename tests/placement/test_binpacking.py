@@ -250,3 +250,16 @@ def test_cheapest_capacity_for_the_autoscaler() -> None:
 def test_load_tolerance(load: float, count: int, ok: bool) -> None:
     assert fits(load, count) is ok
     assert (needed_instances(load) <= count) is ok
+
+
+def test_infeasible_when_no_single_cap_lift_suffices() -> None:
+    # A10G serves only bucket 0, A100 only bucket 1, and neither may be used: lifting one cap leaves the other
+    # bucket unserved, so the message falls back to the uncapped fleet: ⌈1/2⌉ A10G + ⌈1/20⌉ A100.
+    gpus = {"A10G": GpuOffer("A10G", 1.01, 0, 0), "A100-80GB": GpuOffer("A100-80GB", 3.67, 0, 0)}
+    options = (InstanceOption("m", "A10G", (2.0, 0.0)), InstanceOption("m", "A100-80GB", (0.0, 20.0)))
+    problem = MixProblem(gpus, options, ((Demand("m", (1.0, 1.0)),),))
+    with pytest.raises(
+        InfeasibleError,
+        match=r"nor with any one cap lifted; without caps: 1× A100-80GB, 1× A10G \(\$4.68/h\)",
+    ):
+        solve_mix(problem)
