@@ -24,21 +24,34 @@ routing:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
 from scheduler.fleet import WorkerView
-from scheduler.kv.ledger import KvLedger
-from scheduler.routing.framework import Cycle
+
+if TYPE_CHECKING:  # runtime imports would cycle: scheduler.routing.config registers this scorer
+    from scheduler.kv.footprint import Footprint
+    from scheduler.routing.framework import Cycle, RouteRequest
 
 
 class NoParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def find_ledger(cycle: Cycle) -> KvLedger | None:
-    return next((p for p in cycle.reserve_plugins if isinstance(p, KvLedger)), None)
+@runtime_checkable
+class KvBook(Protocol):
+    """What the scorer reads from a reserve plugin: the `KvLedger`'s footprint, free and capacity."""
+
+    def footprint(self, req: RouteRequest, worker: WorkerView) -> tuple[Footprint, Footprint]: ...
+
+    def free(self, worker: WorkerView, request_id: str | None = None) -> int: ...
+
+    def capacity(self, worker: WorkerView) -> int: ...
+
+
+def find_ledger(cycle: Cycle) -> KvBook | None:
+    return next((p for p in cycle.reserve_plugins if isinstance(p, KvBook)), None)
 
 
 def best_fit_score(free: float, need: float, capacity: float) -> float:

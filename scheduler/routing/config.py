@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from scheduler.kv.plugins import KvBestFitScorer
 from scheduler.routing import filters, pickers, scorers
 from scheduler.routing.framework import (
     Filter,
@@ -72,6 +73,7 @@ SCORER_TYPES: Mapping[str, Any] = {
         scorers.PrefixAffinityScorer,
         scorers.KvHeadroomScorer,
         scorers.CostScorer,
+        KvBestFitScorer,  # scheduler/kv/plugins.py (KV engineer): best fit on the ledger's free pages
     )
 }
 PICKER_TYPES: Mapping[str, Any] = {
