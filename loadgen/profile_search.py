@@ -5,7 +5,7 @@ from the simulator or a live URL) and returns the largest grid rate whose measur
 
     passes(m) = m.stable and (slo.ttft_ms is None or m.ttft_p90_ms ≤ slo.ttft_ms)
                          and (slo.tpot_ms is None or m.tpot_p90_ms ≤ slo.tpot_ms)
-                         and m.failed == 0
+                         and m.failed == 0 and m.ttft_p90_ms ≤ ttft_cap_ms (when given)
 
 The grid is geometric, rate_k = min_rate · (1 + resolution)^k up to max_rate, so every answer is a grid
 point and two searches can be compared exactly. Search: probe the hint (or the grid's start), gallop
@@ -20,9 +20,11 @@ every pass only raises the lower bound and every fail only lowers the upper boun
 identically until the first rate where the looser SLO passes and the tighter fails, after which the
 looser one's answer is ≥ that rate and the tighter one's is below it.
 
-`stable` guards against an SLO that overload does not break: in vLLM v1 a saturated engine keeps its
-batch (and TPOT) bounded and queues the rest, so with only a TPOT SLO an overloaded run could pass.
-`queue_is_stable` declares a run unstable when TTFT grows across it (arrivals outpace service).
+`stable` and `ttft_cap_ms` guard against an SLO that overload does not break: in vLLM v1 a saturated
+engine keeps its batch (and TPOT) bounded and queues the rest, so with only a TPOT SLO an overloaded run
+could pass. `queue_is_stable` refuses a run whose TTFT grows across it (arrivals outpace service); the
+cap (`loadgen.profiling`: 5 × the unloaded TTFT + 1 s by default) refuses a queue that is stationary but
+long, as near 100% utilisation. Neither depends on the SLO, so the monotonicity below holds.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class SearchSlo:
 
 @dataclass(frozen=True, slots=True)
 class SearchConfig:
-    min_rate: float = 0.05  # req/s; a fail here means the bucket cannot be served within the SLO
+    min_rate: float = 0.01  # req/s; a fail here means the bucket cannot be served within the SLO
     max_rate: float = 500.0  # req/s; a pass here is reported as max_rate (capped=True)
     resolution: float = 0.05  # relative step between grid rates: the answer's precision
     max_probes: int = 30
@@ -96,8 +98,13 @@ class SearchResult:
 
 
 def search_max_rate(
-    measure: Callable[[float], Measurement], slo: SearchSlo, config: SearchConfig = SearchConfig()
+    measure: Callable[[float], Measurement],
+    slo: SearchSlo,
+    config: SearchConfig = SearchConfig(),
+    ttft_cap_ms: float | None = None,
 ) -> SearchResult:
+    """The largest grid rate that passes `slo` (and keeps p90 TTFT ≤ `ttft_cap_ms`, a sustainability bound
+    that must not depend on the SLO); see the module docstring for the search and its guarantees."""
     grid = config.grid()
     cache: dict[int, Measurement] = {}
     result = SearchResult(0.0, None)
@@ -106,8 +113,9 @@ def search_max_rate(
     def probe(k: int) -> bool:
         if k not in cache:
             cache[k] = measure(grid[k])
-        ok = slo.passes(cache[k])
-        result.probes.append((grid[k], cache[k], ok))
+        m = cache[k]
+        ok = slo.passes(m) and (ttft_cap_ms is None or m.ttft_p90_ms <= ttft_cap_ms)
+        result.probes.append((grid[k], m, ok))
         return ok
 
     start = 0 if config.hint is None else _index_at_or_below(grid, config.hint)
@@ -139,21 +147,31 @@ def _index_at_or_below(grid: Sequence[float], rate: float) -> int:
 
 
 def queue_is_stable(
-    arrivals_s: Sequence[float], ttfts_s: Sequence[float], factor: float = 1.5, slack_s: float = 0.25
+    arrivals_s: Sequence[float], ttfts_s: Sequence[float], max_growth: float = 0.03, slack_s: float = 0.25
 ) -> bool:
     """False when TTFT grows across the run: arrivals outpace service and the queue diverges.
 
-    Requests are ordered by arrival; the median TTFT of the last quarter is compared with that of the
-    second quarter (the first is the warm-up from an empty engine). Stable iff
-    median(last) ≤ factor · median(second) + slack_s. A stationary queue keeps the two medians close
-    (ratio ≈ 1); an overloaded one waits (1 − capacity/rate) s longer per second of arrivals, so TTFT grows
-    linearly and the ratio tends to 0.875/0.375 ≈ 2.3 (the quarters' midpoints) — far above 1.5. A queue
-    near saturation that is still filling up when the run ends is also refused: conservative on purpose.
+    Requests are ordered by arrival and cut in thirds; the TTFT growth rate is estimated robustly from the
+    thirds' medians, g = (median TTFT(last third) − median TTFT(first third)) / (distance between the
+    thirds' centres), in seconds of TTFT per second of arrivals. Stable iff, over the run's span,
+
+        g · span ≤ max_growth · span + slack_s
+
+    An overloaded engine (rate = ρ · capacity) makes each request wait about (1 − 1/ρ) s longer per second
+    of arrivals, so `max_growth` = 0.03 refuses anything more than ~3% past capacity; `slack_s` absorbs the
+    noise of a stationary queue. Judged on growth, never on level or on a ratio to the run's own TTFT: a run
+    that was already overloaded during its warm-up has a high median, and only its growth gives it away.
     """
-    if len(arrivals_s) < 8:
+    n = len(arrivals_s)
+    if n < 9:
         return True
-    order = np.argsort(np.asarray(arrivals_s), kind="stable")
+    order = np.argsort(np.asarray(arrivals_s, dtype=float), kind="stable")
+    a = np.asarray(arrivals_s, dtype=float)[order]
     t = np.asarray(ttfts_s, dtype=float)[order]
-    q = len(t) // 4
-    second, last = float(np.median(t[q : 2 * q])), float(np.median(t[3 * q :]))
-    return last <= factor * second + slack_s
+    k = n // 3
+    distance = float(np.median(a[-k:]) - np.median(a[:k]))
+    if distance <= 0:
+        return True  # all sent at once: no time axis to grow along
+    span = float(a[-1] - a[0])
+    growth = float(np.median(t[-k:]) - np.median(t[:k])) / distance
+    return growth * span <= max_growth * span + slack_s

@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Callable
 
 import httpx
+import numpy as np
 
 from loadgen.profile_search import Measurement
 from loadgen.profiling import (
@@ -24,6 +25,7 @@ from loadgen.profiling import (
     bucket_requests,
     probe_requests,
     summarize,
+    unloaded_requests,
 )
 from loadgen.runner import RunOptions, Target, replay
 from loadgen.schedule import ScheduledRequest
@@ -41,6 +43,15 @@ def url_measure_factory(
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> MeasureFactory:
     """`measure(rate)` per bucket against `target`; buckets longer than `max_context` cannot be served."""
+
+    def unloaded_ttft(bucket: Bucket) -> float | None:
+        """p90 TTFT of the bucket's first 10 requests sent one at a time, one output token each."""
+        reqs = unloaded_requests(bucket, max_context, seed)
+        sched = [ScheduledRequest(k, 0.0, r.input_tokens, 1) for k, r in enumerate(reqs)]
+        one_at_a_time = RunOptions(concurrency=1, timeout_s=opts.timeout_s, seed=opts.seed)
+        result = asyncio.run(replay(sched, target, one_at_a_time, None, transport))
+        ttfts = [r.ttft_s for r in result.records if r.ttft_s is not None]
+        return float(np.percentile(ttfts, 90)) * 1000.0 if ttfts else None
 
     def factory(bucket: Bucket) -> BucketMeasure | None:
         if not bucket.feasible(max_context):
@@ -65,6 +76,6 @@ def url_measure_factory(
                 failed=len(window_recs) - len(ok),
             )
 
-        return BucketMeasure(measure, None if hint is None else hint(bucket))
+        return BucketMeasure(measure, None if hint is None else hint(bucket), unloaded_ttft(bucket))
 
     return factory

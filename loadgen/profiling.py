@@ -14,6 +14,10 @@ the seed and the bucket; probing rate λ divides the same gaps by λ. The measur
 Measurement window: arrivals span warm-up W/2, measured W, tail W/2 (W from the driver); only requests
 arriving in the measured window count, so neither the empty start nor the draining end flatters the
 latencies.
+
+Sustainable load: besides the SLO, a probe must keep its queue bounded (`QueueBound`: p90 TTFT ≤
+5 × the unloaded p90 TTFT + 1 s, the unloaded TTFT measured by sending the bucket's first 10 requests one
+at a time) and not growing (`profile_search.queue_is_stable`).
 """
 
 from __future__ import annotations
@@ -148,6 +152,7 @@ class BucketMeasure:
 
     measure: Callable[[float], Measurement]
     hint: float | None = None
+    unloaded_ttft_ms: float | None = None  # p90 TTFT of the bucket's requests sent one at a time
 
 
 MeasureFactory = Callable[[Bucket], BucketMeasure | None]  # None: this GPU cannot serve the bucket
@@ -162,6 +167,28 @@ class ProfileGrid:
     results: dict[tuple[int, int], SearchResult] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class QueueBound:
+    """Sustainable means a bounded queue: p90 TTFT ≤ factor · unloaded p90 TTFT + slack_ms (factor 0: off).
+
+    A stationary queue near 100% utilisation passes the growth test while requests wait minutes; with a
+    TPOT-only SLO nothing else would stop the search there. The bound does not depend on the SLO.
+    """
+
+    factor: float = 5.0
+    slack_ms: float = 1000.0
+
+    def cap_ms(self, unloaded_ttft_ms: float | None) -> float | None:
+        if self.factor <= 0 or unloaded_ttft_ms is None:
+            return None
+        return self.factor * unloaded_ttft_ms + self.slack_ms
+
+
+def unloaded_requests(bucket: Bucket, max_context: int, seed: int, n: int = 10) -> list[ProbeRequest]:
+    """The first `n` requests of the bucket's stream, for the one-at-a-time TTFT baseline."""
+    return [r for _, r in zip(range(n), bucket_requests(bucket, max_context, seed), strict=False)]
+
+
 def profile_grid(
     input_edges: Sequence[int],
     output_edges: Sequence[int],
@@ -169,19 +196,19 @@ def profile_grid(
     slo: SearchSlo,
     config: SearchConfig = SearchConfig(),
     on_bucket: Callable[[Bucket, SearchResult | None], None] | None = None,
+    queue: QueueBound = QueueBound(),
 ) -> ProfileGrid:
-    """Search every bucket; `factory(bucket)` gives its measure function and hint, or None when it cannot be
-    served (max rate 0). `config.hint` is replaced by each bucket's own hint."""
+    """Search every bucket; `factory(bucket)` gives its measure function, hint and unloaded TTFT, or None
+    when it cannot be served (max rate 0). `config.hint` is replaced by each bucket's own hint."""
     bs = buckets(input_edges, output_edges)
     rows, cols = len(input_edges) - 1, len(output_edges) - 1
     grid = ProfileGrid([[0.0] * cols for _ in range(rows)], [[None] * cols for _ in range(rows)])
     for b in bs:
         bm = factory(b)
-        res = (
-            None
-            if bm is None
-            else search_max_rate(bm.measure, slo, dataclasses.replace(config, hint=bm.hint))
-        )
+        res = None
+        if bm is not None:
+            cfg = dataclasses.replace(config, hint=bm.hint)
+            res = search_max_rate(bm.measure, slo, cfg, queue.cap_ms(bm.unloaded_ttft_ms))
         if res is not None:
             grid.max_rate[b.i][b.j] = res.max_rate
             grid.measured[b.i][b.j] = res.measurement

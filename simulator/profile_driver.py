@@ -20,6 +20,8 @@ profile takes seconds.
 
 from __future__ import annotations
 
+import numpy as np
+
 from loadgen.profile_search import Measurement
 from loadgen.profiling import (
     Bucket,
@@ -29,6 +31,7 @@ from loadgen.profiling import (
     bucket_requests,
     probe_requests,
     summarize,
+    unloaded_requests,
 )
 from placement.perf_model import PerfModel
 from simulator.engine import Engine, EngineConfig, run_offline
@@ -74,6 +77,18 @@ def capacity_hint(
     return 1.0 / (1.0 / decode_rate + 1.0 / prefill_rate)
 
 
+def unloaded_ttft_ms(
+    perf: PerfModel, config: EngineConfig, bucket: Bucket, max_context: int, seed: int
+) -> float:
+    """p90 TTFT of the bucket's first 10 requests, each alone in the engine (one output token each)."""
+    reqs = unloaded_requests(bucket, max_context, seed)
+    arrivals = [
+        (k * 1e4, EngineRequest(str(k), r.input_tokens, 1, ignore_eos=True)) for k, r in enumerate(reqs)
+    ]
+    records = run_offline(Engine(perf, config, seed), arrivals)
+    return float(np.percentile([rec.ttft or 0.0 for rec in records], 90)) * 1000.0
+
+
 def sim_measure_factory(
     perf: PerfModel,
     config: EngineConfig | None = None,
@@ -116,6 +131,10 @@ def sim_measure_factory(
                 failed=expected - len(done),
             )
 
-        return BucketMeasure(measure, capacity_hint(perf, bucket, tpot_target, config, max_model_len))
+        return BucketMeasure(
+            measure,
+            capacity_hint(perf, bucket, tpot_target, config, max_model_len),
+            unloaded_ttft_ms(perf, config, bucket, max_context, seed),
+        )
 
     return factory

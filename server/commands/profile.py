@@ -20,7 +20,7 @@ from rich.table import Table
 
 from loadgen.profile_search import SearchConfig, SearchResult, SearchSlo
 from loadgen.profile_url import url_measure_factory
-from loadgen.profiling import Bucket, MeasureFactory, ProbePlan, ProfileGrid, profile_grid
+from loadgen.profiling import Bucket, MeasureFactory, ProbePlan, ProfileGrid, QueueBound, profile_grid
 from loadgen.runner import RunOptions, Target
 from placement.catalog import CatalogError, load_catalog
 from placement.perf_model import PerfModel
@@ -118,7 +118,7 @@ def register(app: typer.Typer) -> None:
         output_edges: str = typer.Option(DEFAULT_OUTPUT_EDGES, "--output-edges", help="Output bucket edges."),
         seed: int = typer.Option(0, "--seed", help="Seed of the test requests (lengths, arrivals)."),
         resolution: float = typer.Option(0.05, "--resolution", help="Relative step of the rate grid."),
-        min_rate: float = typer.Option(0.05, "--min-rate", help="Lowest rate tried; failing it means 0."),
+        min_rate: float = typer.Option(0.01, "--min-rate", help="Lowest rate tried; failing it means 0."),
         max_rate: float = typer.Option(2000.0, "--max-rate", help="Highest rate tried."),
         max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="--sim: vLLM max_num_seqs."),
         max_num_batched_tokens: int = typer.Option(
@@ -138,6 +138,9 @@ def register(app: typer.Typer) -> None:
         ),
         probe_e2e_factor: float = typer.Option(
             1.5, "--probe-e2e-factor", help="Measured window ≥ this × the expected end-to-end latency."
+        ),
+        queue_factor: float = typer.Option(
+            5.0, "--queue-factor", help="Sustainable: p90 TTFT ≤ this × unloaded TTFT + 1 s (0 = off)."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout."),
     ) -> None:
@@ -198,7 +201,9 @@ def register(app: typer.Typer) -> None:
             console.print(f"{b.label}: {rate}  [{time.perf_counter() - t0:.1f} s]")
 
         cfg = SearchConfig(min_rate=min_rate, max_rate=max_rate, resolution=resolution)
-        grid = profile_grid(inp, outp, factory, slo, cfg, progress)
+        if queue_factor < 0:
+            fail(f"--queue-factor must be ≥ 0, got {queue_factor:g}")
+        grid = profile_grid(inp, outp, factory, slo, cfg, progress, QueueBound(factor=queue_factor))
         profile = build_profile(
             grid, model_spec.name, gpu_spec.name, tp, "sim" if sim else "url", slo, inp, outp
         )

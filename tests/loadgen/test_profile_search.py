@@ -103,18 +103,25 @@ def test_monotone_in_the_slo_for_any_curve(
     )
 
 
+# arrivals 0, 1, …, 59 s: thirds' centres 40 s apart, span 59 s → stable iff Δmedian · 59/40 ≤ 0.03 · 59 + 0.25 = 2.02
 @pytest.mark.parametrize(
     ("ttfts", "stable"),
     [
-        pytest.param([0.05] * 40, True, id="flat TTFT → stable"),
-        pytest.param([0.05 + 0.01 * (i % 3) for i in range(40)], True, id="noisy but stationary → stable"),
-        pytest.param(
-            [0.05 + 0.1 * i for i in range(40)], False, id="TTFT grows 0.1 s per request → unstable"
-        ),
-        pytest.param([0.3] * 20 + [0.7] * 20, True, id="last quarter 0.7 ≤ 1.5·0.3 + 0.25 = 0.7 → stable"),
-        pytest.param([0.3] * 20 + [0.75] * 20, False, id="last quarter 0.75 > 0.7 → unstable"),
-        pytest.param([0.05] * 7, True, id="fewer than 8 requests: too few to judge → stable"),
+        pytest.param([0.05] * 60, True, id="flat TTFT → stable"),
+        pytest.param([0.05 + 0.01 * (i % 3) for i in range(60)], True, id="noisy but stationary → stable"),
+        pytest.param([0.05 + 0.1 * i for i in range(60)], False, id="+0.1 s per s: Δ 4 → 5.9 > 2.02 → unstable"),
+        pytest.param([30 + 0.1 * i for i in range(60)], False, id="same growth from a 30 s level (overloaded since warm-up) → unstable"),
+        pytest.param([30 + 0.02 * i for i in range(60)], True, id="+0.02 s per s: Δ 0.8 → 1.18 ≤ 2.02 → stable"),
+        pytest.param([0.2] * 20 + [1.0] * 20 + [1.8] * 20, False, id="thirds 0.2/1.0/1.8: Δ 1.6 → 2.36 > 2.02 → unstable"),
+        pytest.param([0.2] * 20 + [0.9] * 20 + [1.5] * 20, True, id="thirds 0.2/0.9/1.5: Δ 1.3 → 1.92 ≤ 2.02 → stable"),
+        pytest.param([0.05] * 8, True, id="fewer than 9 requests: too few to judge → stable"),
     ],
-)
+)  # fmt: skip
 def test_queue_stability(ttfts: list[float], stable: bool) -> None:
     assert queue_is_stable([float(i) for i in range(len(ttfts))], ttfts) is stable
+
+
+def test_ttft_cap_bounds_the_queue() -> None:
+    # TTFT p90 = 50 + 2r ms: a cap of 150 ms stops the search at r ≤ 50 even though TPOT allows r ≤ 190
+    res = search_max_rate(linear_tpot, SearchSlo(tpot_ms=200), CFG, ttft_cap_ms=150)
+    assert res.max_rate == max(g for g in GRID if g <= 50 + 1e-9)

@@ -192,6 +192,13 @@ def test_chat_text_has_one_word_per_token_and_shares_prefixes() -> None:
     assert a[:BLOCK_TOKENS] == b[:BLOCK_TOKENS] and a[BLOCK_TOKENS:600] != b[BLOCK_TOKENS:]
 
 
+@pytest.mark.parametrize("n", [1, 7, 512, 3000])
+def test_chat_text_is_four_characters_per_word(n: int) -> None:
+    """4·n − 1 characters: a ceil(chars / 4) token estimate counts exactly n, like a real tokenizer."""
+    text = PromptBuilder(0).text(req(0, n))
+    assert len(text) == 4 * n - 1 and -(-len(text) // 4) == n and all(len(w) == 3 for w in text.split(" "))
+
+
 def test_request_bodies_ask_for_exactly_the_output_length() -> None:
     r = ScheduledRequest(0, 0.0, 3, 17)
     comp = json.loads(build_body(r, "completions", "m", PromptBuilder(0)))

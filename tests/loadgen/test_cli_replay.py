@@ -1,0 +1,74 @@
+"""`mosaic replay` end to end: a simulated worker on 127.0.0.1 (in a background loop), the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from loadgen.report import SCHEMA
+from server.cli import build_app
+
+FIX = Path(__file__).parent / "fixtures"
+SPEC = "synthetic:rate=100,n=20,input=uniform:8:200,output=uniform:2:12"
+
+
+def mosaic(*args: str) -> object:
+    return CliRunner().invoke(build_app(), ["replay", *args])
+
+
+def test_replay_writes_report_plots_and_json_summary(worker_url: str, tmp_path: Path) -> None:
+    out, plots = tmp_path / "report.json", tmp_path / "plots"
+    res = mosaic(SPEC, "--url", worker_url, "--out", str(out), "--plot", str(plots), "--json", "--quiet",
+                 "--slo-ttft-ms", "10000", "--slo-tpot-ms", "1000", "--seed", "3")  # fmt: skip
+    assert res.exit_code == 0, res.output  # type: ignore[attr-defined]
+    summary = json.loads(res.stdout)  # type: ignore[attr-defined]
+    assert summary["completed"] == 20 and summary["failed"] == 0 and summary["slo_attainment"] == 1.0
+    report = json.loads(out.read_text())
+    assert report["schema"] == SCHEMA and report["summary"] == summary
+    assert report["config"]["slo"] == {"ttft_ms": 10000.0, "tpot_ms": 1000.0, "e2el_ms": None}
+    assert sorted(p.name for p in plots.iterdir()) == ["latency_cdf.png", "timeline.png"]
+    assert "Successful requests" in res.stderr and "TPOT" in res.stderr  # type: ignore[attr-defined]
+
+
+def test_lag_over_the_threshold_is_announced(worker_url: str) -> None:
+    res = mosaic(SPEC, "--url", worker_url, "--quiet", "--lag-threshold-ms", "0.000001")
+    assert res.exit_code == 0 and "WARNING: load generator lag" in res.stderr  # type: ignore[attr-defined]
+
+
+def test_trace_file_with_window_and_cap(worker_url: str) -> None:
+    res = mosaic(str(FIX / "burstgpt.csv"), "--url", worker_url, "--rate-scale", "500", "--max-requests", "2",
+                 "--json", "--quiet")  # fmt: skip
+    assert res.exit_code == 0, res.output  # type: ignore[attr-defined]
+    # the first two kept rows: 472 + 417 prompt tokens, 18 + 1123 output tokens (the failed row is dropped)
+    s = json.loads(res.stdout)  # type: ignore[attr-defined]
+    assert (s["completed"], s["total_input_tokens"], s["total_output_tokens"]) == (2, 889, 1141)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param([str(FIX / "missing.csv")], "missing.csv: no such file", id="missing trace file"),
+        pytest.param([str(FIX / "azure_bad_tokens.csv"), "--rate-scale", "1000"], "azure_bad_tokens.csv:3:", id="malformed row names file and line"),
+        pytest.param([str(FIX / "burstgpt_lengths.csv")], "give --rate", id="length-only trace without --rate"),
+        pytest.param(["synthetic:rate=1"], "n=COUNT or duration", id="bad synthetic spec"),
+        pytest.param([SPEC, "--endpoint", "embeddings"], "--endpoint must be completions or chat", id="unknown endpoint"),
+        pytest.param([SPEC, "--rate", "5", "--rate-scale", "2"], "give one", id="--rate with --rate-scale"),
+        pytest.param([str(FIX / "azure_header_only.csv")], "no requests to send", id="a trace without requests"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_with_one_line(worker_url: str, args: list[str], message: str) -> None:
+    res = mosaic(*args, "--url", worker_url, "--quiet")
+    assert res.exit_code == 2, res.output  # type: ignore[attr-defined]
+    lines = res.stderr.strip().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) == 1 and message in lines[0], res.output  # type: ignore[attr-defined]
+
+
+def test_unreachable_server_exits_2() -> None:
+    res = mosaic(SPEC, "--url", "http://127.0.0.1:9", "--quiet", "--timeout", "5")
+    assert res.exit_code == 2  # type: ignore[attr-defined]
+    assert res.stderr.strip().splitlines() == [  # type: ignore[attr-defined]
+        "error: cannot connect to http://127.0.0.1:9: every request failed to connect"
+    ]
