@@ -48,17 +48,18 @@ FLEET: dict[str, Any] = {
 
 
 def traces(quick: bool) -> dict[str, list[SimRequest]]:
-    scale = 0.5 if quick else 1.0
-    spec = DiurnalSpec(duration_s=2400 * scale, mean_rate=8, amplitude=0.6, period_s=2400 * scale,
-                       bursts=(Burst(1500 * scale, 120, 2.5),))
+    """A diurnal curve with a sustained flash crowd (longer than a cold start), and a real trace."""
+    period = 900.0 if quick else 1800.0
+    spec = DiurnalSpec(duration_s=period, mean_rate=24, amplitude=0.5, period_s=period,
+                       bursts=(Burst(0.55 * period, 300, 1.8),))
     out = {"diurnal+burst": [SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens)
                              for r in diurnal_trace(spec, seed=7)]}
     azure = SHARED_DATA / "traces" / "azure_llm_2023_conv.csv"
     if azure.exists():
-        name, source, rate_scale = "azure-2023-conv (real, 2x speed)", azure, 2.0
+        name, source, rate_scale = "azure-2023-conv (real, 4x speed)", azure, 4.0
     else:
         name, source, rate_scale = "azure-format fixture", ROOT / "tests" / "cluster" / "fixtures" / "azure_conv.csv", 1.0
-    limit = 6000 if quick else None
+    limit = 10_000 if quick else None
     out[name] = list(sim_requests(open_trace(source), rate_scale=rate_scale, max_requests=limit))
     return out
 

@@ -2,8 +2,9 @@
 
 Per model, each cycle:
 
-1. **Signal**: decode demand D = Σ decode tokens/s over the model's decode and mixed pools, plus the
-   backlog that queueing hides: (gateway admission queue + Σ num_requests_waiting) · mean output tokens /
+1. **Signal**: decode demand D = Σ decode tokens/s over the model's decode and mixed pools (never less
+   than arrivals × mean output length, which a saturated pool cannot hide), plus the backlog that
+   queueing hides: (gateway admission queue + Σ num_requests_waiting) · mean output tokens /
    `queue_drain_s`. Decode tokens/s is linear in load, unlike GPU utilisation (high even when light) or
    latency (flat, then a cliff).
 2. **Latency safety net** (only adds): a TPOT p90 over the SLO multiplies decode demand by
@@ -95,7 +96,10 @@ class MosaicAutoscaler:
         in_tokens = obs.mean_input_tokens or cfg.default_input_tokens
         decode_tps = sum(obs.pools[p.name].decode_tokens_per_s for p in decode_pools if p.name in obs.pools)
         decode_boost = self._boost(obs.tpot_p90_s, cfg.tpot_slo_s)
-        decode_demand = (decode_tps + waiting * out_tokens / cfg.queue_drain_s) * decode_boost
+        # Arrivals (seen by the gateway) bound demand from below: a saturated pool's token rate cannot rise
+        # above its capacity, the arrival rate can. In steady state the two are equal (tokens are conserved).
+        arriving_decode = obs.request_rate * obs.mean_output_tokens
+        decode_demand = (max(decode_tps, arriving_decode) + waiting * out_tokens / cfg.queue_drain_s) * decode_boost
         signal[f"{model}/decode_tps"] = decode_tps
         signal[f"{model}/waiting"] = float(waiting)
         signal[f"{model}/decode_demand_tps"] = decode_demand
@@ -114,7 +118,8 @@ class MosaicAutoscaler:
             obs.pools[p.name].num_waiting for p in prefill_pools if p.name in obs.pools
         )
         # prompt tokens/s demand, with the prefill backlog to be cleared within queue_drain_s
-        demand = (prompt_tps + prefill_waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
+        arriving_prompt = obs.request_rate * obs.mean_input_tokens
+        demand = (max(prompt_tps, arriving_prompt) + prefill_waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
         signal[f"{model}/prefill_demand_tps"] = demand
         by_demand = demand / cfg.utilization_target
         if cfg.prefill_mode == "ratio":
@@ -122,9 +127,9 @@ class MosaicAutoscaler:
             mean_cap = sum(p.prefill_tps_capacity for p in prefill_pools) / len(prefill_pools)
             by_ratio = math.ceil(decode_instances * cfg.pd_ratio * prefill_boost - 1e-9) * mean_cap
             signal[f"{model}/prefill_instances_by_ratio"] = by_ratio / mean_cap
-            # The profiled ratio leads; a prefill backlog (requests waiting for prefill) can only add to it,
-            # so a ratio profiled on another workload cannot hide queueing.
-            required_capacity = max(by_ratio, by_demand) if prefill_waiting else by_ratio
+            # The profiled ratio leads; measured prompt-token demand (with any prefill backlog) is a floor,
+            # so a ratio profiled on another mix of prompt lengths cannot starve prefill.
+            required_capacity = max(by_ratio, by_demand)
         else:
             required_capacity = by_demand
 

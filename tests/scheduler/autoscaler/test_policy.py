@@ -167,3 +167,20 @@ def test_dynamo_planner_sizes_p_and_d_separately_every_interval() -> None:
     later = Observation(60, {"d-a100": po(3), "p-h100": po(2)}, request_rate=40, mean_input_tokens=3000,
                         mean_output_tokens=250)
     assert planner.decide(later).targets == {"d-a100": 3, "p-h100": 2}  # not re-planned before 180 s
+
+
+def test_arrivals_bound_decode_demand_from_below() -> None:
+    policy = MosaicAutoscaler([decode_pool()], CFG)
+    # a saturated pool decodes only 1,600 tok/s, but 20 req/s · 200 tokens = 4,000 tok/s arrive
+    # → 4,000 / (1,000 · 0.8) = 5 instances (within the +4 step from 2)
+    o = Observation(now=0, pools={"d-a100": po(2, 1600)}, request_rate=20, mean_output_tokens=200)
+    assert policy.decide(o).targets["d-a100"] == 5
+
+
+def test_prompt_demand_is_a_floor_under_the_ratio() -> None:
+    policy = MosaicAutoscaler([decode_pool(), prefill_pool(tps=10_000)], CFG)
+    # decode: 800 tok/s / 800 = 1 instance → ratio 0.5 → 1 prefill; but 10 req/s · 2,000 prompt tokens
+    # = 20,000 tok/s / (10,000 · 0.8) = 2.5 → 3 prefill instances
+    o = Observation(now=0, pools={"d-a100": po(1, 800), "p-h100": po(1)}, request_rate=10,
+                    mean_input_tokens=2000, mean_output_tokens=80)
+    assert policy.decide(o).targets == {"d-a100": 1, "p-h100": 3}
