@@ -94,7 +94,7 @@ def main() -> None:
               f"{s['wall_seconds']:.3f} s wall ({s['cpu_seconds']:.3f} s CPU) → {s['steps_per_wall_s']:,} steps/s, "
               f"{s['sim_over_wall']:,}× real time ({s['sim_over_cpu']:,}× per CPU second)")  # fmt: skip
     b, p = scenarios["burst"], scenarios["poisson_20rps"]
-    cmd = "python bench/sim_engine.py" + (f" --requests {args.requests}" if args.requests != 1000 else "")
+    cmd = " ".join(["python bench/sim_engine.py", *sys.argv[1:]])
     append_line(
         "sim_engine", cmd,
         f"{args.requests} req on one H100 llama-3-8b engine: burst {b['sim_over_wall']:,}× real time "

@@ -684,16 +684,17 @@ def run_offline(engine: Engine, arrivals: Iterable[tuple[float, EngineRequest]])
     overhead = engine.api_overhead_s
     records: list[RequestRecord] = []
     i, n, now = 0, len(pending), 0.0
-    while i < n or engine.has_work():
+    step, add, has_work = engine.step, engine.add_request, engine.has_work
+    while i < n or has_work():
         while i < n and pending[i][0] + overhead <= now:
             t, req = pending[i]
-            engine.add_request(req, t + overhead, arrival=t)
+            add(req, t + overhead, arrival=t)
             i += 1
-        res = engine.step(now)
+        res = step(now)
         if res.finished:
             records.extend(res.finished)
-        if not res.idle:
-            now = res.end
+        if res.duration_s > 0.0:  # something ran (a step always has a fixed cost)
+            now += res.duration_s
             continue
         if res.preempted:  # everything running was preempted: admissions resume next step
             continue
