@@ -173,6 +173,12 @@ async def wait_ready(port: int) -> None:
     raise RuntimeError("gateway never became ready")
 
 
+def _server_stack(python: str | None) -> str:
+    probe = "import importlib.util as u; print(','.join(m for m in ('uvloop', 'httptools') if u.find_spec(m)) or 'asyncio+h11')"
+    out = subprocess.run([python or sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    return out.stdout.strip() or "unknown"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=32)
@@ -180,9 +186,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-record", action="store_true", help="print only; do not write results/BENCHMARKS.md")
+    ap.add_argument("--python", help="run worker and gateway with this interpreter (e.g. a venv that adds uvloop/httptools)")
     args = ap.parse_args()
+    mosaic = [args.python, "-c", "from server.cli import main; main()"] if args.python else MOSAIC
 
-    worker, wport = start([*MOSAIC, "worker", "--gpu", "H100", "--model", "llama-3-8b", "--port", "0", "--time-scale", "1e9"])
+    worker, wport = start([*mosaic, "worker", "--gpu", "H100", "--model", "llama-3-8b", "--port", "0", "--time-scale", "1e9"])
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(
             "pools:\n  - {name: sim, model: llama-3-8b, gpu: H100, role: mixed, "
@@ -190,7 +198,7 @@ def main() -> int:
             "limits: {queue_size: 4096}\n"
         )
         cfg_path = f.name
-    gateway, gport = start([*MOSAIC, "serve", "--config", cfg_path, "--port", "0"])
+    gateway, gport = start([*mosaic, "serve", "--config", cfg_path, "--port", "0"])
     phases: list[Phase] = []
     try:
         asyncio.run(wait_ready(gport))
@@ -236,7 +244,9 @@ def main() -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python bench/gateway_overhead.py " + " ".join(sys.argv[1:]),
         "concurrency": args.concurrency, "seconds_per_phase": args.seconds, "rounds": args.rounds,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
+        "server_stack": _server_stack(args.python),
         "bar": "gateway throughput ≥ 0.80 × direct",
         "results": summary,
         "phases": [{"path": p.path, "workload": p.workload, "rps": round(p.rps, 1), "n": len(p.latencies), "errors": p.errors} for p in phases],

@@ -21,9 +21,10 @@ Timeouts: `first_token_timeout_s` bounds dispatch → first byte of a stream (pr
 `total_timeout_s` bounds a whole non-streaming request and is checked between stream chunks;
 `stall_timeout_s` (the client's read timeout) bounds every gap between chunks.
 
-Client disconnects: while waiting for the first byte, a watcher on the ASGI `receive` channel cancels
-the work (the upstream connection is closed, which aborts the request in vLLM); once streaming,
-Starlette's disconnect listener cancels the relay, which closes the upstream response.
+Client disconnects: while waiting for the first byte (from 50 ms after arrival on), a watcher on the ASGI
+`receive` channel cancels the work (the upstream connection is closed, which aborts the request in
+vLLM); once streaming, Starlette's disconnect listener cancels the relay, which closes the upstream
+response.
 
 Every accepted request ends in exactly one terminal outcome (`RequestRecord.finish` runs once), and every
 lease is released exactly once with its own outcome.
@@ -32,7 +33,6 @@ lease is released exactly once with its own outcome.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -53,7 +53,7 @@ from server.admission import AdmissionQueue
 from server.auth import RateLimiter
 from server.config import MosaicConfig
 from server.errors import Cause, GatewayError, stream_error_event
-from server.failure import Lease, RelayResponse, UpstreamFailure, classify
+from server.failure import DisconnectWatch, Lease, RelayResponse, UpstreamFailure, classify
 from server.footprint import ParsedRequest, route_request
 from server.metrics import GatewayMetrics
 from server.proxy import (
@@ -71,6 +71,7 @@ from server.registry import Registry
 log = logging.getLogger("mosaic.dispatch")
 
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": recorded, never sent
+WATCH_AFTER_S = 0.05  # requests answered faster than this never start a disconnect watcher
 
 
 @dataclass(slots=True)
@@ -115,29 +116,33 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ entry
     async def handle(self, parsed: ParsedRequest, path: str, rec: RequestRecord, receive: Receive) -> Response:
-        """Serve one parsed request; returns the response (errors included). Never raises GatewayError."""
-        work = asyncio.ensure_future(self._serve(parsed, path, rec))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        """Serve one parsed request; returns the response (errors included). Never raises GatewayError.
+
+        Runs in the caller's task. A `DisconnectWatch` cancels it if the client goes away before the
+        response starts (started only after `WATCH_AFTER_S`, so fast requests create no extra task)."""
+        task = asyncio.current_task()
+        assert task is not None
+        watch = DisconnectWatch(receive, task)
+        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch.start)
         try:
-            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not work.done():  # client gone (or we were cancelled): stop the upstream work
-                work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
-            watcher.cancel()
-        if work.cancelled():
+            return await self._serve(parsed, path, rec)
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise  # shutdown or an outer timeout: not ours to swallow
+            task.uncancel()
             self.finish(rec, CLIENT_CLOSED_STATUS, Outcome.CLIENT_DISCONNECTED)
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        exc = work.exception()
-        if isinstance(exc, GatewayError):
+        except GatewayError as exc:
             self.finish(rec, exc.status, None, reason=exc.cause.value)
             return exc.to_response(rec.request_id)
-        if exc is not None:
+        except Exception as exc:
             log.error("request %s failed: %r", rec.request_id, exc, exc_info=exc)
             self.finish(rec, 500, Outcome.WORKER_ERROR)
             return GatewayError(Cause.UPSTREAM_UNAVAILABLE, "Internal gateway error").to_response(rec.request_id)
-        return work.result()
+        finally:
+            watch.done = True  # from here on a disconnect must not cancel this task
+            timer.cancel()
+            watch.stop()
 
     def finish(self, rec: RequestRecord, status: int, outcome: Outcome | None, usage: dict[str, Any] | None = None, reason: str | None = None) -> None:
         """Record the request's single terminal outcome (no-op if already finished)."""
@@ -377,10 +382,3 @@ class _StreamSession:
         finally:
             self.lease.release(outcome)
             self.d.finish(self.rec, 200, outcome, self.relay.usage)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -14,15 +14,19 @@ it on another worker. `hard` failures (connection refused) eject the worker at o
 
 **RelayResponse.** A streaming response that always runs its session's `close()` — also when the client
 disconnects before the body iterator ever started, which a plain async generator's `finally` would miss.
+
+**DisconnectWatch.** Watches the ASGI `receive` channel and cancels the serving task when the client goes
+away (used before the response starts, and by `RelayResponse` while streaming).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import anyio
 import httpx
@@ -155,18 +159,71 @@ class Lease:
 
 
 class RelayResponse(StreamingResponse):
-    """StreamingResponse that awaits `on_close()` (shielded from cancellation) however the response ends."""
+    """A streaming response for relayed streams, lighter than Starlette's and leak-proof.
 
-    def __init__(self, content: object, on_close: Callable[[], Awaitable[None]], **kwargs: object) -> None:
-        super().__init__(content, **kwargs)  # type: ignore[arg-type]
+    Starlette's `StreamingResponse` (ASGI spec < 2.4, as uvicorn speaks) runs the body and a disconnect
+    listener as two tasks in an anyio task group per response. Here the body is relayed in the calling
+    task and a `DisconnectWatch` cancels it if the client goes away. However the response ends, the
+    body iterator is closed and `on_close()` awaited (shielded from cancellation) — also when the client
+    left before the first chunk, which a plain async generator's `finally` would miss.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watch = DisconnectWatch(receive, task)
+        watch.start()
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.disconnected:
+                raise
+            task.uncancel()  # the client left: nothing to send, nothing to propagate
         finally:
+            watch.done = True
+            watch.stop()
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self.body_iterator, "aclose", None)
                 if aclose is not None:
                     await aclose()  # finalises a generator left suspended at a yield
                 await self._on_close()
+
+
+class DisconnectWatch:
+    """Cancels `task` when the ASGI `receive` channel reports `http.disconnect` while the work is running.
+
+    Before the response starts nothing else reads `receive` (the body was read already); once a
+    streaming response runs, Starlette's own listener takes over and cancels the relay."""
+
+    __slots__ = ("_receive", "_task", "_watcher", "disconnected", "done")
+
+    def __init__(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        self._receive = receive
+        self._task = task
+        self._watcher: asyncio.Task[None] | None = None
+        self.disconnected = False
+        self.done = False
+
+    def start(self) -> None:
+        if not self.done and self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    def stop(self) -> None:
+        if self._watcher is not None and not self._watcher.done():
+            self._watcher.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                if not self.done:
+                    self.disconnected = True
+                    self._task.cancel()
+                return

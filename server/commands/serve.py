@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 import typer
 
@@ -74,4 +75,14 @@ def register(app: typer.Typer) -> None:
             fail(str(exc))
         logging.basicConfig(level=log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "WARNING",
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        asyncio.run(_serve(cfg, host or cfg.gateway.host, cfg.gateway.port if port is None else port, log_level, config is None))
+        # uvloop when installed (uvicorn[standard]); uvicorn picks httptools by itself the same way.
+        with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
+            runner.run(_serve(cfg, host or cfg.gateway.host, cfg.gateway.port if port is None else port, log_level, config is None))
+
+
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]

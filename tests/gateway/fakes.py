@@ -42,6 +42,7 @@ class FakeWorker:
     die_after: int = 2  # chunks sent before dying (die_mid_stream)
     chunk_delay_s: float = 0.0
     seen: list[dict[str, Any]] = field(default_factory=list)
+    raw_seen: list[bytes] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     health_ok: bool = True
@@ -61,6 +62,7 @@ class FakeWorker:
             return httpx.Response(200, text=METRICS_TEXT.format(model=self.model, running=0))
         body = json.loads(request.content)
         self.seen.append(body)
+        self.raw_seen.append(request.content)
         self.headers_seen.append(dict(request.headers))
         self.paths.append(path)
         if self.mode == "status":

@@ -319,3 +319,36 @@ def test_kv_reservations_follow_each_request() -> None:
             assert 'mosaic_kv_reserved_units{worker="p/a:8000"} 0.0' in text
 
     run(body)
+
+
+def test_unknown_fields_reach_the_worker_byte_for_byte() -> None:
+    a = FakeWorker("a")
+    raw = (b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,\n'
+           b' "guided_json": {"type": "object"}, "vllm_xargs": {"k": [1, 2]}, "top_k": 7, "priority": -1}')
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, _):
+            r = await c.post(CHAT, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 200
+            assert a.raw_seen[0] == raw  # not re-encoded: spacing, order and unknown fields intact
+            r = await c.post(CHAT, content=raw.replace(b'"max_tokens": 2', b'"max_tokens": 2, "stream": true'),
+                             headers={"content-type": "application/json"})
+            # streaming: only `"stream_options":{"include_usage":true}` is appended, the rest is the same bytes
+            assert a.raw_seen[1].startswith(raw.replace(b'"max_tokens": 2', b'"max_tokens": 2, "stream": true')[:-1])
+            assert a.raw_seen[1].endswith(b',"stream_options":{"include_usage":true}}')
+
+    run(body)
+
+
+def test_no_retry_once_the_budget_is_spent() -> None:
+    a, b = FakeWorker("a", mode="status", status=503), FakeWorker("b")
+
+    async def body() -> None:
+        cfg = config(pool("p", "L4", "mixed", a, b), limits={"retry_budget_s": 0}, routing={"policy": "round-robin"})
+        async with gateway(cfg, FakeFleet(a, b)) as (c, gw):
+            statuses = [(await c.post(CHAT, json=chat(f"q{i}"))).status_code for i in range(2)]
+            # round-robin sends one of the two to `a`; with no retry budget its 503 reaches the client as is
+            assert sorted(statuses) == [200, 503]
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="status_503") == 0
+
+    run(body)
