@@ -174,7 +174,7 @@ class VllmProcess:
         base_env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
     ) -> Self:
-        """Spawn the process (does not wait for health). Output goes to `log_path` (else discarded)."""
+        """Spawn the process (does not wait for health). Output goes to `log_path`, else to our own stdout/stderr."""
         log_file: IO[bytes] | None = None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,8 +185,8 @@ class VllmProcess:
                 env=build_env(spec, base_env),
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
-                stdout=log_file if log_file is not None else subprocess.DEVNULL,
-                stderr=subprocess.STDOUT,
+                stdout=log_file,  # None: inherit (a foreground `mosaic worker --engine vllm` shows vLLM's log)
+                stderr=subprocess.STDOUT if log_file is not None else None,
                 start_new_session=True,  # own process group: stop() can sweep vLLM's spawned children
             )
         except OSError as exc:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_env
 from gateway_harness import MosaicGateway, Target, static_config
 
-from server.vllm_launcher import LaunchError, VllmProcess, health_ok
+from server.vllm_launcher import LaunchError, VllmProcess, health_ok, log_tail
 
 START_TIMEOUT_S = 420.0  # cold start is ~120 s alone; on a loaded 2-core machine allow well beyond
 
@@ -49,9 +49,11 @@ def _serve(name: str, extra_args: tuple[str, ...]) -> Iterator[RealServer]:
     proc = vllm_env.start_process(name, extra_args)
     try:
         proc.wait_healthy(START_TIMEOUT_S)
-    except LaunchError as exc:
+        # /health answers 200 even when the engine process died during start-up: one real completion proves it.
+        vllm_env.smoke_test(proc.url)
+    except (LaunchError, RuntimeError) as exc:
         proc.stop()
-        pytest.fail(f"real vLLM server {name!r} did not start: {exc}")
+        pytest.fail(f"real vLLM server {name!r} did not start: {exc}\n{log_tail(proc.log_path, 40)}")
     try:
         yield RealServer(url=proc.url, model=vllm_env.SERVED_MODEL_NAME, process=proc)
     finally:

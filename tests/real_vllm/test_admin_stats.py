@@ -71,39 +71,59 @@ def test_counters_match_what_was_served(mosaic_gateway: MosaicGateway) -> None:
     assert after["itl_count"] - before["itl_count"] == 3 * 8  # 8 gaps between 9 tokens per request
 
 
-def test_running_and_kv_usage_seen_during_long_streams(mosaic_gateway: MosaicGateway) -> None:
-    """Four concurrent streams of 32 prompt + 480 output tokens (~1-3 s on the CPU server) against a 0.25 s
-    scrape interval: some scrape sees them running and holding KV blocks."""
-    target = mosaic_gateway.target("tiny-llama")
-    streams = 4
-    finished = threading.Semaphore(0)
+def busy_burst(gateway: MosaicGateway, requests: int) -> dict[str, Any] | None:
+    """Send `requests` concurrent 32 + 480-token completions; return the first /admin/workers entry that shows the
+    worker running something, or None if every scrape during the burst missed it."""
+    target = gateway.target("tiny-llama")
+    threads_done = threading.Event()
+    remaining = [requests]
+    lock = threading.Lock()
 
-    def stream(i: int) -> None:
+    def one(i: int) -> None:
         try:
             with target.openai() as client:
-                chunks = client.completions.create(
+                client.completions.create(
                     model="tiny-llama",
                     prompt=list(range(300 + i, 332 + i)),
                     max_tokens=480,
-                    stream=True,
                     extra_body={"ignore_eos": True},
                 )
-                for _ in chunks:
-                    pass
         finally:
-            finished.release()
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    threads_done.set()
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
     for t in threads:
         t.start()
+    seen = None
     try:
-        busy = wait_for(mosaic_gateway, lambda w: (w["stats"]["num_running"] or 0) >= 1, timeout_s=30)
+        while seen is None and not threads_done.is_set():
+            worker = worker_stats(gateway)
+            if worker["stats"] is not None and (worker["stats"]["num_running"] or 0) >= 1:
+                seen = worker
+            time.sleep(0.05)
     finally:
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=120)
+    return seen
+
+
+def test_running_and_kv_usage_seen_under_load(mosaic_gateway: MosaicGateway) -> None:
+    """Four concurrent 32 + 480-token requests (1-4 s on the CPU server) against a 0.25 s scrape interval.
+    On a loaded 2-core machine the server's API process may answer no /metrics during a burst (it shares
+    the cores with the engine): up to three bursts are sent until one scrape catches the worker busy."""
+    streams = 4
+    busy = None
+    for _ in range(3):
+        busy = busy_burst(mosaic_gateway, streams)
+        if busy is not None:
+            break
+    assert busy is not None, "no scrape saw the worker running during three bursts"
     stats = busy["stats"]
     assert 1 <= stats["num_running"] <= streams
-    # Each stream holds at most ceil(512 / 128) = 4 blocks of 16,384: usage in (0, 16/16384].
+    # Each request holds at most ceil(512 / 128) = 4 blocks of 16,384: usage in (0, 16/16384].
     assert 0 < stats["kv_usage"] <= streams * 4 / 16384
     assert stats["num_waiting"] == 0  # 4 sequences are far below max-num-seqs (256 on CPU)
     idle = wait_for(mosaic_gateway, lambda w: w["stats"]["num_running"] == 0)

