@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from placement.catalog import Catalog, CatalogError, load_catalog
 from placement.perf_model import PerfModel
+from scheduler.autoscaler.capacity import decode_tps_within_slo as decode_tps_within_slo  # moved; re-exported
+from scheduler.autoscaler.capacity import instance_capacity
 from scheduler.autoscaler.policy import AutoscalerConfig
 from scheduler.autoscaler.signals import PoolSpec
 
@@ -119,25 +121,6 @@ def parse_fleet(data: Any, source: str = "fleet") -> FleetConfig:
         raise FleetConfigError(f"{source}: {where}: {err['msg']}") from None
 
 
-def decode_tps_within_slo(
-    perf: PerfModel, tpot_s: float, context: int, max_seqs: int, kv_tokens: int
-) -> float:
-    """Decode tokens/s one instance sustains with every step ≤ the TPOT SLO at `context` tokens per sequence.
-
-    The largest batch b ≤ min(max_seqs, kv_tokens // context) whose decode step fits the SLO (binary search:
-    step time grows with b); rate = b / step(b). 0 when even b = 1 misses the SLO.
-    """
-    hi = max(0, min(max_seqs, kv_tokens // max(1, context)))
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if perf.decode_step_time([context] * mid) <= tpot_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo / perf.decode_step_time([context] * lo) if lo else 0.0
-
-
 def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int = 1024) -> list[PoolSpec]:
     """Autoscaler `PoolSpec`s with capacities from the perf model within the fleet's SLO."""
     cat = catalog or load_catalog()
@@ -152,10 +135,15 @@ def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int 
             fleet.engine.num_gpu_blocks
             or perf.kv_capacity_blocks(fleet.engine.gpu_memory_utilization, fleet.engine.block_size)
         ) * fleet.engine.block_size
-        decode = decode_tps_within_slo(
-            perf, fleet.slo.tpot_ms / 1e3, context, fleet.engine.max_num_seqs, kv_tokens
+        cap = instance_capacity(
+            perf,
+            tpot_s=fleet.slo.tpot_ms / 1e3,
+            context=context,
+            max_num_seqs=fleet.engine.max_num_seqs,
+            kv_tokens=kv_tokens,
+            max_num_batched_tokens=fleet.engine.max_num_batched_tokens,
         )
-        prefill = perf.prefill_tokens_per_s(min(2048, fleet.engine.max_num_batched_tokens))
+        decode, prefill = cap.decode_tps, cap.prefill_tps
         if pool.role in ("decode", "mixed") and decode <= 0:
             raise FleetConfigError(
                 f"pool {pool.name}: {gpu.name} cannot decode {model.name} within TPOT {fleet.slo.tpot_ms} ms"
