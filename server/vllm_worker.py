@@ -13,6 +13,10 @@ waits for `/health`, prints one line with the URL, and on SIGINT/SIGTERM stops v
 its process group after the grace period) and exits 0. vLLM's own log goes to this process's stdout/stderr.
 If vLLM exits by itself the command exits 1.
 
+Flags shared with the simulated worker keep vLLM's names and are forwarded when given on the command line
+(`--tp`, `--max-model-len`, `--gpu-memory-utilization`, `--served-model-name`, `--max-num-seqs`,
+`--max-num-batched-tokens`, `--block-size`, `--num-gpu-blocks` → `--num-gpu-blocks-override`,
+`--enable-prefix-caching`); everything after `--` goes to vLLM verbatim.
 `--gpu-ids` sets the tensor-parallel size when `--tp` is left at 1 (one rank per listed GPU); a `--tp` that
 disagrees with the number of ids is refused. `--vllm-command` replaces `vllm serve` (e.g. the CPU build's
 wrapper: `.venv-vllm/bin/python scripts/vllm_cpu_cli.py serve`).
@@ -27,6 +31,9 @@ import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 
+import typer
+
+from server.commands.common import fail
 from server.vllm_launcher import (
     ROLES,
     LaunchError,
@@ -134,3 +141,48 @@ def _wait_healthy(process: VllmProcess, stop: threading.Event, timeout_s: float)
             return True
         stop.wait(0.25)
     return False
+
+
+# Simulated-worker engine flags that keep vLLM's names; forwarded to vLLM only when given on the command line.
+_FORWARDED_FLAGS = {
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "block_size": "--block-size",
+    "num_gpu_blocks": "--num-gpu-blocks-override",
+}
+
+
+def run_vllm_worker(ctx: typer.Context) -> int:
+    """`mosaic worker --engine vllm ...`: the CLI's parsed parameters (`ctx.params`, extra args after `--` in
+    `ctx.args`) → a foreground vLLM. Bad input exits 2 with one line (`fail`)."""
+    p = ctx.params
+
+    def given(name: str) -> bool:
+        # By name: Typer may bring its own copy of click, whose ParameterSource is a different enum class.
+        return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+
+    flags: list[str] = []
+    for name, flag in _FORWARDED_FLAGS.items():
+        if name in p and given(name) and p[name] is not None:
+            flags += [flag, str(p[name])]
+    if "enable_prefix_caching" in p and given("enable_prefix_caching"):
+        flags.append(
+            "--enable-prefix-caching" if p["enable_prefix_caching"] else "--no-enable-prefix-caching"
+        )
+    try:
+        spec = worker_spec(
+            model=p["model"],
+            role=p["role"],
+            host=p["host"],
+            port=p["port"],
+            tp=p["tp"],
+            gpu_ids=p.get("gpu_ids"),
+            max_model_len=p.get("max_model_len"),
+            gpu_memory_utilization=p["gpu_memory_utilization"] if given("gpu_memory_utilization") else None,
+            served_model_name=p.get("served_model_name"),
+            vllm_command=p.get("vllm_command") or "vllm serve",
+            extra_args=[*flags, *ctx.args],
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    return run_foreground(spec, typer.echo)

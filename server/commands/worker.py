@@ -50,10 +50,18 @@ async def serve_simulated(cfg: WorkerConfig, host: str, port: int, log_level: st
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("worker")
+    @app.command("worker", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def worker(
-        gpu: str = typer.Option(..., "--gpu", help="GPU type from the catalog (e.g. H100, A100-80GB, L4)."),
-        model: str = typer.Option(..., "--model", help="Model from the catalog (e.g. llama-3-8b)."),
+        ctx: typer.Context,
+        gpu: str | None = typer.Option(None, "--gpu", help="GPU type from the catalog (e.g. H100, A100-80GB, L4)."),
+        model: str = typer.Option(
+            ..., "--model", help="Model from the catalog (e.g. llama-3-8b); --engine vllm: a path or HF name."
+        ),
+        engine: str = typer.Option(
+            "sim", "--engine", help="sim: simulated worker | vllm: start a real `vllm serve` (args after -- go to it)."
+        ),
+        gpu_ids: str | None = typer.Option(None, "--gpu-ids", help="--engine vllm: GPUs to use, e.g. 0,1 (sets --tp)."),
+        vllm_command: str = typer.Option("vllm serve", "--vllm-command", help="--engine vllm: command that runs vLLM."),
         role: str = typer.Option("mixed", "--role", help="mixed | prefill | decode (P/D disaggregation)."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
         port: int = typer.Option(8001, "--port", help="Port to bind (0 = a free port)."),
@@ -99,6 +107,16 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
     ) -> None:
         """One simulated vLLM worker: vLLM's OpenAI API and /metrics, timed by the GPU perf model."""
+        if engine == "vllm":  # a real vLLM server instead (server/vllm_worker.py, docs/real_vllm.md)
+            from server.vllm_worker import run_vllm_worker
+
+            raise typer.Exit(run_vllm_worker(ctx))
+        if engine != "sim":
+            fail(f"--engine must be sim or vllm, got {engine!r}")
+        if gpu is None:
+            fail("--gpu is required for the simulated worker")
+        if ctx.args:
+            fail(f"unexpected arguments: {' '.join(ctx.args)} (only --engine vllm passes extra args on)")
         if role not in ROLES:
             fail(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
         if not 0 <= port <= 65535:

@@ -87,19 +87,16 @@ def test_worker_spec_refuses(kwargs: dict[str, object], message: str) -> None:
         worker_spec(model="m", port=8000, **kwargs)  # type: ignore[arg-type]
 
 
-class WorkerRun:
-    """The backend in its own process, as the CLI runs it (signals need a process of their own). Its output is
-    drained by a thread into `lines`, so vLLM never blocks on a full pipe."""
+MOSAIC = str(Path(sys.executable).with_name("mosaic"))
 
-    def __init__(self, spec_kwargs: dict[str, object], env: dict[str, str] | None = None) -> None:
-        code = (
-            "import json, sys\n"
-            "from server.vllm_worker import run_foreground, worker_spec\n"
-            "spec = worker_spec(**json.loads(sys.argv[1]))\n"
-            "sys.exit(run_foreground(spec, lambda line: print(line, flush=True), health_timeout_s=600))\n"
-        )
+
+class WorkerRun:
+    """`mosaic worker --engine vllm ARGS` in its own process, as a user runs it. Its output is drained by a
+    thread into `lines`, so vLLM never blocks on a full pipe."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, json.dumps(spec_kwargs)],
+            [MOSAIC, "worker", "--engine", "vllm", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -151,7 +148,22 @@ class WorkerRun:
 def test_foreground_lifecycle_with_a_stand_in() -> None:
     port = free_port()
     run = WorkerRun(
-        {"model": "/models/m", "port": port, "role": "decode", "gpu_ids": "3", "vllm_command": FAKE_VLLM}
+        [
+            "--model",
+            "/models/m",
+            "--port",
+            str(port),
+            "--role",
+            "decode",
+            "--gpu-ids",
+            "3",
+            "--max-num-seqs",
+            "64",
+            "--vllm-command",
+            FAKE_VLLM,
+            "--",
+            "--enable-chunked-prefill",
+        ]
     )
     try:
         assert (
@@ -161,7 +173,13 @@ def test_foreground_lifecycle_with_a_stand_in() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/launch", timeout=10) as resp:
             launched = json.loads(resp.read())
         assert launched["env"]["CUDA_VISIBLE_DEVICES"] == "3"
-        assert launched["argv"][-1] == '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'
+        assert launched["argv"][-5:] == [
+            "--kv-transfer-config",
+            '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}',
+            "--max-num-seqs",
+            "64",
+            "--enable-chunked-prefill",
+        ]
     finally:
         code, _ = run.stop()
     assert code == 0, run.tail()
@@ -171,10 +189,53 @@ def test_foreground_lifecycle_with_a_stand_in() -> None:
 
 def test_vllm_that_cannot_start_exits_1() -> None:
     run = WorkerRun(
-        {"model": "m", "port": free_port(), "vllm_command": f"{sys.executable} -c 'raise SystemExit(3)'"}
+        [
+            "--model",
+            "m",
+            "--port",
+            str(free_port()),
+            "--vllm-command",
+            f"{sys.executable} -c 'raise SystemExit(3)'",
+        ]
     )
     assert run.wait() == 1
     assert "mosaic worker: vLLM exited with code 3 before /health answered" in run.lines
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        pytest.param(
+            ["--engine", "vllm", "--model", "m", "--gpu-ids", "0,1", "--tp", "4"],
+            "error: --gpu-ids 0,1 lists 2 GPU(s) but --tp is 4",
+            id="vllm: GPU ids disagree with --tp",
+        ),
+        pytest.param(
+            ["--engine", "vllm", "--model", "m", "--role", "both"],
+            "error: --role 'both': expected one of mixed, prefill, decode",
+            id="vllm: bad role",
+        ),
+        pytest.param(
+            ["--engine", "tpu", "--model", "m"],
+            "error: --engine must be sim or vllm, got 'tpu'",
+            id="unknown engine",
+        ),
+        pytest.param(
+            ["--model", "llama-3-8b"],
+            "error: --gpu is required for the simulated worker",
+            id="sim: --gpu still required",
+        ),
+        pytest.param(
+            ["--gpu", "H100", "--model", "llama-3-8b", "--", "--foo"],
+            "error: unexpected arguments: --foo (only --engine vllm passes extra args on)",
+            id="sim: no extra args",
+        ),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(args: list[str], line: str) -> None:
+    done = subprocess.run([MOSAIC, "worker", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [line]
 
 
 def group_members(pgid: int) -> list[str]:
@@ -190,22 +251,28 @@ def group_members(pgid: int) -> list[str]:
 @pytest.mark.real_vllm
 @pytest.mark.timeout(600)
 def test_cpu_vllm_start_serve_stop() -> None:
-    """The real CPU build through the launcher, mixed role: /health, a completion, SIGTERM → exit 0, no process
-    of its group left."""
+    """`mosaic worker --engine vllm` with the real CPU build, mixed role: /health, a completion, SIGTERM → exit 0,
+    no process of its group left."""
     reason = vllm_env.missing_reason()
     if reason is not None:
         pytest.skip(reason)
     port = free_port()
     cmd = f"{vllm_env.VENV_PYTHON} {vllm_env.CPU_CLI} serve"
     run = WorkerRun(
-        {
-            "model": str(vllm_env.MODEL_DIR),
-            "port": port,
-            "served_model_name": "tiny-llama",
-            "max_model_len": 512,
-            "vllm_command": cmd,
-            "extra_args": list(vllm_env.BASE_SERVER_ARGS),
-        },
+        [
+            "--model",
+            str(vllm_env.MODEL_DIR),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny-llama",
+            "--max-model-len",
+            "512",
+            "--vllm-command",
+            cmd,
+            "--",
+            *vllm_env.BASE_SERVER_ARGS,
+        ],
         env=vllm_env.server_env(),
     )
     try:
