@@ -105,6 +105,10 @@ def register(app: typer.Typer) -> None:
             0.0, "--midstream-error-rate", help="Streams cut with an error."
         ),
         log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+        advertise_host: str | None = typer.Option(
+            None, "--advertise-host",
+            help="Host a P/D peer reaches this worker at (default: --host; in a pod, its IP).",
+        ),
     ) -> None:
         """One simulated vLLM worker: vLLM's OpenAI API and /metrics, timed by the GPU perf model."""
         if engine == "vllm":  # a real vLLM server instead (server/vllm_worker.py, docs/real_vllm.md)
@@ -132,7 +136,7 @@ def register(app: typer.Typer) -> None:
                 served_model_name=served_model_name, catalog_path=catalog, kv_link_gbps=kv_link_gbps,
                 faults=FaultConfig(error_rate=error_rate, stall_rate=stall_rate, stall_s=stall_s,
                                    midstream_error_rate=midstream_error_rate),
-                advertise_host=host,
+                advertise_host=advertise_host or host,
             )  # fmt: skip
             # Build the runtime once up front so catalog and capacity errors exit 2 before binding.
             WorkerRuntime(cfg)
