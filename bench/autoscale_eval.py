@@ -49,9 +49,11 @@ FLEET: dict[str, Any] = {
 
 def traces(quick: bool) -> dict[str, list[SimRequest]]:
     """A diurnal curve with a sustained flash crowd (longer than a cold start), and a real trace."""
-    period = 900.0 if quick else 1800.0
-    spec = DiurnalSpec(duration_s=period, mean_rate=24, amplitude=0.5, period_s=period,
-                       bursts=(Burst(0.55 * period, 300, 1.8),))
+    # A compressed day: trough at 0.3x and peak at 1.7x the mean, one period, with a sustained flash crowd
+    # (1.8x for 5 minutes, longer than a cold start) on the way down from the peak.
+    period = 1200.0 if quick else 3600.0
+    spec = DiurnalSpec(duration_s=period, mean_rate=16, amplitude=0.7, period_s=period,
+                       bursts=(Burst(0.62 * period, 300, 1.8),))
     out = {"diurnal+burst": [SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens)
                              for r in diurnal_trace(spec, seed=7)]}
     azure = SHARED_DATA / "traces" / "azure_llm_2023_conv.csv"
