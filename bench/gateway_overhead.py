@@ -87,6 +87,7 @@ class Phase:
     errors: int = 0
     cpu_s: dict[str, float] = field(default_factory=dict)  # process → CPU seconds over the whole phase
     requests_total: int = 0  # including warm-up, for CPU per request
+    error_samples: list[str] = field(default_factory=list)  # first few failures: status and body tail
 
     @property
     def rps(self) -> float:
@@ -113,6 +114,8 @@ async def run_phase(port: int, stream: bool, concurrency: int, seconds: float, w
                     phase.latencies.append(t1 - t0)
                 else:
                     phase.errors += 1
+                    if len(phase.error_samples) < 3:
+                        phase.error_samples.append(f"{status}: {body[-300:]!r}")
 
     try:
         await asyncio.gather(*(loop(c) for c in conns))
@@ -214,6 +217,8 @@ def main() -> int:
                     print(f"{workload:10s} {path:8s} {ph.rps:8.1f} req/s  p50 {pct(ph.latencies, .5) * 1e3:6.2f} ms"
                           f"  p99 {pct(ph.latencies, .99) * 1e3:6.2f} ms  errors {ph.errors}  CPU/request: worker "
                           f"{per['worker']:.2f} ms, gateway {per['gateway']:.2f} ms", flush=True)
+                    for sample in ph.error_samples:
+                        print(f"    error: {sample}", flush=True)
     finally:
         stop(gateway)
         stop(worker)
@@ -249,7 +254,8 @@ def main() -> int:
         "server_stack": _server_stack(args.python),
         "bar": "gateway throughput ≥ 0.80 × direct",
         "results": summary,
-        "phases": [{"path": p.path, "workload": p.workload, "rps": round(p.rps, 1), "n": len(p.latencies), "errors": p.errors} for p in phases],
+        "phases": [{"path": p.path, "workload": p.workload, "rps": round(p.rps, 1), "n": len(p.latencies), "errors": p.errors,
+                    "error_samples": p.error_samples} for p in phases],
     }
     print(json.dumps(summary, indent=2))
     if not args.no_record:
