@@ -9,6 +9,7 @@
 | GET /metrics | none | the gateway's Prometheus metrics (`mosaic_…`) |
 | GET /admin/workers | admin key | each worker's state, breaker, parsed stats, in-flight counts, capacity |
 | GET /admin/routing | admin key | the routing policy, plugins, weights; admission queue depths |
+| GET /admin/autoscaler | admin key | autoscaler config, pools as the policy sees them, recent decisions (reasons, signals) and scale actions |
 
 Before dispatch, in order: request id (the client's `X-Request-Id` when it is a sane token, else a new
 one; echoed on every response and sent to workers), draining check (503), API key (401), body size
@@ -211,6 +212,16 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
             "outcomes": dict(gw.dispatcher.outcomes),
         }
         return JSONResponse(body)
+
+    @app.get("/admin/autoscaler")
+    async def admin_autoscaler(request: Request) -> Response:
+        try:
+            gw.keys.authenticate_admin(request.headers.get("authorization"))
+        except GatewayError as err:
+            return err.to_response()
+        if gw.autoscaler is None:
+            return JSONResponse({"enabled": False, "config": gw.config.autoscaler.model_dump(mode="json")})
+        return JSONResponse(gw.autoscaler.describe())
 
 
 def _add_error_handlers(app: FastAPI) -> None:

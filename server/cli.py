@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "server.commands.replay",
     "server.commands.profile",
     "server.commands.kv_layout",
+    "server.commands.autoscale",
 )
 
 app = typer.Typer(

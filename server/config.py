@@ -21,11 +21,12 @@ limits: {max_body_bytes: 4194304, queue_size: 256, queue_deadline_s: 10}
 
 Sections owned by other parts are their own pydantic models, plugged in here so one file configures
 everything and unknown keys are refused everywhere: `routing` (`scheduler.routing.config.RoutingConfig`),
-`kv` (`scheduler.kv.config.KvConfig`); `autoscaler` is a slot its owner fills.
+`kv` (`scheduler.kv.config.KvConfig`); `autoscaler` (`AutoscalerConfig` here, run by `server.autoscaling`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +35,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from placement.catalog import Catalog, CatalogError, load_catalog
+from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
+from scheduler.autoscaler.policy import AutoscalerConfig as PolicyConfig
 from scheduler.kv.config import KvConfig
 from scheduler.routing.config import RoutingConfig, RoutingConfigError
 
@@ -184,8 +187,69 @@ class HealthConfig(_Strict):
     open_s: float = Field(default=5.0, gt=0)  # open this long, then one probe decides (half-open)
 
 
+class AutoscalerKubernetesConfig(_Strict):
+    """Where the `kubernetes` actuator scales: each managed pool's Deployment (its `scale` subresource)."""
+
+    namespace: str | None = None  # None → $POD_NAMESPACE (set in the chart's controller pod), else "default"
+    deployments: dict[str, str] = Field(default_factory=dict)  # pool → Deployment; empty → every kubernetes pool, by pool name
+    in_cluster: bool | None = None  # None: in-cluster config when available, else ~/.kube/config
+
+
 class AutoscalerConfig(_Strict):
-    """P/D autoscaler settings. Owned by the autoscaler engineer, who adds the fields here."""
+    """The live P/D autoscaler (`server.autoscaling`, docs/autoscaling-live.md).
+
+    `mosaic serve` runs it in-process when `enabled` and the actuator is `embedded` or `dry-run`;
+    `mosaic autoscale` runs only the controller (the chart's controller Deployment, `kubernetes`).
+    Per-pool bounds are the pools' `min_replicas` / `max_replicas`; `knobs` are the policy's own
+    (`scheduler.autoscaler.policy.AutoscalerConfig`: utilization_target, pd_ratio, scale_down_window_s, ...).
+    """
+
+    enabled: bool = False
+    policy: str = "mosaic"  # scheduler.autoscaler.factory spelling: mosaic, hpa-util:0.7, hpa-waiting:4, dynamo:180, static:p=N
+    interval_s: float = Field(default=15.0, gt=0)
+    actuator: Literal["embedded", "kubernetes", "dry-run"] = "embedded"
+    cold_start_s: float = Field(default=0.0, ge=0)  # embedded: a started worker becomes routable this much later
+    drain_timeout_s: float = Field(default=600.0, gt=0)  # embedded: longest wait for a draining worker's requests
+    context_tokens: int = Field(default=1024, ge=1)  # context per sequence at which decode capacity is sized
+    history: int = Field(default=100, ge=1)  # decisions and scale actions kept for /admin/autoscaler
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    kubernetes: AutoscalerKubernetesConfig = Field(default_factory=AutoscalerKubernetesConfig)
+
+    @field_validator("policy")
+    @classmethod
+    def _policy_name(cls, spec: str) -> str:
+        name = spec.partition(":")[0]
+        if name == "fixed":
+            raise ValueError("policy 'fixed' scales nothing; set autoscaler.enabled: false instead")
+        if name not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {spec!r}; valid: {', '.join(n for n in POLICY_NAMES if n != 'fixed')}")
+        return spec
+
+    @field_validator("knobs")
+    @classmethod
+    def _knobs(cls, knobs: dict[str, Any]) -> dict[str, Any]:
+        policy_knobs(knobs)
+        return knobs
+
+    def policy_config(self, slo: SloConfig) -> PolicyConfig:
+        """The policy's knobs, with the SLO section's TTFT/TPOT as its latency net unless a knob sets them."""
+        slos = {"ttft_slo_s": slo.ttft_ms / 1e3 if slo.ttft_ms else None,
+                "tpot_slo_s": slo.tpot_ms / 1e3 if slo.tpot_ms else None}
+        return policy_knobs({**slos, **self.knobs})
+
+
+def policy_knobs(knobs: dict[str, Any]) -> PolicyConfig:
+    """`knobs` → the policy's config; ValueError naming the knob on an unknown name or a bad value."""
+    valid = [f.name for f in dataclasses.fields(PolicyConfig)]
+    for key in knobs:
+        if key not in valid:
+            raise ValueError(f"unknown knob {key!r}; valid: {', '.join(valid)}")
+    if knobs.get("prefill_mode", "ratio") not in ("ratio", "prompt_tokens"):
+        raise ValueError(f"prefill_mode must be ratio or prompt_tokens, got {knobs['prefill_mode']!r}")
+    try:
+        return PolicyConfig(**knobs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(str(exc)) from None
 
 
 class GatewaySettings(_Strict):
@@ -217,6 +281,7 @@ class MosaicConfig(_Strict):
             for i, pool in enumerate(self.pools):
                 if pool.model not in known:
                     raise _FieldError(f"pools.{i}.model", f"model {pool.model!r} is not listed under models")
+        _check_autoscaler(self)
         return self
 
     def model_configs(self) -> list[ModelConfig]:
@@ -231,6 +296,33 @@ class MosaicConfig(_Strict):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+
+def _check_autoscaler(config: MosaicConfig) -> None:
+    """What the autoscaler section can only check against the pools (names, parameters, time scales)."""
+    a = config.autoscaler
+    names = [p.name for p in config.pools]
+    for pool in a.kubernetes.deployments:
+        if pool not in names:
+            raise _FieldError(f"autoscaler.kubernetes.deployments.{pool}", f"no pool named {pool!r}; pools: {', '.join(names)}")
+    try:  # the parameters parse (hpa-util:0.7, static:pool=N, ...); the live policy is built by the controller
+        build_policy(a.policy, [], PolicyConfig(), dict.fromkeys(names, 0))
+    except PolicyError as exc:
+        raise _FieldError("autoscaler.policy", str(exc)) from None
+    if a.enabled and a.actuator == "embedded":
+        if not any(p.endpoints.simulated is not None for p in config.pools):
+            raise _FieldError("autoscaler.actuator", "the embedded actuator scales simulated pools and there is none; "
+                              "use kubernetes (mosaic autoscale) or dry-run")
+        # Simulated rates and latencies are converted to model time by the pool's time_scale; the
+        # gateway measures latency per model, so one model's simulated pools must share one scale.
+        scales: dict[str, set[float]] = {}
+        for pool in config.pools:
+            if pool.endpoints.simulated is not None:
+                scales.setdefault(pool.model, set()).add(pool.endpoints.simulated.time_scale)
+        for model, found in scales.items():
+            if len(found) > 1:
+                raise _FieldError("autoscaler", f"the simulated pools of model {model!r} mix time_scale values "
+                                  f"{sorted(found)}; the embedded autoscaler needs one per model")
 
 
 class _FieldError(ValueError):

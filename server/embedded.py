@@ -14,13 +14,17 @@ simulated KV transfer); shorter ones go to a decode or mixed worker, split by ca
 event loop, each running the engine model at `time_scale` × real time (1 = realistic latencies).
 
 A `SimulatedPoolSource` is a discovery source: `start()` launches the replicas, `list()` reports them,
-`scale_to(n)` adds or stops replicas at run time (the embedded autoscaler actuator's hook; the registry
-re-lists every `resync_s`), `stop()` stops them all.
+`scale_to(n)` adds or stops replicas at run time (the registry re-lists every `resync_s`), `stop()` stops
+them all. The embedded autoscaler actuator (`server.embedded_actuator`) uses the finer hooks:
+`start_replica(cold_start_s)` (listed not-ready until the cold start has passed, so the registry holds it
+as `starting`), `set_draining(index)` (listed terminating: routed nothing new) and `stop_replica(index)`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 from server.config import ModelConfig, MosaicConfig, PoolConfig, SimulatedSource, validate_config
@@ -53,13 +57,16 @@ class SimulatedPoolSource:
     """Discovery source that owns a pool's simulated workers (see module docstring)."""
 
     def __init__(self, pool: PoolConfig, model: ModelConfig, sim: SimulatedSource, catalog_path: str | None = None,
-                 resync_s: float = 1.0) -> None:
+                 resync_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.model = model
         self.sim = sim
         self.catalog_path = catalog_path
         self.resync_s: float | None = resync_s
         self.workers: dict[int, RunningWorker] = {}
+        self.ready_at: dict[int, float] = {}  # cold start: listed not-ready before this clock time
+        self.draining: set[int] = set()  # listed terminating: the registry routes them nothing new
+        self.clock = clock
         self._next = 0
         self._lock = asyncio.Lock()
 
@@ -91,17 +98,42 @@ class SimulatedPoolSource:
 
     async def scale_to(self, replicas: int) -> None:
         """Start or stop replicas until `replicas` run (newest stopped first)."""
+        while len(self.workers) < replicas:
+            await self.start_replica()
+        while len(self.workers) > replicas:
+            await self.stop_replica(max(self.workers))
+
+    async def start_replica(self, cold_start_s: float = 0.0) -> int:
+        """Start one worker; it is listed ready only `cold_start_s` from now. Returns its index."""
         async with self._lock:
-            while len(self.workers) < replicas:
-                index = self._next
-                self._next += 1
-                self.workers[index] = await start_worker_server(self.worker_config(index))
-            while len(self.workers) > replicas:
-                index = max(self.workers)
-                await self.workers.pop(index).stop()
+            index = self._next
+            self._next += 1
+            self.workers[index] = await start_worker_server(self.worker_config(index))
+            if cold_start_s > 0:
+                self.ready_at[index] = self.clock() + cold_start_s
+            return index
+
+    def set_draining(self, index: int, draining: bool = True) -> None:
+        (self.draining.add if draining else self.draining.discard)(index)
+
+    async def stop_replica(self, index: int) -> None:
+        """Stop one worker now (open streams are cut: drain it first) and stop listing it."""
+        async with self._lock:
+            worker = self.workers.pop(index, None)
+            self.ready_at.pop(index, None)
+            self.draining.discard(index)
+        if worker is not None:
+            await worker.stop()
+
+    def endpoint_name(self, index: int) -> str:
+        return f"sim-{index}"
 
     async def list(self) -> list[Endpoint]:
-        return [Endpoint(f"sim-{i}", w.url) for i, w in sorted(self.workers.items())]
+        now = self.clock()
+        return [
+            Endpoint(self.endpoint_name(i), w.url, ready=self.ready_at.get(i, now) <= now, terminating=i in self.draining)
+            for i, w in sorted(self.workers.items())
+        ]
 
     async def stop(self) -> None:
         async with self._lock:

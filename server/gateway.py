@@ -30,9 +30,11 @@ from scheduler.routing.framework import Decision, ReservePlugin
 from scheduler.routing.reasons import Reject
 from server.admission import AdmissionQueue
 from server.auth import KeyStore, RateLimiter
+from server.autoscaling import AutoscalerController, in_process, in_process_controller
 from server.config import ConfigError, MosaicConfig, PoolConfig
 from server.discovery import KubernetesDiscovery, Source, StaticSource
 from server.dispatch import Dispatcher
+from server.embedded_actuator import OpenDecisions
 from server.metrics import GatewayMetrics
 from server.proxy import Upstream
 from server.registry import PoolInfo, Registry
@@ -76,6 +78,10 @@ class Gateway:
         # The output-length predictor the ledger sizes `predicted` reservations with; fed at completion.
         self.predictor: LengthPredictor | None = self.ledger.predictor if self.ledger is not None else None
         plugins: list[ReservePlugin] = [self.ledger] if self.ledger is not None else []
+        # The in-process autoscaler's soft scale-in waits for routing decisions still open on a draining worker.
+        self.open_decisions = OpenDecisions() if in_process(config) and config.autoscaler.actuator == "embedded" else None
+        if self.open_decisions is not None:
+            plugins.append(self.open_decisions)
         self.router = build_router(config.routing, reserve=[*plugins, *reserve])
         self.admission: AdmissionQueue[Decision] = AdmissionQueue(
             config.limits.queue_size,
@@ -92,6 +98,8 @@ class Gateway:
             config, self.registry, self.router, self.admission, self.upstream, self.metrics, self.limiter, clock,
             self.predictor,
         )
+        # `autoscaler.enabled` with the embedded or dry-run actuator: the controller runs in this process.
+        self.autoscaler: AutoscalerController | None = in_process_controller(self) if in_process(config) else None
 
     def _kv_tick(self) -> None:
         """After each scrape round: expire lost reservations, then reconcile against reported KV usage."""
@@ -130,8 +138,12 @@ class Gateway:
         if warning:
             log.warning(warning)
         await self.registry.start()
+        if self.autoscaler is not None:
+            self.autoscaler.start()
 
     async def stop(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         await self.registry.stop()
         await self.upstream.aclose()
         if self._own_probe_client is not None:

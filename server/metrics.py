@@ -22,6 +22,8 @@ nothing per request.
 | mosaic_worker_state | gauge (1) | worker, pool, state |
 | mosaic_worker_breaker_open | gauge | worker, pool |
 | mosaic_worker_scrape_age_seconds | gauge | worker, pool (absent until first scrape) |
+| mosaic_worker_cost_per_hour | gauge | worker, pool ($/h from the worker's capacity; sum it for the fleet's $/h) |
+| mosaic_autoscaler_* | | when the autoscaler runs in-process: see `server.autoscaling` |
 | mosaic_admission_queue_depth | gauge | model |
 | mosaic_kv_total_units, mosaic_kv_reserved_units, mosaic_kv_shrink_units, mosaic_kv_active_reservations | gauge | worker (KV ledger, when `kv.enabled`) |
 | mosaic_kv_estimate_error | gauge | worker: (reported − reserved) / total at the last reconcile |
@@ -53,6 +55,7 @@ class WorkerGaugeRow:
     inflight_prefill_tokens: int
     breaker_open: bool
     scrape_age_s: float | None
+    cost_per_hour: float | None = None  # WorkerCapacity.cost_per_hour (the whole TP group)
 
 
 class _LiveCollector(Collector):
@@ -74,6 +77,7 @@ class _LiveCollector(Collector):
         state = GaugeMetricFamily("mosaic_worker_state", "Worker state (1 for the current state)", labels=["worker", "pool", "state"])
         breaker = GaugeMetricFamily("mosaic_worker_breaker_open", "1 when the worker's circuit breaker is open", labels=["worker", "pool"])
         age = GaugeMetricFamily("mosaic_worker_scrape_age_seconds", "Seconds since the worker's last successful /metrics scrape", labels=["worker", "pool"])
+        cost = GaugeMetricFamily("mosaic_worker_cost_per_hour", "$/h of the worker (its GPU type and TP degree)", labels=["worker", "pool"])
         for row in self._workers():
             labels = [row.worker, row.pool]
             inflight.add_metric(labels, row.inflight_requests)
@@ -82,10 +86,12 @@ class _LiveCollector(Collector):
             breaker.add_metric(labels, 1 if row.breaker_open else 0)
             if row.scrape_age_s is not None:
                 age.add_metric(labels, row.scrape_age_s)
+            if row.cost_per_hour is not None:
+                cost.add_metric(labels, row.cost_per_hour)
         depth = GaugeMetricFamily("mosaic_admission_queue_depth", "Requests waiting in the admission queue", labels=["model"])
         for model, n in self._queues().items():
             depth.add_metric([model], n)
-        yield from (inflight, prefill, state, breaker, age, depth)
+        yield from (inflight, prefill, state, breaker, age, cost, depth)
         if self._kv is not None:
             yield from _kv_families(self._kv())
 

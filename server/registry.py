@@ -353,6 +353,7 @@ class Registry:
             WorkerGaugeRow(
                 r.id, r.pool.name, r.state().value, r.inflight_requests, r.inflight_prefill_tokens,
                 r.breaker.is_open(now), (now - r.stats_at) if r.stats_at is not None else None,
+                r.pool.capacity.cost_per_hour,
             )
             for r in self._workers.values()
         ]

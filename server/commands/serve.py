@@ -38,7 +38,7 @@ async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, emb
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
     try:
         running = await start_gateway_server(config, host, port, install_signals=True, log_level=log_level, sock=sock)
-    except KubernetesUnavailable as exc:
+    except (KubernetesUnavailable, ConfigError) as exc:  # ConfigError: what only the built gateway can check
         fail(str(exc))
     gw = running.gateway
     pools = ", ".join(f"{p.name} ({p.gpu}, {p.role.value})" for p in gw.registry.pools())

@@ -214,6 +214,23 @@ HPA it is maxReplicas, the pessimistic share.
 {{- $pools = append $pools $entry }}
 {{- end }}
 {{- $_ := set $cfg "pools" $pools }}
+{{- /* The controller (`mosaic autoscale`) scales each pool's Deployment, <fullname>-<pool>, in this namespace. */}}
+{{- if $root.Values.controller.enabled }}
+{{- $as := deepCopy (default (dict) $cfg.autoscaler) }}
+{{- $deployments := dict }}
+{{- range (include "mosaic.pools" $root | fromYaml).pools }}
+{{- $_ := set $deployments .name .fullname }}
+{{- end }}
+{{- $scaler := deepCopy (default (dict) $as.kubernetes) }}
+{{- $_ := set $scaler "namespace" $root.Release.Namespace }}
+{{- $_ := set $scaler "deployments" $deployments }}
+{{- $_ := set $scaler "in_cluster" true }}
+{{- if not (hasKey $as "actuator") }}
+{{- $_ := set $as "actuator" "kubernetes" }}
+{{- end }}
+{{- $_ := set $as "kubernetes" $scaler }}
+{{- $_ := set $cfg "autoscaler" $as }}
+{{- end }}
 {{- $n := $root.Values.gateway.replicas }}
 {{- if $root.Values.gateway.autoscaling.enabled }}{{ $n = $root.Values.gateway.autoscaling.maxReplicas }}{{ end }}
 {{- $_ := set $cfg "gateway" (dict "replicas" (int $n) "host" "0.0.0.0" "port" (int $root.Values.gateway.port)) }}

@@ -1,0 +1,138 @@
+"""`mosaic autoscale`: only the autoscaler controller — discovery, scraping, decisions, scaling; no API serving.
+
+    mosaic autoscale --config /etc/mosaic/config.yaml          # what the Helm chart's controller Deployment runs
+    mosaic autoscale --config mosaic.yaml --cycles 3 --json    # three decisions as JSON lines, then exit
+
+It reads the gateway's config, finds and scrapes the pools' workers through the gateway's own registry
+and discovery (`server.gateway.Gateway`, never served over HTTP), and every `autoscaler.interval_s` runs the
+policy and applies it through `autoscaler.actuator`: `kubernetes` patches the scale subresource of each
+pool's Deployment (`autoscaler.kubernetes.deployments`, default: every kubernetes pool, Deployment named
+after the pool; namespace from `autoscaler.kubernetes.namespace`, else `$POD_NAMESPACE`, else `default`),
+`dry-run` only records and prints. The `embedded` actuator starts simulated workers inside `mosaic serve`
+and is refused here. Runs until SIGTERM/SIGINT (or `--cycles`). A bad config, a missing `kubernetes`
+package or cluster config exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+import typer
+
+from server.commands.common import fail
+from server.config import ConfigError, MosaicConfig, load_config
+
+
+def kubernetes_deployments(cfg: MosaicConfig) -> dict[str, str]:
+    """Pool → Deployment the kubernetes actuator scales (config mapping, else every kubernetes pool by name)."""
+    given = cfg.autoscaler.kubernetes.deployments
+    if given:
+        return dict(given)
+    return {p.name: p.name for p in cfg.pools if p.endpoints.kubernetes is not None}
+
+
+def _apps_api(in_cluster: bool | None) -> Any:
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        fail("the kubernetes actuator needs the 'kubernetes' package: pip install 'mosaic-serve[k8s]'")
+    try:
+        if in_cluster is False:
+            config.load_kube_config()
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                if in_cluster:
+                    raise
+                config.load_kube_config()
+    except Exception as exc:  # the client raises several unrelated types for a missing/bad kubeconfig
+        fail(f"cannot load Kubernetes config for the kubernetes actuator: {exc}")
+    return client.AppsV1Api()
+
+
+async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | None) -> None:
+    from scheduler.actuators.dry_run import DryRunActuator
+    from scheduler.actuators.kubernetes import KubernetesActuator
+    from server.autoscaling import ActuatorFactory, controller_for
+    from server.discovery import KubernetesUnavailable
+    from server.gateway import Gateway
+
+    a = cfg.autoscaler
+    factory: ActuatorFactory
+    if a.actuator == "kubernetes":
+        deployments = kubernetes_deployments(cfg)
+        if not deployments:
+            fail("autoscaler: no pool to scale: map pools to Deployments in autoscaler.kubernetes.deployments")
+        namespace = a.kubernetes.namespace or os.environ.get("POD_NAMESPACE") or "default"
+        api = apps_api if apps_api is not None else _apps_api(a.kubernetes.in_cluster)
+        managed = frozenset(deployments)
+
+        def factory(initial: Mapping[str, int]) -> Any:
+            return KubernetesActuator(api, namespace, deployments)
+    else:
+        managed = frozenset(p.name for p in cfg.pools)
+
+        def factory(initial: Mapping[str, int]) -> Any:
+            return DryRunActuator(initial, keep=a.history)
+
+    # The gateway's registry and discovery, with its own in-process controller off (this process is it).
+    gw = Gateway(cfg.model_copy(update={"autoscaler": a.model_copy(update={"enabled": False})}))
+    try:
+        controller = controller_for(cfg, gw.registry, gw.metrics.registry, actuator_factory=factory, managed=managed,
+                                    gateway_metrics=False, offload=a.actuator == "kubernetes", clock=gw.clock)
+    except ConfigError as exc:
+        await gw.stop()
+        fail(str(exc))
+    try:
+        await gw.registry.start()
+    except KubernetesUnavailable as exc:
+        await gw.stop()
+        fail(str(exc))
+    typer.echo(f"mosaic autoscale: policy {a.policy}, actuator {a.actuator}, every {a.interval_s:g} s; "
+               f"pools {', '.join(sorted(managed)) or 'none'}", err=as_json)
+
+    def report(decision: dict[str, Any]) -> None:
+        if as_json:
+            typer.echo(json.dumps({k: decision[k] for k in ("time", "targets", "reasons", "signals", "actions")}))
+
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(controller.run(cycles, report))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, task.cancel)
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        await controller.stop()
+        await gw.stop()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("autoscale")
+    def autoscale(
+        config: str = typer.Option(..., "--config", "-c", help="Gateway config YAML with an `autoscaler:` section."),
+        cycles: int = typer.Option(0, "--cycles", min=0, help="Stop after this many decisions (0: run until SIGTERM)."),
+        as_json: bool = typer.Option(False, "--json", help="Print each decision as one JSON line."),
+        log_level: str = typer.Option("info", "--log-level", help="Log level (decisions and scale actions log at info)."),
+    ) -> None:
+        """Run only the P/D autoscaler controller (no API serving): scrape the pools, decide, scale Deployments."""
+        try:
+            cfg = load_config(config)
+        except ConfigError as exc:
+            fail(str(exc))
+        if cfg.autoscaler.actuator == "embedded":
+            fail("autoscaler.actuator: embedded starts simulated workers inside `mosaic serve`; "
+                 "mosaic autoscale needs kubernetes or dry-run")
+        level = log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "INFO"
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+        asyncio.run(_run(cfg, cycles, as_json, None))
