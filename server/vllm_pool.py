@@ -11,18 +11,25 @@ process is reaped on later calls (`reap`), SIGKILLed with its process group if s
 `stop_grace_s`. `VllmActuator` adapts pools to the autoscaler's `Actuator` protocol
 (`scale(pool, replicas, now)`, `replicas(pool)`).
 
-Config (the gateway maps a pool's `endpoints: {launch: vllm}` onto `pool_template`):
+Config: a pool's `endpoints: {launch: ...}` is a `LaunchVllmConfig` (the gateway builds a
+`server.vllm_source.LaunchedPoolSource` from it):
 
 ```yaml
 pools:
   - name: decode-h100
-    model: llama-3-8b
+    model: llama-3-8b              # served name; models[].max_model_len → --max-model-len
     gpu: H100
-    role: decode
-    tp: 2
+    role: decode                   # → --kv-transfer-config with kv_role kv_consumer
+    tp: 2                          # → --tensor-parallel-size 2, two GPUs per replica
     gpu_memory_utilization: 0.9
     min_replicas: 1
-    endpoints: {launch: vllm}      # model weights: models[].path (else the model name), 1 replica per tp GPUs
+    max_replicas: 3
+    endpoints:
+      launch:                      # or just `launch: vllm` for all defaults
+        model: meta-llama/Meta-Llama-3-8B-Instruct   # weights (default: the model name)
+        replicas: 2                # started with the gateway
+        gpu_ids: ["0", "1", "2", "3"]                 # default: CUDA_VISIBLE_DEVICES, else nvidia-smi
+        extra_args: [--enable-prefix-caching]
 ```
 """
 
@@ -31,12 +38,39 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scheduler.actuators.base import ScaleAction
 from server.vllm_launcher import LaunchError, VllmLaunchSpec, VllmProcess, free_port
+
+
+class LaunchVllmConfig(BaseModel):
+    """A pool's `endpoints.launch`: `launch: vllm` (all defaults) or a mapping with these keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: Literal["vllm"] = "vllm"
+    model: str | None = None  # weights to serve: a path or HF name; None → the pool's model name
+    replicas: int = Field(default=1, ge=0)  # started with the gateway; the autoscaler moves it in min..max
+    gpu_ids: list[str] | None = None  # GPUs Mosaic may hand out; None → CUDA_VISIBLE_DEVICES, else nvidia-smi
+    use_gpus: bool = True  # false: no GPU assignment (vLLM's CPU build)
+    vllm_command: str = "vllm serve"  # split like a shell would
+    extra_args: list[str] = Field(default_factory=list)  # appended to every replica's command line
+    env: dict[str, str] = Field(default_factory=dict)
+    host: str = "127.0.0.1"
+    log_dir: str | None = None  # per-replica logs; None → a temporary folder
+    stop_grace_s: float = Field(default=30.0, ge=0)
+    restart_backoff_s: float = Field(default=10.0, ge=0)  # a replica that died is replaced after this
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: object) -> object:
+        return {"engine": data} if isinstance(data, str) else data
 
 
 class GpuAllocator:
@@ -137,6 +171,7 @@ class VllmPoolLauncher:
         self.use_gpus = use_gpus  # False: CPU build (no GPU assignment), e.g. the CPU test environment
         self._starter = starter
         self._serial = 0
+        self.desired = 0  # the count last asked for by scale_to (replicas that die are replaced up to it)
         self._live: list[LaunchedReplica] = []
         self._stopping: list[LaunchedReplica] = []
 
@@ -195,8 +230,18 @@ class VllmPoolLauncher:
                 self._stopping.remove(replica)
         return len(self._stopping)
 
+    def prune_dead(self) -> list[LaunchedReplica]:
+        """Live replicas whose process exited on its own: removed, GPUs released. Returns them."""
+        dead = [r for r in self._live if r.process.poll() is not None]
+        for replica in dead:
+            self._live.remove(replica)
+            replica.process.stop(timeout_s=0.0)
+            self.allocator.release(replica.id)
+        return dead
+
     def scale_to(self, replicas: int) -> tuple[list[LaunchedReplica], list[str]]:
         """Start or stop (newest first) until `replicas` are live. Returns (started, stopped ids)."""
+        self.desired = replicas
         self.reap()
         started: list[LaunchedReplica] = []
         stopped: list[str] = []
@@ -254,6 +299,7 @@ def pool_template(
     extra_args: Sequence[str] = (),
     vllm_command: Sequence[str] = ("vllm", "serve"),
     host: str = "127.0.0.1",
+    env: Mapping[str, str] | None = None,
 ) -> VllmLaunchSpec:
     """The per-pool template a `launch: vllm` pool's replicas are made from (port filled in per replica)."""
     return VllmLaunchSpec(
@@ -267,4 +313,5 @@ def pool_template(
         gpu_memory_utilization=gpu_memory_utilization,
         extra_args=tuple(extra_args),
         vllm_command=tuple(vllm_command),
+        env=dict(env or {}),
     )

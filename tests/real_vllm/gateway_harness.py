@@ -133,8 +133,8 @@ class MosaicGateway:
     def stop(self) -> None:
         if self._proc.poll() is None:
             self._proc.terminate()
-            try:
-                self._proc.wait(timeout=15)
+            try:  # graceful: drains streams, then stops sources (a launched vLLM takes a few seconds)
+                self._proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=5)
