@@ -27,9 +27,14 @@ from server.errors import Cause, GatewayError
 
 
 class RejectLike(Protocol):
-    reason: str
-    retry_after_s: float
-    retryable: bool
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def retry_after_s(self) -> float: ...
+
+    @property
+    def retryable(self) -> bool: ...
 
     @property
     def http_status(self) -> int: ...
@@ -86,8 +91,9 @@ class AdmissionQueue(Generic[D]):
             result = attempt()
             if not self._is_reject(result):
                 return result  # type: ignore[return-value]
-            last = result  # type: ignore[assignment]
-            self._refuse_if_final(model, last)
+            reject: RejectLike = result  # type: ignore[assignment]
+            last = reject
+            self._refuse_if_final(model, reject)
         if len(q) >= self._max:
             raise GatewayError(
                 Cause.QUEUE_FULL,
@@ -110,8 +116,9 @@ class AdmissionQueue(Generic[D]):
                         q.popleft()
                         self.notify(model)  # the next waiter may fit too
                         return result  # type: ignore[return-value]
-                    last = result  # type: ignore[assignment]
-                    self._refuse_if_final(model, last)
+                    reject: RejectLike = result  # type: ignore[assignment]
+                    last = reject
+                    self._refuse_if_final(model, reject)
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise GatewayError(

@@ -193,12 +193,14 @@ def _official_lister(in_cluster: bool | None) -> Any:
 
     def lister(resource: str, namespace: str, selector: str) -> dict[str, Any]:
         # _preload_content=False: the raw API JSON, the same shape the recorded fixtures have.
+        resp: Any
         if resource == "pods":
             resp = core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
         else:
             resp = discovery.list_namespaced_endpoint_slice(
                 namespace, label_selector=selector, _preload_content=False
             )
-        return json.loads(resp.data)
+        data: dict[str, Any] = json.loads(resp.data)  # a urllib3 response when _preload_content=False
+        return data
 
     return lister

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,7 +111,7 @@ async def start_gateway_server(
         log_level=log_level,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=config.limits.shutdown_grace_s,
+        timeout_graceful_shutdown=math.ceil(config.limits.shutdown_grace_s),
         backlog=4096,
     )
     server = _GatewayServer(uv, app.state.gateway, install_signals)

@@ -32,7 +32,8 @@ from typing import Any
 import httpcore
 import httpx
 
-SOCKET_OPTION = tuple[int, int, int | bytes] | tuple[int, int, None, int]
+# httpcore's socket option type (httpcore._backends.base.SOCKET_OPTION), spelled out: that module is private.
+SOCKET_OPTION = tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
 
 
 def _readable(sock: socket.socket | None) -> bool:
