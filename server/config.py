@@ -9,7 +9,7 @@ pools:
     model: llama-3-8b
     gpu: A100-80GB
     role: decode                    # prefill | decode | mixed
-    endpoints:                      # exactly one of static | kubernetes | simulated
+    endpoints:                      # exactly one of static | kubernetes | simulated | launch
       static: [http://10.0.0.5:8000, http://10.0.0.6:8000]
 routing: {policy: mosaic, pd_threshold_tokens: 256}   # scheduler.routing.config.RoutingConfig
 auth: {api_keys_env: MOSAIC_API_KEYS, admin_keys: [admin-secret]}
@@ -39,6 +39,7 @@ from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
 from scheduler.autoscaler.policy import AutoscalerConfig as PolicyConfig
 from scheduler.kv.config import KvConfig
 from scheduler.routing.config import RoutingConfig, RoutingConfigError
+from server.vllm_pool import LaunchVllmConfig
 
 RoleName = Literal["prefill", "decode", "mixed"]
 
@@ -91,13 +92,13 @@ class EndpointsConfig(_Strict):
     static: list[str] | None = None
     kubernetes: KubernetesSource | None = None
     simulated: SimulatedSource | None = None
-    # `launch: vllm` (start real vLLM processes) is reserved for the real-vLLM issue; added here when it lands.
+    launch: LaunchVllmConfig | None = None  # `launch: vllm`: the gateway starts the pool's vLLM processes
 
     @model_validator(mode="after")
     def _exactly_one(self) -> EndpointsConfig:
-        given = [k for k in ("static", "kubernetes", "simulated") if getattr(self, k) is not None]
+        given = [k for k in ("static", "kubernetes", "simulated", "launch") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of static, kubernetes, simulated (got {given or 'none'})")
+            raise ValueError(f"give exactly one of static, kubernetes, simulated, launch (got {given or 'none'})")
         return self
 
     @field_validator("static")
@@ -112,7 +113,7 @@ class EndpointsConfig(_Strict):
 
     @property
     def kind(self) -> str:
-        return "static" if self.static is not None else "kubernetes" if self.kubernetes else "simulated"
+        return next(k for k in ("static", "kubernetes", "simulated", "launch") if getattr(self, k) is not None)
 
 
 class PoolConfig(_Strict):

@@ -65,6 +65,7 @@ class Gateway:
         catalog = load_catalog(config.catalog)
         self.max_model_len: dict[str, int] = {}
         self.sources: dict[str, Source] = {}  # by pool name (the embedded autoscaler scales simulated ones)
+        self._gpu_allocator: Any = None  # server.vllm_pool.GpuAllocator, built when a pool has `launch`
         for pool in config.pools:
             info = self._pool_info(pool, catalog)
             self.max_model_len.setdefault(pool.model, info.capacity.max_model_len or 0)
@@ -129,9 +130,33 @@ class Gateway:
             return StaticSource(ep.static)
         if ep.kubernetes is not None:
             return KubernetesDiscovery(ep.kubernetes)
+        if ep.launch is not None:
+            return self._launched_source(pool)
         from server.embedded import simulated_source  # the simulator is needed only for simulated pools
 
         return simulated_source(self.config, pool)
+
+    def _launched_source(self, pool: PoolConfig) -> Source:
+        """`launch: vllm`: the pool's vLLM processes, started and supervised by `server.vllm_source`. One
+        GPU allocator for every launched pool of this gateway, so no two replicas share a GPU."""
+        from server.vllm_launcher import detect_gpu_ids
+        from server.vllm_pool import GpuAllocator
+        from server.vllm_source import LaunchedPoolSource
+
+        assert pool.endpoints.launch is not None
+        if self._gpu_allocator is None:
+            self._gpu_allocator = GpuAllocator(detect_gpu_ids())
+        model = self.config.model_config_for(pool.model)
+        return LaunchedPoolSource.for_pool(
+            pool.name,
+            served_model=model.name,
+            role=pool.role,
+            tp=pool.tp,
+            max_model_len=model.max_model_len,
+            gpu_memory_utilization=pool.gpu_memory_utilization,
+            launch=pool.endpoints.launch,
+            allocator=self._gpu_allocator,
+        )
 
     async def start(self) -> None:
         warning = self.keys.open_warning()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,11 @@ def test_defaults() -> None:
         pytest.param({"models": [{"name": "m"}], "pools": [_pool()]}, "test: pools.0.model: model 'llama-3-8b' is not listed under models",
                      id="pool model not in the models list"),
         pytest.param({"pools": [_pool(role="both")]}, "test: pools.0.role: Input should be 'prefill', 'decode' or 'mixed'", id="bad role"),
-        pytest.param({"pools": [_pool(endpoints={})]}, "test: pools.0.endpoints: give exactly one of static, kubernetes, simulated",
+        pytest.param({"pools": [_pool(endpoints={})]}, "test: pools.0.endpoints: give exactly one of static, kubernetes, simulated, launch",
                      id="no endpoints"),
+        pytest.param({"pools": [_pool(endpoints={**STATIC, "launch": "vllm"})]},
+                     "test: pools.0.endpoints: give exactly one of static, kubernetes, simulated, launch (got ['static', 'launch'])",
+                     id="two endpoint kinds"),
         pytest.param({"pools": [_pool(endpoints={"static": ["10.0.0.5:8000"]})]}, "test: pools.0.endpoints.static: '10.0.0.5:8000' is not an http(s):// URL",
                      id="static URL without scheme"),
         pytest.param({"pools": [_pool(endpoints={"kubernetes": {"namespace": "x"}})]}, "test: pools.0.endpoints.kubernetes.label_selector: Field required",
@@ -87,3 +91,25 @@ def test_embedded_default_is_heterogeneous() -> None:
     ]
     assert all(p.endpoints.simulated and p.endpoints.simulated.time_scale == 7.0 for p in cfg.pools)
     assert sum(p.endpoints.simulated.replicas for p in cfg.pools if p.endpoints.simulated) == 5
+
+
+def test_launch_vllm_pool_builds_a_launched_source() -> None:
+    """`launch: vllm` (the real-vLLM launcher's section) parses, and the gateway discovers through
+    `server.vllm_source.LaunchedPoolSource` — constructed, nothing started until the lifespan runs."""
+    from server.gateway import Gateway
+    from server.vllm_source import LaunchedPoolSource
+
+    cfg = validate_config({"pools": [_pool(endpoints={"launch": "vllm"}),
+                                     _pool(name="q", endpoints={"launch": {"replicas": 0, "use_gpus": False}})]})
+    assert [p.endpoints.kind for p in cfg.pools] == ["launch", "launch"]
+    assert cfg.pools[0].endpoints.launch is not None and cfg.pools[0].endpoints.launch.replicas == 1
+    gw = Gateway(cfg)
+    assert all(isinstance(s, LaunchedPoolSource) for s in gw.sources.values())
+
+    async def cleanup() -> None:  # no replica was started; stop() removes their log folders
+        for source in gw.sources.values():
+            await source.stop()
+        await gw.upstream.aclose()
+        await gw.registry.stop()
+
+    asyncio.run(cleanup())
