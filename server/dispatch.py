@@ -260,23 +260,28 @@ class Dispatcher:
         return parsed.body
 
     async def _prefill(self, decision: Decision, parsed: ParsedRequest, path: str, headers: list[tuple[bytes, bytes]], lease: Lease) -> dict[str, Any] | None:
-        """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure."""
+        """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure.
+
+        Bounded by half the first-token budget, so a slow prefill worker leaves the decode worker time to
+        prefill the request itself."""
         worker = decision.prefill
         assert worker is not None
         ticket = lease.track(worker.id, parsed.prompt_tokens)
         try:
-            resp = await self.upstream.post(worker.url, path, prefill_body(parsed.data()), headers)
-            try:
-                content = await resp.aread()
-            finally:
-                await resp.aclose()
+            async with asyncio.timeout(self.limits.first_token_timeout_s / 2):
+                resp = await self.upstream.post(worker.url, path, prefill_body(parsed.data()), headers)
+                try:
+                    content = await resp.aread()
+                finally:
+                    await resp.aclose()
             params = json.loads(content).get("kv_transfer_params") if resp.status_code == 200 else None
             if resp.status_code >= 500 or resp.status_code == 429:
                 self.registry.report_failure(worker.id, f"status_{resp.status_code}")
             elif resp.status_code == 200:
                 self.registry.report_success(worker.id)
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
-            kind, hard = classify(exc) if isinstance(exc, httpx.HTTPError) else ("bad_response", False)
+        except (httpx.HTTPError, TimeoutError, ValueError, AttributeError) as exc:
+            bad_body = isinstance(exc, ValueError | AttributeError) and not isinstance(exc, TimeoutError)
+            kind, hard = ("bad_response", False) if bad_body else classify(exc)
             self.registry.report_failure(worker.id, f"prefill_{kind}", hard)
             params = None
         finally:

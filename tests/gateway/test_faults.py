@@ -228,10 +228,13 @@ def test_pd_two_hop_handshake() -> None:
     run(body)
 
 
-@pytest.mark.parametrize("mode", ["refuse", "no_kv_params", "status"], ids=["prefill worker dead", "prefill answered without kv_transfer_params", "prefill 503"])
+@pytest.mark.parametrize("mode", ["refuse", "no_kv_params", "status", "stall"],
+                         ids=["prefill worker dead", "prefill answered without kv_transfer_params", "prefill 503",
+                              "prefill stalls past half the first-token budget"])
 def test_pd_falls_back_to_decode_only(mode: str) -> None:
     p, d = FakeWorker("p"), FakeWorker("d")
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d),
+                 limits={"first_token_timeout_s": 0.4, "total_timeout_s": 0.4})
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
