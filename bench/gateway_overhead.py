@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "gateway_overhead.json"
 BENCHMARKS = ROOT / "BENCHMARKS.md"
 BENCH_HEADER = "| date | bench | command | key ratio/result |\n|---|---|---|---|\n"
-MOSAIC = [str(ROOT / ".venv" / "bin" / "mosaic")] if (ROOT / ".venv" / "bin" / "mosaic").exists() else ["mosaic"]
+MOSAIC = (
+    [str(ROOT / ".venv" / "bin" / "mosaic")] if (ROOT / ".venv" / "bin" / "mosaic").exists() else ["mosaic"]
+)
 URL_RE = re.compile(r"http://127\.0\.0\.1:(\d+)")
 
 
@@ -72,10 +74,19 @@ class Conn:
 
 
 def request_bytes(port: int, stream: bool) -> bytes:
-    body = json.dumps({"model": "llama-3-8b", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 16,
-                       "ignore_eos": True, "stream": stream}).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    body = json.dumps(
+        {
+            "model": "llama-3-8b",
+            "prompt": [1, 2, 3, 4, 5, 6, 7, 8],
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 @dataclass
@@ -94,7 +105,9 @@ class Phase:
         return len(self.latencies) / self.seconds
 
 
-async def run_phase(port: int, stream: bool, concurrency: int, seconds: float, warmup: float, phase: Phase) -> None:
+async def run_phase(
+    port: int, stream: bool, concurrency: int, seconds: float, warmup: float, phase: Phase
+) -> None:
     raw = request_bytes(port, stream)
     conns = [await Conn.open(port) for _ in range(concurrency)]
     start = time.perf_counter()
@@ -132,7 +145,9 @@ def pct(values: list[float], q: float) -> float:
 # ------------------------------------------------------------------------------------ processes
 def start(cmd: list[str]) -> tuple[subprocess.Popen[str], int]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -189,11 +204,16 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-record", action="store_true", help="print only; do not write results/BENCHMARKS.md")
-    ap.add_argument("--python", help="run worker and gateway with this interpreter (e.g. a venv that adds uvloop/httptools)")
+    ap.add_argument(
+        "--python",
+        help="run worker and gateway with this interpreter (e.g. a venv that adds uvloop/httptools)",
+    )
     args = ap.parse_args()
     mosaic = [args.python, "-c", "from server.cli import main; main()"] if args.python else MOSAIC
 
-    worker, wport = start([*mosaic, "worker", "--gpu", "H100", "--model", "llama-3-8b", "--port", "0", "--time-scale", "1e9"])
+    worker, wport = start(
+        [*mosaic, "worker", "--gpu", "H100", "--model", "llama-3-8b", "--port", "0", "--time-scale", "1e9"]
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(
             "pools:\n  - {name: sim, model: llama-3-8b, gpu: H100, role: mixed, "
@@ -211,12 +231,18 @@ def main() -> int:
                     ph = Phase(path, workload, args.seconds)
                     before = {"worker": cpu_seconds(worker.pid), "gateway": cpu_seconds(gateway.pid)}
                     asyncio.run(run_phase(port, stream, args.concurrency, args.seconds, args.warmup, ph))
-                    ph.cpu_s = {k: cpu_seconds(p.pid) - before[k] for k, p in (("worker", worker), ("gateway", gateway))}
+                    ph.cpu_s = {
+                        k: cpu_seconds(p.pid) - before[k]
+                        for k, p in (("worker", worker), ("gateway", gateway))
+                    }
                     phases.append(ph)
                     per = {k: v / max(1, ph.requests_total) * 1e3 for k, v in ph.cpu_s.items()}
-                    print(f"{workload:10s} {path:8s} {ph.rps:8.1f} req/s  p50 {pct(ph.latencies, .5) * 1e3:6.2f} ms"
-                          f"  p99 {pct(ph.latencies, .99) * 1e3:6.2f} ms  errors {ph.errors}  CPU/request: worker "
-                          f"{per['worker']:.2f} ms, gateway {per['gateway']:.2f} ms", flush=True)
+                    print(
+                        f"{workload:10s} {path:8s} {ph.rps:8.1f} req/s  p50 {pct(ph.latencies, 0.5) * 1e3:6.2f} ms"
+                        f"  p99 {pct(ph.latencies, 0.99) * 1e3:6.2f} ms  errors {ph.errors}  CPU/request: worker "
+                        f"{per['worker']:.2f} ms, gateway {per['gateway']:.2f} ms",
+                        flush=True,
+                    )
                     for sample in ph.error_samples:
                         print(f"    error: {sample}", flush=True)
     finally:
@@ -235,11 +261,15 @@ def main() -> int:
         cpu_w = sum(p.cpu_s["worker"] for p in d) / max(1, sum(p.requests_total for p in d))
         cpu_g = sum(p.cpu_s["gateway"] for p in g) / max(1, sum(p.requests_total for p in g))
         summary[workload] = {
-            "direct_rps": round(rps_d, 1), "gateway_rps": round(rps_g, 1), "ratio": round(rps_g / rps_d, 3),
-            "direct_p50_ms": round(pct(lat_d, .5) * 1e3, 2), "gateway_p50_ms": round(pct(lat_g, .5) * 1e3, 2),
-            "direct_p99_ms": round(pct(lat_d, .99) * 1e3, 2), "gateway_p99_ms": round(pct(lat_g, .99) * 1e3, 2),
-            "added_p50_ms": round((pct(lat_g, .5) - pct(lat_d, .5)) * 1e3, 2),
-            "added_p99_ms": round((pct(lat_g, .99) - pct(lat_d, .99)) * 1e3, 2),
+            "direct_rps": round(rps_d, 1),
+            "gateway_rps": round(rps_g, 1),
+            "ratio": round(rps_g / rps_d, 3),
+            "direct_p50_ms": round(pct(lat_d, 0.5) * 1e3, 2),
+            "gateway_p50_ms": round(pct(lat_g, 0.5) * 1e3, 2),
+            "direct_p99_ms": round(pct(lat_d, 0.99) * 1e3, 2),
+            "gateway_p99_ms": round(pct(lat_g, 0.99) * 1e3, 2),
+            "added_p50_ms": round((pct(lat_g, 0.5) - pct(lat_d, 0.5)) * 1e3, 2),
+            "added_p99_ms": round((pct(lat_g, 0.99) - pct(lat_d, 0.99)) * 1e3, 2),
             "errors": sum(p.errors for p in d + g),
             "worker_cpu_ms_per_request": round(cpu_w * 1e3, 3),
             "gateway_cpu_ms_per_request": round(cpu_g * 1e3, 3),
@@ -248,24 +278,41 @@ def main() -> int:
         "bench": "gateway_overhead",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python bench/gateway_overhead.py " + " ".join(sys.argv[1:]),
-        "concurrency": args.concurrency, "seconds_per_phase": args.seconds, "rounds": args.rounds,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
+        "concurrency": args.concurrency,
+        "seconds_per_phase": args.seconds,
+        "rounds": args.rounds,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
+        },
         "server_stack": _server_stack(args.python),
         "bar": "gateway throughput ≥ 0.80 × direct",
         "results": summary,
-        "phases": [{"path": p.path, "workload": p.workload, "rps": round(p.rps, 1), "n": len(p.latencies), "errors": p.errors,
-                    "error_samples": p.error_samples} for p in phases],
+        "phases": [
+            {
+                "path": p.path,
+                "workload": p.workload,
+                "rps": round(p.rps, 1),
+                "n": len(p.latencies),
+                "errors": p.errors,
+                "error_samples": p.error_samples,
+            }
+            for p in phases
+        ],
     }
     print(json.dumps(summary, indent=2))
     if not args.no_record:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-        line = (f"| {result['date'][:10]} | gateway_overhead | `{result['command']}` | c={args.concurrency}: "
-                f"non-stream {summary['non-stream']['ratio']:.2f}× direct ({summary['non-stream']['gateway_rps']:.0f} vs "
-                f"{summary['non-stream']['direct_rps']:.0f} req/s, +{summary['non-stream']['added_p50_ms']:.1f} ms p50), "
-                f"stream-16 {summary['stream-16']['ratio']:.2f}× ({summary['stream-16']['gateway_rps']:.0f} vs "
-                f"{summary['stream-16']['direct_rps']:.0f} req/s, +{summary['stream-16']['added_p50_ms']:.1f} ms p50); bar 0.80 |\n")
+        line = (
+            f"| {result['date'][:10]} | gateway_overhead | `{result['command']}` | c={args.concurrency}: "
+            f"non-stream {summary['non-stream']['ratio']:.2f}× direct ({summary['non-stream']['gateway_rps']:.0f} vs "
+            f"{summary['non-stream']['direct_rps']:.0f} req/s, +{summary['non-stream']['added_p50_ms']:.1f} ms p50), "
+            f"stream-16 {summary['stream-16']['ratio']:.2f}× ({summary['stream-16']['gateway_rps']:.0f} vs "
+            f"{summary['stream-16']['direct_rps']:.0f} req/s, +{summary['stream-16']['added_p50_ms']:.1f} ms p50); bar 0.80 |\n"
+        )
         new = not BENCHMARKS.exists()
         with BENCHMARKS.open("a") as fh:
             if new:

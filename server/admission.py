@@ -103,7 +103,9 @@ class AdmissionQueue(Generic[D]):
             )
         return await self._wait(model, q, attempt, last)
 
-    async def _wait(self, model: str, q: deque[_Waiter], attempt: Callable[[], D | RejectLike], last: RejectLike | None) -> D:
+    async def _wait(
+        self, model: str, q: deque[_Waiter], attempt: Callable[[], D | RejectLike], last: RejectLike | None
+    ) -> D:
         waiter = _Waiter()
         q.append(waiter)
         deadline = self._clock() + self._deadline_s
@@ -125,7 +127,9 @@ class AdmissionQueue(Generic[D]):
                         Cause.QUEUE_TIMEOUT,
                         f"No capacity for model {model!r} within {self._deadline_s:g} s"
                         + (f": {last.reason}" if last else ""),
-                        retry_after_s=last.retry_after_s if last and last.retry_after_s > 0 else self._deadline_s,
+                        retry_after_s=last.retry_after_s
+                        if last and last.retry_after_s > 0
+                        else self._deadline_s,
                     )
                 tried_just_now = False
                 waiter.event.clear()

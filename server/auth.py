@@ -63,7 +63,9 @@ class KeyStore:
             return OPEN_KEY_ID
         presented = _bearer(authorization)
         if presented is None or not _matches(presented, self._api):
-            raise GatewayError(Cause.UNAUTHORIZED, "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.")
+            raise GatewayError(
+                Cause.UNAUTHORIZED, "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."
+            )
         return key_id(presented.decode(errors="replace"))
 
     def authenticate_admin(self, authorization: str | None) -> None:
@@ -166,7 +168,9 @@ class RateLimiter:
             bucket.give(float(tokens), now)
 
     @staticmethod
-    def _bucket(table: dict[str, TokenBucket], key: str, capacity: float, rate: float, now: float) -> TokenBucket:
+    def _bucket(
+        table: dict[str, TokenBucket], key: str, capacity: float, rate: float, now: float
+    ) -> TokenBucket:
         bucket = table.get(key)
         if bucket is None:
             bucket = table[key] = TokenBucket(capacity, rate, capacity, now)

@@ -93,7 +93,9 @@ def endpoints_from_slices(slices: dict[str, Any], port: int | str, scheme: str =
                 name = ref.get("name") or addr
                 key = f"{addr}:{number}"
                 prev = found.get(key)
-                endpoint = Endpoint(name, f"{scheme}://{host}:{number}", ready and not terminating, terminating)
+                endpoint = Endpoint(
+                    name, f"{scheme}://{host}:{number}", ready and not terminating, terminating
+                )
                 # The same address can sit in two slices during an update: prefer the terminating view.
                 if prev is None or (terminating and not prev.terminating):
                     found[key] = endpoint

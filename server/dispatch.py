@@ -115,7 +115,9 @@ class Dispatcher:
         self.outcomes: dict[str, int] = {}  # terminal outcomes by name (tests and /admin read it)
 
     # ------------------------------------------------------------------ entry
-    async def handle(self, parsed: ParsedRequest, path: str, rec: RequestRecord, receive: Receive) -> Response:
+    async def handle(
+        self, parsed: ParsedRequest, path: str, rec: RequestRecord, receive: Receive
+    ) -> Response:
         """Serve one parsed request; returns the response (errors included). Never raises GatewayError.
 
         Runs in the caller's task. A `DisconnectWatch` cancels it if the client goes away before the
@@ -138,13 +140,22 @@ class Dispatcher:
         except Exception as exc:
             log.error("request %s failed: %r", rec.request_id, exc, exc_info=exc)
             self.finish(rec, 500, Outcome.WORKER_ERROR)
-            return GatewayError(Cause.UPSTREAM_UNAVAILABLE, "Internal gateway error").to_response(rec.request_id)
+            return GatewayError(Cause.UPSTREAM_UNAVAILABLE, "Internal gateway error").to_response(
+                rec.request_id
+            )
         finally:
             watch.done = True  # from here on a disconnect must not cancel this task
             timer.cancel()
             watch.stop()
 
-    def finish(self, rec: RequestRecord, status: int, outcome: Outcome | None, usage: dict[str, Any] | None = None, reason: str | None = None) -> None:
+    def finish(
+        self,
+        rec: RequestRecord,
+        status: int,
+        outcome: Outcome | None,
+        usage: dict[str, Any] | None = None,
+        reason: str | None = None,
+    ) -> None:
         """Record the request's single terminal outcome (no-op if already finished)."""
         if rec.finished:
             return
@@ -167,7 +178,9 @@ class Dispatcher:
             m.generation_tokens.labels(rec.model).inc(gen)
             used = prompt + gen
             if outcome is Outcome.COMPLETED and self.predictor is not None:
-                self.predictor.observe(rec.model, prompt, gen)  # output lengths for `predicted` KV reservations
+                self.predictor.observe(
+                    rec.model, prompt, gen
+                )  # output lengths for `predicted` KV reservations
         elif status == 200:
             used = rec.reserved_tokens  # no usage reported: keep the whole debit
         self.limiter.refund(rec.key, rec.reserved_tokens - used, now)
@@ -177,8 +190,13 @@ class Dispatcher:
         return self.router.route(rreq, self.registry.view(), self.clock(), self.rng, frozenset(exclude))
 
     async def _serve(self, parsed: ParsedRequest, path: str, rec: RequestRecord) -> Response:
-        rreq = route_request(parsed, rec.request_id, rec.arrival, self.cfg.routing.default_output_tokens,
-                             predictor=self.predictor)
+        rreq = route_request(
+            parsed,
+            rec.request_id,
+            rec.arrival,
+            self.cfg.routing.default_output_tokens,
+            predictor=self.predictor,
+        )
         exclude: set[str] = set()
         last: UpstreamFailure | None = None
         attempt = 0
@@ -201,25 +219,41 @@ class Dispatcher:
                 exclude.add(failure.worker_id)
                 last = failure
                 attempt += 1
-                if attempt > self.limits.max_retries or self.clock() - rec.arrival > self.limits.retry_budget_s:
+                if (
+                    attempt > self.limits.max_retries
+                    or self.clock() - rec.arrival > self.limits.retry_budget_s
+                ):
                     return self._give_up(rec, failure)
                 self.metrics.retries.labels(parsed.model, failure.kind).inc()
                 log.info("request %s: retrying after %s", rec.request_id, failure)
             except BaseException as exc:
-                lease.release(Outcome.CLIENT_DISCONNECTED if isinstance(exc, asyncio.CancelledError) else Outcome.WORKER_ERROR)
+                lease.release(
+                    Outcome.CLIENT_DISCONNECTED
+                    if isinstance(exc, asyncio.CancelledError)
+                    else Outcome.WORKER_ERROR
+                )
                 raise
 
     def _give_up(self, rec: RequestRecord, failure: UpstreamFailure) -> Response:
         if failure.status is not None:  # the worker answered: its body passes through unchanged
             self.finish(rec, failure.status, Outcome.FAILED_BEFORE_FIRST_BYTE)
-            return Response(failure.body, failure.status, {"x-request-id": rec.request_id}, media_type=failure.content_type)
+            return Response(
+                failure.body,
+                failure.status,
+                {"x-request-id": rec.request_id},
+                media_type=failure.content_type,
+            )
         cause = Cause.UPSTREAM_TIMEOUT if failure.is_timeout else Cause.UPSTREAM_UNAVAILABLE
-        err = GatewayError(cause, f"Upstream worker failed before responding ({failure.kind}); retries exhausted.")
+        err = GatewayError(
+            cause, f"Upstream worker failed before responding ({failure.kind}); retries exhausted."
+        )
         self.finish(rec, err.status, Outcome.FAILED_BEFORE_FIRST_BYTE)
         return err.to_response(rec.request_id)
 
     # ------------------------------------------------------------------ one attempt
-    async def _attempt(self, decision: Decision, parsed: ParsedRequest, path: str, rec: RequestRecord, lease: Lease) -> Response:
+    async def _attempt(
+        self, decision: Decision, parsed: ParsedRequest, path: str, rec: RequestRecord, lease: Lease
+    ) -> Response:
         headers = upstream_headers(rec.request_id)
         timeout = self.limits.first_token_timeout_s if parsed.stream else self.limits.total_timeout_s
         decode = decision.decode
@@ -259,7 +293,14 @@ class Dispatcher:
             return usage_body(parsed.body, parsed.data, parsed.has_stream_options)
         return parsed.body
 
-    async def _prefill(self, decision: Decision, parsed: ParsedRequest, path: str, headers: list[tuple[bytes, bytes]], lease: Lease) -> dict[str, Any] | None:
+    async def _prefill(
+        self,
+        decision: Decision,
+        parsed: ParsedRequest,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        lease: Lease,
+    ) -> dict[str, Any] | None:
         """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure.
 
         Bounded by half the first-token budget, so a slow prefill worker leaves the decode worker time to
@@ -293,11 +334,21 @@ class Dispatcher:
         return params
 
     # ------------------------------------------------------------------ responses
-    def _whole(self, resp: httpx.Response, content: bytes, worker_id: str, parsed: ParsedRequest, rec: RequestRecord, lease: Lease) -> Response:
+    def _whole(
+        self,
+        resp: httpx.Response,
+        content: bytes,
+        worker_id: str,
+        parsed: ParsedRequest,
+        rec: RequestRecord,
+        lease: Lease,
+    ) -> Response:
         status = resp.status_code
         ctype = resp.headers.get("content-type", "application/json")
         if status in RETRYABLE_STATUSES:
-            raise UpstreamFailure(worker_id, f"status_{status}", status=status, body=content, content_type=ctype)
+            raise UpstreamFailure(
+                worker_id, f"status_{status}", status=status, body=content, content_type=ctype
+            )
         if status >= 500:
             self.registry.report_failure(worker_id, f"status_{status}")
         else:
@@ -307,7 +358,15 @@ class Dispatcher:
         self.finish(rec, status, outcome, response_usage(content) if status == 200 else None)
         return Response(content, status, {"x-request-id": rec.request_id}, media_type=ctype)
 
-    def _stream(self, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, parsed: ParsedRequest, rec: RequestRecord, lease: Lease) -> Response:
+    def _stream(
+        self,
+        resp: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        first: bytes,
+        parsed: ParsedRequest,
+        rec: RequestRecord,
+        lease: Lease,
+    ) -> Response:
         session = _StreamSession(self, resp, chunks, first, parsed, rec, lease)
         return RelayResponse(
             session.body(),
@@ -321,7 +380,16 @@ class Dispatcher:
 class _StreamSession:
     """One relayed stream: yields bytes, measures TTFT/ITL, and closes exactly once with an outcome."""
 
-    def __init__(self, d: Dispatcher, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes, parsed: ParsedRequest, rec: RequestRecord, lease: Lease) -> None:
+    def __init__(
+        self,
+        d: Dispatcher,
+        resp: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        first: bytes,
+        parsed: ParsedRequest,
+        rec: RequestRecord,
+        lease: Lease,
+    ) -> None:
         self.d = d
         self.resp = resp
         self.chunks = chunks
@@ -365,7 +433,9 @@ class _StreamSession:
         except (httpx.HTTPError, TimeoutError) as exc:
             kind, hard = classify(exc)
             d.registry.report_failure(self.lease.decision.decode.id, f"stream_{kind}", hard)
-            yield stream_error_event(f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError")
+            yield stream_error_event(
+                f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError"
+            )
             outcome = Outcome.WORKER_ERROR
         except BaseException:
             outcome = Outcome.CLIENT_DISCONNECTED

@@ -81,7 +81,17 @@ def outcome_for(exc: BaseException | None) -> Outcome:
 class Lease:
     """See module docstring. `track()` adds a hop's in-flight ticket; `first_token()` marks prefill done."""
 
-    __slots__ = ("_growable", "_notify", "_released", "_router", "_tickets", "clock", "decision", "registry", "req")
+    __slots__ = (
+        "_growable",
+        "_notify",
+        "_released",
+        "_router",
+        "_tickets",
+        "clock",
+        "decision",
+        "registry",
+        "req",
+    )
 
     def __init__(
         self,
@@ -101,8 +111,9 @@ class Lease:
         self._tickets: list[InflightTicket] = []
         self._released: Outcome | None = None
         # reservations on the worker that streams (decode side) with an `on_tokens(generated, now)` hook
-        self._growable = [r for r in decision.reservations
-                          if r.worker_id == decision.decode.id and hasattr(r, "on_tokens")]
+        self._growable = [
+            r for r in decision.reservations if r.worker_id == decision.decode.id and hasattr(r, "on_tokens")
+        ]
         router.on_dispatch(decision, req, clock())
 
     @property
@@ -154,7 +165,9 @@ class Lease:
     async def __aenter__(self) -> Lease:
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release(outcome_for(exc))
 
 
@@ -168,7 +181,9 @@ class RelayResponse(StreamingResponse):
     left before the first chunk, which a plain async generator's `finally` would miss.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any
+    ) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
 
@@ -178,7 +193,9 @@ class RelayResponse(StreamingResponse):
         watch = DisconnectWatch(receive, task)
         watch.start()
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
             async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})

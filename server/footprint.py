@@ -104,7 +104,9 @@ def _message_tokens(msg: _Message) -> int:
     elif content is None:
         text_tokens = 0
     else:
-        text_tokens = sum(estimate_text_tokens(str(p.get("text", ""))) for p in content if p.get("type") == "text")
+        text_tokens = sum(
+            estimate_text_tokens(str(p.get("text", ""))) for p in content if p.get("type") == "text"
+        )
     return text_tokens + TOKENS_PER_MESSAGE
 
 
@@ -112,7 +114,11 @@ def _chat_text(messages: list[_Message]) -> str:
     parts = []
     for m in messages:
         c = m.content
-        text = c if isinstance(c, str) else "".join(str(p.get("text", "")) for p in c or [] if p.get("type") == "text")
+        text = (
+            c
+            if isinstance(c, str)
+            else "".join(str(p.get("text", "")) for p in c or [] if p.get("type") == "text")
+        )
         parts.append(f"{m.role}\n{text}\n")
     return "".join(parts)
 
@@ -130,7 +136,9 @@ def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | No
             raise GatewayError(Cause.BAD_REQUEST, f"Request body is not valid JSON: {err['msg']}") from None
         if err["type"] == "model_type":
             raise GatewayError(Cause.BAD_REQUEST, "Request body must be a JSON object") from None
-        raise GatewayError(Cause.BAD_REQUEST, f"Invalid value for '{param}': {err['msg']}", param=param) from None
+        raise GatewayError(
+            Cause.BAD_REQUEST, f"Invalid value for '{param}': {err['msg']}", param=param
+        ) from None
     n = req.n if req.n and req.n > 0 else 1
     token_ids: list[int] | None = None
     text: str | None = None
@@ -196,7 +204,10 @@ def route_request(
     else:
         hashes = ()
     predicted = min(parsed.max_output_tokens, default_output_tokens * parsed.sequences)
-    if predictor is not None and len(predictor.samples(parsed.model, parsed.prompt_tokens)) >= predictor.min_samples:
+    if (
+        predictor is not None
+        and len(predictor.samples(parsed.model, parsed.prompt_tokens)) >= predictor.min_samples
+    ):
         predicted = predictor.predict(parsed.model, parsed.prompt_tokens, parsed.max_output_tokens)
     return RouteRequest(
         request_id=request_id,

@@ -73,11 +73,18 @@ class Upstream:
             url = self._urls[key] = httpx.URL(base + path)
         return url
 
-    async def post(self, base: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> httpx.Response:
+    async def post(
+        self, base: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> httpx.Response:
         """POST and return once the response headers arrived; the body is read (or streamed) by the caller,
         who must `aclose()` the response. Raises httpx's transport exceptions (ConnectError, ReadTimeout, ...)."""
-        request = httpx.Request("POST", self.url(base, path), headers=headers, content=body,
-                                extensions={"timeout": self._timeouts})
+        request = httpx.Request(
+            "POST",
+            self.url(base, path),
+            headers=headers,
+            content=body,
+            extensions={"timeout": self._timeouts},
+        )
         response = await self.transport.handle_async_request(request)
         response.request = request
         return response
@@ -88,8 +95,11 @@ class Upstream:
 
 def upstream_headers(request_id: str) -> list[tuple[bytes, bytes]]:
     """Headers sent to a worker: never the client's Authorization (that is a gateway key)."""
-    return [(b"content-type", b"application/json"), (b"accept", b"application/json, text/event-stream"),
-            (b"x-request-id", request_id.encode())]
+    return [
+        (b"content-type", b"application/json"),
+        (b"accept", b"application/json, text/event-stream"),
+        (b"x-request-id", request_id.encode()),
+    ]
 
 
 def splice_usage_option(body: bytes) -> bytes | None:

@@ -101,8 +101,9 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         with contextlib.suppress(OSError, asyncio.CancelledError):
             await self._writer.wait_closed()
 
-    async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
+    async def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.AsyncNetworkStream:
         try:
             async with asyncio.timeout(timeout):
                 await self._writer.start_tls(ssl_context, server_hostname=server_hostname)
@@ -128,8 +129,14 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
 
 class AsyncioBackend(httpcore.AsyncNetworkBackend):
-    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                          socket_options: Iterable[SOCKET_OPTION] | None = None) -> httpcore.AsyncNetworkStream:
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(
@@ -144,8 +151,9 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
             sock.setsockopt(*option)
         return AsyncioStream(reader, writer)
 
-    async def connect_unix_socket(self, path: str, timeout: float | None = None,
-                                  socket_options: Iterable[SOCKET_OPTION] | None = None) -> httpcore.AsyncNetworkStream:
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[SOCKET_OPTION] | None = None
+    ) -> httpcore.AsyncNetworkStream:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_unix_connection(path)
@@ -162,7 +170,9 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
 class _Shard(httpx.AsyncHTTPTransport):
     """httpx's own transport (request/response mapping, exception mapping) over a pool on our backend."""
 
-    def __init__(self, limits: httpx.Limits, backend: httpcore.AsyncNetworkBackend, ssl_context: ssl.SSLContext) -> None:
+    def __init__(
+        self, limits: httpx.Limits, backend: httpcore.AsyncNetworkBackend, ssl_context: ssl.SSLContext
+    ) -> None:
         super().__init__(limits=limits, verify=ssl_context)
         # httpx does not expose `network_backend`; its transport keeps the pool in `_pool`.
         self._pool = httpcore.AsyncConnectionPool(
@@ -181,7 +191,9 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     def __init__(self, max_per_origin: int = 1024, shards: int = 8, keepalive_expiry: float = 60.0) -> None:
         self._shards = max(1, min(shards, max_per_origin))
         per = math.ceil(max_per_origin / self._shards)
-        self._limits = httpx.Limits(max_connections=per, max_keepalive_connections=per, keepalive_expiry=keepalive_expiry)
+        self._limits = httpx.Limits(
+            max_connections=per, max_keepalive_connections=per, keepalive_expiry=keepalive_expiry
+        )
         self._backend = AsyncioBackend()
         self._ssl = httpx.create_ssl_context()  # once: loading CA certificates costs ~60 ms each time
         self._origins: dict[tuple[bytes, bytes, int | None], tuple[list[_Shard], Iterator[_Shard]]] = {}

@@ -66,7 +66,14 @@ class FakeWorker:
         self.headers_seen.append(dict(request.headers))
         self.paths.append(path)
         if self.mode == "status":
-            err = {"error": {"message": f"worker {self.name} says {self.status}", "type": "ServiceUnavailableError", "param": None, "code": self.status}}
+            err = {
+                "error": {
+                    "message": f"worker {self.name} says {self.status}",
+                    "type": "ServiceUnavailableError",
+                    "param": None,
+                    "code": self.status,
+                }
+            }
             return httpx.Response(self.status, json=err)
         if self.mode == "stall":
             await asyncio.sleep(3600)
@@ -77,16 +84,23 @@ class FakeWorker:
         n = body.get("max_completion_tokens") or body.get("max_tokens") or self.tokens
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return httpx.Response(200, headers={"content-type": "text/event-stream; charset=utf-8"},
-                                  content=self._stream(chat, n, usage))
+            return httpx.Response(
+                200,
+                headers={"content-type": "text/event-stream; charset=utf-8"},
+                content=self._stream(chat, n, usage),
+            )
         return httpx.Response(200, json=self._whole(chat, n))
 
     def _prefill_answer(self, chat: bool, body: dict[str, Any]) -> dict[str, Any]:
         answer = self._whole(chat, 1)
         if self.mode != "no_kv_params":
             answer["kv_transfer_params"] = {
-                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"engine-{self.name}",
-                "remote_block_ids": [1, 2, 3], "remote_host": self.name, "remote_port": 5600,
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": f"engine-{self.name}",
+                "remote_block_ids": [1, 2, 3],
+                "remote_host": self.name,
+                "remote_port": 5600,
             }
         else:
             answer["kv_transfer_params"] = None
@@ -99,7 +113,8 @@ class FakeWorker:
         return {
             "id": "chatcmpl-0123456789abcdef" if chat else "cmpl-0123456789abcdef",
             "object": "chat.completion" if chat else "text_completion",
-            "model": self.model, "choices": [choice],
+            "model": self.model,
+            "choices": [choice],
             "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
         }
 
@@ -113,10 +128,21 @@ class FakeWorker:
                     await asyncio.sleep(self.chunk_delay_s)
                 choice = {"index": 0, "finish_reason": None}
                 choice |= {"delta": {"content": f"w{i} "}} if chat else {"text": f"w{i} "}
-                yield b"data: " + json.dumps({"id": "x", "object": obj, "model": self.model, "choices": [choice]}).encode() + b"\n\n"
+                yield (
+                    b"data: "
+                    + json.dumps(
+                        {"id": "x", "object": obj, "model": self.model, "choices": [choice]}
+                    ).encode()
+                    + b"\n\n"
+                )
             if usage:
-                u = {"id": "x", "object": obj, "model": self.model, "choices": [],
-                     "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}}
+                u = {
+                    "id": "x",
+                    "object": obj,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+                }
                 yield b"data: " + json.dumps(u).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         except GeneratorExit:
@@ -139,8 +165,14 @@ class FakeFleet:
 
 
 def pool(name: str, gpu: str, role: str, *workers: FakeWorker, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "model": "llama-3-8b", "gpu": gpu, "role": role,
-            "endpoints": {"static": [w.url for w in workers]}, **extra}
+    return {
+        "name": name,
+        "model": "llama-3-8b",
+        "gpu": gpu,
+        "role": role,
+        "endpoints": {"static": [w.url for w in workers]},
+        **extra,
+    }
 
 
 def config(*pools: dict[str, Any], **sections: Any) -> Any:

@@ -39,6 +39,7 @@ def test_waiters_are_admitted_in_order_when_capacity_frees() -> None:
                     free["slots"] -= 1
                     return name
                 return R()
+
             return go
 
         async def client(name: str) -> None:
@@ -67,7 +68,9 @@ def test_full_queue_rejects_with_429_and_retry_after() -> None:
         with pytest.raises(GatewayError) as err:
             await q.admit("m", lambda: R(retry_after_s=2.5))
         # a newcomer does not ask the router while others wait (FIFO): Retry-After is the queue deadline
-        assert err.value.cause is Cause.QUEUE_FULL and err.value.status == 429 and err.value.retry_after_s == 5.0
+        assert (
+            err.value.cause is Cause.QUEUE_FULL and err.value.status == 429 and err.value.retry_after_s == 5.0
+        )
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting

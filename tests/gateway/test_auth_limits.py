@@ -45,9 +45,21 @@ def test_open_gateway_warns_and_allows_admin() -> None:
 @pytest.mark.parametrize(
     ("config", "header", "cause"),
     [
-        pytest.param(AuthConfig(api_keys=["k"]), "Bearer k", Cause.FORBIDDEN, id="keys but no admin key → admin disabled (403)"),
-        pytest.param(AuthConfig(api_keys=["k"], admin_keys=["adm"]), "Bearer k", Cause.UNAUTHORIZED, id="an API key is not an admin key → 401"),
-        pytest.param(AuthConfig(api_keys=["k"], admin_keys=["adm"]), "Bearer adm", None, id="admin key → allowed"),
+        pytest.param(
+            AuthConfig(api_keys=["k"]),
+            "Bearer k",
+            Cause.FORBIDDEN,
+            id="keys but no admin key → admin disabled (403)",
+        ),
+        pytest.param(
+            AuthConfig(api_keys=["k"], admin_keys=["adm"]),
+            "Bearer k",
+            Cause.UNAUTHORIZED,
+            id="an API key is not an admin key → 401",
+        ),
+        pytest.param(
+            AuthConfig(api_keys=["k"], admin_keys=["adm"]), "Bearer adm", None, id="admin key → allowed"
+        ),
     ],
 )
 def test_admin_keys(config: AuthConfig, header: str, cause: Cause | None) -> None:
@@ -76,7 +88,9 @@ def test_request_rate_limit_with_retry_after() -> None:
     lim.admit("k", 0, now=0.0)
     with pytest.raises(GatewayError) as err:
         lim.admit("k", 0, now=0.0)
-    assert err.value.cause is Cause.RATE_LIMITED and err.value.retry_after_s == pytest.approx(0.5)  # 1 token at 2/s
+    assert err.value.cause is Cause.RATE_LIMITED and err.value.retry_after_s == pytest.approx(
+        0.5
+    )  # 1 token at 2/s
     lim.admit("other", 0, now=0.0)  # buckets are per key
     lim.admit("k", 0, now=0.5)
 

@@ -18,13 +18,33 @@ from server.registry import PoolInfo, Registry
 @pytest.mark.parametrize(
     ("events", "state"),
     [
-        pytest.param([("fail", 0.0), ("fail", 0.1)], BreakerState.CLOSED, id="2 soft failures < threshold 3 → closed"),
-        pytest.param([("fail", 0.0), ("fail", 0.1), ("fail", 0.2)], BreakerState.OPEN, id="3 soft failures → open"),
-        pytest.param([("fail", 0.0), ("fail", 0.1), ("ok", 0.2), ("fail", 0.3)], BreakerState.CLOSED, id="a success resets the count"),
+        pytest.param(
+            [("fail", 0.0), ("fail", 0.1)], BreakerState.CLOSED, id="2 soft failures < threshold 3 → closed"
+        ),
+        pytest.param(
+            [("fail", 0.0), ("fail", 0.1), ("fail", 0.2)], BreakerState.OPEN, id="3 soft failures → open"
+        ),
+        pytest.param(
+            [("fail", 0.0), ("fail", 0.1), ("ok", 0.2), ("fail", 0.3)],
+            BreakerState.CLOSED,
+            id="a success resets the count",
+        ),
         pytest.param([("hard", 0.0)], BreakerState.OPEN, id="connection refused → open at once"),
-        pytest.param([("hard", 0.0), ("tick", 5.0)], BreakerState.HALF_OPEN, id="after open_s 5 → half-open (probe due)"),
-        pytest.param([("hard", 0.0), ("probe_fail", 5.0), ("tick", 14.9)], BreakerState.OPEN, id="failed probe → open for 2·open_s"),
-        pytest.param([("hard", 0.0), ("probe_fail", 5.0), ("tick", 15.0)], BreakerState.HALF_OPEN, id="… then probe-able again"),
+        pytest.param(
+            [("hard", 0.0), ("tick", 5.0)],
+            BreakerState.HALF_OPEN,
+            id="after open_s 5 → half-open (probe due)",
+        ),
+        pytest.param(
+            [("hard", 0.0), ("probe_fail", 5.0), ("tick", 14.9)],
+            BreakerState.OPEN,
+            id="failed probe → open for 2·open_s",
+        ),
+        pytest.param(
+            [("hard", 0.0), ("probe_fail", 5.0), ("tick", 15.0)],
+            BreakerState.HALF_OPEN,
+            id="… then probe-able again",
+        ),
         pytest.param([("hard", 0.0), ("probe_ok", 5.0)], BreakerState.CLOSED, id="successful probe → closed"),
     ],
 )
@@ -56,8 +76,13 @@ def test_registry_ejects_and_probes_a_worker_back() -> None:
     async def run() -> None:
         clock = [100.0]
         client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        reg = Registry(ScrapeConfig(), HealthConfig(open_s=5.0), GatewayMetrics(), client=client, clock=lambda: clock[0])
-        reg.add_pool(PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b")), StaticSource(["http://w:1"]))
+        reg = Registry(
+            ScrapeConfig(), HealthConfig(open_s=5.0), GatewayMetrics(), client=client, clock=lambda: clock[0]
+        )
+        reg.add_pool(
+            PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b")),
+            StaticSource(["http://w:1"]),
+        )
         await reg.resync("p")
         await reg.health_once()
         (view,) = reg.view().workers

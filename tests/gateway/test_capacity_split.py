@@ -25,19 +25,34 @@ SECONDS = 3.0
 
 async def _split(policy: str) -> tuple[float, int]:
     pools = [
-        {"name": name, "model": "llama-3-8b", "gpu": gpu, "role": "mixed",
-         "endpoints": {"simulated": {"replicas": 1, "time_scale": 2.0}}}
+        {
+            "name": name,
+            "model": "llama-3-8b",
+            "gpu": gpu,
+            "role": "mixed",
+            "endpoints": {"simulated": {"replicas": 1, "time_scale": 2.0}},
+        }
         for name, gpu in (("h100", "H100"), ("l4", "L4"))
     ]
-    gw = await start_gateway_server(validate_config({"pools": pools, "routing": {"policy": policy}}), "127.0.0.1", 0)
+    gw = await start_gateway_server(
+        validate_config({"pools": pools, "routing": {"policy": policy}}), "127.0.0.1", 0
+    )
     stop = time.monotonic() + SECONDS
     statuses: list[int] = []
     try:
-        async with httpx.AsyncClient(base_url=gw.url, timeout=60, limits=httpx.Limits(max_connections=CONCURRENCY)) as http:
+        async with httpx.AsyncClient(
+            base_url=gw.url, timeout=60, limits=httpx.Limits(max_connections=CONCURRENCY)
+        ) as http:
+
             async def client(i: int) -> None:
                 n = 0
                 while time.monotonic() < stop:
-                    body = {"model": "llama-3-8b", "prompt": [i, n, *[3] * 510], "max_tokens": 128, "ignore_eos": True}
+                    body = {
+                        "model": "llama-3-8b",
+                        "prompt": [i, n, *[3] * 510],
+                        "max_tokens": 128,
+                        "ignore_eos": True,
+                    }
                     statuses.append((await http.post("/v1/completions", json=body)).status_code)
                     n += 1
 

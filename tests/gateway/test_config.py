@@ -26,7 +26,12 @@ def test_documented_examples_load(path: Path) -> None:
 
 
 def test_there_are_documented_examples() -> None:
-    assert {p.name for p in EXAMPLES} >= {"config.yaml", "real-vllm.yaml", "kubernetes.yaml", "simulated.yaml"}
+    assert {p.name for p in EXAMPLES} >= {
+        "config.yaml",
+        "real-vllm.yaml",
+        "kubernetes.yaml",
+        "simulated.yaml",
+    }
 
 
 def test_defaults() -> None:
@@ -41,26 +46,71 @@ def test_defaults() -> None:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        pytest.param({"pools": [_pool(gpu="B200")]}, "test: pools.0.gpu: unknown GPU 'B200'", id="unknown GPU names the pool field"),
-        pytest.param({"pools": [_pool(model="gpt-9")]}, "test: pools.0.model: unknown model 'gpt-9'", id="unknown model without a models list"),
-        pytest.param({"models": [{"name": "m"}], "pools": [_pool()]}, "test: pools.0.model: model 'llama-3-8b' is not listed under models",
-                     id="pool model not in the models list"),
-        pytest.param({"pools": [_pool(role="both")]}, "test: pools.0.role: Input should be 'prefill', 'decode' or 'mixed'", id="bad role"),
-        pytest.param({"pools": [_pool(endpoints={})]}, "test: pools.0.endpoints: give exactly one of static, kubernetes, simulated, launch",
-                     id="no endpoints"),
-        pytest.param({"pools": [_pool(endpoints={**STATIC, "launch": "vllm"})]},
-                     "test: pools.0.endpoints: give exactly one of static, kubernetes, simulated, launch (got ['static', 'launch'])",
-                     id="two endpoint kinds"),
-        pytest.param({"pools": [_pool(endpoints={"static": ["10.0.0.5:8000"]})]}, "test: pools.0.endpoints.static: '10.0.0.5:8000' is not an http(s):// URL",
-                     id="static URL without scheme"),
-        pytest.param({"pools": [_pool(endpoints={"kubernetes": {"namespace": "x"}})]}, "test: pools.0.endpoints.kubernetes.label_selector: Field required",
-                     id="kubernetes without a selector"),
-        pytest.param({"pools": [_pool(), _pool()]}, "test: pools.1.name: duplicate pool name 'p'", id="duplicate pool names"),
-        pytest.param({"pools": [_pool(min_replicas=3, max_replicas=1)]}, "test: pools.0: max_replicas 1 < min_replicas 3", id="replica bounds"),
-        pytest.param({"pools": [_pool()], "limits": {"queue_sise": 3}}, "test: limits.queue_sise: unknown key", id="typo in a key is refused"),
-        pytest.param({"pools": [_pool()], "routing": {"plugins": [{"type": "nope"}]}}, "test: routing.plugins[0] (nope).type: unknown plugin type 'nope'",
-                     id="routing errors come from the router's own config"),
-        pytest.param({"pools": [_pool()], "kv": {"mode": "yolo"}}, "test: kv.mode: Input should be 'worst_case' or 'predicted'", id="kv section validated"),
+        pytest.param(
+            {"pools": [_pool(gpu="B200")]},
+            "test: pools.0.gpu: unknown GPU 'B200'",
+            id="unknown GPU names the pool field",
+        ),
+        pytest.param(
+            {"pools": [_pool(model="gpt-9")]},
+            "test: pools.0.model: unknown model 'gpt-9'",
+            id="unknown model without a models list",
+        ),
+        pytest.param(
+            {"models": [{"name": "m"}], "pools": [_pool()]},
+            "test: pools.0.model: model 'llama-3-8b' is not listed under models",
+            id="pool model not in the models list",
+        ),
+        pytest.param(
+            {"pools": [_pool(role="both")]},
+            "test: pools.0.role: Input should be 'prefill', 'decode' or 'mixed'",
+            id="bad role",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={})]},
+            "test: pools.0.endpoints: give exactly one of static, kubernetes, simulated, launch",
+            id="no endpoints",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={**STATIC, "launch": "vllm"})]},
+            "test: pools.0.endpoints: give exactly one of static, kubernetes, simulated, launch (got ['static', 'launch'])",
+            id="two endpoint kinds",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={"static": ["10.0.0.5:8000"]})]},
+            "test: pools.0.endpoints.static: '10.0.0.5:8000' is not an http(s):// URL",
+            id="static URL without scheme",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={"kubernetes": {"namespace": "x"}})]},
+            "test: pools.0.endpoints.kubernetes.label_selector: Field required",
+            id="kubernetes without a selector",
+        ),
+        pytest.param(
+            {"pools": [_pool(), _pool()]},
+            "test: pools.1.name: duplicate pool name 'p'",
+            id="duplicate pool names",
+        ),
+        pytest.param(
+            {"pools": [_pool(min_replicas=3, max_replicas=1)]},
+            "test: pools.0: max_replicas 1 < min_replicas 3",
+            id="replica bounds",
+        ),
+        pytest.param(
+            {"pools": [_pool()], "limits": {"queue_sise": 3}},
+            "test: limits.queue_sise: unknown key",
+            id="typo in a key is refused",
+        ),
+        pytest.param(
+            {"pools": [_pool()], "routing": {"plugins": [{"type": "nope"}]}},
+            "test: routing.plugins[0] (nope).type: unknown plugin type 'nope'",
+            id="routing errors come from the router's own config",
+        ),
+        pytest.param(
+            {"pools": [_pool()], "kv": {"mode": "yolo"}},
+            "test: kv.mode: Input should be 'worst_case' or 'predicted'",
+            id="kv section validated",
+        ),
         pytest.param({"pools": []}, "test: pools: List should have at least 1 item", id="no pools"),
         pytest.param(["not", "a", "mapping"], "test: top level must be a mapping", id="not a mapping"),
     ],
@@ -87,7 +137,9 @@ def test_load_config_file_errors(tmp_path: Path) -> None:
 def test_embedded_default_is_heterogeneous() -> None:
     cfg = default_config(time_scale=7.0)
     assert [(p.name, p.gpu, p.role) for p in cfg.pools] == [
-        ("prefill-h100", "H100-SXM", "prefill"), ("decode-a100", "A100-80GB", "decode"), ("mixed-l4", "L4", "mixed"),
+        ("prefill-h100", "H100-SXM", "prefill"),
+        ("decode-a100", "A100-80GB", "decode"),
+        ("mixed-l4", "L4", "mixed"),
     ]
     assert all(p.endpoints.simulated and p.endpoints.simulated.time_scale == 7.0 for p in cfg.pools)
     assert sum(p.endpoints.simulated.replicas for p in cfg.pools if p.endpoints.simulated) == 5
@@ -99,8 +151,14 @@ def test_launch_vllm_pool_builds_a_launched_source() -> None:
     from server.gateway import Gateway
     from server.vllm_source import LaunchedPoolSource
 
-    cfg = validate_config({"pools": [_pool(endpoints={"launch": "vllm"}),
-                                     _pool(name="q", endpoints={"launch": {"replicas": 0, "use_gpus": False}})]})
+    cfg = validate_config(
+        {
+            "pools": [
+                _pool(endpoints={"launch": "vllm"}),
+                _pool(name="q", endpoints={"launch": {"replicas": 0, "use_gpus": False}}),
+            ]
+        }
+    )
     assert [p.endpoints.kind for p in cfg.pools] == ["launch", "launch"]
     assert cfg.pools[0].endpoints.launch is not None and cfg.pools[0].endpoints.launch.replicas == 1
     gw = Gateway(cfg)

@@ -91,12 +91,19 @@ def test_kubernetes_source_relists_and_registry_reconciles() -> None:
         calls.append((resource, namespace, selector))
         return listings[min(len(calls) - 1, 1)]
 
-    cfg = KubernetesSource(namespace="mosaic", label_selector="mosaic.dev/pool=prefill-h100", port="http", resource="pods")
+    cfg = KubernetesSource(
+        namespace="mosaic", label_selector="mosaic.dev/pool=prefill-h100", port="http", resource="pods"
+    )
     source = KubernetesDiscovery(cfg, lister=lister)
 
     async def run() -> None:
         reg = _offline_registry()
-        reg.add_pool(PoolInfo("prefill-h100", "llama-3-8b", "H100-SXM", Role.PREFILL, capacity_for("H100", "llama-3-8b")), source)
+        reg.add_pool(
+            PoolInfo(
+                "prefill-h100", "llama-3-8b", "H100-SXM", Role.PREFILL, capacity_for("H100", "llama-3-8b")
+            ),
+            source,
+        )
         await source.start()
         await reg.resync("prefill-h100")
         states = {r.id: r.state() for r in reg.records()}
@@ -106,7 +113,10 @@ def test_kubernetes_source_relists_and_registry_reconciles() -> None:
             "prefill-h100/vllm-prefill-h100-2": WorkerState.DRAINING,
         }
         await reg.resync("prefill-h100")
-        assert sorted(r.id for r in reg.records()) == ["prefill-h100/vllm-prefill-h100-0", "prefill-h100/vllm-prefill-h100-2"]
+        assert sorted(r.id for r in reg.records()) == [
+            "prefill-h100/vllm-prefill-h100-0",
+            "prefill-h100/vllm-prefill-h100-2",
+        ]
         assert calls == [("pods", "mosaic", "mosaic.dev/pool=prefill-h100")] * 2
         await reg.stop()
         await reg._client.aclose()
@@ -121,7 +131,10 @@ def test_failed_listing_keeps_last_good_endpoints() -> None:
     async def run() -> None:
         reg = _offline_registry()
         cfg = KubernetesSource(label_selector="x=y")
-        reg.add_pool(PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b")), KubernetesDiscovery(cfg, lister=lister))
+        reg.add_pool(
+            PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b")),
+            KubernetesDiscovery(cfg, lister=lister),
+        )
         reg.sync_pool("p", [Endpoint("a", "http://10.0.0.1:8000")])
         await reg.resync("p")  # raises inside; the listing must survive
         assert [r.id for r in reg.records()] == ["p/a"]

@@ -25,7 +25,12 @@ LONG_PROMPT = "word " * 400  # ≈ 2,000 chars ≈ 500 estimated tokens: over th
 
 
 def chat(content: str = "hello", **extra: Any) -> dict[str, Any]:
-    return {"model": "llama-3-8b", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+    return {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        **extra,
+    }
 
 
 @asynccontextmanager
@@ -99,7 +104,10 @@ def test_every_worker_503_passes_the_last_worker_error_through() -> None:
         async with gateway(config(pool("p", "L4", "mixed", a, b), **RR), FakeFleet(a, b)) as (c, gw):
             r = await c.post(CHAT, json=chat())
             assert r.status_code == 503
-            assert r.json()["error"]["message"] in ("worker a says 503", "worker b says 503")  # unchanged body
+            assert r.json()["error"]["message"] in (
+                "worker a says 503",
+                "worker b says 503",
+            )  # unchanged body
             assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
 
     run(body)
@@ -155,7 +163,10 @@ def test_stalled_worker_times_out_and_retries() -> None:
     limits = {"first_token_timeout_s": 0.2, "total_timeout_s": 0.3}
 
     async def body() -> None:
-        async with gateway(config(pool("p", "L4", "mixed", a, b), limits=limits, **RR), FakeFleet(a, b)) as (c, gw):
+        async with gateway(config(pool("p", "L4", "mixed", a, b), limits=limits, **RR), FakeFleet(a, b)) as (
+            c,
+            gw,
+        ):
             r1 = await c.post(CHAT, json=chat("s", stream=True))
             r2 = await c.post(CHAT, json=chat("n"))
             assert (r1.status_code, r2.status_code) == (200, 200)
@@ -175,7 +186,9 @@ def test_usage_injected_upstream_and_stripped_for_the_client() -> None:
             events = sse_events(r.text)
             assert len(events) == 4 and not any('"usage"' in e for e in events)  # 3 chunks + [DONE]
             assert a.seen[0]["stream_options"] == {"include_usage": True}
-            r = await c.post(CHAT, json=chat(stream=True, max_tokens=3, stream_options={"include_usage": True}))
+            r = await c.post(
+                CHAT, json=chat(stream=True, max_tokens=3, stream_options={"include_usage": True})
+            )
             assert json.loads(sse_events(r.text)[-2])["usage"]["completion_tokens"] == 3
             # both counted from upstream usage: 3 + 3 generated, 7 + 7 prompt
             assert metric(gw, "mosaic_generation_tokens_total", model="llama-3-8b") == 6
@@ -205,14 +218,26 @@ def test_pd_two_hop_handshake() -> None:
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
-            r = await c.post(CHAT, json=chat(LONG_PROMPT, stream=True, max_tokens=5, min_tokens=2,
-                                             stream_options={"include_usage": True}),
-                             headers={"X-Request-Id": "pd-1"})
+            r = await c.post(
+                CHAT,
+                json=chat(
+                    LONG_PROMPT,
+                    stream=True,
+                    max_tokens=5,
+                    min_tokens=2,
+                    stream_options={"include_usage": True},
+                ),
+                headers={"X-Request-Id": "pd-1"},
+            )
             assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
             hop1, hop2 = p.seen[0], d.seen[0]
             assert hop1["kv_transfer_params"] == {
-                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None,
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
             }
             assert (hop1["stream"], hop1["max_tokens"], hop1["max_completion_tokens"]) == (False, 1, 1)
             assert "stream_options" not in hop1 and "min_tokens" not in hop1
@@ -223,18 +248,30 @@ def test_pd_two_hop_handshake() -> None:
             # short prompt: no prefill hop
             await c.post(CHAT, json=chat("short"))
             assert len(p.seen) == 1 and "kv_transfer_params" not in d.seen[1]
-            assert metric(gw, "mosaic_time_to_first_token_seconds_count", model="llama-3-8b", pool="decode") == 1
+            assert (
+                metric(gw, "mosaic_time_to_first_token_seconds_count", model="llama-3-8b", pool="decode") == 1
+            )
 
     run(body)
 
 
-@pytest.mark.parametrize("mode", ["refuse", "no_kv_params", "status", "stall"],
-                         ids=["prefill worker dead", "prefill answered without kv_transfer_params", "prefill 503",
-                              "prefill stalls past half the first-token budget"])
+@pytest.mark.parametrize(
+    "mode",
+    ["refuse", "no_kv_params", "status", "stall"],
+    ids=[
+        "prefill worker dead",
+        "prefill answered without kv_transfer_params",
+        "prefill 503",
+        "prefill stalls past half the first-token budget",
+    ],
+)
 def test_pd_falls_back_to_decode_only(mode: str) -> None:
     p, d = FakeWorker("p"), FakeWorker("d")
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d),
-                 limits={"first_token_timeout_s": 0.4, "total_timeout_s": 0.4})
+    cfg = config(
+        pool("prefill", "H100", "prefill", p),
+        pool("decode", "A100", "decode", d),
+        limits={"first_token_timeout_s": 0.4, "total_timeout_s": 0.4},
+    )
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
@@ -255,7 +292,9 @@ def test_concurrent_faults_every_request_one_outcome() -> None:
     busy = FakeWorker("busy", mode="status", status=429)
 
     async def body() -> None:
-        async with gateway(config(pool("p", "L4", "mixed", ok, dying, busy), **RR), FakeFleet(ok, dying, busy)) as (c, gw):
+        async with gateway(
+            config(pool("p", "L4", "mixed", ok, dying, busy), **RR), FakeFleet(ok, dying, busy)
+        ) as (c, gw):
             reqs = [c.post(CHAT, json=chat(f"q{i}", stream=bool(i % 2), max_tokens=3)) for i in range(24)]
             results = await asyncio.gather(*reqs)
             assert all(r.status_code in (200, 429) for r in results)
@@ -326,18 +365,25 @@ def test_kv_reservations_follow_each_request() -> None:
 
 def test_unknown_fields_reach_the_worker_byte_for_byte() -> None:
     a = FakeWorker("a")
-    raw = (b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,\n'
-           b' "guided_json": {"type": "object"}, "vllm_xargs": {"k": [1, 2]}, "top_k": 7, "priority": -1}')
+    raw = (
+        b'{"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,\n'
+        b' "guided_json": {"type": "object"}, "vllm_xargs": {"k": [1, 2]}, "top_k": 7, "priority": -1}'
+    )
 
     async def body() -> None:
         async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, _):
             r = await c.post(CHAT, content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 200
             assert a.raw_seen[0] == raw  # not re-encoded: spacing, order and unknown fields intact
-            r = await c.post(CHAT, content=raw.replace(b'"max_tokens": 2', b'"max_tokens": 2, "stream": true'),
-                             headers={"content-type": "application/json"})
+            r = await c.post(
+                CHAT,
+                content=raw.replace(b'"max_tokens": 2', b'"max_tokens": 2, "stream": true'),
+                headers={"content-type": "application/json"},
+            )
             # streaming: only `"stream_options":{"include_usage":true}` is appended, the rest is the same bytes
-            assert a.raw_seen[1].startswith(raw.replace(b'"max_tokens": 2', b'"max_tokens": 2, "stream": true')[:-1])
+            assert a.raw_seen[1].startswith(
+                raw.replace(b'"max_tokens": 2', b'"max_tokens": 2, "stream": true')[:-1]
+            )
             assert a.raw_seen[1].endswith(b',"stream_options":{"include_usage":true}}')
 
     run(body)
@@ -347,7 +393,9 @@ def test_no_retry_once_the_budget_is_spent() -> None:
     a, b = FakeWorker("a", mode="status", status=503), FakeWorker("b")
 
     async def body() -> None:
-        cfg = config(pool("p", "L4", "mixed", a, b), limits={"retry_budget_s": 0}, routing={"policy": "round-robin"})
+        cfg = config(
+            pool("p", "L4", "mixed", a, b), limits={"retry_budget_s": 0}, routing={"policy": "round-robin"}
+        )
         async with gateway(cfg, FakeFleet(a, b)) as (c, gw):
             statuses = [(await c.post(CHAT, json=chat(f"q{i}"))).status_code for i in range(2)]
             # round-robin sends one of the two to `a`; with no retry budget its 503 reaches the client as is

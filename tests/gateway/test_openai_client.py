@@ -39,28 +39,45 @@ def test_models_lists_the_fleet(client: openai.OpenAI) -> None:
 
 
 def test_chat_with_usage(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=_ask(), max_tokens=7, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL, messages=_ask(), max_tokens=7, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.content and r.choices[0].finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 7
     assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + 7
 
 
 def test_completions(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=5, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=[1, 2, 3, 4], max_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (4, 5)
     assert len(r.choices[0].text.split()) == 5  # one pseudo-word per token
 
 
 def test_streaming_chat_with_and_without_usage(client: openai.OpenAI, gw: GatewayThread) -> None:
     before = gw.metric("mosaic_generation_tokens_total", model=MODEL)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=_ask(), max_tokens=6, stream=True,
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=_ask(), max_tokens=6, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert all(c.usage is None for c in chunks)  # injected upstream, stripped here
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(text.split()) == 6
-    chunks = list(client.chat.completions.create(model=MODEL, messages=_ask(), max_tokens=6, stream=True,
-                                                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=_ask(),
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert (
+        chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    )
     # both streams' tokens were counted at the gateway: 6 + 6
     assert gw.metric_reaches("mosaic_generation_tokens_total", before + 12, model=MODEL) - before == 12
 
@@ -69,25 +86,50 @@ def test_pd_path_end_to_end(client: openai.OpenAI, gw: GatewayThread) -> None:
     prefill = gw.gateway.registry.get("prefill-h100/sim-0")
     assert prefill is not None
     before = prefill.dispatched_total
-    stream = client.chat.completions.create(model=MODEL, messages=_ask(LONG), max_tokens=4, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=_ask(LONG),
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
     assert prefill.dispatched_total == before + 1  # the prefill hop went to the H100
-    assert gw.metric_reaches("mosaic_time_to_first_token_seconds_count", 1, model=MODEL, pool="decode-a100") >= 1
+    assert (
+        gw.metric_reaches("mosaic_time_to_first_token_seconds_count", 1, model=MODEL, pool="decode-a100") >= 1
+    )
 
 
 @pytest.mark.parametrize(
     ("kwargs", "exc"),
     [
-        pytest.param({"model": "no-such-model", "messages": _ask()}, openai.NotFoundError, id="unknown model → 404 NotFoundError"),
-        pytest.param({"model": MODEL, "messages": []}, openai.BadRequestError, id="empty messages → 400 BadRequestError"),
-        pytest.param({"model": MODEL, "messages": _ask(), "max_tokens": -1}, openai.BadRequestError,
-                     id="max_tokens -1 → the worker's 400 passes through"),
-        pytest.param({"model": MODEL, "messages": _ask("x" * 70000)}, openai.APIStatusError, id="body over max_body_bytes → 413"),
+        pytest.param(
+            {"model": "no-such-model", "messages": _ask()},
+            openai.NotFoundError,
+            id="unknown model → 404 NotFoundError",
+        ),
+        pytest.param(
+            {"model": MODEL, "messages": []},
+            openai.BadRequestError,
+            id="empty messages → 400 BadRequestError",
+        ),
+        pytest.param(
+            {"model": MODEL, "messages": _ask(), "max_tokens": -1},
+            openai.BadRequestError,
+            id="max_tokens -1 → the worker's 400 passes through",
+        ),
+        pytest.param(
+            {"model": MODEL, "messages": _ask("x" * 70000)},
+            openai.APIStatusError,
+            id="body over max_body_bytes → 413",
+        ),
     ],
 )
-def test_errors_map_to_client_exceptions(client: openai.OpenAI, kwargs: dict[str, Any], exc: type[Exception]) -> None:
+def test_errors_map_to_client_exceptions(
+    client: openai.OpenAI, kwargs: dict[str, Any], exc: type[Exception]
+) -> None:
     with pytest.raises(exc) as err:
         client.chat.completions.create(**kwargs)
     assert isinstance(err.value, openai.APIStatusError)
@@ -99,7 +141,9 @@ def test_errors_map_to_client_exceptions(client: openai.OpenAI, kwargs: dict[str
 
 def test_prompt_over_context_is_400_even_when_streaming(gw: GatewayThread) -> None:
     with httpx.Client(base_url=gw.url, timeout=30) as http:
-        r = http.post("/v1/completions", json={"model": MODEL, "prompt": [7] * 9000, "max_tokens": 4, "stream": True})
+        r = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": [7] * 9000, "max_tokens": 4, "stream": True}
+        )
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -116,10 +160,17 @@ def test_health_ready_metrics_admin(gw: GatewayThread) -> None:
         ready = http.get("/ready")
         assert ready.status_code == 200 and ready.json()["ready_workers"] == {MODEL: 5}
         text = http.get("/metrics").text
-        for name in ("mosaic_requests_total", "mosaic_time_to_first_token_seconds_bucket", "mosaic_worker_inflight_requests",
-                     "mosaic_admission_queue_depth", "mosaic_worker_scrape_age_seconds"):
+        for name in (
+            "mosaic_requests_total",
+            "mosaic_time_to_first_token_seconds_bucket",
+            "mosaic_worker_inflight_requests",
+            "mosaic_admission_queue_depth",
+            "mosaic_worker_scrape_age_seconds",
+        ):
             assert name in text
         workers = http.get("/admin/workers").json()["workers"]
         assert {w["gpu"] for w in workers} == {"H100-SXM", "A100-80GB", "L4"}
-        assert all(w["stats"]["num_gpu_blocks"] == w["capacity"]["kv_blocks"] for w in workers)  # scraped = modelled
+        assert all(
+            w["stats"]["num_gpu_blocks"] == w["capacity"]["kv_blocks"] for w in workers
+        )  # scraped = modelled
         assert http.get("/admin/routing").json()["router"]["policy"] == "mosaic"

@@ -16,18 +16,28 @@ from tests.gateway.serverkit import GatewayThread
 MODEL = "llama-3-8b"
 
 
-def _sim_pool(name: str = "l4", gpu: str = "L4", replicas: int = 1, time_scale: float = 200.0, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "model": MODEL, "gpu": gpu, "role": "mixed",
-            "endpoints": {"simulated": {"replicas": replicas, "time_scale": time_scale}}, **extra}
+def _sim_pool(
+    name: str = "l4", gpu: str = "L4", replicas: int = 1, time_scale: float = 200.0, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "model": MODEL,
+        "gpu": gpu,
+        "role": "mixed",
+        "endpoints": {"simulated": {"replicas": replicas, "time_scale": time_scale}},
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
 def secured() -> collections.abc.Iterator[GatewayThread]:
-    cfg = validate_config({
-        "pools": [_sim_pool()],
-        "auth": {"api_keys": ["sk-alice", "sk-bob"], "admin_keys": ["sk-admin"]},
-        "limits": {"rate_limit": {"requests_per_s": 0.5, "burst": 2}},
-    })
+    cfg = validate_config(
+        {
+            "pools": [_sim_pool()],
+            "auth": {"api_keys": ["sk-alice", "sk-bob"], "admin_keys": ["sk-admin"]},
+            "limits": {"rate_limit": {"requests_per_s": 0.5, "burst": 2}},
+        }
+    )
     with GatewayThread(cfg) as thread:
         yield thread
 
@@ -80,15 +90,22 @@ def test_admin_endpoints_need_the_admin_key(secured: GatewayThread, key: str | N
 
 def test_admission_queue_full_and_deadline_are_429() -> None:
     """One L4 slot (max_num_seqs 1, at-capacity factor 1): one request runs, one waits, the rest are refused."""
-    cfg = validate_config({
-        "pools": [_sim_pool(time_scale=2.0, max_num_seqs=1)],
-        "routing": {"plugins": [{"type": "at-capacity", "params": {"inflight_factor": 1.0}}]},
-        "limits": {"queue_size": 1, "queue_deadline_s": 0.4},
-    })
+    cfg = validate_config(
+        {
+            "pools": [_sim_pool(time_scale=2.0, max_num_seqs=1)],
+            "routing": {"plugins": [{"type": "at-capacity", "params": {"inflight_factor": 1.0}}]},
+            "limits": {"queue_size": 1, "queue_deadline_s": 0.4},
+        }
+    )
 
     async def burst(url: str) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            body = {"model": MODEL, "prompt": [1] * 16, "max_tokens": 40, "ignore_eos": True}  # ≈ 40 × 66 ms / 2 on an L4
+            body = {
+                "model": MODEL,
+                "prompt": [1] * 16,
+                "max_tokens": 40,
+                "ignore_eos": True,
+            }  # ≈ 40 × 66 ms / 2 on an L4
             first = asyncio.create_task(http.post("/v1/completions", json=body))
             await asyncio.sleep(0.3)
             rest = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(3)]
@@ -99,6 +116,10 @@ def test_admission_queue_full_and_deadline_are_429() -> None:
         statuses = sorted(r.status_code for r in results)
         assert statuses == [200, 429, 429, 429]
         codes = sorted(r.json()["error"]["code"] for r in results if r.status_code == 429)
-        assert codes == ["queue_full", "queue_full", "queue_timeout"]  # 1 waits out its deadline, 2 find it full
+        assert codes == [
+            "queue_full",
+            "queue_full",
+            "queue_timeout",
+        ]  # 1 waits out its deadline, 2 find it full
         assert all(int(r.headers["retry-after"]) >= 1 for r in results if r.status_code == 429)
         assert gw.metric("mosaic_rejections_total", reason="queue_full") == 2

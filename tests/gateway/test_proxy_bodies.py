@@ -32,13 +32,28 @@ def test_usage_body_merges_existing_stream_options() -> None:
 
 
 def test_prefill_body_follows_vllm_pd_protocol() -> None:
-    data = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": 200, "min_tokens": 5, "top_k": 3}
-    out = json.loads(prefill_body(data))
-    assert out["kv_transfer_params"] == PREFILL_KV_PARAMS == {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    data = {
+        "model": "m",
+        "messages": [],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 200,
+        "min_tokens": 5,
+        "top_k": 3,
     }
+    out = json.loads(prefill_body(data))
+    assert (
+        out["kv_transfer_params"]
+        == PREFILL_KV_PARAMS
+        == {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+    )
     assert (out["stream"], out["max_tokens"], out["max_completion_tokens"]) == (False, 1, 1)
     assert "stream_options" not in out and "min_tokens" not in out
     assert out["top_k"] == 3  # unknown fields pass through
@@ -46,21 +61,33 @@ def test_prefill_body_follows_vllm_pd_protocol() -> None:
 
 
 def test_decode_body_carries_prefill_params() -> None:
-    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h", "remote_port": 1}
-    out = json.loads(decode_body({"model": "m", "stream": True, "max_tokens": 9}, params, stream_needs_usage=True))
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_block_ids": [1],
+        "remote_host": "h",
+        "remote_port": 1,
+    }
+    out = json.loads(
+        decode_body({"model": "m", "stream": True, "max_tokens": 9}, params, stream_needs_usage=True)
+    )
     assert out["kv_transfer_params"] == params and out["max_tokens"] == 9
     assert out["stream_options"] == {"include_usage": True}
 
 
 def _events(*payloads: object) -> bytes:
-    return b"".join(b"data: " + (p if isinstance(p, bytes) else json.dumps(p).encode()) + b"\n\n" for p in payloads)
+    return b"".join(
+        b"data: " + (p if isinstance(p, bytes) else json.dumps(p).encode()) + b"\n\n" for p in payloads
+    )
 
 
 USAGE = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
 CHUNK = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
 
 
-@pytest.mark.parametrize("strip", [True, False], ids=["client did not ask → usage chunk stripped", "client asked → kept"])
+@pytest.mark.parametrize(
+    "strip", [True, False], ids=["client did not ask → usage chunk stripped", "client asked → kept"]
+)
 def test_relay_strips_injected_usage_only_when_not_asked(strip: bool) -> None:
     relay = SseRelay(strip_usage=strip)
     stream = _events(CHUNK, CHUNK, USAGE, b"[DONE]")
@@ -85,16 +112,61 @@ def test_relay_holds_back_only_an_incomplete_event() -> None:
 @pytest.mark.parametrize(
     ("kind", "body", "prompt", "exact", "max_out"),
     [
-        pytest.param("completions", {"model": "m", "prompt": "abcdefgh"}, 2, False, 16,
-                     id="text prompt: ceil(8 chars / 4) = 2 tokens; completions default max_tokens 16"),
-        pytest.param("completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}, 3, True, 5,
-                     id="token ids: exact count"),
-        pytest.param("completions", {"model": "m", "prompt": [[1, 2], [3, 4, 5]], "max_tokens": 4, "n": 2}, 5, True, 16,
-                     id="two id prompts × n=2: 2+3 tokens, 4 × 2 × 2 = 16 output"),
-        pytest.param("chat", {"model": "m", "messages": [{"role": "user", "content": "abcdefghi"}], "max_completion_tokens": 7},
-                     9, False, 7, id="chat: ceil(9/4)=3 + 3 framing + 3 priming = 9; max_completion_tokens wins"),
-        pytest.param("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
-                     7, False, 8192 - 7, id="chat parts: text counted (1) + 6; no max_tokens → context − prompt"),
+        pytest.param(
+            "completions",
+            {"model": "m", "prompt": "abcdefgh"},
+            2,
+            False,
+            16,
+            id="text prompt: ceil(8 chars / 4) = 2 tokens; completions default max_tokens 16",
+        ),
+        pytest.param(
+            "completions",
+            {"model": "m", "prompt": [1, 2, 3], "max_tokens": 5},
+            3,
+            True,
+            5,
+            id="token ids: exact count",
+        ),
+        pytest.param(
+            "completions",
+            {"model": "m", "prompt": [[1, 2], [3, 4, 5]], "max_tokens": 4, "n": 2},
+            5,
+            True,
+            16,
+            id="two id prompts × n=2: 2+3 tokens, 4 × 2 × 2 = 16 output",
+        ),
+        pytest.param(
+            "chat",
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "abcdefghi"}],
+                "max_completion_tokens": 7,
+            },
+            9,
+            False,
+            7,
+            id="chat: ceil(9/4)=3 + 3 framing + 3 priming = 9; max_completion_tokens wins",
+        ),
+        pytest.param(
+            "chat",
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "abcd"},
+                            {"type": "image_url", "image_url": {"url": "x"}},
+                        ],
+                    }
+                ],
+            },
+            7,
+            False,
+            8192 - 7,
+            id="chat parts: text counted (1) + 6; no max_tokens → context − prompt",
+        ),
     ],
 )
 def test_footprint(kind: str, body: dict[str, object], prompt: int, exact: bool, max_out: int) -> None:
@@ -109,9 +181,19 @@ def test_footprint(kind: str, body: dict[str, object], prompt: int, exact: bool,
     [
         pytest.param("chat", b"{not json", None, id="malformed JSON → 400"),
         pytest.param("chat", b"[1, 2]", None, id="not an object → 400"),
-        pytest.param("chat", b'{"messages": [{"role": "user", "content": "x"}]}', "model", id="missing model → 400 param model"),
+        pytest.param(
+            "chat",
+            b'{"messages": [{"role": "user", "content": "x"}]}',
+            "model",
+            id="missing model → 400 param model",
+        ),
         pytest.param("chat", b'{"model": "m", "messages": []}', "messages", id="empty messages → 400"),
-        pytest.param("completions", b'{"model": "m", "prompt": "x", "max_tokens": "lots"}', "max_tokens", id="max_tokens not an int → 400"),
+        pytest.param(
+            "completions",
+            b'{"model": "m", "prompt": "x", "max_tokens": "lots"}',
+            "max_tokens",
+            id="max_tokens not an int → 400",
+        ),
     ],
 )
 def test_bad_bodies_are_400_with_param(kind: str, body: bytes, param: str | None) -> None:
@@ -122,5 +204,7 @@ def test_bad_bodies_are_400_with_param(kind: str, body: bytes, param: str | None
 
 
 def test_unknown_fields_are_ignored_by_the_parser() -> None:
-    p = parse_request("completions", b'{"model":"m","prompt":"x","guided_json":{"type":"object"},"ignore_eos":true}')
+    p = parse_request(
+        "completions", b'{"model":"m","prompt":"x","guided_json":{"type":"object"},"ignore_eos":true}'
+    )
     assert p.body.endswith(b'"ignore_eos":true}')  # forwarded bytes are the client's

@@ -101,13 +101,18 @@ def test_registry_scrapes_rates_and_drops_stale_stats() -> None:
         if request.url.path == "/health":
             return httpx.Response(200)
         gen = next(counts)
-        return httpx.Response(200, text=f"# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{{engine=\"0\"}} {gen}\n"
-                              "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 3\n")
+        return httpx.Response(
+            200,
+            text=f'# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{{engine="0"}} {gen}\n'
+            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3\n',
+        )
 
     async def run() -> None:
         clock = _Clock()
         client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        reg = Registry(ScrapeConfig(stale_after_s=5.0), HealthConfig(), GatewayMetrics(), client=client, clock=clock)
+        reg = Registry(
+            ScrapeConfig(stale_after_s=5.0), HealthConfig(), GatewayMetrics(), client=client, clock=clock
+        )
         info = PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b"))
         reg.add_pool(info, StaticSource(["http://w1:8000"]))
         await reg.resync("p")

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        pytest.param(["--config", "/nonexistent/mosaic.yaml"], "cannot read config file", id="missing config file"),
+        pytest.param(
+            ["--config", "/nonexistent/mosaic.yaml"], "cannot read config file", id="missing config file"
+        ),
         pytest.param(["--port", "70000"], "--port must be in 0..65535", id="port out of range"),
         pytest.param(["--time-scale", "0"], "--time-scale must be > 0", id="time scale not positive"),
     ],
@@ -46,15 +48,21 @@ def test_invalid_config_names_the_field(tmp_path: Path) -> None:
 
 def test_curl_line_mentions_the_key_only_when_needed() -> None:
     assert "Authorization" not in curl_line("http://h:1", "m", needs_key=False)
-    assert 'Authorization: Bearer $MOSAIC_API_KEY' in curl_line("http://h:1", "m", needs_key=True)
+    assert "Authorization: Bearer $MOSAIC_API_KEY" in curl_line("http://h:1", "m", needs_key=True)
 
 
 def test_serve_embedded_default_end_to_end() -> None:
     mosaic = ROOT / ".venv" / "bin" / "mosaic"
     cmd = [str(mosaic)] if mosaic.exists() else [sys.executable, "-m", "server.cli"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([*cmd, "serve", "--port", "0", "--time-scale", "100"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+    proc = subprocess.Popen(
+        [*cmd, "serve", "--port", "0", "--time-scale", "100"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     try:
         assert proc.stdout is not None
         url_line = proc.stdout.readline()
@@ -65,7 +73,12 @@ def test_serve_embedded_default_end_to_end() -> None:
         assert curl.startswith(f"curl {url}/v1/chat/completions")
         body = re.search(r"-d '(.*)'$", curl.strip())
         assert body is not None
-        r = httpx.post(f"{url}/v1/chat/completions", content=body.group(1), headers={"content-type": "application/json"}, timeout=30)
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            content=body.group(1),
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()

@@ -23,10 +23,17 @@ SLOW = 5.0
 
 
 def _config(replicas: int = 2, time_scale: float = SLOW, **sections: Any) -> Any:
-    pool = {"name": "l4", "model": MODEL, "gpu": "L4", "role": "mixed",
-            "endpoints": {"simulated": {"replicas": replicas, "time_scale": time_scale}}}
+    pool = {
+        "name": "l4",
+        "model": MODEL,
+        "gpu": "L4",
+        "role": "mixed",
+        "endpoints": {"simulated": {"replicas": replicas, "time_scale": time_scale}},
+    }
     # active health checks off (60 s): the tests see passive ejection, not a lucky health check first
-    return validate_config({"pools": [pool], "routing": {"policy": "round-robin"}, "health": {"interval_s": 60}, **sections})
+    return validate_config(
+        {"pools": [pool], "routing": {"policy": "round-robin"}, "health": {"interval_s": 60}, **sections}
+    )
 
 
 @pytest.fixture
@@ -40,7 +47,9 @@ def _assert_no_leftover_load(gw: GatewayThread) -> None:
     deadline = time.monotonic() + 5
     while any(r.inflight_requests for r in gw.gateway.registry.records()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert all(r.inflight_requests == 0 and r.inflight_prefill_tokens == 0 for r in gw.gateway.registry.records())
+    assert all(
+        r.inflight_requests == 0 and r.inflight_prefill_tokens == 0 for r in gw.gateway.registry.records()
+    )
 
 
 def _source(gw: GatewayThread) -> SimulatedPoolSource:
@@ -57,7 +66,13 @@ def _busy_worker_index(gw: GatewayThread) -> int:
 
 
 def _body(max_tokens: int, stream: bool) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": [5] * 32, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    return {
+        "model": MODEL,
+        "prompt": [5] * 32,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 def test_worker_killed_before_dispatch_retries_elsewhere(gw: GatewayThread) -> None:
@@ -114,7 +129,10 @@ def test_client_disconnect_cancels_upstream(gw: GatewayThread, stream: bool) -> 
 
 
 def test_graceful_shutdown_drains_an_open_stream() -> None:
-    with GatewayThread(_config(replicas=1, limits={"shutdown_grace_s": 20})) as gw, httpx.Client(base_url=gw.url, timeout=30) as http:
+    with (
+        GatewayThread(_config(replicas=1, limits={"shutdown_grace_s": 20})) as gw,
+        httpx.Client(base_url=gw.url, timeout=30) as http,
+    ):
         with http.stream("POST", "/v1/completions", json=_body(60, stream=True)) as r:
             lines = r.iter_lines()
             first = next(e for e in lines if e)
