@@ -16,7 +16,8 @@ Per model, each cycle:
 4. **Prefill follows** in the same decision: `pd_ratio` prefill instances per decode instance needed
    (unrounded; the profiled P/D ratio; while requests wait for prefill, at least their prompt-token demand), or, in
    `prompt_tokens` mode, prompt tokens/s demand (plus backlog) over prefill capacity.
-5. **Damping**: no change while capacity is within ±`tolerance` of the requirement; scale-up at once
+5. **Damping**: no change while capacity covers the requirement with less than `tolerance` to spare; a
+   shortfall scales up at once
    (bounded by `max_scale_up_step` / `max_scale_up_factor`); scale-down only to the highest target
    recommended over the last `scale_down_window_s` and by at most `max_scale_down_fraction` per cycle.
 """
@@ -176,10 +177,12 @@ class MosaicAutoscaler:
             return
         cfg = self.config
         have = capacity(pools, current, cap_of)
-        within_band = have > 0 and abs(required - have) / have <= cfg.tolerance
+        # Asymmetric band: any shortfall buys capacity now (SLO first); a surplus is kept until it exceeds
+        # `tolerance`, so a flat load never flaps and one added instance is not removed by jitter.
+        within_band = have > 0 and (1 - cfg.tolerance) * have <= required <= have
         if within_band and not breached:
             raw = {p.name: min(max(current[p.name], p.min_replicas), p.max_replicas) for p in pools}
-            why = f"within ±{cfg.tolerance:.0%} of {required:.0f}"
+            why = f"{have:.0f} covers {required:.0f} within {cfg.tolerance:.0%}"
         else:
             raw = rebalance(pools, current, required, cap_of)
             why = f"need {required:.0f}, have {have:.0f}"
