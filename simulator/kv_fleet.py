@@ -184,7 +184,7 @@ class KvFleet:
         self.window = window
         self.aging_s = aging_s
         self.reconcile_every_s = reconcile_every_s
-        self.admission_params = admission_params or AdmissionParams(max_head=window)
+        self.admission_params = admission_params or AdmissionParams(max_head=window, time_limit_ms=5.0)
         self.queue: list[Arrival] = []
         self.reservations: dict[str, object] = {}
         self.stats: dict[str, RequestStats] = {}

@@ -59,7 +59,7 @@ def tp_payload(part: TpPartition, heads: int) -> dict[str, Any]:
         "contiguous_rank_cost": [round(c, 6) for c in part.contiguous_rank_cost],
         "contiguous_max_cost": round(part.contiguous_max_cost, 6),
         "lower_bound": round(part.lower_bound, 6),
-        "rank_groups": [[[f // heads, f % heads] for f in g] for rank in part.rank_groups for g in rank],
+        "rank_groups": [[[[f // heads, f % heads] for f in g] for g in rank] for rank in part.rank_groups],
         "groups_per_rank": [len(r) for r in part.rank_groups],
         "permutation": part.permutation(),
     }

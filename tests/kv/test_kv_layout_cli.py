@@ -56,6 +56,10 @@ def test_tp_partition_and_permutation(app: typer.Typer) -> None:
     assert tp["max_cost"] == pytest.approx(0.64)
     assert sorted(tp["rank_cost"]) == pytest.approx([0.6, 0.64])
     assert all(sorted(p) == [0, 1] for p in tp["permutation"])
+    # rank r holds, in each layer, the heads the permutation puts in its contiguous slice
+    for r, groups in enumerate(tp["rank_groups"]):
+        held = sorted(tuple(h) for g in groups for h in g)
+        assert held == sorted((layer, perm[r]) for layer, perm in enumerate(tp["permutation"]))
     assert tp["max_cost"] >= tp["lower_bound"] - 1e-9
 
 
