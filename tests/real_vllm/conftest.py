@@ -2,7 +2,7 @@
 
 `real_vllm`: one server per test session (started on first use, ~60 s warm / ~120 s cold, stopped at the end).
 `real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started only
-when a test asks for it. Both skip with the reason from `vllm_env.missing_reason()` when `.venv-vllm` or the
+for the module that asks for it and stopped after it. Both skip with the reason from `vllm_env.missing_reason()` when `.venv-vllm` or the
 model is absent (`make test-vllm` sets them up).
 
 `MOSAIC_REAL_VLLM_URL=http://127.0.0.1:P` makes `real_vllm` use a server already running (e.g. one from
@@ -72,7 +72,7 @@ def real_vllm() -> Iterator[RealServer]:
     yield from _serve("pytest-main", ())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped after its module: never more than ~3 servers (2.6 GB each) at once
 def real_vllm_kv() -> Iterator[RealServer]:
     _skip_if_absent()
     external = os.environ.get("MOSAIC_REAL_VLLM_KV_URL")  # e.g. `real_vllm.sh start --name kv --kv-pressure`
