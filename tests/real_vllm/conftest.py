@@ -1,6 +1,6 @@
 """Fixtures for tests against a real vLLM server (CPU build, tiny local model).
 
-`real_vllm`: one server per test session (started on first use, ~60 s warm / ~120 s cold, stopped at the end).
+`real_vllm`: one server per test session (started on first use, 25-80 s, stopped at the end).
 `real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started only
 for the module that asks for it and stopped after it. Both skip with the reason from `vllm_env.missing_reason()` when `.venv-vllm` or the
 model is absent (`make test-vllm` sets them up).
