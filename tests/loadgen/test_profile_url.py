@@ -15,7 +15,16 @@ def test_profile_url_writes_a_url_profile(worker_url: str, tmp_path: Path) -> No
     out = tmp_path / "h100.json"
     args = ["profile", "--url", worker_url, "--gpu", "H100", "--model", "llama-3-8b", "--out", str(out)]
     args += ["--input-edges", "1,64", "--output-edges", "2,8", "--slo-tpot-ms", "40", "--min-rate", "5"]
-    args += ["--max-rate", "40", "--probe-window-s", "0.5", "--probe-requests", "10", "--probe-e2e-factor", "0"]
+    args += [
+        "--max-rate",
+        "40",
+        "--probe-window-s",
+        "0.5",
+        "--probe-requests",
+        "10",
+        "--probe-e2e-factor",
+        "0",
+    ]
     res = CliRunner().invoke(build_app(), args)
     assert res.exit_code == 0, res.output
     p = load_profile(out)
