@@ -25,7 +25,7 @@ from placement.perf_model import PerfModel
 from scheduler.fleet import Role, WorkerState, WorkerView, capacity_for
 from scheduler.kv.batch_admission import AdmissionParams, plan_admission
 from scheduler.kv.footprint import Footprint
-from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
+from scheduler.kv.ledger import KvLedger, KvReservation, LedgerSettings, SpecTable
 from scheduler.kv.plugins import best_fit_score
 from scheduler.routing.framework import RouteRequest
 from scheduler.routing.reasons import Outcome
@@ -186,7 +186,7 @@ class KvFleet:
         self.reconcile_every_s = reconcile_every_s
         self.admission_params = admission_params or AdmissionParams(max_head=window, time_limit_ms=5.0)
         self.queue: list[Arrival] = []
-        self.reservations: dict[str, object] = {}
+        self.reservations: dict[str, KvReservation] = {}
         self.stats: dict[str, RequestStats] = {}
         self.solves: list[tuple[str, float, float]] = []
         self.errors: list[float] = []
@@ -270,7 +270,7 @@ class KvFleet:
             w.prefilling.discard(rid)
             r = self.reservations.get(rid)
             if r is not None:
-                r.first_token(now)  # type: ignore[attr-defined]
+                r.first_token(now)
         if self.ledger is not None and self.ledger.settings.mode == "predicted":
             self._stream(res, now)
         for rec in res.finished:
@@ -280,7 +280,7 @@ class KvFleet:
             w.prefilling.discard(rec.request_id)
             r = self.reservations.pop(rec.request_id, None)
             if r is not None:
-                r.release(Outcome.COMPLETED)  # type: ignore[attr-defined]
+                r.release(Outcome.COMPLETED)
             if self.ledger is not None:
                 self.ledger.predictor.observe(w.spec.served_model, rec.prompt_tokens, rec.output_tokens)
         if self.queue:
@@ -292,8 +292,8 @@ class KvFleet:
         for rid in (*res.decoded, *res.prefilled):
             n = self._generated[rid] = self._generated.get(rid, 0) + 1
             r = self.reservations.get(rid)
-            if r is not None and n >= r.reserved_output:  # type: ignore[attr-defined]
-                r.on_tokens(n, now)  # type: ignore[attr-defined]
+            if r is not None and n >= r.reserved_output:
+                r.on_tokens(n, now)
 
     def _step_at(self, w: _Worker, now: float) -> None:
         if w.engine.has_work():
@@ -380,7 +380,7 @@ class KvFleet:
             v = max(
                 fits_ever, key=lambda v: (ledger.free(v) / max(1, ledger.footprint(req, v)[0].peak), v.id)
             )
-            ledger.hold(head.request_id, v, ledger.footprint(req, v)[0].peak)
+            ledger.hold(head.request_id, v, ledger.footprint(req, v)[0].peak, now)
             self._held = head.request_id
 
     def _route_req(self, a: Arrival) -> RouteRequest:

@@ -183,6 +183,7 @@ class _Book:
     error_frac: float | None = None
     active: dict[int, KvReservation] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
+    hold_expiry: dict[str, float] = field(default_factory=dict)  # a hold nobody claims lapses like a lease
     key: tuple[object, ...] = ()  # what the spec was derived from (pool, model, block size, limits, blocks)
     spec: WorkerKvSpec = field(default_factory=WorkerKvSpec)
     needs: dict[tuple[int, int], Footprint] = field(default_factory=dict)  # memoised `need` for this spec
@@ -210,7 +211,8 @@ class KvLedger:
         return self._book(worker).spec
 
     def total_units(self, worker: WorkerView) -> int:
-        return worker.kv_blocks_total * self.spec_for(worker).units_per_block
+        """num_gpu_blocks (scraped, else the perf model's) × units per block."""
+        return self._book(worker).total
 
     def capacity(self, worker: WorkerView) -> int:
         """floor(total · (1 − watermark) · share) − shrink, never below 0."""
@@ -231,12 +233,11 @@ class KvLedger:
         return self.capacity(worker) - book.reserved - held
 
     def active(self, worker_id: str | None = None) -> list[KvReservation]:
-        books = (
-            [self._books[worker_id]]
-            if worker_id is not None and worker_id in self._books
-            else ([] if worker_id is not None else list(self._books.values()))
-        )
-        return [r for b in books for r in b.active.values()]
+        """Live reservations, on one worker or on all."""
+        if worker_id is None:
+            return [r for b in self._books.values() for r in b.active.values()]
+        book = self._books.get(worker_id)
+        return list(book.active.values()) if book else []
 
     # --- footprint -------------------------------------------------------------------------------------
     def footprint(self, req: RouteRequest, worker: WorkerView) -> tuple[Footprint, Footprint]:
@@ -246,7 +247,7 @@ class KvLedger:
         its footprint is the prompt's KV plus one token, whatever the request's max_tokens.
         """
         book = self._book(worker)
-        if worker.role is Role.PREFILL:
+        if worker.role == Role.PREFILL:
             fp = self._need(book, req.prompt_tokens, 1)
             return fp, fp
         worst = self._need(book, req.prompt_tokens, req.max_output_tokens)
@@ -287,6 +288,7 @@ class KvLedger:
         book.reserved += res.units
         book.worst_reserved += res.worst_units
         book.holds.pop(req.request_id, None)
+        book.hold_expiry.pop(req.request_id, None)
         self.stats.reserved += 1
         return res
 
@@ -300,13 +302,17 @@ class KvLedger:
         return True
 
     # --- holds (aging) ---------------------------------------------------------------------------------
-    def hold(self, request_id: str, worker: WorkerView, units: int) -> None:
-        """Set `units` aside on `worker` for `request_id` (replaces its previous hold there)."""
-        self._book(worker).holds[request_id] = max(0, int(units))
+    def hold(self, request_id: str, worker: WorkerView, units: int, now: float) -> None:
+        """Set `units` aside on `worker` for `request_id` (replaces its previous hold there) until it
+        reserves, `drop_hold` is called, or `lease_s` passes (then `sweep` drops it)."""
+        book = self._book(worker)
+        book.holds[request_id] = max(0, int(units))
+        book.hold_expiry[request_id] = now + self.settings.lease_s
 
     def drop_hold(self, request_id: str) -> None:
         for book in self._books.values():
             book.holds.pop(request_id, None)
+            book.hold_expiry.pop(request_id, None)
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def _release(self, res: KvReservation, outcome: Outcome) -> None:
@@ -357,7 +363,11 @@ class KvLedger:
         return True
 
     def sweep(self, now: float) -> list[KvReservation]:
-        """Release (LEASE_EXPIRED) every reservation whose lease has passed; returns them."""
+        """Release (LEASE_EXPIRED) every reservation whose lease has passed, drop lapsed holds; returns the former."""
+        for b in self._books.values():
+            for rid in [k for k, t in b.hold_expiry.items() if t <= now]:
+                b.holds.pop(rid, None)
+                del b.hold_expiry[rid]
         expired = [r for b in self._books.values() for r in b.active.values() if r.expires_s <= now]
         for r in expired:
             r.release(Outcome.LEASE_EXPIRED)

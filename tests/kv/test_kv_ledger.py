@@ -181,10 +181,18 @@ def test_preemptions_above_budget_halve_the_overbook_allowance() -> None:
 
 def test_hold_keeps_room_for_the_aged_request_only() -> None:
     ledger, w = KvLedger(LedgerSettings(watermark=0.0)), worker(blocks=20)
-    ledger.hold("big", w, 15)
+    ledger.hold("big", w, 15, 0.0)
     assert not ledger.fits(request("small", 100, 0), w, 0.0)  # 7 blocks > 20 − 15
     big = ledger.reserve(request("big", 200, 0), w, 0.0)  # 13 blocks, may use its own hold
     assert big is not None and ledger.snapshot()["w0"]["holds"] == 0
+
+
+def test_an_unclaimed_hold_lapses_with_the_lease() -> None:
+    ledger, w = KvLedger(LedgerSettings(watermark=0.0, lease_s=10.0)), worker(blocks=20)
+    ledger.hold("gone", w, 15, 0.0)  # the request hit its deadline and never came back
+    assert not ledger.fits(request("small", 100, 0), w, 5.0)
+    ledger.sweep(10.0)
+    assert ledger.fits(request("small", 100, 0), w, 10.0)
 
 
 def test_router_reserves_through_the_ledger_and_rejects_kv_full() -> None:
