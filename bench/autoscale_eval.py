@@ -95,8 +95,9 @@ def candidates(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> list[
     """(family, policy spec, autoscaler overrides) for every knob value tried."""
     pd = round(profiled_pd_ratio(fleet, reqs), 3)
     runs: list[tuple[str, str, dict[str, Any]]] = []
-    for u in ((0.4, 0.7) if quick else (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)):
-        runs.append(("mosaic", "mosaic", {"utilization_target": u, "pd_ratio": pd}))
+    lookahead = FLEET["cold_start_s"]  # project rising demand over one cold start
+    for u in ((0.5, 0.7) if quick else (0.4, 0.5, 0.6, 0.7, 0.8)):
+        runs.append(("mosaic", "mosaic", {"utilization_target": u, "pd_ratio": pd, "lookahead_s": lookahead}))
     for t in ((0.7,) if quick else (0.5, 0.7, 0.9)):
         runs.append(("hpa-util", f"hpa-util:{t}", {}))
     for t in ((1, 4) if quick else (0.5, 1, 2, 4, 8)):

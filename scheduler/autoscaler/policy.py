@@ -16,7 +16,9 @@ Per model, each cycle:
 4. **Prefill follows** in the same decision: `pd_ratio` prefill instances per decode instance needed
    (unrounded; the profiled P/D ratio; while requests wait for prefill, at least their prompt-token demand), or, in
    `prompt_tokens` mode, prompt tokens/s demand (plus backlog) over prefill capacity.
-5. **Damping**: no change while capacity covers the requirement with less than `tolerance` to spare; a
+5. **Lookahead** (optional, `lookahead_s`, e.g. the cold start): rising demand is projected along its
+   smoothed trend, so instances bought on a ramp are ready when the demand arrives. Only adds.
+6. **Damping**: no change while capacity covers the requirement with less than `tolerance` to spare; a
    shortfall scales up at once
    (bounded by `max_scale_up_step` / `max_scale_up_factor`); scale-down only to the highest target
    recommended over the last `scale_down_window_s` and by at most `max_scale_down_fraction` per cycle.
@@ -52,6 +54,8 @@ class AutoscalerConfig:
     moderate_boost: float = 1.1
     severe_boost: float = 1.2
     severe_factor: float = 1.5
+    lookahead_s: float = 0.0  # project rising demand this far ahead (set it to the cold start); 0 = off
+    trend_smoothing: float = 0.3  # EWMA weight of the newest slope sample
 
     def __post_init__(self) -> None:
         if not 0 < self.utilization_target <= 1:
@@ -70,6 +74,7 @@ class MosaicAutoscaler:
         self.pools = tuple(pools)
         self.config = config
         self._history: dict[str, deque[tuple[float, int]]] = {p.name: deque() for p in pools}
+        self._trend: dict[str, tuple[float, float, float]] = {}  # key → (time, demand, smoothed slope)
 
     def decide(self, obs: Observation) -> ScalingDecision:
         targets: dict[str, int] = {}
@@ -101,6 +106,7 @@ class MosaicAutoscaler:
         # above its capacity, the arrival rate can. In steady state the two are equal (tokens are conserved).
         arriving_decode = obs.request_rate * obs.mean_output_tokens
         decode_demand = (max(decode_tps, arriving_decode) + waiting * out_tokens / cfg.queue_drain_s) * decode_boost
+        decode_demand = self._lookahead(f"{model}/decode", decode_demand, obs.now)
         signal[f"{model}/decode_tps"] = decode_tps
         signal[f"{model}/waiting"] = float(waiting)
         signal[f"{model}/decode_demand_tps"] = decode_demand
@@ -121,6 +127,7 @@ class MosaicAutoscaler:
         # prompt tokens/s demand, with the prefill backlog to be cleared within queue_drain_s
         arriving_prompt = obs.request_rate * obs.mean_input_tokens
         demand = (max(prompt_tps, arriving_prompt) + prefill_waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
+        demand = self._lookahead(f"{model}/prefill", demand, obs.now)
         signal[f"{model}/prefill_demand_tps"] = demand
         by_demand = demand / cfg.utilization_target
         if cfg.prefill_mode == "ratio":
@@ -154,6 +161,22 @@ class MosaicAutoscaler:
         else:
             mean_cap = sum(p.decode_tps_capacity for p in pools) / len(pools)
         return decode_demand / (self.config.utilization_target * mean_cap)
+
+    def _lookahead(self, key: str, demand: float, now: float) -> float:
+        """Demand projected `lookahead_s` ahead along its smoothed rising trend (never below `demand`).
+
+        An instance bought now serves only after its cold start, so on a ramp the policy buys for the
+        demand it will see then. The trend is an EWMA of the per-second slope between cycles; falling
+        trends are ignored (scale-in stays on measured demand and the stabilisation window).
+        """
+        cfg = self.config
+        previous = self._trend.get(key)
+        slope = 0.0
+        if previous is not None and now > previous[0]:
+            raw = (demand - previous[1]) / (now - previous[0])
+            slope = cfg.trend_smoothing * raw + (1 - cfg.trend_smoothing) * previous[2]
+        self._trend[key] = (now, demand, slope)
+        return demand + max(0.0, slope) * cfg.lookahead_s
 
     def _boost(self, measured: float | None, slo: float | None) -> float:
         cfg = self.config

@@ -193,3 +193,14 @@ def test_any_shortfall_scales_up_at_once_but_a_small_surplus_is_kept() -> None:
     assert policy.decide(obs(0, **{"d-a100": po(5, 4040)})).targets["d-a100"] == 6
     # 6 instances (6,000) for 4,400 / 0.8 = 5,500: surplus 8% < 10% tolerance → keep 6
     assert policy.decide(obs(15, **{"d-a100": po(6, 4400)})).targets["d-a100"] == 6
+
+
+def test_lookahead_projects_a_rising_trend_and_ignores_a_falling_one() -> None:
+    cfg = AutoscalerConfig(utilization_target=0.8, lookahead_s=120, trend_smoothing=1.0, max_scale_up_step=100,
+                           scale_down_window_s=0)
+    policy = MosaicAutoscaler([decode_pool(hi=64)], cfg)
+    policy.decide(obs(0, **{"d-a100": po(3, 1000)}))
+    # slope (2,500 − 1,000)/15 s = 100 tok/s²; 120 s ahead: 2,500 + 12,000 = 14,500 / 800 = 18.1 → 19
+    assert policy.decide(obs(15, **{"d-a100": po(3, 2500)})).targets["d-a100"] == 19
+    # falling: no projection; 1,000 / 800 = 1.25 → 2 (damped: at most 25% of 19 removed → 15)
+    assert policy.decide(obs(30, **{"d-a100": po(19, 1000)})).targets["d-a100"] == 15
