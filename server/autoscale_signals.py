@@ -61,7 +61,9 @@ def quantile(q: float, buckets: Iterable[Bucket]) -> float | None:
         return max((b[0] for b in items), default=None)
 
     def cdf(x: float) -> float:
-        return sum(c * min(1.0, max(0.0, (x - lo) / (hi - lo))) if hi > lo else c * (x >= hi) for lo, hi, c in finite)
+        return sum(
+            c * min(1.0, max(0.0, (x - lo) / (hi - lo))) if hi > lo else c * (x >= hi) for lo, hi, c in finite
+        )
 
     prev_x, prev_c = points[0], cdf(points[0])
     if prev_c >= target:
@@ -151,7 +153,10 @@ class SignalReader:
         seen_ready = states.count(WorkerState.READY)
         seen_draining = states.count(WorkerState.DRAINING)
         if desired is None:  # not managed: what the registry sees
-            ready, starting = seen_ready, states.count(WorkerState.STARTING) + states.count(WorkerState.UNHEALTHY)
+            ready, starting = (
+                seen_ready,
+                states.count(WorkerState.STARTING) + states.count(WorkerState.UNHEALTHY),
+            )
             draining = seen_draining
         else:
             ready = min(seen_ready, desired)
@@ -188,14 +193,23 @@ class SignalReader:
             return 0.0, 0.0
         memo = self._memo.get(rec.id)
         if memo is None:
-            memo = self._memo[rec.id] = _WorkerMemo(stats.generation_tokens_total, stats.prompt_tokens_total, rec.stats_at,
-                                                    rec.generation_tokens_per_s or 0.0, rec.prompt_tokens_per_s or 0.0)
+            memo = self._memo[rec.id] = _WorkerMemo(
+                stats.generation_tokens_total,
+                stats.prompt_tokens_total,
+                rec.stats_at,
+                rec.generation_tokens_per_s or 0.0,
+                rec.prompt_tokens_per_s or 0.0,
+            )
             return memo.gen_rate, memo.prompt_rate
         dt = rec.stats_at - memo.at
         if dt > 0:  # a newer scrape: the rate over everything since the last cycle's scrape
             memo.gen_rate = _rate(memo.gen, stats.generation_tokens_total, dt, rec.generation_tokens_per_s)
             memo.prompt_rate = _rate(memo.prompt, stats.prompt_tokens_total, dt, rec.prompt_tokens_per_s)
-            memo.gen, memo.prompt, memo.at = stats.generation_tokens_total, stats.prompt_tokens_total, rec.stats_at
+            memo.gen, memo.prompt, memo.at = (
+                stats.generation_tokens_total,
+                stats.prompt_tokens_total,
+                rec.stats_at,
+            )
         return memo.gen_rate, memo.prompt_rate
 
     def _gateway_signals(self, now: float) -> dict[str, Any]:
@@ -234,8 +248,12 @@ class SignalReader:
         scales = [self.scale(p.name) for p in self.registry.pools() if p.model == model]
         return max(scales) if scales else 1.0
 
-    def _latency_buckets(self, family: str, cur: Mapping[tuple[str, tuple[tuple[str, str], ...]], float],
-                         prev: Mapping[tuple[str, tuple[tuple[str, str], ...]], float]) -> list[Bucket]:
+    def _latency_buckets(
+        self,
+        family: str,
+        cur: Mapping[tuple[str, tuple[tuple[str, str], ...]], float],
+        prev: Mapping[tuple[str, tuple[tuple[str, str], ...]], float],
+    ) -> list[Bucket]:
         """The interval's bucket increments of one histogram family, per (model, pool), bounds × time scale."""
         series: dict[tuple[tuple[str, str], ...], list[tuple[float, float]]] = {}
         for (name, labels), value in cur.items():

@@ -311,9 +311,10 @@ def _check_autoscaler(config: MosaicConfig) -> None:
     except PolicyError as exc:
         raise _FieldError("autoscaler.policy", str(exc)) from None
     if a.enabled and a.actuator == "embedded":
-        if not any(p.endpoints.simulated is not None for p in config.pools):
-            raise _FieldError("autoscaler.actuator", "the embedded actuator scales simulated pools and there is none; "
-                              "use kubernetes (mosaic autoscale) or dry-run")
+        if not any(p.endpoints.simulated is not None or getattr(p.endpoints, "launch", None) is not None
+                   for p in config.pools):
+            raise _FieldError("autoscaler.actuator", "the embedded actuator scales simulated (or launched vLLM) "
+                              "pools and there is none; use kubernetes (mosaic autoscale) or dry-run")
         # Simulated rates and latencies are converted to model time by the pool's time_scale; the
         # gateway measures latency per model, so one model's simulated pools must share one scale.
         scales: dict[str, set[float]] = {}

@@ -117,7 +117,9 @@ class EmbeddedActuator:
 
     def scale(self, pool: str, replicas: int, now: float) -> ScaleAction:
         if pool not in self.sources:
-            return ScaleAction(now, pool, 0, 0, applied=False, error=f"pool {pool!r} is not simulated in this gateway")
+            return ScaleAction(
+                now, pool, 0, 0, applied=False, error=f"pool {pool!r} is not simulated in this gateway"
+            )
         if replicas < 0:
             raise ValueError(f"replicas must be ≥ 0, got {replicas}")
         before = self._desired[pool]
@@ -154,7 +156,9 @@ class EmbeddedActuator:
                 for index in self._victims(pool, active, len(active) - want):
                     src.set_draining(index)
                     self._event("draining", pool, index)
-            await self.registry.resync(pool)  # the router sees new and draining workers now, not at the next resync
+            await self.registry.resync(
+                pool
+            )  # the router sees new and draining workers now, not at the next resync
         for index in sorted(src.draining):
             task = self._drains.get((pool, index))
             if task is None or task.done():
@@ -199,8 +203,12 @@ class EmbeddedActuator:
                 return
             if self.clock() - started > self.drain_timeout_s:
                 forced = True
-                log.warning("pool %s: worker %s still busy after %.0f s of draining; stopping it", pool, index,
-                            self.drain_timeout_s)
+                log.warning(
+                    "pool %s: worker %s still busy after %.0f s of draining; stopping it",
+                    pool,
+                    index,
+                    self.drain_timeout_s,
+                )
                 break
             await asyncio.sleep(self.poll_s)
         async with self._locks[pool]:
@@ -212,6 +220,7 @@ class EmbeddedActuator:
 
     def _after(self, delay_s: float, pool: str, index: int) -> None:
         """Re-list the pool when a cold start ends, so the worker turns ready without waiting for a resync."""
+
         def fire() -> None:
             self._event("ready", pool, index)
             self._spawn(self.registry.resync(pool))
@@ -221,7 +230,9 @@ class EmbeddedActuator:
     # ------------------------------------------------------------------ plumbing
     def _event(self, kind: str, pool: str, index: int | None, **extra: Any) -> None:
         worker = self.worker_id(pool, index) if index is not None else None
-        self.events.append({"at": round(time.time(), 3), "event": kind, "pool": pool, "worker": worker, **extra})
+        self.events.append(
+            {"at": round(time.time(), 3), "event": kind, "pool": pool, "worker": worker, **extra}
+        )
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)

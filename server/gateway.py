@@ -30,7 +30,8 @@ from scheduler.routing.framework import Decision, ReservePlugin
 from scheduler.routing.reasons import Reject
 from server.admission import AdmissionQueue
 from server.auth import KeyStore, RateLimiter
-from server.autoscaling import AutoscalerController, in_process, in_process_controller
+from server.autoscaler_setup import in_process, in_process_controller
+from server.autoscaling import AutoscalerController
 from server.config import ConfigError, MosaicConfig, PoolConfig
 from server.discovery import KubernetesDiscovery, Source, StaticSource
 from server.dispatch import Dispatcher

@@ -25,7 +25,9 @@ class InstanceCapacity:
     prefill_tps: float
 
 
-def decode_tps_within_slo(perf: PerfModel, tpot_s: float, context: int, max_seqs: int, kv_tokens: int) -> float:
+def decode_tps_within_slo(
+    perf: PerfModel, tpot_s: float, context: int, max_seqs: int, kv_tokens: int
+) -> float:
     """Decode tokens/s one instance sustains with every step ≤ the TPOT SLO at `context` tokens per sequence.
 
     The largest batch b ≤ min(max_seqs, kv_tokens // context) whose decode step fits the SLO (binary search:

@@ -61,7 +61,8 @@ def _apps_api(in_cluster: bool | None) -> Any:
 async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | None) -> None:
     from scheduler.actuators.dry_run import DryRunActuator
     from scheduler.actuators.kubernetes import KubernetesActuator
-    from server.autoscaling import ActuatorFactory, controller_for
+    from server.autoscaler_setup import controller_for
+    from server.autoscaling import ActuatorFactory
     from server.discovery import KubernetesUnavailable
     from server.gateway import Gateway
 
@@ -70,7 +71,9 @@ async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | No
     if a.actuator == "kubernetes":
         deployments = kubernetes_deployments(cfg)
         if not deployments:
-            fail("autoscaler: no pool to scale: map pools to Deployments in autoscaler.kubernetes.deployments")
+            fail(
+                "autoscaler: no pool to scale: map pools to Deployments in autoscaler.kubernetes.deployments"
+            )
         namespace = a.kubernetes.namespace or os.environ.get("POD_NAMESPACE") or "default"
         api = apps_api if apps_api is not None else _apps_api(a.kubernetes.in_cluster)
         managed = frozenset(deployments)
@@ -86,8 +89,16 @@ async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | No
     # The gateway's registry and discovery, with its own in-process controller off (this process is it).
     gw = Gateway(cfg.model_copy(update={"autoscaler": a.model_copy(update={"enabled": False})}))
     try:
-        controller = controller_for(cfg, gw.registry, gw.metrics.registry, actuator_factory=factory, managed=managed,
-                                    gateway_metrics=False, offload=a.actuator == "kubernetes", clock=gw.clock)
+        controller = controller_for(
+            cfg,
+            gw.registry,
+            gw.metrics.registry,
+            actuator_factory=factory,
+            managed=managed,
+            gateway_metrics=False,
+            offload=a.actuator == "kubernetes",
+            clock=gw.clock,
+        )
     except ConfigError as exc:
         await gw.stop()
         fail(str(exc))
@@ -96,12 +107,17 @@ async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | No
     except KubernetesUnavailable as exc:
         await gw.stop()
         fail(str(exc))
-    typer.echo(f"mosaic autoscale: policy {a.policy}, actuator {a.actuator}, every {a.interval_s:g} s; "
-               f"pools {', '.join(sorted(managed)) or 'none'}", err=as_json)
+    typer.echo(
+        f"mosaic autoscale: policy {a.policy}, actuator {a.actuator}, every {a.interval_s:g} s; "
+        f"pools {', '.join(sorted(managed)) or 'none'}",
+        err=as_json,
+    )
 
     def report(decision: dict[str, Any]) -> None:
         if as_json:
-            typer.echo(json.dumps({k: decision[k] for k in ("time", "targets", "reasons", "signals", "actions")}))
+            typer.echo(
+                json.dumps({k: decision[k] for k in ("time", "targets", "reasons", "signals", "actions")})
+            )
 
     loop = asyncio.get_running_loop()
     task = loop.create_task(controller.run(cycles, report))
@@ -119,10 +135,16 @@ async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | No
 def register(app: typer.Typer) -> None:
     @app.command("autoscale")
     def autoscale(
-        config: str = typer.Option(..., "--config", "-c", help="Gateway config YAML with an `autoscaler:` section."),
-        cycles: int = typer.Option(0, "--cycles", min=0, help="Stop after this many decisions (0: run until SIGTERM)."),
+        config: str = typer.Option(
+            ..., "--config", "-c", help="Gateway config YAML with an `autoscaler:` section."
+        ),
+        cycles: int = typer.Option(
+            0, "--cycles", min=0, help="Stop after this many decisions (0: run until SIGTERM)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print each decision as one JSON line."),
-        log_level: str = typer.Option("info", "--log-level", help="Log level (decisions and scale actions log at info)."),
+        log_level: str = typer.Option(
+            "info", "--log-level", help="Log level (decisions and scale actions log at info)."
+        ),
     ) -> None:
         """Run only the P/D autoscaler controller (no API serving): scrape the pools, decide, scale Deployments."""
         try:
@@ -130,8 +152,10 @@ def register(app: typer.Typer) -> None:
         except ConfigError as exc:
             fail(str(exc))
         if cfg.autoscaler.actuator == "embedded":
-            fail("autoscaler.actuator: embedded starts simulated workers inside `mosaic serve`; "
-                 "mosaic autoscale needs kubernetes or dry-run")
+            fail(
+                "autoscaler.actuator: embedded starts simulated workers inside `mosaic serve`; "
+                "mosaic autoscale needs kubernetes or dry-run"
+            )
         level = log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "INFO"
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise

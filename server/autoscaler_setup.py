@@ -1,0 +1,185 @@
+"""Building the live autoscaler: the pools' `PoolSpec`s, which pools an actuator manages, and the controllers
+`mosaic serve` (in-process) and `mosaic autoscale` (standalone) run.
+
+Pools an actuator manages: `embedded` → the simulated pools (`server.embedded_actuator.EmbeddedActuator`)
+and launched vLLM pools (`server.vllm_pool.VllmActuator`); `kubernetes` → the pools mapped to a Deployment
+(`autoscaler.kubernetes.deployments`, default every `endpoints.kubernetes` pool under its own name);
+`dry-run` → every pool (nothing is applied). Other pools keep their size: the policy sees them with
+min = max = their configured count, so their capacity counts and is never changed.
+
+Capacities (`PoolSpec`): decode tokens/s within the TPOT SLO (`slo.tpot_ms`, default 100 ms) at
+`autoscaler.context_tokens` per sequence and prefill tokens/s, from the perf model
+(`scheduler.autoscaler.capacity`, shared with the cluster simulator); $/h from the worker capacity.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+
+from placement.catalog import Catalog, load_catalog
+from placement.perf_model import PerfModel
+from scheduler.actuators.base import Actuator
+from scheduler.actuators.dry_run import DryRunActuator
+from scheduler.autoscaler.capacity import instance_capacity
+from scheduler.autoscaler.signals import PoolSpec
+from server.autoscale_signals import SignalReader
+from server.autoscaling import ActuatorFactory, AutoscalerController, AutoscalerMetrics, PoolActuators
+from server.config import ConfigError, MosaicConfig, PoolConfig
+from server.registry import PoolInfo, Registry
+
+if TYPE_CHECKING:
+    from server.gateway import Gateway
+
+DEFAULT_TPOT_S = 0.1  # sizing SLO when the config sets none (the cluster simulator's default too)
+
+
+def pool_spec(
+    config: MosaicConfig, pool: PoolConfig, info: PoolInfo, catalog: Catalog, fixed: int | None = None
+) -> PoolSpec:
+    """The policy's view of one pool (module docstring); `fixed` pins an unmanaged pool's size."""
+    perf = PerfModel(
+        catalog.gpu(pool.gpu), catalog.model(config.model_config_for(pool.model).spec_name), pool.tp
+    )
+    tpot_s = config.slo.tpot_ms / 1e3 if config.slo.tpot_ms else DEFAULT_TPOT_S
+    cap = instance_capacity(
+        perf,
+        tpot_s=tpot_s,
+        context=config.autoscaler.context_tokens,
+        max_num_seqs=pool.max_num_seqs,
+        kv_tokens=info.capacity.kv_blocks * info.capacity.block_size,
+    )
+    if pool.role != "prefill" and cap.decode_tps <= 0:
+        raise ConfigError(
+            f"autoscaler: pool {pool.name}: {pool.gpu} cannot decode {pool.model} within TPOT "
+            f"{tpot_s * 1e3:g} ms at {config.autoscaler.context_tokens} tokens of context"
+        )
+    lo, hi = (fixed, fixed) if fixed is not None else (pool.min_replicas, pool.max_replicas)
+    return PoolSpec(
+        name=pool.name,
+        model=pool.model,
+        role=pool.role,
+        gpu=info.gpu,
+        cost_per_hour=info.capacity.cost_per_hour,
+        min_replicas=lo,
+        max_replicas=hi if hi is not None else max(64, lo),
+        decode_tps_capacity=cap.decode_tps if pool.role != "prefill" else 0.0,
+        prefill_tps_capacity=cap.prefill_tps,
+    )
+
+
+def configured_count(pool: PoolConfig) -> int | None:
+    """The size an unmanaged pool keeps: its static URLs, simulated or launched replicas; None when unknown."""
+    ep = pool.endpoints
+    if ep.static is not None:
+        return len(ep.static)
+    if ep.simulated is not None:
+        return ep.simulated.replicas
+    launch = getattr(ep, "launch", None)
+    return getattr(launch, "replicas", None)
+
+
+def time_scales(config: MosaicConfig) -> dict[str, float]:
+    return {
+        p.name: p.endpoints.simulated.time_scale for p in config.pools if p.endpoints.simulated is not None
+    }
+
+
+def pool_specs(config: MosaicConfig, registry: Registry, managed: frozenset[str]) -> list[PoolSpec]:
+    infos = {p.name: p for p in registry.pools()}
+    catalog = load_catalog(config.catalog)
+    return [
+        pool_spec(config, p, infos[p.name], catalog, None if p.name in managed else configured_count(p))
+        for p in config.pools
+    ]
+
+
+def in_process(config: MosaicConfig) -> bool:
+    """`mosaic serve` runs the controller itself (the kubernetes actuator runs in `mosaic autoscale`)."""
+    return config.autoscaler.enabled and config.autoscaler.actuator in ("embedded", "dry-run")
+
+
+def in_process_controller(gw: Gateway) -> AutoscalerController:
+    """The controller `mosaic serve` runs (`in_process(config)`): the embedded actuator over the gateway's
+    simulated pools (soft scale-in through `gw.open_decisions`), or dry-run over every pool."""
+    config = gw.config
+    a = config.autoscaler
+    factory: ActuatorFactory
+    if a.actuator == "embedded":
+        from server.embedded import SimulatedPoolSource
+        from server.embedded_actuator import EmbeddedActuator
+        from server.vllm_pool import VllmActuator, VllmPoolLauncher
+
+        sims = {name: src for name, src in gw.sources.items() if isinstance(src, SimulatedPoolSource)}
+        launched = {
+            name: src.launcher
+            for name, src in gw.sources.items()
+            if isinstance(getattr(src, "launcher", None), VllmPoolLauncher)
+        }
+        managed = frozenset(sims) | frozenset(launched)
+
+        def factory(initial: Mapping[str, int]) -> Actuator:
+            embedded = EmbeddedActuator(
+                sims,
+                gw.registry,
+                decisions=gw.open_decisions,
+                cold_start_s=a.cold_start_s,
+                drain_timeout_s=a.drain_timeout_s,
+                keep_events=a.history,
+                clock=gw.clock,
+            )
+            vllm = VllmActuator(launched)
+            return PoolActuators({**dict.fromkeys(sims, embedded), **dict.fromkeys(launched, vllm)})
+    else:
+        managed = frozenset(p.name for p in config.pools)
+
+        def factory(initial: Mapping[str, int]) -> Actuator:
+            return DryRunActuator(initial, keep=a.history)
+
+    return controller_for(
+        config,
+        gw.registry,
+        gw.metrics.registry,
+        actuator_factory=factory,
+        managed=managed,
+        admission=gw.admission.depths,
+        clock=gw.clock,
+    )
+
+
+def controller_for(
+    config: MosaicConfig,
+    registry: Registry,
+    metrics_registry: CollectorRegistry,
+    *,
+    actuator_factory: ActuatorFactory,
+    managed: frozenset[str],
+    admission: Callable[[], dict[str, int]] | None = None,
+    gateway_metrics: bool = True,
+    offload: bool = False,
+    clock: Callable[[], float] = time.monotonic,
+) -> AutoscalerController:
+    """A controller over `registry`; its busy-proxy sampling hooks into the registry's scrape rounds."""
+    reader = SignalReader(
+        registry,
+        config.scrape.stale_after_s,
+        clock,
+        time_scales(config),
+        metrics_registry if gateway_metrics else None,
+        admission,
+    )
+    registry.on_refresh.append(reader.on_scrape)
+    return AutoscalerController(
+        config,
+        registry,
+        reader,
+        AutoscalerMetrics(metrics_registry),
+        pool_specs(config, registry, managed),
+        actuator_factory,
+        managed,
+        offload=offload,
+        clock=clock,
+    )

@@ -1,0 +1,173 @@
+"""`mosaic autoscale`: bad input exits 2 with one line; a dry-run controller over a real simulated worker prints
+its decisions as JSON lines; the chart's controller gets a pool → Deployment mapping its RBAC allows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from server.cli import build_app
+from server.config import load_config
+from simulator.worker_app import WorkerConfig
+from simulator.worker_server import RunningWorker, start_worker_server
+from tests.chart.chartkit import CHART_DIR, EXAMPLES_DIR, NAMESPACE, RELEASE, load_values, render
+
+ROOT = Path(__file__).resolve().parents[2]
+SIM_POOL = {"name": "l4", "model": "llama-3-8b", "gpu": "L4", "endpoints": {"simulated": {"replicas": 1}}}
+
+
+def _write(tmp_path: Path, config: dict[str, Any]) -> str:
+    path = tmp_path / "mosaic.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _static(autoscaler: dict[str, Any], **pool: Any) -> dict[str, Any]:
+    return {
+        "pools": [
+            {
+                "name": "l4",
+                "model": "llama-3-8b",
+                "gpu": "L4",
+                "endpoints": {"static": ["http://127.0.0.1:9"]},
+                **pool,
+            }
+        ],
+        "autoscaler": autoscaler,
+    }
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        pytest.param(None, "cannot read config file", id="missing config file"),
+        pytest.param(
+            {"pools": [SIM_POOL], "autoscaler": {"actuator": "embedded"}},
+            "mosaic autoscale needs kubernetes or dry-run",
+            id="the embedded actuator belongs to mosaic serve",
+        ),
+        pytest.param(
+            _static({"policy": "hpa-utl"}),
+            "autoscaler.policy: unknown policy 'hpa-utl'",
+            id="misspelt policy names the field and the valid ones",
+        ),
+        pytest.param(
+            _static({"knobs": {"utilisation_target": 0.5}}),
+            "unknown knob 'utilisation_target'",
+            id="unknown policy knob",
+        ),
+        pytest.param(
+            _static({"actuator": "kubernetes"}),
+            "no pool to scale",
+            id="kubernetes actuator with no Deployment to scale",
+        ),
+        pytest.param(
+            _static({"actuator": "kubernetes", "kubernetes": {"deployments": {"l4": "mosaic-l4"}}}),
+            "cannot load Kubernetes config",
+            id="kubernetes actuator outside a cluster, no kubeconfig",
+        ),
+        pytest.param(
+            {**_static({"actuator": "dry-run"}), "slo": {"tpot_ms": 1}},
+            "cannot decode llama-3-8b within TPOT 1 ms",
+            id="a pool that cannot meet the TPOT SLO at all",
+        ),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, config: dict[str, Any] | None, message: str) -> None:
+    path = "/nonexistent/mosaic.yaml" if config is None else _write(tmp_path, config)
+    result = CliRunner().invoke(
+        build_app(), ["autoscale", "--config", path], env={"KUBECONFIG": "/nonexistent"}
+    )
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], result.output
+
+
+@pytest.fixture
+def worker() -> Iterator[RunningWorker]:
+    """A simulated vLLM worker on 127.0.0.1 served from a background event loop."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    cfg = WorkerConfig(gpu="L4", model="llama-3-8b", time_scale=50)
+    running = asyncio.run_coroutine_threadsafe(start_worker_server(cfg), loop).result(30)
+    try:
+        yield running
+    finally:
+        asyncio.run_coroutine_threadsafe(running.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_dry_run_controller_prints_each_decision(tmp_path: Path, worker: RunningWorker) -> None:
+    path = _write(
+        tmp_path,
+        _static(
+            {"actuator": "dry-run", "policy": "static:l4=2", "interval_s": 0.2},
+            endpoints={"static": [worker.url]},
+        ),
+    )
+    mosaic = ROOT / ".venv" / "bin" / "mosaic"
+    cmd = [str(mosaic)] if mosaic.exists() else [sys.executable, "-m", "server.cli"]
+    proc = subprocess.run(
+        [*cmd, "autoscale", "--config", path, "--cycles", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    decisions = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [d["targets"] for d in decisions] == [{"l4": 2}, {"l4": 2}]
+    # cycle 1: the worker is up (1) and the static policy wants 2 → recorded, not applied; cycle 2: nothing new
+    assert [(a["before"], a["after"], a["applied"]) for a in decisions[0]["actions"]] == [(1, 2, False)]
+    assert decisions[1]["actions"] == []
+    assert "mosaic autoscale: policy static:l4=2, actuator dry-run" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[helm.Chart]:
+    with helm.Chart.load(CHART_DIR) as loaded:
+        yield loaded
+
+
+@pytest.mark.parametrize("values_file", [None, "heterogeneous-pd.yaml", "multi-model.yaml"])
+def test_chart_maps_every_pool_to_a_deployment_the_controller_may_scale(
+    chart: helm.Chart, values_file: str | None, tmp_path: Path
+) -> None:
+    rendered = render(chart, load_values(EXAMPLES_DIR / values_file) if values_file else {})
+    config = rendered.config()
+    scaler = config["autoscaler"]
+    assert scaler["actuator"] == "kubernetes"
+    assert scaler["kubernetes"]["namespace"] == NAMESPACE
+    mapping = scaler["kubernetes"]["deployments"]
+    assert set(mapping) == {p["name"] for p in config["pools"]}
+    deployments = {d["metadata"]["name"] for d in rendered.pool_deployments()}
+    assert set(mapping.values()) == deployments
+    assert all(name == f"{RELEASE}-{pool}" for pool, name in mapping.items())
+    role = rendered.get("Role", f"{RELEASE}-controller")
+    scale_rule = next(r for r in role["rules"] if r["resources"] == ["deployments/scale"])
+    assert set(scale_rule["resourceNames"]) == deployments and set(scale_rule["verbs"]) == {"get", "patch"}
+    for name, text in rendered.get("ConfigMap", f"{RELEASE}-config")["data"].items():  # as the pod mounts it
+        (tmp_path / name).write_text(text.replace("/etc/mosaic/", f"{tmp_path}/"))
+    assert load_config(tmp_path / "config.yaml").autoscaler.kubernetes.deployments == mapping
+
+
+def test_chart_keeps_the_users_autoscaler_settings(chart: helm.Chart) -> None:
+    user = {"policy": "hpa-waiting:4", "interval_s": 10, "actuator": "dry-run", "knobs": {"pd_ratio": 0.3}}
+    scaler = render(chart, {"config": {"autoscaler": user}}).config()["autoscaler"]
+    assert {k: scaler[k] for k in user} == user  # a dry run on the cluster stays a dry run
+    assert scaler["kubernetes"]["deployments"]
