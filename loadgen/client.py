@@ -118,9 +118,12 @@ async def _stream(
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 raise _Fail(f"http_{resp.status_code}", _error_message(text))
+            done = False
+            # Read to the end of the body even after [DONE]: a connection whose response was not drained
+            # cannot go back to the pool, and a new TCP connection per request costs the sender ~1 ms.
             async for line in resp.aiter_lines():
-                if line.startswith("data:") and _consume(rec, line[5:].strip(), since()):
-                    break
+                if not done and line.startswith("data:"):
+                    done = _consume(rec, line[5:].strip(), since())
     except httpx.ConnectError as e:
         raise _Fail("connect_error", str(e) or type(e).__name__) from None
     except httpx.TimeoutException as e:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 
 from loadgen.client import RequestRecord
 
@@ -40,6 +41,8 @@ def latency_cdf(records: list[RequestRecord], path: Path) -> Path:
             ax.step(v, np.arange(1, v.size + 1) / v.size, where="post")
             if v[0] > 0:
                 ax.set_xscale("log")
+                ax.xaxis.set_major_formatter(ScalarFormatter())  # 100, 1000 rather than 10², 10³
+                ax.xaxis.set_minor_formatter(NullFormatter())
             for q in (50, 90, 99):
                 ax.axvline(np.percentile(v, q), ls=":", lw=0.8, color="grey")
         else:

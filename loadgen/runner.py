@@ -5,12 +5,14 @@ request's send time, so building a 100k-token prompt does not delay the send; wh
 (event-loop load, a slow body) is measured as send lag, never hidden. With `concurrency` set, a request
 whose time has come waits for a free slot (the wait is reported apart from send lag, like vLLM's
 `--max-concurrency`). The trace is consumed lazily: memory holds the records and the in-flight requests,
-never the trace.
+never the trace. Connections are kept alive and reused (responses are read to their end so that they
+can be), over `CLIENT_SHARDS` httpx clients so that no connection pool grows large.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -99,11 +101,13 @@ async def _send(
         observer.done(rec)
 
 
+CLIENT_SHARDS = 8  # measured: 300 req/s of small requests, 1 pool 2.6–5.0 ms CPU/request, 8 pools 1.45 ms
+
+
 def make_client(opts: RunOptions, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """An httpx client sized so that its pool never queues a request the replay meant to send now."""
-    limits = httpx.Limits(
-        max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency or 1000
-    )
+    """An httpx client whose pool never queues a request the replay meant to send now (no connection cap
+    beyond `concurrency`, which the replay's semaphore enforces anyway)."""
+    limits = httpx.Limits(max_connections=opts.concurrency, max_keepalive_connections=1000 // CLIENT_SHARDS)
     return httpx.AsyncClient(transport=transport, limits=limits, timeout=httpx.Timeout(opts.timeout_s))
 
 
@@ -122,7 +126,10 @@ async def replay(
     result = RunResult(started_at=datetime.now(UTC).isoformat())
     tasks: set[asyncio.Task[None]] = set()
     it = iter(requests)
-    async with make_client(opts, transport) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        # Requests go round-robin to a few clients: httpcore scans its whole pool when a request starts or
+        # ends, so one pool of n connections costs O(n) per request; shards keep n small at high load.
+        shards = [await stack.enter_async_context(make_client(opts, transport)) for _ in range(CLIENT_SHARDS)]
         try:
             nxt = next(it, None)
             body = build_body(nxt, target.endpoint, target.model, prompts) if nxt else b""
@@ -135,6 +142,7 @@ async def replay(
                     nxt.index, nxt.send_at_s, nxt.input_tokens, nxt.output_tokens, trace_line=nxt.trace_line
                 )
                 result.records.append(rec)
+                client = shards[nxt.index % len(shards)]
                 task = asyncio.create_task(_one(rec, body, client, target, opts, origin, slots, observer))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)

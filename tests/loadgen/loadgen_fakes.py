@@ -19,6 +19,8 @@ class FakeWorker:
     step_s: float = 0.0
     fail_every: int = 0  # every n-th request gets a 503 (0 = never)
     received: list[dict[str, Any]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -42,19 +44,22 @@ class FakeWorker:
         n_out = int(body["max_tokens"])
 
         async def stream() -> AsyncIterator[bytes]:
-            for i in range(n_out):
-                if self.step_s:
-                    await asyncio.sleep(self.step_s)
-                choice = (
-                    {"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"}
-                )
-                yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
-            usage = {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": n_out,
-                "total_tokens": len(prompt) + n_out,
-            }
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                async for chunk in self._chunks(chat, n_out, len(prompt)):
+                    yield chunk
+            finally:
+                self.in_flight -= 1
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def _chunks(self, chat: bool, n_out: int, n_prompt: int) -> AsyncIterator[bytes]:
+        for i in range(n_out):
+            if self.step_s:
+                await asyncio.sleep(self.step_s)
+            choice = {"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"}
+            yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+        yield b"data: [DONE]\n\n"

@@ -130,3 +130,12 @@ def test_report_is_strict_json(tmp_path: Path) -> None:
     json.loads(
         (tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")
     )
+
+
+def test_concurrency_bounds_requests_in_flight_and_reports_the_wait() -> None:
+    worker = FakeWorker(step_s=0.01)  # 10 ms per token: a request holds its slot 10–90 ms
+    out = run(ReplayRequest(SPEC, "http://fake", "m", concurrency=2, progress=False), worker)
+    assert out.metrics.completed == 25 and worker.max_in_flight == 2  # type: ignore[attr-defined]
+    wait = out.report["summary"]["concurrency_wait_ms"]  # type: ignore[attr-defined]
+    # 25 requests arrive within 60 ms; two at a time need Σ output · 10 ms / 2 (≥ 25 · 10 / 2 = 125 ms)
+    assert wait["max"] > 100 and out.metrics.send_lag.p99 < wait["max"]  # type: ignore[attr-defined]
