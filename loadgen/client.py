@@ -11,7 +11,8 @@ Timing (all `time.perf_counter()` seconds relative to the replay's start):
 A request fails (and is excluded from latency statistics, as in vLLM) with one error type:
 `connect_error`, `timeout` (whole request longer than the per-request timeout), `http_<status>`,
 `stream_error` (an `{"error": ...}` event in the stream), `no_content` (stream ended without a content
-chunk), `read_error` (connection lost mid-stream), `bad_chunk` (a chunk that is not JSON).
+chunk), `read_error` (connection lost mid-stream), `bad_chunk` (a chunk that is not JSON),
+`transport_error` (any other transport failure: a write error, an unsupported protocol, ...).
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ async def _stream(
         raise _Fail("timeout", str(e) or type(e).__name__) from None
     except (httpx.RemoteProtocolError, httpx.ReadError) as e:
         raise _Fail("read_error", str(e) or type(e).__name__) from None
+    except httpx.TransportError as e:  # write errors, unsupported protocol, proxy errors, ...
+        raise _Fail("transport_error", f"{type(e).__name__}: {e}") from None
 
 
 def _error_message(text: str) -> str:

@@ -253,6 +253,11 @@ def test_connect_error_and_timeout() -> None:
     r = run_client(refuse, FakeClock())
     assert r.error_type == "connect_error"
 
+    def broken_pipe(request: httpx.Request) -> httpx.Response:
+        raise httpx.WriteError("broken pipe", request=request)
+
+    assert run_client(broken_pipe, FakeClock()).error_type == "transport_error"
+
     def stall(request: httpx.Request) -> httpx.Response:
         async def body() -> AsyncIterator[bytes]:
             yield sse(text_chunk("a"))
