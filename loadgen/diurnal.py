@@ -64,6 +64,10 @@ def diurnal_trace(spec: DiurnalSpec, seed: int = 0) -> Iterator[TraceRequest]:
         if rng.random() * peak > spec.rate(t):
             continue
         line += 1
-        prompt = min(spec.max_input, max(1, round(spec.input_median * math.exp(rng.gauss(0, spec.input_sigma)))))
-        output = min(spec.max_output, max(1, round(spec.output_median * math.exp(rng.gauss(0, spec.output_sigma)))))
+        prompt = min(
+            spec.max_input, max(1, round(spec.input_median * math.exp(rng.gauss(0, spec.input_sigma))))
+        )
+        output = min(
+            spec.max_output, max(1, round(spec.output_median * math.exp(rng.gauss(0, spec.output_sigma))))
+        )
         yield TraceRequest(t, prompt, output, line=line)
