@@ -53,15 +53,23 @@ def register(app: typer.Typer) -> None:
     @app.command("worker", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def worker(
         ctx: typer.Context,
-        gpu: str | None = typer.Option(None, "--gpu", help="GPU type from the catalog (e.g. H100, A100-80GB, L4)."),
+        gpu: str | None = typer.Option(
+            None, "--gpu", help="GPU type from the catalog (e.g. H100, A100-80GB, L4)."
+        ),
         model: str = typer.Option(
             ..., "--model", help="Model from the catalog (e.g. llama-3-8b); --engine vllm: a path or HF name."
         ),
         engine: str = typer.Option(
-            "sim", "--engine", help="sim: simulated worker | vllm: start a real `vllm serve` (args after -- go to it)."
+            "sim",
+            "--engine",
+            help="sim: simulated worker | vllm: start a real `vllm serve` (args after -- go to it).",
         ),
-        gpu_ids: str | None = typer.Option(None, "--gpu-ids", help="--engine vllm: GPUs to use, e.g. 0,1 (sets --tp)."),
-        vllm_command: str = typer.Option("vllm serve", "--vllm-command", help="--engine vllm: command that runs vLLM."),
+        gpu_ids: str | None = typer.Option(
+            None, "--gpu-ids", help="--engine vllm: GPUs to use, e.g. 0,1 (sets --tp)."
+        ),
+        vllm_command: str = typer.Option(
+            "vllm serve", "--vllm-command", help="--engine vllm: command that runs vLLM."
+        ),
         role: str = typer.Option("mixed", "--role", help="mixed | prefill | decode (P/D disaggregation)."),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
         port: int = typer.Option(8001, "--port", help="Port to bind (0 = a free port)."),
