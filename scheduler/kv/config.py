@@ -4,7 +4,8 @@
 kv:
   enabled: true            # false → no reservation: workers admit greedily and may preempt (vLLM default)
   mode: worst_case         # worst_case: reserve max_tokens (never preempts) | predicted: a quantile, grown as it streams
-  watermark: 0.02          # fraction of each worker's KV kept unreserved
+  watermark: 0.02          # fraction of each worker's KV kept unreserved (> 0 also covers vLLM's null block:
+                           # floor(num_gpu_blocks · (1 − w)) ≤ num_gpu_blocks − 1, the blocks vLLM can use)
   share: null              # this gateway's share of every worker; null → 1 / gateway.replicas
   lease_s: 900             # a reservation not renewed for this long is released (lease_expired)
   alpha: 2.0               # per-head budget μ + α·σ for compression pools
