@@ -21,8 +21,8 @@ model known (404), per-key rate limits (429). The proxy endpoints are served by 
 from __future__ import annotations
 
 import logging
+import os
 import re
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -51,22 +51,49 @@ def request_id_from(header: str | None) -> str:
     """The client's X-Request-Id when it is a safe token (≤128 of [A-Za-z0-9._:-]), else a new uuid4 hex."""
     if header and _REQUEST_ID.match(header):
         return header
-    return uuid.uuid4().hex
+    return new_request_id()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) before or while reading it."""
-    declared = request.headers.get("content-length")
+def new_request_id() -> str:
+    """A random UUID version 4 as 32 hex digits (what `uuid.uuid4().hex` gives, without the UUID object)."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40  # version 4
+    b[8] = (b[8] & 0x3F) | 0x80  # RFC 4122 variant
+    return b.hex()
+
+
+async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The request body from the ASGI channel, refusing more than `limit` bytes (413) before (declared
+    Content-Length) or while reading it. A client gone before the body ended → Starlette's `ClientDisconnect`."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise GatewayError(Cause.BODY_TOO_LARGE, f"Request body of {declared} bytes exceeds the {limit}-byte limit.")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise GatewayError(Cause.BODY_TOO_LARGE, f"Request body exceeds the {limit}-byte limit.")
-        parts.append(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise GatewayError(Cause.BODY_TOO_LARGE, f"Request body exceeds the {limit}-byte limit.")
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _request_headers(scope: Scope) -> tuple[str | None, str | None, str | None]:
+    """(x-request-id, authorization, content-length): the first of each (ASGI header names are lowercase)."""
+    rid = auth = length = None
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            rid = rid or value.decode("latin-1")
+        elif name == b"authorization":
+            auth = auth or value.decode("latin-1")
+        elif name == b"content-length":
+            length = length or value.decode("latin-1")
+    return rid, auth, length
 
 
 def create_app(
@@ -90,9 +117,9 @@ def create_app(
     app = GatewayApp(title="Mosaic gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions")):
-        endpoint = _proxy_endpoint(gw, path, kind)
-        app.router.add_route(path, endpoint, methods=["POST"])  # listed for completeness; served by the fast path
-        app.fast_routes[path] = _asgi(endpoint)
+        serve = _proxy_endpoint(gw, path, kind)
+        app.router.add_route(path, _starlette_endpoint(serve), methods=["POST"])  # served by the fast path
+        app.fast_routes[path] = _asgi(serve)
     _add_info_routes(app, gw)
     _add_error_handlers(app)
     return app
@@ -118,10 +145,20 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def _asgi(endpoint: Callable[[Request], Awaitable[Response]]) -> ASGIApp:
+ProxyEndpoint = Callable[[Scope, Receive], Awaitable[Response]]
+
+
+def _starlette_endpoint(serve: ProxyEndpoint) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await serve(request.scope, request.receive)
+
+    return endpoint
+
+
+def _asgi(serve: ProxyEndpoint) -> ASGIApp:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            response = await endpoint(Request(scope, receive))
+            response = await serve(scope, receive)
         except Exception as exc:  # the endpoint answers its own errors; this is the last resort
             log.exception("unhandled error on %s", scope.get("path"), exc_info=exc)
             response = GatewayError(Cause.UPSTREAM_UNAVAILABLE, "Internal gateway error").to_response()
@@ -131,19 +168,20 @@ def _asgi(endpoint: Callable[[Request], Awaitable[Response]]) -> ASGIApp:
     return app
 
 
-def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> Callable[[Request], Awaitable[Response]]:
+def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
     limits = gw.config.limits
     clock = gw.clock
 
-    async def endpoint(request: Request) -> Response:
+    async def endpoint(scope: Scope, receive: Receive) -> Response:
         arrival = clock()
-        rid = request_id_from(request.headers.get("x-request-id"))
+        rid_header, authorization, declared = _request_headers(scope)
+        rid = request_id_from(rid_header)
         model = "unknown"
         try:
             if gw.draining:
                 raise GatewayError(Cause.SHUTTING_DOWN, "The gateway is shutting down; retry on another replica.", retry_after_s=1)
-            key = gw.keys.authenticate(request.headers.get("authorization"))
-            body = await read_body(request, limits.max_body_bytes)
+            key = gw.keys.authenticate(authorization)
+            body = await read_body(receive, declared, limits.max_body_bytes)
             parsed = parse_request(kind, body, gw.max_model_len)
             if parsed.model not in gw.models:
                 raise GatewayError(
@@ -156,8 +194,9 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> Callable[[Request], A
             gw.metrics.requests.labels(model, "none", str(err.status)).inc()
             gw.metrics.rejections.labels(err.cause.value).inc()
             return err.to_response(rid)
+        gw.metrics.received.labels(model).inc()  # arrivals, before any queueing (the autoscaler's request rate)
         rec = RequestRecord(rid, model, key, arrival, reserved if gw.limiter.enabled else 0)
-        return await gw.dispatcher.handle(parsed, path, rec, request.receive)
+        return await gw.dispatcher.handle(parsed, path, rec, receive)
 
     return endpoint
 

@@ -15,8 +15,9 @@ no traffic): admission queue depth per model; TTFT p90 and TPOT p90 (the p90 of
 `mosaic_time_to_first_token_seconds` and of `mosaic_inter_token_latency_seconds` over the interval's
 bucket increments, interpolated within buckets as Prometheus' `histogram_quantile`; inter-token gaps
 stand in for per-request TPOT, a conservative choice since the net only adds capacity); request rate =
-Δ completed requests / Δt; mean input/output tokens = Δ `mosaic_prompt_tokens_total` /
-Δ`mosaic_generation_tokens_total` over Δ completed.
+Δ`mosaic_requests_received_total` / Δt (arrivals, so a backlog clearing does not read as a surge); mean
+input/output tokens = Δ`mosaic_prompt_tokens_total` / Δ`mosaic_generation_tokens_total` over Δ completed
+requests (lengths are known only at completion).
 
 **Model time.** Simulated workers run `time_scale` × faster than the wall clock, while capacities (perf
 model) and SLOs are in model seconds. Rates are divided by the pool's time scale and latencies multiplied
@@ -233,6 +234,7 @@ class SignalReader:
             lab = dict(labels)
             if name == "mosaic_request_outcomes_total" and lab.get("outcome") == "completed":
                 completed += d
+            elif name == "mosaic_requests_received_total":
                 rate += d / (dt * self._model_scale(lab.get("model", "")))
             elif name == "mosaic_prompt_tokens_total":
                 prompt += d

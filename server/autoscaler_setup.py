@@ -114,11 +114,8 @@ def in_process_controller(gw: Gateway) -> AutoscalerController:
         from server.vllm_pool import VllmActuator, VllmPoolLauncher
 
         sims = {name: src for name, src in gw.sources.items() if isinstance(src, SimulatedPoolSource)}
-        launched = {
-            name: src.launcher
-            for name, src in gw.sources.items()
-            if isinstance(getattr(src, "launcher", None), VllmPoolLauncher)
-        }
+        launchers = {name: getattr(src, "launcher", None) for name, src in gw.sources.items()}
+        launched = {name: lp for name, lp in launchers.items() if isinstance(lp, VllmPoolLauncher)}
         managed = frozenset(sims) | frozenset(launched)
 
         def factory(initial: Mapping[str, int]) -> Actuator:

@@ -175,7 +175,7 @@ class LimitsConfig(_Strict):
 
 class ScrapeConfig(_Strict):
     interval_s: float = Field(default=1.0, gt=0)
-    timeout_s: float = Field(default=0.5, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)  # a busy vLLM can take ~1 s to render /metrics
     stale_after_s: float = Field(default=5.0, gt=0)  # older stats are dropped from the fleet view
 
 
@@ -215,6 +215,19 @@ class AutoscalerConfig(_Strict):
     history: int = Field(default=100, ge=1)  # decisions and scale actions kept for /admin/autoscaler
     knobs: dict[str, Any] = Field(default_factory=dict)
     kubernetes: AutoscalerKubernetesConfig = Field(default_factory=AutoscalerKubernetesConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_knobs(cls, data: Any) -> Any:
+        """Policy knobs may sit directly under `autoscaler:` (as in a `mosaic simulate` fleet file) or in `knobs:`."""
+        if not isinstance(data, dict):
+            return data
+        names = {f.name for f in dataclasses.fields(PolicyConfig)}
+        flat = {k: v for k, v in data.items() if k in names}
+        if not flat:
+            return data
+        rest = {k: v for k, v in data.items() if k not in names}
+        return {**rest, "knobs": {**flat, **(rest.get("knobs") or {})}}
 
     @field_validator("policy")
     @classmethod
@@ -303,9 +316,9 @@ def _check_autoscaler(config: MosaicConfig) -> None:
     """What the autoscaler section can only check against the pools (names, parameters, time scales)."""
     a = config.autoscaler
     names = [p.name for p in config.pools]
-    for pool in a.kubernetes.deployments:
-        if pool not in names:
-            raise _FieldError(f"autoscaler.kubernetes.deployments.{pool}", f"no pool named {pool!r}; pools: {', '.join(names)}")
+    for mapped in a.kubernetes.deployments:
+        if mapped not in names:
+            raise _FieldError(f"autoscaler.kubernetes.deployments.{mapped}", f"no pool named {mapped!r}; pools: {', '.join(names)}")
     try:  # the parameters parse (hpa-util:0.7, static:pool=N, ...); the live policy is built by the controller
         build_policy(a.policy, [], PolicyConfig(), dict.fromkeys(names, 0))
     except PolicyError as exc:

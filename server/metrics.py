@@ -8,6 +8,7 @@ nothing per request.
 | metric | type | labels |
 |---|---|---|
 | mosaic_requests_total | counter | model, pool, status (HTTP status sent to the client; pool `none` when never routed) |
+| mosaic_requests_received_total | counter | model (at arrival, past auth, validation and rate limits: the autoscaler's arrival rate) |
 | mosaic_request_outcomes_total | counter | model, outcome (completed, failed_before_first_byte, client_disconnected, worker_error, ...) |
 | mosaic_time_to_first_token_seconds | histogram | model, pool (arrival → first streamed event relayed) |
 | mosaic_inter_token_latency_seconds | histogram | model, pool (gap between relayed stream events) |
@@ -121,6 +122,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("mosaic_requests", "Requests answered, by HTTP status", ["model", "pool", "status"], registry=r)
+        self.received = Counter("mosaic_requests_received", "Requests accepted for dispatch, counted at arrival", ["model"], registry=r)
         self.outcomes = Counter("mosaic_request_outcomes", "Terminal outcome of each accepted request", ["model", "outcome"], registry=r)
         self.ttft = Histogram("mosaic_time_to_first_token_seconds", "Arrival to first streamed event, at the gateway", ["model", "pool"], buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("mosaic_inter_token_latency_seconds", "Gap between relayed stream events", ["model", "pool"], buckets=_ITL_BUCKETS, registry=r)

@@ -88,6 +88,7 @@ async def _observe(desired: dict[str, int]) -> tuple[Observation, Observation]:
         await reg.scrape_once()  # scrape 1 at t = 10
         first = reader.observe(10.0, desired)  # baseline
         # what the gateway measured during the interval
+        metrics.received.labels("llama-3-8b").inc(8)
         for _ in range(6):
             metrics.outcomes.labels("llama-3-8b", "completed").inc()
         metrics.prompt_tokens.labels("llama-3-8b").inc(600)
@@ -117,7 +118,8 @@ def test_observation_from_recorded_metrics_has_exact_rates() -> None:
     # busy proxy over scrapes 2 and 3: (a busy, b idle) + (a busy, b busy) = 3 busy of 4 ready samples
     assert pool.gpu_utilization == pytest.approx(0.75)
     assert obs.admission_queue == {"llama-3-8b": 3}
-    assert obs.request_rate == pytest.approx(0.75)  # 6 completed / 4 s = 1.5 / s; ÷ 2 → 0.75 model-time req/s
+    assert obs.request_rate == pytest.approx(1.0)  # 8 arrived / 4 s = 2 / s; ÷ 2 → 1 request per model-time s
+    # lengths from the 6 completed: 600 / 6 = 100 prompt tokens, 1200 / 6 = 200 output tokens
     assert (obs.mean_input_tokens, obs.mean_output_tokens) == (pytest.approx(100.0), pytest.approx(200.0))
     # TTFT: 0.2 + 0.2 · (9 − 5)/5 = 0.36 s of wall time → × 2 = 0.72 s of model time
     assert obs.ttft_p90_s == pytest.approx(0.72)
