@@ -67,6 +67,7 @@ from server.proxy import (
     usage_body,
 )
 from server.registry import Registry
+from server.upstream import UpstreamResponse
 
 log = logging.getLogger("mosaic.dispatch")
 
@@ -336,7 +337,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ responses
     def _whole(
         self,
-        resp: httpx.Response,
+        resp: UpstreamResponse,
         content: bytes,
         worker_id: str,
         parsed: ParsedRequest,
@@ -360,7 +361,7 @@ class Dispatcher:
 
     def _stream(
         self,
-        resp: httpx.Response,
+        resp: UpstreamResponse,
         chunks: AsyncIterator[bytes],
         first: bytes,
         parsed: ParsedRequest,
@@ -383,7 +384,7 @@ class _StreamSession:
     def __init__(
         self,
         d: Dispatcher,
-        resp: httpx.Response,
+        resp: UpstreamResponse,
         chunks: AsyncIterator[bytes],
         first: bytes,
         parsed: ParsedRequest,

@@ -1,9 +1,10 @@
 """Talking to workers: one pooled keep-alive HTTP client, the body rewrites, and the SSE relay filter.
 
-**Client.** One pooled httpx transport per gateway (`Upstream`: connections pooled per worker origin and
-kept alive, sharded for speed, see `server.upstream`), with `limits.connect_timeout_s` to connect,
-`limits.stall_timeout_s` as the longest wait for any read (a stalled stream fails instead of hanging) and
-the pool wait bounded by `first_token_timeout_s`.
+**Client.** One pooled keep-alive HTTP/1.1 client per gateway (`Upstream` over
+`server.upstream.ConnectionPool`: at most `limits.max_upstream_connections` per worker), with
+`limits.connect_timeout_s` to connect, `limits.stall_timeout_s` as the longest wait for any read (a stalled
+stream fails instead of hanging) and the wait for a free connection bounded by `first_token_timeout_s`.
+Tests inject an `httpx` transport instead (e.g. `httpx.MockTransport`); the errors are httpx's either way.
 
 **Bodies.** The client's bytes are forwarded untouched unless something must change:
 - streaming without `stream_options.include_usage`: usage is requested upstream (to count tokens) by
@@ -30,7 +31,7 @@ from typing import Any
 import httpx
 
 from server.config import LimitsConfig
-from server.upstream import ShardedTransport
+from server.upstream import ConnectionPool, UpstreamResponse
 
 PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -46,51 +47,47 @@ RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
 
 
 class Upstream:
-    """Sends requests to workers straight through the pooled transport.
+    """Sends requests to workers: `server.upstream.ConnectionPool`, or an injected `httpx` transport (tests).
 
-    The transport (`server.upstream.ShardedTransport` unless a test injects one, e.g. `httpx.MockTransport`)
-    does the HTTP; going to it directly rather than through `httpx.AsyncClient` skips per-request work a
-    proxy does not need (cookie jar, redirects, auth flow, URL merging) — a third of the client-side CPU in
-    profiles. Target URLs are parsed once per (worker, path) and cached. Timeouts per request:
-    connect `limits.connect_timeout_s`, every read `limits.stall_timeout_s`, pool wait
-    `limits.first_token_timeout_s`.
+    The pool is a lean HTTP/1.1 client on asyncio protocols (why: `server.upstream`'s docstring). With an
+    injected transport the request goes straight to it, with the same timeouts as an `httpx.Request`
+    extension. Either way `post` returns once the response headers arrived, and raises httpx's transport
+    exceptions (ConnectError, ReadTimeout, PoolTimeout, ...).
     """
 
     def __init__(self, limits: LimitsConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.transport = transport or ShardedTransport(limits.max_upstream_connections)
+        self.transport = transport
+        self.pool = ConnectionPool(
+            limits.max_upstream_connections,
+            connect_timeout_s=limits.connect_timeout_s,
+            read_timeout_s=limits.stall_timeout_s,
+            pool_timeout_s=limits.first_token_timeout_s,
+        )
         self._timeouts = {
             "connect": limits.connect_timeout_s,
             "read": limits.stall_timeout_s,
             "write": limits.connect_timeout_s,
             "pool": limits.first_token_timeout_s,
         }
-        self._urls: dict[tuple[str, str], httpx.URL] = {}
-
-    def url(self, base: str, path: str) -> httpx.URL:
-        key = (base, path)
-        url = self._urls.get(key)
-        if url is None:
-            url = self._urls[key] = httpx.URL(base + path)
-        return url
 
     async def post(
         self, base: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> httpx.Response:
+    ) -> UpstreamResponse:
         """POST and return once the response headers arrived; the body is read (or streamed) by the caller,
-        who must `aclose()` the response. Raises httpx's transport exceptions (ConnectError, ReadTimeout, ...)."""
+        who must `aclose()` the response."""
+        if self.transport is None:
+            return await self.pool.post(base + path, body, headers)
         request = httpx.Request(
-            "POST",
-            self.url(base, path),
-            headers=headers,
-            content=body,
-            extensions={"timeout": self._timeouts},
+            "POST", base + path, headers=headers, content=body, extensions={"timeout": self._timeouts}
         )
         response = await self.transport.handle_async_request(request)
         response.request = request
         return response
 
     async def aclose(self) -> None:
-        await self.transport.aclose()
+        await self.pool.aclose()
+        if self.transport is not None:
+            await self.transport.aclose()
 
 
 def upstream_headers(request_id: str) -> list[tuple[bytes, bytes]]:

@@ -1,216 +1,517 @@
-"""The transport under the gateway's `httpx.AsyncClient`: pooled keep-alive connections, sharded per worker,
-on a plain-asyncio network backend.
+"""The gateway's HTTP/1.1 client to workers: pooled keep-alive connections on asyncio protocols.
 
-Why not `httpx.AsyncHTTPTransport()` as it comes: profiling the gateway at 32 concurrent requests to one
-worker showed over half its CPU inside httpcore's pool bookkeeping — each request scans every pooled
-connection twice, with an `O(idle × connections)` keep-alive count and an anyio attribute lookup plus a
-`poll()` per idle connection — and a plain httpx client reached ~100 req/s against a worker that serves
-~600 req/s. Two changes, both through public extension points, keep httpx and httpcore doing the HTTP:
+    pool = ConnectionPool(max_per_origin=1024, connect_timeout_s=2, read_timeout_s=60, pool_timeout_s=60)
+    resp = await pool.post(url, body, headers)    # returns once the status line and headers arrived
+    resp.status_code, resp.headers.get("content-type")
+    await resp.aread()                            # or: async for chunk in resp.aiter_raw(): ...
+    await resp.aclose()                           # unread body → the connection is closed (aborts upstream)
 
-- **Sharding.** Each worker origin gets `shards` small httpcore pools (each ≤ ceil(limit / shards)
-  connections), used round-robin, so the per-request scans are over a handful of connections.
-- **Asyncio backend.** `AsyncioBackend` implements httpcore's `AsyncNetworkBackend` on asyncio streams;
-  `is_readable` (httpcore's "did the server close this idle connection?") reads the stream's EOF flag and
-  the socket's readability, without anyio's per-call attribute tables.
+Why not httpx/httpcore: at 32 concurrent requests they were two thirds of the gateway's CPU per request
+(cProfile: connection-pool bookkeeping, anyio locks, h11's event machinery, request/response models),
+for a client that only ever POSTs JSON to HTTP/1.1 servers it knows (vLLM and the simulated worker, both
+uvicorn). This client does exactly that and nothing else: one `write()` per request, responses parsed
+from the socket buffer as they arrive (status line, headers, then `Content-Length`, chunked or
+close-delimited bodies), no content decoding (no `Accept-Encoding` is sent, so workers answer
+identity). Errors are httpx's exception classes, so callers classify them as before:
 
-Connections stay keep-alive (`keepalive_expiry`), exceptions are httpcore's own, so httpx maps them to
-`httpx.ConnectError`, `httpx.ReadTimeout`, ... exactly as with its default transport.
+| what | raised |
+|---|---|
+| cannot connect / connection refused | `httpx.ConnectError` / `httpx.ConnectTimeout` after `connect_timeout_s` |
+| no connection free within `pool_timeout_s` (`max_per_origin` in use) | `httpx.PoolTimeout` |
+| no byte for `read_timeout_s` while waiting for headers or body | `httpx.ReadTimeout` |
+| reset while reading | `httpx.ReadError` |
+| closed before a complete response, malformed response | `httpx.RemoteProtocolError` |
+
+Connections. Per origin (scheme, host, port): idle connections are reused last-in first-out; at most
+`max_per_origin` exist at once, further requests wait for one to be released. An idle connection is
+dropped when the server closed it (seen at once: the protocol gets the EOF) or after
+`keepalive_expiry_s` idle. When a *reused* connection closes before any byte of the response arrived
+(the server timed out the idle connection as the request was sent), the request is sent once more on a
+new connection; any other failure is raised. A response whose body was not read to the end is closed
+with its connection — that is how an upstream request is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
-import math
-import select
-import socket
 import ssl
-from collections.abc import Iterable, Iterator
-from typing import Any
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+from urllib.parse import urlsplit
 
-import httpcore
 import httpx
 
-# httpcore's socket option type (httpcore._backends.base.SOCKET_OPTION), spelled out: that module is private.
-SOCKET_OPTION = tuple[int, int, int] | tuple[int, int, bytes | bytearray] | tuple[int, int, None, int]
+MAX_HEAD_BYTES = 65536  # status line + headers; more is a protocol error
 
 
-def _readable(sock: socket.socket | None) -> bool:
-    """True when `sock` has data or EOF pending (an idle keep-alive connection the server closed)."""
-    if sock is None or sock.fileno() < 0:
-        return True
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
+class UpstreamResponse(Protocol):
+    """What the dispatcher uses of a worker's response (`httpx.Response` has it too, for injected transports)."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def aread(self) -> bytes: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
 
 
-class AsyncioStream(httpcore.AsyncNetworkStream):
-    """httpcore stream on asyncio streams. Writes are corked until the next read (or 64 KiB), so a
-    request's headers and body leave in one `send()` instead of two."""
+class _Reset(Exception):
+    """A reused connection closed before any response byte: the request may be sent again."""
 
-    __slots__ = ("_pending", "_pending_bytes", "_reader", "_sock", "_writer")
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._sock: socket.socket | None = writer.get_extra_info("socket")
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection: a receive buffer, EOF/close flags, and one waiter for more bytes."""
 
-    async def _flush(self, timeout: float | None) -> None:
-        data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
-        self._pending.clear()
-        self._pending_bytes = 0
+    __slots__ = ("_waiter", "buf", "closed", "error", "idle_since", "origin", "reused", "transport")
+
+    def __init__(self, origin: _Origin) -> None:
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.closed = False  # EOF or connection lost
+        self.error: Exception | None = None
+        self.idle_since = 0.0
+        self.reused = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    # -------------------------------------------------------------- asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        self._wake()
+        return False  # let the transport close itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if exc is not None:
+            self.error = exc
+        self._wake()
+        self.origin.forget(self)
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -------------------------------------------------------------- reading
+    async def more(self, timeout: float) -> None:
+        """Wait until new bytes, EOF or close (`httpx.ReadTimeout` after `timeout` seconds)."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _expire, waiter, timeout)
         try:
-            self._writer.write(data)
-            if timeout is None:
-                await self._writer.drain()
-            else:
-                async with asyncio.timeout(timeout):
-                    await self._writer.drain()
-        except TimeoutError:
-            raise httpcore.WriteTimeout(f"could not write within {timeout} s") from None
-        except OSError as exc:
-            raise httpcore.WriteError(str(exc)) from exc
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
 
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if self._pending:
-            await self._flush(timeout)
-        try:
-            if timeout is None:
-                return await self._reader.read(max_bytes)
-            async with asyncio.timeout(timeout):
-                return await self._reader.read(max_bytes)
-        except TimeoutError:
-            raise httpcore.ReadTimeout(f"no data within {timeout} s") from None
-        except OSError as exc:
-            raise httpcore.ReadError(str(exc)) from exc
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+        self.origin.forget(self)
 
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if not buffer:
+
+def _expire(waiter: asyncio.Future[None], timeout: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(httpx.ReadTimeout(f"no data from the worker within {timeout:g} s"))
+
+
+class _Origin:
+    """The connections to one (scheme, host, port): idle ones (LIFO), a count, and waiters for a slot."""
+
+    __slots__ = ("_members", "count", "host", "idle", "port", "ssl", "waiters")
+
+    def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> None:
+        self.host, self.port, self.ssl = host, port, ssl_context
+        self.idle: list[_Conn] = []
+        self.count = 0  # connections open or being opened
+        self.waiters: deque[asyncio.Future[_Conn | None]] = deque()
+        self._members: set[_Conn] = set()
+
+    def forget(self, conn: _Conn) -> None:
+        """`conn` is closed: it leaves the idle list and frees its slot (idempotent)."""
+        if conn not in self._members:
             return
-        self._pending.append(buffer)
-        self._pending_bytes += len(buffer)
-        if self._pending_bytes >= 65536:
-            await self._flush(timeout)
+        self._members.discard(conn)
+        if conn in self.idle:
+            self.idle.remove(conn)
+        self.free_slot()
 
-    async def aclose(self) -> None:
-        self._pending.clear()
-        self._writer.close()
-        with contextlib.suppress(OSError, asyncio.CancelledError):
-            await self._writer.wait_closed()
+    def free_slot(self) -> None:
+        """One connection fewer: its slot goes to the first waiter (who then connects), else back to the pool."""
+        if not self._hand_over(None):
+            self.count -= 1
 
-    async def start_tls(
-        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
-    ) -> httpcore.AsyncNetworkStream:
-        try:
-            async with asyncio.timeout(timeout):
-                await self._writer.start_tls(ssl_context, server_hostname=server_hostname)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout("TLS handshake timed out") from None
-        except (OSError, ssl.SSLError) as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
-        self._sock = self._writer.get_extra_info("socket")
-        return self
+    def release(self, conn: _Conn) -> None:
+        """`conn` finished a response and may be reused."""
+        conn.reused = True
+        if not self._hand_over(conn):
+            conn.idle_since = time.monotonic()
+            self.idle.append(conn)
 
-    def get_extra_info(self, info: str) -> Any:
-        if info == "is_readable":
-            return self._reader.at_eof() or self._writer.is_closing() or _readable(self._sock)
-        if info == "socket":
-            return self._sock
-        if info == "ssl_object":
-            return self._writer.get_extra_info("ssl_object")
-        if info == "client_addr":
-            return self._writer.get_extra_info("sockname")
-        if info == "server_addr":
-            return self._writer.get_extra_info("peername")
-        return None
+    def _hand_over(self, conn: _Conn | None) -> bool:
+        """Give `conn` (or a free slot, None) to the first live waiter; False when nobody waits."""
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(conn)
+                return True
+        return False
+
+    def adopt(self, conn: _Conn) -> None:
+        self._members.add(conn)
 
 
-class AsyncioBackend(httpcore.AsyncNetworkBackend):
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[SOCKET_OPTION] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(
-                    host, port, local_addr=(local_address, 0) if local_address else None, limit=2**20
-                )
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"connect to {host}:{port} timed out") from None
-        except OSError as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
-        sock = writer.get_extra_info("socket")
-        for option in socket_options or ():
-            sock.setsockopt(*option)
-        return AsyncioStream(reader, writer)
-
-    async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[SOCKET_OPTION] | None = None
-    ) -> httpcore.AsyncNetworkStream:
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_unix_connection(path)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"connect to {path} timed out") from None
-        except OSError as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
-        return AsyncioStream(reader, writer)
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-
-
-class _Shard(httpx.AsyncHTTPTransport):
-    """httpx's own transport (request/response mapping, exception mapping) over a pool on our backend."""
+class ConnectionPool:
+    """Keep-alive HTTP/1.1 connections per worker origin (module docstring)."""
 
     def __init__(
-        self, limits: httpx.Limits, backend: httpcore.AsyncNetworkBackend, ssl_context: ssl.SSLContext
+        self,
+        max_per_origin: int = 1024,
+        *,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 60.0,
+        pool_timeout_s: float = 60.0,
+        keepalive_expiry_s: float = 60.0,
     ) -> None:
-        super().__init__(limits=limits, verify=ssl_context)
-        # httpx does not expose `network_backend`; its transport keeps the pool in `_pool`.
-        self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=ssl_context,
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            network_backend=backend,
+        self.max_per_origin = max_per_origin
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.pool_timeout_s = pool_timeout_s
+        self.keepalive_expiry_s = keepalive_expiry_s
+        self._origins: dict[tuple[str, str, int], _Origin] = {}
+        self._targets: dict[str, tuple[_Origin, bytes]] = {}  # url → (origin, "POST <path> HTTP/1.1\r\nHost: …\r\n")
+        self._ssl: ssl.SSLContext | None = None
+
+    def _target(self, url: str) -> tuple[_Origin, bytes]:
+        target = self._targets.get(url)
+        if target is None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise httpx.UnsupportedProtocol(f"cannot send to {url!r}")
+            https = parts.scheme == "https"
+            port = parts.port or (443 if https else 80)
+            key = (parts.scheme, parts.hostname, port)
+            origin = self._origins.get(key)
+            if origin is None:
+                if https and self._ssl is None:
+                    self._ssl = httpx.create_ssl_context()  # once: loading CA certificates is slow
+                origin = self._origins[key] = _Origin(parts.hostname, port, self._ssl if https else None)
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            head = f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode()
+            target = self._targets[url] = (origin, head)
+        return target
+
+    async def post(self, url: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> H1Response:
+        """POST `body` to `url`; returns once the response's headers arrived (module docstring)."""
+        origin, head = self._target(url)
+        request = b"".join(
+            (head, *(k + b": " + v + b"\r\n" for k, v in headers), b"Content-Length: %d\r\n\r\n" % len(body), body)
         )
+        conn = await self._acquire(origin)
+        try:
+            return await self._exchange(conn, request)
+        except _Reset:
+            conn = await self._acquire(origin, fresh=True)
+            try:
+                return await self._exchange(conn, request)
+            except _Reset:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.") from None
 
+    async def _exchange(self, conn: _Conn, request: bytes) -> H1Response:
+        try:
+            assert conn.transport is not None
+            conn.transport.write(request)
+            while True:
+                resp = await _read_head(conn, self.read_timeout_s)
+                if resp is not None:
+                    return resp
+        except BaseException:
+            conn.close()
+            raise
 
-class ShardedTransport(httpx.AsyncBaseTransport):
-    """Per-origin round-robin over `shards` small pools (module docstring). `max_per_origin` bounds the
-    connections to one worker; requests beyond it wait for a connection (the client's pool timeout)."""
+    async def _acquire(self, origin: _Origin, fresh: bool = False) -> _Conn:
+        now = time.monotonic()
+        while origin.idle and not fresh:
+            conn = origin.idle.pop()
+            if not conn.closed and not conn.buf and now - conn.idle_since < self.keepalive_expiry_s:
+                return conn
+            conn.close()
+        if origin.count >= self.max_per_origin:
+            got = await self._wait_for_slot(origin)
+            if got is not None:
+                return got  # a released connection, handed over
+            # else: a slot, handed over with its count already taken
+        else:
+            origin.count += 1
+        try:
+            return await self._connect(origin)
+        except BaseException:
+            origin.free_slot()
+            raise
 
-    def __init__(self, max_per_origin: int = 1024, shards: int = 8, keepalive_expiry: float = 60.0) -> None:
-        self._shards = max(1, min(shards, max_per_origin))
-        per = math.ceil(max_per_origin / self._shards)
-        self._limits = httpx.Limits(
-            max_connections=per, max_keepalive_connections=per, keepalive_expiry=keepalive_expiry
-        )
-        self._backend = AsyncioBackend()
-        self._ssl = httpx.create_ssl_context()  # once: loading CA certificates costs ~60 ms each time
-        self._origins: dict[tuple[bytes, bytes, int | None], tuple[list[_Shard], Iterator[_Shard]]] = {}
+    async def _wait_for_slot(self, origin: _Origin) -> _Conn | None:
+        fut: asyncio.Future[_Conn | None] = asyncio.get_running_loop().create_future()
+        origin.waiters.append(fut)
+        try:
+            async with asyncio.timeout(self.pool_timeout_s):
+                got = await fut
+        except TimeoutError:
+            raise httpx.PoolTimeout(f"no connection to the worker free within {self.pool_timeout_s:g} s") from None
+        except BaseException:
+            if fut.done() and not fut.cancelled():  # handed a connection or slot we will not use: pass it on
+                passed = fut.result()
+                if passed is not None:
+                    origin.release(passed)
+                else:
+                    origin.free_slot()
+            raise
+        return got
 
-    def _for(self, url: httpx.URL) -> _Shard:
-        key = (url.raw_scheme, url.raw_host, url.port)
-        entry = self._origins.get(key)
-        if entry is None:
-            shards = [_Shard(self._limits, self._backend, self._ssl) for _ in range(self._shards)]
-            entry = self._origins[key] = (shards, itertools.cycle(shards))
-        return next(entry[1])
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return await self._for(request.url).handle_async_request(request)
+    async def _connect(self, origin: _Origin) -> _Conn:
+        loop = asyncio.get_running_loop()
+        conn = _Conn(origin)
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await loop.create_connection(
+                    lambda: conn,
+                    origin.host,
+                    origin.port,
+                    ssl=origin.ssl,
+                    server_hostname=origin.host if origin.ssl else None,
+                )
+        except BaseException as exc:
+            if conn.transport is not None:  # connected just as the timeout or a cancellation hit
+                conn.transport.close()
+            if isinstance(exc, TimeoutError):
+                raise httpx.ConnectTimeout(f"connect to {origin.host}:{origin.port} timed out") from None
+            if isinstance(exc, OSError | ssl.SSLError):
+                raise httpx.ConnectError(str(exc) or type(exc).__name__) from exc
+            raise
+        origin.adopt(conn)
+        return conn
 
     async def aclose(self) -> None:
-        for shards, _ in self._origins.values():
-            for shard in shards:
-                await shard.aclose()
+        for origin in self._origins.values():
+            for conn in list(origin._members):
+                conn.close()
         self._origins.clear()
+        self._targets.clear()
+
+
+async def _read_head(conn: _Conn, timeout: float) -> H1Response | None:
+    """Parse the status line and headers; None for a 1xx interim response (skipped)."""
+    buf = conn.buf
+    while True:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            break
+        if conn.closed:
+            if not buf and conn.reused:
+                raise _Reset  # the server closed the idle connection as the request went out
+            if conn.error is not None:
+                raise httpx.ReadError(str(conn.error) or type(conn.error).__name__)
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        if len(buf) > MAX_HEAD_BYTES:
+            raise httpx.RemoteProtocolError("response headers too large")
+        await conn.more(timeout)
+    lines = bytes(buf[:end]).split(b"\r\n")
+    del buf[: end + 4]
+    version, _, rest = lines[0].partition(b" ")
+    code = rest[:3]
+    if not version.startswith(b"HTTP/1.") or not code.isdigit():
+        raise httpx.RemoteProtocolError(f"malformed status line {lines[0][:80]!r}")
+    status = int(code)
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            raise httpx.RemoteProtocolError(f"malformed header line {line[:80]!r}")
+        key = name.strip().lower().decode("latin-1")
+        val = value.strip().decode("latin-1")
+        headers[key] = f"{headers[key]}, {val}" if key in headers else val
+    if 100 <= status < 200:
+        return None  # interim (100 Continue, 103 Early Hints): the real response follows
+    keep = version == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+    if status in (204, 304):
+        length: int | None = 0
+    elif "chunked" in headers.get("transfer-encoding", "").lower():
+        length = None
+    elif "content-length" in headers:
+        cl = headers["content-length"].split(",")[0].strip()
+        if not cl.isdigit():
+            raise httpx.RemoteProtocolError(f"bad Content-Length {cl!r}")
+        length = int(cl)
+    else:
+        length, keep = -1, False  # delimited by the server closing the connection
+    return H1Response(conn, status, headers, length, keep, timeout)
+
+
+class H1Response:
+    """A worker's response: headers parsed, body read on demand (see module docstring)."""
+
+    __slots__ = ("_chunk_left", "_conn", "_done", "_keep", "_left", "_state", "_timeout", "headers", "status_code")
+
+    def __init__(
+        self, conn: _Conn, status: int, headers: dict[str, str], length: int | None, keep: bool, timeout: float
+    ) -> None:
+        self._conn: _Conn | None = conn
+        self.status_code = status
+        self.headers = headers
+        self._left = length  # bytes of body left; None → chunked; -1 → until close
+        self._keep = keep
+        self._timeout = timeout
+        self._state = "size"  # chunked decoder: size | data | crlf | trailer
+        self._chunk_left = 0
+        self._done = length == 0
+        if self._done:
+            self._finish()
+
+    def aiter_raw(self) -> _BodyIter:
+        """The body as it arrives (chunked framing removed, no content decoding)."""
+        return _BodyIter(self)
+
+    async def aread(self) -> bytes:
+        parts = []
+        while True:
+            data = await self._next()
+            if not data:
+                return b"".join(parts)
+            parts.append(data)
+
+    async def aclose(self) -> None:
+        """Release the connection: kept for reuse when the body was read to the end, else closed."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    # -------------------------------------------------------------- body
+    async def _next(self) -> bytes:
+        """The next body bytes available; b"" at the end of the body."""
+        while not self._done:
+            conn = self._conn
+            if conn is None:
+                raise httpx.ReadError("response closed")
+            data = self._take(conn.buf)
+            if data:
+                return data
+            if self._done:
+                break
+            if conn.closed:
+                if self._left == -1:
+                    self._done = True
+                    break
+                if conn.error is not None:
+                    raise httpx.ReadError(str(conn.error) or type(conn.error).__name__)
+                raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+            await conn.more(self._timeout)
+        self._finish()
+        return b""
+
+    def _take(self, buf: bytearray) -> bytes:
+        if not buf:
+            return b""
+        left = self._left
+        if left is None:
+            return self._take_chunked(buf)
+        if left == -1:
+            data = bytes(buf)
+            buf.clear()
+            return data
+        if len(buf) <= left:
+            data = bytes(buf)
+            buf.clear()
+        else:
+            data = bytes(buf[:left])
+            del buf[:left]
+        self._left = left - len(data)
+        if self._left == 0:
+            self._done = True
+        return data
+
+    def _take_chunked(self, buf: bytearray) -> bytes:
+        out: list[bytes] = []
+        pos = 0
+        n = len(buf)
+        while pos < n:
+            state = self._state
+            if state == "data":
+                take = min(self._chunk_left, n - pos)
+                out.append(bytes(buf[pos : pos + take]))
+                pos += take
+                self._chunk_left -= take
+                if self._chunk_left:
+                    break
+                self._state = "crlf"
+            elif state == "crlf":
+                if n - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise httpx.RemoteProtocolError("chunk not followed by CRLF")
+                pos += 2
+                self._state = "size"
+            elif state == "size":
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    if n - pos > 1024:
+                        raise httpx.RemoteProtocolError("chunk size line too long")
+                    break
+                try:
+                    size = int(bytes(buf[pos:eol]).split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise httpx.RemoteProtocolError("bad chunk size") from None
+                pos = eol + 2
+                self._chunk_left = size
+                self._state = "data" if size else "trailer"
+            else:  # trailer: lines until an empty one
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                line_empty = eol == pos
+                pos = eol + 2
+                if line_empty:
+                    self._done = True
+                    break
+        del buf[:pos]
+        return b"".join(out)
+
+    def _finish(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._keep and not conn.closed and not conn.buf:
+            conn.origin.release(conn)
+        else:
+            conn.close()
+
+
+class _BodyIter:
+    """Async iterator over a response body (a class, not an async generator: nothing to finalise)."""
+
+    __slots__ = ("_resp",)
+
+    def __init__(self, resp: H1Response) -> None:
+        self._resp = resp
+
+    def __aiter__(self) -> _BodyIter:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self._resp._next()
+        if not data:
+            raise StopAsyncIteration
+        return data

@@ -1,0 +1,306 @@
+"""`server.upstream.ConnectionPool` against a scripted raw HTTP/1.1 server on 127.0.0.1.
+
+Each test server answers every request on a connection with the next scripted reply (raw bytes, sent in
+the given pieces), and records what it received and how many connections it accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from server.upstream import ConnectionPool
+
+Reply = list[bytes] | Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawServer:
+    def __init__(self, replies: list[Reply], close_after: bool = False) -> None:
+        self.replies = list(replies)
+        self.close_after = close_after  # close each connection after one reply
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.eofs = 0  # connections the client closed
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> RawServer:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in self._handlers:
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        await self.server.wait_closed()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1/completions"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                self.requests.append(head + await reader.readexactly(length))
+                reply = self.replies.pop(0)
+                if callable(reply):
+                    await reply(writer)
+                else:
+                    for piece in reply:
+                        writer.write(piece)
+                        await writer.drain()
+                        await asyncio.sleep(0.01)  # arrive as separate reads
+                if self.close_after:
+                    break
+        except asyncio.IncompleteReadError:
+            self.eofs += 1
+        except (ConnectionError, IndexError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+            self._handlers.discard(task)
+
+
+def ok(body: bytes, extra: bytes = b"") -> list[bytes]:
+    return [b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra
+            + b"content-length: %d\r\n\r\n" % len(body) + body]  # fmt: skip
+
+
+def chunked(*pieces: bytes) -> list[bytes]:
+    framed = [b"%x\r\n%s\r\n" % (len(p), p) for p in pieces]
+    wire = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        + b"".join(framed)
+        + b"0\r\n\r\n"
+    )
+    return [wire[i : i + 7] for i in range(0, len(wire), 7)]  # split at awkward places on purpose
+
+
+HEADERS = [(b"content-type", b"application/json"), (b"x-request-id", b"rid-1")]
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_content_length_body_and_keep_alive_reuse() -> None:
+    async def go() -> None:
+        async with RawServer([ok(b'{"a":1}'), ok(b'{"b":2}')]) as srv:
+            pool = ConnectionPool()
+            try:
+                for expected in (b'{"a":1}', b'{"b":2}'):
+                    resp = await pool.post(srv.url, b'{"x":1}', HEADERS)
+                    assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
+                    assert await resp.aread() == expected
+                    await resp.aclose()
+                assert srv.connections == 1  # the second request reused the first connection
+                first = srv.requests[0]
+                assert first.startswith(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+                assert b"x-request-id: rid-1\r\n" in first and b"Content-Length: 7\r\n" in first
+                assert first.endswith(b'\r\n\r\n{"x":1}') and b"accept-encoding" not in first.lower()
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_chunked_body_split_anywhere_is_decoded_in_order() -> None:
+    async def go() -> None:
+        events = [b'data: {"i": %d}\n\n' % i for i in range(5)]
+        async with RawServer([chunked(*events), ok(b"{}")]) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                got = [c async for c in resp.aiter_raw()]
+                assert b"".join(got) == b"".join(events)
+                await resp.aclose()
+                resp = await pool.post(srv.url, b"{}", HEADERS)  # connection reusable after the last chunk
+                assert await resp.aread() == b"{}"
+                assert srv.connections == 1
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+@pytest.mark.parametrize(
+    ("reply", "body", "reused"),
+    [
+        pytest.param(
+            [b"HTTP/1.1 100 Continue\r\n\r\n", *ok(b"{}")], b"{}", True, id="1xx interim response is skipped"
+        ),
+        pytest.param(ok(b"{}", b"connection: close\r\n"), b"{}", False, id="connection close is honoured"),
+        pytest.param(
+            [b"HTTP/1.0 200 OK\r\n\r\nuntil-close"], b"until-close", False, id="body delimited by close"
+        ),
+        pytest.param([b"HTTP/1.1 204 No Content\r\n\r\n"], b"", True, id="204 has no body"),
+    ],
+)
+def test_framing_variants(reply: list[bytes], body: bytes, reused: bool) -> None:
+    async def go() -> None:
+        close_after = not reused and b"content-length" not in reply[-1]
+        async with RawServer([reply, ok(b"second")], close_after=close_after) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                assert await resp.aread() == body
+                await resp.aclose()
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                assert await resp.aread() == b"second"
+                await resp.aclose()
+                assert srv.connections == (1 if reused else 2)
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_closing_an_unread_response_closes_the_connection() -> None:
+    async def go() -> None:
+        async def slow_stream(w: asyncio.StreamWriter) -> None:
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+            await w.drain()
+            await asyncio.sleep(0.5)
+
+        async with RawServer([slow_stream]) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                assert await anext(resp.aiter_raw()) == b"hello"
+                await resp.aclose()  # mid-body: the upstream request is aborted by closing the connection
+                for _ in range(100):
+                    if srv.eofs:
+                        break
+                    await asyncio.sleep(0.01)
+                assert srv.eofs == 1
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_idle_connection_closed_by_server_is_replaced() -> None:
+    async def go() -> None:
+        async with RawServer([ok(b"one"), ok(b"two")], close_after=True) as srv:
+            pool = ConnectionPool()
+            try:
+                for expected in (b"one", b"two"):
+                    resp = await pool.post(srv.url, b"{}", HEADERS)
+                    assert await resp.aread() == expected
+                    await resp.aclose()
+                    await asyncio.sleep(0.05)  # the server's close reaches the pool
+                assert srv.connections == 2
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_reused_connection_that_dies_unanswered_is_retried_once_on_a_new_one() -> None:
+    async def go() -> None:
+        async def drop(w: asyncio.StreamWriter) -> None:
+            w.transport.abort()  # the server went away with the request unanswered (an idle-timeout race)
+
+        async with RawServer([ok(b"one"), drop, ok(b"two")]) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                assert await resp.aread() == b"one"
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                assert await resp.aread() == b"two"
+                assert srv.connections == 2 and len(srv.requests) == 3
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        pytest.param([b"garbage\r\n\r\n"], httpx.RemoteProtocolError, id="malformed status line → RemoteProtocolError"),
+        pytest.param([b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc"], httpx.RemoteProtocolError,
+                     id="closed mid-body → RemoteProtocolError"),
+        pytest.param([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"], httpx.RemoteProtocolError,
+                     id="bad chunk size → RemoteProtocolError"),
+    ],
+)  # fmt: skip
+def test_protocol_errors(reply: list[bytes], error: type[Exception]) -> None:
+    async def go() -> None:
+        async with RawServer([reply], close_after=True) as srv:
+            pool = ConnectionPool()
+            try:
+                with pytest.raises(error):
+                    resp = await pool.post(srv.url, b"{}", HEADERS)
+                    await resp.aread()
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_timeouts_and_refusals_raise_httpx_errors() -> None:
+    async def go() -> None:
+        async def stall(w: asyncio.StreamWriter) -> None:
+            await asyncio.sleep(1)
+
+        async with RawServer([stall, stall]) as srv:
+            pool = ConnectionPool(max_per_origin=1, read_timeout_s=0.3, pool_timeout_s=0.05)
+            try:
+                with pytest.raises(httpx.ReadTimeout):
+                    await pool.post(srv.url, b"{}", HEADERS)
+                held = asyncio.ensure_future(pool.post(srv.url, b"{}", HEADERS))  # takes the only connection
+                await asyncio.sleep(0.02)
+                with pytest.raises(httpx.PoolTimeout):
+                    await pool.post(srv.url, b"{}", HEADERS)
+                with pytest.raises(httpx.ReadTimeout):
+                    await held
+            finally:
+                await pool.aclose()
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1/completions"
+        pool = ConnectionPool()
+        try:
+            with pytest.raises(httpx.ConnectError):
+                await pool.post(dead, b"{}", HEADERS)
+        finally:
+            await pool.aclose()
+
+    run(go())
+
+
+def test_a_released_connection_goes_to_a_waiting_request() -> None:
+    async def go() -> None:
+        async with RawServer([ok(b"one"), ok(b"two")]) as srv:
+            pool = ConnectionPool(max_per_origin=1, pool_timeout_s=2)
+            try:
+                first = await pool.post(srv.url, b"{}", HEADERS)
+                waiting = asyncio.ensure_future(pool.post(srv.url, b"{}", HEADERS))
+                await asyncio.sleep(0.02)
+                assert not waiting.done()
+                assert await first.aread() == b"one"  # read to the end: the connection is handed over
+                second = await waiting
+                assert await second.aread() == b"two" and srv.connections == 1
+            finally:
+                await pool.aclose()
+
+    run(go())
