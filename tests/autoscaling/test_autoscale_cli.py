@@ -171,3 +171,31 @@ def test_chart_keeps_the_users_autoscaler_settings(chart: helm.Chart) -> None:
     scaler = render(chart, {"config": {"autoscaler": user}}).config()["autoscaler"]
     assert {k: scaler[k] for k in user} == user  # a dry run on the cluster stays a dry run
     assert scaler["kubernetes"]["deployments"]
+
+
+def test_kubernetes_controller_patches_deployments_in_the_pod_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from server.commands.autoscale import _run
+    from tests.autoscaling.test_controller import FakeAppsApi
+
+    monkeypatch.setenv("POD_NAMESPACE", "llm")
+    cfg = load_config(
+        _write(
+            tmp_path,
+            _static(
+                {
+                    "actuator": "kubernetes",
+                    "policy": "static:l4=2",
+                    "interval_s": 0.05,
+                    "kubernetes": {"deployments": {"l4": "mosaic-l4"}},
+                }
+            ),
+        )
+    )
+    api = FakeAppsApi(replicas=1)
+    asyncio.run(_run(cfg, 2, True, api))
+    assert ("patch", "mosaic-l4", "llm", {"spec": {"replicas": 2}}) in api.calls
+    assert sum(c[0] == "patch" for c in api.calls) == 1  # the second cycle reads 2 and leaves it
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(a["before"], a["after"], a["applied"]) for a in lines[0]["actions"]] == [(1, 2, True)]
