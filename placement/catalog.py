@@ -27,6 +27,16 @@ class CatalogError(ValueError):
     """An unknown name or a malformed catalog file; the message lists the valid choices."""
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive(row: str, field_name: str, value: object, allow_zero: bool = False) -> None:
+    if not _number(value) or value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
+        bound = "≥ 0" if allow_zero else "> 0"
+        raise ValueError(f"{row!r}: {field_name} must be a number {bound}, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
     name: str
@@ -41,6 +51,17 @@ class GpuSpec:
     # Plateau MFU of large prefills; None → PerfConstants.mfu_max. Calibrated for A100 and H100 only.
     mfu_max: float | None = None
     source: str = ""
+
+    def __post_init__(self) -> None:
+        for field_name in ("memory_gb", "hbm_gbps", "tflops"):
+            _positive(self.name, field_name, getattr(self, field_name))
+        _positive(self.name, "cost_per_hour", self.cost_per_hour, allow_zero=True)
+        if self.memory_kind not in ("hbm", "gddr"):
+            raise ValueError(f"GPU {self.name!r}: memory_kind must be 'hbm' or 'gddr', got {self.memory_kind!r}")
+        if self.mfu_half is not None:
+            _positive(self.name, "mfu_half", self.mfu_half)
+        if self.mfu_max is not None and not (_number(self.mfu_max) and 0 < self.mfu_max <= 1):
+            raise ValueError(f"GPU {self.name!r}: mfu_max must be in (0, 1], got {self.mfu_max!r}")
 
     @property
     def memory_bytes(self) -> float:
@@ -67,6 +88,13 @@ class ModelSpec:
     max_context: int
     dtype_bytes: int = 2
     source: str = ""
+
+    def __post_init__(self) -> None:
+        for field_name in ("layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "max_context", "dtype_bytes"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model {self.name!r}: {field_name} must be a whole number ≥ 1, got {value!r}")
+        _positive(self.name, "params_b", self.params_b)
 
     @property
     def params(self) -> float:
@@ -164,6 +192,9 @@ class Catalog:
         """A new catalog with `gpus:` / `models:` rows from parsed YAML merged over this one."""
         if not isinstance(data, dict) or set(data) - {"gpus", "models"}:
             raise CatalogError("catalog file must be a mapping with only 'gpus' and 'models' keys")
+        for section in ("gpus", "models"):
+            if not isinstance(data.get(section) or {}, dict):
+                raise CatalogError(f"catalog file: '{section}' must be a mapping of name → fields")
         gpus = dict(self.gpus)
         models = dict(self.models)
         for name, row in (data.get("gpus") or {}).items():
@@ -201,7 +232,7 @@ def _merge(cls: type, rows: dict[str, Any], aliases: dict[str, str], name: str, 
         if existing is not None:
             return dataclasses.replace(existing, **row)
         return cls(name=name, **row)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # missing fields, wrong types, out-of-range values
         raise CatalogError(f"catalog entry {name!r}: {exc}") from None
 
 
