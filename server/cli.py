@@ -7,6 +7,7 @@ one readable line on bad input (see `server.commands.common.fail`), never a trac
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
 
@@ -38,4 +39,27 @@ def build_app() -> typer.Typer:
 
 
 def main() -> None:
-    build_app()()
+    """Run the CLI. Usage errors (unknown option, missing value, bad type) are one line on stderr and exit 2,
+    like every other bad input; the boxed usage panel is kept for `--help` only.
+
+    Click's exceptions are recognised by shape, not class: Typer ≥ 0.26 vendors its own copy of click.
+    """
+    command = typer.main.get_command(build_app())
+    try:
+        result = command.main(prog_name="mosaic", standalone_mode=False)
+    except Exception as exc:
+        kind = type(exc).__name__
+        ctx = getattr(exc, "ctx", None)
+        if kind == "NoArgsIsHelpError":  # `mosaic` alone: show the help
+            typer.echo(ctx.get_help() if ctx is not None else "")
+            sys.exit(0)
+        if kind == "Abort":
+            typer.echo("aborted", err=True)
+            sys.exit(130)
+        if not hasattr(exc, "format_message") or not hasattr(exc, "exit_code"):
+            raise
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        message = " ".join(str(exc.format_message()).split())  # one line, whatever click wrapped
+        typer.echo(f"error: {message}{where}", err=True)
+        sys.exit(exc.exit_code)
+    sys.exit(result if isinstance(result, int) else 0)
