@@ -267,11 +267,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         # Unknown paths and methods: the gateway's own errors, so OpenAI's shape (vLLM answers {"detail"}).
-        cause = Cause.NOT_FOUND if exc.status_code == 404 else Cause.BAD_REQUEST
-        err = GatewayError(cause, str(exc.detail))
-        resp = err.to_response()
-        resp.status_code = exc.status_code
-        return resp
+        by_status = {404: Cause.NOT_FOUND, 405: Cause.METHOD_NOT_ALLOWED}
+        return GatewayError(by_status.get(exc.status_code, Cause.BAD_REQUEST), str(exc.detail)).to_response()
 
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> Response:

@@ -36,6 +36,7 @@ class Cause(StrEnum):
     UPSTREAM_TIMEOUT = "upstream_timeout"
     SHUTTING_DOWN = "shutting_down"
     NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
 
 
 # cause → (HTTP status, OpenAI error `type`); a test iterates this table.
@@ -45,6 +46,7 @@ ERROR_TABLE: dict[Cause, tuple[int, str]] = {
     Cause.FORBIDDEN: (403, "PermissionDeniedError"),
     Cause.MODEL_NOT_FOUND: (404, "NotFoundError"),
     Cause.NOT_FOUND: (404, "NotFoundError"),
+    Cause.METHOD_NOT_ALLOWED: (405, "MethodNotAllowedError"),
     Cause.BODY_TOO_LARGE: (413, "RequestTooLargeError"),
     Cause.RATE_LIMITED: (429, "RateLimitError"),
     Cause.TOKEN_RATE_LIMITED: (429, "RateLimitError"),

@@ -154,6 +154,13 @@ def test_unknown_path_is_404_in_openai_shape(gw: GatewayThread) -> None:
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
 
 
+def test_wrong_method_is_405_in_openai_shape_with_its_own_code(gw: GatewayThread) -> None:
+    with httpx.Client(base_url=gw.url) as http:
+        r = http.get("/v1/chat/completions")
+    assert r.status_code == 405
+    assert r.json()["error"]["type"] == "MethodNotAllowedError" and r.json()["error"]["code"] == 405
+
+
 def test_health_ready_metrics_admin(gw: GatewayThread) -> None:
     with httpx.Client(base_url=gw.url) as http:
         assert http.get("/health").json() == {"status": "ok"}
