@@ -62,6 +62,11 @@ def test_defaults() -> None:
             id="pool model not in the models list",
         ),
         pytest.param(
+            {"pools": [_pool()], "kv": {"batch_admission": {"enabled": True}}},
+            "test: kv.batch_admission.enabled: batch admission runs in the simulator",
+            id="batch admission is refused by the gateway rather than silently ignored",
+        ),
+        pytest.param(
             {"pools": [_pool(role="both")]},
             "test: pools.0.role: Input should be 'prefill', 'decode' or 'mixed'",
             id="bad role",
