@@ -1,17 +1,33 @@
 """Gateway overhead: the same short requests sent directly to a zero-compute simulated worker and through
-the gateway, at a fixed concurrency.
+the gateway, in one run, at a fixed concurrency.
 
-    .venv/bin/python bench/gateway_overhead.py [--concurrency 32] [--seconds 5] [--rounds 2]
+    .venv/bin/python bench/gateway_overhead.py [--concurrency 32] [--seconds 4] [--rounds 3]
 
-Processes: one simulated worker (`mosaic worker --time-scale 1e9`: the engine model takes no wall time, so
-what is measured is HTTP, JSON and proxying), one gateway (`mosaic serve` with a static pool pointing at
-that worker), and this load generator. The load generator is a minimal keep-alive HTTP/1.1 client on
-asyncio streams, so that its own cost is small and equal on both paths.
+**Processes.** One simulated worker (`mosaic worker --time-scale 1e9`), one gateway (`mosaic serve` with a
+static pool pointing at that worker), and this script as the load generator. At time scale 10⁹ the engine
+model takes no wall time: a request costs the worker only its Python (HTTP server, JSON, one engine step
+per token); a non-streaming request with 16 output tokens is answered in < 1 ms when alone (the
+`c=1` phases check this: before TCP_NODELAY was set on accepted sockets every response waited ~40 ms for
+a delayed ACK, which made the worker look paced). The load generator is a minimal keep-alive HTTP/1.1
+client on asyncio streams, one connection per concurrent request, in this process; it does nothing else
+while a phase runs, its CPU per request is measured (≈ 0.1 ms, the same on both paths) and reported.
 
-Workloads: `/v1/completions`, 8-token prompt, `max_tokens: 16`, `ignore_eos` — non-streaming, and
-streaming (16 token chunks + `[DONE]`). Phases alternate direct / gateway for `--rounds` rounds; each
-phase runs `--seconds` after a short warm-up. Reported per workload: requests/s direct and through the
-gateway, their ratio (the bar: ≥ 0.80), and p50/p99 end-to-end latency of each path and the difference.
+**Workloads.** `/v1/completions`, 8-token prompt, `max_tokens: 16`, `ignore_eos` — non-streaming, and
+streaming (16 token chunks + `[DONE]`).
+
+**Phases.** Per round and workload: direct then gateway, each `--seconds` after a `--warmup`, at
+`--concurrency`; rounds repeat that, so both paths see the same background load over time. After the
+rounds, one short phase per workload and path at concurrency 1 gives the unloaded latency the hop adds.
+
+**Reported** per workload: req/s of each path (mean over rounds), the throughput ratio per round and its
+median/min/max, p50/p99 latency of each path (pooled over rounds) and the difference, and per process the
+CPU seconds per request and the run-queue wait (seconds it was runnable but waiting for a CPU, from
+/proc/<pid>/schedstat) per wall second. From the CPU per request it derives the throughput bound of each
+path on this machine's cores: a single-threaded process serves at most 1/cpu_per_request, and all
+processes of a path together at most cores/Σ cpu_per_request; `cpu_bound_ratio` is the gateway path's
+bound over the direct path's. On 2 cores the direct path runs 2 processes and the gateway path 3, so the
+bound is below 1 even for a free gateway; the measured ratio also depends on what else runs on the
+machine (see `runq_wait_per_s`).
 
 Results: `bench/results/gateway_overhead.json`, and one line appended to BENCHMARKS.md.
 """
@@ -24,6 +40,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +57,7 @@ MOSAIC = (
     [str(ROOT / ".venv" / "bin" / "mosaic")] if (ROOT / ".venv" / "bin" / "mosaic").exists() else ["mosaic"]
 )
 URL_RE = re.compile(r"http://127\.0\.0\.1:(\d+)")
+WORKLOADS = (("non-stream", False), ("stream-16", True))
 
 
 # ------------------------------------------------------------------------------------ minimal client
@@ -94,24 +112,28 @@ class Phase:
     path: str
     workload: str
     seconds: float
+    concurrency: int
     latencies: list[float] = field(default_factory=list)
     errors: int = 0
-    cpu_s: dict[str, float] = field(default_factory=dict)  # process → CPU seconds over the whole phase
     requests_total: int = 0  # including warm-up, for CPU per request
+    cpu_s: dict[str, float] = field(default_factory=dict)  # process → CPU seconds over the whole phase
+    runq_s: dict[str, float] = field(default_factory=dict)  # process → seconds runnable but not running
+    wall_s: float = 0.0
     error_samples: list[str] = field(default_factory=list)  # first few failures: status and body tail
 
     @property
     def rps(self) -> float:
         return len(self.latencies) / self.seconds
 
+    def cpu_per_request_ms(self, proc: str) -> float:
+        return self.cpu_s[proc] / max(1, self.requests_total) * 1e3
 
-async def run_phase(
-    port: int, stream: bool, concurrency: int, seconds: float, warmup: float, phase: Phase
-) -> None:
+
+async def run_phase(port: int, stream: bool, warmup: float, phase: Phase) -> None:
     raw = request_bytes(port, stream)
-    conns = [await Conn.open(port) for _ in range(concurrency)]
+    conns = [await Conn.open(port) for _ in range(phase.concurrency)]
     start = time.perf_counter()
-    t_measure, t_end = start + warmup, start + warmup + seconds
+    t_measure, t_end = start + warmup, start + warmup + phase.seconds
 
     async def loop(conn: Conn) -> None:
         while True:
@@ -161,10 +183,16 @@ def start(cmd: list[str]) -> tuple[subprocess.Popen[str], int]:
     raise RuntimeError(f"{' '.join(cmd)} did not print its URL")
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def sched(pid: int | None) -> tuple[float, float]:
+    """(CPU seconds, seconds runnable but waiting for a CPU) of a process so far: /proc/<pid>/schedstat
+    for every thread of it (`None`: this process)."""
+    pid = pid or os.getpid()
+    cpu = wait = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        run_ns, wait_ns, _ = (task / "schedstat").read_text().split()
+        cpu += int(run_ns) / 1e9
+        wait += int(wait_ns) / 1e9
+    return cpu, wait
 
 
 def stop(proc: subprocess.Popen[str]) -> None:
@@ -174,6 +202,8 @@ def stop(proc: subprocess.Popen[str]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 async def wait_ready(port: int) -> None:
@@ -197,12 +227,105 @@ def _server_stack(python: str | None) -> str:
     return out.stdout.strip() or "unknown"
 
 
+def measure(
+    procs: dict[str, int | None],
+    port: int,
+    workload: str,
+    stream: bool,
+    path: str,
+    concurrency: int,
+    seconds: float,
+    warmup: float,
+) -> Phase:
+    ph = Phase(path, workload, seconds, concurrency)
+    before = {k: sched(pid) for k, pid in procs.items()}
+    t0 = time.perf_counter()
+    asyncio.run(run_phase(port, stream, warmup, ph))
+    ph.wall_s = time.perf_counter() - t0
+    after = {k: sched(pid) for k, pid in procs.items()}
+    ph.cpu_s = {k: after[k][0] - before[k][0] for k in procs}
+    ph.runq_s = {k: after[k][1] - before[k][1] for k in procs}
+    return ph
+
+
+def report_phase(ph: Phase, procs: tuple[str, ...]) -> None:
+    cpu = ", ".join(f"{k} {ph.cpu_per_request_ms(k):.3f}" for k in procs)
+    runq = ", ".join(f"{k} {ph.runq_s[k] / ph.wall_s:.2f}" for k in procs)
+    print(
+        f"{ph.workload:10s} {ph.path:8s} c={ph.concurrency:<3d} {ph.rps:8.1f} req/s  p50 "
+        f"{pct(ph.latencies, 0.5) * 1e3:6.2f} ms  p99 {pct(ph.latencies, 0.99) * 1e3:6.2f} ms  errors {ph.errors}"
+        f"  CPU ms/request: {cpu}  run-queue wait/s: {runq}",
+        flush=True,
+    )
+    for sample in ph.error_samples:
+        print(f"    error: {sample}", flush=True)
+
+
+def cpu_bound_rps(cpu_ms: list[float], cores: int) -> float:
+    """The most req/s processes with these CPU costs per request can serve: each single-threaded process
+    at most 1/cpu, all together at most cores/Σcpu."""
+    return min(min(1e3 / c for c in cpu_ms), cores * 1e3 / sum(cpu_ms))
+
+
+def summarise(phases: list[Phase], workload: str, cores: int) -> dict[str, object]:
+    loaded = [p for p in phases if p.workload == workload and p.concurrency > 1]
+    d = [p for p in loaded if p.path == "direct"]
+    g = [p for p in loaded if p.path == "gateway"]
+    ratios = [gp.rps / dp.rps for dp, gp in zip(d, g, strict=True) if dp.rps > 0]
+    lat_d = [x for p in d for x in p.latencies]
+    lat_g = [x for p in g for x in p.latencies]
+
+    def cpu(ps: list[Phase], proc: str) -> float:
+        return sum(p.cpu_s[proc] for p in ps) / max(1, sum(p.requests_total for p in ps)) * 1e3
+
+    def runq(ps: list[Phase], proc: str) -> float:
+        return sum(p.runq_s[proc] for p in ps) / sum(p.wall_s for p in ps)
+
+    cpu_direct = {k: cpu(d, k) for k in ("client", "worker")}
+    cpu_gateway = {k: cpu(g, k) for k in ("client", "gateway", "worker")}
+    bound_d = cpu_bound_rps(list(cpu_direct.values()), cores)
+    bound_g = cpu_bound_rps(list(cpu_gateway.values()), cores)
+    single = {p.path: p for p in phases if p.workload == workload and p.concurrency == 1}  # unloaded latency
+    out: dict[str, object] = {
+        "direct_rps": round(statistics.mean(p.rps for p in d), 1),
+        "gateway_rps": round(statistics.mean(p.rps for p in g), 1),
+        "ratio": round(statistics.median(ratios), 3),
+        "ratio_min": round(min(ratios), 3),
+        "ratio_max": round(max(ratios), 3),
+        "ratio_per_round": [round(r, 3) for r in ratios],
+        "direct_p50_ms": round(pct(lat_d, 0.5) * 1e3, 2),
+        "gateway_p50_ms": round(pct(lat_g, 0.5) * 1e3, 2),
+        "direct_p99_ms": round(pct(lat_d, 0.99) * 1e3, 2),
+        "gateway_p99_ms": round(pct(lat_g, 0.99) * 1e3, 2),
+        "added_p50_ms": round((pct(lat_g, 0.5) - pct(lat_d, 0.5)) * 1e3, 2),
+        "added_p99_ms": round((pct(lat_g, 0.99) - pct(lat_d, 0.99)) * 1e3, 2),
+        "errors": sum(p.errors for p in d + g),
+        "cpu_ms_per_request": {
+            "direct": {k: round(v, 3) for k, v in cpu_direct.items()},
+            "gateway": {k: round(v, 3) for k, v in cpu_gateway.items()},
+        },
+        "runq_wait_per_s": {
+            "direct": {k: round(runq(d, k), 2) for k in ("client", "worker")},
+            "gateway": {k: round(runq(g, k), 2) for k in ("client", "gateway", "worker")},
+        },
+        "cpu_bound_rps": {"direct": round(bound_d), "gateway": round(bound_g)},
+        "cpu_bound_ratio": round(bound_g / bound_d, 3),
+    }
+    if "direct" in single and "gateway" in single:
+        c1d, c1g = pct(single["direct"].latencies, 0.5), pct(single["gateway"].latencies, 0.5)
+        out["c1_direct_p50_ms"] = round(c1d * 1e3, 3)
+        out["c1_gateway_p50_ms"] = round(c1g * 1e3, 3)
+        out["c1_added_p50_ms"] = round((c1g - c1d) * 1e3, 3)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--warmup", type=float, default=1.0)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--single-seconds", type=float, default=1.5, help="length of the concurrency-1 phases")
     ap.add_argument("--no-record", action="store_true", help="print only; do not write results/BENCHMARKS.md")
     ap.add_argument(
         "--python",
@@ -210,6 +333,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     mosaic = [args.python, "-c", "from server.cli import main; main()"] if args.python else MOSAIC
+    cores = os.cpu_count() or 1
+    load_start = os.getloadavg()[0]
 
     worker, wport = start(
         [*mosaic, "worker", "--gpu", "H100", "--model", "llama-3-8b", "--port", "0", "--time-scale", "1e9"]
@@ -222,58 +347,30 @@ def main() -> int:
         )
         cfg_path = f.name
     gateway, gport = start([*mosaic, "serve", "--config", cfg_path, "--port", "0"])
+    procs: dict[str, int | None] = {"client": None, "worker": worker.pid, "gateway": gateway.pid}
+    shown = {"direct": ("client", "worker"), "gateway": ("client", "gateway", "worker")}
     phases: list[Phase] = []
     try:
         asyncio.run(wait_ready(gport))
         for _ in range(args.rounds):
-            for workload, stream in (("non-stream", False), ("stream-16", True)):
+            for workload, stream in WORKLOADS:
                 for path, port in (("direct", wport), ("gateway", gport)):
-                    ph = Phase(path, workload, args.seconds)
-                    before = {"worker": cpu_seconds(worker.pid), "gateway": cpu_seconds(gateway.pid)}
-                    asyncio.run(run_phase(port, stream, args.concurrency, args.seconds, args.warmup, ph))
-                    ph.cpu_s = {
-                        k: cpu_seconds(p.pid) - before[k]
-                        for k, p in (("worker", worker), ("gateway", gateway))
-                    }
-                    phases.append(ph)
-                    per = {k: v / max(1, ph.requests_total) * 1e3 for k, v in ph.cpu_s.items()}
-                    print(
-                        f"{workload:10s} {path:8s} {ph.rps:8.1f} req/s  p50 {pct(ph.latencies, 0.5) * 1e3:6.2f} ms"
-                        f"  p99 {pct(ph.latencies, 0.99) * 1e3:6.2f} ms  errors {ph.errors}  CPU/request: worker "
-                        f"{per['worker']:.2f} ms, gateway {per['gateway']:.2f} ms",
-                        flush=True,
+                    ph = measure(
+                        procs, port, workload, stream, path, args.concurrency, args.seconds, args.warmup
                     )
-                    for sample in ph.error_samples:
-                        print(f"    error: {sample}", flush=True)
+                    phases.append(ph)
+                    report_phase(ph, shown[path])
+        for workload, stream in WORKLOADS:
+            for path, port in (("direct", wport), ("gateway", gport)):
+                ph = measure(procs, port, workload, stream, path, 1, args.single_seconds, 0.3)
+                phases.append(ph)
+                report_phase(ph, shown[path])
     finally:
         stop(gateway)
         stop(worker)
         os.unlink(cfg_path)
 
-    summary: dict[str, dict[str, float]] = {}
-    for workload in ("non-stream", "stream-16"):
-        d = [p for p in phases if p.workload == workload and p.path == "direct"]
-        g = [p for p in phases if p.workload == workload and p.path == "gateway"]
-        lat_d = [x for p in d for x in p.latencies]
-        lat_g = [x for p in g for x in p.latencies]
-        rps_d = sum(p.rps for p in d) / len(d)
-        rps_g = sum(p.rps for p in g) / len(g)
-        cpu_w = sum(p.cpu_s["worker"] for p in d) / max(1, sum(p.requests_total for p in d))
-        cpu_g = sum(p.cpu_s["gateway"] for p in g) / max(1, sum(p.requests_total for p in g))
-        summary[workload] = {
-            "direct_rps": round(rps_d, 1),
-            "gateway_rps": round(rps_g, 1),
-            "ratio": round(rps_g / rps_d, 3),
-            "direct_p50_ms": round(pct(lat_d, 0.5) * 1e3, 2),
-            "gateway_p50_ms": round(pct(lat_g, 0.5) * 1e3, 2),
-            "direct_p99_ms": round(pct(lat_d, 0.99) * 1e3, 2),
-            "gateway_p99_ms": round(pct(lat_g, 0.99) * 1e3, 2),
-            "added_p50_ms": round((pct(lat_g, 0.5) - pct(lat_d, 0.5)) * 1e3, 2),
-            "added_p99_ms": round((pct(lat_g, 0.99) - pct(lat_d, 0.99)) * 1e3, 2),
-            "errors": sum(p.errors for p in d + g),
-            "worker_cpu_ms_per_request": round(cpu_w * 1e3, 3),
-            "gateway_cpu_ms_per_request": round(cpu_g * 1e3, 3),
-        }
+    summary = {workload: summarise(phases, workload, cores) for workload, _ in WORKLOADS}
     result = {
         "bench": "gateway_overhead",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -282,9 +379,10 @@ def main() -> int:
         "seconds_per_phase": args.seconds,
         "rounds": args.rounds,
         "machine": {
-            "cpus": os.cpu_count(),
+            "cpus": cores,
             "python": platform.python_version(),
             "platform": platform.platform(),
+            "loadavg_1m_at_start": round(load_start, 2),
             "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
         },
         "server_stack": _server_stack(args.python),
@@ -294,9 +392,13 @@ def main() -> int:
             {
                 "path": p.path,
                 "workload": p.workload,
+                "concurrency": p.concurrency,
                 "rps": round(p.rps, 1),
                 "n": len(p.latencies),
+                "p50_ms": round(pct(p.latencies, 0.5) * 1e3, 3),
                 "errors": p.errors,
+                "cpu_ms_per_request": {k: round(p.cpu_per_request_ms(k), 3) for k in shown[p.path]},
+                "runq_wait_per_s": {k: round(p.runq_s[k] / p.wall_s, 2) for k in shown[p.path]},
                 "error_samples": p.error_samples,
             }
             for p in phases
@@ -306,12 +408,16 @@ def main() -> int:
     if not args.no_record:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        ns, st = summary["non-stream"], summary["stream-16"]
         line = (
-            f"| {result['date'][:10]} | gateway_overhead | `{result['command']}` | c={args.concurrency}: "
-            f"non-stream {summary['non-stream']['ratio']:.2f}× direct ({summary['non-stream']['gateway_rps']:.0f} vs "
-            f"{summary['non-stream']['direct_rps']:.0f} req/s, +{summary['non-stream']['added_p50_ms']:.1f} ms p50), "
-            f"stream-16 {summary['stream-16']['ratio']:.2f}× ({summary['stream-16']['gateway_rps']:.0f} vs "
-            f"{summary['stream-16']['direct_rps']:.0f} req/s, +{summary['stream-16']['added_p50_ms']:.1f} ms p50); bar 0.80 |\n"
+            f"| {result['date'][:10]} | gateway_overhead | `{result['command']}` | c={args.concurrency}, "
+            f"{result['server_stack']}, load {load_start:.1f}: non-stream {ns['ratio']:.2f}× direct "
+            f"(rounds {ns['ratio_min']:.2f}–{ns['ratio_max']:.2f}; {ns['gateway_rps']:.0f} vs {ns['direct_rps']:.0f} req/s, "
+            f"+{ns['added_p50_ms']:.1f} ms p50), stream-16 {st['ratio']:.2f}× ({st['ratio_min']:.2f}–{st['ratio_max']:.2f}; "
+            f"{st['gateway_rps']:.0f} vs {st['direct_rps']:.0f} req/s, +{st['added_p50_ms']:.1f} ms p50); gateway CPU "
+            f"{ns['cpu_ms_per_request']['gateway']['gateway']:.2f}/{st['cpu_ms_per_request']['gateway']['gateway']:.2f} ms "
+            f"per request vs worker {ns['cpu_ms_per_request']['direct']['worker']:.2f}/"
+            f"{st['cpu_ms_per_request']['direct']['worker']:.2f}; bar 0.80 |\n"
         )
         new = not BENCHMARKS.exists()
         with BENCHMARKS.open("a") as fh:

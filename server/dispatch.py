@@ -67,7 +67,7 @@ from server.proxy import (
     usage_body,
 )
 from server.registry import Registry
-from server.upstream import UpstreamResponse
+from server.upstream import H1Response, UpstreamResponse
 
 log = logging.getLogger("mosaic.dispatch")
 
@@ -114,6 +114,16 @@ class Dispatcher:
         self.predictor = predictor
         self.rng = random.Random(config.routing.seed)
         self.outcomes: dict[str, int] = {}  # terminal outcomes by name (tests and /admin read it)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, memoised: prometheus_client's `labels()` validates and takes a lock on
+        every call, and the hot path asks for the same few label sets on every request."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     # ------------------------------------------------------------------ entry
     async def handle(
@@ -161,22 +171,22 @@ class Dispatcher:
         if rec.finished:
             return
         rec.finished = True
-        m = self.metrics
-        m.requests.labels(rec.model, rec.pool, str(status)).inc()
+        m, child = self.metrics, self.child
+        child(m.requests, rec.model, rec.pool, str(status)).inc()
         name = outcome.value if outcome is not None else f"rejected_{reason or status}"
         self.outcomes[name] = self.outcomes.get(name, 0) + 1
-        m.outcomes.labels(rec.model, name).inc()
+        child(m.outcomes, rec.model, name).inc()
         if reason is not None:
-            m.rejections.labels(reason).inc()
+            child(m.rejections, reason).inc()
         now = self.clock()
         if status == 200:
-            m.e2e.labels(rec.model, rec.pool).observe(now - rec.arrival)
+            child(m.e2e, rec.model, rec.pool).observe(now - rec.arrival)
         used = 0
         if usage:
             prompt = int(usage.get("prompt_tokens") or 0)
             gen = int(usage.get("completion_tokens") or 0)
-            m.prompt_tokens.labels(rec.model).inc(prompt)
-            m.generation_tokens.labels(rec.model).inc(gen)
+            child(m.prompt_tokens, rec.model).inc(prompt)
+            child(m.generation_tokens, rec.model).inc(gen)
             used = prompt + gen
             if outcome is Outcome.COMPLETED and self.predictor is not None:
                 self.predictor.observe(
@@ -403,14 +413,13 @@ class _StreamSession:
     async def body(self) -> AsyncIterator[bytes]:
         d, rec = self.d, self.rec
         clock = d.clock
-        labels = (rec.model, rec.pool)
-        itl = d.metrics.itl.labels(*labels)
+        itl = d.child(d.metrics.itl, rec.model, rec.pool)
         deadline = rec.arrival + d.limits.total_timeout_s
         outcome = Outcome.WORKER_ERROR
         try:
             out = self.relay.feed(self.first)
             last = clock()
-            d.metrics.ttft.labels(*labels).observe(last - rec.arrival)
+            d.child(d.metrics.ttft, rec.model, rec.pool).observe(last - rec.arrival)
             if out:
                 yield out
             lease = self.lease
@@ -442,8 +451,7 @@ class _StreamSession:
             outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._close(outcome)
+            await self._close(outcome)
 
     async def close(self) -> None:
         """Called by the response however it ends; a no-op after the body's own close."""
@@ -454,7 +462,14 @@ class _StreamSession:
             return
         self.closed = True
         try:
-            await self.resp.aclose()  # unread → the connection is dropped, which aborts the request upstream
+            # Unread → the connection is dropped, which aborts the request upstream. The pool's responses
+            # close synchronously; others (injected httpx transports) are awaited shielded from cancellation.
+            resp = self.resp
+            if isinstance(resp, H1Response):
+                resp.close()
+            else:
+                with anyio.CancelScope(shield=True):
+                    await resp.aclose()
         finally:
             self.lease.release(outcome)
             self.d.finish(self.rec, 200, outcome, self.relay.usage)

@@ -197,10 +197,30 @@ def _json_or_none(raw: bytes) -> Any:
         return None
 
 
+_DECODER = json.JSONDecoder()
+_USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
 def response_usage(body: bytes) -> dict[str, Any] | None:
-    """`usage` of a non-streaming JSON response (None when absent or not JSON)."""
-    if b'"usage"' not in body:
+    """`usage` of a non-streaming JSON response (None when absent or not JSON).
+
+    Fast path: decode only the object after the last `"usage":` key (vLLM writes it after `choices`, so
+    the generated text is never parsed); used when that key follows `,` or `{` (a key, not text: quotes
+    inside JSON strings are escaped) and its value is an object whose token counts are integers. Anything
+    else → the whole body is parsed."""
+    at = body.rfind(b'"usage"')
+    if at < 0:
         return None
+    before = body[:at].rstrip()
+    if before.endswith((b",", b"{")):
+        tail = body[at + 7 :].lstrip()
+        if tail.startswith(b":"):
+            try:
+                usage, _ = _DECODER.raw_decode(tail[1:].lstrip().decode())
+            except ValueError:
+                usage = None
+            if isinstance(usage, dict) and all(type(usage.get(k, 0)) is int for k in _USAGE_COUNTS):
+                return usage
     payload = _json_or_none(body)
     usage = payload.get("usage") if isinstance(payload, dict) else None
     return usage if isinstance(usage, dict) else None

@@ -37,6 +37,7 @@ from server.metrics import GatewayMetrics, WorkerGaugeRow
 from server.scrape import WorkerStats, counter_rate, parse_vllm_metrics
 
 log = logging.getLogger("mosaic.registry")
+VIEW_AGE_RESOLUTION_S = 0.01  # a cached worker view's scrape_age_s is at most this much behind
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,8 @@ class WorkerRecord:
     inflight_prefill_tokens: int = 0
     inflight_decode_requests: int = 0
     dispatched_total: int = 0
+    _view: WorkerView | None = field(default=None, repr=False, compare=False)
+    _view_key: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
 
     def state(self) -> WorkerState:
         if self.terminating:
@@ -79,6 +82,22 @@ class WorkerRecord:
         if self.stats is None or self.stats_at is None or now - self.stats_at > stale_after_s:
             return None
         return self.stats
+
+    def cached_view(self, now: float, stale_after_s: float) -> WorkerView:
+        """`view()`, reused while nothing it shows has changed. Routing takes a view of every worker per
+        request, and building one costs ~4 µs (≈ 0.35 ms per request at 100 workers); a request changes the
+        in-flight counts of one or two. `scrape_age_s` is refreshed every `VIEW_AGE_RESOLUTION_S`."""
+        fresh = self.stats_at is not None and self.stats is not None and now - self.stats_at <= stale_after_s
+        key = (
+            self.state(), self.breaker.is_open(now), self.inflight_requests, self.inflight_prefill_tokens,
+            self.inflight_decode_requests, (id(self.stats), self.stats_at) if fresh else None,
+            self.generation_tokens_per_s, self.prompt_tokens_per_s,
+            int((now - self.stats_at) / VIEW_AGE_RESOLUTION_S) if fresh and self.stats_at is not None else None,
+        )  # fmt: skip
+        if key != self._view_key or self._view is None:
+            self._view = self.view(now, stale_after_s)
+            self._view_key = key
+        return self._view
 
     def view(self, now: float, stale_after_s: float) -> WorkerView:
         s = self.fresh_stats(now, stale_after_s)
@@ -235,7 +254,7 @@ class Registry:
     def view(self) -> FleetView:
         now = self._clock()
         stale = self._scrape_cfg.stale_after_s
-        return FleetView(tuple(rec.view(now, stale) for rec in self._workers.values()))
+        return FleetView(tuple(rec.cached_view(now, stale) for rec in self._workers.values()))
 
     def records(self) -> list[WorkerRecord]:
         return list(self._workers.values())

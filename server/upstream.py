@@ -18,7 +18,7 @@ identity). Errors are httpx's exception classes, so callers classify them as bef
 |---|---|
 | cannot connect / connection refused | `httpx.ConnectError` / `httpx.ConnectTimeout` after `connect_timeout_s` |
 | no connection free within `pool_timeout_s` (`max_per_origin` in use) | `httpx.PoolTimeout` |
-| no byte for `read_timeout_s` while waiting for headers or body | `httpx.ReadTimeout` |
+| no byte for `read_timeout_s` (up to 1/8 more, at most 1 s) while waiting for headers or body | `httpx.ReadTimeout` |
 | reset while reading | `httpx.ReadError` |
 | closed before a complete response, malformed response | `httpx.RemoteProtocolError` |
 
@@ -108,15 +108,20 @@ class _Conn(asyncio.Protocol):
 
     # -------------------------------------------------------------- reading
     async def more(self, timeout: float) -> None:
-        """Wait until new bytes, EOF or close (`httpx.ReadTimeout` after `timeout` seconds)."""
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout, _expire, waiter, timeout)
+        """Wait until new bytes, EOF or close (`httpx.ReadTimeout` after `timeout` seconds, see `_Deadlines`)."""
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        deadlines = self.origin.deadlines
+        deadlines.add(self, time.monotonic() + timeout, timeout)
         try:
             await waiter
         finally:
-            timer.cancel()
+            deadlines.discard(self)
             self._waiter = None
+
+    def expire(self, timeout: float) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(httpx.ReadTimeout(f"no data from the worker within {timeout:g} s"))
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
@@ -125,18 +130,50 @@ class _Conn(asyncio.Protocol):
         self.origin.forget(self)
 
 
-def _expire(waiter: asyncio.Future[None], timeout: float) -> None:
-    if not waiter.done():
-        waiter.set_exception(httpx.ReadTimeout(f"no data from the worker within {timeout:g} s"))
+class _Deadlines:
+    """Read deadlines of the connections waiting for bytes, checked by one timer every `period` seconds
+    instead of a timer per wait (a stream waits once per chunk). A wait times out between `timeout` and
+    `timeout + period` seconds; the pool uses period = min(1 s, timeout / 8)."""
+
+    __slots__ = ("_handle", "_waiting", "period")
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self._waiting: dict[_Conn, tuple[float, float]] = {}  # conn → (deadline, timeout)
+        self._handle: asyncio.TimerHandle | None = None
+
+    def add(self, conn: _Conn, deadline: float, timeout: float) -> None:
+        self._waiting[conn] = (deadline, timeout)
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self.period, self._sweep)
+
+    def discard(self, conn: _Conn) -> None:
+        self._waiting.pop(conn, None)
+
+    def _sweep(self) -> None:
+        self._handle = None
+        now = time.monotonic()
+        for conn, (deadline, timeout) in list(self._waiting.items()):
+            if now >= deadline:
+                del self._waiting[conn]
+                conn.expire(timeout)
+        if self._waiting:
+            self._handle = asyncio.get_running_loop().call_later(self.period, self._sweep)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class _Origin:
     """The connections to one (scheme, host, port): idle ones (LIFO), a count, and waiters for a slot."""
 
-    __slots__ = ("_members", "count", "host", "idle", "port", "ssl", "waiters")
+    __slots__ = ("_members", "count", "deadlines", "host", "idle", "port", "ssl", "waiters")
 
-    def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> None:
+    def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None, deadlines: _Deadlines) -> None:
         self.host, self.port, self.ssl = host, port, ssl_context
+        self.deadlines = deadlines
         self.idle: list[_Conn] = []
         self.count = 0  # connections open or being opened
         self.waiters: deque[asyncio.Future[_Conn | None]] = deque()
@@ -196,6 +233,7 @@ class ConnectionPool:
         self._origins: dict[tuple[str, str, int], _Origin] = {}
         self._targets: dict[str, tuple[_Origin, bytes]] = {}  # url → (origin, "POST <path> HTTP/1.1\r\nHost: …\r\n")
         self._ssl: ssl.SSLContext | None = None
+        self._deadlines = _Deadlines(min(1.0, read_timeout_s / 8))
 
     def _target(self, url: str) -> tuple[_Origin, bytes]:
         target = self._targets.get(url)
@@ -210,7 +248,8 @@ class ConnectionPool:
             if origin is None:
                 if https and self._ssl is None:
                     self._ssl = httpx.create_ssl_context()  # once: loading CA certificates is slow
-                origin = self._origins[key] = _Origin(parts.hostname, port, self._ssl if https else None)
+                ssl_context = self._ssl if https else None
+                origin = self._origins[key] = _Origin(parts.hostname, port, ssl_context, self._deadlines)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             head = f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode()
             target = self._targets[url] = (origin, head)
@@ -306,6 +345,7 @@ class ConnectionPool:
         return conn
 
     async def aclose(self) -> None:
+        self._deadlines.close()
         for origin in self._origins.values():
             for conn in list(origin._members):
                 conn.close()
@@ -361,6 +401,9 @@ async def _read_head(conn: _Conn, timeout: float) -> H1Response | None:
     return H1Response(conn, status, headers, length, keep, timeout)
 
 
+_SIZE, _DATA, _CRLF, _TRAILER = range(4)  # chunked decoder states: size line, data, CRLF after data, trailers
+
+
 class H1Response:
     """A worker's response: headers parsed, body read on demand (see module docstring)."""
 
@@ -375,7 +418,7 @@ class H1Response:
         self._left = length  # bytes of body left; None → chunked; -1 → until close
         self._keep = keep
         self._timeout = timeout
-        self._state = "size"  # chunked decoder: size | data | crlf | trailer
+        self._state = _SIZE  # chunked decoder state
         self._chunk_left = 0
         self._done = length == 0
         if self._done:
@@ -395,6 +438,10 @@ class H1Response:
 
     async def aclose(self) -> None:
         """Release the connection: kept for reuse when the body was read to the end, else closed."""
+        self.close()
+
+    def close(self) -> None:
+        """`aclose()`, synchronously (nothing here waits)."""
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
@@ -444,48 +491,49 @@ class H1Response:
         return data
 
     def _take_chunked(self, buf: bytearray) -> bytes:
-        out: list[bytes] = []
-        pos = 0
-        n = len(buf)
+        """Decode what `buf` holds of a chunked body: the data bytes (framing removed) from every complete
+        or partial chunk; keeps the decoder state across calls (a chunk may be split anywhere)."""
+        out: list[bytearray] = []
+        pos, n = 0, len(buf)
+        state, left = self._state, self._chunk_left
         while pos < n:
-            state = self._state
-            if state == "data":
-                take = min(self._chunk_left, n - pos)
-                out.append(bytes(buf[pos : pos + take]))
+            if state == _DATA:
+                take = left if left <= n - pos else n - pos
+                out.append(buf[pos : pos + take])
                 pos += take
-                self._chunk_left -= take
-                if self._chunk_left:
+                left -= take
+                if left:
                     break
-                self._state = "crlf"
-            elif state == "crlf":
-                if n - pos < 2:
-                    break
-                if buf[pos : pos + 2] != b"\r\n":
-                    raise httpx.RemoteProtocolError("chunk not followed by CRLF")
-                pos += 2
-                self._state = "size"
-            elif state == "size":
+                state = _CRLF
+            elif state == _SIZE:
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
                     if n - pos > 1024:
                         raise httpx.RemoteProtocolError("chunk size line too long")
                     break
                 try:
-                    size = int(bytes(buf[pos:eol]).split(b";", 1)[0].strip(), 16)
+                    left = int(buf[pos:eol].split(b";", 1)[0].strip(), 16)
                 except ValueError:
                     raise httpx.RemoteProtocolError("bad chunk size") from None
                 pos = eol + 2
-                self._chunk_left = size
-                self._state = "data" if size else "trailer"
-            else:  # trailer: lines until an empty one
+                state = _DATA if left else _TRAILER
+            elif state == _CRLF:
+                if n - pos < 2:
+                    break
+                if buf[pos] != 13 or buf[pos + 1] != 10:
+                    raise httpx.RemoteProtocolError("chunk not followed by CRLF")
+                pos += 2
+                state = _SIZE
+            else:  # trailer: header lines until an empty one
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
                     break
-                line_empty = eol == pos
+                empty = eol == pos
                 pos = eol + 2
-                if line_empty:
+                if empty:
                     self._done = True
                     break
+        self._state, self._chunk_left = state, left
         del buf[:pos]
         return b"".join(out)
 

@@ -12,8 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from server.upstream import ConnectionPool
+from server.upstream import _SIZE, ConnectionPool, H1Response
 
 Reply = list[bytes] | Callable[[asyncio.StreamWriter], Awaitable[None]]
 
@@ -304,3 +306,23 @@ def test_a_released_connection_goes_to_a_waiting_request() -> None:
                 await pool.aclose()
 
     run(go())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=6),
+    st.lists(st.integers(min_value=1, max_value=50), min_size=1, max_size=30),
+)
+def test_chunked_decoder_is_split_invariant(pieces: list[bytes], cuts: list[int]) -> None:
+    """Whatever way the wire bytes are split into reads, the decoder yields the chunk data in order."""
+    wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\nx-trailer: 1\r\n\r\n"
+    resp = H1Response.__new__(H1Response)  # only the decoder state is used
+    resp._state, resp._chunk_left, resp._done, resp._left = _SIZE, 0, False, None
+    buf, got, at = bytearray(), [], 0
+    for cut in [*cuts, len(wire)]:
+        buf += wire[at : at + cut]
+        at += cut
+        got.append(resp._take_chunked(buf))
+        if at >= len(wire):
+            break
+    assert b"".join(got) == b"".join(pieces) and resp._done and not buf
