@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -54,12 +55,17 @@ def request_id_from(header: str | None) -> str:
     return new_request_id()
 
 
+_ID_RANDOM = random.Random(os.urandom(32))  # seeded once per process: no syscall per request
+os.register_at_fork(after_in_child=lambda: _ID_RANDOM.seed(os.urandom(32)))  # forked workers: own sequences
+
+
 def new_request_id() -> str:
-    """A random UUID version 4 as 32 hex digits (what `uuid.uuid4().hex` gives, without the UUID object)."""
-    b = bytearray(os.urandom(16))
-    b[6] = (b[6] & 0x0F) | 0x40  # version 4
-    b[8] = (b[8] & 0x3F) | 0x80  # RFC 4122 variant
-    return b.hex()
+    """A random UUID version 4 as 32 hex digits, like `uuid.uuid4().hex` but from a per-process generator
+    seeded from os.urandom (an id for tracing and for pairing P/D hops, not a secret)."""
+    n = _ID_RANDOM.getrandbits(128)
+    n = (n & ~(0xF000 << 64)) | (4 << 76)  # version 4 (uuid.UUID's bit layout)
+    n = (n & ~(0xC000 << 48)) | (0x8000 << 48)  # RFC 4122 variant
+    return f"{n:032x}"
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:

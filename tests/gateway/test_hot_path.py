@@ -144,3 +144,18 @@ def test_cached_view_follows_scrapes_staleness_and_age() -> None:
     stale = rec.cached_view(106.0, 5.0)  # 6 s > stale_after_s = 5 → scraped fields withheld
     assert stale.num_running is None and stale.scrape_age_s is None
     assert stale == rec.view(106.0, 5.0)
+
+
+def test_forked_processes_draw_different_request_ids() -> None:
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report one id and leave at once
+        os.write(write, new_request_id().encode())
+        os._exit(0)
+    os.close(write)
+    child_id = os.read(read, 64).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert len(child_id) == 32 and child_id != new_request_id()
