@@ -174,7 +174,7 @@ class _Origin:
     def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None, deadlines: _Deadlines) -> None:
         self.host, self.port, self.ssl = host, port, ssl_context
         self.deadlines = deadlines
-        self.idle: list[_Conn] = []
+        self.idle: dict[_Conn, None] = {}  # insertion-ordered: popitem() takes the most recent (LIFO)
         self.count = 0  # connections open or being opened
         self.waiters: deque[asyncio.Future[_Conn | None]] = deque()
         self._members: set[_Conn] = set()
@@ -184,8 +184,7 @@ class _Origin:
         if conn not in self._members:
             return
         self._members.discard(conn)
-        if conn in self.idle:
-            self.idle.remove(conn)
+        self.idle.pop(conn, None)
         self.free_slot()
 
     def free_slot(self) -> None:
@@ -198,7 +197,7 @@ class _Origin:
         conn.reused = True
         if not self._hand_over(conn):
             conn.idle_since = time.monotonic()
-            self.idle.append(conn)
+            self.idle[conn] = None
 
     def _hand_over(self, conn: _Conn | None) -> bool:
         """Give `conn` (or a free slot, None) to the first live waiter; False when nobody waits."""
@@ -286,7 +285,7 @@ class ConnectionPool:
     async def _acquire(self, origin: _Origin, fresh: bool = False) -> _Conn:
         now = time.monotonic()
         while origin.idle and not fresh:
-            conn = origin.idle.pop()
+            conn, _ = origin.idle.popitem()
             if not conn.closed and not conn.buf and now - conn.idle_since < self.keepalive_expiry_s:
                 return conn
             conn.close()
