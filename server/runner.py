@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from server.app import create_app
 from server.config import MosaicConfig
 from server.gateway import Gateway
+from simulator.worker_server import bind_socket  # one TCP_NODELAY-safe listener for gateway and workers
 
 
 class _GatewayServer(uvicorn.Server):
@@ -75,25 +76,6 @@ class RunningGateway:
         """Until the server exits (a signal, or `stop()` from elsewhere)."""
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on host:port (0 → a free port); OSError when it cannot bind.
-
-    Created with `proto=IPPROTO_TCP` on purpose: asyncio sets TCP_NODELAY on an accepted connection only
-    when the socket says it is TCP (`sock.proto == IPPROTO_TCP`), and a `socket.socket(AF_INET,
-    SOCK_STREAM)` says 0. Without TCP_NODELAY, a response written as headers then body meets Nagle's
-    algorithm and the client's delayed ACK: every response waited ~40 ms (measured, bench/gateway_overhead.py)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 async def start_gateway_server(

@@ -51,13 +51,14 @@ class RunningWorker:
             await self._task
 
 
-async def start_worker_server(
-    cfg: WorkerConfig, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
-) -> RunningWorker:
-    """Start `create_worker_app(cfg)` on host:port in this loop; returns once it accepts connections."""
-    # proto=IPPROTO_TCP: asyncio enables TCP_NODELAY on accepted connections only for sockets that say
-    # they are TCP; with proto 0, Nagle's algorithm plus the client's delayed ACK held every response
-    # (headers and body are written separately) for ~40 ms, whatever the time scale.
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on host:port (0 → a free port); OSError when it cannot bind.
+
+    Created with `proto=IPPROTO_TCP` on purpose: asyncio sets TCP_NODELAY on an accepted connection only
+    when the socket says it is TCP (`sock.proto == IPPROTO_TCP`), and a `socket.socket(AF_INET,
+    SOCK_STREAM)` says 0. Without TCP_NODELAY, a response written as headers then body meets Nagle's
+    algorithm and the client's delayed ACK: every response waited ~40 ms, whatever the time scale
+    (measured, bench/gateway_overhead.py). The gateway's runner binds its socket with this too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
@@ -67,6 +68,14 @@ async def start_worker_server(
     except OSError:
         sock.close()
         raise
+    return sock
+
+
+async def start_worker_server(
+    cfg: WorkerConfig, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+) -> RunningWorker:
+    """Start `create_worker_app(cfg)` on host:port in this loop; returns once it accepts connections."""
+    sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     app = create_worker_app(cfg)
     app.state.worker.advertise_port = cfg.advertise_port or bound
