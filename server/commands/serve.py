@@ -44,6 +44,7 @@ async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, emb
     # Everything built so far (catalog, config, app, pydantic schemas: ~10⁵ objects) lives as long as the
     # process: move it out of the collector's generations, so a full collection does not scan it (one took
     # ~50 ms, stalling every request in flight, at 32 concurrent requests in bench/gateway_overhead.py).
+    gc.collect()  # as vLLM does (vllm.utils.gc_utils.freeze_gc_heap): startup garbage is not frozen
     gc.freeze()
     gw = running.gateway
     pools = ", ".join(f"{p.name} ({p.gpu}, {p.role.value})" for p in gw.registry.pools())
