@@ -5,6 +5,13 @@ given) meets the SLO with a stable queue and no failures is searched on a 5% rat
 (`loadgen.profile_search`). `--sim` measures on the engine model (`simulator.profile_driver`: seconds per
 profile); `--url` measures a live server in real time (`loadgen.profile_url`). The output is the planner's
 profile file (`placement.profiles`, schema mosaic.profile/v1): YAML for .yaml/.yml, JSON otherwise.
+
+`--role prefill|decode` (only with `--sim`) profiles one phase of P/D serving, as the planner reads it:
+prefill = max req/s of the bucket's prompts one instance prefills (max_tokens 1) within the p90 TTFT limit
+(`--slo-ttft-ms`, required; the TPOT limit does not apply and is not recorded); decode = max req/s of the
+bucket's remote-prefilled requests (KV pulled over `--kv-link-gbps`) one instance decodes within the p90
+TPOT limit (and TTFT, if given). See `simulator.profile_driver`. A live server cannot be told to act as
+one phase without a P/D deployment behind it, so `--url` with a role other than mixed exits 2.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from loadgen.profiling import Bucket, MeasureFactory, ProbePlan, ProfileGrid, Qu
 from loadgen.runner import RunOptions, Target
 from placement.catalog import CatalogError, load_catalog
 from placement.perf_model import PerfModel
-from placement.profiles import MeasuredPoint, ThroughputProfile, save_profile
+from placement.profiles import MeasuredPoint, Role, ThroughputProfile, save_profile
 from placement.profiles import Slo as ProfileSlo
 from server.commands.common import fail
 from simulator.engine import EngineConfig
@@ -53,6 +60,7 @@ def build_profile(
     slo: SearchSlo,
     inp: list[int],
     out: list[int],
+    role: Role = Role.MIXED,
 ) -> ThroughputProfile:
     measured = [
         [
@@ -74,6 +82,7 @@ def build_profile(
             "model": model,
             "gpu": gpu,
             "tp": tp,
+            "role": role,
             "source": source,
             "slo": ProfileSlo(tpot_ms=slo.tpot_ms, ttft_ms=slo.ttft_ms),
             "input_edges": inp,
@@ -85,8 +94,9 @@ def build_profile(
 
 
 def _table(profile: ThroughputProfile) -> Table:
+    role = "" if profile.role is Role.MIXED else f" ({profile.role.value})"
     t = Table(
-        title=f"{profile.model} on {profile.gpu}: max req/s within {profile.slo.model_dump(exclude_none=True)}"
+        title=f"{profile.model} on {profile.gpu}{role}: max req/s within {profile.slo.model_dump(exclude_none=True)}"
     )
     t.add_column("input \\ output")
     edges_o = profile.output_edges
@@ -108,6 +118,15 @@ def register(app: typer.Typer) -> None:
             None, "--url", help="Measure a live server at this base URL (real time)."
         ),
         tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree of one instance."),
+        role: str = typer.Option(
+            "mixed",
+            "--role",
+            help="mixed (whole requests), prefill (TTFT-bound, needs --slo-ttft-ms) or decode (TPOT-bound); "
+            "prefill/decode need --sim.",
+        ),
+        kv_link_gbps: float = typer.Option(
+            25.0, "--kv-link-gbps", help="--role decode: GB/s the prompt's KV arrives at."
+        ),
         slo_tpot_ms: float | None = typer.Option(
             40.0, "--slo-tpot-ms", help="p90 TPOT limit (ms); 0 = none."
         ),
@@ -165,7 +184,20 @@ def register(app: typer.Typer) -> None:
                 fail(f"{name} must be > 0, got {value:g}")
         if max_rate <= min_rate:
             fail(f"--max-rate must exceed --min-rate ({min_rate:g}), got {max_rate:g}")
+        if role not in {r.value for r in Role}:
+            fail(f"--role must be mixed, prefill or decode, got {role!r}")
+        the_role = Role(role)
+        if url is not None and the_role is not Role.MIXED:
+            fail(f"--role {role} is supported with --sim only (a live server is profiled as mixed)")
+        if not kv_link_gbps > 0:
+            fail(f"--kv-link-gbps must be > 0, got {kv_link_gbps:g}")
         slo = SearchSlo(tpot_ms=slo_tpot_ms or None, ttft_ms=slo_ttft_ms or None)
+        if the_role is Role.PREFILL:  # one output token: no TPOT to judge
+            if slo.ttft_ms is None:
+                fail("--role prefill is judged on TTFT: give --slo-ttft-ms")
+            slo = SearchSlo(ttft_ms=slo.ttft_ms)
+        if the_role is Role.DECODE and slo.tpot_ms is None:
+            fail("--role decode is judged on TPOT: give --slo-tpot-ms")
         if slo.tpot_ms is None and slo.ttft_ms is None:
             fail("give an SLO: --slo-tpot-ms and/or --slo-ttft-ms")
         inp, outp = parse_edges("--input-edges", input_edges), parse_edges("--output-edges", output_edges)
@@ -179,7 +211,7 @@ def register(app: typer.Typer) -> None:
         plan = ProbePlan(probe_window_s, max(1, probe_requests), probe_e2e_factor)
         factory: MeasureFactory
         if sim:
-            factory = sim_measure_factory(perf, config, seed, plan)
+            factory = sim_measure_factory(perf, config, seed, plan, the_role, kv_link_gbps)
         else:
             assert url is not None
             max_len = engine_max_model_len(perf, config) or model_spec.max_context
@@ -205,7 +237,7 @@ def register(app: typer.Typer) -> None:
             fail(f"--queue-factor must be ≥ 0, got {queue_factor:g}")
         grid = profile_grid(inp, outp, factory, slo, cfg, progress, QueueBound(factor=queue_factor))
         profile = build_profile(
-            grid, model_spec.name, gpu_spec.name, tp, "sim" if sim else "url", slo, inp, outp
+            grid, model_spec.name, gpu_spec.name, tp, "sim" if sim else "url", slo, inp, outp, the_role
         )
         out.parent.mkdir(parents=True, exist_ok=True)
         save_profile(profile, out)
