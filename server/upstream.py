@@ -171,7 +171,9 @@ class _Origin:
 
     __slots__ = ("_members", "count", "deadlines", "host", "idle", "port", "ssl", "waiters")
 
-    def __init__(self, host: str, port: int, ssl_context: ssl.SSLContext | None, deadlines: _Deadlines) -> None:
+    def __init__(
+        self, host: str, port: int, ssl_context: ssl.SSLContext | None, deadlines: _Deadlines
+    ) -> None:
         self.host, self.port, self.ssl = host, port, ssl_context
         self.deadlines = deadlines
         self.idle: dict[_Conn, None] = {}  # insertion-ordered: popitem() takes the most recent (LIFO)
@@ -230,7 +232,9 @@ class ConnectionPool:
         self.pool_timeout_s = pool_timeout_s
         self.keepalive_expiry_s = keepalive_expiry_s
         self._origins: dict[tuple[str, str, int], _Origin] = {}
-        self._targets: dict[str, tuple[_Origin, bytes]] = {}  # url → (origin, "POST <path> HTTP/1.1\r\nHost: …\r\n")
+        self._targets: dict[
+            str, tuple[_Origin, bytes]
+        ] = {}  # url → (origin, "POST <path> HTTP/1.1\r\nHost: …\r\n")
         self._ssl: ssl.SSLContext | None = None
         self._deadlines = _Deadlines(min(1.0, read_timeout_s / 8))
 
@@ -258,7 +262,12 @@ class ConnectionPool:
         """POST `body` to `url`; returns once the response's headers arrived (module docstring)."""
         origin, head = self._target(url)
         request = b"".join(
-            (head, *(k + b": " + v + b"\r\n" for k, v in headers), b"Content-Length: %d\r\n\r\n" % len(body), body)
+            (
+                head,
+                *(k + b": " + v + b"\r\n" for k, v in headers),
+                b"Content-Length: %d\r\n\r\n" % len(body),
+                body,
+            )
         )
         conn = await self._acquire(origin)
         try:
@@ -309,7 +318,9 @@ class ConnectionPool:
             async with asyncio.timeout(self.pool_timeout_s):
                 got = await fut
         except TimeoutError:
-            raise httpx.PoolTimeout(f"no connection to the worker free within {self.pool_timeout_s:g} s") from None
+            raise httpx.PoolTimeout(
+                f"no connection to the worker free within {self.pool_timeout_s:g} s"
+            ) from None
         except BaseException:
             if fut.done() and not fut.cancelled():  # handed a connection or slot we will not use: pass it on
                 passed = fut.result()
@@ -406,10 +417,26 @@ _SIZE, _DATA, _CRLF, _TRAILER = range(4)  # chunked decoder states: size line, d
 class H1Response:
     """A worker's response: headers parsed, body read on demand (see module docstring)."""
 
-    __slots__ = ("_chunk_left", "_conn", "_done", "_keep", "_left", "_state", "_timeout", "headers", "status_code")
+    __slots__ = (
+        "_chunk_left",
+        "_conn",
+        "_done",
+        "_keep",
+        "_left",
+        "_state",
+        "_timeout",
+        "headers",
+        "status_code",
+    )
 
     def __init__(
-        self, conn: _Conn, status: int, headers: dict[str, str], length: int | None, keep: bool, timeout: float
+        self,
+        conn: _Conn,
+        status: int,
+        headers: dict[str, str],
+        length: int | None,
+        keep: bool,
+        timeout: float,
     ) -> None:
         self._conn: _Conn | None = conn
         self.status_code = status
@@ -463,7 +490,9 @@ class H1Response:
                     break
                 if conn.error is not None:
                     raise httpx.ReadError(str(conn.error) or type(conn.error).__name__)
-                raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+                raise httpx.RemoteProtocolError(
+                    "peer closed connection without sending complete message body"
+                )
             await conn.more(self._timeout)
         self._finish()
         return b""
