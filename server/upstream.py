@@ -455,7 +455,7 @@ class H1Response:
         return _BodyIter(self)
 
     async def aread(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             data = await self._next()
             if not data:
