@@ -6,7 +6,9 @@ scale-in. Reported: GPU-hours, $, utilisation, scale events, aborted requests, a
 Mosaic / best-tuned HPA and Mosaic / Dynamo-style planner (bars: ≤ 0.80 and ≤ 0.95).
 
 Traces: a synthetic diurnal + burst curve (`loadgen.diurnal`), and the real Azure LLM inference trace 2023
-(conversation) from ../shared/data when present, else a small Azure-format fixture from tests/.
+(conversation) from ../shared/data when present, else a small Azure-format fixture from tests/. Every
+autoscaler starts from the same running fleet (2 prefill + 2 decode); static provisioning starts and stays
+at its size.
 
     python bench/autoscale_eval.py [--quick]
 """
@@ -96,7 +98,7 @@ def candidates(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> list[
     pd = round(profiled_pd_ratio(fleet, reqs), 3)
     runs: list[tuple[str, str, dict[str, Any]]] = []
     lookahead = FLEET["cold_start_s"]  # project rising demand over one cold start
-    for u in ((0.5, 0.7) if quick else (0.4, 0.5, 0.6, 0.7, 0.8)):
+    for u in ((0.5, 0.7) if quick else (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)):
         runs.append(("mosaic", "mosaic", {"utilization_target": u, "pd_ratio": pd, "lookahead_s": lookahead}))
     for t in ((0.7,) if quick else (0.5, 0.7, 0.9)):
         runs.append(("hpa-util", f"hpa-util:{t}", {}))
@@ -115,9 +117,10 @@ def run_one(args: tuple[str, str, str, dict[str, Any], list[SimRequest]]) -> dic
     knobs = {k: v for k, v in overrides.items() if k != "factor"}
     fleet = parse_fleet({**FLEET, "autoscaler": knobs})
     policy = build_policy(spec, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools})
-    if family == "static-peak":  # start at the static size
-        counts = dict(item.split("=") for item in spec.split(":", 1)[1].split(","))
-        fleet = parse_fleet({**FLEET, "pools": [{**p, "replicas": int(counts[p["name"]])} for p in FLEET["pools"]]})
+    if family == "static-peak":  # start (and stay) at the static size; autoscalers start at FLEET's replicas
+        counts = {k: int(v) for k, v in (item.split("=") for item in spec.split(":", 1)[1].split(","))}
+        fleet = fleet.model_copy(update={"pools": [p.model_copy(update={"replicas": counts[p.name]})
+                                                   for p in fleet.pools]})
     started = time.perf_counter()
     result = ClusterSimulator(fleet, policy, spec).run(reqs)
     report = build_report(result, time.perf_counter() - started)
