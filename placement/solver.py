@@ -112,7 +112,7 @@ def solve_mix(
     return _finish(problem, paths, coefs, units, result, variant, slice_factor, unservable)
 
 
-QUICK_S = 0.25  # first, plain CP-SAT on one worker: small and medium instances close within this
+QUICK_S = 0.05  # first, plain CP-SAT on one worker: small instances close within this
 # CP-SAT's portfolio for the hard tail: up to 8 workers, never more than the machine has cores
 EXACT_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
