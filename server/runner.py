@@ -26,7 +26,10 @@ from fastapi import FastAPI
 from server.app import create_app
 from server.config import MosaicConfig
 from server.gateway import Gateway
-from simulator.worker_server import bind_socket  # one TCP_NODELAY-safe listener for gateway and workers
+from simulator.worker_server import (  # one TCP_NODELAY-safe listener for gateway and workers
+    bind_socket,
+    serve_until_started,
+)
 
 
 class _GatewayServer(uvicorn.Server):
@@ -104,17 +107,5 @@ async def start_gateway_server(
         backlog=4096,
     )
     server = _GatewayServer(uv, app.state.gateway, install_signals)
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError("gateway exited during startup")
-            await asyncio.sleep(0.01)
-    except BaseException:
-        server.should_exit = True
-        with contextlib.suppress(BaseException):
-            await task
-        sock.close()
-        raise
+    task = await serve_until_started(server, sock, "gateway")
     return RunningGateway(app, host, bound, server, task)

@@ -71,6 +71,26 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def serve_until_started(server: uvicorn.Server, sock: socket.socket, what: str) -> asyncio.Task[None]:
+    """Run `server` on `sock` as a task of this loop; return once it accepts connections. A startup
+    failure is raised here (the socket closed), not left in a task nobody awaits. Used by the simulated
+    worker and the gateway's runner."""
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # surfaces the startup error
+                raise RuntimeError(f"{what} exited during startup")
+            await asyncio.sleep(0.005)
+    except BaseException:
+        server.should_exit = True
+        with contextlib.suppress(BaseException):
+            await task
+        sock.close()
+        raise
+    return task
+
+
 async def start_worker_server(
     cfg: WorkerConfig, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
 ) -> RunningWorker:
@@ -83,17 +103,5 @@ async def start_worker_server(
         app, log_level=log_level, lifespan="on", access_log=False, timeout_graceful_shutdown=1
     )
     server = _EmbeddedServer(config)
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()  # surfaces the startup error
-                raise RuntimeError("worker server exited during startup")
-            await asyncio.sleep(0.005)
-    except BaseException:
-        server.should_exit = True
-        with contextlib.suppress(BaseException):
-            await task
-        sock.close()
-        raise
+    task = await serve_until_started(server, sock, "worker server")
     return RunningWorker(app, host, bound, server, task)
