@@ -14,6 +14,12 @@ Model. y[g,r,n] = instances of kind r (model, GPU, tp, role) of group g on node 
     minimise 10⁴ · Σ cross + 10³ · Σ spread + 10 · Σ frag + Σ [node n used]
 
 With `same_domain="require"` every group must sit in exactly one domain (hard); "prefer" only penalises.
+
+Online use (the autoscaler adding instances to a running fleet): instances already running are `Node.used`
+(they stay where they are), and a group's `anchors` are the prefill/decode instances already placed per
+domain that its new members will pair with; the cross term then counts new-with-anchor pairs too:
+cross_g = (P_g + A^P)(D_g + A^D) − Σ_d (P_gd + A^P_d)(D_gd + A^D_d), less the anchors' own cross pairs
+(a constant). `deterministic=True` solves with one CP-SAT worker, so a seeded simulation replays exactly.
 An inventory that cannot hold the instances raises `TopologyError` saying what is short (GPUs of a type,
 per-node room for a tp, a domain's room for a group). `place_instances` is pure and safe to call online.
 """
@@ -65,6 +71,8 @@ class Group:
 
     name: str
     members: Mapping[InstanceKind, int]
+    # domain → (prefill, decode) instances already placed that this group's new members pair with
+    anchors: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def gpus_by_type(self) -> dict[str, int]:
@@ -171,6 +179,7 @@ def place_instances(
     *,
     same_domain: Literal["prefer", "require"] = "prefer",
     time_limit_s: float = 5.0,
+    deterministic: bool = False,
 ) -> Placement:
     """Place every group's instances on nodes (see the module docstring); raises TopologyError if impossible."""
     names = [n.name for n in nodes]
@@ -182,7 +191,7 @@ def place_instances(
     _precheck(nodes, groups, require)
     started = time.perf_counter()
     m = cp_model.CpModel()
-    domains = sorted({x.domain for x in nodes})
+    domains = sorted({x.domain for x in nodes} | {d for g in groups for d in g.anchors})
     y: dict[tuple[int, InstanceKind, int], cp_model.IntVar] = {}
     for gi, g in enumerate(groups):
         for kind, count in g.members.items():
@@ -230,6 +239,19 @@ def place_instances(
         spread_terms.append(sum(in_domain) - 1)
         pre = sum(n for k, n in g.members.items() if k.role is Role.PREFILL)
         dec = sum(n for k, n in g.members.items() if k.role is Role.DECODE)
+        a_pre = sum(a[0] for a in g.anchors.values())
+        a_dec = sum(a[1] for a in g.anchors.values())
+        if (pre and a_dec) or (dec and a_pre):  # new-with-anchor pairs: a new prefill in d pairs across with A^D − A^D_d
+            for d in domains:
+                ap, ad = g.anchors.get(d, (0, 0))
+                for role, other in ((Role.PREFILL, a_dec - ad), (Role.DECODE, a_pre - ap)):
+                    cells = [
+                        v
+                        for (gg, k, ni), v in y.items()
+                        if gg == gi and k.role is role and nodes[ni].domain == d
+                    ]
+                    if other and cells:
+                        cross_terms.append(other * sum(cells))
         if pre and dec:
             cross_terms.append(pre * dec)
             for d in domains:
@@ -258,7 +280,7 @@ def place_instances(
     )
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 8
+    solver.parameters.num_workers = 1 if deterministic else 8
     code = solver.solve(m)
     wall = time.perf_counter() - started
     if code == cp_model.INFEASIBLE:

@@ -15,11 +15,16 @@ Events, ordered by (time, priority, sequence) so a seeded run replays exactly:
   stops sending them work and they are removed once empty (soft scale-in: nothing is aborted).
 
 P/D: the prefill instance runs the prompt with max_tokens=1 and holds its blocks; the decode instance
-receives the KV after prompt KV bytes / `kv_link_gbps` and then streams; the held blocks are freed when
+receives the KV after prompt KV bytes / `kv_link_gbps` (`kv_link_cross_domain_gbps` when the two sit in
+different network domains) and then streams; the held blocks are freed when
 the transfer lands (vLLM's NIXL protocol). The client-visible TTFT is the decode side's first token.
 
 Not modelled: the gateway's own latency and the API server's per-request overhead (~10–25 ms), network
 time of token streams, and instance failures.
+
+Topology (`nodes:` in the fleet file, `simulator.cluster_topology`): instances are placed on nodes through
+the planner's topology solver, each decision's additions together around the running ones, clipped to
+what the inventory holds; scale-in prefers victims that reduce cross-domain pairs and fragmentation.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from scheduler.routing.config import build_router, parse_routing_config
 from scheduler.routing.framework import Decision, ReservePlugin, RouteRequest
 from scheduler.routing.reasons import Outcome, Reject
 from simulator.cluster_config import FleetConfig, pool_specs
+from simulator.cluster_topology import SimTopology
 from simulator.engine import Engine, EngineConfig, StepResult
 from simulator.requests import EngineRequest, KvTransfer
 
@@ -94,6 +100,7 @@ class _Instance:
     inflight_decode: int = 0
     scraped: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, kv usage at the last scrape
     view: WorkerView | None = None
+    domain: str | None = None  # network domain of its node (or its pool's `domain:`)
 
 
 @dataclass(slots=True)
@@ -125,6 +132,7 @@ class SimResult:
     replicas: list[dict[str, Any]] = field(default_factory=list)
     scale_events: list[dict[str, Any]] = field(default_factory=list)
     requests_total: int = 0
+    topology: dict[str, Any] | None = None  # `SimTopology.report()`
 
 
 class ClusterSimulator:
@@ -183,6 +191,7 @@ class ClusterSimulator:
         self._now = 0.0
         self._pending_arrival = False
         self._open_requests = 0  # arrived, not yet completed or failed (queued ones included)
+        self.topology = SimTopology.build(fleet, self.catalog)
         self.result = SimResult(policy_name, fleet, 0.0)
 
     # -- event plumbing --------------------------------------------------------------------------
@@ -193,6 +202,7 @@ class ClusterSimulator:
 
     def run(self, requests: Iterable[SimRequest]) -> SimResult:
         arrivals = iter(requests)
+        self.topology.place_initial()
         for pool in self.fleet.pools:
             for _ in range(pool.replicas):
                 self._start_instance(pool.name, 0.0, cold=False)
@@ -243,6 +253,7 @@ class ClusterSimulator:
             now,
             WorkerState.STARTING if cold else WorkerState.READY,
         )
+        inst.domain = self.topology.start(iid, pool)
         self._instances[iid] = inst
         self._live.append(inst)
         self._fleet_view = None
@@ -266,6 +277,7 @@ class ClusterSimulator:
         totals.busy_s += c.busy_s
         totals.preemptions += c.preemptions
         self._bill(inst, now)
+        self.topology.remove(inst.id)
         self._live.remove(inst)
         self._fleet_view = None
 
@@ -457,9 +469,8 @@ class ClusterSimulator:
         assert req.decision is not None
         decode = self._instances[req.decision.decode.id]
         kv_bytes = req.src.input_tokens * self._perf[decode.pool].model.kv_bytes_per_token
-        transfer = KvTransfer(
-            remote_prefilled=True, transfer_delay_s=kv_bytes / (self.fleet.kv_link_gbps * 1e9)
-        )
+        gbps = self.topology.bandwidth_gbps(inst.domain, decode.domain)
+        transfer = KvTransfer(remote_prefilled=True, transfer_delay_s=kv_bytes / (gbps * 1e9))
         req.phase = "decode"
         er = EngineRequest(
             req.rid,
@@ -556,7 +567,9 @@ class ClusterSimulator:
         obs = self._window.observation(now, interval, pools, {self.fleet.model: len(self._queue)})
         if self.policy is not None:
             decision = self.policy.decide(obs)
-            for name, target in decision.targets.items():
+            provisioned = {name: po.provisioned for name, po in pools.items()}
+            targets = self.topology.clip(decision.targets, provisioned, now)
+            for name, target in targets.items():
                 self._apply_target(name, target, pools[name], now)
         self._sample_replicas(now)
 
@@ -570,14 +583,18 @@ class ClusterSimulator:
                 self._start_instance(pool, now, cold=True)
             return
         surplus = have - target
-        members = [i for i in self._live if i.pool == pool]
-        for inst in sorted((i for i in members if i.state is WorkerState.STARTING), key=lambda i: -i.created):
-            if surplus == 0:
-                break
-            self._remove(inst, now)  # cancelled before it served anything
+        members = {i.id: i for i in self._live if i.pool == pool}
+        starting = sorted(
+            (i for i in members.values() if i.state is WorkerState.STARTING), key=lambda i: -i.created
+        )
+        for iid in self.topology.victims_first([i.id for i in starting])[:surplus]:
+            self._remove(members[iid], now)  # cancelled before it served anything
             surplus -= 1
-        ready = sorted((i for i in members if i.state is WorkerState.READY), key=lambda i: (i.inflight, i.id))
-        for inst in ready[:surplus]:
+        ready = sorted(
+            (i for i in members.values() if i.state is WorkerState.READY), key=lambda i: (i.inflight, i.id)
+        )
+        for iid in self.topology.victims_first([i.id for i in ready])[:surplus]:
+            inst = members[iid]
             inst.state = WorkerState.DRAINING
             self._dirty(inst)
             self._maybe_retire(inst, now)
@@ -589,6 +606,7 @@ class ClusterSimulator:
                 1 for i in self._live if i.pool == name and i.state is not WorkerState.DRAINING
             )
         self.result.replicas.append(counts)
+        self.topology.sample(now, {i.id for i in self._live if i.state is not WorkerState.DRAINING})
 
     def _finish(self) -> SimResult:
         end = self._now
@@ -599,6 +617,7 @@ class ClusterSimulator:
             self._remove(inst, end)
         self.result.preemptions = sum(t.preemptions for t in self._retired.values())
         self.result.end_s = end
+        self.result.topology = self.topology.report()
         return self.result
 
 

@@ -6,7 +6,10 @@ slo: {ttft_ms: 2000, tpot_ms: 100}
 cold_start_s: 120          # instance start → ready (image pull, weight load, CUDA graphs)
 decision_interval_s: 15    # autoscaler cycle
 scrape_interval_s: 1       # how fresh the router's scraped stats are
-kv_link_gbps: 25           # prefill → decode KV transfer bandwidth (GB/s)
+kv_link_gbps: 25           # prefill → decode KV transfer bandwidth (GB/s), within one network domain
+kv_link_cross_domain_gbps: 6.25   # … between domains (default: kv_link_gbps)
+nodes: nodes.yaml          # optional node inventory (`mosaic plan --nodes` format; path relative to this file,
+                           # or inline): instances are placed topology-aware (simulator/cluster_topology.py)
 routing: {policy: mosaic}  # the router's config (scheduler.routing.config.RoutingConfig)
 engine: {max_num_seqs: 256, max_num_batched_tokens: 8192}
 autoscaler: {utilization_target: 0.8, pd_ratio: 0.5}
@@ -26,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from placement.catalog import Catalog, CatalogError, load_catalog
 from placement.perf_model import PerfModel
+from placement.profiles import read_structured
 from scheduler.autoscaler.capacity import decode_tps_within_slo as decode_tps_within_slo  # moved; re-exported
 from scheduler.autoscaler.capacity import instance_capacity
 from scheduler.autoscaler.policy import AutoscalerConfig
@@ -79,6 +83,8 @@ class FleetConfig(_Strict):
     decision_interval_s: float = Field(default=15.0, gt=0)
     scrape_interval_s: float = Field(default=1.0, gt=0)
     kv_link_gbps: float = Field(default=25.0, gt=0)
+    kv_link_cross_domain_gbps: float | None = Field(default=None, gt=0)
+    nodes: dict[str, Any] | None = None  # node inventory (a path is read by `parse_fleet`)
     admission_queue_size: int = Field(default=100_000, ge=0)
     admission_deadline_s: float = Field(default=600.0, gt=0)
     routing: dict[str, Any] = Field(default_factory=dict)
@@ -109,10 +115,16 @@ def load_fleet(path: str | Path) -> FleetConfig:
         raise FleetConfigError(f"cannot read fleet file {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise FleetConfigError(f"fleet file {path} is not valid YAML: {exc}") from None
-    return parse_fleet(data, str(path))
+    return parse_fleet(data, str(path), Path(path).parent)
 
 
-def parse_fleet(data: Any, source: str = "fleet") -> FleetConfig:
+def parse_fleet(data: Any, source: str = "fleet", base_dir: Path | None = None) -> FleetConfig:
+    """Validate a fleet mapping; `nodes: FILE` is read here, relative to `base_dir` (the fleet file's folder)."""
+    if isinstance(data, dict) and isinstance(data.get("nodes"), str):
+        nodes = Path(data["nodes"])
+        if not nodes.is_absolute() and base_dir is not None:
+            nodes = base_dir / nodes
+        data = {**data, "nodes": read_structured(nodes, FleetConfigError)}
     try:
         return FleetConfig.model_validate(data or {})
     except ValidationError as exc:

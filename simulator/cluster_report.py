@@ -7,7 +7,12 @@ slo: {ttft_ms, tpot_ms, attainment_ttft, attainment_tpot, attainment},   # fract
 goodput_rps,                                    # requests meeting both SLOs per simulated second
 latency_ms: {ttft|tpot|e2e: {mean, p50, p90, p99}},
 gpu_hours: {by_gpu, total}, cost_usd: {by_gpu, total}, utilization,   # busy GPU-seconds / billed
-preemptions, scale_events: [{t, pool, before, after}], replicas: [{t, pool: n, ...}]
+preemptions, scale_events: [{t, pool, before, after}], replicas: [{t, pool: n, ...}],
+topology: null | {kv_link_gbps, kv_link_cross_domain_gbps, kv_transfers: {intra_domain, cross_domain},
+          # with `nodes:` (simulator/cluster_topology.py):
+          nodes, domains, same_domain, max_cross_domain_pairs, max_fragmented_nodes,
+          shortfalls: [{t, pool, requested, placed, why}],
+          samples: [{t, cross_domain_pairs, pd_pairs, fragmented_nodes, used_gpus, total_gpus}]}
 ```
 TTFT and TPOT are per request as the load generator defines them (vLLM's benchmark): TPOT = (e2e − TTFT) /
 (output − 1). Failed requests count against attainment.
@@ -81,6 +86,7 @@ def build_report(result: SimResult, wall_s: float) -> dict[str, Any]:
         "preemptions": result.preemptions,
         "scale_events": result.scale_events,
         "replicas": result.replicas,
+        "topology": result.topology,
     }
 
 
