@@ -7,6 +7,9 @@ and launched vLLM pools (`server.vllm_pool.VllmActuator`); `kubernetes` → the 
 `dry-run` → every pool (nothing is applied). Other pools keep their size: the policy sees them with
 min = max = their configured count, so their capacity counts and is never changed.
 
+With `autoscaler.nodes`, `controller_for` gives the controller a `server.autoscale_placement.PlacementBook`
+and the embedded actuator its `TopologyPlacer` (it records its simulated workers' nodes itself).
+
 Capacities (`PoolSpec`): decode tokens/s within the TPOT SLO (`slo.tpot_ms`, default 100 ms) at
 `autoscaler.context_tokens` per sequence and prefill tokens/s, from the perf model
 (`scheduler.autoscaler.capacity`, shared with the cluster simulator); $/h from the worker capacity.
@@ -26,6 +29,7 @@ from scheduler.actuators.base import Actuator
 from scheduler.actuators.dry_run import DryRunActuator
 from scheduler.autoscaler.capacity import instance_capacity
 from scheduler.autoscaler.signals import PoolSpec
+from server.autoscale_placement import PlacementBook
 from server.autoscale_signals import SignalReader
 from server.autoscaling import ActuatorFactory, AutoscalerController, AutoscalerMetrics, PoolActuators
 from server.config import ConfigError, MosaicConfig, PoolConfig
@@ -117,8 +121,10 @@ def in_process_controller(gw: Gateway) -> AutoscalerController:
         launchers = {name: getattr(src, "launcher", None) for name, src in gw.sources.items()}
         launched = {name: lp for name, lp in launchers.items() if isinstance(lp, VllmPoolLauncher)}
         managed = frozenset(sims) | frozenset(launched)
+        built: list[AutoscalerController] = []  # the controller, once built: its placer goes to the actuator
 
         def factory(initial: Mapping[str, int]) -> Actuator:
+            book = built[0].placement if built else None
             embedded = EmbeddedActuator(
                 sims,
                 gw.registry,
@@ -127,6 +133,7 @@ def in_process_controller(gw: Gateway) -> AutoscalerController:
                 drain_timeout_s=a.drain_timeout_s,
                 keep_events=a.history,
                 clock=gw.clock,
+                placer=book.placer if book is not None else None,
             )
             vllm = VllmActuator(launched)
             return PoolActuators({**dict.fromkeys(sims, embedded), **dict.fromkeys(launched, vllm)})
@@ -136,7 +143,7 @@ def in_process_controller(gw: Gateway) -> AutoscalerController:
         def factory(initial: Mapping[str, int]) -> Actuator:
             return DryRunActuator(initial, keep=a.history)
 
-    return controller_for(
+    controller = controller_for(
         config,
         gw.registry,
         gw.metrics.registry,
@@ -145,6 +152,9 @@ def in_process_controller(gw: Gateway) -> AutoscalerController:
         admission=gw.admission.depths,
         clock=gw.clock,
     )
+    if a.actuator == "embedded":
+        built.append(controller)
+    return controller
 
 
 def controller_for(
@@ -168,15 +178,18 @@ def controller_for(
         metrics_registry if gateway_metrics else None,
         admission,
     )
+    specs = pool_specs(config, registry, managed)
+    placement = PlacementBook.from_config(config, specs, load_catalog(config.catalog), metrics_registry)
     registry.on_refresh.append(reader.on_scrape)
     return AutoscalerController(
         config,
         registry,
         reader,
         AutoscalerMetrics(metrics_registry),
-        pool_specs(config, registry, managed),
+        specs,
         actuator_factory,
         managed,
         offload=offload,
         clock=clock,
+        placement=placement,
     )

@@ -10,6 +10,10 @@ Every `autoscaler.interval_s` the controller
 4. applies each changed target of a managed pool through the actuator, recording the decision (targets,
    reasons, signals) and the scale actions in bounded histories for `GET /admin/autoscaler` and as metrics.
 
+With `autoscaler.nodes` (a node inventory) the targets pass through `server.autoscale_placement.
+PlacementBook` before step 4: scale-ups are placed on nodes by the topology solver, clipped to what the
+inventory holds (the decision's `placement` record says what and why), and scale-ins free node slots.
+
 `server.autoscaler_setup` builds controllers (which pools an actuator manages, their `PoolSpec`s) for
 `mosaic serve` and `mosaic autoscale`. `PoolActuators` puts one actuator per pool behind the `Actuator` shape.
 
@@ -24,6 +28,8 @@ Metrics (`mosaic_` namespace, in the gateway's registry):
 | mosaic_autoscaler_signal | gauge | name: the policy's signals (`<model>/decode_demand_tps`, ...) and `ttft_p90_s`, `tpot_p90_s`, `request_rate` |
 | mosaic_autoscaler_pool_signal | gauge | pool, name (decode_tokens_per_s, prompt_tokens_per_s, num_waiting, gpu_utilization) |
 | mosaic_autoscaler_cycles_total, mosaic_autoscaler_cycle_errors_total | counter | |
+| mosaic_autoscaler_placement_shortfall_total | counter | pool: instances the node inventory could not hold |
+| mosaic_autoscaler_cross_domain_pairs, mosaic_autoscaler_fragmented_nodes | gauge | (with `autoscaler.nodes`) |
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from scheduler.actuators.base import Actuator, ScaleAction
 from scheduler.autoscaler.factory import build_policy
 from scheduler.autoscaler.signals import Observation, PoolSpec, ScalingDecision, ScalingPolicy
 from scheduler.fleet import WorkerState
+from server.autoscale_placement import PlacementBook
 from server.autoscale_signals import SignalReader
 from server.config import MosaicConfig
 from server.registry import Registry
@@ -108,8 +115,10 @@ class AutoscalerController:
         *,
         offload: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        placement: PlacementBook | None = None,
     ) -> None:
         self.config = config
+        self.placement = placement
         self.settings = config.autoscaler
         self.registry = registry
         self.reader = reader
@@ -133,6 +142,8 @@ class AutoscalerController:
             return
         initial = {s.name: self._seen(s.name) for s in self.specs}
         self.actuator = self._actuator_factory({p: n for p, n in initial.items() if p in self.managed})
+        if self.placement is not None:
+            self.placement.seed(initial, getattr(self.actuator, "places", None) or (lambda pool: False))
         self.policy = build_policy(self.settings.policy, self.specs, self.policy_config, initial)
         self.reader.observe(self.clock(), {})  # baseline for the counters the first cycle differences
 
@@ -182,11 +193,15 @@ class AutoscalerController:
         desired = await self._desired()
         obs = self.reader.observe(now, desired)
         decision = self.policy.decide(obs)
+        targets, placement = dict(decision.targets), None
+        if self.placement is not None:
+            provisioned = {p: obs.pools[p].provisioned for p in desired if p in obs.pools}
+            targets, placement = self.placement.plan(targets, provisioned, self.actuator, now)
         actions = []
-        for pool, target in sorted(decision.targets.items()):
+        for pool, target in sorted(targets.items()):
             if pool in desired and pool in obs.pools and target != obs.pools[pool].provisioned:
                 actions.append(await self._apply(pool, target, now))
-        self._record(obs, decision, actions)
+        self._record(obs, decision, actions, placement)
         return decision
 
     async def _desired(self) -> dict[str, int]:
@@ -222,7 +237,13 @@ class AutoscalerController:
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args) if self.offload else fn(*args)
 
-    def _record(self, obs: Observation, decision: ScalingDecision, actions: list[ScaleAction]) -> None:
+    def _record(
+        self,
+        obs: Observation,
+        decision: ScalingDecision,
+        actions: list[ScaleAction],
+        placement: dict[str, Any] | None = None,
+    ) -> None:
         m = self.metrics
         m.cycles.inc()
         wall = round(time.time(), 3)
@@ -258,6 +279,7 @@ class AutoscalerController:
                     "mean_output_tokens": obs.mean_output_tokens,
                 },
                 "actions": [asdict(a) for a in actions],
+                **({"placement": placement} if placement is not None else {}),
             }
         )
 
@@ -274,6 +296,7 @@ class AutoscalerController:
             "decisions": list(self.decisions)[-last:],
             "actions": list(self.actions)[-last:],
             "actuator_events": list(events)[-last:] if events is not None else [],
+            "topology": self.placement.describe() if self.placement is not None else None,
         }
 
 
@@ -292,6 +315,14 @@ class PoolActuators:
         if inner is None:
             return ScaleAction(now, pool, 0, 0, applied=False, error=f"no actuator manages pool {pool!r}")
         return inner.scale(pool, replicas, now)
+
+    def places(self, pool: str) -> bool:
+        inner = self.by_pool.get(pool)
+        places = getattr(inner, "places", None)
+        return bool(places is not None and places(pool))
+
+    def assign_nodes(self, pool: str, nodes: Sequence[tuple[str, str]]) -> None:
+        self.by_pool[pool].assign_nodes(pool, nodes)  # type: ignore[attr-defined]
 
     def _unique(self) -> list[Actuator]:
         return list({id(a): a for a in self.by_pool.values()}.values())

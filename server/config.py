@@ -215,6 +215,7 @@ class AutoscalerConfig(_Strict):
     history: int = Field(default=100, ge=1)  # decisions and scale actions kept for /admin/autoscaler
     knobs: dict[str, Any] = Field(default_factory=dict)
     kubernetes: AutoscalerKubernetesConfig = Field(default_factory=AutoscalerKubernetesConfig)
+    nodes: str | dict[str, Any] | None = None  # node inventory (`mosaic plan --nodes` format; server.autoscale_placement)
 
     @model_validator(mode="before")
     @classmethod

@@ -18,6 +18,14 @@ the pool's `SimulatedPoolSource` (`server.embedded`) towards it.
 
 `events` keeps what happened (started / ready / draining / drain_cancelled / stopped with the wait and
 whether it was forced) for `/admin/autoscaler` and tests.
+
+Topology (`placer`, when `autoscaler.nodes` is configured; `server.autoscale_placement`): each simulated
+worker occupies a node of the inventory. The workers running at startup are placed together at once; a
+scale-out starts each new worker on the next node the controller handed over (`assign_nodes`, computed
+for the whole decision by the topology solver), or places it alone when none was handed over, and refuses
+to start it (event `start_refused`) when the inventory has no room; the `started` event carries its node
+and domain. Scale-in ranks its victims by `TopologyPlacer.removal_order` after the rule above (stable),
+and a worker's GPUs are freed when it stops.
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scheduler.actuators.base import ScaleAction
 from scheduler.fleet import WorkerView
 from scheduler.routing.framework import RouteRequest
 from scheduler.routing.reasons import Outcome
+from scheduler.topology import TopologyPlacer
 from server.registry import Registry
 
 if TYPE_CHECKING:  # the simulator is imported only where simulated pools exist
@@ -96,8 +105,11 @@ class EmbeddedActuator:
         poll_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
         keep_events: int = 200,
+        placer: TopologyPlacer | None = None,
     ) -> None:
         self.sources = dict(sources)
+        self.placer = placer
+        self._next_nodes: dict[str, deque[tuple[str, str]]] = {name: deque() for name in sources}
         self.registry = registry
         self.decisions = decisions
         self.cold_start_s = cold_start_s
@@ -110,6 +122,8 @@ class EmbeddedActuator:
         self._drains: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timers: list[asyncio.TimerHandle] = []
+        if placer is not None:
+            self._place_running()
 
     # ------------------------------------------------------------------ the Actuator shape
     def replicas(self, pool: str) -> int:
@@ -128,6 +142,35 @@ class EmbeddedActuator:
             self._spawn(self.reconcile(pool))
         return ScaleAction(now, pool, before, replicas, applied=True)
 
+    # ------------------------------------------------------------------ topology
+    def places(self, pool: str) -> bool:
+        """Whether this actuator records the nodes of `pool`'s workers itself (the controller hands it nodes)."""
+        return self.placer is not None and pool in self.sources
+
+    def assign_nodes(self, pool: str, nodes: Sequence[tuple[str, str]]) -> None:
+        """The next workers `pool` starts go to these (node, domain)s, in order."""
+        self._next_nodes[pool].extend(nodes)
+
+    def _place_running(self) -> None:
+        assert self.placer is not None
+        running = {name: sorted(src.workers) for name, src in sorted(self.sources.items())}
+        placed = self.placer.place({name: len(idx) for name, idx in running.items()})
+        for name, indexes in running.items():
+            for index, (node, _) in zip(indexes, placed.nodes.get(name, ()), strict=False):
+                self.placer.assign(self.worker_id(name, index), name, node)
+        for name, short in sorted(placed.shortfall.items()):
+            log.warning("pool %s: %d running workers do not fit the node inventory: %s", name, short, placed.explanation)
+            self._event("unplaced", name, None, workers=short, why=placed.explanation)
+
+    def _node_for(self, pool: str) -> tuple[str, str] | str:
+        """The next handed-over node, else one placed for this worker alone; a string says why none fits."""
+        queued = self._next_nodes[pool]
+        if queued:
+            return queued.popleft()
+        assert self.placer is not None
+        placed = self.placer.place({pool: 1})
+        return placed.nodes[pool][0] if placed.granted[pool] else f"no room: {placed.explanation}"
+
     # ------------------------------------------------------------------ reconciliation
     async def reconcile(self, pool: str) -> None:
         """Move the pool's workers towards the desired count (module docstring); re-lists the registry."""
@@ -141,6 +184,11 @@ class EmbeddedActuator:
                     src.set_draining(index, False)
                     self._event("drain_cancelled", pool, index)
                 else:
+                    node = self._node_for(pool) if self.places(pool) else None
+                    if isinstance(node, str):  # the inventory is full: keep what runs, report it
+                        self._event("start_refused", pool, None, why=node)
+                        self._desired[pool] = len(active)
+                        break
                     try:
                         index = await src.start_replica(self.cold_start_s)
                     except Exception as exc:  # e.g. no free port: keep what runs, report it, retry next cycle
@@ -148,10 +196,15 @@ class EmbeddedActuator:
                         self._event("start_failed", pool, None, error=str(exc))
                         self._desired[pool] = len(active)
                         break
-                    self._event("started", pool, index, cold_start_s=self.cold_start_s)
+                    where = {}
+                    if node is not None and self.placer is not None:
+                        self.placer.assign(self.worker_id(pool, index), pool, node[0])
+                        where = {"node": node[0], "domain": node[1]}
+                    self._event("started", pool, index, cold_start_s=self.cold_start_s, **where)
                     if self.cold_start_s > 0:
                         self._after(self.cold_start_s, pool, index)
                 active.append(index)
+            self._next_nodes[pool].clear()  # nodes for workers taken back from draining stay unused
             if len(active) > want:
                 for index in self._victims(pool, active, len(active) - want):
                     src.set_draining(index)
@@ -171,6 +224,10 @@ class EmbeddedActuator:
         starting = sorted((i for i in active if src.ready_at.get(i, now) > now), reverse=True)
         ready = [i for i in active if i not in starting]
         ready.sort(key=lambda i: (self._load(pool, i), -i))
+        if self.placer is not None:  # topology first, the rule above on ties (the sort is stable)
+            by_id = {self.worker_id(pool, i): i for i in starting + ready}
+            starting = [by_id[w] for w in self.placer.removal_order([self.worker_id(pool, i) for i in starting])]
+            ready = [by_id[w] for w in self.placer.removal_order([self.worker_id(pool, i) for i in ready])]
         return (starting + ready)[:n]
 
     def _load(self, pool: str, index: int) -> int:
@@ -215,6 +272,8 @@ class EmbeddedActuator:
             if index not in src.draining:
                 return
             await src.stop_replica(index)
+            if self.placer is not None:
+                self.placer.release(self.worker_id(pool, index))
             await self.registry.resync(pool)
         self._event("stopped", pool, index, drained_s=round(self.clock() - started, 3), forced=forced)
 

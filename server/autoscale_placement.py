@@ -1,0 +1,177 @@
+"""Topology-aware placement in the live autoscaler: `autoscaler.nodes` → a `TopologyPlacer` the controller
+consults at every decision (docs/autoscaling-live.md, "Topology-aware placement").
+
+`autoscaler.nodes` is a node inventory in the `mosaic plan --nodes` format: a path (relative to the config
+file's folder) or the mapping inline. Each decision's scale-ups are placed together by the planner's
+topology solver around the instances already placed (`scheduler.topology`); a decision the inventory
+cannot hold is clipped to what fits, and the shortfall is logged, counted
+(`mosaic_autoscaler_placement_shortfall_total{pool}`) and recorded in the decision (`placement.shortfall`).
+
+Who records which instance sits where:
+- an actuator that `places(pool)` (the embedded one, for its simulated pools) receives the nodes of the
+  decision's new instances (`assign_nodes`) and records its workers itself (it knows which worker it
+  starts and which it stops);
+- for every other pool (dry-run, kubernetes, launched vLLM, unmanaged pools) the book keeps *computed*
+  slots `pool#n`: the placement the solver would give, shown on `/admin/autoscaler` and in the decisions
+  (`mosaic autoscale --json`), never pinned on the backend (a Deployment's scale subresource cannot
+  choose nodes; see the docs for the Kubernetes mapping). Scale-in releases the slots
+  `TopologyPlacer.removal_order` ranks first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from placement.catalog import Catalog, CatalogError
+from placement.profiles import Role, read_structured
+from placement.topology import InstanceKind, TopologyError
+from scheduler.autoscaler.signals import PoolSpec
+from scheduler.topology import Inventory, TopologyPlacer
+from server.config import ConfigError, MosaicConfig
+
+log = logging.getLogger("mosaic.autoscaler")
+
+
+def config_inventory(config: MosaicConfig, catalog: Catalog) -> Inventory | None:
+    """`autoscaler.nodes` read and validated (ConfigError with one line); node GPUs in catalog spelling."""
+    spec = config.autoscaler.nodes
+    if spec is None:
+        return None
+    data: object = spec
+    origin = "autoscaler.nodes"
+    if isinstance(spec, str):
+        path = Path(spec)
+        base = getattr(config, "source_dir", None)  # the config file's folder when loaded from a file
+        if not path.is_absolute() and base is not None:
+            path = Path(base) / path
+        data, origin = read_structured(path, ConfigError), f"autoscaler.nodes: {path}"
+    try:
+        inventory = Inventory.from_data(data, origin)
+    except TopologyError as exc:
+        raise ConfigError(str(exc)) from None
+    canonical = {}
+    for node in inventory.nodes:
+        with contextlib.suppress(CatalogError):  # a GPU type no pool runs: its nodes stay empty
+            canonical[node.gpu] = catalog.gpu(node.gpu).name
+    return inventory.with_gpu_names(canonical)
+
+
+class PlacementMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.shortfall = Counter(
+            "mosaic_autoscaler_placement_shortfall",
+            "Instances a decision wanted that the node inventory could not hold (the decision was clipped)",
+            ["pool"],
+            registry=registry,
+        )
+        self.cross = Gauge(
+            "mosaic_autoscaler_cross_domain_pairs",
+            "Prefill/decode instance pairs of one model placed in different network domains",
+            registry=registry,
+        )
+        self.fragmented = Gauge(
+            "mosaic_autoscaler_fragmented_nodes", "Nodes partly used by placed instances", registry=registry
+        )
+
+
+class PlacementBook:
+    """The controller's topology state (module docstring)."""
+
+    def __init__(self, placer: TopologyPlacer, metrics: PlacementMetrics, keep: int = 100) -> None:
+        self.placer = placer
+        self.metrics = metrics
+        self.shortfalls: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._seq = 0
+
+    @classmethod
+    def from_config(
+        cls, config: MosaicConfig, specs: Sequence[PoolSpec], catalog: Catalog, registry: CollectorRegistry
+    ) -> PlacementBook | None:
+        inventory = config_inventory(config, catalog)
+        if inventory is None:
+            return None
+        tp = {p.name: p.tp for p in config.pools}
+        kinds = {s.name: InstanceKind(s.model, s.gpu, tp[s.name], Role(s.role)) for s in specs}
+        return cls(TopologyPlacer(inventory, kinds), PlacementMetrics(registry), config.autoscaler.history)
+
+    def seed(self, counts: Mapping[str, int], places: Any) -> None:
+        """Computed slots for the instances running at startup in pools the actuator does not place."""
+        want = {p: n for p, n in counts.items() if not places(p)}
+        placed = self.placer.place(want)
+        self._assign(placed.nodes)
+        for pool, short in sorted(placed.shortfall.items()):
+            self._short(0.0, pool, want[pool], want[pool] - short, placed.explanation, startup=True)
+        self._gauges()
+
+    def plan(
+        self, targets: Mapping[str, int], provisioned: Mapping[str, int], actuator: Any, now: float
+    ) -> tuple[dict[str, int], dict[str, Any]]:
+        """Targets clipped to the inventory, nodes handed to a placing actuator or kept as computed slots;
+        scale-ins of computed slots released. Returns (targets, the decision's `placement` record)."""
+        places = getattr(actuator, "places", None) or (lambda pool: False)
+        out = dict(targets)
+        adds = {p: t - provisioned[p] for p, t in targets.items() if p in provisioned and t > provisioned[p]}
+        record: dict[str, Any] = {}
+        if adds:
+            placed = self.placer.place(adds)
+            for pool in sorted(placed.shortfall):
+                out[pool] = provisioned[pool] + placed.granted[pool]
+                self._short(now, pool, adds[pool], placed.granted[pool], placed.explanation)
+            for pool, nodes in placed.nodes.items():
+                if places(pool):
+                    actuator.assign_nodes(pool, nodes)
+            self._assign({p: n for p, n in placed.nodes.items() if not places(p)})
+            record["new"] = {p: [list(x) for x in n] for p, n in sorted(placed.nodes.items()) if n}
+            record["new_cross_domain_pairs"] = placed.cross_domain_pairs  # with each other and the running
+            if placed.shortfall:
+                record["shortfall"] = {**placed.shortfall, "why": placed.explanation}
+        for pool, target in sorted(out.items()):
+            if pool in provisioned and target < provisioned[pool] and not places(pool):
+                slots = self.placer.removal_order(self.placer.instances(pool))
+                for slot in slots[: provisioned[pool] - target]:
+                    self.placer.release(slot)
+        self._gauges()
+        # the fleet as placed so far (a placing actuator records its new workers when it starts them)
+        record["fleet"] = self.placer.summary().as_dict()
+        return out, record
+
+    def _assign(self, nodes: Mapping[str, Sequence[tuple[str, str]]]) -> None:
+        for pool, slots in sorted(nodes.items()):
+            for node, _ in slots:
+                self._seq += 1
+                self.placer.assign(f"{pool}#{self._seq}", pool, node)
+
+    def _short(self, now: float, pool: str, wanted: int, placed: int, why: str | None, startup: bool = False) -> None:
+        self.metrics.shortfall.labels(pool).inc(wanted - placed)
+        self.shortfalls.append({"at": now, "pool": pool, "requested": wanted, "placed": placed, "why": why})
+        log.warning(
+            "autoscaler: pool %s: the node inventory holds %d of the %d instances %s: %s",
+            pool,
+            placed,
+            wanted,
+            "running at startup" if startup else "the decision adds",
+            why,
+        )
+
+    def _gauges(self) -> None:
+        summary = self.placer.summary()
+        self.metrics.cross.set(summary.cross_domain_pairs)
+        self.metrics.fragmented.set(len(summary.fragmented_nodes))
+
+    def describe(self) -> dict[str, Any]:
+        """For `/admin/autoscaler`: the inventory's nodes with what sits on them, the summary, shortfalls."""
+        inv = self.placer.inventory
+        return {
+            "same_domain": inv.same_domain,
+            "max_group_gpus": inv.max_group_gpus,
+            **self.placer.summary().as_dict(),
+            "nodes": self.placer.describe(),
+            "shortfalls": list(self.shortfalls),
+        }
