@@ -39,6 +39,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import anyio
@@ -52,13 +53,12 @@ from scheduler.routing.reasons import Outcome, Reject
 from server.admission import AdmissionQueue
 from server.auth import RateLimiter
 from server.config import MosaicConfig
-from server.errors import Cause, GatewayError, stream_error_event
+from server.errors import Cause, GatewayError
 from server.failure import DisconnectWatch, Lease, RelayResponse, UpstreamFailure, classify
 from server.footprint import ParsedRequest, route_request
 from server.metrics import GatewayMetrics
 from server.proxy import (
     RETRYABLE_STATUSES,
-    SseRelay,
     Upstream,
     decode_body,
     prefill_body,
@@ -67,9 +67,16 @@ from server.proxy import (
     usage_body,
 )
 from server.registry import Registry
-from server.upstream import H1Response, UpstreamResponse
+from server.responses import PassthroughResponse, StreamSession
+from server.upstream import UpstreamResponse
 
 log = logging.getLogger("mosaic.dispatch")
+
+class GatewayOutcome(StrEnum):
+    """Terminal outcomes the gateway records beyond the router's `Outcome` (metrics, /admin, logs)."""
+
+    WORKER_REJECTED = "worker_rejected"  # the worker answered 4xx (bad request, context too long, ...)
+
 
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": recorded, never sent
 WATCH_AFTER_S = 0.05  # requests answered faster than this never start a disconnect watcher
@@ -136,7 +143,7 @@ class Dispatcher:
         task = asyncio.current_task()
         assert task is not None
         watch = DisconnectWatch(receive, task)
-        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch.start)
+        watch.arm(WATCH_AFTER_S)
         try:
             return await self._serve(parsed, path, rec)
         except asyncio.CancelledError:
@@ -156,14 +163,13 @@ class Dispatcher:
             )
         finally:
             watch.done = True  # from here on a disconnect must not cancel this task
-            timer.cancel()
             watch.stop()
 
     def finish(
         self,
         rec: RequestRecord,
         status: int,
-        outcome: Outcome | None,
+        outcome: Outcome | GatewayOutcome | None,
         usage: dict[str, Any] | None = None,
         reason: str | None = None,
     ) -> None:
@@ -213,7 +219,7 @@ class Dispatcher:
         attempt = 0
         while True:
             if last is None:  # first dispatch: may wait in the admission queue
-                decision = await self.admission.admit(parsed.model, lambda: self._route(rreq, exclude))
+                decision = await self.admission.admit(parsed.model, lambda: self._route(rreq, exclude), rreq)
             else:  # a retry was admitted already: another worker now, or give up with the real failure
                 routed = self._route(rreq, exclude)
                 if isinstance(routed, Reject):
@@ -248,12 +254,7 @@ class Dispatcher:
     def _give_up(self, rec: RequestRecord, failure: UpstreamFailure) -> Response:
         if failure.status is not None:  # the worker answered: its body passes through unchanged
             self.finish(rec, failure.status, Outcome.FAILED_BEFORE_FIRST_BYTE)
-            return Response(
-                failure.body,
-                failure.status,
-                {"x-request-id": rec.request_id},
-                media_type=failure.content_type,
-            )
+            return PassthroughResponse(failure.body, failure.status, rec.request_id, failure.content_type)
         cause = Cause.UPSTREAM_TIMEOUT if failure.is_timeout else Cause.UPSTREAM_UNAVAILABLE
         err = GatewayError(
             cause, f"Upstream worker failed before responding ({failure.kind}); retries exhausted."
@@ -362,12 +363,18 @@ class Dispatcher:
             )
         if status >= 500:
             self.registry.report_failure(worker_id, f"status_{status}")
+            lease.release(Outcome.WORKER_ERROR)
+            self.finish(rec, status, Outcome.WORKER_ERROR)
+        elif status >= 400:  # the worker refused the request: healthy, but nothing was served
+            self.registry.report_success(worker_id)
+            lease.release(Outcome.WORKER_ERROR)  # the router's view: nothing cached, nothing generated
+            self.finish(rec, status, GatewayOutcome.WORKER_REJECTED)
+            log.info("request %s: worker %s answered %d", rec.request_id, worker_id, status)
         else:
             self.registry.report_success(worker_id)
-        outcome = Outcome.WORKER_ERROR if status >= 500 else Outcome.COMPLETED
-        lease.release(outcome)
-        self.finish(rec, status, outcome, response_usage(content) if status == 200 else None)
-        return Response(content, status, {"x-request-id": rec.request_id}, media_type=ctype)
+            lease.release(Outcome.COMPLETED)
+            self.finish(rec, status, Outcome.COMPLETED, response_usage(content) if status == 200 else None)
+        return PassthroughResponse(content, status, rec.request_id, ctype)
 
     def _stream(
         self,
@@ -378,7 +385,7 @@ class Dispatcher:
         rec: RequestRecord,
         lease: Lease,
     ) -> Response:
-        session = _StreamSession(self, resp, chunks, first, parsed, rec, lease)
+        session = StreamSession(self, resp, chunks, first, parsed, rec, lease)
         return RelayResponse(
             session.body(),
             session.close,
@@ -386,90 +393,3 @@ class Dispatcher:
             headers={"x-request-id": rec.request_id, "cache-control": "no-cache"},
             media_type=resp.headers.get("content-type", "text/event-stream"),
         )
-
-
-class _StreamSession:
-    """One relayed stream: yields bytes, measures TTFT/ITL, and closes exactly once with an outcome."""
-
-    def __init__(
-        self,
-        d: Dispatcher,
-        resp: UpstreamResponse,
-        chunks: AsyncIterator[bytes],
-        first: bytes,
-        parsed: ParsedRequest,
-        rec: RequestRecord,
-        lease: Lease,
-    ) -> None:
-        self.d = d
-        self.resp = resp
-        self.chunks = chunks
-        self.first = first
-        self.rec = rec
-        self.lease = lease
-        self.relay = SseRelay(strip_usage=not parsed.client_wants_usage)
-        self.closed = False
-
-    async def body(self) -> AsyncIterator[bytes]:
-        d, rec = self.d, self.rec
-        clock = d.clock
-        itl = d.child(d.metrics.itl, rec.model, rec.pool)
-        deadline = rec.arrival + d.limits.total_timeout_s
-        outcome = Outcome.WORKER_ERROR
-        try:
-            out = self.relay.feed(self.first)
-            last = clock()
-            d.child(d.metrics.ttft, rec.model, rec.pool).observe(last - rec.arrival)
-            if out:
-                yield out
-            lease = self.lease
-            generated = out.count(b"data: ")  # ≈ tokens: vLLM sends one event per step per sequence
-            async for chunk in self.chunks:
-                out = self.relay.feed(chunk)
-                if not out:
-                    continue
-                now = clock()
-                itl.observe(now - last)
-                last = now
-                generated += out.count(b"data: ")
-                lease.on_tokens(generated, now)  # renews KV leases; grows `predicted` reservations
-                yield out
-                if now > deadline:
-                    raise TimeoutError(f"total timeout {d.limits.total_timeout_s:g} s")
-            tail = self.relay.flush()
-            if tail:
-                yield tail
-            outcome = Outcome.COMPLETED
-        except (httpx.HTTPError, TimeoutError) as exc:
-            kind, hard = classify(exc)
-            d.registry.report_failure(self.lease.decision.decode.id, f"stream_{kind}", hard)
-            yield stream_error_event(
-                f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError"
-            )
-            outcome = Outcome.WORKER_ERROR
-        except BaseException:
-            outcome = Outcome.CLIENT_DISCONNECTED
-            raise
-        finally:
-            await self._close(outcome)
-
-    async def close(self) -> None:
-        """Called by the response however it ends; a no-op after the body's own close."""
-        await self._close(Outcome.CLIENT_DISCONNECTED)
-
-    async def _close(self, outcome: Outcome) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            # Unread → the connection is dropped, which aborts the request upstream. The pool's responses
-            # close synchronously; others (injected httpx transports) are awaited shielded from cancellation.
-            resp = self.resp
-            if isinstance(resp, H1Response):
-                resp.close()
-            else:
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
-        finally:
-            self.lease.release(outcome)
-            self.d.finish(self.rec, 200, outcome, self.relay.usage)

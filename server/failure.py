@@ -219,25 +219,54 @@ class RelayResponse(StreamingResponse):
 
 
 class DisconnectWatch:
-    """Cancels `task` when the ASGI `receive` channel reports `http.disconnect` while the work is running.
+    """Cancels `task` when the client disconnects while the work is running (`done` False).
 
-    Before the response starts nothing else reads `receive` (the body was read already); once a
-    streaming response runs, Starlette's own listener takes over and cancels the relay."""
+    When `receive` belongs to a channel that pushes disconnects (`receive.__self__.on_disconnect(cb)`,
+    the gateway's `server.fast_http.FastCycle`), it subscribes: nothing runs per request. Otherwise it
+    reads the ASGI `receive` channel in a watcher task until `http.disconnect` (before the response
+    starts nothing else reads it: the body was read already). `arm(delay)` subscribes at once, or starts
+    the watcher task only after `delay` seconds (requests answered sooner never create one)."""
 
-    __slots__ = ("_receive", "_task", "_watcher", "disconnected", "done")
+    __slots__ = ("_receive", "_task", "_timer", "_unsubscribe", "_watcher", "disconnected", "done")
 
     def __init__(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         self._receive = receive
         self._task = task
         self._watcher: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._unsubscribe: Callable[[], None] | None = None
         self.disconnected = False
         self.done = False
 
+    def arm(self, delay: float) -> None:
+        if self._subscribe():
+            return
+        self._timer = asyncio.get_running_loop().call_later(delay, self.start)
+
     def start(self) -> None:
-        if not self.done and self._watcher is None:
+        if self.done or self._watcher is not None or self._unsubscribe is not None:
+            return
+        if not self._subscribe():
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
+    def _subscribe(self) -> bool:
+        subscribe = getattr(getattr(self._receive, "__self__", None), "on_disconnect", None)
+        if subscribe is None:
+            return False
+        self._unsubscribe = subscribe(self._fire)
+        return True
+
+    def _fire(self) -> None:
+        if not self.done:
+            self.disconnected = True
+            self._task.cancel()
+
     def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
         if self._watcher is not None and not self._watcher.done():
             self._watcher.cancel()
 
@@ -245,7 +274,5 @@ class DisconnectWatch:
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
-                if not self.done:
-                    self.disconnected = True
-                    self._task.cancel()
+                self._fire()
                 return

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from server.app import create_app
 from server.config import MosaicConfig
+from server.fast_http import GatewayHttpProtocol
 from server.gateway import Gateway
 from simulator.worker_server import (  # one TCP_NODELAY-safe listener for gateway and workers
     bind_socket,
@@ -105,6 +106,7 @@ async def start_gateway_server(
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(config.limits.shutdown_grace_s),
         backlog=4096,
+        http=GatewayHttpProtocol,  # uvicorn's httptools protocol; proxy endpoints on a lean cycle
     )
     server = _GatewayServer(uv, app.state.gateway, install_signals)
     task = await serve_until_started(server, sock, "gateway")
