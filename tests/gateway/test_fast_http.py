@@ -1,0 +1,188 @@
+"""The gateway's lean HTTP cycle for the proxy endpoints (`server.fast_http`) against uvicorn's own.
+
+A target with a query string is not a fast route, so `/v1/completions?via=uvicorn` runs the same endpoint
+through uvicorn's `RequestResponseCycle`: every answer must be byte-identical on both paths (the `date`
+header aside). Raw HTTP/1.1 over real sockets to `start_gateway_server`, workers faked at the transport."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from server.fast_http import FastCycle, GatewayHttpProtocol
+from server.runner import RunningGateway, start_gateway_server
+from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+
+FAST, SLOW = b"/v1/completions", b"/v1/completions?via=uvicorn"
+
+
+def completion(**extra: Any) -> bytes:
+    return json.dumps({"model": "llama-3-8b", "prompt": "hello", "max_tokens": 3, **extra}).encode()
+
+
+def request(target: bytes, body: bytes, *headers: bytes, version: bytes = b"1.1") -> bytes:
+    head = [b"POST " + target + b" HTTP/" + version, b"Host: gw", b"Content-Type: application/json",
+            b"X-Request-Id: fixed-id", b"Content-Length: %d" % len(body), *headers]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """(head without the date line, body with chunked framing removed)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = [ln for ln in head.split(b"\r\n") if not ln.lower().startswith(b"date:")]
+    low = head.lower()
+    if b"content-length:" in low:
+        size = int(low.split(b"content-length:")[1].split(b"\r\n")[0])
+        return b"\r\n".join(lines), await reader.readexactly(size)
+    parts = []
+    while (size := int((await reader.readuntil(b"\r\n"))[:-2], 16)) > 0:
+        parts.append((await reader.readexactly(size + 2))[:-2])
+    await reader.readuntil(b"\r\n")
+    return b"\r\n".join(lines), b"".join(parts)
+
+
+@asynccontextmanager
+async def serving(*workers: FakeWorker, **sections: Any) -> AsyncIterator[RunningGateway]:
+    cfg = config(pool("p", "L4", "mixed", *workers), **sections)
+    running = await start_gateway_server(cfg, "127.0.0.1", 0, transport=FakeFleet(*workers).transport)
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+async def exchange(running: RunningGateway, raw: bytes, answers: int = 1) -> list[tuple[bytes, bytes]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+    try:
+        writer.write(raw)
+        return [await read_response(reader) for _ in range(answers)]
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+CASES = [
+    ("a non-streaming completion", completion(), (), {}),
+    ("a stream, usage stripped", completion(stream=True), (), {}),
+    ("a stream with usage asked for", completion(stream=True, stream_options={"include_usage": True}), (), {}),
+    ("an unknown model (404 in OpenAI shape)", completion(model="nope"), (), {}),
+    ("a body that is not JSON (400)", b"{not json", (), {}),
+    ("a missing API key (401)", completion(), (), {"auth": {"api_keys": ["k1"]}}),
+    ("a wrong API key (401)", completion(), (b"Authorization: Bearer nope",), {"auth": {"api_keys": ["k1"]}}),
+    ("a body over the limit (413)", completion(prompt="x" * 3000), (), {"limits": {"max_body_bytes": 1024}}),
+]
+
+
+@pytest.mark.parametrize(("body", "headers", "sections"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_fast_path_answers_byte_for_byte_as_uvicorns_cycle(body: bytes, headers: tuple[bytes, ...], sections: dict[str, Any]) -> None:
+    async def go() -> None:
+        async with serving(FakeWorker("a", mode="ok"), **sections) as running:
+            fast = await exchange(running, request(FAST, body, *headers))
+            slow = await exchange(running, request(SLOW, body, *headers))
+            assert fast == slow
+            assert fast[0][0].startswith(b"HTTP/1.1 ")
+
+    run(go)
+
+
+def test_the_proxy_paths_run_on_the_fast_cycle_and_others_on_uvicorns() -> None:
+    async def go() -> None:
+        async with serving(FakeWorker("a", mode="ok")) as running:
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            protocols = running.server.server_state.connections
+            writer.write(request(FAST, completion()))
+            await read_response(reader)
+            (proto,) = protocols
+            assert isinstance(proto, GatewayHttpProtocol) and isinstance(proto.cycle, FastCycle)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")  # same connection, kept alive
+            head, body = await read_response(reader)
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(body) == {"status": "ok"}
+            assert not isinstance(proto.cycle, FastCycle)
+            writer.close()
+            await writer.wait_closed()
+
+    run(go)
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    async def go() -> None:
+        async with serving(FakeWorker("a", mode="ok")) as running:
+            raw = request(FAST, completion(max_tokens=2)) + request(FAST, completion(model="nope")) + request(
+                FAST, completion(stream=True)
+            )
+            answers = await exchange(running, raw, answers=3)
+            assert [a[0].split(b"\r\n")[0] for a in answers] == [b"HTTP/1.1 200 OK", b"HTTP/1.1 404 Not Found", b"HTTP/1.1 200 OK"]
+            assert json.loads(answers[0][1])["object"] == "text_completion"
+            assert answers[2][1].endswith(b"data: [DONE]\n\n")
+            assert running.gateway.dispatcher.outcomes == {"completed": 2}  # the 404 was refused before dispatch
+
+    run(go)
+
+
+def test_http_1_0_gets_connection_close_and_the_connection_is_closed() -> None:
+    async def go() -> None:
+        async with serving(FakeWorker("a", mode="ok")) as running:
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            writer.write(request(FAST, completion(), version=b"1.0"))
+            head, body = await read_response(reader)
+            assert b"connection: close" in head and json.loads(body)["object"] == "text_completion"
+            assert await reader.read() == b""  # closed by the gateway
+            writer.close()
+            await writer.wait_closed()
+
+    run(go)
+
+
+def test_a_body_sent_in_pieces_and_chunked_is_assembled() -> None:
+    async def go() -> None:
+        worker = FakeWorker("a", mode="ok")
+        async with serving(worker) as running:
+            body = completion(user="pieces")
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for i in range(0, len(body), 7):
+                piece = body[i : i + 7]
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+                await asyncio.sleep(0.002)
+            writer.write(b"0\r\n\r\n")
+            head, answer = await read_response(reader)
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(answer)["object"] == "text_completion"
+            assert worker.raw_seen[-1] == body  # forwarded byte for byte
+            writer.close()
+            await writer.wait_closed()
+
+    run(go)
+
+
+def test_a_client_gone_before_the_answer_cancels_the_upstream_call() -> None:
+    async def go() -> None:
+        worker = FakeWorker("a", mode="stall")
+        async with serving(worker) as running:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            writer.write(request(FAST, completion()))
+            await writer.drain()
+            for _ in range(200):  # until the request reached the worker
+                if worker.seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+            await writer.wait_closed()
+            dispatcher = running.gateway.dispatcher
+            for _ in range(200):
+                if dispatcher.outcomes:
+                    break
+                await asyncio.sleep(0.01)
+            assert dispatcher.outcomes == {"client_disconnected": 1}
+            assert all(r.inflight_requests == 0 for r in running.gateway.registry.records())
+
+    run(go)
