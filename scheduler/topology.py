@@ -24,11 +24,13 @@ that cross domains). Deterministic: the solver runs single-worker, inputs are so
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from placement.catalog import Catalog, CatalogError
 from placement.profiles import Role
 from placement.topology import (
     Group,
@@ -57,8 +59,13 @@ class Inventory:
             raise TopologyError(f"{origin}: node names must be unique")
         return cls(tuple(nodes), cap, "require" if same == "require" else "prefer")
 
-    def with_gpu_names(self, canonical: Mapping[str, str]) -> Inventory:
-        """Node GPU names mapped to the catalog's canonical spelling (`H100` → `H100-SXM`), as pools use."""
+    def in_catalog_names(self, catalog: Catalog) -> Inventory:
+        """Node GPU names in the catalog's spelling (`H100` → `H100-SXM`), as pools use; a GPU the catalog
+        does not know keeps its name (no pool runs it, so its nodes stay empty)."""
+        canonical = {}
+        for node in self.nodes:
+            with contextlib.suppress(CatalogError):
+                canonical[node.gpu] = catalog.gpu(node.gpu).name
         nodes = tuple(dataclasses.replace(n, gpu=canonical.get(n.gpu, n.gpu)) for n in self.nodes)
         return dataclasses.replace(self, nodes=nodes)
 

@@ -20,7 +20,6 @@ Who records which instance sits where:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -29,7 +28,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from placement.catalog import Catalog, CatalogError
+from placement.catalog import Catalog
 from placement.profiles import Role, read_structured
 from placement.topology import InstanceKind, TopologyError
 from scheduler.autoscaler.signals import PoolSpec
@@ -56,11 +55,7 @@ def config_inventory(config: MosaicConfig, catalog: Catalog) -> Inventory | None
         inventory = Inventory.from_data(data, origin)
     except TopologyError as exc:
         raise ConfigError(str(exc)) from None
-    canonical = {}
-    for node in inventory.nodes:
-        with contextlib.suppress(CatalogError):  # a GPU type no pool runs: its nodes stay empty
-            canonical[node.gpu] = catalog.gpu(node.gpu).name
-    return inventory.with_gpu_names(canonical)
+    return inventory.in_catalog_names(catalog)
 
 
 class PlacementMetrics:
@@ -148,7 +143,9 @@ class PlacementBook:
                 self._seq += 1
                 self.placer.assign(f"{pool}#{self._seq}", pool, node)
 
-    def _short(self, now: float, pool: str, wanted: int, placed: int, why: str | None, startup: bool = False) -> None:
+    def _short(
+        self, now: float, pool: str, wanted: int, placed: int, why: str | None, startup: bool = False
+    ) -> None:
         self.metrics.shortfall.labels(pool).inc(wanted - placed)
         self.shortfalls.append({"at": now, "pool": pool, "requested": wanted, "placed": placed, "why": why})
         log.warning(

@@ -119,6 +119,7 @@ class AutoscalerController:
     ) -> None:
         self.config = config
         self.placement = placement
+        self._placement_seeded = False
         self.settings = config.autoscaler
         self.registry = registry
         self.reader = reader
@@ -142,8 +143,6 @@ class AutoscalerController:
             return
         initial = {s.name: self._seen(s.name) for s in self.specs}
         self.actuator = self._actuator_factory({p: n for p, n in initial.items() if p in self.managed})
-        if self.placement is not None:
-            self.placement.seed(initial, getattr(self.actuator, "places", None) or (lambda pool: False))
         self.policy = build_policy(self.settings.policy, self.specs, self.policy_config, initial)
         self.reader.observe(self.clock(), {})  # baseline for the counters the first cycle differences
 
@@ -191,6 +190,11 @@ class AutoscalerController:
         assert self.policy is not None
         now = self.clock()
         desired = await self._desired()
+        if self.placement is not None and not self._placement_seeded:
+            # the instances running at the first cycle: the backend's count for managed pools, else the registry's
+            self._placement_seeded = True
+            places = getattr(self.actuator, "places", None) or (lambda pool: False)
+            self.placement.seed({s.name: desired.get(s.name, self._seen(s.name)) for s in self.specs}, places)
         obs = self.reader.observe(now, desired)
         decision = self.policy.decide(obs)
         targets, placement = dict(decision.targets), None

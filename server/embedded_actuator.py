@@ -159,7 +159,12 @@ class EmbeddedActuator:
             for index, (node, _) in zip(indexes, placed.nodes.get(name, ()), strict=False):
                 self.placer.assign(self.worker_id(name, index), name, node)
         for name, short in sorted(placed.shortfall.items()):
-            log.warning("pool %s: %d running workers do not fit the node inventory: %s", name, short, placed.explanation)
+            log.warning(
+                "pool %s: %d running workers do not fit the node inventory: %s",
+                name,
+                short,
+                placed.explanation,
+            )
             self._event("unplaced", name, None, workers=short, why=placed.explanation)
 
     def _node_for(self, pool: str) -> tuple[str, str] | str:
@@ -226,7 +231,9 @@ class EmbeddedActuator:
         ready.sort(key=lambda i: (self._load(pool, i), -i))
         if self.placer is not None:  # topology first, the rule above on ties (the sort is stable)
             by_id = {self.worker_id(pool, i): i for i in starting + ready}
-            starting = [by_id[w] for w in self.placer.removal_order([self.worker_id(pool, i) for i in starting])]
+            starting = [
+                by_id[w] for w in self.placer.removal_order([self.worker_id(pool, i) for i in starting])
+            ]
             ready = [by_id[w] for w in self.placer.removal_order([self.worker_id(pool, i) for i in ready])]
         return (starting + ready)[:n]
 

@@ -16,13 +16,12 @@ when both instances are in one domain (or either domain is unknown) and `kv_link
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from placement.catalog import Catalog, CatalogError
+from placement.catalog import Catalog
 from placement.profiles import Role
 from placement.topology import InstanceKind, TopologyError
 from scheduler.topology import Inventory, TopologyPlacer
@@ -37,11 +36,7 @@ def fleet_inventory(fleet: FleetConfig, catalog: Catalog) -> Inventory | None:
         inventory = Inventory.from_data(fleet.nodes, "nodes")
     except TopologyError as exc:
         raise FleetConfigError(str(exc)) from None
-    canonical = {}
-    for node in inventory.nodes:
-        with contextlib.suppress(CatalogError):  # a GPU type no pool runs: its nodes simply stay empty
-            canonical[node.gpu] = catalog.gpu(node.gpu).name
-    return inventory.with_gpu_names(canonical)
+    return inventory.in_catalog_names(catalog)
 
 
 @dataclass(slots=True)

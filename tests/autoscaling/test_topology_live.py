@@ -8,14 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
 from placement.catalog import load_catalog
+from scheduler.actuators.kubernetes import KubernetesActuator
 from server.autoscale_placement import config_inventory
+from server.autoscaler_setup import controller_for
 from server.config import ConfigError, MosaicConfig, load_config, validate_config
+from server.gateway import Gateway
 from server.runner import start_gateway_server
 
 ADMIN = {"Authorization": "Bearer adm"}
@@ -155,3 +159,52 @@ def test_bad_inventory_is_one_config_error(nodes: Any, message: str) -> None:
     cfg = validate_config(pd_config("static:prefill=1,decode=1", "dry-run", nodes))
     with pytest.raises(ConfigError, match=message):
         config_inventory(cfg, load_catalog())
+
+
+class FakeAppsApi:
+    """The scale subresource of two Deployments (read and patch), recording the calls."""
+
+    def __init__(self, replicas: dict[str, int]) -> None:
+        self.replicas = dict(replicas)
+        self.calls: list[tuple[str, str, int | None]] = []
+
+    def read_namespaced_deployment_scale(self, name: str, namespace: str) -> Any:
+        self.calls.append(("read", name, None))
+        return SimpleNamespace(spec=SimpleNamespace(replicas=self.replicas[name]))
+
+    def patch_namespaced_deployment_scale(self, name: str, namespace: str, body: dict[str, Any]) -> Any:
+        self.calls.append(("patch", name, body["spec"]["replicas"]))
+        self.replicas[name] = body["spec"]["replicas"]
+
+
+async def _kubernetes(api: FakeAppsApi) -> dict[str, Any]:
+    data = pd_config("static:prefill=2,decode=6", actuator="kubernetes")
+    for pool in data["pools"]:
+        pool["endpoints"] = {"static": ["http://127.0.0.1:9"]}
+    cfg = validate_config(data)
+    gw = Gateway(cfg)
+    try:
+        ctl = controller_for(
+            cfg,
+            gw.registry,
+            gw.metrics.registry,
+            managed=frozenset({"prefill", "decode"}),
+            actuator_factory=lambda initial: KubernetesActuator(api, "llm", {"prefill": "p", "decode": "d"}),
+        )
+        await ctl.cycle()
+        return {"decision": ctl.decisions[-1], "topology": ctl.describe()["topology"]}
+    finally:
+        await gw.stop()
+
+
+def test_kubernetes_gets_counts_and_the_computed_placement_is_shown_not_pinned() -> None:
+    api = FakeAppsApi({"p": 1, "d": 1})
+    out = asyncio.run(_kubernetes(api))
+    # the clipped counts reach the scale subresource (decode 6 → 4: the inventory's L4s), nothing else
+    assert [c for c in api.calls if c[0] == "patch"] == [("patch", "d", 4), ("patch", "p", 2)]
+    assert out["decision"]["placement"]["new"] == {
+        "decode": [["l-b", "rack-b"], ["l-b", "rack-b"], ["l-b", "rack-b"]],
+        "prefill": [["h-b", "rack-b"]],
+    }
+    slots = {n["node"]: n["instances"] for n in out["topology"]["nodes"]}
+    assert slots == {"h-a": ["prefill#2"], "l-a": ["decode#1"], "h-b": ["prefill#6"], "l-b": ["decode#3", "decode#4", "decode#5"]}
