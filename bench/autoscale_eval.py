@@ -97,14 +97,18 @@ def candidates(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> list[
     """(family, policy spec, autoscaler overrides) for every knob value tried."""
     pd = round(profiled_pd_ratio(fleet, reqs), 3)
     runs: list[tuple[str, str, dict[str, Any]]] = []
-    lookahead = FLEET["cold_start_s"]  # project rising demand over one cold start
-    for u in ((0.5, 0.7) if quick else (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)):
-        runs.append(("mosaic", "mosaic", {"utilization_target": u, "pd_ratio": pd, "lookahead_s": lookahead}))
+    # Both target-driven families get the same fine grid of utilisation targets. Mosaic's scale-in window is
+    # one cold start (an instance is kept as long as re-buying it would take); no trend lookahead (on these
+    # traces projecting the trend bought instances for noise and steps: see docs/autoscaling.md).
+    grid = (0.5, 0.7) if quick else (0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
+    for u in grid:
+        runs.append(("mosaic", "mosaic", {"utilization_target": u, "pd_ratio": pd,
+                                          "scale_down_window_s": FLEET["cold_start_s"]}))
     for t in ((0.7,) if quick else (0.5, 0.7, 0.9)):
         runs.append(("hpa-util", f"hpa-util:{t}", {}))
     for t in ((1, 4) if quick else (0.5, 1, 2, 4, 8)):
         runs.append(("hpa-waiting", f"hpa-waiting:{t}", {}))
-    for u in ((0.4, 0.8) if quick else (0.3, 0.4, 0.6, 0.8, 1.0)):
+    for u in ((0.4, 0.8) if quick else (0.3, 0.4, *grid)):
         runs.append(("dynamo", "dynamo:180", {"utilization_target": u}))
     for f in ((1.0, 1.5) if quick else (1.0, 1.25, 1.5, 2.0)):
         counts = static_peak_counts(fleet, reqs, f)

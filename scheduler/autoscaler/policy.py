@@ -55,13 +55,16 @@ class AutoscalerConfig:
     severe_boost: float = 1.2
     severe_factor: float = 1.5
     lookahead_s: float = 0.0  # project rising demand this far ahead (set it to the cold start); 0 = off
-    trend_smoothing: float = 0.3  # EWMA weight of the newest slope sample
+    smoothing: float = 0.3  # EWMA weight of the newest demand sample (1 = raw, unsmoothed)
+    trend_smoothing: float = 0.3  # EWMA weight of the newest slope sample of the smoothed level
 
     def __post_init__(self) -> None:
         if not 0 < self.utilization_target <= 1:
             raise ValueError("utilization_target must be in (0, 1]")
         if self.pd_ratio < 0 or self.tolerance < 0:
             raise ValueError("pd_ratio and tolerance must be ≥ 0")
+        if not (0 < self.smoothing <= 1 and 0 < self.trend_smoothing <= 1):
+            raise ValueError("smoothing and trend_smoothing must be in (0, 1]")
 
 
 class MosaicAutoscaler:
@@ -75,6 +78,7 @@ class MosaicAutoscaler:
         self.config = config
         self._history: dict[str, deque[tuple[float, int]]] = {p.name: deque() for p in pools}
         self._trend: dict[str, tuple[float, float, float]] = {}  # key → (time, demand, smoothed slope)
+        self._seeded: set[str] = set()
 
     def decide(self, obs: Observation) -> ScalingDecision:
         targets: dict[str, int] = {}
@@ -105,8 +109,8 @@ class MosaicAutoscaler:
         # Arrivals (seen by the gateway) bound demand from below: a saturated pool's token rate cannot rise
         # above its capacity, the arrival rate can. In steady state the two are equal (tokens are conserved).
         arriving_decode = obs.request_rate * obs.mean_output_tokens
-        decode_demand = (max(decode_tps, arriving_decode) + waiting * out_tokens / cfg.queue_drain_s) * decode_boost
-        decode_demand = self._lookahead(f"{model}/decode", decode_demand, obs.now)
+        decode_level = self._forecast(f"{model}/decode", max(decode_tps, arriving_decode), obs.now)
+        decode_demand = (decode_level + waiting * out_tokens / cfg.queue_drain_s) * decode_boost
         signal[f"{model}/decode_tps"] = decode_tps
         signal[f"{model}/waiting"] = float(waiting)
         signal[f"{model}/decode_demand_tps"] = decode_demand
@@ -126,8 +130,8 @@ class MosaicAutoscaler:
         )
         # prompt tokens/s demand, with the prefill backlog to be cleared within queue_drain_s
         arriving_prompt = obs.request_rate * obs.mean_input_tokens
-        demand = (max(prompt_tps, arriving_prompt) + prefill_waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
-        demand = self._lookahead(f"{model}/prefill", demand, obs.now)
+        prompt_level = self._forecast(f"{model}/prefill", max(prompt_tps, arriving_prompt), obs.now)
+        demand = (prompt_level + prefill_waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
         signal[f"{model}/prefill_demand_tps"] = demand
         by_demand = demand / cfg.utilization_target
         if cfg.prefill_mode == "ratio":
@@ -162,21 +166,27 @@ class MosaicAutoscaler:
             mean_cap = sum(p.decode_tps_capacity for p in pools) / len(pools)
         return decode_demand / (self.config.utilization_target * mean_cap)
 
-    def _lookahead(self, key: str, demand: float, now: float) -> float:
-        """Demand projected `lookahead_s` ahead along its smoothed rising trend (never below `demand`).
+    def _forecast(self, key: str, demand: float, now: float) -> float:
+        """Smoothed demand, projected `lookahead_s` ahead along its smoothed rising trend.
 
-        An instance bought now serves only after its cold start, so on a ramp the policy buys for the
-        demand it will see then. The trend is an EWMA of the per-second slope between cycles; falling
-        trends are ignored (scale-in stays on measured demand and the stabilisation window).
+        level ← α·demand + (1−α)·level (α = `smoothing`: one interval's rate is a noisy sample, and a
+        single spike must not buy an instance that the scale-down window then holds for minutes);
+        trend ← β·(Δlevel/Δt) + (1−β)·trend (β = `trend_smoothing`, per second). The result is
+        level + max(0, trend)·lookahead_s: an instance bought now serves only after its cold start, so on
+        a sustained ramp the policy buys for the demand it will see then; a falling trend is ignored
+        (scale-in stays on the level and the stabilisation window). Backlog and the latency net are added
+        by the caller unsmoothed, so real queueing still acts at once.
         """
         cfg = self.config
         previous = self._trend.get(key)
-        slope = 0.0
-        if previous is not None and now > previous[0]:
-            raw = (demand - previous[1]) / (now - previous[0])
-            slope = cfg.trend_smoothing * raw + (1 - cfg.trend_smoothing) * previous[2]
-        self._trend[key] = (now, demand, slope)
-        return demand + max(0.0, slope) * cfg.lookahead_s
+        if previous is None or now <= previous[0]:
+            level, slope = demand, 0.0 if previous is None else previous[2]
+        else:
+            t0, level0, slope0 = previous
+            level = cfg.smoothing * demand + (1 - cfg.smoothing) * level0
+            slope = cfg.trend_smoothing * (level - level0) / (now - t0) + (1 - cfg.trend_smoothing) * slope0
+        self._trend[key] = (now, level, slope)
+        return level + max(0.0, slope) * cfg.lookahead_s
 
     def _boost(self, measured: float | None, slo: float | None) -> float:
         cfg = self.config
@@ -219,6 +229,11 @@ class MosaicAutoscaler:
     def _damp(self, pool: PoolSpec, n: int, want: int, now: float) -> int:
         cfg = self.config
         history = self._history[pool.name]
+        if pool.name not in self._seeded:
+            # The size the pool had when the policy took over counts as a recommendation: no scale-in on
+            # less than one window of evidence (one interval's rate at start-up is not a trend).
+            self._seeded.add(pool.name)
+            history.append((now, n))
         history.append((now, want))
         while history and history[0][0] < now - cfg.scale_down_window_s:
             history.popleft()

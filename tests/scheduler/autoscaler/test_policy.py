@@ -27,7 +27,9 @@ def po(ready: int, decode_tps: float = 0.0, starting: int = 0, waiting: int = 0)
     return PoolObservation(ready=ready, starting=starting, decode_tokens_per_s=decode_tps, num_waiting=waiting)
 
 
-CFG = AutoscalerConfig(utilization_target=0.8, pd_ratio=0.5, scale_down_window_s=300)
+# The tests below pin the sizing arithmetic on the raw signal (smoothing=1.0: the newest sample only);
+# the smoothing itself is tested on its own.
+CFG = AutoscalerConfig(smoothing=1.0, utilization_target=0.8, pd_ratio=0.5, scale_down_window_s=300)
 
 
 def test_decode_sized_from_tokens_per_second_and_prefill_follows_ratio() -> None:
@@ -74,7 +76,7 @@ def test_scale_down_waits_for_the_stabilisation_window_and_is_damped() -> None:
 
 
 def test_latency_safety_net_only_adds() -> None:
-    cfg = AutoscalerConfig(utilization_target=0.8, tpot_slo_s=0.05, scale_down_window_s=0)
+    cfg = AutoscalerConfig(smoothing=1.0, utilization_target=0.8, tpot_slo_s=0.05, scale_down_window_s=0)
     policy = MosaicAutoscaler([decode_pool()], cfg)
     # light load would scale 8 → 6 (2,000/800 = 2.5 → 3, damped to 8 − 2), but TPOT breaches: hold at 8
     breached = Observation(now=0, pools={"d-a100": po(8, 2000)}, tpot_p90_s=0.06)
@@ -88,7 +90,7 @@ def test_latency_safety_net_only_adds() -> None:
 
 
 def test_queueing_is_seen_as_demand() -> None:
-    cfg = AutoscalerConfig(utilization_target=0.8, queue_drain_s=30, default_output_tokens=200)
+    cfg = AutoscalerConfig(smoothing=1.0, utilization_target=0.8, queue_drain_s=30, default_output_tokens=200)
     policy = MosaicAutoscaler([decode_pool()], cfg)
     # backpressure: decode tokens/s capped at what 2 instances do (1,600), but 300 requests wait
     # demand = 1,600 + 300 · 200 / 30 = 3,600 → 3,600 / 800 = 4.5 → 5 (within the +4 step from 2)
@@ -97,7 +99,7 @@ def test_queueing_is_seen_as_demand() -> None:
 
 
 def test_consolidation_check_before_scale_in() -> None:
-    cfg = AutoscalerConfig(utilization_target=0.8, tolerance=0.0, scale_down_window_s=0)
+    cfg = AutoscalerConfig(smoothing=1.0, utilization_target=0.8, tolerance=0.0, scale_down_window_s=0)
     policy = MosaicAutoscaler([decode_pool()], cfg)
     # 4 instances at 2,500 tok/s: removing one gives 2,500/3 = 833 per instance > 800 target → keep 4
     assert policy.decide(obs(0, **{"d-a100": po(4, 2500)})).targets["d-a100"] == 4
@@ -117,13 +119,13 @@ def test_buys_cheapest_capacity_first_and_sells_priciest_first() -> None:
 
 
 def test_min_and_max_replicas_are_respected() -> None:
-    policy = MosaicAutoscaler([decode_pool(lo=2, hi=5)], AutoscalerConfig(scale_down_window_s=0))
+    policy = MosaicAutoscaler([decode_pool(lo=2, hi=5)], AutoscalerConfig(smoothing=1.0, scale_down_window_s=0))
     assert policy.decide(obs(0, **{"d-a100": po(4, 100_000)})).targets["d-a100"] == 5
     assert policy.decide(obs(15, **{"d-a100": po(2, 0)})).targets["d-a100"] == 2
 
 
 def test_prompt_token_mode_sizes_prefill_by_prompt_demand() -> None:
-    cfg = AutoscalerConfig(utilization_target=0.8, prefill_mode="prompt_tokens")
+    cfg = AutoscalerConfig(smoothing=1.0, utilization_target=0.8, prefill_mode="prompt_tokens")
     policy = MosaicAutoscaler([decode_pool(), prefill_pool(tps=10_000)], cfg)
     o = Observation(now=0, pools={"d-a100": po(1, 800), "p-h100": PoolObservation(ready=1, prompt_tokens_per_s=20_000)})
     # 20,000 / (10,000 · 0.8) = 2.5 → 3
@@ -188,7 +190,7 @@ def test_prompt_demand_is_a_floor_under_the_ratio() -> None:
 
 
 def test_any_shortfall_scales_up_at_once_but_a_small_surplus_is_kept() -> None:
-    policy = MosaicAutoscaler([decode_pool()], AutoscalerConfig(utilization_target=0.8, scale_down_window_s=0))
+    policy = MosaicAutoscaler([decode_pool()], AutoscalerConfig(smoothing=1.0, utilization_target=0.8, scale_down_window_s=0))
     # 4,040 tok/s needs 4,040 / 0.8 = 5,050 of capacity; 5 instances give 5,000 → add one now
     assert policy.decide(obs(0, **{"d-a100": po(5, 4040)})).targets["d-a100"] == 6
     # 6 instances (6,000) for 4,400 / 0.8 = 5,500: surplus 8% < 10% tolerance → keep 6
@@ -196,7 +198,7 @@ def test_any_shortfall_scales_up_at_once_but_a_small_surplus_is_kept() -> None:
 
 
 def test_lookahead_projects_a_rising_trend_and_ignores_a_falling_one() -> None:
-    cfg = AutoscalerConfig(utilization_target=0.8, lookahead_s=120, trend_smoothing=1.0, max_scale_up_step=100,
+    cfg = AutoscalerConfig(smoothing=1.0, utilization_target=0.8, lookahead_s=120, trend_smoothing=1.0, max_scale_up_step=100,
                            scale_down_window_s=0)
     policy = MosaicAutoscaler([decode_pool(hi=64)], cfg)
     policy.decide(obs(0, **{"d-a100": po(3, 1000)}))
