@@ -90,17 +90,7 @@ def solve_cp_sat(
     if fixed_counts is not None:
         bounds = [(n, n) for n in fixed_counts]
     counts = [m.new_int_var(lb, ub, f"n{o}") for o, (lb, ub) in enumerate(bounds)]
-    shares = [{o: m.new_int_var(0, units, f"s{i}_{o}") for o in p.options} for i, p in enumerate(paths)]
-    for s, (mixed, pre, dec) in zip(shares, _share_rows(paths, problem), strict=True):
-        m.add(sum(s[o] for o in mixed + pre) == units)
-        if pre:
-            m.add(sum(s[o] for o in dec) == sum(s[o] for o in pre))
-    rows = _group_by_window(paths)
-    peak = max((sum(coefs[i][o] * units for i in idx) for (_, o), idx in rows.items()), default=1.0)
-    scale = float(min(10**9, 2 ** math.floor(math.log2(MAX_SCALED / max(peak + 1.0, 1.0)))))
-    rnd = math.ceil if round_up else math.floor
-    for (_, o), idx in rows.items():
-        m.add(sum(int(rnd(scale * coefs[i][o])) * shares[i][o] for i in idx) <= int(scale) * counts[o])
+    shares = _sliced_rows(m, problem, paths, coefs, units, counts, round_up)
     _gpu_rows(problem, m, counts)
     micro = [problem.option_cost(opt) * COST_SCALE for opt in problem.options]
     objective = sum(round(c) * counts[o] for o, c in enumerate(micro))
@@ -139,6 +129,70 @@ def solve_cp_sat(
     )
 
 
+def fit_slices(
+    problem: MixProblem,
+    paths: Sequence[Path],
+    coefs: Sequence[Mapping[int, float]],
+    units: int,
+    counts: Sequence[int],
+    time_limit_s: float,
+    *,
+    round_up: bool = False,
+) -> EngineResult:
+    """Do whole slices fit exactly `counts`? A CP-SAT feasibility model (no objective, counts constant).
+
+    Same scaling as `solve_cp_sat` (rounded down: its INFEASIBLE is a proof; rounded up: every solution is
+    truly feasible). Presolve is off: on these small, tight packing models it cost more than it saved
+    (measured on bench/placement_scale.py's leaves). The caller checks the GPU caps of `counts`.
+    """
+    started = time.perf_counter()
+    m = cp_model.CpModel()
+    shares = _sliced_rows(m, problem, paths, coefs, units, counts, round_up)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(time_limit_s, 0.001)
+    solver.parameters.num_workers = 1
+    solver.parameters.cp_model_presolve = False
+    code = solver.solve(m)
+    wall = time.perf_counter() - started
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        status = Status.INFEASIBLE if code == cp_model.INFEASIBLE else Status.UNKNOWN
+        return EngineResult(status, (), (), None, None, wall, "cp-sat")
+    cost = sum(problem.option_cost(opt) * n for opt, n in zip(problem.options, counts, strict=True))
+    values = tuple({o: float(solver.value(v)) for o, v in s.items()} for s in shares)
+    return EngineResult(Status.OPTIMAL, tuple(counts), values, cost, cost, wall, "cp-sat")
+
+
+def _scale(
+    coefs: Sequence[Mapping[int, float]], rows: Mapping[tuple[int, int], list[int]], units: int
+) -> float:
+    """A power of two ≤ 10⁹ keeping every scaled load row exactly representable (see MAX_SCALED)."""
+    peak = max((sum(coefs[i][o] * units for i in idx) for (_, o), idx in rows.items()), default=1.0)
+    return float(min(10**9, 2 ** math.floor(math.log2(MAX_SCALED / max(peak + 1.0, 1.0)))))
+
+
+def _sliced_rows(
+    m: cp_model.CpModel,
+    problem: MixProblem,
+    paths: Sequence[Path],
+    coefs: Sequence[Mapping[int, float]],
+    units: int,
+    counts: Sequence[cp_model.IntVar] | Sequence[int],
+    round_up: bool,
+) -> list[dict[int, cp_model.IntVar]]:
+    """Integer shares per path with the serve and P/D rows, and the scaled load rows against `counts`."""
+    shares = [{o: m.new_int_var(0, units, f"s{i}_{o}") for o in p.options} for i, p in enumerate(paths)]
+    for s, (mixed, pre, dec) in zip(shares, _share_rows(paths, problem), strict=True):
+        m.add(sum(s[o] for o in mixed + pre) == units)
+        if pre:
+            m.add(sum(s[o] for o in dec) == sum(s[o] for o in pre))
+    rows = _group_by_window(paths)
+    scale = _scale(coefs, rows, units)
+    rnd = math.ceil if round_up else math.floor
+    for (_, o), idx in rows.items():
+        m.add(sum(int(rnd(scale * coefs[i][o])) * shares[i][o] for i in idx) <= int(scale) * counts[o])
+    return shares
+
+
 def _gpu_rows(problem: MixProblem, m: cp_model.CpModel, counts: Sequence[cp_model.IntVar]) -> None:
     for name, offer in problem.gpus.items():
         used = [(o, opt.tp) for o, opt in enumerate(problem.options) if opt.gpu == name]
@@ -148,6 +202,43 @@ def _gpu_rows(problem: MixProblem, m: cp_model.CpModel, counts: Sequence[cp_mode
         m.add(total >= offer.min_gpus)
         if offer.max_gpus is not None:
             m.add(total <= offer.max_gpus)
+
+
+def build_linear(
+    solver: pywraplp.Solver,
+    problem: MixProblem,
+    paths: Sequence[Path],
+    coefs: Sequence[Mapping[int, float]],
+    units: int,
+    *,
+    integral_counts: bool,
+    integral_shares: bool,
+) -> tuple[list[pywraplp.Variable], list[dict[int, pywraplp.Variable]], pywraplp.LinearExpr]:
+    """The model of `placement.binpacking` in a pywraplp solver: (counts N_o, shares per path, cost).
+
+    With both flags False it is the LP relaxation (GLOP) that `placement.count_search` branches on.
+    """
+    bounds = count_bounds(problem, paths, coefs, units)
+    make_count = solver.IntVar if integral_counts else solver.NumVar
+    counts = [make_count(lb, ub, f"n{o}") for o, (lb, ub) in enumerate(bounds)]
+    make = solver.IntVar if integral_shares else solver.NumVar
+    shares = [{o: make(0, units, f"s{i}_{o}") for o in p.options} for i, p in enumerate(paths)]
+    for s, (mixed, pre, dec) in zip(shares, _share_rows(paths, problem), strict=True):
+        solver.Add(solver.Sum([s[o] for o in mixed + pre]) == units)
+        if pre:
+            solver.Add(solver.Sum([s[o] for o in dec]) == solver.Sum([s[o] for o in pre]))
+    for (_, o), idx in _group_by_window(paths).items():
+        # Rows in milli-instances: SCIP drops matrix entries below 1e-9, and a tiny bucket's load can be that small.
+        solver.Add(solver.Sum([1000.0 * coefs[i][o] * shares[i][o] for i in idx]) <= 1000.0 * counts[o])
+    for name, offer in problem.gpus.items():
+        used = [(o, opt.tp) for o, opt in enumerate(problem.options) if opt.gpu == name]
+        if used and (offer.min_gpus > 0 or offer.max_gpus is not None):
+            total = solver.Sum([tp * counts[o] for o, tp in used])
+            solver.Add(total >= offer.min_gpus)
+            if offer.max_gpus is not None:
+                solver.Add(total <= offer.max_gpus)
+    objective = solver.Sum([problem.option_cost(opt) * counts[o] for o, opt in enumerate(problem.options)])
+    return counts, shares, objective
 
 
 _MIP_STATUS = {
@@ -177,25 +268,9 @@ def solve_mip(
     solver = pywraplp.Solver.CreateSolver(backend)
     if solver is None:  # pragma: no cover - depends on the OR-Tools build
         raise RuntimeError(f"OR-Tools in this environment has no {backend} solver")
-    bounds = count_bounds(problem, paths, coefs, units)
-    counts = [solver.IntVar(lb, ub, f"n{o}") for o, (lb, ub) in enumerate(bounds)]
-    make = solver.IntVar if integral_shares else solver.NumVar
-    shares = [{o: make(0, units, f"s{i}_{o}") for o in p.options} for i, p in enumerate(paths)]
-    for s, (mixed, pre, dec) in zip(shares, _share_rows(paths, problem), strict=True):
-        solver.Add(solver.Sum([s[o] for o in mixed + pre]) == units)
-        if pre:
-            solver.Add(solver.Sum([s[o] for o in dec]) == solver.Sum([s[o] for o in pre]))
-    for (_, o), idx in _group_by_window(paths).items():
-        # Rows in milli-instances: SCIP drops matrix entries below 1e-9, and a tiny bucket's load can be that small.
-        solver.Add(solver.Sum([1000.0 * coefs[i][o] * shares[i][o] for i in idx]) <= 1000.0 * counts[o])
-    for name, offer in problem.gpus.items():
-        used = [(o, opt.tp) for o, opt in enumerate(problem.options) if opt.gpu == name]
-        if used and (offer.min_gpus > 0 or offer.max_gpus is not None):
-            total = solver.Sum([tp * counts[o] for o, tp in used])
-            solver.Add(total >= offer.min_gpus)
-            if offer.max_gpus is not None:
-                solver.Add(total <= offer.max_gpus)
-    objective = solver.Sum([problem.option_cost(opt) * counts[o] for o, opt in enumerate(problem.options)])
+    counts, shares, objective = build_linear(
+        solver, problem, paths, coefs, units, integral_counts=True, integral_shares=integral_shares
+    )
     if lower_bound is not None:
         solver.Add(objective >= lower_bound * (1 - 1e-9) - 1e-9)
     solver.Minimize(objective)

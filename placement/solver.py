@@ -6,14 +6,13 @@ status, gap, bound and wall time. Every answer is re-checked in floating point: 
 exceeds its count is repaired upward (and the status downgraded to `feasible`), never hidden.
 
 Engine choice ("auto") follows `bench/placement_scale.py` (docs/placement.md has the table): CP-SAT for
-the sliced model, SCIP for the continuous one (CP-SAT has no real variables).
+the sliced model, SCIP for the continuous one (CP-SAT has no real variables). How each engine is driven
+(count search, bounds, hints, fallbacks) lives in `placement.engine_pipeline`.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,7 +32,8 @@ from placement.binpacking import (
     serving_paths,
     window_loads,
 )
-from placement.mip_engines import count_bounds, solve_cp_sat, solve_mip
+from placement.engine_pipeline import run_engine
+from placement.mip_engines import count_bounds
 
 ENGINES = ("auto", "cp-sat", "scip")
 DEFAULT_TIME_LIMIT_S = 10.0
@@ -98,7 +98,7 @@ def solve_mix(
     units = slice_factor if variant is Variant.SLICED else 1
     coefs = load_coefficients(problem, paths, units)
     _check_bounds(problem, paths, coefs, units)
-    result = _run(problem, paths, coefs, units, engine, variant, time_limit_s)
+    result = run_engine(problem, paths, coefs, units, engine, variant, time_limit_s)
     if result.status is Status.INFEASIBLE:
         if not explain:  # explain_infeasible's own probes: one level only, never recursive
             raise InfeasibleError("no fleet within the caps serves the demand")
@@ -110,207 +110,6 @@ def solve_mix(
             f"no solution found within the {time_limit_s:g} s time limit ({engine}); raise --time-limit"
         )
     return _finish(problem, paths, coefs, units, result, variant, slice_factor, unservable)
-
-
-QUICK_S = 0.05  # first, plain CP-SAT on one worker: small instances close within this
-# CP-SAT's portfolio for the hard tail: up to 8 workers, never more than the machine has cores
-EXACT_WORKERS = max(1, min(8, os.cpu_count() or 1))
-
-
-def _run(
-    problem: MixProblem,
-    paths: Sequence[Path],
-    coefs: Sequence[Mapping[int, float]],
-    units: int,
-    engine: str,
-    variant: Variant,
-    limit: float,
-) -> EngineResult:
-    if variant is Variant.CONTINUOUS:
-        return solve_mip(problem, paths, coefs, units, limit, backend=engine.upper(), integral_shares=False)
-    deadline = time.perf_counter() + limit
-    quick: EngineResult | None = None
-    if engine == "cp-sat":
-        quick = _cp_sat_exact(problem, paths, coefs, units, min(QUICK_S, limit * 0.25), workers=1)
-        if quick.status in (Status.OPTIMAL, Status.INFEASIBLE):
-            return quick
-    # Larger instances: the continuous optimum (same model, real shares) is a lower bound. Rounding its shares
-    # to whole slices often meets it, which proves optimality at once; else, whole slices may still fit its
-    # fleet (a feasibility question); else the exact engine runs with the bound as a cut and the best fleet
-    # so far as a hint, on every worker. CP-SAT's incumbent (whole slices are real shares too) seeds SCIP.
-    spent = quick.wall_s if quick else 0.0
-    seed = quick if quick is not None and quick.counts else None
-    relax = solve_mip(
-        problem,
-        paths,
-        coefs,
-        units,
-        max(deadline - time.perf_counter(), 0.05) * 0.4,
-        backend="SCIP",
-        integral_shares=False,
-        hint=seed,
-    )
-    spent += relax.wall_s
-    if relax.status is Status.INFEASIBLE:
-        return relax
-    lower = relax.bound
-    hint = (
-        _round_shares(problem, paths, coefs, units, relax)
-        if relax.status in (Status.OPTIMAL, Status.FEASIBLE)
-        else None
-    )
-    if (
-        hint is not None
-        and lower is not None
-        and hint.objective is not None
-        and hint.objective <= lower * (1 + 1e-9) + 1e-9
-    ):
-        return replace(
-            hint, wall_s=spent, notes=("optimal: whole slices from the continuous optimum meet its bound",)
-        )
-    if (
-        quick is not None
-        and quick.objective is not None
-        and (hint is None or hint.objective is None or quick.objective < hint.objective)
-    ):
-        hint = quick
-    if relax.status is Status.OPTIMAL and engine == "cp-sat":
-        budget = max((deadline - time.perf_counter()) * 0.25, 0.02)
-        fit = solve_cp_sat(
-            problem,
-            paths,
-            coefs,
-            units,
-            budget,
-            round_up=True,
-            fixed_counts=relax.counts,
-            hint=hint,
-            workers=1,
-        )
-        spent += fit.wall_s
-        if fit.status in (Status.OPTIMAL, Status.FEASIBLE):  # counts pinned: any solution costs the bound
-            note = "optimal: whole slices fit the continuous optimum's fleet"
-            return replace(
-                fit,
-                status=Status.OPTIMAL,
-                objective=relax.objective,
-                bound=relax.objective,
-                wall_s=spent,
-                notes=(note,),
-            )
-    left = max(deadline - time.perf_counter(), 0.05)
-    if engine != "cp-sat":
-        exact = solve_mip(problem, paths, coefs, units, left, backend=engine.upper(), lower_bound=lower)
-    else:
-        exact = _cp_sat_exact(
-            problem, paths, coefs, units, left, workers=EXACT_WORKERS, lower_bound=lower, hint=hint
-        )
-    return _best(exact, hint, spent)
-
-
-def _cp_sat_exact(
-    problem: MixProblem,
-    paths: Sequence[Path],
-    coefs: Sequence[Mapping[int, float]],
-    units: int,
-    limit: float,
-    *,
-    workers: int,
-    lower_bound: float | None = None,
-    hint: EngineResult | None = None,
-) -> EngineResult:
-    """CP-SAT on the rounded-down (relaxed) scaling; if float dust overloads an option, the rounded-up one."""
-    deadline = time.perf_counter() + limit
-    kw: dict[str, Any] = {"workers": workers, "lower_bound": lower_bound, "hint": hint}
-    exact = solve_cp_sat(problem, paths, coefs, units, limit, **kw)
-    if exact.status not in (Status.OPTIMAL, Status.FEASIBLE) or not _violations(problem, paths, coefs, exact):
-        return exact
-    # The relaxation's answer overloads some option by float dust: solve the rounded-up model, whose answers
-    # are all truly feasible; the relaxation's bound still bounds the true optimum.
-    restricted = solve_cp_sat(
-        problem, paths, coefs, units, max(deadline - time.perf_counter(), 0.05), round_up=True, **kw
-    )
-    if restricted.status not in (Status.OPTIMAL, Status.FEASIBLE):
-        return replace(
-            exact,
-            status=Status.FEASIBLE,
-            notes=("rounded-up model found no solution in time; counts repaired",),
-        )
-    assert exact.bound is not None and restricted.objective is not None
-    proven = restricted.status is Status.OPTIMAL and restricted.objective <= exact.bound * (1 + 1e-9) + 1e-6
-    return replace(
-        restricted,
-        status=Status.OPTIMAL if proven else Status.FEASIBLE,
-        bound=exact.bound,
-        wall_s=exact.wall_s + restricted.wall_s,
-    )
-
-
-def _best(exact: EngineResult, hint: EngineResult | None, extra_s: float) -> EngineResult:
-    """The exact engine's answer, or the rounded hint when the engine ran out of time with nothing better."""
-    exact = replace(exact, wall_s=exact.wall_s + extra_s)
-    if exact.status is Status.OPTIMAL or hint is None or hint.objective is None:
-        return exact
-    if exact.objective is None or hint.objective < exact.objective:
-        return replace(
-            hint, status=Status.FEASIBLE, bound=exact.bound, wall_s=exact.wall_s, engine=exact.engine
-        )
-    return exact
-
-
-def _round_shares(
-    problem: MixProblem,
-    paths: Sequence[Path],
-    coefs: Sequence[Mapping[int, float]],
-    units: int,
-    relax: EngineResult,
-) -> EngineResult | None:
-    """Whole slices from real shares (largest remainder per path), counts from the loads; None if a cap breaks."""
-    shares: list[dict[int, float]] = []
-    for p, real in zip(paths, relax.shares, strict=True):
-        first = p.mixed + (p.prefill if p.prefill and p.decode else ())
-        whole = _largest_remainder({o: real.get(o, 0.0) for o in first}, units)
-        if p.prefill and p.decode:
-            target = sum(whole.get(o, 0) for o in p.prefill)
-            whole |= _largest_remainder({o: real.get(o, 0.0) for o in p.decode}, target)
-        shares.append({o: float(v) for o, v in whole.items()})
-    loads = window_loads(problem, paths, coefs, shares)
-    counts = [opt.min_instances for opt in problem.options]
-    for (_, o), load in loads.items():
-        counts[o] = max(counts[o], needed_instances(load))
-    if not _within_caps(problem, counts):
-        return None
-    cost = sum(problem.option_cost(opt) * n for opt, n in zip(problem.options, counts, strict=True))
-    return EngineResult(Status.OPTIMAL, tuple(counts), tuple(shares), cost, cost, 0.0, "scip+rounding")
-
-
-def _largest_remainder(real: Mapping[int, float], total: int) -> dict[int, int]:
-    scale = sum(real.values())
-    if total == 0 or scale <= 0:
-        return {o: 0 for o in real} | ({next(iter(real)): total} if real and total else {})
-    exact = {o: v * total / scale for o, v in real.items()}
-    whole = {o: math.floor(v) for o, v in exact.items()}
-    for o in sorted(exact, key=lambda o: exact[o] - whole[o], reverse=True)[: total - sum(whole.values())]:
-        whole[o] += 1
-    return whole
-
-
-def _within_caps(problem: MixProblem, counts: Sequence[int]) -> bool:
-    for opt, n in zip(problem.options, counts, strict=True):
-        if opt.max_instances is not None and n > opt.max_instances:
-            return False
-    for name, offer in problem.gpus.items():
-        used = sum(n * opt.tp for opt, n in zip(problem.options, counts, strict=True) if opt.gpu == name)
-        if used < offer.min_gpus or (offer.max_gpus is not None and used > offer.max_gpus):
-            return False
-    return True
-
-
-def _violations(
-    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], r: EngineResult
-) -> int:
-    loads = window_loads(problem, paths, coefs, r.shares)
-    return sum(1 for (_, o), load in loads.items() if needed_instances(load) > r.counts[o])
 
 
 def _check_bounds(
