@@ -42,6 +42,7 @@ from placement.kv_profile import HeadProfile, load_head_profile
 from scheduler.kv.batch_admission import AdmissionParams, plan_admission
 from scheduler.kv.footprint import CompressionSpec
 from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
+from scheduler.routing.config import RoutingConfig, build_router
 from simulator.engine import EngineConfig
 from simulator.kv_compression import CompressionModel
 from simulator.kv_fleet import Arrival, KvFleet, WorkerSpec, with_oracle
@@ -123,6 +124,16 @@ def mooncake(n: int, stretch: float, start: int = 0) -> list[Arrival] | None:
     return out
 
 
+def mooncake_slices(args: argparse.Namespace, starts: tuple[int, ...]) -> dict[str, list[Arrival]]:
+    """`mooncake rows N+` → that slice, for each start row (none when the trace is absent)."""
+    out = {}
+    for start in starts:
+        sl = mooncake(args.mooncake_requests, args.mooncake_stretch, start)
+        if sl:
+            out[f"mooncake rows {start}+"] = sl
+    return out
+
+
 def run_policies(
     arrivals: list[Arrival],
     specs: list[WorkerSpec],
@@ -147,6 +158,54 @@ def run_policies(
             f"goodput {m['goodput_rps']:.3f}/s  ttft p99 {m['ttft_p99_s']:7.1f}s  "
             f"eff {m['reservation_efficiency'] or 0:.2f}  under {m['under_reservation_rate'] or 0:.2f}  "
             f"({m['wall_s']}s)",
+            flush=True,
+        )
+    return rows
+
+
+BEST_FIT_WEIGHTS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
+LONG_PROMPT = 12_000  # "large long-context" requests in the synthetic mix (12–28k-token prompts)
+
+
+def routed_fleet(specs: list[WorkerSpec], weight: float, aging_s: float = 30.0) -> KvFleet:
+    """B3 with the gateway's router placing each request: `mosaic` scorers plus kv-best-fit at `weight`."""
+    ledger = KvLedger(
+        LedgerSettings(), SpecTable(by_pool={s.id: s.compression.spec() for s in specs if s.compression})
+    )
+    weights = {"kv-best-fit": weight}
+    cfg = RoutingConfig(
+        plugins=[{"type": "kv-best-fit"}],  # type: ignore[list-item]
+        profiles={"mixed": {"weights": weights}, "decode": {"weights": weights}},  # type: ignore[dict-item]
+    )
+    return KvFleet(specs, ledger, router=build_router(cfg, reserve=[ledger]), aging_s=aging_s)
+
+
+def best_fit_sweep(arrivals: list[Arrival], specs: list[WorkerSpec]) -> dict[str, Any]:
+    """kv-best-fit weight in the router vs goodput, TTFT p99 and how long long prompts wait to be admitted."""
+    rows: dict[str, Any] = {}
+    for w in BEST_FIT_WEIGHTS:
+        t0 = time.perf_counter()
+        run = routed_fleet(specs, w).run(arrivals)
+        m = summarize(run, SLO).as_dict()
+        waits = sorted(
+            (r.dispatched - r.arrival.t)
+            for r in run.requests.values()
+            if r.dispatched is not None and r.arrival.prompt >= LONG_PROMPT
+        )
+        row = {
+            "goodput_rps": m["goodput_rps"],
+            "ttft_p99_s": m["ttft_p99_s"],
+            "concurrency_compression": m["concurrency_compression"],
+            "preemptions": m["preemptions"],
+            "long_wait_mean_s": round(statistics.fmean(waits), 2) if waits else None,
+            "long_wait_p99_s": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 2) if waits else None,
+            "wall_s": round(time.perf_counter() - t0, 2),
+        }
+        rows[f"{w:g}"] = row
+        print(
+            f"  kv-best-fit {w:4g}: goodput {row['goodput_rps']:.3f}/s  ttft p99 {row['ttft_p99_s']:7.1f}s  "
+            f"long-prompt wait mean {row['long_wait_mean_s']}s p99 {row['long_wait_p99_s']}s  "
+            f"conc(comp) {row['concurrency_compression'] or 0:.1f}  pre {row['preemptions']}  ({row['wall_s']}s)",
             flush=True,
         )
     return rows
@@ -330,6 +389,11 @@ def main() -> None:
     ap.add_argument("--mooncake-stretch", type=float, default=1.0, help="multiply the trace's arrival times")
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "kv_reservation.png")
     ap.add_argument("--dry-run", action="store_true", help="print only: no JSON, BENCHMARKS.md line or plot")
+    ap.add_argument(
+        "--best-fit-sweep",
+        action="store_true",
+        help="only the kv-best-fit routing weight sweep (B3, router placement); JSON → kv_best_fit_weight",
+    )
     args = ap.parse_args()
     if args.quick:
         args.requests, args.mooncake_requests = 120, 150
@@ -337,6 +401,9 @@ def main() -> None:
         sys.exit(f"profile {PROFILE} is absent (../shared/data): nothing to benchmark")
     profile = load_head_profile(PROFILE)
     model = CompressionModel.build(profile, 4, 2.0, CHUNK, static_budget=True)
+    if args.best_fit_sweep:
+        sweep_main(args, fleet_specs(model))
+        return
     pols = policies(profile, model)
     names = ["B0", "B1", "B2", "B3", "B4", "B3+plan-greedy", "B3+cp-sat", "B3 predicted"]
     specs = fleet_specs(model)
@@ -377,10 +444,7 @@ def main() -> None:
         "synthetic seed 1": synthetic(args.requests, args.rate, seed=1),
         "synthetic seed 2, rate +25%": synthetic(args.requests, args.rate * 1.25, seed=2),
     }
-    for start in (1000, 2000):
-        sl = mooncake(args.mooncake_requests, args.mooncake_stretch, start)
-        if sl:
-            extra[f"mooncake rows {start}+"] = sl
+    extra |= mooncake_slices(args, (1000, 2000))
     for wl, arrivals in extra.items():
         print(f"  {wl}: {len(arrivals)} requests", flush=True)
         results["admission_fleet"][wl] = run_policies(
@@ -407,6 +471,27 @@ def main() -> None:
     )
     append_line("kv_reservation", cmd, summary)
     print(f"wrote {path} and {args.plot}")
+
+
+def sweep_main(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
+    out: dict[str, Any] = {"weights": list(BEST_FIT_WEIGHTS), "long_prompt_tokens": LONG_PROMPT, "workloads": {}}
+    workloads = {
+        f"synthetic seed {seed}": synthetic(args.requests, args.rate, seed=seed) for seed in (0, 1, 2)
+    }
+    workloads |= mooncake_slices(args, (0, 1000))
+    for wl, arrivals in workloads.items():
+        print(f"== {wl}: {len(arrivals)} requests", flush=True)
+        out["workloads"][wl] = best_fit_sweep(arrivals, specs)
+    if args.dry_run:
+        return
+    path = write_result("kv_best_fit_weight", out)
+    cmd = "python bench/kv_reservation.py --best-fit-sweep" + (" --quick" if args.quick else "")
+    parts = []
+    for wl, rows in out["workloads"].items():
+        best = max(rows, key=lambda k: rows[k]["goodput_rps"])
+        parts.append(f"{wl}: best goodput at weight {best} ({rows[best]['goodput_rps']:.3f}/s vs {rows['0']['goodput_rps']:.3f}/s at 0)")
+    append_line("kv_best_fit_weight", cmd, "; ".join(parts))
+    print(f"wrote {path}")
 
 
 def bars(results: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,14 @@ frees (a request on a worker of that model completes → `notify(model)`), when 
 fleet view (`notify_all()`), and at least every `poll_s` as a safety net. When the head is admitted it
 wakes the next waiter at once, so several freed slots are used in one go.
 
+**With the KV ledger** (`QueuePolicy`, `server.kv_admission`): *backfill* — the first `1 + backfill`
+waiters may each ask the router when it is their turn (a rejected one wakes the next), so small requests
+use KV a large head cannot; *aging* — the head, once it has waited `kv.queue.aging_s`, gets a ledger hold
+on its best worker so the backfill cannot take the pages it waits for; *batch* — instead of per-waiter
+attempts, the head runs one CP-SAT/greedy plan over the first `max_head` waiters and hands each planned
+waiter its decision (reserved on the planned worker). A waiter that leaves (admitted, deadline, client
+gone) drops its hold; a planned decision whose waiter left is released.
+
 Refusals: queue already holding `max_size` waiters → 429 `queue_full`; deadline passed → 429
 `queue_timeout`; a non-retryable reject (nothing could ever serve it) → the router's own status and
 body for its primary reason (`scheduler.routing.reasons.REJECT_TABLE`: e.g. 400 `context_length_exceeded`,
@@ -45,11 +53,41 @@ class RejectLike(Protocol):
 D = TypeVar("D")
 
 
-class _Waiter:
-    __slots__ = ("event",)
+class QueuePolicy(Protocol[D]):
+    """What the KV ledger adds to the queue (`server.kv_admission.KvQueuePolicy`); None → plain FIFO.
 
-    def __init__(self) -> None:
+    `backfill`: waiters behind the head that may try the router too, in order, when it is their turn.
+    `batch`: waiters are not routed one by one; the head runs `plan` over the first `max_head` waiters
+    (one tick at a time per model) and each planned waiter is handed its decision.
+    """
+
+    backfill: int
+    batch: bool
+    max_head: int
+
+    def before_attempt(self, req: Any, waited_s: float) -> None:
+        """The head waiter is about to ask the router again (aging: hold pages for it)."""
+
+    def leave(self, req: Any) -> None:
+        """The waiter left the queue, admitted or not (drop its hold)."""
+
+    async def plan(self, model: str, reqs: list[Any]) -> dict[str, D]:
+        """Batch mode: decisions (reservations made) for some of `reqs`, by request id."""
+        ...
+
+    def discard(self, decision: D) -> None:
+        """A planned decision whose waiter had already left: release it."""
+
+
+class _Waiter(Generic[D]):
+    __slots__ = ("event", "has_result", "req", "result", "since")
+
+    def __init__(self, req: Any, since: float) -> None:
         self.event = asyncio.Event()
+        self.req = req
+        self.since = since
+        self.result: D | None = None
+        self.has_result = False
 
 
 class AdmissionQueue(Generic[D]):
@@ -62,13 +100,15 @@ class AdmissionQueue(Generic[D]):
         is_reject: Callable[[object], bool],
         poll_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        policy: QueuePolicy[D] | None = None,
     ) -> None:
         self._max = max_size
         self._deadline_s = deadline_s
         self._is_reject = is_reject
         self._poll_s = poll_s
         self._clock = clock
-        self._queues: dict[str, deque[_Waiter]] = {}
+        self.policy = policy
+        self._queues: dict[str, deque[_Waiter[D]]] = {}
 
     def depths(self) -> dict[str, int]:
         return {model: len(q) for model, q in self._queues.items()}
@@ -83,8 +123,11 @@ class AdmissionQueue(Generic[D]):
             if q:
                 q[0].event.set()
 
-    async def admit(self, model: str, attempt: Callable[[], D | RejectLike]) -> D:
-        """A decision for the request, possibly after waiting; `GatewayError` (429/503) otherwise."""
+    async def admit(self, model: str, attempt: Callable[[], D | RejectLike], req: Any = None) -> D:
+        """A decision for the request, possibly after waiting; `GatewayError` (429/503) otherwise.
+
+        `req` (the request's `RouteRequest`) lets the queue policy age and batch-plan it; without it the
+        waiter is only ever routed through `attempt`."""
         q = self._queues.setdefault(model, deque())
         last: RejectLike | None = None
         if not q:  # nobody waiting: try at once (the common, uncontended path)
@@ -101,26 +144,47 @@ class AdmissionQueue(Generic[D]):
                 + (f" Last routing result: {last.reason}" if last else ""),
                 retry_after_s=last.retry_after_s if last and last.retry_after_s > 0 else self._deadline_s,
             )
-        return await self._wait(model, q, attempt, last)
+        return await self._wait(model, q, attempt, last, req)
 
     async def _wait(
-        self, model: str, q: deque[_Waiter], attempt: Callable[[], D | RejectLike], last: RejectLike | None
+        self,
+        model: str,
+        q: deque[_Waiter[D]],
+        attempt: Callable[[], D | RejectLike],
+        last: RejectLike | None,
+        req: Any,
     ) -> D:
-        waiter = _Waiter()
+        waiter: _Waiter[D] = _Waiter(req, self._clock())
         q.append(waiter)
-        deadline = self._clock() + self._deadline_s
+        deadline = waiter.since + self._deadline_s
         tried_just_now = last is not None  # admit() asked the router a moment ago: wait before asking again
+        policy = self.policy
+        batch = policy is not None and policy.batch and req is not None
+        window = 1 + (policy.backfill if policy is not None else 0)
+        returned = False
         try:
             while True:
-                if q and q[0] is waiter and not tried_just_now:
+                waiter.event.clear()
+                if not waiter.has_result and not tried_just_now and batch and q and q[0] is waiter:
+                    await self._tick(model, q)  # may hand this waiter (and others) a planned decision
+                if waiter.has_result:
+                    returned = True
+                    return waiter.result  # type: ignore[return-value]
+                pos = self._position(q, waiter, window) if not tried_just_now and not batch else -1
+                if pos >= 0:
+                    if pos == 0 and policy is not None and req is not None:
+                        policy.before_attempt(req, self._clock() - waiter.since)
                     result = attempt()
                     if not self._is_reject(result):
-                        q.popleft()
-                        self.notify(model)  # the next waiter may fit too
+                        q.remove(waiter)
+                        self._wake(q, pos)  # the next waiter in line may fit too
+                        returned = True
                         return result  # type: ignore[return-value]
                     reject: RejectLike = result  # type: ignore[assignment]
                     last = reject
                     self._refuse_if_final(model, reject)
+                    if pos + 1 < window:
+                        self._wake(q, pos + 1)  # backfill: the next waiter in the window tries too
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise GatewayError(
@@ -132,7 +196,6 @@ class AdmissionQueue(Generic[D]):
                         else self._deadline_s,
                     )
                 tried_just_now = False
-                waiter.event.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiter.event.wait(), min(remaining, self._poll_s))
         finally:
@@ -141,6 +204,46 @@ class AdmissionQueue(Generic[D]):
                 q.remove(waiter)
                 if was_head:
                     self.notify(model)
+            if policy is not None and req is not None:
+                policy.leave(req)
+                if waiter.has_result and not returned:  # planned, then cancelled before it resumed
+                    policy.discard(waiter.result)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _position(q: deque[_Waiter[D]], waiter: _Waiter[D], window: int) -> int:
+        """The waiter's place in line if within the first `window`, else -1."""
+        for i, w in enumerate(q):
+            if i >= window:
+                return -1
+            if w is waiter:
+                return i
+        return -1
+
+    @staticmethod
+    def _wake(q: deque[_Waiter[D]], pos: int) -> None:
+        if pos < len(q):
+            q[pos].event.set()
+
+    async def _tick(self, model: str, q: deque[_Waiter[D]]) -> None:
+        """Batch mode, run by the head: plan the first `max_head` waiters, hand out the decisions."""
+        policy = self.policy
+        assert policy is not None
+        head = [w for w in list(q)[: policy.max_head] if w.req is not None and not w.has_result]
+        if not head:
+            return
+        decided = await policy.plan(model, [w.req for w in head])
+        for w in head:
+            d = decided.pop(w.req.request_id, None)
+            if d is None:
+                continue
+            if w in q:
+                q.remove(w)  # admitted: out of the line now, so the next tick does not plan it again
+                w.result, w.has_result = d, True
+                w.event.set()
+            else:
+                policy.discard(d)
+        for d in decided.values():
+            policy.discard(d)
 
     @staticmethod
     def _refuse_if_final(model: str, reject: RejectLike) -> None:

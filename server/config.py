@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from placement.catalog import Catalog, CatalogError, load_catalog
 from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
@@ -286,6 +294,14 @@ class MosaicConfig(_Strict):
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     catalog: str | None = None  # YAML file of GPU/model rows merged over the built-in catalog
+    # The file this config was read from (`load_config` sets it; not a key users write): relative paths in
+    # it, like `kv.compression[].profile`, are resolved against its folder.
+    _source_path: Path | None = PrivateAttr(default=None)
+
+    @property
+    def source_dir(self) -> Path | None:
+        """The folder of the config file it was loaded from (None when built from data)."""
+        return self._source_path.parent if self._source_path is not None else None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> MosaicConfig:
@@ -297,11 +313,9 @@ class MosaicConfig(_Strict):
                 if pool.model not in known:
                     raise _FieldError(f"pools.{i}.model", f"model {pool.model!r} is not listed under models")
         _check_autoscaler(self)
-        if self.kv.batch_admission.enabled:
-            # Measured in bench/kv_reservation.py (CP-SAT beats greedy by a few % of packed weight at 50 ms);
-            # the live admission queue admits its FIFO head through the router, one request at a time.
-            raise _FieldError("kv.batch_admission.enabled", "batch admission runs in the simulator "
-                              "(bench/kv_reservation.py); the gateway admits one request at a time (greedy best fit)")
+        if self.kv.batch_admission.enabled and not self.kv.enabled:
+            raise _FieldError("kv.batch_admission.enabled", "batch admission plans against the KV ledger; "
+                              "it needs kv.enabled: true")
         return self
 
     def model_configs(self) -> list[ModelConfig]:
@@ -422,4 +436,6 @@ def load_config(path: str | Path) -> MosaicConfig:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{p}: not valid YAML{where}") from None
-    return validate_config(data, str(p))
+    config = validate_config(data, str(p))
+    config._source_path = p.resolve()
+    return config

@@ -53,6 +53,7 @@ from scheduler.routing.reasons import Outcome, Reject
 from server.admission import AdmissionQueue
 from server.auth import RateLimiter
 from server.config import MosaicConfig
+from server.deadlines import TaskTimeouts
 from server.errors import Cause, GatewayError
 from server.failure import DisconnectWatch, Lease, RelayResponse, UpstreamFailure, classify
 from server.footprint import ParsedRequest, route_request
@@ -119,6 +120,8 @@ class Dispatcher:
         self.limiter = limiter
         self.clock = clock
         self.predictor = predictor
+        shortest = min(self.limits.first_token_timeout_s / 2, self.limits.total_timeout_s)
+        self.timeouts = TaskTimeouts(period=min(1.0, shortest / 8))  # no timer handle per request
         self.rng = random.Random(config.routing.seed)
         self.outcomes: dict[str, int] = {}  # terminal outcomes by name (tests and /admin read it)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
@@ -270,7 +273,7 @@ class Dispatcher:
         timeout = self.limits.first_token_timeout_s if parsed.stream else self.limits.total_timeout_s
         decode = decision.decode
         try:
-            async with asyncio.timeout(timeout):
+            async with self.timeouts.timeout(timeout):
                 params = None
                 if decision.prefill is not None:
                     params = await self._prefill(decision, parsed, path, headers, lease)
@@ -321,7 +324,7 @@ class Dispatcher:
         assert worker is not None
         ticket = lease.track(worker.id, parsed.prompt_tokens)
         try:
-            async with asyncio.timeout(self.limits.first_token_timeout_s / 2):
+            async with self.timeouts.timeout(self.limits.first_token_timeout_s / 2):
                 resp = await self.upstream.post(worker.url, path, prefill_body(parsed.data()), headers)
                 try:
                     content = await resp.aread()

@@ -8,12 +8,15 @@ discovery source by pool name), `reserve` (extra Reserve plugins for the router)
 The KV ledger (`scheduler.kv`, built from the `kv:` section unless `kv.enabled: false`) is the first
 Reserve plugin: every dispatch reserves the request's KV footprint on its worker(s) and the request's
 `Lease` releases it exactly once. After each scrape round the gateway sweeps expired leases and
-reconciles reservations with the KV usage workers report.
+reconciles reservations with the KV usage workers report. With the ledger, the `mosaic` routing policy
+also scores `kv-best-fit` (`server.kv_setup.routing_with_kv`) and the admission queue backfills, ages and
+optionally batch-plans its waiters (`server.kv_admission.KvQueuePolicy`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,7 +25,7 @@ import httpx
 
 from placement.catalog import load_catalog
 from scheduler.fleet import Role, WorkerState, capacity_for
-from scheduler.kv.config import KvConfigError, build_ledger
+from scheduler.kv.config import KvConfigError
 from scheduler.kv.ledger import KvLedger
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.config import build_router
@@ -36,6 +39,8 @@ from server.config import ConfigError, MosaicConfig, PoolConfig
 from server.discovery import KubernetesDiscovery, Source, StaticSource
 from server.dispatch import Dispatcher
 from server.embedded_actuator import OpenDecisions
+from server.kv_admission import KvQueuePolicy
+from server.kv_setup import build_gateway_ledger, routing_with_kv
 from server.metrics import GatewayMetrics
 from server.proxy import Upstream
 from server.registry import PoolInfo, Registry
@@ -74,7 +79,9 @@ class Gateway:
             self.registry.add_pool(info, source)
         self.models: tuple[str, ...] = tuple(self.registry.models())
         try:
-            self.ledger: KvLedger | None = build_ledger(config.kv, config.gateway.replicas)
+            self.ledger: KvLedger | None = build_gateway_ledger(
+                config.kv, config.gateway.replicas, config.source_dir
+            )
         except KvConfigError as exc:
             raise ConfigError(str(exc)) from None
         # The output-length predictor the ledger sizes `predicted` reservations with; fed at completion.
@@ -84,12 +91,25 @@ class Gateway:
         self.open_decisions = OpenDecisions() if in_process(config) and config.autoscaler.actuator == "embedded" else None
         if self.open_decisions is not None:
             plugins.append(self.open_decisions)
-        self.router = build_router(config.routing, reserve=[*plugins, *reserve])
+        # With the ledger, the `mosaic` policy also scores best fit on remaining KV (`kv-best-fit`).
+        routing = routing_with_kv(config.routing) if self.ledger is not None else config.routing
+        self.router = build_router(routing, reserve=[*plugins, *reserve])
+        self.kv_queue: KvQueuePolicy | None = None
+        if self.ledger is not None:  # backfill + aging holds (+ the batch tick) in the admission queue
+            rng = random.Random(config.routing.seed)
+            self.kv_queue = KvQueuePolicy(
+                config.kv,
+                self.ledger,
+                self.registry.view,
+                lambda req, exclude: self.router.route(req, self.registry.view(), self.clock(), rng, exclude),
+                clock,
+            )
         self.admission: AdmissionQueue[Decision] = AdmissionQueue(
             config.limits.queue_size,
             config.limits.queue_deadline_s,
             is_reject=lambda r: isinstance(r, Reject),
             clock=clock,
+            policy=self.kv_queue,
         )
         self.registry.on_refresh.append(self._kv_tick)
         self.registry.on_refresh.append(self.admission.notify_all)

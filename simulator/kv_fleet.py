@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from placement.catalog import Catalog, load_catalog
 from placement.perf_model import PerfModel
-from scheduler.fleet import Role, WorkerState, WorkerView, capacity_for
+from scheduler.fleet import FleetView, Role, WorkerState, WorkerView, capacity_for
 from scheduler.kv.batch_admission import AdmissionParams, plan_admission
 from scheduler.kv.footprint import Footprint
 from scheduler.kv.ledger import KvLedger, KvReservation, LedgerSettings, SpecTable
 from scheduler.kv.plugins import best_fit_score
-from scheduler.routing.framework import RouteRequest
+from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome
 from simulator.engine import Engine, EngineConfig, StepResult
 from simulator.kv_compression import CompressionEngine, CompressionModel
@@ -175,6 +176,8 @@ class KvFleet:
         reconcile_every_s: float = 1.0,
         catalog: Catalog | None = None,
         admission_params: AdmissionParams | None = None,
+        router: Router | None = None,
+        seed: int = 0,
     ) -> None:
         cat = catalog or load_catalog()
         self.workers = [_Worker(s, cat) for s in specs]
@@ -185,6 +188,10 @@ class KvFleet:
         self.aging_s = aging_s
         self.reconcile_every_s = reconcile_every_s
         self.admission_params = admission_params or AdmissionParams(max_head=window, time_limit_ms=5.0)
+        # With a router (built with this ledger as its Reserve plugin), FIFO-with-backfill admission picks
+        # each worker as the gateway does: filters, weighted scorers (est-ttft, kv-best-fit, ...), max score.
+        self.router = router
+        self._rng = random.Random(seed)
         self.queue: list[Arrival] = []
         self.reservations: dict[str, KvReservation] = {}
         self.stats: dict[str, RequestStats] = {}
@@ -333,6 +340,9 @@ class KvFleet:
                     self._dispatch(a, self.by_id[wid], now)
             self.queue = [a for a in self.queue if a.request_id not in self.reservations]
             return
+        if self.router is not None:
+            self._admit_routed(views, now)
+            return
         kept: list[Arrival] = []
         frees = {wid: ledger.free(v) for wid, v in views.items()}
         holds = (
@@ -361,6 +371,28 @@ class KvFleet:
                 frees[best.id] = ledger.free(views[best.id])
             else:
                 kept.append(a)
+        self.queue = kept
+        self._age_hold(views, now)
+
+    def _admit_routed(self, views: dict[str, WorkerView], now: float) -> None:
+        """FIFO with a backfill window, each request placed by the router (its ledger reserves)."""
+        assert self.router is not None
+        kept: list[Arrival] = []
+        for i, a in enumerate(self.queue):
+            if i >= self.window:
+                kept.extend(self.queue[i:])
+                break
+            d = self.router.route(self._route_req(a), FleetView(tuple(views.values())), now, self._rng)
+            if not isinstance(d, Decision):
+                kept.append(a)
+                continue
+            res = next(r for r in d.reservations if isinstance(r, KvReservation))
+            self.reservations[a.request_id] = res
+            ledger = self.ledger
+            assert ledger is not None
+            self.stats[a.request_id].reserved_blocks = res.units / ledger.spec_for(d.decode).units_per_block
+            self._dispatch(a, self.by_id[d.decode.id], now)
+            views[d.decode.id] = self.by_id[d.decode.id].view()
         self.queue = kept
         self._age_hold(views, now)
 

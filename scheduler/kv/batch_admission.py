@@ -160,12 +160,17 @@ def plan_admission(
 ) -> AdmissionPlan:
     """The assignments to reserve (with `ledger.reserve`) this tick; the rest stay queued."""
     p = params or AdmissionParams()
-    inst = build_instance(queue, workers, ledger, now, p)
+    return solve_instance(build_instance(queue, workers, ledger, now, p), p, use_cp_sat)
+
+
+def solve_instance(inst: Instance, params: AdmissionParams, use_cp_sat: bool = True) -> AdmissionPlan:
+    """Greedy, then (if asked) CP-SAT hinted with it; never worse than greedy. Reads only `inst`, so the
+    gateway builds the instance on its event loop and may solve it on a thread."""
     base = greedy(inst)
     base_obj = sum(inst.value[k] for k in base)
     if not use_cp_sat or not inst.value:
         return _plan(inst, base, base_obj, "greedy", "GREEDY", 0.0)
-    found, status, ms = solve_cp_sat(inst, base, p.time_limit_ms)
+    found, status, ms = solve_cp_sat(inst, base, params.time_limit_ms)
     if found is None:
         return _plan(inst, base, base_obj, "greedy", status, ms)
     obj = sum(inst.value[k] for k in found)

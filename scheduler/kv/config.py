@@ -18,20 +18,23 @@ kv:
       heads_per_group: 4
       prefill_chunk: 8192
   batch_admission: {enabled: false, solver: cp-sat, time_limit_ms: 50, max_head: 32, aging_s: 10}
+  queue: {backfill: 32, aging_s: 2}   # admission queue: backfill window, aging hold after this wait
 ```
-`build_ledger(cfg, gateway_replicas)` reads the profiles once (file I/O at build time only) and returns a
-pure `KvLedger`; `None` when `enabled: false`.
+`build_ledger(cfg, gateway_replicas, profiles)` returns a pure `KvLedger` (`None` when `enabled: false`) from
+the parsed compression profiles; reading them is the caller's job (`server.kv_setup.load_profiles`, which
+resolves relative paths against the config file's folder with `profile_paths`), so this floor does no I/O.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from placement.kv_layout import sorted_groups
-from placement.kv_profile import ProfileError, load_head_profile
+from placement.kv_profile import HeadProfile
 from scheduler.kv.batch_admission import AdmissionParams
 from scheduler.kv.footprint import CompressionSpec
 from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
@@ -83,6 +86,20 @@ class BatchAdmissionConfig(_Strict):
     aging_s: float = Field(default=10.0, gt=0)
 
 
+class QueueConfig(_Strict):
+    """How the gateway's admission queue uses the ledger (`server.kv_admission`), when `kv.enabled`.
+
+    `backfill`: waiters behind the head that may be admitted past it when they fit (0 = strict FIFO, which
+    never starves a large request but leaves the KV it cannot use idle behind it). `aging_s`: a waiter
+    queued this long gets a ledger hold (`KvLedger.hold`) on its best worker — the one it is closest to
+    fitting on — so later small requests stop taking the pages it waits for; null = no aging. It must be
+    below `limits.queue_deadline_s` (10 s by default) to act before the 429.
+    """
+
+    backfill: int = Field(default=32, ge=0)
+    aging_s: float | None = Field(default=2.0, gt=0)
+
+
 class KvConfig(_Strict):
     """KV budget reservation settings (docs/kv.md)."""
 
@@ -97,6 +114,7 @@ class KvConfig(_Strict):
     overbook: OverbookConfig = Field(default_factory=OverbookConfig)
     compression: list[CompressionPoolConfig] = Field(default_factory=list)
     batch_admission: BatchAdmissionConfig = Field(default_factory=BatchAdmissionConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
 
 
 class KvConfigError(ValueError):
@@ -111,20 +129,28 @@ def build_predictor(cfg: KvConfig) -> LengthPredictor:
         raise KvConfigError(f"kv.predictor: {exc}") from None
 
 
+def profile_paths(cfg: KvConfig, base_dir: str | Path | None = None) -> list[Path]:
+    """Where each `kv.compression[i].profile` lives: relative paths are taken from `base_dir` (the config
+    file's folder when the gateway loaded one), absolute ones as they are. Pure: nothing is opened."""
+    out = []
+    for c in cfg.compression:
+        path = Path(c.profile)
+        out.append(Path(base_dir) / path if base_dir is not None and not path.is_absolute() else path)
+    return out
+
+
 def build_compression(
-    cfg: KvConfig, base_dir: str | Path | None = None
+    cfg: KvConfig, profiles: Sequence[HeadProfile]
 ) -> tuple[dict[str, CompressionSpec], dict[str, CompressionSpec]]:
-    """(by pool, by model) compression specs from `kv.compression`; profile paths relative to `base_dir`."""
+    """(by pool, by model) compression specs from `kv.compression`, given each entry's parsed profile (in
+    order; the caller reads the files, e.g. `server.kv_setup.load_profiles`)."""
+    if len(profiles) != len(cfg.compression):
+        raise KvConfigError(
+            f"kv.compression: {len(cfg.compression)} entries but {len(profiles)} profiles were read"
+        )
     by_pool: dict[str, CompressionSpec] = {}
     by_model: dict[str, CompressionSpec] = {}
-    for i, c in enumerate(cfg.compression):
-        path = Path(c.profile)
-        if base_dir is not None and not path.is_absolute():
-            path = Path(base_dir) / path
-        try:
-            profile = load_head_profile(path)
-        except ProfileError as exc:
-            raise KvConfigError(f"kv.compression.{i}.profile: {exc}") from None
+    for c, profile in zip(cfg.compression, profiles, strict=True):
         groups = sorted_groups(profile, c.heads_per_group, cfg.alpha if c.alpha is None else c.alpha)
         spec = CompressionSpec(
             groups.sizes, groups.budgets, profile.sink, profile.window, c.prefill_chunk, name=profile.name
@@ -134,12 +160,13 @@ def build_compression(
 
 
 def build_ledger(
-    cfg: KvConfig, gateway_replicas: int = 1, base_dir: str | Path | None = None
+    cfg: KvConfig, gateway_replicas: int = 1, profiles: Sequence[HeadProfile] = ()
 ) -> KvLedger | None:
-    """The gateway's ledger for `cfg` (None when reservation is disabled). Share = cfg.share or 1/replicas."""
+    """The gateway's ledger for `cfg` (None when reservation is disabled). Share = cfg.share or 1/replicas.
+    `profiles`: the parsed profile of each `kv.compression` entry, in order (required when there are any)."""
     if not cfg.enabled:
         return None
-    by_pool, by_model = build_compression(cfg, base_dir)
+    by_pool, by_model = build_compression(cfg, profiles)
     settings = LedgerSettings(
         mode=cfg.mode,
         watermark=cfg.watermark,

@@ -14,7 +14,7 @@ by more than `reconcile_tolerance` of the total, the excess is withheld until us
 
 Lifecycle of a `KvReservation` (every path ends in exactly one `release`):
 admission → `reserve` holds `peak` → `first_token` shrinks to `steady` (the transient prefill chunk is
-freed) → `on_tokens` renews the lease and, in predicted mode, grows the output reservation as tokens
+freed; on a P/D prefill worker it releases everything, as the decode worker has pulled the KV) → `on_tokens` renews the lease and, in predicted mode, grows the output reservation as tokens
 stream → `release(outcome)` (idempotent: later calls are no-ops, counted in `stats.double_releases`).
 A reservation whose lease (`lease_s` since the last renewal) has passed is released by `sweep(now)` with
 `Outcome.LEASE_EXPIRED`, so a lost completion can never leak pages.
@@ -96,9 +96,11 @@ class KvReservation:
 
     __slots__ = (
         "_ledger",
+        "early",
         "expires_s",
         "fp_steady",
         "fp_worst_steady",
+        "handoff",
         "key",
         "max_output",
         "model",
@@ -121,6 +123,7 @@ class KvReservation:
         fp: Footprint,
         worst: Footprint,
         now: float,
+        worker_role: Role = Role.MIXED,
     ) -> None:
         self._ledger = ledger
         self.key = key
@@ -135,6 +138,10 @@ class KvReservation:
         self.worst_units = worst.peak
         self.fp_worst_steady = worst.steady
         self.prefilled = False
+        # A P/D prefill worker's pages are handed to the decode worker: the decode hop's first token means
+        # the KV has been pulled, so `first_token` releases them then (not at the end of the request).
+        self.handoff = worker_role == Role.PREFILL
+        self.early = False  # released by `first_token`: the request's own final release is then expected
         self.outcome: Outcome | None = None
         self.expires_s = now + ledger.settings.lease_s
 
@@ -152,7 +159,9 @@ class KvReservation:
             self.expires_s = now + self._ledger.settings.lease_s
 
     def first_token(self, now: float) -> None:
-        """Prefill is done: drop the transient first-chunk pages (peak → steady)."""
+        """Prefill is done: drop the transient first-chunk pages (peak → steady). On a P/D prefill worker
+        (called when the decode hop streams its first token, so the KV has been pulled): release it all
+        (outcome completed); the request's own release at its end is then a silent no-op."""
         self._ledger._settle(self, now)
 
     def on_tokens(self, generated: int, now: float) -> bool:
@@ -283,7 +292,7 @@ class KvLedger:
             return None
         book = self._book(worker)
         self._next_key += 1
-        res = KvReservation(self, self._next_key, req, worker.id, fp, worst, now)
+        res = KvReservation(self, self._next_key, req, worker.id, fp, worst, now, worker.role)
         book.active[res.key] = res
         book.reserved += res.units
         book.worst_reserved += res.worst_units
@@ -317,6 +326,9 @@ class KvLedger:
     # --- lifecycle -------------------------------------------------------------------------------------
     def _release(self, res: KvReservation, outcome: Outcome) -> None:
         if res.outcome is not None:
+            if res.early:  # the request's end after a P/D hand-off release: expected, once
+                res.early = False
+                return
             self.stats.double_releases += 1
             return
         res.outcome = Outcome(outcome)
@@ -329,6 +341,10 @@ class KvLedger:
 
     def _settle(self, res: KvReservation, now: float) -> None:
         if res.outcome is not None or res.prefilled:
+            return
+        if res.handoff:
+            self._release(res, Outcome.COMPLETED)
+            res.early = True
             return
         res.prefilled = True
         res.touch(now)

@@ -51,19 +51,33 @@ POLICY_PICKERS: Mapping[str, str] = {
 DEFAULT_FILTERS = ("model", "role", "excluded", "state", "breaker", "context-length", "at-capacity", "kv-fit")
 MOSAIC_SCORERS = ("capacity-load", "est-ttft", "prefix-affinity", "kv-headroom", "cost")
 
+# `kv-best-fit` is not among the defaults above: the gateway enables it when the KV ledger is on
+# (`server.kv_setup.routing_with_kv`), with this weight in the mixed and decode profiles (0 for prefill: a
+# prefill reservation lives only until the decode side pulls the KV). Measured in the KV fleet simulator
+# (bench/kv_reservation.py --best-fit-sweep, docs/kv.md "Routing weight"): see the value's comment.
+KV_BEST_FIT_WEIGHT = 2.0
+
 # Weights per profile (the same scorer serves every profile with its own weight). Why these:
 # - mixed: load dominates (keeps every GPU at a similar utilisation, so traffic splits by capacity);
 #   TTFT breaks near-ties towards fast prefill; affinity is strong but escapes under load; cost is a nudge.
 # - decode: the decode worker's TTFT is decided by the prefill pick, so load and KV headroom matter.
 # - prefill: prefill is compute-bound and short; TTFT decides, affinity saves recomputing the prompt.
 MOSAIC_WEIGHTS: Mapping[str, Mapping[str, float]] = {
-    "mixed": {"capacity-load": 3.0, "est-ttft": 2.0, "prefix-affinity": 2.0, "kv-headroom": 1.0, "cost": 0.5},
+    "mixed": {
+        "capacity-load": 3.0,
+        "est-ttft": 2.0,
+        "prefix-affinity": 2.0,
+        "kv-headroom": 1.0,
+        "cost": 0.5,
+        "kv-best-fit": KV_BEST_FIT_WEIGHT,
+    },
     "decode": {
         "capacity-load": 3.0,
         "est-ttft": 0.0,
         "prefix-affinity": 1.0,
         "kv-headroom": 2.0,
         "cost": 0.5,
+        "kv-best-fit": KV_BEST_FIT_WEIGHT,
     },
     "prefill": {
         "capacity-load": 1.0,
@@ -71,6 +85,7 @@ MOSAIC_WEIGHTS: Mapping[str, Mapping[str, float]] = {
         "prefix-affinity": 2.0,
         "kv-headroom": 0.5,
         "cost": 0.5,
+        "kv-best-fit": 0.0,
     },
 }
 

@@ -62,9 +62,9 @@ def test_defaults() -> None:
             id="pool model not in the models list",
         ),
         pytest.param(
-            {"pools": [_pool()], "kv": {"batch_admission": {"enabled": True}}},
-            "test: kv.batch_admission.enabled: batch admission runs in the simulator",
-            id="batch admission is refused by the gateway rather than silently ignored",
+            {"pools": [_pool()], "kv": {"enabled": False, "batch_admission": {"enabled": True}}},
+            "test: kv.batch_admission.enabled: batch admission plans against the KV ledger; it needs kv.enabled: true",
+            id="batch admission without the KV ledger is refused rather than silently ignored",
         ),
         pytest.param(
             {"pools": [_pool(role="both")]},

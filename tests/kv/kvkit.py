@@ -69,3 +69,15 @@ def request(
 def two_group_spec() -> CompressionSpec:
     """Two groups of 4 heads, budgets 0.5 and 0.1, sink 4, window 8, first chunk 16 (hand-computable)."""
     return CompressionSpec((4, 4), (0.5, 0.1), sink=4, window=8, prefill_chunk=16)
+
+
+def simulated_l4_pool(model: str = "llama-3-8b") -> dict[str, object]:
+    """One simulated L4 worker at gpu_memory_utilization 0.75 (467 blocks of 16 tokens), 50× model time."""
+    return {
+        "name": "l4",
+        "model": model,
+        "gpu": "L4",
+        "role": "mixed",
+        "gpu_memory_utilization": 0.75,
+        "endpoints": {"simulated": {"replicas": 1, "time_scale": 50.0}},
+    }

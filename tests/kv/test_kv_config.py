@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from scheduler.kv.config import KvConfig, KvConfigError, build_ledger
 from server.config import ConfigError, validate_config
+from server.kv_setup import build_gateway_ledger
 from tests.kv.kvkit import request, worker
 
 FIX = Path(__file__).parent / "fixtures"
@@ -30,7 +31,7 @@ def test_compression_pool_gets_the_sorted_layout_of_its_profile() -> None:
     cfg = KvConfig(
         compression=[{"pool": "comp", "profile": "moments.csv", "heads_per_group": 2, "prefill_chunk": 64}]
     )  # type: ignore[list-item]
-    ledger = build_ledger(cfg, base_dir=FIX)
+    ledger = build_gateway_ledger(cfg, base_dir=FIX)
     assert ledger is not None
     spec = ledger.spec_for(worker(pool="comp"))
     assert spec.compression is not None
@@ -67,7 +68,7 @@ def test_bad_kv_sections_fail_through_the_gateway_config(kv: dict[str, object], 
 def test_unreadable_profile_is_a_config_error_naming_the_field(tmp_path: Path) -> None:
     cfg = KvConfig(compression=[{"model": "m", "profile": "nope.npz"}])  # type: ignore[list-item]
     with pytest.raises(KvConfigError, match=r"kv\.compression\.0\.profile: .*does not exist"):
-        build_ledger(cfg, base_dir=tmp_path)
+        build_gateway_ledger(cfg, base_dir=tmp_path)
 
 
 def test_config_is_frozen_and_strict() -> None:

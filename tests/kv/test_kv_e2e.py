@@ -19,20 +19,14 @@ import pytest
 from server.config import validate_config
 from server.embedded import SimulatedPoolSource
 from tests.gateway.serverkit import GatewayThread
+from tests.kv.kvkit import simulated_l4_pool
 
 MODEL = "llama-3-8b"
 REQUESTS = 8
 
 
 def config(kv: dict[str, Any]) -> Any:
-    pool = {
-        "name": "l4",
-        "model": MODEL,
-        "gpu": "L4",
-        "role": "mixed",
-        "gpu_memory_utilization": 0.75,
-        "endpoints": {"simulated": {"replicas": 1, "time_scale": 50.0}},
-    }
+    pool = simulated_l4_pool(MODEL)
     return validate_config(
         {"pools": [pool], "kv": kv, "health": {"interval_s": 60}, "limits": {"queue_deadline_s": 60}}
     )
