@@ -7,7 +7,8 @@ availability, min/max GPUs per type, and a time-varying plan (one fleet per wind
 that serves every window). `what_if` repeats it over SLOs and rate scales.
 
 Online callers (the autoscaler) use `cheapest_mix` (demand per bucket → fleet) or `cheapest_capacity`
-(one scalar resource, e.g. decode tokens/s, per-instance capacity by type → fleet).
+(one scalar resource, e.g. decode tokens/s, per-instance capacity by type → fleet). GPU offers are read by
+`placement.offers`, profiles chosen per SLO by `placement.profile_select` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from placement.binpacking import (
     Demand,
@@ -27,147 +27,31 @@ from placement.binpacking import (
     PlacementError,
     Variant,
 )
-from placement.catalog import Catalog, CatalogError, load_catalog
-from placement.profiles import Role, Slo, ThroughputProfile, bucket_label, read_structured
+from placement.catalog import Catalog, load_catalog
+from placement.offers import canonical_gpu, canonical_model, load_gpu_offers
+from placement.profile_select import Mode, select_profiles
+from placement.profiles import Role, Slo, ThroughputProfile, bucket_label
 from placement.solver import SingleType, UnservableError, best_single_type, single_type_fleets, solve_mix
 from placement.workload import ModelWorkload, Window
 
-Mode = Literal["auto", "mixed", "pd"]
-
-
-def canonical_gpu(name: str, catalog: Catalog) -> str:
-    try:
-        return catalog.gpu(name).name
-    except CatalogError:
-        return name
-
-
-def canonical_model(name: str, catalog: Catalog) -> str:
-    try:
-        return catalog.model(name).name
-    except CatalogError:
-        return name
-
-
-def load_gpu_offers(
-    source: str | Path | Sequence[str] | Mapping[str, Any], catalog: Catalog | None = None
-) -> dict[str, GpuOffer]:
-    """GPU offers from a YAML/JSON file, a mapping, or a list of names (costs default to the catalog's).
-
-    ```yaml
-    gpus:
-      A10G: {}                              # catalog price ($1.01/h)
-      A100-80GB: {cost_per_hour: 3.67, max: 4, min: 0}
-    ```
-    `max` is availability (GPUs one can get); a list `gpus: [A10G, L4]` takes every default.
-    """
-    catalog = catalog or load_catalog()
-    origin = "--gpus"
-    if isinstance(source, str | Path) and Path(source).is_file():
-        origin = str(source)
-        source = read_structured(source, PlacementError)
-    elif isinstance(source, str):
-        source = [s.strip() for s in source.split(",") if s.strip()]
-    if isinstance(source, Mapping) and "gpus" in source:
-        extra = sorted(set(source) - {"gpus", "schema"})
-        if extra:
-            raise PlacementError(f"{origin}: unknown key(s) {extra}; expected 'gpus'")
-        source = source["gpus"]
-    if isinstance(source, list | tuple):
-        rows: dict[str, Any] = {str(n): {} for n in source}
-    elif isinstance(source, Mapping):
-        rows = dict(source)
-    else:
-        raise PlacementError(f"{origin}: expected a mapping of GPU types or a list of names")
-    if not rows:
-        raise PlacementError(f"{origin}: no GPU types given")
-    offers: dict[str, GpuOffer] = {}
-    for raw, row in rows.items():
-        row = row or {}
-        if not isinstance(row, Mapping) or set(row) - {"cost_per_hour", "min", "max"}:
-            raise PlacementError(f"{origin}: GPU {raw}: allowed keys are cost_per_hour, min, max")
-        name = canonical_gpu(raw, catalog)
-        cost = row.get("cost_per_hour")
-        if cost is None:
-            try:
-                cost = catalog.gpu(name).cost_per_hour
-            except CatalogError:
-                raise PlacementError(
-                    f"{origin}: GPU {raw} is not in the catalog: give cost_per_hour"
-                ) from None
-        try:
-            offers[name] = GpuOffer(
-                name, float(cost), int(row.get("min", 0)), None if row.get("max") is None else int(row["max"])
-            )
-        except (TypeError, ValueError) as exc:
-            raise PlacementError(f"{origin}: GPU {raw}: {exc}") from None
-    return offers
-
-
-def _relevant(target: Slo, role: Role) -> Slo:
-    """The limits that bind an instance of this role: prefill → TTFT, decode → TPOT, mixed → all."""
-    if role is Role.PREFILL:
-        return Slo(ttft_ms=target.ttft_ms, e2e_ms=None)
-    if role is Role.DECODE:
-        return Slo(tpot_ms=target.tpot_ms)
-    return target
-
-
-def select_profiles(
-    profiles: Sequence[ThroughputProfile], target: Slo | None, mode: Mode = "auto"
-) -> tuple[list[ThroughputProfile], list[str]]:
-    """One profile per (model, GPU, tp, role): the loosest one measured at or under the target SLO.
-
-    With no target every profile is used as given, and two for the same key is an error (which SLO?).
-    `mode` keeps mixed only, P/D only, or both ("auto": the solver picks per bucket).
-    """
-    keep = {"auto": set(Role), "mixed": {Role.MIXED}, "pd": {Role.PREFILL, Role.DECODE}}[mode]
-    by_key: dict[tuple[str, str, int, Role], list[ThroughputProfile]] = {}
-    for p in profiles:
-        if p.role in keep:
-            by_key.setdefault(p.key, []).append(p)
-    chosen, notes = [], []
-    for key, group in by_key.items():
-        label = (
-            f"{key[0]}/{key[1]}"
-            + (f"/tp{key[2]}" if key[2] > 1 else "")
-            + ("" if key[3] is Role.MIXED else f"/{key[3].value}")
-        )
-        if target is None:
-            if len(group) > 1:
-                raise PlacementError(
-                    f"{len(group)} profiles for {label} (SLOs {[_slo_text(p.slo) for p in group]}): give the SLO to choose"
-                )
-            chosen.append(group[0])
-            continue
-        need = _relevant(target, key[3])
-        fit = [p for p in group if p.slo.within(need)]
-        if not fit:
-            notes.append(
-                f"{label}: no profile at or under {_slo_text(need)} (have {', '.join(_slo_text(p.slo) for p in group)}); not used"
-            )
-            continue
-        best = max(
-            fit,
-            key=lambda p: tuple(
-                math.inf if v is None else v for v in (p.slo.tpot_ms, p.slo.ttft_ms, p.slo.e2e_ms)
-            ),
-        )
-        if _relevant(best.slo, key[3]) != need:
-            notes.append(
-                f"{label}: profile measured at {_slo_text(best.slo)} used for {_slo_text(need)} (conservative)"
-            )
-        chosen.append(best)
-    return chosen, notes
-
-
-def _slo_text(slo: Slo) -> str:
-    parts = [
-        f"{n} {v:g} ms"
-        for n, v in (("TPOT", slo.tpot_ms), ("TTFT", slo.ttft_ms), ("E2E", slo.e2e_ms))
-        if v is not None
-    ]
-    return ", ".join(parts) or "no SLO"
+__all__ = [
+    "Dropped",
+    "Grid",
+    "Mode",
+    "Plan",
+    "PlanInput",
+    "WhatIfRow",
+    "build_problem",
+    "canonical_gpu",
+    "canonical_model",
+    "cheapest_capacity",
+    "cheapest_mix",
+    "load_gpu_offers",
+    "make_plan",
+    "select_profiles",
+    "solve_plan",
+    "what_if",
+]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,80 @@
+"""GPU offers for the planner: names made canonical against the catalog, prices, availability caps."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from placement.binpacking import GpuOffer, PlacementError
+from placement.catalog import Catalog, CatalogError, load_catalog
+from placement.profiles import read_structured
+
+
+def canonical_gpu(name: str, catalog: Catalog) -> str:
+    try:
+        return catalog.gpu(name).name
+    except CatalogError:
+        return name
+
+
+def canonical_model(name: str, catalog: Catalog) -> str:
+    try:
+        return catalog.model(name).name
+    except CatalogError:
+        return name
+
+
+def load_gpu_offers(
+    source: str | Path | Sequence[str] | Mapping[str, Any], catalog: Catalog | None = None
+) -> dict[str, GpuOffer]:
+    """GPU offers from a YAML/JSON file, a mapping, or a list of names (costs default to the catalog's).
+
+    ```yaml
+    gpus:
+      A10G: {}                              # catalog price ($1.01/h)
+      A100-80GB: {cost_per_hour: 3.67, max: 4, min: 0}
+    ```
+    `max` is availability (GPUs one can get); a list `gpus: [A10G, L4]` takes every default.
+    """
+    catalog = catalog or load_catalog()
+    origin = "--gpus"
+    if isinstance(source, str | Path) and Path(source).is_file():
+        origin = str(source)
+        source = read_structured(source, PlacementError)
+    elif isinstance(source, str):
+        source = [s.strip() for s in source.split(",") if s.strip()]
+    if isinstance(source, Mapping) and "gpus" in source:
+        extra = sorted(set(source) - {"gpus", "schema"})
+        if extra:
+            raise PlacementError(f"{origin}: unknown key(s) {extra}; expected 'gpus'")
+        source = source["gpus"]
+    if isinstance(source, list | tuple):
+        rows: dict[str, Any] = {str(n): {} for n in source}
+    elif isinstance(source, Mapping):
+        rows = dict(source)
+    else:
+        raise PlacementError(f"{origin}: expected a mapping of GPU types or a list of names")
+    if not rows:
+        raise PlacementError(f"{origin}: no GPU types given")
+    offers: dict[str, GpuOffer] = {}
+    for raw, row in rows.items():
+        row = row or {}
+        if not isinstance(row, Mapping) or set(row) - {"cost_per_hour", "min", "max"}:
+            raise PlacementError(f"{origin}: GPU {raw}: allowed keys are cost_per_hour, min, max")
+        name = canonical_gpu(raw, catalog)
+        cost = row.get("cost_per_hour")
+        if cost is None:
+            try:
+                cost = catalog.gpu(name).cost_per_hour
+            except CatalogError:
+                raise PlacementError(
+                    f"{origin}: GPU {raw} is not in the catalog: give cost_per_hour"
+                ) from None
+        try:
+            offers[name] = GpuOffer(
+                name, float(cost), int(row.get("min", 0)), None if row.get("max") is None else int(row["max"])
+            )
+        except (TypeError, ValueError) as exc:
+            raise PlacementError(f"{origin}: GPU {raw}: {exc}") from None
+    return offers

@@ -1,0 +1,78 @@
+"""Which profile serves a target SLO: one per (model, GPU, tp, role), the loosest measured within it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from placement.binpacking import PlacementError
+from placement.profiles import Role, Slo, ThroughputProfile
+
+Mode = Literal["auto", "mixed", "pd"]
+
+
+def _relevant(target: Slo, role: Role) -> Slo:
+    """The limits that bind an instance of this role: prefill → TTFT, decode → TPOT, mixed → all."""
+    if role is Role.PREFILL:
+        return Slo(ttft_ms=target.ttft_ms, e2e_ms=None)
+    if role is Role.DECODE:
+        return Slo(tpot_ms=target.tpot_ms)
+    return target
+
+
+def select_profiles(
+    profiles: Sequence[ThroughputProfile], target: Slo | None, mode: Mode = "auto"
+) -> tuple[list[ThroughputProfile], list[str]]:
+    """One profile per (model, GPU, tp, role): the loosest one measured at or under the target SLO.
+
+    With no target every profile is used as given, and two for the same key is an error (which SLO?).
+    `mode` keeps mixed only, P/D only, or both ("auto": the solver picks per bucket).
+    """
+    keep = {"auto": set(Role), "mixed": {Role.MIXED}, "pd": {Role.PREFILL, Role.DECODE}}[mode]
+    by_key: dict[tuple[str, str, int, Role], list[ThroughputProfile]] = {}
+    for p in profiles:
+        if p.role in keep:
+            by_key.setdefault(p.key, []).append(p)
+    chosen, notes = [], []
+    for key, group in by_key.items():
+        label = (
+            f"{key[0]}/{key[1]}"
+            + (f"/tp{key[2]}" if key[2] > 1 else "")
+            + ("" if key[3] is Role.MIXED else f"/{key[3].value}")
+        )
+        if target is None:
+            if len(group) > 1:
+                raise PlacementError(
+                    f"{len(group)} profiles for {label} (SLOs {[_slo_text(p.slo) for p in group]}): give the SLO to choose"
+                )
+            chosen.append(group[0])
+            continue
+        need = _relevant(target, key[3])
+        fit = [p for p in group if p.slo.within(need)]
+        if not fit:
+            notes.append(
+                f"{label}: no profile at or under {_slo_text(need)} (have {', '.join(_slo_text(p.slo) for p in group)}); not used"
+            )
+            continue
+        best = max(
+            fit,
+            key=lambda p: tuple(
+                math.inf if v is None else v for v in (p.slo.tpot_ms, p.slo.ttft_ms, p.slo.e2e_ms)
+            ),
+        )
+        if _relevant(best.slo, key[3]) != need:
+            notes.append(
+                f"{label}: profile measured at {_slo_text(best.slo)} used for {_slo_text(need)} (conservative)"
+            )
+        chosen.append(best)
+    return chosen, notes
+
+
+def _slo_text(slo: Slo) -> str:
+    parts = [
+        f"{n} {v:g} ms"
+        for n, v in (("TPOT", slo.tpot_ms), ("TTFT", slo.ttft_ms), ("E2E", slo.e2e_ms))
+        if v is not None
+    ]
+    return ", ".join(parts) or "no SLO"
