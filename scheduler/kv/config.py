@@ -146,7 +146,8 @@ def build_compression(
     order; the caller reads the files, e.g. `server.kv_setup.load_profiles`)."""
     if len(profiles) != len(cfg.compression):
         raise KvConfigError(
-            f"kv.compression: {len(cfg.compression)} entries but {len(profiles)} profiles were read"
+            f"kv.compression: {len(cfg.compression)} entries but {len(profiles)} parsed profiles; read them "
+            "with server.kv_setup.load_profiles (or build with server.kv_setup.build_gateway_ledger)"
         )
     by_pool: dict[str, CompressionSpec] = {}
     by_model: dict[str, CompressionSpec] = {}

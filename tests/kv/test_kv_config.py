@@ -74,3 +74,9 @@ def test_unreadable_profile_is_a_config_error_naming_the_field(tmp_path: Path) -
 def test_config_is_frozen_and_strict() -> None:
     with pytest.raises(ValidationError):
         KvConfig(lease_s=0)
+
+
+def test_build_ledger_takes_parsed_profiles_and_names_the_missing_ones() -> None:
+    cfg = KvConfig(compression=[{"model": "m", "profile": "moments.csv"}])  # type: ignore[list-item]
+    with pytest.raises(KvConfigError, match=r"kv\.compression: 1 entries but 0 parsed profiles"):
+        build_ledger(cfg)

@@ -55,7 +55,9 @@ def _data(kv: dict[str, object], routing: dict[str, object] | None = None) -> di
 @pytest.mark.parametrize(
     ("kv", "routing", "weights"),
     [
-        pytest.param({}, None, (KV_BEST_FIT_WEIGHT, KV_BEST_FIT_WEIGHT, None), id="ledger on: mosaic scores best fit"),
+        pytest.param(
+            {}, None, (KV_BEST_FIT_WEIGHT, KV_BEST_FIT_WEIGHT, None), id="ledger on: mosaic scores best fit"
+        ),
         pytest.param({"enabled": False}, None, (None, None, None), id="ledger off: no kv-best-fit"),
         pytest.param(
             {},
@@ -63,7 +65,9 @@ def _data(kv: dict[str, object], routing: dict[str, object] | None = None) -> di
             (None, None, None),
             id="the user disabled it: left off",
         ),
-        pytest.param({}, {"weights": {"kv-best-fit": 5}}, None, id="routing.weights names it before it exists"),
+        pytest.param(
+            {}, {"weights": {"kv-best-fit": 5}}, None, id="routing.weights names it before it exists"
+        ),
         pytest.param({}, {"policy": "least-loaded"}, (None, None, None), id="other policies: unchanged"),
     ],
 )
