@@ -5,6 +5,11 @@ RBAC it needs, in the release namespace only (the Helm chart's controller Role):
 discovery). Scale-in is soft because the gateway stops routing to terminating endpoints at once and the
 chart gives vLLM pods a preStop drain and a termination grace period, so in-flight streams finish.
 
+Topology (`autoscaler.nodes`): the scale subresource sets a count and cannot choose nodes, so this
+actuator receives only the (clipped) counts; the controller keeps the placement it computed as advice
+(`/admin/autoscaler`, decision records). docs/autoscaling-live.md shows how to make the cluster follow it
+(one Deployment per pool and domain, or pod affinity on the domain label).
+
 The `kubernetes` client is an optional extra (`pip install mosaic-serve[k8s]`); the API object is injected
 so tests can record the exact calls against canned API responses.
 """
