@@ -220,8 +220,8 @@ class TopologyPlacer:
         """One fewer instance: from a pool on a GPU type short of free GPUs if any, else the pool that kept
         the largest share of its request (so P and D are clipped alike), ties by name."""
         free: dict[str, int] = {}
-        for n in self.free_nodes():
-            free[n.gpu] = free.get(n.gpu, 0) + n.free
+        for node in self.free_nodes():
+            free[node.gpu] = free.get(node.gpu, 0) + node.free
         need: dict[str, int] = {}
         for pool, n in granted.items():
             k = self.kinds[pool]

@@ -208,3 +208,47 @@ def test_kubernetes_gets_counts_and_the_computed_placement_is_shown_not_pinned()
     }
     slots = {n["node"]: n["instances"] for n in out["topology"]["nodes"]}
     assert slots == {"h-a": ["prefill#2"], "l-a": ["decode#1"], "h-b": ["prefill#6"], "l-b": ["decode#3", "decode#4", "decode#5"]}
+
+
+class _FakeSource:
+    """What the embedded actuator reads of a simulated pool when choosing victims."""
+
+    def __init__(self, n: int) -> None:
+        self.workers = {i: object() for i in range(n)}
+        self.draining: set[int] = set()
+        self.ready_at: dict[int, float] = {}
+
+    def clock(self) -> float:
+        return 100.0
+
+    def endpoint_name(self, index: int) -> str:
+        return f"sim-{index}"
+
+
+class _NoRecords:
+    def get(self, worker_id: str) -> None:
+        return None
+
+
+def test_embedded_scale_in_removes_the_cross_domain_worker_first() -> None:
+    from placement.profiles import Role
+    from placement.topology import InstanceKind
+    from scheduler.topology import Inventory, TopologyPlacer
+    from server.embedded_actuator import EmbeddedActuator
+
+    # 1 prefill fits only rack-a; of 3 decodes rack-a holds 2, so one sits in rack-b (listed first: sim-0)
+    inventory = Inventory.from_data({"nodes": [
+        {"name": "l-b", "gpu": "L4", "gpus": 1, "domain": "rack-b"},
+        {"name": "h-a", "gpu": "H100-SXM", "gpus": 1, "domain": "rack-a"},
+        {"name": "l-a", "gpu": "L4", "gpus": 2, "domain": "rack-a"},
+    ]})
+    kinds = {"p": InstanceKind("m", "H100-SXM", 1, Role.PREFILL), "d": InstanceKind("m", "L4", 1, Role.DECODE)}
+    placer = TopologyPlacer(inventory, kinds)
+    sources = {"p": _FakeSource(1), "d": _FakeSource(3)}
+    act = EmbeddedActuator(sources, _NoRecords(), placer=placer)  # type: ignore[arg-type]
+    assert [placer.node_of(f"d/sim-{i}") for i in range(3)] == ["l-b", "l-a", "l-a"]
+    assert placer.summary().cross_domain_pairs == 1
+    # idle workers: without topology the newest (sim-2) goes first; with it, the cross-domain sim-0
+    assert EmbeddedActuator(sources, _NoRecords())._victims("d", [0, 1, 2], 1) == [2]  # type: ignore[arg-type]
+    assert act._victims("d", [0, 1, 2], 1) == [0]
+    assert act.places("d") and not act.places("elsewhere")
