@@ -241,7 +241,8 @@ def place_instances(
         dec = sum(n for k, n in g.members.items() if k.role is Role.DECODE)
         a_pre = sum(a[0] for a in g.anchors.values())
         a_dec = sum(a[1] for a in g.anchors.values())
-        if (pre and a_dec) or (dec and a_pre):  # new-with-anchor pairs: a new prefill in d pairs across with A^D − A^D_d
+        # new-with-anchor pairs: a new prefill in domain d pairs across with A^D − A^D_d decodes (and vice versa)
+        if (pre and a_dec) or (dec and a_pre):
             for d in domains:
                 ap, ad = g.anchors.get(d, (0, 0))
                 for role, other in ((Role.PREFILL, a_dec - ad), (Role.DECODE, a_pre - ap)):
