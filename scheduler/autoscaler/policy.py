@@ -16,12 +16,16 @@ Per model, each cycle:
 4. **Prefill follows** in the same decision: `pd_ratio` prefill instances per decode instance needed
    (unrounded; the profiled P/D ratio; while requests wait for prefill, at least their prompt-token demand), or, in
    `prompt_tokens` mode, prompt tokens/s demand (plus backlog) over prefill capacity.
-5. **Lookahead** (optional, `lookahead_s`, e.g. the cold start): rising demand is projected along its
-   smoothed trend, so instances bought on a ramp are ready when the demand arrives. Only adds.
+5. **Smoothing and lookahead**: the token rates (not the backlog, not the latency net) are smoothed by
+   an EWMA (`smoothing`, 0.3) before sizing, so one noisy interval does not buy an instance the
+   scale-down window then holds; optionally (`lookahead_s`, e.g. the cold start) rising demand is
+   projected along the level's smoothed trend. The projection only adds.
 6. **Damping**: no change while capacity covers the requirement with less than `tolerance` to spare; a
    shortfall scales up at once
    (bounded by `max_scale_up_step` / `max_scale_up_factor`); scale-down only to the highest target
    recommended over the last `scale_down_window_s` and by at most `max_scale_down_fraction` per cycle.
+   The size a pool had when the policy took over counts as a recommendation, so nothing scales in on
+   less than one window of evidence.
 """
 
 from __future__ import annotations

@@ -206,3 +206,42 @@ def test_lookahead_projects_a_rising_trend_and_ignores_a_falling_one() -> None:
     assert policy.decide(obs(15, **{"d-a100": po(3, 2500)})).targets["d-a100"] == 19
     # falling: no projection; 1,000 / 800 = 1.25 → 2 (damped: at most 25% of 19 removed → 15)
     assert policy.decide(obs(30, **{"d-a100": po(19, 1000)})).targets["d-a100"] == 15
+
+
+def test_the_starting_size_holds_scale_in_for_one_window() -> None:
+    # One interval's rate at start-up is not evidence of a lull (on the Azure trace it scaled 2+2 → 1+1 at
+    # 15 s and missed the SLO for two minutes): the size the policy took over counts as a recommendation.
+    policy = MosaicAutoscaler([decode_pool()], CFG)
+    # 800 tok/s needs 800/800 = 1 instance, but the window (300 s) still holds the starting 4
+    assert policy.decide(obs(0, **{"d-a100": po(4, 800)})).targets["d-a100"] == 4
+    assert policy.decide(obs(150, **{"d-a100": po(4, 800)})).targets["d-a100"] == 4
+    # after one window: scale in, damped (at most 25% of 4 = 1 per cycle)
+    assert policy.decide(obs(301, **{"d-a100": po(4, 800)})).targets["d-a100"] == 3
+
+
+def test_a_one_interval_spike_is_smoothed_but_a_sustained_rise_buys_at_once() -> None:
+    smoothed = MosaicAutoscaler([decode_pool()], AutoscalerConfig(utilization_target=0.8, scale_down_window_s=0))
+    raw = MosaicAutoscaler([decode_pool()], AutoscalerConfig(smoothing=1.0, utilization_target=0.8,
+                                                            scale_down_window_s=0))
+    loads = [2800, 4000, 4000]  # 2,800/800 = 3.5 → 4 instances; 4,000/800 = 5
+    got = {name: [p.decide(obs(i * 15.0, **{"d-a100": po(4, load)})).targets["d-a100"]
+                  for i, load in enumerate(loads)] for name, p in (("smoothed", smoothed), ("raw", raw))}
+    # smoothed level (α = 0.3): 2,800 → 0.3·4,000 + 0.7·2,800 = 3,160 (needs 3,950 ≤ 4,000: keep 4)
+    # → 0.3·4,000 + 0.7·3,160 = 3,412 (needs 4,265 > 4,000: buy the fifth)
+    assert got["smoothed"] == [4, 4, 5]
+    assert got["raw"] == [4, 5, 5]  # the unsmoothed signal buys on the first sample
+
+
+def test_backlog_acts_at_once_through_the_smoothing() -> None:
+    cfg = AutoscalerConfig(utilization_target=0.8, queue_drain_s=30, default_output_tokens=200)
+    policy = MosaicAutoscaler([decode_pool()], cfg)
+    assert policy.decide(obs(0, **{"d-a100": po(2, 1600)})).targets["d-a100"] == 2  # 1,600/800 = 2
+    # the same token rate (a saturated pool), but 300 requests wait: level 1,600 + 300 · 200 / 30 = 3,600
+    # → 3,600 / 800 = 4.5 → 5, in the same cycle
+    queued = Observation(now=15, pools={"d-a100": po(2, 1600, waiting=100)}, admission_queue={"llama-3-8b": 200})
+    assert policy.decide(queued).targets["d-a100"] == 5
+
+
+def test_smoothing_must_be_a_weight() -> None:
+    with pytest.raises(ValueError, match="smoothing"):
+        AutoscalerConfig(smoothing=0.0)
