@@ -22,6 +22,7 @@ re-solves in well under a millisecond when only the bounds of N change. So the s
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +43,7 @@ class Undecided(Exception):
 
 Leaf = Callable[[tuple[int, ...], Sequence[Mapping[int, float]], float], EngineResult | None]
 Box = tuple[tuple[int, int], ...]
+Solved = tuple[float, list[float], list[dict[int, float]]]  # (lifted bound, N, shares) of a box's LP
 
 
 def cost_unit(costs: Sequence[float]) -> float:
@@ -93,7 +95,7 @@ def search_counts(
     best: EngineResult | None = None
     nodes = 0
 
-    def solve(box: Box) -> tuple[float, list[float], list[dict[int, float]]] | None:
+    def solve(box: Box) -> Solved | None:
         """(lifted bound, N, shares) of the box's LP; None if infeasible; Undecided if GLOP failed."""
         nonlocal nodes
         nodes += 1
@@ -105,7 +107,9 @@ def search_counts(
         if code != pywraplp.Solver.OPTIMAL:
             raise Undecided(f"GLOP status {code}")
         values = [v.solution_value() for v in counts]
-        real = [{o: v.solution_value() for o, v in s.items()} for s in shares]
+        real: list[dict[int, float]] = []
+        if all(abs(x - round(x)) <= INTEGRAL_TOL for x in values):  # a leaf: its shares are needed
+            real = [{o: v.solution_value() for o, v in s.items()} for s in shares]
         return lifted(solver.Objective().Value(), unit), values, real
 
     def beats(bound: float) -> bool:
@@ -122,20 +126,31 @@ def search_counts(
             status, best.counts, best.shares, best.objective, bound, wall, "lp-branch", (note,)
         )
 
-    heap: list[tuple[float, int, Box, list[float], list[dict[int, float]]]] = []
+    # Open nodes: (bound, order, box, LP solution or None). Children inherit their parent's bound and are
+    # solved only when they reach the top (many are pruned first); a solved node whose own bound is no longer
+    # the lowest goes back in. Ties go to the newest node (depth first among equals).
+    heap: list[tuple[float, int, Box, Solved | None]] = []
+    order = itertools.count(0, -1)
     try:
         first = solve(root)
         if first is None:
             return result(Status.INFEASIBLE, None, "LP relaxation infeasible")
-        heapq.heappush(heap, (first[0], 0, root, first[1], first[2]))
+        heapq.heappush(heap, (first[0], next(order), root, first))
         while heap:
-            bound, _, box, values, real = heap[0]
+            bound, _, box, solved = heap[0]
             if not beats(bound):
                 break  # every open node bounds at least the incumbent: proven optimal
-            heapq.heappop(heap)
             if nodes >= max_nodes or time.perf_counter() > deadline:
-                heapq.heappush(heap, (bound, 0, box, values, real))
                 raise Undecided("node or time limit")
+            heapq.heappop(heap)
+            if solved is None:
+                solved = solve(box)
+                if solved is None or not beats(solved[0]):
+                    continue
+                if heap and solved[0] > heap[0][0]:
+                    heapq.heappush(heap, (solved[0], next(order), box, solved))
+                    continue
+            _, values, real = solved
             whole = [round(x) for x in values]
             if all(abs(x - n) <= INTEGRAL_TOL for x, n in zip(values, whole, strict=True)):
                 found = leaf(tuple(whole), real, deadline - time.perf_counter())
@@ -150,9 +165,7 @@ def search_counts(
                     _with(box, o, (math.ceil(values[o]), hi)),
                 ]
             for child in children:
-                solved = solve(child)
-                if solved is not None and beats(solved[0]):
-                    heapq.heappush(heap, (solved[0], nodes, child, solved[1], solved[2]))
+                heapq.heappush(heap, (bound, next(order), child, None))
     except Undecided as why:
         open_bound = min((h[0] for h in heap), default=math.inf)
         incumbent = best.objective if best is not None and best.objective is not None else math.inf

@@ -46,9 +46,23 @@ def run_engine(
     variant: Variant,
     limit: float,
 ) -> EngineResult:
-    if variant is Variant.CONTINUOUS:
-        return solve_mip(problem, paths, coefs, units, limit, backend=engine.upper(), integral_shares=False)
     deadline = time.perf_counter() + limit
+    if variant is Variant.CONTINUOUS:
+        if engine == "lp-branch":
+            # The same count search; at an integral fleet the LP's own real shares are the answer, if they
+            # pass the float check. If the search gives up, SCIP finishes with its bound.
+            leaf = _real_shares_fit(problem, paths, coefs)
+            found = search_counts(
+                problem, paths, coefs, units, limit * SEARCH_SHARE, leaf, max_nodes=SEARCH_NODES
+            )
+            if found.status in (Status.OPTIMAL, Status.INFEASIBLE):
+                return found
+            left = max(deadline - time.perf_counter(), 0.05)
+            exact = solve_mip(
+                problem, paths, coefs, units, left, integral_shares=False, lower_bound=found.bound
+            )
+            return _best(exact, found if found.counts else None, found.wall_s)
+        return solve_mip(problem, paths, coefs, units, limit, backend=engine.upper(), integral_shares=False)
     if engine == "cp-sat":
         # Branch and bound on the counts over the LP relaxation, CP-SAT deciding whether whole slices fit
         # each integral fleet; if it gives up, CP-SAT on the full model finishes with its bound and fleet.
@@ -88,6 +102,22 @@ def run_engine(
     left = max(deadline - time.perf_counter(), 0.05)
     exact = solve_mip(problem, paths, coefs, units, left, backend=engine.upper(), lower_bound=lower)
     return _best(exact, hint, relax.wall_s)
+
+
+def _real_shares_fit(
+    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]]
+) -> Leaf:
+    """The continuous leaf: the LP's real shares at an integral fleet, if no option is overloaded in floats."""
+
+    def fit(counts: tuple[int, ...], real: Sequence[Mapping[int, float]], _left: float) -> EngineResult:
+        shares = tuple({o: min(1.0, max(0.0, v)) for o, v in r.items()} for r in real)
+        cost = sum(problem.option_cost(opt) * n for opt, n in zip(problem.options, counts, strict=True))
+        found = EngineResult(Status.OPTIMAL, counts, shares, cost, cost, 0.0, "lp-branch")
+        if _violations(problem, paths, coefs, found):
+            raise Undecided("LP shares overload a count by float dust")
+        return found
+
+    return fit
 
 
 def _slices_fit(

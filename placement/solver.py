@@ -59,7 +59,8 @@ class InfeasibleError(PlacementError):
 
 
 def default_engine(variant: Variant) -> str:
-    return "cp-sat" if variant is Variant.SLICED else "scip"
+    """auto: CP-SAT-checked count search for the sliced model, the LP count search (SCIP behind it) else."""
+    return "cp-sat" if variant is Variant.SLICED else "lp-branch"
 
 
 def solve_mix(

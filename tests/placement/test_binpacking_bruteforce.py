@@ -260,7 +260,10 @@ def test_continuous_optimum_equals_enumeration(problem: MixProblem) -> None:
         return
     assert expected is not None, got.counts
     assert math.isclose(got.cost_per_hour, expected, abs_tol=1e-9), (got.counts, expected)
-    # Never dearer than any slicing of the same problem.
-    assert (
-        got.cost_per_hour <= solve_mix(problem, variant=Variant.SLICED, slice_factor=2).cost_per_hour + 1e-9
-    )
+    # Never dearer than any slicing of the same problem (which can be infeasible where real shares are not:
+    # 3 req/s on an A10G capped at 1 instance of 1 req/s and an L4 capped at 1 of 2 req/s fit only as 1 : 2).
+    try:
+        sliced = solve_mix(problem, variant=Variant.SLICED, slice_factor=2)
+    except InfeasibleError:
+        return
+    assert got.cost_per_hour <= sliced.cost_per_hour + 1e-9

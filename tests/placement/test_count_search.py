@@ -122,3 +122,22 @@ def test_search_reports_infeasible_caps() -> None:
     coefs = load_coefficients(capped, paths, 1)
     fit = engine_pipeline._slices_fit(capped, paths, coefs, 1)
     assert search_counts(capped, paths, coefs, 1, 5.0, fit).status is Status.INFEASIBLE
+
+
+@pytest.mark.parametrize(
+    ("engine", "nodes", "expected_engine"),
+    [
+        pytest.param("auto", None, "lp-branch", id="auto solves the continuous model by the count search"),
+        pytest.param("auto", 1, "scip", id="a count search out of nodes hands over to SCIP with its bound"),
+        pytest.param("scip", None, "scip", id="engine scip is SCIP alone"),
+    ],
+)
+def test_continuous_engines_agree_on_the_melange_optimum(
+    engine: str, nodes: int | None, expected_engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One A100 (load 1) + one A10G carrying 5 of the 15 req/s bucket: 3.67 + 1.01 = $4.68."""
+    if nodes is not None:
+        monkeypatch.setattr(engine_pipeline, "SEARCH_NODES", nodes)
+    sol = solve_mix(melange_example(), variant=Variant.CONTINUOUS, engine=engine)
+    assert sol.status == "optimal" and math.isclose(sol.cost_per_hour, 4.68) and sol.engine == expected_engine
+    assert sol.gpus == {"A10G": 1, "A100-80GB": 1}
