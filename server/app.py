@@ -177,6 +177,7 @@ def _asgi(serve: ProxyEndpoint) -> ASGIApp:
 def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
     limits = gw.config.limits
     clock = gw.clock
+    child, received = gw.dispatcher.child, gw.metrics.received  # memoised metric children
 
     async def endpoint(scope: Scope, receive: Receive) -> Response:
         arrival = clock()
@@ -200,7 +201,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
             gw.metrics.requests.labels(model, "none", str(err.status)).inc()
             gw.metrics.rejections.labels(err.cause.value).inc()
             return err.to_response(rid)
-        gw.metrics.received.labels(model).inc()  # arrivals, before any queueing (the autoscaler's request rate)
+        child(received, model).inc()  # arrivals, before any queueing (the autoscaler's request rate)
         rec = RequestRecord(rid, model, key, arrival, reserved if gw.limiter.enabled else 0)
         return await gw.dispatcher.handle(parsed, path, rec, receive)
 

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.upstream import _SIZE, ConnectionPool, H1Response
+from server.h1_response import _SIZE, H1Response
+from server.upstream import ConnectionPool
 
 Reply = list[bytes] | Callable[[asyncio.StreamWriter], Awaitable[None]]
 

@@ -1,0 +1,289 @@
+"""A worker's HTTP/1.1 response as `server.upstream.ConnectionPool` reads it: head parsing and body framing.
+
+    resp = await _read_head(conn, timeout)        # status line + headers from the connection's buffer
+    resp.status_code, resp.headers["content-type"]
+    await resp.aread()  /  async for chunk in resp.aiter_raw(): ...   /  resp.close()
+
+Parsed from the connection's receive buffer as bytes arrive: the status line and headers (a 1xx interim
+response is skipped; more than `MAX_HEAD_BYTES` is a protocol error), then the body delimited by
+`Content-Length`, chunked transfer coding (decoded incrementally: a chunk may be split anywhere) or the
+server closing the connection; 204/304 have none. No content decoding (the pool sends no
+`Accept-Encoding`). When the body was read to the end on a keep-alive connection, the connection goes
+back to its pool; otherwise it is closed — which is how an upstream request is aborted. Errors are
+httpx's classes (`ReadError`, `ReadTimeout`, `RemoteProtocolError`), as the module `server.upstream` lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import httpx
+
+if TYPE_CHECKING:
+    from server.upstream import _Conn
+
+MAX_HEAD_BYTES = 65536  # status line + headers; more is a protocol error
+_WS = " \t\r\n\x0b\x0c"  # what bytes.strip() removes (str.strip() would also take latin-1's \xa0, \x85)
+
+
+class UpstreamResponse(Protocol):
+    """What the dispatcher uses of a worker's response (`httpx.Response` has it too, for injected transports)."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def aread(self) -> bytes: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _Reset(Exception):
+    """A reused connection closed before any response byte: the request may be sent again."""
+
+
+async def _read_head(conn: _Conn, timeout: float) -> H1Response | None:
+    """Parse the status line and headers; None for a 1xx interim response (skipped)."""
+    buf = conn.buf
+    while True:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            break
+        if conn.closed:
+            if not buf and conn.reused:
+                raise _Reset  # the server closed the idle connection as the request went out
+            if conn.error is not None:
+                raise httpx.ReadError(str(conn.error) or type(conn.error).__name__)
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        if len(buf) > MAX_HEAD_BYTES:
+            raise httpx.RemoteProtocolError("response headers too large")
+        await conn.more(timeout)
+    lines = buf[:end].decode("latin-1").split("\r\n")  # decoded once: header values are latin-1
+    del buf[: end + 4]
+    version, _, rest = lines[0].partition(" ")
+    code = rest[:3]
+    if not version.startswith("HTTP/1.") or not code.isdigit():
+        raise httpx.RemoteProtocolError(f"malformed status line {lines[0][:80].encode('latin-1')!r}")
+    status = int(code)
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise httpx.RemoteProtocolError(f"malformed header line {line[:80].encode('latin-1')!r}")
+        key = name.strip(_WS).lower()
+        val = value.strip(_WS)
+        headers[key] = f"{headers[key]}, {val}" if key in headers else val
+    if 100 <= status < 200:
+        return None  # interim (100 Continue, 103 Early Hints): the real response follows
+    keep = version == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+    if status in (204, 304):
+        length: int | None = 0
+    elif "chunked" in headers.get("transfer-encoding", "").lower():
+        length = None
+    elif "content-length" in headers:
+        cl = headers["content-length"].split(",")[0].strip()
+        if not cl.isdigit():
+            raise httpx.RemoteProtocolError(f"bad Content-Length {cl!r}")
+        length = int(cl)
+    else:
+        length, keep = -1, False  # delimited by the server closing the connection
+    return H1Response(conn, status, headers, length, keep, timeout)
+
+
+_SIZE, _DATA, _CRLF, _TRAILER = range(4)  # chunked decoder states: size line, data, CRLF after data, trailers
+
+
+class H1Response:
+    """A worker's response: headers parsed, body read on demand (see module docstring)."""
+
+    __slots__ = (
+        "_chunk_left",
+        "_conn",
+        "_done",
+        "_keep",
+        "_left",
+        "_state",
+        "_timeout",
+        "headers",
+        "status_code",
+    )
+
+    def __init__(
+        self,
+        conn: _Conn,
+        status: int,
+        headers: dict[str, str],
+        length: int | None,
+        keep: bool,
+        timeout: float,
+    ) -> None:
+        self._conn: _Conn | None = conn
+        self.status_code = status
+        self.headers = headers
+        self._left = length  # bytes of body left; None → chunked; -1 → until close
+        self._keep = keep
+        self._timeout = timeout
+        self._state = _SIZE  # chunked decoder state
+        self._chunk_left = 0
+        self._done = length == 0
+        if self._done:
+            self._finish()
+
+    def aiter_raw(self) -> _BodyIter:
+        """The body as it arrives (chunked framing removed, no content decoding)."""
+        return _BodyIter(self)
+
+    async def aread(self) -> bytes:
+        parts: list[bytes] = []
+        while True:
+            data = await self._next()
+            if not data:
+                return b"".join(parts)
+            parts.append(data)
+
+    async def aclose(self) -> None:
+        """Release the connection: kept for reuse when the body was read to the end, else closed."""
+        self.close()
+
+    def close(self) -> None:
+        """`aclose()`, synchronously (nothing here waits)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    # -------------------------------------------------------------- body
+    async def _next(self) -> bytes:
+        """The next body bytes available; b"" at the end of the body."""
+        while not self._done:
+            conn = self._conn
+            if conn is None:
+                raise httpx.ReadError("response closed")
+            data = self._take(conn.buf)
+            if data:
+                return data
+            if self._done:
+                break
+            if conn.closed:
+                if self._left == -1:
+                    self._done = True
+                    break
+                if conn.error is not None:
+                    raise httpx.ReadError(str(conn.error) or type(conn.error).__name__)
+                raise httpx.RemoteProtocolError(
+                    "peer closed connection without sending complete message body"
+                )
+            await conn.more(self._timeout)
+        self._finish()
+        return b""
+
+    def _take(self, buf: bytearray) -> bytes:
+        if not buf:
+            return b""
+        left = self._left
+        if left is None:
+            return self._take_chunked(buf)
+        if left == -1:
+            data = bytes(buf)
+            buf.clear()
+            return data
+        if len(buf) <= left:
+            data = bytes(buf)
+            buf.clear()
+        else:
+            data = bytes(buf[:left])
+            del buf[:left]
+        self._left = left - len(data)
+        if self._left == 0:
+            self._done = True
+        return data
+
+    def _take_chunked(self, buf: bytearray) -> bytes:
+        """Decode what `buf` holds of a chunked body: the data bytes (framing removed) from every complete
+        or partial chunk; keeps the decoder state across calls (a chunk may be split anywhere)."""
+        out: list[bytearray] = []
+        pos, n = 0, len(buf)
+        state, left = self._state, self._chunk_left
+        find = buf.find
+        while pos < n:
+            if state == _SIZE:
+                eol = find(b"\r\n", pos)
+                if eol < 0:
+                    if n - pos > 1024:
+                        raise httpx.RemoteProtocolError("chunk size line too long")
+                    break
+                line = buf[pos:eol]
+                try:  # int() ignores surrounding whitespace; a chunk extension (";...") is dropped
+                    left = int(line if b";" not in line else line.split(b";", 1)[0], 16)
+                except ValueError:
+                    raise httpx.RemoteProtocolError("bad chunk size") from None
+                pos = eol + 2
+                if not left:
+                    state = _TRAILER
+                    continue
+                end = pos + left
+                if end + 2 <= n:  # the common case: the whole chunk and its CRLF are here, one step
+                    if buf[end] != 13 or buf[end + 1] != 10:
+                        raise httpx.RemoteProtocolError("chunk not followed by CRLF")
+                    out.append(buf[pos:end])
+                    pos, left = end + 2, 0
+                    continue
+                state = _DATA
+            elif state == _DATA:
+                take = left if left <= n - pos else n - pos
+                out.append(buf[pos : pos + take])
+                pos += take
+                left -= take
+                if left:
+                    break
+                state = _CRLF
+            elif state == _CRLF:
+                if n - pos < 2:
+                    break
+                if buf[pos] != 13 or buf[pos + 1] != 10:
+                    raise httpx.RemoteProtocolError("chunk not followed by CRLF")
+                pos += 2
+                state = _SIZE
+            else:  # trailer: header lines until an empty one
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                empty = eol == pos
+                pos = eol + 2
+                if empty:
+                    self._done = True
+                    break
+        self._state, self._chunk_left = state, left
+        del buf[:pos]
+        return b"".join(out)
+
+    def _finish(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._keep and not conn.closed and not conn.buf:
+            conn.origin.release(conn)
+        else:
+            conn.close()
+
+
+class _BodyIter:
+    """Async iterator over a response body (a class, not an async generator: nothing to finalise)."""
+
+    __slots__ = ("_resp",)
+
+    def __init__(self, resp: H1Response) -> None:
+        self._resp = resp
+
+    def __aiter__(self) -> _BodyIter:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self._resp._next()
+        if not data:
+            raise StopAsyncIteration
+        return data
