@@ -118,12 +118,20 @@ def search_counts(
             return True
         return bound < best.objective - (unit / 2 if unit > 0 else 1e-9 * max(1.0, best.objective))
 
-    def result(status: Status, bound: float | None, note: str) -> EngineResult:
+    def result(status: Status, bound: float | None, note: str = "") -> EngineResult:
+        """The answer; `note` (why the search stopped short) reaches the plan's notes, so only when it did."""
         wall = time.perf_counter() - started
         if best is None:
-            return EngineResult(status, (), (), None, bound, wall, "lp-branch", (note,))
+            return EngineResult(status, (), (), None, bound, wall, "lp-branch", (note,) if note else ())
         return EngineResult(
-            status, best.counts, best.shares, best.objective, bound, wall, "lp-branch", (note,)
+            status,
+            best.counts,
+            best.shares,
+            best.objective,
+            bound,
+            wall,
+            "lp-branch",
+            (note,) if note else (),
         )
 
     # Open nodes: (bound, order, box, LP solution or None). Children inherit their parent's bound and are
@@ -134,7 +142,7 @@ def search_counts(
     try:
         first = solve(root)
         if first is None:
-            return result(Status.INFEASIBLE, None, "LP relaxation infeasible")
+            return result(Status.INFEASIBLE, None)
         heapq.heappush(heap, (first[0], next(order), root, first))
         while heap:
             bound, _, box, solved = heap[0]
@@ -173,8 +181,8 @@ def search_counts(
         status = Status.FEASIBLE if best is not None else Status.UNKNOWN
         return result(status, None if math.isinf(bound) else bound, f"count search gave up: {why}")
     if best is None:
-        return result(Status.INFEASIBLE, None, f"no fleet fits ({nodes} LPs)")
-    return result(Status.OPTIMAL, best.objective, f"optimal: LP branch and bound on counts, {nodes} LPs")
+        return result(Status.INFEASIBLE, None)
+    return result(Status.OPTIMAL, best.objective)
 
 
 def _with(box: Box, o: int, span: tuple[int, int]) -> Box:

@@ -32,6 +32,7 @@ from placement.count_search import MAX_NODES, Leaf, Undecided, search_counts
 from placement.mip_engines import fit_slices, solve_cp_sat, solve_mip
 
 SEARCH_SHARE = 0.5  # of the time limit, for the count search before CP-SAT takes over
+FIT_SHARE = 0.25  # of the search's time, at most, for one leaf's CP-SAT fit (a hard one means: give up)
 SEARCH_NODES = MAX_NODES  # LPs the count search may solve (tests lower it to reach the fallback)
 # CP-SAT's portfolio for the hard tail: up to 8 workers, never more than the machine has cores
 EXACT_WORKERS = max(1, min(8, os.cpu_count() or 1))
@@ -66,7 +67,7 @@ def run_engine(
     if engine == "cp-sat":
         # Branch and bound on the counts over the LP relaxation, CP-SAT deciding whether whole slices fit
         # each integral fleet; if it gives up, CP-SAT on the full model finishes with its bound and fleet.
-        fit = _slices_fit(problem, paths, coefs, units)
+        fit = _slices_fit(problem, paths, coefs, units, limit * SEARCH_SHARE * FIT_SHARE)
         found = search_counts(problem, paths, coefs, units, limit * SEARCH_SHARE, fit, max_nodes=SEARCH_NODES)
         if found.status in (Status.OPTIMAL, Status.INFEASIBLE):
             return found
@@ -121,7 +122,11 @@ def _real_shares_fit(
 
 
 def _slices_fit(
-    problem: MixProblem, paths: Sequence[Path], coefs: Sequence[Mapping[int, float]], units: int
+    problem: MixProblem,
+    paths: Sequence[Path],
+    coefs: Sequence[Mapping[int, float]],
+    units: int,
+    most_s: float = math.inf,
 ) -> Leaf:
     """The count search's leaf test: do whole slices fit exactly these counts? (CP-SAT, one worker)
 
@@ -136,9 +141,11 @@ def _slices_fit(
         if rounded is not None:
             return rounded
         for round_up in (False, True):
-            r = fit_slices(problem, paths, coefs, units, counts, left, round_up=round_up)
+            r = fit_slices(problem, paths, coefs, units, counts, min(left, most_s), round_up=round_up)
             if r.status is Status.INFEASIBLE and not round_up:
                 return None
+            if r.status is Status.UNKNOWN:
+                raise Undecided("a whole-slice fit check ran out of time")
             if r.status in (Status.OPTIMAL, Status.FEASIBLE) and not _violations(problem, paths, coefs, r):
                 return replace(r, status=Status.OPTIMAL)
         raise Undecided("whole slices fit only up to float dust")
