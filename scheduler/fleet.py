@@ -148,6 +148,10 @@ class WorkerView:
     inflight_requests: int = 0  # dispatched, not yet completed
     inflight_prefill_tokens: int = 0  # prompt tokens of dispatched requests whose first token has not arrived
     inflight_decode_requests: int = 0  # requests past their first token, still streaming
+    # network domain (rack / RDMA group / zone) of the worker's node; None when unknown. Filled by the
+    # cluster simulator (topology placement), the embedded actuator, static pools' `domain:` and Kubernetes
+    # discovery (the node's topology label); read by the `pd-domain-affinity` scorer.
+    domain: str | None = None
 
     @property
     def demand(self) -> int:

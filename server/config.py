@@ -84,6 +84,10 @@ class KubernetesSource(_Strict):
     scheme: Literal["http", "https"] = "http"
     resync_s: float = Field(default=10.0, gt=0)  # periodic re-list
     in_cluster: bool | None = None  # None: in-cluster config when available, else ~/.kube/config
+    # Node label whose value is a worker's network domain (pd-domain-affinity routing). The default is read
+    # from the EndpointSlice endpoint's `zone` field; any other label, or `resource: pods`, reads the node's
+    # labels (lists nodes: RBAC `list nodes`). None: domains unknown.
+    domain_label: str | None = "topology.kubernetes.io/zone"
 
 
 class SimulatedSource(_Strict):
@@ -101,6 +105,28 @@ class EndpointsConfig(_Strict):
     kubernetes: KubernetesSource | None = None
     simulated: SimulatedSource | None = None
     launch: LaunchVllmConfig | None = None  # `launch: vllm`: the gateway starts the pool's vLLM processes
+    # network domain per static URL; filled from `static: [{url, domain}]` items (see `_static_items`)
+    static_domains: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _static_items(cls, data: Any) -> Any:
+        """`static:` items may be `{url: ..., domain: ...}`: the URL stays in `static`, the domain goes to
+        `static_domains` (keyed by the URL without a trailing slash, as `static` stores it)."""
+        if not isinstance(data, dict) or not isinstance(data.get("static"), list):
+            return data
+        urls: list[Any] = []
+        domains = dict(data.get("static_domains") or {})
+        for item in data["static"]:
+            if isinstance(item, dict):
+                if set(item) - {"url", "domain"} or not isinstance(item.get("url"), str):
+                    raise ValueError(f"static item {item!r}: give a URL or {{url, domain}}")
+                urls.append(item["url"])
+                if item.get("domain") is not None:
+                    domains[item["url"].rstrip("/")] = str(item["domain"])
+            else:
+                urls.append(item)
+        return {**data, "static": urls, "static_domains": domains}
 
     @model_validator(mode="after")
     def _exactly_one(self) -> EndpointsConfig:
@@ -138,6 +164,8 @@ class PoolConfig(_Strict):
     max_num_seqs: int = Field(default=256, ge=1)
     block_size: int = Field(default=16, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # network domain (rack / RDMA group / zone) of workers whose endpoint gives none (pd-domain-affinity)
+    domain: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _replica_bounds(self) -> PoolConfig:

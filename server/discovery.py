@@ -13,6 +13,13 @@ Kubernetes (`endpoints.kubernetes`, optional dependency `kubernetes`, extra `mos
   an IP; terminating = `metadata.deletionTimestamp` is set; pods in phase Succeeded/Failed are skipped.
 
 `port` is a number, or a port name looked up in the slice's `ports` (or the pod's container ports).
+
+Network domain (`Endpoint.domain`, for the router's `pd-domain-affinity`): the value of the node label
+`domain_label` (default `topology.kubernetes.io/zone`) on the worker's node. An EndpointSlice endpoint
+carries that default label's value as its `zone` field, so the default needs no extra API call; another
+label, or `resource: pods` (a pod has only `spec.nodeName`), lists the nodes (`list nodes` RBAC) and reads
+the label from the endpoint's `nodeName`. A node listing that fails leaves those domains unknown (None).
+A static pool's domains come from the config (`static: [{url, domain}]`, else the pool's `domain:`).
 The parsers take the API's JSON (camelCase, as `kubectl get -o json` prints it), so they are unit-tested
 against recorded objects in `tests/gateway/fixtures/`.
 """
@@ -21,11 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from server.config import KubernetesSource
+
+log = logging.getLogger("mosaic.discovery")
+ZONE_LABEL = "topology.kubernetes.io/zone"  # the label EndpointSlice endpoints copy into `zone`
+NodeLabels = Mapping[str, Mapping[str, str]]  # node name → its labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +47,7 @@ class Endpoint:
     url: str
     ready: bool = True
     terminating: bool = False
+    domain: str | None = None  # network domain of its node (rack / zone); None when unknown
 
 
 class Source(Protocol):
@@ -53,8 +67,8 @@ class StaticSource:
 
     resync_s: float | None = None
 
-    def __init__(self, urls: list[str]) -> None:
-        self._endpoints = [Endpoint(_host_port(u), u) for u in urls]
+    def __init__(self, urls: list[str], domains: Mapping[str, str] | None = None) -> None:
+        self._endpoints = [Endpoint(_host_port(u), u, domain=(domains or {}).get(u)) for u in urls]
 
     async def start(self) -> None:
         return None
@@ -74,7 +88,35 @@ def _host_port(url: str) -> str:
 # ---------------------------------------------------------------------------------------------- kubernetes
 
 
-def endpoints_from_slices(slices: dict[str, Any], port: int | str, scheme: str = "http") -> list[Endpoint]:
+def node_labels_from_list(nodes: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """NodeList JSON → node name → labels."""
+    out: dict[str, dict[str, str]] = {}
+    for node in nodes.get("items") or []:
+        meta = node.get("metadata") or {}
+        if meta.get("name"):
+            out[meta["name"]] = dict(meta.get("labels") or {})
+    return out
+
+
+def endpoint_domain(
+    node_name: str | None, zone: str | None, domain_label: str | None, node_labels: NodeLabels | None
+) -> str | None:
+    """The `domain_label` value of the endpoint's node (module docstring): from the node's labels when
+    listed, else the slice's `zone` when the label is the zone label, else None."""
+    if domain_label is None:
+        return None
+    if node_labels is not None and node_name is not None and node_name in node_labels:
+        return node_labels[node_name].get(domain_label)
+    return zone if domain_label == ZONE_LABEL else None
+
+
+def endpoints_from_slices(
+    slices: dict[str, Any],
+    port: int | str,
+    scheme: str = "http",
+    domain_label: str | None = ZONE_LABEL,
+    node_labels: NodeLabels | None = None,
+) -> list[Endpoint]:
     """EndpointSliceList JSON → endpoints, one per address (deduplicated across slices by address)."""
     found: dict[str, Endpoint] = {}
     for item in slices.get("items") or []:
@@ -88,13 +130,14 @@ def endpoints_from_slices(slices: dict[str, Any], port: int | str, scheme: str =
             ready = cond.get("ready") is not False  # nil → ready (API contract)
             terminating = cond.get("terminating") is True  # nil → not terminating
             ref = ep.get("targetRef") or {}
+            domain = endpoint_domain(ep.get("nodeName"), ep.get("zone"), domain_label, node_labels)
             for addr in ep.get("addresses") or []:
                 host = f"[{addr}]" if ":" in addr else addr
                 name = ref.get("name") or addr
                 key = f"{addr}:{number}"
                 prev = found.get(key)
                 endpoint = Endpoint(
-                    name, f"{scheme}://{host}:{number}", ready and not terminating, terminating
+                    name, f"{scheme}://{host}:{number}", ready and not terminating, terminating, domain
                 )
                 # The same address can sit in two slices during an update: prefer the terminating view.
                 if prev is None or (terminating and not prev.terminating):
@@ -111,8 +154,14 @@ def _slice_port(ports: list[dict[str, Any]], port: int | str) -> int | None:
     return None
 
 
-def endpoints_from_pods(pods: dict[str, Any], port: int | str, scheme: str = "http") -> list[Endpoint]:
-    """PodList JSON → endpoints; see the module docstring for the ready / terminating rules."""
+def endpoints_from_pods(
+    pods: dict[str, Any],
+    port: int | str,
+    scheme: str = "http",
+    domain_label: str | None = ZONE_LABEL,
+    node_labels: NodeLabels | None = None,
+) -> list[Endpoint]:
+    """PodList JSON → endpoints; see the module docstring for the ready / terminating and domain rules."""
     out: list[Endpoint] = []
     for pod in pods.get("items") or []:
         meta = pod.get("metadata") or {}
@@ -127,7 +176,9 @@ def endpoints_from_pods(pods: dict[str, Any], port: int | str, scheme: str = "ht
         terminating = meta.get("deletionTimestamp") is not None
         ready = conditions.get("Ready") == "True" and not terminating
         host = f"[{ip}]" if ":" in ip else ip
-        out.append(Endpoint(meta.get("name") or ip, f"{scheme}://{host}:{number}", ready, terminating))
+        node = (pod.get("spec") or {}).get("nodeName")
+        domain = endpoint_domain(node, None, domain_label, node_labels)
+        out.append(Endpoint(meta.get("name") or ip, f"{scheme}://{host}:{number}", ready, terminating, domain))
     return sorted(out, key=lambda e: e.name)
 
 
@@ -149,6 +200,7 @@ class KubernetesDiscovery:
         self._cfg = cfg
         self.resync_s: float | None = cfg.resync_s
         self._lister = lister
+        self._nodes_warned = False  # a failing node listing is logged once, not every resync
 
     async def start(self) -> None:
         if self._lister is None:
@@ -158,9 +210,25 @@ class KubernetesDiscovery:
         assert self._lister is not None, "start() first"
         cfg = self._cfg
         data = await asyncio.to_thread(self._lister, cfg.resource, cfg.namespace, cfg.label_selector)
+        labels = await self._node_labels()
         if cfg.resource == "pods":
-            return endpoints_from_pods(data, cfg.port, cfg.scheme)
-        return endpoints_from_slices(data, cfg.port, cfg.scheme)
+            return endpoints_from_pods(data, cfg.port, cfg.scheme, cfg.domain_label, labels)
+        return endpoints_from_slices(data, cfg.port, cfg.scheme, cfg.domain_label, labels)
+
+    async def _node_labels(self) -> dict[str, dict[str, str]] | None:
+        """Node labels when the domain needs them (module docstring), else None; a failure → None, logged."""
+        cfg = self._cfg
+        if cfg.domain_label is None or (cfg.resource == "endpointslices" and cfg.domain_label == ZONE_LABEL):
+            return None
+        assert self._lister is not None, "start() first"
+        try:
+            nodes = await asyncio.to_thread(self._lister, "nodes", "", "")
+        except Exception as exc:  # e.g. 403 without `list nodes`: route without domains rather than not at all
+            if not self._nodes_warned:
+                log.warning("listing nodes for domain label %s failed (domains unknown): %s", cfg.domain_label, exc)
+                self._nodes_warned = True
+            return None
+        return node_labels_from_list(nodes)
 
     async def stop(self) -> None:
         return None
@@ -196,7 +264,9 @@ def _official_lister(in_cluster: bool | None) -> Any:
     def lister(resource: str, namespace: str, selector: str) -> dict[str, Any]:
         # _preload_content=False: the raw API JSON, the same shape the recorded fixtures have.
         resp: Any
-        if resource == "pods":
+        if resource == "nodes":  # cluster-scoped: the domain label of each worker's node
+            resp = core.list_node(_preload_content=False)
+        elif resource == "pods":
             resp = core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
         else:
             resp = discovery.list_namespaced_endpoint_slice(

@@ -66,6 +66,7 @@ class SimulatedPoolSource:
         self.workers: dict[int, RunningWorker] = {}
         self.ready_at: dict[int, float] = {}  # cold start: listed not-ready before this clock time
         self.draining: set[int] = set()  # listed terminating: the registry routes them nothing new
+        self.domains: dict[int, str] = {}  # network domain of each worker's node (set by the embedded actuator)
         self.clock = clock
         self._next = 0
         self._lock = asyncio.Lock()
@@ -122,6 +123,7 @@ class SimulatedPoolSource:
             worker = self.workers.pop(index, None)
             self.ready_at.pop(index, None)
             self.draining.discard(index)
+            self.domains.pop(index, None)
         if worker is not None:
             await worker.stop()
 
@@ -131,7 +133,8 @@ class SimulatedPoolSource:
     async def list(self) -> list[Endpoint]:
         now = self.clock()
         return [
-            Endpoint(self.endpoint_name(i), w.url, ready=self.ready_at.get(i, now) <= now, terminating=i in self.draining)
+            Endpoint(self.endpoint_name(i), w.url, ready=self.ready_at.get(i, now) <= now,
+                     terminating=i in self.draining, domain=self.domains.get(i))
             for i, w in sorted(self.workers.items())
         ]
 

@@ -156,8 +156,9 @@ class EmbeddedActuator:
         running = {name: sorted(src.workers) for name, src in sorted(self.sources.items())}
         placed = self.placer.place({name: len(idx) for name, idx in running.items()})
         for name, indexes in running.items():
-            for index, (node, _) in zip(indexes, placed.nodes.get(name, ()), strict=False):
+            for index, (node, domain) in zip(indexes, placed.nodes.get(name, ()), strict=False):
                 self.placer.assign(self.worker_id(name, index), name, node)
+                self.sources[name].domains[index] = domain  # listed with it: the router pairs P/D by domain
         for name, short in sorted(placed.shortfall.items()):
             log.warning(
                 "pool %s: %d running workers do not fit the node inventory: %s",
@@ -204,6 +205,7 @@ class EmbeddedActuator:
                     where = {}
                     if node is not None and self.placer is not None:
                         self.placer.assign(self.worker_id(pool, index), pool, node[0])
+                        src.domains[index] = node[1]
                         where = {"node": node[0], "domain": node[1]}
                     self._event("started", pool, index, cold_start_s=self.cold_start_s, **where)
                     if self.cold_start_s > 0:

@@ -143,12 +143,12 @@ class Gateway:
             max_model_len=model_cfg.max_model_len,
             cost_per_hour=pool.cost_per_hour,
         )
-        return PoolInfo(pool.name, pool.model, catalog.gpu(pool.gpu).name, Role(pool.role), capacity)
+        return PoolInfo(pool.name, pool.model, catalog.gpu(pool.gpu).name, Role(pool.role), capacity, pool.domain)
 
     def _source(self, pool: PoolConfig) -> Source:
         ep = pool.endpoints
         if ep.static is not None:
-            return StaticSource(ep.static)
+            return StaticSource(ep.static, ep.static_domains)
         if ep.kubernetes is not None:
             return KubernetesDiscovery(ep.kubernetes)
         if ep.launch is not None:

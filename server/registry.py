@@ -47,6 +47,7 @@ class PoolInfo:
     gpu: str
     role: Role
     capacity: WorkerCapacity
+    domain: str | None = None  # the pool's `domain:`: network domain of workers whose endpoint has none
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class WorkerRecord:
     inflight_prefill_tokens: int = 0
     inflight_decode_requests: int = 0
     dispatched_total: int = 0
+    domain: str | None = None  # from discovery (Endpoint.domain); the view falls back to the pool's
     _view: WorkerView | None = field(default=None, repr=False, compare=False)
     _view_key: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
 
@@ -124,6 +126,7 @@ class WorkerRecord:
             inflight_requests=self.inflight_requests,
             inflight_prefill_tokens=self.inflight_prefill_tokens,
             inflight_decode_requests=self.inflight_decode_requests,
+            domain=self.domain or p.domain,
         )
 
 
@@ -246,6 +249,8 @@ class Registry:
                 self._spawn(self._check(rec))
             rec.discovered_ready = ep.ready
             rec.terminating = ep.terminating
+            if rec.domain != ep.domain:  # not in the cached view's key: drop the cached view instead
+                rec.domain, rec._view = ep.domain, None
         for wid in pool.ids - seen:
             self._workers.pop(wid, None)  # in-flight tickets keep their record object; counts stay right
         pool.ids = seen
@@ -386,7 +391,7 @@ class Registry:
             stats = r.stats
             out.append({
                 "id": r.id, "url": r.url, "pool": r.pool.name, "model": r.pool.model, "gpu": r.pool.gpu,
-                "role": r.pool.role.value, "state": v.state.value,
+                "role": r.pool.role.value, "state": v.state.value, "domain": v.domain,
                 "breaker": {"state": r.breaker.state(now).value, "trips": r.breaker.trips, "failures": r.breaker.failures},
                 "last_error": r.last_error,
                 "inflight": {"requests": r.inflight_requests, "prefill_tokens": r.inflight_prefill_tokens,

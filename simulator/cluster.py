@@ -322,6 +322,7 @@ class ClusterSimulator:
                 inflight_requests=inst.inflight,
                 inflight_prefill_tokens=inst.inflight_prefill_tokens,
                 inflight_decode_requests=inst.inflight_decode,
+                domain=inst.domain,  # the router's pd-domain-affinity pairs prefill with decode by it
             )
         return inst.view
 

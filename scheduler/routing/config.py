@@ -48,6 +48,7 @@ from scheduler.routing.profiles import (
     PdProfileHandler,
     describe_profile,
 )
+from scheduler.routing.topology_scorer import PdDomainAffinityScorer
 
 # Built here, not registered by import side effects: the whole vocabulary of plugin types in one place.
 # Values are plugin classes with a `type` name and a pydantic `Params` model (typed Any: a class-level
@@ -74,6 +75,7 @@ SCORER_TYPES: Mapping[str, Any] = {
         scorers.KvHeadroomScorer,
         scorers.CostScorer,
         KvBestFitScorer,  # scheduler/kv/plugins.py (KV engineer): best fit on the ledger's free pages
+        PdDomainAffinityScorer,  # scheduler/routing/topology_scorer.py: prefill in the decode's domain
     )
 }
 PICKER_TYPES: Mapping[str, Any] = {

@@ -30,6 +30,7 @@ from typing import Any
 from scheduler.fleet import Role
 from scheduler.routing.framework import Cycle, Decision, SchedulingProfile
 from scheduler.routing.reasons import Reject
+from scheduler.routing.topology_scorer import DECODE_PEER_FACT
 
 MIXED_ROLES = frozenset({Role.MIXED, Role.DECODE})
 DECODE_ROLES = frozenset({Role.DECODE, Role.MIXED})
@@ -49,13 +50,22 @@ POLICY_PICKERS: Mapping[str, str] = {
 }
 
 DEFAULT_FILTERS = ("model", "role", "excluded", "state", "breaker", "context-length", "at-capacity", "kv-fit")
-MOSAIC_SCORERS = ("capacity-load", "est-ttft", "prefix-affinity", "kv-headroom", "cost")
+MOSAIC_SCORERS = ("capacity-load", "est-ttft", "prefix-affinity", "kv-headroom", "cost", "pd-domain-affinity")
 
 # `kv-best-fit` is not among the defaults above: the gateway enables it when the KV ledger is on
 # (`server.kv_setup.routing_with_kv`), with this weight in the mixed and decode profiles (0 for prefill: a
 # prefill reservation lives only until the decode side pulls the KV). Measured in the KV fleet simulator
 # (bench/kv_reservation.py --best-fit-sweep, docs/kv.md "Routing weight"): see the value's comment.
 KV_BEST_FIT_WEIGHT = 2.0
+
+# `pd-domain-affinity` (scheduler/routing/topology_scorer.py) scores prefill candidates 1 / 0 by whether
+# they share the chosen decode worker's network domain (0.5 unknown). At 1.0 against the prefill
+# profile's load scorers (est-ttft 3 + capacity-load 1) it decides among comparably loaded prefill
+# workers only: between two equal GPUs the same-domain one loses once its queued work (this request
+# included) exceeds ~4/3 of the other's — one 2,048-token prompt queued against an idle worker costs it
+# 3·0.46 + 0.5 ≈ 1.9 points (tests/scheduler/routing/test_topology_scorer.py; the weight sweep in
+# docs/routing.md "Network domains"). Only the prefill profile uses it (no decode peer elsewhere).
+PD_DOMAIN_AFFINITY_WEIGHT = 1.0
 
 # Weights per profile (the same scorer serves every profile with its own weight). Why these:
 # - mixed: load dominates (keeps every GPU at a similar utilisation, so traffic splits by capacity);
@@ -70,6 +80,7 @@ MOSAIC_WEIGHTS: Mapping[str, Mapping[str, float]] = {
         "kv-headroom": 1.0,
         "cost": 0.5,
         "kv-best-fit": KV_BEST_FIT_WEIGHT,
+        "pd-domain-affinity": 0.0,
     },
     "decode": {
         "capacity-load": 3.0,
@@ -78,6 +89,7 @@ MOSAIC_WEIGHTS: Mapping[str, Mapping[str, float]] = {
         "kv-headroom": 2.0,
         "cost": 0.5,
         "kv-best-fit": KV_BEST_FIT_WEIGHT,
+        "pd-domain-affinity": 0.0,
     },
     "prefill": {
         "capacity-load": 1.0,
@@ -86,6 +98,7 @@ MOSAIC_WEIGHTS: Mapping[str, Mapping[str, float]] = {
         "kv-headroom": 0.5,
         "cost": 0.5,
         "kv-best-fit": 0.0,
+        "pd-domain-affinity": PD_DOMAIN_AFFINITY_WEIGHT,
     },
 }
 
@@ -112,6 +125,7 @@ class PdProfileHandler:
             return cycle.reject(decode)
         if decode.worker.role != Role.DECODE:
             return cycle.decide(decode)
+        cycle.facts[DECODE_PEER_FACT] = decode.worker  # the prefill pass scores domains against it
         prefill = cycle.run(self.prefill)
         if prefill.worker is None:
             return cycle.decide(decode, path="decode-only")

@@ -81,6 +81,28 @@ def summary_table(report: dict) -> Table:
         ("scale events", str(len(report["scale_events"]))),
         ("preemptions", str(report["preemptions"])),
     ]
+    topology = report.get("topology")
+    if topology:
+        rows.append(("topology", topology_summary(topology)))
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def topology_summary(topology: dict) -> str:
+    """One line from the report's `topology` section: KV transfers across domains, the links, and with an
+    inventory its nodes, domains, worst cross-domain P/D pairs and clipped scale-ups."""
+    transfers = topology["kv_transfers"]
+    total = transfers["intra_domain"] + transfers["cross_domain"]
+    share = f" ({transfers['cross_domain'] / total:.1%})" if total else ""
+    line = (
+        f"{transfers['cross_domain']} of {total} KV transfers across domains{share}; "
+        f"links {topology['kv_link_gbps']:g} GB/s within, {topology['kv_link_cross_domain_gbps']:g} GB/s across"
+    )
+    if "nodes" in topology:
+        line += (
+            f"; {topology['nodes']} nodes in {len(topology['domains'])} domains, "
+            f"max {topology['max_cross_domain_pairs']} cross-domain P/D pairs, "
+            f"{len(topology['shortfalls'])} clipped scale-ups"
+        )
+    return line

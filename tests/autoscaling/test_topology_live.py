@@ -217,6 +217,7 @@ class _FakeSource:
         self.workers = {i: object() for i in range(n)}
         self.draining: set[int] = set()
         self.ready_at: dict[int, float] = {}
+        self.domains: dict[int, str] = {}  # the actuator lists each placed worker with its node's domain
 
     def clock(self) -> float:
         return 100.0
@@ -247,6 +248,7 @@ def test_embedded_scale_in_removes_the_cross_domain_worker_first() -> None:
     sources = {"p": _FakeSource(1), "d": _FakeSource(3)}
     act = EmbeddedActuator(sources, _NoRecords(), placer=placer)  # type: ignore[arg-type]
     assert [placer.node_of(f"d/sim-{i}") for i in range(3)] == ["l-b", "l-a", "l-a"]
+    assert sources["d"].domains == {0: "rack-b", 1: "rack-a", 2: "rack-a"}
     assert placer.summary().cross_domain_pairs == 1
     # idle workers: without topology the newest (sim-2) goes first; with it, the cross-domain sim-0
     assert EmbeddedActuator(sources, _NoRecords())._victims("d", [0, 1, 2], 1) == [2]  # type: ignore[arg-type]

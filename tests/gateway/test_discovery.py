@@ -117,7 +117,8 @@ def test_kubernetes_source_relists_and_registry_reconciles() -> None:
             "prefill-h100/vllm-prefill-h100-0",
             "prefill-h100/vllm-prefill-h100-2",
         ]
-        assert calls == [("pods", "mosaic", "mosaic.dev/pool=prefill-h100")] * 2
+        # pods carry only their node's name: the node listing gives the domain label (test_discovery_domains)
+        assert calls == [("pods", "mosaic", "mosaic.dev/pool=prefill-h100"), ("nodes", "", "")] * 2
         await reg.stop()
         await reg._client.aclose()
 
