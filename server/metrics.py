@@ -32,12 +32,16 @@ nothing per request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import bisect
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -116,24 +120,139 @@ def _kv_families(snapshot: Mapping[str, Mapping[str, float | int | None]]) -> It
         yield fam
 
 
+class Counter:
+    """A labelled counter kept as plain Python numbers: `labels(*values).inc(amount)`.
+
+    What `prometheus_client.Counter` exposes (`<name>_total` and `<name>_created` per label set), at a
+    fraction of the cost per update: prometheus_client's children validate and take a lock on every
+    `inc()` (≈ 0.8 µs; a relayed stream updates its metrics per chunk), which a single event loop does
+    not need. Exported by `LeanCollector` at scrape time, in prometheus_client's own metric families."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self._children: dict[tuple[str, ...], CounterChild] = {}
+
+    def labels(self, *values: str) -> CounterChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self._children[tuple(str(v) for v in values)] = CounterChild()
+        return child
+
+    def family(self) -> Metric:
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            fam.add_metric(values, child.value, created=child.created)
+        return fam
+
+
+class CounterChild:
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.value += amount
+
+
+class Histogram:
+    """A labelled histogram kept as plain Python numbers: `labels(*values).observe(amount)` finds the bucket
+    by bisection (prometheus_client scans the bounds in Python: ≈ 1.7 µs per observation here). Exposes
+    what `prometheus_client.Histogram` does: cumulative `_bucket{le=...}` (with `+Inf`), `_count`, `_sum`,
+    `_created`."""
+
+    kind = "histogram"
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self.bounds = (*sorted(float(b) for b in buckets), float("inf"))
+        self._le = [floatToGoString(b) for b in self.bounds]
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+
+    def labels(self, *values: str) -> HistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self._children[tuple(str(v) for v in values)] = HistogramChild(self.bounds)
+        return child
+
+    def family(self) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            counts, total, running = list(child.counts), child.sum, 0.0
+            buckets = []
+            for le, n in zip(self._le, counts, strict=True):
+                running += n
+                buckets.append((le, running))
+            fam.add_metric(values, buckets, total)
+            fam.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, values, strict=True)), child.created))
+        return fam
+
+
+class HistogramChild:
+    __slots__ = ("_bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative; bucket i holds bounds[i-1] < v ≤ bounds[i]
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect.bisect_left(self._bounds, amount)] += 1
+        self.sum += amount
+
+
+class LeanCollector(Collector):
+    """Exports `Counter`/`Histogram` objects as prometheus_client metric families."""
+
+    def __init__(self, metrics: Sequence[Counter | Histogram]) -> None:
+        self._metrics = tuple(metrics)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._metrics:
+            yield metric.family()
+
+    def describe(self) -> Iterator[Metric]:
+        for metric in self._metrics:
+            yield (CounterMetricFamily if metric.kind == "counter" else HistogramMetricFamily)(
+                metric.name, metric.documentation, labels=metric.labelnames
+            )
+
+
 class GatewayMetrics:
-    """All gateway metrics in one `CollectorRegistry` owned by this object (one per app, no globals)."""
+    """All gateway metrics in one `CollectorRegistry` owned by this object (one per app, no globals).
+    Request-path counters and histograms are this module's lean `Counter`/`Histogram` (same exposition
+    as prometheus_client's, cheaper updates); worker and queue gauges are read live at scrape time."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("mosaic_requests", "Requests answered, by HTTP status", ["model", "pool", "status"], registry=r)
-        self.received = Counter("mosaic_requests_received", "Requests accepted for dispatch, counted at arrival", ["model"], registry=r)
-        self.outcomes = Counter("mosaic_request_outcomes", "Terminal outcome of each accepted request", ["model", "outcome"], registry=r)
-        self.ttft = Histogram("mosaic_time_to_first_token_seconds", "Arrival to first streamed event, at the gateway", ["model", "pool"], buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("mosaic_inter_token_latency_seconds", "Gap between relayed stream events", ["model", "pool"], buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("mosaic_e2e_request_latency_seconds", "Arrival to last byte, at the gateway", ["model", "pool"], buckets=_E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("mosaic_prompt_tokens", "Prompt tokens reported by workers' usage", ["model"], registry=r)
-        self.generation_tokens = Counter("mosaic_generation_tokens", "Generated tokens reported by workers' usage", ["model"], registry=r)
-        self.rejections = Counter("mosaic_rejections", "Requests refused by the gateway, by reason", ["reason"], registry=r)
-        self.retries = Counter("mosaic_retries", "Dispatches retried on another worker", ["model", "reason"], registry=r)
-        self.pd_fallbacks = Counter("mosaic_pd_fallbacks", "P/D requests served decode-only after the prefill hop failed", ["model"], registry=r)
-        self.upstream_errors = Counter("mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"], registry=r)
-        self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"], registry=r)
+        self.requests = Counter("mosaic_requests", "Requests answered, by HTTP status", ["model", "pool", "status"])
+        self.received = Counter("mosaic_requests_received", "Requests accepted for dispatch, counted at arrival", ["model"])
+        self.outcomes = Counter("mosaic_request_outcomes", "Terminal outcome of each accepted request", ["model", "outcome"])
+        self.ttft = Histogram("mosaic_time_to_first_token_seconds", "Arrival to first streamed event, at the gateway", ["model", "pool"], buckets=_TTFT_BUCKETS)
+        self.itl = Histogram("mosaic_inter_token_latency_seconds", "Gap between relayed stream events", ["model", "pool"], buckets=_ITL_BUCKETS)
+        self.e2e = Histogram("mosaic_e2e_request_latency_seconds", "Arrival to last byte, at the gateway", ["model", "pool"], buckets=_E2E_BUCKETS)
+        self.prompt_tokens = Counter("mosaic_prompt_tokens", "Prompt tokens reported by workers' usage", ["model"])
+        self.generation_tokens = Counter("mosaic_generation_tokens", "Generated tokens reported by workers' usage", ["model"])
+        self.rejections = Counter("mosaic_rejections", "Requests refused by the gateway, by reason", ["reason"])
+        self.retries = Counter("mosaic_retries", "Dispatches retried on another worker", ["model", "reason"])
+        self.pd_fallbacks = Counter("mosaic_pd_fallbacks", "P/D requests served decode-only after the prefill hop failed", ["model"])
+        self.upstream_errors = Counter("mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"])
+        self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"])
+        r.register(LeanCollector([
+            self.requests, self.received, self.outcomes, self.ttft, self.itl, self.e2e, self.prompt_tokens,
+            self.generation_tokens, self.rejections, self.retries, self.pd_fallbacks, self.upstream_errors,
+            self.scrape_errors,
+        ]))
 
     def attach_live(
         self,
