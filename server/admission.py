@@ -232,6 +232,7 @@ class AdmissionQueue(Generic[D]):
         if not head:
             return
         decided = await policy.plan(model, [w.req for w in head])
+        admitted = False
         for w in head:
             d = decided.pop(w.req.request_id, None)
             if d is None:
@@ -240,10 +241,13 @@ class AdmissionQueue(Generic[D]):
                 q.remove(w)  # admitted: out of the line now, so the next tick does not plan it again
                 w.result, w.has_result = d, True
                 w.event.set()
+                admitted = True
             else:
                 policy.discard(d)
         for d in decided.values():
             policy.discard(d)
+        if admitted and q:
+            q[0].event.set()  # the (possibly new) head plans again: waiters past `max_head` may fit too
 
     @staticmethod
     def _refuse_if_final(model: str, reject: RejectLike) -> None:
