@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import kubernetes_validate
 import pytest
 
 from tests.chart.chartkit import (
@@ -380,3 +381,44 @@ def test_simulated_worker_is_timed_by_the_catalog_row_the_config_names(chart: he
     assert _flag(args, "--catalog") == "/etc/mosaic/catalog.yaml"
     assert {"name": "config", "mountPath": "/etc/mosaic", "readOnly": True} in c["volumeMounts"]
     assert {"name": "config", "configMap": {"name": f"{RELEASE}-config"}} in pod_spec(dep)["volumes"]
+
+
+NODE_READER_CASES = [
+    # (discovery values, reads nodes) — module docstring of server/discovery.py: EndpointSlice endpoints
+    # carry the zone label themselves; pods carry only spec.nodeName; any other label lives on the node.
+    pytest.param({}, False, id="endpointslices with the zone label need no node access"),
+    pytest.param({"resource": "pods"}, True, id="pods by selector read their nodes' labels"),
+    pytest.param({"domainLabel": "example.com/rack"}, True, id="a rack label is read off the nodes"),
+    pytest.param({"resource": "pods", "domainLabel": None}, False, id="domains turned off read no nodes"),
+]
+
+
+@pytest.mark.parametrize(("discovery", "reads_nodes"), NODE_READER_CASES)
+def test_node_access_is_granted_only_when_discovery_reads_nodes(
+    chart: helm.Chart, discovery: dict[str, Any], reads_nodes: bool
+) -> None:
+    rendered = render(chart, {"gateway": {"discovery": discovery}})
+    name = f"{RELEASE}-{NAMESPACE}-nodes"  # cluster-scoped: the namespace keeps releases apart
+    cluster_roles = rendered.of_kind("ClusterRole")
+    if not reads_nodes:
+        assert cluster_roles == [] and rendered.of_kind("ClusterRoleBinding") == []
+        return
+    [role] = cluster_roles
+    assert role["metadata"]["name"] == name
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]}]
+    [binding] = rendered.of_kind("ClusterRoleBinding")
+    for obj in (role, binding):
+        assert "namespace" not in obj["metadata"]
+        kubernetes_validate.validate(obj, kubernetes_validate.utils.latest_version(), strict=True)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": f"{RELEASE}-gateway", "namespace": NAMESPACE},
+        {"kind": "ServiceAccount", "name": f"{RELEASE}-controller", "namespace": NAMESPACE},
+    ]
+
+
+def test_gateway_config_carries_the_domain_label(chart: helm.Chart) -> None:
+    for label in ("topology.kubernetes.io/zone", "example.com/rack", None):
+        config = render(chart, {"gateway": {"discovery": {"domainLabel": label}}}).config()
+        sources = [pool["endpoints"]["kubernetes"] for pool in config["pools"]]
+        assert sources and all(s["domain_label"] == label for s in sources)

@@ -200,7 +200,7 @@ HPA it is maxReplicas, the pessimistic share.
 {{- if eq $disc.resource "pods" }}
 {{- $selector = include "mosaic.pool.selectorString" (list $root .) }}
 {{- end }}
-{{- $k8s := dict "namespace" $root.Release.Namespace "label_selector" $selector "port" (int $root.Values.vllm.port) "resource" $disc.resource "resync_s" (float64 $disc.resyncSeconds) "in_cluster" true }}
+{{- $k8s := dict "namespace" $root.Release.Namespace "label_selector" $selector "port" (int $root.Values.vllm.port) "resource" $disc.resource "resync_s" (float64 $disc.resyncSeconds) "in_cluster" true "domain_label" $disc.domainLabel }}
 {{- $entry := dict "name" .name "model" .model "gpu" .gpu "role" .role "tp" (int .tp) }}
 {{- $_ := set $entry "min_replicas" (int .minReplicas) }}
 {{- $_ := set $entry "max_replicas" (int .maxReplicas) }}
@@ -253,4 +253,16 @@ lifecycle:
   preStop:
     exec:
       command: ["sleep", {{ .drainSeconds | int | toString | quote }}]
+{{- end }}
+
+{{/*
+"true" when Kubernetes discovery reads nodes (server/discovery.py): the domain label is set and is either
+not the zone label (which EndpointSlice endpoints carry themselves) or discovery lists pods (which carry
+only spec.nodeName). Then the gateway and the controller need a ClusterRole to get/list nodes.
+*/}}
+{{- define "mosaic.discovery.readsNodes" -}}
+{{- $disc := .Values.gateway.discovery }}
+{{- if and $disc.domainLabel (or (eq $disc.resource "pods") (ne $disc.domainLabel "topology.kubernetes.io/zone")) -}}
+true
+{{- end }}
 {{- end }}
