@@ -85,6 +85,9 @@ def search_counts(
     started = time.perf_counter()
     deadline = started + time_limit_s
     solver = pywraplp.Solver.CreateSolver("GLOP")
+    # GLOP's presolve redoes its work on every bound change; without it each re-solve starts from the last
+    # basis (measured: the 12 × 100 benchmark instances 99 → 66 ms CPU, none slower)
+    solver.SetSolverSpecificParametersAsString("use_preprocessing: false")
     counts, shares, objective = build_linear(
         solver, problem, paths, coefs, units, integral_counts=False, integral_shares=False
     )
