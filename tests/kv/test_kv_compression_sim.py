@@ -13,6 +13,7 @@ from placement.kv_profile import from_samples, load_head_profile
 from placement.perf_model import PerfModel
 from scheduler.kv.footprint import WorkerKvSpec, need
 from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
+from scheduler.routing.config import RoutingConfig, build_router
 from scheduler.routing.reasons import Outcome
 from simulator.engine import Engine, EngineConfig, run_offline
 from simulator.kv_compression import CompressionEngine, CompressionModel, RaggedKvAccounting
@@ -145,3 +146,18 @@ def test_real_profile_worker(shared_data: Path) -> None:
     kv.enter_decode(req)
     assert kv.blocks_for(req, 20100) < 0.4 * full
     assert need(20000, 100, WorkerKvSpec(16, None, model.spec())).peak >= kv.peak_units(req, 100)
+
+
+def test_fleet_with_the_router_placing_requests_never_preempts() -> None:
+    """`KvFleet(router=...)`: the gateway's router (ledger as Reserve plugin, kv-best-fit scored) picks each
+    worker; a stock worker joins the compression one, both get work, nothing preempts, all is released."""
+    specs, arrivals, model = fleet_case()
+    specs = [*specs, WorkerSpec("s0", "A100-80GB", "llama-3-8b", specs[0].engine, None, seed=2)]
+    ledger = KvLedger(LedgerSettings(), SpecTable(by_pool={"c0": model.spec()}))
+    cfg = RoutingConfig.model_validate({"plugins": [{"type": "kv-best-fit"}]})
+    run = KvFleet(specs, ledger, router=build_router(cfg, reserve=[ledger])).run(arrivals)
+    m = summarize(run, Slo())
+    assert m.preemptions == 0 and m.completed == 40
+    assert {s.worker for s in run.requests.values()} == {"c0", "s0"}
+    assert not ledger.active() and ledger.stats.released == {Outcome.COMPLETED.value: 40}
+    assert ledger.stats.double_releases == 0
