@@ -153,7 +153,7 @@ def _slices_fit(
     return fit
 
 
-ROUNDING_STEPS = 2000  # depth-first steps placing the LP's leftover slices before CP-SAT is asked
+ROUNDING_STEPS = 2000  # depth-first steps placing the LP-split paths' slices before CP-SAT is asked
 
 
 def _slices_near(
@@ -166,13 +166,20 @@ def _slices_near(
 ) -> EngineResult | None:
     """Whole slices for `counts` near the LP's real shares, or None (not a proof: CP-SAT decides then).
 
-    A basic LP solution splits only a few paths; every path keeps ⌊s⌋ slices per option and the leftover
-    slices of the split paths are placed depth-first (biggest loads first) wherever the counts still have
-    room, checked in floating point like every answer. Mixed paths only (P/D pairs go to CP-SAT).
+    A basic LP solution splits only a few paths: the others keep their whole slices, and the slices of the
+    split ones are placed depth-first (biggest loads first, each path's options by its LP share) wherever
+    the counts still have room, checked in floating point like every answer. Mixed paths only (P/D pairs go
+    to CP-SAT).
     """
     if any(p.prefill and p.decode for p in paths) or len(problem.windows) != 1:
         return None
-    whole = [{o: float(math.floor(v + 1e-9)) for o, v in r.items()} for r in real]
+    # Paths the LP serves in whole slices keep them; the split ones are placed anew, all their slices.
+    whole = [
+        {o: float(round(v)) for o, v in r.items()}
+        if all(abs(v - round(v)) <= 1e-9 for v in r.values())
+        else dict.fromkeys(r, 0.0)
+        for r in real
+    ]
     room = [float(n) for n in counts]
     for a, s in zip(coefs, whole, strict=True):
         for o, v in s.items():
@@ -180,30 +187,33 @@ def _slices_near(
     if any(r < -LOAD_TOL * max(1.0, n) for r, n in zip(room, counts, strict=True)):
         return None
     todo = [i for i, s in enumerate(whole) if sum(s.values()) < units]
-    todo.sort(key=lambda i: -max(coefs[i].values()) * (units - sum(whole[i].values())))
+    todo.sort(key=lambda i: -max(coefs[i].values()))
+    prefer = {i: sorted(whole[i], key=lambda o: -real[i][o]) for i in todo}
     steps = 0
 
-    def place(t: int) -> bool:
+    def place(t: int, first: int) -> bool:
+        """Place path todo[t]'s next slice on its options from `first` on (no order is tried twice)."""
         nonlocal steps
         if t == len(todo):
             return True
         i = todo[t]
         if sum(whole[i].values()) >= units:
-            return place(t + 1)
-        for o in sorted(whole[i], key=lambda o: -real[i][o] + whole[i][o]):
+            return place(t + 1, 0)
+        for k in range(first, len(prefer[i])):
+            o = prefer[i][k]
             steps += 1
             if steps > ROUNDING_STEPS:
                 return False
             if room[o] - coefs[i][o] >= -LOAD_TOL * max(1.0, counts[o]):
                 whole[i][o] += 1
                 room[o] -= coefs[i][o]
-                if place(t):
+                if place(t, k):
                     return True
                 whole[i][o] -= 1
                 room[o] += coefs[i][o]
         return False
 
-    if not place(0):
+    if not place(0, 0) or any(sum(w.values()) != units for w in whole):  # every bucket whole
         return None
     r = EngineResult(Status.OPTIMAL, tuple(counts), tuple(whole), None, None, 0.0, "lp-branch")
     if _violations(problem, paths, coefs, r):
