@@ -329,6 +329,86 @@ def summarise(phases: list[Phase], workload: str, cores: int) -> dict[str, objec
     return out
 
 
+async def fixed_requests(port: int, stream: bool, n: int, concurrency: int) -> None:
+    """Exactly `n` requests at `concurrency` (every answer checked)."""
+    raw = request_bytes(port, stream)
+    conns = [await Conn.open(port) for _ in range(concurrency)]
+    left = [n]
+
+    async def loop(conn: Conn) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            status, body = await conn.post(raw)
+            if status != 200 or (stream and body.count(b"data: ") != 17):
+                raise RuntimeError(f"bad answer {status}: {body[-200:]!r}")
+
+    try:
+        await asyncio.gather(*(loop(c) for c in conns))
+    finally:
+        for c in conns:
+            c.close()
+
+
+def instructions_per_request(mosaic: list[str], cfg_path: str, n: int, concurrency: int) -> dict[str, float]:
+    """The gateway's user-space instructions per request, per workload, counted by valgrind's callgrind
+    (instrumentation switched on only around `n` requests after a warm-up). Deterministic to ~1% whatever
+    else runs on the machine, unlike CPU time; it does not count the kernel's share (system calls)."""
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        gateway, gport = start(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/cg.out",
+             *mosaic, "serve", "--config", cfg_path, "--port", "0"]
+        )
+        try:
+            asyncio.run(wait_ready(gport))
+            for workload, stream in WORKLOADS:
+                asyncio.run(fixed_requests(gport, stream, max(100, n // 5), concurrency))  # warm-up
+                ctl = ["callgrind_control"]
+                before = set(Path(tmp).glob("cg.out*"))
+                subprocess.run([*ctl, "--zero", str(gateway.pid)], check=True, capture_output=True)
+                subprocess.run([*ctl, "-i", "on", str(gateway.pid)], check=True, capture_output=True)
+                asyncio.run(fixed_requests(gport, stream, n, concurrency))
+                subprocess.run([*ctl, "-i", "off", str(gateway.pid)], check=True, capture_output=True)
+                subprocess.run([*ctl, f"--dump={workload}", str(gateway.pid)], check=True, capture_output=True)
+                for _ in range(100):  # the dump is written by the profiled process: wait for its file
+                    if set(Path(tmp).glob("cg.out*")) - before:
+                        break
+                    time.sleep(0.1)
+                time.sleep(0.2)
+                total = 0
+                for path in set(Path(tmp).glob("cg.out*")) - before:  # this workload's dump
+                    counts = re.findall(r"^(?:summary|totals): (\d+)", path.read_text(errors="replace"), re.M)
+                    total += max((int(c) for c in counts), default=0)  # "summary: 0" may precede "totals:"
+                out[workload] = round(total / n)
+                print(f"{workload:10s} gateway instructions per request: {out[workload]:,}", flush=True)
+        finally:
+            stop(gateway)
+    return out
+
+
+def record_instructions(args: argparse.Namespace, counts: dict[str, float]) -> int:
+    result = {
+        "bench": "gateway_overhead_instructions",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": "python bench/gateway_overhead.py " + " ".join(sys.argv[1:]),
+        "concurrency": args.concurrency,
+        "requests_per_workload": args.instructions,
+        "server_stack": _server_stack(args.python),
+        "gateway_instructions_per_request": counts,
+    }
+    print(json.dumps(result, indent=2))
+    if not args.no_record:
+        (RESULTS.parent / "gateway_overhead_instructions.json").write_text(json.dumps(result, indent=2) + "\n")
+        line = (
+            f"| {result['date'][:10]} | gateway_overhead | `{result['command']}` | gateway user-space instructions "
+            f"per request (callgrind, c={args.concurrency}): non-stream {counts['non-stream']:,.0f}, "
+            f"stream-16 {counts['stream-16']:,.0f} |\n"
+        )
+        with BENCHMARKS.open("a") as fh:
+            fh.write(line)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=32)
@@ -337,6 +417,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--single-seconds", type=float, default=1.5, help="length of the concurrency-1 phases")
     ap.add_argument("--no-record", action="store_true", help="print only; do not write results/BENCHMARKS.md")
+    ap.add_argument(
+        "--instructions",
+        type=int,
+        metavar="N",
+        help="instead: the gateway's instructions per request over N requests per workload, under valgrind "
+        "(robust on a shared machine; results/gateway_overhead_instructions.json)",
+    )
     ap.add_argument(
         "--python",
         help="run worker and gateway with this interpreter (e.g. a venv that adds uvloop/httptools)",
@@ -356,6 +443,13 @@ def main() -> int:
             "limits: {queue_size: 4096}\n"
         )
         cfg_path = f.name
+    if args.instructions:
+        try:
+            counts = instructions_per_request(mosaic, cfg_path, args.instructions, args.concurrency)
+        finally:
+            stop(worker)
+            os.unlink(cfg_path)
+        return record_instructions(args, counts)
     gateway, gport = start([*mosaic, "serve", "--config", cfg_path, "--port", "0"])
     procs: dict[str, int | None] = {"client": None, "worker": worker.pid, "gateway": gateway.pid}
     shown = {"direct": ("client", "worker"), "gateway": ("client", "gateway", "worker")}
