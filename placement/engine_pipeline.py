@@ -47,6 +47,10 @@ def run_engine(
     variant: Variant,
     limit: float,
 ) -> EngineResult:
+    """One engine result for `solve_mix` (see the module docstring for the order), within `limit` seconds.
+
+    `engine` is already resolved: "lp-branch" (continuous, auto), "cp-sat" (sliced, auto) or "scip".
+    """
     deadline = time.perf_counter() + limit
     if variant is Variant.CONTINUOUS:
         if engine == "lp-branch":
