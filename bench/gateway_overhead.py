@@ -29,15 +29,20 @@ bound over the direct path's. On 2 cores the direct path runs 2 processes and th
 bound is below 1 even for a free gateway; the measured ratio also depends on what else runs on the
 machine (see `runq_wait_per_s`).
 
+**Instructions** (`--instructions N`): instead of the phases above, the gateway runs under valgrind's
+callgrind and its user-space instructions per request are counted over N requests per workload (after a
+warm-up, at `--concurrency`). CPU seconds move with whatever else runs on a shared machine; instruction
+counts repeat within ~1%, so code changes are compared with them (results/gateway_overhead_instructions.json).
+
 **What limits it** (measured on this 2-core machine, shared with other jobs; docs/gateway.md has the
-tables). CPU, not latency: the gateway adds ≈ 0.6 ms at concurrency 1, but at concurrency 32 every
-process is CPU-bound. The direct path is the worker saturating one core (≈ 0.26 ms per non-streaming
-request, 0.50 ms streaming); the gateway path needs client + gateway + worker ≈ 0.70 ms per request on
-the same 2 cores, and the gateway alone costs about what the worker does (0.32 ms non-streaming, 0.51 ms
-streaming: uvicorn + h11 ≈ 30% of it, send() calls ≈ 15%, routing ≈ 13%, the upstream client ≈ 8%). So
-the CPU-bound ceiling is ≈ 0.73× (non-streaming) and ≈ 0.78× (streaming) with both cores free, and
-towards Σ CPU direct / Σ CPU gateway ≈ 0.43 when other jobs take the machine's CPU; measured 0.49–0.67×
-and 0.62–0.74×. The bar (0.80, a Rust router's figure) needs the gateway at ≤ 0.26 ms per request here.
+tables). CPU, not latency: the gateway adds ≈ 0.5 ms at concurrency 1 (≈ 1 ms streaming), but at
+concurrency 32 every process is CPU-bound. With uvloop + httptools the direct path is the worker on one
+core (≈ 0.16 ms per non-streaming request, 0.36 ms streaming); the gateway path needs client + gateway +
+worker ≈ 0.43 ms per request on the same 2 cores (gateway ≈ 0.20 ms, 0.32 ms streaming; the worker also
+costs more behind the gateway, 0.16 → 0.20 ms, because it batches fewer requests per engine step). So the
+CPU-bound ceiling is ≈ 0.74× (non-streaming) and ≈ 0.87× (streaming) with both cores free, and lower when
+other jobs take CPU; measured 0.51–0.67× and 0.60–0.70×. Routing (`scheduler/`) is ≈ 45% of the
+gateway's Python time per request. The bar (0.80, a Rust router's figure) needs the gateway near 0.13 ms.
 
 Results: `bench/results/gateway_overhead.json`, and one line appended to BENCHMARKS.md.
 """
