@@ -186,3 +186,31 @@ def test_a_client_gone_before_the_answer_cancels_the_upstream_call() -> None:
             assert all(r.inflight_requests == 0 for r in running.gateway.registry.records())
 
     run(go)
+
+
+def test_a_body_larger_than_the_read_buffer_is_forwarded_whole() -> None:
+    """Over 64 KiB the cycle pauses reading until the endpoint takes what it holds (uvicorn's flow control)."""
+
+    async def go() -> None:
+        worker = FakeWorker("a", mode="ok")
+        async with serving(worker) as running:
+            body = completion(vllm_xargs={"blob": "x" * 300_000})  # ≈ 300 KB, an unknown field passed through
+            (answer,) = await exchange(running, request(FAST, body))
+            assert answer[0].startswith(b"HTTP/1.1 200")
+            assert worker.raw_seen[-1] == body
+
+    run(go)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_reading() -> None:
+    async def go() -> None:
+        async with serving(FakeWorker("a", mode="ok"), limits={"max_body_bytes": 1024}) as running:
+            piece = b"x" * 600
+            raw = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n" + (
+                b"%x\r\n%s\r\n" % (len(piece), piece)
+            ) * 3 + b"0\r\n\r\n"
+            ((head, body),) = await exchange(running, raw)
+            assert head.startswith(b"HTTP/1.1 413")
+            assert json.loads(body)["error"]["code"] == 413
+
+    run(go)
