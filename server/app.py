@@ -15,7 +15,8 @@ Before dispatch, in order: request id (the client's `X-Request-Id` when it is a 
 one; echoed on every response and sent to workers), draining check (503), API key (401), body size
 (`limits.max_body_bytes` → 413, checked on Content-Length and while reading), body validation (400),
 model known (404), per-key rate limits (429). The proxy endpoints are served by `GatewayApp`'s fast path
-(plain ASGI: no middleware stack, router or dependency injection on the hot path).
+(plain ASGI: no middleware stack, router or dependency injection on the hot path); under `mosaic serve`
+they also skip uvicorn's ASGI cycle (`server.fast_http`: one write per answer).
 """
 
 from __future__ import annotations

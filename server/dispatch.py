@@ -21,10 +21,10 @@ Timeouts: `first_token_timeout_s` bounds dispatch → first byte of a stream (pr
 `total_timeout_s` bounds a whole non-streaming request and is checked between stream chunks;
 `stall_timeout_s` (the client's read timeout) bounds every gap between chunks.
 
-Client disconnects: while waiting for the first byte (from 50 ms after arrival on), a watcher on the ASGI
-`receive` channel cancels the work (the upstream connection is closed, which aborts the request in
-vLLM); once streaming, Starlette's disconnect listener cancels the relay, which closes the upstream
-response.
+Client disconnects: while waiting for the first byte, a `DisconnectWatch` cancels the work (the upstream
+connection is closed, which aborts the request in vLLM) — pushed by `server.fast_http`'s cycle at once,
+else from a watcher on the ASGI `receive` channel started 50 ms after arrival; once streaming,
+`RelayResponse`'s watch cancels the relay, which closes the upstream response.
 
 Every accepted request ends in exactly one terminal outcome (`RequestRecord.finish` runs once), and every
 lease is released exactly once with its own outcome.
