@@ -254,3 +254,13 @@ class FastCycle:
 
 def _noop() -> None:
     return None
+
+
+# uvicorn internals `GatewayHttpProtocol` builds on. They are not public API (`_start_asgi_task` appeared
+# after uvicorn 0.40), so the runner checks them before choosing this protocol instead of assuming them.
+_REQUIRED_INTERNALS = ("_start_asgi_task", "on_headers_complete", "on_body", "on_message_complete", "on_response_complete")
+
+
+def compatible() -> bool:
+    """True when the installed uvicorn's httptools protocol has every internal this module extends."""
+    return all(callable(getattr(HttpToolsProtocol, name, None)) for name in _REQUIRED_INTERNALS)

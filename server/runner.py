@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import socket
 from collections.abc import Iterator
@@ -25,12 +26,29 @@ from fastapi import FastAPI
 
 from server.app import create_app
 from server.config import MosaicConfig
-from server.fast_http import GatewayHttpProtocol
 from server.gateway import Gateway
 from simulator.worker_server import (  # one TCP_NODELAY-safe listener for gateway and workers
     bind_socket,
     serve_until_started,
 )
+
+log = logging.getLogger("mosaic.gateway")
+
+
+def http_protocol() -> Any:
+    """uvicorn's httptools protocol with the proxy endpoints on a lean cycle (`server.fast_http`) when this
+    uvicorn has the internals it extends; else uvicorn's own choice ("auto"), which serves the same
+    answers at a higher CPU cost per request."""
+    try:
+        from server.fast_http import GatewayHttpProtocol, compatible
+    except ImportError:  # httptools not installed (uvicorn without the [standard] extra)
+        log.warning("httptools is not installed: serving with uvicorn's default HTTP protocol")
+        return "auto"
+    if not compatible():
+        log.warning("uvicorn %s lacks the internals server.fast_http extends: serving with its default "
+                    "HTTP protocol", uvicorn.__version__)
+        return "auto"
+    return GatewayHttpProtocol
 
 
 class _GatewayServer(uvicorn.Server):
@@ -106,7 +124,7 @@ async def start_gateway_server(
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(config.limits.shutdown_grace_s),
         backlog=4096,
-        http=GatewayHttpProtocol,  # uvicorn's httptools protocol; proxy endpoints on a lean cycle
+        http=http_protocol(),
     )
     server = _GatewayServer(uv, app.state.gateway, install_signals)
     task = await serve_until_started(server, sock, "gateway")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from server import fast_http, runner
 from server.fast_http import FastCycle, GatewayHttpProtocol
 from server.runner import RunningGateway, start_gateway_server
 from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
@@ -212,5 +213,27 @@ def test_a_chunked_body_over_the_limit_is_refused_while_reading() -> None:
             ((head, body),) = await exchange(running, raw)
             assert head.startswith(b"HTTP/1.1 413")
             assert json.loads(body)["error"]["code"] == 413
+
+    run(go)
+
+
+def test_the_installed_uvicorn_has_the_internals_the_fast_cycle_extends() -> None:
+    assert fast_http.compatible()
+    assert runner.http_protocol() is GatewayHttpProtocol
+
+
+def test_a_uvicorn_without_those_internals_serves_the_same_answers_on_its_own_protocol(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As on uvicorn ≤ 0.40, which has no HttpToolsProtocol._start_asgi_task: here one internal it lacks.
+    monkeypatch.setattr(fast_http, "_REQUIRED_INTERNALS", (*fast_http._REQUIRED_INTERNALS, "_not_in_uvicorn"))
+    assert not fast_http.compatible()
+    assert runner.http_protocol() == "auto"
+
+    async def go() -> None:
+        async with serving(FakeWorker("a", mode="ok")) as running:
+            (head, body), = await exchange(running, request(FAST, completion()))
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["choices"]
+            assert not any(isinstance(p, GatewayHttpProtocol) for p in running.server.server_state.connections)
 
     run(go)
