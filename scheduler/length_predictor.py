@@ -50,6 +50,9 @@ class LengthPredictor:
         self.min_step = min_step
         self._edges = edges
         self._seen: dict[tuple[str, int], deque[int]] = {}
+        # predict() runs once per request and observe() once per completion: keep each bucket's quantile
+        # until its next observation instead of sorting the window on every request.
+        self._quantiles: dict[tuple[str, int], int] = {}
 
     def bucket(self, prompt_tokens: int) -> int:
         """Index i with edges[i] ≤ P < edges[i+1]; the last bucket is open-ended."""
@@ -61,16 +64,21 @@ class LengthPredictor:
         if buf is None:
             buf = self._seen[key] = deque(maxlen=self.window)
         buf.append(max(0, int(output_tokens)))
+        self._quantiles.pop(key, None)
 
     def samples(self, model: str, prompt_tokens: int) -> tuple[int, ...]:
         return tuple(self._seen.get((model, self.bucket(prompt_tokens)), ()))
 
     def predict(self, model: str, prompt_tokens: int, max_tokens: int) -> int:
         """The q-quantile output length for this model and input bucket, capped at max_tokens."""
-        seen = self._seen.get((model, self.bucket(prompt_tokens)))
-        if seen is None or len(seen) < self.min_samples:
-            return max_tokens
-        return min(max_tokens, max(1, _quantile(sorted(seen), self.quantile)))
+        key = (model, self.bucket(prompt_tokens))
+        q = self._quantiles.get(key)
+        if q is None:
+            seen = self._seen.get(key)
+            if seen is None or len(seen) < self.min_samples:
+                return max_tokens
+            q = self._quantiles[key] = max(1, _quantile(sorted(seen), self.quantile))
+        return min(max_tokens, q)
 
     def grow(self, model: str, prompt_tokens: int, generated: int, max_tokens: int) -> int:
         """A new output reservation for a request that has produced `generated` tokens (> generated if possible)."""

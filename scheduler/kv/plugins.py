@@ -23,6 +23,7 @@ routing:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
@@ -50,8 +51,15 @@ class KvBook(Protocol):
     def capacity(self, worker: WorkerView) -> int: ...
 
 
+@functools.cache
+def _is_kv_book(cls: type) -> bool:
+    """`KvBook` is a runtime Protocol; its isinstance check walks the members (µs per request on the
+    gateway's hot path), so decide once per class."""
+    return issubclass(cls, KvBook)
+
+
 def find_ledger(cycle: Cycle) -> KvBook | None:
-    return next((p for p in cycle.reserve_plugins if isinstance(p, KvBook)), None)
+    return next((p for p in cycle.reserve_plugins if _is_kv_book(type(p))), None)
 
 
 def best_fit_score(free: float, need: float, capacity: float) -> float:

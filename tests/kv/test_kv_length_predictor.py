@@ -58,3 +58,17 @@ def test_grow_doubles_past_everything_seen() -> None:
 def test_bad_settings(kw: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         LengthPredictor(**kw)  # type: ignore[arg-type]
+
+
+def test_a_prediction_follows_every_new_observation() -> None:
+    # predict() keeps each bucket's quantile until the bucket's next observation: it must not go stale.
+    p = LengthPredictor(quantile=0.5, window=4, min_samples=2)
+    p.observe("m", 10, 100)
+    p.observe("m", 10, 200)
+    assert p.predict("m", 10, 1000) == 100  # nearest rank: ceil(0.5·2) = 1st of [100, 200]
+    p.observe("m", 10, 300)
+    assert p.predict("m", 10, 1000) == 200  # 2nd of [100, 200, 300]
+    for _ in range(4):
+        p.observe("m", 10, 50)  # the window (4) now holds only 50s
+    assert p.predict("m", 10, 1000) == 50
+    assert p.predict("m", 300, 1000) == 1000  # another bucket, no samples: the worst case
