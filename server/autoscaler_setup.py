@@ -33,6 +33,7 @@ from server.autoscale_placement import PlacementBook
 from server.autoscale_signals import SignalReader
 from server.autoscaling import ActuatorFactory, AutoscalerController, AutoscalerMetrics, PoolActuators
 from server.config import ConfigError, MosaicConfig, PoolConfig
+from server.gateway_signals import GatewaySource, RegistrySource
 from server.registry import PoolInfo, Registry
 
 if TYPE_CHECKING:
@@ -149,7 +150,6 @@ def in_process_controller(gw: Gateway) -> AutoscalerController:
         gw.metrics.registry,
         actuator_factory=factory,
         managed=managed,
-        admission=gw.admission.depths,
         clock=gw.clock,
     )
     if a.actuator == "embedded":
@@ -164,19 +164,20 @@ def controller_for(
     *,
     actuator_factory: ActuatorFactory,
     managed: frozenset[str],
-    admission: Callable[[], dict[str, int]] | None = None,
-    gateway_metrics: bool = True,
+    gateway: GatewaySource | None = None,
     offload: bool = False,
     clock: Callable[[], float] = time.monotonic,
 ) -> AutoscalerController:
-    """A controller over `registry`; its busy-proxy sampling hooks into the registry's scrape rounds."""
+    """A controller over `registry`; its busy-proxy sampling hooks into the registry's scrape rounds.
+
+    `gateway`: where the gateway-side signals come from; None → this process's own gateway metrics in
+    `metrics_registry` (`mosaic serve`); `mosaic autoscale` passes its `GatewayScraper`."""
     reader = SignalReader(
         registry,
         config.scrape.stale_after_s,
         clock,
         time_scales(config),
-        metrics_registry if gateway_metrics else None,
-        admission,
+        gateway if gateway is not None else RegistrySource(metrics_registry, clock),
     )
     specs = pool_specs(config, registry, managed)
     placement = PlacementBook.from_config(config, specs, load_catalog(config.catalog), metrics_registry)

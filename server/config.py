@@ -232,6 +232,28 @@ class AutoscalerKubernetesConfig(_Strict):
     in_cluster: bool | None = None  # None: in-cluster config when available, else ~/.kube/config
 
 
+class AutoscalerGatewaysConfig(_Strict):
+    """The gateways `mosaic autoscale` scrapes for the gateway-side signals (`server.gateway_scrape`):
+    static base URLs, or the gateway pods found by Kubernetes discovery (`server.discovery`)."""
+
+    static: list[str] | None = None  # gateway base URLs; `path` is appended
+    kubernetes: KubernetesSource | None = None  # e.g. resource: pods, the gateway pods' labels, their port
+    path: str = Field(default="/metrics", pattern=r"^/")
+    bearer_token_env: str | None = None  # env var with a bearer token (first of a comma list) for a protected /metrics
+    interval_s: float | None = Field(default=None, gt=0)  # scrape period; None → min(5 s, autoscaler.interval_s / 2)
+    timeout_s: float = Field(default=2.0, gt=0)
+    stale_after_s: float = Field(default=30.0, gt=0)  # an older last good scrape: the gateway is skipped
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AutoscalerGatewaysConfig:
+        if (self.static is None) == (self.kubernetes is None):
+            raise ValueError("give exactly one of static, kubernetes")
+        for url in self.static or []:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s):// URL")
+        return self
+
+
 class AutoscalerConfig(_Strict):
     """The live P/D autoscaler (`server.autoscaling`, docs/autoscaling-live.md).
 
@@ -252,6 +274,7 @@ class AutoscalerConfig(_Strict):
     knobs: dict[str, Any] = Field(default_factory=dict)
     kubernetes: AutoscalerKubernetesConfig = Field(default_factory=AutoscalerKubernetesConfig)
     nodes: str | dict[str, Any] | None = None  # node inventory (`mosaic plan --nodes` format; server.autoscale_placement)
+    gateways: AutoscalerGatewaysConfig | None = None  # `mosaic autoscale`: whose /metrics give the gateway-side signals
 
     @model_validator(mode="before")
     @classmethod

@@ -12,6 +12,7 @@ nothing per request.
 | mosaic_request_outcomes_total | counter | model, outcome (completed, failed_before_first_byte, client_disconnected, worker_error, ...) |
 | mosaic_time_to_first_token_seconds | histogram | model, pool (arrival → first streamed event relayed) |
 | mosaic_inter_token_latency_seconds | histogram | model, pool (gap between relayed stream events) |
+| mosaic_time_per_output_token_seconds | histogram | model, pool (per completed stream of n ≥ 2 tokens: (e2e − TTFT) / (n − 1), as vLLM and the load generator) |
 | mosaic_e2e_request_latency_seconds | histogram | model, pool (arrival → last byte) |
 | mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
 | mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |
@@ -48,6 +49,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Buckets span a zero-compute simulator (sub-ms) to long-context requests on real GPUs (minutes).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
+# Per-request TPOT: finer where TPOT SLOs sit (20–100 ms), down to the simulator's sub-ms steps.
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 _E2E_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 600.0)
 
 
@@ -240,6 +243,7 @@ class GatewayMetrics:
         self.outcomes = Counter("mosaic_request_outcomes", "Terminal outcome of each accepted request", ["model", "outcome"])
         self.ttft = Histogram("mosaic_time_to_first_token_seconds", "Arrival to first streamed event, at the gateway", ["model", "pool"], buckets=_TTFT_BUCKETS)
         self.itl = Histogram("mosaic_inter_token_latency_seconds", "Gap between relayed stream events", ["model", "pool"], buckets=_ITL_BUCKETS)
+        self.tpot = Histogram("mosaic_time_per_output_token_seconds", "Per streamed request: (e2e - TTFT) / (output tokens - 1)", ["model", "pool"], buckets=_TPOT_BUCKETS)
         self.e2e = Histogram("mosaic_e2e_request_latency_seconds", "Arrival to last byte, at the gateway", ["model", "pool"], buckets=_E2E_BUCKETS)
         self.prompt_tokens = Counter("mosaic_prompt_tokens", "Prompt tokens reported by workers' usage", ["model"])
         self.generation_tokens = Counter("mosaic_generation_tokens", "Generated tokens reported by workers' usage", ["model"])
@@ -249,7 +253,7 @@ class GatewayMetrics:
         self.upstream_errors = Counter("mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"])
         self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"])
         r.register(LeanCollector([
-            self.requests, self.received, self.outcomes, self.ttft, self.itl, self.e2e, self.prompt_tokens,
+            self.requests, self.received, self.outcomes, self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens,
             self.generation_tokens, self.rejections, self.retries, self.pd_fallbacks, self.upstream_errors,
             self.scrape_errors,
         ]))

@@ -7,7 +7,7 @@ media_type=...)` would build (a `text/*` type without a charset gets `; charset=
 per-response header assembly (hot path).
 
 `StreamSession`: one relayed stream (`SseRelay` over the worker's chunks): yields the bytes to send,
-measures TTFT and inter-token latency at the gateway, renews the request's KV lease per relayed event,
+measures TTFT, ITL and per-request TPOT at the gateway, renews the request's KV lease per relayed event,
 enforces `total_timeout_s` between chunks, ends a stream that fails after its first byte with an OpenAI
 error event and `data: [DONE]`, and closes exactly once — the upstream response (unread → the connection
 is dropped, which aborts the request in the worker), the lease, and the request's terminal outcome.
@@ -79,7 +79,7 @@ class StreamSession:
         outcome = Outcome.WORKER_ERROR
         try:
             out = self.relay.feed(self.first)
-            last = clock()
+            last = first_at = clock()
             d.child(d.metrics.ttft, rec.model, rec.pool).observe(last - rec.arrival)
             if out:
                 yield out
@@ -100,6 +100,9 @@ class StreamSession:
             tail = self.relay.flush()
             if tail:
                 yield tail
+            n = int((self.relay.usage or {}).get("completion_tokens") or 0)
+            if n >= 2:  # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1)
+                d.child(d.metrics.tpot, rec.model, rec.pool).observe((last - first_at) / (n - 1))
             outcome = Outcome.COMPLETED
         except (httpx.HTTPError, TimeoutError) as exc:
             kind, hard = classify(exc)

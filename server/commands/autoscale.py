@@ -8,8 +8,10 @@ and discovery (`server.gateway.Gateway`, never served over HTTP), and every `aut
 policy and applies it through `autoscaler.actuator`: `kubernetes` patches the scale subresource of each
 pool's Deployment (`autoscaler.kubernetes.deployments`, default: every kubernetes pool, Deployment named
 after the pool; namespace from `autoscaler.kubernetes.namespace`, else `$POD_NAMESPACE`, else `default`),
-`dry-run` only records and prints. The `embedded` actuator starts simulated workers inside `mosaic serve`
-and is refused here. Runs until SIGTERM/SIGINT (or `--cycles`). A bad config, a missing `kubernetes`
+`dry-run` only records and prints. The gateway-side signals (admission queue, gateway TTFT/TPOT, arrival
+rate, lengths) come from scraping the gateways' `/metrics` (`autoscaler.gateways`: static URLs or gateway
+pods by label selector; `server.gateway_scrape`), merged over the replicas; without it they are absent.
+The `embedded` actuator (simulated workers inside `mosaic serve`) is refused here. Runs until SIGTERM/SIGINT (or `--cycles`). A bad config, a missing `kubernetes`
 package or cluster config exits 2 with one line.
 """
 
@@ -21,13 +23,18 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from server.commands.common import fail
 from server.config import ConfigError, MosaicConfig, load_config
+
+if TYPE_CHECKING:
+    from server.autoscaling import AutoscalerController
+    from server.gateway_scrape import GatewayScraper
 
 
 def kubernetes_deployments(cfg: MosaicConfig) -> dict[str, str]:
@@ -58,13 +65,29 @@ def _apps_api(in_cluster: bool | None) -> Any:
     return client.AppsV1Api()
 
 
-async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | None) -> None:
+@dataclass(slots=True)
+class Standalone:
+    """What `mosaic autoscale` runs: the controller, the gateways' scraper (None without
+    `autoscaler.gateways`) and the pools the actuator manages."""
+
+    controller: AutoscalerController
+    scraper: GatewayScraper | None
+    managed: frozenset[str]
+
+
+@contextlib.asynccontextmanager
+async def standalone(
+    cfg: MosaicConfig, apps_api: Any | None = None, gateway_lister: Any | None = None
+) -> AsyncIterator[Standalone]:
+    """Build and start (registry, gateway scraper) the standalone controller; stop everything on exit.
+    `apps_api` / `gateway_lister` replace the Kubernetes clients (tests)."""
     from scheduler.actuators.dry_run import DryRunActuator
     from scheduler.actuators.kubernetes import KubernetesActuator
     from server.autoscaler_setup import controller_for
     from server.autoscaling import ActuatorFactory
     from server.discovery import KubernetesUnavailable
     from server.gateway import Gateway
+    from server.gateway_scrape import GatewayScraper, scrape_interval
 
     a = cfg.autoscaler
     factory: ActuatorFactory
@@ -88,6 +111,14 @@ async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | No
 
     # The gateway's registry and discovery, with its own in-process controller off (this process is it).
     gw = Gateway(cfg.model_copy(update={"autoscaler": a.model_copy(update={"enabled": False})}))
+    scraper = (
+        GatewayScraper(
+            a.gateways, scrape_interval(a.gateways, a.interval_s), gw.metrics.registry, lister=gateway_lister,
+            clock=gw.clock,
+        )
+        if a.gateways is not None
+        else None
+    )
     try:
         controller = controller_for(
             cfg,
@@ -95,7 +126,7 @@ async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | No
             gw.metrics.registry,
             actuator_factory=factory,
             managed=managed,
-            gateway_metrics=False,
+            gateway=scraper.snapshots if scraper is not None else dict,  # no gateways: no gateway-side signals
             offload=a.actuator == "kubernetes",
             clock=gw.clock,
         )
@@ -103,33 +134,50 @@ async def _run(cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | No
         await gw.stop()
         fail(str(exc))
     try:
-        await gw.registry.start()
-    except KubernetesUnavailable as exc:
-        await gw.stop()
-        fail(str(exc))
-    typer.echo(
-        f"mosaic autoscale: policy {a.policy}, actuator {a.actuator}, every {a.interval_s:g} s; "
-        f"pools {', '.join(sorted(managed)) or 'none'}",
-        err=as_json,
-    )
-
-    def report(decision: dict[str, Any]) -> None:
-        if as_json:
-            typer.echo(
-                json.dumps({k: decision[k] for k in ("time", "targets", "reasons", "signals", "actions")})
-            )
-
-    loop = asyncio.get_running_loop()
-    task = loop.create_task(controller.run(cycles, report))
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, task.cancel)
-    try:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        try:
+            await gw.registry.start()
+            if scraper is not None:
+                await scraper.start()  # one round now: the controller's first observation is the baseline
+        except KubernetesUnavailable as exc:
+            fail(str(exc))
+        yield Standalone(controller, scraper, managed)
     finally:
         await controller.stop()
+        if scraper is not None:
+            await scraper.stop()
         await gw.stop()
+
+
+async def _run(
+    cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | None, gateway_lister: Any | None = None
+) -> None:
+    a = cfg.autoscaler
+    async with standalone(cfg, apps_api, gateway_lister) as run:
+        scraper = run.scraper
+        gateways = (
+            f"gateways {len(scraper.endpoints)} ({len(scraper.latest)} scraped)"
+            if scraper is not None
+            else "no autoscaler.gateways: gateway-side signals absent"
+        )
+        typer.echo(
+            f"mosaic autoscale: policy {a.policy}, actuator {a.actuator}, every {a.interval_s:g} s; "
+            f"pools {', '.join(sorted(run.managed)) or 'none'}; {gateways}",
+            err=as_json,
+        )
+
+        def report(decision: dict[str, Any]) -> None:
+            if as_json:
+                typer.echo(
+                    json.dumps({k: decision[k] for k in ("time", "targets", "reasons", "signals", "actions")})
+                )
+
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(run.controller.run(cycles, report))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def register(app: typer.Typer) -> None:

@@ -15,6 +15,7 @@ from scheduler.fleet import Role, capacity_for
 from server.autoscale_signals import SignalReader, quantile
 from server.config import HealthConfig, ScrapeConfig
 from server.discovery import StaticSource
+from server.gateway_signals import RegistrySource
 from server.metrics import GatewayMetrics
 from server.registry import PoolInfo, Registry
 
@@ -74,14 +75,14 @@ async def _observe(desired: dict[str, int]) -> tuple[Observation, Observation]:
     clock = Clock(10.0)
     scrape = {"n": 1}
     metrics = GatewayMetrics()
-    metrics.attach_live(lambda: [], dict)
+    metrics.attach_live(lambda: [], lambda: {"llama-3-8b": 3})  # the admission queue, as the gateway exports it
     async with httpx.AsyncClient(transport=_recorded(scrape)) as client:
         reg = Registry(ScrapeConfig(stale_after_s=5.0), HealthConfig(), metrics, client=client, clock=clock)
         reg.add_pool(
             PoolInfo("dec", "llama-3-8b", "L4", Role.DECODE, capacity_for("L4", "llama-3-8b")),
             StaticSource(["http://a:8000", "http://b:8000"]),
         )
-        reader = SignalReader(reg, 5.0, clock, {"dec": 2.0}, metrics.registry, lambda: {"llama-3-8b": 3})
+        reader = SignalReader(reg, 5.0, clock, {"dec": 2.0}, RegistrySource(metrics.registry, clock))
         reg.on_refresh.append(reader.on_scrape)
         await reg.resync("dec")
         await reg.health_once()
