@@ -4,8 +4,8 @@ The controller serves no traffic, so the admission queue, gateway-measured TTFT/
 request lengths exist only in the gateway replicas. `GatewayScraper` lists them — static URLs, or the
 gateway pods through Kubernetes discovery (`server.discovery.KubernetesDiscovery`, e.g. `resource: pods`
 and the gateway Deployment's pod labels; every listed pod with an address is scraped, ready or not: a
-gateway whose workers are all gone reports not-ready and is exactly the one whose queue matters) —
-and every `interval_s` GETs each one's `path` (with `Authorization: Bearer <$bearer_token_env>` when
+gateway whose workers are all gone reports not-ready and is exactly the one whose queue matters; re-listed
+every `resync_s`) — and every `interval_s` GETs each one's `path` (with `Authorization: Bearer <$bearer_token_env>` when
 set: the first of a comma-separated list, so the admin-keys variable works as is). A body is parsed with
 `prometheus_client.parser` into a `server.gateway_signals.Snapshot`; `snapshots()` is the controller's
 `GatewaySource`: each listed gateway's last good snapshot, None when older than `stale_after_s`.
@@ -81,6 +81,7 @@ class GatewayScraper:
         self.latest: dict[str, Snapshot] = {}
         self.down: set[str] = set()
         self._task: asyncio.Task[None] | None = None
+        self._listed_at: float | None = None
         self.errors = Counter(
             "mosaic_autoscaler_gateway_scrape_errors",
             "Failed scrapes of a gateway's /metrics by the autoscaler",
@@ -120,10 +121,16 @@ class GatewayScraper:
 
     # ------------------------------------------------------------------ one round
     async def scrape_once(self) -> None:
-        try:
-            self.endpoints = await self.source.list()
-        except Exception as exc:  # keep the last listing: the gateways are likely still there
-            log.warning("listing the gateways failed (keeping the last list of %d): %s", len(self.endpoints), exc)
+        """Re-list the gateways when due (first round, then every `resync_s` of a Kubernetes source), then
+        scrape each one."""
+        now = self.clock()
+        resync = self.source.resync_s
+        if self._listed_at is None or (resync is not None and now - self._listed_at >= resync):
+            try:
+                self.endpoints = await self.source.list()
+                self._listed_at = now
+            except Exception as exc:  # keep the last listing: the gateways are likely still there
+                log.warning("listing the gateways failed (keeping the last %d): %s", len(self.endpoints), exc)
         names = {e.name for e in self.endpoints}
         for gone in set(self.latest) - names:
             del self.latest[gone]

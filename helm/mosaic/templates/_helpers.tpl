@@ -228,6 +228,18 @@ HPA it is maxReplicas, the pessimistic share.
 {{- if not (hasKey $as "actuator") }}
 {{- $_ := set $as "actuator" "kubernetes" }}
 {{- end }}
+{{- /* It serves no traffic: it scrapes the release's gateway pods' /metrics for the gateway-side signals
+(admission queue, TTFT/TPOT, arrivals), found by the gateway Deployment's pod labels (server/gateway_scrape.py). */}}
+{{- $gm := $root.Values.controller.gatewayMetrics }}
+{{- if and $gm.enabled (not (hasKey $as "gateways")) }}
+{{- $labels := include "mosaic.gateway.selectorLabels" $root | fromYaml }}
+{{- $pairs := list }}
+{{- range $k := keys $labels | sortAlpha }}
+{{- $pairs = append $pairs (printf "%s=%s" $k (get $labels $k)) }}
+{{- end }}
+{{- $pods := dict "namespace" $root.Release.Namespace "label_selector" (join "," $pairs) "port" (int $root.Values.gateway.port) "resource" "pods" "resync_s" (float64 $gm.resyncSeconds) "in_cluster" true "domain_label" nil }}
+{{- $_ := set $as "gateways" (dict "kubernetes" $pods "interval_s" (float64 $gm.intervalSeconds)) }}
+{{- end }}
 {{- $_ := set $as "kubernetes" $scaler }}
 {{- $_ := set $cfg "autoscaler" $as }}
 {{- end }}
