@@ -4,6 +4,8 @@
 routing:
   policy: mosaic                 # round-robin | least-loaded | mosaic
   pd_threshold_tokens: 256       # prompts shorter than this skip P/D
+  pd_max_prefill_wait_s: null    # P/D gate: prefill on the decode worker when the prefill pool's best
+  pd_local_prefill_margin_s: 0.5 #   queue wait exceeds this AND the decode worker's own prefill time + margin
   weights: {cost: 1.0}           # scorer name → weight, applied to every profile
   plugins:                       # merged by name over the policy's defaults (name defaults to type)
     - {type: prefix-affinity, params: {lru_blocks: 32768, load_escape: 1.5}}
@@ -39,6 +41,7 @@ from scheduler.routing.framework import (
     Scorer,
     WeightedScorer,
 )
+from scheduler.routing.pd_gate import PdGate
 from scheduler.routing.profiles import (
     DEFAULT_FILTERS,
     MOSAIC_SCORERS,
@@ -111,6 +114,9 @@ class ProfileSpec(_Strict):
 class RoutingConfig(_Strict):
     policy: Literal["round-robin", "least-loaded", "mosaic"] = "mosaic"
     pd_threshold_tokens: int = Field(default=256, ge=0)
+    # Conditional disaggregation (scheduler/routing/pd_gate.py): null = always remote prefill.
+    pd_max_prefill_wait_s: float | None = Field(default=None, ge=0)
+    pd_local_prefill_margin_s: float | None = Field(default=0.5, ge=0)
     weights: dict[str, float] = Field(default_factory=dict)
     plugins: list[PluginSpec] = Field(default_factory=list)
     profiles: dict[Literal["mixed", "decode", "prefill"], ProfileSpec] = Field(default_factory=dict)
@@ -213,9 +219,11 @@ def build_router(
             scorers=tuple(WeightedScorer(n, scorer_map[n], w) for n, w in weights.items() if w > 0),
             picker=_picker(cfg, name),
         )
-    handler = PdProfileHandler(built["mixed"], built["decode"], built["prefill"], cfg.pd_threshold_tokens)
+    gate = PdGate(cfg.pd_max_prefill_wait_s, cfg.pd_local_prefill_margin_s)
+    handler = PdProfileHandler(built["mixed"], built["decode"], built["prefill"], cfg.pd_threshold_tokens, gate)
     description = {
         "pd_threshold_tokens": cfg.pd_threshold_tokens,
+        **gate.describe(),
         "plugins": [
             {"name": k, "type": type(p).type, "params": p.params.model_dump()} for k, p in plugins.items()
         ],

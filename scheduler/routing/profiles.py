@@ -13,8 +13,10 @@ The decider (`PdProfileHandler.handle`):
 1. prompt ≥ `pd_threshold_tokens` and the model has a prefill pool → run `decode`;
    - nothing fits → Reject (reasons from the decode pass);
    - a mixed worker won → single hop to it (path `single`);
-   - a decode worker won → run `prefill`; a prefill worker fits → P/D pair (path `pd`), else the decode
-     worker prefills itself (path `decode-only`; its reservation is kept).
+   - a decode worker won → run `prefill`; a prefill worker fits and the P/D gate (`pd_gate.py`) finds
+     remote prefill pays → P/D pair (path `pd`); else the decode worker prefills itself (path
+     `decode-only`; its reservation is kept). The gate says local when the prefill pool's best queue wait
+     exceeds `pd_max_prefill_wait_s` and the decode worker's own estimated prefill time plus a margin.
 2. otherwise → run `mixed`; nothing fits → Reject.
 
 Policies differ in scorers and picker only: `round-robin` (no scorers, rotating picker), `least-loaded`
@@ -24,11 +26,12 @@ Policies differ in scorers and picker only: `round-robin` (no scorers, rotating 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.fleet import Role
 from scheduler.routing.framework import Cycle, Decision, SchedulingProfile
+from scheduler.routing.pd_gate import PdGate
 from scheduler.routing.reasons import Reject
 from scheduler.routing.topology_scorer import DECODE_PEER_FACT
 
@@ -115,6 +118,7 @@ class PdProfileHandler:
     decode: SchedulingProfile
     prefill: SchedulingProfile
     pd_threshold_tokens: int = 256
+    gate: PdGate = field(default_factory=PdGate)  # conditional disaggregation; off by default (always remote prefill)
 
     def pd_eligible(self, cycle: Cycle) -> bool:
         req = cycle.req
@@ -133,11 +137,16 @@ class PdProfileHandler:
         prefill = cycle.run(self.prefill)
         if prefill.worker is None:
             return cycle.decide(decode, path="decode-only")
+        if self.gate.enabled:
+            verdict = self.gate.verdict(cycle.req, decode.worker, [s.worker for s in prefill.scored])
+            if verdict.local:  # prefill pool saturated: prefill on the decode worker; the router releases
+                return cycle.decide(decode, path="decode-only")  # the prefill pass's reservation
         return cycle.decide(decode, prefill, path="pd")
 
     def describe(self) -> dict[str, Any]:
         return {
             "pd_threshold_tokens": self.pd_threshold_tokens,
+            **self.gate.describe(),
             "profiles": {p.name: describe_profile(p) for p in (self.mixed, self.decode, self.prefill)},
         }
 
