@@ -2,6 +2,7 @@
 
     mosaic autoscale --config /etc/mosaic/config.yaml          # what the Helm chart's controller Deployment runs
     mosaic autoscale --config mosaic.yaml --cycles 3 --json    # three decisions as JSON lines, then exit
+    mosaic autoscale --config mosaic.yaml --metrics-port 9090  # also serve the controller's /metrics
 
 It reads the gateway's config, finds and scrapes the pools' workers through the gateway's own registry
 and discovery (`server.gateway.Gateway`, never served over HTTP), and every `autoscaler.interval_s` runs the
@@ -33,6 +34,8 @@ from server.commands.common import fail
 from server.config import ConfigError, MosaicConfig, load_config
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from server.autoscaling import AutoscalerController
     from server.gateway_scrape import GatewayScraper
 
@@ -73,6 +76,7 @@ class Standalone:
     controller: AutoscalerController
     scraper: GatewayScraper | None
     managed: frozenset[str]
+    registry: CollectorRegistry  # the controller's metrics (mosaic_autoscaler_*, gateway scrapes)
 
 
 @contextlib.asynccontextmanager
@@ -140,7 +144,7 @@ async def standalone(
                 await scraper.start()  # one round now: the controller's first observation is the baseline
         except KubernetesUnavailable as exc:
             fail(str(exc))
-        yield Standalone(controller, scraper, managed)
+        yield Standalone(controller, scraper, managed, gw.metrics.registry)
     finally:
         await controller.stop()
         if scraper is not None:
@@ -149,10 +153,24 @@ async def standalone(
 
 
 async def _run(
-    cfg: MosaicConfig, cycles: int, as_json: bool, apps_api: Any | None, gateway_lister: Any | None = None
+    cfg: MosaicConfig,
+    cycles: int,
+    as_json: bool,
+    apps_api: Any | None,
+    gateway_lister: Any | None = None,
+    metrics: tuple[str, int] | None = None,
 ) -> None:
     a = cfg.autoscaler
-    async with standalone(cfg, apps_api, gateway_lister) as run:
+    async with contextlib.AsyncExitStack() as stack:
+        run = await stack.enter_async_context(standalone(cfg, apps_api, gateway_lister))
+        if metrics is not None:
+            from server.metrics_endpoint import metrics_endpoint
+
+            try:
+                port = await stack.enter_async_context(metrics_endpoint(run.registry, *metrics))
+            except OSError as exc:
+                fail(f"--metrics-port {metrics[1]}: cannot listen on {metrics[0]}: {exc.strerror or exc}")
+            typer.echo(f"mosaic autoscale: metrics on http://{metrics[0]}:{port}/metrics", err=True)
         scraper = run.scraper
         gateways = (
             f"gateways {len(scraper.endpoints)} ({len(scraper.latest)} scraped)"
@@ -193,6 +211,10 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option(
             "info", "--log-level", help="Log level (decisions and scale actions log at info)."
         ),
+        metrics_port: int = typer.Option(
+            0, "--metrics-port", min=0, max=65535, help="Serve the controller's /metrics on this port (0: off)."
+        ),
+        metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="Address of the /metrics listener."),
     ) -> None:
         """Run only the P/D autoscaler controller (no API serving): scrape the pools, decide, scale Deployments."""
         try:
@@ -207,4 +229,5 @@ def register(app: typer.Typer) -> None:
         level = log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "INFO"
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
-        asyncio.run(_run(cfg, cycles, as_json, None))
+        metrics = (metrics_host, metrics_port) if metrics_port else None
+        asyncio.run(_run(cfg, cycles, as_json, None, metrics=metrics))

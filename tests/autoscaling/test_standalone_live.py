@@ -10,9 +10,11 @@ import time
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from server.commands.autoscale import standalone
 from server.config import validate_config
+from server.metrics_endpoint import metrics_endpoint
 from server.runner import start_gateway_server
 from tests.autoscaling.test_embedded_live import MODEL, stream, until
 
@@ -44,6 +46,7 @@ async def _loaded() -> dict[str, Any]:
         )
         async with (
             standalone(autoscale) as run,  # baseline: the idle gateway
+            metrics_endpoint(run.registry, "127.0.0.1", 0) as metrics_port,  # `--metrics-port`
             httpx.AsyncClient(base_url=running.url, timeout=60) as client,
         ):
             ctl = run.controller
@@ -62,6 +65,7 @@ async def _loaded() -> dict[str, Any]:
             await ctl.cycle()
             decision = ctl.decisions[-1]
             results = await asyncio.gather(*tasks)
+            exported = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
             return {
                 "obs": decision["observation"],
                 "signals": decision["signals"],
@@ -69,6 +73,10 @@ async def _loaded() -> dict[str, Any]:
                 "results": results,
                 "gateways": len(run.scraper.latest) - len(run.scraper.down),
                 "ttft_count": value(ttft_count, labels),
+                "exported": {
+                    f.name: {tuple(sorted(x.labels.items())): x.value for x in f.samples}
+                    for f in text_string_to_metric_families(exported)
+                },
             }
     finally:
         await running.stop()
@@ -87,3 +95,7 @@ def test_standalone_controller_sees_a_loaded_gateways_queue_and_latency() -> Non
     assert out["signals"]["ttft_p90_s"] == round(obs["ttft_p90_s"], 6)
     # the policy counts the gateway's queue as waiting demand (`<model>/waiting` = queue + Σ num_waiting)
     assert out["signals"][f"{MODEL}/waiting"] >= obs["admission_queue"][MODEL]
+    # the controller's own /metrics: one gateway up, none down, one cycle run
+    exported = out["exported"]
+    assert exported["mosaic_autoscaler_gateways"] == {(("state", "up"),): 1.0, (("state", "down"),): 0.0}
+    assert exported["mosaic_autoscaler_cycles"][()] == 1.0

@@ -97,3 +97,19 @@ def test_schema_refuses_a_zero_scrape_period(chart: helm.Chart) -> None:
     with pytest.raises(helm.HelmValuesError) as caught:
         chart.validate_schema({"controller": {"gatewayMetrics": {"intervalSeconds": 0}}})
     assert "intervalSeconds" in str(caught.value)
+
+
+@pytest.mark.parametrize(("port", "expected"), [pytest.param(None, 9090, id="default 9090"), pytest.param(0, None, id="0: off")])
+def test_controller_metrics_port(chart: helm.Chart, port: int | None, expected: int | None) -> None:
+    values = {} if port is None else {"controller": {"metricsPort": port}}
+    rendered = render(chart, values)
+    controller = rendered.get("Deployment", f"{RELEASE}-controller")
+    c = container(controller)
+    args = c["args"]
+    if expected is None:
+        assert "--metrics-port" not in args and "ports" not in c
+        return
+    assert args[args.index("--metrics-port") + 1] == str(expected)
+    assert c["ports"] == [{"name": "metrics", "containerPort": expected, "protocol": "TCP"}]
+    for version in ("1.27.0", kubernetes_validate.utils.latest_version()):
+        kubernetes_validate.validate(controller, version, strict=True)
