@@ -11,6 +11,13 @@ autoscaler starts from the same running fleet (2 prefill + 2 decode); static pro
 at its size.
 
     python bench/autoscale_eval.py [--quick]
+    python bench/autoscale_eval.py --pd-gate-sweep [--quick]
+
+`--pd-gate-sweep` measures conditional disaggregation (the router's P/D gate, `pd_max_prefill_wait_s`,
+docs/routing.md) in this evaluation: the Mosaic, Dynamo-style and static families over their whole grids,
+with the gate off and at each bound in `PD_GATE_BOUNDS` (the same routing config for every family), each
+family's best run per setting, and how many requests the gate sent decode-only. It writes
+`bench/results/autoscale_pd_gate.json` and leaves `autoscale_eval.json` alone.
 """
 
 from __future__ import annotations
@@ -118,17 +125,29 @@ def candidates(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> list[
 
 def run_one(args: tuple[str, str, str, dict[str, Any], list[SimRequest]]) -> dict[str, Any]:
     trace_name, family, spec, overrides, reqs = args
-    knobs = {k: v for k, v in overrides.items() if k != "factor"}
-    fleet = parse_fleet({**FLEET, "autoscaler": knobs})
+    knobs = {k: v for k, v in overrides.items() if k not in ("factor", "routing")}
+    routing = {**FLEET.get("routing", {}), **overrides.get("routing", {})}  # shared by every family
+    fleet = parse_fleet({**FLEET, "autoscaler": knobs, "routing": routing})
     policy = build_policy(spec, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools})
     if family == "static-peak":  # start (and stay) at the static size; autoscalers start at FLEET's replicas
         counts = {k: int(v) for k, v in (item.split("=") for item in spec.split(":", 1)[1].split(","))}
         fleet = fleet.model_copy(update={"pools": [p.model_copy(update={"replicas": counts[p.name]})
                                                    for p in fleet.pools]})
+    sim = ClusterSimulator(fleet, policy, spec)
+    paths: dict[str, int] = {}
+    route = sim.router.route
+
+    def counting_route(*a: Any, **kw: Any) -> Any:  # dispatched paths, retried rejects counted per try
+        decision = route(*a, **kw)
+        path = getattr(decision, "path", "rejected")
+        paths[path] = paths.get(path, 0) + 1
+        return decision
+
+    sim.router.route = counting_route  # type: ignore[method-assign]
     started = time.perf_counter()
-    result = ClusterSimulator(fleet, policy, spec).run(reqs)
+    result = sim.run(reqs)
     report = build_report(result, time.perf_counter() - started)
-    report["family"], report["knobs"], report["trace"] = family, overrides, trace_name
+    report["family"], report["knobs"], report["trace"], report["paths"] = family, overrides, trace_name, paths
     return report
 
 
@@ -137,11 +156,61 @@ def best_of(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(ok, key=lambda r: r["gpu_hours"]["total"]) if ok else None
 
 
+# P/D gate bounds tried by --pd-gate-sweep (seconds of the prefill pool's best queue wait; None = off).
+PD_GATE_BOUNDS: tuple[float | None, ...] = (None, 0.5, 1.0)
+PD_GATE_FAMILIES = ("mosaic", "dynamo", "static-peak")
+
+
+def pd_gate_sweep(quick: bool, workers: int) -> None:
+    """Each family's grid with the P/D gate off and at each bound; best runs and decode-only counts."""
+    base = parse_fleet(FLEET)
+    summary: dict[str, Any] = {}
+    lines = []
+    for trace_name, reqs in traces(quick).items():
+        jobs = [
+            (trace_name, fam, spec, {**ov, "routing": {"pd_max_prefill_wait_s": bound}}, reqs)
+            for bound in PD_GATE_BOUNDS
+            for fam, spec, ov in candidates(base, reqs, quick)
+            if fam in PD_GATE_FAMILIES
+        ]
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            reports = list(pool.map(run_one, jobs))
+        per_bound: dict[str, Any] = {}
+        for bound in PD_GATE_BOUNDS:
+            at = [r for r in reports if r["knobs"]["routing"]["pd_max_prefill_wait_s"] == bound]
+            fams = {}
+            for fam in PD_GATE_FAMILIES:
+                runs = [r for r in at if r["family"] == fam]
+                best = best_of(runs)
+                fams[fam] = {
+                    "best": None if best is None else {k: v for k, v in _row(best).items() if k != "replicas"},
+                    "runs": [{"knobs": {k: v for k, v in r["knobs"].items() if k != "routing"},
+                              "attainment": r["slo"]["attainment"], "gpu_hours": r["gpu_hours"]["total"],
+                              "ttft_p99_ms": r["latency_ms"]["ttft"]["p99"], "tpot_p99_ms": r["latency_ms"]["tpot"]["p99"],
+                              "decode_only": r["paths"].get("decode-only", 0)} for r in runs],
+                }
+            ratio = _ratio(fams["mosaic"]["best"], fams["dynamo"]["best"])
+            per_bound["off" if bound is None else str(bound)] = {"families": fams, "mosaic_vs_dynamo": ratio}
+            best_gh = {f: (v["best"] or {}).get("gpu_hours") for f, v in fams.items()}
+            lines.append(f"{trace_name} gate {bound}: best GPU-h {best_gh}, Mosaic/Dynamo {ratio}")
+        summary[trace_name] = per_bound
+    write_result("autoscale_pd_gate", {"slo_target": SLO_TARGET, "fleet": FLEET, "bounds": list(PD_GATE_BOUNDS),
+                                       "traces": summary})
+    command = "python bench/autoscale_eval.py --pd-gate-sweep" + (" --quick" if quick else "")
+    append_line("autoscale_pd_gate", command, "; ".join(lines))
+    for line in lines:
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="shorter traces and fewer knob values")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--pd-gate-sweep", action="store_true", help="measure the router's P/D gate (see above)")
     args = parser.parse_args()
+    if args.pd_gate_sweep:
+        pd_gate_sweep(args.quick, args.workers)
+        return
     base = parse_fleet(FLEET)
     summary: dict[str, Any] = {}
     lines = []
