@@ -66,6 +66,11 @@ class LengthPredictor:
         buf.append(max(0, int(output_tokens)))
         self._quantiles.pop(key, None)
 
+    def count(self, model: str, prompt_tokens: int) -> int:
+        """How many observations the bucket holds (without copying them, unlike `samples`)."""
+        seen = self._seen.get((model, self.bucket(prompt_tokens)))
+        return 0 if seen is None else len(seen)
+
     def samples(self, model: str, prompt_tokens: int) -> tuple[int, ...]:
         return tuple(self._seen.get((model, self.bucket(prompt_tokens)), ()))
 

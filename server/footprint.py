@@ -206,7 +206,7 @@ def route_request(
     predicted = min(parsed.max_output_tokens, default_output_tokens * parsed.sequences)
     if (
         predictor is not None
-        and len(predictor.samples(parsed.model, parsed.prompt_tokens)) >= predictor.min_samples
+        and predictor.count(parsed.model, parsed.prompt_tokens) >= predictor.min_samples
     ):
         predicted = predictor.predict(parsed.model, parsed.prompt_tokens, parsed.max_output_tokens)
     return RouteRequest(

@@ -72,3 +72,9 @@ def test_a_prediction_follows_every_new_observation() -> None:
         p.observe("m", 10, 50)  # the window (4) now holds only 50s
     assert p.predict("m", 10, 1000) == 50
     assert p.predict("m", 300, 1000) == 1000  # another bucket, no samples: the worst case
+
+
+def test_count_is_the_number_of_samples_in_the_window() -> None:
+    p = fed([5] * 7, window=4)
+    assert p.count("m", 100) == len(p.samples("m", 100)) == 4  # the window keeps the last 4
+    assert p.count("m", 5000) == 0 and p.count("other", 100) == 0
