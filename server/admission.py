@@ -137,6 +137,17 @@ class AdmissionQueue(Generic[D]):
             reject: RejectLike = result  # type: ignore[assignment]
             last = reject
             self._refuse_if_final(model, reject)
+        elif self.policy is not None and self.policy.batch and req is not None:
+            # Batch mode plans waiters rather than routing them one by one, so a request no worker can
+            # ever serve (a prompt over every worker's context, …) would learn it only at its deadline, as
+            # a 429. Probe the router once: a final reject ends it now with the router's status; a
+            # decision is released at once, and the request waits its turn behind the queue.
+            probe = attempt()
+            if self._is_reject(probe):
+                last = probe  # type: ignore[assignment]
+                self._refuse_if_final(model, last)  # type: ignore[arg-type]
+            else:
+                self.policy.discard(probe)  # type: ignore[arg-type]
         if len(q) >= self._max:
             raise GatewayError(
                 Cause.QUEUE_FULL,

@@ -115,6 +115,8 @@ class Gateway:
         self.registry.on_refresh.append(self.admission.notify_all)
         self.metrics.attach_live(self.registry.gauge_rows, self.admission.depths,
                                  self.ledger.snapshot if self.ledger is not None else None)
+        if (kv_queue := self.kv_queue) is not None:
+            self.metrics.attach_kv_queue(lambda: kv_queue.stats)
         self.upstream = Upstream(config.limits, transport)
         self.dispatcher = Dispatcher(
             config, self.registry, self.router, self.admission, self.upstream, self.metrics, self.limiter, clock,

@@ -37,6 +37,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -102,6 +103,42 @@ class _LiveCollector(Collector):
         yield from (inflight, prefill, state, breaker, age, cost, depth)
         if self._kv is not None:
             yield from _kv_families(self._kv())
+
+
+class KvQueueCounts(Protocol):
+    """What the KV admission queue counts (`server.kv_admission.KvQueueStats`)."""
+
+    holds: int
+    holds_dropped: int
+    ticks: int
+    planned: int
+    admitted: int
+    methods: Mapping[str, int]
+    last_solve_ms: float
+
+
+_KV_QUEUE_COUNTERS = (
+    ("holds", "mosaic_kv_queue_holds", "Ledger holds placed for aged admission-queue heads"),
+    ("holds_dropped", "mosaic_kv_queue_holds_dropped", "Holds removed when their waiter left the queue"),
+    ("ticks", "mosaic_kv_batch_ticks", "Batch-admission ticks run over the queue head"),
+    ("planned", "mosaic_kv_batch_planned", "Assignments in batch-admission plans"),
+    ("admitted", "mosaic_kv_batch_admitted", "Planned assignments the router admitted on the planned worker"),
+)
+
+
+class _KvQueueCollector(Collector):
+    def __init__(self, stats: Callable[[], KvQueueCounts]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        for key, name, doc in _KV_QUEUE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(st, key))
+        plans = CounterMetricFamily("mosaic_kv_batch_plans", "Batch-admission plans by the method that made them", labels=["solver"])
+        for method, n in sorted(st.methods.items()):
+            plans.add_metric([method], n)
+        yield plans
+        yield GaugeMetricFamily("mosaic_kv_batch_last_solve_seconds", "Wall time of the last batch-admission solve", value=st.last_solve_ms / 1000.0)
 
 
 _KV_GAUGES = (
@@ -265,6 +302,10 @@ class GatewayMetrics:
         kv: Callable[[], Mapping[str, Mapping[str, float | int | None]]] | None = None,
     ) -> None:
         self.registry.register(_LiveCollector(workers, queues, kv))
+
+    def attach_kv_queue(self, stats: Callable[[], KvQueueCounts]) -> None:
+        """Export the KV admission queue's counters (`server.kv_admission.KvQueueStats`) at scrape time."""
+        self.registry.register(_KvQueueCollector(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

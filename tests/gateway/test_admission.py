@@ -100,3 +100,58 @@ def test_zero_size_queue_rejects_at_once() -> None:
     with pytest.raises(GatewayError) as err:
         asyncio.run(_queue(size=0).admit("m", R))
     assert err.value.cause is Cause.QUEUE_FULL
+
+
+@dataclass
+class BatchPolicy:
+    """A batch-mode queue policy whose plans admit nobody; records the decisions it is asked to discard."""
+
+    batch: bool = True
+    backfill: int = 0
+    max_head: int = 8
+
+    def __post_init__(self) -> None:
+        self.discarded: list[object] = []
+
+    def before_attempt(self, req: object, waited_s: float) -> None:
+        return None
+
+    def leave(self, req: object) -> None:
+        return None
+
+    async def plan(self, model: str, reqs: list[object]) -> dict[str, object]:
+        return {}
+
+    def discard(self, decision: object) -> None:
+        self.discarded.append(decision)
+
+
+@dataclass
+class Req:
+    request_id: str
+
+
+def test_batch_mode_refuses_an_unservable_newcomer_at_once_and_queues_a_servable_one() -> None:
+    # Behind a waiter, batch mode does not route newcomers; it probes the router once so a final reject
+    # (e.g. a prompt over every worker's context) is answered now, not with a 429 at the deadline.
+    async def run() -> None:
+        policy = BatchPolicy()
+        q: AdmissionQueue[object] = AdmissionQueue(
+            4, 5.0, is_reject=lambda r: isinstance(r, R), poll_s=10.0, policy=policy
+        )
+        first = asyncio.create_task(q.admit("m", R, Req("r1")))
+        await asyncio.sleep(0.01)
+        assert q.depths() == {"m": 1}
+        with pytest.raises(GatewayError) as err:
+            await q.admit("m", lambda: R(reason="no worker fits: 2 context_length", retryable=False), Req("r2"))
+        assert err.value.cause is Cause.NO_WORKER and policy.discarded == []
+        second = asyncio.create_task(q.admit("m", lambda: "decision-r3", Req("r3")))
+        await asyncio.sleep(0.01)
+        assert policy.discarded == ["decision-r3"]  # the probe's decision is released ...
+        assert q.depths() == {"m": 2}  # ... and r3 waits behind r1 (FIFO)
+        for t in (first, second):
+            t.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+        assert q.depths() == {"m": 0}
+
+    asyncio.run(run())

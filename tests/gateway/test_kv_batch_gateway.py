@@ -90,6 +90,12 @@ def test_batch_admission_dispatches_to_the_planned_worker_within_capacity(solver
             assert set(stats.methods) <= {"cp-sat", "greedy"}
             if solver == "greedy":
                 assert set(stats.methods) == {"greedy"}
+            # the same counters on /metrics (exported at scrape time)
+            text = (await c.get("/metrics")).text
+            assert f"mosaic_kv_batch_ticks_total {float(stats.ticks)}" in text
+            assert f"mosaic_kv_batch_admitted_total {float(len(planned))}" in text
+            for method, n in stats.methods.items():
+                assert f'mosaic_kv_batch_plans_total{{solver="{method}"}} {float(n)}' in text
             return [r.status_code for r in rs]
 
     statuses = asyncio.run(asyncio.wait_for(run(), 60))
