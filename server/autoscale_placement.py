@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -46,10 +45,7 @@ def config_inventory(config: MosaicConfig, catalog: Catalog) -> Inventory | None
     data: object = spec
     origin = "autoscaler.nodes"
     if isinstance(spec, str):
-        path = Path(spec)
-        base = getattr(config, "source_dir", None)  # the config file's folder when loaded from a file
-        if not path.is_absolute() and base is not None:
-            path = Path(base) / path
+        path = config.resolve_path(spec)
         data, origin = read_structured(path, ConfigError), f"autoscaler.nodes: {path}"
     try:
         inventory = Inventory.from_data(data, origin)

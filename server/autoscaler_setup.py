@@ -93,9 +93,10 @@ def time_scales(config: MosaicConfig) -> dict[str, float]:
     }
 
 
-def pool_specs(config: MosaicConfig, registry: Registry, managed: frozenset[str]) -> list[PoolSpec]:
+def pool_specs(
+    config: MosaicConfig, registry: Registry, managed: frozenset[str], catalog: Catalog
+) -> list[PoolSpec]:
     infos = {p.name: p for p in registry.pools()}
-    catalog = load_catalog(config.catalog)
     return [
         pool_spec(config, p, infos[p.name], catalog, None if p.name in managed else configured_count(p))
         for p in config.pools
@@ -179,8 +180,9 @@ def controller_for(
         time_scales(config),
         gateway if gateway is not None else RegistrySource(metrics_registry, clock),
     )
-    specs = pool_specs(config, registry, managed)
-    placement = PlacementBook.from_config(config, specs, load_catalog(config.catalog), metrics_registry)
+    catalog = load_catalog(config.catalog)
+    specs = pool_specs(config, registry, managed, catalog)
+    placement = PlacementBook.from_config(config, specs, catalog, metrics_registry)
     registry.on_refresh.append(reader.on_scrape)
     return AutoscalerController(
         config,

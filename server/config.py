@@ -354,6 +354,13 @@ class MosaicConfig(_Strict):
         """The folder of the config file it was loaded from (None when built from data)."""
         return self._source_path.parent if self._source_path is not None else None
 
+    def resolve_path(self, path: str | Path) -> Path:
+        """`path` as written in the config: relative ones from the config file's folder (when loaded from a
+        file; else from the working directory), absolute ones as they are."""
+        p = Path(path)
+        base = self.source_dir
+        return base / p if base is not None and not p.is_absolute() else p
+
     @model_validator(mode="after")
     def _cross_checks(self) -> MosaicConfig:
         _unique([p.name for p in self.pools], "pools", "pool name")

@@ -32,7 +32,7 @@ from typing import Any
 
 from scheduler.fleet import WorkerView
 from scheduler.routing.framework import RouteRequest
-from scheduler.routing.scorers import estimated_ttft_s
+from scheduler.routing.scorers import estimated_ttft_s, queued_prefill_tokens
 
 
 def prefill_queue_wait_s(worker: WorkerView, req: RouteRequest) -> float:
@@ -44,8 +44,7 @@ def prefill_queue_wait_s(worker: WorkerView, req: RouteRequest) -> float:
     rate = worker.capacity.prefill_tokens_per_s
     if rate <= 0:
         return math.inf
-    queued = max(worker.inflight_prefill_tokens, (worker.num_waiting or 0) * req.prompt_tokens)
-    return queued / rate
+    return queued_prefill_tokens(worker, req) / rate
 
 
 @dataclass(frozen=True, slots=True)

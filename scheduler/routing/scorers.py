@@ -78,13 +78,18 @@ class CapacityLoadScorer:
         return ratio_to_best([normalized_load_s(w, cycle.req) for w in candidates])
 
 
+def queued_prefill_tokens(worker: WorkerView, req: RouteRequest) -> int:
+    """Prompt tokens queued ahead of `req` on `worker`: max(the gateway's in-flight prefill tokens, the
+    scraped waiting count × this prompt) — the first is fresh, the second sees other gateways' requests."""
+    return max(worker.inflight_prefill_tokens, (worker.num_waiting or 0) * req.prompt_tokens)
+
+
 def estimated_ttft_s(worker: WorkerView, req: RouteRequest) -> float:
     """T_w = overhead + (queued prefill tokens + P) / prefill_tps (seconds)."""
-    queued = max(worker.inflight_prefill_tokens, (worker.num_waiting or 0) * req.prompt_tokens)
     rate = worker.capacity.prefill_tokens_per_s
     if rate <= 0:
         return math.inf
-    return worker.capacity.api_overhead_s + (queued + req.prompt_tokens) / rate
+    return worker.capacity.api_overhead_s + (queued_prefill_tokens(worker, req) + req.prompt_tokens) / rate
 
 
 class EstimatedTtftScorer:

@@ -41,6 +41,8 @@ def test_relative_profile_path_is_resolved_against_the_config_files_folder(
     monkeypatch.chdir(tmp_path)  # not the config's folder: `profiles/moments.csv` does not exist here
     cfg = load_config(conf / "mosaic.yaml")
     assert cfg.source_dir == conf.resolve()
+    assert cfg.resolve_path("profiles/moments.csv") == conf.resolve() / "profiles" / "moments.csv"
+    assert cfg.resolve_path(tmp_path / "abs.yaml") == tmp_path / "abs.yaml"  # absolute: as written
     gw = Gateway(cfg)
     assert gw.ledger is not None
     spec = gw.ledger.spec_for(worker(pool="comp")).compression
