@@ -183,6 +183,7 @@ class KvReservation:
 @dataclass(slots=True)
 class _Book:
     total: int = 0  # units on the worker (last seen)
+    base_capacity: int = 0  # floor(total · (1 − watermark) · share), derived with `total` (capacity = it − shrink)
     reserved: int = 0
     worst_reserved: int = 0
     shrink: int = 0
@@ -228,8 +229,7 @@ class KvLedger:
         return self._capacity_of(self._book(worker))
 
     def _capacity_of(self, book: _Book) -> int:
-        s = self.settings
-        return max(0, math.floor(book.total * (1.0 - s.watermark) * s.share) - book.shrink)
+        return max(0, book.base_capacity - book.shrink)
 
     def reserved(self, worker_id: str) -> int:
         book = self._books.get(worker_id)
@@ -237,9 +237,11 @@ class KvLedger:
 
     def free(self, worker: WorkerView, request_id: str | None = None) -> int:
         """Units `request_id` could reserve now (holds of other requests excluded)."""
-        book = self._book(worker)
-        held = sum(u for k, u in book.holds.items() if k != request_id)
-        return self.capacity(worker) - book.reserved - held
+        return self._free_of(self._book(worker), request_id)
+
+    def _free_of(self, book: _Book, request_id: str | None) -> int:
+        held = sum(u for k, u in book.holds.items() if k != request_id) if book.holds else 0
+        return self._capacity_of(book) - book.reserved - held
 
     def active(self, worker_id: str | None = None) -> list[KvReservation]:
         """Live reservations, on one worker or on all."""
@@ -283,30 +285,30 @@ class KvLedger:
     # --- ReservePlugin / FitChecker ----------------------------------------------------------------------
     def fits(self, req: RouteRequest, worker: WorkerView, now: float) -> bool:
         fp, worst = self.footprint(req, worker)
-        return self._admissible(worker, req.request_id, fp, worst)
+        return self._admissible(self._book(worker), req.request_id, fp, worst)
 
     def reserve(self, req: RouteRequest, worker: WorkerView, now: float) -> KvReservation | None:
         fp, worst = self.footprint(req, worker)
-        if not self._admissible(worker, req.request_id, fp, worst):
+        book = self._book(worker)
+        if not self._admissible(book, req.request_id, fp, worst):
             self.stats.refused += 1
             return None
-        book = self._book(worker)
         self._next_key += 1
         res = KvReservation(self, self._next_key, req, worker.id, fp, worst, now, worker.role)
         book.active[res.key] = res
         book.reserved += res.units
         book.worst_reserved += res.worst_units
-        book.holds.pop(req.request_id, None)
-        book.hold_expiry.pop(req.request_id, None)
+        if book.holds:  # usually none: skip the two dict pops
+            book.holds.pop(req.request_id, None)
+            book.hold_expiry.pop(req.request_id, None)
         self.stats.reserved += 1
         return res
 
-    def _admissible(self, worker: WorkerView, request_id: str, fp: Footprint, worst: Footprint) -> bool:
-        if fp.peak > self.free(worker, request_id):
+    def _admissible(self, book: _Book, request_id: str, fp: Footprint, worst: Footprint) -> bool:
+        if fp.peak > self._free_of(book, request_id):
             return False
         if self.settings.mode == "predicted" and worst.peak > fp.peak:
-            book = self._book(worker)
-            limit = self.capacity(worker) * (1.0 + book.overbook)
+            limit = self._capacity_of(book) * (1.0 + book.overbook)
             return book.worst_reserved + worst.peak <= limit
         return True
 
@@ -460,5 +462,7 @@ class KvLedger:
             book.key = key
             book.spec = self.specs.spec_for(worker)
             book.total = worker.kv_blocks_total * book.spec.units_per_block
+            s = self.settings
+            book.base_capacity = math.floor(book.total * (1.0 - s.watermark) * s.share)
             book.needs.clear()
         return book

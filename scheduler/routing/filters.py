@@ -170,16 +170,19 @@ class KvFitFilter:
 
     def __init__(self, params: KvFitParams | None = None) -> None:
         self.params = params or KvFitParams()
+        self._key = f"{_CHECKERS}/{id(self)}"  # this filter's entry in `cycle.facts`
 
     def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
-        key = f"{_CHECKERS}/{id(self)}"
-        checkers = cycle.facts.get(key)
+        checkers = cycle.facts.get(self._key)
         if checkers is None:  # once per cycle, not per worker
             checkers = [p for p in cycle.reserve_plugins if _is_fit_checker(type(p))] if self.params.use_ledger else []
-            cycle.facts[key] = checkers
+            cycle.facts[self._key] = checkers
         if checkers:
-            fits = all(c.fits(cycle.req, worker, cycle.now) for c in checkers)
-            return None if fits else FilterReason.KV_FULL
+            req, now = cycle.req, cycle.now
+            for checker in checkers:  # a loop, not all(<generator>): this runs per worker per request
+                if not checker.fits(req, worker, now):
+                    return FilterReason.KV_FULL
+            return None
         if worker.kv_usage is None:
             return None  # never scraped: nothing to go on; the worker's own scheduler queues if needed
         free_blocks = (self.params.max_usage - worker.kv_usage) * worker.kv_blocks_total

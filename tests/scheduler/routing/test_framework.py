@@ -224,3 +224,45 @@ def test_observers_get_dispatch_and_completion_feedback():
     router.on_dispatch(decision, req(), 1.0)
     router.on_complete("a", req(), Outcome.COMPLETED, 2.0)
     assert log == [("dispatch", "a"), ("complete", "a:completed")]
+
+
+# ---------------------------------------------------------------------------------------------------
+# One candidate left after the filters: no scoring (the Kubernetes scheduler's shortcut), same result
+
+
+def test_a_sole_candidate_is_not_scored_but_still_picked_and_reserved():
+    rec = Recorder()
+    router, r1, r2 = make(rec, reject={"b": FilterReason.DRAINING, "c": FilterReason.BREAKER_OPEN})
+    decision = route(router, A, B, C)
+    assert isinstance(decision, Decision) and decision.decode.id == "a"
+    assert [c for c in rec.calls if c[1] == "score"] == []  # neither scorer ran
+    # the picker still sees the survivor (total 0, as under a profile without scorers), Reserve runs
+    assert [c for c in rec.calls if c[1] in ("pick", "reserve")] == [
+        ("picker", "pick", (("a", 0.0),)),
+        ("r1", "reserve", "a"),
+        ("r2", "reserve", "a"),
+    ]
+    assert decision.reservations == (r1.made[0], r2.made[0])
+    assert decision.scores == {"a": 0.0}
+
+
+def test_a_sole_candidate_gets_the_decision_and_rng_draws_scoring_would_have_given():
+    """The real `mosaic` policy over one worker: the decision is the one the scored path gives — the same
+    worker, path and reservations — and the picker draws the rng exactly as often (seeded replays of the
+    simulator do not shift)."""
+    from scheduler.routing.config import build_router
+    from tests.scheduler.routing.builders import BlockLedger
+
+    w = worker("solo", gpu="H100")
+    ledger = BlockLedger({"solo": 10_000})
+    router = build_router(reserve=[ledger])
+    rng = random.Random(7)
+    decision = router.route(req(prompt=64, output=16), view(w), 0.0, rng)
+    assert isinstance(decision, Decision)
+    assert (decision.decode.id, decision.prefill, decision.path) == ("solo", None, "single")
+    assert [r.worker_id for r in decision.reservations] == ["solo"] and ledger.used == {"solo": 5}  # ceil(80/16)
+    scored_path = router.handler.mixed.scorers  # type: ignore[attr-defined]
+    assert scored_path  # the policy has scorers: they were skipped, not absent
+    reference = random.Random(7)
+    reference.random()  # MaxScorePicker: one draw per candidate
+    assert rng.random() == reference.random()
