@@ -11,10 +11,15 @@ Who records which instance sits where:
 - an actuator that `places(pool)` (the embedded one, for its simulated pools) receives the nodes of the
   decision's new instances (`assign_nodes`) and records its workers itself (it knows which worker it
   starts and which it stops);
-- for every other pool (dry-run, kubernetes, launched vLLM, unmanaged pools) the book keeps *computed*
-  slots `pool#n`: the placement the solver would give, shown on `/admin/autoscaler` and in the decisions
-  (`mosaic autoscale --json`), never pinned on the backend (a Deployment's scale subresource cannot
-  choose nodes; see the docs for the Kubernetes mapping). Scale-in releases the slots
+- the kubernetes actuator places the pools that have one Deployment per network domain
+  (`autoscaler.kubernetes.domains`): it adds each new replica to the Deployment of the domain the solver
+  chose and picks the domain a scale-in removes from (`scheduler.actuators.kubernetes`). Those domains
+  must exist in the inventory, and every domain where the inventory has the pool's GPU type needs a
+  Deployment (the solver may place the pool there): `check_domains`, one-line ConfigError;
+- for every other pool (dry-run, kubernetes pools with one Deployment, launched vLLM, unmanaged pools) the
+  book keeps *computed* slots `pool#n`: the placement the solver would give, shown on `/admin/autoscaler`
+  and in the decisions (`mosaic autoscale --json`), never pinned on the backend (a Deployment's scale
+  subresource cannot choose nodes; see the docs for the Kubernetes mapping). Scale-in releases the slots
   `TopologyPlacer.removal_order` ranks first.
 """
 
@@ -54,6 +59,23 @@ def config_inventory(config: MosaicConfig, catalog: Catalog) -> Inventory | None
     return inventory.in_catalog_names(catalog)
 
 
+def check_domains(domains: Mapping[str, Mapping[str, str]], inventory: Inventory, gpus: Mapping[str, str]) -> None:
+    """`autoscaler.kubernetes.domains` against the inventory (module docstring); `gpus`: pool → catalog GPU."""
+    known = sorted({n.domain for n in inventory.nodes})
+    for pool, by_domain in sorted(domains.items()):
+        loc = f"autoscaler.kubernetes.domains.{pool}"
+        unknown = sorted(set(by_domain) - set(known))
+        if unknown:
+            raise ConfigError(f"{loc}: domain {unknown[0]!r} is not in autoscaler.nodes (domains: {', '.join(known)})")
+        gpu = gpus.get(pool)
+        unmapped = sorted({n.domain for n in inventory.nodes if n.gpu == gpu} - set(by_domain))
+        if unmapped:
+            raise ConfigError(
+                f"{loc}: autoscaler.nodes has {gpu} nodes in {', '.join(unmapped)}, where pool {pool} has no "
+                "Deployment; map every domain the topology solver may place it in"
+            )
+
+
 class PlacementMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.shortfall = Counter(
@@ -88,6 +110,7 @@ class PlacementBook:
         inventory = config_inventory(config, catalog)
         if inventory is None:
             return None
+        check_domains(config.autoscaler.kubernetes.domains, inventory, {s.name: s.gpu for s in specs})
         tp = {p.name: p.tp for p in config.pools}
         kinds = {s.name: InstanceKind(s.model, s.gpu, tp[s.name], Role(s.role)) for s in specs}
         return cls(TopologyPlacer(inventory, kinds), PlacementMetrics(registry), config.autoscaler.history)

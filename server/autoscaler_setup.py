@@ -3,12 +3,14 @@
 
 Pools an actuator manages: `embedded` → the simulated pools (`server.embedded_actuator.EmbeddedActuator`)
 and launched vLLM pools (`server.vllm_pool.VllmActuator`); `kubernetes` → the pools mapped to a Deployment
-(`autoscaler.kubernetes.deployments`, default every `endpoints.kubernetes` pool under its own name);
+(`autoscaler.kubernetes.deployments`, default every `endpoints.kubernetes` pool under its own name) or to
+one Deployment per network domain (`autoscaler.kubernetes.domains`);
 `dry-run` → every pool (nothing is applied). Other pools keep their size: the policy sees them with
 min = max = their configured count, so their capacity counts and is never changed.
 
 With `autoscaler.nodes`, `controller_for` gives the controller a `server.autoscale_placement.PlacementBook`
-and the embedded actuator its `TopologyPlacer` (it records its simulated workers' nodes itself).
+and the embedded actuator its `TopologyPlacer` (it records its simulated workers' nodes itself); `mosaic
+autoscale` hands the same placer to the kubernetes actuator, which places the per-domain pools.
 
 Capacities (`PoolSpec`): decode tokens/s within the TPOT SLO (`slo.tpot_ms`, default 100 ms) at
 `autoscaler.context_tokens` per sequence and prefill tokens/s, from the perf model

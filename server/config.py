@@ -229,6 +229,9 @@ class AutoscalerKubernetesConfig(_Strict):
 
     namespace: str | None = None  # None → $POD_NAMESPACE (set in the chart's controller pod), else "default"
     deployments: dict[str, str] = Field(default_factory=dict)  # pool → Deployment; empty → every kubernetes pool, by pool name
+    # pool → {network domain → Deployment}: the pool is one Deployment per domain (the chart's pools[].domains),
+    # scaled by the placing actuator (scheduler.actuators.kubernetes); domains are those of autoscaler.nodes
+    domains: dict[str, dict[str, str]] = Field(default_factory=dict)
     in_cluster: bool | None = None  # None: in-cluster config when available, else ~/.kube/config
 
 
@@ -397,6 +400,7 @@ def _check_autoscaler(config: MosaicConfig) -> None:
     for mapped in a.kubernetes.deployments:
         if mapped not in names:
             raise _FieldError(f"autoscaler.kubernetes.deployments.{mapped}", f"no pool named {mapped!r}; pools: {', '.join(names)}")
+    _check_domains(a.kubernetes.deployments, a.kubernetes.domains, names)
     try:  # the parameters parse (hpa-util:0.7, static:pool=N, ...); the live policy is built by the controller
         build_policy(a.policy, [], PolicyConfig(), dict.fromkeys(names, 0))
     except PolicyError as exc:
@@ -416,6 +420,27 @@ def _check_autoscaler(config: MosaicConfig) -> None:
             if len(found) > 1:
                 raise _FieldError("autoscaler", f"the simulated pools of model {model!r} mix time_scale values "
                                   f"{sorted(found)}; the embedded autoscaler needs one per model")
+
+
+def _check_domains(deployments: dict[str, str], domains: dict[str, dict[str, str]], names: list[str]) -> None:
+    """`autoscaler.kubernetes.domains`: known pools, not also in `deployments`, each Deployment named once.
+    (That the domains exist in `autoscaler.nodes` is checked where the inventory is read:
+    `server.autoscale_placement.check_domains`.)"""
+    owner = {name: f"deployments.{pool}" for pool, name in deployments.items()}
+    for pool, by_domain in domains.items():
+        loc = f"autoscaler.kubernetes.domains.{pool}"
+        if pool not in names:
+            raise _FieldError(loc, f"no pool named {pool!r}; pools: {', '.join(names)}")
+        if pool in deployments:
+            raise _FieldError(loc, f"pool {pool!r} is also in autoscaler.kubernetes.deployments; give one of the two")
+        if not by_domain:
+            raise _FieldError(loc, "map at least one domain to a Deployment")
+        for domain, name in by_domain.items():
+            if not domain or not name:
+                raise _FieldError(f"{loc}.{domain}", "domain and Deployment names must be non-empty")
+            if name in owner:
+                raise _FieldError(f"{loc}.{domain}", f"Deployment {name!r} is already mapped by {owner[name]}")
+            owner[name] = f"domains.{pool}.{domain}"
 
 
 class _FieldError(ValueError):

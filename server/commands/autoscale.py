@@ -8,7 +8,8 @@ It reads the gateway's config, finds and scrapes the pools' workers through the 
 and discovery (`server.gateway.Gateway`, never served over HTTP), and every `autoscaler.interval_s` runs the
 policy and applies it through `autoscaler.actuator`: `kubernetes` patches the scale subresource of each
 pool's Deployment (`autoscaler.kubernetes.deployments`, default: every kubernetes pool, Deployment named
-after the pool; namespace from `autoscaler.kubernetes.namespace`, else `$POD_NAMESPACE`, else `default`),
+after the pool), or of the pool's per-domain Deployments (`autoscaler.kubernetes.domains`, placed by the
+topology solver with `autoscaler.nodes`; namespace from `autoscaler.kubernetes.namespace`, else `$POD_NAMESPACE`, else `default`),
 `dry-run` only records and prints. The gateway-side signals (admission queue, gateway TTFT/TPOT, arrival
 rate, lengths) come from scraping the gateways' `/metrics` (`autoscaler.gateways`: static URLs or gateway
 pods by label selector; `server.gateway_scrape`), merged over the replicas; without it they are absent.
@@ -41,11 +42,17 @@ if TYPE_CHECKING:
 
 
 def kubernetes_deployments(cfg: MosaicConfig) -> dict[str, str]:
-    """Pool → Deployment the kubernetes actuator scales (config mapping, else every kubernetes pool by name)."""
-    given = cfg.autoscaler.kubernetes.deployments
-    if given:
-        return dict(given)
-    return {p.name: p.name for p in cfg.pools if p.endpoints.kubernetes is not None}
+    """Pool → Deployment the kubernetes actuator scales (config mapping, else every kubernetes pool by name
+    that `autoscaler.kubernetes.domains` does not split per domain)."""
+    k = cfg.autoscaler.kubernetes
+    if k.deployments:
+        return dict(k.deployments)
+    return {p.name: p.name for p in cfg.pools if p.endpoints.kubernetes is not None and p.name not in k.domains}
+
+
+def kubernetes_domains(cfg: MosaicConfig) -> dict[str, dict[str, str]]:
+    """Pool → {domain → Deployment}: the pools scaled as one Deployment per network domain."""
+    return {pool: dict(by) for pool, by in cfg.autoscaler.kubernetes.domains.items()}
 
 
 def _apps_api(in_cluster: bool | None) -> Any:
@@ -95,18 +102,21 @@ async def standalone(
 
     a = cfg.autoscaler
     factory: ActuatorFactory
+    built: list[AutoscalerController] = []  # the controller, once built: its placer goes to the actuator
     if a.actuator == "kubernetes":
-        deployments = kubernetes_deployments(cfg)
-        if not deployments:
+        deployments, domains = kubernetes_deployments(cfg), kubernetes_domains(cfg)
+        if not deployments and not domains:
             fail(
                 "autoscaler: no pool to scale: map pools to Deployments in autoscaler.kubernetes.deployments"
             )
         namespace = a.kubernetes.namespace or os.environ.get("POD_NAMESPACE") or "default"
         api = apps_api if apps_api is not None else _apps_api(a.kubernetes.in_cluster)
-        managed = frozenset(deployments)
+        managed = frozenset(deployments) | frozenset(domains)
 
         def factory(initial: Mapping[str, int]) -> Any:
-            return KubernetesActuator(api, namespace, deployments)
+            book = built[0].placement if built else None
+            placer = book.placer if book is not None else None
+            return KubernetesActuator(api, namespace, deployments, domains, placer)
     else:
         managed = frozenset(p.name for p in cfg.pools)
 
@@ -137,6 +147,7 @@ async def standalone(
     except ConfigError as exc:
         await gw.stop()
         fail(str(exc))
+    built.append(controller)
     try:
         try:
             await gw.registry.start()
