@@ -67,8 +67,20 @@ class Rendered:
     def pool_deployments(self) -> list[dict[str, Any]]:
         return [d for d in self.of_kind("Deployment") if "mosaic.dev/pool" in d["metadata"]["labels"]]
 
+    def deployments_of_pool(self, pool: str) -> list[dict[str, Any]]:
+        """The pool's Deployments: one, or one per network domain (`pools[].domains`)."""
+        return [d for d in self.pool_deployments() if d["metadata"]["labels"]["mosaic.dev/pool"] == pool]
+
     def config_text(self) -> str:
         return self.get("ConfigMap", f"{RELEASE}-config")["data"]["config.yaml"]
+
+    def load_config(self, into: Path) -> Any:
+        """The ConfigMap's files written to `into` as the pod mounts them, loaded by Mosaic's `load_config`."""
+        from server.config import load_config
+
+        for name, text in self.get("ConfigMap", f"{RELEASE}-config")["data"].items():
+            (into / name).write_text(text.replace("/etc/mosaic/", f"{into}/"))
+        return load_config(into / "config.yaml")
 
     def config(self) -> dict[str, Any]:
         data = yaml.safe_load(self.config_text())

@@ -11,12 +11,10 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 
-from server.config import load_config
 from tests.chart.chartkit import (
     EXAMPLES_DIR,
     NAMESPACE,
     RELEASE,
-    Rendered,
     container,
     load_values,
     parse_selector,
@@ -27,12 +25,6 @@ from tests.chart.chartkit import (
 CASES = [pytest.param(None, id="default values")] + [
     pytest.param(p, id=f"example {p.name}") for p in sorted(EXAMPLES_DIR.glob("*.yaml"))
 ]
-
-
-def _load(rendered: Rendered, into: Path) -> Any:
-    for name, text in rendered.get("ConfigMap", f"{RELEASE}-config")["data"].items():  # as the pod mounts it
-        (into / name).write_text(text.replace("/etc/mosaic/", f"{into}/"))
-    return load_config(into / "config.yaml")
 
 
 @pytest.mark.parametrize("values_file", CASES)
@@ -57,7 +49,7 @@ def test_controller_scrapes_exactly_the_release_gateway_pods(
     assert role["metadata"]["namespace"] == NAMESPACE
     assert any(r["resources"] == ["pods"] and "list" in r["verbs"] for r in role["rules"])
     # what `mosaic autoscale` reads: the scraper's config, default period 5 s
-    config = _load(rendered, tmp_path)
+    config = rendered.load_config(tmp_path)
     scrape = config.autoscaler.gateways
     assert scrape is not None and scrape.kubernetes is not None and scrape.static is None
     assert (scrape.interval_s, scrape.kubernetes.resync_s, scrape.path) == (5.0, 30.0, "/metrics")

@@ -58,14 +58,19 @@ def test_every_deployment_selector_matches_its_pod_template(
 
 
 @pytest.mark.parametrize("values_file", CASES)
-def test_every_service_selects_exactly_one_deployment_on_a_named_port(
+def test_every_service_selects_exactly_its_deployments_on_a_named_port(
     chart: helm.Chart, values_file: Path | None
 ) -> None:
     rendered = _render(chart, values_file)
     deployments = rendered.of_kind("Deployment")
     for svc in rendered.of_kind("Service"):
         matched = [d for d in deployments if selects(svc["spec"]["selector"], pod_labels(d))]
-        assert [d["metadata"]["name"] for d in matched] == [svc["metadata"]["name"]], svc["metadata"]["name"]
+        # its namesake; a pool with domains: each domain's Deployment, all behind the pool's one Service
+        pool = svc["metadata"]["labels"].get("mosaic.dev/pool")
+        expected = [svc["metadata"]["name"]] if pool is None else [
+            d["metadata"]["name"] for d in rendered.deployments_of_pool(pool)
+        ]
+        assert [d["metadata"]["name"] for d in matched] == expected, svc["metadata"]["name"]
         port_names = {p["name"] for c in pod_spec(matched[0])["containers"] for p in c.get("ports", [])}
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in port_names
@@ -147,21 +152,23 @@ def test_pools_carry_the_labels_the_gateway_discovers_them_by(
 ) -> None:
     rendered = _render(chart, values_file)
     config_pools = rendered.config()["pools"]
-    assert len(config_pools) == len(rendered.pool_deployments())
+    assert sum(len(rendered.deployments_of_pool(p["name"])) for p in config_pools) == len(rendered.pool_deployments())
     for pool in config_pools:
         k8s = pool["endpoints"]["kubernetes"]
         assert k8s["namespace"] == NAMESPACE and k8s["resource"] == "endpointslices"
         # EndpointSlices carry kubernetes.io/service-name: the pool's Service, which selects the pool's pods.
         service_name = parse_selector(k8s["label_selector"])["kubernetes.io/service-name"]
         svc = rendered.get("Service", service_name)
-        dep = rendered.get("Deployment", service_name)
-        labels = pod_labels(dep)
-        assert selects(svc["spec"]["selector"], labels)
-        assert labels["mosaic.dev/pool"] == pool["name"]
-        assert labels["mosaic.dev/role"] == pool["role"]
-        assert labels["mosaic.dev/gpu"] == pool["gpu"]
-        assert k8s["port"] in {p["port"] for p in svc["spec"]["ports"]}
-        assert k8s["port"] in {p["containerPort"] for p in container(dep)["ports"]}
+        deps = rendered.deployments_of_pool(pool["name"])
+        assert deps and (len(deps) > 1 or deps[0]["metadata"]["name"] == service_name)
+        for dep in deps:
+            labels = pod_labels(dep)
+            assert selects(svc["spec"]["selector"], labels)
+            assert labels["mosaic.dev/pool"] == pool["name"]
+            assert labels["mosaic.dev/role"] == pool["role"]
+            assert labels["mosaic.dev/gpu"] == pool["gpu"]
+            assert k8s["port"] in {p["port"] for p in svc["spec"]["ports"]}
+            assert k8s["port"] in {p["containerPort"] for p in container(dep)["ports"]}
 
 
 def test_discovery_by_pods_selects_exactly_each_pools_pods(chart: helm.Chart) -> None:
@@ -183,11 +190,12 @@ def test_autoscaler_bounds_agree_between_annotations_and_config(
 ) -> None:
     rendered = _render(chart, values_file)
     for pool in rendered.config()["pools"]:
-        dep = rendered.get("Deployment", f"{RELEASE}-{pool['name']}")
-        notes = dep["metadata"]["annotations"]
-        assert int(notes["mosaic.dev/min-replicas"]) == pool["min_replicas"]
-        assert int(notes["mosaic.dev/max-replicas"]) == pool["max_replicas"]
-        assert pool["min_replicas"] <= dep["spec"]["replicas"] <= pool["max_replicas"]
+        deps = rendered.deployments_of_pool(pool["name"])  # the pool's bounds hold for its total
+        for dep in deps:
+            notes = dep["metadata"]["annotations"]
+            assert int(notes["mosaic.dev/min-replicas"]) == pool["min_replicas"]
+            assert int(notes["mosaic.dev/max-replicas"]) == pool["max_replicas"]
+        assert pool["min_replicas"] <= sum(d["spec"]["replicas"] for d in deps) <= pool["max_replicas"]
 
 
 # heterogeneous-pd.yaml / multi-model.yaml, pool by pool: (pool, tp, kv_role or None, max-model-len, products)

@@ -117,8 +117,14 @@ prometheus.io/path: /metrics
 
 {{/*
 Pools, resolved: each entry of .Values.pools merged over .Values.poolDefaults, with the derived fields
-the templates need (fullname, simulated, selector labels). Returned as YAML ({pools: [...]}) so templates
+the templates need (fullname, simulated, deployments). Returned as YAML ({pools: [...]}) so templates
 call `fromYaml` once; invalid combinations fail the render with a message naming the pool.
+
+`deployments`: what the pool renders as. A pool without `domains` is one Deployment named `fullname`
+({name}); a pool with `domains` is one Deployment per network domain ({name, domain, replicas}), named
+`<fullname>-<domain>` made a DNS-1123 label (lowercase, runs of other characters → `-`; over 63
+characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas` split over them
+(the first `replicas mod N` domains get one more).
 */}}
 {{- define "mosaic.pools" -}}
 {{- $root := . }}
@@ -148,6 +154,34 @@ call `fromYaml` once; invalid combinations fail the render with a message naming
 {{- if hasKey $p "simulated" }}{{ $sim = $p.simulated }}{{ end }}
 {{- $_ := set $pool "simulated" $sim }}
 {{- $_ := set $pool "fullname" $name }}
+{{- $deployments := list (dict "name" $name) }}
+{{- with $pool.domains }}
+{{- $label := $root.Values.gateway.discovery.domainLabel }}
+{{- if not $label }}
+{{- fail (printf "pools[%d] (%s): domains need gateway.discovery.domainLabel, the node label that names a node's domain" $i $pool.name) }}
+{{- end }}
+{{- if hasKey ($pool.nodeSelector | default dict) $label }}
+{{- fail (printf "pools[%d] (%s): nodeSelector sets %s, which domains set per Deployment; remove it" $i $pool.name $label) }}
+{{- end }}
+{{- $deployments = list }}
+{{- $names := dict }}
+{{- $n := len . }}
+{{- range $j, $d := . }}
+{{- $slug := regexReplaceAll "[^a-z0-9-]+" (lower $d) "-" | trimAll "-" }}
+{{- $dn := printf "%s-%s" $name $slug }}
+{{- if gt (len $dn) 63 }}
+{{- $dn = printf "%s-%s" (regexReplaceAll "-+$" (trunc 54 $dn) "") (trunc 8 (sha256sum $dn)) }}
+{{- end }}
+{{- if or (not $slug) (hasKey $names $dn) }}
+{{- fail (printf "pools[%d] (%s): domain %q makes the Deployment name %q, which is empty or another domain's; domains must differ in letters and digits" $i $pool.name $d $dn) }}
+{{- end }}
+{{- $_ := set $names $dn true }}
+{{- $share := div (int $pool.replicas) $n }}
+{{- if lt $j (mod (int $pool.replicas) $n) }}{{ $share = add1 $share }}{{ end }}
+{{- $deployments = append $deployments (dict "name" $dn "domain" $d "replicas" $share) }}
+{{- end }}
+{{- end }}
+{{- $_ := set $pool "deployments" $deployments }}
 {{- $resolved = append $resolved $pool }}
 {{- end }}
 {{- toYaml (dict "pools" $resolved) }}
@@ -217,13 +251,26 @@ HPA it is maxReplicas, the pessimistic share.
 {{- /* The controller (`mosaic autoscale`) scales each pool's Deployment, <fullname>-<pool>, in this namespace. */}}
 {{- if $root.Values.controller.enabled }}
 {{- $as := deepCopy (default (dict) $cfg.autoscaler) }}
+{{- /* A pool with domains is one Deployment per domain: autoscaler.kubernetes.domains, pool → {domain → Deployment}. */}}
 {{- $deployments := dict }}
+{{- $domains := dict }}
 {{- range (include "mosaic.pools" $root | fromYaml).pools }}
+{{- if .domains }}
+{{- $by := dict }}
+{{- range .deployments }}{{ $_ := set $by .domain .name }}{{ end }}
+{{- $_ := set $domains .name $by }}
+{{- else }}
 {{- $_ := set $deployments .name .fullname }}
+{{- end }}
 {{- end }}
 {{- $scaler := deepCopy (default (dict) $as.kubernetes) }}
 {{- $_ := set $scaler "namespace" $root.Release.Namespace }}
 {{- $_ := set $scaler "deployments" $deployments }}
+{{- if $domains }}
+{{- $_ := set $scaler "domains" $domains }}
+{{- else }}
+{{- $_ := unset $scaler "domains" }}
+{{- end }}
 {{- $_ := set $scaler "in_cluster" true }}
 {{- if not (hasKey $as "actuator") }}
 {{- $_ := set $as "actuator" "kubernetes" }}
