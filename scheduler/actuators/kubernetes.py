@@ -174,14 +174,15 @@ class KubernetesActuator:
         self._sync(pool, counts)
         before = sum(counts.values())
         want = dict(counts)
-        adds: dict[str, list[str | None]] = {d: [] for d in by_domain}  # nodes of the new replicas
-        drops: dict[str, list[tuple[str, str] | None]] = {d: [] for d in by_domain}  # (slot, node) removed
+        # what to undo per domain if its patch fails: slots placed for new replicas, (slot, node)s released
+        adds: dict[str, list[str | None]] = {d: [] for d in by_domain}
+        drops: dict[str, list[tuple[str, str] | None]] = {d: [] for d in by_domain}
         refused = None
         if replicas > before:
             picks, refused = self._up(pool, counts, replicas - before, handed)
-            for domain, node in picks:
+            for domain, slot in picks:
                 want[domain] += 1
-                adds[domain].append(node)
+                adds[domain].append(slot)
         elif replicas < before:
             for domain, slot in self._down(pool, counts, before - replicas):
                 want[domain] -= 1
@@ -195,12 +196,9 @@ class KubernetesActuator:
             except Exception as exc:
                 steps.append(DomainScale(domain, name, counts[domain], counts[domain], _why(exc)))
                 error = error or f"{name}: {_why(exc)}"
-                self._restore(pool, drops[domain])
+                self._undo(pool, adds[domain], drops[domain])
                 continue
             steps.append(DomainScale(domain, name, counts[domain], want[domain]))
-            for node in adds[domain]:
-                if node is not None and self._placer is not None:
-                    self._placer.assign(self._slot(pool, domain), pool, node)
         after = before + sum(s.after - s.before for s in steps)
         failed = any(s.error for s in steps) or (refused is not None and after == before)
         return PlacedScaleAction(now, pool, before, after, not failed, error, tuple(steps))
@@ -208,11 +206,10 @@ class KubernetesActuator:
     def _up(
         self, pool: str, counts: Mapping[str, int], n: int, handed: Sequence[tuple[str, str]]
     ) -> tuple[list[tuple[str, str | None]], str | None]:
-        """(domain, node or None) for `n` new replicas; and why some were refused (inventory full)."""
+        """(domain, slot placed or None) for up to `n` new replicas; and why some were refused (no room).
+        Slots are placed now, so replicas placed alone see the handed ones; `_undo` if the patch fails."""
         placer = self._placer
-        picks: list[tuple[str, str | None]] = [
-            (domain, node) for node, domain in handed if domain in counts
-        ][:n]
+        picks: list[tuple[str, str | None]] = []
         if placer is None:  # no inventory: balance, the fewest replicas first (ties by name)
             load = dict(counts)
             for _ in range(n):
@@ -220,14 +217,27 @@ class KubernetesActuator:
                 load[domain] += 1
                 picks.append((domain, None))
             return picks, None
+        for node, domain in handed:
+            if len(picks) == n or domain not in counts:
+                continue
+            slot = self._slot(pool, domain)
+            try:
+                placer.assign(slot, pool, node)
+            except ValueError:  # the node filled up since the decision: this one is placed alone below
+                continue
+            picks.append((domain, slot))
         missing = n - len(picks)
         if missing <= 0:
             return picks, None
         placed = placer.place({pool: missing})
-        picks += [(domain, node) for node, domain in placed.nodes.get(pool, ())]
-        short = missing - placed.granted.get(pool, 0)
-        why = f"the node inventory has no room for {short} of {n} replicas: {placed.explanation}" if short else None
-        return picks, why
+        for node, domain in placed.nodes.get(pool, ()):
+            if domain in counts:  # the solver may use any domain with the GPUs: only mapped ones count
+                slot = self._slot(pool, domain)
+                placer.assign(slot, pool, node)
+                picks.append((domain, slot))
+        short = n - len(picks)
+        why = placed.explanation or "no node in the pool's domains"
+        return picks, f"the node inventory has no room for {short} of {n} replicas: {why}" if short else None
 
     def _down(self, pool: str, counts: Mapping[str, int], n: int) -> list[tuple[str, tuple[str, str] | None]]:
         """(domain, (slot, node) released or None) for `n` replicas to remove (module docstring)."""
@@ -257,9 +267,15 @@ class KubernetesActuator:
             left[out[-1][0]] -= 1
         return out
 
-    def _restore(self, pool: str, drops: Sequence[tuple[str, str] | None]) -> None:
+    def _undo(self, pool: str, adds: Sequence[str | None], drops: Sequence[tuple[str, str] | None]) -> None:
+        """A domain's patch failed: free the slots placed for its new replicas, put its removed ones back."""
+        if self._placer is None:
+            return
+        for slot in adds:
+            if slot is not None:
+                self._placer.release(slot)
         for dropped in drops:
-            if dropped is not None and self._placer is not None:
+            if dropped is not None:
                 self._placer.assign(dropped[0], pool, dropped[1])
 
     def _slot(self, pool: str, domain: str) -> str:

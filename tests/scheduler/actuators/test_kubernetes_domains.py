@@ -115,12 +115,25 @@ def test_scale_up_adds_each_replica_to_the_domain_of_its_node(cluster: Any) -> N
     ]
     assert _nodes(placer) == {
         "h1": ["p@rack-1#2"],
-        "l1": ["d@rack-1#1", "d@rack-1#3"],
+        "l1": ["d@rack-1#1", "d@rack-1#5"],  # slots are numbered in the order the nodes were handed over
         "h2": [],
-        "l2": ["d@rack-2#4", "d@rack-2#5"],
+        "l2": ["d@rack-2#3", "d@rack-2#4"],
     }
     # the next read sees what was patched, and the placer already matches it: nothing re-placed
     assert actuator.replicas("d") == 4 and len(placer.instances("d")) == 4
+
+
+def test_replicas_beyond_the_handed_nodes_are_placed_around_them(cluster: Any) -> None:
+    c = cluster(p_rack_1=0, p_rack_2=0, d_rack_1=1, d_rack_2=0)
+    placer = _placer()
+    actuator = KubernetesActuator(c.apps, "llm", {}, DOMAINS, placer)
+    actuator.replicas("d")
+    # one node handed over (l1's last free GPU) for two new replicas: the second is placed alone, seeing l1 full
+    actuator.assign_nodes("d", [("l1", "rack-1")])
+    action = actuator.scale("d", 3, now=0.0)
+    assert (action.before, action.after, action.applied, action.error) == (1, 3, True, None)
+    assert c.patches() == [("mosaic-d-rack-1", 2), ("mosaic-d-rack-2", 1)]
+    assert _nodes(placer) == {"h1": [], "l1": ["d@rack-1#1", "d@rack-1#2"], "h2": [], "l2": ["d@rack-2#3"]}
 
 
 def test_scale_up_without_handed_nodes_places_alone_and_refuses_past_the_inventory(cluster: Any) -> None:
