@@ -68,7 +68,7 @@ from server.proxy import (
     usage_body,
 )
 from server.registry import Registry
-from server.responses import PassthroughResponse, StreamSession
+from server.responses import PassthroughResponse, StreamSession, relay_headers
 from server.upstream import UpstreamResponse
 
 log = logging.getLogger("mosaic.dispatch")
@@ -78,6 +78,10 @@ class GatewayOutcome(StrEnum):
 
     WORKER_REJECTED = "worker_rejected"  # the worker answered 4xx (bad request, context too long, ...)
 
+
+# finish()'s metric children: requests, outcomes, rejections (None without a reason), e2e (None unless 200),
+# prompt tokens, generation tokens
+_OutcomeChildren = tuple[Any, Any, Any, Any, Any, Any]
 
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": recorded, never sent
 WATCH_AFTER_S = 0.05  # requests answered faster than this never start a disconnect watcher
@@ -95,6 +99,7 @@ class RequestRecord:
     pool: str = "none"
     finished: bool = False
     first_byte_at: float | None = None
+    task: asyncio.Task[Any] | None = None  # the task serving it (set by `Dispatcher.handle`)
 
 
 class Dispatcher:
@@ -125,6 +130,7 @@ class Dispatcher:
         self.rng = random.Random(config.routing.seed)
         self.outcomes: dict[str, int] = {}  # terminal outcomes by name (tests and /admin read it)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._finish_children: dict[tuple[str, str, int, str, str | None], _OutcomeChildren] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, memoised: prometheus_client's `labels()` validates and takes a lock on
@@ -143,7 +149,7 @@ class Dispatcher:
 
         Runs in the caller's task. A `DisconnectWatch` cancels it if the client goes away before the
         response starts (started only after `WATCH_AFTER_S`, so fast requests create no extra task)."""
-        task = asyncio.current_task()
+        task = rec.task = asyncio.current_task()
         assert task is not None
         watch = DisconnectWatch(receive, task)
         watch.arm(WATCH_AFTER_S)
@@ -180,22 +186,26 @@ class Dispatcher:
         if rec.finished:
             return
         rec.finished = True
-        m, child = self.metrics, self.child
-        child(m.requests, rec.model, rec.pool, str(status)).inc()
         name = outcome.value if outcome is not None else f"rejected_{reason or status}"
+        key = (rec.model, rec.pool, status, name, reason)
+        children = self._finish_children.get(key)
+        if children is None:
+            children = self._finish_children[key] = self._outcome_children(*key)
+        requests, outcomes, rejections, e2e, prompt_tokens, generation_tokens = children
+        requests.inc()
         self.outcomes[name] = self.outcomes.get(name, 0) + 1
-        child(m.outcomes, rec.model, name).inc()
-        if reason is not None:
-            child(m.rejections, reason).inc()
+        outcomes.inc()
+        if rejections is not None:
+            rejections.inc()
         now = self.clock()
-        if status == 200:
-            child(m.e2e, rec.model, rec.pool).observe(now - rec.arrival)
+        if e2e is not None:
+            e2e.observe(now - rec.arrival)
         used = 0
         if usage:
             prompt = int(usage.get("prompt_tokens") or 0)
             gen = int(usage.get("completion_tokens") or 0)
-            child(m.prompt_tokens, rec.model).inc(prompt)
-            child(m.generation_tokens, rec.model).inc(gen)
+            prompt_tokens.inc(prompt)
+            generation_tokens.inc(gen)
             used = prompt + gen
             if outcome is Outcome.COMPLETED and self.predictor is not None:
                 self.predictor.observe(
@@ -204,6 +214,19 @@ class Dispatcher:
         elif status == 200:
             used = rec.reserved_tokens  # no usage reported: keep the whole debit
         self.limiter.refund(rec.key, rec.reserved_tokens - used, now)
+
+    def _outcome_children(self, model: str, pool: str, status: int, name: str, reason: str | None) -> _OutcomeChildren:
+        """The metric children `finish` updates for one (model, pool, status, outcome, reason): looked up
+        once per combination instead of six memo lookups per request."""
+        m, child = self.metrics, self.child
+        return (
+            child(m.requests, model, pool, str(status)),
+            child(m.outcomes, model, name),
+            child(m.rejections, reason) if reason is not None else None,
+            child(m.e2e, model, pool) if status == 200 else None,
+            child(m.prompt_tokens, model),
+            child(m.generation_tokens, model),
+        )
 
     # ------------------------------------------------------------------ routing + retries
     def _route(self, rreq: RouteRequest, exclude: set[str]) -> Decision | Reject:
@@ -273,7 +296,7 @@ class Dispatcher:
         timeout = self.limits.first_token_timeout_s if parsed.stream else self.limits.total_timeout_s
         decode = decision.decode
         try:
-            async with self.timeouts.timeout(timeout):
+            with self.timeouts.timeout(timeout, rec.task):  # a plain `with`: nothing to await on entry
                 params = None
                 if decision.prefill is not None:
                     params = await self._prefill(decision, parsed, path, headers, lease)
@@ -324,7 +347,7 @@ class Dispatcher:
         assert worker is not None
         ticket = lease.track(worker.id, parsed.prompt_tokens)
         try:
-            async with self.timeouts.timeout(self.limits.first_token_timeout_s / 2):
+            with self.timeouts.timeout(self.limits.first_token_timeout_s / 2):
                 resp = await self.upstream.post(worker.url, path, prefill_body(parsed.data()), headers)
                 try:
                     content = await resp.aread()
@@ -392,7 +415,5 @@ class Dispatcher:
         return RelayResponse(
             session.body(),
             session.close,
-            status_code=200,
-            headers={"x-request-id": rec.request_id, "cache-control": "no-cache"},
-            media_type=resp.headers.get("content-type", "text/event-stream"),
+            relay_headers(rec.request_id, resp.headers.get("content-type", "text/event-stream")),
         )

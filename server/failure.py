@@ -110,10 +110,9 @@ class Lease:
         self.clock = clock
         self._tickets: list[InflightTicket] = []
         self._released: Outcome | None = None
-        # reservations on the worker that streams (decode side) with an `on_tokens(generated, now)` hook
-        self._growable = [
-            r for r in decision.reservations if r.worker_id == decision.decode.id and hasattr(r, "on_tokens")
-        ]
+        # reservations on the worker that streams (decode side) with an `on_tokens(generated, now)` hook;
+        # found on the first `on_tokens` (only streams call it)
+        self._growable: list[Any] | None = None
         router.on_dispatch(decision, req, clock())
 
     @property
@@ -142,7 +141,13 @@ class Lease:
 
     def on_tokens(self, generated: int, now: float) -> None:
         """`generated` output tokens streamed so far: renews leases and lets reservations grow."""
-        for r in self._growable:
+        growable = self._growable
+        if growable is None:
+            decode_id = self.decision.decode.id
+            growable = self._growable = [
+                r for r in self.decision.reservations if r.worker_id == decode_id and hasattr(r, "on_tokens")
+            ]
+        for r in growable:
             r.on_tokens(generated, now)
 
     def release(self, outcome: Outcome) -> bool:
@@ -156,9 +161,10 @@ class Lease:
             for t in self._tickets:
                 t.done()
             now = self.clock()
-            workers = [self.decision.decode] + ([self.decision.prefill] if self.decision.prefill else [])
-            for w in workers:
-                self._router.on_complete(w.id, self.req, outcome, now)
+            decision, router = self.decision, self._router
+            router.on_complete(decision.decode.id, self.req, outcome, now)
+            if decision.prefill is not None:
+                router.on_complete(decision.prefill.id, self.req, outcome, now)
             self._notify(self.req.model)
         return True
 
@@ -182,9 +188,18 @@ class RelayResponse(StreamingResponse):
     """
 
     def __init__(
-        self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kwargs: Any
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        raw_headers: list[tuple[bytes, bytes]],
+        status_code: int = 200,
     ) -> None:
-        super().__init__(content, **kwargs)
+        # Headers come ready-made (`server.responses.relay_headers`): Starlette's `init_headers` would
+        # encode and scan a header dict per stream.
+        self.body_iterator = content
+        self.status_code = status_code
+        self.background = None
+        self.raw_headers = raw_headers
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -174,16 +174,23 @@ class SseRelay:
         return self._filter(chunk)
 
     def _filter(self, chunk: bytes) -> bytes:
-        out: list[bytes] = []
-        for event in chunk.split(b"\n\n")[:-1]:
-            if b'"usage"' in event and event.startswith(b"data:"):
+        # `chunk` ends with a blank line, so the split's last piece is empty. Only the events that mention
+        # "usage" are looked at (one per stream, usually among many when a read brings several events);
+        # the chunk is rebuilt only when one of them is dropped.
+        events = chunk.split(b"\n\n")
+        dropped: list[int] = []
+        for i in [i for i, event in enumerate(events) if b'"usage"' in event]:
+            event = events[i]
+            if event.startswith(b"data:"):
                 payload = _json_or_none(event[5:])
                 if isinstance(payload, dict) and payload.get("usage"):
                     self.usage = payload["usage"]
                     if self.strip_usage and not payload.get("choices"):
-                        continue  # the injected usage-only chunk the client did not ask for
-            out.append(event + b"\n\n")
-        return b"".join(out)
+                        dropped.append(i)  # the injected usage-only chunk the client did not ask for
+        if not dropped:
+            return chunk
+        kept = [event for i, event in enumerate(events[:-1]) if i not in dropped]
+        return b"\n\n".join(kept) + b"\n\n" if kept else b""
 
     def flush(self) -> bytes:
         rest, self._buf = self._buf, b""

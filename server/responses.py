@@ -33,20 +33,34 @@ if TYPE_CHECKING:
     from server.dispatch import Dispatcher, RequestRecord
 
 
+def _media_type(content_type: str) -> bytes:
+    if content_type.startswith("text/") and "charset=" not in content_type.lower():
+        content_type += "; charset=utf-8"  # as Starlette's media_type handling
+    return content_type.encode("latin-1")
+
+
 class PassthroughResponse(Response):
     """A worker's whole answer with the gateway's request id (module docstring)."""
 
     def __init__(self, body: bytes, status: int, request_id: str, content_type: str) -> None:
-        if content_type.startswith("text/") and "charset=" not in content_type.lower():
-            content_type += "; charset=utf-8"  # as Starlette's media_type handling
         self.status_code = status
         self.body = body
         self.background = None
         headers = [(b"x-request-id", request_id.encode("latin-1"))]
         if status >= 200 and status not in (204, 304):  # statuses without a body carry no length
             headers.append((b"content-length", b"%d" % len(body)))
-        headers.append((b"content-type", content_type.encode("latin-1")))
+        headers.append((b"content-type", _media_type(content_type)))
         self.raw_headers = headers
+
+
+def relay_headers(request_id: str, content_type: str) -> list[tuple[bytes, bytes]]:
+    """A relayed stream's headers, as Starlette's `StreamingResponse(headers={"x-request-id": ...,
+    "cache-control": "no-cache"}, media_type=content_type)` builds them (same names, values and order)."""
+    return [
+        (b"x-request-id", request_id.encode("latin-1")),
+        (b"cache-control", b"no-cache"),
+        (b"content-type", _media_type(content_type)),
+    ]
 
 
 class StreamSession:

@@ -159,3 +159,25 @@ def test_forked_processes_draw_different_request_ids() -> None:
     os.close(read)
     os.waitpid(pid, 0)
     assert len(child_id) == 32 and child_id != new_request_id()
+
+
+def test_views_filled_slot_by_slot_equal_the_dataclass_constructor() -> None:
+    """`new_worker_view` (slot descriptors) against `WorkerView(**fields)`: equal, same hash, and frozen."""
+    import dataclasses
+
+    from scheduler.fleet import WorkerView
+    from server.registry import VIEW_FIELD_ORDER, new_worker_view
+
+    assert tuple(f.name for f in dataclasses.fields(WorkerView)) == VIEW_FIELD_ORDER
+    rec = _record()
+    rec.stats, rec.stats_at = WorkerStats(num_running=3, num_waiting=1, kv_usage=0.25, num_gpu_blocks=900), 100.0
+    rec.inflight_requests, rec.inflight_prefill_tokens, rec.domain = 2, 512, "rack-1"
+    for now in (101.0, 200.0):  # fresh stats, then stale (scraped fields None)
+        built = rec.view(now, 5.0)
+        fields = {name: getattr(built, name) for name in VIEW_FIELD_ORDER}
+        reference = WorkerView(**fields)
+        assert built == reference and hash(built) == hash(reference) and repr(built) == repr(reference)
+        assert new_worker_view(*fields.values()) == reference
+    assert built.num_running is None and built.inflight_prefill_tokens == 512 and built.domain == "rack-1"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.inflight_requests = 5  # type: ignore[misc]
