@@ -128,7 +128,9 @@ class AdmissionQueue(Generic[D]):
 
         `req` (the request's `RouteRequest`) lets the queue policy age and batch-plan it; without it the
         waiter is only ever routed through `attempt`."""
-        q = self._queues.setdefault(model, deque())
+        q = self._queues.get(model)
+        if q is None:  # not setdefault(model, deque()): that builds a deque per request
+            q = self._queues[model] = deque()
         last: RejectLike | None = None
         if not q:  # nobody waiting: try at once (the common, uncontended path)
             result = attempt()

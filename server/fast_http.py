@@ -215,9 +215,11 @@ class FastCycle:
                 raise RuntimeError("http.response.start sent twice")
             self.response_started = True
             status = message["status"]
-            head = [STATUS_LINE[status]]
             chunked = status >= 200 and status not in (204, 304)  # unless a content-length is sent
-            for name, value in (*protocol.server_state.default_headers, *message.get("headers", ())):
+            head = [STATUS_LINE[status], _default_headers(protocol.server_state.default_headers)]
+            if _DEFAULTS[2]:
+                chunked = False
+            for name, value in message.get("headers", ()):
                 head += (name, b": ", value, b"\r\n")
                 if name == b"content-length":
                     chunked = False
@@ -254,6 +256,21 @@ class FastCycle:
 
 def _noop() -> None:
     return None
+
+
+# uvicorn replaces `server_state.default_headers` (date, server) with a new list once a second: encode each
+# list once, not per response. [the list, its bytes, whether it carries a content-length]
+_DEFAULTS: list[Any] = [None, b"", False]
+
+
+def _default_headers(headers: list[tuple[bytes, bytes]]) -> bytes:
+    if headers is not _DEFAULTS[0]:
+        _DEFAULTS[:] = [
+            headers,
+            b"".join(name + b": " + value + b"\r\n" for name, value in headers),
+            any(name == b"content-length" for name, _ in headers),
+        ]
+    return _DEFAULTS[1]  # type: ignore[no-any-return]
 
 
 # uvicorn internals `GatewayHttpProtocol` builds on. They are not public API (`_start_asgi_task` appeared

@@ -216,9 +216,11 @@ class H1Response:
                     if n - pos > 1024:
                         raise httpx.RemoteProtocolError("chunk size line too long")
                     break
-                line = buf[pos:eol]
+                # find(), not `b";" in line`: `in` on bytes first tries the needle as an int and formats a
+                # TypeError it then discards (≈ 4k instructions per chunk)
+                semi = find(b";", pos, eol)
                 try:  # int() ignores surrounding whitespace; a chunk extension (";...") is dropped
-                    left = int(line if b";" not in line else line.split(b";", 1)[0], 16)
+                    left = int(buf[pos:eol] if semi < 0 else buf[pos:semi], 16)
                 except ValueError:
                     raise httpx.RemoteProtocolError("bad chunk size") from None
                 pos = eol + 2

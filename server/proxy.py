@@ -169,7 +169,9 @@ class SseRelay:
                 return b""
             self._buf = chunk[cut + 2 :]
             chunk = chunk[: cut + 2]
-        if b'"usage"' not in chunk:
+        # find(), not `in`: `in` on bytes first tries the needle as an int and formats (then drops) a
+        # TypeError, ≈ 4k instructions per call on a path taken per relayed chunk and event
+        if chunk.find(b'"usage"') < 0:
             return chunk  # the fast path: nothing to look at
         return self._filter(chunk)
 
@@ -179,7 +181,7 @@ class SseRelay:
         # the chunk is rebuilt only when one of them is dropped.
         events = chunk.split(b"\n\n")
         dropped: list[int] = []
-        for i in [i for i, event in enumerate(events) if b'"usage"' in event]:
+        for i in [i for i, event in enumerate(events) if event.find(b'"usage"') >= 0]:
             event = events[i]
             if event.startswith(b"data:"):
                 payload = _json_or_none(event[5:])

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import anyio
 import httpx
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from scheduler.routing.reasons import Outcome
 from server.errors import stream_error_event
@@ -51,6 +52,11 @@ class PassthroughResponse(Response):
             headers.append((b"content-length", b"%d" % len(body)))
         headers.append((b"content-type", _media_type(content_type)))
         self.raw_headers = headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette's, less what never applies here (a websocket denial wrapper, a background task)
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
 
 
 def relay_headers(request_id: str, content_type: str) -> list[tuple[bytes, bytes]]:

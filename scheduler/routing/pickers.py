@@ -37,6 +37,9 @@ class MaxScorePicker:
     def pick(self, cycle: Cycle, scored: Sequence[Scored]) -> list[WorkerView]:
         # One rng draw per candidate, always, so the number of draws (and the replay) does not depend on
         # whether there happened to be a tie.
+        if len(scored) == 1:  # the gateway's common case with one candidate left: same draw, no sort
+            cycle.rng.random()
+            return [scored[0].worker]
         keyed = [(round(s.total / _TIE), cycle.rng.random(), i) for i, s in enumerate(scored)]
         keyed.sort(key=lambda k: (-k[0], k[1]))
         return [scored[i].worker for _, _, i in keyed]

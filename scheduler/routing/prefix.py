@@ -38,6 +38,8 @@ def block_hashes(
     n = len(tokens) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
+    if n <= 0:
+        return ()  # shorter than one block: nothing to hash
     raw = array("q", tokens[: n * block_size]).tobytes()  # one conversion; 8 bytes per token id
     step = block_size * 8
     out: list[int] = []
