@@ -12,6 +12,13 @@ at its size.
 
     python bench/autoscale_eval.py [--quick]
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
+    python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--quick]
+
+`--grid` is a sensitivity check of the comparison itself: the two target-driven families (Mosaic and the
+Dynamo-style planner) over the given utilisation targets instead of the standard grid, on every trace,
+each family's best run and the ratio. A finer grid around where 99% is lost shows whether the standard
+grid's spacing decides the result. It writes `bench/results/autoscale_grid.json` and leaves
+`autoscale_eval.json` alone.
 
 `--pd-gate-sweep` measures conditional disaggregation (the router's P/D gate, `pd_max_prefill_wait_s`,
 docs/routing.md) in this evaluation: the Mosaic, Dynamo-style and static families over their whole grids,
@@ -100,17 +107,22 @@ def static_peak_counts(fleet: FleetConfig, reqs: list[SimRequest], factor: float
     }
 
 
+def mosaic_run(fleet: FleetConfig, reqs: list[SimRequest], target: float) -> tuple[str, str, dict[str, Any]]:
+    """Mosaic at one utilisation target; its other knobs fixed, not tuned: the P/D ratio profiled on the
+    trace's first 10%, a scale-in window of one cold start (an instance is kept as long as re-buying it
+    would take), no trend lookahead (on these traces projecting the trend bought instances for noise and
+    steps: see docs/autoscaling.md)."""
+    return ("mosaic", "mosaic", {"utilization_target": target, "pd_ratio": round(profiled_pd_ratio(fleet, reqs), 3),
+                                 "scale_down_window_s": FLEET["cold_start_s"]})
+
+
 def candidates(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
     """(family, policy spec, autoscaler overrides) for every knob value tried."""
-    pd = round(profiled_pd_ratio(fleet, reqs), 3)
     runs: list[tuple[str, str, dict[str, Any]]] = []
-    # Both target-driven families get the same fine grid of utilisation targets. Mosaic's scale-in window is
-    # one cold start (an instance is kept as long as re-buying it would take); no trend lookahead (on these
-    # traces projecting the trend bought instances for noise and steps: see docs/autoscaling.md).
+    # Both target-driven families get the same grid of utilisation targets.
     grid = (0.5, 0.7) if quick else (0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
     for u in grid:
-        runs.append(("mosaic", "mosaic", {"utilization_target": u, "pd_ratio": pd,
-                                          "scale_down_window_s": FLEET["cold_start_s"]}))
+        runs.append(mosaic_run(fleet, reqs, u))
     for t in ((0.7,) if quick else (0.5, 0.7, 0.9)):
         runs.append(("hpa-util", f"hpa-util:{t}", {}))
     for t in ((1, 4) if quick else (0.5, 1, 2, 4, 8)):
@@ -202,12 +214,54 @@ def pd_gate_sweep(quick: bool, workers: int) -> None:
         print(line)
 
 
+def grid_sensitivity(grid: tuple[float, ...], quick: bool, workers: int) -> None:
+    """Mosaic and the Dynamo-style planner over `grid` on every trace (module docstring, `--grid`)."""
+    base = parse_fleet(FLEET)
+    summary: dict[str, Any] = {}
+    lines = []
+    for trace_name, reqs in traces(quick).items():
+        jobs = [(trace_name, *mosaic_run(base, reqs, u), reqs) for u in grid]
+        jobs += [(trace_name, "dynamo", "dynamo:180", {"utilization_target": u}, reqs) for u in grid]
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            reports = list(pool.map(run_one, jobs))
+        fams = {}
+        for fam in ("mosaic", "dynamo"):
+            runs = [r for r in reports if r["family"] == fam]
+            best = best_of(runs)
+            fams[fam] = {"best": None if best is None else {k: v for k, v in _row(best).items() if k != "replicas"},
+                         "runs": [{"target": r["knobs"]["utilization_target"], "attainment": r["slo"]["attainment"],
+                                   "gpu_hours": r["gpu_hours"]["total"]} for r in runs]}
+        ratio = _ratio(fams["mosaic"]["best"], fams["dynamo"]["best"])
+        summary[trace_name] = {"families": fams, "mosaic_vs_dynamo": ratio}
+        best = {f: v["best"] and (v["best"]["knobs"]["utilization_target"], v["best"]["gpu_hours"]) for f, v in fams.items()}
+        lines.append(f"{trace_name}: best (target, GPU-h) {best}, Mosaic/Dynamo {ratio}")
+    write_result("autoscale_grid", {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "traces": summary})
+    command = "python bench/autoscale_eval.py --grid " + ",".join(f"{u:g}" for u in grid) + (" --quick" if quick else "")
+    append_line("autoscale_grid", command, "; ".join(lines))
+    for line in lines:
+        print(line)
+
+
+def parse_grid(text: str) -> tuple[float, ...]:
+    try:
+        grid = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"error: --grid: comma-separated targets in (0, 1], got {text!r}") from None
+    if not grid or any(not 0 < u <= 1 for u in grid):
+        raise SystemExit(f"error: --grid: comma-separated targets in (0, 1], got {text!r}")
+    return grid
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="shorter traces and fewer knob values")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--pd-gate-sweep", action="store_true", help="measure the router's P/D gate (see above)")
+    parser.add_argument("--grid", help="comma-separated utilisation targets: Mosaic vs Dynamo-style only (see above)")
     args = parser.parse_args()
+    if args.grid:
+        grid_sensitivity(parse_grid(args.grid), args.quick, args.workers)
+        return
     if args.pd_gate_sweep:
         pd_gate_sweep(args.quick, args.workers)
         return
