@@ -195,10 +195,8 @@ async def _run(
         )
 
         def report(decision: dict[str, Any]) -> None:
-            if as_json:
-                typer.echo(
-                    json.dumps({k: decision[k] for k in ("time", "targets", "reasons", "signals", "actions")})
-                )
+            if as_json:  # the whole record /admin/autoscaler shows: observation (admission queue) and placement too
+                typer.echo(json.dumps(decision))
 
         loop = asyncio.get_running_loop()
         task = loop.create_task(run.controller.run(cycles, report))
@@ -218,7 +216,7 @@ def register(app: typer.Typer) -> None:
         cycles: int = typer.Option(
             0, "--cycles", min=0, help="Stop after this many decisions (0: run until SIGTERM)."
         ),
-        as_json: bool = typer.Option(False, "--json", help="Print each decision as one JSON line."),
+        as_json: bool = typer.Option(False, "--json", help="Print each decision record (targets, reasons, signals, observation, actions, placement) as one JSON line."),
         log_level: str = typer.Option(
             "info", "--log-level", help="Log level (decisions and scale actions log at info)."
         ),

@@ -135,6 +135,10 @@ def test_dry_run_controller_prints_each_decision(tmp_path: Path, worker: Running
     # cycle 1: the worker is up (1) and the static policy wants 2 → recorded, not applied; cycle 2: nothing new
     assert [(a["before"], a["after"], a["applied"]) for a in decisions[0]["actions"]] == [(1, 2, False)]
     assert decisions[1]["actions"] == []
+    # the full record: what the policy observed, admission queue included (empty: no gateway scraped)
+    assert decisions[0]["observation"]["pools"]["l4"]["ready"] == 1
+    assert decisions[0]["observation"]["admission_queue"] == {}
+    assert "placement" not in decisions[0]  # no node inventory configured
     assert "mosaic autoscale: policy static:l4=2, actuator dry-run" in proc.stderr
 
 
