@@ -416,4 +416,5 @@ class Dispatcher:
             session.body(),
             session.close,
             relay_headers(rec.request_id, resp.headers.get("content-type", "text/event-stream")),
+            push=session.push if session.can_push() else None,
         )

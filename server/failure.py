@@ -14,6 +14,8 @@ it on another worker. `hard` failures (connection refused) eject the worker at o
 
 **RelayResponse.** A streaming response that always runs its session's `close()` — also when the client
 disconnects before the body iterator ever started, which a plain async generator's `finally` would miss.
+Given a `push`, it hands the gateway's `FastCycle` to it instead of iterating the body (the relay then
+writes each chunk from the worker's reads: `server.responses.StreamSession`).
 
 **DisconnectWatch.** Watches the ASGI `receive` channel and cancels the serving task when the client goes
 away (used before the response starts, and by `RelayResponse` while streaming).
@@ -35,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome
+from server.fast_http import FastCycle
 from server.registry import InflightTicket, Registry
 
 
@@ -193,6 +196,7 @@ class RelayResponse(StreamingResponse):
         on_close: Callable[[], Awaitable[None]],
         raw_headers: list[tuple[bytes, bytes]],
         status_code: int = 200,
+        push: Callable[[FastCycle], Awaitable[None]] | None = None,
     ) -> None:
         # Headers come ready-made (`server.responses.relay_headers`): Starlette's `init_headers` would
         # encode and scan a header dict per stream.
@@ -201,6 +205,7 @@ class RelayResponse(StreamingResponse):
         self.background = None
         self.raw_headers = raw_headers
         self._on_close = on_close
+        self._push = push
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -212,8 +217,12 @@ class RelayResponse(StreamingResponse):
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            cycle = getattr(send, "__self__", None)
+            if self._push is not None and isinstance(cycle, FastCycle):
+                await self._push(cycle)  # the body written from the worker's reads (`StreamSession.push`)
+            else:
+                async for chunk in self.body_iterator:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             exhausted = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:

@@ -253,6 +253,36 @@ class FastCycle:
                 protocol.transport.close()
             protocol.on_response_complete()
 
+    # ------------------------------------------------------------------ direct writes (relays)
+    def write(self, body: bytes) -> bool:
+        """`send({"type": "http.response.body", "body": body, "more_body": True})` without the message and
+        the await, for a relay writing from a protocol callback (`server.responses.StreamSession.push`):
+        same bytes on the wire. False when the client's socket is over its high-water mark: `await
+        drain()` before writing more (where `send` would wait before its write). A no-op once the client
+        disconnected or the response completed, as `send` is."""
+        if self.disconnected or self.response_complete or not body:
+            return True
+        if not self.response_started:
+            raise RuntimeError("http.response.body before http.response.start")
+        head = self._head
+        if head is not None:
+            self._head = None
+            head += (b"%x\r\n" % len(body), body, b"\r\n") if self.chunked else (body,)
+            data = b"".join(head)
+        elif self.chunked:
+            data = b"%x\r\n%b\r\n" % (len(body), body)
+        else:
+            data = body
+        protocol = self.protocol
+        protocol.transport.write(data)
+        return not protocol.flow.write_paused
+
+    async def drain(self) -> None:
+        """Wait until the client's socket takes writes again (`write` returned False); at once if it does."""
+        flow = self.protocol.flow
+        if flow.write_paused and not self.disconnected:
+            await flow.drain()
+
 
 def _noop() -> None:
     return None

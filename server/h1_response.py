@@ -15,7 +15,7 @@ httpx's classes (`ReadError`, `ReadTimeout`, `RemoteProtocolError`), as the modu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import httpx
@@ -181,6 +181,38 @@ class H1Response:
         self._finish()
         return b""
 
+    async def push(self, deliver: Callable[[bytes], bool]) -> bool:
+        """Hand the body to `deliver` as it arrives, called from the connection's `data_received`: a relay
+        writes each piece on without a task wake-up, a future and a coroutine-chain resume per read (the
+        bulk of a relayed chunk's cost when `async for` pulls it). True at the end of the body; False when
+        `deliver` returned False (a pause: e.g. the client's socket is full), after which `push` may be
+        called again. Raises what `aread` raises, and what `deliver` raises (the read deadline restarts
+        with every piece delivered, so `read_timeout_s` still bounds each gap between pieces)."""
+        while not self._done:
+            conn = self._conn
+            if conn is None:
+                raise httpx.ReadError("response closed")
+            data = self._take(conn.buf)  # what arrived while nobody was listening
+            if data and not deliver(data):
+                return False
+            if self._done:
+                break
+            if conn.closed:
+                await self._next()  # the end of a close-delimited body, or the error a cut body raises
+                return True
+            pusher = _Pusher(self, conn, deliver)
+            conn.on_data = pusher.on_data
+            try:
+                await conn.more(self._timeout)  # woken by the pusher (end, pause, error), EOF or close
+            finally:
+                conn.on_data = None
+            if pusher.error is not None:
+                raise pusher.error
+            if pusher.paused:
+                return False
+        self._finish()
+        return True
+
     def _take(self, buf: bytearray) -> bytes:
         if not buf:
             return b""
@@ -271,6 +303,32 @@ class H1Response:
             conn.origin.release(conn)
         else:
             conn.close()
+
+
+class _Pusher:
+    """`H1Response.push`'s `data_received` hook for one wait: decodes what arrived and delivers it; wakes the
+    waiting task (and unhooks itself) at the body's end, on a pause, or when decoding or `deliver` raised."""
+
+    __slots__ = ("_conn", "_deliver", "_resp", "error", "paused")
+
+    def __init__(self, resp: H1Response, conn: _Conn, deliver: Callable[[bytes], bool]) -> None:
+        self._resp, self._conn, self._deliver = resp, conn, deliver
+        self.error: BaseException | None = None
+        self.paused = False
+
+    def on_data(self) -> None:
+        conn, resp = self._conn, self._resp
+        try:
+            data = resp._take(conn.buf)
+            if data and not self._deliver(data):
+                self.paused = True
+            elif not resp._done:
+                conn.restart_deadline(resp._timeout)
+                return
+        except Exception as exc:  # raised in the waiting task, as a pulled read would
+            self.error = exc
+        conn.on_data = None
+        conn.wake()
 
 
 class _BodyIter:

@@ -32,6 +32,7 @@ from server.upstream import H1Response, UpstreamResponse
 
 if TYPE_CHECKING:
     from server.dispatch import Dispatcher, RequestRecord
+    from server.fast_http import FastCycle
 
 
 def _media_type(content_type: str) -> bytes:
@@ -70,7 +71,14 @@ def relay_headers(request_id: str, content_type: str) -> list[tuple[bytes, bytes
 
 
 class StreamSession:
-    """One relayed stream: yields bytes, measures TTFT/ITL, and closes exactly once with an outcome."""
+    """One relayed stream: yields bytes, measures TTFT/ITL, and closes exactly once with an outcome.
+
+    Two ways to relay, the same bytes and metrics: `body()` (an async iterator for any ASGI `send`), and
+    `push(cycle)` when the client is on the gateway's `FastCycle` and the worker's response is the pool's
+    `H1Response`: each read from the worker is decoded, measured and written to the client from the
+    upstream connection's `data_received` callback, so a relayed chunk costs no task wake-up, future or
+    resume of the coroutine chain (endpoint → response → body iterator → response reader) — which was most
+    of its cost."""
 
     def __init__(
         self,
@@ -90,46 +98,111 @@ class StreamSession:
         self.lease = lease
         self.relay = SseRelay(strip_usage=not parsed.client_wants_usage)
         self.closed = False
+        self._clock = d.clock
+        self._itl = d.child(d.metrics.itl, rec.model, rec.pool)
+        self._deadline = rec.arrival + d.limits.total_timeout_s
+        self._last = self._first_at = 0.0
+        self._generated = 0  # ≈ tokens: vLLM sends one event per step per sequence
 
-    async def body(self) -> AsyncIterator[bytes]:
+    # ------------------------------------------------------------------ steps shared by both ways
+    def _begin(self) -> bytes:
+        """The first chunk: the bytes to send, TTFT observed."""
         d, rec = self.d, self.rec
-        clock = d.clock
-        itl = d.child(d.metrics.itl, rec.model, rec.pool)
-        deadline = rec.arrival + d.limits.total_timeout_s
+        out = self.relay.feed(self.first)
+        self._last = self._first_at = self._clock()
+        d.child(d.metrics.ttft, rec.model, rec.pool).observe(self._last - rec.arrival)
+        self._generated = out.count(b"data: ")
+        return out
+
+    def _step(self, chunk: bytes) -> bytes:
+        """A later chunk from the worker → the bytes to send now (b"" while an event is incomplete); per
+        relayed piece an ITL observation and the KV lease renewal."""
+        out = self.relay.feed(chunk)
+        if out:
+            now = self._clock()
+            self._itl.observe(now - self._last)
+            self._last = now
+            self._generated += out.count(b"data: ")
+            self.lease.on_tokens(self._generated, now)  # renews KV leases; grows `predicted` reservations
+        return out
+
+    def _check_total(self) -> None:
+        """After a piece was sent: `total_timeout_s` since arrival ends the stream."""
+        if self._last > self._deadline:
+            raise TimeoutError(f"total timeout {self.d.limits.total_timeout_s:g} s")
+
+    def _end(self) -> bytes:
+        """The stream ended well: the held-back remainder to send; per-request TPOT observed."""
+        tail = self.relay.flush()
+        n = int((self.relay.usage or {}).get("completion_tokens") or 0)
+        if n >= 2:  # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1)
+            d, rec = self.d, self.rec
+            d.child(d.metrics.tpot, rec.model, rec.pool).observe((self._last - self._first_at) / (n - 1))
+        return tail
+
+    def _failed(self, exc: BaseException) -> bytes:
+        """The worker failed after the first byte: the breaker hears of it; the error event to send."""
+        kind, hard = classify(exc)
+        self.d.registry.report_failure(self.lease.decision.decode.id, f"stream_{kind}", hard)
+        return stream_error_event(f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError")
+
+    # ------------------------------------------------------------------ the two ways
+    async def body(self) -> AsyncIterator[bytes]:
         outcome = Outcome.WORKER_ERROR
         try:
-            out = self.relay.feed(self.first)
-            last = first_at = clock()
-            d.child(d.metrics.ttft, rec.model, rec.pool).observe(last - rec.arrival)
+            out = self._begin()
             if out:
                 yield out
-            lease = self.lease
-            generated = out.count(b"data: ")  # ≈ tokens: vLLM sends one event per step per sequence
             async for chunk in self.chunks:
-                out = self.relay.feed(chunk)
-                if not out:
-                    continue
-                now = clock()
-                itl.observe(now - last)
-                last = now
-                generated += out.count(b"data: ")
-                lease.on_tokens(generated, now)  # renews KV leases; grows `predicted` reservations
-                yield out
-                if now > deadline:
-                    raise TimeoutError(f"total timeout {d.limits.total_timeout_s:g} s")
-            tail = self.relay.flush()
+                out = self._step(chunk)
+                if out:
+                    yield out
+                    self._check_total()
+            tail = self._end()
             if tail:
                 yield tail
-            n = int((self.relay.usage or {}).get("completion_tokens") or 0)
-            if n >= 2:  # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1)
-                d.child(d.metrics.tpot, rec.model, rec.pool).observe((last - first_at) / (n - 1))
             outcome = Outcome.COMPLETED
         except (httpx.HTTPError, TimeoutError) as exc:
-            kind, hard = classify(exc)
-            d.registry.report_failure(self.lease.decision.decode.id, f"stream_{kind}", hard)
-            yield stream_error_event(
-                f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError"
-            )
+            yield self._failed(exc)
+            outcome = Outcome.WORKER_ERROR
+        except BaseException:
+            outcome = Outcome.CLIENT_DISCONNECTED
+            raise
+        finally:
+            await self._close(outcome)
+
+    def can_push(self) -> bool:
+        return isinstance(self.resp, H1Response)
+
+    async def push(self, cycle: FastCycle) -> None:
+        """`body()`'s relay written straight to `cycle` (class docstring); returns when the stream ended
+        (the caller sends the final empty chunk). Pauses reading the worker while the client's socket is
+        full, where `body()`'s consumer would wait in `send`."""
+        resp = self.resp
+        assert isinstance(resp, H1Response)
+        step, check_total, write = self._step, self._check_total, cycle.write
+
+        def deliver(chunk: bytes) -> bool:
+            if cycle.disconnected:  # the watch cancels the task: nothing is relayed or measured from here
+                return True
+            out = step(chunk)
+            if not out:
+                return True
+            more = write(out)
+            check_total()
+            return more
+
+        outcome = Outcome.WORKER_ERROR
+        try:
+            out = self._begin()
+            if out and not write(out):
+                await cycle.drain()
+            while not await resp.push(deliver):
+                await cycle.drain()
+            write(self._end())
+            outcome = Outcome.COMPLETED
+        except (httpx.HTTPError, TimeoutError) as exc:
+            write(self._failed(exc))
             outcome = Outcome.WORKER_ERROR
         except BaseException:
             outcome = Outcome.CLIENT_DISCONNECTED

@@ -40,6 +40,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -51,7 +52,7 @@ __all__ = ["ConnectionPool", "H1Response", "UpstreamResponse"]
 class _Conn(asyncio.Protocol):
     """One keep-alive connection: a receive buffer, EOF/close flags, and one waiter for more bytes."""
 
-    __slots__ = ("_waiter", "buf", "closed", "error", "idle_since", "origin", "reused", "transport")
+    __slots__ = ("_waiter", "buf", "closed", "error", "idle_since", "on_data", "origin", "reused", "transport")
 
     def __init__(self, origin: _Origin) -> None:
         self.origin = origin
@@ -62,6 +63,8 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.reused = False
         self._waiter: asyncio.Future[None] | None = None
+        # set while `H1Response.push` relays: called with the new bytes in `buf` instead of waking the reader
+        self.on_data: Callable[[], None] | None = None
 
     # -------------------------------------------------------------- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -69,21 +72,26 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        self._wake()
+        on_data = self.on_data
+        if on_data is not None:
+            on_data()
+        else:
+            self.wake()
 
     def eof_received(self) -> bool:
         self.closed = True
-        self._wake()
+        self.wake()
         return False  # let the transport close itself
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if exc is not None:
             self.error = exc
-        self._wake()
+        self.wake()
         self.origin.forget(self)
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """End the current `more()` wait (new bytes, EOF, close, or a pusher's word)."""
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -99,6 +107,10 @@ class _Conn(asyncio.Protocol):
         finally:
             deadlines.discard(self)
             self._waiter = None
+
+    def restart_deadline(self, timeout: float) -> None:
+        """The current `more()` wait starts over (a pusher delivered bytes): `timeout` from now."""
+        self.origin.deadlines.add(self, time.monotonic() + timeout, timeout)
 
     def expire(self, timeout: float) -> None:
         w = self._waiter

@@ -237,3 +237,60 @@ def test_a_uvicorn_without_those_internals_serves_the_same_answers_on_its_own_pr
             assert not any(isinstance(p, GatewayHttpProtocol) for p in running.server.server_state.connections)
 
     run(go)
+
+
+def test_a_stream_from_a_pooled_worker_is_pushed_on_the_fast_cycle_with_the_same_events_and_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through the connection pool to a real (simulated) worker, the fast cycle's stream is written from
+    the worker's reads (`StreamSession.push`); uvicorn's cycle iterates `body()`. Same events (the
+    completion id and time aside), usage stripped, same token counts, one ITL observation per relayed
+    piece besides the first, one outcome each."""
+    from server.responses import StreamSession
+
+    pushed: list[int] = []
+    original = StreamSession.push
+
+    async def counting_push(self: StreamSession, cycle: FastCycle) -> None:
+        pushed.append(1)
+        await original(self, cycle)
+
+    monkeypatch.setattr(StreamSession, "push", counting_push)
+
+    def normalised(body: bytes) -> list[Any]:
+        events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
+        return [e if e == b"[DONE]" else {**json.loads(e), "id": "-", "created": 0} for e in events]
+
+    async def go() -> None:
+        cfg = runner_config(time_scale=50)  # ≈ 1.3 ms per token: the stream arrives over several reads
+        running = await start_gateway_server(cfg, "127.0.0.1", 0)
+        try:
+            metrics = running.gateway.metrics
+            answers = {}
+            for target in (FAST, SLOW):
+                before = len(pushed)
+                (answers[target],) = await exchange(running, request(target, completion(stream=True, max_tokens=12)))
+                assert len(pushed) == before + (target == FAST)
+            assert answers[FAST][0] == answers[SLOW][0]
+            fast, slow = normalised(answers[FAST][1]), normalised(answers[SLOW][1])
+            assert fast == slow and len(fast) == 13 and fast[-1] == b"[DONE]"
+            assert all("usage" not in e for e in fast[:-1])
+            assert running.gateway.dispatcher.outcomes == {"completed": 2}
+            assert metrics.generation_tokens.labels("llama-3-8b").value == 24  # from the stripped usage chunks
+            child = {name: getattr(metrics, name).labels("llama-3-8b", "sim") for name in ("ttft", "itl", "tpot", "e2e")}
+            assert [sum(child[name].counts) for name in ("ttft", "tpot", "e2e")] == [2, 2, 2]
+            assert 2 <= sum(child["itl"].counts) <= 22  # per relayed piece after the first (11 tokens each)
+            # the gaps add up to first → last piece, which is TPOT × (n − 1) per stream
+            assert child["itl"].sum == pytest.approx(child["tpot"].sum * 11, rel=1e-9)
+        finally:
+            await running.stop()
+
+    run(go)
+
+
+def runner_config(time_scale: float) -> Any:
+    from server.config import validate_config
+
+    pool = {"name": "sim", "model": "llama-3-8b", "gpu": "L4", "role": "mixed",
+            "endpoints": {"simulated": {"replicas": 1, "time_scale": time_scale}}}
+    return validate_config({"pools": [pool]})

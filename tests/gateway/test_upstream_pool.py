@@ -327,3 +327,134 @@ def test_chunked_decoder_is_split_invariant(pieces: list[bytes], cuts: list[int]
         if at >= len(wire):
             break
     assert b"".join(got) == b"".join(pieces) and resp._done and not buf
+
+
+# ---------------------------------------------------------------------------------------------- push
+def _collector(pause_on: set[int] | None = None) -> tuple[list[bytes], Callable[[bytes], bool]]:
+    """A `deliver` for `H1Response.push` that records what it gets; False (pause) on the given calls."""
+    got: list[bytes] = []
+
+    def deliver(data: bytes) -> bool:
+        got.append(data)
+        return len(got) not in (pause_on or set())
+
+    return got, deliver
+
+
+def test_push_delivers_a_body_split_anywhere_and_keeps_the_connection() -> None:
+    async def go() -> None:
+        events = [b'data: {"i": %d}\n\n' % i for i in range(5)]
+        async with RawServer([chunked(*events), ok(b"{}")]) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                first = await anext(resp.aiter_raw())  # the dispatcher pulls the first piece, then pushes
+                got, deliver = _collector()
+                assert await resp.push(deliver) is True
+                assert first + b"".join(got) == b"".join(events)
+                assert len(got) > 3  # 7-byte reads 10 ms apart: delivered read by read, not at the end
+                resp = await pool.post(srv.url, b"{}", HEADERS)  # the connection went back to the pool
+                assert await resp.aread() == b"{}" and srv.connections == 1
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_push_returns_false_on_a_pause_and_resumes_where_it_stopped() -> None:
+    async def go() -> None:
+        events = [b"data: %d\n\n" % i for i in range(6)]
+        async with RawServer([chunked(*events)]) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                got, deliver = _collector(pause_on={2, 4})
+                rounds = 1
+                while not await resp.push(deliver):
+                    rounds += 1
+                    await asyncio.sleep(0.03)  # bytes arriving meanwhile wait in the buffer
+                assert rounds == 3 and b"".join(got) == b"".join(events)
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_push_restarts_the_read_deadline_with_every_piece() -> None:
+    """`read_timeout_s` bounds each gap between pieces, not the whole stream."""
+
+    async def go() -> None:
+        async def steady(w: asyncio.StreamWriter) -> None:
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in range(8):  # 0.08 s gaps, 0.64 s in all: over the 0.3 s read timeout
+                w.write(b"2\r\n%02d\r\n" % i)
+                await w.drain()
+                await asyncio.sleep(0.08)
+            w.write(b"0\r\n\r\n")
+
+        async def stall(w: asyncio.StreamWriter) -> None:
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n")
+            await w.drain()
+            await asyncio.sleep(1)
+
+        async with RawServer([steady, stall]) as srv:
+            pool = ConnectionPool(read_timeout_s=0.3)
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                got, deliver = _collector()
+                assert await resp.push(deliver) is True
+                assert b"".join(got) == b"".join(b"%02d" % i for i in range(8))
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                got, deliver = _collector()
+                with pytest.raises(httpx.ReadTimeout):
+                    await resp.push(deliver)
+                assert got == [b"ok"]
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        pytest.param([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", b"3\r\nabc\r\n", b"zz\r\n"],
+                     httpx.RemoteProtocolError, id="bad chunk size in a later read"),
+        pytest.param([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", b"3\r\nabc\r\n", b"5\r\nab"],
+                     httpx.RemoteProtocolError, id="closed mid-chunk"),
+        pytest.param([b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n", b"abc"], httpx.RemoteProtocolError,
+                     id="closed mid-body"),
+    ],
+)  # fmt: skip
+def test_push_raises_what_a_pulled_read_raises(reply: list[bytes], error: type[Exception]) -> None:
+    async def go() -> None:
+        async with RawServer([reply], close_after=True) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                _got, deliver = _collector()
+                with pytest.raises(error):
+                    await resp.push(deliver)
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_push_raises_what_deliver_raises_in_the_waiting_task() -> None:
+    async def go() -> None:
+        async with RawServer([chunked(b"data: 1\n\n", b"data: 2\n\n")]) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+
+                def deliver(data: bytes) -> bool:
+                    raise TimeoutError("total timeout")  # what the relay raises past total_timeout_s
+
+                with pytest.raises(TimeoutError, match="total timeout"):
+                    await resp.push(deliver)
+                resp.close()
+            finally:
+                await pool.aclose()
+
+    run(go())
