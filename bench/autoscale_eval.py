@@ -123,7 +123,8 @@ def candidates(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> list[
     grid = (0.5, 0.7) if quick else (0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
     for u in grid:
         runs.append(mosaic_run(fleet, reqs, u))
-    for t in ((0.7,) if quick else (0.5, 0.7, 0.9)):
+    # HPA on GPU utilisation over the same span and step count as the planner's grid (8 targets)
+    for t in ((0.7,) if quick else (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)):
         runs.append(("hpa-util", f"hpa-util:{t}", {}))
     for t in ((1, 4) if quick else (0.5, 1, 2, 4, 8)):
         runs.append(("hpa-waiting", f"hpa-waiting:{t}", {}))

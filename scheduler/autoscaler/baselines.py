@@ -1,9 +1,19 @@
 """Baselines the Mosaic policy is evaluated against, in the same simulator and on the same trace.
 
-- `HpaPolicy`: Kubernetes' Horizontal Pod Autoscaler, each pool on its own: desired = ceil(current ·
-  metric / target), no change within ±tolerance (0.1), scale-down to the highest recommendation of the
-  last 300 s. Metrics: `gpu_utilization` (per-pool mean) or `num_requests_waiting` per instance (KEDA's
-  recipe for vLLM).
+- `HpaPolicy`: Kubernetes' Horizontal Pod Autoscaler, each pool on its own, no change within ±tolerance
+  (0.1), scale-down to the highest recommendation of the last 300 s, scale-up by at most
+  max(+100%, +4 pods) per 15 s (HPA's default `behavior`). Two metrics, each with its real controller's
+  arithmetic (kube-controller-manager's replica calculator):
+  - `gpu_utilization`, a per-pod metric averaged over the pods that report it (the ready ones): desired =
+    ceil(ready · mean/target). Instances still starting report nothing (vLLM serves no metrics before it
+    is up), so HPA's rule for pods with missing metrics applies: when the ready pods say scale up they
+    count as 0% of the target, when they say scale down as 100% of it; the ratio is recomputed over
+    ready + starting and no change is made if it then falls within tolerance or reverses direction.
+    Without that rule a pool multiplies its size every cycle of a cold start (the ready pods stay busy
+    until the new ones serve).
+  - `num_requests_waiting` the KEDA way (Prometheus trigger `sum(vllm:num_requests_waiting)`,
+    `metricType: AverageValue`, an external metric): desired = ceil(total / target) whatever the replica
+    count, the tolerance checked on total / (target · current replicas).
 - `StaticPolicy`: fixed counts, e.g. provisioned for the peak.
 - `DynamoPlanner`: Dynamo's planner: every `interval_s` (180 s) forecast request rate and input/output
   lengths, divide by profiled per-replica prefill and decode capacity, size P and D separately. The
@@ -44,21 +54,61 @@ class HpaPolicy:
         reasons: dict[str, str] = {}
         for pool in self.pools:
             po = obs.pools[pool.name]
-            n = max(po.provisioned, 1)  # HPA never scales a target to zero on its own
+            current = po.provisioned
             if self.metric == "gpu_utilization":
                 value = po.gpu_utilization
+                raw = hpa_pod_metric_replicas(current, po.ready, po.starting, value, self.target, self.tolerance)
             else:
-                value = po.num_waiting / max(po.ready, 1)
-            ratio = value / self.target
-            raw = n if abs(ratio - 1.0) <= self.tolerance else math.ceil(n * ratio - 1e-9)
+                value = float(po.num_waiting)
+                raw = keda_average_value_replicas(current, value, self.target, self.tolerance)
             history = self._history[pool.name]
             history.append((obs.now, raw))
             while history and history[0][0] < obs.now - self.window:
                 history.popleft()
-            desired = raw if raw >= n else min(n, max(r for _, r in history))
+            if raw > current:
+                # HPA's default scale-up policy: at most +100% or +4 pods per 15 s, whichever is more
+                desired = min(raw, max(2 * current, current + 4))
+            else:
+                desired = min(current, max(r for _, r in history))
+            # HPA never scales a target to zero on its own (minReplicas ≥ 1)
             targets[pool.name] = min(max(desired, pool.min_replicas, 1), pool.max_replicas)
             reasons[pool.name] = f"{self.metric}={value:.3g} target={self.target:.3g}"
         return ScalingDecision(obs.now, targets, reasons)
+
+
+def hpa_pod_metric_replicas(
+    current: int, ready: int, starting: int, mean: float, target: float, tolerance: float
+) -> int:
+    """Kubernetes HPA's recommendation for a per-pod metric averaged over the pods that report it.
+
+    `mean` is the average over the `ready` pods; the `starting` ones have no metric yet and are treated
+    as HPA treats pods with missing metrics: 0% of the target when the ready pods alone say scale up,
+    100% of it when they say scale down. If the recomputed ratio is within tolerance or reverses the
+    direction, nothing changes. With nothing starting, desired = ceil(ready · mean / target).
+    """
+    if ready == 0:
+        return current  # no pod reports the metric: HPA cannot compute a ratio and leaves the scale alone
+    ratio = mean / target
+    if starting == 0:
+        return current if abs(ratio - 1.0) <= tolerance else math.ceil(ready * ratio - 1e-9)
+    assumed = 0.0 if ratio > 1.0 else target  # the missing pods' assumed value
+    counted = ready + starting
+    new_ratio = (mean * ready + assumed * starting) / (target * counted)
+    if abs(new_ratio - 1.0) <= tolerance or (ratio < 1.0 < new_ratio) or (ratio > 1.0 > new_ratio):
+        return current
+    desired = math.ceil(new_ratio * counted - 1e-9)
+    if (new_ratio < 1.0 and desired > current) or (new_ratio > 1.0 and desired < current):
+        return current  # the pod count itself would reverse the direction
+    return desired
+
+
+def keda_average_value_replicas(current: int, total: float, target_per_replica: float, tolerance: float) -> int:
+    """KEDA's `AverageValue` on an external metric (HPA's external per-pod calculation): the metric's total
+    over the target per replica, independent of how many replicas are ready; the tolerance is checked on
+    total / (target · current replicas)."""
+    if current > 0 and abs(total / (target_per_replica * current) - 1.0) <= tolerance:
+        return current
+    return math.ceil(total / target_per_replica - 1e-9)
 
 
 class StaticPolicy:

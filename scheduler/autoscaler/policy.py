@@ -112,7 +112,11 @@ class MosaicAutoscaler:
         decode_boost = self._boost(obs.tpot_p90_s, cfg.tpot_slo_s)
         # Arrivals (seen by the gateway) bound demand from below: a saturated pool's token rate cannot rise
         # above its capacity, the arrival rate can. In steady state the two are equal (tokens are conserved).
-        arriving_decode = obs.request_rate * obs.mean_output_tokens
+        # The configured lengths stand in when no mean was observed: the gateway measures lengths on
+        # completions, and a pool at zero (or saturated for a whole interval) completes nothing, so the
+        # observed means are 0 exactly when arrivals alone can show demand; a pool scaled to zero would
+        # otherwise never come back.
+        arriving_decode = obs.request_rate * out_tokens
         decode_level = self._forecast(f"{model}/decode", max(decode_tps, arriving_decode), obs.now)
         decode_demand = (decode_level + waiting * out_tokens / cfg.queue_drain_s) * decode_boost
         signal[f"{model}/decode_tps"] = decode_tps
@@ -133,7 +137,7 @@ class MosaicAutoscaler:
             obs.pools[p.name].num_waiting for p in prefill_pools if p.name in obs.pools
         )
         # prompt tokens/s demand, with the prefill backlog to be cleared within queue_drain_s
-        arriving_prompt = obs.request_rate * obs.mean_input_tokens
+        arriving_prompt = obs.request_rate * in_tokens
         prompt_level = self._forecast(f"{model}/prefill", max(prompt_tps, arriving_prompt), obs.now)
         demand = (prompt_level + prefill_waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
         signal[f"{model}/prefill_demand_tps"] = demand
