@@ -176,19 +176,46 @@ class SseRelay:
         return self._filter(chunk)
 
     def _filter(self, chunk: bytes) -> bytes:
-        # `chunk` ends with a blank line, so the split's last piece is empty. Only the events that mention
-        # "usage" are looked at (one per stream, usually among many when a read brings several events);
-        # the chunk is rebuilt only when one of them is dropped.
+        # Only the events that mention "usage" are looked at (one per stream, usually among many when a
+        # read brings a whole stream), each found from the mention: the event runs from the blank line
+        # before it to the one after. Without a run of three newlines those are exactly the boundaries
+        # `split(b"\n\n")` draws (`_filter_split`, used otherwise); the chunk is rebuilt only when an event
+        # is dropped. Splitting the chunk and scanning every event cost ≈ 8 µs per stream.
+        if chunk.find(b"\n\n\n") >= 0:
+            return self._filter_split(chunk)
+        kept: list[bytes] = []
+        kept_from = 0
+        at = chunk.find(b'"usage"')
+        while at >= 0:
+            blank = chunk.rfind(b"\n\n", 0, at)
+            start = blank + 2 if blank >= 0 else 0
+            end = chunk.find(b"\n\n", at)  # found: the chunk ends with a blank line
+            if self._usage_event(chunk[start:end]):
+                kept.append(chunk[kept_from:start])
+                kept_from = end + 2
+            at = chunk.find(b'"usage"', end)
+        if not kept:
+            return chunk
+        kept.append(chunk[kept_from:])
+        return b"".join(kept)
+
+    def _usage_event(self, event: bytes) -> bool:
+        """Reads the usage an event carries; True when the event is to be dropped (the injected usage-only
+        chunk the client did not ask for)."""
+        if event.startswith(b"data:"):
+            payload = _json_or_none(event[5:])
+            if isinstance(payload, dict) and payload.get("usage"):
+                self.usage = payload["usage"]
+                return self.strip_usage and not payload.get("choices")
+        return False
+
+    def _filter_split(self, chunk: bytes) -> bytes:
+        # `chunk` ends with a blank line, so the split's last piece is empty.
         events = chunk.split(b"\n\n")
         dropped: list[int] = []
         for i in [i for i, event in enumerate(events) if event.find(b'"usage"') >= 0]:
-            event = events[i]
-            if event.startswith(b"data:"):
-                payload = _json_or_none(event[5:])
-                if isinstance(payload, dict) and payload.get("usage"):
-                    self.usage = payload["usage"]
-                    if self.strip_usage and not payload.get("choices"):
-                        dropped.append(i)  # the injected usage-only chunk the client did not ask for
+            if self._usage_event(events[i]):
+                dropped.append(i)
         if not dropped:
             return chunk
         kept = [event for i, event in enumerate(events[:-1]) if i not in dropped]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.errors import Cause, GatewayError
 from server.footprint import parse_request, route_request
@@ -107,6 +109,32 @@ def test_relay_holds_back_only_an_incomplete_event() -> None:
     relay = SseRelay(strip_usage=True)
     assert relay.feed(b"data: {}\n\ndata: {") == b"data: {}\n\n"
     assert relay.feed(b'"x": 1}\n\n') == b'data: {"x": 1}\n\n'
+
+
+_USAGE_ONLY = b'data: {"choices":[],"usage":{"completion_tokens":3}}'
+_PIECES = [
+    b'data: {"choices":[{"text":"a"}]}',
+    _USAGE_ONLY,
+    b'data: {"choices":[{"text":"b"}],"usage":{"completion_tokens":1}}',  # usage with choices: kept
+    b'data: {"note":"usage"}',  # mentions it in a value
+    b'data: {"usage"',  # not JSON
+    b'event: x\n{"usage":{"a":1}}',  # not a data line
+    b"data: [DONE]",
+    b"",
+    b"\n",  # with a neighbour's blank line: a run of three newlines
+    b"\n" + _USAGE_ONLY,
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=8), st.booleans())
+def test_usage_filter_finds_the_events_split_would(pieces: list[bytes], strip: bool) -> None:
+    """Finding the events that mention usage from the mention keeps what splitting the chunk at every
+    blank line keeps (the same events dropped, the same usage read), whatever the events around them."""
+    chunk = b"\n\n".join(pieces) + b"\n\n"
+    fast, split = SseRelay(strip_usage=strip), SseRelay(strip_usage=strip)
+    assert fast._filter(chunk) == split._filter_split(chunk)
+    assert fast.usage == split.usage
 
 
 @pytest.mark.parametrize(
