@@ -13,6 +13,10 @@ Events, ordered by (time, priority, sequence) so a seeded run replays exactly:
 - DECIDE: the autoscaler sees one `Observation` and its targets are applied: new instances start cold
   (billed from the start), surplus ones are first cancelled if still starting, else drained — the router
   stops sending them work and they are removed once empty (soft scale-in: nothing is aborted).
+- DRAIN_TIMEOUT (only with `drain_timeout_s`, Kubernetes' termination grace period): an instance still
+  draining that long after it was told to is removed anyway. Whatever is still on an instance when it is
+  removed is aborted, failed with reason `aborted_by_scale_in` and counted in `aborted_by_scale_in`
+  (with a KV transfer still pending from a removed prefill instance, its decode side's request too).
 
 P/D: the prefill instance runs the prompt with max_tokens=1 and holds its blocks; the decode instance
 receives the KV after prompt KV bytes / `kv_link_gbps` (`kv_link_cross_domain_gbps` when the two sit in
@@ -57,6 +61,7 @@ class _Ev(IntEnum):  # priority among events at the same instant
     ARRIVAL = 2
     SCRAPE = 3
     DECIDE = 4
+    DRAIN_TIMEOUT = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +225,8 @@ class ClusterSimulator:
                 self._next_arrival(arrivals)
             elif kind is _Ev.READY:
                 self._on_ready(obj, t)
+            elif kind is _Ev.DRAIN_TIMEOUT:
+                self._on_drain_timeout(obj, t)
             elif not self._pending_arrival and self._open_requests == 0:
                 continue  # periodic events stop once the trace is served
             elif kind is _Ev.SCRAPE:
@@ -268,8 +275,15 @@ class ClusterSimulator:
         self._dirty(inst)
         self._drain_queue(now)
 
+    def _on_drain_timeout(self, inst: _Instance, now: float) -> None:
+        if inst.removed is None and inst.state is WorkerState.DRAINING:
+            self._remove(inst, now)  # the grace period is over: what still runs there is aborted
+
     def _remove(self, inst: _Instance, now: float) -> None:
         inst.removed = now
+        if inst.inflight or inst.engine.num_held or inst.engine.has_work():
+            # Soft scale-in removes an instance only once it is empty; anything still here is aborted.
+            self.result.aborted_by_scale_in += self._abort_all(inst, now)
         totals = self._retired[inst.pool]
         c = inst.engine.counters
         totals.generation_tokens += c.generation_tokens
@@ -280,6 +294,46 @@ class ClusterSimulator:
         self.topology.remove(inst.id)
         self._live.remove(inst)
         self._fleet_view = None
+
+    def _abort_all(self, inst: _Instance, now: float) -> int:
+        """Abort every request still on `inst` (being removed); returns how many requests failed.
+
+        A request prefilling here fails; one whose KV this prefill instance still holds for its decode side
+        fails there too (the decode side cannot fetch it from a removed instance)."""
+        aborted = 0
+        for view in inst.engine.requests():
+            req = self._reqs.get(view.request_id)
+            if req is None or req.decision is None:
+                continue
+            if req.phase == "decode" and req.decision.decode.id != inst.id:
+                on = self._instances[req.decision.decode.id]  # held here for a transfer not yet landed
+            else:
+                on = inst
+            self._abort_request(req, on, now)
+            aborted += 1
+        return aborted
+
+    def _abort_request(self, req: _Req, inst: _Instance, now: float) -> None:
+        """Drop `req` from `inst`'s engine, undo its in-flight counts there, release it, fail it."""
+        assert req.decision is not None
+        inst.engine.abort(req.rid, now)
+        inst.inflight -= 1
+        if req.first_token is None:
+            inst.inflight_prefill_tokens -= req.src.input_tokens
+        else:
+            inst.inflight_decode -= 1
+        prefill = req.decision.prefill
+        if req.phase == "decode" and prefill is not None and prefill.id != inst.id:
+            src = self._instances[prefill.id]
+            if src.removed is None and src.engine.release_held(req.rid):  # its KV is no longer needed
+                self._kick(src, now)
+        req.decision.release(Outcome.WORKER_ERROR)
+        self.router.on_complete(inst.id, req.route, Outcome.WORKER_ERROR, now)
+        self._fail(req, "aborted_by_scale_in")
+        self._dirty(inst)
+        if inst.removed is None:
+            self._kick(inst, now)
+            self._maybe_retire(inst, now)
 
     def _bill(self, inst: _Instance, now: float) -> None:
         seconds = now - inst.created
@@ -332,6 +386,9 @@ class ClusterSimulator:
             self._push(now, _Ev.STEP, inst)
 
     def _on_step(self, inst: _Instance, now: float) -> None:
+        if inst.removed is not None:  # removed with a step under way (drain timeout): nothing to apply
+            inst.pending, inst.stepping = None, False
+            return
         if inst.pending is not None:
             result, inst.pending = inst.pending, None
             self._apply(inst, result, now)
@@ -362,7 +419,9 @@ class ClusterSimulator:
 
     def _apply(self, inst: _Instance, result: StepResult, now: float) -> None:
         for rid in result.first_tokens:
-            req = self._reqs[rid]
+            req = self._reqs.get(rid)
+            if req is None:  # aborted after this step was computed (its instance's peer was removed)
+                continue
             if req.phase == "decode" or req.decision is None or req.decision.prefill is None:
                 req.first_token = now
                 inst.inflight_prefill_tokens -= req.src.input_tokens
@@ -372,14 +431,18 @@ class ClusterSimulator:
                     if first is not None and res.worker_id == inst.id:
                         first(now)
         for rid in result.kv_received:
-            req = self._reqs[rid]
+            req = self._reqs.get(rid)
+            if req is None:
+                continue
             if req.decision is not None and req.decision.prefill is not None:
                 src = self._instances[req.decision.prefill.id]
                 src.engine.release_held(rid)
                 self._kick(src, now)
                 self._maybe_retire(src, now)
         for rec in result.finished:
-            req = self._reqs[rec.request_id]
+            req = self._reqs.get(rec.request_id)
+            if req is None:
+                continue
             if req.phase == "prefill":
                 self._prefill_done(req, inst, now)
             else:
@@ -599,6 +662,8 @@ class ClusterSimulator:
             inst.state = WorkerState.DRAINING
             self._dirty(inst)
             self._maybe_retire(inst, now)
+            if inst.removed is None and self.fleet.drain_timeout_s is not None:
+                self._push(now + self.fleet.drain_timeout_s, _Ev.DRAIN_TIMEOUT, inst)
 
     def _sample_replicas(self, now: float) -> None:
         counts: dict[str, Any] = {"t": round(now, 3)}

@@ -4,6 +4,7 @@
 model: llama-3-8b
 slo: {ttft_ms: 2000, tpot_ms: 100}
 cold_start_s: 120          # instance start → ready (image pull, weight load, CUDA graphs)
+drain_timeout_s: 600       # optional grace period of a draining instance, then removed (its requests aborted)
 decision_interval_s: 15    # autoscaler cycle
 scrape_interval_s: 1       # how fresh the router's scraped stats are
 kv_link_gbps: 25           # prefill → decode KV transfer bandwidth (GB/s), within one network domain
@@ -87,6 +88,9 @@ class FleetConfig(_Strict):
     nodes: dict[str, Any] | None = None  # node inventory (a path is read by `parse_fleet`)
     admission_queue_size: int = Field(default=100_000, ge=0)
     admission_deadline_s: float = Field(default=600.0, gt=0)
+    # Kubernetes' terminationGracePeriodSeconds: a draining instance still serving this long after scale-in
+    # chose it is removed anyway, aborting what it still runs. None: wait until it is empty (nothing aborted).
+    drain_timeout_s: float | None = Field(default=None, gt=0)
     routing: dict[str, Any] = Field(default_factory=dict)
     engine: EngineKnobs = EngineKnobs()
     autoscaler: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,80 @@
+"""`aborted_by_scale_in` counts what is still on an instance when it is removed.
+
+Soft scale-in removes an instance only once it is empty, so the counter stays 0; a drain timeout
+(Kubernetes' termination grace period, `drain_timeout_s`) removes a busy instance and aborts its requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.autoscaler.baselines import StaticPolicy
+from simulator.cluster import ClusterSimulator, SimRequest
+from simulator.cluster_config import parse_fleet
+from simulator.cluster_report import build_report
+
+
+def fleet(pools: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": "llama-3-8b", "slo": {"ttft_ms": 2000, "tpot_ms": 100}, "cold_start_s": 30,
+            "decision_interval_s": 15, "pools": pools, **extra}
+
+
+MIXED = [{"name": "mixed-a100", "gpu": "A100-80GB", "role": "mixed", "replicas": 2, "min_replicas": 1,
+          "max_replicas": 2}]
+PD = [
+    {"name": "prefill-h100", "gpu": "H100", "role": "prefill", "replicas": 2, "min_replicas": 1, "max_replicas": 2},
+    {"name": "decode-a100", "gpu": "A100-80GB", "role": "decode", "replicas": 2, "min_replicas": 1, "max_replicas": 2},
+]
+# 40 long requests at t < 2 s: each decodes for well over a minute, so at the first decision (15 s)
+# both instances are busy; the static policy then keeps one of the two.
+LONG = [SimRequest(i * 0.05, 256, 4000) for i in range(40)]
+
+
+def run(pools: list[dict[str, Any]], keep: dict[str, int], reqs: list[SimRequest], **extra: Any) -> dict[str, Any]:
+    sim = ClusterSimulator(parse_fleet(fleet(pools, **extra)), StaticPolicy(keep), "static")
+    report = build_report(sim.run(reqs), wall_s=1.0)
+    assert sim._open_requests == 0
+    assert all(i.inflight == 0 and i.inflight_decode == 0 and i.inflight_prefill_tokens == 0
+               for i in sim._instances.values())
+    return report
+
+
+def test_soft_drain_aborts_nothing() -> None:
+    report = run(MIXED, {"mixed-a100": 1}, LONG)
+    assert report["scale_events"] == [{"t": 15.0, "pool": "mixed-a100", "before": 2, "after": 1}]
+    assert report["requests"]["aborted_by_scale_in"] == 0
+    assert report["requests"]["completed"] == len(LONG)
+
+
+def test_drain_timeout_aborts_and_counts_what_was_still_running() -> None:
+    report = run(MIXED, {"mixed-a100": 1}, LONG, drain_timeout_s=5)
+    req = report["requests"]
+    # the drained instance held about half of the 40 requests (least-loaded routing), none finished by 20 s
+    assert 10 <= req["aborted_by_scale_in"] <= 30
+    assert req["failed_by_reason"] == {"aborted_by_scale_in": req["aborted_by_scale_in"]}
+    assert req["completed"] + req["failed"] == len(LONG)
+
+
+def test_drain_timeout_not_reached_aborts_nothing() -> None:
+    short = [SimRequest(i * 0.05, 256, 20) for i in range(40)] + [SimRequest(30.0, 256, 20)]
+    report = run(MIXED, {"mixed-a100": 1}, short, drain_timeout_s=5)
+    assert report["requests"]["aborted_by_scale_in"] == 0
+    assert report["requests"]["completed"] == len(short)
+
+
+def test_pd_drain_timeout_on_decode_aborts_its_requests_and_frees_prefill_holds() -> None:
+    report = run(PD, {"prefill-h100": 2, "decode-a100": 1}, LONG, drain_timeout_s=5)
+    req = report["requests"]
+    assert req["aborted_by_scale_in"] > 0
+    assert req["completed"] + req["failed"] == len(LONG) == req["completed"] + req["aborted_by_scale_in"]
+
+
+def test_removed_prefill_instance_fails_the_requests_whose_kv_it_still_held() -> None:
+    """KV over a slow link (256 tokens · 128 KiB = 33.5 MB at 2 MB/s: ~17 s): at the drain timeout
+    (15 + 1 s) the drained prefill instance has finished its prefills but still holds their KV for the
+    decode side, which cannot fetch it from a removed instance: those requests fail, counted as aborted."""
+    reqs = [SimRequest(10 + i * 0.05, 256, 20) for i in range(20)]
+    report = run(PD, {"prefill-h100": 1, "decode-a100": 2}, reqs, drain_timeout_s=1, kv_link_gbps=0.002)
+    req = report["requests"]
+    assert 0 < req["aborted_by_scale_in"] < len(reqs)
+    assert req["completed"] + req["aborted_by_scale_in"] == len(reqs)
