@@ -3,8 +3,8 @@
 | name | policy |
 |---|---|
 | `mosaic` | `MosaicAutoscaler` (decode tokens/s, P/D ratio, cost-aware) |
-| `hpa-util:T` | Kubernetes HPA on GPU utilisation, target T (default 0.7) |
-| `hpa-waiting:T` | HPA on `num_requests_waiting` per instance (KEDA recipe), target T (default 4) |
+| `hpa-util:T` | Kubernetes HPA on GPU utilisation, target T (default 0.7); starting instances under its missing-metrics rule |
+| `hpa-waiting:T` | KEDA on `num_requests_waiting`, AverageValue T per replica (default 4): ceil(total / T) |
 | `dynamo[:I]` | Dynamo-style planner, re-planning every I seconds (default 180) |
 | `static[:pool=N,...]` | fixed counts (default: the configured replicas) |
 | `fixed` | no autoscaler at all |
