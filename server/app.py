@@ -5,18 +5,22 @@
 | POST /v1/chat/completions, /v1/completions | API key | route and proxy (see `server.dispatch`) |
 | GET /v1/models | API key | the union of the fleet's models (OpenAI list shape) |
 | GET /health | none | 200 while the process serves |
-| GET /ready | none | 200 when every configured model has a ready worker and the gateway is not draining, else 503 |
+| GET /ready | none | 200 when not draining and every pool's discovery has listed once (`readiness.require_all_models`: also every model has a ready worker), else 503; the body has per-model ready workers |
 | GET /metrics | none | the gateway's Prometheus metrics (`mosaic_…`) |
 | GET /admin/workers | admin key | each worker's state, breaker, parsed stats, in-flight counts, capacity |
 | GET /admin/routing | admin key | the routing policy, plugins, weights; admission queue depths |
 | GET /admin/autoscaler | admin key | autoscaler config, pools as the policy sees them, recent decisions (reasons, signals) and scale actions |
 
 Before dispatch, in order: request id (the client's `X-Request-Id` when it is a sane token, else a new
-one; echoed on every response and sent to workers), draining check (503), API key (401), body size
+one; echoed on every response — the proxy endpoints set it themselves, every other route, 404 and 405
+included, gets it from `RequestIdMiddleware` — and sent to workers), draining check (503), API key (401), body size
 (`limits.max_body_bytes` → 413, checked on Content-Length and while reading), body validation (400),
 model known (404), per-key rate limits (429). The proxy endpoints are served by `GatewayApp`'s fast path
 (plain ASGI: no middleware stack, router or dependency injection on the hot path); under `mosaic serve`
 they also skip uvicorn's ASGI cycle (`server.fast_http`: one write per answer).
+
+Errors FastAPI raises (unknown path 404, wrong method 405 with its `Allow` header) and any unhandled error
+on a route (500, `InternalServerError`) are answered in OpenAI's nested shape, like the gateway's own.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.routing.framework import ReservePlugin
 from server.config import MosaicConfig
@@ -103,6 +107,45 @@ def _request_headers(scope: Scope) -> tuple[str | None, str | None, str | None]:
     return rid, auth, length
 
 
+def internal_error(request_id: str | None = None) -> Response:
+    """The last-resort answer to an error nobody handled: 500 in OpenAI's shape (`type` as vLLM's own
+    `InternalServerError`, `code` the status, as `server.errors` writes every other cause)."""
+    body = {"error": {"message": "Internal gateway error", "type": "InternalServerError", "param": None, "code": 500}}
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return JSONResponse(body, status_code=500, headers=headers)
+
+
+_RID_KEY = "mosaic.request_id"  # where `RequestIdMiddleware` leaves the id in the ASGI scope
+
+
+class RequestIdMiddleware:
+    """Pure ASGI: echo (or create) `X-Request-Id` on every response FastAPI serves — info and admin routes,
+    404s, 405s. Not on the hot path: `GatewayApp` hands the proxy POSTs to their endpoints before FastAPI's
+    middleware stack, and those endpoints set the header themselves. The 500 of an unhandled error is sent
+    by Starlette's outermost `ServerErrorMiddleware`, past this one: its handler reads the id from the
+    scope (`_RID_KEY`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id_from(_request_headers(scope)[0])
+        scope[_RID_KEY] = rid
+        value = rid.encode("latin-1")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or ())
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(
     config: MosaicConfig,
     *,
@@ -129,6 +172,7 @@ def create_app(
         app.fast_routes[path] = _asgi(serve)
     _add_info_routes(app, gw)
     _add_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -168,8 +212,7 @@ def _asgi(serve: ProxyEndpoint) -> ASGIApp:
             response = await serve(scope, receive)
         except Exception as exc:  # the endpoint answers its own errors; this is the last resort
             log.exception("unhandled error on %s", scope.get("path"), exc_info=exc)
-            response = GatewayError(Cause.UPSTREAM_UNAVAILABLE, "Internal gateway error").to_response()
-            response.status_code = 500
+            response = internal_error(request_id_from(_request_headers(scope)[0]))
         await response(scope, receive, send)
 
     return app
@@ -229,8 +272,7 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.get("/ready")
     async def ready() -> Response:
-        ok, per_model = gw.readiness()
-        body = {"ready": ok, "draining": gw.draining, "ready_workers": per_model}
+        ok, body = gw.readiness()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -276,7 +318,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         # Unknown paths and methods: the gateway's own errors, so OpenAI's shape (vLLM answers {"detail"}).
         by_status = {404: Cause.NOT_FOUND, 405: Cause.METHOD_NOT_ALLOWED}
-        return GatewayError(by_status.get(exc.status_code, Cause.BAD_REQUEST), str(exc.detail)).to_response()
+        response = GatewayError(by_status.get(exc.status_code, Cause.BAD_REQUEST), str(exc.detail)).to_response()
+        if exc.headers:  # 405's `Allow` (RFC 9110 requires it)
+            response.headers.update(exc.headers)
+        return response
+
+    @app.exception_handler(Exception)
+    async def unhandled(request: Request, exc: Exception) -> Response:
+        # Starlette logs the exception (re-raised after this answer); the client gets OpenAI's 500 shape.
+        return internal_error(request.scope.get(_RID_KEY))
 
     @app.exception_handler(GatewayError)
     async def gateway_error(_: Request, exc: GatewayError) -> Response:

@@ -224,6 +224,18 @@ class HealthConfig(_Strict):
     open_s: float = Field(default=5.0, gt=0)  # open this long, then one probe decides (half-open)
 
 
+class ReadinessConfig(_Strict):
+    """What `GET /ready` (the chart's readiness probe) requires besides "not draining and discovery synced".
+
+    Off by default: a gateway with no ready worker for one model still serves the others, and taking every
+    gateway replica out of the Service for one model's empty pool would cut all models off (and block a
+    rolling update). `require_all_models: true` restores the strict probe: 503 until every configured
+    model has a ready worker (a single-model fleet, or a load balancer that should skip such a gateway).
+    """
+
+    require_all_models: bool = False
+
+
 class AutoscalerKubernetesConfig(_Strict):
     """Where the `kubernetes` actuator scales: each managed pool's Deployment (its `scale` subresource)."""
 
@@ -344,6 +356,7 @@ class MosaicConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    readiness: ReadinessConfig = Field(default_factory=ReadinessConfig)  # what GET /ready requires
     kv: KvConfig = Field(default_factory=KvConfig)  # the KV budget ledger's own model (scheduler.kv.config)
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)

@@ -80,6 +80,35 @@ class StaticSource:
         return None
 
 
+class TrackedSource:
+    """A source that remembers whether it has ever listed successfully (the gateway's readiness: a gateway
+    whose discovery never answered knows no workers, so it stays out of the Service until it has)."""
+
+    def __init__(self, inner: Source) -> None:
+        self.inner = inner
+        self.synced = False  # one successful list() so far
+        self.last_error: str | None = None  # the latest list() failure, cleared by a success
+
+    @property
+    def resync_s(self) -> float | None:
+        return self.inner.resync_s
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def list(self) -> list[Endpoint]:
+        try:
+            endpoints = await self.inner.list()
+        except Exception as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            raise
+        self.synced, self.last_error = True, None
+        return endpoints
+
+    async def stop(self) -> None:
+        await self.inner.stop()
+
+
 def _host_port(url: str) -> str:
     parts = urlsplit(url)
     return parts.netloc or url
@@ -190,26 +219,63 @@ def _container_port(pod: dict[str, Any], name: str) -> int | None:
     return None
 
 
+# Kubernetes API deadlines. Every client call carries `_request_timeout=(connect, read)`, so a hung connection
+# (an API server that accepted the socket and never answers, a dead NAT entry) raises in the client's thread
+# instead of blocking it; the event loop's wait is bounded too (`call_timeout_s`), so a listing that hangs
+# counts as a failed re-list: the registry keeps the last good view, logs, and tries again next resync.
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 20.0
+_MARGIN_S = 5.0  # the loop waits this much longer than the client's own deadlines before giving up
+
+
 class KubernetesDiscovery:
     """Lists EndpointSlices or pods through the official client (in a thread: the client is blocking).
 
     `lister` is injectable for tests: a callable (resource, namespace, label_selector) → API JSON dict.
+    `request_timeout` is the client's (connect, read) deadline per API call; `call_timeout_s` bounds the
+    loop's wait on the client thread (default: connect + read + 5 s). A listing that runs past it raises
+    `TimeoutError`, and while that thread is still blocked no second one is started (the next listing fails
+    at once), so a hung API server costs one thread, not one per resync.
     """
 
-    def __init__(self, cfg: KubernetesSource, lister: Any | None = None) -> None:
+    def __init__(
+        self,
+        cfg: KubernetesSource,
+        lister: Any | None = None,
+        *,
+        request_timeout: tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
+        call_timeout_s: float | None = None,
+    ) -> None:
         self._cfg = cfg
         self.resync_s: float | None = cfg.resync_s
         self._lister = lister
         self._nodes_warned = False  # a failing node listing is logged once, not every resync
+        self.request_timeout = request_timeout
+        self.call_timeout_s = call_timeout_s if call_timeout_s is not None else sum(request_timeout) + _MARGIN_S
+        self._blocked: dict[str, asyncio.Future[Any]] = {}  # resource → a client call that outlived call_timeout_s
 
     async def start(self) -> None:
-        if self._lister is None:
-            self._lister = await asyncio.to_thread(_official_lister, self._cfg.in_cluster)
+        if self._lister is None:  # loading the config can run an exec credential plugin: bounded as well
+            self._lister = await self._in_thread("config", _official_lister, self._cfg.in_cluster, self.request_timeout)
+
+    async def _in_thread(self, what: str, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in the default executor, waited on for at most `call_timeout_s` (class docstring)."""
+        blocked = self._blocked.get(what)
+        if blocked is not None and not blocked.done():
+            raise TimeoutError(f"listing {what}: the previous Kubernetes API call is still blocked")
+        future = asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args))
+        try:
+            # shield: on timeout the thread cannot be stopped; keep its future to know when it has ended.
+            return await asyncio.wait_for(asyncio.shield(future), self.call_timeout_s)
+        except TimeoutError:
+            self._blocked[what] = future
+            future.add_done_callback(_consume)  # a late result or error of an abandoned call: nobody waits
+            raise TimeoutError(f"listing {what}: Kubernetes API call timed out after {self.call_timeout_s:g} s") from None
 
     async def list(self) -> list[Endpoint]:
         assert self._lister is not None, "start() first"
         cfg = self._cfg
-        data = await asyncio.to_thread(self._lister, cfg.resource, cfg.namespace, cfg.label_selector)
+        data = await self._in_thread(cfg.resource, self._lister, cfg.resource, cfg.namespace, cfg.label_selector)
         labels = await self._node_labels()
         if cfg.resource == "pods":
             return endpoints_from_pods(data, cfg.port, cfg.scheme, cfg.domain_label, labels)
@@ -222,7 +288,7 @@ class KubernetesDiscovery:
             return None
         assert self._lister is not None, "start() first"
         try:
-            nodes = await asyncio.to_thread(self._lister, "nodes", "", "")
+            nodes = await self._in_thread("nodes", self._lister, "nodes", "", "")
         except Exception as exc:  # e.g. 403 without `list nodes`: route without domains rather than not at all
             if not self._nodes_warned:
                 log.warning("listing nodes for domain label %s failed (domains unknown): %s", cfg.domain_label, exc)
@@ -234,11 +300,18 @@ class KubernetesDiscovery:
         return None
 
 
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: no "exception was never retrieved" warning for an abandoned call
+
+
 class KubernetesUnavailable(RuntimeError):
     """The `kubernetes` package is missing or no cluster config could be loaded."""
 
 
-def _official_lister(in_cluster: bool | None) -> Any:
+def _official_lister(
+    in_cluster: bool | None, request_timeout: tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
+) -> Any:
     try:
         from kubernetes import client, config
     except ImportError:
@@ -258,20 +331,23 @@ def _official_lister(in_cluster: bool | None) -> Any:
     except Exception as exc:  # the client raises several unrelated types for a missing/bad kubeconfig
         raise KubernetesUnavailable(f"cannot load Kubernetes config: {exc}") from None
     api_client = client.ApiClient()
-    core = client.CoreV1Api(api_client)
-    discovery = client.DiscoveryV1Api(api_client)
+    return api_lister(client.CoreV1Api(api_client), client.DiscoveryV1Api(api_client), request_timeout)
+
+
+def api_lister(core: Any, discovery: Any, request_timeout: tuple[float, float]) -> Any:
+    """The lister over a `CoreV1Api` and a `DiscoveryV1Api` (tests hand it recording fakes)."""
 
     def lister(resource: str, namespace: str, selector: str) -> dict[str, Any]:
         # _preload_content=False: the raw API JSON, the same shape the recorded fixtures have.
+        # _request_timeout: (connect, read) seconds, so a hung connection raises instead of blocking forever.
+        opts: dict[str, Any] = {"_preload_content": False, "_request_timeout": request_timeout}
         resp: Any
         if resource == "nodes":  # cluster-scoped: the domain label of each worker's node
-            resp = core.list_node(_preload_content=False)
+            resp = core.list_node(**opts)
         elif resource == "pods":
-            resp = core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+            resp = core.list_namespaced_pod(namespace, label_selector=selector, **opts)
         else:
-            resp = discovery.list_namespaced_endpoint_slice(
-                namespace, label_selector=selector, _preload_content=False
-            )
+            resp = discovery.list_namespaced_endpoint_slice(namespace, label_selector=selector, **opts)
         data: dict[str, Any] = json.loads(resp.data)  # a urllib3 response when _preload_content=False
         return data
 

@@ -36,7 +36,7 @@ from server.auth import KeyStore, RateLimiter
 from server.autoscaler_setup import in_process, in_process_controller
 from server.autoscaling import AutoscalerController
 from server.config import ConfigError, MosaicConfig, PoolConfig
-from server.discovery import KubernetesDiscovery, Source, StaticSource
+from server.discovery import KubernetesDiscovery, Source, StaticSource, TrackedSource
 from server.dispatch import Dispatcher
 from server.embedded_actuator import OpenDecisions
 from server.kv_admission import KvQueuePolicy
@@ -71,12 +71,14 @@ class Gateway:
         catalog = load_catalog(config.catalog)
         self.max_model_len: dict[str, int] = {}
         self.sources: dict[str, Source] = {}  # by pool name (the embedded autoscaler scales simulated ones)
+        self.discovery: dict[str, TrackedSource] = {}  # by pool name: has its listing ever succeeded (readiness)
         self._gpu_allocator: Any = None  # server.vllm_pool.GpuAllocator, built when a pool has `launch`
         for pool in config.pools:
             info = self._pool_info(pool, catalog)
             self.max_model_len.setdefault(pool.model, info.capacity.max_model_len or 0)
             source = self.sources[pool.name] = (sources or {}).get(pool.name) or self._source(pool)
-            self.registry.add_pool(info, source)
+            tracked = self.discovery[pool.name] = TrackedSource(source)
+            self.registry.add_pool(info, tracked)
         self.models: tuple[str, ...] = tuple(self.registry.models())
         try:
             self.ledger: KvLedger | None = build_gateway_ledger(
@@ -197,11 +199,27 @@ class Gateway:
         if self._own_probe_client is not None:
             await self._own_probe_client.aclose()
 
-    def readiness(self) -> tuple[bool, dict[str, int]]:
-        """Ready when not draining and every configured model has at least one ready worker."""
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """(ready, the /ready body). Ready = not draining and every pool's discovery has listed successfully
+        at least once; with `readiness.require_all_models`, also every configured model has a ready worker.
+        A model without a ready worker is reported in the body either way (its requests wait in the admission
+        queue for a worker, then get 429 `queue_timeout`)."""
         ready = dict.fromkeys(self.models, 0)
         now = self.clock()
         for rec in self.registry.records():
             if rec.state() is WorkerState.READY and not rec.breaker.is_open(now):
                 ready[rec.pool.model] = ready.get(rec.pool.model, 0) + 1
-        return (not self.draining and all(n > 0 for n in ready.values())), ready
+        unsynced = {name: src.last_error for name, src in self.discovery.items() if not src.synced}
+        without = [m for m, n in ready.items() if n == 0]
+        strict = self.config.readiness.require_all_models
+        ok = not self.draining and not unsynced and not (strict and without)
+        body: dict[str, Any] = {
+            "ready": ok,
+            "draining": self.draining,
+            "discovery_synced": not unsynced,
+            "unsynced_pools": unsynced,  # pool → its latest listing error (None: not listed yet)
+            "require_all_models": strict,
+            "ready_workers": ready,  # model → ready workers (breaker closed)
+            "models_without_ready_worker": without,
+        }
+        return ok, body

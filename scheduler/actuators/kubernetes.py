@@ -35,7 +35,9 @@ Pools with one Deployment: the scale subresource sets a count and cannot choose 
 keeps the placement it computed as advice (docs/autoscaling-live.md).
 
 The `kubernetes` client is an optional extra (`pip install mosaic-serve[k8s]`); the API object is injected
-so tests can record the exact calls against canned API responses. No other I/O here.
+so tests can record the exact calls against canned API responses. No other I/O here. Every call carries
+`_request_timeout=(connect, read)` (`request_timeout`, default 5 s / 20 s): a hung API connection fails the
+read or patch, which is reported like any API error, instead of blocking the controller's cycle forever.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from typing import Any
 
 from scheduler.actuators.base import ScaleAction
 from scheduler.topology import TopologyPlacer
+
+REQUEST_TIMEOUT_S = (5.0, 20.0)  # (connect, read) seconds per API call
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +86,13 @@ class KubernetesActuator:
         deployments: Mapping[str, str],
         domains: Mapping[str, Mapping[str, str]] | None = None,
         placer: TopologyPlacer | None = None,
+        request_timeout: tuple[float, float] = REQUEST_TIMEOUT_S,
     ) -> None:
         """`apps_api` is a `kubernetes.client.AppsV1Api`; `deployments` maps pool name → Deployment name;
         `domains` maps pool → {domain → Deployment} (module docstring); `placer` the controller's, with
-        `autoscaler.nodes`."""
+        `autoscaler.nodes`; `request_timeout` the (connect, read) deadline of each API call."""
         self._api = apps_api
+        self._timeout = request_timeout
         self._namespace = namespace
         self._deployments = dict(deployments)
         self._domains = {pool: dict(sorted(by.items())) for pool, by in (domains or {}).items()}
@@ -124,11 +130,13 @@ class KubernetesActuator:
             raise KeyError(f"pool {pool!r} has no Deployment configured") from None
 
     def _read(self, name: str) -> int:
-        scale = self._api.read_namespaced_deployment_scale(name, self._namespace)
+        scale = self._api.read_namespaced_deployment_scale(name, self._namespace, _request_timeout=self._timeout)
         return int(scale.spec.replicas or 0)
 
     def _patch(self, name: str, replicas: int) -> None:
-        self._api.patch_namespaced_deployment_scale(name, self._namespace, {"spec": {"replicas": replicas}})
+        self._api.patch_namespaced_deployment_scale(
+            name, self._namespace, {"spec": {"replicas": replicas}}, _request_timeout=self._timeout
+        )
 
     # ------------------------------------------------------------------ the Actuator shape
     def replicas(self, pool: str) -> int:

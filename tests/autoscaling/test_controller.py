@@ -118,11 +118,13 @@ class FakeAppsApi:
         self.refuse = refuse
         self.calls: list[tuple[Any, ...]] = []
 
-    def read_namespaced_deployment_scale(self, name: str, namespace: str) -> Any:
+    def read_namespaced_deployment_scale(self, name: str, namespace: str, _request_timeout: Any = None) -> Any:
         self.calls.append(("read", name, namespace))
         return SimpleNamespace(spec=SimpleNamespace(replicas=self.replicas))
 
-    def patch_namespaced_deployment_scale(self, name: str, namespace: str, body: dict[str, Any]) -> Any:
+    def patch_namespaced_deployment_scale(
+        self, name: str, namespace: str, body: dict[str, Any], _request_timeout: Any = None
+    ) -> Any:
         self.calls.append(("patch", name, namespace, body))
         if self.refuse:
             raise ApiException(status=403, reason="Forbidden")

@@ -168,11 +168,13 @@ class FakeAppsApi:
         self.replicas = dict(replicas)
         self.calls: list[tuple[str, str, int | None]] = []
 
-    def read_namespaced_deployment_scale(self, name: str, namespace: str) -> Any:
+    def read_namespaced_deployment_scale(self, name: str, namespace: str, _request_timeout: Any = None) -> Any:
         self.calls.append(("read", name, None))
         return SimpleNamespace(spec=SimpleNamespace(replicas=self.replicas[name]))
 
-    def patch_namespaced_deployment_scale(self, name: str, namespace: str, body: dict[str, Any]) -> Any:
+    def patch_namespaced_deployment_scale(
+        self, name: str, namespace: str, body: dict[str, Any], _request_timeout: Any = None
+    ) -> Any:
         self.calls.append(("patch", name, body["spec"]["replicas"]))
         self.replicas[name] = body["spec"]["replicas"]
 
