@@ -94,7 +94,9 @@ def fleet(chart: helm.Chart, tmp_path: Path) -> Iterator[tuple[str, str, dict[st
             workers.append((f"http://127.0.0.1:{port}", stack.enter_context(_process(args, log)), log))
             pool["endpoints"] = {"static": [f"http://127.0.0.1:{port}"]}
 
-        # The gateway starts alongside the workers (as pods do); /ready waits for them.
+        # The gateway starts alongside the workers (as pods do); with the strict readiness setting /ready
+        # waits until every model has a ready worker (the chart's default only waits for discovery).
+        config["readiness"] = {"require_all_models": True}
         config_path = tmp_path / "config.yaml"
         config_path.write_text(yaml.safe_dump(config))
         gateway = rendered.get("Deployment", f"{RELEASE}-gateway")
