@@ -20,6 +20,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
+try:  # llhttp, which uvicorn[standard] brings: chunked bodies decoded in C (`_Llhttp`)
+    import httptools
+except ImportError:  # pragma: no cover - uvicorn without [standard]: the Python decoder below
+    httptools = None
+
 if TYPE_CHECKING:
     from server.upstream import _Conn
 
@@ -96,6 +101,56 @@ async def _read_head(conn: _Conn, timeout: float) -> H1Response | None:
 
 
 _SIZE, _DATA, _CRLF, _TRAILER = range(4)  # chunked decoder states: size line, data, CRLF after data, trailers
+_CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+class _Llhttp:
+    """A chunked body decoded by llhttp (httptools' response parser, primed with a head that announces a
+    chunked body), when httptools is installed: the framing is parsed in C and each chunk's data arrives
+    by `on_body`. The Python loop (`H1Response._take_chunked`) cost ≈ 7k instructions per chunk — a
+    relayed stream has one per token — this ≈ 1/4 of that.
+
+    Same results on well-formed framing, chunk extensions and trailers included; on malformed framing
+    both raise `RemoteProtocolError`, llhttp on a few more inputs than the loop (whitespace or a `0x`
+    prefix around a chunk size, which int() tolerates; no HTTP server writes them). Bytes after the last
+    chunk (none on a well-behaved keep-alive connection) set `extra`: the connection is then closed, not
+    reused, as with the loop (which leaves them in the buffer)."""
+
+    __slots__ = ("done", "extra", "parser", "parts")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.done = False
+        self.extra = False
+        self.parser = httptools.HttpResponseParser(self)
+        self.parser.feed_data(_CHUNKED_HEAD)
+
+    def on_body(self, body: bytes) -> None:
+        if not self.done:
+            self.parts.append(body)
+
+    def on_message_begin(self) -> None:
+        if self.done:  # a second message after ours
+            self.extra = True
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+    def take(self, buf: bytearray) -> bytes:
+        """Decode all of `buf` (emptied, unless bytes follow the last chunk); the data bytes."""
+        try:
+            self.parser.feed_data(buf)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if not self.done:
+                raise httpx.RemoteProtocolError(f"bad chunked body: {exc}") from None
+            self.extra = True
+        if not self.extra:
+            buf.clear()
+        parts = self.parts
+        if not parts:
+            return b""
+        self.parts = []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _chunk_size(buf: bytearray, pos: int, eol: int) -> int:
@@ -118,6 +173,7 @@ class H1Response:
         "_done",
         "_keep",
         "_left",
+        "_llhttp",
         "_state",
         "_timeout",
         "headers",
@@ -139,8 +195,9 @@ class H1Response:
         self._left = length  # bytes of body left; None → chunked; -1 → until close
         self._keep = keep
         self._timeout = timeout
-        self._state = _SIZE  # chunked decoder state
+        self._state = _SIZE  # chunked decoder state (the Python loop's)
         self._chunk_left = 0
+        self._llhttp = _Llhttp() if length is None and httptools is not None else None
         self._done = length == 0
         if self._done:
             self._finish()
@@ -229,7 +286,13 @@ class H1Response:
             return b""
         left = self._left
         if left is None:
-            return self._take_chunked(buf)
+            dec = self._llhttp
+            if dec is None:
+                return self._take_chunked(buf)
+            data = dec.take(buf)
+            if dec.done:
+                self._done = True
+            return data
         if left == -1:
             data = bytes(buf)
             buf.clear()

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.h1_response import _SIZE, H1Response
+from server import h1_response
+from server.h1_response import _SIZE, H1Response, _Llhttp
 from server.upstream import ConnectionPool
 
 Reply = list[bytes] | Callable[[asyncio.StreamWriter], Awaitable[None]]
@@ -309,24 +310,70 @@ def test_a_released_connection_goes_to_a_waiting_request() -> None:
     run(go())
 
 
+DECODERS = [pytest.param(True, id="llhttp"), pytest.param(False, id="python loop")]
+
+
+def _bare_chunked(llhttp: bool) -> H1Response:
+    resp = H1Response.__new__(H1Response)  # only the decoder state is used
+    resp._state, resp._chunk_left, resp._done, resp._left = _SIZE, 0, False, None
+    resp._llhttp = _Llhttp() if llhttp else None
+    return resp
+
+
+@pytest.mark.parametrize("llhttp", DECODERS)
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=6),
     st.lists(st.integers(min_value=1, max_value=50), min_size=1, max_size=30),
+    st.booleans(),
 )
-def test_chunked_decoder_is_split_invariant(pieces: list[bytes], cuts: list[int]) -> None:
+def test_chunked_decoder_is_split_invariant(llhttp: bool, pieces: list[bytes], cuts: list[int], ext: bool) -> None:
     """Whatever way the wire bytes are split into reads, the decoder yields the chunk data in order."""
-    wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\nx-trailer: 1\r\n\r\n"
-    resp = H1Response.__new__(H1Response)  # only the decoder state is used
-    resp._state, resp._chunk_left, resp._done, resp._left = _SIZE, 0, False, None
+    line = b"%x;ext=1\r\n" if ext else b"%x\r\n"
+    wire = b"".join(line % len(p) + p + b"\r\n" for p in pieces) + (b"0\r\nx-trailer: 1\r\n\r\n" if ext else b"0\r\n\r\n")
+    resp = _bare_chunked(llhttp)
     buf, got, at = bytearray(), [], 0
     for cut in [*cuts, len(wire)]:
         buf += wire[at : at + cut]
         at += cut
-        got.append(resp._take_chunked(buf))
+        got.append(resp._take(buf))
         if at >= len(wire):
             break
     assert b"".join(got) == b"".join(pieces) and resp._done and not buf
+
+
+@pytest.mark.parametrize("llhttp", DECODERS)
+@pytest.mark.parametrize(
+    "wire",
+    [b"zz\r\n", b"3\r\nabcd\r\n", b"3\r\nabc\r\n;x\r\n"],
+    ids=["not hex", "longer than its size", "an extension without a size"],
+)
+def test_chunked_decoders_refuse_malformed_framing(llhttp: bool, wire: bytes) -> None:
+    with pytest.raises(httpx.RemoteProtocolError):
+        _bare_chunked(llhttp)._take(bytearray(wire))
+
+
+@pytest.mark.parametrize("llhttp", DECODERS)
+def test_bytes_after_the_last_chunk_close_the_connection(llhttp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that writes past its chunked body cannot have the connection back: the next request
+    opens a new one (with either decoder)."""
+    if not llhttp:
+        monkeypatch.setattr(h1_response, "httptools", None)
+
+    async def go() -> None:
+        reply = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\nHTTP/1.1 junk"]
+        async with RawServer([reply, ok(b"second")]) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                assert (resp._llhttp is not None) is llhttp
+                assert await resp.aread() == b"hi"
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                assert await resp.aread() == b"second" and srv.connections == 2
+            finally:
+                await pool.aclose()
+
+    run(go())
 
 
 # ---------------------------------------------------------------------------------------------- push
