@@ -196,7 +196,7 @@ class RelayResponse(StreamingResponse):
         on_close: Callable[[], Awaitable[None]],
         raw_headers: list[tuple[bytes, bytes]],
         status_code: int = 200,
-        push: Callable[[FastCycle], Awaitable[None]] | None = None,
+        push: Callable[[FastCycle], Awaitable[bytes]] | None = None,
     ) -> None:
         # Headers come ready-made (`server.responses.relay_headers`): Starlette's `init_headers` would
         # encode and scan a header dict per stream.
@@ -218,13 +218,15 @@ class RelayResponse(StreamingResponse):
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
             cycle = getattr(send, "__self__", None)
+            last = b""
             if self._push is not None and isinstance(cycle, FastCycle):
-                await self._push(cycle)  # the body written from the worker's reads (`StreamSession.push`)
+                # the body written from the worker's reads (`StreamSession.push`), but its last bytes
+                last = await self._push(cycle)
             else:
                 async for chunk in self.body_iterator:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             exhausted = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": last, "more_body": False})
         except asyncio.CancelledError:
             if not watch.disconnected:
                 raise

@@ -202,6 +202,11 @@ class H1Response:
         if self._done:
             self._finish()
 
+    def bound_gaps(self, timeout: float) -> None:
+        """Bound each later wait for body bytes by `timeout`. The head and a stream's first event wait with
+        the request's budget (`ConnectionPool.post(head_timeout=)`), the gaps after it with the stall timeout."""
+        self._timeout = timeout
+
     def aiter_raw(self) -> _BodyIter:
         """The body as it arrives (chunked framing removed, no content decoding)."""
         return _BodyIter(self)
@@ -249,8 +254,14 @@ class H1Response:
         self._finish()
         return b""
 
-    async def push(self, deliver: Callable[[bytes], bool]) -> bool:
-        """Hand the body to `deliver` as it arrives, called from the connection's `data_received`: a relay
+    @property
+    def ended(self) -> bool:
+        """The body was read to its end (the last piece read was the last)."""
+        return self._done
+
+    async def push(self, deliver: Callable[[bytes, bool], bool]) -> bool:
+        """Hand the body to `deliver(data, last)` as it arrives (`last`: the body ends with it, so a relay
+        can send it with the end of its own response), called from the connection's `data_received`: a relay
         writes each piece on without a task wake-up, a future and a coroutine-chain resume per read (the
         bulk of a relayed chunk's cost when `async for` pulls it). True at the end of the body; False when
         `deliver` returned False (a pause: e.g. the client's socket is full), after which `push` may be
@@ -261,7 +272,7 @@ class H1Response:
             if conn is None:
                 raise httpx.ReadError("response closed")
             data = self._take(conn.buf)  # what arrived while nobody was listening
-            if data and not deliver(data):
+            if data and not deliver(data, self._done):
                 return False
             if self._done:
                 break
@@ -382,7 +393,7 @@ class _Pusher:
 
     __slots__ = ("_conn", "_deliver", "_resp", "error", "paused")
 
-    def __init__(self, resp: H1Response, conn: _Conn, deliver: Callable[[bytes], bool]) -> None:
+    def __init__(self, resp: H1Response, conn: _Conn, deliver: Callable[[bytes, bool], bool]) -> None:
         self._resp, self._conn, self._deliver = resp, conn, deliver
         self.error: BaseException | None = None
         self.paused = False
@@ -391,7 +402,7 @@ class _Pusher:
         conn, resp = self._conn, self._resp
         try:
             data = resp._take(conn.buf)
-            if data and not self._deliver(data):
+            if data and not self._deliver(data, resp._done):
                 self.paused = True
             elif not resp._done:
                 conn.restart_deadline(resp._timeout)

@@ -174,19 +174,26 @@ class StreamSession:
     def can_push(self) -> bool:
         return isinstance(self.resp, H1Response)
 
-    async def push(self, cycle: FastCycle) -> None:
-        """`body()`'s relay written straight to `cycle` (class docstring); returns when the stream ended
-        (the caller sends the final empty chunk). Pauses reading the worker while the client's socket is
-        full, where `body()`'s consumer would wait in `send`."""
+    async def push(self, cycle: FastCycle) -> bytes:
+        """`body()`'s relay written straight to `cycle` (class docstring); returns, when the stream ended,
+        the last bytes to send with the end of the response (the caller's final `send`: one write, where
+        `body()`'s consumer writes the last piece and the response's end apart). Pauses reading the worker
+        while the client's socket is full, where `body()`'s consumer would wait in `send`."""
         resp = self.resp
         assert isinstance(resp, H1Response)
         step, check_total, write = self._step, self._check_total, cycle.write
+        pending = b""  # the stream's last piece, held for the final write
 
-        def deliver(chunk: bytes) -> bool:
+        def deliver(chunk: bytes, last: bool) -> bool:
+            nonlocal pending
             if cycle.disconnected:  # the watch cancels the task: nothing is relayed or measured from here
                 return True
             out = step(chunk)
             if not out:
+                return True
+            if last:
+                pending = out
+                check_total()
                 return True
             more = write(out)
             check_total()
@@ -195,20 +202,24 @@ class StreamSession:
         outcome = Outcome.WORKER_ERROR
         try:
             out = self._begin()
-            if out and not write(out):
+            if resp.ended:  # the whole stream came with the first read
+                pending = out
+            elif out and not write(out):
                 await cycle.drain()
             while not await resp.push(deliver):
                 await cycle.drain()
-            write(self._end())
+            last = pending + self._end()
             outcome = Outcome.COMPLETED
         except (httpx.HTTPError, TimeoutError) as exc:
-            write(self._failed(exc))
+            write(pending)
+            last = self._failed(exc)
             outcome = Outcome.WORKER_ERROR
         except BaseException:
             outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
             await self._close(outcome)
+        return last
 
     async def close(self) -> None:
         """Called by the response however it ends; a no-op after the body's own close."""

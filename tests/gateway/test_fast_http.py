@@ -251,11 +251,20 @@ def test_a_stream_from_a_pooled_worker_is_pushed_on_the_fast_cycle_with_the_same
     pushed: list[int] = []
     original = StreamSession.push
 
-    async def counting_push(self: StreamSession, cycle: FastCycle) -> None:
+    async def counting_push(self: StreamSession, cycle: FastCycle) -> bytes:
         pushed.append(1)
-        await original(self, cycle)
+        return await original(self, cycle)
 
     monkeypatch.setattr(StreamSession, "push", counting_push)
+    finals: list[bytes] = []  # bodies of the fast cycle's last send per response
+    original_send = FastCycle.send
+
+    async def recording_send(self: FastCycle, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            finals.append(message.get("body", b""))
+        await original_send(self, message)
+
+    monkeypatch.setattr(FastCycle, "send", recording_send)
 
     def normalised(body: bytes) -> list[Any]:
         events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
@@ -272,6 +281,8 @@ def test_a_stream_from_a_pooled_worker_is_pushed_on_the_fast_cycle_with_the_same
                 (answers[target],) = await exchange(running, request(target, completion(stream=True, max_tokens=12)))
                 assert len(pushed) == before + (target == FAST)
             assert answers[FAST][0] == answers[SLOW][0]
+            # the stream's last piece goes with the end of the response (one write): [DONE] in the final send
+            assert len(finals) == 1 and finals[0].endswith(b"data: [DONE]\n\n")  # the slow path is uvicorn's
             fast, slow = normalised(answers[FAST][1]), normalised(answers[SLOW][1])
             assert fast == slow and len(fast) == 13 and fast[-1] == b"[DONE]"
             assert all("usage" not in e for e in fast[:-1])

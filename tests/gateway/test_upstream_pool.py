@@ -377,12 +377,16 @@ def test_bytes_after_the_last_chunk_close_the_connection(llhttp: bool, monkeypat
 
 
 # ---------------------------------------------------------------------------------------------- push
-def _collector(pause_on: set[int] | None = None) -> tuple[list[bytes], Callable[[bytes], bool]]:
-    """A `deliver` for `H1Response.push` that records what it gets; False (pause) on the given calls."""
+def _collector(pause_on: set[int] | None = None) -> tuple[list[bytes], Callable[[bytes, bool], bool]]:
+    """A `deliver` for `H1Response.push` that records what it gets (and that only the last piece is
+    marked last); False (pause) on the given calls."""
     got: list[bytes] = []
+    lasts: list[bool] = []
 
-    def deliver(data: bytes) -> bool:
+    def deliver(data: bytes, last: bool) -> bool:
+        assert not any(lasts), "a piece after the last"
         got.append(data)
+        lasts.append(last)
         return len(got) not in (pause_on or set())
 
     return got, deliver
@@ -495,7 +499,7 @@ def test_push_raises_what_deliver_raises_in_the_waiting_task() -> None:
             try:
                 resp = await pool.post(srv.url, b"{}", HEADERS)
 
-                def deliver(data: bytes) -> bool:
+                def deliver(data: bytes, last: bool) -> bool:
                     raise TimeoutError("total timeout")  # what the relay raises past total_timeout_s
 
                 with pytest.raises(TimeoutError, match="total timeout"):
