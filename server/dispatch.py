@@ -18,8 +18,9 @@ Per request:
    an OpenAI error event and `data: [DONE]`. Non-streaming answers are returned whole.
 
 Timeouts: `first_token_timeout_s` bounds dispatch → first byte of a stream (prefill hop included);
-`total_timeout_s` bounds a whole non-streaming request and is checked between stream chunks;
-`stall_timeout_s` (the client's read timeout) bounds every gap between chunks.
+`total_timeout_s` bounds a whole non-streaming request (its headers come only when generation ends, so
+the wait for them gets that budget) and is checked between stream chunks; `stall_timeout_s` (the client's
+read timeout) bounds every gap between a stream's chunks and the read of a body once its headers came.
 
 Client disconnects: while waiting for the first byte, a `DisconnectWatch` cancels the work (the upstream
 connection is closed, which aborts the request in vLLM) — pushed by `server.fast_http`'s cycle at once,
@@ -57,6 +58,7 @@ from server.deadlines import TaskTimeouts
 from server.errors import Cause, GatewayError
 from server.failure import DisconnectWatch, Lease, RelayResponse, UpstreamFailure, classify
 from server.footprint import ParsedRequest, route_request
+from server.h1_response import H1Response
 from server.metrics import GatewayMetrics
 from server.proxy import (
     RETRYABLE_STATUSES,
@@ -302,7 +304,9 @@ class Dispatcher:
                     params = await self._prefill(decision, parsed, path, headers, lease)
                 body = self._decode_body(parsed, params)
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
-                resp = await self.upstream.post(decode.url, path, body, headers)
+                # the headers wait gets the request's own budget, not the stall timeout: a non-streaming
+                # answer's first byte comes only when generation ends
+                resp = await self.upstream.post(decode.url, path, body, headers, timeout)
                 try:
                     if resp.status_code != 200 or not parsed.stream:
                         content = await resp.aread()
@@ -312,6 +316,8 @@ class Dispatcher:
                     first = await anext(chunks, b"")
                     if not first:
                         raise UpstreamFailure(decode.id, "protocol")  # closed before any event
+                    if isinstance(resp, H1Response):  # (an injected test transport keeps one read timeout)
+                        resp.bound_gaps(self.limits.stall_timeout_s)
                 except BaseException:
                     with anyio.CancelScope(shield=True):
                         await resp.aclose()
@@ -347,8 +353,9 @@ class Dispatcher:
         assert worker is not None
         ticket = lease.track(worker.id, parsed.prompt_tokens)
         try:
-            with self.timeouts.timeout(self.limits.first_token_timeout_s / 2):
-                resp = await self.upstream.post(worker.url, path, prefill_body(parsed.data()), headers)
+            budget = self.limits.first_token_timeout_s / 2
+            with self.timeouts.timeout(budget):
+                resp = await self.upstream.post(worker.url, path, prefill_body(parsed.data()), headers, budget)
                 try:
                     content = await resp.aread()
                 finally:

@@ -71,14 +71,22 @@ class Upstream:
         }
 
     async def post(
-        self, base: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
+        self,
+        base: str,
+        path: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        head_timeout: float | None = None,
     ) -> UpstreamResponse:
         """POST and return once the response headers arrived; the body is read (or streamed) by the caller,
-        who must `aclose()` the response."""
+        who must `aclose()` the response. `head_timeout` bounds the wait for the headers (default: the
+        stall timeout); the caller passes the request's own budget, since a non-streaming vLLM answer
+        sends nothing until generation ends."""
         if self.transport is None:
-            return await self.pool.post(base + path, body, headers)
+            return await self.pool.post(base + path, body, headers, head_timeout)
+        timeouts = self._timeouts if head_timeout is None else {**self._timeouts, "read": head_timeout}
         request = httpx.Request(
-            "POST", base + path, headers=headers, content=body, extensions={"timeout": self._timeouts}
+            "POST", base + path, headers=headers, content=body, extensions={"timeout": timeouts}
         )
         response = await self.transport.handle_async_request(request)
         response.request = request

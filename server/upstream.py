@@ -18,7 +18,7 @@ identity). Errors are httpx's exception classes, so callers classify them as bef
 |---|---|
 | cannot connect / connection refused | `httpx.ConnectError` / `httpx.ConnectTimeout` after `connect_timeout_s` |
 | no connection free within `pool_timeout_s` (`max_per_origin` in use) | `httpx.PoolTimeout` |
-| no byte for `read_timeout_s` (up to 1/8 more, at most 1 s) while waiting for headers or body | `httpx.ReadTimeout` |
+| no byte for `read_timeout_s` (up to 1/8 more, at most 1 s) while waiting for the body, or for the headers beyond `post(head_timeout=)` | `httpx.ReadTimeout` |
 | reset while reading | `httpx.ReadError` |
 | closed before a complete response, malformed response | `httpx.RemoteProtocolError` |
 
@@ -252,8 +252,14 @@ class ConnectionPool:
             target = self._targets[url] = (origin, head)
         return target
 
-    async def post(self, url: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> H1Response:
-        """POST `body` to `url`; returns once the response's headers arrived (module docstring)."""
+    async def post(
+        self, url: str, body: bytes, headers: list[tuple[bytes, bytes]], head_timeout: float | None = None
+    ) -> H1Response:
+        """POST `body` to `url`; returns once the response's headers arrived (module docstring).
+
+        `head_timeout` bounds the wait for the headers (default `read_timeout_s`): a non-streaming answer
+        sends its first byte only when generation ends, so the caller gives the request's own budget."""
+        head_timeout = self.read_timeout_s if head_timeout is None else head_timeout
         origin, head = self._target(url)
         parts = [head]  # one join of a list (a generator unpacked into a tuple costs a frame per header)
         for k, v in headers:
@@ -262,20 +268,20 @@ class ConnectionPool:
         request = b"".join(parts)
         conn = await self._acquire(origin)
         try:
-            return await self._exchange(conn, request)
+            return await self._exchange(conn, request, head_timeout)
         except _Reset:
             conn = await self._acquire(origin, fresh=True)
             try:
-                return await self._exchange(conn, request)
+                return await self._exchange(conn, request, head_timeout)
             except _Reset:
                 raise httpx.RemoteProtocolError("Server disconnected without sending a response.") from None
 
-    async def _exchange(self, conn: _Conn, request: bytes) -> H1Response:
+    async def _exchange(self, conn: _Conn, request: bytes, head_timeout: float) -> H1Response:
         try:
             assert conn.transport is not None
             conn.transport.write(request)
             while True:
-                resp = await _read_head(conn, self.read_timeout_s)
+                resp = await _read_head(conn, head_timeout)
                 if resp is not None:
                     return resp
         except BaseException:
