@@ -110,9 +110,7 @@ def _request_headers(scope: Scope) -> tuple[str | None, str | None, str | None]:
 def internal_error(request_id: str | None = None) -> Response:
     """The last-resort answer to an error nobody handled: 500 in OpenAI's shape (`type` as vLLM's own
     `InternalServerError`, `code` the status, as `server.errors` writes every other cause)."""
-    body = {"error": {"message": "Internal gateway error", "type": "InternalServerError", "param": None, "code": 500}}
-    headers = {"X-Request-Id": request_id} if request_id else None
-    return JSONResponse(body, status_code=500, headers=headers)
+    return GatewayError(Cause.INTERNAL, "Internal gateway error").to_response(request_id)
 
 
 _RID_KEY = "mosaic.request_id"  # where `RequestIdMiddleware` leaves the id in the ASGI scope

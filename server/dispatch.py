@@ -104,6 +104,11 @@ class RequestRecord:
     task: asyncio.Task[Any] | None = None  # the task serving it (set by `Dispatcher.handle`)
 
 
+
+def _token_count(value: Any) -> int:
+    """A usage count from a worker's answer: a non-negative int, else 0."""
+    return value if type(value) is int and value > 0 else 0
+
 class Dispatcher:
     def __init__(
         self,
@@ -169,9 +174,7 @@ class Dispatcher:
         except Exception as exc:
             log.error("request %s failed: %r", rec.request_id, exc, exc_info=exc)
             self.finish(rec, 500, Outcome.WORKER_ERROR)
-            return GatewayError(Cause.UPSTREAM_UNAVAILABLE, "Internal gateway error").to_response(
-                rec.request_id
-            )
+            return GatewayError(Cause.INTERNAL, "Internal gateway error").to_response(rec.request_id)
         finally:
             watch.done = True  # from here on a disconnect must not cancel this task
             watch.stop()
@@ -203,9 +206,9 @@ class Dispatcher:
         if e2e is not None:
             e2e.observe(now - rec.arrival)
         used = 0
-        if usage:
-            prompt = int(usage.get("prompt_tokens") or 0)
-            gen = int(usage.get("completion_tokens") or 0)
+        if usage:  # the worker's numbers: anything but a count ≥ 0 counts as 0 (a counter cannot go down)
+            prompt = _token_count(usage.get("prompt_tokens"))
+            gen = _token_count(usage.get("completion_tokens"))
             prompt_tokens.inc(prompt)
             generation_tokens.inc(gen)
             used = prompt + gen
@@ -259,7 +262,9 @@ class Dispatcher:
                 return await self._attempt(decision, parsed, path, rec, lease)
             except UpstreamFailure as failure:
                 lease.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
-                if failure.kind not in ("pool_timeout", "removed"):
+                if failure.status == 429:  # busy, not broken: retried elsewhere, but no mark on its breaker
+                    self.registry.report_success(failure.worker_id)
+                elif failure.kind not in ("pool_timeout", "removed"):
                     self.registry.report_failure(failure.worker_id, failure.kind, failure.hard)
                 exclude.add(failure.worker_id)
                 last = failure
@@ -282,7 +287,9 @@ class Dispatcher:
     def _give_up(self, rec: RequestRecord, failure: UpstreamFailure) -> Response:
         if failure.status is not None:  # the worker answered: its body passes through unchanged
             self.finish(rec, failure.status, Outcome.FAILED_BEFORE_FIRST_BYTE)
-            return PassthroughResponse(failure.body, failure.status, rec.request_id, failure.content_type)
+            return PassthroughResponse(
+                failure.body, failure.status, rec.request_id, failure.content_type, failure.retry_after
+            )
         cause = Cause.UPSTREAM_TIMEOUT if failure.is_timeout else Cause.UPSTREAM_UNAVAILABLE
         err = GatewayError(
             cause, f"Upstream worker failed before responding ({failure.kind}); retries exhausted."
@@ -392,7 +399,12 @@ class Dispatcher:
         ctype = resp.headers.get("content-type", "application/json")
         if status in RETRYABLE_STATUSES:
             raise UpstreamFailure(
-                worker_id, f"status_{status}", status=status, body=content, content_type=ctype
+                worker_id,
+                f"status_{status}",
+                status=status,
+                body=content,
+                content_type=ctype,
+                retry_after=resp.headers.get("retry-after"),
             )
         if status >= 500:
             self.registry.report_failure(worker_id, f"status_{status}")

@@ -37,6 +37,7 @@ class Cause(StrEnum):
     SHUTTING_DOWN = "shutting_down"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    INTERNAL = "internal_error"  # a bug in the gateway, not the worker's doing
 
 
 # cause → (HTTP status, OpenAI error `type`); a test iterates this table.
@@ -56,6 +57,7 @@ ERROR_TABLE: dict[Cause, tuple[int, str]] = {
     Cause.UPSTREAM_UNAVAILABLE: (502, "BadGatewayError"),
     Cause.UPSTREAM_TIMEOUT: (504, "GatewayTimeoutError"),
     Cause.SHUTTING_DOWN: (503, "ServiceUnavailableError"),
+    Cause.INTERNAL: (500, "InternalServerError"),
 }
 
 # Causes whose `code` is a stable string rather than the status number (OpenAI uses strings here too).

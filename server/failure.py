@@ -49,6 +49,7 @@ class UpstreamFailure(Exception):
     status: int | None = None  # the worker's status, when it answered
     body: bytes = b""  # the worker's error body, passed through if retries run out
     content_type: str = "application/json"
+    retry_after: str | None = None  # the worker's Retry-After, kept if its 429/503 is passed through
 
     def __str__(self) -> str:
         return f"{self.worker_id}: {self.kind}"

@@ -47,6 +47,8 @@ class FakeWorker:
     paths: list[str] = field(default_factory=list)
     health_ok: bool = True
     aborted: int = 0  # streams the gateway closed before the end
+    retry_after: str | None = None  # sent with a `status` answer
+    usage: dict[str, Any] | None = None  # replaces the usage of whole (non-streaming) answers
 
     @property
     def url(self) -> str:
@@ -74,7 +76,8 @@ class FakeWorker:
                     "code": self.status,
                 }
             }
-            return httpx.Response(self.status, json=err)
+            headers = {"retry-after": self.retry_after} if self.retry_after is not None else None
+            return httpx.Response(self.status, json=err, headers=headers)
         if self.mode == "stall":
             await asyncio.sleep(3600)
         chat = path.endswith("chat/completions")
@@ -115,7 +118,9 @@ class FakeWorker:
             "object": "chat.completion" if chat else "text_completion",
             "model": self.model,
             "choices": [choice],
-            "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+            "usage": self.usage
+            if self.usage is not None
+            else {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
         }
 
     async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
