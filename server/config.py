@@ -166,6 +166,9 @@ class PoolConfig(_Strict):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     # network domain (rack / RDMA group / zone) of workers whose endpoint gives none (pd-domain-affinity)
     domain: str | None = Field(default=None, min_length=1)
+    # env var holding the key the pool's vLLM servers were started with (`vllm serve --api-key`): sent to
+    # them as `Authorization: Bearer …` (clients' own keys are the gateway's and never go upstream)
+    api_key_env: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _replica_bounds(self) -> PoolConfig:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -53,7 +54,7 @@ from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome, Reject
 from server.admission import AdmissionQueue
 from server.auth import RateLimiter
-from server.config import MosaicConfig
+from server.config import ConfigError, MosaicConfig
 from server.deadlines import TaskTimeouts
 from server.errors import Cause, GatewayError
 from server.failure import DisconnectWatch, Lease, RelayResponse, UpstreamFailure, classify
@@ -105,6 +106,23 @@ class RequestRecord:
 
 
 
+
+def worker_auth_headers(config: MosaicConfig) -> dict[str, tuple[bytes, bytes]]:
+    """Pool → the `Authorization` header its workers expect (`pools[].api_key_env`), read once at start.
+
+    A named variable that is unset or empty is a config error: every request to that pool would get 401."""
+    out: dict[str, tuple[bytes, bytes]] = {}
+    for pool in config.pools:
+        if pool.api_key_env is None:
+            continue
+        key = os.environ.get(pool.api_key_env, "").strip()
+        if not key:
+            raise ConfigError(
+                f"pools[{pool.name}].api_key_env: environment variable {pool.api_key_env} is unset or empty"
+            )
+        out[pool.name] = (b"authorization", b"Bearer " + key.encode("latin-1"))
+    return out
+
 def _token_count(value: Any) -> int:
     """A usage count from a worker's answer: a non-negative int, else 0."""
     return value if type(value) is int and value > 0 else 0
@@ -138,6 +156,7 @@ class Dispatcher:
         self.outcomes: dict[str, int] = {}  # terminal outcomes by name (tests and /admin read it)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._finish_children: dict[tuple[str, str, int, str, str | None], _OutcomeChildren] = {}
+        self._worker_auth = worker_auth_headers(config)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, memoised: prometheus_client's `labels()` validates and takes a lock on
@@ -313,7 +332,10 @@ class Dispatcher:
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
                 # the headers wait gets the request's own budget, not the stall timeout: a non-streaming
                 # answer's first byte comes only when generation ends
-                resp = await self.upstream.post(decode.url, path, body, headers, timeout)
+                auth = self._worker_auth.get(decode.pool)
+                resp = await self.upstream.post(
+                    decode.url, path, body, headers if auth is None else [*headers, auth], timeout
+                )
                 try:
                     if resp.status_code != 200 or not parsed.stream:
                         content = await resp.aread()
@@ -362,7 +384,10 @@ class Dispatcher:
         try:
             budget = self.limits.first_token_timeout_s / 2
             with self.timeouts.timeout(budget):
-                resp = await self.upstream.post(worker.url, path, prefill_body(parsed.data()), headers, budget)
+                auth = self._worker_auth.get(worker.pool)
+                resp = await self.upstream.post(
+                    worker.url, path, prefill_body(parsed.data()), headers if auth is None else [*headers, auth], budget
+                )
                 try:
                     content = await resp.aread()
                 finally:

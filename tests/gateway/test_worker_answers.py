@@ -77,3 +77,51 @@ def test_a_workers_503_still_counts_against_its_breaker() -> None:
             assert record.breaker.trips == 1  # two failures at threshold 2: ejected
 
     run(body)
+
+
+def test_workers_started_with_an_api_key_get_it_and_never_the_clients_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PREFILL_KEY", "sk-prefill")
+    monkeypatch.setenv("DECODE_KEY", " sk-decode\n")  # as a mounted Secret file often has it
+    prefill, decode, mixed = FakeWorker("p"), FakeWorker("d"), FakeWorker("m")
+    cfg = config(
+        pool("prefill-h100", "H100", "prefill", prefill, api_key_env="PREFILL_KEY"),
+        pool("decode-a100", "A100-80GB", "decode", decode, api_key_env="DECODE_KEY"),
+        pool("mixed-l4", "L4", "mixed", mixed),
+        auth={"api_keys": ["gateway-key"]},
+        routing={"policy": "round-robin", "pd_threshold_tokens": 16},
+    )
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(prefill, decode, mixed)) as (client, _gw):
+            for _ in range(6):
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json=chat("word " * 50),
+                    headers={"Authorization": "Bearer gateway-key"},
+                )
+                assert r.status_code == 200, r.text
+
+    run(body)
+    assert prefill.headers_seen and decode.headers_seen and mixed.headers_seen  # every pool was used
+    assert {h.get("authorization") for h in prefill.headers_seen} == {"Bearer sk-prefill"}
+    assert {h.get("authorization") for h in decode.headers_seen} == {"Bearer sk-decode"}
+    assert {h.get("authorization") for h in mixed.headers_seen} == {None}
+
+
+def test_a_pool_key_variable_that_is_unset_stops_the_gateway_with_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from server.app import create_app
+    from server.config import ConfigError
+
+    monkeypatch.delenv("NO_SUCH_KEY", raising=False)
+    worker = FakeWorker("w")
+    with pytest.raises(
+        ConfigError, match=r"pools\[l4\]\.api_key_env: environment variable NO_SUCH_KEY is unset"
+    ):
+        create_app(
+            config(pool("l4", "L4", "mixed", worker, api_key_env="NO_SUCH_KEY")),
+            transport=FakeFleet(worker).transport,
+        )
