@@ -185,22 +185,30 @@ class StreamSession:
         while the client's socket is full, where `body()`'s consumer would wait in `send`."""
         resp = self.resp
         assert isinstance(resp, H1Response)
-        step, check_total, write = self._step, self._check_total, cycle.write
+        write, feed, clock, observe, on_tokens = cycle.write, self.relay.feed, self._clock, self._itl.observe, self.lease.on_tokens
+        deadline = self._deadline
         pending = b""  # the stream's last piece, held for the final write
 
         def deliver(chunk: bytes, last: bool) -> bool:
+            # `_step` and `_check_total` written out: this runs once per read from the worker
             nonlocal pending
             if cycle.disconnected:  # the watch cancels the task: nothing is relayed or measured from here
                 return True
-            out = step(chunk)
+            out = feed(chunk)
             if not out:
                 return True
+            now = clock()
+            observe(now - self._last)
+            self._last = now
+            self._generated += out.count(b"data: ")
+            on_tokens(self._generated, now)
             if last:
                 pending = out
-                check_total()
-                return True
-            more = write(out)
-            check_total()
+                more = True
+            else:
+                more = write(out)
+            if now > deadline:
+                self._check_total()
             return more
 
         outcome = Outcome.WORKER_ERROR

@@ -109,8 +109,9 @@ class _Conn(asyncio.Protocol):
             self._waiter = None
 
     def restart_deadline(self, timeout: float) -> None:
-        """The current `more()` wait starts over (a pusher delivered bytes): `timeout` from now."""
-        self.origin.deadlines.add(self, time.monotonic() + timeout, timeout)
+        """The current `more()` wait starts over (a pusher delivered bytes): `timeout` from now. The wait
+        registered the connection and armed the sweep already: only its deadline moves (once per read)."""
+        self.origin.deadlines.waiting[self] = (time.monotonic() + timeout, timeout)
 
     def expire(self, timeout: float) -> None:
         w = self._waiter
@@ -129,29 +130,29 @@ class _Deadlines:
     instead of a timer per wait (a stream waits once per chunk). A wait times out between `timeout` and
     `timeout + period` seconds; the pool uses period = min(1 s, timeout / 8)."""
 
-    __slots__ = ("_handle", "_waiting", "period")
+    __slots__ = ("_handle", "period", "waiting")
 
     def __init__(self, period: float) -> None:
         self.period = period
-        self._waiting: dict[_Conn, tuple[float, float]] = {}  # conn → (deadline, timeout)
+        self.waiting: dict[_Conn, tuple[float, float]] = {}  # conn → (deadline, timeout)
         self._handle: asyncio.TimerHandle | None = None
 
     def add(self, conn: _Conn, deadline: float, timeout: float) -> None:
-        self._waiting[conn] = (deadline, timeout)
+        self.waiting[conn] = (deadline, timeout)
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(self.period, self._sweep)
 
     def discard(self, conn: _Conn) -> None:
-        self._waiting.pop(conn, None)
+        self.waiting.pop(conn, None)
 
     def _sweep(self) -> None:
         self._handle = None
         now = time.monotonic()
-        for conn, (deadline, timeout) in list(self._waiting.items()):
+        for conn, (deadline, timeout) in list(self.waiting.items()):
             if now >= deadline:
-                del self._waiting[conn]
+                del self.waiting[conn]
                 conn.expire(timeout)
-        if self._waiting:
+        if self.waiting:
             self._handle = asyncio.get_running_loop().call_later(self.period, self._sweep)
 
     def close(self) -> None:
