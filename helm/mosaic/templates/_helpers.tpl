@@ -104,6 +104,20 @@ app.kubernetes.io/component: controller
 {{- if or .Values.vllm.hfToken.existingSecret .Values.vllm.hfToken.value }}true{{ end }}
 {{- end }}
 
+{{/* Env entries for the gateway and the controller: each keyed pool's variable (`api_key_env` in the
+config) from the pool's Secret, the same key its vLLM containers get as VLLM_API_KEY. */}}
+{{- define "mosaic.poolApiKeyEnv" -}}
+{{- range (include "mosaic.pools" . | fromYaml).pools }}
+{{- if .apiKeyEnv }}
+- name: {{ .apiKeyEnv }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .apiKey.existingSecret }}
+      key: {{ .apiKey.key }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Prometheus operator CRDs replace the plain scrape annotations when enabled. */}}
 {{- define "mosaic.scrapeAnnotations" -}}
 {{- $root := index . 0 -}}
@@ -154,6 +168,12 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- if hasKey $p "simulated" }}{{ $sim = $p.simulated }}{{ end }}
 {{- $_ := set $pool "simulated" $sim }}
 {{- $_ := set $pool "fullname" $name }}
+{{- /* apiKey.existingSecret: the pool's vLLM servers require that key; the gateway (and the controller, which
+builds the gateway's registry and so checks it at start) read it from `apiKeyEnv`. Pool names are DNS labels,
+so upper-casing and `-` → `_` gives each pool its own variable name. */}}
+{{- if ($pool.apiKey | default dict).existingSecret }}
+{{- $_ := set $pool "apiKeyEnv" (printf "MOSAIC_POOL_%s_API_KEY" ($pool.name | upper | replace "-" "_")) }}
+{{- end }}
 {{- $deployments := list (dict "name" $name) }}
 {{- with $pool.domains }}
 {{- $label := $root.Values.gateway.discovery.domainLabel }}
@@ -243,6 +263,9 @@ HPA it is maxReplicas, the pessimistic share.
 {{- $_ := set $entry "gpu_memory_utilization" (float64 .gpuMemoryUtilization) }}
 {{- if not (kindIs "invalid" .costPerHour) }}
 {{- $_ := set $entry "cost_per_hour" (float64 .costPerHour) }}
+{{- end }}
+{{- with .apiKeyEnv }}
+{{- $_ := set $entry "api_key_env" . }}
 {{- end }}
 {{- $_ := set $entry "endpoints" (dict "kubernetes" $k8s) }}
 {{- $pools = append $pools $entry }}
