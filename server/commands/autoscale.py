@@ -123,8 +123,15 @@ async def standalone(
         def factory(initial: Mapping[str, int]) -> Any:
             return DryRunActuator(initial, keep=a.history)
 
-    # The gateway's registry and discovery, with its own in-process controller off (this process is it).
-    gw = Gateway(cfg.model_copy(update={"autoscaler": a.model_copy(update={"enabled": False})}))
+    # The gateway's registry and discovery, with its own in-process controller off (this process is it),
+    # and without the pools' vLLM keys: it only reads /health and /metrics, which vLLM does not guard.
+    pools = [p.model_copy(update={"api_key_env": None}) for p in cfg.pools]
+    try:
+        gw = Gateway(
+            cfg.model_copy(update={"autoscaler": a.model_copy(update={"enabled": False}), "pools": pools})
+        )
+    except ConfigError as exc:  # what only the built gateway checks (e.g. the KV section): one line, exit 2
+        fail(str(exc))
     scraper = (
         GatewayScraper(
             a.gateways, scrape_interval(a.gateways, a.interval_s), gw.metrics.registry, lister=gateway_lister,

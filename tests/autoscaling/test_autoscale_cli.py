@@ -203,3 +203,29 @@ def test_kubernetes_controller_patches_deployments_in_the_pod_namespace(
     assert sum(c[0] == "patch" for c in api.calls) == 1  # the second cycle reads 2 and leaves it
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(a["before"], a["after"], a["applied"]) for a in lines[0]["actions"]] == [(1, 2, True)]
+
+
+def test_controller_needs_no_vllm_key(tmp_path: Path, worker: RunningWorker) -> None:
+    # the pool's workers want a key the controller's environment does not have: it only reads /health and
+    # /metrics (which vLLM does not guard), so it starts and decides (mosaic serve would exit 2 here)
+    path = _write(
+        tmp_path,
+        _static(
+            {"actuator": "dry-run", "policy": "static:l4=2", "interval_s": 0.2},
+            endpoints={"static": [worker.url]},
+            api_key_env="MOSAIC_TEST_KEY_NOBODY_SET",
+        ),
+    )
+    mosaic = ROOT / ".venv" / "bin" / "mosaic"
+    cmd = [str(mosaic)] if mosaic.exists() else [sys.executable, "-m", "server.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "MOSAIC_TEST_KEY_NOBODY_SET"}
+    proc = subprocess.run(
+        [*cmd, "autoscale", "--config", path, "--cycles", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    (decision,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert decision["observation"]["pools"]["l4"]["ready"] == 1  # it scraped the worker

@@ -2,8 +2,8 @@
 gets it from a Secret on every vLLM container of the pool (per-domain Deployments included), and the gateway
 gets the same Secret key under the variable the config's `api_key_env` names, which Mosaic turns into the
 `Authorization: Bearer` header it sends that pool (server/dispatch.py `worker_auth_headers`). The controller
-gets the variables too: it builds the gateway's registry from the same config (server/commands/autoscale.py),
-and that refuses to start when a named variable is unset."""
+gets none: it sends workers no requests, and `mosaic autoscale` ignores api_key_env
+(tests/autoscaling/test_autoscale_cli.py)."""
 
 from __future__ import annotations
 
@@ -88,20 +88,20 @@ def test_the_gateway_gets_each_key_under_the_name_its_config_carries(chart: helm
     assert not [n for n in env if n.startswith("MOSAIC_POOL_") and n not in KEYED.values()]
 
 
-@pytest.mark.parametrize("component", ["gateway", "controller"])
 def test_the_pods_env_makes_the_headers_each_vllm_pool_expects(
-    chart: helm.Chart, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, component: str
+    chart: helm.Chart, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """End to end over the names: the variables the pod spec sets from the Secrets are the ones the config
-    names, and Mosaic sends each pool the key its vLLM containers got. The controller never sends them, but
-    builds the gateway's registry (autoscale.py, `Gateway(cfg)`), which runs this same check at start."""
+    """End to end over the names: the variables the gateway's pod spec sets from the Secrets are the ones
+    the config names, and Mosaic sends each pool the key its vLLM containers got; the controller has none."""
     rendered = _rendered(chart)
     config = rendered.load_config(tmp_path)
     for name in KEYED.values():
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="MOSAIC_POOL_H100_PREFILL_API_KEY is unset"):
         worker_auth_headers(config)  # what a pod without the variables would do: exit 2 at start
-    for name, value in _pod_env(container(rendered.get("Deployment", f"{RELEASE}-{component}"))).items():
+    controller_env = _pod_env(container(rendered.get("Deployment", f"{RELEASE}-controller")))
+    assert not [n for n in controller_env if n.startswith("MOSAIC_POOL_") or n == "VLLM_API_KEY"]
+    for name, value in _pod_env(container(rendered.get("Deployment", f"{RELEASE}-gateway"))).items():
         monkeypatch.setenv(name, value)
     vllm_keys = {
         pool: _pod_env(container(dep))["VLLM_API_KEY"]

@@ -104,7 +104,7 @@ app.kubernetes.io/component: controller
 {{- if or .Values.vllm.hfToken.existingSecret .Values.vllm.hfToken.value }}true{{ end }}
 {{- end }}
 
-{{/* Env entries for the gateway and the controller: each keyed pool's variable (`api_key_env` in the
+{{/* Env entries for the gateway: each keyed pool's variable (`api_key_env` in the
 config) from the pool's Secret, the same key its vLLM containers get as VLLM_API_KEY. */}}
 {{- define "mosaic.poolApiKeyEnv" -}}
 {{- range (include "mosaic.pools" . | fromYaml).pools }}
@@ -168,8 +168,7 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- if hasKey $p "simulated" }}{{ $sim = $p.simulated }}{{ end }}
 {{- $_ := set $pool "simulated" $sim }}
 {{- $_ := set $pool "fullname" $name }}
-{{- /* apiKey.existingSecret: the pool's vLLM servers require that key; the gateway (and the controller, which
-builds the gateway's registry and so checks it at start) read it from `apiKeyEnv`. Pool names are DNS labels,
+{{- /* apiKey.existingSecret: the pool's vLLM servers require that key; the gateway reads it from `apiKeyEnv`. Pool names are DNS labels,
 so upper-casing and `-` → `_` gives each pool its own variable name. */}}
 {{- if ($pool.apiKey | default dict).existingSecret }}
 {{- $_ := set $pool "apiKeyEnv" (printf "MOSAIC_POOL_%s_API_KEY" ($pool.name | upper | replace "-" "_")) }}
