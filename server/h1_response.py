@@ -116,25 +116,27 @@ class _Llhttp:
     chunk (none on a well-behaved keep-alive connection) set `extra`: the connection is then closed, not
     reused, as with the loop (which leaves them in the buffer)."""
 
-    __slots__ = ("done", "extra", "parser", "parts")
+    __slots__ = ("done", "end", "extra", "on_body", "parser", "parts")
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
+        # llhttp hands each chunk's data to `on_body`: the list's own append (a C call, no Python frame per
+        # chunk); what a second message after ours would add is cut off at `end` (see `take`)
+        self.on_body = self.parts.append
         self.done = False
+        self.end = 0  # len(parts) when the body ended
         self.extra = False
         self.parser = httptools.HttpResponseParser(self)
         self.parser.feed_data(_CHUNKED_HEAD)
-
-    def on_body(self, body: bytes) -> None:
-        if not self.done:
-            self.parts.append(body)
 
     def on_message_begin(self) -> None:
         if self.done:  # a second message after ours
             self.extra = True
 
     def on_message_complete(self) -> None:
-        self.done = True
+        if not self.done:
+            self.done = True
+            self.end = len(self.parts)
 
     def take(self, buf: bytearray) -> bytes:
         """Decode all of `buf` (emptied, unless bytes follow the last chunk); the data bytes."""
@@ -146,11 +148,15 @@ class _Llhttp:
             self.extra = True
         if not self.extra:
             buf.clear()
-        parts = self.parts
+        parts = self.parts  # the list `on_body` appends to: emptied in place, never replaced
         if not parts:
             return b""
-        self.parts = []
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        if self.done:
+            del parts[self.end :]
+            self.end = 0
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        parts.clear()
+        return data
 
 
 def _chunk_size(buf: bytearray, pos: int, eol: int) -> int:

@@ -354,14 +354,19 @@ def test_chunked_decoders_refuse_malformed_framing(llhttp: bool, wire: bytes) ->
 
 
 @pytest.mark.parametrize("llhttp", DECODERS)
-def test_bytes_after_the_last_chunk_close_the_connection(llhttp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "extra", [b"HTTP/1.1 junk", b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nbad"], ids=["junk", "a whole response"]
+)
+def test_bytes_after_the_last_chunk_close_the_connection(
+    llhttp: bool, extra: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker that writes past its chunked body cannot have the connection back: the next request
-    opens a new one (with either decoder)."""
+    opens a new one (with either decoder), and nothing after the body's end is taken as its data."""
     if not llhttp:
         monkeypatch.setattr(h1_response, "httptools", None)
 
     async def go() -> None:
-        reply = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\nHTTP/1.1 junk"]
+        reply = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n" + extra]
         async with RawServer([reply, ok(b"second")]) as srv:
             pool = ConnectionPool()
             try:
