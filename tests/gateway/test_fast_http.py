@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -305,3 +306,43 @@ def runner_config(time_scale: float) -> Any:
     pool = {"name": "sim", "model": "llama-3-8b", "gpu": "L4", "role": "mixed",
             "endpoints": {"simulated": {"replicas": 1, "time_scale": time_scale}}}
     return validate_config({"pools": [pool]})
+
+
+def test_a_pushed_stream_waits_for_a_slow_client_and_arrives_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that stops reading fills the gateway's socket buffer: the pushed relay stops reading the
+    worker (`FastCycle.write` → False, `drain()`), then resumes; every event arrives, in order, once."""
+    drains: list[bool] = []
+    original_drain = FastCycle.drain
+
+    async def counting_drain(self: FastCycle) -> None:
+        drains.append(self.protocol.flow.write_paused)
+        await original_drain(self)
+
+    monkeypatch.setattr(FastCycle, "drain", counting_drain)
+
+    async def go() -> None:
+        running = await start_gateway_server(runner_config(time_scale=1e9), "127.0.0.1", 0)
+        try:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # small windows both ways: the
+            sock.setblocking(False)  # gateway's own buffer fills while the client does not read
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", running.port))
+            reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+            writer.write(request(FAST, completion(stream=True, max_tokens=1500, ignore_eos=True)))
+            await writer.drain()
+            for proto in running.server.server_state.connections:
+                proto.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+            reader._transport.pause_reading()  # type: ignore[attr-defined]  # stop reading for a while
+            await asyncio.sleep(0.5)
+            reader._transport.resume_reading()  # type: ignore[attr-defined]
+            head, body = await read_response(reader)
+            writer.close()
+            await writer.wait_closed()
+            events = [e for e in body.split(b"\n\n") if e]
+            assert head.startswith(b"HTTP/1.1 200") and len(events) == 1501 and events[-1] == b"data: [DONE]"
+            assert any(drains), "the relay never found the client's socket full"
+            assert running.gateway.dispatcher.outcomes == {"completed": 1}
+        finally:
+            await running.stop()
+
+    run(go)
