@@ -300,12 +300,31 @@ def test_a_stream_from_a_pooled_worker_is_pushed_on_the_fast_cycle_with_the_same
     run(go)
 
 
-def runner_config(time_scale: float) -> Any:
+def runner_config(time_scale: float, **limits: float) -> Any:
     from server.config import validate_config
 
     pool = {"name": "sim", "model": "llama-3-8b", "gpu": "L4", "role": "mixed",
             "endpoints": {"simulated": {"replicas": 1, "time_scale": time_scale}}}
-    return validate_config({"pools": [pool]})
+    return validate_config({"pools": [pool], "limits": limits})
+
+
+def test_a_pushed_stream_past_the_total_timeout_ends_with_an_error_event() -> None:
+    """`total_timeout_s` is checked per relayed read on the pushed path too: the stream ends with
+    OpenAI's error event and [DONE], one worker_error outcome, the worker's request aborted."""
+
+    async def go() -> None:
+        # L4 decode ≈ 66 ms per token; at time scale 5 ≈ 13 ms: 200 tokens would take ≈ 2.6 s
+        running = await start_gateway_server(runner_config(time_scale=5, total_timeout_s=0.4), "127.0.0.1", 0)
+        try:
+            (answer,) = await exchange(running, request(FAST, completion(stream=True, max_tokens=200, ignore_eos=True)))
+            events = [e for e in answer[1].split(b"\n\n") if e]
+            assert 3 < len(events) < 100 and events[-1] == b"data: [DONE]"
+            assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == 502
+            assert running.gateway.dispatcher.outcomes == {"worker_error": 1}
+        finally:
+            await running.stop()
+
+    run(go)
 
 
 def test_a_pushed_stream_waits_for_a_slow_client_and_arrives_whole(monkeypatch: pytest.MonkeyPatch) -> None:
