@@ -52,6 +52,7 @@ from starlette.types import Receive
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome, Reject
+from scheduler.routing.scorers import estimated_ttft_s
 from server.admission import AdmissionQueue
 from server.auth import RateLimiter
 from server.config import ConfigError, MosaicConfig
@@ -329,7 +330,13 @@ class Dispatcher:
                 if decision.prefill is not None:
                     params = await self._prefill(decision, parsed, path, headers, lease)
                 body = self._decode_body(parsed, params)
-                lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
+                ticket = lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
+                if not parsed.stream and params is None:
+                    # No first byte to see before the whole answer: the prompt leaves this worker's prefill
+                    # backlog (est-ttft, the P/D gate) once its estimated TTFT has passed, not at the end.
+                    eta = estimated_ttft_s(decode, lease.req)
+                    if eta < self.limits.total_timeout_s:
+                        self.registry.prefill_ends_in(ticket, eta)
                 # the headers wait gets the request's own budget, not the stall timeout: a non-streaming
                 # answer's first byte comes only when generation ends
                 auth = self._worker_auth.get(decode.pool)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -228,6 +229,10 @@ class Registry:
         self._client = client or httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=64))
         self._pools: dict[str, _Pool] = {}
         self._workers: dict[str, WorkerRecord] = {}
+        # (when, seq, ticket): prompts whose prefill is estimated over then (non-streaming requests, whose
+        # first token the gateway never sees); retired lazily by `view()`, so no timer per request
+        self._prefill_ends: list[tuple[float, int, InflightTicket]] = []
+        self._prefill_seq = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self.on_refresh: list[Callable[[], None]] = []  # called after each scrape round (admission wake-up)
@@ -294,6 +299,9 @@ class Registry:
     # ------------------------------------------------------------------ the view
     def view(self) -> FleetView:
         now = self._clock()
+        ends = self._prefill_ends
+        while ends and ends[0][0] <= now:
+            heapq.heappop(ends)[2].first_token()  # a no-op for a ticket already done
         stale = self._scrape_cfg.stale_after_s
         return FleetView(tuple(rec.cached_view(now, stale) for rec in self._workers.values()))
 
@@ -315,6 +323,12 @@ class Registry:
         if rec is None:  # removed between routing and dispatch: account on a detached record
             raise KeyError(worker_id)
         return InflightTicket(rec, prompt_tokens, prefilled_remotely)
+
+    def prefill_ends_in(self, ticket: InflightTicket, seconds: float) -> None:
+        """The ticket's prompt leaves its worker's prefill backlog `seconds` from now (at the first `view()`
+        after): for requests whose first token is not observed (non-streaming answers come whole)."""
+        self._prefill_seq += 1
+        heapq.heappush(self._prefill_ends, (self._clock() + seconds, self._prefill_seq, ticket))
 
     # ------------------------------------------------------------------ passive health
     def report_success(self, worker_id: str) -> None:

@@ -78,3 +78,34 @@ def test_stream_with_a_gap_longer_than_the_stall_timeout_ends_with_an_error_even
         assert len(events) < 100
         assert events[-1] == "data: [DONE]"
         assert '"error"' in events[-2]
+
+
+def test_a_non_streaming_prompt_leaves_the_prefill_backlog_at_its_estimated_ttft() -> None:
+    # the gateway sees no first token of a non-streaming answer, so the prompt would otherwise count as
+    # queued prefill (est-ttft, the P/D gate) until generation ends ~1.6 s later
+    import threading
+
+    with GatewayThread(_config()) as gw:
+        (record,) = gw.gateway.registry.records()
+        result: dict[str, int] = {}
+
+        async def routing_view() -> tuple[int, int]:  # what the next request's routing cycle sees
+            (view,) = gw.gateway.registry.view().workers
+            return view.inflight_requests, view.inflight_prefill_tokens
+
+        def send() -> None:
+            with httpx.Client(base_url=gw.url, timeout=30) as http:
+                result["status"] = http.post("/v1/completions", json=_body(120, stream=False)).status_code
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while record.inflight_requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert record.inflight_requests == 1
+        assert record.inflight_prefill_tokens > 0  # just dispatched: its prompt is queued prefill
+        time.sleep(0.5)  # an L4 prefills 32 tokens in milliseconds; generation runs on for ~1 s more
+        assert gw.call(routing_view()) == (1, 0)
+        thread.join(30)
+        assert result["status"] == 200
+        assert (record.inflight_requests, record.inflight_prefill_tokens) == (0, 0)
