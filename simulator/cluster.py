@@ -10,9 +10,11 @@ Events, ordered by (time, priority, sequence) so a seeded run replays exactly:
 - READY: a starting instance finished its cold start.
 - ARRIVAL: a trace request is routed (or queued in the admission queue, or failed).
 - SCRAPE: the router's scraped view of each instance (running, waiting, KV usage) is refreshed.
-- DECIDE: the autoscaler sees one `Observation` and its targets are applied: new instances start cold
-  (billed from the start), surplus ones are first cancelled if still starting, else drained — the router
-  stops sending them work and they are removed once empty (soft scale-in: nothing is aborted).
+- DECIDE: the autoscaler sees one `Observation` (measured as the gateway measures it: request rate from
+  arrivals, mean lengths, TTFT and TPOT from the requests completed since the last DECIDE) and its targets
+  are applied: new instances start cold (billed from the start), surplus ones are first cancelled if
+  still starting, else drained — the router stops sending them work and they are removed once empty
+  (soft scale-in: nothing is aborted).
 - DRAIN_TIMEOUT (only with `drain_timeout_s`, Kubernetes' termination grace period): an instance still
   draining that long after it was told to is removed anyway. Whatever is still on an instance when it is
   removed is aborted, failed with reason `aborted_by_scale_in` and counted in `aborted_by_scale_in`
@@ -467,7 +469,7 @@ class ClusterSimulator:
         req = _Req(idx, rid, src, route)
         self._reqs[rid] = req
         self._open_requests += 1
-        self._window.arrive(src)
+        self._window.arrive()
         if self._queue or not self._try_dispatch(req, now):
             self._enqueue(req, now)
 
@@ -562,7 +564,7 @@ class ClusterSimulator:
         self.result.completed.append(
             (req.src.arrival_s, ttft, tpot, e2e, req.src.input_tokens, req.src.output_tokens)
         )
-        self._window.complete(ttft, tpot)
+        self._window.complete(req.src.input_tokens, req.src.output_tokens, ttft, tpot)
         del self._reqs[req.rid]
         self._maybe_retire(inst, now)
         self._drain_queue(now)
@@ -689,21 +691,26 @@ class ClusterSimulator:
 
 @dataclass(slots=True)
 class _Window:
-    """What happened since the last DECIDE: arrivals and completions, for the observation's rates and p90s."""
+    """What happened since the last DECIDE, measured as the live gateway measures it
+    (`server.gateway_signals`): the request rate from arrivals; the mean input and output lengths, TTFT and
+    TPOT from completed requests only. A gateway learns a request's lengths from the worker's `usage` when it
+    finishes, never at arrival, so the trace's output lengths of requests still in flight are not seen here."""
 
     arrivals: int = 0
-    input_tokens: int = 0
+    completed: int = 0
+    input_tokens: int = 0  # of the requests completed in the window
     output_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
     tpots: list[float] = field(default_factory=list)
     counters: dict[str, tuple[int, int, float]] = field(default_factory=dict)
 
-    def arrive(self, src: SimRequest) -> None:
+    def arrive(self) -> None:
         self.arrivals += 1
-        self.input_tokens += src.input_tokens
-        self.output_tokens += src.output_tokens
 
-    def complete(self, ttft: float, tpot: float | None) -> None:
+    def complete(self, input_tokens: int, output_tokens: int, ttft: float, tpot: float | None) -> None:
+        self.completed += 1
+        self.input_tokens += input_tokens
+        self.output_tokens += output_tokens
         self.ttfts.append(ttft)
         if tpot is not None:
             self.tpots.append(tpot)
@@ -711,18 +718,18 @@ class _Window:
     def observation(
         self, now: float, interval: float, pools: dict[str, PoolObservation], queue: dict[str, int]
     ) -> Observation:
-        n = self.arrivals
+        n = self.completed  # none completed: 0.0, the gateway's "not observed" (policies fall back)
         obs = Observation(
             now=now,
             pools=pools,
             admission_queue=queue,
             ttft_p90_s=_p90(self.ttfts),
             tpot_p90_s=_p90(self.tpots),
-            request_rate=n / interval,
+            request_rate=self.arrivals / interval,
             mean_input_tokens=self.input_tokens / n if n else 0.0,
             mean_output_tokens=self.output_tokens / n if n else 0.0,
         )
-        self.arrivals = self.input_tokens = self.output_tokens = 0
+        self.arrivals = self.completed = self.input_tokens = self.output_tokens = 0
         self.ttfts.clear()
         self.tpots.clear()
         return obs

@@ -1,0 +1,79 @@
+"""The simulator's `Observation` is measured as the live gateway measures it (`server.gateway_signals`).
+
+Request rate from arrivals; mean input/output lengths from requests *completed* in the interval (the gateway
+learns them from the worker's `usage` when a request finishes): a trace request's output length is not
+known at its arrival, so requests still in flight must not move the observed means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from scheduler.autoscaler.signals import Observation, ScalingDecision
+from simulator.cluster import ClusterSimulator, SimRequest
+from simulator.cluster_config import parse_fleet
+
+FLEET = {
+    "model": "llama-3-8b",
+    "slo": {"ttft_ms": 3000, "tpot_ms": 100},
+    "decision_interval_s": 10,
+    "pools": [
+        {"name": "mixed-h100", "gpu": "H100", "role": "mixed", "replicas": 2, "min_replicas": 2, "max_replicas": 2},
+    ],
+}
+SHORT_IN, SHORT_OUT = 100, 10
+LONG_IN, LONG_OUT = 2000, 3000
+
+
+@dataclass
+class Recorder:
+    """A policy that never changes the fleet and keeps every observation it is shown."""
+
+    seen: list[Observation] = field(default_factory=list)
+
+    def decide(self, obs: Observation) -> ScalingDecision:
+        self.seen.append(obs)
+        return ScalingDecision(obs.now, {name: po.provisioned for name, po in obs.pools.items()})
+
+
+def simulate(requests: list[SimRequest]) -> tuple[dict[float, Observation], ClusterSimulator]:
+    rec = Recorder()
+    sim = ClusterSimulator(parse_fleet(FLEET), rec, "recorder")  # type: ignore[arg-type]
+    sim.run(requests)
+    return {round(o.now, 6): o for o in rec.seen}, sim
+
+
+def test_in_flight_long_outputs_do_not_move_the_observed_means() -> None:
+    # short requests (100 in, 10 out) at 4/s for 40 s; at 21 s a burst of 20 requests of 2,000 in and
+    # 3,000 out, which take far longer than the 9 s left to the decision at 30 s to complete
+    # (one more short request at 60 s keeps decisions coming until the burst has completed)
+    short = [SimRequest(0.25 * i, SHORT_IN, SHORT_OUT) for i in range(160)] + [SimRequest(60.0, SHORT_IN, SHORT_OUT)]
+    burst = [SimRequest(21.0 + 0.01 * i, LONG_IN, LONG_OUT) for i in range(20)]
+    obs, sim = simulate(sorted(short + burst, key=lambda r: r.arrival_s))
+    at30 = obs[30.0]
+    # arrivals count at once (the gateway's request rate is `requests_received`): 40 short + 20 long in 10 s
+    assert at30.request_rate == pytest.approx(6.0)
+    # ... but only completed requests give lengths: the burst, not yet finished, is invisible in them
+    assert at30.mean_output_tokens == pytest.approx(SHORT_OUT)
+    assert at30.mean_input_tokens == pytest.approx(SHORT_IN)
+    assert not any(r[0] >= 21.0 and r[5] == LONG_OUT and r[0] + r[3] <= 30.0 for r in sim.result.completed)
+    # once the burst completes, its lengths show, in the interval it completes in
+    assert any(o.mean_output_tokens > SHORT_OUT for t, o in obs.items() if t > 30.0)
+    done_long = sum(1 for r in sim.result.completed if r[5] == LONG_OUT)
+    assert done_long == 20
+
+
+def test_an_interval_with_no_completion_observes_no_lengths() -> None:
+    # only long requests, all arriving in the first interval: none completes by 10 s, so the means are the
+    # "not observed" 0.0 (the gateway omits them and policies fall back to their defaults or keep the last)
+    # (they take ~26 s; a short request at 45 s keeps decisions coming past their completion)
+    tail = [SimRequest(45.0, SHORT_IN, SHORT_OUT)]
+    obs, _ = simulate([SimRequest(1.0 + 0.1 * i, LONG_IN, LONG_OUT) for i in range(10)] + tail)
+    at10 = obs[10.0]
+    assert at10.request_rate == pytest.approx(1.0)
+    assert (at10.mean_input_tokens, at10.mean_output_tokens) == (0.0, 0.0)
+    later = [o for t, o in sorted(obs.items()) if o.mean_output_tokens]
+    assert later and later[0].mean_output_tokens == pytest.approx(LONG_OUT)
+    assert later[0].mean_input_tokens == pytest.approx(LONG_IN)
