@@ -34,15 +34,14 @@ callgrind and its user-space instructions per request are counted over N request
 warm-up, at `--concurrency`). CPU seconds move with whatever else runs on a shared machine; instruction
 counts repeat within ~1%, so code changes are compared with them (results/gateway_overhead_instructions.json).
 
-**What limits it** (measured on this 2-core machine, shared with other jobs; docs/gateway.md has the
-tables). CPU, not latency: the gateway adds ≈ 0.5 ms at concurrency 1 (≈ 1 ms streaming), but at
-concurrency 32 every process is CPU-bound. With uvloop + httptools the direct path is the worker on one
-core (≈ 0.16 ms per non-streaming request, 0.36 ms streaming); the gateway path needs client + gateway +
-worker ≈ 0.43 ms per request on the same 2 cores (gateway ≈ 0.20 ms, 0.32 ms streaming; the worker also
-costs more behind the gateway, 0.16 → 0.20 ms, because it batches fewer requests per engine step). So the
-CPU-bound ceiling is ≈ 0.74× (non-streaming) and ≈ 0.87× (streaming) with both cores free, and lower when
-other jobs take CPU; measured 0.51–0.67× and 0.60–0.70×. Routing (`scheduler/`) is ≈ 45% of the
-gateway's Python time per request. The bar (0.80, a Rust router's figure) needs the gateway near 0.13 ms.
+**What limits it** (measured on this 2-core machine; docs/gateway.md has the tables). CPU, not latency:
+the gateway adds ≈ 0.5 ms at concurrency 1 (≈ 1 ms streaming), but at concurrency 32 every process is
+CPU-bound. The direct path is the worker on one core (≈ 0.16 ms per non-streaming request, 0.36 ms
+streaming); the gateway path needs client + gateway + worker on the same 2 cores (gateway ≈ 0.15 ms,
+0.26 ms streaming, as of 2026-12-03; the worker also costs more behind the gateway because it batches
+fewer requests per engine step). On a quiet machine that gives 0.81–0.84× non-streaming and 0.83–0.92×
+streaming (bar 0.80, a Rust router's figure), narrowly for non-streaming; other jobs on the cores take
+it below the bar.
 
 Results: `bench/results/gateway_overhead.json`, and one line appended to BENCHMARKS.md.
 """
