@@ -118,12 +118,16 @@ class FastCycle:
         "response_complete",
         "response_started",
         "scope",
+        "waiting_for_100_continue",
     )
 
     def __init__(self, protocol: GatewayHttpProtocol, scope: dict[str, Any], keep_alive: bool) -> None:
         self.protocol = protocol
         self.scope = scope
         self.keep_alive = keep_alive
+        # `Expect: 100-continue` (uvicorn's protocol notes the header): the client sends the body only
+        # after an interim 100, which the first read of the body writes, as uvicorn's own cycle does
+        self.waiting_for_100_continue: bool = protocol.expect_100_continue
         self.message_event = _Event(self)
         self.body = bytearray()
         self.more_body = True
@@ -186,6 +190,9 @@ class FastCycle:
     async def receive(self) -> dict[str, Any]:
         protocol = self.protocol
         if not self.disconnected and not self.response_complete and self.more_body and not self.body:
+            if self.waiting_for_100_continue and not protocol.transport.is_closing():
+                protocol.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self.waiting_for_100_continue = False
             protocol.flow.resume_reading()
             await self._wait()
         elif not self.disconnected and not self.response_complete and not self.more_body and not self.body:
@@ -214,6 +221,7 @@ class FastCycle:
             if self.response_started:
                 raise RuntimeError("http.response.start sent twice")
             self.response_started = True
+            self.waiting_for_100_continue = False  # answered without the body (e.g. 413): no interim 100
             status = message["status"]
             chunked = status >= 200 and status not in (204, 304)  # unless a content-length is sent
             head = [STATUS_LINE[status], _default_headers(protocol.server_state.default_headers)]

@@ -365,3 +365,40 @@ def test_a_pushed_stream_waits_for_a_slow_client_and_arrives_whole(monkeypatch: 
             await running.stop()
 
     run(go)
+
+
+@pytest.mark.parametrize("target", [FAST, SLOW], ids=["fast cycle", "uvicorn's cycle"])
+def test_expect_100_continue_gets_the_interim_answer_before_the_body(target: bytes) -> None:
+    # curl sends `Expect: 100-continue` for bodies over 1 KiB and waits up to 1 s for the interim answer
+    async def go() -> None:
+        worker = FakeWorker("a", mode="ok")
+        async with serving(worker) as running:
+            body = completion(prompt="x" * 2000)
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            head = request(target, body, b"Expect: 100-continue").split(b"\r\n\r\n")[0] + b"\r\n\r\n"
+            writer.write(head)  # headers only: the body follows the 100
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.5)
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(body)
+            answer_head, answer = await read_response(reader)
+            assert answer_head.startswith(b"HTTP/1.1 200") and json.loads(answer)["object"] == "text_completion"
+            assert worker.raw_seen[-1] == body
+            writer.close()
+            await writer.wait_closed()
+
+    run(go)
+
+
+def test_expect_100_continue_with_a_declared_body_over_the_limit_gets_413_and_no_interim_answer() -> None:
+    async def go() -> None:
+        async with serving(FakeWorker("a", mode="ok"), limits={"max_body_bytes": 1024}) as running:
+            body = completion(prompt="x" * 3000)
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            writer.write(request(FAST, body, b"Expect: 100-continue").split(b"\r\n\r\n")[0] + b"\r\n\r\n")
+            head, answer = await asyncio.wait_for(read_response(reader), 2)
+            assert head.startswith(b"HTTP/1.1 413")  # the body was never needed: no 100 before it
+            assert json.loads(answer)["error"]["code"] == 413
+            writer.close()
+            await writer.wait_closed()
+
+    run(go)
