@@ -18,8 +18,13 @@ HEADER = "| date | bench | command | result |\n|---|---|---|---|\n"
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"bench": name, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-               "python": sys.version.split()[0], "machine": platform.machine(), **payload}
+    payload = {
+        "bench": name,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        **payload,
+    }
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path

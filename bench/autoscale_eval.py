@@ -56,9 +56,22 @@ FLEET: dict[str, Any] = {
     "decision_interval_s": 15,
     "scrape_interval_s": 1,
     "pools": [
-        {"name": "prefill-h100", "gpu": "H100", "role": "prefill", "replicas": 2, "min_replicas": 1, "max_replicas": 16},
-        {"name": "decode-a100", "gpu": "A100-80GB", "role": "decode", "replicas": 2, "min_replicas": 1,
-         "max_replicas": 24},
+        {
+            "name": "prefill-h100",
+            "gpu": "H100",
+            "role": "prefill",
+            "replicas": 2,
+            "min_replicas": 1,
+            "max_replicas": 16,
+        },
+        {
+            "name": "decode-a100",
+            "gpu": "A100-80GB",
+            "role": "decode",
+            "replicas": 2,
+            "min_replicas": 1,
+            "max_replicas": 24,
+        },
     ],
 }
 
@@ -68,15 +81,28 @@ def traces(quick: bool) -> dict[str, list[SimRequest]]:
     # A compressed day: trough at 0.3x and peak at 1.7x the mean, one period, with a sustained flash crowd
     # (1.8x for 5 minutes, longer than a cold start) on the way down from the peak.
     period = 1200.0 if quick else 3600.0
-    spec = DiurnalSpec(duration_s=period, mean_rate=16, amplitude=0.7, period_s=period,
-                       bursts=(Burst(0.62 * period, 300, 1.8),))
-    out = {"diurnal+burst": [SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens)
-                             for r in diurnal_trace(spec, seed=7)]}
+    spec = DiurnalSpec(
+        duration_s=period,
+        mean_rate=16,
+        amplitude=0.7,
+        period_s=period,
+        bursts=(Burst(0.62 * period, 300, 1.8),),
+    )
+    out = {
+        "diurnal+burst": [
+            SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens)
+            for r in diurnal_trace(spec, seed=7)
+        ]
+    }
     azure = SHARED_DATA / "traces" / "azure_llm_2023_conv.csv"
     if azure.exists():
         name, source, rate_scale = "azure-2023-conv (real, 4x speed)", azure, 4.0
     else:
-        name, source, rate_scale = "azure-format fixture", ROOT / "tests" / "cluster" / "fixtures" / "azure_conv.csv", 1.0
+        name, source, rate_scale = (
+            "azure-format fixture",
+            ROOT / "tests" / "cluster" / "fixtures" / "azure_conv.csv",
+            1.0,
+        )
     limit = 10_000 if quick else None
     out[name] = list(sim_requests(open_trace(source), rate_scale=rate_scale, max_requests=limit))
     return out
@@ -88,7 +114,9 @@ def profiled_pd_ratio(fleet: FleetConfig, reqs: list[SimRequest]) -> float:
     mean_in = sum(r.input_tokens for r in window) / len(window)
     mean_out = sum(r.output_tokens for r in window) / len(window)
     specs = {s.role: s for s in pool_specs(fleet)}
-    return (mean_in / specs["prefill"].prefill_tps_capacity) / (mean_out / specs["decode"].decode_tps_capacity)
+    return (mean_in / specs["prefill"].prefill_tps_capacity) / (
+        mean_out / specs["decode"].decode_tps_capacity
+    )
 
 
 def static_peak_counts(fleet: FleetConfig, reqs: list[SimRequest], factor: float) -> dict[str, int]:
@@ -112,11 +140,20 @@ def mosaic_run(fleet: FleetConfig, reqs: list[SimRequest], target: float) -> tup
     trace's first 10%, a scale-in window of one cold start (an instance is kept as long as re-buying it
     would take), no trend lookahead (on these traces projecting the trend bought instances for noise and
     steps: see docs/autoscaling.md)."""
-    return ("mosaic", "mosaic", {"utilization_target": target, "pd_ratio": round(profiled_pd_ratio(fleet, reqs), 3),
-                                 "scale_down_window_s": FLEET["cold_start_s"]})
+    return (
+        "mosaic",
+        "mosaic",
+        {
+            "utilization_target": target,
+            "pd_ratio": round(profiled_pd_ratio(fleet, reqs), 3),
+            "scale_down_window_s": FLEET["cold_start_s"],
+        },
+    )
 
 
-def candidates(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
+def candidates(
+    fleet: FleetConfig, reqs: list[SimRequest], quick: bool
+) -> list[tuple[str, str, dict[str, Any]]]:
     """(family, policy spec, autoscaler overrides) for every knob value tried."""
     runs: list[tuple[str, str, dict[str, Any]]] = []
     # Both target-driven families get the same grid of utilisation targets.
@@ -124,15 +161,17 @@ def candidates(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> list[
     for u in grid:
         runs.append(mosaic_run(fleet, reqs, u))
     # HPA on GPU utilisation over the same span and step count as the planner's grid (8 targets)
-    for t in ((0.7,) if quick else (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)):
+    for t in (0.7,) if quick else (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
         runs.append(("hpa-util", f"hpa-util:{t}", {}))
-    for t in ((1, 4) if quick else (0.5, 1, 2, 4, 8)):
+    for t in (1, 4) if quick else (0.5, 1, 2, 4, 8):
         runs.append(("hpa-waiting", f"hpa-waiting:{t}", {}))
-    for u in ((0.4, 0.8) if quick else (0.3, 0.4, *grid)):
+    for u in (0.4, 0.8) if quick else (0.3, 0.4, *grid):
         runs.append(("dynamo", "dynamo:180", {"utilization_target": u}))
-    for f in ((1.0, 1.5) if quick else (1.0, 1.25, 1.5, 2.0)):
+    for f in (1.0, 1.5) if quick else (1.0, 1.25, 1.5, 2.0):
         counts = static_peak_counts(fleet, reqs, f)
-        runs.append(("static-peak", "static:" + ",".join(f"{k}={v}" for k, v in counts.items()), {"factor": f}))
+        runs.append(
+            ("static-peak", "static:" + ",".join(f"{k}={v}" for k, v in counts.items()), {"factor": f})
+        )
     return runs
 
 
@@ -141,11 +180,14 @@ def run_one(args: tuple[str, str, str, dict[str, Any], list[SimRequest]]) -> dic
     knobs = {k: v for k, v in overrides.items() if k not in ("factor", "routing")}
     routing = {**FLEET.get("routing", {}), **overrides.get("routing", {})}  # shared by every family
     fleet = parse_fleet({**FLEET, "autoscaler": knobs, "routing": routing})
-    policy = build_policy(spec, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools})
+    policy = build_policy(
+        spec, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools}
+    )
     if family == "static-peak":  # start (and stay) at the static size; autoscalers start at FLEET's replicas
         counts = {k: int(v) for k, v in (item.split("=") for item in spec.split(":", 1)[1].split(","))}
-        fleet = fleet.model_copy(update={"pools": [p.model_copy(update={"replicas": counts[p.name]})
-                                                   for p in fleet.pools]})
+        fleet = fleet.model_copy(
+            update={"pools": [p.model_copy(update={"replicas": counts[p.name]}) for p in fleet.pools]}
+        )
     sim = ClusterSimulator(fleet, policy, spec)
     paths: dict[str, int] = {}
     route = sim.router.route
@@ -165,7 +207,11 @@ def run_one(args: tuple[str, str, str, dict[str, Any], list[SimRequest]]) -> dic
 
 
 def best_of(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
-    ok = [r for r in reports if r["slo"]["attainment"] >= SLO_TARGET and r["requests"]["aborted_by_scale_in"] == 0]
+    ok = [
+        r
+        for r in reports
+        if r["slo"]["attainment"] >= SLO_TARGET and r["requests"]["aborted_by_scale_in"] == 0
+    ]
     return min(ok, key=lambda r: r["gpu_hours"]["total"]) if ok else None
 
 
@@ -196,19 +242,30 @@ def pd_gate_sweep(quick: bool, workers: int) -> None:
                 runs = [r for r in at if r["family"] == fam]
                 best = best_of(runs)
                 fams[fam] = {
-                    "best": None if best is None else {k: v for k, v in _row(best).items() if k != "replicas"},
-                    "runs": [{"knobs": {k: v for k, v in r["knobs"].items() if k != "routing"},
-                              "attainment": r["slo"]["attainment"], "gpu_hours": r["gpu_hours"]["total"],
-                              "ttft_p99_ms": r["latency_ms"]["ttft"]["p99"], "tpot_p99_ms": r["latency_ms"]["tpot"]["p99"],
-                              "decode_only": r["paths"].get("decode-only", 0)} for r in runs],
+                    "best": None
+                    if best is None
+                    else {k: v for k, v in _row(best).items() if k != "replicas"},
+                    "runs": [
+                        {
+                            "knobs": {k: v for k, v in r["knobs"].items() if k != "routing"},
+                            "attainment": r["slo"]["attainment"],
+                            "gpu_hours": r["gpu_hours"]["total"],
+                            "ttft_p99_ms": r["latency_ms"]["ttft"]["p99"],
+                            "tpot_p99_ms": r["latency_ms"]["tpot"]["p99"],
+                            "decode_only": r["paths"].get("decode-only", 0),
+                        }
+                        for r in runs
+                    ],
                 }
             ratio = _ratio(fams["mosaic"]["best"], fams["dynamo"]["best"])
             per_bound["off" if bound is None else str(bound)] = {"families": fams, "mosaic_vs_dynamo": ratio}
             best_gh = {f: (v["best"] or {}).get("gpu_hours") for f, v in fams.items()}
             lines.append(f"{trace_name} gate {bound}: best GPU-h {best_gh}, Mosaic/Dynamo {ratio}")
         summary[trace_name] = per_bound
-    write_result("autoscale_pd_gate", {"slo_target": SLO_TARGET, "fleet": FLEET, "bounds": list(PD_GATE_BOUNDS),
-                                       "traces": summary})
+    write_result(
+        "autoscale_pd_gate",
+        {"slo_target": SLO_TARGET, "fleet": FLEET, "bounds": list(PD_GATE_BOUNDS), "traces": summary},
+    )
     command = "python bench/autoscale_eval.py --pd-gate-sweep" + (" --quick" if quick else "")
     append_line("autoscale_pd_gate", command, "; ".join(lines))
     for line in lines:
@@ -229,15 +286,32 @@ def grid_sensitivity(grid: tuple[float, ...], quick: bool, workers: int) -> None
         for fam in ("mosaic", "dynamo"):
             runs = [r for r in reports if r["family"] == fam]
             best = best_of(runs)
-            fams[fam] = {"best": None if best is None else {k: v for k, v in _row(best).items() if k != "replicas"},
-                         "runs": [{"target": r["knobs"]["utilization_target"], "attainment": r["slo"]["attainment"],
-                                   "gpu_hours": r["gpu_hours"]["total"]} for r in runs]}
+            fams[fam] = {
+                "best": None if best is None else {k: v for k, v in _row(best).items() if k != "replicas"},
+                "runs": [
+                    {
+                        "target": r["knobs"]["utilization_target"],
+                        "attainment": r["slo"]["attainment"],
+                        "gpu_hours": r["gpu_hours"]["total"],
+                    }
+                    for r in runs
+                ],
+            }
         ratio = _ratio(fams["mosaic"]["best"], fams["dynamo"]["best"])
         summary[trace_name] = {"families": fams, "mosaic_vs_dynamo": ratio}
-        best = {f: v["best"] and (v["best"]["knobs"]["utilization_target"], v["best"]["gpu_hours"]) for f, v in fams.items()}
+        best = {
+            f: v["best"] and (v["best"]["knobs"]["utilization_target"], v["best"]["gpu_hours"])
+            for f, v in fams.items()
+        }
         lines.append(f"{trace_name}: best (target, GPU-h) {best}, Mosaic/Dynamo {ratio}")
-    write_result("autoscale_grid", {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "traces": summary})
-    command = "python bench/autoscale_eval.py --grid " + ",".join(f"{u:g}" for u in grid) + (" --quick" if quick else "")
+    write_result(
+        "autoscale_grid", {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "traces": summary}
+    )
+    command = (
+        "python bench/autoscale_eval.py --grid "
+        + ",".join(f"{u:g}" for u in grid)
+        + (" --quick" if quick else "")
+    )
     append_line("autoscale_grid", command, "; ".join(lines))
     for line in lines:
         print(line)
@@ -257,8 +331,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="shorter traces and fewer knob values")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--pd-gate-sweep", action="store_true", help="measure the router's P/D gate (see above)")
-    parser.add_argument("--grid", help="comma-separated utilisation targets: Mosaic vs Dynamo-style only (see above)")
+    parser.add_argument(
+        "--pd-gate-sweep", action="store_true", help="measure the router's P/D gate (see above)"
+    )
+    parser.add_argument(
+        "--grid", help="comma-separated utilisation targets: Mosaic vs Dynamo-style only (see above)"
+    )
     args = parser.parse_args()
     if args.grid:
         grid_sensitivity(parse_grid(args.grid), args.quick, args.workers)
@@ -293,8 +371,10 @@ def main() -> None:
             "mosaic_vs_static_peak": _ratio(mosaic, families["static-peak"]["best"]),
         }
         summary[trace_name] = {"requests": len(reqs), "families": families, "ratios": ratios}
-        lines.append(f"{trace_name}: Mosaic/HPA {ratios['mosaic_vs_best_hpa']}, Mosaic/Dynamo "
-                     f"{ratios['mosaic_vs_dynamo']} GPU-h at ≥99% SLO")
+        lines.append(
+            f"{trace_name}: Mosaic/HPA {ratios['mosaic_vs_best_hpa']}, Mosaic/Dynamo "
+            f"{ratios['mosaic_vs_dynamo']} GPU-h at ≥99% SLO"
+        )
         if mosaic and "mosaic" not in plotted:
             plotted["mosaic"] = (trace_name, mosaic)
     write_result("autoscale_eval", {"slo_target": SLO_TARGET, "fleet": FLEET, "traces": summary})
@@ -307,12 +387,19 @@ def main() -> None:
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:
     return {
-        "policy": r["policy"], "knobs": r["knobs"], "attainment": r["slo"]["attainment"],
-        "gpu_hours": r["gpu_hours"]["total"], "cost_usd": r["cost_usd"]["total"],
-        "utilization": r["utilization"], "scale_events": len(r["scale_events"]),
-        "aborted": r["requests"]["aborted_by_scale_in"], "failed": r["requests"]["failed"],
-        "ttft_p99_ms": r["latency_ms"]["ttft"]["p99"], "tpot_p99_ms": r["latency_ms"]["tpot"]["p99"],
-        "wall_s": r["wall_s"], "replicas": r["replicas"],
+        "policy": r["policy"],
+        "knobs": r["knobs"],
+        "attainment": r["slo"]["attainment"],
+        "gpu_hours": r["gpu_hours"]["total"],
+        "cost_usd": r["cost_usd"]["total"],
+        "utilization": r["utilization"],
+        "scale_events": len(r["scale_events"]),
+        "aborted": r["requests"]["aborted_by_scale_in"],
+        "failed": r["requests"]["failed"],
+        "ttft_p99_ms": r["latency_ms"]["ttft"]["p99"],
+        "tpot_p99_ms": r["latency_ms"]["tpot"]["p99"],
+        "wall_s": r["wall_s"],
+        "replicas": r["replicas"],
     }
 
 

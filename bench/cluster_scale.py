@@ -43,9 +43,20 @@ def fleet(prefill: int, decode: int) -> dict[str, Any]:
         "model": "llama-3-8b",
         "slo": {"ttft_ms": 2000, "tpot_ms": 100},
         "pools": [
-            {"name": "prefill-h100", "gpu": "H100", "role": "prefill", "replicas": prefill,
-             "max_replicas": prefill},
-            {"name": "decode-a100", "gpu": "A100-80GB", "role": "decode", "replicas": decode, "max_replicas": decode},
+            {
+                "name": "prefill-h100",
+                "gpu": "H100",
+                "role": "prefill",
+                "replicas": prefill,
+                "max_replicas": prefill,
+            },
+            {
+                "name": "decode-a100",
+                "gpu": "A100-80GB",
+                "role": "decode",
+                "replicas": decode,
+                "max_replicas": decode,
+            },
         ],
     }
 
@@ -58,10 +69,22 @@ def autoscaled_fleet(prefill: int, decode: int) -> dict[str, Any]:
         "routing": {"policy": "mosaic", "plugins": [{"type": "kv-best-fit"}]},
         "autoscaler": {"utilization_target": 0.8, "pd_ratio": 0.5, "scale_down_window_s": 30},
         "pools": [
-            {"name": "prefill-h100", "gpu": "H100", "role": "prefill", "replicas": prefill, "min_replicas": 1,
-             "max_replicas": 3 * prefill},
-            {"name": "decode-a100", "gpu": "A100-80GB", "role": "decode", "replicas": decode, "min_replicas": 1,
-             "max_replicas": 3 * decode},
+            {
+                "name": "prefill-h100",
+                "gpu": "H100",
+                "role": "prefill",
+                "replicas": prefill,
+                "min_replicas": 1,
+                "max_replicas": 3 * prefill,
+            },
+            {
+                "name": "decode-a100",
+                "gpu": "A100-80GB",
+                "role": "decode",
+                "replicas": decode,
+                "min_replicas": 1,
+                "max_replicas": 3 * decode,
+            },
         ],
     }
 
@@ -80,8 +103,13 @@ def trace(n: int, rate: float, seed: int = 1, swing: tuple[float, float] | None 
             low, high = swing
             rate = low + (high - low) * math.sin(math.pi * min(1.0, t / span))
         t += rng.expovariate(rate)
-        out.append(SimRequest(t, min(6000, max(4, int(rng.lognormvariate(6.4, 0.9)))),
-                              min(1500, max(2, int(rng.lognormvariate(5.2, 0.8))))))
+        out.append(
+            SimRequest(
+                t,
+                min(6000, max(4, int(rng.lognormvariate(6.4, 0.9)))),
+                min(1500, max(2, int(rng.lognormvariate(5.2, 0.8)))),
+            )
+        )
     return out
 
 
@@ -92,9 +120,14 @@ def measure(n: int, rate: float, prefill: int, decode: int) -> dict[str, Any]:
     result = sim.run(reqs)
     wall = time.perf_counter() - started
     return {
-        "requests": n, "instances": prefill + decode, "rate": rate, "wall_s": round(wall, 2),
-        "simulated_s": round(result.end_s, 1), "completed": len(result.completed),
-        "sim_requests_per_wall_s": round(n / wall, 1), "speedup_vs_real_time": round(result.end_s / wall, 2),
+        "requests": n,
+        "instances": prefill + decode,
+        "rate": rate,
+        "wall_s": round(wall, 2),
+        "simulated_s": round(result.end_s, 1),
+        "completed": len(result.completed),
+        "sim_requests_per_wall_s": round(n / wall, 1),
+        "speedup_vs_real_time": round(result.end_s / wall, 2),
     }
 
 
@@ -102,7 +135,9 @@ def measure_autoscaled(n: int, swing: tuple[float, float], prefill: int, decode:
     """The Mosaic policy and the KV ledger in the loop (module docstring)."""
     reqs = trace(n, 0.0, swing=swing)
     cfg = parse_fleet(autoscaled_fleet(prefill, decode))
-    policy = build_policy("mosaic", pool_specs(cfg), cfg.autoscaler_config(), {p.name: p.replicas for p in cfg.pools})
+    policy = build_policy(
+        "mosaic", pool_specs(cfg), cfg.autoscaler_config(), {p.name: p.replicas for p in cfg.pools}
+    )
     ledger = KvLedger()
     sim = ClusterSimulator(cfg, policy, "mosaic", reserve=[ledger])
     started = time.perf_counter()
@@ -111,14 +146,22 @@ def measure_autoscaled(n: int, swing: tuple[float, float], prefill: int, decode:
     events = result.scale_events
     peak = max(sum(v for k, v in row.items() if k != "t") for row in result.replicas)
     return {
-        "requests": n, "rate_swing": list(swing), "start_instances": prefill + decode, "peak_instances": peak,
+        "requests": n,
+        "rate_swing": list(swing),
+        "start_instances": prefill + decode,
+        "peak_instances": peak,
         "instances_started": sum(max(0, e["after"] - e["before"]) for e in events),
         "instances_scaled_in": sum(max(0, e["before"] - e["after"]) for e in events),
-        "scale_events": len(events), "decisions": len(result.replicas) - 1,
+        "scale_events": len(events),
+        "decisions": len(result.replicas) - 1,
         "ledger_reservations_refused": ledger.stats.refused,
-        "wall_s": round(wall, 2), "simulated_s": round(result.end_s, 1), "completed": len(result.completed),
-        "failed": sum(result.failed.values()), "aborted_by_scale_in": result.aborted_by_scale_in,
-        "sim_requests_per_wall_s": round(n / wall, 1), "speedup_vs_real_time": round(result.end_s / wall, 2),
+        "wall_s": round(wall, 2),
+        "simulated_s": round(result.end_s, 1),
+        "completed": len(result.completed),
+        "failed": sum(result.failed.values()),
+        "aborted_by_scale_in": result.aborted_by_scale_in,
+        "sim_requests_per_wall_s": round(n / wall, 1),
+        "speedup_vs_real_time": round(result.end_s / wall, 2),
     }
 
 
@@ -134,23 +177,35 @@ def main() -> None:
         big = measure(args.requests, 1100.0, 40, 80)
         small = measure(args.requests // 10, 110.0, 4, 8)
         ratio = round(big["sim_requests_per_wall_s"] / small["sim_requests_per_wall_s"], 3)
-        payload.update({"big": big, "baseline_small": small, "per_request_speed_ratio": ratio,
-                        "meets_bar": big["wall_s"] < 120})
-        lines.append(f"fixed: {big['requests']} req over {big['instances']} instances in {big['wall_s']} s wall "
-                     f"({big['sim_requests_per_wall_s']} req/s, {big['speedup_vs_real_time']}x real time); "
-                     f"per-request speed vs 12 instances: {ratio}x")
+        payload.update(
+            {
+                "big": big,
+                "baseline_small": small,
+                "per_request_speed_ratio": ratio,
+                "meets_bar": big["wall_s"] < 120,
+            }
+        )
+        lines.append(
+            f"fixed: {big['requests']} req over {big['instances']} instances in {big['wall_s']} s wall "
+            f"({big['sim_requests_per_wall_s']} req/s, {big['speedup_vs_real_time']}x real time); "
+            f"per-request speed vs 12 instances: {ratio}x"
+        )
         print(big, small, ratio)
     if args.only != "fixed":
         auto = measure_autoscaled(args.requests, (400.0, 1600.0), 20, 40)
         payload.update({"autoscaled": auto, "autoscaled_meets_bar": auto["wall_s"] < 120})
-        lines.append(f"Mosaic autoscaler + KV ledger: {auto['requests']} req, {auto['start_instances']} → "
-                     f"peak {auto['peak_instances']} instances ({auto['instances_started']} started, "
-                     f"{auto['instances_scaled_in']} scaled in, {auto['decisions']} decisions) in {auto['wall_s']} s "
-                     f"wall ({auto['sim_requests_per_wall_s']} req/s)")
+        lines.append(
+            f"Mosaic autoscaler + KV ledger: {auto['requests']} req, {auto['start_instances']} → "
+            f"peak {auto['peak_instances']} instances ({auto['instances_started']} started, "
+            f"{auto['instances_scaled_in']} scaled in, {auto['decisions']} decisions) in {auto['wall_s']} s "
+            f"wall ({auto['sim_requests_per_wall_s']} req/s)"
+        )
         print(auto)
     name = "cluster_scale" if args.only is None else f"cluster_scale_{args.only}"
     write_result(name, payload)
-    command = f"python bench/cluster_scale.py --requests {args.requests}" + (f" --only {args.only}" if args.only else "")
+    command = f"python bench/cluster_scale.py --requests {args.requests}" + (
+        f" --only {args.only}" if args.only else ""
+    )
     append_line(name, command, "; ".join(lines))
 
 

@@ -360,8 +360,18 @@ def instructions_per_request(mosaic: list[str], cfg_path: str, n: int, concurren
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         gateway, gport = start(
-            ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/cg.out",
-             *mosaic, "serve", "--config", cfg_path, "--port", "0"]
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={tmp}/cg.out",
+                *mosaic,
+                "serve",
+                "--config",
+                cfg_path,
+                "--port",
+                "0",
+            ]
         )
         try:
             asyncio.run(wait_ready(gport))
@@ -373,7 +383,9 @@ def instructions_per_request(mosaic: list[str], cfg_path: str, n: int, concurren
                 subprocess.run([*ctl, "-i", "on", str(gateway.pid)], check=True, capture_output=True)
                 asyncio.run(fixed_requests(gport, stream, n, concurrency))
                 subprocess.run([*ctl, "-i", "off", str(gateway.pid)], check=True, capture_output=True)
-                subprocess.run([*ctl, f"--dump={workload}", str(gateway.pid)], check=True, capture_output=True)
+                subprocess.run(
+                    [*ctl, f"--dump={workload}", str(gateway.pid)], check=True, capture_output=True
+                )
                 for _ in range(100):  # the dump is written by the profiled process: wait for its file
                     if set(Path(tmp).glob("cg.out*")) - before:
                         break
@@ -402,7 +414,9 @@ def record_instructions(args: argparse.Namespace, counts: dict[str, float]) -> i
     }
     print(json.dumps(result, indent=2))
     if not args.no_record:
-        (RESULTS.parent / "gateway_overhead_instructions.json").write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS.parent / "gateway_overhead_instructions.json").write_text(
+            json.dumps(result, indent=2) + "\n"
+        )
         line = (
             f"| {result['date'][:10]} | gateway_overhead | `{result['command']}` | gateway user-space instructions "
             f"per request (callgrind, c={args.concurrency}): non-stream {counts['non-stream']:,.0f}, "

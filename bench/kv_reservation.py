@@ -198,7 +198,9 @@ def best_fit_sweep(arrivals: list[Arrival], specs: list[WorkerSpec]) -> dict[str
             "concurrency_compression": m["concurrency_compression"],
             "preemptions": m["preemptions"],
             "long_wait_mean_s": round(statistics.fmean(waits), 2) if waits else None,
-            "long_wait_p99_s": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 2) if waits else None,
+            "long_wait_p99_s": round(waits[min(len(waits) - 1, int(0.99 * len(waits)))], 2)
+            if waits
+            else None,
             "wall_s": round(time.perf_counter() - t0, 2),
         }
         rows[f"{w:g}"] = row
@@ -474,7 +476,11 @@ def main() -> None:
 
 
 def sweep_main(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
-    out: dict[str, Any] = {"weights": list(BEST_FIT_WEIGHTS), "long_prompt_tokens": LONG_PROMPT, "workloads": {}}
+    out: dict[str, Any] = {
+        "weights": list(BEST_FIT_WEIGHTS),
+        "long_prompt_tokens": LONG_PROMPT,
+        "workloads": {},
+    }
     workloads = {
         f"synthetic seed {seed}": synthetic(args.requests, args.rate, seed=seed) for seed in (0, 1, 2)
     }
@@ -489,7 +495,9 @@ def sweep_main(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
     parts = []
     for wl, rows in out["workloads"].items():
         best = max(rows, key=lambda k: rows[k]["goodput_rps"])
-        parts.append(f"{wl}: best goodput at weight {best} ({rows[best]['goodput_rps']:.3f}/s vs {rows['0']['goodput_rps']:.3f}/s at 0)")
+        parts.append(
+            f"{wl}: best goodput at weight {best} ({rows[best]['goodput_rps']:.3f}/s vs {rows['0']['goodput_rps']:.3f}/s at 0)"
+        )
     append_line("kv_best_fit_weight", cmd, "; ".join(parts))
     print(f"wrote {path}")
 

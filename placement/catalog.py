@@ -57,7 +57,9 @@ class GpuSpec:
             _positive(self.name, field_name, getattr(self, field_name))
         _positive(self.name, "cost_per_hour", self.cost_per_hour, allow_zero=True)
         if self.memory_kind not in ("hbm", "gddr"):
-            raise ValueError(f"GPU {self.name!r}: memory_kind must be 'hbm' or 'gddr', got {self.memory_kind!r}")
+            raise ValueError(
+                f"GPU {self.name!r}: memory_kind must be 'hbm' or 'gddr', got {self.memory_kind!r}"
+            )
         if self.mfu_half is not None:
             _positive(self.name, "mfu_half", self.mfu_half)
         if self.mfu_max is not None and not (_number(self.mfu_max) and 0 < self.mfu_max <= 1):
@@ -90,10 +92,20 @@ class ModelSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for field_name in ("layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "max_context", "dtype_bytes"):
+        for field_name in (
+            "layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_context",
+            "dtype_bytes",
+        ):
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model {self.name!r}: {field_name} must be a whole number ≥ 1, got {value!r}")
+                raise ValueError(
+                    f"model {self.name!r}: {field_name} must be a whole number ≥ 1, got {value!r}"
+                )
         _positive(self.name, "params_b", self.params_b)
 
     @property
@@ -200,7 +212,9 @@ class Catalog:
         for name, row in (data.get("gpus") or {}).items():
             gpus[_canonical(gpus, _GPU_ALIASES, name)] = _merge(GpuSpec, gpus, _GPU_ALIASES, name, row)
         for name, row in (data.get("models") or {}).items():
-            models[_canonical(models, _MODEL_ALIASES, name)] = _merge(ModelSpec, models, _MODEL_ALIASES, name, row)
+            models[_canonical(models, _MODEL_ALIASES, name)] = _merge(
+                ModelSpec, models, _MODEL_ALIASES, name, row
+            )
         return Catalog(gpus, models)
 
 
@@ -226,7 +240,9 @@ def _merge(cls: type, rows: dict[str, Any], aliases: dict[str, str], name: str, 
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = set(row) - fields
     if unknown:
-        raise CatalogError(f"catalog entry {name!r}: unknown fields {sorted(unknown)}; valid: {sorted(fields)}")
+        raise CatalogError(
+            f"catalog entry {name!r}: unknown fields {sorted(unknown)}; valid: {sorted(fields)}"
+        )
     existing = rows.get(_canonical(rows, aliases, name))
     try:
         if existing is not None:

@@ -46,9 +46,22 @@ DEFAULT_CONSTANTS = PerfConstants()
 class PerfModel:
     """Step timing and KV capacity for (GPU, model, tp). Pure arithmetic: safe to call in tight loops."""
 
-    __slots__ = ("_attn_flops_per_pair", "_bw", "_c", "_flops", "_kv_bytes", "_linear_flops", "_weight_read", "gpu", "model", "tp")
+    __slots__ = (
+        "_attn_flops_per_pair",
+        "_bw",
+        "_c",
+        "_flops",
+        "_kv_bytes",
+        "_linear_flops",
+        "_weight_read",
+        "gpu",
+        "model",
+        "tp",
+    )
 
-    def __init__(self, gpu: GpuSpec, model: ModelSpec, tp: int = 1, constants: PerfConstants = DEFAULT_CONSTANTS):
+    def __init__(
+        self, gpu: GpuSpec, model: ModelSpec, tp: int = 1, constants: PerfConstants = DEFAULT_CONSTANTS
+    ):
         if tp < 1:
             raise ValueError(f"tensor parallel degree must be ≥ 1, got {tp}")
         self.gpu = gpu
@@ -76,7 +89,9 @@ class PerfModel:
         tp_floor = 0.0 if self.tp == 1 else (c.tp_step_s if self.tp < 4 else c.tp4_step_s)
         return c.step_base_s + c.step_per_seq_s * seqs + tp_floor
 
-    def step_time_totals(self, prefill_tokens: int, prefill_pairs: float, num_decodes: int, decode_ctx_sum: int, seqs: int) -> float:
+    def step_time_totals(
+        self, prefill_tokens: int, prefill_pairs: float, num_decodes: int, decode_ctx_sum: int, seqs: int
+    ) -> float:
         """Seconds for one step from aggregates (O(1); the engine keeps these sums incrementally).
 
         prefill_pairs = Σ p·(c + p/2) over prefill chunks (p new tokens after c cached ones);
@@ -95,7 +110,11 @@ class PerfModel:
         p_tokens = sum(p for p, _ in prefill_chunks)
         pairs = sum(p * (c + p / 2.0) for p, c in prefill_chunks)
         return self.step_time_totals(
-            p_tokens, pairs, len(decode_contexts), sum(decode_contexts), len(prefill_chunks) + len(decode_contexts)
+            p_tokens,
+            pairs,
+            len(decode_contexts),
+            sum(decode_contexts),
+            len(prefill_chunks) + len(decode_contexts),
         )
 
     def prefill_time(self, prompt_lengths: Sequence[int]) -> float:

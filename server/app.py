@@ -77,7 +77,9 @@ async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes
     """The request body from the ASGI channel, refusing more than `limit` bytes (413) before (declared
     Content-Length) or while reading it. A client gone before the body ended → Starlette's `ClientDisconnect`."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise GatewayError(Cause.BODY_TOO_LARGE, f"Request body of {declared} bytes exceeds the {limit}-byte limit.")
+        raise GatewayError(
+            Cause.BODY_TOO_LARGE, f"Request body of {declared} bytes exceeds the {limit}-byte limit."
+        )
     parts: list[bytes] = []
     size = 0
     while True:
@@ -162,7 +164,9 @@ def create_app(
         finally:
             await gw.stop()
 
-    app = GatewayApp(title="Mosaic gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = GatewayApp(
+        title="Mosaic gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.gateway = gw
     for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions")):
         serve = _proxy_endpoint(gw, path, kind)
@@ -228,7 +232,11 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
         model = "unknown"
         try:
             if gw.draining:
-                raise GatewayError(Cause.SHUTTING_DOWN, "The gateway is shutting down; retry on another replica.", retry_after_s=1)
+                raise GatewayError(
+                    Cause.SHUTTING_DOWN,
+                    "The gateway is shutting down; retry on another replica.",
+                    retry_after_s=1,
+                )
             key = gw.keys.authenticate(authorization)
             body = await read_body(receive, declared, limits.max_body_bytes)
             parsed = parse_request(kind, body, gw.max_model_len)
@@ -258,8 +266,14 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
         except GatewayError as err:
             return err.to_response()
         data = [
-            {"id": m, "object": "model", "created": gw.started_at, "owned_by": "mosaic", "root": m,
-             "max_model_len": gw.max_model_len.get(m) or None}
+            {
+                "id": m,
+                "object": "model",
+                "created": gw.started_at,
+                "owned_by": "mosaic",
+                "root": m,
+                "max_model_len": gw.max_model_len.get(m) or None,
+            }
             for m in gw.models
         ]
         return JSONResponse({"object": "list", "data": data})
@@ -294,8 +308,11 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
         body: dict[str, Any] = {
             "router": gw.router.describe(),
             "config": gw.config.routing.model_dump(mode="json"),
-            "admission": {"queue_size": gw.config.limits.queue_size,
-                          "deadline_s": gw.config.limits.queue_deadline_s, "depths": gw.admission.depths()},
+            "admission": {
+                "queue_size": gw.config.limits.queue_size,
+                "deadline_s": gw.config.limits.queue_deadline_s,
+                "depths": gw.admission.depths(),
+            },
             "outcomes": dict(gw.dispatcher.outcomes),
         }
         return JSONResponse(body)
@@ -316,7 +333,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         # Unknown paths and methods: the gateway's own errors, so OpenAI's shape (vLLM answers {"detail"}).
         by_status = {404: Cause.NOT_FOUND, 405: Cause.METHOD_NOT_ALLOWED}
-        response = GatewayError(by_status.get(exc.status_code, Cause.BAD_REQUEST), str(exc.detail)).to_response()
+        response = GatewayError(
+            by_status.get(exc.status_code, Cause.BAD_REQUEST), str(exc.detail)
+        ).to_response()
         if exc.headers:  # 405's `Allow` (RFC 9110 requires it)
             response.headers.update(exc.headers)
         return response

@@ -59,14 +59,18 @@ def config_inventory(config: MosaicConfig, catalog: Catalog) -> Inventory | None
     return inventory.in_catalog_names(catalog)
 
 
-def check_domains(domains: Mapping[str, Mapping[str, str]], inventory: Inventory, gpus: Mapping[str, str]) -> None:
+def check_domains(
+    domains: Mapping[str, Mapping[str, str]], inventory: Inventory, gpus: Mapping[str, str]
+) -> None:
     """`autoscaler.kubernetes.domains` against the inventory (module docstring); `gpus`: pool → catalog GPU."""
     known = sorted({n.domain for n in inventory.nodes})
     for pool, by_domain in sorted(domains.items()):
         loc = f"autoscaler.kubernetes.domains.{pool}"
         unknown = sorted(set(by_domain) - set(known))
         if unknown:
-            raise ConfigError(f"{loc}: domain {unknown[0]!r} is not in autoscaler.nodes (domains: {', '.join(known)})")
+            raise ConfigError(
+                f"{loc}: domain {unknown[0]!r} is not in autoscaler.nodes (domains: {', '.join(known)})"
+            )
         gpu = gpus.get(pool)
         unmapped = sorted({n.domain for n in inventory.nodes if n.gpu == gpu} - set(by_domain))
         if unmapped:

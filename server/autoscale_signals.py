@@ -34,6 +34,7 @@ from server.registry import Registry, WorkerRecord
 
 __all__ = ["SignalReader", "quantile"]
 
+
 @dataclass(slots=True)
 class _WorkerMemo:
     gen: float | None

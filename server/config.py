@@ -132,7 +132,9 @@ class EndpointsConfig(_Strict):
     def _exactly_one(self) -> EndpointsConfig:
         given = [k for k in ("static", "kubernetes", "simulated", "launch") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of static, kubernetes, simulated, launch (got {given or 'none'})")
+            raise ValueError(
+                f"give exactly one of static, kubernetes, simulated, launch (got {given or 'none'})"
+            )
         return self
 
     @field_validator("static")
@@ -147,7 +149,9 @@ class EndpointsConfig(_Strict):
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("static", "kubernetes", "simulated", "launch") if getattr(self, k) is not None)
+        return next(
+            k for k in ("static", "kubernetes", "simulated", "launch") if getattr(self, k) is not None
+        )
 
 
 class PoolConfig(_Strict):
@@ -243,7 +247,9 @@ class AutoscalerKubernetesConfig(_Strict):
     """Where the `kubernetes` actuator scales: each managed pool's Deployment (its `scale` subresource)."""
 
     namespace: str | None = None  # None → $POD_NAMESPACE (set in the chart's controller pod), else "default"
-    deployments: dict[str, str] = Field(default_factory=dict)  # pool → Deployment; empty → every kubernetes pool, by pool name
+    deployments: dict[str, str] = Field(
+        default_factory=dict
+    )  # pool → Deployment; empty → every kubernetes pool, by pool name
     # pool → {network domain → Deployment}: the pool is one Deployment per domain (the chart's pools[].domains),
     # scaled by the placing actuator (scheduler.actuators.kubernetes); domains are those of autoscaler.nodes
     domains: dict[str, dict[str, str]] = Field(default_factory=dict)
@@ -257,8 +263,12 @@ class AutoscalerGatewaysConfig(_Strict):
     static: list[str] | None = None  # gateway base URLs; `path` is appended
     kubernetes: KubernetesSource | None = None  # e.g. resource: pods, the gateway pods' labels, their port
     path: str = Field(default="/metrics", pattern=r"^/")
-    bearer_token_env: str | None = None  # env var with a bearer token (first of a comma list) for a protected /metrics
-    interval_s: float | None = Field(default=None, gt=0)  # scrape period; None → min(5 s, autoscaler.interval_s / 2)
+    bearer_token_env: str | None = (
+        None  # env var with a bearer token (first of a comma list) for a protected /metrics
+    )
+    interval_s: float | None = Field(
+        default=None, gt=0
+    )  # scrape period; None → min(5 s, autoscaler.interval_s / 2)
     timeout_s: float = Field(default=2.0, gt=0)
     stale_after_s: float = Field(default=30.0, gt=0)  # an older last good scrape: the gateway is skipped
 
@@ -285,14 +295,22 @@ class AutoscalerConfig(_Strict):
     policy: str = "mosaic"  # scheduler.autoscaler.factory spelling: mosaic, hpa-util:0.7, hpa-waiting:4, dynamo:180, static:p=N
     interval_s: float = Field(default=15.0, gt=0)
     actuator: Literal["embedded", "kubernetes", "dry-run"] = "embedded"
-    cold_start_s: float = Field(default=0.0, ge=0)  # embedded: a started worker becomes routable this much later
-    drain_timeout_s: float = Field(default=600.0, gt=0)  # embedded: longest wait for a draining worker's requests
+    cold_start_s: float = Field(
+        default=0.0, ge=0
+    )  # embedded: a started worker becomes routable this much later
+    drain_timeout_s: float = Field(
+        default=600.0, gt=0
+    )  # embedded: longest wait for a draining worker's requests
     context_tokens: int = Field(default=1024, ge=1)  # context per sequence at which decode capacity is sized
     history: int = Field(default=100, ge=1)  # decisions and scale actions kept for /admin/autoscaler
     knobs: dict[str, Any] = Field(default_factory=dict)
     kubernetes: AutoscalerKubernetesConfig = Field(default_factory=AutoscalerKubernetesConfig)
-    nodes: str | dict[str, Any] | None = None  # node inventory (`mosaic plan --nodes` format; server.autoscale_placement)
-    gateways: AutoscalerGatewaysConfig | None = None  # `mosaic autoscale`: whose /metrics give the gateway-side signals
+    nodes: str | dict[str, Any] | None = (
+        None  # node inventory (`mosaic plan --nodes` format; server.autoscale_placement)
+    )
+    gateways: AutoscalerGatewaysConfig | None = (
+        None  # `mosaic autoscale`: whose /metrics give the gateway-side signals
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -314,7 +332,9 @@ class AutoscalerConfig(_Strict):
         if name == "fixed":
             raise ValueError("policy 'fixed' scales nothing; set autoscaler.enabled: false instead")
         if name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {spec!r}; valid: {', '.join(n for n in POLICY_NAMES if n != 'fixed')}")
+            raise ValueError(
+                f"unknown policy {spec!r}; valid: {', '.join(n for n in POLICY_NAMES if n != 'fixed')}"
+            )
         return spec
 
     @field_validator("knobs")
@@ -325,8 +345,10 @@ class AutoscalerConfig(_Strict):
 
     def policy_config(self, slo: SloConfig) -> PolicyConfig:
         """The policy's knobs, with the SLO section's TTFT/TPOT as its latency net unless a knob sets them."""
-        slos = {"ttft_slo_s": slo.ttft_ms / 1e3 if slo.ttft_ms else None,
-                "tpot_slo_s": slo.tpot_ms / 1e3 if slo.tpot_ms else None}
+        slos = {
+            "ttft_slo_s": slo.ttft_ms / 1e3 if slo.ttft_ms else None,
+            "tpot_slo_s": slo.tpot_ms / 1e3 if slo.tpot_ms else None,
+        }
         return policy_knobs({**slos, **self.knobs})
 
 
@@ -353,7 +375,9 @@ class GatewaySettings(_Strict):
 class MosaicConfig(_Strict):
     models: list[ModelConfig] = Field(default_factory=list)  # empty → one entry per pool model
     pools: list[PoolConfig] = Field(min_length=1)
-    routing: RoutingConfig = Field(default_factory=RoutingConfig)  # the router's own model (policy, plugins, weights)
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig
+    )  # the router's own model (policy, plugins, weights)
     slo: SloConfig = Field(default_factory=SloConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
@@ -391,8 +415,10 @@ class MosaicConfig(_Strict):
                     raise _FieldError(f"pools.{i}.model", f"model {pool.model!r} is not listed under models")
         _check_autoscaler(self)
         if self.kv.batch_admission.enabled and not self.kv.enabled:
-            raise _FieldError("kv.batch_admission.enabled", "batch admission plans against the KV ledger; "
-                              "it needs kv.enabled: true")
+            raise _FieldError(
+                "kv.batch_admission.enabled",
+                "batch admission plans against the KV ledger; it needs kv.enabled: true",
+            )
         return self
 
     def model_configs(self) -> list[ModelConfig]:
@@ -415,17 +441,25 @@ def _check_autoscaler(config: MosaicConfig) -> None:
     names = [p.name for p in config.pools]
     for mapped in a.kubernetes.deployments:
         if mapped not in names:
-            raise _FieldError(f"autoscaler.kubernetes.deployments.{mapped}", f"no pool named {mapped!r}; pools: {', '.join(names)}")
+            raise _FieldError(
+                f"autoscaler.kubernetes.deployments.{mapped}",
+                f"no pool named {mapped!r}; pools: {', '.join(names)}",
+            )
     _check_domains(a.kubernetes.deployments, a.kubernetes.domains, names)
     try:  # the parameters parse (hpa-util:0.7, static:pool=N, ...); the live policy is built by the controller
         build_policy(a.policy, [], PolicyConfig(), dict.fromkeys(names, 0))
     except PolicyError as exc:
         raise _FieldError("autoscaler.policy", str(exc)) from None
     if a.enabled and a.actuator == "embedded":
-        if not any(p.endpoints.simulated is not None or getattr(p.endpoints, "launch", None) is not None
-                   for p in config.pools):
-            raise _FieldError("autoscaler.actuator", "the embedded actuator scales simulated (or launched vLLM) "
-                              "pools and there is none; use kubernetes (mosaic autoscale) or dry-run")
+        if not any(
+            p.endpoints.simulated is not None or getattr(p.endpoints, "launch", None) is not None
+            for p in config.pools
+        ):
+            raise _FieldError(
+                "autoscaler.actuator",
+                "the embedded actuator scales simulated (or launched vLLM) "
+                "pools and there is none; use kubernetes (mosaic autoscale) or dry-run",
+            )
         # Simulated rates and latencies are converted to model time by the pool's time_scale; the
         # gateway measures latency per model, so one model's simulated pools must share one scale.
         scales: dict[str, set[float]] = {}
@@ -434,8 +468,11 @@ def _check_autoscaler(config: MosaicConfig) -> None:
                 scales.setdefault(pool.model, set()).add(pool.endpoints.simulated.time_scale)
         for model, found in scales.items():
             if len(found) > 1:
-                raise _FieldError("autoscaler", f"the simulated pools of model {model!r} mix time_scale values "
-                                  f"{sorted(found)}; the embedded autoscaler needs one per model")
+                raise _FieldError(
+                    "autoscaler",
+                    f"the simulated pools of model {model!r} mix time_scale values "
+                    f"{sorted(found)}; the embedded autoscaler needs one per model",
+                )
 
 
 def _check_domains(deployments: dict[str, str], domains: dict[str, dict[str, str]], names: list[str]) -> None:
@@ -448,14 +485,18 @@ def _check_domains(deployments: dict[str, str], domains: dict[str, dict[str, str
         if pool not in names:
             raise _FieldError(loc, f"no pool named {pool!r}; pools: {', '.join(names)}")
         if pool in deployments:
-            raise _FieldError(loc, f"pool {pool!r} is also in autoscaler.kubernetes.deployments; give one of the two")
+            raise _FieldError(
+                loc, f"pool {pool!r} is also in autoscaler.kubernetes.deployments; give one of the two"
+            )
         if not by_domain:
             raise _FieldError(loc, "map at least one domain to a Deployment")
         for domain, name in by_domain.items():
             if not domain or not name:
                 raise _FieldError(f"{loc}.{domain}", "domain and Deployment names must be non-empty")
             if name in owner:
-                raise _FieldError(f"{loc}.{domain}", f"Deployment {name!r} is already mapped by {owner[name]}")
+                raise _FieldError(
+                    f"{loc}.{domain}", f"Deployment {name!r} is already mapped by {owner[name]}"
+                )
             owner[name] = f"domains.{pool}.{domain}"
 
 

@@ -94,7 +94,9 @@ class _Timeout:
     ) -> None:
         self.__exit__(et, exc, tb)
 
-    def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._owner._discard(self)
         if self.expired:
             assert self._task is not None

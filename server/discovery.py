@@ -207,7 +207,9 @@ def endpoints_from_pods(
         host = f"[{ip}]" if ":" in ip else ip
         node = (pod.get("spec") or {}).get("nodeName")
         domain = endpoint_domain(node, None, domain_label, node_labels)
-        out.append(Endpoint(meta.get("name") or ip, f"{scheme}://{host}:{number}", ready, terminating, domain))
+        out.append(
+            Endpoint(meta.get("name") or ip, f"{scheme}://{host}:{number}", ready, terminating, domain)
+        )
     return sorted(out, key=lambda e: e.name)
 
 
@@ -251,12 +253,18 @@ class KubernetesDiscovery:
         self._lister = lister
         self._nodes_warned = False  # a failing node listing is logged once, not every resync
         self.request_timeout = request_timeout
-        self.call_timeout_s = call_timeout_s if call_timeout_s is not None else sum(request_timeout) + _MARGIN_S
-        self._blocked: dict[str, asyncio.Future[Any]] = {}  # resource → a client call that outlived call_timeout_s
+        self.call_timeout_s = (
+            call_timeout_s if call_timeout_s is not None else sum(request_timeout) + _MARGIN_S
+        )
+        self._blocked: dict[
+            str, asyncio.Future[Any]
+        ] = {}  # resource → a client call that outlived call_timeout_s
 
     async def start(self) -> None:
         if self._lister is None:  # loading the config can run an exec credential plugin: bounded as well
-            self._lister = await self._in_thread("config", _official_lister, self._cfg.in_cluster, self.request_timeout)
+            self._lister = await self._in_thread(
+                "config", _official_lister, self._cfg.in_cluster, self.request_timeout
+            )
 
     async def _in_thread(self, what: str, fn: Any, *args: Any) -> Any:
         """`fn(*args)` in the default executor, waited on for at most `call_timeout_s` (class docstring)."""
@@ -270,12 +278,16 @@ class KubernetesDiscovery:
         except TimeoutError:
             self._blocked[what] = future
             future.add_done_callback(_consume)  # a late result or error of an abandoned call: nobody waits
-            raise TimeoutError(f"listing {what}: Kubernetes API call timed out after {self.call_timeout_s:g} s") from None
+            raise TimeoutError(
+                f"listing {what}: Kubernetes API call timed out after {self.call_timeout_s:g} s"
+            ) from None
 
     async def list(self) -> list[Endpoint]:
         assert self._lister is not None, "start() first"
         cfg = self._cfg
-        data = await self._in_thread(cfg.resource, self._lister, cfg.resource, cfg.namespace, cfg.label_selector)
+        data = await self._in_thread(
+            cfg.resource, self._lister, cfg.resource, cfg.namespace, cfg.label_selector
+        )
         labels = await self._node_labels()
         if cfg.resource == "pods":
             return endpoints_from_pods(data, cfg.port, cfg.scheme, cfg.domain_label, labels)
@@ -289,9 +301,13 @@ class KubernetesDiscovery:
         assert self._lister is not None, "start() first"
         try:
             nodes = await self._in_thread("nodes", self._lister, "nodes", "", "")
-        except Exception as exc:  # e.g. 403 without `list nodes`: route without domains rather than not at all
+        except (
+            Exception
+        ) as exc:  # e.g. 403 without `list nodes`: route without domains rather than not at all
             if not self._nodes_warned:
-                log.warning("listing nodes for domain label %s failed (domains unknown): %s", cfg.domain_label, exc)
+                log.warning(
+                    "listing nodes for domain label %s failed (domains unknown): %s", cfg.domain_label, exc
+                )
                 self._nodes_warned = True
             return None
         return node_labels_from_list(nodes)

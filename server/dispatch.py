@@ -77,6 +77,7 @@ from server.upstream import UpstreamResponse
 
 log = logging.getLogger("mosaic.dispatch")
 
+
 class GatewayOutcome(StrEnum):
     """Terminal outcomes the gateway records beyond the router's `Outcome` (metrics, /admin, logs)."""
 
@@ -106,8 +107,6 @@ class RequestRecord:
     task: asyncio.Task[Any] | None = None  # the task serving it (set by `Dispatcher.handle`)
 
 
-
-
 def worker_auth_headers(config: MosaicConfig) -> dict[str, tuple[bytes, bytes]]:
     """Pool → the `Authorization` header its workers expect (`pools[].api_key_env`), read once at start.
 
@@ -124,9 +123,11 @@ def worker_auth_headers(config: MosaicConfig) -> dict[str, tuple[bytes, bytes]]:
         out[pool.name] = (b"authorization", b"Bearer " + key.encode("latin-1"))
     return out
 
+
 def _token_count(value: Any) -> int:
     """A usage count from a worker's answer: a non-negative int, else 0."""
     return value if type(value) is int and value > 0 else 0
+
 
 class Dispatcher:
     def __init__(
@@ -240,7 +241,9 @@ class Dispatcher:
             used = rec.reserved_tokens  # no usage reported: keep the whole debit
         self.limiter.refund(rec.key, rec.reserved_tokens - used, now)
 
-    def _outcome_children(self, model: str, pool: str, status: int, name: str, reason: str | None) -> _OutcomeChildren:
+    def _outcome_children(
+        self, model: str, pool: str, status: int, name: str, reason: str | None
+    ) -> _OutcomeChildren:
         """The metric children `finish` updates for one (model, pool, status, outcome, reason): looked up
         once per combination instead of six memo lookups per request."""
         m, child = self.metrics, self.child
@@ -393,7 +396,11 @@ class Dispatcher:
             with self.timeouts.timeout(budget):
                 auth = self._worker_auth.get(worker.pool)
                 resp = await self.upstream.post(
-                    worker.url, path, prefill_body(parsed.data()), headers if auth is None else [*headers, auth], budget
+                    worker.url,
+                    path,
+                    prefill_body(parsed.data()),
+                    headers if auth is None else [*headers, auth],
+                    budget,
                 )
                 try:
                     content = await resp.aread()

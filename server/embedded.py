@@ -38,15 +38,34 @@ DEFAULT_MODEL = "llama-3-8b"
 
 def default_config(time_scale: float = 1.0, seed: int = 0, **sections: Any) -> MosaicConfig:
     """The embedded heterogeneous fleet (module docstring); extra top-level sections merge in."""
+
     def sim(replicas: int, offset: int) -> dict[str, Any]:
         return {"simulated": {"replicas": replicas, "time_scale": time_scale, "seed": seed + offset}}
 
     data: dict[str, Any] = {
         "models": [{"name": DEFAULT_MODEL}],
         "pools": [
-            {"name": "prefill-h100", "model": DEFAULT_MODEL, "gpu": "H100-SXM", "role": "prefill", "endpoints": sim(1, 0)},
-            {"name": "decode-a100", "model": DEFAULT_MODEL, "gpu": "A100-80GB", "role": "decode", "endpoints": sim(2, 10)},
-            {"name": "mixed-l4", "model": DEFAULT_MODEL, "gpu": "L4", "role": "mixed", "endpoints": sim(2, 20)},
+            {
+                "name": "prefill-h100",
+                "model": DEFAULT_MODEL,
+                "gpu": "H100-SXM",
+                "role": "prefill",
+                "endpoints": sim(1, 0),
+            },
+            {
+                "name": "decode-a100",
+                "model": DEFAULT_MODEL,
+                "gpu": "A100-80GB",
+                "role": "decode",
+                "endpoints": sim(2, 10),
+            },
+            {
+                "name": "mixed-l4",
+                "model": DEFAULT_MODEL,
+                "gpu": "L4",
+                "role": "mixed",
+                "endpoints": sim(2, 20),
+            },
         ],
         **sections,
     }
@@ -56,8 +75,15 @@ def default_config(time_scale: float = 1.0, seed: int = 0, **sections: Any) -> M
 class SimulatedPoolSource:
     """Discovery source that owns a pool's simulated workers (see module docstring)."""
 
-    def __init__(self, pool: PoolConfig, model: ModelConfig, sim: SimulatedSource, catalog_path: str | None = None,
-                 resync_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pool: PoolConfig,
+        model: ModelConfig,
+        sim: SimulatedSource,
+        catalog_path: str | None = None,
+        resync_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pool = pool
         self.model = model
         self.sim = sim
@@ -66,7 +92,9 @@ class SimulatedPoolSource:
         self.workers: dict[int, RunningWorker] = {}
         self.ready_at: dict[int, float] = {}  # cold start: listed not-ready before this clock time
         self.draining: set[int] = set()  # listed terminating: the registry routes them nothing new
-        self.domains: dict[int, str] = {}  # network domain of each worker's node (set by the embedded actuator)
+        self.domains: dict[
+            int, str
+        ] = {}  # network domain of each worker's node (set by the embedded actuator)
         self.clock = clock
         self._next = 0
         self._lock = asyncio.Lock()
@@ -133,8 +161,13 @@ class SimulatedPoolSource:
     async def list(self) -> list[Endpoint]:
         now = self.clock()
         return [
-            Endpoint(self.endpoint_name(i), w.url, ready=self.ready_at.get(i, now) <= now,
-                     terminating=i in self.draining, domain=self.domains.get(i))
+            Endpoint(
+                self.endpoint_name(i),
+                w.url,
+                ready=self.ready_at.get(i, now) <= now,
+                terminating=i in self.draining,
+                domain=self.domains.get(i),
+            )
             for i, w in sorted(self.workers.items())
         ]
 
@@ -147,4 +180,6 @@ class SimulatedPoolSource:
 
 def simulated_source(config: MosaicConfig, pool: PoolConfig) -> SimulatedPoolSource:
     assert pool.endpoints.simulated is not None
-    return SimulatedPoolSource(pool, config.model_config_for(pool.model), pool.endpoints.simulated, config.catalog)
+    return SimulatedPoolSource(
+        pool, config.model_config_for(pool.model), pool.endpoints.simulated, config.catalog
+    )

@@ -40,7 +40,9 @@ _CHUNKED = b"transfer-encoding: chunked\r\n"
 class GatewayHttpProtocol(HttpToolsProtocol):
     """`HttpToolsProtocol` that serves the app's `fast_routes` (raw path bytes → ASGI app) with `FastCycle`."""
 
-    def __init__(self, config: Any, server_state: ServerState, app_state: dict[str, Any], _loop: Any = None) -> None:
+    def __init__(
+        self, config: Any, server_state: ServerState, app_state: dict[str, Any], _loop: Any = None
+    ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         routes: dict[str, ASGIApp] = getattr(config.app, "fast_routes", {})
         self.fast_routes = {path.encode(): app for path, app in routes.items()}
@@ -176,8 +178,16 @@ class FastCycle:
             self.protocol.logger.error("Exception in ASGI application\n", exc_info=exc)
             if not self.response_started and not self.disconnected:
                 self.keep_alive = False
-                await self.send({"type": "http.response.start", "status": 500, "headers": [
-                    (b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21")]})
+                await self.send(
+                    {
+                        "type": "http.response.start",
+                        "status": 500,
+                        "headers": [
+                            (b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", b"21"),
+                        ],
+                    }
+                )
                 await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
             else:
                 self.protocol.transport.close()
@@ -313,7 +323,13 @@ def _default_headers(headers: list[tuple[bytes, bytes]]) -> bytes:
 
 # uvicorn internals `GatewayHttpProtocol` builds on. They are not public API (`_start_asgi_task` appeared
 # after uvicorn 0.40), so the runner checks them before choosing this protocol instead of assuming them.
-_REQUIRED_INTERNALS = ("_start_asgi_task", "on_headers_complete", "on_body", "on_message_complete", "on_response_complete")
+_REQUIRED_INTERNALS = (
+    "_start_asgi_task",
+    "on_headers_complete",
+    "on_body",
+    "on_message_complete",
+    "on_response_complete",
+)
 
 
 def compatible() -> bool:

@@ -204,10 +204,7 @@ def route_request(
     else:
         hashes = ()
     predicted = min(parsed.max_output_tokens, default_output_tokens * parsed.sequences)
-    if (
-        predictor is not None
-        and predictor.count(parsed.model, parsed.prompt_tokens) >= predictor.min_samples
-    ):
+    if predictor is not None and predictor.count(parsed.model, parsed.prompt_tokens) >= predictor.min_samples:
         predicted = predictor.predict(parsed.model, parsed.prompt_tokens, parsed.max_output_tokens)
     return RouteRequest(
         request_id=request_id,

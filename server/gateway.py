@@ -71,7 +71,9 @@ class Gateway:
         catalog = load_catalog(config.catalog)
         self.max_model_len: dict[str, int] = {}
         self.sources: dict[str, Source] = {}  # by pool name (the embedded autoscaler scales simulated ones)
-        self.discovery: dict[str, TrackedSource] = {}  # by pool name: has its listing ever succeeded (readiness)
+        self.discovery: dict[
+            str, TrackedSource
+        ] = {}  # by pool name: has its listing ever succeeded (readiness)
         self._gpu_allocator: Any = None  # server.vllm_pool.GpuAllocator, built when a pool has `launch`
         for pool in config.pools:
             info = self._pool_info(pool, catalog)
@@ -90,7 +92,9 @@ class Gateway:
         self.predictor: LengthPredictor | None = self.ledger.predictor if self.ledger is not None else None
         plugins: list[ReservePlugin] = [self.ledger] if self.ledger is not None else []
         # The in-process autoscaler's soft scale-in waits for routing decisions still open on a draining worker.
-        self.open_decisions = OpenDecisions() if in_process(config) and config.autoscaler.actuator == "embedded" else None
+        self.open_decisions = (
+            OpenDecisions() if in_process(config) and config.autoscaler.actuator == "embedded" else None
+        )
         if self.open_decisions is not None:
             plugins.append(self.open_decisions)
         # With the ledger, the `mosaic` policy also scores best fit on remaining KV (`kv-best-fit`).
@@ -115,17 +119,29 @@ class Gateway:
         )
         self.registry.on_refresh.append(self._kv_tick)
         self.registry.on_refresh.append(self.admission.notify_all)
-        self.metrics.attach_live(self.registry.gauge_rows, self.admission.depths,
-                                 self.ledger.snapshot if self.ledger is not None else None)
+        self.metrics.attach_live(
+            self.registry.gauge_rows,
+            self.admission.depths,
+            self.ledger.snapshot if self.ledger is not None else None,
+        )
         if (kv_queue := self.kv_queue) is not None:
             self.metrics.attach_kv_queue(lambda: kv_queue.stats)
         self.upstream = Upstream(config.limits, transport)
         self.dispatcher = Dispatcher(
-            config, self.registry, self.router, self.admission, self.upstream, self.metrics, self.limiter, clock,
+            config,
+            self.registry,
+            self.router,
+            self.admission,
+            self.upstream,
+            self.metrics,
+            self.limiter,
+            clock,
             self.predictor,
         )
         # `autoscaler.enabled` with the embedded or dry-run actuator: the controller runs in this process.
-        self.autoscaler: AutoscalerController | None = in_process_controller(self) if in_process(config) else None
+        self.autoscaler: AutoscalerController | None = (
+            in_process_controller(self) if in_process(config) else None
+        )
 
     def _kv_tick(self) -> None:
         """After each scrape round: expire lost reservations, then reconcile against reported KV usage."""
@@ -147,7 +163,9 @@ class Gateway:
             max_model_len=model_cfg.max_model_len,
             cost_per_hour=pool.cost_per_hour,
         )
-        return PoolInfo(pool.name, pool.model, catalog.gpu(pool.gpu).name, Role(pool.role), capacity, pool.domain)
+        return PoolInfo(
+            pool.name, pool.model, catalog.gpu(pool.gpu).name, Role(pool.role), capacity, pool.domain
+        )
 
     def _source(self, pool: PoolConfig) -> Source:
         ep = pool.endpoints

@@ -70,7 +70,9 @@ class GatewayScraper:
         self.clock = clock
         self.source: Source
         if cfg.kubernetes is not None:  # domains mean nothing for gateways: never list nodes for them
-            self.source = KubernetesDiscovery(cfg.kubernetes.model_copy(update={"domain_label": None}), lister)
+            self.source = KubernetesDiscovery(
+                cfg.kubernetes.model_copy(update={"domain_label": None}), lister
+            )
         else:
             self.source = StaticSource(list(cfg.static or []))
         token = bearer_token(cfg.bearer_token_env)
@@ -89,7 +91,10 @@ class GatewayScraper:
             registry=metrics_registry,
         )
         self.gauge = Gauge(
-            "mosaic_autoscaler_gateways", "Gateways the autoscaler scrapes, by state", ["state"], registry=metrics_registry
+            "mosaic_autoscaler_gateways",
+            "Gateways the autoscaler scrapes, by state",
+            ["state"],
+            registry=metrics_registry,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,7 +156,12 @@ class GatewayScraper:
             self.errors.labels(endpoint.name).inc()
             if endpoint.name not in self.down:
                 self.down.add(endpoint.name)
-                log.warning("gateway %s (%s) not scraped, skipped while stale: %s", endpoint.name, url, exc or type(exc).__name__)
+                log.warning(
+                    "gateway %s (%s) not scraped, skipped while stale: %s",
+                    endpoint.name,
+                    url,
+                    exc or type(exc).__name__,
+                )
             return
         if endpoint.name in self.down:
             self.down.discard(endpoint.name)

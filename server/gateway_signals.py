@@ -237,11 +237,17 @@ def gateway_signals(
     inc = merged.increments
     out["ttft_p90_s"] = quantile(0.9, latency_buckets(TTFT_FAMILY, inc, pool_scale))
     tpot = quantile(0.9, latency_buckets(TPOT_FAMILY, inc, pool_scale))
-    out["tpot_p90_s"] = tpot if tpot is not None else quantile(0.9, latency_buckets(ITL_FAMILY, inc, pool_scale))
-    out["request_rate"] = sum(
-        v / model_scale(dict(lab).get("model", "")) for (name, lab), v in merged.per_s.items() if name == RECEIVED
+    out["tpot_p90_s"] = (
+        tpot if tpot is not None else quantile(0.9, latency_buckets(ITL_FAMILY, inc, pool_scale))
     )
-    completed = sum(v for (name, lab), v in inc.items() if name == OUTCOMES and ("outcome", "completed") in lab)
+    out["request_rate"] = sum(
+        v / model_scale(dict(lab).get("model", ""))
+        for (name, lab), v in merged.per_s.items()
+        if name == RECEIVED
+    )
+    completed = sum(
+        v for (name, lab), v in inc.items() if name == OUTCOMES and ("outcome", "completed") in lab
+    )
     if completed > 0:
         out["mean_input_tokens"] = sum(v for (name, _), v in inc.items() if name == PROMPT) / completed
         out["mean_output_tokens"] = sum(v for (name, _), v in inc.items() if name == GENERATED) / completed

@@ -51,7 +51,25 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.5, 1.0, 2.5)
 # Per-request TPOT: finer where TPOT SLOs sit (20–100 ms), down to the simulator's sub-ms steps.
-_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+_TPOT_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+)
 _E2E_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 600.0)
 
 
@@ -81,12 +99,36 @@ class _LiveCollector(Collector):
         self._kv = kv
 
     def collect(self) -> Iterator[Metric]:
-        inflight = GaugeMetricFamily("mosaic_worker_inflight_requests", "Requests in flight per worker (gateway-side)", labels=["worker", "pool"])
-        prefill = GaugeMetricFamily("mosaic_worker_inflight_prefill_tokens", "Prompt tokens dispatched and not yet past first token", labels=["worker", "pool"])
-        state = GaugeMetricFamily("mosaic_worker_state", "Worker state (1 for the current state)", labels=["worker", "pool", "state"])
-        breaker = GaugeMetricFamily("mosaic_worker_breaker_open", "1 when the worker's circuit breaker is open", labels=["worker", "pool"])
-        age = GaugeMetricFamily("mosaic_worker_scrape_age_seconds", "Seconds since the worker's last successful /metrics scrape", labels=["worker", "pool"])
-        cost = GaugeMetricFamily("mosaic_worker_cost_per_hour", "$/h of the worker (its GPU type and TP degree)", labels=["worker", "pool"])
+        inflight = GaugeMetricFamily(
+            "mosaic_worker_inflight_requests",
+            "Requests in flight per worker (gateway-side)",
+            labels=["worker", "pool"],
+        )
+        prefill = GaugeMetricFamily(
+            "mosaic_worker_inflight_prefill_tokens",
+            "Prompt tokens dispatched and not yet past first token",
+            labels=["worker", "pool"],
+        )
+        state = GaugeMetricFamily(
+            "mosaic_worker_state",
+            "Worker state (1 for the current state)",
+            labels=["worker", "pool", "state"],
+        )
+        breaker = GaugeMetricFamily(
+            "mosaic_worker_breaker_open",
+            "1 when the worker's circuit breaker is open",
+            labels=["worker", "pool"],
+        )
+        age = GaugeMetricFamily(
+            "mosaic_worker_scrape_age_seconds",
+            "Seconds since the worker's last successful /metrics scrape",
+            labels=["worker", "pool"],
+        )
+        cost = GaugeMetricFamily(
+            "mosaic_worker_cost_per_hour",
+            "$/h of the worker (its GPU type and TP degree)",
+            labels=["worker", "pool"],
+        )
         for row in self._workers():
             labels = [row.worker, row.pool]
             inflight.add_metric(labels, row.inflight_requests)
@@ -97,7 +139,9 @@ class _LiveCollector(Collector):
                 age.add_metric(labels, row.scrape_age_s)
             if row.cost_per_hour is not None:
                 cost.add_metric(labels, row.cost_per_hour)
-        depth = GaugeMetricFamily("mosaic_admission_queue_depth", "Requests waiting in the admission queue", labels=["model"])
+        depth = GaugeMetricFamily(
+            "mosaic_admission_queue_depth", "Requests waiting in the admission queue", labels=["model"]
+        )
         for model, n in self._queues().items():
             depth.add_metric([model], n)
         yield from (inflight, prefill, state, breaker, age, cost, depth)
@@ -134,17 +178,31 @@ class _KvQueueCollector(Collector):
         st = self._stats()
         for key, name, doc in _KV_QUEUE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(st, key))
-        plans = CounterMetricFamily("mosaic_kv_batch_plans", "Batch-admission plans by the method that made them", labels=["solver"])
+        plans = CounterMetricFamily(
+            "mosaic_kv_batch_plans", "Batch-admission plans by the method that made them", labels=["solver"]
+        )
         for method, n in sorted(st.methods.items()):
             plans.add_metric([method], n)
         yield plans
-        yield GaugeMetricFamily("mosaic_kv_batch_last_solve_seconds", "Wall time of the last batch-admission solve", value=st.last_solve_ms / 1000.0)
+        yield GaugeMetricFamily(
+            "mosaic_kv_batch_last_solve_seconds",
+            "Wall time of the last batch-admission solve",
+            value=st.last_solve_ms / 1000.0,
+        )
 
 
 _KV_GAUGES = (
-    ("total_units", "mosaic_kv_total_units", "KV units (blocks or head-pages) per worker, as the ledger sees it"),
+    (
+        "total_units",
+        "mosaic_kv_total_units",
+        "KV units (blocks or head-pages) per worker, as the ledger sees it",
+    ),
     ("reserved_units", "mosaic_kv_reserved_units", "KV units reserved by this gateway's in-flight requests"),
-    ("shrink_units", "mosaic_kv_shrink_units", "KV units withheld because reported usage exceeds reservations"),
+    (
+        "shrink_units",
+        "mosaic_kv_shrink_units",
+        "KV units withheld because reported usage exceeds reservations",
+    ),
     ("active", "mosaic_kv_active_reservations", "Open KV reservations per worker"),
     ("estimate_error", "mosaic_kv_estimate_error", "(reported − reserved) / total KV at the last reconcile"),
 )
@@ -210,7 +268,9 @@ class Histogram:
 
     kind = "histogram"
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]) -> None:
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]
+    ) -> None:
         self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
         self.bounds = (*sorted(float(b) for b in buckets), float("inf"))
         self._le = [floatToGoString(b) for b in self.bounds]
@@ -233,7 +293,9 @@ class Histogram:
                 running += n
                 buckets.append((le, running))
             fam.add_metric(values, buckets, total)
-            fam.samples.append(Sample(self.name + "_created", dict(zip(self.labelnames, values, strict=True)), child.created))
+            fam.samples.append(
+                Sample(self.name + "_created", dict(zip(self.labelnames, values, strict=True)), child.created)
+            )
         return fam
 
 
@@ -242,7 +304,9 @@ class HistogramChild:
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self._bounds = bounds
-        self.counts = [0] * len(bounds)  # per bucket, not cumulative; bucket i holds bounds[i-1] < v ≤ bounds[i]
+        self.counts = [0] * len(
+            bounds
+        )  # per bucket, not cumulative; bucket i holds bounds[i-1] < v ≤ bounds[i]
         self.sum = 0.0
         self.created = time.time()
 
@@ -275,25 +339,76 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("mosaic_requests", "Requests answered, by HTTP status", ["model", "pool", "status"])
-        self.received = Counter("mosaic_requests_received", "Requests accepted for dispatch, counted at arrival", ["model"])
-        self.outcomes = Counter("mosaic_request_outcomes", "Terminal outcome of each accepted request", ["model", "outcome"])
-        self.ttft = Histogram("mosaic_time_to_first_token_seconds", "Arrival to first streamed event, at the gateway", ["model", "pool"], buckets=_TTFT_BUCKETS)
-        self.itl = Histogram("mosaic_inter_token_latency_seconds", "Gap between relayed stream events", ["model", "pool"], buckets=_ITL_BUCKETS)
-        self.tpot = Histogram("mosaic_time_per_output_token_seconds", "Per streamed request: (e2e - TTFT) / (output tokens - 1)", ["model", "pool"], buckets=_TPOT_BUCKETS)
-        self.e2e = Histogram("mosaic_e2e_request_latency_seconds", "Arrival to last byte, at the gateway", ["model", "pool"], buckets=_E2E_BUCKETS)
-        self.prompt_tokens = Counter("mosaic_prompt_tokens", "Prompt tokens reported by workers' usage", ["model"])
-        self.generation_tokens = Counter("mosaic_generation_tokens", "Generated tokens reported by workers' usage", ["model"])
-        self.rejections = Counter("mosaic_rejections", "Requests refused by the gateway, by reason", ["reason"])
+        self.requests = Counter(
+            "mosaic_requests", "Requests answered, by HTTP status", ["model", "pool", "status"]
+        )
+        self.received = Counter(
+            "mosaic_requests_received", "Requests accepted for dispatch, counted at arrival", ["model"]
+        )
+        self.outcomes = Counter(
+            "mosaic_request_outcomes", "Terminal outcome of each accepted request", ["model", "outcome"]
+        )
+        self.ttft = Histogram(
+            "mosaic_time_to_first_token_seconds",
+            "Arrival to first streamed event, at the gateway",
+            ["model", "pool"],
+            buckets=_TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "mosaic_inter_token_latency_seconds",
+            "Gap between relayed stream events",
+            ["model", "pool"],
+            buckets=_ITL_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "mosaic_time_per_output_token_seconds",
+            "Per streamed request: (e2e - TTFT) / (output tokens - 1)",
+            ["model", "pool"],
+            buckets=_TPOT_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "mosaic_e2e_request_latency_seconds",
+            "Arrival to last byte, at the gateway",
+            ["model", "pool"],
+            buckets=_E2E_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "mosaic_prompt_tokens", "Prompt tokens reported by workers' usage", ["model"]
+        )
+        self.generation_tokens = Counter(
+            "mosaic_generation_tokens", "Generated tokens reported by workers' usage", ["model"]
+        )
+        self.rejections = Counter(
+            "mosaic_rejections", "Requests refused by the gateway, by reason", ["reason"]
+        )
         self.retries = Counter("mosaic_retries", "Dispatches retried on another worker", ["model", "reason"])
-        self.pd_fallbacks = Counter("mosaic_pd_fallbacks", "P/D requests served decode-only after the prefill hop failed", ["model"])
-        self.upstream_errors = Counter("mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"])
+        self.pd_fallbacks = Counter(
+            "mosaic_pd_fallbacks", "P/D requests served decode-only after the prefill hop failed", ["model"]
+        )
+        self.upstream_errors = Counter(
+            "mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"]
+        )
         self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"])
-        r.register(LeanCollector([
-            self.requests, self.received, self.outcomes, self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens,
-            self.generation_tokens, self.rejections, self.retries, self.pd_fallbacks, self.upstream_errors,
-            self.scrape_errors,
-        ]))
+        r.register(
+            LeanCollector(
+                [
+                    self.requests,
+                    self.received,
+                    self.outcomes,
+                    self.ttft,
+                    self.itl,
+                    self.tpot,
+                    self.e2e,
+                    self.prompt_tokens,
+                    self.generation_tokens,
+                    self.rejections,
+                    self.retries,
+                    self.pd_fallbacks,
+                    self.upstream_errors,
+                    self.scrape_errors,
+                ]
+            )
+        )
 
     def attach_live(
         self,

@@ -109,7 +109,9 @@ class WorkerRecord:
     def view(self, now: float, stale_after_s: float) -> WorkerView:
         return self._build_view(now, stale_after_s, self.state(), self.breaker.is_open(now))
 
-    def _build_view(self, now: float, stale_after_s: float, state: WorkerState, breaker_open: bool) -> WorkerView:
+    def _build_view(
+        self, now: float, stale_after_s: float, state: WorkerState, breaker_open: bool
+    ) -> WorkerView:
         s = self.fresh_stats(now, stale_after_s)
         p = self.pool
         # Positional, in `VIEW_FIELD_ORDER`.
@@ -146,7 +148,9 @@ VIEW_FIELD_ORDER = (
     "preemptions_total", "scrape_age_s", "inflight_requests", "inflight_prefill_tokens",
     "inflight_decode_requests", "domain",
 )  # fmt: skip
-_VIEW_SETTERS = tuple(getattr(WorkerView, name).__set__ for name in VIEW_FIELD_ORDER)  # the slots' descriptors
+_VIEW_SETTERS = tuple(
+    getattr(WorkerView, name).__set__ for name in VIEW_FIELD_ORDER
+)  # the slots' descriptors
 # Slot filling is only equivalent to the constructor while the fields are exactly these and nothing validates.
 _FAST_VIEWS = tuple(f.name for f in dataclasses.fields(WorkerView)) == VIEW_FIELD_ORDER and not hasattr(
     WorkerView, "__post_init__"
@@ -252,7 +256,9 @@ class Registry:
         self._loops.append(asyncio.create_task(self._every(self._health_cfg.interval_s, self.health_once)))
         for name, pool in self._pools.items():
             if pool.source.resync_s:
-                pool.task = asyncio.create_task(self._every(pool.source.resync_s, lambda n=name: self.resync(n)))
+                pool.task = asyncio.create_task(
+                    self._every(pool.source.resync_s, lambda n=name: self.resync(n))
+                )
 
     async def stop(self) -> None:
         tasks = [*self._loops, *self._tasks, *(p.task for p in self._pools.values() if p.task)]
@@ -417,7 +423,9 @@ class Registry:
         if prev is not None and prev_at is not None:
             dt = now - prev_at
             rec.prompt_tokens_per_s = counter_rate(prev.prompt_tokens_total, stats.prompt_tokens_total, dt)
-            rec.generation_tokens_per_s = counter_rate(prev.generation_tokens_total, stats.generation_tokens_total, dt)
+            rec.generation_tokens_per_s = counter_rate(
+                prev.generation_tokens_total, stats.generation_tokens_total, dt
+            )
         rec.stats, rec.stats_at = stats, now
 
     # ------------------------------------------------------------------ reporting
@@ -425,8 +433,13 @@ class Registry:
         now = self._clock()
         return [
             WorkerGaugeRow(
-                r.id, r.pool.name, r.state().value, r.inflight_requests, r.inflight_prefill_tokens,
-                r.breaker.is_open(now), (now - r.stats_at) if r.stats_at is not None else None,
+                r.id,
+                r.pool.name,
+                r.state().value,
+                r.inflight_requests,
+                r.inflight_prefill_tokens,
+                r.breaker.is_open(now),
+                (now - r.stats_at) if r.stats_at is not None else None,
                 r.pool.capacity.cost_per_hour,
             )
             for r in self._workers.values()
@@ -439,22 +452,40 @@ class Registry:
         for r in self._workers.values():
             v = r.view(now, self._scrape_cfg.stale_after_s)
             stats = r.stats
-            out.append({
-                "id": r.id, "url": r.url, "pool": r.pool.name, "model": r.pool.model, "gpu": r.pool.gpu,
-                "role": r.pool.role.value, "state": v.state.value, "domain": v.domain,
-                "breaker": {"state": r.breaker.state(now).value, "trips": r.breaker.trips, "failures": r.breaker.failures},
-                "last_error": r.last_error,
-                "inflight": {"requests": r.inflight_requests, "prefill_tokens": r.inflight_prefill_tokens,
-                             "decode_requests": r.inflight_decode_requests, "dispatched_total": r.dispatched_total},
-                "scrape_age_s": None if r.stats_at is None else round(now - r.stats_at, 3),
-                "stale": stats is not None and v.scrape_age_s is None,
-                "stats": None if stats is None else {
-                    **{k: getattr(stats, k) for k in stats.__slots__},  # type: ignore[attr-defined]
-                    "prompt_tokens_per_s": r.prompt_tokens_per_s,
-                    "generation_tokens_per_s": r.generation_tokens_per_s,
-                    "mean_itl_s": stats.mean_itl_s, "mean_ttft_s": stats.mean_ttft_s,
-                },
-                "capacity": {k: getattr(r.pool.capacity, k) for k in r.pool.capacity.__slots__},  # type: ignore[attr-defined]
-            })
+            out.append(
+                {
+                    "id": r.id,
+                    "url": r.url,
+                    "pool": r.pool.name,
+                    "model": r.pool.model,
+                    "gpu": r.pool.gpu,
+                    "role": r.pool.role.value,
+                    "state": v.state.value,
+                    "domain": v.domain,
+                    "breaker": {
+                        "state": r.breaker.state(now).value,
+                        "trips": r.breaker.trips,
+                        "failures": r.breaker.failures,
+                    },
+                    "last_error": r.last_error,
+                    "inflight": {
+                        "requests": r.inflight_requests,
+                        "prefill_tokens": r.inflight_prefill_tokens,
+                        "decode_requests": r.inflight_decode_requests,
+                        "dispatched_total": r.dispatched_total,
+                    },
+                    "scrape_age_s": None if r.stats_at is None else round(now - r.stats_at, 3),
+                    "stale": stats is not None and v.scrape_age_s is None,
+                    "stats": None
+                    if stats is None
+                    else {
+                        **{k: getattr(stats, k) for k in stats.__slots__},  # type: ignore[attr-defined]
+                        "prompt_tokens_per_s": r.prompt_tokens_per_s,
+                        "generation_tokens_per_s": r.generation_tokens_per_s,
+                        "mean_itl_s": stats.mean_itl_s,
+                        "mean_ttft_s": stats.mean_ttft_s,
+                    },
+                    "capacity": {k: getattr(r.pool.capacity, k) for k in r.pool.capacity.__slots__},  # type: ignore[attr-defined]
+                }
+            )
         return out
-

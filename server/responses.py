@@ -185,7 +185,13 @@ class StreamSession:
         while the client's socket is full, where `body()`'s consumer would wait in `send`."""
         resp = self.resp
         assert isinstance(resp, H1Response)
-        write, feed, clock, observe, on_tokens = cycle.write, self.relay.feed, self._clock, self._itl.observe, self.lease.on_tokens
+        write, feed, clock, observe, on_tokens = (
+            cycle.write,
+            self.relay.feed,
+            self._clock,
+            self._itl.observe,
+            self.lease.on_tokens,
+        )
         deadline = self._deadline
         pending = b""  # the stream's last piece, held for the final write
 

@@ -45,8 +45,10 @@ def http_protocol() -> Any:
         log.warning("httptools is not installed: serving with uvicorn's default HTTP protocol")
         return "auto"
     if not compatible():
-        log.warning("uvicorn %s lacks the internals server.fast_http extends: serving with its default "
-                    "HTTP protocol", uvicorn.__version__)
+        log.warning(
+            "uvicorn %s lacks the internals server.fast_http extends: serving with its default HTTP protocol",
+            uvicorn.__version__,
+        )
         return "auto"
     return GatewayHttpProtocol
 

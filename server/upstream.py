@@ -49,10 +49,21 @@ from server.h1_response import H1Response, UpstreamResponse, _read_head, _Reset
 
 __all__ = ["ConnectionPool", "H1Response", "UpstreamResponse"]
 
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection: a receive buffer, EOF/close flags, and one waiter for more bytes."""
 
-    __slots__ = ("_waiter", "buf", "closed", "error", "idle_since", "on_data", "origin", "reused", "transport")
+    __slots__ = (
+        "_waiter",
+        "buf",
+        "closed",
+        "error",
+        "idle_since",
+        "on_data",
+        "origin",
+        "reused",
+        "transport",
+    )
 
     def __init__(self, origin: _Origin) -> None:
         self.origin = origin

@@ -116,7 +116,9 @@ class KubernetesActuator:
         try:
             from kubernetes import client, config
         except ImportError as exc:  # pragma: no cover - depends on the optional extra
-            raise RuntimeError("the kubernetes actuator needs the 'k8s' extra: pip install 'mosaic-serve[k8s]'") from exc
+            raise RuntimeError(
+                "the kubernetes actuator needs the 'k8s' extra: pip install 'mosaic-serve[k8s]'"
+            ) from exc
         try:
             config.load_incluster_config()
         except config.ConfigException:
@@ -130,7 +132,9 @@ class KubernetesActuator:
             raise KeyError(f"pool {pool!r} has no Deployment configured") from None
 
     def _read(self, name: str) -> int:
-        scale = self._api.read_namespaced_deployment_scale(name, self._namespace, _request_timeout=self._timeout)
+        scale = self._api.read_namespaced_deployment_scale(
+            name, self._namespace, _request_timeout=self._timeout
+        )
         return int(scale.spec.replicas or 0)
 
     def _patch(self, name: str, replicas: int) -> None:
@@ -312,7 +316,9 @@ class KubernetesActuator:
                 placer.release(slot)
             for _ in range(count - len(slots)):
                 fits = [
-                    n for n in placer.free_nodes() if n.domain == domain and n.gpu == kind.gpu and n.free >= kind.tp
+                    n
+                    for n in placer.free_nodes()
+                    if n.domain == domain and n.gpu == kind.gpu and n.free >= kind.tp
                 ]
                 if not fits:
                     break

@@ -57,7 +57,9 @@ class HpaPolicy:
             current = po.provisioned
             if self.metric == "gpu_utilization":
                 value = po.gpu_utilization
-                raw = hpa_pod_metric_replicas(current, po.ready, po.starting, value, self.target, self.tolerance)
+                raw = hpa_pod_metric_replicas(
+                    current, po.ready, po.starting, value, self.target, self.tolerance
+                )
             else:
                 value = float(po.num_waiting)
                 raw = keda_average_value_replicas(current, value, self.target, self.tolerance)
@@ -102,7 +104,9 @@ def hpa_pod_metric_replicas(
     return desired
 
 
-def keda_average_value_replicas(current: int, total: float, target_per_replica: float, tolerance: float) -> int:
+def keda_average_value_replicas(
+    current: int, total: float, target_per_replica: float, tolerance: float
+) -> int:
     """KEDA's `AverageValue` on an external metric (HPA's external per-pod calculation): the metric's total
     over the target per replica, independent of how many replicas are ready; the tolerance is checked on
     total / (target · current replicas)."""

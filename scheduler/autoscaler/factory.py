@@ -37,7 +37,9 @@ def build_policy(
         if name == "hpa-waiting":
             return HpaPolicy(pools, "num_requests_waiting", float(arg or 4))
         if name == "dynamo":
-            return DynamoPlanner(pools, interval_s=float(arg or 180), utilization_target=config.utilization_target)
+            return DynamoPlanner(
+                pools, interval_s=float(arg or 180), utilization_target=config.utilization_target
+            )
         if name == "static":
             counts = dict(initial)
             for item in filter(None, arg.split(",")):

@@ -95,7 +95,12 @@ class MosaicAutoscaler:
     # -- one model -----------------------------------------------------------------------------------
 
     def _decide_model(
-        self, model: str, obs: Observation, targets: dict[str, int], reasons: dict[str, str], signal: dict[str, float]
+        self,
+        model: str,
+        obs: Observation,
+        targets: dict[str, int],
+        reasons: dict[str, str],
+        signal: dict[str, float],
     ) -> None:
         cfg = self.config
         pools = [p for p in self.pools if p.model == model]
@@ -126,8 +131,16 @@ class MosaicAutoscaler:
         def decode_cap(p: PoolSpec) -> float:
             return p.decode_tps_capacity
 
-        self._settle(decode_pools, current, decode_demand / cfg.utilization_target, decode_cap, decode_boost > 1,
-                     obs.now, targets, reasons)
+        self._settle(
+            decode_pools,
+            current,
+            decode_demand / cfg.utilization_target,
+            decode_cap,
+            decode_boost > 1,
+            obs.now,
+            targets,
+            reasons,
+        )
 
         if not prefill_pools:
             return
@@ -156,7 +169,16 @@ class MosaicAutoscaler:
         def prefill_cap(p: PoolSpec) -> float:
             return p.prefill_tps_capacity
 
-        self._settle(prefill_pools, current, required_capacity, prefill_cap, prefill_boost > 1, obs.now, targets, reasons)
+        self._settle(
+            prefill_pools,
+            current,
+            required_capacity,
+            prefill_cap,
+            prefill_boost > 1,
+            obs.now,
+            targets,
+            reasons,
+        )
 
     def _decode_instance_equivalents(
         self, decode_pools: Sequence[PoolSpec], targets: Mapping[str, int], decode_demand: float

@@ -59,7 +59,9 @@ class PoolObservation:
 class Observation:
     now: float
     pools: Mapping[str, PoolObservation]
-    admission_queue: Mapping[str, int] = field(default_factory=dict)  # per model: gateway admission queue depth
+    admission_queue: Mapping[str, int] = field(
+        default_factory=dict
+    )  # per model: gateway admission queue depth
     ttft_p90_s: float | None = None  # measured at the gateway over the last interval
     tpot_p90_s: float | None = None
     request_rate: float = 0.0  # requests/s arriving over the last interval (Dynamo-style baseline)

@@ -183,7 +183,9 @@ class KvReservation:
 @dataclass(slots=True)
 class _Book:
     total: int = 0  # units on the worker (last seen)
-    base_capacity: int = 0  # floor(total · (1 − watermark) · share), derived with `total` (capacity = it − shrink)
+    base_capacity: int = (
+        0  # floor(total · (1 − watermark) · share), derived with `total` (capacity = it − shrink)
+    )
     reserved: int = 0
     worst_reserved: int = 0
     shrink: int = 0

@@ -220,7 +220,9 @@ def build_router(
             picker=_picker(cfg, name),
         )
     gate = PdGate(cfg.pd_max_prefill_wait_s, cfg.pd_local_prefill_margin_s)
-    handler = PdProfileHandler(built["mixed"], built["decode"], built["prefill"], cfg.pd_threshold_tokens, gate)
+    handler = PdProfileHandler(
+        built["mixed"], built["decode"], built["prefill"], cfg.pd_threshold_tokens, gate
+    )
     description = {
         "pd_threshold_tokens": cfg.pd_threshold_tokens,
         **gate.describe(),

@@ -175,7 +175,11 @@ class KvFitFilter:
     def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
         checkers = cycle.facts.get(self._key)
         if checkers is None:  # once per cycle, not per worker
-            checkers = [p for p in cycle.reserve_plugins if _is_fit_checker(type(p))] if self.params.use_ledger else []
+            checkers = (
+                [p for p in cycle.reserve_plugins if _is_fit_checker(type(p))]
+                if self.params.use_ledger
+                else []
+            )
             cycle.facts[self._key] = checkers
         if checkers:
             req, now = cycle.req, cycle.now

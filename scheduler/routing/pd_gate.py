@@ -83,4 +83,7 @@ class PdGate:
         return PdGateVerdict(True, best, local, "pool-saturated")
 
     def describe(self) -> dict[str, Any]:
-        return {"pd_max_prefill_wait_s": self.max_prefill_wait_s, "pd_local_prefill_margin_s": self.local_margin_s}
+        return {
+            "pd_max_prefill_wait_s": self.max_prefill_wait_s,
+            "pd_local_prefill_margin_s": self.local_margin_s,
+        }

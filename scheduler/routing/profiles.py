@@ -118,7 +118,9 @@ class PdProfileHandler:
     decode: SchedulingProfile
     prefill: SchedulingProfile
     pd_threshold_tokens: int = 256
-    gate: PdGate = field(default_factory=PdGate)  # conditional disaggregation; off by default (always remote prefill)
+    gate: PdGate = field(
+        default_factory=PdGate
+    )  # conditional disaggregation; off by default (always remote prefill)
 
     def pd_eligible(self, cycle: Cycle) -> bool:
         req = cycle.req

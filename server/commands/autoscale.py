@@ -47,7 +47,9 @@ def kubernetes_deployments(cfg: MosaicConfig) -> dict[str, str]:
     k = cfg.autoscaler.kubernetes
     if k.deployments:
         return dict(k.deployments)
-    return {p.name: p.name for p in cfg.pools if p.endpoints.kubernetes is not None and p.name not in k.domains}
+    return {
+        p.name: p.name for p in cfg.pools if p.endpoints.kubernetes is not None and p.name not in k.domains
+    }
 
 
 def kubernetes_domains(cfg: MosaicConfig) -> dict[str, dict[str, str]]:
@@ -134,7 +136,10 @@ async def standalone(
         fail(str(exc))
     scraper = (
         GatewayScraper(
-            a.gateways, scrape_interval(a.gateways, a.interval_s), gw.metrics.registry, lister=gateway_lister,
+            a.gateways,
+            scrape_interval(a.gateways, a.interval_s),
+            gw.metrics.registry,
+            lister=gateway_lister,
             clock=gw.clock,
         )
         if a.gateways is not None
@@ -147,7 +152,9 @@ async def standalone(
             gw.metrics.registry,
             actuator_factory=factory,
             managed=managed,
-            gateway=scraper.snapshots if scraper is not None else dict,  # no gateways: no gateway-side signals
+            gateway=scraper.snapshots
+            if scraper is not None
+            else dict,  # no gateways: no gateway-side signals
             offload=a.actuator == "kubernetes",
             clock=gw.clock,
         )
@@ -202,7 +209,9 @@ async def _run(
         )
 
         def report(decision: dict[str, Any]) -> None:
-            if as_json:  # the whole record /admin/autoscaler shows: observation (admission queue) and placement too
+            if (
+                as_json
+            ):  # the whole record /admin/autoscaler shows: observation (admission queue) and placement too
                 typer.echo(json.dumps(decision))
 
         loop = asyncio.get_running_loop()
@@ -223,14 +232,24 @@ def register(app: typer.Typer) -> None:
         cycles: int = typer.Option(
             0, "--cycles", min=0, help="Stop after this many decisions (0: run until SIGTERM)."
         ),
-        as_json: bool = typer.Option(False, "--json", help="Print each decision record (targets, reasons, signals, observation, actions, placement) as one JSON line."),
+        as_json: bool = typer.Option(
+            False,
+            "--json",
+            help="Print each decision record (targets, reasons, signals, observation, actions, placement) as one JSON line.",
+        ),
         log_level: str = typer.Option(
             "info", "--log-level", help="Log level (decisions and scale actions log at info)."
         ),
         metrics_port: int = typer.Option(
-            0, "--metrics-port", min=0, max=65535, help="Serve the controller's /metrics on this port (0: off)."
+            0,
+            "--metrics-port",
+            min=0,
+            max=65535,
+            help="Serve the controller's /metrics on this port (0: off).",
         ),
-        metrics_host: str = typer.Option("0.0.0.0", "--metrics-host", help="Address of the /metrics listener."),
+        metrics_host: str = typer.Option(
+            "0.0.0.0", "--metrics-host", help="Address of the /metrics listener."
+        ),
     ) -> None:
         """Run only the P/D autoscaler controller (no API serving): scrape the pools, decide, scale Deployments."""
         try:

@@ -38,7 +38,9 @@ async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, emb
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
     try:
-        running = await start_gateway_server(config, host, port, install_signals=True, log_level=log_level, sock=sock)
+        running = await start_gateway_server(
+            config, host, port, install_signals=True, log_level=log_level, sock=sock
+        )
     except (KubernetesUnavailable, ConfigError) as exc:  # ConfigError: what only the built gateway can check
         fail(str(exc))
     # Everything built so far (catalog, config, app, pydantic schemas: ~10⁵ objects) lives as long as the
@@ -62,10 +64,20 @@ async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, emb
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     def serve(
-        config: str | None = typer.Option(None, "--config", "-c", help="Gateway config YAML (default: embedded simulated fleet)."),
-        host: str | None = typer.Option(None, "--host", help="Address to bind (default: config's gateway.host, 127.0.0.1)."),
-        port: int | None = typer.Option(None, "--port", help="Port to bind (default: config's gateway.port, 8000; 0 = free port)."),
-        time_scale: float | None = typer.Option(None, "--time-scale", help="Embedded default only: simulate this many times faster than real time."),
+        config: str | None = typer.Option(
+            None, "--config", "-c", help="Gateway config YAML (default: embedded simulated fleet)."
+        ),
+        host: str | None = typer.Option(
+            None, "--host", help="Address to bind (default: config's gateway.host, 127.0.0.1)."
+        ),
+        port: int | None = typer.Option(
+            None, "--port", help="Port to bind (default: config's gateway.port, 8000; 0 = free port)."
+        ),
+        time_scale: float | None = typer.Option(
+            None,
+            "--time-scale",
+            help="Embedded default only: simulate this many times faster than real time.",
+        ),
         log_level: str = typer.Option("warning", "--log-level", help="uvicorn/gateway log level."),
     ) -> None:
         """OpenAI-compatible gateway over a heterogeneous fleet (simulated by default, or real vLLM servers)."""
@@ -74,7 +86,9 @@ def register(app: typer.Typer) -> None:
         try:
             if config is not None:
                 if time_scale is not None:
-                    fail("--time-scale applies to the embedded default only; set endpoints.simulated.time_scale in the config")
+                    fail(
+                        "--time-scale applies to the embedded default only; set endpoints.simulated.time_scale in the config"
+                    )
                 cfg = load_config(config)
             else:
                 from server.embedded import default_config
@@ -84,11 +98,21 @@ def register(app: typer.Typer) -> None:
                 cfg = default_config(time_scale=time_scale or 1.0)
         except ConfigError as exc:
             fail(str(exc))
-        logging.basicConfig(level=log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "WARNING",
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "WARNING",
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
         # uvloop when installed (uvicorn[standard]); uvicorn picks httptools by itself the same way.
         with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
-            runner.run(_serve(cfg, host or cfg.gateway.host, cfg.gateway.port if port is None else port, log_level, config is None))
+            runner.run(
+                _serve(
+                    cfg,
+                    host or cfg.gateway.host,
+                    cfg.gateway.port if port is None else port,
+                    log_level,
+                    config is None,
+                )
+            )
 
 
 def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

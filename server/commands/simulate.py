@@ -23,14 +23,22 @@ from simulator.trace_adapter import sim_requests
 def register(app: typer.Typer) -> None:
     @app.command("simulate")
     def simulate(
-        trace: str = typer.Option(..., "--trace", help="trace file (any format `mosaic replay` reads) or synthetic: spec"),
+        trace: str = typer.Option(
+            ..., "--trace", help="trace file (any format `mosaic replay` reads) or synthetic: spec"
+        ),
         fleet: Path = typer.Option(..., "--fleet", help="fleet YAML: pools, SLO, cold start, intervals"),
-        policy: str = typer.Option("mosaic", "--policy", help=f"autoscaling policy: {', '.join(POLICY_NAMES)}"),
-        out: Path | None = typer.Option(None, "--out", help="write the JSON report (schema mosaic.simulate/v1)"),
+        policy: str = typer.Option(
+            "mosaic", "--policy", help=f"autoscaling policy: {', '.join(POLICY_NAMES)}"
+        ),
+        out: Path | None = typer.Option(
+            None, "--out", help="write the JSON report (schema mosaic.simulate/v1)"
+        ),
         plot: Path | None = typer.Option(None, "--plot", help="write replicas.png and latency.png here"),
         trace_format: str | None = typer.Option(None, "--format", help="force the trace format"),
         rate_scale: float = typer.Option(1.0, "--rate-scale", help="replay the trace this many times faster"),
-        rate: float | None = typer.Option(None, "--rate", help="Poisson arrivals at this rate (untimed traces)"),
+        rate: float | None = typer.Option(
+            None, "--rate", help="Poisson arrivals at this rate (untimed traces)"
+        ),
         max_requests: int | None = typer.Option(None, "--max-requests", min=1),
         seed: int = typer.Option(0, "--seed"),
         as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of the table"),
@@ -39,7 +47,9 @@ def register(app: typer.Typer) -> None:
         try:
             cfg = load_fleet(fleet)
             specs = pool_specs(cfg)
-            scaling = build_policy(policy, specs, cfg.autoscaler_config(), {p.name: p.replicas for p in cfg.pools})
+            scaling = build_policy(
+                policy, specs, cfg.autoscaler_config(), {p.name: p.replicas for p in cfg.pools}
+            )
             source = open_trace(trace, trace_format, seed=seed)
         except (FleetConfigError, PolicyError, TraceError) as exc:
             fail(str(exc))
@@ -67,15 +77,27 @@ def summary_table(report: dict) -> Table:
     table = Table(title=f"mosaic simulate — policy {report['policy']}", show_header=False)
     req, slo = report["requests"], report["slo"]
     rows = [
-        ("requests", f"{report['trace_requests']} ({req['completed']} completed, {req['failed']} failed, "
-                     f"{req['aborted_by_scale_in']} aborted by scale-in)"),
-        ("simulated time", f"{report['simulated_s']:.0f} s in {report['wall_s']:.1f} s wall "
-                           f"({report['sim_requests_per_wall_s']} req/s)"),
-        ("SLO attainment", f"{slo['attainment']:.2%} (TTFT ≤ {slo['ttft_ms']:.0f} ms: {slo['attainment_ttft']:.2%}, "
-                           f"TPOT ≤ {slo['tpot_ms']:.0f} ms: {slo['attainment_tpot']:.2%})"),
+        (
+            "requests",
+            f"{report['trace_requests']} ({req['completed']} completed, {req['failed']} failed, "
+            f"{req['aborted_by_scale_in']} aborted by scale-in)",
+        ),
+        (
+            "simulated time",
+            f"{report['simulated_s']:.0f} s in {report['wall_s']:.1f} s wall "
+            f"({report['sim_requests_per_wall_s']} req/s)",
+        ),
+        (
+            "SLO attainment",
+            f"{slo['attainment']:.2%} (TTFT ≤ {slo['ttft_ms']:.0f} ms: {slo['attainment_ttft']:.2%}, "
+            f"TPOT ≤ {slo['tpot_ms']:.0f} ms: {slo['attainment_tpot']:.2%})",
+        ),
         ("goodput", f"{report['goodput_rps']:.2f} req/s"),
-        ("GPU-hours", ", ".join(f"{g} {h:.2f}" for g, h in report["gpu_hours"]["by_gpu"].items())
-         + f" (total {report['gpu_hours']['total']:.2f})"),
+        (
+            "GPU-hours",
+            ", ".join(f"{g} {h:.2f}" for g, h in report["gpu_hours"]["by_gpu"].items())
+            + f" (total {report['gpu_hours']['total']:.2f})",
+        ),
         ("cost", f"${report['cost_usd']['total']:.2f}"),
         ("utilization", f"{report['utilization']:.1%}" if report["utilization"] is not None else "-"),
         ("scale events", str(len(report["scale_events"]))),

@@ -119,7 +119,8 @@ def register(app: typer.Typer) -> None:
         ),
         log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
         advertise_host: str | None = typer.Option(
-            None, "--advertise-host",
+            None,
+            "--advertise-host",
             help="Host a P/D peer reaches this worker at (default: --host; in a pod, its IP).",
         ),
     ) -> None:

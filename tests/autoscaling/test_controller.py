@@ -118,7 +118,9 @@ class FakeAppsApi:
         self.refuse = refuse
         self.calls: list[tuple[Any, ...]] = []
 
-    def read_namespaced_deployment_scale(self, name: str, namespace: str, _request_timeout: Any = None) -> Any:
+    def read_namespaced_deployment_scale(
+        self, name: str, namespace: str, _request_timeout: Any = None
+    ) -> Any:
         self.calls.append(("read", name, namespace))
         return SimpleNamespace(spec=SimpleNamespace(replicas=self.replicas))
 

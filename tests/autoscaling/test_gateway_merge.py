@@ -124,7 +124,9 @@ async def _scrape_three(
 ) -> tuple[list[dict[str, Any]], GatewayScraper, CollectorRegistry, list[httpx.Request]]:
     monkeypatch.setenv("GW_KEYS", "adm-1,adm-2")
     cfg = AutoscalerGatewaysConfig(
-        static=["http://a:8000", "http://b:8000", "http://c:8000"], bearer_token_env="GW_KEYS", stale_after_s=25
+        static=["http://a:8000", "http://b:8000", "http://c:8000"],
+        bearer_token_env="GW_KEYS",
+        stale_after_s=25,
     )
     clock, files, seen = Clock(100.0), {"a": "a_1", "b": "b_1"}, []
     registry = CollectorRegistry()
@@ -163,7 +165,10 @@ def test_an_unreachable_gateway_is_skipped_logged_and_counted(
     value = registry.get_sample_value
     assert value("mosaic_autoscaler_gateway_scrape_errors_total", {"gateway": "c:8000"}) == 4.0  # every round
     assert value("mosaic_autoscaler_gateway_scrape_errors_total", {"gateway": "a:8000"}) == 2.0
-    assert (value("mosaic_autoscaler_gateways", {"state": "up"}), value("mosaic_autoscaler_gateways", {"state": "down"})) == (1.0, 2.0)
+    assert (
+        value("mosaic_autoscaler_gateways", {"state": "up"}),
+        value("mosaic_autoscaler_gateways", {"state": "down"}),
+    ) == (1.0, 2.0)
     downs = [r.getMessage() for r in caplog.records if "not scraped" in r.getMessage()]
     assert len(downs) == 2 and downs[0].startswith("gateway c:8000")  # once per gateway going down
     # the first key of the env list, as a bearer token, on the configured path
@@ -178,7 +183,11 @@ def test_gateway_pods_are_found_by_kubernetes_discovery_without_listing_nodes() 
             {
                 "metadata": {"name": f"mosaic-gateway-{i}"},
                 "spec": {"nodeName": "n1"},
-                "status": {"phase": "Running", "podIP": f"10.0.0.{i}", "conditions": [{"type": "Ready", "status": ready}]},
+                "status": {
+                    "phase": "Running",
+                    "podIP": f"10.0.0.{i}",
+                    "conditions": [{"type": "Ready", "status": ready}],
+                },
             }
             for i, ready in ((1, "True"), (2, "False"))
         ]
@@ -201,7 +210,10 @@ def test_gateway_pods_are_found_by_kubernetes_discovery_without_listing_nodes() 
             return [(e.name, e.url) for e in scraper.endpoints]
 
     # the not-ready pod is scraped too: a gateway with no ready worker is the one whose queue matters
-    assert asyncio.run(run()) == [("mosaic-gateway-1", "http://10.0.0.1:8080"), ("mosaic-gateway-2", "http://10.0.0.2:8080")]
+    assert asyncio.run(run()) == [
+        ("mosaic-gateway-1", "http://10.0.0.1:8080"),
+        ("mosaic-gateway-2", "http://10.0.0.2:8080"),
+    ]
     assert calls == [("pods", "llm", "app=gw")]  # no node listing: domains mean nothing for gateways
 
 
@@ -209,9 +221,15 @@ def test_gateway_pods_are_found_by_kubernetes_discovery_without_listing_nodes() 
     ("gateways", "message"),
     [
         pytest.param({}, "autoscaler.gateways: give exactly one of static, kubernetes", id="neither source"),
-        pytest.param({"static": ["gw:8000"]}, "'gw:8000' is not an http(s):// URL", id="a URL without scheme"),
-        pytest.param({"static": ["http://gw"], "path": "metrics"}, "autoscaler.gateways.path: ", id="relative path"),
-        pytest.param({"static": ["http://gw"], "interval_s": 0}, "autoscaler.gateways.interval_s: ", id="zero period"),
+        pytest.param(
+            {"static": ["gw:8000"]}, "'gw:8000' is not an http(s):// URL", id="a URL without scheme"
+        ),
+        pytest.param(
+            {"static": ["http://gw"], "path": "metrics"}, "autoscaler.gateways.path: ", id="relative path"
+        ),
+        pytest.param(
+            {"static": ["http://gw"], "interval_s": 0}, "autoscaler.gateways.interval_s: ", id="zero period"
+        ),
     ],
 )
 def test_bad_gateways_section_is_one_config_error(gateways: dict[str, Any], message: str) -> None:

@@ -53,7 +53,9 @@ def test_gpu_utilisation_starting_pods_count_as_zero_on_scale_up() -> None:
         pytest.param(2, 2, 1.0, 4, id="(2·1.0 + 2·0)/(4·0.5) = 1.0: within tolerance, keep 4"),
         pytest.param(4, 2, 1.0, 8, id="(4·1.0)/(6·0.5) = 1.33 → ceil(1.33·6) = 8 (old: ceil(6·2) = 12)"),
         pytest.param(2, 4, 0.6, 6, id="(2·0.6)/(6·0.5) = 0.4 < 1 reverses 1.2's scale-up: keep 6"),
-        pytest.param(6, 2, 0.2, 5, id="scale-down, starting at 100% of target: (6·0.2 + 2·0.5)/(8·0.5) = 0.55 → 5"),
+        pytest.param(
+            6, 2, 0.2, 5, id="scale-down, starting at 100% of target: (6·0.2 + 2·0.5)/(8·0.5) = 0.55 → 5"
+        ),
         pytest.param(0, 3, 0.0, 3, id="no pod reports: no change"),
         pytest.param(3, 0, 0.9, 6, id="nothing starting: ceil(3 · 0.9/0.5) = ceil(5.4) = 6"),
     ],

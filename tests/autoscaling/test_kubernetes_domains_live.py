@@ -43,7 +43,9 @@ def _config(policy: str, domains: Any = DOMAINS, nodes: Any = NODES) -> dict[str
     return data
 
 
-def _decisions(tmp_path: Path, data: dict[str, Any], api: FakeAppsApi, capsys: pytest.CaptureFixture[str]) -> list[Any]:
+def _decisions(
+    tmp_path: Path, data: dict[str, Any], api: FakeAppsApi, capsys: pytest.CaptureFixture[str]
+) -> list[Any]:
     (tmp_path / "gw.yaml").write_text(yaml.safe_dump(data))
     asyncio.run(_run(load_config(tmp_path / "gw.yaml"), 1, True, api))
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -52,9 +54,14 @@ def _decisions(tmp_path: Path, data: dict[str, Any], api: FakeAppsApi, capsys: p
 def test_one_decisions_prefill_and_decode_land_in_one_domains_deployments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    api = FakeAppsApi({
-        "mosaic-prefill-rack-a": 1, "mosaic-prefill-rack-b": 0, "mosaic-decode-rack-a": 1, "mosaic-decode-rack-b": 0,
-    })
+    api = FakeAppsApi(
+        {
+            "mosaic-prefill-rack-a": 1,
+            "mosaic-prefill-rack-b": 0,
+            "mosaic-decode-rack-a": 1,
+            "mosaic-decode-rack-b": 0,
+        }
+    )
     (decision,) = _decisions(tmp_path, _config("static:prefill=2,decode=2"), api, capsys)
     # The new prefill and decode join the running pair in rack-a (0 cross-domain pairs; rack-b would make
     # 2 of the 4 pairs cross): each pool's rack-a Deployment 1 → 2, rack-b untouched.
@@ -64,21 +71,50 @@ def test_one_decisions_prefill_and_decode_land_in_one_domains_deployments(
     ]
     steps = {a["pool"]: (a["before"], a["after"], a["applied"], a["domains"]) for a in decision["actions"]}
     assert steps == {
-        "decode": (1, 2, True, [
-            {"domain": "rack-a", "deployment": "mosaic-decode-rack-a", "before": 1, "after": 2, "error": None}
-        ]),
-        "prefill": (1, 2, True, [
-            {"domain": "rack-a", "deployment": "mosaic-prefill-rack-a", "before": 1, "after": 2, "error": None}
-        ]),
+        "decode": (
+            1,
+            2,
+            True,
+            [
+                {
+                    "domain": "rack-a",
+                    "deployment": "mosaic-decode-rack-a",
+                    "before": 1,
+                    "after": 2,
+                    "error": None,
+                }
+            ],
+        ),
+        "prefill": (
+            1,
+            2,
+            True,
+            [
+                {
+                    "domain": "rack-a",
+                    "deployment": "mosaic-prefill-rack-a",
+                    "before": 1,
+                    "after": 2,
+                    "error": None,
+                }
+            ],
+        ),
     }
     # every Deployment is read through the scale subresource, never another one
     assert {c[1] for c in api.calls} == set(api.replicas)
 
 
-def test_without_an_inventory_the_domains_are_balanced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    api = FakeAppsApi({
-        "mosaic-prefill-rack-a": 1, "mosaic-prefill-rack-b": 0, "mosaic-decode-rack-a": 1, "mosaic-decode-rack-b": 0,
-    })
+def test_without_an_inventory_the_domains_are_balanced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api = FakeAppsApi(
+        {
+            "mosaic-prefill-rack-a": 1,
+            "mosaic-prefill-rack-b": 0,
+            "mosaic-decode-rack-a": 1,
+            "mosaic-decode-rack-b": 0,
+        }
+    )
     data = _config("static:prefill=2,decode=3")
     del data["autoscaler"]["nodes"]
     _decisions(tmp_path, data, api, capsys)
@@ -103,8 +139,12 @@ def test_managed_pools_split_between_deployments_and_domains() -> None:
 @pytest.mark.parametrize(
     ("domains", "message"),
     [
-        pytest.param({"x": {"rack-a": "d"}}, "autoscaler.kubernetes.domains.x: no pool named 'x'", id="unknown pool"),
-        pytest.param({"decode": {}}, "autoscaler.kubernetes.domains.decode: map at least one domain", id="no domain"),
+        pytest.param(
+            {"x": {"rack-a": "d"}}, "autoscaler.kubernetes.domains.x: no pool named 'x'", id="unknown pool"
+        ),
+        pytest.param(
+            {"decode": {}}, "autoscaler.kubernetes.domains.decode: map at least one domain", id="no domain"
+        ),
         pytest.param(
             {"prefill": {"rack-a": "same"}, "decode": {"rack-a": "same"}},
             "autoscaler.kubernetes.domains.decode.rack-a: Deployment 'same' is already mapped by domains.prefill.rack-a",
@@ -158,4 +198,7 @@ def test_mosaic_autoscale_exits_2_on_a_domain_missing_from_the_inventory(
         asyncio.run(_run(load_config(tmp_path / "gw.yaml"), 1, True, FakeAppsApi({})))
     assert exc.value.exit_code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "error: autoscaler.kubernetes.domains.decode: domain 'rack-z' is not in autoscaler.nodes (domains: rack-a, rack-b)"
+    assert (
+        err[-1]
+        == "error: autoscaler.kubernetes.domains.decode: domain 'rack-z' is not in autoscaler.nodes (domains: rack-a, rack-b)"
+    )

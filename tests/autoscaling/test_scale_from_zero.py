@@ -12,7 +12,9 @@ from scheduler.autoscaler.policy import AutoscalerConfig, MosaicAutoscaler
 from scheduler.autoscaler.signals import Observation, PoolObservation, PoolSpec
 
 DECODE = PoolSpec("decode-a100", "llama-3-8b", "decode", "A100-80GB", 3.67, 0, 16, decode_tps_capacity=4000.0)
-PREFILL = PoolSpec("prefill-h100", "llama-3-8b", "prefill", "H100-SXM", 4.25, 0, 16, prefill_tps_capacity=28000.0)
+PREFILL = PoolSpec(
+    "prefill-h100", "llama-3-8b", "prefill", "H100-SXM", 4.25, 0, 16, prefill_tps_capacity=28000.0
+)
 
 
 def zero_fleet(now: float, rate: float, **means: float) -> Observation:
@@ -21,7 +23,9 @@ def zero_fleet(now: float, rate: float, **means: float) -> Observation:
 
 
 def test_both_pools_at_zero_scale_up_on_arrivals_with_no_completions() -> None:
-    cfg = AutoscalerConfig(utilization_target=0.8, pd_ratio=0.5, default_output_tokens=256, default_input_tokens=1024)
+    cfg = AutoscalerConfig(
+        utilization_target=0.8, pd_ratio=0.5, default_output_tokens=256, default_input_tokens=1024
+    )
     policy = MosaicAutoscaler([DECODE, PREFILL], cfg)
     # 5 req/s arriving, nothing completed (means 0), nothing waiting: decode demand = 5 · 256 = 1,280 tok/s
     # → 1,280 / (0.8 · 4,000) = 0.4 → 1 decode; prefill max(ceil(0.4 · 0.5) = 1, 5 · 1024 / (0.8 · 28,000)) → 1

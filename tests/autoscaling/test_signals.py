@@ -75,7 +75,9 @@ async def _observe(desired: dict[str, int]) -> tuple[Observation, Observation]:
     clock = Clock(10.0)
     scrape = {"n": 1}
     metrics = GatewayMetrics()
-    metrics.attach_live(lambda: [], lambda: {"llama-3-8b": 3})  # the admission queue, as the gateway exports it
+    metrics.attach_live(
+        lambda: [], lambda: {"llama-3-8b": 3}
+    )  # the admission queue, as the gateway exports it
     async with httpx.AsyncClient(transport=_recorded(scrape)) as client:
         reg = Registry(ScrapeConfig(stale_after_s=5.0), HealthConfig(), metrics, client=client, clock=clock)
         reg.add_pool(

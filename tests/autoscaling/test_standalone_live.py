@@ -60,7 +60,9 @@ async def _loaded() -> dict[str, Any]:
             value = gw.metrics.registry.get_sample_value
             await until(lambda: (value(tpot_count, labels) or 0) >= 1, 20)  # a first stream completed
             seen_at = time.monotonic()
-            await until(lambda: all(s is not None and s.at > seen_at for s in run.scraper.snapshots().values()), 5)
+            await until(
+                lambda: all(s is not None and s.at > seen_at for s in run.scraper.snapshots().values()), 5
+            )
             queue_at_gateway = gw.admission.depths()[MODEL]
             await ctl.cycle()
             decision = ctl.decisions[-1]

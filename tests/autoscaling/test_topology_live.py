@@ -90,7 +90,10 @@ def test_embedded_scale_up_starts_prefill_and_decode_in_one_domain() -> None:
     assert started == [("decode", "l-b", "rack-b"), ("decode", "l-b", "rack-b"), ("prefill", "h-b", "rack-b")]
     assert len(out["workers"]) == 5
     placement = out["decision"]["placement"]
-    assert placement["new"] == {"decode": [["l-b", "rack-b"], ["l-b", "rack-b"]], "prefill": [["h-b", "rack-b"]]}
+    assert placement["new"] == {
+        "decode": [["l-b", "rack-b"], ["l-b", "rack-b"]],
+        "prefill": [["h-b", "rack-b"]],
+    }
     assert "shortfall" not in placement
     # new P (rack-b) × running D (rack-a) = 1, new Ds (rack-b) × running P (rack-a) = 2; new with new: 0
     assert placement["new_cross_domain_pairs"] == 3
@@ -120,7 +123,9 @@ async def _dry_run(cfg: MosaicConfig) -> dict[str, Any]:
         await running.stop()
 
 
-def test_short_inventory_clips_the_decision_with_a_reason_a_metric_and_a_log(caplog: pytest.LogCaptureFixture) -> None:
+def test_short_inventory_clips_the_decision_with_a_reason_a_metric_and_a_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     cfg = validate_config(pd_config("static:prefill=2,decode=6", actuator="dry-run"))
     with caplog.at_level("WARNING", logger="mosaic.autoscaler"):
         out = asyncio.run(_dry_run(cfg))
@@ -132,15 +137,23 @@ def test_short_inventory_clips_the_decision_with_a_reason_a_metric_and_a_log(cap
         "why": "not enough free GPUs — L4: need 5 GPUs, 3 free",
     }
     assert out["shortfall"] == 2.0
-    assert out["topology"]["shortfalls"][0]["requested"] == 5 and out["topology"]["shortfalls"][0]["placed"] == 3
-    assert out["cross"] == out["topology"]["cross_domain_pairs"] == out["decision"]["placement"]["fleet"]["cross_domain_pairs"]
+    assert (
+        out["topology"]["shortfalls"][0]["requested"] == 5 and out["topology"]["shortfalls"][0]["placed"] == 3
+    )
+    assert (
+        out["cross"]
+        == out["topology"]["cross_domain_pairs"]
+        == out["decision"]["placement"]["fleet"]["cross_domain_pairs"]
+    )
     assert out["workers"] == 2  # dry run: the placement is computed, nothing pinned or started
     assert any("holds 3 of the 5 instances" in r.getMessage() for r in caplog.records)
 
 
 def test_nodes_path_is_relative_to_the_config_file(tmp_path: Path) -> None:
     (tmp_path / "nodes.yaml").write_text(json.dumps(NODES))
-    (tmp_path / "gw.yaml").write_text(json.dumps(pd_config("static:prefill=1,decode=2", "dry-run", "nodes.yaml")))
+    (tmp_path / "gw.yaml").write_text(
+        json.dumps(pd_config("static:prefill=1,decode=2", "dry-run", "nodes.yaml"))
+    )
     out = asyncio.run(_dry_run(load_config(tmp_path / "gw.yaml")))
     # the running 1 + 1 fill rack-a; the one new decode can only go to rack-b
     assert out["decision"]["placement"]["new"] == {"decode": [["l-b", "rack-b"]]}
@@ -150,7 +163,9 @@ def test_nodes_path_is_relative_to_the_config_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("nodes", "message"),
     [
-        pytest.param("/nonexistent/nodes.yaml", "cannot read", id="missing nodes file → one-line ConfigError"),
+        pytest.param(
+            "/nonexistent/nodes.yaml", "cannot read", id="missing nodes file → one-line ConfigError"
+        ),
         pytest.param({"nodes": []}, "non-empty 'nodes' list", id="empty inventory → one-line ConfigError"),
     ],
 )
@@ -168,7 +183,9 @@ class FakeAppsApi:
         self.replicas = dict(replicas)
         self.calls: list[tuple[str, str, int | None]] = []
 
-    def read_namespaced_deployment_scale(self, name: str, namespace: str, _request_timeout: Any = None) -> Any:
+    def read_namespaced_deployment_scale(
+        self, name: str, namespace: str, _request_timeout: Any = None
+    ) -> Any:
         self.calls.append(("read", name, None))
         return SimpleNamespace(spec=SimpleNamespace(replicas=self.replicas[name]))
 
@@ -209,7 +226,12 @@ def test_kubernetes_gets_counts_and_the_computed_placement_is_shown_not_pinned()
         "prefill": [["h-b", "rack-b"]],
     }
     slots = {n["node"]: n["instances"] for n in out["topology"]["nodes"]}
-    assert slots == {"h-a": ["prefill#2"], "l-a": ["decode#1"], "h-b": ["prefill#6"], "l-b": ["decode#3", "decode#4", "decode#5"]}
+    assert slots == {
+        "h-a": ["prefill#2"],
+        "l-a": ["decode#1"],
+        "h-b": ["prefill#6"],
+        "l-b": ["decode#3", "decode#4", "decode#5"],
+    }
 
 
 class _FakeSource:
@@ -240,12 +262,19 @@ def test_embedded_scale_in_removes_the_cross_domain_worker_first() -> None:
     from server.embedded_actuator import EmbeddedActuator
 
     # 1 prefill fits only rack-a; of 3 decodes rack-a holds 2, so one sits in rack-b (listed first: sim-0)
-    inventory = Inventory.from_data({"nodes": [
-        {"name": "l-b", "gpu": "L4", "gpus": 1, "domain": "rack-b"},
-        {"name": "h-a", "gpu": "H100-SXM", "gpus": 1, "domain": "rack-a"},
-        {"name": "l-a", "gpu": "L4", "gpus": 2, "domain": "rack-a"},
-    ]})
-    kinds = {"p": InstanceKind("m", "H100-SXM", 1, Role.PREFILL), "d": InstanceKind("m", "L4", 1, Role.DECODE)}
+    inventory = Inventory.from_data(
+        {
+            "nodes": [
+                {"name": "l-b", "gpu": "L4", "gpus": 1, "domain": "rack-b"},
+                {"name": "h-a", "gpu": "H100-SXM", "gpus": 1, "domain": "rack-a"},
+                {"name": "l-a", "gpu": "L4", "gpus": 2, "domain": "rack-a"},
+            ]
+        }
+    )
+    kinds = {
+        "p": InstanceKind("m", "H100-SXM", 1, Role.PREFILL),
+        "d": InstanceKind("m", "L4", 1, Role.DECODE),
+    }
     placer = TopologyPlacer(inventory, kinds)
     sources = {"p": _FakeSource(1), "d": _FakeSource(3)}
     act = EmbeddedActuator(sources, _NoRecords(), placer=placer)  # type: ignore[arg-type]

@@ -56,7 +56,9 @@ def test_a_decode_only_addition_joins_the_running_prefill_domain() -> None:
     placed = placer.place({"decode": 1})  # anchors: 1 P + 1 D in rack-a; a-a still has one free GPU
     assert placed.nodes == {"decode": (("a-a", "rack-a"),)}
     commit(placer, placed)
-    placed = placer.place({"decode": 1})  # rack-a is full now: the only room is rack-b, one cross pair (1 P × 1 D)
+    placed = placer.place(
+        {"decode": 1}
+    )  # rack-a is full now: the only room is rack-b, one cross pair (1 P × 1 D)
     assert placed.nodes == {"decode": (("a-b", "rack-b"),)}
     assert placed.cross_domain_pairs == 1
 

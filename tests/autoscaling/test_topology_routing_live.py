@@ -12,7 +12,9 @@ from tests.autoscaling.test_topology_live import pd_config
 
 
 async def _scale_up_and_route() -> dict[str, Any]:
-    running = await start_gateway_server(validate_config(pd_config("static:prefill=2,decode=3")), "127.0.0.1", 0)
+    running = await start_gateway_server(
+        validate_config(pd_config("static:prefill=2,decode=3")), "127.0.0.1", 0
+    )
     try:
         ctl = running.gateway.autoscaler
         assert ctl is not None

@@ -75,7 +75,9 @@ def test_interval_and_resync_follow_the_values(chart: helm.Chart) -> None:
             {"static": ["http://gw.example:8080"]},
             id="the user's own gateways section is kept as written",
         ),
-        pytest.param({"controller": {"enabled": False}}, None, id="no controller: no autoscaler section at all"),
+        pytest.param(
+            {"controller": {"enabled": False}}, None, id="no controller: no autoscaler section at all"
+        ),
     ],
 )
 def test_gateways_section_can_be_off_or_replaced(
@@ -91,7 +93,9 @@ def test_schema_refuses_a_zero_scrape_period(chart: helm.Chart) -> None:
     assert "intervalSeconds" in str(caught.value)
 
 
-@pytest.mark.parametrize(("port", "expected"), [pytest.param(None, 9090, id="default 9090"), pytest.param(0, None, id="0: off")])
+@pytest.mark.parametrize(
+    ("port", "expected"), [pytest.param(None, 9090, id="default 9090"), pytest.param(0, None, id="0: off")]
+)
 def test_controller_metrics_port(chart: helm.Chart, port: int | None, expected: int | None) -> None:
     values = {} if port is None else {"controller": {"metricsPort": port}}
     rendered = render(chart, values)

@@ -82,19 +82,37 @@ def test_a_pool_with_domains_is_one_deployment_per_domain(chart: helm.Chart) -> 
         assert dep["metadata"]["annotations"]["mosaic.dev/max-replicas"] == "8"
     # one Service for the pool, selecting both domains' pods and nothing else
     svc = rendered.get("Service", f"{RELEASE}-decode")
-    chosen = [d["metadata"]["name"] for d in rendered.pool_deployments() if selects(svc["spec"]["selector"], pod_labels(d))]
+    chosen = [
+        d["metadata"]["name"]
+        for d in rendered.pool_deployments()
+        if selects(svc["spec"]["selector"], pod_labels(d))
+    ]
     assert chosen == [f"{RELEASE}-decode-rack-1", f"{RELEASE}-decode-rack-2"]
-    assert [s["metadata"]["name"] for s in rendered.of_kind("Service") if "mosaic.dev/pool" in s["metadata"]["labels"]] == [
+    assert [
+        s["metadata"]["name"]
+        for s in rendered.of_kind("Service")
+        if "mosaic.dev/pool" in s["metadata"]["labels"]
+    ] == [
         f"{RELEASE}-prefill",
         f"{RELEASE}-decode",
     ]
     # a pool without domains is as before: one Deployment named after the pool, no domain label
     (prefill,) = rendered.deployments_of_pool("prefill")
-    assert prefill["metadata"]["name"] == f"{RELEASE}-prefill" and "mosaic.dev/domain" not in pod_labels(prefill)
+    assert prefill["metadata"]["name"] == f"{RELEASE}-prefill" and "mosaic.dev/domain" not in pod_labels(
+        prefill
+    )
     assert "nodeSelector" not in pod_spec(prefill)
     # the controller may scale exactly these three Deployments
-    rule = next(r for r in rendered.get("Role", f"{RELEASE}-controller")["rules"] if r["resources"] == ["deployments/scale"])
-    assert rule["resourceNames"] == [f"{RELEASE}-prefill", f"{RELEASE}-decode-rack-1", f"{RELEASE}-decode-rack-2"]
+    rule = next(
+        r
+        for r in rendered.get("Role", f"{RELEASE}-controller")["rules"]
+        if r["resources"] == ["deployments/scale"]
+    )
+    assert rule["resourceNames"] == [
+        f"{RELEASE}-prefill",
+        f"{RELEASE}-decode-rack-1",
+        f"{RELEASE}-decode-rack-2",
+    ]
     _validate(list(rendered.objects))
 
 
@@ -128,7 +146,9 @@ def test_a_real_vllm_pool_keeps_its_gpu_affinity_and_adds_the_domain(chart: helm
     (dep,) = rendered.deployments_of_pool("decode")
     spec = pod_spec(dep)
     assert spec["nodeSelector"] == {RACK: "rack-1"}
-    term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ][0]
     assert term["matchExpressions"][0]["values"] == ["NVIDIA-L4"]
     assert container(dep)["resources"]["limits"]["nvidia.com/gpu"] == 1
     _validate([dep])
@@ -187,7 +207,9 @@ def test_schema_refuses_bad_domains(chart: helm.Chart, domains: list[str]) -> No
     assert "/pools/0/domains" in str(caught.value)
 
 
-def test_the_example_places_per_zone_and_its_inventory_covers_every_domain(chart: helm.Chart, tmp_path: Path) -> None:
+def test_the_example_places_per_zone_and_its_inventory_covers_every_domain(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
     rendered = render(chart, load_values(EXAMPLES_DIR / "topology-domains.yaml"))
     names = [d["metadata"]["name"] for d in rendered.pool_deployments()]
     assert names == [
@@ -208,15 +230,29 @@ def test_the_example_places_per_zone_and_its_inventory_covers_every_domain(chart
 @pytest.mark.parametrize(
     ("values", "monitor"),
     [
-        pytest.param({"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}}}, "podMonitor",
-                     id="PodMonitor on: the controller's uses its settings"),
-        pytest.param({"monitoring": {"serviceMonitor": {"enabled": True, "interval": "30s"}}}, "serviceMonitor",
-                     id="ServiceMonitor only: the operator is there too"),
-        pytest.param({}, None, id="no operator monitors: none (the controller has no scrape annotations either)"),
-        pytest.param({"monitoring": {"podMonitor": {"enabled": True}}, "controller": {"metricsPort": 0}}, None,
-                     id="metrics port off: nothing to scrape"),
-        pytest.param({"monitoring": {"podMonitor": {"enabled": True}}, "controller": {"enabled": False}}, None,
-                     id="no controller"),
+        pytest.param(
+            {"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}}},
+            "podMonitor",
+            id="PodMonitor on: the controller's uses its settings",
+        ),
+        pytest.param(
+            {"monitoring": {"serviceMonitor": {"enabled": True, "interval": "30s"}}},
+            "serviceMonitor",
+            id="ServiceMonitor only: the operator is there too",
+        ),
+        pytest.param(
+            {}, None, id="no operator monitors: none (the controller has no scrape annotations either)"
+        ),
+        pytest.param(
+            {"monitoring": {"podMonitor": {"enabled": True}}, "controller": {"metricsPort": 0}},
+            None,
+            id="metrics port off: nothing to scrape",
+        ),
+        pytest.param(
+            {"monitoring": {"podMonitor": {"enabled": True}}, "controller": {"enabled": False}},
+            None,
+            id="no controller",
+        ),
     ],
 )
 def test_controller_pod_monitor(chart: helm.Chart, values: dict[str, Any], monitor: str | None) -> None:
@@ -233,7 +269,11 @@ def test_controller_pod_monitor(chart: helm.Chart, values: dict[str, Any], monit
         {"port": "metrics", "path": "/metrics", "interval": settings["interval"], "scrapeTimeout": "10s"}
     ]
     # it selects the controller's pods only, and they have the named port
-    chosen = [d for d in rendered.of_kind("Deployment") if selects(pm["spec"]["selector"]["matchLabels"], pod_labels(d))]
+    chosen = [
+        d
+        for d in rendered.of_kind("Deployment")
+        if selects(pm["spec"]["selector"]["matchLabels"], pod_labels(d))
+    ]
     assert [d["metadata"]["name"] for d in chosen] == [f"{RELEASE}-controller"]
     assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container(chosen[0])["ports"]
     # and no other monitor scrapes it (the workers' PodMonitor, the ServiceMonitor's Services)

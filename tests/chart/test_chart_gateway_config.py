@@ -203,7 +203,9 @@ def test_scrape_annotations_when_no_prometheus_operator(chart: helm.Chart) -> No
 def test_service_and_pod_monitors_select_what_exists(chart: helm.Chart) -> None:
     rendered = render(chart, load_values(EXAMPLES_DIR / "multi-model.yaml"))
     (sm,) = rendered.of_kind("ServiceMonitor")
-    pm = rendered.get("PodMonitor", f"{RELEASE}-workers")  # the controller has its own (test_chart_domains.py)
+    pm = rendered.get(
+        "PodMonitor", f"{RELEASE}-workers"
+    )  # the controller has its own (test_chart_domains.py)
     expression = sm["spec"]["selector"]["matchExpressions"][0]
     # The PodMonitor scrapes the workers, so the ServiceMonitor covers only the gateway: no double scrape.
     assert expression == {"key": "app.kubernetes.io/component", "operator": "In", "values": ["gateway"]}

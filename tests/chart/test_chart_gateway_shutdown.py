@@ -73,8 +73,10 @@ def test_an_explicit_grace_period_is_kept_when_it_covers_the_drain(chart: helm.C
 def test_a_grace_period_shorter_than_drain_plus_shutdown_grace_is_refused(chart: helm.Chart) -> None:
     with pytest.raises(helm.HelmRenderError) as caught:
         render(chart, {"gateway": {"terminationGracePeriodSeconds": 30}})
-    assert "gateway.terminationGracePeriodSeconds (30) must be at least gateway.drainSeconds (10) + " \
-           "config.limits.shutdown_grace_s (30) = 40" in str(caught.value)
+    assert (
+        "gateway.terminationGracePeriodSeconds (30) must be at least gateway.drainSeconds (10) + "
+        "config.limits.shutdown_grace_s (30) = 40" in str(caught.value)
+    )
 
 
 @pytest.mark.parametrize(

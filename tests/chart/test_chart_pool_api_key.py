@@ -19,7 +19,11 @@ from server.dispatch import worker_auth_headers
 from tests.chart.chartkit import RELEASE, Rendered, container, env_map, render
 
 RACK = "example.com/rack"
-SECRETS = {("vllm-keys", "prefill"): "pk-123", ("vllm-keys", "decode"): "dk-456", ("shared", "api-key"): "sk-789"}
+SECRETS = {
+    ("vllm-keys", "prefill"): "pk-123",
+    ("vllm-keys", "decode"): "dk-456",
+    ("shared", "api-key"): "sk-789",
+}
 VALUES: dict[str, Any] = {
     "gateway": {"discovery": {"domainLabel": RACK}},
     "pools": [
@@ -53,7 +57,9 @@ def _ref(entry: dict[str, Any]) -> tuple[str, str]:
 
 def _pod_env(c: dict[str, Any]) -> dict[str, str]:
     """The worker keys the kubelet would set from the Secrets in SECRETS (the clients' keys left out)."""
-    keys = [e for e in c.get("env") or [] if e["name"] == "VLLM_API_KEY" or e["name"].startswith("MOSAIC_POOL_")]
+    keys = [
+        e for e in c.get("env") or [] if e["name"] == "VLLM_API_KEY" or e["name"].startswith("MOSAIC_POOL_")
+    ]
     return {e["name"]: SECRETS[_ref(e)] for e in keys}
 
 
@@ -77,7 +83,9 @@ def test_every_vllm_container_of_a_keyed_pool_reads_the_key_from_its_secret(char
     assert "VLLM_API_KEY" not in env_map(container(open_pool))
 
 
-def test_the_gateway_gets_each_key_under_the_name_its_config_carries(chart: helm.Chart, tmp_path: Path) -> None:
+def test_the_gateway_gets_each_key_under_the_name_its_config_carries(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
     rendered = _rendered(chart)
     config = rendered.load_config(tmp_path)  # Mosaic's own loader
     assert {p.name: p.api_key_env for p in config.pools} == {**KEYED, "l4": None}
@@ -140,7 +148,9 @@ def test_pool_defaults_key_every_pool_and_a_pool_can_opt_out(chart: helm.Chart, 
     assert "VLLM_API_KEY" not in env_map(container(rendered.get("Deployment", f"{RELEASE}-b")))
 
 
-def test_simulated_workers_get_no_key_but_the_gateway_still_sends_it(chart: helm.Chart, tmp_path: Path) -> None:
+def test_simulated_workers_get_no_key_but_the_gateway_still_sends_it(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
     """`mosaic worker` checks no key (like the HF token, nothing it would not use is rendered for it); the
     gateway is configured as for vLLM, so switching `simulated` off needs no other change."""
     values = {

@@ -67,9 +67,11 @@ def test_every_service_selects_exactly_its_deployments_on_a_named_port(
         matched = [d for d in deployments if selects(svc["spec"]["selector"], pod_labels(d))]
         # its namesake; a pool with domains: each domain's Deployment, all behind the pool's one Service
         pool = svc["metadata"]["labels"].get("mosaic.dev/pool")
-        expected = [svc["metadata"]["name"]] if pool is None else [
-            d["metadata"]["name"] for d in rendered.deployments_of_pool(pool)
-        ]
+        expected = (
+            [svc["metadata"]["name"]]
+            if pool is None
+            else [d["metadata"]["name"] for d in rendered.deployments_of_pool(pool)]
+        )
         assert [d["metadata"]["name"] for d in matched] == expected, svc["metadata"]["name"]
         port_names = {p["name"] for c in pod_spec(matched[0])["containers"] for p in c.get("ports", [])}
         for port in svc["spec"]["ports"]:
@@ -152,7 +154,9 @@ def test_pools_carry_the_labels_the_gateway_discovers_them_by(
 ) -> None:
     rendered = _render(chart, values_file)
     config_pools = rendered.config()["pools"]
-    assert sum(len(rendered.deployments_of_pool(p["name"])) for p in config_pools) == len(rendered.pool_deployments())
+    assert sum(len(rendered.deployments_of_pool(p["name"])) for p in config_pools) == len(
+        rendered.pool_deployments()
+    )
     for pool in config_pools:
         k8s = pool["endpoints"]["kubernetes"]
         assert k8s["namespace"] == NAMESPACE and k8s["resource"] == "endpointslices"
@@ -418,7 +422,11 @@ def test_node_access_is_granted_only_when_discovery_reads_nodes(
     for obj in (role, binding):
         assert "namespace" not in obj["metadata"]
         kubernetes_validate.validate(obj, kubernetes_validate.utils.latest_version(), strict=True)
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": name,
+    }
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": f"{RELEASE}-gateway", "namespace": NAMESPACE},
         {"kind": "ServiceAccount", "name": f"{RELEASE}-controller", "namespace": NAMESPACE},

@@ -11,20 +11,31 @@ import pytest
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", "from server.cli import main; main()", *args],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        pytest.param(["worker", "--gpu"], "Option '--gpu' requires an argument", id="option without its value"),
-        pytest.param(["worker", "--gpu", "H100", "--model", "llama-3-8b", "--port", "abc"], "Invalid value for '--port'",
-                     id="a word where a port number goes"),
+        pytest.param(
+            ["worker", "--gpu"], "Option '--gpu' requires an argument", id="option without its value"
+        ),
+        pytest.param(
+            ["worker", "--gpu", "H100", "--model", "llama-3-8b", "--port", "abc"],
+            "Invalid value for '--port'",
+            id="a word where a port number goes",
+        ),
         pytest.param(["nosuch"], "No such command 'nosuch'", id="unknown command"),
         pytest.param(["replay"], "Missing argument 'trace'", id="missing positional argument"),
-        pytest.param(["simulate", "--trace", "x", "--fleet", "y", "--max-requests", "0"], "--max-requests",
-                     id="value below the option's minimum"),
+        pytest.param(
+            ["simulate", "--trace", "x", "--fleet", "y", "--max-requests", "0"],
+            "--max-requests",
+            id="value below the option's minimum",
+        ),
     ],
 )
 def test_usage_error_is_one_line_and_exit_2(args: list[str], message: str) -> None:

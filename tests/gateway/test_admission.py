@@ -143,7 +143,9 @@ def test_batch_mode_refuses_an_unservable_newcomer_at_once_and_queues_a_servable
         await asyncio.sleep(0.01)
         assert q.depths() == {"m": 1}
         with pytest.raises(GatewayError) as err:
-            await q.admit("m", lambda: R(reason="no worker fits: 2 context_length", retryable=False), Req("r2"))
+            await q.admit(
+                "m", lambda: R(reason="no worker fits: 2 context_length", retryable=False), Req("r2")
+            )
         assert err.value.cause is Cause.NO_WORKER and policy.discarded == []
         second = asyncio.create_task(q.admit("m", lambda: "decision-r3", Req("r3")))
         await asyncio.sleep(0.01)

@@ -23,7 +23,9 @@ CHAT = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], 
 @pytest.fixture(scope="module")
 def gw() -> collections.abc.Iterator[GatewayThread]:
     fleet = FakeFleet(FakeWorker("a"))
-    cfg = config(pool("p", "L4", "mixed", fleet.workers["a"]), auth={"api_keys": [KEY], "admin_keys": [ADMIN]})
+    cfg = config(
+        pool("p", "L4", "mixed", fleet.workers["a"]), auth={"api_keys": [KEY], "admin_keys": [ADMIN]}
+    )
     with GatewayThread(cfg, transport=fleet.transport) as thread:
         yield thread
 
@@ -48,33 +50,47 @@ ROUTES = [
 
 
 @pytest.mark.parametrize(("method", "path", "key", "status"), ROUTES)
-def test_every_route_echoes_the_request_id(gw: GatewayThread, method: str, path: str, key: str | None,
-                                           status: int) -> None:
+def test_every_route_echoes_the_request_id(
+    gw: GatewayThread, method: str, path: str, key: str | None, status: int
+) -> None:
     headers = {"X-Request-Id": "trace-42.a:b"} | ({"Authorization": f"Bearer {key}"} if key else {})
     with _http(gw) as http:
         sent = http.request(method, path, headers=headers, json=CHAT if method == "POST" else None)
         assert sent.status_code == status, sent.text
         assert sent.headers.get_list("x-request-id") == ["trace-42.a:b"]  # once, the client's
-        made = http.request(method, path, headers={k: v for k, v in headers.items() if k != "X-Request-Id"},
-                            json=CHAT if method == "POST" else None)
+        made = http.request(
+            method,
+            path,
+            headers={k: v for k, v in headers.items() if k != "X-Request-Id"},
+            json=CHAT if method == "POST" else None,
+        )
         assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])  # none sent: a new one
 
 
 @pytest.mark.parametrize(
     ("method", "path", "allow"),
-    [("GET", "/v1/completions", "POST"), ("DELETE", "/v1/chat/completions", "POST"), ("POST", "/health", "GET")],
+    [
+        ("GET", "/v1/completions", "POST"),
+        ("DELETE", "/v1/chat/completions", "POST"),
+        ("POST", "/health", "GET"),
+    ],
 )
 def test_405_says_which_methods_are_allowed(gw: GatewayThread, method: str, path: str, allow: str) -> None:
     with _http(gw) as http:
         answer = http.request(method, path)
     assert answer.status_code == 405
     assert answer.headers["allow"] == allow
-    assert answer.json()["error"] == {"message": "Method Not Allowed", "type": "MethodNotAllowedError",
-                                      "param": None, "code": 405}
+    assert answer.json()["error"] == {
+        "message": "Method Not Allowed",
+        "type": "MethodNotAllowedError",
+        "param": None,
+        "code": 405,
+    }
 
 
-def test_an_unhandled_error_on_an_info_route_is_an_openai_500(gw: GatewayThread,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unhandled_error_on_an_info_route_is_an_openai_500(
+    gw: GatewayThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken() -> bytes:
         raise RuntimeError("registry exploded")
 
@@ -84,26 +100,38 @@ def test_an_unhandled_error_on_an_info_route_is_an_openai_500(gw: GatewayThread,
     assert answer.status_code == 500
     assert answer.headers["content-type"] == "application/json"  # before: text/plain "Internal Server Error"
     assert answer.headers["x-request-id"] == "boom-1"
-    assert answer.json() == {"error": {"message": "Internal gateway error", "type": "InternalServerError",
-                                       "param": None, "code": 500}}
+    assert answer.json() == {
+        "error": {
+            "message": "Internal gateway error",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
 
 
-def test_an_unhandled_error_on_the_proxy_path_is_a_500_not_a_502(gw: GatewayThread,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unhandled_error_on_the_proxy_path_is_a_500_not_a_502(
+    gw: GatewayThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async def broken(*args: Any) -> Any:
         raise RuntimeError("dispatcher exploded")
 
     monkeypatch.setattr(gw.gateway.dispatcher, "handle", broken)
     with _http(gw) as http:
-        answer = http.post("/v1/chat/completions", json=CHAT,
-                           headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "boom-2"})
+        answer = http.post(
+            "/v1/chat/completions",
+            json=CHAT,
+            headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "boom-2"},
+        )
     assert answer.status_code == 500
     assert answer.headers["x-request-id"] == "boom-2"
     error = answer.json()["error"]
     assert (error["type"], error["code"]) == ("InternalServerError", 500)  # before: BadGatewayError, 502
 
 
-def test_the_proxy_path_skips_the_request_id_middleware(gw: GatewayThread, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_proxy_path_skips_the_request_id_middleware(
+    gw: GatewayThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The hot path pays nothing for the middleware: the proxy POSTs never enter it."""
     entered: list[str] = []
     original = server.app.RequestIdMiddleware.__call__

@@ -91,7 +91,9 @@ class FlakySource:
 
 def test_not_ready_until_every_pools_discovery_has_listed_once() -> None:
     fleet = FakeFleet(FakeWorker("a"), FakeWorker("b"))
-    cfg = config(pool("static", "L4", "mixed", fleet.workers["a"]), pool("k8s", "L4", "mixed", fleet.workers["b"]))
+    cfg = config(
+        pool("static", "L4", "mixed", fleet.workers["a"]), pool("k8s", "L4", "mixed", fleet.workers["b"])
+    )
     flaky = FlakySource(fleet.workers["b"].url)
     with GatewayThread(cfg, transport=fleet.transport, sources={"k8s": flaky}) as gw:
         ready = _ready(gw)

@@ -69,7 +69,10 @@ def test_endpointslice_domains(label: str | None, node_labels: Any, expected: di
 def test_pod_domains_come_from_the_node() -> None:
     eps = endpoints_from_pods(PODS, "http", "http", "topology.kubernetes.io/zone", NODE_LABELS)
     assert _domains(eps) == {"vllm-decode-a100-0": "rack-1", "vllm-decode-a100-1": "rack-2"}
-    assert _domains(endpoints_from_pods(PODS, "http")) == {"vllm-decode-a100-0": None, "vllm-decode-a100-1": None}
+    assert _domains(endpoints_from_pods(PODS, "http")) == {
+        "vllm-decode-a100-0": None,
+        "vllm-decode-a100-1": None,
+    }
 
 
 def _offline_registry() -> Registry:
@@ -88,7 +91,11 @@ def _view_domains(reg: Registry) -> dict[str, str | None]:
             {"label_selector": "kubernetes.io/service-name=vllm-prefill-h100", "port": "http"},
             SLICES,
             ["endpointslices"],
-            {"p/vllm-prefill-h100-0": "rack-1", "p/vllm-prefill-h100-1": "rack-2", "p/vllm-prefill-h100-2": None},
+            {
+                "p/vllm-prefill-h100-0": "rack-1",
+                "p/vllm-prefill-h100-1": "rack-2",
+                "p/vllm-prefill-h100-2": None,
+            },
             id="EndpointSlices with the default label: zone field, one API call",
         ),
         pytest.param(
@@ -153,7 +160,10 @@ def test_static_domains_per_url_and_per_pool() -> None:
                     "role": "prefill",
                     "domain": "rack-1",
                     "endpoints": {
-                        "static": ["http://10.0.0.1:8000", {"url": "http://10.0.0.2:8000/", "domain": "rack-2"}]
+                        "static": [
+                            "http://10.0.0.1:8000",
+                            {"url": "http://10.0.0.2:8000/", "domain": "rack-2"},
+                        ]
                     },
                 }
             ],
@@ -166,7 +176,9 @@ def test_static_domains_per_url_and_per_pool() -> None:
 
     async def run() -> None:
         reg = _offline_registry()
-        info = PoolInfo("p", "llama-3-8b", "H100-SXM", Role.PREFILL, capacity_for("H100", "llama-3-8b"), pool.domain)
+        info = PoolInfo(
+            "p", "llama-3-8b", "H100-SXM", Role.PREFILL, capacity_for("H100", "llama-3-8b"), pool.domain
+        )
         reg.add_pool(info, StaticSource(pool.endpoints.static or [], pool.endpoints.static_domains))
         await reg.resync("p")
         assert _view_domains(reg) == {"p/10.0.0.1:8000": "rack-1", "p/10.0.0.2:8000": "rack-2"}

@@ -45,8 +45,15 @@ class RecordedApi:
         self.hang: str | None = None
         self.release = threading.Event()
 
-    def _request(self, method: str, url: str, headers: Any = None, body: Any = None, post_params: Any = None,
-                 _request_timeout: Any = None) -> Any:
+    def _request(
+        self,
+        method: str,
+        url: str,
+        headers: Any = None,
+        body: Any = None,
+        post_params: Any = None,
+        _request_timeout: Any = None,
+    ) -> Any:
         path = url.removeprefix("https://k8s.test").split("?")[0]
         self.calls.append((method, path, _request_timeout))
         if self.hang is not None and self.hang in path:
@@ -61,7 +68,9 @@ class RecordedApi:
         return RESTResponse(_Recorded(200, _scale_object(name, 2)))
 
     def lister(self, request_timeout: tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)) -> Any:
-        return api_lister(client.CoreV1Api(self.api_client), client.DiscoveryV1Api(self.api_client), request_timeout)
+        return api_lister(
+            client.CoreV1Api(self.api_client), client.DiscoveryV1Api(self.api_client), request_timeout
+        )
 
 
 @pytest.fixture
@@ -75,15 +84,24 @@ def api() -> Iterator[RecordedApi]:
 @pytest.mark.parametrize(
     ("resource", "domain_label", "paths"),
     [
-        ("endpointslices", "topology.kubernetes.io/zone", ["/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"]),
+        (
+            "endpointslices",
+            "topology.kubernetes.io/zone",
+            ["/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"],
+        ),
         ("pods", "topology.kubernetes.io/zone", ["/api/v1/namespaces/llm/pods", "/api/v1/nodes"]),
     ],
 )
 def test_every_discovery_call_carries_a_request_timeout(
     api: RecordedApi, resource: str, domain_label: str, paths: list[str]
 ) -> None:
-    cfg = KubernetesSource(namespace="llm", label_selector="a=b", resource=resource,  # type: ignore[arg-type]
-                           port="http", domain_label=domain_label)
+    cfg = KubernetesSource(
+        namespace="llm",
+        label_selector="a=b",
+        resource=resource,  # type: ignore[arg-type]
+        port="http",
+        domain_label=domain_label,
+    )
     source = KubernetesDiscovery(cfg, api.lister())
     endpoints = asyncio.run(source.list())
     assert endpoints  # the recorded objects parse
@@ -106,7 +124,9 @@ def test_a_hung_actuator_call_is_reported_not_raised(api: RecordedApi) -> None:
         raise urllib3.exceptions.ReadTimeoutError(None, "/scale", "Read timed out. (read timeout=20.0)")
 
     api.api_client.rest_client.request = timed_out
-    action = KubernetesActuator(client.AppsV1Api(api.api_client), "llm", {"d": "vllm-d"}).scale("d", 3, now=0.0)
+    action = KubernetesActuator(client.AppsV1Api(api.api_client), "llm", {"d": "vllm-d"}).scale(
+        "d", 3, now=0.0
+    )
     assert (action.applied, action.before, action.after) == (False, -1, -1)
     assert action.error == "ReadTimeoutError"
 
@@ -147,7 +167,9 @@ def test_a_hung_relist_keeps_the_last_good_view(api: RecordedApi) -> None:
     async def run() -> None:
         probes = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503)))
         reg = Registry(ScrapeConfig(), HealthConfig(), GatewayMetrics(), client=probes)
-        reg.add_pool(PoolInfo("d", "llama-3-8b", "A100-80GB", Role.DECODE, capacity_for("A100", "llama-3-8b")), source)
+        reg.add_pool(
+            PoolInfo("d", "llama-3-8b", "A100-80GB", Role.DECODE, capacity_for("A100", "llama-3-8b")), source
+        )
         await reg.resync("d")
         before = sorted(r.id for r in reg.records())
         assert len(before) == 5
@@ -179,9 +201,13 @@ def test_gateway_starts_despite_a_hung_api_server_and_is_ready_once_discovery_an
     times out, the gateway serves (not ready: discovery never answered), and turns ready once it does."""
     lister = HangingThenOk()
     k8s = {"namespace": "llm", "label_selector": "a=b", "port": 8000, "resync_s": 0.3}
-    cfg = validate_config({"pools": [{"name": "k", "model": "llama-3-8b", "gpu": "L4",
-                                      "endpoints": {"kubernetes": k8s}}],
-                           "health": {"interval_s": 60}, "scrape": {"interval_s": 60}})
+    cfg = validate_config(
+        {
+            "pools": [{"name": "k", "model": "llama-3-8b", "gpu": "L4", "endpoints": {"kubernetes": k8s}}],
+            "health": {"interval_s": 60},
+            "scrape": {"interval_s": 60},
+        }
+    )
     source = KubernetesDiscovery(cfg.pools[0].endpoints.kubernetes, lister, call_timeout_s=0.3)  # type: ignore[arg-type]
     start = time.monotonic()
     try:
@@ -201,4 +227,3 @@ def test_gateway_starts_despite_a_hung_api_server_and_is_ready_once_discovery_an
                 assert ready.json()["unsynced_pools"] == {}
     finally:
         lister.release.set()
-

@@ -28,8 +28,14 @@ def completion(**extra: Any) -> bytes:
 
 
 def request(target: bytes, body: bytes, *headers: bytes, version: bytes = b"1.1") -> bytes:
-    head = [b"POST " + target + b" HTTP/" + version, b"Host: gw", b"Content-Type: application/json",
-            b"X-Request-Id: fixed-id", b"Content-Length: %d" % len(body), *headers]
+    head = [
+        b"POST " + target + b" HTTP/" + version,
+        b"Host: gw",
+        b"Content-Type: application/json",
+        b"X-Request-Id: fixed-id",
+        b"Content-Length: %d" % len(body),
+        *headers,
+    ]
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
@@ -75,7 +81,12 @@ def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
 CASES = [
     ("a non-streaming completion", completion(), (), {}),
     ("a stream, usage stripped", completion(stream=True), (), {}),
-    ("a stream with usage asked for", completion(stream=True, stream_options={"include_usage": True}), (), {}),
+    (
+        "a stream with usage asked for",
+        completion(stream=True, stream_options={"include_usage": True}),
+        (),
+        {},
+    ),
     ("an unknown model (404 in OpenAI shape)", completion(model="nope"), (), {}),
     ("a body that is not JSON (400)", b"{not json", (), {}),
     ("a missing API key (401)", completion(), (), {"auth": {"api_keys": ["k1"]}}),
@@ -85,7 +96,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("body", "headers", "sections"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_fast_path_answers_byte_for_byte_as_uvicorns_cycle(body: bytes, headers: tuple[bytes, ...], sections: dict[str, Any]) -> None:
+def test_fast_path_answers_byte_for_byte_as_uvicorns_cycle(
+    body: bytes, headers: tuple[bytes, ...], sections: dict[str, Any]
+) -> None:
     async def go() -> None:
         async with serving(FakeWorker("a", mode="ok"), **sections) as running:
             fast = await exchange(running, request(FAST, body, *headers))
@@ -118,14 +131,22 @@ def test_the_proxy_paths_run_on_the_fast_cycle_and_others_on_uvicorns() -> None:
 def test_pipelined_requests_are_answered_in_order() -> None:
     async def go() -> None:
         async with serving(FakeWorker("a", mode="ok")) as running:
-            raw = request(FAST, completion(max_tokens=2)) + request(FAST, completion(model="nope")) + request(
-                FAST, completion(stream=True)
+            raw = (
+                request(FAST, completion(max_tokens=2))
+                + request(FAST, completion(model="nope"))
+                + request(FAST, completion(stream=True))
             )
             answers = await exchange(running, raw, answers=3)
-            assert [a[0].split(b"\r\n")[0] for a in answers] == [b"HTTP/1.1 200 OK", b"HTTP/1.1 404 Not Found", b"HTTP/1.1 200 OK"]
+            assert [a[0].split(b"\r\n")[0] for a in answers] == [
+                b"HTTP/1.1 200 OK",
+                b"HTTP/1.1 404 Not Found",
+                b"HTTP/1.1 200 OK",
+            ]
             assert json.loads(answers[0][1])["object"] == "text_completion"
             assert answers[2][1].endswith(b"data: [DONE]\n\n")
-            assert running.gateway.dispatcher.outcomes == {"completed": 2}  # the 404 was refused before dispatch
+            assert running.gateway.dispatcher.outcomes == {
+                "completed": 2
+            }  # the 404 was refused before dispatch
 
     run(go)
 
@@ -208,9 +229,11 @@ def test_a_chunked_body_over_the_limit_is_refused_while_reading() -> None:
     async def go() -> None:
         async with serving(FakeWorker("a", mode="ok"), limits={"max_body_bytes": 1024}) as running:
             piece = b"x" * 600
-            raw = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n" + (
-                b"%x\r\n%s\r\n" % (len(piece), piece)
-            ) * 3 + b"0\r\n\r\n"
+            raw = (
+                b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + (b"%x\r\n%s\r\n" % (len(piece), piece)) * 3
+                + b"0\r\n\r\n"
+            )
             ((head, body),) = await exchange(running, raw)
             assert head.startswith(b"HTTP/1.1 413")
             assert json.loads(body)["error"]["code"] == 413
@@ -233,9 +256,11 @@ def test_a_uvicorn_without_those_internals_serves_the_same_answers_on_its_own_pr
 
     async def go() -> None:
         async with serving(FakeWorker("a", mode="ok")) as running:
-            (head, body), = await exchange(running, request(FAST, completion()))
+            ((head, body),) = await exchange(running, request(FAST, completion()))
             assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["choices"]
-            assert not any(isinstance(p, GatewayHttpProtocol) for p in running.server.server_state.connections)
+            assert not any(
+                isinstance(p, GatewayHttpProtocol) for p in running.server.server_state.connections
+            )
 
     run(go)
 
@@ -279,7 +304,9 @@ def test_a_stream_from_a_pooled_worker_is_pushed_on_the_fast_cycle_with_the_same
             answers = {}
             for target in (FAST, SLOW):
                 before = len(pushed)
-                (answers[target],) = await exchange(running, request(target, completion(stream=True, max_tokens=12)))
+                (answers[target],) = await exchange(
+                    running, request(target, completion(stream=True, max_tokens=12))
+                )
                 assert len(pushed) == before + (target == FAST)
             assert answers[FAST][0] == answers[SLOW][0]
             # the stream's last piece goes with the end of the response (one write): [DONE] in the final send
@@ -288,8 +315,13 @@ def test_a_stream_from_a_pooled_worker_is_pushed_on_the_fast_cycle_with_the_same
             assert fast == slow and len(fast) == 13 and fast[-1] == b"[DONE]"
             assert all("usage" not in e for e in fast[:-1])
             assert running.gateway.dispatcher.outcomes == {"completed": 2}
-            assert metrics.generation_tokens.labels("llama-3-8b").value == 24  # from the stripped usage chunks
-            child = {name: getattr(metrics, name).labels("llama-3-8b", "sim") for name in ("ttft", "itl", "tpot", "e2e")}
+            assert (
+                metrics.generation_tokens.labels("llama-3-8b").value == 24
+            )  # from the stripped usage chunks
+            child = {
+                name: getattr(metrics, name).labels("llama-3-8b", "sim")
+                for name in ("ttft", "itl", "tpot", "e2e")
+            }
             assert [sum(child[name].counts) for name in ("ttft", "tpot", "e2e")] == [2, 2, 2]
             assert 2 <= sum(child["itl"].counts) <= 22  # per relayed piece after the first (11 tokens each)
             # the gaps add up to first → last piece, which is TPOT × (n − 1) per stream
@@ -303,8 +335,13 @@ def test_a_stream_from_a_pooled_worker_is_pushed_on_the_fast_cycle_with_the_same
 def runner_config(time_scale: float, **limits: float) -> Any:
     from server.config import validate_config
 
-    pool = {"name": "sim", "model": "llama-3-8b", "gpu": "L4", "role": "mixed",
-            "endpoints": {"simulated": {"replicas": 1, "time_scale": time_scale}}}
+    pool = {
+        "name": "sim",
+        "model": "llama-3-8b",
+        "gpu": "L4",
+        "role": "mixed",
+        "endpoints": {"simulated": {"replicas": 1, "time_scale": time_scale}},
+    }
     return validate_config({"pools": [pool], "limits": limits})
 
 
@@ -316,7 +353,9 @@ def test_a_pushed_stream_past_the_total_timeout_ends_with_an_error_event() -> No
         # L4 decode ≈ 66 ms per token; at time scale 5 ≈ 13 ms: 200 tokens would take ≈ 2.6 s
         running = await start_gateway_server(runner_config(time_scale=5, total_timeout_s=0.4), "127.0.0.1", 0)
         try:
-            (answer,) = await exchange(running, request(FAST, completion(stream=True, max_tokens=200, ignore_eos=True)))
+            (answer,) = await exchange(
+                running, request(FAST, completion(stream=True, max_tokens=200, ignore_eos=True))
+            )
             events = [e for e in answer[1].split(b"\n\n") if e]
             assert 3 < len(events) < 100 and events[-1] == b"data: [DONE]"
             assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == 502
@@ -381,7 +420,9 @@ def test_expect_100_continue_gets_the_interim_answer_before_the_body(target: byt
             assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
             writer.write(body)
             answer_head, answer = await read_response(reader)
-            assert answer_head.startswith(b"HTTP/1.1 200") and json.loads(answer)["object"] == "text_completion"
+            assert (
+                answer_head.startswith(b"HTTP/1.1 200") and json.loads(answer)["object"] == "text_completion"
+            )
             assert worker.raw_seen[-1] == body
             writer.close()
             await writer.wait_closed()

@@ -138,7 +138,10 @@ def test_worker_4xx_passes_through_unchanged_without_retry() -> None:
             assert len(a.seen) + len(b.seen) == 1
             # a refusal is its own outcome, not a completion (the autoscaler counts completions)
             assert gw.dispatcher.outcomes == {"worker_rejected": 1}
-            assert metric(gw, "mosaic_request_outcomes_total", model="llama-3-8b", outcome="worker_rejected") == 1
+            assert (
+                metric(gw, "mosaic_request_outcomes_total", model="llama-3-8b", outcome="worker_rejected")
+                == 1
+            )
             assert metric(gw, "mosaic_request_outcomes_total", model="llama-3-8b", outcome="completed") == 0
             assert metric(gw, "mosaic_requests_total", model="llama-3-8b", pool="p", status="400") == 1
 

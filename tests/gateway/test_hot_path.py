@@ -170,7 +170,10 @@ def test_views_filled_slot_by_slot_equal_the_dataclass_constructor() -> None:
 
     assert tuple(f.name for f in dataclasses.fields(WorkerView)) == VIEW_FIELD_ORDER
     rec = _record()
-    rec.stats, rec.stats_at = WorkerStats(num_running=3, num_waiting=1, kv_usage=0.25, num_gpu_blocks=900), 100.0
+    rec.stats, rec.stats_at = (
+        WorkerStats(num_running=3, num_waiting=1, kv_usage=0.25, num_gpu_blocks=900),
+        100.0,
+    )
     rec.inflight_requests, rec.inflight_prefill_tokens, rec.domain = 2, 512, "rack-1"
     for now in (101.0, 200.0):  # fresh stats, then stale (scraped fields None)
         built = rec.view(now, 5.0)

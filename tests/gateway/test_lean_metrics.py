@@ -23,7 +23,9 @@ def _without_created(text: bytes) -> str:
 def test_counters_and_histograms_render_as_prometheus_clients() -> None:
     theirs = CollectorRegistry()
     c1 = prometheus_client.Counter("x_requests", "Requests", ["model", "status"], registry=theirs)
-    h1 = prometheus_client.Histogram("x_latency_seconds", "Latency", ["model"], buckets=BUCKETS, registry=theirs)
+    h1 = prometheus_client.Histogram(
+        "x_latency_seconds", "Latency", ["model"], buckets=BUCKETS, registry=theirs
+    )
     ours = CollectorRegistry()
     c2 = Counter("x_requests", "Requests", ["model", "status"])
     h2 = Histogram("x_latency_seconds", "Latency", ["model"], buckets=BUCKETS)
@@ -39,7 +41,9 @@ def test_counters_and_histograms_render_as_prometheus_clients() -> None:
     assert _without_created(generate_latest(ours)) == _without_created(generate_latest(theirs))
     # 1 + 2.5 for (m, 200); the histogram's +Inf bucket and count are all 10 observations of m
     assert ours.get_sample_value("x_requests_total", {"model": "m", "status": "200"}) == 3.5
-    assert ours.get_sample_value("x_latency_seconds_bucket", {"model": "m", "le": "0.001"}) == 3  # 0, 0.0005, 0.001
+    assert (
+        ours.get_sample_value("x_latency_seconds_bucket", {"model": "m", "le": "0.001"}) == 3
+    )  # 0, 0.0005, 0.001
     assert ours.get_sample_value("x_latency_seconds_count", {"model": "m"}) == len(OBSERVED)
 
 
@@ -54,5 +58,10 @@ def test_bad_updates_are_refused_as_prometheus_client_does() -> None:
 def test_the_gateway_registry_has_every_family_before_any_request() -> None:
     metrics = GatewayMetrics()
     names = {fam.name for fam in metrics.registry.collect()}
-    assert {"mosaic_requests", "mosaic_request_outcomes", "mosaic_time_to_first_token_seconds",
-            "mosaic_inter_token_latency_seconds", "mosaic_e2e_request_latency_seconds"} <= names
+    assert {
+        "mosaic_requests",
+        "mosaic_request_outcomes",
+        "mosaic_time_to_first_token_seconds",
+        "mosaic_inter_token_latency_seconds",
+        "mosaic_e2e_request_latency_seconds",
+    } <= names

@@ -28,12 +28,23 @@ def _config(**limits: float) -> Any:
         "endpoints": {"simulated": {"replicas": 1, "time_scale": 5.0}},
     }
     return validate_config(
-        {"pools": [pool], "routing": {"policy": "round-robin"}, "health": {"interval_s": 60}, "limits": limits}
+        {
+            "pools": [pool],
+            "routing": {"policy": "round-robin"},
+            "health": {"interval_s": 60},
+            "limits": limits,
+        }
     )
 
 
 def _body(max_tokens: int, stream: bool) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": [5] * 32, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    return {
+        "model": MODEL,
+        "prompt": [5] * 32,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 def test_non_streaming_answer_longer_than_the_stall_timeout_completes() -> None:
@@ -46,7 +57,9 @@ def test_non_streaming_answer_longer_than_the_stall_timeout_completes() -> None:
             assert first.json()["usage"]["completion_tokens"] == 120
             assert took > 0.8  # it really ran longer than the stall timeout (twice over)
             # twice more: a long answer is not a failure, so the only worker is never ejected
-            assert [http.post("/v1/completions", json=_body(60, stream=False)).status_code for _ in range(2)] == [
+            assert [
+                http.post("/v1/completions", json=_body(60, stream=False)).status_code for _ in range(2)
+            ] == [
                 200,
                 200,
             ]

@@ -327,10 +327,14 @@ def _bare_chunked(llhttp: bool) -> H1Response:
     st.lists(st.integers(min_value=1, max_value=50), min_size=1, max_size=30),
     st.booleans(),
 )
-def test_chunked_decoder_is_split_invariant(llhttp: bool, pieces: list[bytes], cuts: list[int], ext: bool) -> None:
+def test_chunked_decoder_is_split_invariant(
+    llhttp: bool, pieces: list[bytes], cuts: list[int], ext: bool
+) -> None:
     """Whatever way the wire bytes are split into reads, the decoder yields the chunk data in order."""
     line = b"%x;ext=1\r\n" if ext else b"%x\r\n"
-    wire = b"".join(line % len(p) + p + b"\r\n" for p in pieces) + (b"0\r\nx-trailer: 1\r\n\r\n" if ext else b"0\r\n\r\n")
+    wire = b"".join(line % len(p) + p + b"\r\n" for p in pieces) + (
+        b"0\r\nx-trailer: 1\r\n\r\n" if ext else b"0\r\n\r\n"
+    )
     resp = _bare_chunked(llhttp)
     buf, got, at = bytearray(), [], 0
     for cut in [*cuts, len(wire)]:
@@ -355,7 +359,9 @@ def test_chunked_decoders_refuse_malformed_framing(llhttp: bool, wire: bytes) ->
 
 @pytest.mark.parametrize("llhttp", DECODERS)
 @pytest.mark.parametrize(
-    "extra", [b"HTTP/1.1 junk", b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nbad"], ids=["junk", "a whole response"]
+    "extra",
+    [b"HTTP/1.1 junk", b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nbad"],
+    ids=["junk", "a whole response"],
 )
 def test_bytes_after_the_last_chunk_close_the_connection(
     llhttp: bool, extra: bytes, monkeypatch: pytest.MonkeyPatch

@@ -75,13 +75,29 @@ def test_bad_catalog_file_is_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        pytest.param("gpus: {L4: {memory_gb: abc}}\n", "memory_gb must be a number > 0, got 'abc'", id="a string where a number goes"),
-        pytest.param("gpus: {L4: {hbm_gbps: 0}}\n", "hbm_gbps must be a number > 0, got 0", id="zero bandwidth"),
-        pytest.param("gpus: {L4: {hbm_gbps: -5}}\n", "hbm_gbps must be a number > 0", id="negative bandwidth"),
+        pytest.param(
+            "gpus: {L4: {memory_gb: abc}}\n",
+            "memory_gb must be a number > 0, got 'abc'",
+            id="a string where a number goes",
+        ),
+        pytest.param(
+            "gpus: {L4: {hbm_gbps: 0}}\n", "hbm_gbps must be a number > 0, got 0", id="zero bandwidth"
+        ),
+        pytest.param(
+            "gpus: {L4: {hbm_gbps: -5}}\n", "hbm_gbps must be a number > 0", id="negative bandwidth"
+        ),
         pytest.param("gpus: [1, 2]\n", "'gpus' must be a mapping", id="a list instead of a mapping"),
-        pytest.param("gpus: {L4: {memory_kind: sram}}\n", "memory_kind must be 'hbm' or 'gddr'", id="unknown memory kind"),
-        pytest.param("models: {m: {layers: 2.5, hidden_size: 8, num_heads: 1, num_kv_heads: 1, head_dim: 8,"
-                     " params_b: 1, max_context: 64}}\n", "layers must be a whole number", id="fractional layers"),
+        pytest.param(
+            "gpus: {L4: {memory_kind: sram}}\n",
+            "memory_kind must be 'hbm' or 'gddr'",
+            id="unknown memory kind",
+        ),
+        pytest.param(
+            "models: {m: {layers: 2.5, hidden_size: 8, num_heads: 1, num_kv_heads: 1, head_dim: 8,"
+            " params_b: 1, max_context: 64}}\n",
+            "layers must be a whole number",
+            id="fractional layers",
+        ),
         pytest.param("models: {m: {layers: 2}}\n", "missing", id="a new model without its fields"),
     ],
 )

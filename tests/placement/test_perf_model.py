@@ -46,8 +46,24 @@ REFERENCE_POINTS = [
     ("H100-SXM", "llama-2-70b", 2, "prefill 2048", lambda pm: pm.prefill_time([2048]), 0.3082, SPLITWISE),
     ("H100-SXM", "llama-2-70b", 2, "prefill 8192", lambda pm: pm.prefill_time([8192]), 1.3392, SPLITWISE),
     # decode of one 512+64-token sequence (token_size 128 runs: mean context ≈ 576)
-    ("A100-80GB", "llama-2-70b", 2, "decode batch 1", lambda pm: pm.decode_step_time([576]), 0.0548, SPLITWISE),
-    ("H100-SXM", "llama-2-70b", 2, "decode batch 1", lambda pm: pm.decode_step_time([576]), 0.0370, SPLITWISE),
+    (
+        "A100-80GB",
+        "llama-2-70b",
+        2,
+        "decode batch 1",
+        lambda pm: pm.decode_step_time([576]),
+        0.0548,
+        SPLITWISE,
+    ),
+    (
+        "H100-SXM",
+        "llama-2-70b",
+        2,
+        "decode batch 1",
+        lambda pm: pm.decode_step_time([576]),
+        0.0370,
+        SPLITWISE,
+    ),
 ]
 
 
@@ -96,7 +112,9 @@ def test_against_splitwise_csv_prefill_batches(shared_data: Path) -> None:
 def test_decode_is_memory_bound_at_small_batch_and_grows_with_context() -> None:
     pm = PerfModel(CATALOG.gpu("A100-80GB"), CATALOG.model("llama-3-8b"))
     weights_s = 8.03e9 * 2 / (2039e9 * 0.70)  # 16.06 GB over 1,427 GB/s effective = 11.25 ms
-    assert pm.decode_step_time([100]) == pytest.approx(weights_s + 0.00045 + 0.000035 + 100 * 131072 / (2039e9 * 0.7))
+    assert pm.decode_step_time([100]) == pytest.approx(
+        weights_s + 0.00045 + 0.000035 + 100 * 131072 / (2039e9 * 0.7)
+    )
     assert pm.decode_step_time([4000] * 32) > pm.decode_step_time([100] * 32)
 
 

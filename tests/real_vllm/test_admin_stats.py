@@ -83,7 +83,12 @@ def busy_burst(gateway: MosaicGateway, requests: int) -> dict[str, Any] | None:
         # Plain httpx, not the openai SDK: the SDK's first call in a fresh thread is CPU-heavy (client and
         # model construction) and, with four of them holding the GIL on a 2-core machine shared with the
         # server, starved this process's poller until the burst was over.
-        body = {"model": "tiny-llama", "prompt": list(range(300 + i, 332 + i)), "max_tokens": 480, "ignore_eos": True}
+        body = {
+            "model": "tiny-llama",
+            "prompt": list(range(300 + i, 332 + i)),
+            "max_tokens": 480,
+            "ignore_eos": True,
+        }
         try:
             with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {target.api_key}"}) as http:
                 http.post(f"{target.base_url}/v1/completions", json=body).raise_for_status()

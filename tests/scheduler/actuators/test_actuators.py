@@ -49,8 +49,14 @@ def k8s() -> Any:
     state = {"vllm-decode-a100": 2}
     forbidden = {"vllm-forbidden"}
 
-    def request(method: str, url: str, headers: Any = None, body: Any = None, post_params: Any = None,
-                _request_timeout: Any = None) -> Any:
+    def request(
+        method: str,
+        url: str,
+        headers: Any = None,
+        body: Any = None,
+        post_params: Any = None,
+        _request_timeout: Any = None,
+    ) -> Any:
         calls.append((method, url, body))
         name = url.split("/deployments/")[1].split("/")[0]
         if name in forbidden:

@@ -45,8 +45,15 @@ class Cluster:
         self.api_client.rest_client.request = self._request
         self.apps = client.AppsV1Api(self.api_client)
 
-    def _request(self, method: str, url: str, headers: Any = None, body: Any = None, post_params: Any = None,
-                 _request_timeout: Any = None) -> Any:
+    def _request(
+        self,
+        method: str,
+        url: str,
+        headers: Any = None,
+        body: Any = None,
+        post_params: Any = None,
+        _request_timeout: Any = None,
+    ) -> Any:
         assert url.startswith(BASE + "/") and url.endswith("/scale"), url
         name = url[len(BASE) + 1 : -len("/scale")]
         self.calls.append((method, name, body["spec"]["replicas"] if body else None))
@@ -74,7 +81,10 @@ def cluster() -> Iterator[Any]:
 
 
 def _placer() -> TopologyPlacer:
-    kinds = {"p": InstanceKind("m", "H100-SXM", 1, Role.PREFILL), "d": InstanceKind("m", "L4", 1, Role.DECODE)}
+    kinds = {
+        "p": InstanceKind("m", "H100-SXM", 1, Role.PREFILL),
+        "d": InstanceKind("m", "L4", 1, Role.DECODE),
+    }
     return TopologyPlacer(Inventory.from_data(NODES), kinds)
 
 
@@ -224,7 +234,12 @@ def test_a_refused_scale_in_puts_the_slot_back(cluster: Any) -> None:
     actuator = KubernetesActuator(c.apps, "llm", {}, DOMAINS, placer)
     actuator.replicas("p")
     action = actuator.scale("d", 2, now=0.0)
-    assert (action.before, action.after, action.applied, action.error) == (3, 3, False, "mosaic-d-rack-2: 403 Forbidden")
+    assert (action.before, action.after, action.applied, action.error) == (
+        3,
+        3,
+        False,
+        "mosaic-d-rack-2: 403 Forbidden",
+    )
     assert len(placer.instances("d")) == 3 and len(_nodes(placer)["l2"]) == 1
 
 

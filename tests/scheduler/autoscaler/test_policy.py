@@ -10,12 +10,20 @@ from scheduler.autoscaler.policy import AutoscalerConfig, MosaicAutoscaler
 from scheduler.autoscaler.signals import Observation, PoolObservation, PoolSpec
 
 
-def decode_pool(name: str = "d-a100", gpu: str = "A100-80GB", cost: float = 3.67, tps: float = 1000.0,
-                lo: int = 1, hi: int = 32) -> PoolSpec:
+def decode_pool(
+    name: str = "d-a100",
+    gpu: str = "A100-80GB",
+    cost: float = 3.67,
+    tps: float = 1000.0,
+    lo: int = 1,
+    hi: int = 32,
+) -> PoolSpec:
     return PoolSpec(name, "llama-3-8b", "decode", gpu, cost, lo, hi, decode_tps_capacity=tps)
 
 
-def prefill_pool(name: str = "p-h100", cost: float = 4.25, tps: float = 20000.0, lo: int = 1, hi: int = 32) -> PoolSpec:
+def prefill_pool(
+    name: str = "p-h100", cost: float = 4.25, tps: float = 20000.0, lo: int = 1, hi: int = 32
+) -> PoolSpec:
     return PoolSpec(name, "llama-3-8b", "prefill", "H100-SXM", cost, lo, hi, prefill_tps_capacity=tps)
 
 
@@ -24,7 +32,9 @@ def obs(now: float, **pools: PoolObservation) -> Observation:
 
 
 def po(ready: int, decode_tps: float = 0.0, starting: int = 0, waiting: int = 0) -> PoolObservation:
-    return PoolObservation(ready=ready, starting=starting, decode_tokens_per_s=decode_tps, num_waiting=waiting)
+    return PoolObservation(
+        ready=ready, starting=starting, decode_tokens_per_s=decode_tps, num_waiting=waiting
+    )
 
 
 # The tests below pin the sizing arithmetic on the raw signal (smoothing=1.0: the newest sample only);
@@ -94,7 +104,9 @@ def test_queueing_is_seen_as_demand() -> None:
     policy = MosaicAutoscaler([decode_pool()], cfg)
     # backpressure: decode tokens/s capped at what 2 instances do (1,600), but 300 requests wait
     # demand = 1,600 + 300 · 200 / 30 = 3,600 → 3,600 / 800 = 4.5 → 5 (within the +4 step from 2)
-    queued = Observation(now=0, pools={"d-a100": po(2, 1600, waiting=100)}, admission_queue={"llama-3-8b": 200})
+    queued = Observation(
+        now=0, pools={"d-a100": po(2, 1600, waiting=100)}, admission_queue={"llama-3-8b": 200}
+    )
     assert policy.decide(queued).targets["d-a100"] == 5
 
 
@@ -112,14 +124,20 @@ def test_buys_cheapest_capacity_first_and_sells_priciest_first() -> None:
     h100 = decode_pool("d-h100", "H100-SXM", cost=4.25, tps=2500.0, lo=0)  # $1.70 per 1,000 tok/s
     # need 5,000: H100s are cheaper per token/s → 2 H100s, no L4
     assert rebalance([l4, h100], {"d-l4": 0, "d-h100": 0}, 5000, lambda p: p.decode_tps_capacity) == {
-        "d-l4": 0, "d-h100": 2}
+        "d-l4": 0,
+        "d-h100": 2,
+    }
     # too much capacity: sell the L4s (priciest per unit) first
     assert rebalance([l4, h100], {"d-l4": 3, "d-h100": 2}, 5000, lambda p: p.decode_tps_capacity) == {
-        "d-l4": 0, "d-h100": 2}
+        "d-l4": 0,
+        "d-h100": 2,
+    }
 
 
 def test_min_and_max_replicas_are_respected() -> None:
-    policy = MosaicAutoscaler([decode_pool(lo=2, hi=5)], AutoscalerConfig(smoothing=1.0, scale_down_window_s=0))
+    policy = MosaicAutoscaler(
+        [decode_pool(lo=2, hi=5)], AutoscalerConfig(smoothing=1.0, scale_down_window_s=0)
+    )
     assert policy.decide(obs(0, **{"d-a100": po(4, 100_000)})).targets["d-a100"] == 5
     assert policy.decide(obs(15, **{"d-a100": po(2, 0)})).targets["d-a100"] == 2
 
@@ -127,7 +145,9 @@ def test_min_and_max_replicas_are_respected() -> None:
 def test_prompt_token_mode_sizes_prefill_by_prompt_demand() -> None:
     cfg = AutoscalerConfig(smoothing=1.0, utilization_target=0.8, prefill_mode="prompt_tokens")
     policy = MosaicAutoscaler([decode_pool(), prefill_pool(tps=10_000)], cfg)
-    o = Observation(now=0, pools={"d-a100": po(1, 800), "p-h100": PoolObservation(ready=1, prompt_tokens_per_s=20_000)})
+    o = Observation(
+        now=0, pools={"d-a100": po(1, 800), "p-h100": PoolObservation(ready=1, prompt_tokens_per_s=20_000)}
+    )
     # 20,000 / (10,000 · 0.8) = 2.5 → 3
     assert policy.decide(o).targets["p-h100"] == 3
 
@@ -163,12 +183,18 @@ def test_static_policy_holds() -> None:
 
 def test_dynamo_planner_sizes_p_and_d_separately_every_interval() -> None:
     planner = DynamoPlanner([decode_pool(), prefill_pool()], interval_s=180)
-    o = Observation(0, {"d-a100": po(1), "p-h100": po(1)}, request_rate=10, mean_input_tokens=3000,
-                    mean_output_tokens=250)
+    o = Observation(
+        0, {"d-a100": po(1), "p-h100": po(1)}, request_rate=10, mean_input_tokens=3000, mean_output_tokens=250
+    )
     # decode: 10 req/s · 250 tok = 2,500 tok/s / 1,000 = 2.5 → 3; prefill: 30,000 / 20,000 = 1.5 → 2
     assert planner.decide(o).targets == {"d-a100": 3, "p-h100": 2}
-    later = Observation(60, {"d-a100": po(3), "p-h100": po(2)}, request_rate=40, mean_input_tokens=3000,
-                        mean_output_tokens=250)
+    later = Observation(
+        60,
+        {"d-a100": po(3), "p-h100": po(2)},
+        request_rate=40,
+        mean_input_tokens=3000,
+        mean_output_tokens=250,
+    )
     assert planner.decide(later).targets == {"d-a100": 3, "p-h100": 2}  # not re-planned before 180 s
 
 
@@ -184,13 +210,20 @@ def test_prompt_demand_is_a_floor_under_the_ratio() -> None:
     policy = MosaicAutoscaler([decode_pool(), prefill_pool(tps=10_000)], CFG)
     # decode: 800 tok/s / 800 = 1 instance → ratio 0.5 → 1 prefill; but 10 req/s · 2,000 prompt tokens
     # = 20,000 tok/s / (10,000 · 0.8) = 2.5 → 3 prefill instances
-    o = Observation(now=0, pools={"d-a100": po(1, 800), "p-h100": po(1)}, request_rate=10,
-                    mean_input_tokens=2000, mean_output_tokens=80)
+    o = Observation(
+        now=0,
+        pools={"d-a100": po(1, 800), "p-h100": po(1)},
+        request_rate=10,
+        mean_input_tokens=2000,
+        mean_output_tokens=80,
+    )
     assert policy.decide(o).targets == {"d-a100": 1, "p-h100": 3}
 
 
 def test_any_shortfall_scales_up_at_once_but_a_small_surplus_is_kept() -> None:
-    policy = MosaicAutoscaler([decode_pool()], AutoscalerConfig(smoothing=1.0, utilization_target=0.8, scale_down_window_s=0))
+    policy = MosaicAutoscaler(
+        [decode_pool()], AutoscalerConfig(smoothing=1.0, utilization_target=0.8, scale_down_window_s=0)
+    )
     # 4,040 tok/s needs 4,040 / 0.8 = 5,050 of capacity; 5 instances give 5,000 → add one now
     assert policy.decide(obs(0, **{"d-a100": po(5, 4040)})).targets["d-a100"] == 6
     # 6 instances (6,000) for 4,400 / 0.8 = 5,500: surplus 8% < 10% tolerance → keep 6
@@ -198,8 +231,14 @@ def test_any_shortfall_scales_up_at_once_but_a_small_surplus_is_kept() -> None:
 
 
 def test_lookahead_projects_a_rising_trend_and_ignores_a_falling_one() -> None:
-    cfg = AutoscalerConfig(smoothing=1.0, utilization_target=0.8, lookahead_s=120, trend_smoothing=1.0, max_scale_up_step=100,
-                           scale_down_window_s=0)
+    cfg = AutoscalerConfig(
+        smoothing=1.0,
+        utilization_target=0.8,
+        lookahead_s=120,
+        trend_smoothing=1.0,
+        max_scale_up_step=100,
+        scale_down_window_s=0,
+    )
     policy = MosaicAutoscaler([decode_pool(hi=64)], cfg)
     policy.decide(obs(0, **{"d-a100": po(3, 1000)}))
     # slope (2,500 − 1,000)/15 s = 100 tok/s²; 120 s ahead: 2,500 + 12,000 = 14,500 / 800 = 18.1 → 19
@@ -220,12 +259,20 @@ def test_the_starting_size_holds_scale_in_for_one_window() -> None:
 
 
 def test_a_one_interval_spike_is_smoothed_but_a_sustained_rise_buys_at_once() -> None:
-    smoothed = MosaicAutoscaler([decode_pool()], AutoscalerConfig(utilization_target=0.8, scale_down_window_s=0))
-    raw = MosaicAutoscaler([decode_pool()], AutoscalerConfig(smoothing=1.0, utilization_target=0.8,
-                                                            scale_down_window_s=0))
+    smoothed = MosaicAutoscaler(
+        [decode_pool()], AutoscalerConfig(utilization_target=0.8, scale_down_window_s=0)
+    )
+    raw = MosaicAutoscaler(
+        [decode_pool()], AutoscalerConfig(smoothing=1.0, utilization_target=0.8, scale_down_window_s=0)
+    )
     loads = [2800, 4000, 4000]  # 2,800/800 = 3.5 → 4 instances; 4,000/800 = 5
-    got = {name: [p.decide(obs(i * 15.0, **{"d-a100": po(4, load)})).targets["d-a100"]
-                  for i, load in enumerate(loads)] for name, p in (("smoothed", smoothed), ("raw", raw))}
+    got = {
+        name: [
+            p.decide(obs(i * 15.0, **{"d-a100": po(4, load)})).targets["d-a100"]
+            for i, load in enumerate(loads)
+        ]
+        for name, p in (("smoothed", smoothed), ("raw", raw))
+    }
     # smoothed level (α = 0.3): 2,800 → 0.3·4,000 + 0.7·2,800 = 3,160 (needs 3,950 ≤ 4,000: keep 4)
     # → 0.3·4,000 + 0.7·3,160 = 3,412 (needs 4,265 > 4,000: buy the fifth)
     assert got["smoothed"] == [4, 4, 5]
@@ -238,7 +285,9 @@ def test_backlog_acts_at_once_through_the_smoothing() -> None:
     assert policy.decide(obs(0, **{"d-a100": po(2, 1600)})).targets["d-a100"] == 2  # 1,600/800 = 2
     # the same token rate (a saturated pool), but 300 requests wait: level 1,600 + 300 · 200 / 30 = 3,600
     # → 3,600 / 800 = 4.5 → 5, in the same cycle
-    queued = Observation(now=15, pools={"d-a100": po(2, 1600, waiting=100)}, admission_queue={"llama-3-8b": 200})
+    queued = Observation(
+        now=15, pools={"d-a100": po(2, 1600, waiting=100)}, admission_queue={"llama-3-8b": 200}
+    )
     assert policy.decide(queued).targets["d-a100"] == 5
 
 

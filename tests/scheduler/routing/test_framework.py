@@ -260,7 +260,9 @@ def test_a_sole_candidate_gets_the_decision_and_rng_draws_scoring_would_have_giv
     decision = router.route(req(prompt=64, output=16), view(w), 0.0, rng)
     assert isinstance(decision, Decision)
     assert (decision.decode.id, decision.prefill, decision.path) == ("solo", None, "single")
-    assert [r.worker_id for r in decision.reservations] == ["solo"] and ledger.used == {"solo": 5}  # ceil(80/16)
+    assert [r.worker_id for r in decision.reservations] == ["solo"] and ledger.used == {
+        "solo": 5
+    }  # ceil(80/16)
     scored_path = router.handler.mixed.scorers  # type: ignore[attr-defined]
     assert scored_path  # the policy has scorers: they were skipped, not absent
     reference = random.Random(7)

@@ -116,7 +116,9 @@ def test_verdict_exposes_the_estimates():
 def test_queue_wait_is_the_est_ttft_queue_without_this_prompt():
     assert prefill_queue_wait_s(prefill(queued=27_959), req(prompt=PROMPT)) == pytest.approx(27_959 / H100)
     # max(in-flight 1,000, scraped 2 waiting × 2,048) = 4,096 tokens queued
-    assert prefill_queue_wait_s(prefill(queued=1_000, waiting=2), req(prompt=PROMPT)) == pytest.approx(4096 / H100)
+    assert prefill_queue_wait_s(prefill(queued=1_000, waiting=2), req(prompt=PROMPT)) == pytest.approx(
+        4096 / H100
+    )
 
 
 def test_local_prefill_keeps_the_decode_reservation_and_releases_the_prefill_one():

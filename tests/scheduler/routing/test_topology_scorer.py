@@ -55,7 +55,9 @@ def test_no_decode_peer_is_neutral() -> None:
 def _route(fleet: tuple[WorkerView, ...], seed: int, weight: float | None = None) -> Decision:
     cfg = RoutingConfig()
     if weight is not None:
-        cfg = RoutingConfig.model_validate({"profiles": {"prefill": {"weights": {"pd-domain-affinity": weight}}}})
+        cfg = RoutingConfig.model_validate(
+            {"profiles": {"prefill": {"weights": {"pd-domain-affinity": weight}}}}
+        )
     decision = build_router(cfg).route(req(prompt=PROMPT), view(*fleet), 0.0, random.Random(seed))
     assert isinstance(decision, Decision) and decision.path == "pd"
     return decision
@@ -71,7 +73,10 @@ def test_default_weights_use_it_only_for_prefill() -> None:
 def test_equal_loads_pick_the_decode_workers_domain() -> None:
     """Idle twins tie on every other scorer; the domain breaks the tie for every rng seed, for either rack.
     With the scorer at weight 0 the rng splits the tie (so this test could fail)."""
-    for decode, want in ((D1, "p-r1"), (worker("d", gpu="A100-80GB", role="decode", domain="rack-2"), "p-r2")):
+    for decode, want in (
+        (D1, "p-r1"),
+        (worker("d", gpu="A100-80GB", role="decode", domain="rack-2"), "p-r2"),
+    ):
         fleet = (decode, prefill("p-r1", "rack-1"), prefill("p-r2", "rack-2"))
         assert {_route(fleet, seed).prefill.id for seed in range(20)} == {want}  # type: ignore[union-attr]
     fleet = (D1, prefill("p-r1", "rack-1"), prefill("p-r2", "rack-2"))
