@@ -20,7 +20,14 @@ FLEET = {
     "slo": {"ttft_ms": 3000, "tpot_ms": 100},
     "decision_interval_s": 10,
     "pools": [
-        {"name": "mixed-h100", "gpu": "H100", "role": "mixed", "replicas": 2, "min_replicas": 2, "max_replicas": 2},
+        {
+            "name": "mixed-h100",
+            "gpu": "H100",
+            "role": "mixed",
+            "replicas": 2,
+            "min_replicas": 2,
+            "max_replicas": 2,
+        },
     ],
 }
 SHORT_IN, SHORT_OUT = 100, 10
@@ -49,7 +56,9 @@ def test_in_flight_long_outputs_do_not_move_the_observed_means() -> None:
     # short requests (100 in, 10 out) at 4/s for 40 s; at 21 s a burst of 20 requests of 2,000 in and
     # 3,000 out, which take far longer than the 9 s left to the decision at 30 s to complete
     # (one more short request at 60 s keeps decisions coming until the burst has completed)
-    short = [SimRequest(0.25 * i, SHORT_IN, SHORT_OUT) for i in range(160)] + [SimRequest(60.0, SHORT_IN, SHORT_OUT)]
+    short = [SimRequest(0.25 * i, SHORT_IN, SHORT_OUT) for i in range(160)] + [
+        SimRequest(60.0, SHORT_IN, SHORT_OUT)
+    ]
     burst = [SimRequest(21.0 + 0.01 * i, LONG_IN, LONG_OUT) for i in range(20)]
     obs, sim = simulate(sorted(short + burst, key=lambda r: r.arrival_s))
     at30 = obs[30.0]

@@ -22,15 +22,34 @@ PD_FLEET = {
     "decision_interval_s": 10,
     "autoscaler": {"pd_ratio": 1.0, "scale_down_window_s": 60},
     "pools": [
-        {"name": "prefill-h100", "gpu": "H100", "role": "prefill", "replicas": 1, "min_replicas": 1, "max_replicas": 6},
-        {"name": "decode-a100", "gpu": "A100-80GB", "role": "decode", "replicas": 1, "min_replicas": 1,
-         "max_replicas": 6},
+        {
+            "name": "prefill-h100",
+            "gpu": "H100",
+            "role": "prefill",
+            "replicas": 1,
+            "min_replicas": 1,
+            "max_replicas": 6,
+        },
+        {
+            "name": "decode-a100",
+            "gpu": "A100-80GB",
+            "role": "decode",
+            "replicas": 1,
+            "min_replicas": 1,
+            "max_replicas": 6,
+        },
     ],
 }
 
 
-def poisson(n: int, rate: float, seed: int, prompt: tuple[int, int] = (200, 2000), out: tuple[int, int] = (20, 300),
-            start: float = 0.0) -> list[SimRequest]:
+def poisson(
+    n: int,
+    rate: float,
+    seed: int,
+    prompt: tuple[int, int] = (200, 2000),
+    out: tuple[int, int] = (20, 300),
+    start: float = 0.0,
+) -> list[SimRequest]:
     rng = random.Random(seed)
     t = start
     reqs = []
@@ -43,7 +62,9 @@ def poisson(n: int, rate: float, seed: int, prompt: tuple[int, int] = (200, 2000
 def run(fleet_data: dict, policy_name: str, requests: list[SimRequest]) -> tuple[dict, ClusterSimulator]:
     fleet = parse_fleet(fleet_data)
     specs = pool_specs(fleet)
-    policy = build_policy(policy_name, specs, fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools})
+    policy = build_policy(
+        policy_name, specs, fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools}
+    )
     sim = ClusterSimulator(fleet, policy, policy_name)
     result = sim.run(requests)
     return build_report(result, wall_s=1.0), sim
@@ -95,8 +116,19 @@ def test_scale_up_is_cold_and_scale_in_is_soft() -> None:
 
 
 def test_static_fleet_too_small_queues_then_serves() -> None:
-    fixed = {**PD_FLEET, "pools": [
-        {"name": "mixed-l4", "gpu": "L4", "role": "mixed", "replicas": 1, "min_replicas": 1, "max_replicas": 1}]}
+    fixed = {
+        **PD_FLEET,
+        "pools": [
+            {
+                "name": "mixed-l4",
+                "gpu": "L4",
+                "role": "mixed",
+                "replicas": 1,
+                "min_replicas": 1,
+                "max_replicas": 1,
+            }
+        ],
+    }
     report, _ = run(fixed, "fixed", poisson(300, 80, seed=5, prompt=(100, 300), out=(10, 60)))
     assert report["requests"]["completed"] == 300
     assert report["slo"]["attainment_ttft"] < 0.9  # overloaded: requests waited
@@ -111,10 +143,12 @@ def test_decode_capacity_within_slo_is_the_largest_batch_that_fits() -> None:
     for slo in (0.02, 0.03, 0.05):
         best = max(b for b in range(1, 257) if perf.decode_step_time([1024] * b) <= slo)  # brute force
         assert decode_tps_within_slo(perf, slo, 1024, 256, 400_000) == pytest.approx(
-            best / perf.decode_step_time([1024] * best))
+            best / perf.decode_step_time([1024] * best)
+        )
     # KV capacity caps the batch: 20,480 tokens hold 20 sequences of 1,024
     assert decode_tps_within_slo(perf, 0.05, 1024, 256, 20_480) == pytest.approx(
-        20 / perf.decode_step_time([1024] * 20))
+        20 / perf.decode_step_time([1024] * 20)
+    )
     assert decode_tps_within_slo(perf, 0.001, 1024, 256, 400_000) == 0.0  # below the weight-read time
 
 
@@ -129,9 +163,22 @@ def test_cli_simulate_writes_report_and_plots(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(json.dumps(PD_FLEET))
     out = tmp_path / "report.json"
-    result = CliRunner().invoke(build_app(), [
-        "simulate", "--trace", "synthetic:rate=4,n=200,input=800,output=100", "--fleet", str(fleet),
-        "--policy", "hpa-util:0.7", "--out", str(out), "--plot", str(tmp_path / "plots")])
+    result = CliRunner().invoke(
+        build_app(),
+        [
+            "simulate",
+            "--trace",
+            "synthetic:rate=4,n=200,input=800,output=100",
+            "--fleet",
+            str(fleet),
+            "--policy",
+            "hpa-util:0.7",
+            "--out",
+            str(out),
+            "--plot",
+            str(tmp_path / "plots"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["schema"] == "mosaic.simulate/v1" and report["trace_requests"] == 200
@@ -141,8 +188,12 @@ def test_cli_simulate_writes_report_and_plots(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        pytest.param(["--policy", "magic"], "unknown policy 'magic'", id="unknown policy → exit 2 with the valid names"),
-        pytest.param(["--fleet", "/nonexistent.yaml"], "cannot read fleet file", id="missing fleet file → exit 2"),
+        pytest.param(
+            ["--policy", "magic"], "unknown policy 'magic'", id="unknown policy → exit 2 with the valid names"
+        ),
+        pytest.param(
+            ["--fleet", "/nonexistent.yaml"], "cannot read fleet file", id="missing fleet file → exit 2"
+        ),
     ],
 )
 def test_cli_simulate_bad_input_exits_2(tmp_path: Path, args: list[str], message: str) -> None:

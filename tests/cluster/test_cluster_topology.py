@@ -33,10 +33,22 @@ FLEET = {
     "autoscaler": {"pd_ratio": 1.0, "scale_down_window_s": 60},
     "nodes": NODES,
     "pools": [
-        {"name": "prefill-h100", "gpu": "H100", "role": "prefill", "replicas": 1, "min_replicas": 1,
-         "max_replicas": 6},
-        {"name": "decode-a100", "gpu": "A100-80GB", "role": "decode", "replicas": 1, "min_replicas": 1,
-         "max_replicas": 6},
+        {
+            "name": "prefill-h100",
+            "gpu": "H100",
+            "role": "prefill",
+            "replicas": 1,
+            "min_replicas": 1,
+            "max_replicas": 6,
+        },
+        {
+            "name": "decode-a100",
+            "gpu": "A100-80GB",
+            "role": "decode",
+            "replicas": 1,
+            "min_replicas": 1,
+            "max_replicas": 6,
+        },
     ],
 }
 
@@ -50,17 +62,28 @@ def burst(n: int, rate: float, seed: int) -> list[SimRequest]:
     return out
 
 
-def simulate(fleet_data: dict, requests: list[SimRequest], policy: str = "mosaic") -> tuple[dict, ClusterSimulator]:
+def simulate(
+    fleet_data: dict, requests: list[SimRequest], policy: str = "mosaic"
+) -> tuple[dict, ClusterSimulator]:
     fleet = parse_fleet(fleet_data)
-    scaling = build_policy(policy, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools})
+    scaling = build_policy(
+        policy, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools}
+    )
     sim = ClusterSimulator(fleet, scaling, policy)
     return build_report(sim.run(requests), wall_s=1.0), sim
 
 
 def one_request_fleet(cross: bool) -> dict:
     # one H100 in rack-a; the A100 is in rack-a (same domain) or only in rack-b (forced cross-domain)
-    nodes = [{"name": "h-a", "gpu": "H100", "gpus": 1, "domain": "rack-a"},
-             {"name": "a-b" if cross else "a-a", "gpu": "A100-80GB", "gpus": 1, "domain": "rack-b" if cross else "rack-a"}]
+    nodes = [
+        {"name": "h-a", "gpu": "H100", "gpus": 1, "domain": "rack-a"},
+        {
+            "name": "a-b" if cross else "a-a",
+            "gpu": "A100-80GB",
+            "gpus": 1,
+            "domain": "rack-b" if cross else "rack-a",
+        },
+    ]
     return {**FLEET, "kv_link_cross_domain_gbps": 1, "nodes": {"nodes": nodes}}
 
 
@@ -88,8 +111,15 @@ def test_scale_ups_land_in_one_domain_and_capacity_holds() -> None:
 
 
 def test_short_inventory_clips_scale_ups_and_reports_the_shortfall() -> None:
-    small = {**FLEET, "nodes": {"nodes": [{"name": "h", "gpu": "H100", "gpus": 1, "domain": "r"},
-                                          {"name": "a", "gpu": "A100-80GB", "gpus": 1, "domain": "r"}]}}
+    small = {
+        **FLEET,
+        "nodes": {
+            "nodes": [
+                {"name": "h", "gpu": "H100", "gpus": 1, "domain": "r"},
+                {"name": "a", "gpu": "A100-80GB", "gpus": 1, "domain": "r"},
+            ]
+        },
+    }
     report, _ = simulate(small, burst(1500, 25, seed=2))
     top = report["topology"]
     assert top["shortfalls"], "the burst wants more than 1 + 1 instances"
@@ -104,7 +134,9 @@ def test_short_inventory_clips_scale_ups_and_reports_the_shortfall() -> None:
 
 def test_initial_replicas_that_do_not_fit_are_a_config_error() -> None:
     fleet = {**FLEET, "pools": [{**FLEET["pools"][0], "replicas": 7, "max_replicas": 8}, FLEET["pools"][1]]}
-    with pytest.raises(FleetConfigError, match=r"initial replicas do not fit .*H100-SXM: need 7 GPUs, 6 free"):
+    with pytest.raises(
+        FleetConfigError, match=r"initial replicas do not fit .*H100-SXM: need 7 GPUs, 6 free"
+    ):
         simulate(fleet, [])
 
 

@@ -17,10 +17,22 @@ def fleet(prefill: int, decode: int) -> dict[str, Any]:
         "cold_start_s": 30,
         "decision_interval_s": 15,
         "pools": [
-            {"name": "prefill-h100", "gpu": "H100", "role": "prefill", "replicas": prefill, "min_replicas": 0,
-             "max_replicas": 4},
-            {"name": "decode-a100", "gpu": "A100-80GB", "role": "decode", "replicas": decode, "min_replicas": 0,
-             "max_replicas": 4},
+            {
+                "name": "prefill-h100",
+                "gpu": "H100",
+                "role": "prefill",
+                "replicas": prefill,
+                "min_replicas": 0,
+                "max_replicas": 4,
+            },
+            {
+                "name": "decode-a100",
+                "gpu": "A100-80GB",
+                "role": "decode",
+                "replicas": decode,
+                "min_replicas": 0,
+                "max_replicas": 4,
+            },
         ],
     }
 
@@ -31,8 +43,9 @@ def five_per_second(seconds: int) -> list[SimRequest]:
 
 def run(data: dict[str, Any], reqs: list[SimRequest]) -> tuple[ClusterSimulator, Any]:
     parsed = parse_fleet(data)
-    policy = build_policy("mosaic", pool_specs(parsed), parsed.autoscaler_config(),
-                          {p.name: p.replicas for p in parsed.pools})
+    policy = build_policy(
+        "mosaic", pool_specs(parsed), parsed.autoscaler_config(), {p.name: p.replicas for p in parsed.pools}
+    )
     sim = ClusterSimulator(parsed, policy, "mosaic")
     return sim, sim.run(reqs)
 

@@ -15,27 +15,59 @@ from simulator.cluster_report import build_report
 
 
 def fleet(pools: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"model": "llama-3-8b", "slo": {"ttft_ms": 2000, "tpot_ms": 100}, "cold_start_s": 30,
-            "decision_interval_s": 15, "pools": pools, **extra}
+    return {
+        "model": "llama-3-8b",
+        "slo": {"ttft_ms": 2000, "tpot_ms": 100},
+        "cold_start_s": 30,
+        "decision_interval_s": 15,
+        "pools": pools,
+        **extra,
+    }
 
 
-MIXED = [{"name": "mixed-a100", "gpu": "A100-80GB", "role": "mixed", "replicas": 2, "min_replicas": 1,
-          "max_replicas": 2}]
+MIXED = [
+    {
+        "name": "mixed-a100",
+        "gpu": "A100-80GB",
+        "role": "mixed",
+        "replicas": 2,
+        "min_replicas": 1,
+        "max_replicas": 2,
+    }
+]
 PD = [
-    {"name": "prefill-h100", "gpu": "H100", "role": "prefill", "replicas": 2, "min_replicas": 1, "max_replicas": 2},
-    {"name": "decode-a100", "gpu": "A100-80GB", "role": "decode", "replicas": 2, "min_replicas": 1, "max_replicas": 2},
+    {
+        "name": "prefill-h100",
+        "gpu": "H100",
+        "role": "prefill",
+        "replicas": 2,
+        "min_replicas": 1,
+        "max_replicas": 2,
+    },
+    {
+        "name": "decode-a100",
+        "gpu": "A100-80GB",
+        "role": "decode",
+        "replicas": 2,
+        "min_replicas": 1,
+        "max_replicas": 2,
+    },
 ]
 # 40 long requests at t < 2 s: each decodes for well over a minute, so at the first decision (15 s)
 # both instances are busy; the static policy then keeps one of the two.
 LONG = [SimRequest(i * 0.05, 256, 4000) for i in range(40)]
 
 
-def run(pools: list[dict[str, Any]], keep: dict[str, int], reqs: list[SimRequest], **extra: Any) -> dict[str, Any]:
+def run(
+    pools: list[dict[str, Any]], keep: dict[str, int], reqs: list[SimRequest], **extra: Any
+) -> dict[str, Any]:
     sim = ClusterSimulator(parse_fleet(fleet(pools, **extra)), StaticPolicy(keep), "static")
     report = build_report(sim.run(reqs), wall_s=1.0)
     assert sim._open_requests == 0
-    assert all(i.inflight == 0 and i.inflight_decode == 0 and i.inflight_prefill_tokens == 0
-               for i in sim._instances.values())
+    assert all(
+        i.inflight == 0 and i.inflight_decode == 0 and i.inflight_prefill_tokens == 0
+        for i in sim._instances.values()
+    )
     return report
 
 
