@@ -105,6 +105,9 @@ class _Instance:
     inflight: int = 0
     inflight_prefill_tokens: int = 0
     inflight_decode: int = 0
+    # P/D requests routed to this decode instance whose prefill still runs elsewhere: in flight here from
+    # dispatch, as the gateway counts them, so a drain waits for their KV instead of retiring under them
+    awaiting_kv: int = 0
     scraped: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, kv usage at the last scrape
     view: WorkerView | None = None
     domain: str | None = None  # network domain of its node (or its pool's `domain:`)
@@ -283,7 +286,7 @@ class ClusterSimulator:
 
     def _remove(self, inst: _Instance, now: float) -> None:
         inst.removed = now
-        if inst.inflight or inst.engine.num_held or inst.engine.has_work():
+        if inst.inflight or inst.awaiting_kv or inst.engine.num_held or inst.engine.has_work():
             # Soft scale-in removes an instance only once it is empty; anything still here is aborted.
             self.result.aborted_by_scale_in += self._abort_all(inst, now)
         totals = self._retired[inst.pool]
@@ -313,6 +316,12 @@ class ClusterSimulator:
                 on = inst
             self._abort_request(req, on, now)
             aborted += 1
+        if inst.awaiting_kv:  # still prefilling elsewhere for this decode instance: nowhere to land now
+            for req in [r for r in self._reqs.values() if r.phase == "prefill"]:
+                assert req.decision is not None and req.decision.prefill is not None
+                if req.decision.decode.id == inst.id:
+                    self._abort_request(req, self._instances[req.decision.prefill.id], now)
+                    aborted += 1
         return aborted
 
     def _abort_request(self, req: _Req, inst: _Instance, now: float) -> None:
@@ -325,6 +334,10 @@ class ClusterSimulator:
         else:
             inst.inflight_decode -= 1
         prefill = req.decision.prefill
+        if req.phase == "prefill":  # its decode instance no longer waits for this KV
+            decode = self._instances[req.decision.decode.id]
+            decode.awaiting_kv -= 1
+            self._maybe_retire(decode, now)
         if req.phase == "decode" and prefill is not None and prefill.id != inst.id:
             src = self._instances[prefill.id]
             if src.removed is None and src.engine.release_held(req.rid):  # its KV is no longer needed
@@ -413,6 +426,7 @@ class ClusterSimulator:
         if (
             inst.state is WorkerState.DRAINING
             and inst.inflight == 0
+            and inst.awaiting_kv == 0
             and not inst.engine.has_work()
             and inst.engine.num_held == 0
             and inst.removed is None
@@ -498,6 +512,7 @@ class ClusterSimulator:
         req.decision = decision
         if decision.prefill is not None:
             inst = self._instances[decision.prefill.id]
+            self._instances[decision.decode.id].awaiting_kv += 1
             req.phase = "prefill"
             er = EngineRequest(
                 req.rid,
@@ -516,10 +531,14 @@ class ClusterSimulator:
         return True
 
     def _send(self, inst: _Instance, er: EngineRequest, req: _Req, now: float) -> None:
+        # a removed instance never steps again: a request sent there would stay open forever
+        assert inst.removed is None, f"{req.rid} sent to removed instance {inst.id}"
         try:
             inst.engine.add_request(er, now, arrival=req.src.arrival_s)
         except ValueError:  # e.g. prompt over the instance's max_model_len
             if req.decision is not None:
+                if req.phase == "prefill":  # counted on its decode instance at dispatch
+                    self._instances[req.decision.decode.id].awaiting_kv -= 1
                 req.decision.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
             self._fail(req, "engine_rejected")
             return
@@ -534,6 +553,7 @@ class ClusterSimulator:
         self.router.on_complete(inst.id, req.route, Outcome.COMPLETED, now)
         assert req.decision is not None
         decode = self._instances[req.decision.decode.id]
+        decode.awaiting_kv -= 1
         kv_bytes = req.src.input_tokens * self._perf[decode.pool].model.kv_bytes_per_token
         gbps = self.topology.bandwidth_gbps(inst.domain, decode.domain)
         transfer = KvTransfer(remote_prefilled=True, transfer_delay_s=kv_bytes / (gbps * 1e9))

@@ -17,7 +17,9 @@
 - `StaticPolicy`: fixed counts, e.g. provisioned for the peak.
 - `DynamoPlanner`: Dynamo's planner: every `interval_s` (180 s) forecast request rate and input/output
   lengths, divide by profiled per-replica prefill and decode capacity, size P and D separately. The
-  forecaster is Holt's linear trend (level + trend), a stand-in for Dynamo's ARIMA/Kalman/Prophet.
+  forecaster is Holt's linear trend (level + trend), a stand-in for Dynamo's ARIMA/Kalman/Prophet. Until
+  a length has been observed (no request completed yet) it leaves the replicas alone, as Dynamo skips an
+  adjustment on NaN metrics.
 """
 
 from __future__ import annotations
@@ -168,7 +170,10 @@ class DynamoPlanner:
             self._in.update(obs.mean_input_tokens)
         if obs.mean_output_tokens:
             self._out.update(obs.mean_output_tokens)
-        if self._last_plan is None or obs.now - self._last_plan >= self.interval_s:
+        due = self._last_plan is None or obs.now - self._last_plan >= self.interval_s
+        # Dynamo skips an adjustment while its metrics are NaN (no request finished, so no lengths): it
+        # keeps the current replicas rather than sizing for zero tokens. Planned as soon as they exist.
+        if due and self._in.level is not None and self._out.level is not None:
             self._last_plan = obs.now
             self._plan(obs)
         targets = {p.name: self._targets.get(p.name, obs.pools[p.name].provisioned) for p in self.pools}

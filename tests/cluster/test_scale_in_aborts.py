@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.autoscaler.baselines import StaticPolicy
+from scheduler.fleet import WorkerState
 from simulator.cluster import ClusterSimulator, SimRequest
 from simulator.cluster_config import parse_fleet
 from simulator.cluster_report import build_report
@@ -110,3 +111,41 @@ def test_removed_prefill_instance_fails_the_requests_whose_kv_it_still_held() ->
     req = report["requests"]
     assert 0 < req["aborted_by_scale_in"] < len(reqs)
     assert req["completed"] + req["aborted_by_scale_in"] == len(reqs)
+
+
+# Long prompts arriving just before the first decision (15 s): at 15 s the prefill pool is still working
+# through them, so both decode instances have requests routed to them whose KV has not arrived yet.
+PREFILLING_AT_DECISION = [SimRequest(14.0 + i * 0.01, 8000, 20) for i in range(24)]
+
+
+def test_decode_drained_while_its_requests_prefill_elsewhere_waits_for_them() -> None:
+    """A P/D request is in flight on its decode instance from dispatch (as the gateway counts it): a decode
+    instance drained while its requests still prefill on the prefill pool is removed only after they land
+    and finish there, not at once (it was: the KV was then sent to a removed instance and the request
+    never ended)."""
+    sim = ClusterSimulator(
+        parse_fleet(fleet(PD)), StaticPolicy({"prefill-h100": 2, "decode-a100": 1}), "static"
+    )
+    last_kv: dict[str, float] = {}
+    prefill_done = sim._prefill_done
+
+    def record(req: Any, inst: Any, now: float) -> None:
+        last_kv[req.decision.decode.id] = now
+        prefill_done(req, inst, now)
+
+    sim._prefill_done = record  # type: ignore[method-assign]
+    report = build_report(sim.run(PREFILLING_AT_DECISION), wall_s=1.0)
+    assert report["scale_events"] == [{"t": 15.0, "pool": "decode-a100", "before": 2, "after": 1}]
+    assert report["requests"]["completed"] == len(PREFILLING_AT_DECISION)
+    assert report["requests"]["aborted_by_scale_in"] == 0
+    (drained,) = [i for i in sim._instances.values() if i.state is WorkerState.DRAINING]
+    assert last_kv[drained.id] > 15.0  # KV for it was still being prefilled when the drain began
+    assert drained.removed > last_kv[drained.id]
+    assert all(i.awaiting_kv == 0 and i.inflight == 0 for i in sim._instances.values())
+
+
+def test_decode_removed_at_drain_timeout_aborts_the_requests_still_prefilling_for_it() -> None:
+    report = run(PD, {"prefill-h100": 2, "decode-a100": 1}, PREFILLING_AT_DECISION, drain_timeout_s=0.5)
+    req = report["requests"]
+    assert 0 < req["aborted_by_scale_in"] < len(PREFILLING_AT_DECISION)
+    assert req["completed"] + req["aborted_by_scale_in"] == len(PREFILLING_AT_DECISION)

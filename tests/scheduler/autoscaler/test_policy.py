@@ -198,6 +198,17 @@ def test_dynamo_planner_sizes_p_and_d_separately_every_interval() -> None:
     assert planner.decide(later).targets == {"d-a100": 3, "p-h100": 2}  # not re-planned before 180 s
 
 
+def test_dynamo_planner_keeps_replicas_until_a_length_is_observed() -> None:
+    """Nothing completed yet (lengths 0.0, the gateway's "not observed"): Dynamo skips the adjustment on
+    NaN metrics instead of sizing for zero tokens (it scaled 2+2 down to 1+1 at the first decision), and
+    plans at the next decision that has lengths, not a whole interval later."""
+    planner = DynamoPlanner([decode_pool(), prefill_pool()], interval_s=180)
+    pools = {"d-a100": po(2), "p-h100": po(2)}
+    assert planner.decide(Observation(15, pools, request_rate=10)).targets == {"d-a100": 2, "p-h100": 2}
+    seen = Observation(30, pools, request_rate=10, mean_input_tokens=3000, mean_output_tokens=250)
+    assert planner.decide(seen).targets == {"d-a100": 3, "p-h100": 2}
+
+
 def test_arrivals_bound_decode_demand_from_below() -> None:
     policy = MosaicAutoscaler([decode_pool()], CFG)
     # a saturated pool decodes only 1,600 tok/s, but 20 req/s · 200 tokens = 4,000 tok/s arrive
