@@ -17,9 +17,9 @@
 - `StaticPolicy`: fixed counts, e.g. provisioned for the peak.
 - `DynamoPlanner`: Dynamo's planner: every `interval_s` (180 s) forecast request rate and input/output
   lengths, divide by profiled per-replica prefill and decode capacity, size P and D separately. The
-  forecaster is Holt's linear trend (level + trend), a stand-in for Dynamo's ARIMA/Kalman/Prophet. Until
-  a length has been observed (no request completed yet) it leaves the replicas alone, as Dynamo skips an
-  adjustment on NaN metrics.
+  forecaster is Holt's linear trend (level + trend), a stand-in for Dynamo's ARIMA/Kalman/Prophet, fed
+  one point per interval (the interval's means, as Dynamo observes). An interval in which no request
+  finished leaves the replicas alone, as Dynamo skips an adjustment on NaN metrics.
 """
 
 from __future__ import annotations
@@ -146,7 +146,40 @@ class _Holt:
         return max(0.0, (self.level or 0.0) + self.trend * steps)
 
 
+@dataclass(slots=True)
+class _IntervalMeans:
+    """One adjustment interval's request rate and mean lengths, from the decisions' observations in it."""
+
+    decisions: int = 0
+    rate_sum: float = 0.0
+    in_weighted: float = 0.0
+    out_weighted: float = 0.0
+    length_weight: float = 0.0
+
+    def add(self, obs: Observation) -> None:
+        self.decisions += 1
+        self.rate_sum += obs.request_rate
+        if obs.mean_input_tokens and obs.mean_output_tokens:  # 0.0: nothing finished in that decision
+            weight = obs.request_rate or 1.0
+            self.in_weighted += weight * obs.mean_input_tokens
+            self.out_weighted += weight * obs.mean_output_tokens
+            self.length_weight += weight
+
+    def means(self) -> tuple[float, float | None, float | None]:
+        rate = self.rate_sum / self.decisions if self.decisions else 0.0
+        if not self.length_weight:
+            return rate, None, None
+        return rate, self.in_weighted / self.length_weight, self.out_weighted / self.length_weight
+
+
 class DynamoPlanner:
+    """Dynamo's throughput planner. Like Dynamo's, it observes over a whole adjustment interval and adds one
+    data point per interval to its forecasters: the interval's request rate and its mean input and output
+    lengths (each decision's means weighted by that decision's request rate, a stand-in for Dynamo's
+    Prometheus averages over the interval). It plans at the end of each interval, so the first plan comes
+    one interval after it took over, and it skips an interval whose lengths were never observed (no
+    request finished), as Dynamo skips an adjustment on NaN metrics."""
+
     def __init__(
         self,
         pools: Sequence[PoolSpec],
@@ -161,21 +194,22 @@ class DynamoPlanner:
         self._rate = _Holt(alpha, beta)
         self._in = _Holt(alpha, 0.0)
         self._out = _Holt(alpha, 0.0)
-        self._last_plan: float | None = None
+        self._window_start: float | None = None
+        self._window = _IntervalMeans()
         self._targets: dict[str, int] = {}
 
     def decide(self, obs: Observation) -> ScalingDecision:
-        self._rate.update(obs.request_rate)
-        if obs.mean_input_tokens:
-            self._in.update(obs.mean_input_tokens)
-        if obs.mean_output_tokens:
-            self._out.update(obs.mean_output_tokens)
-        due = self._last_plan is None or obs.now - self._last_plan >= self.interval_s
-        # Dynamo skips an adjustment while its metrics are NaN (no request finished, so no lengths): it
-        # keeps the current replicas rather than sizing for zero tokens. Planned as soon as they exist.
-        if due and self._in.level is not None and self._out.level is not None:
-            self._last_plan = obs.now
-            self._plan(obs)
+        if self._window_start is None:
+            self._window_start = obs.now
+        self._window.add(obs)
+        if obs.now - self._window_start >= self.interval_s - 1e-9:
+            rate, mean_in, mean_out = self._window.means()
+            self._window, self._window_start = _IntervalMeans(), obs.now
+            if mean_in is not None and mean_out is not None:
+                self._rate.update(rate)
+                self._in.update(mean_in)
+                self._out.update(mean_out)
+                self._plan(obs)
         targets = {p.name: self._targets.get(p.name, obs.pools[p.name].provisioned) for p in self.pools}
         return ScalingDecision(obs.now, targets, {p.name: "dynamo planner" for p in self.pools})
 

@@ -181,32 +181,45 @@ def test_static_policy_holds() -> None:
     assert StaticPolicy({"d-a100": 7}).decide(Observation(0, {"d-a100": po(1)})).targets == {"d-a100": 7}
 
 
-def test_dynamo_planner_sizes_p_and_d_separately_every_interval() -> None:
-    planner = DynamoPlanner([decode_pool(), prefill_pool()], interval_s=180)
-    o = Observation(
-        0, {"d-a100": po(1), "p-h100": po(1)}, request_rate=10, mean_input_tokens=3000, mean_output_tokens=250
+def dyn_obs(now: float, d: int, p: int, rate: float, isl: float = 0.0, osl: float = 0.0) -> Observation:
+    return Observation(
+        now,
+        {"d-a100": po(d), "p-h100": po(p)},
+        request_rate=rate,
+        mean_input_tokens=isl,
+        mean_output_tokens=osl,
     )
-    # decode: 10 req/s · 250 tok = 2,500 tok/s / 1,000 = 2.5 → 3; prefill: 30,000 / 20,000 = 1.5 → 2
-    assert planner.decide(o).targets == {"d-a100": 3, "p-h100": 2}
-    later = Observation(
-        60,
-        {"d-a100": po(3), "p-h100": po(2)},
-        request_rate=40,
-        mean_input_tokens=3000,
-        mean_output_tokens=250,
-    )
-    assert planner.decide(later).targets == {"d-a100": 3, "p-h100": 2}  # not re-planned before 180 s
 
 
-def test_dynamo_planner_keeps_replicas_until_a_length_is_observed() -> None:
-    """Nothing completed yet (lengths 0.0, the gateway's "not observed"): Dynamo skips the adjustment on
-    NaN metrics instead of sizing for zero tokens (it scaled 2+2 down to 1+1 at the first decision), and
-    plans at the next decision that has lengths, not a whole interval later."""
+def test_dynamo_planner_plans_once_per_interval_on_the_interval_means() -> None:
+    """Like Dynamo, it observes a whole adjustment interval (180 s) before its first plan, then plans at
+    the end of each interval on that interval's means: rate averaged over the decisions, lengths weighted
+    by each decision's rate."""
     planner = DynamoPlanner([decode_pool(), prefill_pool()], interval_s=180)
-    pools = {"d-a100": po(2), "p-h100": po(2)}
-    assert planner.decide(Observation(15, pools, request_rate=10)).targets == {"d-a100": 2, "p-h100": 2}
-    seen = Observation(30, pools, request_rate=10, mean_input_tokens=3000, mean_output_tokens=250)
-    assert planner.decide(seen).targets == {"d-a100": 3, "p-h100": 2}
+    # decisions every 60 s: 0, 60, 120 observe only (nothing changes before one interval has passed)
+    for t, rate in ((0, 5), (60, 10), (120, 15)):
+        assert planner.decide(dyn_obs(t, 2, 2, rate, 3000, 250)).targets == {"d-a100": 2, "p-h100": 2}
+    # at 180: the interval's rate is (5 + 10 + 15 + 10) / 4 = 10 req/s; lengths 3,000 / 250 everywhere
+    # decode: 10 · 250 = 2,500 tok/s / 1,000 → 3; prefill: 10 · 3,000 = 30,000 / 20,000 → 2
+    assert planner.decide(dyn_obs(180, 2, 2, 10, 3000, 250)).targets == {"d-a100": 3, "p-h100": 2}
+    # a surge at 240 is not acted on before the next interval ends (360)
+    assert planner.decide(dyn_obs(240, 3, 2, 40, 3000, 250)).targets == {"d-a100": 3, "p-h100": 2}
+    # lengths weighted by rate: input (10·1,000 + 30·3,000) / 40 = 2,500, output (10·100 + 30·300) / 40 = 250
+    planner = DynamoPlanner([decode_pool(), prefill_pool()], interval_s=180)
+    planner.decide(dyn_obs(0, 2, 2, 10, 1000, 100))
+    decision = planner.decide(dyn_obs(180, 2, 2, 30, 3000, 300))
+    # rate (10 + 30) / 2 = 20: decode 20 · 250 = 5,000 / 1,000 = 5; prefill 20 · 2,500 = 50,000 / 20,000 → 3
+    assert decision.targets == {"d-a100": 5, "p-h100": 3}
+
+
+def test_dynamo_planner_skips_an_interval_without_lengths() -> None:
+    """No request finished in the interval (lengths 0.0, the gateway's "not observed"): Dynamo skips the
+    adjustment on NaN metrics instead of sizing for zero tokens; the next interval with lengths plans."""
+    planner = DynamoPlanner([decode_pool(), prefill_pool()], interval_s=180)
+    planner.decide(dyn_obs(0, 2, 2, 10))
+    assert planner.decide(dyn_obs(180, 2, 2, 10)).targets == {"d-a100": 2, "p-h100": 2}
+    planner.decide(dyn_obs(240, 2, 2, 10, 3000, 250))
+    assert planner.decide(dyn_obs(360, 2, 2, 10, 3000, 250)).targets == {"d-a100": 3, "p-h100": 2}
 
 
 def test_arrivals_bound_decode_demand_from_below() -> None:
