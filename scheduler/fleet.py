@@ -178,10 +178,30 @@ class WorkerView:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolRef:
+    """A configured pool, known whether or not it has a worker right now (scaled to zero, pods not yet
+    listed): the router holds a request for an empty pool of the right model and role instead of refusing
+    it (`FilterReason.EMPTY_POOL`)."""
+
+    name: str
+    model: str
+    role: Role
+
+
+@dataclass(frozen=True, slots=True)
 class FleetView:
-    """A frozen snapshot of every known worker, taken at the start of a routing cycle."""
+    """A frozen snapshot of every known worker, taken at the start of a routing cycle, and the configured
+    pools (`pools`; empty when the caller knows none, e.g. a bare list of workers)."""
 
     workers: tuple[WorkerView, ...] = ()
+    pools: tuple[PoolRef, ...] = ()
+
+    def empty_pools(self, model: str, roles: frozenset[Role]) -> list[PoolRef]:
+        """Configured pools of `model` in one of `roles` with no worker in the view, in any state."""
+        if not self.pools:
+            return []
+        present = {w.pool for w in self.workers}
+        return [p for p in self.pools if p.model == model and p.role in roles and p.name not in present]
 
     def for_model(self, model: str) -> tuple[WorkerView, ...]:
         return tuple(w for w in self.workers if w.model == model)

@@ -80,7 +80,7 @@ class Gateway:
             self.max_model_len.setdefault(pool.model, info.capacity.max_model_len or 0)
             source = self.sources[pool.name] = (sources or {}).get(pool.name) or self._source(pool)
             tracked = self.discovery[pool.name] = TrackedSource(source)
-            self.registry.add_pool(info, tracked)
+            self.registry.add_pool(info, tracked, may_have_workers=pool.max_replicas != 0)
         self.models: tuple[str, ...] = tuple(self.registry.models())
         try:
             self.ledger: KvLedger | None = build_gateway_ledger(

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from scheduler.fleet import FleetView, Role, WorkerCapacity, WorkerState, WorkerView
+from scheduler.fleet import FleetView, PoolRef, Role, WorkerCapacity, WorkerState, WorkerView
 from server.breaker import CircuitBreaker
 from server.config import HealthConfig, ScrapeConfig
 from server.discovery import Endpoint, Source
@@ -232,6 +232,7 @@ class Registry:
         self._own_client = client is None
         self._client = client or httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=64))
         self._pools: dict[str, _Pool] = {}
+        self._pool_refs: tuple[PoolRef, ...] = ()  # the view's configured pools (empty ones hold requests)
         self._workers: dict[str, WorkerRecord] = {}
         # (when, seq, ticket): prompts whose prefill is estimated over then (non-streaming requests, whose
         # first token the gateway never sees); retired lazily by `view()`, so no timer per request
@@ -242,8 +243,12 @@ class Registry:
         self.on_refresh: list[Callable[[], None]] = []  # called after each scrape round (admission wake-up)
 
     # ------------------------------------------------------------------ pools and discovery
-    def add_pool(self, info: PoolInfo, source: Source) -> None:
+    def add_pool(self, info: PoolInfo, source: Source, may_have_workers: bool = True) -> None:
+        """`may_have_workers=False` (a pool configured with `max_replicas: 0`) keeps the pool out of the
+        view's `pools`: a request for its role is refused at once rather than held for it."""
         self._pools[info.name] = _Pool(info, source)
+        if may_have_workers:
+            self._pool_refs = (*self._pool_refs, PoolRef(info.name, info.model, info.role))
 
     async def start(self) -> None:
         """Start sources, list them once, health-check everything, then run the background loops."""
@@ -309,7 +314,9 @@ class Registry:
         while ends and ends[0][0] <= now:
             heapq.heappop(ends)[2].first_token()  # a no-op for a ticket already done
         stale = self._scrape_cfg.stale_after_s
-        return FleetView(tuple(rec.cached_view(now, stale) for rec in self._workers.values()))
+        return FleetView(
+            tuple(rec.cached_view(now, stale) for rec in self._workers.values()), self._pool_refs
+        )
 
     def records(self) -> list[WorkerRecord]:
         return list(self._workers.values())

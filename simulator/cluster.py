@@ -47,7 +47,7 @@ from typing import Any
 from placement.catalog import Catalog, load_catalog
 from placement.perf_model import PerfModel
 from scheduler.autoscaler.signals import Observation, PoolObservation, PoolSpec, ScalingPolicy
-from scheduler.fleet import FleetView, Role, WorkerCapacity, WorkerState, WorkerView, capacity_for
+from scheduler.fleet import FleetView, PoolRef, Role, WorkerCapacity, WorkerState, WorkerView, capacity_for
 from scheduler.routing.config import build_router, parse_routing_config
 from scheduler.routing.framework import Decision, ReservePlugin, RouteRequest
 from scheduler.routing.reasons import Outcome, Reject
@@ -162,6 +162,10 @@ class ClusterSimulator:
         self.router = build_router(parse_routing_config(fleet.routing), reserve=tuple(reserve))
         self.rng = random.Random(fleet.seed)
         self._pools = {p.name: p for p in fleet.pools}
+        # as the gateway: a request for the role of a pool at zero waits for it (the router's empty_pool)
+        self._pool_refs = tuple(
+            PoolRef(p.name, p.model or fleet.model, Role(p.role)) for p in fleet.pools if p.max_replicas > 0
+        )
         self._perf = {
             p.name: PerfModel(self.catalog.gpu(p.gpu), self.catalog.model(p.model or fleet.model), p.tp)
             for p in fleet.pools
@@ -367,7 +371,7 @@ class ClusterSimulator:
 
     def _view(self) -> FleetView:
         if self._fleet_view is None:
-            self._fleet_view = FleetView(tuple(self._worker_view(i) for i in self._live))
+            self._fleet_view = FleetView(tuple(self._worker_view(i) for i in self._live), self._pool_refs)
         return self._fleet_view
 
     def _worker_view(self, inst: _Instance) -> WorkerView:

@@ -309,6 +309,12 @@ class Cycle:
         """Filter → Score → Pick → Reserve for one profile; the first candidate every plugin reserves wins."""
         candidates, counts = self.filter(profile)
         if not candidates:
+            # A configured pool of this model and role with no worker now will be back (an autoscaler
+            # scaled it to zero, its pods are not listed yet): wait for it rather than refuse the request
+            # as if nothing could ever serve it (wrong_role / wrong_model alone are final).
+            empty = len(self.view.empty_pools(self.req.model, profile.roles))
+            if empty:
+                counts[FilterReason.EMPTY_POOL] = counts.get(FilterReason.EMPTY_POOL, 0) + empty
             return ProfileResult(profile.name, None, (), counts)
         # One survivor: scores would only rank it against itself (the Kubernetes scheduler skips scoring
         # then too). It is scored as by a profile without scorers (total 0, no parts); the picker still

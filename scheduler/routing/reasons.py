@@ -8,7 +8,9 @@
 
 Its `primary` reason picks the table row: the most frequent *retryable* reason if any (a worker that is
 full now may free up), else the most frequent other reason; `wrong_model` counts only when no worker
-serves the model at all.
+serves the model at all. `empty_pool` is the router's, not a worker's: a configured pool of the request's
+model and role with no worker now (`FleetView.pools`), so a fleet whose decode pool was scaled to zero
+holds the request until the pool is back instead of refusing it as `wrong_role`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class FilterReason(StrEnum):
     KV_FULL = "kv_full"  # the request's KV does not fit now (ledger or scraped usage)
     EXCEEDS_CONTEXT = "exceeds_context"  # prompt longer than the worker's max_model_len or whole KV cache
     NO_WORKERS = "no_workers"  # the fleet is empty
+    # a configured pool the request could use has no worker now (scaled to zero, pods not yet listed):
+    # counted once per such pool when nothing else fits, so the request waits for it to come back
+    EMPTY_POOL = "empty_pool"
 
 
 class Outcome(StrEnum):
@@ -60,6 +65,7 @@ REJECT_TABLE: Mapping[FilterReason, RejectRule] = {
     FilterReason.KV_FULL: RejectRule(429, "rate_limit_error", "kv_cache_full", True, 1.0),
     FilterReason.AT_CAPACITY: RejectRule(429, "rate_limit_error", "workers_at_capacity", True, 1.0),
     FilterReason.STARTING: RejectRule(503, "server_error", "workers_starting", True, 5.0),
+    FilterReason.EMPTY_POOL: RejectRule(503, "server_error", "pool_empty", True, 5.0),
     FilterReason.DRAINING: RejectRule(503, "server_error", "workers_draining", True, 5.0),
     FilterReason.BREAKER_OPEN: RejectRule(503, "server_error", "workers_unavailable", True, 5.0),
     FilterReason.UNHEALTHY: RejectRule(503, "server_error", "workers_unavailable", True, 5.0),

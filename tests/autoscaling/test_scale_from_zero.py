@@ -1,8 +1,8 @@
 """A pool the policy scaled to zero comes back when requests arrive.
 
 The live gateway measures mean input/output lengths on completions; with every pool at zero nothing
-completes (in a P/D-only fleet with decode at 0 the router refuses requests at once, so nothing queues
-either). Arrivals are still counted (`mosaic_requests_received_total` is incremented before dispatch), so
+completes (requests for a pool at zero wait in the admission queue, the router's `empty_pool`).
+Arrivals are still counted (`mosaic_requests_received_total` is incremented before dispatch), so
 the arrivals floor of the demand must not vanish with the observed means.
 """
 

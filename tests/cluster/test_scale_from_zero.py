@@ -60,11 +60,23 @@ def test_both_pools_at_zero_scale_up_at_the_first_decision() -> None:
     assert len(result.completed) > 0.7 * 600
 
 
-def test_decode_at_zero_refused_requests_still_count_as_arrivals() -> None:
-    """Prefill up, decode at 0: the router refuses P/D requests at once (no_worker_for_role, not
-    retryable), so nothing queues; the refused arrivals alone must bring decode back."""
+def test_decode_at_zero_holds_pd_requests_until_it_is_back() -> None:
+    """Prefill up, decode at 0: P/D requests wait in the admission queue for the empty decode pool (the
+    router's `empty_pool`, retryable) instead of being refused as `wrong_role`; their arrivals bring decode
+    back at the first decision and every request is served."""
     _, result = run(fleet(1, 0), five_per_second(120))
-    assert result.failed.get("wrong_role", 0) > 0  # refused at once, before decode came back
+    assert result.failed == {}
+    assert len(result.completed) == 600
     ups = [e for e in result.scale_events if e["pool"] == "decode-a100" and e["after"] > e["before"]]
     assert ups and ups[0]["t"] == 15.0 and ups[0]["before"] == 0
-    assert len(result.completed) > 0.5 * 600
+    # the first request arrived at 0 and waited for decode: bought at 15 s, ready after the 30 s cold start
+    first = min(result.completed)
+    assert first[0] == 0.0 and 45.0 <= first[1] < 47.0
+
+
+def test_a_pool_configured_with_max_zero_is_not_waited_for() -> None:
+    """`max_replicas: 0` means the pool never has a worker: P/D requests are refused at once, as before."""
+    data = fleet(1, 0)
+    data["pools"][1]["max_replicas"] = 0
+    _, result = run(data, five_per_second(20))
+    assert result.failed == {"wrong_role": 100}

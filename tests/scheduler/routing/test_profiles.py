@@ -6,10 +6,11 @@ import random
 
 import pytest
 
+from scheduler.fleet import FleetView, PoolRef, Role
 from scheduler.routing.config import RoutingConfig, build_router
 from scheduler.routing.framework import Decision
 from scheduler.routing.reasons import FilterReason, Outcome, Reject
-from tests.scheduler.routing.builders import BlockLedger, req, view, worker
+from tests.scheduler.routing.builders import MODEL, BlockLedger, req, view, worker
 
 P = worker("p", gpu="H100-SXM", role="prefill")
 D = worker("d", gpu="A100-80GB", role="decode")
@@ -81,6 +82,56 @@ def test_only_prefill_workers_for_a_short_prompt_is_wrong_role():
     assert (
         isinstance(result, Reject) and result.primary is FilterReason.WRONG_ROLE and result.http_status == 503
     )
+
+
+# Configured pools, as the gateway and the simulator put them in the view (`FleetView.pools`).
+PREFILL_POOL = PoolRef("prefill-h100-sxm", MODEL, Role.PREFILL)
+DECODE_POOL = PoolRef("decode-a100-80gb", MODEL, Role.DECODE)
+
+
+def with_pools(fleet: FleetView, *pools: PoolRef) -> FleetView:
+    return FleetView(fleet.workers, pools)
+
+
+def test_decode_pool_at_zero_holds_pd_requests_for_it():
+    """Prefill up, the decode pool scaled to zero: the request waits for decode (503 pool_empty,
+    retryable) instead of being refused as wrong_role."""
+    result = route(with_pools(view(P), PREFILL_POOL, DECODE_POOL), 2048)
+    assert isinstance(result, Reject)
+    assert result.reason == "no worker fits: 1 empty_pool, 1 wrong_role"
+    assert (result.primary, result.retryable, result.http_status) == (FilterReason.EMPTY_POOL, True, 503)
+    assert result.error_body(MODEL)["error"]["code"] == "pool_empty"
+    # short prompts too: the mixed profile takes decode workers, and their pool is coming back
+    short = route(with_pools(view(P), PREFILL_POOL, DECODE_POOL), 100)
+    assert isinstance(short, Reject) and short.retryable and short.primary is FilterReason.EMPTY_POOL
+
+
+def test_without_configured_pools_a_missing_role_is_still_final():
+    result = route(view(P), 2048)
+    assert isinstance(result, Reject)
+    assert (result.primary, result.retryable) == (FilterReason.WRONG_ROLE, False)
+
+
+def test_an_empty_pool_of_another_role_or_model_does_not_hold_a_request():
+    # the prefill pool at zero cannot serve what no decode worker can: a prompt over every context stays 400
+    too_long = route(with_pools(view(D), PREFILL_POOL, DECODE_POOL), 10**6)
+    assert isinstance(too_long, Reject) and too_long.primary is FilterReason.EXCEEDS_CONTEXT
+    assert not too_long.retryable
+    other = PoolRef("decode-other", "other-model", Role.DECODE)
+    result = route(with_pools(view(P), PREFILL_POOL, other), 2048)
+    assert isinstance(result, Reject) and (result.primary, result.retryable) == (
+        FilterReason.WRONG_ROLE,
+        False,
+    )
+
+
+def test_a_model_whose_pools_are_all_at_zero_is_held_not_404():
+    """Other models' workers are up, every pool of this model is at zero: not model_not_found."""
+    others = view(worker("x", role="mixed", model="other-model"))
+    result = route(with_pools(others, PREFILL_POOL, DECODE_POOL), 2048)
+    assert isinstance(result, Reject)
+    assert (result.primary, result.retryable, result.http_status) == (FilterReason.EMPTY_POOL, True, 503)
+    assert route(others, 2048).primary is FilterReason.WRONG_MODEL  # no pool known: 404 as before
 
 
 def test_pd_reserves_decode_then_prefill_and_keeps_decode_when_prefill_cannot_reserve():
