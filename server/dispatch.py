@@ -333,13 +333,18 @@ class Dispatcher:
                 if decision.prefill is not None:
                     params = await self._prefill(decision, parsed, path, headers, lease)
                 body = self._decode_body(parsed, params)
-                ticket = lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
-                if not parsed.stream and params is None:
-                    # No first byte to see before the whole answer: the prompt leaves this worker's prefill
-                    # backlog (est-ttft, the P/D gate) once its estimated TTFT has passed, not at the end.
+                lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
+                if not parsed.stream:
+                    # No first byte to see before the whole answer: prefill counts as over once its
+                    # estimated TTFT has passed, not at the end. The prompt leaves this worker's prefill
+                    # backlog (est-ttft, the P/D gate), and the KV reservations settle: the decode side
+                    # drops its transient prefill chunk, and a P/D prefill worker's pages (pulled by the
+                    # decode worker when it starts the request) are released instead of being held for
+                    # the whole generation. For a remote prefill the estimate (it counts the prompt at the
+                    # decode worker's own prefill rate) is an upper bound on the KV pull.
                     eta = estimated_ttft_s(decode, lease.req)
                     if eta < self.limits.total_timeout_s:
-                        self.registry.prefill_ends_in(ticket, eta)
+                        self.registry.prefill_ends_in(lease, eta)
                 # the headers wait gets the request's own budget, not the stall timeout: a non-streaming
                 # answer's first byte comes only when generation ends
                 auth = self._worker_auth.get(decode.pool)

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -171,6 +171,10 @@ def new_worker_view(*values: Any) -> WorkerView:
     return view
 
 
+class FirstTokenHook(Protocol):
+    def first_token(self) -> None: ...
+
+
 class InflightTicket:
     """One request's load on one worker. `first_token()` moves its prompt out of the prefill backlog;
     `done()` removes it entirely. Both are idempotent; `done()` implies the first."""
@@ -234,9 +238,9 @@ class Registry:
         self._pools: dict[str, _Pool] = {}
         self._pool_refs: tuple[PoolRef, ...] = ()  # the view's configured pools (empty ones hold requests)
         self._workers: dict[str, WorkerRecord] = {}
-        # (when, seq, ticket): prompts whose prefill is estimated over then (non-streaming requests, whose
-        # first token the gateway never sees); retired lazily by `view()`, so no timer per request
-        self._prefill_ends: list[tuple[float, int, InflightTicket]] = []
+        # (when, seq, ticket or lease): prefills estimated over then (non-streaming requests, whose first
+        # token the gateway never sees); retired lazily by `view()`, so no timer per request
+        self._prefill_ends: list[tuple[float, int, FirstTokenHook]] = []
         self._prefill_seq = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -337,9 +341,11 @@ class Registry:
             raise KeyError(worker_id)
         return InflightTicket(rec, prompt_tokens, prefilled_remotely)
 
-    def prefill_ends_in(self, ticket: InflightTicket, seconds: float) -> None:
-        """The ticket's prompt leaves its worker's prefill backlog `seconds` from now (at the first `view()`
-        after): for requests whose first token is not observed (non-streaming answers come whole)."""
+    def prefill_ends_in(self, ticket: FirstTokenHook, seconds: float) -> None:
+        """`ticket.first_token()` runs `seconds` from now (at the first `view()` after, i.e. before the next
+        routing decision reads the fleet): for requests whose first token is not observed (non-streaming
+        answers come whole). An `InflightTicket` (its prompt leaves the prefill backlog) or a whole
+        `server.failure.Lease` (its tickets and its KV reservations' first-token hooks too)."""
         self._prefill_seq += 1
         heapq.heappush(self._prefill_ends, (self._clock() + seconds, self._prefill_seq, ticket))
 

@@ -41,6 +41,7 @@ class FakeWorker:
     tokens: int = 4
     die_after: int = 2  # chunks sent before dying (die_mid_stream)
     chunk_delay_s: float = 0.0
+    whole_delay_s: float = 0.0  # a whole (non-streaming) answer comes after this long
     seen: list[dict[str, Any]] = field(default_factory=list)
     raw_seen: list[bytes] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
@@ -92,6 +93,8 @@ class FakeWorker:
                 headers={"content-type": "text/event-stream; charset=utf-8"},
                 content=self._stream(chat, n, usage),
             )
+        if self.whole_delay_s:
+            await asyncio.sleep(self.whole_delay_s)
         return httpx.Response(200, json=self._whole(chat, n))
 
     def _prefill_answer(self, chat: bool, body: dict[str, Any]) -> dict[str, Any]:
