@@ -74,6 +74,7 @@ def pool_spec(
         min_replicas=lo,
         max_replicas=hi if hi is not None else max(64, lo),
         decode_tps_capacity=cap.decode_tps if pool.role != "prefill" else 0.0,
+        decode_tps_by_context=cap.decode_by_context if pool.role != "prefill" else (),
         prefill_tps_capacity=cap.prefill_tps,
     )
 

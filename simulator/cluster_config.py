@@ -174,6 +174,7 @@ def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int 
                 min_replicas=pool.min_replicas,
                 max_replicas=pool.max_replicas,
                 decode_tps_capacity=decode if pool.role != "prefill" else 0.0,
+                decode_tps_by_context=cap.decode_by_context if pool.role != "prefill" else (),
                 prefill_tps_capacity=prefill,
                 domain=pool.domain,
             )

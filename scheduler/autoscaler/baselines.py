@@ -16,7 +16,9 @@
     count, the tolerance checked on total / (target · current replicas).
 - `StaticPolicy`: fixed counts, e.g. provisioned for the peak.
 - `DynamoPlanner`: Dynamo's planner: every `interval_s` (180 s) forecast request rate and input/output
-  lengths, divide by profiled per-replica prefill and decode capacity, size P and D separately. The
+  lengths, divide by profiled per-replica prefill and decode capacity (with `observed_context`, decode at
+  the forecast context, input + output/2, as Dynamo's decode interpolator reads its profile; else at the
+  pools' configured context, like Mosaic's default), size P and D separately. The
   forecaster is Holt's linear trend (level + trend), a stand-in for Dynamo's ARIMA/Kalman/Prophet, fed
   one point per interval (the interval's means, as Dynamo observes). An interval in which no request
   finished leaves the replicas alone, as Dynamo skips an adjustment on NaN metrics.
@@ -187,10 +189,12 @@ class DynamoPlanner:
         utilization_target: float = 1.0,
         alpha: float = 0.5,
         beta: float = 0.3,
+        observed_context: bool = False,
     ) -> None:
         self.pools = tuple(pools)
         self.interval_s = interval_s
         self.utilization_target = utilization_target
+        self.observed_context = observed_context
         self._rate = _Holt(alpha, beta)
         self._in = _Holt(alpha, 0.0)
         self._out = _Holt(alpha, 0.0)
@@ -215,16 +219,24 @@ class DynamoPlanner:
 
     def _plan(self, obs: Observation) -> None:
         rate = self._rate.forecast()
-        for role, tokens, cap_attr in (
-            ("decode", self._out.forecast(0), "decode_tps_capacity"),
-            ("prefill", self._in.forecast(0), "prefill_tps_capacity"),
-        ):
+        mean_in, mean_out = self._in.forecast(0), self._out.forecast(0)
+        # Dynamo's decode interpolator reads per-replica decode throughput at the forecast context
+        # (input + output/2); prefill at its profiled rate.
+        context = mean_in + mean_out / 2 if self.observed_context else None
+
+        def decode_cap(p: PoolSpec) -> float:
+            return p.decode_tps_at(context)
+
+        def prefill_cap(p: PoolSpec) -> float:
+            return p.prefill_tps_capacity
+
+        for role, tokens, cap in (("decode", mean_out, decode_cap), ("prefill", mean_in, prefill_cap)):
             pools = [p for p in self.pools if p.role == role or (role == "decode" and p.role == "mixed")]
             if not pools:
                 continue
             # each phase sized separately, in the cheapest pool per unit of that phase's capacity
-            best = min(pools, key=lambda p: p.cost_per_hour / getattr(p, cap_attr))
-            need = math.ceil(rate * tokens / (getattr(best, cap_attr) * self.utilization_target) - 1e-9)
+            best = min(pools, key=lambda p: p.cost_per_hour / cap(p))
+            need = math.ceil(rate * tokens / (cap(best) * self.utilization_target) - 1e-9)
             for pool in pools:
                 count = need if pool is best else pool.min_replicas
                 self._targets[pool.name] = min(max(count, pool.min_replicas), pool.max_replicas)

@@ -8,6 +8,9 @@ live gateway's controller (`server.autoscaling`) turn a pool's GPU, model, TP an
   whose decode step at `context` tokens per sequence takes ≤ TPOT; rate = b / step(b).
 - prefill tokens/s: `PerfModel.prefill_tokens_per_s(min(2048, max_num_batched_tokens))`, the sustained
   rate at a typical chunk.
+- the decode profile: decode tokens/s within the TPOT SLO at each context of `PROFILE_CONTEXTS` the KV
+  cache holds (`decode_profile`), so the policies size decode at the context they observe (a sequence's
+  KV is read every step: at 8k tokens an A100 sustains a sixth of its 1k-token rate for Llama-3-8B).
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ from dataclasses import dataclass
 from placement.perf_model import PerfModel
 
 PREFILL_CHUNK = 2048  # the chunk at which sustained prefill throughput is quoted
+PROFILE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 @dataclass(frozen=True, slots=True)
 class InstanceCapacity:
-    decode_tps: float  # within the TPOT SLO; 0 when even one sequence misses it
+    decode_tps: float  # within the TPOT SLO at the configured context; 0 when even one sequence misses it
     prefill_tps: float
+    # (context tokens per sequence, decode tokens/s within the TPOT SLO), ascending, every rate > 0
+    decode_by_context: tuple[tuple[int, float], ...] = ()
 
 
 def decode_tps_within_slo(
@@ -44,6 +50,25 @@ def decode_tps_within_slo(
     return lo / perf.decode_step_time([context] * lo) if lo else 0.0
 
 
+def decode_profile(
+    perf: PerfModel,
+    tpot_s: float,
+    max_seqs: int,
+    kv_tokens: int,
+    contexts: tuple[int, ...] = PROFILE_CONTEXTS,
+) -> tuple[tuple[int, float], ...]:
+    """`decode_tps_within_slo` at each context the KV cache holds, up to the first that misses the SLO."""
+    points = []
+    for context in contexts:
+        tps = (
+            decode_tps_within_slo(perf, tpot_s, context, max_seqs, kv_tokens) if context <= kv_tokens else 0.0
+        )
+        if tps <= 0:
+            break
+        points.append((context, tps))
+    return tuple(points)
+
+
 def instance_capacity(
     perf: PerfModel,
     *,
@@ -57,4 +82,5 @@ def instance_capacity(
     return InstanceCapacity(
         decode_tps=decode_tps_within_slo(perf, tpot_s, context, max_num_seqs, kv_tokens),
         prefill_tps=perf.prefill_tokens_per_s(min(PREFILL_CHUNK, max_num_batched_tokens)),
+        decode_by_context=decode_profile(perf, tpot_s, max_num_seqs, kv_tokens),
     )

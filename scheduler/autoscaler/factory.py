@@ -38,7 +38,10 @@ def build_policy(
             return HpaPolicy(pools, "num_requests_waiting", float(arg or 4))
         if name == "dynamo":
             return DynamoPlanner(
-                pools, interval_s=float(arg or 180), utilization_target=config.utilization_target
+                pools,
+                interval_s=float(arg or 180),
+                utilization_target=config.utilization_target,
+                observed_context=config.observed_context,
             )
         if name == "static":
             counts = dict(initial)

@@ -12,7 +12,10 @@ Per model, each cycle:
    prefill. While a breach lasts no pool of that phase scales in.
 3. **Buy decode capacity** D / utilisation_target across the decode pools, cheapest $/h per token/s
    first when adding and priciest first when removing (see `buying.rebalance`). Instances still starting
-   count as arriving capacity; draining ones do not.
+   count as arriving capacity; draining ones do not. An instance's capacity is the pool's, at its
+   configured context per sequence; with `observed_context`, at the observed mean context (input +
+   output/2 of the requests completed, smoothed like the rates; `PoolSpec.decode_tps_at`), so a shift to
+   longer prompts buys decode before TPOT degrades. The observed context is a signal either way.
 4. **Prefill follows** in the same decision: `pd_ratio` prefill instances per decode instance needed
    (unrounded; the profiled P/D ratio; while requests wait for prefill, at least their prompt-token demand), or, in
    `prompt_tokens` mode, prompt tokens/s demand (plus backlog) over prefill capacity.
@@ -61,6 +64,7 @@ class AutoscalerConfig:
     lookahead_s: float = 0.0  # project rising demand this far ahead (set it to the cold start); 0 = off
     smoothing: float = 0.3  # EWMA weight of the newest demand sample (1 = raw, unsmoothed)
     trend_smoothing: float = 0.3  # EWMA weight of the newest slope sample of the smoothed level
+    observed_context: bool = False  # decode capacity at the observed mean context, not the configured one
 
     def __post_init__(self) -> None:
         if not 0 < self.utilization_target <= 1:
@@ -82,6 +86,7 @@ class MosaicAutoscaler:
         self.config = config
         self._history: dict[str, deque[tuple[float, int]]] = {p.name: deque() for p in pools}
         self._trend: dict[str, tuple[float, float, float]] = {}  # key → (time, demand, smoothed slope)
+        self._context: dict[str, float] = {}  # model → smoothed mean context per sequence (tokens)
         self._seeded: set[str] = set()
 
     def decide(self, obs: Observation) -> ScalingDecision:
@@ -128,8 +133,13 @@ class MosaicAutoscaler:
         signal[f"{model}/waiting"] = float(waiting)
         signal[f"{model}/decode_demand_tps"] = decode_demand
 
+        observed = self._mean_context(model, obs)
+        if observed is not None:
+            signal[f"{model}/context_tokens"] = observed
+        context = observed if cfg.observed_context else None
+
         def decode_cap(p: PoolSpec) -> float:
-            return p.decode_tps_capacity
+            return p.decode_tps_at(context)
 
         self._settle(
             decode_pools,
@@ -156,7 +166,9 @@ class MosaicAutoscaler:
         signal[f"{model}/prefill_demand_tps"] = demand
         by_demand = demand / cfg.utilization_target
         if cfg.prefill_mode == "ratio":
-            decode_instances = self._decode_instance_equivalents(decode_pools, targets, decode_demand)
+            decode_instances = self._decode_instance_equivalents(
+                decode_pools, targets, decode_demand, context
+            )
             mean_cap = sum(p.prefill_tps_capacity for p in prefill_pools) / len(prefill_pools)
             by_ratio = math.ceil(decode_instances * cfg.pd_ratio * prefill_boost - 1e-9) * mean_cap
             signal[f"{model}/prefill_instances_by_ratio"] = by_ratio / mean_cap
@@ -181,7 +193,11 @@ class MosaicAutoscaler:
         )
 
     def _decode_instance_equivalents(
-        self, decode_pools: Sequence[PoolSpec], targets: Mapping[str, int], decode_demand: float
+        self,
+        decode_pools: Sequence[PoolSpec],
+        targets: Mapping[str, int],
+        decode_demand: float,
+        context: float | None,
     ) -> float:
         """Decode instances the demand needs, unrounded: demand / (utilisation target · capacity of the
         decode instances being bought). The ratio applies to this, not to the rounded counts, so small
@@ -191,10 +207,20 @@ class MosaicAutoscaler:
             return 0.0
         count = sum(targets[p.name] for p in pools)
         if count:
-            mean_cap = sum(targets[p.name] * p.decode_tps_capacity for p in pools) / count
+            mean_cap = sum(targets[p.name] * p.decode_tps_at(context) for p in pools) / count
         else:
-            mean_cap = sum(p.decode_tps_capacity for p in pools) / len(pools)
+            mean_cap = sum(p.decode_tps_at(context) for p in pools) / len(pools)
         return decode_demand / (self.config.utilization_target * mean_cap)
+
+    def _mean_context(self, model: str, obs: Observation) -> float | None:
+        """Smoothed mean context per sequence, input + output/2 (a sequence decodes on average at half its
+        output), from the lengths of the requests completed in the interval; None until one completed."""
+        previous = self._context.get(model)
+        if obs.mean_input_tokens > 0 and obs.mean_output_tokens > 0:
+            sample = obs.mean_input_tokens + obs.mean_output_tokens / 2
+            a = self.config.smoothing
+            self._context[model] = sample if previous is None else a * sample + (1 - a) * previous
+        return self._context.get(model)
 
     def _forecast(self, key: str, demand: float, now: float) -> float:
         """Smoothed demand, projected `lookahead_s` ahead along its smoothed rising trend.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Literal, Protocol
 
 PoolRole = Literal["prefill", "decode", "mixed"]
@@ -14,8 +15,10 @@ class PoolSpec:
     """A scalable pool: one model on one GPU type in one role.
 
     `decode_tps_capacity` is the decode tokens/s one instance sustains within the TPOT SLO (from the
-    throughput profile or the perf model); `prefill_tps_capacity` the prompt tokens/s one instance sustains
-    within the TTFT SLO. The policy applies its utilisation target on top of these.
+    throughput profile or the perf model) at the configured context; `decode_tps_by_context` the same at
+    several contexts (ascending), so a policy can size at the context it observes (`decode_tps_at`);
+    `prefill_tps_capacity` the prompt tokens/s one instance sustains within the TTFT SLO. The policy
+    applies its utilisation target on top of these.
     """
 
     name: str
@@ -28,6 +31,27 @@ class PoolSpec:
     decode_tps_capacity: float = 0.0
     prefill_tps_capacity: float = 0.0
     domain: str | None = None
+    decode_tps_by_context: tuple[tuple[int, float], ...] = ()
+
+    def decode_tps_at(self, context: float | None) -> float:
+        """Decode tokens/s within the TPOT SLO at `context` tokens per sequence, from the profile.
+
+        Within the SLO the batch is bounded by the KV read per step, so seconds per token (1/rate) grows
+        linearly with the context: interpolated linearly in 1/rate between profile points, and along the
+        last point's 1/context law beyond it (a rate under the profile's, never 0). Below the first point,
+        that point's rate (an underestimate). No profile or no context: `decode_tps_capacity`.
+        """
+        points = self.decode_tps_by_context
+        if not points or context is None or context <= 0:
+            return self.decode_tps_capacity
+        if context <= points[0][0]:
+            return points[0][1]
+        for (c0, r0), (c1, r1) in pairwise(points):
+            if context <= c1:
+                f = (context - c0) / (c1 - c0)
+                return 1.0 / ((1 - f) / r0 + f / r1)
+        c_last, r_last = points[-1]
+        return r_last * c_last / context
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
