@@ -13,12 +13,21 @@ at its size.
     python bench/autoscale_eval.py [--quick]
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
     python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--quick]
+    python bench/autoscale_eval.py --load-sweep 1,2,4 [--quick]
 
 `--grid` is a sensitivity check of the comparison itself: the two target-driven families (Mosaic and the
 Dynamo-style planner) over the given utilisation targets instead of the standard grid, on every trace,
 each family's best run and the ratio. A finer grid around where 99% is lost shows whether the standard
 grid's spacing decides the result. It writes `bench/results/autoscale_grid.json` and leaves
 `autoscale_eval.json` alone.
+
+`--load-sweep` asks whether that comparison depends on fleet size: on the compressed day only, at each
+multiplier k of its mean rate (same shape, burst and seed; k = 1 is the standard trace), the two
+target-driven families over the standard grid, each family's best run, the ratio and every run's peak
+instances per pool. The fleet is FLEET's with each pool's max_replicas times k (a run that reaches a
+maximum is flagged), and every run starts from the same 2 prefill + 2 decode: at the trough where the
+day starts that is about what k = 4 needs and more than k = 1 does, so no multiplier starts short. It
+writes `bench/results/autoscale_load.json` and leaves `autoscale_eval.json` alone.
 
 `--pd-gate-sweep` measures conditional disaggregation (the router's P/D gate, `pd_max_prefill_wait_s`,
 docs/routing.md) in this evaluation: the Mosaic, Dynamo-style and static families over their whole grids,
@@ -33,6 +42,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -76,24 +86,29 @@ FLEET: dict[str, Any] = {
 }
 
 
-def traces(quick: bool) -> dict[str, list[SimRequest]]:
-    """A diurnal curve with a sustained flash crowd (longer than a cold start), and a real trace."""
-    # A compressed day: trough at 0.3x and peak at 1.7x the mean, one period, with a sustained flash crowd
-    # (1.8x for 5 minutes, longer than a cold start) on the way down from the peak.
+COMPRESSED_DAY = "diurnal+burst"
+
+
+def compressed_day(quick: bool, load: float = 1.0) -> list[SimRequest]:
+    """A compressed day: trough at 0.3x and peak at 1.7x the mean (16 req/s times `load`), one period,
+    with a sustained flash crowd (1.8x for 5 minutes, longer than a cold start) on the way down from the
+    peak."""
     period = 1200.0 if quick else 3600.0
     spec = DiurnalSpec(
         duration_s=period,
-        mean_rate=16,
+        mean_rate=16 * load,
         amplitude=0.7,
         period_s=period,
         bursts=(Burst(0.62 * period, 300, 1.8),),
     )
-    out = {
-        "diurnal+burst": [
-            SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens)
-            for r in diurnal_trace(spec, seed=7)
-        ]
-    }
+    return [
+        SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens) for r in diurnal_trace(spec, seed=7)
+    ]
+
+
+def traces(quick: bool) -> dict[str, list[SimRequest]]:
+    """A diurnal curve with a sustained flash crowd (longer than a cold start), and a real trace."""
+    out = {COMPRESSED_DAY: compressed_day(quick)}
     azure = SHARED_DATA / "traces" / "azure_llm_2023_conv.csv"
     if azure.exists():
         name, source, rate_scale = "azure-2023-conv (real, 4x speed)", azure, 4.0
@@ -151,13 +166,17 @@ def mosaic_run(fleet: FleetConfig, reqs: list[SimRequest], target: float) -> tup
     )
 
 
+def standard_grid(quick: bool) -> tuple[float, ...]:
+    """The utilisation targets both target-driven families get."""
+    return (0.5, 0.7) if quick else (0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
+
+
 def candidates(
     fleet: FleetConfig, reqs: list[SimRequest], quick: bool
 ) -> list[tuple[str, str, dict[str, Any]]]:
     """(family, policy spec, autoscaler overrides) for every knob value tried."""
     runs: list[tuple[str, str, dict[str, Any]]] = []
-    # Both target-driven families get the same grid of utilisation targets.
-    grid = (0.5, 0.7) if quick else (0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
+    grid = standard_grid(quick)
     for u in grid:
         runs.append(mosaic_run(fleet, reqs, u))
     # HPA on GPU utilisation over the same span and step count as the planner's grid (8 targets)
@@ -177,9 +196,11 @@ def candidates(
 
 def run_one(args: tuple[str, str, str, dict[str, Any], list[SimRequest]]) -> dict[str, Any]:
     trace_name, family, spec, overrides, reqs = args
-    knobs = {k: v for k, v in overrides.items() if k not in ("factor", "routing")}
+    knobs = {k: v for k, v in overrides.items() if k not in ("factor", "routing", "max_replicas")}
     routing = {**FLEET.get("routing", {}), **overrides.get("routing", {})}  # shared by every family
-    fleet = parse_fleet({**FLEET, "autoscaler": knobs, "routing": routing})
+    maxima = overrides.get("max_replicas", {})  # per pool, --load-sweep
+    pools = [{**p, "max_replicas": maxima.get(p["name"], p["max_replicas"])} for p in FLEET["pools"]]
+    fleet = parse_fleet({**FLEET, "pools": pools, "autoscaler": knobs, "routing": routing})
     policy = build_policy(
         spec, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools}
     )
@@ -272,59 +293,134 @@ def pd_gate_sweep(quick: bool, workers: int) -> None:
         print(line)
 
 
+def target_jobs(
+    trace_name: str, reqs: list[SimRequest], grid: tuple[float, ...], extra: dict[str, Any] | None = None
+) -> list[tuple[str, str, str, dict[str, Any], list[SimRequest]]]:
+    """`run_one` jobs for Mosaic and the Dynamo-style planner at each target in `grid`, `extra` overrides
+    added to each."""
+    base = parse_fleet(FLEET)
+    extra = extra or {}
+    jobs = []
+    for u in grid:
+        _, spec, ov = mosaic_run(base, reqs, u)
+        jobs.append((trace_name, "mosaic", spec, {**ov, **extra}, reqs))
+    jobs += [(trace_name, "dynamo", "dynamo:180", {"utilization_target": u, **extra}, reqs) for u in grid]
+    return jobs
+
+
+def peak_replicas(r: dict[str, Any]) -> dict[str, int]:
+    """The most instances each pool had at once (starting ones included, draining ones not)."""
+    return {p["name"]: max(s[p["name"]] for s in r["replicas"]) for p in FLEET["pools"]}
+
+
+def target_families(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mosaic's and the planner's best run and every run (target, attainment, GPU-h, peaks), the ratio,
+    and one line's worth of (target, GPU-h) per family."""
+    fams = {}
+    for fam in ("mosaic", "dynamo"):
+        runs = [r for r in reports if r["family"] == fam]
+        best = best_of(runs)
+        fams[fam] = {
+            "best": None if best is None else {k: v for k, v in _row(best).items() if k != "replicas"},
+            "best_peak": None if best is None else peak_replicas(best),
+            "runs": [
+                {
+                    "target": r["knobs"]["utilization_target"],
+                    "attainment": r["slo"]["attainment"],
+                    "gpu_hours": r["gpu_hours"]["total"],
+                    "peak": peak_replicas(r),
+                }
+                for r in runs
+            ],
+        }
+    best = {
+        f: v["best"] and (v["best"]["knobs"]["utilization_target"], v["best"]["gpu_hours"])
+        for f, v in fams.items()
+    }
+    return {
+        "families": fams,
+        "mosaic_vs_dynamo": _ratio(fams["mosaic"]["best"], fams["dynamo"]["best"]),
+        "best": best,
+    }
+
+
 def grid_sensitivity(grid: tuple[float, ...], quick: bool, workers: int) -> None:
     """Mosaic and the Dynamo-style planner over `grid` on every trace (module docstring, `--grid`)."""
-    base = parse_fleet(FLEET)
     summary: dict[str, Any] = {}
     lines = []
     for trace_name, reqs in traces(quick).items():
-        jobs = [(trace_name, *mosaic_run(base, reqs, u), reqs) for u in grid]
-        jobs += [(trace_name, "dynamo", "dynamo:180", {"utilization_target": u}, reqs) for u in grid]
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            reports = list(pool.map(run_one, target_jobs(trace_name, reqs, grid)))
+        summary[trace_name] = target_families(reports)
+        best, ratio = summary[trace_name]["best"], summary[trace_name]["mosaic_vs_dynamo"]
+        lines.append(f"{trace_name}: best (target, GPU-h) {best}, Mosaic/Dynamo {ratio}")
+    payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "traces": summary}
+    _record("autoscale_grid", f"--grid {_join(grid)}", quick, payload, lines)
+
+
+def scaled_maxima(load: float) -> dict[str, int]:
+    """Each pool's max_replicas times `load` (--load-sweep)."""
+    return {p["name"]: math.ceil(p["max_replicas"] * load) for p in FLEET["pools"]}
+
+
+def load_sweep(loads: tuple[float, ...], quick: bool, workers: int) -> None:
+    """Mosaic and the planner over the standard grid on the compressed day at each load (`--load-sweep`)."""
+    grid = standard_grid(quick)
+    summary: dict[str, Any] = {}
+    lines = []
+    for k in loads:
+        reqs = compressed_day(quick, k)
+        maxima = scaled_maxima(k)
+        jobs = target_jobs(COMPRESSED_DAY, reqs, grid, {"max_replicas": maxima})
         with ProcessPoolExecutor(max_workers=workers) as pool:
             reports = list(pool.map(run_one, jobs))
-        fams = {}
-        for fam in ("mosaic", "dynamo"):
-            runs = [r for r in reports if r["family"] == fam]
-            best = best_of(runs)
-            fams[fam] = {
-                "best": None if best is None else {k: v for k, v in _row(best).items() if k != "replicas"},
-                "runs": [
-                    {
-                        "target": r["knobs"]["utilization_target"],
-                        "attainment": r["slo"]["attainment"],
-                        "gpu_hours": r["gpu_hours"]["total"],
-                    }
-                    for r in runs
-                ],
-            }
-        ratio = _ratio(fams["mosaic"]["best"], fams["dynamo"]["best"])
-        summary[trace_name] = {"families": fams, "mosaic_vs_dynamo": ratio}
-        best = {
-            f: v["best"] and (v["best"]["knobs"]["utilization_target"], v["best"]["gpu_hours"])
-            for f, v in fams.items()
-        }
-        lines.append(f"{trace_name}: best (target, GPU-h) {best}, Mosaic/Dynamo {ratio}")
-    write_result(
-        "autoscale_grid", {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "traces": summary}
-    )
-    command = (
-        "python bench/autoscale_eval.py --grid "
-        + ",".join(f"{u:g}" for u in grid)
-        + (" --quick" if quick else "")
-    )
-    append_line("autoscale_grid", command, "; ".join(lines))
+        out = target_families(reports)
+        at_max = [
+            f"{r['family']}@{r['knobs']['utilization_target']}:{name}"
+            for r in reports
+            for name, n in peak_replicas(r).items()
+            if n >= maxima[name]
+        ]
+        peaks = {f: v["best_peak"] for f, v in out["families"].items()}
+        summary[f"{k:g}"] = {"requests": len(reqs), "max_replicas": maxima, "runs_at_max": at_max, **out}
+        lines.append(
+            f"x{k:g} ({len(reqs)} requests): best (target, GPU-h) {out['best']}, peaks {peaks}, "
+            f"Mosaic/Dynamo {out['mosaic_vs_dynamo']}" + (f", at max: {at_max}" if at_max else "")
+        )
+    payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "trace": COMPRESSED_DAY}
+    _record("autoscale_load", f"--load-sweep {_join(loads)}", quick, {**payload, "loads": summary}, lines)
+
+
+def _join(values: tuple[float, ...]) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
+def _record(name: str, flag: str, quick: bool, payload: dict[str, Any], lines: list[str]) -> None:
+    """`bench/results/<name>.json`, one BENCHMARKS.md line with the command, and the lines printed."""
+    write_result(name, payload)
+    command = f"python bench/autoscale_eval.py {flag}" + (" --quick" if quick else "")
+    append_line(name, command, "; ".join(lines))
     for line in lines:
         print(line)
 
 
 def parse_grid(text: str) -> tuple[float, ...]:
+    return _parse_floats(text, "--grid", "targets in (0, 1]", lambda u: 0 < u <= 1)
+
+
+def parse_loads(text: str) -> tuple[float, ...]:
+    return _parse_floats(text, "--load-sweep", "positive multipliers", lambda k: 0 < k < math.inf)
+
+
+def _parse_floats(text: str, flag: str, what: str, ok: Callable[[float], bool]) -> tuple[float, ...]:
+    error = f"error: {flag}: comma-separated {what}, got {text!r}"
     try:
-        grid = tuple(float(x) for x in text.split(","))
+        values = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise SystemExit(f"error: --grid: comma-separated targets in (0, 1], got {text!r}") from None
-    if not grid or any(not 0 < u <= 1 for u in grid):
-        raise SystemExit(f"error: --grid: comma-separated targets in (0, 1], got {text!r}")
-    return grid
+        raise SystemExit(error) from None
+    if not values or not all(ok(v) for v in values):
+        raise SystemExit(error)
+    return values
 
 
 def main() -> None:
@@ -337,7 +433,14 @@ def main() -> None:
     parser.add_argument(
         "--grid", help="comma-separated utilisation targets: Mosaic vs Dynamo-style only (see above)"
     )
+    parser.add_argument(
+        "--load-sweep",
+        help="comma-separated multipliers of the compressed day's rate: Mosaic vs Dynamo-style (see above)",
+    )
     args = parser.parse_args()
+    if args.load_sweep:
+        load_sweep(parse_loads(args.load_sweep), args.quick, args.workers)
+        return
     if args.grid:
         grid_sensitivity(parse_grid(args.grid), args.quick, args.workers)
         return
