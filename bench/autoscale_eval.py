@@ -12,7 +12,7 @@ at its size.
 
     python bench/autoscale_eval.py [--quick]
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
-    python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--quick]
+    python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--observed-context] [--quick]
     python bench/autoscale_eval.py --load-sweep 1,2,4 [--quick]
 
 `--grid` is a sensitivity check of the comparison itself: the two target-driven families (Mosaic and the
@@ -20,6 +20,10 @@ Dynamo-style planner) over the given utilisation targets instead of the standard
 each family's best run and the ratio. A finer grid around where 99% is lost shows whether the standard
 grid's spacing decides the result. It writes `bench/results/autoscale_grid.json` and leaves
 `autoscale_eval.json` alone.
+
+`--observed-context` (with `--grid`) runs both families with the knob of that name: decode capacity at
+the observed (Mosaic) or forecast (planner) mean context instead of the pools' configured 1,024 tokens,
+the P/D ratio profiled at the window's context. It writes `autoscale_grid_observed_context.json`.
 
 `--load-sweep` asks whether that comparison depends on fleet size: on the compressed day only, at each
 multiplier k of its mean rate (same shape, burst and seed; k = 1 is the standard trace), the two
@@ -123,15 +127,15 @@ def traces(quick: bool) -> dict[str, list[SimRequest]]:
     return out
 
 
-def profiled_pd_ratio(fleet: FleetConfig, reqs: list[SimRequest]) -> float:
-    """Prefill instances per decode instance from a profiling window (the first 10% of the trace)."""
+def profiled_pd_ratio(fleet: FleetConfig, reqs: list[SimRequest], observed_context: bool = False) -> float:
+    """Prefill instances per decode instance from a profiling window (the first 10% of the trace), with
+    decode capacity at the context the policy sizes at (the window's mean with `observed_context`)."""
     window = reqs[: max(1, len(reqs) // 10)]
     mean_in = sum(r.input_tokens for r in window) / len(window)
     mean_out = sum(r.output_tokens for r in window) / len(window)
     specs = {s.role: s for s in pool_specs(fleet)}
-    return (mean_in / specs["prefill"].prefill_tps_capacity) / (
-        mean_out / specs["decode"].decode_tps_capacity
-    )
+    decode = specs["decode"].decode_tps_at(mean_in + mean_out / 2 if observed_context else None)
+    return (mean_in / specs["prefill"].prefill_tps_capacity) / (mean_out / decode)
 
 
 def static_peak_counts(fleet: FleetConfig, reqs: list[SimRequest], factor: float) -> dict[str, int]:
@@ -150,7 +154,9 @@ def static_peak_counts(fleet: FleetConfig, reqs: list[SimRequest], factor: float
     }
 
 
-def mosaic_run(fleet: FleetConfig, reqs: list[SimRequest], target: float) -> tuple[str, str, dict[str, Any]]:
+def mosaic_run(
+    fleet: FleetConfig, reqs: list[SimRequest], target: float, observed_context: bool = False
+) -> tuple[str, str, dict[str, Any]]:
     """Mosaic at one utilisation target; its other knobs fixed, not tuned: the P/D ratio profiled on the
     trace's first 10%, a scale-in window of one cold start (an instance is kept as long as re-buying it
     would take), no trend lookahead (on these traces projecting the trend bought instances for noise and
@@ -160,8 +166,9 @@ def mosaic_run(fleet: FleetConfig, reqs: list[SimRequest], target: float) -> tup
         "mosaic",
         {
             "utilization_target": target,
-            "pd_ratio": round(profiled_pd_ratio(fleet, reqs), 3),
+            "pd_ratio": round(profiled_pd_ratio(fleet, reqs, observed_context), 3),
             "scale_down_window_s": FLEET["cold_start_s"],
+            **({"observed_context": True} if observed_context else {}),
         },
     )
 
@@ -302,7 +309,7 @@ def target_jobs(
     extra = extra or {}
     jobs = []
     for u in grid:
-        _, spec, ov = mosaic_run(base, reqs, u)
+        _, spec, ov = mosaic_run(base, reqs, u, bool(extra.get("observed_context")))
         jobs.append((trace_name, "mosaic", spec, {**ov, **extra}, reqs))
     jobs += [(trace_name, "dynamo", "dynamo:180", {"utilization_target": u, **extra}, reqs) for u in grid]
     return jobs
@@ -344,18 +351,25 @@ def target_families(reports: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def grid_sensitivity(grid: tuple[float, ...], quick: bool, workers: int) -> None:
-    """Mosaic and the Dynamo-style planner over `grid` on every trace (module docstring, `--grid`)."""
+def grid_sensitivity(
+    grid: tuple[float, ...], quick: bool, workers: int, observed_context: bool = False
+) -> None:
+    """Mosaic and the Dynamo-style planner over `grid` on every trace (module docstring, `--grid`); with
+    `observed_context` both size decode at the observed (forecast) context."""
+    extra = {"observed_context": True} if observed_context else {}
     summary: dict[str, Any] = {}
     lines = []
     for trace_name, reqs in traces(quick).items():
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            reports = list(pool.map(run_one, target_jobs(trace_name, reqs, grid)))
+            reports = list(pool.map(run_one, target_jobs(trace_name, reqs, grid, extra)))
         summary[trace_name] = target_families(reports)
         best, ratio = summary[trace_name]["best"], summary[trace_name]["mosaic_vs_dynamo"]
         lines.append(f"{trace_name}: best (target, GPU-h) {best}, Mosaic/Dynamo {ratio}")
-    payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "traces": summary}
-    _record("autoscale_grid", f"--grid {_join(grid)}", quick, payload, lines)
+    payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "traces": summary, **extra}
+    name, flag = "autoscale_grid", f"--grid {_join(grid)}"
+    if observed_context:
+        name, flag = "autoscale_grid_observed_context", flag + " --observed-context"
+    _record(name, flag, quick, payload, lines)
 
 
 def scaled_maxima(load: float) -> dict[str, int]:
@@ -437,12 +451,19 @@ def main() -> None:
         "--load-sweep",
         help="comma-separated multipliers of the compressed day's rate: Mosaic vs Dynamo-style (see above)",
     )
+    parser.add_argument(
+        "--observed-context",
+        action="store_true",
+        help="with --grid: both families size decode at the observed context (see above)",
+    )
     args = parser.parse_args()
+    if args.observed_context and not args.grid:
+        raise SystemExit("error: --observed-context applies to --grid only")
     if args.load_sweep:
         load_sweep(parse_loads(args.load_sweep), args.quick, args.workers)
         return
     if args.grid:
-        grid_sensitivity(parse_grid(args.grid), args.quick, args.workers)
+        grid_sensitivity(parse_grid(args.grid), args.quick, args.workers, args.observed_context)
         return
     if args.pd_gate_sweep:
         pd_gate_sweep(args.quick, args.workers)
