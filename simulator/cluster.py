@@ -653,6 +653,11 @@ class ClusterSimulator:
                 prompt_tokens_per_s=(prompt - prev[1]) / interval,
                 num_waiting=sum(i.engine.num_waiting for i in members if i.state is WorkerState.READY),
                 gpu_utilization=min(1.0, (busy - prev[2]) / (interval * ready)) if ready else 0.0,
+                starting_ready_in_s=tuple(
+                    max(0.0, i.created + self.fleet.cold_start_s - now)
+                    for i in members
+                    if i.state is WorkerState.STARTING
+                ),
             )
         obs = self._window.observation(now, interval, pools, {self.fleet.model: len(self._queue)})
         if self.policy is not None:

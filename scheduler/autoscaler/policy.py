@@ -65,6 +65,9 @@ class AutoscalerConfig:
     smoothing: float = 0.3  # EWMA weight of the newest demand sample (1 = raw, unsmoothed)
     trend_smoothing: float = 0.3  # EWMA weight of the newest slope sample of the smoothed level
     observed_context: bool = False  # decode capacity at the observed mean context, not the configured one
+    # > 0: the backlog term sizes for the queue projected to when capacity bought now is ready (this lead:
+    # the cold start), given ready capacity and starting instances' ready times; 0: for the queue now
+    backlog_lead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.utilization_target <= 1:
@@ -126,13 +129,6 @@ class MosaicAutoscaler:
         # completions, and a pool at zero (or saturated for a whole interval) completes nothing, so the
         # observed means are 0 exactly when arrivals alone can show demand; a pool scaled to zero would
         # otherwise never come back.
-        arriving_decode = obs.request_rate * out_tokens
-        decode_level = self._forecast(f"{model}/decode", max(decode_tps, arriving_decode), obs.now)
-        decode_demand = (decode_level + waiting * out_tokens / cfg.queue_drain_s) * decode_boost
-        signal[f"{model}/decode_tps"] = decode_tps
-        signal[f"{model}/waiting"] = float(waiting)
-        signal[f"{model}/decode_demand_tps"] = decode_demand
-
         observed = self._mean_context(model, obs)
         if observed is not None:
             signal[f"{model}/context_tokens"] = observed
@@ -140,6 +136,14 @@ class MosaicAutoscaler:
 
         def decode_cap(p: PoolSpec) -> float:
             return p.decode_tps_at(context)
+
+        arriving_decode = obs.request_rate * out_tokens
+        decode_level = self._forecast(f"{model}/decode", max(decode_tps, arriving_decode), obs.now)
+        decode_backlog = self._backlog(waiting * out_tokens, decode_level, decode_pools, decode_cap, obs)
+        decode_demand = (decode_level + decode_backlog / cfg.queue_drain_s) * decode_boost
+        signal[f"{model}/decode_tps"] = decode_tps
+        signal[f"{model}/waiting"] = float(waiting)
+        signal[f"{model}/decode_demand_tps"] = decode_demand
 
         self._settle(
             decode_pools,
@@ -161,8 +165,15 @@ class MosaicAutoscaler:
         )
         # prompt tokens/s demand, with the prefill backlog to be cleared within queue_drain_s
         arriving_prompt = obs.request_rate * in_tokens
+
+        def prefill_cap(p: PoolSpec) -> float:
+            return p.prefill_tps_capacity
+
         prompt_level = self._forecast(f"{model}/prefill", max(prompt_tps, arriving_prompt), obs.now)
-        demand = (prompt_level + prefill_waiting * in_tokens / cfg.queue_drain_s) * prefill_boost
+        prompt_backlog = self._backlog(
+            prefill_waiting * in_tokens, prompt_level, prefill_pools, prefill_cap, obs
+        )
+        demand = (prompt_level + prompt_backlog / cfg.queue_drain_s) * prefill_boost
         signal[f"{model}/prefill_demand_tps"] = demand
         by_demand = demand / cfg.utilization_target
         if cfg.prefill_mode == "ratio":
@@ -177,9 +188,6 @@ class MosaicAutoscaler:
             required_capacity = max(by_ratio, by_demand)
         else:
             required_capacity = by_demand
-
-        def prefill_cap(p: PoolSpec) -> float:
-            return p.prefill_tps_capacity
 
         self._settle(
             prefill_pools,
@@ -211,6 +219,37 @@ class MosaicAutoscaler:
         else:
             mean_cap = sum(p.decode_tps_at(context) for p in pools) / len(pools)
         return decode_demand / (self.config.utilization_target * mean_cap)
+
+    def _backlog(
+        self, tokens: float, level: float, pools: Sequence[PoolSpec], cap_of: CapacityOf, obs: Observation
+    ) -> float:
+        """The queued work (tokens) the backlog term sizes for.
+
+        `backlog_lead_s` = 0: the queue now. Otherwise the queue projected to when an instance bought now
+        would be ready (`backlog_lead_s`, the cold start): it grows at `level` minus the ready capacity and
+        shrinks as each starting instance comes up (at its `starting_ready_in_s`; one without an estimate
+        counts at the lead). A queue that instances already starting will clear by then buys nothing more
+        (before, every decision re-sized for the growing queue and bought instances that came up after it
+        was gone); a queue that will still grow until then buys for what it will be.
+        """
+        lead = self.config.backlog_lead_s
+        if lead <= 0:
+            return tokens
+        rate = 0.0
+        arrivals: list[tuple[float, float]] = []
+        for p in pools:
+            po = obs.pools.get(p.name)
+            if po is None:
+                continue
+            cap = cap_of(p)
+            rate += po.ready * cap
+            etas = sorted(min(max(0.0, e), lead) for e in po.starting_ready_in_s[: po.starting])
+            arrivals += [(e, cap) for e in etas] + [(lead, cap)] * (po.starting - len(etas))
+        queue, t = tokens, 0.0
+        for eta, cap in sorted(arrivals):
+            queue = max(0.0, queue + (level - rate) * (eta - t))
+            rate, t = rate + cap, eta
+        return max(0.0, queue + (level - rate) * (lead - t))
 
     def _mean_context(self, model: str, obs: Observation) -> float | None:
         """Smoothed mean context per sequence, input + output/2 (a sequence decodes on average at half its

@@ -73,6 +73,8 @@ class PoolObservation:
     prompt_tokens_per_s: float = 0.0  # rate of vllm:prompt_tokens_total
     num_waiting: int = 0  # Σ vllm:num_requests_waiting
     gpu_utilization: float = 0.0  # mean busy fraction of the pool's GPUs (HPA baseline only)
+    # seconds until each starting instance is expected ready (its start + the cold start); may be empty
+    starting_ready_in_s: tuple[float, ...] = ()
 
     @property
     def provisioned(self) -> int:

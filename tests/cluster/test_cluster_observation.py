@@ -86,3 +86,33 @@ def test_an_interval_with_no_completion_observes_no_lengths() -> None:
     later = [o for t, o in sorted(obs.items()) if o.mean_output_tokens]
     assert later and later[0].mean_output_tokens == pytest.approx(LONG_OUT)
     assert later[0].mean_input_tokens == pytest.approx(LONG_IN)
+
+
+@dataclass
+class GrowOnce:
+    """Adds two instances at the first decision, then holds; keeps every observation."""
+
+    seen: list[Observation] = field(default_factory=list)
+
+    def decide(self, obs: Observation) -> ScalingDecision:
+        self.seen.append(obs)
+        grow = 2 if len(self.seen) == 1 else 0
+        return ScalingDecision(obs.now, {name: po.provisioned + grow for name, po in obs.pools.items()})
+
+
+def test_starting_instances_carry_their_expected_ready_time() -> None:
+    data = {
+        **FLEET,
+        "cold_start_s": 45,
+        "pools": [{**FLEET["pools"][0], "min_replicas": 1, "max_replicas": 4}],
+    }
+    policy = GrowOnce()
+    ClusterSimulator(parse_fleet(data), policy, "grow-once").run(  # type: ignore[arg-type]
+        [SimRequest(0.5 * i, SHORT_IN, SHORT_OUT) for i in range(200)]
+    )
+    by_time = {round(o.now, 6): o.pools["mixed-h100"] for o in policy.seen}
+    # bought at 10 s with a 45 s cold start: ready at 55 s
+    assert by_time[10.0].starting_ready_in_s == ()
+    assert by_time[20.0].starting == 2 and by_time[20.0].starting_ready_in_s == (35.0, 35.0)
+    assert by_time[50.0].starting_ready_in_s == (5.0, 5.0)
+    assert by_time[60.0].starting == 0 and by_time[60.0].ready == 4

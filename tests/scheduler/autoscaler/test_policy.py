@@ -318,3 +318,48 @@ def test_backlog_acts_at_once_through_the_smoothing() -> None:
 def test_smoothing_must_be_a_weight() -> None:
     with pytest.raises(ValueError, match="smoothing"):
         AutoscalerConfig(smoothing=0.0)
+
+
+# -- the backlog projected to when new capacity is ready (backlog_lead_s) ----------------------------------
+
+
+def backlog_obs(
+    waiting: int, ready: int, starting_in: tuple[float, ...], starting: int | None = None
+) -> Observation:
+    pool = PoolObservation(
+        ready=ready,
+        starting=len(starting_in) if starting is None else starting,
+        num_waiting=waiting,
+        starting_ready_in_s=starting_in,
+    )
+    # 1 req/s x 100 output tokens: a decode level of 100 tok/s
+    return Observation(
+        now=15, pools={"d": pool}, request_rate=1.0, mean_input_tokens=50, mean_output_tokens=100
+    )
+
+
+def backlog_demand(lead: float, observation: Observation) -> float:
+    cfg = AutoscalerConfig(smoothing=1.0, utilization_target=1.0, queue_drain_s=10.0, backlog_lead_s=lead)
+    policy = MosaicAutoscaler([decode_pool("d", tps=50.0, lo=0)], cfg)
+    return policy.decide(observation).signal["llama-3-8b/decode_demand_tps"]
+
+
+def test_without_a_lead_the_backlog_is_the_queue_now() -> None:
+    # 10 waiting x 100 tokens = 1,000 tokens over 10 s on top of 100 tok/s
+    assert backlog_demand(0.0, backlog_obs(10, 1, (10.0,))) == 100 + 1_000 / 10
+
+
+def test_the_queue_grows_until_capacity_comes_up() -> None:
+    # 1 ready (50 tok/s) against 100 tok/s: +50 tok/s for 10 s until the starting one is up, then flat:
+    # 1,000 + 500 = 1,500 tokens at the 30 s lead
+    assert backlog_demand(30.0, backlog_obs(10, 1, (10.0,))) == 100 + 1_500 / 10
+
+
+def test_a_queue_starting_instances_will_clear_buys_nothing_more() -> None:
+    # 2 ready (100 tok/s) = the level; 2 more up in 5 s drain 100 tok/s: 1,000 tokens gone by 15 s < 30 s
+    assert backlog_demand(30.0, backlog_obs(10, 2, (5.0, 5.0))) == 100
+
+
+def test_a_starting_instance_without_an_estimate_counts_at_the_lead() -> None:
+    # one starting, no ready-time estimate: nothing arrives before the lead, +50 tok/s for 30 s
+    assert backlog_demand(30.0, backlog_obs(10, 1, (), starting=1)) == 100 + 2_500 / 10
