@@ -9,6 +9,7 @@ Per pool (workers of every state, as the cluster simulator counts them):
 | prompt_tokens_per_s | the same over `vllm:prompt_tokens_total` |
 | num_waiting | Σ `vllm:num_requests_waiting` of ready workers with fresh stats |
 | gpu_utilization | busy proxy: Σ over scrapes in the interval of workers with `num_requests_running` > 0, ÷ Σ ready workers scraped (≤ 1) |
+| starting_ready_in_s | managed pools with `autoscaler.cold_start_s` > 0: each starting instance's start (the cycle whose action raised the desired count) + the cold start − now; the newest are the ones still starting. Otherwise empty (the policy then counts them as arriving at its lead) |
 
 Fleet-wide, the gateway-side signals (`server.gateway_signals`, one code path for both drivers): admission
 queue depth per model, TTFT p90 and per-request TPOT p90 (inter-token gaps when no gateway exports TPOT),
@@ -23,6 +24,7 @@ by it, so the policy compares like with like; its clock (`now`, windows, interva
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -67,6 +69,12 @@ class SignalReader:
     _busy: dict[str, _PoolBusy] = field(default_factory=dict)
     _window: GatewayWindow = field(default_factory=GatewayWindow)
     gateways_seen: int = 0  # gateways with a snapshot at the last cycle
+    cold_start_s: float = 0.0  # a started instance's expected time to ready (0: unknown, no estimates)
+    _starts: dict[str, list[float]] = field(
+        default_factory=dict
+    )  # per managed pool: start times, oldest first
+    _desired: dict[str, int] = field(default_factory=dict)  # per managed pool: its count at the last cycle
+    _last_now: float | None = None
 
     def scale(self, pool: str) -> float:
         return self.time_scales.get(pool, 1.0)
@@ -87,11 +95,30 @@ class SignalReader:
     def observe(self, now: float, desired: Mapping[str, int]) -> Observation:
         """The observation at `now`; `desired` holds the actuator's count for each pool it manages."""
         pools = {name: self._pool(name, recs, desired.get(name)) for name, recs in self._by_pool().items()}
+        for name, want in desired.items():
+            if name in pools:
+                etas = self._starting_etas(name, want, pools[name].starting, now)
+                pools[name] = dataclasses.replace(pools[name], starting_ready_in_s=etas)
+        self._last_now = now
         self._busy.clear()
         merged = self._window.step(self.gateway() if self.gateway is not None else {})
         self.gateways_seen = merged.gateways
         gateway = gateway_signals(merged, self.scale, self._model_scale)
         return Observation(now=now, pools=pools, **gateway)
+
+    def _starting_etas(self, name: str, desired: int, starting: int, now: float) -> tuple[float, ...]:
+        """Expected seconds to ready of a managed pool's starting instances (module docstring). An increase
+        of the desired count since the last cycle was applied right after it, so those instances started
+        then; instances become ready oldest first, so the newest `starting` start times are kept."""
+        starts = self._starts.setdefault(name, [])
+        previous = self._desired.get(name)
+        if previous is not None and desired > previous:
+            starts.extend([self._last_now if self._last_now is not None else now] * (desired - previous))
+        self._desired[name] = desired
+        del starts[: max(0, len(starts) - starting)]
+        if self.cold_start_s <= 0:
+            return ()
+        return tuple(max(0.0, t + self.cold_start_s - now) for t in starts)
 
     def _by_pool(self) -> dict[str, list[WorkerRecord]]:
         out: dict[str, list[WorkerRecord]] = {p.name: [] for p in self.registry.pools()}

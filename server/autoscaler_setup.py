@@ -182,6 +182,7 @@ def controller_for(
         clock,
         time_scales(config),
         gateway if gateway is not None else RegistrySource(metrics_registry, clock),
+        cold_start_s=config.autoscaler.cold_start_s,
     )
     catalog = load_catalog(config.catalog)
     specs = pool_specs(config, registry, managed, catalog)

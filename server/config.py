@@ -297,7 +297,7 @@ class AutoscalerConfig(_Strict):
     actuator: Literal["embedded", "kubernetes", "dry-run"] = "embedded"
     cold_start_s: float = Field(
         default=0.0, ge=0
-    )  # embedded: a started worker becomes routable this much later
+    )  # embedded: a started worker becomes routable this much later; any actuator: expected start → ready
     drain_timeout_s: float = Field(
         default=600.0, gt=0
     )  # embedded: longest wait for a draining worker's requests

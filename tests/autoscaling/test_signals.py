@@ -146,3 +146,43 @@ def test_managed_pool_counts_follow_the_actuator(desired: int, expected: tuple[i
     pool = obs.pools["dec"]
     assert (pool.ready, pool.starting, pool.draining) == expected
     assert pool.provisioned == desired
+
+
+async def _starting_etas(cold_start_s: float) -> list[tuple[int, tuple[float, ...]]]:
+    """Two ready workers; the actuator's desired count goes 2 → 4 → 5 → 3 over cycles at 10, 25, 40, 55 s."""
+    clock = Clock(10.0)
+    metrics = GatewayMetrics()
+    async with httpx.AsyncClient(transport=_recorded({"n": 1})) as client:
+        reg = Registry(ScrapeConfig(stale_after_s=500.0), HealthConfig(), metrics, client=client, clock=clock)
+        reg.add_pool(
+            PoolInfo("dec", "llama-3-8b", "L4", Role.DECODE, capacity_for("L4", "llama-3-8b")),
+            StaticSource(["http://a:8000", "http://b:8000"]),
+        )
+        reader = SignalReader(
+            reg, 500.0, clock, {}, RegistrySource(metrics.registry, clock), cold_start_s=cold_start_s
+        )
+        await reg.resync("dec")
+        await reg.health_once()
+        await reg.scrape_once()
+        out = []
+        for t, desired in ((10.0, 2), (25.0, 4), (40.0, 5), (55.0, 3)):
+            clock.t = t
+            pool = reader.observe(t, {"dec": desired}).pools["dec"]
+            out.append((pool.starting, pool.starting_ready_in_s))
+        await reg.stop()
+    return out
+
+
+def test_starting_instances_get_ready_estimates_from_the_cold_start() -> None:
+    # raised to 4 after the cycle at 10 s: two started then, ready at 70 s; one more after 25 s (ready at 85 s);
+    # cut to 3 after 40 s: one still starting, taken to be the newest (the oldest are the first to be ready)
+    assert asyncio.run(_starting_etas(60.0)) == [
+        (0, ()),
+        (2, (45.0, 45.0)),
+        (3, (30.0, 30.0, 45.0)),
+        (1, (30.0,)),
+    ]
+
+
+def test_without_a_cold_start_there_are_no_estimates() -> None:
+    assert [etas for _, etas in asyncio.run(_starting_etas(0.0))] == [(), (), (), ()]
