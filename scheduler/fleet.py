@@ -186,6 +186,10 @@ class PoolRef:
     name: str
     model: str
     role: Role
+    max_model_len: int | None = None  # its workers' context limit (None = unknown): longer prompts never wait
+
+    def could_serve(self, prompt_tokens: int) -> bool:
+        return self.max_model_len is None or prompt_tokens + 1 <= self.max_model_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,12 +200,20 @@ class FleetView:
     workers: tuple[WorkerView, ...] = ()
     pools: tuple[PoolRef, ...] = ()
 
-    def empty_pools(self, model: str, roles: frozenset[Role]) -> list[PoolRef]:
-        """Configured pools of `model` in one of `roles` with no worker in the view, in any state."""
-        if not self.pools:
-            return []
-        present = {w.pool for w in self.workers}
-        return [p for p in self.pools if p.model == model and p.role in roles and p.name not in present]
+    def empty_pools(self, model: str, roles: frozenset[Role], prompt_tokens: int) -> list[PoolRef]:
+        """Configured pools of `model` in one of `roles` whose context fits `prompt_tokens` and that have no
+        worker in the view, in any state. (Called only when nothing else fits, which is common under load:
+        the workers are scanned only for the few matching pools, and the scan stops once all are seen.)"""
+        wanted = {
+            p.name: p
+            for p in self.pools
+            if p.model == model and p.role in roles and p.could_serve(prompt_tokens)
+        }
+        for w in self.workers:
+            if not wanted:
+                break
+            wanted.pop(w.pool, None)
+        return list(wanted.values())
 
     def for_model(self, model: str) -> tuple[WorkerView, ...]:
         return tuple(w for w in self.workers if w.model == model)

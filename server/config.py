@@ -343,6 +343,16 @@ class AutoscalerConfig(_Strict):
         policy_knobs(knobs)
         return knobs
 
+    @model_validator(mode="after")
+    def _lead_needs_cold_start(self) -> AutoscalerConfig:
+        # Without a cold start there are no ready estimates: every starting instance would count as coming
+        # up only at the lead, so the projected backlog could only grow (more buying, not less).
+        if float(self.knobs.get("backlog_lead_s") or 0) > 0 and self.cold_start_s <= 0:
+            raise ValueError(
+                "backlog_lead_s needs autoscaler.cold_start_s (starting instances' expected ready times)"
+            )
+        return self
+
     def policy_config(self, slo: SloConfig) -> PolicyConfig:
         """The policy's knobs, with the SLO section's TTFT/TPOT as its latency net unless a knob sets them."""
         slos = {

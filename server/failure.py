@@ -86,6 +86,7 @@ class Lease:
     """See module docstring. `track()` adds a hop's in-flight ticket; `first_token()` marks prefill done."""
 
     __slots__ = (
+        "__weakref__",  # the registry's prefill-end heap holds non-streaming leases weakly
         "_growable",
         "_notify",
         "_released",

@@ -25,6 +25,7 @@ import dataclasses
 import heapq
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -179,7 +180,7 @@ class InflightTicket:
     """One request's load on one worker. `first_token()` moves its prompt out of the prefill backlog;
     `done()` removes it entirely. Both are idempotent; `done()` implies the first."""
 
-    __slots__ = ("_done", "_first", "prompt_tokens", "record")
+    __slots__ = ("__weakref__", "_done", "_first", "prompt_tokens", "record")
 
     def __init__(self, record: WorkerRecord, prompt_tokens: int, prefilled_remotely: bool) -> None:
         self.record = record
@@ -240,7 +241,9 @@ class Registry:
         self._workers: dict[str, WorkerRecord] = {}
         # (when, seq, ticket or lease): prefills estimated over then (non-streaming requests, whose first
         # token the gateway never sees); retired lazily by `view()`, so no timer per request
-        self._prefill_ends: list[tuple[float, int, FirstTokenHook]] = []
+        # Held weakly: a request that ended before its estimate leaves nothing to do, and its lease
+        # (decision, reservations, request) is not kept alive until the next view.
+        self._prefill_ends: list[tuple[float, int, weakref.ReferenceType[FirstTokenHook]]] = []
         self._prefill_seq = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -252,7 +255,8 @@ class Registry:
         view's `pools`: a request for its role is refused at once rather than held for it."""
         self._pools[info.name] = _Pool(info, source)
         if may_have_workers:
-            self._pool_refs = (*self._pool_refs, PoolRef(info.name, info.model, info.role))
+            ref = PoolRef(info.name, info.model, info.role, info.capacity.max_model_len)
+            self._pool_refs = (*self._pool_refs, ref)
 
     async def start(self) -> None:
         """Start sources, list them once, health-check everything, then run the background loops."""
@@ -316,7 +320,9 @@ class Registry:
         now = self._clock()
         ends = self._prefill_ends
         while ends and ends[0][0] <= now:
-            heapq.heappop(ends)[2].first_token()  # a no-op for a ticket already done
+            hook = heapq.heappop(ends)[2]()
+            if hook is not None:
+                hook.first_token()  # a no-op for a ticket already done or a lease already released
         stale = self._scrape_cfg.stale_after_s
         return FleetView(
             tuple(rec.cached_view(now, stale) for rec in self._workers.values()), self._pool_refs
@@ -347,7 +353,7 @@ class Registry:
         answers come whole). An `InflightTicket` (its prompt leaves the prefill backlog) or a whole
         `server.failure.Lease` (its tickets and its KV reservations' first-token hooks too)."""
         self._prefill_seq += 1
-        heapq.heappush(self._prefill_ends, (self._clock() + seconds, self._prefill_seq, ticket))
+        heapq.heappush(self._prefill_ends, (self._clock() + seconds, self._prefill_seq, weakref.ref(ticket)))
 
     # ------------------------------------------------------------------ passive health
     def report_success(self, worker_id: str) -> None:

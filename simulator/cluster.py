@@ -162,10 +162,6 @@ class ClusterSimulator:
         self.router = build_router(parse_routing_config(fleet.routing), reserve=tuple(reserve))
         self.rng = random.Random(fleet.seed)
         self._pools = {p.name: p for p in fleet.pools}
-        # as the gateway: a request for the role of a pool at zero waits for it (the router's empty_pool)
-        self._pool_refs = tuple(
-            PoolRef(p.name, p.model or fleet.model, Role(p.role)) for p in fleet.pools if p.max_replicas > 0
-        )
         self._perf = {
             p.name: PerfModel(self.catalog.gpu(p.gpu), self.catalog.model(p.model or fleet.model), p.tp)
             for p in fleet.pools
@@ -192,6 +188,13 @@ class ClusterSimulator:
             )
             for p in fleet.pools
         }
+        # as the gateway: a request for the role of a pool at zero waits for it (the router's empty_pool),
+        # when a policy can bring the pool back
+        self._pool_refs = tuple(
+            PoolRef(p.name, p.model or fleet.model, Role(p.role), self._caps[p.name].max_model_len)
+            for p in fleet.pools
+            if p.max_replicas > 0 and policy is not None
+        )
         self._heap: list[tuple[float, int, int, _Ev, Any]] = []
         self._seq = 0
         self._instances: dict[str, _Instance] = {}

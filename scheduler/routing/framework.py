@@ -311,8 +311,9 @@ class Cycle:
         if not candidates:
             # A configured pool of this model and role with no worker now will be back (an autoscaler
             # scaled it to zero, its pods are not listed yet): wait for it rather than refuse the request
-            # as if nothing could ever serve it (wrong_role / wrong_model alone are final).
-            empty = len(self.view.empty_pools(self.req.model, profile.roles))
+            # as if nothing could ever serve it (wrong_role / wrong_model alone are final). Not for a
+            # prompt over its context: that would wait (and hold the FIFO queue behind it) for nothing.
+            empty = len(self.view.empty_pools(self.req.model, profile.roles, self.req.prompt_tokens))
             if empty:
                 counts[FilterReason.EMPTY_POOL] = counts.get(FilterReason.EMPTY_POOL, 0) + empty
             return ProfileResult(profile.name, None, (), counts)

@@ -97,6 +97,11 @@ STATIC = {"name": "s", "model": "llama-3-8b", "gpu": "L4", "endpoints": {"static
             id="one model's simulated pools at two time scales",
         ),
         pytest.param(_config({"cooldown_s": 5}), "autoscaler.cooldown_s: unknown key", id="unknown key"),
+        pytest.param(
+            _config({"backlog_lead_s": 120}),
+            "backlog_lead_s needs autoscaler.cold_start_s",
+            id="a backlog lead without ready estimates",
+        ),
     ],
 )
 def test_bad_autoscaler_section_names_the_field(data: dict[str, Any], message: str) -> None:

@@ -80,3 +80,10 @@ def test_a_pool_configured_with_max_zero_is_not_waited_for() -> None:
     data["pools"][1]["max_replicas"] = 0
     _, result = run(data, five_per_second(20))
     assert result.failed == {"wrong_role": 100}
+
+
+def test_without_a_policy_nothing_waits_for_an_empty_pool() -> None:
+    """No autoscaler (`fixed`): a pool at zero stays there, so P/D requests are refused at once."""
+    parsed = parse_fleet(fleet(1, 0))
+    result = ClusterSimulator(parsed, None, "fixed").run(five_per_second(20))
+    assert result.failed == {"wrong_role": 100}

@@ -149,3 +149,21 @@ def test_pd_pair_holds_both_reservations_decode_first():
     decision = route(view(P, D), 2048, reserve=(ledger,))
     assert isinstance(decision, Decision) and decision.path == "pd"
     assert [r.worker_id for r in decision.reservations] == ["d", "p"]
+
+
+def test_an_empty_pool_whose_context_the_prompt_exceeds_does_not_hold_it():
+    """A prompt over every running worker's context and over the empty pool's too stays final: held, it
+    would wait for nothing and block the FIFO admission queue behind it."""
+    small = PoolRef("decode-l4", MODEL, Role.DECODE, max_model_len=8192)
+    fleet = with_pools(view(P, D), PREFILL_POOL, DECODE_POOL, small)
+    too_long = route(fleet, 10**6)
+    assert isinstance(too_long, Reject) and not too_long.retryable
+    assert FilterReason.EMPTY_POOL not in too_long.counts
+    assert too_long.counts[FilterReason.EXCEEDS_CONTEXT] == 1
+    # one the empty pool could take (its context unknown, or large enough) is held for it
+    for big in (
+        PoolRef("decode-l4", MODEL, Role.DECODE),
+        PoolRef("decode-l4", MODEL, Role.DECODE, 2 * 10**6),
+    ):
+        held = route(with_pools(view(P, D), PREFILL_POOL, DECODE_POOL, big), 10**6)
+        assert isinstance(held, Reject) and (held.primary, held.retryable) == (FilterReason.EMPTY_POOL, True)
