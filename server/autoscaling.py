@@ -281,6 +281,7 @@ class AutoscalerController:
                     "request_rate": obs.request_rate,
                     "mean_input_tokens": obs.mean_input_tokens,
                     "mean_output_tokens": obs.mean_output_tokens,
+                    "models": {m: asdict(mo) for m, mo in obs.models.items()},
                 },
                 "actions": [asdict(a) for a in actions],
                 **({"placement": placement} if placement is not None else {}),

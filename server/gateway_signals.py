@@ -28,6 +28,7 @@ gateway replica's `/metrics` (`server.gateway_scrape.GatewayScraper`, parsed by 
 | tpot_p90_s | p90 of `mosaic_time_per_output_token_seconds` (per request: (e2e − TTFT)/(n − 1)); with no such sample in the interval, of `mosaic_inter_token_latency_seconds` (older gateways) |
 | request_rate | Σ Δ`mosaic_requests_received_total` / Δt (arrivals: a backlog clearing does not read as a surge) |
 | mean_input_tokens, mean_output_tokens | Δ`mosaic_prompt_tokens_total`, Δ`mosaic_generation_tokens_total` ÷ Δ completed requests |
+| models | the four above (and the p90s) per `model` label, so one model's arrivals and latencies do not size another's pools (`Observation.for_model`) |
 
 Latency bounds are multiplied by the pool's time scale and rates divided by the model's (simulated pools,
 `server.autoscale_signals`).
@@ -43,6 +44,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler.autoscaler.signals import ModelObservation
 
 TTFT_FAMILY = "mosaic_time_to_first_token_seconds"
 TPOT_FAMILY = "mosaic_time_per_output_token_seconds"
@@ -205,13 +208,18 @@ def quantile(q: float, buckets: Iterable[Bucket]) -> float | None:
     return points[-1]
 
 
-def latency_buckets(family: str, increments: Samples, pool_scale: Callable[[str], float]) -> list[Bucket]:
-    """One histogram family's bucket increments per (model, pool) series, bounds × the pool's time scale."""
+def latency_buckets(
+    family: str, increments: Samples, pool_scale: Callable[[str], float], model: str | None = None
+) -> list[Bucket]:
+    """One histogram family's bucket increments per (model, pool) series, bounds × the pool's time scale;
+    only `model`'s series when given."""
     series: dict[Labels, list[tuple[float, float]]] = {}
     for (name, labels), value in increments.items():
         if name != family + "_bucket":
             continue
         lab = dict(labels)
+        if model is not None and lab.get("model") != model:
+            continue
         le = float(lab.pop("le"))
         series.setdefault(tuple(sorted(lab.items())), []).append((le, value))
     buckets: list[Bucket] = []
@@ -234,21 +242,40 @@ def gateway_signals(
     }
     if not merged.counted:
         return out
+    out.update(_model_signals(merged, pool_scale, model_scale, None))
+    models = {dict(lab)["model"] for (name, lab) in merged.per_s if name == RECEIVED and "model" in dict(lab)}
+    out["models"] = {
+        m: ModelObservation(**_model_signals(merged, pool_scale, model_scale, m)) for m in sorted(models)
+    }
+    return out
+
+
+def _model_signals(
+    merged: Merged, pool_scale: Callable[[str], float], model_scale: Callable[[str], float], model: str | None
+) -> dict[str, Any]:
+    """Arrival rate, mean lengths and latency p90s over `model`'s series (None: every model's)."""
+
+    def ours(lab: Labels) -> bool:
+        return model is None or dict(lab).get("model") == model
+
     inc = merged.increments
-    out["ttft_p90_s"] = quantile(0.9, latency_buckets(TTFT_FAMILY, inc, pool_scale))
-    tpot = quantile(0.9, latency_buckets(TPOT_FAMILY, inc, pool_scale))
+    out: dict[str, Any] = {"ttft_p90_s": quantile(0.9, latency_buckets(TTFT_FAMILY, inc, pool_scale, model))}
+    tpot = quantile(0.9, latency_buckets(TPOT_FAMILY, inc, pool_scale, model))
     out["tpot_p90_s"] = (
-        tpot if tpot is not None else quantile(0.9, latency_buckets(ITL_FAMILY, inc, pool_scale))
+        tpot if tpot is not None else quantile(0.9, latency_buckets(ITL_FAMILY, inc, pool_scale, model))
     )
     out["request_rate"] = sum(
         v / model_scale(dict(lab).get("model", ""))
         for (name, lab), v in merged.per_s.items()
-        if name == RECEIVED
+        if name == RECEIVED and ours(lab)
     )
     completed = sum(
-        v for (name, lab), v in inc.items() if name == OUTCOMES and ("outcome", "completed") in lab
+        v
+        for (name, lab), v in inc.items()
+        if name == OUTCOMES and ("outcome", "completed") in lab and ours(lab)
     )
     if completed > 0:
-        out["mean_input_tokens"] = sum(v for (name, _), v in inc.items() if name == PROMPT) / completed
-        out["mean_output_tokens"] = sum(v for (name, _), v in inc.items() if name == GENERATED) / completed
+        prompt = sum(v for (name, lab), v in inc.items() if name == PROMPT and ours(lab))
+        generated = sum(v for (name, lab), v in inc.items() if name == GENERATED and ours(lab))
+        out["mean_input_tokens"], out["mean_output_tokens"] = prompt / completed, generated / completed
     return out

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from scheduler.autoscaler.buying import CapacityOf, capacity, rebalance
-from scheduler.autoscaler.signals import Observation, PoolSpec, ScalingDecision
+from scheduler.autoscaler.signals import ModelObservation, Observation, PoolSpec, ScalingDecision
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,20 +116,21 @@ class MosaicAutoscaler:
         prefill_pools = [p for p in pools if p.role == "prefill"]
         current = {p.name: obs.pools[p.name].provisioned if p.name in obs.pools else 0 for p in pools}
 
+        seen = obs.for_model(model)
         waiting = obs.admission_queue.get(model, 0) + sum(
             obs.pools[p.name].num_waiting for p in pools if p.name in obs.pools
         )
-        out_tokens = obs.mean_output_tokens or cfg.default_output_tokens
-        in_tokens = obs.mean_input_tokens or cfg.default_input_tokens
+        out_tokens = seen.mean_output_tokens or cfg.default_output_tokens
+        in_tokens = seen.mean_input_tokens or cfg.default_input_tokens
         decode_tps = sum(obs.pools[p.name].decode_tokens_per_s for p in decode_pools if p.name in obs.pools)
-        decode_boost = self._boost(obs.tpot_p90_s, cfg.tpot_slo_s)
+        decode_boost = self._boost(seen.tpot_p90_s, cfg.tpot_slo_s)
         # Arrivals (seen by the gateway) bound demand from below: a saturated pool's token rate cannot rise
         # above its capacity, the arrival rate can. In steady state the two are equal (tokens are conserved).
         # The configured lengths stand in when no mean was observed: the gateway measures lengths on
         # completions, and a pool at zero (or saturated for a whole interval) completes nothing, so the
         # observed means are 0 exactly when arrivals alone can show demand; a pool scaled to zero would
         # otherwise never come back.
-        observed = self._mean_context(model, obs)
+        observed = self._mean_context(model, seen)
         if observed is not None:
             signal[f"{model}/context_tokens"] = observed
         context = observed if cfg.observed_context else None
@@ -137,7 +138,7 @@ class MosaicAutoscaler:
         def decode_cap(p: PoolSpec) -> float:
             return p.decode_tps_at(context)
 
-        arriving_decode = obs.request_rate * out_tokens
+        arriving_decode = seen.request_rate * out_tokens
         decode_level = self._forecast(f"{model}/decode", max(decode_tps, arriving_decode), obs.now)
         decode_backlog = self._backlog(waiting * out_tokens, decode_level, decode_pools, decode_cap, obs)
         decode_demand = (decode_level + decode_backlog / cfg.queue_drain_s) * decode_boost
@@ -158,13 +159,13 @@ class MosaicAutoscaler:
 
         if not prefill_pools:
             return
-        prefill_boost = self._boost(obs.ttft_p90_s, cfg.ttft_slo_s)
+        prefill_boost = self._boost(seen.ttft_p90_s, cfg.ttft_slo_s)
         prompt_tps = sum(obs.pools[p.name].prompt_tokens_per_s for p in prefill_pools if p.name in obs.pools)
         prefill_waiting = obs.admission_queue.get(model, 0) + sum(
             obs.pools[p.name].num_waiting for p in prefill_pools if p.name in obs.pools
         )
         # prompt tokens/s demand, with the prefill backlog to be cleared within queue_drain_s
-        arriving_prompt = obs.request_rate * in_tokens
+        arriving_prompt = seen.request_rate * in_tokens
 
         def prefill_cap(p: PoolSpec) -> float:
             return p.prefill_tps_capacity
@@ -251,7 +252,7 @@ class MosaicAutoscaler:
             rate, t = rate + cap, eta
         return max(0.0, queue + (level - rate) * (lead - t))
 
-    def _mean_context(self, model: str, obs: Observation) -> float | None:
+    def _mean_context(self, model: str, obs: ModelObservation) -> float | None:
         """Smoothed mean context per sequence, input + output/2 (a sequence decodes on average at half its
         output), from the lengths of the requests completed in the interval; None until one completed."""
         previous = self._context.get(model)

@@ -82,6 +82,17 @@ class PoolObservation:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelObservation:
+    """The gateway-side signals of one model (or of the whole fleet: `Observation.for_model`)."""
+
+    request_rate: float = 0.0
+    mean_input_tokens: float = 0.0
+    mean_output_tokens: float = 0.0
+    ttft_p90_s: float | None = None
+    tpot_p90_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     now: float
     pools: Mapping[str, PoolObservation]
@@ -93,6 +104,21 @@ class Observation:
     request_rate: float = 0.0  # requests/s arriving over the last interval (Dynamo-style baseline)
     mean_input_tokens: float = 0.0
     mean_output_tokens: float = 0.0
+    # the same per model, where the gateway labels them (a multi-model fleet: one model's arrivals and
+    # latencies must not size another's pools); a model absent here reads the fleet-wide fields
+    models: Mapping[str, ModelObservation] = field(default_factory=dict)
+
+    def for_model(self, model: str) -> ModelObservation:
+        found = self.models.get(model)
+        if found is not None:
+            return found
+        return ModelObservation(
+            self.request_rate,
+            self.mean_input_tokens,
+            self.mean_output_tokens,
+            self.ttft_p90_s,
+            self.tpot_p90_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,16 +84,49 @@ def test_a_restarted_gateway_counts_from_zero() -> None:
     assert out["tpot_p90_s"] == pytest.approx(0.044)
 
 
-def test_without_a_tpot_histogram_the_net_reads_inter_token_gaps() -> None:
+def one_interval(record: Callable[[GatewayMetrics], None], seconds: float) -> dict[str, Any]:
+    """The signals of one gateway's own registry over an interval of `seconds` in which `record` ran."""
     metrics = GatewayMetrics()
-    clock = iter([1.0, 2.0])
+    clock = iter([0.0, seconds])
     source = RegistrySource(metrics.registry, lambda: next(clock))
     window = GatewayWindow()
     window.step(source())
-    for _ in range(10):
-        metrics.itl.labels(MODEL, "dec").observe(0.03)
-    out = gateway_signals(window.step(source()), one, one)
+    record(metrics)
+    return gateway_signals(window.step(source()), one, one)
+
+
+def test_without_a_tpot_histogram_the_net_reads_inter_token_gaps() -> None:
+    def record(metrics: GatewayMetrics) -> None:
+        for _ in range(10):
+            metrics.itl.labels(MODEL, "dec").observe(0.03)
+
+    out = one_interval(record, 1.0)
     assert out["tpot_p90_s"] == pytest.approx(0.038)  # all 10 gaps in (0.02, 0.04]: 0.02 + 0.02 · 9 / 10
+
+
+def test_each_model_gets_its_own_arrivals_lengths_and_latencies() -> None:
+    """Two models behind one gateway: the fleet-wide fields blend them, `models` keeps them apart."""
+
+    def record(metrics: GatewayMetrics) -> None:
+        for model, received, prompt, generated, ttft in (
+            (MODEL, 40, 4_000, 8_000, 0.15),
+            ("small", 10, 5_000, 500, 3.0),
+        ):
+            metrics.received.labels(model).inc(received)
+            for _ in range(received // 2):
+                metrics.outcomes.labels(model, "completed").inc()
+            metrics.prompt_tokens.labels(model).inc(prompt)
+            metrics.generation_tokens.labels(model).inc(generated)
+            for _ in range(10):
+                metrics.ttft.labels(model, "dec").observe(ttft)
+
+    out = one_interval(record, 10.0)
+    assert out["request_rate"] == 5.0  # 50 arrived in 10 s
+    big, small = out["models"][MODEL], out["models"]["small"]
+    assert (big.request_rate, big.mean_input_tokens, big.mean_output_tokens) == (4.0, 200.0, 400.0)
+    assert (small.request_rate, small.mean_input_tokens, small.mean_output_tokens) == (1.0, 1_000.0, 100.0)
+    assert big.ttft_p90_s is not None and big.ttft_p90_s < 0.2  # its own latencies only
+    assert small.ttft_p90_s is not None and small.ttft_p90_s > 2.0
 
 
 # ---------------------------------------------------------------------------------------------- scraping

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scheduler.autoscaler.baselines import DynamoPlanner, HpaPolicy, StaticPolicy
 from scheduler.autoscaler.buying import rebalance
 from scheduler.autoscaler.policy import AutoscalerConfig, MosaicAutoscaler
-from scheduler.autoscaler.signals import Observation, PoolObservation, PoolSpec
+from scheduler.autoscaler.signals import ModelObservation, Observation, PoolObservation, PoolSpec
 
 
 def decode_pool(
@@ -363,3 +365,30 @@ def test_a_queue_starting_instances_will_clear_buys_nothing_more() -> None:
 def test_a_starting_instance_without_an_estimate_counts_at_the_lead() -> None:
     # one starting, no ready-time estimate: nothing arrives before the lead, +50 tok/s for 30 s
     assert backlog_demand(30.0, backlog_obs(10, 1, (), starting=1)) == 100 + 2_500 / 10
+
+
+def test_each_model_is_sized_on_its_own_arrivals_and_latency() -> None:
+    """Two models: the fleet-wide rate (10 req/s) would size both; per model, 9 and 1 req/s. Model b's TPOT
+    breach boosts b only."""
+    a = PoolSpec("a-dec", "a", "decode", "A100-80GB", 3.67, 0, 32, decode_tps_capacity=1000.0)
+    b = PoolSpec("b-dec", "b", "decode", "A100-80GB", 3.67, 0, 32, decode_tps_capacity=1000.0)
+    cfg = AutoscalerConfig(smoothing=1.0, utilization_target=1.0, tpot_slo_s=0.05)
+    observation = Observation(
+        now=15,
+        pools={"a-dec": PoolObservation(ready=1), "b-dec": PoolObservation(ready=1)},
+        request_rate=10.0,
+        mean_input_tokens=100,
+        mean_output_tokens=100,
+        tpot_p90_s=0.2,
+        models={
+            "a": ModelObservation(9.0, 100, 100, None, 0.04),
+            "b": ModelObservation(1.0, 100, 100, None, 0.2),
+        },
+    )
+    decision = MosaicAutoscaler([a, b], cfg).decide(observation)
+    assert decision.signal["a/decode_demand_tps"] == 900  # 9 req/s x 100 tokens, no breach
+    assert decision.signal["b/decode_demand_tps"] == 100 * 1.2  # 1 x 100, severe breach (> 1.5 x SLO)
+    assert decision.targets == {"a-dec": 1, "b-dec": 1}
+    # without per-model signals both read the fleet's: 10 x 100 tokens, boosted by the fleet's TPOT
+    fleet_wide = MosaicAutoscaler([a, b], cfg).decide(dataclasses.replace(observation, models={}))
+    assert fleet_wide.signal["a/decode_demand_tps"] == fleet_wide.signal["b/decode_demand_tps"] == 1000 * 1.2
