@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import openai
+import vllm_env
 import yaml
 
 from server.vllm_launcher import free_port, health_ok, log_tail
@@ -81,6 +82,21 @@ def static_config(
     for key, value in (extra or {}).items():
         config[key] = value
     return config
+
+
+def launch_endpoints(log_dir: Path, replicas: int) -> dict[str, Any]:
+    """A pool's `endpoints:` for `launch: vllm` of the CPU build serving the tiny model (no GPU assignment)."""
+    return {
+        "launch": {
+            "model": str(vllm_env.MODEL_DIR),
+            "replicas": replicas,
+            "use_gpus": False,
+            "vllm_command": f"{vllm_env.VENV_PYTHON} {vllm_env.CPU_CLI} serve",
+            "extra_args": list(vllm_env.BASE_SERVER_ARGS),
+            "env": vllm_env.server_env(),
+            "log_dir": str(log_dir),
+        }
+    }
 
 
 class MosaicGateway:

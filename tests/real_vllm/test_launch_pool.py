@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import vllm_env
-from gateway_harness import MosaicGateway, static_config
+from gateway_harness import MosaicGateway, launch_endpoints, static_config
 
 from server.vllm_launcher import health_ok, stop_pid
 
@@ -21,17 +21,7 @@ def test_gateway_launches_serves_and_stops_a_vllm_pool(tmp_path: Path) -> None:
     if reason is not None:
         pytest.skip(reason)
     config = static_config(vllm_env.SERVED_MODEL_NAME, [], pool="launched")
-    config["pools"][0]["endpoints"] = {
-        "launch": {
-            "model": str(vllm_env.MODEL_DIR),
-            "replicas": 1,
-            "use_gpus": False,  # the CPU build: no GPU assignment
-            "vllm_command": f"{vllm_env.VENV_PYTHON} {vllm_env.CPU_CLI} serve",
-            "extra_args": list(vllm_env.BASE_SERVER_ARGS),
-            "env": vllm_env.server_env(),
-            "log_dir": str(tmp_path / "vllm-logs"),
-        }
-    }
+    config["pools"][0]["endpoints"] = launch_endpoints(tmp_path / "vllm-logs", replicas=1)
     with MosaicGateway(config, tmp_path) as gateway:
         gateway.wait_ready()
         started = time.monotonic()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import vllm_env
-from gateway_harness import MosaicGateway, static_config
+from gateway_harness import MosaicGateway, launch_endpoints, static_config
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
 
@@ -32,17 +32,7 @@ def test_a_request_to_a_pool_at_zero_is_held_until_its_vllm_is_up(tmp_path: Path
     )
     pool = config["pools"][0]
     pool.update({"min_replicas": 0, "max_replicas": 1})
-    pool["endpoints"] = {
-        "launch": {
-            "model": str(vllm_env.MODEL_DIR),
-            "replicas": 0,
-            "use_gpus": False,  # the CPU build: no GPU assignment
-            "vllm_command": f"{vllm_env.VENV_PYTHON} {vllm_env.CPU_CLI} serve",
-            "extra_args": list(vllm_env.BASE_SERVER_ARGS),
-            "env": vllm_env.server_env(),
-            "log_dir": str(tmp_path / "vllm-logs"),
-        }
-    }
+    pool["endpoints"] = launch_endpoints(tmp_path / "vllm-logs", replicas=0)
     with MosaicGateway(config, tmp_path) as gateway:
         gateway.wait_ready()
         assert gateway.admin_get("/admin/workers")["workers"] == []  # nothing launched yet
