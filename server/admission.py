@@ -109,6 +109,8 @@ class AdmissionQueue(Generic[D]):
         self._clock = clock
         self.policy = policy
         self._queues: dict[str, deque[_Waiter[D]]] = {}
+        # called with the model and the router's reject when a request starts waiting after one
+        self.on_queued: Callable[[str, RejectLike], None] | None = None
 
     def depths(self) -> dict[str, int]:
         return {model: len(q) for model, q in self._queues.items()}
@@ -157,6 +159,8 @@ class AdmissionQueue(Generic[D]):
                 + (f" Last routing result: {last.reason}" if last else ""),
                 retry_after_s=last.retry_after_s if last and last.retry_after_s > 0 else self._deadline_s,
             )
+        if last is not None and self.on_queued is not None:
+            self.on_queued(model, last)
         return await self._wait(model, q, attempt, last, req)
 
     async def _wait(

@@ -100,6 +100,9 @@ class AutoscalerMetrics:
         )
 
 
+WAKE_GAP_S = 1.0  # an early cycle (`wake`) comes at least this long after the previous one
+
+
 class AutoscalerController:
     """One policy, one actuator, the pools it manages. `start()` runs the loop; `cycle()` runs one."""
 
@@ -135,6 +138,14 @@ class AutoscalerController:
         self.decisions: deque[dict[str, Any]] = deque(maxlen=self.settings.history)
         self.actions: deque[dict[str, Any]] = deque(maxlen=self.settings.history)
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._last_cycle: float | None = None
+
+    def wake(self) -> None:
+        """Run the next cycle now rather than at the end of the interval (at most one per `WAKE_GAP_S`): a
+        request is waiting for a pool with no worker, so every second until the decision is added to its
+        cold start (Knative's activator pokes its autoscaler the same way)."""
+        self._wake.set()
 
     # ------------------------------------------------------------------ lifecycle
     def build(self) -> None:
@@ -173,7 +184,7 @@ class AutoscalerController:
         self.build()
         done = 0
         while not cycles or done < cycles:
-            await asyncio.sleep(self.settings.interval_s)
+            await self._until_next_cycle()
             done += 1
             try:
                 await self.cycle()
@@ -184,11 +195,19 @@ class AutoscalerController:
             if on_cycle is not None:
                 on_cycle(self.decisions[-1])
 
+    async def _until_next_cycle(self) -> None:
+        """One interval, or less when `wake()` is called (not sooner than `WAKE_GAP_S` after the last cycle)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
+        if self._wake.is_set() and self._last_cycle is not None:
+            await asyncio.sleep(max(0.0, self._last_cycle + WAKE_GAP_S - self.clock()))
+        self._wake.clear()
+
     # ------------------------------------------------------------------ one cycle
     async def cycle(self) -> ScalingDecision:
         self.build()
         assert self.policy is not None
-        now = self.clock()
+        now = self._last_cycle = self.clock()
         desired = await self._desired()
         if self.placement is not None and not self._placement_seeded:
             # the instances running at the first cycle: the backend's count for managed pools, else the registry's

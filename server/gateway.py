@@ -30,8 +30,8 @@ from scheduler.kv.ledger import KvLedger
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.config import build_router
 from scheduler.routing.framework import Decision, ReservePlugin
-from scheduler.routing.reasons import Reject
-from server.admission import AdmissionQueue
+from scheduler.routing.reasons import FilterReason, Reject
+from server.admission import AdmissionQueue, RejectLike
 from server.auth import KeyStore, RateLimiter
 from server.autoscaler_setup import in_process, in_process_controller
 from server.autoscaling import AutoscalerController
@@ -46,6 +46,10 @@ from server.proxy import Upstream
 from server.registry import PoolInfo, Registry
 
 log = logging.getLogger("mosaic.gateway")
+
+
+# a request queued for these waits for a worker that does not exist yet: only a decision can bring it
+WAKING_REASONS = frozenset({FilterReason.EMPTY_POOL, FilterReason.NO_WORKERS})
 
 
 class Gateway:
@@ -142,6 +146,13 @@ class Gateway:
         self.autoscaler: AutoscalerController | None = (
             in_process_controller(self) if in_process(config) else None
         )
+        if self.autoscaler is not None:
+            self.admission.on_queued = self._wake_autoscaler
+
+    def _wake_autoscaler(self, model: str, reject: RejectLike) -> None:
+        """A request waits for a pool with no worker (scaled to zero): decide now, not at the interval's end."""
+        if self.autoscaler is not None and getattr(reject, "primary", None) in WAKING_REASONS:
+            self.autoscaler.wake()
 
     def _kv_tick(self) -> None:
         """After each scrape round: expire lost reservations, then reconcile against reported KV usage."""

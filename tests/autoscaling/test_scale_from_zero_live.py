@@ -85,3 +85,18 @@ def test_without_an_autoscaler_they_end_at_the_queue_deadline() -> None:
         assert "empty_pool" in body["error"]["message"]
         assert 1.0 <= elapsed < 5.0
     assert out["decode_workers"] == []
+
+
+def test_a_held_request_wakes_the_autoscaler_before_its_interval_ends() -> None:
+    """A 30 s decision interval: the held requests trigger a decision at once (as Knative's activator pokes
+    its autoscaler), so they are served within seconds, not after the interval plus the cold start."""
+    autoscaler = {
+        "enabled": True,
+        "actuator": "embedded",
+        "interval_s": 30.0,
+        "cold_start_s": 0.5,
+        "context_tokens": 128,
+    }
+    out = asyncio.run(_run(pd_config(autoscaler, queue_deadline_s=60)))
+    assert [status for status, _, _ in out["results"]] == [200] * 6, out["results"]
+    assert max(elapsed for _, _, elapsed in out["results"]) < 10.0
