@@ -340,8 +340,8 @@ class Dispatcher:
                     # backlog (est-ttft, the P/D gate), and the KV reservations settle: the decode side
                     # drops its transient prefill chunk, and a P/D prefill worker's pages (pulled by the
                     # decode worker when it starts the request) are released instead of being held for
-                    # the whole generation. For a remote prefill the estimate (it counts the prompt at the
-                    # decode worker's own prefill rate) is an upper bound on the KV pull.
+                    # the whole generation. An estimate, not a bound: a decode worker without a free slot
+                    # pulls the KV later (docs/kv.md, "Limits").
                     eta = estimated_ttft_s(decode, lease.req)
                     if eta < self.limits.total_timeout_s:
                         self.registry.prefill_ends_in(lease, eta)

@@ -124,12 +124,6 @@ class MosaicAutoscaler:
         in_tokens = seen.mean_input_tokens or cfg.default_input_tokens
         decode_tps = sum(obs.pools[p.name].decode_tokens_per_s for p in decode_pools if p.name in obs.pools)
         decode_boost = self._boost(seen.tpot_p90_s, cfg.tpot_slo_s)
-        # Arrivals (seen by the gateway) bound demand from below: a saturated pool's token rate cannot rise
-        # above its capacity, the arrival rate can. In steady state the two are equal (tokens are conserved).
-        # The configured lengths stand in when no mean was observed: the gateway measures lengths on
-        # completions, and a pool at zero (or saturated for a whole interval) completes nothing, so the
-        # observed means are 0 exactly when arrivals alone can show demand; a pool scaled to zero would
-        # otherwise never come back.
         observed = self._mean_context(model, seen)
         if observed is not None:
             signal[f"{model}/context_tokens"] = observed
@@ -138,6 +132,12 @@ class MosaicAutoscaler:
         def decode_cap(p: PoolSpec) -> float:
             return p.decode_tps_at(context)
 
+        # Arrivals (seen by the gateway) bound demand from below: a saturated pool's token rate cannot rise
+        # above its capacity, the arrival rate can. In steady state the two are equal (tokens are conserved).
+        # The configured lengths stand in when no mean was observed: the gateway measures lengths on
+        # completions, and a pool at zero (or saturated for a whole interval) completes nothing, so the
+        # observed means are 0 exactly when arrivals alone can show demand; a pool scaled to zero would
+        # otherwise never come back.
         arriving_decode = seen.request_rate * out_tokens
         decode_level = self._forecast(f"{model}/decode", max(decode_tps, arriving_decode), obs.now)
         decode_backlog = self._backlog(waiting * out_tokens, decode_level, decode_pools, decode_cap, obs)
