@@ -14,6 +14,7 @@ at its size.
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
     python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--observed-context] [--quick]
     python bench/autoscale_eval.py --load-sweep 1,2,4 [--quick]
+    python bench/autoscale_eval.py --seeds 1,2,3,4,5,6,7,8,9,10 [--quick]
 
 `--grid` is a sensitivity check of the comparison itself: the two target-driven families (Mosaic and the
 Dynamo-style planner) over the given utilisation targets instead of the standard grid, on every trace,
@@ -33,6 +34,13 @@ maximum is flagged), and every run starts from the same 2 prefill + 2 decode: at
 day starts that is about what k = 4 needs and more than k = 1 does, so no multiplier starts short. It
 writes `bench/results/autoscale_load.json` and leaves `autoscale_eval.json` alone.
 
+`--seeds` asks whether the compressed-day comparison is one draw's luck: the same day (shape, burst, rate)
+drawn with each seed (arrival times and lengths; 7 is the standard trace), the two target-driven families
+over the standard grid on each, each family's best run and the ratio per seed, and over all seeds the
+mean ratio, the ratio of summed best GPU-hours, and how many seeds meet the 0.95 bar (a seed where a
+family passes no target counts as not met). It writes `bench/results/autoscale_seeds.json` and leaves
+`autoscale_eval.json` alone.
+
 `--pd-gate-sweep` measures conditional disaggregation (the router's P/D gate, `pd_max_prefill_wait_s`,
 docs/routing.md) in this evaluation: the Mosaic, Dynamo-style and static families over their whole grids,
 with the gate off and at each bound in `PD_GATE_BOUNDS` (the same routing config for every family), each
@@ -50,6 +58,8 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -93,10 +103,13 @@ FLEET: dict[str, Any] = {
 COMPRESSED_DAY = "diurnal+burst"
 
 
-def compressed_day(quick: bool, load: float = 1.0) -> list[SimRequest]:
+STANDARD_SEED = 7
+
+
+def compressed_day(quick: bool, load: float = 1.0, seed: int = STANDARD_SEED) -> list[SimRequest]:
     """A compressed day: trough at 0.3x and peak at 1.7x the mean (16 req/s times `load`), one period,
     with a sustained flash crowd (1.8x for 5 minutes, longer than a cold start) on the way down from the
-    peak."""
+    peak. `seed` draws the arrivals and lengths."""
     period = 1200.0 if quick else 3600.0
     spec = DiurnalSpec(
         duration_s=period,
@@ -106,7 +119,8 @@ def compressed_day(quick: bool, load: float = 1.0) -> list[SimRequest]:
         bursts=(Burst(0.62 * period, 300, 1.8),),
     )
     return [
-        SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens) for r in diurnal_trace(spec, seed=7)
+        SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens)
+        for r in diurnal_trace(spec, seed=seed)
     ]
 
 
@@ -405,6 +419,64 @@ def load_sweep(loads: tuple[float, ...], quick: bool, workers: int) -> None:
     _record("autoscale_load", f"--load-sweep {_join(loads)}", quick, {**payload, "loads": summary}, lines)
 
 
+def seed_sweep(seeds: tuple[int, ...], quick: bool, workers: int) -> None:
+    """Mosaic and the planner over the standard grid on the compressed day drawn with each seed
+    (`--seeds`); per seed the best runs and the ratio, over all seeds the aggregates (module docstring)."""
+    grid = standard_grid(quick)
+    per_seed: dict[str, Any] = {}
+    lines = []
+    for seed in seeds:
+        reqs = compressed_day(quick, seed=seed)
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            reports = list(pool.map(run_one, target_jobs(COMPRESSED_DAY, reqs, grid)))
+        out = target_families(reports)
+        per_seed[str(seed)] = {"requests": len(reqs), **out}
+        lines.append(
+            f"seed {seed}: best (target, GPU-h) {out['best']}, Mosaic/Dynamo {out['mosaic_vs_dynamo']}"
+        )
+    aggregate = seed_aggregate(per_seed)
+    lines.append(
+        f"over {len(seeds)} seeds: mean ratio {aggregate['mean_ratio']} (95% CI "
+        f"{aggregate['mean_ratio_ci95']}), summed GPU-h ratio "
+        f"{aggregate['summed_ratio']}, ≤ 0.95 on {aggregate['seeds_meeting_bar']} of {len(seeds)}"
+    )
+    payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "trace": COMPRESSED_DAY}
+    _record(
+        "autoscale_seeds",
+        f"--seeds {','.join(map(str, seeds))}",
+        quick,
+        {**payload, "seeds": per_seed, "aggregate": aggregate},
+        lines,
+    )
+
+
+def seed_aggregate(per_seed: dict[str, Any], bar: float = 0.95) -> dict[str, Any]:
+    """Mean of the per-seed ratios and ratio of the summed best GPU-hours, over the seeds where both
+    families passed some target; `seeds_meeting_bar` counts the rest as not met."""
+    ratios = [v["mosaic_vs_dynamo"] for v in per_seed.values()]
+    both = [v["best"] for v in per_seed.values() if v["mosaic_vs_dynamo"] is not None]
+    mosaic, planner = sum(b["mosaic"][1] for b in both), sum(b["dynamo"][1] for b in both)
+    known = [r for r in ratios if r is not None]
+    return {
+        "seeds": len(ratios),
+        "seeds_compared": len(known),
+        "mean_ratio": round(sum(known) / len(known), 3) if known else None,
+        "summed_ratio": round(mosaic / planner, 3) if planner else None,
+        "mean_ratio_ci95": _bootstrap_ci(known),
+        "seeds_meeting_bar": sum(1 for r in known if r <= bar),
+        "min_ratio": min(known, default=None),
+        "max_ratio": max(known, default=None),
+    }
+
+
+def _bootstrap_ci(values: list[float], resamples: int = 10_000) -> list[float] | None:
+    """95% percentile-bootstrap interval of the mean (fixed RNG seed, so a rerun prints the same)."""
+    if len(values) < 2:
+        return None
+    means = np.random.default_rng(0).choice(values, size=(resamples, len(values))).mean(axis=1)
+    return [round(float(q), 3) for q in np.percentile(means, [2.5, 97.5])]
+
+
 def _join(values: tuple[float, ...]) -> str:
     return ",".join(f"{v:g}" for v in values)
 
@@ -424,6 +496,17 @@ def parse_grid(text: str) -> tuple[float, ...]:
 
 def parse_loads(text: str) -> tuple[float, ...]:
     return _parse_floats(text, "--load-sweep", "positive multipliers", lambda k: 0 < k < math.inf)
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    error = f"error: --seeds: comma-separated non-negative integers, got {text!r}"
+    try:
+        seeds = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(error) from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise SystemExit(error)
+    return seeds
 
 
 def _parse_floats(text: str, flag: str, what: str, ok: Callable[[float], bool]) -> tuple[float, ...]:
@@ -452,6 +535,9 @@ def main() -> None:
         help="comma-separated multipliers of the compressed day's rate: Mosaic vs Dynamo-style (see above)",
     )
     parser.add_argument(
+        "--seeds", help="comma-separated seeds of the compressed day: Mosaic vs Dynamo-style (see above)"
+    )
+    parser.add_argument(
         "--observed-context",
         action="store_true",
         help="with --grid: both families size decode at the observed context (see above)",
@@ -459,6 +545,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.observed_context and not args.grid:
         raise SystemExit("error: --observed-context applies to --grid only")
+    if args.seeds:
+        seed_sweep(parse_seeds(args.seeds), args.quick, args.workers)
+        return
     if args.load_sweep:
         load_sweep(parse_loads(args.load_sweep), args.quick, args.workers)
         return
