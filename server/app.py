@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from scheduler.routing.framework import ReservePlugin
 from server.config import MosaicConfig
 from server.discovery import Source
-from server.dispatch import RequestRecord
+from server.dispatch import CLIENT_CLOSED_STATUS, RequestRecord
 from server.errors import Cause, GatewayError
 from server.footprint import Kind, parse_request
 from server.gateway import Gateway
@@ -251,6 +251,9 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
             gw.metrics.requests.labels(model, "none", str(err.status)).inc()
             gw.metrics.rejections.labels(err.cause.value).inc()
             return err.to_response(rid)
+        except ClientDisconnect:  # gone before its body ended: nobody to answer, and not the gateway's error
+            gw.metrics.requests.labels(model, "none", str(CLIENT_CLOSED_STATUS)).inc()
+            return Response(status_code=CLIENT_CLOSED_STATUS)
         child(received, model).inc()  # arrivals, before any queueing (the autoscaler's request rate)
         rec = RequestRecord(rid, model, key, arrival, reserved if gw.limiter.enabled else 0)
         return await gw.dispatcher.handle(parsed, path, rec, receive)

@@ -107,6 +107,7 @@ class FastCycle:
     `receive`/`send` (module docstring)."""
 
     __slots__ = (
+        "_body_delivered",
         "_disconnect_callbacks",
         "_head",
         "_waiter",
@@ -140,6 +141,7 @@ class FastCycle:
         self._head: list[bytes] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._disconnect_callbacks: list[Callable[[], None]] | None = None
+        self._body_delivered = False  # the message with more_body=False was returned by receive()
 
     # ------------------------------------------------------------------ protocol side
     def wake(self) -> None:
@@ -205,13 +207,17 @@ class FastCycle:
                 self.waiting_for_100_continue = False
             protocol.flow.resume_reading()
             await self._wait()
-        elif not self.disconnected and not self.response_complete and not self.more_body and not self.body:
+        elif not self.disconnected and not self.response_complete and self._body_delivered:
             await self._wait()  # the body was handed over: the next event is the disconnect
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
         body, self.body = bytes(self.body), bytearray()
         if self.more_body:
             protocol.flow.resume_reading()
+        else:
+            # an empty body is complete before the first read: that read must still get its (empty) last
+            # message, not wait for a disconnect that a client waiting for its answer never sends
+            self._body_delivered = True
         return {"type": "http.request", "body": body, "more_body": self.more_body}
 
     async def _wait(self) -> None:

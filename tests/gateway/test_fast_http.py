@@ -89,6 +89,7 @@ CASES = [
     ),
     ("an unknown model (404 in OpenAI shape)", completion(model="nope"), (), {}),
     ("a body that is not JSON (400)", b"{not json", (), {}),
+    ("an empty body (400)", b"", (), {}),
     ("a missing API key (401)", completion(), (), {"auth": {"api_keys": ["k1"]}}),
     ("a wrong API key (401)", completion(), (b"Authorization: Bearer nope",), {"auth": {"api_keys": ["k1"]}}),
     ("a body over the limit (413)", completion(prompt="x" * 3000), (), {"limits": {"max_body_bytes": 1024}}),
@@ -209,6 +210,33 @@ def test_a_client_gone_before_the_answer_cancels_the_upstream_call() -> None:
             assert all(r.inflight_requests == 0 for r in running.gateway.registry.records())
 
     run(go)
+
+
+@pytest.mark.parametrize("target", [FAST, SLOW])
+def test_a_client_gone_while_sending_its_body_is_recorded_as_499_not_as_an_internal_error(
+    target: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def go() -> None:
+        async with serving(FakeWorker("a", mode="ok")) as running:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            head = request(target, completion()).split(b"\r\n\r\n")[0]
+            writer.write(head + b"\r\n\r\n" + completion()[:10])  # Content-Length promises more
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.close()
+            await writer.wait_closed()
+            registry = running.gateway.metrics.registry
+            labels = {"model": "unknown", "pool": "none", "status": "499"}
+            for _ in range(200):
+                if registry.get_sample_value("mosaic_requests_total", labels):
+                    break
+                await asyncio.sleep(0.01)
+            assert registry.get_sample_value("mosaic_requests_total", labels) == 1
+            assert running.gateway.dispatcher.outcomes == {}  # never admitted, so no dispatch outcome
+
+    with caplog.at_level("ERROR"):
+        run(go)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
 def test_a_body_larger_than_the_read_buffer_is_forwarded_whole() -> None:
