@@ -130,15 +130,7 @@ def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | No
     try:
         req: _Chat | _Completion = (_Chat if kind == "chat" else _Completion).model_validate_json(body)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        if err["type"] == "json_invalid":
-            raise GatewayError(Cause.BAD_REQUEST, f"Request body is not valid JSON: {err['msg']}") from None
-        if err["type"] == "model_type":
-            raise GatewayError(Cause.BAD_REQUEST, "Request body must be a JSON object") from None
-        raise GatewayError(
-            Cause.BAD_REQUEST, f"Invalid value for '{param}': {err['msg']}", param=param
-        ) from None
+        raise _validation_error(exc) from None
     n = req.n if req.n and req.n > 0 else 1
     token_ids: list[int] | None = None
     text: str | None = None
@@ -170,6 +162,40 @@ def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | No
         token_ids=token_ids,
         prompt_text=text,
     )
+
+
+def _validation_error(exc: ValidationError) -> GatewayError:
+    """The first error, named by its field path (`messages.0.content`). A union field (`prompt`, a message's
+    `content`) fails once per member, each with the member's type in its location (`prompt.list[int]`):
+    those tags are left out of the path and the message lists the types the field accepts."""
+    errors = exc.errors(include_url=False)
+    err = errors[0]
+    if err["type"] == "json_invalid":
+        return GatewayError(Cause.BAD_REQUEST, f"Request body is not valid JSON: {err['msg']}")
+    if err["type"] == "model_type" and not err["loc"]:
+        return GatewayError(Cause.BAD_REQUEST, "Request body must be a JSON object")
+    path, tag = _split_union_tag(err["loc"])
+    param = ".".join(str(p) for p in path) or None
+    if tag is None:
+        return GatewayError(Cause.BAD_REQUEST, f"Invalid value for '{param}': {err['msg']}", param=param)
+    accepted = dict.fromkeys(
+        t for e in errors if (s := _split_union_tag(e["loc"]))[0] == path and (t := s[1])
+    )
+    return GatewayError(
+        Cause.BAD_REQUEST, f"Invalid value for '{param}': expected one of {', '.join(accepted)}", param=param
+    )
+
+
+def _split_union_tag(loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], str | None]:
+    """(the location up to a union member's tag, the tag) — (loc, None) when it has none. Pydantic tags a
+    union member by its type (`str`, `list[int]`); no field of these models is named like a type."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
+            return loc[:i], part
+    return loc, None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def _completion_prompt(prompt: Any) -> tuple[int, bool, int, list[int] | None, str | None]:

@@ -222,6 +222,15 @@ def test_footprint(kind: str, body: dict[str, object], prompt: int, exact: bool,
             "max_tokens",
             id="max_tokens not an int → 400",
         ),
+        pytest.param("chat", b'{"model": "m", "messages": [1]}', "messages.0", id="a message not an object"),
+        pytest.param(
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user", "content": 5}]}',
+            "messages.0.content",
+            id="content neither text nor parts",
+        ),
+        pytest.param("completions", b'{"model": "m", "prompt": null}', "prompt", id="prompt null"),
+        pytest.param("completions", b'{"model": "m", "prompt": [1.5, 2]}', "prompt", id="prompt of floats"),
     ],
 )
 def test_bad_bodies_are_400_with_param(kind: str, body: bytes, param: str | None) -> None:
@@ -229,6 +238,30 @@ def test_bad_bodies_are_400_with_param(kind: str, body: bytes, param: str | None
         parse_request(kind, body)  # type: ignore[arg-type]
     assert err.value.cause is Cause.BAD_REQUEST
     assert err.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "message"),
+    [
+        ("chat", b"[1, 2]", "Request body must be a JSON object"),
+        (
+            "chat",
+            b'{"model": "m", "messages": [1]}',
+            "Invalid value for 'messages.0': Input should be an object",
+        ),
+        (
+            "completions",
+            b'{"model": "m", "prompt": [1.5, 2]}',
+            "Invalid value for 'prompt': expected one of str, list[int], list[str], list[list[int]]",
+        ),
+    ],
+)
+def test_bad_bodies_name_what_is_wrong_not_pydantics_union_members(
+    kind: str, body: bytes, message: str
+) -> None:
+    with pytest.raises(GatewayError) as err:
+        parse_request(kind, body)  # type: ignore[arg-type]
+    assert err.value.message == message
 
 
 def test_unknown_fields_are_ignored_by_the_parser() -> None:
