@@ -127,8 +127,16 @@ def usage_body(body: bytes, data: Callable[[], dict[str, Any]], has_stream_optio
             return spliced
     parsed = data()
     out = dict(parsed)
-    out["stream_options"] = {**(parsed.get("stream_options") or {}), "include_usage": True}
+    out["stream_options"] = forced_usage_options(parsed)
     return json.dumps(out, separators=(",", ":")).encode()
+
+
+def forced_usage_options(data: dict[str, Any]) -> dict[str, Any]:
+    """`stream_options` that make the worker send the final usage chunk for a client that did not ask for
+    usage. Its `continuous_usage_stats` is dropped: vLLM honours it only together with `include_usage`,
+    which the client left off, and with it every chunk would carry a usage the relay does not strip."""
+    options = {k: v for k, v in (data.get("stream_options") or {}).items() if k != "continuous_usage_stats"}
+    return {**options, "include_usage": True}
 
 
 def prefill_body(data: dict[str, Any]) -> bytes:
@@ -148,7 +156,7 @@ def decode_body(data: dict[str, Any], kv_transfer_params: dict[str, Any], stream
     out = dict(data)
     out["kv_transfer_params"] = kv_transfer_params
     if stream_needs_usage:
-        out["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+        out["stream_options"] = forced_usage_options(data)
     return json.dumps(out, separators=(",", ":")).encode()
 
 

@@ -28,9 +28,24 @@ def test_splice_adds_include_usage_without_reencoding() -> None:
 
 
 def test_usage_body_merges_existing_stream_options() -> None:
-    data = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    data = {"model": "m", "stream": True, "stream_options": {"include_obfuscation": False}}
     out = json.loads(usage_body(json.dumps(data).encode(), lambda: data, has_stream_options=True))
-    assert out["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+    assert out["stream_options"] == {"include_obfuscation": False, "include_usage": True}
+
+
+@pytest.mark.parametrize("pd", [False, True], ids=["single", "pd decode hop"])
+def test_continuous_usage_without_include_usage_is_not_turned_on_upstream(pd: bool) -> None:
+    """vLLM sends per-chunk usage only with include_usage and continuous_usage_stats both on; a client
+    that set only the second gets no usage from vLLM, so the gateway's forced include_usage must not
+    switch per-chunk usage on (the relay strips only the final usage chunk)."""
+    options = {"include_usage": False, "continuous_usage_stats": True}
+    data = {"model": "m", "stream": True, "stream_options": options}
+    body = (
+        decode_body(data, {"do_remote_prefill": True}, stream_needs_usage=True)
+        if pd
+        else usage_body(json.dumps(data).encode(), lambda: data, has_stream_options=True)
+    )
+    assert json.loads(body)["stream_options"] == {"include_usage": True}
 
 
 def test_prefill_body_follows_vllm_pd_protocol() -> None:
