@@ -36,6 +36,10 @@ from scheduler.routing.prefix import block_hashes, text_block_hashes
 from server.errors import Cause, GatewayError
 
 CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text
+# The most characters a token of a text prompt is assumed to average: a prompt of n characters has at least
+# n / 8 tokens (today's BPE vocabularies average ~4 on English; repetitive or whitespace-heavy text more).
+# Context checks refuse an untokenized prompt only on that floor.
+MAX_CHARS_PER_TOKEN = 8
 TOKENS_PER_MESSAGE = 3  # chat framing per message (OpenAI cookbook "How to count tokens")
 REPLY_PRIMING_TOKENS = 3
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM and OpenAI default for /v1/completions
@@ -240,4 +244,7 @@ def route_request(
         predicted_output_tokens=predicted,
         prefix_hashes=hashes,
         arrival_s=arrival_s,
+        prompt_tokens_floor=None
+        if parsed.prompt_exact
+        else math.ceil(parsed.prompt_tokens * CHARS_PER_TOKEN / MAX_CHARS_PER_TOKEN),
     )

@@ -9,7 +9,7 @@ Default order (the first reason wins, so workers of other models count as `wrong
 | `excluded` | excluded | worker.id ∈ the cycle's `exclude` (the gateway already failed on it) |
 | `state` | starting / draining / unhealthy | worker.state ≠ ready |
 | `breaker` | breaker_open | worker.breaker_open |
-| `context-length` | exceeds_context | prompt ≥ max_model_len, or ceil((prompt+1)/block) > the worker's KV blocks |
+| `context-length` | exceeds_context | prompt ≥ max_model_len, or ceil((prompt+1)/block) > the worker's KV blocks (an estimated prompt: see the class) |
 | `at-capacity` | at_capacity | demand ≥ ceil(max_num_seqs · inflight_factor) |
 | `kv-fit` | kv_full | a reserve plugin's `fits` says no; without one, scraped KV usage: |
 |  |  | usage ≥ max_usage, or ceil(expected/block) > (max_usage − usage) · blocks |
@@ -105,7 +105,11 @@ class BreakerFilter:
 
 
 class ContextLengthFilter:
-    """The prompt (plus one output token) must fit the worker's context limit and its whole KV cache."""
+    """The prompt (plus one output token) must fit the worker's context limit and its whole KV cache.
+
+    An estimated prompt length (`RouteRequest.prompt_tokens_floor` set) steers, it does not refuse: workers
+    that fit the estimate are preferred, and only when none of the model's workers does is the check made on
+    the floor, so a prompt that may fit still reaches a worker, which tokenizes it and decides."""
 
     type: ClassVar[str] = "context-length"
     Params = NoParams
@@ -114,16 +118,33 @@ class ContextLengthFilter:
         self.params = params or NoParams()
 
     def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
-        tokens = cycle.req.prompt_tokens + 1
-        capacity = worker.capacity
-        limit = capacity.max_model_len
-        if limit is not None and tokens > limit:
+        req = cycle.req
+        if _fits(req.prompt_tokens, worker):
+            return None
+        if req.prompt_tokens_floor is None or not _fits(req.prompt_tokens_floor, worker):
             return FilterReason.EXCEEDS_CONTEXT
-        block = worker.block_size or capacity.block_size
-        total = worker.num_gpu_blocks or capacity.kv_blocks
-        if -(-tokens // block) > total:  # ceil(tokens / block_size) blocks
-            return FilterReason.EXCEEDS_CONTEXT
-        return None
+        # Over by the estimate, not by the floor: pass only if no worker of the model fits the estimate
+        # (computed once per cycle, and only on this rare path).
+        some_fit = cycle.facts.get(_ESTIMATE_FITS_SOMEWHERE)
+        if some_fit is None:
+            some_fit = cycle.facts[_ESTIMATE_FITS_SOMEWHERE] = any(
+                w.model == req.model and _fits(req.prompt_tokens, w) for w in cycle.view.workers
+            )
+        return FilterReason.EXCEEDS_CONTEXT if some_fit else None
+
+
+_ESTIMATE_FITS_SOMEWHERE = "context-length.estimate_fits_somewhere"
+
+
+def _fits(prompt_tokens: int, worker: WorkerView) -> bool:
+    tokens = prompt_tokens + 1
+    capacity = worker.capacity
+    limit = capacity.max_model_len
+    if limit is not None and tokens > limit:
+        return False
+    block = worker.block_size or capacity.block_size
+    total = worker.num_gpu_blocks or capacity.kv_blocks
+    return -(-tokens // block) <= total  # ceil(tokens / block_size) blocks
 
 
 class AtCapacityParams(BaseModel):

@@ -38,7 +38,10 @@ class RouteRequest:
     """What the router knows about a request: its footprint, not its body.
 
     predicted_output_tokens: the length predictor's estimate (≤ max_output_tokens);
-    prefix_hashes: chained hashes of the prompt's blocks (`scheduler.routing.prefix.block_hashes`).
+    prefix_hashes: chained hashes of the prompt's blocks (`scheduler.routing.prefix.block_hashes`);
+    prompt_tokens_floor: when `prompt_tokens` is an estimate (a text prompt the gateway did not tokenize),
+    the fewest tokens the prompt can have; context checks refuse only on it, so a prompt the estimate
+    over-counts is left to the worker to judge. None: `prompt_tokens` is exact.
     """
 
     request_id: str
@@ -49,6 +52,7 @@ class RouteRequest:
     prefix_hashes: tuple[int, ...] = ()
     priority: int = 0
     arrival_s: float = 0.0
+    prompt_tokens_floor: int | None = None
 
     @property
     def expected_tokens(self) -> int:
@@ -313,7 +317,9 @@ class Cycle:
             # scaled it to zero, its pods are not listed yet): wait for it rather than refuse the request
             # as if nothing could ever serve it (wrong_role / wrong_model alone are final). Not for a
             # prompt over its context: that would wait (and hold the FIFO queue behind it) for nothing.
-            empty = len(self.view.empty_pools(self.req.model, profile.roles, self.req.prompt_tokens))
+            req = self.req
+            tokens = req.prompt_tokens if req.prompt_tokens_floor is None else req.prompt_tokens_floor
+            empty = len(self.view.empty_pools(req.model, profile.roles, tokens))
             if empty:
                 counts[FilterReason.EMPTY_POOL] = counts.get(FilterReason.EMPTY_POOL, 0) + empty
             return ProfileResult(profile.name, None, (), counts)

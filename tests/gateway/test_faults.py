@@ -410,3 +410,21 @@ def test_no_retry_once_the_budget_is_spent() -> None:
             assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="status_503") == 0
 
     run(body)
+
+
+def test_a_text_prompt_over_the_context_by_the_estimate_only_goes_to_the_worker() -> None:
+    """The gateway estimates a text prompt at 4 characters a token; refusing on that would turn away
+    prompts a real tokenizer fits (here 33,000 characters: 8,250 estimated against an 8,192 context).
+    Only a prompt that cannot fit even at 8 characters a token is refused (400 context_length_exceeded)."""
+    a = FakeWorker("a")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            r = await c.post(CHAT, json=chat("hello world " * 2750))
+            assert r.status_code == 200 and len(a.seen) == 1
+            r = await c.post(CHAT, json=chat("x" * 80_000))  # ≥ 10,000 tokens at any rate
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert len(a.seen) == 1
+            assert gw.dispatcher.outcomes == {"completed": 1, "rejected_no_worker": 1}
+
+    run(body)

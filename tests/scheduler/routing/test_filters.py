@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from scheduler.fleet import Role
+from scheduler.fleet import Role, WorkerView
 from scheduler.routing import filters as f
-from scheduler.routing.framework import Cycle
+from scheduler.routing.framework import Cycle, RouteRequest
 from scheduler.routing.reasons import FilterReason as R
-from tests.scheduler.routing.builders import BlockLedger, profile, req, view, worker
+from tests.scheduler.routing.builders import BlockLedger, cap, profile, req, view, worker
 
 MIXED_ONLY = frozenset({Role.MIXED})
 
@@ -151,3 +152,49 @@ def test_kv_fit_asks_the_ledger_when_one_is_configured():
         run(f.KvFitFilter(f.KvFitParams(use_ledger=False)), worker("a", kv_usage=0.5), reserve=(ledger,))
         is None
     )
+
+
+def _estimated(prompt: int, floor: int) -> RouteRequest:
+    return dataclasses.replace(req(prompt=prompt), prompt_tokens_floor=floor)
+
+
+SHORT = worker("short")  # 8,192-token context
+LONG = worker("long", capacity=dataclasses.replace(cap("L4"), max_model_len=32_768, kv_blocks=4096))
+
+
+@pytest.mark.parametrize(
+    ("r", "workers", "expected"),
+    [
+        pytest.param(
+            _estimated(8250, 4125),
+            (SHORT, LONG),
+            {"short": R.EXCEEDS_CONTEXT, "long": None},
+            id="estimate over the short context: the worker that fits the estimate is preferred",
+        ),
+        pytest.param(
+            _estimated(8250, 4125),
+            (SHORT,),
+            {"short": None},
+            id="no worker fits the estimate but the floor fits: left to the worker",
+        ),
+        pytest.param(
+            _estimated(20_000, 10_000),
+            (SHORT,),
+            {"short": R.EXCEEDS_CONTEXT},
+            id="even the floor is over the context: refused",
+        ),
+        pytest.param(
+            req(prompt=8250),
+            (SHORT,),
+            {"short": R.EXCEEDS_CONTEXT},
+            id="an exact (token-id) prompt over the context: refused",
+        ),
+    ],
+)
+def test_an_estimated_prompt_length_steers_but_refuses_only_on_its_floor(
+    r: RouteRequest, workers: tuple[WorkerView, ...], expected: dict[str, R | None]
+) -> None:
+    cycle = Cycle(r, view(*workers), 0.0, random.Random(0), frozenset(), ())
+    cycle.profile = profile(picker=None)
+    flt = f.ContextLengthFilter()
+    assert {w.id: flt.filter(cycle, w) for w in workers} == expected
