@@ -64,6 +64,9 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     kv_transfer_params: dict[str, Any] | None
+    # stream_options.continuous_usage_stats, honoured (as vLLM does) only together with include_usage:
+    # every chunk then carries the usage so far
+    continuous_usage: bool = False
 
 
 def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
@@ -176,12 +179,13 @@ def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiReques
     if opts and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
     include_usage = bool(opts and _bool_field(opts, "include_usage"))
+    continuous_usage = include_usage and bool(_bool_field(opts, "continuous_usage_stats"))
     kvp = body.get("kv_transfer_params")
     if kvp is not None and not isinstance(kvp, Mapping):
         raise bad_shape("kv_transfer_params: Input should be a valid dictionary", "body.kv_transfer_params")
     return ApiRequest(
         chat, model, prompt_ids, max_tokens, min_tokens, _bool_field(body, "ignore_eos"), stream, include_usage,
-        dict(kvp) if kvp else None,
+        dict(kvp) if kvp else None, continuous_usage,
     )  # fmt: skip
 
 
@@ -279,6 +283,14 @@ def chat_body(
     }
 
 
+def _continuous_usage(so_far: tuple[int, int] | None) -> str:
+    """`,"usage":{...}` for a chunk of a stream with continuous usage (vLLM sets only the three counts)."""
+    if so_far is None:
+        return ""
+    prompt, completion = so_far
+    return f',"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},"completion_tokens":{completion}}}'
+
+
 class ChunkWriter:
     """Server-sent-event lines of one stream: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`."""
 
@@ -292,13 +304,16 @@ class ChunkWriter:
         self._head = f'data: {{"id":{json.dumps(rid)},"object":"{obj}","created":{self.created},"model":{json.dumps(model)},'
         self._tail = "}\n\n"
 
-    def role(self) -> str:
+    def role(self, usage_so_far: tuple[int, int] | None = None) -> str:
         return (
             self._head
-            + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+            + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+            + _continuous_usage(usage_so_far)
+            + self._tail
         )
 
-    def token(self, text: str, finish: str | None = None) -> str:
+    def token(self, text: str, finish: str | None = None, usage_so_far: tuple[int, int] | None = None) -> str:
+        """One token's chunk; `usage_so_far` (prompt, completion tokens so far) with continuous usage."""
         fr = "null" if finish is None else json.dumps(finish)
         t = json.dumps(text)
         if self.chat:  # vLLM puts stop_reason on a chat stream's final event only
@@ -306,7 +321,7 @@ class ChunkWriter:
             choice = f'{{"index":0,"delta":{{"content":{t}}},"logprobs":null,"finish_reason":{fr}{stop}}}'
         else:
             choice = f'{{"index":0,"text":{t},"logprobs":null,"finish_reason":{fr},"stop_reason":null}}'
-        return f'{self._head}"choices":[{choice}]{self._tail}'
+        return f'{self._head}"choices":[{choice}]{_continuous_usage(usage_so_far)}{self._tail}'
 
     def usage(self, prompt: int, completion: int) -> str:
         u = usage(prompt, completion)

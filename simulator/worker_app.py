@@ -187,9 +187,10 @@ class WorkerRuntime:
         w = ChunkWriter(tk.request.request_id, self.served, api.chat)
         seed, fp = self.cfg.seed, prompt_fingerprint(tk.request)
         sent = 0
+        prompt = len(api.prompt_ids) if api.continuous_usage else 0
         try:
             if api.chat:
-                yield w.role()
+                yield w.role((prompt, 0) if api.continuous_usage else None)
             while True:
                 if tk.produced > sent:
                     words = pseudo_words(seed, fp, sent, tk.produced)
@@ -203,7 +204,7 @@ class WorkerRuntime:
                             yield w.done()
                             return
                         reason = tk.record.finish_reason.value if i == last and tk.record else None
-                        yield w.token(word, reason)
+                        yield w.token(word, reason, (prompt, i + 1) if api.continuous_usage else None)
                     sent = tk.produced
                 if tk.done:
                     break

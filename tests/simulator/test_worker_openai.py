@@ -93,6 +93,34 @@ async def test_chat_non_stream_and_stream_agree(served) -> None:
     assert usage.choices == [] and usage.usage is not None and usage.usage.completion_tokens == 6
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("include_usage", [True, False])
+async def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk_only_with_include_usage(
+    served, chat: bool, include_usage: bool
+) -> None:
+    """As vLLM: `continuous_usage_stats` adds each chunk's usage so far (the chat role chunk's with 0
+    completion tokens), and only when `include_usage` is on too; the final usage chunk is unchanged."""
+    options = {"include_usage": include_usage, "continuous_usage_stats": True}
+    messages = [{"role": "user", "content": PROMPT}]
+    prompt = len(text_token_ids(render_chat(messages))) if chat else 11
+    async with served(FAST) as w, openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="none") as client:
+        common = {"model": "llama-3-8b", "max_tokens": 4, "stream": True, "stream_options": options}
+        extra = {"extra_body": {"ignore_eos": True}}
+        if chat:
+            stream = await client.chat.completions.create(messages=messages, **common, **extra)
+        else:
+            stream = await client.completions.create(prompt=PROMPT, **common, **extra)
+        chunks = [c async for c in stream]
+    with_choices = [c for c in chunks if c.choices]
+    if not include_usage:
+        assert all(c.usage is None for c in chunks) and len(with_choices) == len(chunks)
+        return
+    so_far = [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) for c in with_choices]
+    expected = [(prompt, n, prompt + n) for n in range(1, 5)]
+    assert so_far == ([(prompt, 0, prompt)] if chat else []) + expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+
+
 async def test_models_and_health(served) -> None:
     cfg = WorkerConfig(
         gpu="L4", model="llama-3-8b", served_model_name="meta-llama/Meta-Llama-3-8B", time_scale=1e3
