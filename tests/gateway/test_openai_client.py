@@ -139,6 +139,31 @@ def test_errors_map_to_client_exceptions(
     assert isinstance(body, dict) and {"message", "type"} <= set(body)  # the SDK hands over body["error"]
 
 
+@pytest.mark.parametrize("content", ["Hello!", LONG], ids=["single", "pd"])
+def test_continuous_usage_reaches_the_client_only_with_include_usage(
+    client: openai.OpenAI, gw: GatewayThread, content: str
+) -> None:
+    """With both options every chunk carries the usage so far, as from vLLM; with continuous_usage_stats
+    alone none does (vLLM ignores it without include_usage), though the gateway asks for usage upstream."""
+    before = gw.metric("mosaic_generation_tokens_total", model=MODEL)
+    streams = {}
+    for include in (True, False):
+        streams[include] = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=_ask(content),
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": include, "continuous_usage_stats": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+    with_usage = [c.usage.completion_tokens for c in streams[True] if c.choices and c.usage]
+    assert with_usage[-5:] == [1, 2, 3, 4, 5] and streams[True][-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in streams[False])
+    assert gw.metric_reaches("mosaic_generation_tokens_total", before + 10, model=MODEL) - before == 10
+
+
 def test_prompt_over_context_is_400_even_when_streaming(gw: GatewayThread) -> None:
     with httpx.Client(base_url=gw.url, timeout=30) as http:
         r = http.post(
