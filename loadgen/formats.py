@@ -27,7 +27,7 @@ TIMED_FORMATS = frozenset({"azure", "burstgpt", "mooncake", "synthetic"})
 
 def detect_format(path: Path) -> str:
     """The format of a trace file from its first line; raises TraceError when it is not one we read."""
-    with _open(path) as fh:
+    with _open(path) as fh, _utf8(path):
         first = fh.readline()
         while first and not first.strip():
             first = fh.readline()
@@ -57,6 +57,15 @@ def detect_format(path: Path) -> str:
             path, 1, f"unrecognised header {text[:120]!r} (known CSV headers — {known}); use --format"
         )
     return fmt
+
+
+@contextlib.contextmanager
+def _utf8(path: Path) -> Iterator[None]:
+    """A file that is not UTF-8 is a TraceError (one line), not a UnicodeDecodeError from the reader."""
+    try:
+        yield
+    except UnicodeDecodeError as e:
+        raise TraceError(path, None, f"not UTF-8 text (byte {e.start} of a read)") from None
 
 
 def _open(path: Path) -> TextIO:
@@ -94,7 +103,7 @@ class Trace:
             return
         path = Path(self.source)
         # The file stays open only while the generator runs; closing the generator closes it.
-        with contextlib.closing(_open(path)) as fh:
+        with contextlib.closing(_open(path)) as fh, _utf8(path):
             if self.format in CSV_FORMATS:
                 yield from read_csv_trace(path, fh, self.format, self.stats, self.skip_bad_rows)
             elif self.format == "mooncake":

@@ -116,10 +116,14 @@ async def run_replay_async(
     trace_stats = {"source": trace.source, "format": trace.format, **trace.stats.as_dict()}
     report = build_report(config, metrics, result.records, trace_stats, result.started_at)
     outcome = ReplayOutcome(metrics, result, report)
-    if req.out is not None:
-        write_report(report, req.out)
-    if req.plot_dir is not None:
-        outcome.plots = write_plots(result.records, req.plot_dir)
+    try:
+        if req.out is not None:
+            write_report(report, req.out)
+        if req.plot_dir is not None:
+            outcome.plots = write_plots(result.records, req.plot_dir)
+    except OSError as exc:
+        where = exc.filename or req.out or req.plot_dir
+        raise ReplayError(f"cannot write {where}: {exc.strerror or exc}") from None
     return outcome
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from placement.textfiles import parse_yaml, read_text
 
 
 class CatalogError(ValueError):
@@ -261,10 +261,6 @@ def load_catalog(path: str | Path | None = None) -> Catalog:
     catalog = builtin_catalog()
     if path is None:
         return catalog
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as exc:
-        raise CatalogError(f"cannot read catalog file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise CatalogError(f"catalog file {path} is not valid YAML: {exc}") from None
+    text = read_text(Path(path), CatalogError, f"cannot read catalog file {path}: ")
+    data = parse_yaml(text, CatalogError, f"catalog file {path} is not valid YAML") or {}
     return catalog.with_overrides(data)

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from placement.textfiles import read_text
+
 DEFAULT_SINK = 32  # Tangram's calibration: sink = 32 tokens
 DEFAULT_WINDOW = 4096  # Tangram's calibration: recent window = 4096 tokens
 
@@ -180,9 +182,10 @@ def _load_npz(p: Path) -> HeadProfile:
 
 
 def _load_json(p: Path) -> HeadProfile:
+    text = read_text(p, ProfileError, f"cannot read profile file {p}: ")
     try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ProfileError(f"profile file {p} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("heads"), list):
         raise ProfileError(f"profile file {p}: expected an object with a 'heads' list")

@@ -35,6 +35,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from placement.textfiles import parse_yaml, read_text
+
 SCHEMA = "mosaic.profile/v1"
 
 
@@ -200,18 +202,13 @@ def profile_from_dict(data: Any, origin: str = "<profile>") -> ThroughputProfile
 def read_structured(path: str | Path, error: type[ValueError] = ProfileError) -> Any:
     """Parse a YAML or JSON file (JSON is YAML, but JSON errors read better from `json`)."""
     path = Path(path)
+    text = read_text(path, error, f"{path}: cannot read: ")
+    if path.suffix.lower() != ".json":
+        return parse_yaml(text, error, f"{path}: not valid YAML")
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise error(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        if path.suffix.lower() == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise error(
-            f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'}: {exc}"
-        ) from None
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON: {exc}") from None
 
 
 def load_profile(path: str | Path) -> ThroughputProfile:

@@ -31,7 +31,6 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -43,6 +42,7 @@ from pydantic import (
 )
 
 from placement.catalog import Catalog, CatalogError, load_catalog
+from placement.textfiles import parse_yaml, read_text
 from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
 from scheduler.autoscaler.policy import AutoscalerConfig as PolicyConfig
 from scheduler.kv.config import KvConfig
@@ -576,16 +576,8 @@ def check_catalog(config: MosaicConfig, source: str = "config") -> Catalog:
 def load_config(path: str | Path) -> MosaicConfig:
     """Read and validate a YAML (or JSON) config file; `ConfigError` with one line on any problem."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{p}: not valid YAML{where}") from None
+    text = read_text(p, ConfigError, f"cannot read config file {p}: ")
+    data = parse_yaml(text, ConfigError, f"{p}: not valid YAML")
     config = validate_config(data, str(p))
     config._source_path = p.resolve()
     return config

@@ -106,9 +106,8 @@ def run_foreground(
     try:
         try:
             process = VllmProcess.start(spec)
-        except LaunchError as exc:
-            echo(f"mosaic worker: {exc}")
-            return 1
+        except LaunchError as exc:  # the command cannot be run at all (e.g. a wrong --vllm-command)
+            fail(str(exc))
         with process:
             echo("mosaic worker: starting " + shlex.join(build_command(spec)))
             if not _wait_healthy(process, stop, health_timeout_s):

@@ -25,12 +25,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from placement.catalog import Catalog, CatalogError, load_catalog
 from placement.perf_model import PerfModel
 from placement.profiles import read_structured
+from placement.textfiles import parse_yaml, read_text
 from scheduler.autoscaler.capacity import decode_tps_within_slo as decode_tps_within_slo  # moved; re-exported
 from scheduler.autoscaler.capacity import instance_capacity
 from scheduler.autoscaler.policy import AutoscalerConfig
@@ -42,7 +42,7 @@ class FleetConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN interval or rate is a typo
 
 
 class SloSpec(_Strict):
@@ -113,12 +113,8 @@ class FleetConfig(_Strict):
 
 
 def load_fleet(path: str | Path) -> FleetConfig:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise FleetConfigError(f"cannot read fleet file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise FleetConfigError(f"fleet file {path} is not valid YAML: {exc}") from None
+    text = read_text(Path(path), FleetConfigError, f"cannot read fleet file {path}: ")
+    data = parse_yaml(text, FleetConfigError, f"fleet file {path} is not valid YAML")
     return parse_fleet(data, str(path), Path(path).parent)
 
 

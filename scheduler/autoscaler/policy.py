@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from scheduler.autoscaler.buying import CapacityOf, capacity, rebalance
@@ -70,6 +70,10 @@ class AutoscalerConfig:
     backlog_lead_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # NaN passes every comparison below; inf is no setting either
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
         if not 0 < self.utilization_target <= 1:
             raise ValueError("utilization_target must be in (0, 1]")
         if self.pd_ratio < 0 or self.tolerance < 0:

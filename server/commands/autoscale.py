@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from server.commands.common import fail
+from server.commands.common import check_log_level, fail, python_log_level
 from server.config import ConfigError, MosaicConfig, load_config
 
 if TYPE_CHECKING:
@@ -252,6 +252,7 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Run only the P/D autoscaler controller (no API serving): scrape the pools, decide, scale Deployments."""
+        level = python_log_level(check_log_level(log_level))
         try:
             cfg = load_config(config)
         except ConfigError as exc:
@@ -261,7 +262,6 @@ def register(app: typer.Typer) -> None:
                 "autoscaler.actuator: embedded starts simulated workers inside `mosaic serve`; "
                 "mosaic autoscale needs kubernetes or dry-run"
             )
-        level = log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "INFO"
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
         metrics = (metrics_host, metrics_port) if metrics_port else None

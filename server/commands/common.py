@@ -2,14 +2,55 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import NoReturn
 
 import typer
 
 EXIT_BAD_INPUT = 2
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
 
 
 def fail(message: str) -> NoReturn:
     """Print one readable line to stderr and exit 2 (the CLI's bad-input contract)."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Fail now, not after the run, when `path` cannot take an output file: it is a directory, or the
+    nearest existing folder on its way is a file or not writable (missing folders are created later)."""
+    if path.is_dir():
+        fail(f"{option} {path}: is a directory")
+    _check_creatable(path.parent, option, path)
+
+
+def check_output_dir(path: Path, option: str) -> None:
+    """As `check_output_file`, for a folder outputs are written into."""
+    if path.exists() and not path.is_dir():
+        fail(f"{option} {path}: exists and is not a directory")
+    _check_creatable(path, option, path)
+
+
+def _check_creatable(directory: Path, option: str, shown: Path) -> None:
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        fail(f"{option} {shown}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"{option} {shown}: {existing} is not writable")
+
+
+def check_log_level(value: str) -> str:
+    """`--log-level`, lower-cased, if uvicorn knows it; else exit 2 (uvicorn would raise KeyError)."""
+    level = value.lower()
+    if level not in LOG_LEVELS:
+        fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return level
+
+
+def python_log_level(level: str) -> str:
+    """The `logging` level for a checked `--log-level` (uvicorn's `trace` is below DEBUG)."""
+    return "DEBUG" if level == "trace" else level.upper()

@@ -22,7 +22,7 @@ from loadgen.replay import ReplayError, ReplayRequest, run_replay
 from loadgen.schedule import ScheduleError, ScheduleOptions
 from loadgen.synthetic import SpecError
 from loadgen.trace import TraceError
-from server.commands.common import fail
+from server.commands.common import check_output_dir, check_output_file, fail
 
 
 def _positive(name: str, value: float | None) -> None:
@@ -89,6 +89,10 @@ def register(app: typer.Typer) -> None:
             _positive(name, value)
         _positive("--slo-e2el-ms", slo_e2el_ms)
         _positive("--lag-threshold-ms", lag_threshold_ms)
+        if out is not None:
+            check_output_file(out, "--out")
+        if plot is not None:
+            check_output_dir(plot, "--plot")
         req = ReplayRequest(
             trace=trace,
             url=url,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import typer
 
-from server.commands.common import fail
+from server.commands.common import check_log_level, fail, python_log_level
 from server.config import ConfigError, MosaicConfig, load_config
 from server.discovery import KubernetesUnavailable
 
@@ -83,6 +83,7 @@ def register(app: typer.Typer) -> None:
         """OpenAI-compatible gateway over a heterogeneous fleet (simulated by default, or real vLLM servers)."""
         if port is not None and not 0 <= port <= 65535:
             fail(f"--port must be in 0..65535, got {port}")
+        log_level = check_log_level(log_level)
         try:
             if config is not None:
                 if time_scale is not None:
@@ -99,7 +100,7 @@ def register(app: typer.Typer) -> None:
         except ConfigError as exc:
             fail(str(exc))
         logging.basicConfig(
-            level=log_level.upper() if log_level.upper() in logging.getLevelNamesMapping() else "WARNING",
+            level=python_log_level(log_level),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
         # uvloop when installed (uvicorn[standard]); uvicorn picks httptools by itself the same way.

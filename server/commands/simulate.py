@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from rich.table import Table
 from loadgen.formats import open_trace
 from loadgen.trace import TraceError
 from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
-from server.commands.common import fail
+from scheduler.routing.config import RoutingConfigError
+from server.commands.common import check_output_dir, check_output_file, fail
 from simulator.cluster import ClusterSimulator
 from simulator.cluster_config import FleetConfigError, load_fleet, pool_specs
 from simulator.cluster_report import build_report, write_plots
@@ -44,6 +46,14 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of the table"),
     ) -> None:
         """Discrete-event cluster simulation: GPU-hours, $, SLO attainment, replicas over time."""
+        if not rate_scale > 0 or not math.isfinite(rate_scale):
+            fail(f"--rate-scale must be a positive number, got {rate_scale}")
+        if rate is not None and (not rate > 0 or not math.isfinite(rate)):
+            fail(f"--rate must be a positive number, got {rate}")
+        if out is not None:
+            check_output_file(out, "--out")
+        if plot is not None:
+            check_output_dir(plot, "--plot")
         try:
             cfg = load_fleet(fleet)
             specs = pool_specs(cfg)
@@ -51,22 +61,25 @@ def register(app: typer.Typer) -> None:
                 policy, specs, cfg.autoscaler_config(), {p.name: p.replicas for p in cfg.pools}
             )
             source = open_trace(trace, trace_format, seed=seed)
-        except (FleetConfigError, PolicyError, TraceError) as exc:
+            sim = ClusterSimulator(cfg, scaling, policy)
+        except (FleetConfigError, PolicyError, TraceError, RoutingConfigError) as exc:
             fail(str(exc))
         if not source.timed and rate is None:
             fail(f"trace {trace} has no arrival times: give --rate")
-        sim = ClusterSimulator(cfg, scaling, policy)
         started = time.perf_counter()
         try:
             result = sim.run(sim_requests(source, rate_scale, rate, max_requests, seed))
         except (TraceError, ValueError) as exc:
             fail(str(exc))
         report = build_report(result, time.perf_counter() - started)
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(report, indent=2) + "\n")
-        if plot is not None:
-            write_plots(report, result, plot)
+        try:
+            if out is not None:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(report, indent=2) + "\n")
+            if plot is not None:
+                write_plots(report, result, plot)
+        except OSError as exc:
+            fail(f"cannot write {exc.filename or out or plot}: {exc.strerror or exc}")
         if as_json:
             typer.echo(json.dumps(report, indent=2))
         else:

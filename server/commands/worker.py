@@ -19,7 +19,7 @@ import signal
 
 import typer
 
-from server.commands.common import fail
+from server.commands.common import check_log_level, fail
 from simulator.engine import EngineConfig
 from simulator.worker_app import ROLES, FaultConfig, WorkerConfig, WorkerRuntime
 from simulator.worker_server import start_worker_server
@@ -131,6 +131,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(run_vllm_worker(ctx))
         if engine != "sim":
             fail(f"--engine must be sim or vllm, got {engine!r}")
+        log_level = check_log_level(log_level)
         if gpu is None:
             fail("--gpu is required for the simulated worker")
         if ctx.args:
