@@ -46,11 +46,13 @@ class ScheduleOptions:
             raise ScheduleError(f"rate must be > 0 requests/s, got {self.rate}")
         if self.rate is not None and self.rate_scale != 1.0:
             raise ScheduleError("--rate replaces the trace's timing; --rate-scale only scales it: give one")
-        if self.burstiness <= 0:
-            raise ScheduleError(f"burstiness must be > 0, got {self.burstiness}")
-        if self.start_s < 0 or (self.duration_s is not None and self.duration_s <= 0):
-            raise ScheduleError("--start must be ≥ 0 and --duration > 0")
-        if self.max_requests is not None and self.max_requests <= 0:
+        if not (math.isfinite(self.burstiness) and self.burstiness > 0):
+            raise ScheduleError(f"--burstiness must be a finite number > 0, got {self.burstiness}")
+        if not (math.isfinite(self.start_s) and self.start_s >= 0):
+            raise ScheduleError(f"--start must be a finite number ≥ 0, got {self.start_s}")
+        if self.duration_s is not None and not (math.isfinite(self.duration_s) and self.duration_s > 0):
+            raise ScheduleError(f"--duration must be a finite number > 0, got {self.duration_s}")
+        if self.max_requests is not None and not self.max_requests > 0:
             raise ScheduleError(f"--max-requests must be > 0, got {self.max_requests}")
         if not timed and self.rate is None:
             raise ScheduleError("this trace has no arrival times: give --rate R (requests/s)")

@@ -201,8 +201,10 @@ def histogram_from_requests(
     `rate` (req/s): one window whose histogram is their length distribution at that rate. `rate` given for
     a timed trace rescales every window so that the busiest has that total rate.
     """
-    if window_s is not None and window_s <= 0:
-        raise WorkloadError(f"window must be > 0 s, got {window_s}")
+    if window_s is not None and not (math.isfinite(window_s) and window_s > 0):
+        raise WorkloadError(f"window must be a finite number of seconds > 0, got {window_s}")
+    if rate is not None and not (math.isfinite(rate) and rate >= 0):
+        raise WorkloadError(f"rate must be a finite number of requests/s ≥ 0, got {rate}")
     n_buckets = (len(input_edges) - 1) * (len(output_edges) - 1)
     n_out = len(output_edges) - 1
     counts: dict[int, list[float]] = {}

@@ -20,6 +20,7 @@ from placement.kv_layout import layout_report, sorted_groups
 from placement.kv_profile import HeadProfile, ProfileError, load_head_profile
 from placement.kv_tp import TpPartition, tp_partition
 from server.commands.common import fail
+from server.commands.plan import check_number
 
 
 def layout_payload(
@@ -118,8 +119,8 @@ def register(app: typer.Typer) -> None:
             fail(f"--heads-per-group must be ≥ 1, got {heads_per_group}")
         if tp < 1:
             fail(f"--tp must be ≥ 1, got {tp}")
-        if alpha < 0 or time_limit <= 0:
-            fail("--alpha must be ≥ 0 and --time-limit > 0")
+        check_number("--alpha", alpha, inclusive=True)
+        check_number("--time-limit", time_limit)
         try:
             prof = load_head_profile(profile)
         except ProfileError as exc:

@@ -12,6 +12,7 @@ tables in `plan_render`. A trace is binned on the profiles' bucket edges with th
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -43,6 +44,23 @@ from server.commands.plan_render import render_plan
 WHAT_IF_KEYS = ("tpot_ms", "ttft_ms", "rate_scale", "rate")
 
 
+def number_error(name: str, value: float, minimum: float = 0.0, *, inclusive: bool = False) -> str | None:
+    """The error line when `value` is not a finite number > `minimum` (≥ with `inclusive`); None when it is.
+
+    NaN fails every comparison, so the test is written as `not value > minimum`, never `value <= minimum`.
+    """
+    in_range = value >= minimum if inclusive else value > minimum
+    if in_range and math.isfinite(value):
+        return None
+    return f"{name} must be a finite number {'≥' if inclusive else '>'} {minimum:g}, got {value:g}"
+
+
+def check_number(name: str, value: float | None, minimum: float = 0.0, *, inclusive: bool = False) -> None:
+    """Exit 2 with one line unless `value` (an option; None = not given) is finite and > (≥) `minimum`."""
+    if value is not None and (message := number_error(name, value, minimum, inclusive=inclusive)):
+        fail(message)
+
+
 def parse_what_if(specs: list[str]) -> dict[str, list[float]]:
     """`key=v1,v2` specs → {key: [values]}; keys tpot_ms, ttft_ms, rate_scale, rate."""
     out: dict[str, list[float]] = {}
@@ -57,8 +75,11 @@ def parse_what_if(specs: list[str]) -> dict[str, list[float]]:
             vals = [float(v) for v in values.split(",") if v.strip()]
         except ValueError:
             raise PlacementError(f"--what-if {spec!r}: values must be numbers") from None
-        if not vals or any(v <= 0 for v in vals):
+        if not vals:
             raise PlacementError(f"--what-if {spec!r}: give one or more values > 0")
+        for v in vals:
+            if message := number_error(f"--what-if {key}", v):
+                raise PlacementError(message)
         out.setdefault(key, []).extend(vals)
     if "rate" in out and "rate_scale" in out:
         raise PlacementError("--what-if: give rate or rate_scale, not both")
@@ -108,7 +129,7 @@ def _melange_plan(
 ) -> tuple[Plan, list[WhatIfRow] | None]:
     settings: dict[str, Any] = {
         "variant": variant or Variant.SLICED,
-        "slice_factor": slice_factor or mi.slice_factor,
+        "slice_factor": mi.slice_factor if slice_factor is None else slice_factor,
         "engine": engine,
         "time_limit_s": time_limit_s,
     }
@@ -211,7 +232,7 @@ def _mosaic_plan(
         slo=slo,
         mode=opts["mode"],
         variant=variant or Variant.CONTINUOUS,
-        slice_factor=opts["slice_factor"] or 4,
+        slice_factor=4 if opts["slice_factor"] is None else opts["slice_factor"],
         engine=opts["engine"],
         time_limit_s=opts["time_limit"],
         drop_unservable=opts["drop_unservable"],
@@ -301,6 +322,15 @@ def register(app: typer.Typer) -> None:
             fail(f"--variant must be continuous or sliced, got {variant!r}")
         if same_domain not in (None, "prefer", "require"):
             fail(f"--same-domain must be prefer or require, got {same_domain!r}")
+        for name, value in (
+            ("--slo-tpot-ms", slo_tpot_ms),
+            ("--slo-ttft-ms", slo_ttft_ms),
+            ("--rate", rate),
+            ("--window-s", window_s),
+            ("--time-limit", time_limit),
+        ):
+            check_number(name, value)
+        check_number("--slice-factor", slice_factor, 1, inclusive=True)
         try:
             doc = run_plan(opts)
         except (PlacementError, ProfileError, WorkloadError, CatalogError) as exc:

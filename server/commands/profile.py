@@ -33,7 +33,8 @@ from placement.catalog import CatalogError, load_catalog
 from placement.perf_model import PerfModel
 from placement.profiles import MeasuredPoint, Role, ThroughputProfile, save_profile
 from placement.profiles import Slo as ProfileSlo
-from server.commands.common import fail
+from server.commands.common import check_output_file, fail
+from server.commands.plan import check_number
 from simulator.engine import EngineConfig
 from simulator.profile_driver import capacity_hint, engine_max_model_len, sim_measure_factory
 
@@ -49,6 +50,22 @@ def parse_edges(name: str, text: str) -> list[int]:
     if len(edges) < 2 or edges[0] < 1 or any(b <= a for a, b in itertools.pairwise(edges)):
         fail(f"{name} must be ≥ 1 and strictly increasing, at least two edges, got {text!r}")
     return edges
+
+
+def check_out(out: Path) -> None:
+    """Exit 2 now, not after the run, when `--out` cannot be written. `check_output_file` names the common
+    causes; as root it passes what only the write itself refuses (/proc), so the file is then really opened:
+    appended to when it exists, created and removed again when it does not."""
+    check_output_file(out, "--out")
+    existed = out.exists() or out.is_symlink()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a"):
+            pass
+        if not existed:
+            out.unlink()
+    except OSError as exc:
+        fail(f"--out {out}: cannot write it ({exc.strerror or exc})")
 
 
 def build_profile(
@@ -178,19 +195,27 @@ def register(app: typer.Typer) -> None:
         for name, value in (
             ("--resolution", resolution),
             ("--min-rate", min_rate),
+            ("--max-rate", max_rate),
             ("--probe-window-s", probe_window_s),
+            ("--kv-link-gbps", kv_link_gbps),
+            ("--slo-ttft-ms", slo_ttft_ms),
         ):
-            if not value > 0:
-                fail(f"{name} must be > 0, got {value:g}")
-        if max_rate <= min_rate:
+            check_number(name, value)
+        for name, value in (
+            ("--slo-tpot-ms", slo_tpot_ms),  # 0 = no TPOT limit
+            ("--probe-e2e-factor", probe_e2e_factor),
+            ("--queue-factor", queue_factor),  # 0 = off
+        ):
+            check_number(name, value, inclusive=True)
+        if not max_rate > min_rate:
             fail(f"--max-rate must exceed --min-rate ({min_rate:g}), got {max_rate:g}")
+        if probe_requests < 1:
+            fail(f"--probe-requests must be ≥ 1, got {probe_requests}")
         if role not in {r.value for r in Role}:
             fail(f"--role must be mixed, prefill or decode, got {role!r}")
         the_role = Role(role)
         if url is not None and the_role is not Role.MIXED:
             fail(f"--role {role} is supported with --sim only (a live server is profiled as mixed)")
-        if not kv_link_gbps > 0:
-            fail(f"--kv-link-gbps must be > 0, got {kv_link_gbps:g}")
         slo = SearchSlo(tpot_ms=slo_tpot_ms or None, ttft_ms=slo_ttft_ms or None)
         if the_role is Role.PREFILL:  # one output token: no TPOT to judge
             if slo.ttft_ms is None:
@@ -206,9 +231,8 @@ def register(app: typer.Typer) -> None:
             config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         except ValueError as e:
             fail(str(e))
-        if probe_e2e_factor < 0:
-            fail(f"--probe-e2e-factor must be ≥ 0, got {probe_e2e_factor:g}")
-        plan = ProbePlan(probe_window_s, max(1, probe_requests), probe_e2e_factor)
+        check_out(out)
+        plan = ProbePlan(probe_window_s, probe_requests, probe_e2e_factor)
         factory: MeasureFactory
         if sim:
             factory = sim_measure_factory(perf, config, seed, plan, the_role, kv_link_gbps)
@@ -233,8 +257,6 @@ def register(app: typer.Typer) -> None:
             console.print(f"{b.label}: {rate}  [{time.perf_counter() - t0:.1f} s]")
 
         cfg = SearchConfig(min_rate=min_rate, max_rate=max_rate, resolution=resolution)
-        if queue_factor < 0:
-            fail(f"--queue-factor must be ≥ 0, got {queue_factor:g}")
         grid = profile_grid(inp, outp, factory, slo, cfg, progress, QueueBound(factor=queue_factor))
         profile = build_profile(
             grid, model_spec.name, gpu_spec.name, tp, "sim" if sim else "url", slo, inp, outp, the_role
