@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import NoReturn
@@ -54,3 +55,20 @@ def check_log_level(value: str) -> str:
 def python_log_level(level: str) -> str:
     """The `logging` level for a checked `--log-level` (uvicorn's `trace` is below DEBUG)."""
     return "DEBUG" if level == "trace" else level.upper()
+
+
+def number_error(name: str, value: float, minimum: float = 0.0, *, inclusive: bool = False) -> str | None:
+    """The error line when `value` is not a finite number > `minimum` (≥ with `inclusive`); None when it is.
+
+    NaN fails every comparison, so the test is written as `not value > minimum`, never `value <= minimum`.
+    """
+    in_range = value >= minimum if inclusive else value > minimum
+    if in_range and math.isfinite(value):
+        return None
+    return f"{name} must be a finite number {'≥' if inclusive else '>'} {minimum:g}, got {value:g}"
+
+
+def check_number(name: str, value: float | None, minimum: float = 0.0, *, inclusive: bool = False) -> None:
+    """Exit 2 with one line unless `value` (an option; None = not given) is finite and > (≥) `minimum`."""
+    if value is not None and (message := number_error(name, value, minimum, inclusive=inclusive)):
+        fail(message)

@@ -19,8 +19,7 @@ import typer
 from placement.kv_layout import layout_report, sorted_groups
 from placement.kv_profile import HeadProfile, ProfileError, load_head_profile
 from placement.kv_tp import TpPartition, tp_partition
-from server.commands.common import fail
-from server.commands.plan import check_number
+from server.commands.common import check_number, fail
 
 
 def layout_payload(

@@ -12,7 +12,6 @@ tables in `plan_render`. A trace is binned on the profiles' bucket edges with th
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -38,27 +37,10 @@ from placement.planner import (
 from placement.profiles import ProfileError, Slo, ThroughputProfile, load_profile, read_structured
 from placement.topology import groups_from_counts, nodes_from_dict, place_instances
 from placement.workload import ModelWorkload, WorkloadError, histogram_from_requests, load_workload
-from server.commands.common import fail
+from server.commands.common import check_number, fail, number_error
 from server.commands.plan_render import render_plan
 
 WHAT_IF_KEYS = ("tpot_ms", "ttft_ms", "rate_scale", "rate")
-
-
-def number_error(name: str, value: float, minimum: float = 0.0, *, inclusive: bool = False) -> str | None:
-    """The error line when `value` is not a finite number > `minimum` (≥ with `inclusive`); None when it is.
-
-    NaN fails every comparison, so the test is written as `not value > minimum`, never `value <= minimum`.
-    """
-    in_range = value >= minimum if inclusive else value > minimum
-    if in_range and math.isfinite(value):
-        return None
-    return f"{name} must be a finite number {'≥' if inclusive else '>'} {minimum:g}, got {value:g}"
-
-
-def check_number(name: str, value: float | None, minimum: float = 0.0, *, inclusive: bool = False) -> None:
-    """Exit 2 with one line unless `value` (an option; None = not given) is finite and > (≥) `minimum`."""
-    if value is not None and (message := number_error(name, value, minimum, inclusive=inclusive)):
-        fail(message)
 
 
 def parse_what_if(specs: list[str]) -> dict[str, list[float]]:

@@ -33,8 +33,7 @@ from placement.catalog import CatalogError, load_catalog
 from placement.perf_model import PerfModel
 from placement.profiles import MeasuredPoint, Role, ThroughputProfile, save_profile
 from placement.profiles import Slo as ProfileSlo
-from server.commands.common import check_output_file, fail
-from server.commands.plan import check_number
+from server.commands.common import check_number, check_output_file, fail
 from simulator.engine import EngineConfig
 from simulator.profile_driver import capacity_hint, engine_max_model_len, sim_measure_factory
 

@@ -22,12 +22,7 @@ from loadgen.replay import ReplayError, ReplayRequest, run_replay
 from loadgen.schedule import ScheduleError, ScheduleOptions
 from loadgen.synthetic import SpecError
 from loadgen.trace import TraceError
-from server.commands.common import check_output_dir, check_output_file, fail
-
-
-def _positive(name: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        fail(f"{name} must be > 0, got {value:g}")
+from server.commands.common import check_number, check_output_dir, check_output_file, fail
 
 
 def register(app: typer.Typer) -> None:
@@ -86,9 +81,9 @@ def register(app: typer.Typer) -> None:
             ("--slo-ttft-ms", slo_ttft_ms),
             ("--slo-tpot-ms", slo_tpot_ms),
         ):
-            _positive(name, value)
-        _positive("--slo-e2el-ms", slo_e2el_ms)
-        _positive("--lag-threshold-ms", lag_threshold_ms)
+            check_number(name, value)
+        check_number("--slo-e2el-ms", slo_e2el_ms)
+        check_number("--lag-threshold-ms", lag_threshold_ms)
         if out is not None:
             check_output_file(out, "--out")
         if plot is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from loadgen.formats import open_trace
 from loadgen.trace import TraceError
 from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
 from scheduler.routing.config import RoutingConfigError
-from server.commands.common import check_output_dir, check_output_file, fail
+from server.commands.common import check_number, check_output_dir, check_output_file, fail
 from simulator.cluster import ClusterSimulator
 from simulator.cluster_config import FleetConfigError, load_fleet, pool_specs
 from simulator.cluster_report import build_report, write_plots
@@ -46,10 +45,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print the JSON report instead of the table"),
     ) -> None:
         """Discrete-event cluster simulation: GPU-hours, $, SLO attainment, replicas over time."""
-        if not rate_scale > 0 or not math.isfinite(rate_scale):
-            fail(f"--rate-scale must be a positive number, got {rate_scale}")
-        if rate is not None and (not rate > 0 or not math.isfinite(rate)):
-            fail(f"--rate must be a positive number, got {rate}")
+        check_number("--rate-scale", rate_scale)
+        check_number("--rate", rate)
         if out is not None:
             check_output_file(out, "--out")
         if plot is not None:

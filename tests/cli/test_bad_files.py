@@ -61,7 +61,7 @@ CASES = [
     (["simulate", "--trace", SYNTH, "--fleet", "{d}/unknown-routing.yaml"], "routing.policy: Input should be"),
     (["simulate", "--trace", SYNTH, "--fleet", "{d}/nan-ratio.yaml"], "pd_ratio must be a finite number, got nan"),
     (["simulate", "--trace", SYNTH, "--fleet", "{d}/inf-interval.yaml"], "decision_interval_s: Input should be a finite"),
-    (["simulate", "--trace", SYNTH, "--fleet", str(FLEET), "--rate-scale", "nan"], "--rate-scale must be a positive"),
+    (["simulate", "--trace", SYNTH, "--fleet", str(FLEET), "--rate-scale", "nan"], "--rate-scale must be a finite number > 0, got nan"),
     (["worker", "--gpu", "H100", "--model", "llama-3-8b", "--log-level", "foo"], "--log-level must be one of"),
     (["serve", "--log-level", "foo"], "--log-level must be one of critical, error, warning, info, debug, trace"),
     (["autoscale", "--config", "{d}/none.yaml", "--log-level", "loud"], "--log-level must be one of"),
