@@ -325,14 +325,15 @@ class KubernetesUnavailable(RuntimeError):
     """The `kubernetes` package is missing or no cluster config could be loaded."""
 
 
-def _official_lister(
-    in_cluster: bool | None, request_timeout: tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
-) -> Any:
+def load_kubernetes_config(in_cluster: bool | None, needed_by: str = "kubernetes endpoints") -> Any:
+    """Load the cluster config into the `kubernetes` client (in-cluster, ~/.kube/config, or in-cluster
+    when available else ~/.kube/config for None) and return the client's `client` module;
+    `KubernetesUnavailable` (one line) when the package is missing or no config loads."""
     try:
         from kubernetes import client, config
     except ImportError:
         raise KubernetesUnavailable(
-            "kubernetes endpoints need the 'kubernetes' package: pip install 'mosaic-serve[k8s]'"
+            f"{needed_by}: the 'kubernetes' package is not installed: pip install 'mosaic-serve[k8s]'"
         ) from None
     try:
         if in_cluster is True:
@@ -345,7 +346,14 @@ def _official_lister(
             except config.ConfigException:
                 config.load_kube_config()
     except Exception as exc:  # the client raises several unrelated types for a missing/bad kubeconfig
-        raise KubernetesUnavailable(f"cannot load Kubernetes config: {exc}") from None
+        raise KubernetesUnavailable(f"cannot load Kubernetes config for {needed_by}: {exc}") from None
+    return client
+
+
+def _official_lister(
+    in_cluster: bool | None, request_timeout: tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
+) -> Any:
+    client = load_kubernetes_config(in_cluster)
     api_client = client.ApiClient()
     return api_lister(client.CoreV1Api(api_client), client.DiscoveryV1Api(api_client), request_timeout)
 

@@ -58,23 +58,12 @@ def kubernetes_domains(cfg: MosaicConfig) -> dict[str, dict[str, str]]:
 
 
 def _apps_api(in_cluster: bool | None) -> Any:
+    from server.discovery import KubernetesUnavailable, load_kubernetes_config
+
     try:
-        from kubernetes import client, config
-    except ImportError:
-        fail("the kubernetes actuator needs the 'kubernetes' package: pip install 'mosaic-serve[k8s]'")
-    try:
-        if in_cluster is False:
-            config.load_kube_config()
-        else:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                if in_cluster:
-                    raise
-                config.load_kube_config()
-    except Exception as exc:  # the client raises several unrelated types for a missing/bad kubeconfig
-        fail(f"cannot load Kubernetes config for the kubernetes actuator: {exc}")
-    return client.AppsV1Api()
+        return load_kubernetes_config(in_cluster, "the kubernetes actuator").AppsV1Api()
+    except KubernetesUnavailable as exc:
+        fail(str(exc))
 
 
 @dataclass(slots=True)

@@ -30,9 +30,25 @@ def curl_line(url: str, model: str, needs_key: bool) -> str:
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
+async def _check_kubernetes_config(config: MosaicConfig) -> None:
+    """Pools discovered from Kubernetes need a cluster config: without one, exit 2 with one line now (the
+    gateway's startup would otherwise fail inside uvicorn's lifespan, with a traceback and exit 3). Bounded:
+    loading a kubeconfig may run an exec credential plugin."""
+    from server.discovery import load_kubernetes_config
+
+    for in_cluster in {p.endpoints.kubernetes.in_cluster for p in config.pools if p.endpoints.kubernetes}:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(load_kubernetes_config, in_cluster), 30)
+        except KubernetesUnavailable as exc:
+            fail(str(exc))
+        except TimeoutError:
+            fail("loading the Kubernetes config (for kubernetes endpoints) took over 30 s")
+
+
 async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, embedded: bool) -> None:
     from server.runner import bind_socket, start_gateway_server  # imports uvicorn/fastapi only when serving
 
+    await _check_kubernetes_config(config)
     try:
         sock = bind_socket(host, port)
     except OSError as exc:

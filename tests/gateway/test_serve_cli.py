@@ -46,6 +46,19 @@ def test_invalid_config_names_the_field(tmp_path: Path) -> None:
     assert "pools.0.gpu: unknown GPU 'B200'" in result.output
 
 
+def test_kubernetes_endpoints_without_a_cluster_config_exit_2_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the discovery's config load failed inside uvicorn's lifespan (traceback, exit 3)."""
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod either
+    config = ROOT / "docs" / "examples" / "gateway" / "kubernetes.yaml"
+    result = CliRunner().invoke(build_app(), ["serve", "--config", str(config), "--port", "0"])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "cannot load Kubernetes config for kubernetes endpoints" in lines[0]
+
+
 def test_curl_line_mentions_the_key_only_when_needed() -> None:
     assert "Authorization" not in curl_line("http://h:1", "m", needs_key=False)
     assert "Authorization: Bearer $MOSAIC_API_KEY" in curl_line("http://h:1", "m", needs_key=True)
