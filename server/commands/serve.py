@@ -71,7 +71,8 @@ async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, emb
     gc.set_threshold(7000, gen1, gen2)
     gw = running.gateway
     pools = ", ".join(f"{p.name} ({p.gpu}, {p.role.value})" for p in gw.registry.pools())
-    what = "embedded simulated fleet" if embedded else f"{len(gw.registry.records())} workers"
+    n = len(gw.registry.records())
+    what = "embedded simulated fleet" if embedded else f"{n} worker{'' if n == 1 else 's'}"
     typer.echo(f"mosaic gateway serving {', '.join(gw.models)} at {running.url} — {what}: {pools}")
     typer.echo(curl_line(running.url, gw.models[0], not gw.keys.open))
     await running.wait()
