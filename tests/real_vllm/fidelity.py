@@ -1,8 +1,8 @@
 """Tools of the fidelity diff (real vLLM vs Mosaic's simulated worker) and the list of known differences.
 
 `KNOWN_*` hold every difference measured against vLLM 0.32.0 (CPU build), each with its reason. The test
-fails on a difference that is not listed (the simulator drifted, or vLLM changed); a listed difference that
-no longer shows is fine (the simulator was fixed). `docs/real_vllm.md` ("Fidelity limits") lists the same
+fails on a difference that is not listed (the simulator drifted, or vLLM changed) and on a listed difference
+that no longer shows (the simulator was fixed: take it off here and in the docs). `docs/real_vllm.md` ("Fidelity limits") lists the same
 entries; a test checks that every key here appears there.
 """
 
@@ -17,13 +17,6 @@ from urllib.parse import urlsplit
 # --- response bodies: "<case> <json path>: <real kind> vs <sim kind>" → reason --------------------------------
 _NEWER = "newer vLLM response field (null unless a feature is on); Mosaic never reads it"
 KNOWN_BODY: Mapping[str, str] = {
-    "chat .choices[].message.annotations: null vs absent": _NEWER,
-    "chat .choices[].message.audio: null vs absent": _NEWER,
-    "chat .choices[].message.function_call: null vs absent": _NEWER,
-    "chat .choices[].message.reasoning: null vs absent": _NEWER,
-    "chat .choices[].message.refusal: null vs absent": _NEWER,
-    "chat .choices[].message.reasoning_content: absent vs null": "older vLLM field the simulator still sends",
-    "chat .choices[].message.tool_calls: absent vs list": "vLLM 0.32 omits an empty tool_calls; the simulator sends []",
     "chat .choices[].routed_experts: null vs absent": _NEWER,
     "chat .choices[].token_ids: null vs absent": _NEWER,
     "chat .ec_transfer_params: null vs absent": _NEWER,
@@ -49,9 +42,7 @@ KNOWN_STREAM: Mapping[str, str] = {
     "chat-stream first .prompt_token_ids: null vs absent": _NEWER,
     "chat-stream content .choices[].token_ids: null vs absent": _NEWER,
     "chat-stream last .choices[].token_ids: null vs absent": _NEWER,
-    "chat-stream content .choices[].stop_reason: absent vs null": "vLLM sends stop_reason only on the final event",
     "chat-stream usage .system_fingerprint: str vs absent": "the simulator omits system_fingerprint",
-    "chat-stream usage .usage.prompt_tokens_details: absent vs null": "the simulator adds it to the usage event",
     "completion-stream content .choices[].prompt_token_ids: null vs absent": _NEWER,
     "completion-stream content .choices[].token_ids: null vs absent": _NEWER,
     "completion-stream last .choices[].prompt_token_ids: null vs absent": _NEWER,
@@ -60,14 +51,7 @@ KNOWN_STREAM: Mapping[str, str] = {
 }
 
 # --- errors: "<case>: <real (status, type, param)> vs <sim ...>" → reason ---------------------------------------
-KNOWN_ERRORS: Mapping[str, str] = {
-    "chat without messages: (400, 'Bad Request', 'body.messages') vs (400, 'Bad Request', None)": "vLLM names the pydantic location as param; the simulator's validation has no location",
-    "prompt of the wrong type: (400, 'Bad Request', 'body.prompt') vs (400, 'BadRequestError', 'prompt')": "vLLM rejects in pydantic validation; the simulator in its own prompt parser",
-    "temperature not a number: (400, 'Bad Request', 'body.temperature') vs (200, None, None)": "the simulator ignores sampling parameters, so it does not validate them",
-    "n = 0: (400, 'BadRequestError', None) vs (400, 'BadRequestError', 'n')": "vLLM's check has no param; the simulator names it (and supports only n = 1)",
-    "max_tokens over max-model-len: (400, 'BadRequestError', 'max_tokens') vs (200, None, None)": "vLLM 0.32 refuses max_tokens > max_model_len; the simulator clamps it",
-    "malformed JSON: (400, 'Bad Request', 'body.10') vs (400, 'Bad Request', None)": "vLLM reports the byte offset as `body.<offset>`; the simulator has no param",
-}
+KNOWN_ERRORS: Mapping[str, str] = {}
 
 # --- metrics: "<family>: <real (type, labels)> vs <sim ...>" → reason -----------------------------------------
 _NEWER_METRIC = "a newer vLLM family Mosaic does not read"
@@ -96,7 +80,6 @@ KNOWN_METRIC_FAMILIES: Mapping[str, str] = {
     )
 }
 KNOWN_METRIC_LABELS: Mapping[str, str] = {
-    "vllm:cache_config_info extra label model_name": "vLLM 0.32 has no model_name on cache_config_info",
     "vllm:cache_config_info missing labels": "vLLM 0.32 reports ~35 cache labels; the simulator the 6 that matter "
     "(block_size, num_gpu_blocks, num_gpu_blocks_override, gpu_memory_utilization, cache_dtype, prefix caching)",
     "vllm:iteration_tokens_total buckets": "vLLM's buckets run to max_num_batched_tokens (16384 here); the "
