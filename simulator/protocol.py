@@ -9,7 +9,8 @@ whose `max_tokens` does not is accepted with `max_tokens` clamped to `max_model_
 
 Not supported by the simulated worker (400 with a clear message): `n` > 1 and several prompts in one
 completions request. Accepted and ignored: sampling parameters (temperature, top_p, seed, stop, logprobs,
-…; numeric ones are type-checked), tools, response_format, echo. `max_tokens` > max_model_len → 400
+…; numeric ones are type- and range-checked as vLLM checks them, `_check_sampling`), tools,
+response_format, echo. `max_tokens` > max_model_len → 400
 (param `max_tokens`), as vLLM 0.32 answers.
 """
 
@@ -137,6 +138,51 @@ def _prompt_ids(body: Mapping[str, Any], chat: bool) -> list[int]:
     )
 
 
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+
+
+def _check_sampling(body: Mapping[str, Any], chat: bool) -> None:
+    """The ranges vLLM 0.32 checks on sampling parameters, in its order and with its messages and params
+    (measured against the CPU build): the simulator ignores the values, but a request vLLM refuses must be
+    refused here too. Types were checked before (`_NUMBER_FIELDS`)."""
+
+    def number(name: str) -> float | None:
+        value = body.get(name)
+        return None if value is None else float(value)
+
+    top_logprobs = _int_field(body, "top_logprobs") if chat else None
+    wants_logprobs = _bool_field(body, "logprobs") if chat else False
+    if top_logprobs and not wants_logprobs:
+        raise ApiError(
+            400, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
+            param="top_logprobs",
+        )  # fmt: skip
+    for name in ("presence_penalty", "frequency_penalty"):
+        if (v := number(name)) is not None and not -2.0 <= v <= 2.0:
+            raise ApiError(400, f"{name} must be in [-2, 2], got {v}.")
+    if (v := number("repetition_penalty")) is not None and not v > 0.0:
+        raise ApiError(400, f"repetition_penalty must be greater than zero, got {v}.")
+    if (v := number("temperature")) is not None and not 0.0 <= v <= 2.0:
+        what = "must be non-negative" if not v >= 0.0 else "must be in [0, 2]"
+        raise ApiError(
+            400, f"temperature {what}, got {v}. (parameter=temperature, value={v})", param="temperature"
+        )
+    if (v := number("top_p")) is not None and not 0.0 < v <= 1.0:
+        raise ApiError(400, f"top_p must be in (0, 1], got {v}. (parameter=top_p, value={v})", param="top_p")
+    if (k := body.get("top_k")) is not None and k < -1:  # -1 and 0 both disable
+        raise ApiError(400, f"top_k must be 0 (disable), or at least 1, got {k}.")
+    if (v := number("min_p")) is not None and not 0.0 <= v <= 1.0:
+        raise ApiError(400, f"min_p must be in [0, 1], got {v}.")
+    requested = (top_logprobs if wants_logprobs else None) if chat else _int_field(body, "logprobs")
+    if requested is not None and requested > MAX_LOGPROBS:
+        raise ApiError(
+            400,
+            f"Requested sample logprobs of {requested}, which is greater than max allowed: {MAX_LOGPROBS} "
+            f"(parameter=logprobs, value={requested})",
+            param="logprobs",
+        )
+
+
 def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiRequest:
     """Validate `body`; raises ApiError. The model check comes first, as in vLLM."""
     model = body.get("model", served)
@@ -158,20 +204,17 @@ def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiReques
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
     min_tokens = _int_field(body, "min_tokens") or 0
     if min_tokens < 0:
+        raise ApiError(400, f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if max_tokens is not None and min_tokens > max_tokens:  # vLLM names no param for either
         raise ApiError(
-            400, f"min_tokens must be greater than or equal to 0, got {min_tokens}.", param="min_tokens"
-        )
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise ApiError(
-            400,
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
-            param="min_tokens",
+            400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
         )
     n = _int_field(body, "n")
     if n is not None and n < 1:
         raise ApiError(400, f"n must be at least 1, got {n}.")  # vLLM names no param here
     if n is not None and n > 1:
         raise ApiError(400, f"n must be 1 on the simulated worker, got {n}.", param="n")
+    _check_sampling(body, chat)
     stream = _bool_field(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, Mapping):

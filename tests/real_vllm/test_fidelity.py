@@ -203,6 +203,38 @@ BAD_REQUESTS = [
         "/v1/completions",
         {"model": MODEL, "prompt": "hi", "max_tokens": 1000},
     ),
+    (
+        "min_tokens over max_tokens",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 5},
+    ),
+    *[
+        (f"{name} {value}", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, name: value})
+        for name, value in (
+            ("temperature", -5),
+            ("temperature", 2.5),
+            ("temperature", 2),
+            ("top_p", 0),
+            ("top_k", -5),
+            ("top_k", -1),
+            ("min_p", 2),
+            ("presence_penalty", 5),
+            ("frequency_penalty", -3),
+            ("repetition_penalty", 0),
+            ("logprobs", 21),
+            ("logprobs", 20),
+        )
+    ],
+    (
+        "chat top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_tokens": 2, "top_logprobs": 3},
+    ),
+    (
+        "chat top_logprobs over 20",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 21},
+    ),
 ]
 
 

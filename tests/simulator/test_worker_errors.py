@@ -29,7 +29,23 @@ ERRORS = [
     pytest.param(C, {"model": M, "prompt": "hi", "max_tokens": 1000}, 400, "BadRequestError", "max_tokens",
                  id="max_tokens over max_model_len → 400 max_tokens (vLLM 0.32)"),
     pytest.param(C, {"model": M, "prompt": "hi", "max_tokens": 3, "min_tokens": 5}, 400, "BadRequestError",
-                 "min_tokens", id="min_tokens over max_tokens → 400 min_tokens"),
+                 None, id="min_tokens over max_tokens → 400, no param (as vLLM)"),
+    # sampling ranges, as vLLM 0.32 checks them (tests/real_vllm/test_fidelity.py runs the same against it)
+    pytest.param(C, {"model": M, "prompt": "hi", "temperature": -5}, 400, "BadRequestError", "temperature",
+                 id="temperature below 0"),
+    pytest.param(C, {"model": M, "prompt": "hi", "temperature": 2.5}, 400, "BadRequestError", "temperature",
+                 id="temperature over 2"),
+    pytest.param(C, {"model": M, "prompt": "hi", "top_p": 0}, 400, "BadRequestError", "top_p", id="top_p 0"),
+    pytest.param(C, {"model": M, "prompt": "hi", "top_k": -5}, 400, "BadRequestError", None, id="top_k -5"),
+    pytest.param(C, {"model": M, "prompt": "hi", "min_p": 2}, 400, "BadRequestError", None, id="min_p 2"),
+    pytest.param(C, {"model": M, "prompt": "hi", "presence_penalty": 5}, 400, "BadRequestError", None,
+                 id="presence_penalty 5"),
+    pytest.param(C, {"model": M, "prompt": "hi", "repetition_penalty": 0}, 400, "BadRequestError", None,
+                 id="repetition_penalty 0"),
+    pytest.param(C, {"model": M, "prompt": "hi", "logprobs": 21}, 400, "BadRequestError", "logprobs",
+                 id="logprobs over 20"),
+    pytest.param(CHAT, {"model": M, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400,
+                 "BadRequestError", "top_logprobs", id="chat top_logprobs without logprobs"),
     pytest.param(C, {"model": M, "prompt": "hi", "n": 2}, 400, "BadRequestError", "n", id="n 2 → 400 n"),
     pytest.param(C, {"model": M, "prompt": "hi", "n": 0}, 400, "BadRequestError", None, id="n 0 → 400, no param"),
     pytest.param(C, {"model": M, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
@@ -126,3 +142,14 @@ async def test_midstream_error_ends_with_error_event_and_done(asgi) -> None:
     assert events[-1] == "data: [DONE]" and '"error"' in events[-2]
     assert len(events) == 5 + 2  # tokens 0–4 (the cut comes at max_tokens // 2), error, [DONE]
     assert rt.engine.counters.success == {"stop": 0, "length": 0}
+
+
+async def test_sampling_values_at_vllms_bounds_are_served(asgi) -> None:
+    """The edges vLLM accepts (measured): top_k -1 and 0 disable, temperature 0 and 2, top_p 1, min_p 0 and 1,
+    penalties ±2, 20 logprobs."""
+    edges = [{"top_k": -1}, {"top_k": 0}, {"temperature": 0}, {"temperature": 2}, {"top_p": 1}, {"min_p": 0},
+             {"min_p": 1}, {"presence_penalty": -2}, {"frequency_penalty": 2}, {"logprobs": 20}]  # fmt: skip
+    async with asgi(CFG) as (client, _):
+        for extra in edges:
+            resp = await client.post(C, json={"model": M, "prompt": "hi", "max_tokens": 1, **extra})
+            assert resp.status_code == 200, (extra, resp.text)
