@@ -107,12 +107,12 @@ def test_simulated_workers_match_their_pools_and_parse_with_the_cli() -> None:
 
 def test_vllm_pair_uses_nixl_on_distinct_gpus() -> None:
     gpus = []
-    for name in ("vllm-prefill", "vllm-decode"):
+    for name, role in (("vllm-prefill", "kv_producer"), ("vllm-decode", "kv_consumer")):
         service = _services()[name]
         args = service["command"]
         assert json.loads(args[args.index("--kv-transfer-config") + 1]) == {
             "kv_connector": "NixlConnector",
-            "kv_role": "kv_both",
+            "kv_role": role,
         }
         assert service["environment"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == name
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]

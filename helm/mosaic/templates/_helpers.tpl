@@ -164,6 +164,9 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- if or (lt (int $pool.replicas) (int $pool.minReplicas)) (gt (int $pool.replicas) (int $pool.maxReplicas)) }}
 {{- fail (printf "pools[%d] (%s): replicas %d is outside [minReplicas %d, maxReplicas %d]" $i $pool.name (int $pool.replicas) (int $pool.minReplicas) (int $pool.maxReplicas)) }}
 {{- end }}
+{{- if ge (int $pool.drainSeconds) (int $pool.terminationGracePeriodSeconds) }}
+{{- fail (printf "pools[%d] (%s): drainSeconds %d must be below terminationGracePeriodSeconds %d, or the kubelet kills the worker during its preStop sleep and in-flight requests die on every scale-in" $i $pool.name (int $pool.drainSeconds) (int $pool.terminationGracePeriodSeconds)) }}
+{{- end }}
 {{- $sim := $root.Values.simulated }}
 {{- if hasKey $p "simulated" }}{{ $sim = $p.simulated }}{{ end }}
 {{- $_ := set $pool "simulated" $sim }}
@@ -314,7 +317,9 @@ HPA it is maxReplicas, the pessimistic share.
 {{- end }}
 {{- $n := $root.Values.gateway.replicas }}
 {{- if $root.Values.gateway.autoscaling.enabled }}{{ $n = $root.Values.gateway.autoscaling.maxReplicas }}{{ end }}
-{{- $_ := set $cfg "gateway" (dict "replicas" (int $n) "host" "0.0.0.0" "port" (int $root.Values.gateway.port)) }}
+{{- /* at least 1: `gateway.replicas: 0` (the gateway scaled away for maintenance) must still give a config the
+controller, which reads the same ConfigMap, accepts */}}
+{{- $_ := set $cfg "gateway" (dict "replicas" (max 1 (int $n)) "host" "0.0.0.0" "port" (int $root.Values.gateway.port)) }}
 {{- if $root.Values.auth.enabled }}
 {{- $_ := set $cfg "auth" (dict "api_keys_env" "MOSAIC_API_KEYS" "admin_keys_env" "MOSAIC_ADMIN_KEYS") }}
 {{- end }}

@@ -1,0 +1,44 @@
+"""Values that would render but break in the cluster fail the render with a message naming the values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+
+from tests.chart.chartkit import render
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        pytest.param(
+            {"poolDefaults": {"drainSeconds": 300, "terminationGracePeriodSeconds": 60}},
+            "drainSeconds 300 must be below terminationGracePeriodSeconds 60",
+            id="a worker's preStop drain longer than its grace period: killed mid-drain on every scale-in",
+        ),
+        pytest.param(
+            {"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+            "gateway.autoscaling.minReplicas 5 is above maxReplicas 2",
+            id="an HPA the API server refuses mid-install",
+        ),
+    ],
+)
+def test_values_that_break_in_the_cluster_fail_the_render(
+    chart: helm.Chart, values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm.HelmError) as caught:
+        render(chart, values)
+    assert message in str(caught.value)
+
+
+def test_a_gateway_scaled_to_zero_still_renders_a_config_the_controller_loads(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
+    """Before: `gateway.replicas: 0` wrote `gateway.replicas: 0` into the shared ConfigMap, which the
+    controller (`mosaic autoscale --config`) refused, so it crash-looped while the gateway was down."""
+    rendered = render(chart, {"gateway": {"replicas": 0}, "controller": {"enabled": True}})
+    assert rendered.config()["gateway"]["replicas"] == 1
+    assert rendered.load_config(tmp_path).gateway.replicas == 1
