@@ -34,6 +34,15 @@ def check_output_dir(path: Path, option: str) -> None:
     _check_creatable(path, option, path)
 
 
+def check_report_paths(out: Path | None, plot: Path | None) -> None:
+    """`--out` (a report file) and `--plot` (a folder of plots), when given, can be written: checked before
+    a run so that a long replay or simulation is not lost to a bad path at its end."""
+    if out is not None:
+        check_output_file(out, "--out")
+    if plot is not None:
+        check_output_dir(plot, "--plot")
+
+
 def _check_creatable(directory: Path, option: str, shown: Path) -> None:
     existing = directory.absolute()
     while not existing.exists() and existing != existing.parent:

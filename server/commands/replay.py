@@ -22,7 +22,7 @@ from loadgen.replay import ReplayError, ReplayRequest, run_replay
 from loadgen.schedule import ScheduleError, ScheduleOptions
 from loadgen.synthetic import SpecError
 from loadgen.trace import TraceError
-from server.commands.common import check_number, check_output_dir, check_output_file, fail
+from server.commands.common import check_number, check_report_paths, fail
 
 
 def register(app: typer.Typer) -> None:
@@ -84,10 +84,7 @@ def register(app: typer.Typer) -> None:
             check_number(name, value)
         check_number("--slo-e2el-ms", slo_e2el_ms)
         check_number("--lag-threshold-ms", lag_threshold_ms)
-        if out is not None:
-            check_output_file(out, "--out")
-        if plot is not None:
-            check_output_dir(plot, "--plot")
+        check_report_paths(out, plot)
         req = ReplayRequest(
             trace=trace,
             url=url,

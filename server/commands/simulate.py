@@ -14,7 +14,7 @@ from loadgen.formats import open_trace
 from loadgen.trace import TraceError
 from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
 from scheduler.routing.config import RoutingConfigError
-from server.commands.common import check_number, check_output_dir, check_output_file, fail
+from server.commands.common import check_number, check_report_paths, fail
 from simulator.cluster import ClusterSimulator
 from simulator.cluster_config import FleetConfigError, load_fleet, pool_specs
 from simulator.cluster_report import build_report, write_plots
@@ -47,10 +47,7 @@ def register(app: typer.Typer) -> None:
         """Discrete-event cluster simulation: GPU-hours, $, SLO attainment, replicas over time."""
         check_number("--rate-scale", rate_scale)
         check_number("--rate", rate)
-        if out is not None:
-            check_output_file(out, "--out")
-        if plot is not None:
-            check_output_dir(plot, "--plot")
+        check_report_paths(out, plot)
         try:
             cfg = load_fleet(fleet)
             specs = pool_specs(cfg)
