@@ -21,10 +21,21 @@ def fail(message: str) -> NoReturn:
 
 def check_output_file(path: Path, option: str) -> None:
     """Fail now, not after the run, when `path` cannot take an output file: it is a directory, or the
-    nearest existing folder on its way is a file or not writable (missing folders are created later)."""
+    nearest existing folder on its way is a file or not writable. Those checks name the common causes; as
+    root they pass what only a write refuses (/proc), so the file is then really opened: appended to when it
+    exists, created and removed again when it does not (its folders are created here)."""
     if path.is_dir():
         fail(f"{option} {path}: is a directory")
     _check_creatable(path.parent, option, path)
+    existed = path.exists() or path.is_symlink()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        fail(f"{option} {path}: cannot write it ({exc.strerror or exc})")
 
 
 def check_output_dir(path: Path, option: str) -> None:

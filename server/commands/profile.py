@@ -51,22 +51,6 @@ def parse_edges(name: str, text: str) -> list[int]:
     return edges
 
 
-def check_out(out: Path) -> None:
-    """Exit 2 now, not after the run, when `--out` cannot be written. `check_output_file` names the common
-    causes; as root it passes what only the write itself refuses (/proc), so the file is then really opened:
-    appended to when it exists, created and removed again when it does not."""
-    check_output_file(out, "--out")
-    existed = out.exists() or out.is_symlink()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a"):
-            pass
-        if not existed:
-            out.unlink()
-    except OSError as exc:
-        fail(f"--out {out}: cannot write it ({exc.strerror or exc})")
-
-
 def build_profile(
     grid: ProfileGrid,
     model: str,
@@ -230,7 +214,7 @@ def register(app: typer.Typer) -> None:
             config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         except ValueError as e:
             fail(str(e))
-        check_out(out)
+        check_output_file(out, "--out")
         plan = ProbePlan(probe_window_s, probe_requests, probe_e2e_factor)
         factory: MeasureFactory
         if sim:
