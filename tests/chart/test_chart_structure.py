@@ -96,8 +96,8 @@ def test_pdb_and_hpa_target_the_gateway(chart: helm.Chart, values_file: Path | N
 
 
 CONTROLLER_RULES = [
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]},
 ]
 
 
@@ -417,7 +417,7 @@ def test_node_access_is_granted_only_when_discovery_reads_nodes(
         return
     [role] = cluster_roles
     assert role["metadata"]["name"] == name
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
     [binding] = rendered.of_kind("ClusterRoleBinding")
     for obj in (role, binding):
         assert "namespace" not in obj["metadata"]

@@ -344,7 +344,7 @@ lifecycle:
 {{/*
 "true" when Kubernetes discovery reads nodes (server/discovery.py): the domain label is set and is either
 not the zone label (which EndpointSlice endpoints carry themselves) or discovery lists pods (which carry
-only spec.nodeName). Then the gateway and the controller need a ClusterRole to get/list nodes.
+only spec.nodeName). Then the gateway and the controller need a ClusterRole to list nodes.
 */}}
 {{- define "mosaic.discovery.readsNodes" -}}
 {{- $disc := .Values.gateway.discovery }}
