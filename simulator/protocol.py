@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from simulator.tokens import count_text_tokens, render_chat, text_token_ids
+from simulator.tokens import VOCAB_SIZE, count_text_tokens, render_chat, text_token_ids
 
 
 class ApiError(Exception):
@@ -152,6 +152,16 @@ def _check_sampling(body: Mapping[str, Any], chat: bool) -> None:
 
     top_logprobs = _int_field(body, "top_logprobs") if chat else None
     wants_logprobs = _bool_field(body, "logprobs") if chat else False
+    # vLLM's request model checks the count's sign first: -1 asks for the whole vocabulary, and is then
+    # refused below as more than MAX_LOGPROBS; any other negative count is refused here.
+    count_name = "top_logprobs" if chat else "logprobs"
+    count = top_logprobs if chat else _int_field(body, "logprobs")
+    if count is not None and count < -1:
+        raise ApiError(
+            400,
+            f"`{count_name}` must be a positive value or -1. (parameter={count_name}, value={count})",
+            param=count_name,
+        )
     if top_logprobs and not wants_logprobs:
         raise ApiError(
             400, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
@@ -173,7 +183,9 @@ def _check_sampling(body: Mapping[str, Any], chat: bool) -> None:
         raise ApiError(400, f"top_k must be 0 (disable), or at least 1, got {k}.")
     if (v := number("min_p")) is not None and not 0.0 <= v <= 1.0:
         raise ApiError(400, f"min_p must be in [0, 1], got {v}.")
-    requested = (top_logprobs if wants_logprobs else None) if chat else _int_field(body, "logprobs")
+    requested = (top_logprobs if wants_logprobs else None) if chat else count
+    if requested == -1:
+        requested = VOCAB_SIZE
     if requested is not None and requested > MAX_LOGPROBS:
         raise ApiError(
             400,

@@ -223,6 +223,8 @@ BAD_REQUESTS = [
             ("repetition_penalty", 0),
             ("logprobs", 21),
             ("logprobs", 20),
+            ("logprobs", -1),
+            ("logprobs", -5),
         )
     ],
     (
@@ -234,6 +236,16 @@ BAD_REQUESTS = [
         "chat top_logprobs over 20",
         "/v1/chat/completions",
         {"model": MODEL, "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 21},
+    ),
+    (
+        "chat top_logprobs -1",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": -1},
+    ),
+    (
+        "chat top_logprobs -5 without logprobs",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_tokens": 2, "top_logprobs": -5},
     ),
 ]
 
