@@ -91,7 +91,7 @@ def _consume(rec: RequestRecord, data: str, now: float) -> bool:
         raise _Fail("bad_chunk", f"chunk is not JSON: {data[:80]!r}") from None
     if not isinstance(chunk, dict):
         raise _Fail("bad_chunk", f"chunk is not an object: {data[:80]!r}")
-    if "error" in chunk:
+    if chunk.get("error"):  # some servers serialise an unset error as null on every chunk
         err = chunk["error"]
         msg = err.get("message") if isinstance(err, dict) else err
         raise _Fail("stream_error", str(msg)[:300])
@@ -133,6 +133,10 @@ async def _stream(
         raise _Fail("read_error", str(e) or type(e).__name__) from None
     except httpx.TransportError as e:  # write errors, unsupported protocol, proxy errors, ...
         raise _Fail("transport_error", f"{type(e).__name__}: {e}") from None
+    except httpx.DecodingError as e:  # e.g. a corrupt gzip body: this request fails, not the replay
+        raise _Fail("decode_error", str(e) or type(e).__name__) from None
+    except httpx.HTTPError as e:  # any other request error of httpx's is this request's outcome too
+        raise _Fail("client_error", f"{type(e).__name__}: {e}") from None
 
 
 def _error_message(text: str) -> str:

@@ -109,6 +109,14 @@ def _sharegpt_record(obj: Any, stats: ReadStats, line: int) -> TraceRequest | No
     return None
 
 
+def _cut_by_buffer(e: json.JSONDecodeError, size: int) -> bool:
+    """Whether a decode error may only mean the element runs past the buffer (read more and retry), not that
+    it is invalid: the decoder stopped within a literal's length of the end (`tr|ue`, `12|`, `"\\u12|`), or
+    inside a string it never saw close. Anything else is bad JSON now; reading on would pull the rest of a
+    huge file into memory only to report the same error at its end."""
+    return e.pos >= size - 16 or e.msg.startswith("Unterminated string")
+
+
 def _iter_json_array(fh: TextIO, path: Path) -> Iterator[tuple[int, Any | RowError]]:
     """(line, element) for each element of a top-level JSON array, decoding from a rolling buffer.
 
@@ -155,7 +163,7 @@ def _iter_json_array(fh: TextIO, path: Path) -> Iterator[tuple[int, Any | RowErr
                 obj, end = decoder.raw_decode(buf, pos)
                 break
             except json.JSONDecodeError as e:
-                if eof:
+                if eof or not _cut_by_buffer(e, len(buf)):
                     yield line, RowError("bad_json", f"invalid JSON: {e.msg}")
                     return
                 more = fh.read(max(_CHUNK, len(buf)))  # grow geometrically: a huge element stays linear

@@ -59,8 +59,26 @@ class ReplayOutcome:
     plots: list[Path] = field(default_factory=list)
 
 
+def check_target(url: str, api_key: str | None) -> None:
+    """Refuse a URL no request could reach and a key no header can carry, before anything is sent (each
+    would otherwise fail every request alike, or raise out of the first one)."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise ReplayError(f"--url {url!r} is not a valid URL: {e}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ReplayError(f"--url must be http(s)://HOST[:PORT][/PATH], got {url!r}")
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        raise ReplayError(f"--url port must be 1-65535, got {parsed.port}")
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
+        raise ReplayError(
+            "--api-key (or MOSAIC_API_KEY) must be printable ASCII: it is sent in an HTTP header"
+        )
+
+
 def prepare(req: ReplayRequest) -> Trace:
-    """Open and check the trace and the schedule options before anything is sent."""
+    """Check the target, open and check the trace and the schedule options before anything is sent."""
+    check_target(req.url, req.api_key)
     trace = open_trace(req.trace, req.format, req.skip_bad_rows, req.seed)
     req.schedule.validate(trace.timed)
     if req.concurrency is not None and req.concurrency <= 0:

@@ -9,6 +9,8 @@
              "burstiness", "start_s", "duration_s", "max_requests", "concurrency", "timeout_s", "seed",
              "slo": {"ttft_ms", "tpot_ms", "e2el_ms"}, "lag_threshold_ms"},
   "trace": {"rows", "requests", "skipped_bad_rows", "skipped_by_reason", "dropped", "dropped_by_reason"},
+      # rows: data rows read; requests: requests the reader produced from them, before the --start/--duration
+      # window and the cap picked what to send (summary.sent)
   "summary": {"sent", "completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens",
               "request_throughput", "output_throughput", "total_token_throughput",   # per second
               "goodput", "slo_attainment",                                           # null without an SLO

@@ -136,8 +136,9 @@ async def replay(
             origin = time.perf_counter()
             while nxt is not None:
                 delay = origin + nxt.send_at_s - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                # Behind schedule, still yield once per request: the tasks already created send now, rather
+                # than after every overdue body is built (all of them in memory, the first send seconds late).
+                await asyncio.sleep(max(0.0, delay))
                 rec = RequestRecord(
                     nxt.index, nxt.send_at_s, nxt.input_tokens, nxt.output_tokens, trace_line=nxt.trace_line
                 )

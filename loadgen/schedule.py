@@ -48,6 +48,11 @@ class ScheduleOptions:
             raise ScheduleError("--rate replaces the trace's timing; --rate-scale only scales it: give one")
         if not (math.isfinite(self.burstiness) and self.burstiness > 0):
             raise ScheduleError(f"--burstiness must be a finite number > 0, got {self.burstiness}")
+        if self.burstiness != 1.0 and self.rate is None:
+            raise ScheduleError(
+                "--burstiness shapes --rate's arrivals; without --rate the trace's own timing (or a synthetic "
+                "spec's burstiness=) applies: give --rate, or drop --burstiness"
+            )
         if not (math.isfinite(self.start_s) and self.start_s >= 0):
             raise ScheduleError(f"--start must be a finite number ≥ 0, got {self.start_s}")
         if self.duration_s is not None and not (math.isfinite(self.duration_s) and self.duration_s > 0):
@@ -79,9 +84,9 @@ def schedule(requests: Iterable[TraceRequest], opts: ScheduleOptions) -> Iterato
         gap = interarrival_sampler(opts.rate, opts.arrival, opts.burstiness)
     t_fixed = 0.0
     index = 0
+    if opts.max_requests is not None and opts.max_requests <= 0:
+        return
     for req in requests:
-        if opts.max_requests is not None and index >= opts.max_requests:
-            return
         if req.arrival_s is not None:
             if req.arrival_s < opts.start_s:
                 continue
@@ -95,3 +100,5 @@ def schedule(requests: Iterable[TraceRequest], opts: ScheduleOptions) -> Iterato
             send_at = (req.arrival_s - opts.start_s) / opts.rate_scale
         yield ScheduledRequest(index, send_at, req.input_tokens, req.output_tokens, req.hash_ids, req.line)
         index += 1
+        if opts.max_requests is not None and index >= opts.max_requests:
+            return  # before the loop pulls another row: a bad row past the cap is never read

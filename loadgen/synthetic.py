@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from loadgen.trace import TraceRequest
+from loadgen.trace import MAX_TOKENS, TraceRequest
 
 PREFIX = "synthetic:"
 Sampler = Callable[[random.Random], int]
@@ -50,10 +50,11 @@ class LengthDist:
         elif self.kind == "normal":
             x = rng.gauss(self.a, self.b)
         elif self.kind == "lognormal":
-            x = self.a * math.exp(rng.gauss(0.0, self.b))
+            g = rng.gauss(0.0, self.b)  # a wide sigma would overflow exp(): past the cap, the cap
+            x = MAX_TOKENS if g > math.log(MAX_TOKENS / self.a) else self.a * math.exp(g)
         else:  # exp
             x = rng.expovariate(1.0 / self.a)
-        return max(1, round(x))
+        return min(MAX_TOKENS, max(1, round(x)))  # a tail sample past the longest context is capped
 
     def describe(self) -> str:
         if self.kind == "fixed":
@@ -79,6 +80,8 @@ def parse_length(key: str, text: str) -> LengthDist:
         raise SpecError(f"{key}: {kind} takes {arity[kind]} number(s), got {len(nums)}")
     if any(not math.isfinite(x) for x in nums) or nums[0] <= 0 or (kind != "normal" and min(nums) < 0):
         raise SpecError(f"{key}={text!r}: parameters must be finite and positive")
+    if nums[0] > MAX_TOKENS or (kind == "uniform" and nums[1] > MAX_TOKENS):
+        raise SpecError(f"{key}={text!r}: lengths are at most {MAX_TOKENS:,} tokens")
     if kind == "fixed" and not nums[0].is_integer():
         raise SpecError(f"{key}={text!r}: a fixed length is a whole number of tokens")
     if kind == "uniform" and (not nums[0].is_integer() or not nums[1].is_integer() or nums[1] < nums[0]):

@@ -76,8 +76,14 @@ class ReadStats:
         }
 
 
+# The longest context any served model takes is 10M tokens (Llama 4 Scout); a larger count is a broken row,
+# and building its prompt would allocate gigabytes before the first request is sent.
+MAX_TOKENS = 10_000_000
+
+
 def parse_count(value: object, what: str, minimum: int = 0) -> int:
-    """A token count from a CSV cell or JSON value: an integer ≥ `minimum` (JSON floats like 12.0 accepted)."""
+    """A token count from a CSV cell or JSON value: an integer in [`minimum`, MAX_TOKENS] (JSON floats like
+    12.0 accepted)."""
     if isinstance(value, bool):
         raise RowError("bad_count", f"{what} must be an integer, got {value!r}")
     if isinstance(value, int):
@@ -100,6 +106,8 @@ def parse_count(value: object, what: str, minimum: int = 0) -> int:
         raise RowError("bad_count", f"{what} must be an integer, got {value!r}")
     if n < minimum:
         raise RowError("bad_count", f"{what} must be ≥ {minimum}, got {n}")
+    if n > MAX_TOKENS:
+        raise RowError("bad_count", f"{what} must be ≤ {MAX_TOKENS:,} tokens, got {n:,}")
     return n
 
 

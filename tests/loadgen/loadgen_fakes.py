@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 @dataclass
@@ -18,6 +18,8 @@ class FakeWorker:
 
     step_s: float = 0.0
     fail_every: int = 0  # every n-th request gets a 503 (0 = never)
+    corrupt_gzip_every: int = 0  # every n-th request gets a 200 whose gzip body does not decode
+    null_error: bool = False  # every chunk carries "error": null (as servers that serialise unset fields)
     received: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -40,6 +42,10 @@ class FakeWorker:
         if self.fail_every and len(self.received) % self.fail_every == 0:
             err = {"message": "overloaded", "type": "ServiceUnavailable", "param": None, "code": 503}
             return JSONResponse({"error": err}, status_code=503)
+        if self.corrupt_gzip_every and len(self.received) % self.corrupt_gzip_every == 0:
+            return Response(
+                b"not gzip at all", headers={"content-encoding": "gzip"}, media_type="text/event-stream"
+            )
         prompt = body["messages"][-1]["content"].split(" ") if chat else body["prompt"]
         n_out = int(body["max_tokens"])
 
@@ -59,7 +65,8 @@ class FakeWorker:
             if self.step_s:
                 await asyncio.sleep(self.step_s)
             choice = {"index": 0, "delta": {"content": f" w{i}"}} if chat else {"index": 0, "text": f" w{i}"}
-            yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+            extra = {"error": None} if self.null_error else {}
+            yield f"data: {json.dumps({'choices': [choice], **extra})}\n\n".encode()
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
         yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
         yield b"data: [DONE]\n\n"

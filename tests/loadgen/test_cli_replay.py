@@ -72,3 +72,22 @@ def test_unreachable_server_exits_2() -> None:
     assert res.stderr.strip().splitlines() == [  # type: ignore[attr-defined]
         "error: cannot connect to http://127.0.0.1:9: every request failed to connect"
     ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--url", "http://127.0.0.1:99999"], "--url port must be 1-65535, got 99999", id="port out of range"),
+        pytest.param(["--url", "http://127.0.0.1:abc"], "is not a valid URL: Invalid port", id="port not a number"),
+        pytest.param(["--url", "http://"], "--url must be http(s)://HOST", id="no host"),
+        pytest.param(["--url", "http://127.0.0.1:9", "--api-key", "clé"], "--api-key (or MOSAIC_API_KEY) must be printable ASCII", id="non-ASCII key"),
+        pytest.param(["--url", "http://127.0.0.1:9", "--burstiness", "0.2"], "--burstiness shapes --rate", id="--burstiness without --rate"),
+    ],
+)  # fmt: skip
+def test_bad_target_exits_2_with_one_line_before_sending(args: list[str], message: str) -> None:
+    """Each used to raise out of the first request (OverflowError, InvalidURL, UnicodeEncodeError: exit 1),
+    or, with no host, to fail every request and exit 0."""
+    res = mosaic(SPEC, *args, "--quiet")
+    assert res.exit_code == 2, res.output  # type: ignore[attr-defined]
+    lines = res.stderr.strip().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) == 1 and message in lines[0], res.output  # type: ignore[attr-defined]

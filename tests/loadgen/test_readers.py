@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 
 from loadgen.formats import detect_format, open_trace
-from loadgen.readers_json import estimate_tokens
-from loadgen.trace import TraceError, TraceRequest
+from loadgen.readers_json import _cut_by_buffer, _iter_json_array, estimate_tokens
+from loadgen.trace import RowError, TraceError, TraceRequest
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -244,3 +245,53 @@ def test_unknown_header_and_missing_file() -> None:
 )
 def test_token_estimate(text: str, tokens: int) -> None:
     assert estimate_tokens(text) == tokens
+
+
+class CountingReads(io.StringIO):
+    """A text file that counts the characters read from it."""
+
+    chars_read = 0
+
+    def read(self, size: int | None = -1) -> str:
+        text = super().read(size)
+        self.chars_read += len(text)
+        return text
+
+
+def test_invalid_sharegpt_element_is_reported_without_reading_the_rest() -> None:
+    """A broken element mid-buffer is bad JSON at once: the reader used to read on to EOF first (the whole
+    file in memory, gigabytes for the real ShareGPT dump) only to report the same error."""
+    good = json.dumps({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]})
+    text = "[\n" + good + ',\n{"conversations": [}]},\n' + ",\n".join([good] * 40_000) + "\n]\n"
+    fh = CountingReads(text)  # ~3.8 MB after the broken element on line 3
+    out = list(_iter_json_array(fh, Path("bad.json")))
+    assert isinstance(out[-1][1], RowError) and out[-1][0] == 3 and "invalid JSON" in str(out[-1][1])
+    assert len(out) == 2 and fh.chars_read <= 2 * 65_536  # one buffer (and at most one refill), not 3.8 MB
+
+
+def test_sharegpt_elements_cut_anywhere_by_the_buffer_still_parse() -> None:
+    """Every cut point of an element (inside strings, escapes, numbers, literals) reads on, not an error."""
+    element = json.dumps(
+        {"id": 'a"b\\c', "conversations": [{"from": "human", "value": "h\u00e9llo \u2603 " * 3},
+                                             {"from": "gpt", "value": "x", "n": [1, -2.5e-3, True, False, None]}]}
+    )  # fmt: skip
+    decoder = json.JSONDecoder()
+    for cut in range(1, len(element)):
+        with pytest.raises(json.JSONDecodeError) as info:
+            decoder.raw_decode(element[:cut])
+        assert _cut_by_buffer(info.value, cut), element[:cut]
+    with pytest.raises(json.JSONDecodeError) as info:
+        decoder.raw_decode('{"conversations": [}]}' + " " * 100)
+    assert not _cut_by_buffer(info.value, 122)
+
+
+def test_token_counts_past_the_longest_context_are_bad_rows(tmp_path: Path) -> None:
+    path = tmp_path / "huge.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5}\n'
+        '{"timestamp": 1, "input_length": 1e13, "output_length": 5}\n'
+    )
+    with pytest.raises(TraceError, match=r"huge\.jsonl:2: input_length must be ≤ 10,000,000 tokens"):
+        list(open_trace(path))
+    reqs = list(open_trace(path, skip_bad_rows=True))
+    assert [r.input_tokens for r in reqs] == [10]

@@ -86,6 +86,50 @@ def test_failures_are_counted_by_type_and_goodput_uses_all_sent() -> None:
     assert m.slo_attainment == pytest.approx(20 / 25)
 
 
+def test_an_undecodable_body_fails_that_request_and_the_replay_goes_on() -> None:
+    """A 200 whose gzip body does not decode used to raise out of the replay (traceback, every record lost)."""
+    worker = FakeWorker(corrupt_gzip_every=5)
+    out = run(ReplayRequest(SPEC, "http://fake", "m", progress=False), worker)
+    m = out.metrics  # type: ignore[attr-defined]
+    assert m.errors == {"decode_error": 5} and m.completed == 20
+
+
+def test_chunks_with_a_null_error_field_are_not_failures() -> None:
+    worker = FakeWorker(null_error=True)
+    out = run(ReplayRequest(SPEC, "http://fake", "m", progress=False), worker)
+    m = out.metrics  # type: ignore[attr-defined]
+    assert m.errors == {} and m.completed == 25
+
+
+def test_sends_start_while_the_replay_is_behind_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """All 300 requests are due at once: the first must reach the worker after a few bodies are built, not
+    after all 300 (the loop built every overdue body before yielding to the tasks that send them)."""
+    import loadgen.runner as runner
+
+    built = [0]
+    real_build = runner.build_body
+
+    def counting_build(*args: object) -> bytes:
+        built[0] += 1
+        return real_build(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "build_body", counting_build)
+    worker = FakeWorker()
+    first_seen: list[int] = []
+    handle = worker._handle
+
+    async def recording(body: dict[str, object], chat: bool) -> object:
+        if not first_seen:
+            first_seen.append(built[0])
+        return await handle(body, chat)
+
+    worker._handle = recording  # type: ignore[method-assign]
+    spec = "synthetic:rate=1000000,n=300,arrival=constant,input=8,output=1"
+    out = run(ReplayRequest(spec, "http://fake", "m", progress=False), worker)
+    assert out.metrics.completed == 300  # type: ignore[attr-defined]
+    assert first_seen and first_seen[0] < 30, first_seen
+
+
 def test_window_and_max_requests_on_a_timed_trace() -> None:
     worker = FakeWorker()
     # azure fixture arrivals 0, 0.3, 1.5, 1.5: the window [0.3, 1.6) keeps 3, the cap keeps 2

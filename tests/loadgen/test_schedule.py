@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import statistics
 from collections.abc import Iterator
 
@@ -13,7 +14,7 @@ from loadgen.formats import open_trace
 from loadgen.prompts import BLOCK_TOKENS, TOKEN_ID_HIGH, TOKEN_ID_LOW, WORDS, PromptBuilder, build_body
 from loadgen.schedule import ScheduledRequest, ScheduleError, ScheduleOptions, schedule
 from loadgen.synthetic import SpecError, generate, parse_spec
-from loadgen.trace import TraceError, TraceRequest
+from loadgen.trace import MAX_TOKENS, TraceError, TraceRequest
 
 
 @pytest.mark.parametrize(
@@ -209,3 +210,42 @@ def test_request_bodies_ask_for_exactly_the_output_length() -> None:
     chat = json.loads(build_body(r, "chat", "m", PromptBuilder(0)))
     assert chat["messages"][0]["role"] == "user" and len(chat["messages"][0]["content"].split(" ")) == 3
     assert "prompt" not in chat and chat["max_tokens"] == 17
+
+
+def test_max_requests_stops_before_reading_the_next_row() -> None:
+    """A bad row right after the cap is never read (the cap is checked before pulling another row)."""
+
+    def rows() -> Iterator[TraceRequest]:
+        yield TraceRequest(0.0, 10, 1)
+        yield TraceRequest(1.0, 11, 1)
+        raise AssertionError("read past --max-requests")
+
+    out = list(schedule(rows(), ScheduleOptions(max_requests=2)))
+    assert [s.input_tokens for s in out] == [10, 11]
+
+
+def test_burstiness_without_a_rate_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="--burstiness shapes --rate"):
+        ScheduleOptions(burstiness=0.2).validate(True)
+    ScheduleOptions(rate=5, burstiness=0.2).validate(True)  # with --rate it shapes the arrivals
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("synthetic:rate=1,n=1,input=1e13", "at most 10,000,000 tokens"),
+        ("synthetic:rate=1,n=1,input=uniform:1:1e12", "at most 10,000,000 tokens"),
+        ("synthetic:rate=1,n=1,output=lognormal:2e7:0.5", "at most 10,000,000 tokens"),
+    ],
+)
+def test_lengths_past_the_longest_context_are_refused(spec: str, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        parse_spec(spec)
+
+
+def test_wide_length_distributions_are_capped_not_overflowing() -> None:
+    """lognormal with a huge sigma overflowed exp() (a traceback); samples are capped at MAX_TOKENS."""
+    rng = random.Random(1)
+    dist = parse_spec("synthetic:rate=1,n=1,input=lognormal:300:1000").input
+    samples = [dist.sample(rng) for _ in range(200)]
+    assert max(samples) == MAX_TOKENS and min(samples) >= 1
