@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from placement.binpacking import Demand, GpuOffer, InstanceOption, MixProblem, MixSolution, PlacementError
+from placement.counts import whole_number
 from placement.profiles import read_structured
 
 MELANGE_MODEL = "melange"  # Mélange inputs describe one model; its options are keyed melange/<GPU>
@@ -76,9 +77,7 @@ def melange_from_dict(data: Any, origin: str = "<melange>") -> MelangeInput:
         raise MelangeFormatError(f"{origin}: total_request_rate must be a number ≥ 0, got {rate!r}")
     if rate == 0 or sum(map(sum, dist)) == 0:
         raise MelangeFormatError(f"{origin}: total request rate is 0 req/s: nothing to place")
-    k = data.get("slice_factor", 1)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise MelangeFormatError(f"{origin}: slice_factor must be an integer ≥ 1, got {k!r}")
+    k = whole_number(data.get("slice_factor", 1), f"{origin}: slice_factor", 1, MelangeFormatError)
     gpu_info = data["gpu_info"]
     if not isinstance(gpu_info, dict) or not gpu_info:
         raise MelangeFormatError(f"{origin}: gpu_info must map GPU names to {{cost, tputs}}")
@@ -92,10 +91,11 @@ def melange_from_dict(data: Any, origin: str = "<melange>") -> MelangeInput:
         if extra:
             raise MelangeFormatError(f"{where}: unknown key(s) {extra}")
         tputs = _matrix(info["tputs"], f"{where}.tputs", shape)
+        low = whole_number(info.get("min_count", 0), f"{where}.min_count", 0, MelangeFormatError)
+        cap = info.get("max_count")
+        high = None if cap is None else whole_number(cap, f"{where}.max_count", 0, MelangeFormatError)
         try:
-            offers[name] = GpuOffer(
-                name, float(info["cost"]), int(info.get("min_count", 0)), _opt_int(info.get("max_count"))
-            )
+            offers[name] = GpuOffer(name, float(info["cost"]), low, high)
         except (TypeError, ValueError) as exc:
             raise MelangeFormatError(f"{where}: {exc}") from None
         options.append(InstanceOption(MELANGE_MODEL, name, tuple(v for row in tputs for v in row)))
@@ -107,10 +107,6 @@ def melange_from_dict(data: Any, origin: str = "<melange>") -> MelangeInput:
         else (f"workload_distribution sums to {total:g}, used as written (as Mélange does)",)
     )
     return MelangeInput(MixProblem(offers, tuple(options), ((demand,),)), k, shape, float(rate), notes)
-
-
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
 
 
 def load_melange(path: str | Path) -> MelangeInput:

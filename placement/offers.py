@@ -8,6 +8,7 @@ from typing import Any
 
 from placement.binpacking import GpuOffer, PlacementError
 from placement.catalog import Catalog, CatalogError, load_catalog
+from placement.counts import whole_number
 from placement.profiles import read_structured
 
 
@@ -39,7 +40,9 @@ def load_gpu_offers(
     """
     catalog = catalog or load_catalog()
     origin = "--gpus"
-    if isinstance(source, str | Path) and Path(source).is_file():
+    if isinstance(source, str | Path) and (Path(source).is_file() or _looks_like_path(str(source))):
+        if not Path(source).exists():
+            raise PlacementError(f"--gpus {source}: no such file")
         origin = str(source)
         source = read_structured(source, PlacementError)
     elif isinstance(source, str):
@@ -71,10 +74,16 @@ def load_gpu_offers(
                 raise PlacementError(
                     f"{origin}: GPU {raw} is not in the catalog: give cost_per_hour"
                 ) from None
+        where = f"{origin}: GPU {raw}:"
+        low = whole_number(row.get("min", 0), f"{where} min", 0, PlacementError)
+        high = None if row.get("max") is None else whole_number(row["max"], f"{where} max", 0, PlacementError)
         try:
-            offers[name] = GpuOffer(
-                name, float(cost), int(row.get("min", 0)), None if row.get("max") is None else int(row["max"])
-            )
+            offers[name] = GpuOffer(name, float(cost), low, high)
         except (TypeError, ValueError) as exc:
-            raise PlacementError(f"{origin}: GPU {raw}: {exc}") from None
+            raise PlacementError(f"{where} {exc}") from None
     return offers
+
+
+def _looks_like_path(text: str) -> bool:
+    """A --gpus value meant as a file (a list of names has neither slashes nor these suffixes)."""
+    return "/" in text or "\\" in text or text.lower().endswith((".yaml", ".yml", ".json"))

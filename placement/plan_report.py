@@ -177,7 +177,10 @@ def plan_to_dict(
         "savings": None
         if plan.savings is None or best is None or best.solution is None
         else {"per_hour": _r(best.solution.cost_per_hour - s.cost_per_hour), "fraction": _r(plan.savings)},
-        "dropped": [{"model": d.model, "bucket": d.label, "rate": _r(d.rate)} for d in plan.dropped],
+        "dropped": [
+            {"model": d.model, "bucket": d.label, "rate": _r(d.rate), "reason": d.reason}
+            for d in plan.dropped
+        ],
         "time_varying": time_varying(plan),
         "what_if": None if what_if is None else what_if_rows(what_if),
         "placement": None if placement is None else dict(placement),

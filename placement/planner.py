@@ -86,11 +86,16 @@ class Grid:
         return f"in {bucket_label(self.input_edges, i)} out {bucket_label(self.output_edges, j)}"
 
 
+OUTSIDE = "outside the profiled lengths"
+NOT_SERVED = "no GPU type serves it within the SLO"
+
+
 @dataclass(frozen=True, slots=True)
 class Dropped:
     model: str
     label: str
     rate: float  # req/s left out (peak over windows)
+    reason: str = NOT_SERVED  # OUTSIDE or NOT_SERVED
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +143,13 @@ def build_problem(
                 f"profiles of {model} use different bucket edges ({p.gpu} differs): re-profile on one grid"
             )
         options.append(InstanceOption(model, gpu, p.flat_rates(), p.tp, p.role))
-    for name in offers:
+    for name, offer in offers.items():
         if not any(o.gpu == name for o in options):
+            if offer.min_gpus > 0:  # a floor is paid for whatever serves: never let its cost vanish
+                raise PlacementError(
+                    f"{name}: min {offer.min_gpus} GPU(s) must be paid for, but it has no usable profile"
+                    f"{_at_slo(inp.slo)}: add one or drop its min"
+                )
             notes.append(f"{name}: no usable profile, not considered")
     if not options:
         why = (
@@ -148,7 +158,44 @@ def build_problem(
         )
         raise PlacementError(f"no usable profile for the offered GPUs: {why}")
     windows, dropped = _demand(inp.workloads, grids, catalog, options, inp.drop_unservable)
+    peak = max(sum(w.windows[k].total for w in inp.workloads) for k in range(len(windows)))
+    check_something_left(windows, peak)
     return MixProblem(offers, tuple(options), windows), grids, dropped, notes
+
+
+def _at_slo(slo: Slo | None) -> str:
+    if slo is None:
+        return ""
+    parts = [f"{k} {v:g} ms" for k, v in (("TPOT", slo.tpot_ms), ("TTFT", slo.ttft_ms)) if v is not None]
+    return f" at {', '.join(parts)}" if parts else ""
+
+
+def check_something_left(windows: Sequence[Sequence[Demand]], peak: float) -> None:
+    """After dropping, some demand must remain: a $0 "optimal" fleet for nothing would read as an answer.
+
+    `peak` is the busiest window's total req/s before dropping."""
+    if peak > 0 and all(r <= 0 for w in windows for d in w for r in d.rates):
+        raise PlacementError(f"all {peak:.3g} req/s fall outside the profiles/SLO; nothing left to plan")
+
+
+def drop_unserved(problem: MixProblem, grids: Mapping[str, Grid]) -> tuple[MixProblem, list[Dropped]]:
+    """`problem` without the buckets no option serves (for inputs built elsewhere, e.g. Mélange's),
+    and what was left out, as `--drop-unservable` reports it."""
+    dropped: list[Dropped] = []
+    windows = [list(w) for w in problem.windows]
+    for model, grid in grids.items():
+        unserved = _unservable_buckets(model, problem.options, grid.shape[0] * grid.shape[1])
+        for b in unserved:
+            peak = max((d.rates[b] for w in windows for d in w if d.model == model), default=0.0)
+            if peak > 0:
+                dropped.append(Dropped(model, grid.label(b), peak))
+        for w in windows:
+            for i, d in enumerate(w):
+                if d.model == model:
+                    w[i] = replace(d, rates=tuple(0.0 if b in unserved else r for b, r in enumerate(d.rates)))
+    peak = max(sum(d.total for d in w) for w in problem.windows)
+    check_something_left(windows, peak)
+    return replace(problem, windows=tuple(tuple(w) for w in windows)), dropped
 
 
 def _demand(
@@ -181,7 +228,7 @@ def _demand(
                 raise PlacementError(
                     f"{wl.model}: {outside:g} req/s fall outside the profiled lengths; extend the profile or pass --drop-unservable"
                 )
-            dropped.append(Dropped(model, "outside the profiled lengths", outside))
+            dropped.append(Dropped(model, OUTSIDE, outside, OUTSIDE))
         for k, w in enumerate(wl.windows):
             rates = list(w.rates)
             for b in unserved:
@@ -238,6 +285,10 @@ def solve_plan(
             f"no GPU type serves {where}{more} within the SLO; pass --drop-unservable to plan the rest"
         ) from None
     singles = tuple(single_type_fleets(problem, **kwargs))
+    floors = {n: g.min_gpus for n, g in problem.gpus.items() if g.min_gpus > 0}
+    if floors and len(problem.gpus) > 1:
+        held = ", ".join(f"{n} ≥ {m}" for n, m in sorted(floors.items()))
+        notes = (*notes, f"single-type baselines keep the GPU floors ({held}), as the mix does")
     per_window: tuple[MixSolution, ...] = ()
     if len(problem.windows) > 1:
         per_window = tuple(solve_mix(replace(problem, windows=(w,)), **kwargs) for w in problem.windows)

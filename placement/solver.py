@@ -230,14 +230,21 @@ class SingleType:
 
 
 def single_type_fleets(problem: MixProblem, **kwargs: object) -> list[SingleType]:
-    """For every offered GPU type, `solve_mix` restricted to its options (Mélange's baselines)."""
+    """For every offered GPU type, `solve_mix` restricted to its options (Mélange's baselines).
+
+    GPU floors (`min_gpus`) hold in every baseline as in the mix: the baseline of type T is T plus the
+    other types' floors, exactly (their GPUs are paid for, so they serve load too). A baseline is thus
+    the mix restricted, never cheaper than it, and the savings against it are ≥ 0."""
     out: list[SingleType] = []
+    floors = {n: replace(g, max_gpus=g.min_gpus) for n, g in problem.gpus.items() if g.min_gpus > 0}
     for name in problem.gpus:
         options = tuple(o for o in problem.options if o.gpu == name)
         if not options:
             out.append(SingleType(name, None, "no profile"))
             continue
-        sub = MixProblem({name: problem.gpus[name]}, options, problem.windows)
+        gpus = {**floors, name: problem.gpus[name]}
+        options = tuple(o for o in problem.options if o.gpu in gpus)
+        sub = MixProblem(gpus, options, problem.windows)
         try:
             out.append(SingleType(name, solve_mix(sub, **kwargs)))  # type: ignore[arg-type]
         except UnservableError as exc:

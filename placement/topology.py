@@ -35,6 +35,9 @@ from typing import Literal
 from ortools.sat.python import cp_model
 
 from placement.binpacking import PlacementError
+from placement.catalog import Catalog, load_catalog
+from placement.counts import whole_number
+from placement.offers import canonical_gpu
 from placement.profiles import Role
 
 W_CROSS, W_SPREAD, W_FRAG, W_NODE = 10_000, 1_000, 10, 1
@@ -320,13 +323,19 @@ def _explain(nodes: Sequence[Node], groups: Sequence[Group], require: bool) -> s
     )
 
 
-def nodes_from_dict(data: object, origin: str = "<nodes>") -> tuple[list[Node], int | None, str]:
-    """`{nodes: [{name, gpu, gpus, domain, used?}], max_group_gpus?: N, same_domain?: prefer|require}`."""
+def nodes_from_dict(
+    data: object, origin: str = "<nodes>", catalog: Catalog | None = None
+) -> tuple[list[Node], int | None, str]:
+    """`{nodes: [{name, gpu, gpus, domain, used?}], max_group_gpus?: N, same_domain?: prefer|require}`.
+
+    GPU names go through the catalog's canonical names (aliases and case, as --gpus and profiles do);
+    `gpus` (≥ 1), `used` (≥ 0) and `max_group_gpus` (≥ 1) must be whole numbers."""
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
         raise TopologyError(f"{origin}: expected a mapping with a non-empty 'nodes' list")
     extra = sorted(set(data) - {"schema", "nodes", "max_group_gpus", "same_domain"})
     if extra:
         raise TopologyError(f"{origin}: unknown key(s) {extra}")
+    catalog = catalog or load_catalog()
     nodes = []
     for i, row in enumerate(data["nodes"]):
         if (
@@ -335,20 +344,20 @@ def nodes_from_dict(data: object, origin: str = "<nodes>") -> tuple[list[Node], 
             or set(row) - {"name", "gpu", "gpus", "domain", "used"}
         ):
             raise TopologyError(f"{origin}: nodes[{i}]: needs name, gpu, gpus (and optional domain, used)")
-        try:
-            nodes.append(
-                Node(
-                    str(row["name"]),
-                    str(row["gpu"]),
-                    int(row["gpus"]),
-                    str(row.get("domain", "default")),
-                    int(row.get("used", 0)),
-                )
+        where = f"{origin}: nodes[{i}]"
+        nodes.append(
+            Node(
+                str(row["name"]),
+                canonical_gpu(str(row["gpu"]), catalog),
+                whole_number(row["gpus"], f"{where}.gpus", 1, TopologyError),
+                str(row.get("domain", "default")),
+                whole_number(row.get("used", 0), f"{where}.used", 0, TopologyError),
             )
-        except (TypeError, ValueError) as exc:
-            raise TopologyError(f"{origin}: nodes[{i}]: {exc}") from None
+        )
     same = data.get("same_domain", "prefer")
     if same not in ("prefer", "require"):
         raise TopologyError(f"{origin}: same_domain must be prefer or require, got {same!r}")
     cap = data.get("max_group_gpus")
-    return nodes, None if cap is None else int(cap), str(same)
+    if cap is not None:
+        cap = whole_number(cap, f"{origin}: max_group_gpus", 1, TopologyError)
+    return nodes, cap, str(same)

@@ -193,13 +193,18 @@ def histogram_from_requests(
     *,
     window_s: float | None = None,
     rate: float | None = None,
+    end_s: float | None = None,
 ) -> ModelWorkload:
     """Bin a trace into windows of `window_s` seconds of arrival time (None: one window, the whole trace).
 
-    Timed traces: a window's rate is its count / `window_s` (the trace's last window is counted as a full
-    one); a single window spans first → last arrival (at least 1 s). Traces without arrival times need
-    `rate` (req/s): one window whose histogram is their length distribution at that rate. `rate` given for
-    a timed trace rescales every window so that the busiest has that total rate.
+    Timed traces: window k spans [k · window_s, (k + 1) · window_s) and its rate is its count / window_s,
+    except the last one, which the trace may cover only in part: its rate is its count / the time the trace
+    covers of it, from its start to the trace's end (`end_s` when known, e.g. a synthetic trace's duration;
+    else the last arrival), at least 1 s, at most `window_s`. A `--window-s` longer than the trace thus gives
+    the trace's own rate, not a diluted one. A single window spans first arrival → end (at least 1 s).
+    Traces without arrival times need `rate` (req/s): one window whose histogram is their length
+    distribution at that rate. `rate` given for a timed trace rescales every window so that the busiest
+    has that total rate.
     """
     if window_s is not None and not (math.isfinite(window_s) and window_s > 0):
         raise WorkloadError(f"window must be a finite number of seconds > 0, got {window_s}")
@@ -233,9 +238,18 @@ def histogram_from_requests(
             {0: [sum(c[b] for c in counts.values()) for b in range(n_buckets)]},
             {0: sum(outside.values())},
         )
-    duration = window_s if window_s else max(span[1] - span[0], 1.0) if timed else 1.0
+    end = max(span[1], end_s if end_s is not None and math.isfinite(end_s) else -math.inf)
+    last = max(counts)
     windows = []
-    for k in range(max(counts) + 1):
+    for k in range(last + 1):
+        if not timed:
+            duration = 1.0
+        elif not window_s:
+            duration = max(end - span[0], 1.0)
+        elif k < last:
+            duration = window_s
+        else:  # the trace's last window: only the part of it the trace covers
+            duration = min(window_s, max(end - k * window_s, 1.0))
         row = counts.get(k, [0.0] * n_buckets)
         windows.append(Window(duration, tuple(c / duration for c in row), outside.get(k, 0.0) / duration))
     if rate is not None:

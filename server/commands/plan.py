@@ -28,6 +28,7 @@ from placement.planner import (
     PlanInput,
     WhatIfRow,
     canonical_model,
+    drop_unserved,
     load_gpu_offers,
     make_plan,
     select_profiles,
@@ -95,10 +96,24 @@ def _trace_workload(
         trace = open_trace(path, fmt)
         rows = ((r.arrival_s, r.input_tokens, r.output_tokens) for r in trace)
         return histogram_from_requests(
-            rows, name, grid.input_edges, grid.output_edges, window_s=window_s, rate=rate
+            rows,
+            name,
+            grid.input_edges,
+            grid.output_edges,
+            window_s=window_s,
+            rate=rate,
+            end_s=_trace_end(trace.source) if trace.format == "synthetic" else None,
         )
     except TraceError as exc:
         raise PlacementError(str(exc)) from None
+
+
+def _trace_end(spec: str) -> float | None:
+    """A synthetic trace's end when its spec fixes it (duration=S without n=N); None otherwise."""
+    from loadgen import synthetic
+
+    parsed = synthetic.parse_spec(spec)
+    return parsed.duration_s if parsed.n is None else None
 
 
 def _melange_plan(
@@ -108,6 +123,7 @@ def _melange_plan(
     engine: str,
     time_limit_s: float,
     scales: list[float],
+    drop_unservable: bool = False,
 ) -> tuple[Plan, list[WhatIfRow] | None]:
     settings: dict[str, Any] = {
         "variant": variant or Variant.SLICED,
@@ -116,13 +132,14 @@ def _melange_plan(
         "time_limit_s": time_limit_s,
     }
     grids = {MELANGE_MODEL: Grid(None, None, mi.shape)}
-    plan = solve_plan(mi.problem, grids, (3600.0,), notes=mi.notes, **settings)
+    base, dropped = drop_unserved(mi.problem, grids) if drop_unservable else (mi.problem, [])
+    plan = solve_plan(base, grids, (3600.0,), dropped, notes=mi.notes, **settings)
     if not scales:
         return plan, None
     rows = []
     for scale in scales:
-        demand = tuple(replace(d, rates=tuple(r * scale for r in d.rates)) for d in mi.problem.windows[0])
-        problem = replace(mi.problem, windows=(demand,))
+        demand = tuple(replace(d, rates=tuple(r * scale for r in d.rates)) for d in base.windows[0])
+        problem = replace(base, windows=(demand,))
         total = sum(d.total for d in demand)
         try:
             rows.append(WhatIfRow(None, scale, total, solve_plan(problem, grids, (3600.0,), **settings)))
@@ -153,6 +170,7 @@ def run_plan(opts: dict[str, Any]) -> dict[str, Any]:
     """Everything `mosaic plan` does short of printing; returns the plan document (schema mosaic.plan/v1)."""
     spec = parse_what_if(opts["what_if"] or [])
     variant = Variant(opts["variant"]) if opts["variant"] else None
+    _refuse_flags_that_do_not_apply(opts)
     if opts["melange"]:
         if opts["workload"] or opts["trace"] or opts["profile"] or opts["gpus"]:
             raise PlacementError(
@@ -164,13 +182,22 @@ def run_plan(opts: dict[str, Any]) -> dict[str, Any]:
             )
         mi = load_melange(opts["melange"])
         plan, rows = _melange_plan(
-            mi, variant, opts["slice_factor"], opts["engine"], opts["time_limit"], spec.get("rate_scale", [])
+            mi,
+            variant,
+            opts["slice_factor"],
+            opts["engine"],
+            opts["time_limit"],
+            spec.get("rate_scale", []),
+            opts["drop_unservable"],
         )
     else:
         plan, rows = _mosaic_plan(opts, spec, variant)
     placement = None
     if opts["nodes"]:
-        nodes, cap, same = nodes_from_dict(read_structured(opts["nodes"], PlacementError), opts["nodes"])
+        catalog = load_catalog(opts["catalog"]) if opts["catalog"] else load_catalog()
+        nodes, cap, same = nodes_from_dict(
+            read_structured(opts["nodes"], PlacementError), opts["nodes"], catalog
+        )
         same_domain: Literal["prefer", "require"] = (
             "require" if (opts["same_domain"] or same) == "require" else "prefer"
         )
@@ -179,6 +206,33 @@ def run_plan(opts: dict[str, Any]) -> dict[str, Any]:
         )
         placement = placement_to_dict(placed, nodes)
     return plan_to_dict(plan, what_if=rows, placement=placement)
+
+
+TRACE_ONLY = (
+    ("--rate", "rate"),
+    ("--window-s", "window_s"),
+    ("--model", "model"),
+    ("--trace-format", "trace_format"),
+)
+NOT_MELANGE = (
+    ("--slo-tpot-ms", "slo_tpot_ms", "its throughputs are already measured within the SLO"),
+    ("--slo-ttft-ms", "slo_ttft_ms", "its throughputs are already measured within the SLO"),
+    ("--mode", "mode", "it has one mixed instance type per GPU"),
+)
+
+
+def _refuse_flags_that_do_not_apply(opts: dict[str, Any]) -> None:
+    """A flag the chosen input ignores would change nothing while looking as if it did: refuse it."""
+    if not opts["trace"] and (opts["workload"] or opts["melange"]):
+        for flag, key in TRACE_ONLY:
+            if opts[key] is not None:
+                raise PlacementError(f"{flag} applies to --trace only")
+    if opts["melange"]:
+        for flag, key, why in NOT_MELANGE:
+            if opts[key] is not None and not (key == "mode" and opts[key] == "auto"):
+                raise PlacementError(f"{flag} does not apply to --melange: {why}")
+    if opts["same_domain"] is not None and not opts["nodes"]:
+        raise PlacementError("--same-domain applies with --nodes only")
 
 
 def _mosaic_plan(

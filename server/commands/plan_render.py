@@ -54,9 +54,9 @@ def render_plan(doc: Mapping[str, Any], console: Console) -> None:
     if doc.get("placement"):
         render_placement(doc["placement"], console)
     for d in doc.get("dropped", []):
-        console.print(
-            f"[yellow]dropped[/yellow]: {d['model']} {d['bucket']} ({d['rate']:g} req/s) — no GPU type serves it within the SLO"
-        )
+        reason = d.get("reason", "no GPU type serves it within the SLO")
+        what = d["model"] if d["bucket"] == reason else f"{d['model']} {d['bucket']}"
+        console.print(f"[yellow]dropped[/yellow]: {what} ({d['rate']:g} req/s) — {reason}")
     for note in doc.get("notes", []):
         console.print(f"note: {note}")
 
@@ -106,7 +106,7 @@ def _assignment(doc: Mapping[str, Any], console: Console) -> None:
 
 
 def _time_varying(tv: Mapping[str, Any], console: Console) -> None:
-    table = Table(title=f"Time-varying plan ({tv['hours']:g} h)")
+    table = Table(title=f"Time-varying plan ({tv['hours']:.3g} h)")
     for col in ("window", "start", "req/s", "fleet", "$/h", "status"):
         table.add_column(col)
     for w in tv["windows"]:

@@ -217,3 +217,206 @@ def test_registered_under_mosaic() -> None:
     from server.cli import COMMAND_MODULES
 
     assert "server.commands.plan" in COMMAND_MODULES
+
+
+LLAMA = Path(__file__).parent.parent.parent / "placement" / "profiles" / "llama-3-8b"
+SYNTHETIC = [
+    "plan",
+    "--trace",
+    "synthetic:rate=20,duration=600,input=lognormal:700:1.0,output=lognormal:180:0.9,seed=1",
+    "--gpus",
+    "A10G,L40S,A100-80GB,H100-SXM",
+    *(a for g in ("A10G", "L40S", "A100-80GB", "H100-SXM") for a in ("--profile", str(LLAMA / f"{g}.yaml"))),
+    "--slo-tpot-ms",
+    "40",
+    "--drop-unservable",
+]
+
+
+def test_a_window_longer_than_the_trace_keeps_the_traces_rate(app: typer.Typer) -> None:
+    # 10 min at 20 req/s binned in 1 h windows: the one (partial) window covers 600 s, not 3600 (was 3.32 req/s
+    # and 1× A100); the plan equals the one without --window-s.
+    whole = run_json(app, *SYNTHETIC)
+    windowed = run_json(app, *SYNTHETIC, "--window-s", "3600")
+    for doc in (whole, windowed):
+        assert doc["cost_per_hour"] == 12.17 and doc["gpus"] == {"A100-80GB": 1, "H100-SXM": 2}
+        served = sum(a["rate"] for a in doc["assignment"]) + sum(d["rate"] for d in doc["dropped"])
+        assert served == pytest.approx(20.0, rel=0.01)
+
+
+def test_dropped_rows_say_why_they_were_dropped(app: typer.Typer) -> None:
+    result = run(app, *SYNTHETIC)
+    assert result.exit_code == 0, result.output
+    dropped = [line for line in result.output.splitlines() if line.startswith("dropped")]
+    assert dropped == ["dropped: llama-3-8b (0.206667 req/s) — outside the profiled lengths"]
+
+
+def _melange_file(tmp_path: Path, tputs_a100: list[list[float]]) -> str:
+    data = {
+        "gpu_info": {
+            "A10G": {"cost": 1.01, "tputs": [[2, 1], [5, 0]]},
+            "A100-80GB": {"cost": 3.67, "tputs": tputs_a100},
+        },
+        "workload_distribution": [[0.2, 0.1], [0.5, 0.2]],
+        "total_request_rate": 30.0,
+        "slice_factor": 1,
+    }
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_melange_honours_drop_unservable(app: typer.Typer, tmp_path: Path) -> None:
+    # bucket (1, 1) (0.2 · 30 = 6 req/s) has throughput 0 on both GPUs. Dropped, the rest fits one A100:
+    # 6/20 + 3/20 + 15/40 = 0.825 → 1 × $3.67.
+    path = _melange_file(tmp_path, [[20, 20], [40, 0]])
+    refused = run(app, "plan", "--melange", path)
+    assert refused.exit_code == 2 and "pass --drop-unservable" in refused.output
+    doc = run_json(app, "plan", "--melange", path, "--drop-unservable")
+    assert doc["gpus"] == {"A100-80GB": 1} and doc["cost_per_hour"] == 3.67
+    assert doc["dropped"] == [
+        {
+            "model": "melange",
+            "bucket": "in#1 out#1",
+            "rate": 6.0,
+            "reason": "no GPU type serves it within the SLO",
+        }
+    ]
+
+
+def test_melange_dropping_everything_is_an_error(app: typer.Typer, tmp_path: Path) -> None:
+    data = {
+        "gpu_info": {"A10G": {"cost": 1.01, "tputs": [[0]]}},
+        "workload_distribution": [[1.0]],
+        "total_request_rate": 30.0,
+    }
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    result = run(app, "plan", "--melange", str(path), "--drop-unservable")
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: all 30 req/s fall outside the profiles/SLO; nothing left to plan"
+
+
+MELANGE_EXAMPLE = ["plan", "--melange", str(PLACEMENT / "workload.yaml")]  # never read: refused first
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        *(
+            pytest.param(
+                [*BASE, flag, value],
+                f"{flag} applies to --trace only",
+                id=f"{flag} with --workload → refused",
+            )
+            for flag, value in (
+                ("--rate", "5"),
+                ("--window-s", "600"),
+                ("--model", "llama-3-8b"),
+                ("--trace-format", "azure"),
+            )
+        ),
+        pytest.param(
+            [*MELANGE_EXAMPLE, "--rate", "5"], "--rate applies to --trace only", id="--rate with --melange"
+        ),
+        pytest.param(
+            [*MELANGE_EXAMPLE, "--window-s", "60"],
+            "--window-s applies to --trace only",
+            id="--window-s with --melange",
+        ),
+        pytest.param(
+            [*MELANGE_EXAMPLE, "--slo-tpot-ms", "40"],
+            "--slo-tpot-ms does not apply to --melange",
+            id="--slo-tpot-ms with --melange",
+        ),
+        pytest.param(
+            [*MELANGE_EXAMPLE, "--slo-ttft-ms", "400"],
+            "--slo-ttft-ms does not apply to --melange",
+            id="--slo-ttft-ms with --melange",
+        ),
+        pytest.param(
+            [*MELANGE_EXAMPLE, "--mode", "pd"],
+            "--mode does not apply to --melange",
+            id="--mode with --melange",
+        ),
+        pytest.param(
+            [*BASE, "--same-domain", "require"], "--same-domain applies with --nodes only", id="no nodes"
+        ),
+        pytest.param(
+            [*BASE[:3], "--gpus", "/nonexistent.yaml", *BASE[5:]],
+            "--gpus /nonexistent.yaml: no such file",
+            id="--gpus path that does not exist → no such file",
+        ),
+        pytest.param(
+            [*BASE[:3], "--gpus", "gpus.yaml", *BASE[5:]],
+            "--gpus gpus.yaml: no such file",
+            id="--gpus file name that does not exist → no such file",
+        ),
+    ],
+)
+def test_flags_that_do_not_apply_are_refused(app: typer.Typer, args: list[str], message: str) -> None:
+    result = run(app, *args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "flag", "message"),
+    [
+        pytest.param(
+            "gpus.yaml",
+            "gpus:\n  A10G: {max: .inf}\n",
+            "--gpus",
+            "GPU A10G: max must be a whole number ≥ 0, got inf",
+            id="--gpus max .inf",
+        ),
+        pytest.param(
+            "m.json",
+            '{"gpu_info": {"A10G": {"cost": 1, "tputs": [[2]], "max_count": Infinity}},'
+            ' "workload_distribution": [[1]], "total_request_rate": 1}',
+            "--melange",
+            "gpu_info.A10G.max_count must be a whole number ≥ 0, got inf",
+            id="--melange max_count Infinity",
+        ),
+        pytest.param(
+            "nodes.yaml",
+            "nodes:\n  - {name: n, gpu: A100-80GB, gpus: .inf}\n",
+            "--nodes",
+            "nodes[0].gpus must be a whole number ≥ 1, got inf",
+            id="--nodes gpus .inf",
+        ),
+        pytest.param(
+            "nodes.yaml",
+            "max_group_gpus: abc\nnodes:\n  - {name: n, gpu: A100-80GB, gpus: 8}\n",
+            "--nodes",
+            "max_group_gpus must be a whole number ≥ 1, got 'abc'",
+            id="--nodes max_group_gpus abc",
+        ),
+    ],
+)
+def test_bad_counts_in_files_exit_2_with_one_line(
+    app: typer.Typer, tmp_path: Path, name: str, text: str, flag: str, message: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    if flag == "--melange":
+        args = ["plan", "--melange", str(path)]
+    elif flag == "--gpus":
+        args = [*BASE[:3], "--gpus", str(path), *BASE[5:]]
+    else:
+        args = [*BASE, "--nodes", str(path)]
+    result = run(app, *args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ") and message in lines[0]
+
+
+def test_node_inventory_gpu_names_take_aliases_and_case(app: typer.Typer, tmp_path: Path) -> None:
+    nodes = (
+        (PLACEMENT / "nodes.yaml").read_text().replace("gpu: A10G", "gpu: a10g").replace("A100-80GB", "a100")
+    )
+    path = tmp_path / "nodes.yaml"
+    path.write_text(nodes)
+    doc = run_json(app, *BASE, "--nodes", str(path))
+    assert doc["placement"]["status"] in ("optimal", "feasible")

@@ -233,3 +233,55 @@ def test_single_type_over_its_cap_says_how_many_it_would_need() -> None:
     )
     reasons = {s.gpu: s.reason for s in make_plan(inp).singles}
     assert reasons["A100-80GB"] == "needs 5 GPUs, 2 available ($18.35/h uncapped)"
+
+
+@pytest.mark.parametrize(
+    ("workload", "profile", "message"),
+    [
+        pytest.param(
+            demand(6.0),
+            one_bucket("A10G", 0.0),
+            "all 6 req/s fall outside the profiles/SLO; nothing left to plan",
+            id="the only bucket no GPU serves → error, not a $0 optimal plan",
+        ),
+        pytest.param(
+            ModelWorkload("m", (1, 100), (1, 100), (Window(3600.0, (0.0,), 5.0),)),
+            one_bucket("A10G", 2.0),
+            "all 5 req/s fall outside the profiles/SLO; nothing left to plan",
+            id="every request outside the profiled lengths → error",
+        ),
+    ],
+)
+def test_dropping_everything_is_an_error(
+    workload: ModelWorkload, profile: ThroughputProfile, message: str
+) -> None:
+    with pytest.raises(PlacementError, match=f"^{message}$"):
+        make_plan(PlanInput({"A10G": A10G}, (profile,), (workload,), drop_unservable=True))
+
+
+def test_a_floor_without_a_usable_profile_is_an_error() -> None:
+    # L4 must be paid for (min 2) but nothing was profiled on it: its $1.40/h cannot silently vanish.
+    offers = {"A10G": A10G, "L4": GpuOffer("L4", 0.70, min_gpus=2)}
+    with pytest.raises(PlacementError, match=r"^L4: min 2 GPU\(s\) must be paid for, but it has no usable"):
+        make_plan(PlanInput(offers, (one_bucket("A10G", 2.0),), (demand(9.0),)))
+    # without a floor it is only a note
+    plan = make_plan(
+        PlanInput({**offers, "L4": GpuOffer("L4", 0.70)}, (one_bucket("A10G", 2.0),), (demand(9.0),))
+    )
+    assert "L4: no usable profile, not considered" in plan.notes
+
+
+def test_single_type_baselines_keep_the_other_types_floors() -> None:
+    # 9 req/s; A10G at 2 req/s, A100 at 4 req/s with a floor of 2 A100 (8 req/s) → mix 2 A100 + 1 A10G = $8.35.
+    # A10G "alone" used to be 5 A10G = $5.05, cheaper than the mix (savings −65%). With the floor held:
+    # A10G baseline = 2 A100 + 1 A10G = $8.35 (savings 0); A100 alone = ⌈9/4⌉ = 3 A100 = $11.01.
+    offers = {"A10G": A10G, "A100-80GB": GpuOffer("A100-80GB", 3.67, min_gpus=2)}
+    plan = make_plan(
+        PlanInput(offers, (one_bucket("A10G", 2.0), one_bucket("A100-80GB", 4.0)), (demand(9.0),))
+    )
+    assert plan.solution.gpus == {"A100-80GB": 2, "A10G": 1}
+    singles = {s.gpu: s.solution for s in plan.singles}
+    assert singles["A10G"] is not None and singles["A10G"].gpus == {"A100-80GB": 2, "A10G": 1}
+    assert singles["A100-80GB"] is not None and singles["A100-80GB"].cost_per_hour == pytest.approx(11.01)
+    assert plan.savings == pytest.approx(0.0)
+    assert "single-type baselines keep the GPU floors (A100-80GB ≥ 2), as the mix does" in plan.notes

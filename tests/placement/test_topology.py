@@ -157,3 +157,12 @@ def test_nodes_file_errors() -> None:
         nodes_from_dict({"nodes": [{"name": "n", "gpu": "L4", "gpus": 1}], "same_domain": "always"})
     with pytest.raises(TopologyError, match="unique"):
         place_instances([Node("n", "L4", 1, "a"), Node("n", "L4", 1, "a")], [])
+
+
+def test_node_gpu_names_are_made_canonical_like_gpus_and_profiles() -> None:
+    nodes, _, _ = nodes_from_dict(
+        {"nodes": [{"name": "a", "gpu": "a10g", "gpus": 4}, {"name": "b", "gpu": "h100", "gpus": 8}]}
+    )
+    assert [n.gpu for n in nodes] == ["A10G", "H100-SXM"]
+    unknown, _, _ = nodes_from_dict({"nodes": [{"name": "c", "gpu": "MyGPU", "gpus": 2}]})
+    assert unknown[0].gpu == "MyGPU"  # not in the catalog: kept as written

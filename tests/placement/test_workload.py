@@ -87,7 +87,8 @@ def test_timed_trace_is_binned_per_window() -> None:
     assert first.rates[0] == pytest.approx(0.1)
     assert first.rates[3] == pytest.approx(0.1)
     assert first.out_of_range == pytest.approx(0.1)
-    assert second.rates[2] == pytest.approx(0.1)  # (10 in, 600 out) → bucket (0, 2)
+    # (10 in, 600 out) → bucket (0, 2); the last window is covered 10 → 12 s only: 1 request / 2 s
+    assert second.rates[2] == pytest.approx(0.5) and second.duration_s == pytest.approx(2.0)
     # one window over the whole trace: 4 requests over 12 s of arrivals
     whole = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT)
     assert whole.windows[0].total == pytest.approx(4 / 12)
@@ -105,8 +106,35 @@ def test_untimed_trace_needs_a_rate() -> None:
 
 def test_rate_rescales_the_busiest_window_of_a_timed_trace() -> None:
     reqs = [(0.0, 10, 10), (1.0, 10, 10), (15.0, 10, 10)]
-    wl = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT, window_s=10.0, rate=20.0)
-    assert [w.total for w in wl.windows] == pytest.approx([20.0, 10.0])  # 2 : 1 kept
+    wl = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT, window_s=10.0, rate=20.0, end_s=20.0)
+    assert [w.total for w in wl.windows] == pytest.approx([20.0, 10.0])  # 2/10 : 1/10 kept
+
+
+@pytest.mark.parametrize(
+    ("window_s", "end_s", "rates", "durations"),
+    [
+        pytest.param(
+            3600.0, None, [8 / 9], [9.0], id="window longer than the trace: 8 / (last arrival 9 − 0)"
+        ),
+        pytest.param(3600.0, 20.0, [0.4], [20.0], id="window longer than the trace: 8 / its known end 20"),
+        pytest.param(4.0, None, [1.0, 0.5, 2.0], [4.0, 4.0, 1.0], id="last window 8 → 9 s: 2 requests / 1 s"),
+        pytest.param(4.0, 10.0, [1.0, 0.5, 1.0], [4.0, 4.0, 2.0], id="last window 8 → 10 s (end): 2 / 2 s"),
+        pytest.param(
+            3.0,
+            9.0,
+            [4 / 3, 2 / 3, 0.0, 2.0],
+            [3.0, 3.0, 3.0, 1.0],
+            id="last arrival on a window start → 1 s",
+        ),
+    ],
+)
+def test_the_last_window_counts_only_the_time_the_trace_covers(
+    window_s: float, end_s: float | None, rates: list[float], durations: list[float]
+) -> None:
+    reqs = [(t, 10, 10) for t in (0.0, 1.0, 5.0, 9.0)] * 2  # 8 requests, two at each time
+    wl = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT, window_s=window_s, end_s=end_s)
+    assert [w.total for w in wl.windows] == pytest.approx(rates)
+    assert [w.duration_s for w in wl.windows] == pytest.approx(durations)
 
 
 def test_empty_trace_is_an_error() -> None:
