@@ -4,7 +4,8 @@
 
 with Q_q the nearest-rank q-quantile (the ceil(q·n)-th smallest of the last `window` observations) and
 bucket(P) the input-length bucket [edges[i], edges[i+1]). With fewer than `min_samples` observations it
-falls back to `max_tokens` (the worst case), so a cold predictor never overbooks.
+falls back to `max_tokens` (the worst case), so a cold predictor never overbooks (the gateway's
+`server.footprint.route_request` asks `predict` whether or not the bucket is warm).
 
 As tokens stream, a request that reaches its reservation is *grown*:
 
@@ -12,7 +13,8 @@ As tokens stream, a request that reaches its reservation is *grown*:
 
 the same quantile conditioned on having already produced `generated` tokens (survival) when at least
 max(1, min_samples // 4) observations are that long, else doubling: generated + max(generated, min_step). Pure and deterministic; the
-gateway feeds `observe` at completion, the simulator the same.
+gateway feeds `observe` at completion, the simulator the same. Growth follows streamed tokens: a
+non-streaming request is never grown and holds its prediction to the end (docs/kv.md, output modes).
 """
 
 from __future__ import annotations

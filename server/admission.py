@@ -12,8 +12,9 @@ waiters may each ask the router when it is their turn (a rejected one wakes the 
 use KV a large head cannot; *aging* — the head, once it has waited `kv.queue.aging_s`, gets a ledger hold
 on its best worker so the backfill cannot take the pages it waits for; *batch* — instead of per-waiter
 attempts, the head runs one CP-SAT/greedy plan over the first `max_head` waiters and hands each planned
-waiter its decision (reserved on the planned worker). A waiter that leaves (admitted, deadline, client
-gone) drops its hold; a planned decision whose waiter left is released.
+waiter its decision (reserved on the planned worker; plans answer by `plan_keys`, the request id made unique
+within the head, since clients choose ids). A waiter that leaves (admitted, deadline, client gone) drops its hold; a planned
+decision whose waiter left, or that no waiter takes, is released.
 
 Refusals: queue already holding `max_size` waiters → 429 `queue_full`; deadline passed → 429
 `queue_timeout`; a non-retryable reject (nothing could ever serve it) → the router's own status and
@@ -72,11 +73,29 @@ class QueuePolicy(Protocol[D]):
         """The waiter left the queue, admitted or not (drop its hold)."""
 
     async def plan(self, model: str, reqs: list[Any]) -> dict[str, D]:
-        """Batch mode: decisions (reservations made) for some of `reqs`, by request id."""
+        """Batch mode: decisions (reservations made) for some of `reqs`, by `plan_keys(reqs)` (the request
+        id, made unique within the list: clients choose ids, and two waiters may share one)."""
         ...
 
     def discard(self, decision: D) -> None:
         """A planned decision whose waiter had already left: release it."""
+
+
+def plan_keys(reqs: list[Any]) -> list[str]:
+    """One key per request of a batch plan, in order: its `request_id`, or, when an earlier request of the
+    list already took that key, `<request_id>#<n>` with the least n ≥ 1 still free. Deterministic, so the
+    policy that plans and the queue that hands out the decisions agree on which waiter each one is for."""
+    used: set[str] = set()
+    out = []
+    for r in reqs:
+        key = r.request_id
+        n = 0
+        while key in used:
+            n += 1
+            key = f"{r.request_id}#{n}"
+        used.add(key)
+        out.append(key)
+    return out
 
 
 class _Waiter(Generic[D]):
@@ -248,10 +267,11 @@ class AdmissionQueue(Generic[D]):
         head = [w for w in list(q)[: policy.max_head] if w.req is not None and not w.has_result]
         if not head:
             return
-        decided = await policy.plan(model, [w.req for w in head])
+        reqs = [w.req for w in head]
+        decided = await policy.plan(model, reqs)
         admitted = False
-        for w in head:
-            d = decided.pop(w.req.request_id, None)
+        for key, w in zip(plan_keys(reqs), head, strict=True):
+            d = decided.pop(key, None)
             if d is None:
                 continue
             if w in q:

@@ -7,17 +7,29 @@ the P/D prefill hop).
 
 **Prompt tokens** (no tokenizer is configured in the gateway):
 - token-id prompts (`prompt: [int, ...]` or `[[int, ...], ...]`): exact, the number of ids;
-- text: ceil(characters / 4), OpenAI's rule of thumb for English (~4 characters per token);
+- text: ceil(ASCII characters / 4 + UTF-8 bytes of the other characters / 3). ASCII text is OpenAI's
+  rule of thumb for English (~4 characters per token); a CJK character (3 bytes) counts one token, which
+  today's vocabularies (cl100k, o200k, Llama 3, Qwen) do not exceed on average; Cyrillic, Greek, Arabic
+  (2 bytes) count 2/3 token a character, above what they average. Without that second term a Chinese
+  prompt was counted 3–4× short and its KV under-reserved (docs/kv.md, "Text prompts");
 - chat: Σ over messages of (text estimate of its text parts + 3) + 3, the per-message framing and reply
   priming of OpenAI's token-counting recipe. Non-text parts (images, audio) are not counted.
-The estimate only steers routing and rate limits; workers count exactly and their `usage` is what is
-reported and metered.
+The estimate steers routing, KV reservations and rate limits; workers count exactly and their `usage` is
+what is reported and metered. Context checks refuse an untokenized prompt only on its floor, ceil(c / 8)
+for c characters (framing included), whatever the script (`MAX_CHARS_PER_TOKEN`).
+
+**Sequences.** A batch of k prompts (`/v1/completions`) with `n` completions each decodes k·n sequences;
+each holds its own KV and has its own context. `prompt_tokens` is the sum over prompts, `prompt_lens` each
+prompt's count (for k > 1), and the route request carries both with `n`, so the KV footprint and the
+context check go per sequence (`RouteRequest.sequence_shape`, `scheduler.kv.footprint.request_need`).
 
 **Output tokens** reserved: `max_completion_tokens` or `max_tokens`; absent, vLLM's defaults — 16 for
-`/v1/completions`, and for chat the rest of the context, max_model_len − prompt. Batched prompts and `n`
-multiply both (each sequence holds its own KV). `predicted_output_tokens` comes from the length predictor
-(a quantile of observed output lengths, fed by the gateway at completion) once it has enough samples,
-else min(reserved, the routing config's `default_output_tokens`).
+`/v1/completions`, and for chat the rest of the context, max_model_len − prompt. `max_output_tokens` is
+that bound times k·n (every sequence may reach it). `predicted_output_tokens`: the length predictor's
+`predict` when one is given (a quantile of observed output lengths, fed by the gateway at completion; the
+worst case, `max_output_tokens`, until it has `min_samples` observations, so a cold predictor never
+overbooks); without a predictor, min(reserved, the routing config's `default_output_tokens` × k·n), a
+routing estimate only.
 """
 
 from __future__ import annotations
@@ -35,7 +47,8 @@ from scheduler.routing.framework import RouteRequest
 from scheduler.routing.prefix import block_hashes, text_block_hashes
 from server.errors import Cause, GatewayError
 
-CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text
+CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text (ASCII characters)
+NON_ASCII_BYTES_PER_TOKEN = 3  # other characters: one token per CJK character (3 UTF-8 bytes)
 # The most characters a token of a text prompt is assumed to average: a prompt of n characters has at least
 # n / 8 tokens (today's BPE vocabularies average ~4 on English; repetitive or whitespace-heavy text more).
 # Context checks refuse an untokenized prompt only on that floor.
@@ -82,13 +95,17 @@ class ParsedRequest:
     stream: bool
     client_wants_usage: bool  # stream_options.include_usage was set by the client
     has_stream_options: bool
-    prompt_tokens: int
+    prompt_tokens: int  # over all prompts (each once)
     prompt_exact: bool
     sequences: int  # prompts × n
     max_output_tokens: int  # over all sequences
     token_ids: list[int] | None  # first prompt's ids, when given as ids (exact prefix hashing)
     prompt_text: str | None  # the text prefix hashing uses otherwise
     _data: dict[str, Any] | None = None
+    n: int = 1  # completions per prompt
+    prompt_lens: tuple[int, ...] = ()  # each prompt's tokens when there are several, else ()
+    # an estimated prompt: the fewest tokens its longest prompt can have (None: use the legacy formula)
+    prompt_floor: int | None = None
 
     def data(self) -> dict[str, Any]:
         """The body as a dict (parsed once, lazily: only the rewriting paths need it)."""
@@ -98,20 +115,38 @@ class ParsedRequest:
 
 
 def estimate_text_tokens(text: str) -> int:
+    """ceil(ASCII characters / 4 + UTF-8 bytes of the others / 3) (module docstring); ceil(len / 4) for ASCII."""
+    if text.isascii():
+        return math.ceil(len(text) / CHARS_PER_TOKEN)
+    ascii_chars = len(text.encode("ascii", "ignore"))
+    other_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
+    # in integer twelfths of a token: 3 per ASCII character, 4 per other byte
+    return -(-(3 * ascii_chars + 4 * other_bytes) // (CHARS_PER_TOKEN * NON_ASCII_BYTES_PER_TOKEN))
+
+
+def _floor_basis(text: str) -> int:
+    """ceil(len / 4) whatever the script: the floor (÷ 2 → len / 8 characters a token) is taken on this."""
     return math.ceil(len(text) / CHARS_PER_TOKEN)
 
 
-def _message_tokens(msg: _Message) -> int:
-    content = msg.content
+def _floor(basis: int) -> int:
+    return math.ceil(basis * CHARS_PER_TOKEN / MAX_CHARS_PER_TOKEN)
+
+
+def _text_parts(content: str | list[dict[str, Any]] | None) -> list[str]:
     if isinstance(content, str):
-        text_tokens = estimate_text_tokens(content)
-    elif content is None:
-        text_tokens = 0
-    else:
-        text_tokens = sum(
-            estimate_text_tokens(str(p.get("text", ""))) for p in content if p.get("type") == "text"
-        )
-    return text_tokens + TOKENS_PER_MESSAGE
+        return [content]
+    if content is None:
+        return []
+    return [str(p.get("text", "")) for p in content if p.get("type") == "text"]
+
+
+def _message_tokens(msg: _Message) -> int:
+    return sum(estimate_text_tokens(t) for t in _text_parts(msg.content)) + TOKENS_PER_MESSAGE
+
+
+def _message_floor_basis(msg: _Message) -> int:
+    return sum(_floor_basis(t) for t in _text_parts(msg.content)) + TOKENS_PER_MESSAGE
 
 
 def _chat_text(messages: list[_Message]) -> str:
@@ -138,13 +173,16 @@ def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | No
     n = req.n if req.n and req.n > 0 else 1
     token_ids: list[int] | None = None
     text: str | None = None
+    lens: tuple[int, ...] = ()
     if isinstance(req, _Chat):
         prompt = sum(_message_tokens(m) for m in req.messages) + REPLY_PRIMING_TOKENS
+        floor: int | None = _floor(sum(_message_floor_basis(m) for m in req.messages) + REPLY_PRIMING_TOKENS)
         exact, prompts = False, 1
         text = _chat_text(req.messages)
         default_out = None
     else:
-        prompt, exact, prompts, token_ids, text = _completion_prompt(req.prompt)
+        prompt, exact, lens, floor, token_ids, text = _completion_prompt(req.prompt)
+        prompts = max(1, len(lens))
         default_out = COMPLETIONS_DEFAULT_MAX_TOKENS
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     per_seq_prompt = math.ceil(prompt / prompts)
@@ -165,6 +203,9 @@ def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | No
         max_output_tokens=max(0, limit) * prompts * n,
         token_ids=token_ids,
         prompt_text=text,
+        n=n,
+        prompt_lens=lens if len(lens) > 1 else (),
+        prompt_floor=None if exact else floor,
     )
 
 
@@ -202,17 +243,24 @@ def _split_union_tag(loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...],
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
-def _completion_prompt(prompt: Any) -> tuple[int, bool, int, list[int] | None, str | None]:
-    """(tokens, exact, number of prompts, first prompt's ids, first prompt's text)."""
+def _completion_prompt(
+    prompt: Any,
+) -> tuple[int, bool, tuple[int, ...], int | None, list[int] | None, str | None]:
+    """(tokens over all prompts, exact, each prompt's tokens, the longest prompt's floor (text only),
+    first prompt's ids, first prompt's text)."""
     if isinstance(prompt, str):
-        return estimate_text_tokens(prompt), False, 1, None, prompt
+        tokens = estimate_text_tokens(prompt)
+        return tokens, False, (tokens,), _floor(_floor_basis(prompt)), None, prompt
     if not prompt:
         raise GatewayError(Cause.BAD_REQUEST, "'prompt' must not be empty", param="prompt")
     if isinstance(prompt[0], int):
-        return len(prompt), True, 1, list(prompt), None
+        return len(prompt), True, (len(prompt),), None, list(prompt), None
     if isinstance(prompt[0], str):
-        return sum(estimate_text_tokens(p) for p in prompt), False, len(prompt), None, prompt[0]
-    return sum(len(p) for p in prompt), True, len(prompt), list(prompt[0]), None
+        lens = tuple(estimate_text_tokens(p) for p in prompt)
+        floor = _floor(max(_floor_basis(p) for p in prompt))
+        return sum(lens), False, lens, floor, None, prompt[0]
+    lens = tuple(len(p) for p in prompt)
+    return sum(lens), True, lens, None, list(prompt[0]), None
 
 
 def route_request(
@@ -225,17 +273,26 @@ def route_request(
 ) -> RouteRequest:
     """The router's view of the request: footprint and prefix hashes, never the body.
 
-    predicted output = the predictor's quantile for this model and input bucket once it has
-    `min_samples` observations, else min(reserved output, default_output_tokens × sequences)."""
+    predicted output = `predictor.predict` when a predictor is given: its quantile for this model and input
+    bucket once it has `min_samples` observations, the worst case (reserved output) before, so a cold
+    predictor never overbooks a `predicted` ledger. Without a predictor (no ledger), a routing estimate:
+    min(reserved output, default_output_tokens × sequences)."""
     if parsed.token_ids is not None:
         hashes = block_hashes(parsed.token_ids, block_size, PREFIX_HASH_BLOCKS)
     elif parsed.prompt_text:
         hashes = text_block_hashes(parsed.prompt_text, block_size * CHARS_PER_TOKEN, PREFIX_HASH_BLOCKS)
     else:
         hashes = ()
-    predicted = min(parsed.max_output_tokens, default_output_tokens * parsed.sequences)
-    if predictor is not None and predictor.count(parsed.model, parsed.prompt_tokens) >= predictor.min_samples:
+    if predictor is not None:
         predicted = predictor.predict(parsed.model, parsed.prompt_tokens, parsed.max_output_tokens)
+    else:
+        predicted = min(parsed.max_output_tokens, default_output_tokens * parsed.sequences)
+    if parsed.prompt_exact:
+        floor = None
+    elif parsed.prompt_floor is not None:
+        floor = parsed.prompt_floor
+    else:
+        floor = _floor(parsed.prompt_tokens)
     return RouteRequest(
         request_id=request_id,
         model=parsed.model,
@@ -244,7 +301,7 @@ def route_request(
         predicted_output_tokens=predicted,
         prefix_hashes=hashes,
         arrival_s=arrival_s,
-        prompt_tokens_floor=None
-        if parsed.prompt_exact
-        else math.ceil(parsed.prompt_tokens * CHARS_PER_TOKEN / MAX_CHARS_PER_TOKEN),
+        prompt_tokens_floor=floor,
+        n=parsed.n,
+        prompt_lens=parsed.prompt_lens,
     )

@@ -22,6 +22,13 @@ excluded; P/D prefill workers stay eligible). The router's `kv-fit` filter and t
 the authority, so a plan made against a ledger that changed during the solve can never over-commit: an
 assignment that no longer fits is simply not admitted this tick. In batch mode aging is the plan's weight
 (1 + age / `batch_admission.aging_s`), not holds.
+
+**Keys.** Request ids come from the client (`X-Request-Id`) and may repeat, so nothing here is keyed by them:
+a waiter's hold is keyed by a gateway-unique waiter key (`hold_key`: the request id while no other live
+waiter uses it, else `<id>#<n>`) and plans are answered by `server.admission.plan_keys` (the request id,
+made unique within the planned head). Two waiters with one
+id neither drop each other's hold nor overwrite each other's planned decision (which would leak its
+reservation until the lease sweep).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from scheduler.kv.config import KvConfig, admission_params
 from scheduler.kv.ledger import KvLedger
 from scheduler.routing.framework import Decision, RouteRequest
 from scheduler.routing.reasons import Outcome, Reject
+from server.admission import plan_keys
 
 RouteFn = Callable[[RouteRequest, frozenset[str]], Decision | Reject]
 
@@ -82,15 +90,28 @@ class KvQueuePolicy:
         self.max_head = cfg.batch_admission.max_head
         self.params = admission_params(cfg)
         self.use_cp_sat = cfg.batch_admission.solver == "cp-sat"
-        self.held: dict[str, str] = {}  # request id → worker id of its hold
+        self.held: dict[str, str] = {}  # waiter key (`hold_key`) → worker id of its hold
+        self._keys: dict[int, str] = {}  # id() of a live waiter's RouteRequest → its waiter key
+        self._seq = 0
         self.stats = KvQueueStats()
+
+    def hold_key(self, req: RouteRequest) -> str:
+        """The waiter's gateway-unique key (kept until `leave(req)`; the queue passes the same object)."""
+        key = self._keys.get(id(req))
+        if key is None:
+            key = req.request_id
+            if key in self.held or key in self._keys.values():
+                self._seq += 1
+                key = f"{req.request_id}#{self._seq}"
+            self._keys[id(req)] = key
+        return key
 
     # ---- aging ----------------------------------------------------------------------------------
     def before_attempt(self, req: RouteRequest, waited_s: float) -> None:
         if self.aging_s is None or waited_s < self.aging_s:
             return
         workers = candidates(self._view(), req.model)
-        rid = req.request_id
+        rid = self.hold_key(req)
         current = next((w for w in workers if w.id == self.held.get(rid)), None)
         if current is not None and self.ledger.can_ever_fit(req, current):
             target = current
@@ -103,7 +124,7 @@ class KvQueuePolicy:
                 self.ledger.drop_hold(rid)
             self.stats.holds += 1
         need = self.ledger.footprint(req, target)[0].peak
-        self.ledger.hold(rid, target, need, self._clock())  # (re)sets it and renews its expiry
+        self.ledger.hold(rid, target, need, self._clock(), owner=req.request_id)  # (re)set, renewed
         self.held[rid] = target.id
 
     def _closeness(self, req: RouteRequest, w: WorkerView) -> float:
@@ -111,12 +132,14 @@ class KvQueuePolicy:
         return self.ledger.free(w, req.request_id) / max(1, self.ledger.footprint(req, w)[0].peak)
 
     def leave(self, req: RouteRequest) -> None:
-        if self.held.pop(req.request_id, None) is not None:
-            self.ledger.drop_hold(req.request_id)
+        key = self._keys.pop(id(req), None)
+        if key is not None and self.held.pop(key, None) is not None:
+            self.ledger.drop_hold(key)
             self.stats.holds_dropped += 1
 
     # ---- batch ----------------------------------------------------------------------------------
     async def plan(self, model: str, reqs: list[RouteRequest]) -> dict[str, Decision]:
+        """Decisions for some of `reqs`, by `server.admission.plan_keys(reqs)` (request ids may repeat)."""
         workers = candidates(self._view(), model)
         inst = build_instance(reqs, workers, self.ledger, self._clock(), self.params)
         if self.use_cp_sat and inst.value:
@@ -127,18 +150,27 @@ class KvQueuePolicy:
         self.stats.methods[plan.method] += 1
         self.stats.last_solve_ms = plan.solve_ms
         self.stats.planned += len(plan.assignments)
-        by_id = {r.request_id: r for r in reqs}
         ids = frozenset(w.id for w in workers)
+        keys = plan_keys(reqs)
         out: dict[str, Decision] = {}
-        for rid, wid in plan.assignments:
-            decision = self._route(by_id[rid], ids - {wid})
-            if not isinstance(decision, Decision):
-                continue  # no longer fits there (the ledger moved during the solve): stays queued
-            if decision.decode.id != wid:  # a worker that joined after the plan's view: not the plan
+        try:
+            for i, j in plan.indices:
+                wid = inst.worker_ids[j]
+                decision = self._route(reqs[i], ids - {wid})
+                if not isinstance(decision, Decision):
+                    continue  # no longer fits there (the ledger moved during the solve): stays queued
+                if decision.decode.id != wid:  # a worker that joined after the plan's view: not the plan
+                    self.discard(decision)
+                    continue
+                if keys[i] in out:  # cannot happen (one assignment per request); never drop a reservation
+                    self.discard(decision)
+                    continue
+                out[keys[i]] = decision
+                self.stats.admitted += 1
+        except BaseException:
+            for decision in out.values():  # nobody will receive them: release, never leak
                 self.discard(decision)
-                continue
-            out[rid] = decision
-            self.stats.admitted += 1
+            raise
         return out
 
     def discard(self, decision: Decision) -> None:

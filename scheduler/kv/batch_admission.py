@@ -6,9 +6,16 @@ Each tick the gateway may take the first n waiting requests (tens) and the worke
     subject to Σ_w x_iw ≤ 1                          each request at most once
                Σ_i need_iw · x_iw ≤ free_w           KV pages (ledger units of w: `KvLedger.free`)
                Σ_i x_iw ≤ slots_w                     sequences: max_num_seqs − demand
-    v_iw = W · weight_i − λ · ttft_iw / ttft_ref      (pairs with v_iw ≤ 0 or need_iw > free_w are left out)
+    v_iw = floor(W · weight_i − λ · ttft_iw / ttft_ref)   (pairs with need_iw > free_w are left out)
     weight_i = (1 + priority_i) · (1 + age_i / aging_s)                  age = now − arrival (aging)
     ttft_iw  = overhead_w + (queued prefill tokens_w + P_i) / prefill_tps_w   (the est-ttft scorer's estimate)
+
+`floor(v)` keeps every fitting pair plannable: it is v itself for v ≥ VALUE_FLOOR and, below that,
+VALUE_FLOOR² / (2·VALUE_FLOOR − v) — positive, continuous and increasing in v — so a request whose estimated
+TTFT outweighs its weight (a long prompt on an idle fleet) is still admitted when nothing worth more
+competes for the room, and the objective's ordering (older, higher-priority, faster pairs first) is kept.
+(Dropping pairs with v ≤ 0, as before, never planned a 30k-token prompt at 5k tokens/s: it got a 429 at
+its deadline on an idle worker.) In CP-SAT every pair is worth at least one integer unit.
 
 with CP-SAT under a time limit (default 50 ms), hinted with the greedy plan, so it never returns worse
 than greedy. Measured (`bench/kv_reservation.py`, random heads of 8–32 requests × 3–8 workers, a shared
@@ -33,6 +40,8 @@ from scheduler.kv.ledger import KvLedger
 from scheduler.routing.framework import RouteRequest
 
 VALUE_SCALE = 1000  # integer objective units per 1.0 of value
+VALUE_FLOOR = 0.01  # values below this are squashed into (0, VALUE_FLOOR), order kept (`plan_value`)
+_VALUE_MIN = 1e-12  # the least value a fitting pair has
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +61,7 @@ class AdmissionPlan:
     method: str  # "cp-sat" | "greedy"
     status: str  # CP-SAT status name, or "GREEDY"
     solve_ms: float  # CP-SAT's own wall time (0 for greedy)
+    indices: tuple[tuple[int, int], ...] = ()  # the assignments as (position in the queue head, worker index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +79,16 @@ class Instance:
 
 def weight(req: RouteRequest, now: float, p: AdmissionParams) -> float:
     return (1.0 + max(0, req.priority)) * (1.0 + max(0.0, now - req.arrival_s) / p.aging_s)
+
+
+def plan_value(raw: float) -> float:
+    """`raw` (W·weight − λ·ttft/ttft_ref) made positive: itself from VALUE_FLOOR up, below that
+    VALUE_FLOOR² / (2·VALUE_FLOOR − raw) ∈ (0, VALUE_FLOOR), continuous and increasing, so a fitting request
+    is never left out of the plan for its estimated TTFT alone."""
+    if raw >= VALUE_FLOOR:
+        return raw
+    squashed = VALUE_FLOOR * VALUE_FLOOR / (2.0 * VALUE_FLOOR - raw) if raw == raw else 0.0  # NaN → least
+    return max(squashed, _VALUE_MIN)  # -inf (no prefill rate known): plannable, least of all
 
 
 def est_ttft_s(req: RouteRequest, w: WorkerView) -> float:
@@ -95,9 +115,9 @@ def build_instance(
             if w.model != r.model:
                 continue
             fp, _ = ledger.footprint(r, w)
-            v = p.weight_scale * weights[i] - p.latency_weight * est_ttft_s(r, w) / p.ttft_ref_s
-            if fp.peak <= free[j] and v > 0 and ledger.fits(r, w, now):
-                value[(i, j)] = v
+            if fp.peak <= free[j] and ledger.fits(r, w, now):
+                raw = p.weight_scale * weights[i] - p.latency_weight * est_ttft_s(r, w) / p.ttft_ref_s
+                value[(i, j)] = plan_value(raw)
                 need[(i, j)] = fp.peak
     order = tuple(sorted(range(len(head)), key=lambda i: (-weights[i], head[i].arrival_s, i)))
     return Instance(
@@ -137,7 +157,7 @@ def solve_cp_sat(
         if col:
             m.add(sum(inst.need[k] * x[k] for k in col) <= inst.free[j])
             m.add(sum(x[k] for k in col) <= inst.slots[j])
-    m.maximize(sum(round(inst.value[k] * VALUE_SCALE) * x[k] for k in x))
+    m.maximize(sum(max(1, round(inst.value[k] * VALUE_SCALE)) * x[k] for k in x))
     chosen = set(hint)
     for k, var in x.items():
         m.add_hint(var, k in chosen)
@@ -182,7 +202,7 @@ def solve_instance(inst: Instance, params: AdmissionParams, use_cp_sat: bool = T
 def _plan(
     inst: Instance, pairs: list[tuple[int, int]], obj: float, method: str, status: str, ms: float
 ) -> AdmissionPlan:
-    ordered = sorted(pairs)
+    ordered = tuple(sorted(pairs))
     return AdmissionPlan(
-        tuple((inst.request_ids[i], inst.worker_ids[j]) for i, j in ordered), obj, method, status, ms
+        tuple((inst.request_ids[i], inst.worker_ids[j]) for i, j in ordered), obj, method, status, ms, ordered
     )

@@ -4,15 +4,16 @@
 kv:
   enabled: true            # false → no reservation: workers admit greedily and may preempt (vLLM default)
   mode: worst_case         # worst_case: reserve max_tokens (never preempts) | predicted: a quantile, grown as it streams
-  watermark: 0.02          # fraction of each worker's KV kept unreserved (> 0 also covers vLLM's null block:
-                           # floor(num_gpu_blocks · (1 − w)) ≤ num_gpu_blocks − 1, the blocks vLLM can use)
+  watermark: 0.02          # fraction of each worker's KV kept unreserved; must be > 0: it also covers vLLM's null
+                           # block (floor(num_gpu_blocks · (1 − w)) ≤ num_gpu_blocks − 1, the blocks vLLM can use)
   share: null              # this gateway's share of every worker; null → 1 / gateway.replicas
-  lease_s: 900             # a reservation not renewed for this long is released (lease_expired)
+  lease_s: 900             # a reservation not renewed for this long is released (lease_expired); must exceed
+                           # the longest a request may hold pages unrenewed (server.config checks the limits)
   alpha: 2.0               # per-head budget μ + α·σ for compression pools
   reconcile_tolerance: 0.02  # reported usage may exceed what reservations explain by this fraction before shrinking
   predictor: {quantile: 0.9, window: 512, min_samples: 20}
   overbook: {max_frac: 0.1, preemption_budget: 0}   # predicted mode only
-  compression:             # pools whose workers compress KV per head (ragged paging)
+  compression:             # pools (or models) whose workers compress KV per head (ragged paging); tp = 1 only
     - pool: decode-h100
       profile: profiles/llama-3.1-8b/profile.npz   # Tangram .npz, or JSON/CSV (placement/kv_profile.py)
       heads_per_group: 4
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from placement.kv_layout import sorted_groups
 from placement.kv_profile import HeadProfile
@@ -42,7 +43,8 @@ from scheduler.length_predictor import DEFAULT_INPUT_EDGES, LengthPredictor
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf/NaN refused in every float (a time limit, lease or aging of `inf` is accepted by `gt=0` otherwise)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PredictorConfig(_Strict):
@@ -105,7 +107,7 @@ class KvConfig(_Strict):
 
     enabled: bool = True
     mode: Literal["worst_case", "predicted"] = "worst_case"
-    watermark: float = Field(default=0.02, ge=0, lt=1)
+    watermark: float = Field(default=0.02, ge=0, lt=1)  # > 0: see `_watermark_covers_the_null_block`
     share: float | None = Field(default=None, gt=0, le=1)
     lease_s: float = Field(default=900.0, gt=0)
     alpha: float = Field(default=2.0, ge=0)
@@ -115,6 +117,17 @@ class KvConfig(_Strict):
     compression: list[CompressionPoolConfig] = Field(default_factory=list)
     batch_admission: BatchAdmissionConfig = Field(default_factory=BatchAdmissionConfig)
     queue: QueueConfig = Field(default_factory=QueueConfig)
+
+    @field_validator("watermark")
+    @classmethod
+    def _watermark_covers_the_null_block(cls, w: float) -> float:
+        # vLLM keeps one block of num_gpu_blocks as its null block; with w = 0 and the shares summing to 1
+        # the gateways would reserve it too. Any w > 0 keeps floor(total · (1 − w)) ≤ total − 1.
+        if w <= 0:
+            raise ValueError(
+                "must be > 0 (e.g. 0.01): it also keeps vLLM's null block (one per worker) out of reservations"
+            )
+        return w
 
 
 class KvConfigError(ValueError):

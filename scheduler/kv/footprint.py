@@ -25,6 +25,16 @@ drops when the chunk is compressed, then grows by one token per decode step), so
 first token and `steady` afterwards never under-reserves while B_g bounds the retention (static budgets).
 With tensor parallelism a rank's page pool holds only its own heads: for `rank_groups` the footprint is
 tp · max_r (rank r's head-pages), the most loaded rank, in pool-wide head-pages.
+
+Several sequences (`request_need`): a batch of prompts p_1..p_k with `n` completions each decodes k·n
+sequences, and vLLM gives each its own blocks and its own context limit. With O output tokens for the whole
+request (O = k·n·max_tokens in the worst case) each sequence gets o = ceil(O / (k·n)), and
+
+    footprint = Σ_i n · need(p_i, o)            (peak, steady, group pages and reserved output alike)
+
+each sequence clamped to max_model_len and rounded to blocks on its own. A prompt's blocks are shared by
+its n sequences only when the worker caches prefixes; that is not counted on (each sequence reserves its
+prompt), so the footprint is an upper bound either way.
 """
 
 from __future__ import annotations
@@ -129,6 +139,34 @@ def need(prompt_tokens: int, output_tokens: int, spec: WorkerKvSpec) -> Footprin
     steady = _pooled(comp, [n * p for n, p in zip(sizes, steady_g, strict=True)])
     peak = _pooled(comp, [n * p for n, p in zip(sizes, peak_g, strict=True)])
     return Footprint(peak, steady, sum(steady_g), out, kept)
+
+
+SequenceShape = int | tuple[tuple[int, ...], int]
+"""A request's prompt side: the prompt tokens of its one sequence, or (each prompt's tokens, n)."""
+
+
+def request_need(shape: SequenceShape, output_tokens: int, spec: WorkerKvSpec) -> Footprint:
+    """Footprint of a whole request (module docstring, "Several sequences"): `need(shape, output_tokens)`
+    for one sequence; for (prompts, n) the sum over its len(prompts)·n sequences, each with
+    ceil(output_tokens / sequences) of the request's output tokens."""
+    if isinstance(shape, int):
+        return need(shape, output_tokens, spec)
+    prompts, n = shape
+    if not prompts:
+        raise ValueError("a request has at least one prompt")
+    n = max(1, n)
+    per_seq = _ceil_div(max(0, output_tokens), n * len(prompts))
+    peak = steady = pages = reserved = 0
+    seen: dict[int, Footprint] = {}
+    for p in prompts:
+        fp = seen.get(p)
+        if fp is None:
+            fp = seen[p] = need(p, per_seq, spec)
+        peak += n * fp.peak
+        steady += n * fp.steady
+        pages += n * fp.group_pages
+        reserved += n * fp.reserved_output
+    return Footprint(peak, steady, pages, reserved)
 
 
 def _pooled(comp: CompressionSpec, head_pages: Sequence[int]) -> int:

@@ -19,8 +19,18 @@ stream → `release(outcome)` (idempotent: later calls are no-ops, counted in `s
 A reservation whose lease (`lease_s` since the last renewal) has passed is released by `sweep(now)` with
 `Outcome.LEASE_EXPIRED`, so a lost completion can never leak pages.
 
-Holds (aging): `hold(req, worker, units)` sets pages aside for one waiting request (a large long-context
-request that many small ones keep overtaking); others cannot reserve them, the holder's reserve can.
+Holds (aging): `hold(key, worker, units, now, owner)` sets pages aside for one waiting request (a large
+long-context request that many small ones keep overtaking); others cannot reserve them, the holder's reserve
+can. `key` names the hold (the gateway passes a key unique per waiter, since client request ids may repeat);
+`owner` is the request id whose reserve may use it (default: the key).
+
+Reconcile counts, as "released since the last reconcile", only pages a worker may still have shown in use at
+its last scrape: a release with `Outcome.UNRESERVED` (the router's rollback, the batch queue's probes and
+unplanned decisions) never reached a worker and is not counted, so steady probing cannot blind the shrink.
+
+`forget(worker_id)` drops a removed worker's books (at once, or when its last reservation is released);
+`reconcile(fleet_view)` calls it for every worker the view no longer lists, so the gateway's per-scrape
+reconcile drops workers discovery removed (and their `mosaic_kv_*` series, read from `snapshot`).
 
 Pure: no clock (every method takes `now`), no I/O. Not thread-safe: the gateway calls it from its event loop.
 """
@@ -35,7 +45,7 @@ from types import TracebackType
 from typing import Literal
 
 from scheduler.fleet import FleetView, Role, WorkerView
-from scheduler.kv.footprint import CompressionSpec, Footprint, WorkerKvSpec, need
+from scheduler.kv.footprint import CompressionSpec, Footprint, SequenceShape, WorkerKvSpec, request_need
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import RouteRequest
 from scheduler.routing.reasons import Outcome
@@ -109,6 +119,7 @@ class KvReservation:
         "prompt_tokens",
         "request_id",
         "reserved_output",
+        "shape",
         "units",
         "worker_id",
         "worst_units",
@@ -131,6 +142,7 @@ class KvReservation:
         self.request_id = req.request_id
         self.model = req.model
         self.prompt_tokens = req.prompt_tokens
+        self.shape = req.sequence_shape
         self.max_output = req.max_output_tokens
         self.reserved_output = fp.reserved_output
         self.units = fp.peak
@@ -194,11 +206,13 @@ class _Book:
     last_preemptions: float | None = None
     error_frac: float | None = None
     active: dict[int, KvReservation] = field(default_factory=dict)
-    holds: dict[str, int] = field(default_factory=dict)
+    holds: dict[str, int] = field(default_factory=dict)  # hold key → units
+    hold_owner: dict[str, str] = field(default_factory=dict)  # hold key → the request id that may use it
     hold_expiry: dict[str, float] = field(default_factory=dict)  # a hold nobody claims lapses like a lease
+    forgotten: bool = False  # the worker was removed: drop the book when its last reservation ends
     key: tuple[object, ...] = ()  # what the spec was derived from (pool, model, block size, limits, blocks)
     spec: WorkerKvSpec = field(default_factory=WorkerKvSpec)
-    needs: dict[tuple[int, int], Footprint] = field(default_factory=dict)  # memoised `need` for this spec
+    needs: dict[tuple[SequenceShape, int], Footprint] = field(default_factory=dict)  # memoised footprints
     view: WorkerView | None = None  # the snapshot the key was last checked against (a cycle reuses it)
 
 
@@ -242,8 +256,15 @@ class KvLedger:
         return self._free_of(self._book(worker), request_id)
 
     def _free_of(self, book: _Book, request_id: str | None) -> int:
-        held = sum(u for k, u in book.holds.items() if k != request_id) if book.holds else 0
-        return self._capacity_of(book) - book.reserved - held
+        return self._capacity_of(book) - book.reserved - self._held_for_others(book, request_id)
+
+    @staticmethod
+    def _held_for_others(book: _Book, request_id: str | None) -> int:
+        """Units held for requests other than `request_id` (its own holds it may use)."""
+        if not book.holds:
+            return 0
+        owner = book.hold_owner
+        return sum(u for k, u in book.holds.items() if owner.get(k, k) != request_id)
 
     def active(self, worker_id: str | None = None) -> list[KvReservation]:
         """Live reservations, on one worker or on all."""
@@ -260,29 +281,49 @@ class KvLedger:
         its footprint is the prompt's KV plus one token, whatever the request's max_tokens.
         """
         book = self._book(worker)
+        shape = req.sequence_shape
         if worker.role == Role.PREFILL:
-            fp = self._need(book, req.prompt_tokens, 1)
+            fp = self._need(book, shape, 1)
             return fp, fp
-        worst = self._need(book, req.prompt_tokens, req.max_output_tokens)
+        worst = self._need(book, shape, req.max_output_tokens)
         if self.settings.mode == "worst_case":
             return worst, worst
         predicted = min(req.max_output_tokens, max(1, req.predicted_output_tokens))
-        return self._need(book, req.prompt_tokens, predicted), worst
+        return self._need(book, shape, predicted), worst
 
     @staticmethod
-    def _need(book: _Book, prompt: int, output: int) -> Footprint:
-        """`need` memoised per worker: routing asks for the same request shape on every filter, score and retry."""
-        fp = book.needs.get((prompt, output))
+    def _need(book: _Book, shape: SequenceShape, output: int) -> Footprint:
+        """`request_need` memoised per worker: routing asks for the same request shape on every filter,
+        score and retry. `shape` is `RouteRequest.sequence_shape`: the prompt tokens of a single sequence,
+        or (each prompt's tokens, n) for a batch or n > 1 (footprint summed per sequence)."""
+        fp = book.needs.get((shape, output))
         if fp is None:
             if len(book.needs) >= _NEED_CACHE_MAX:
                 book.needs.clear()
-            fp = book.needs[(prompt, output)] = need(prompt, output, book.spec)
+            fp = book.needs[(shape, output)] = request_need(shape, output, book.spec)
         return fp
 
     def can_ever_fit(self, req: RouteRequest, worker: WorkerView) -> bool:
         """Whether the request fits this worker's capacity when nothing else is reserved."""
         fp, _ = self.footprint(req, worker)
         return fp.peak <= self.capacity(worker)
+
+    def exceeds_capacity(self, req: RouteRequest, worker: WorkerView) -> tuple[int, int] | None:
+        """The router's `CapacityBound`: None when `req` would be admitted on this worker with nothing else
+        reserved, held or withheld (no shrink: that may lift); else (its need, the most it could get) in
+        the worker's blocks (ledger units ÷ units per block; need rounded up, room down). Predicted mode
+        also needs the worst-case peak within capacity · (1 + overbook.max_frac)."""
+        fp, worst = self.footprint(req, worker)
+        book = self._book(worker)
+        need_units, room = fp.peak, book.base_capacity
+        if need_units <= room and self.settings.mode == "predicted" and worst.peak > fp.peak:
+            limit = math.floor(room * (1.0 + self.settings.max_overbook_frac))
+            if worst.peak > limit:
+                need_units, room = worst.peak, limit
+        if need_units <= room:
+            return None
+        per_block = book.spec.units_per_block
+        return -(-need_units // per_block), room // per_block
 
     # --- ReservePlugin / FitChecker ----------------------------------------------------------------------
     def fits(self, req: RouteRequest, worker: WorkerView, now: float) -> bool:
@@ -300,9 +341,9 @@ class KvLedger:
         book.active[res.key] = res
         book.reserved += res.units
         book.worst_reserved += res.worst_units
-        if book.holds:  # usually none: skip the two dict pops
-            book.holds.pop(req.request_id, None)
-            book.hold_expiry.pop(req.request_id, None)
+        if book.holds:  # usually none: the holder's reservation replaces its hold
+            for k in [k for k in book.holds if book.hold_owner.get(k, k) == req.request_id]:
+                self._pop_hold(book, k)
         self.stats.reserved += 1
         return res
 
@@ -315,17 +356,45 @@ class KvLedger:
         return True
 
     # --- holds (aging) ---------------------------------------------------------------------------------
-    def hold(self, request_id: str, worker: WorkerView, units: int, now: float) -> None:
-        """Set `units` aside on `worker` for `request_id` (replaces its previous hold there) until it
-        reserves, `drop_hold` is called, or `lease_s` passes (then `sweep` drops it)."""
+    def hold(self, key: str, worker: WorkerView, units: int, now: float, owner: str | None = None) -> None:
+        """Set `units` aside on `worker` under `key` for request `owner` (default: `key`; replaces the key's
+        previous hold there) until the owner reserves there, `drop_hold(key)` is called, or `lease_s` passes
+        (then `sweep` drops it). Only the owner's `fits`/`reserve` may use held units."""
         book = self._book(worker)
-        book.holds[request_id] = max(0, int(units))
-        book.hold_expiry[request_id] = now + self.settings.lease_s
+        book.holds[key] = max(0, int(units))
+        book.hold_expiry[key] = now + self.settings.lease_s
+        if owner is not None and owner != key:
+            book.hold_owner[key] = owner
+        else:
+            book.hold_owner.pop(key, None)
 
-    def drop_hold(self, request_id: str) -> None:
-        for book in self._books.values():
-            book.holds.pop(request_id, None)
-            book.hold_expiry.pop(request_id, None)
+    def drop_hold(self, key: str) -> None:
+        for book in list(self._books.values()):
+            if key in book.holds:
+                self._pop_hold(book, key)
+
+    @staticmethod
+    def _pop_hold(book: _Book, key: str) -> None:
+        book.holds.pop(key, None)
+        book.hold_expiry.pop(key, None)
+        book.hold_owner.pop(key, None)
+
+    def forget(self, worker_id: str) -> bool:
+        """The worker left the fleet: drop its books (memoised footprints, holds, reconcile state) so neither
+        memory nor `/metrics` keeps it. With reservations still open the book stays until the last one is
+        released (then it goes). True when dropped now. Seeing the worker again (a view of it) cancels a
+        pending forget; after a drop it starts from a fresh book."""
+        book = self._books.get(worker_id)
+        if book is None:
+            return True
+        if book.active:
+            book.forgotten = True
+            book.holds.clear()
+            book.hold_expiry.clear()
+            book.hold_owner.clear()
+            return False
+        del self._books[worker_id]
+        return True
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def _release(self, res: KvReservation, outcome: Outcome) -> None:
@@ -340,8 +409,11 @@ class KvLedger:
         del book.active[res.key]
         book.reserved -= res.units
         book.worst_reserved -= res.worst_units
-        book.released_since_reconcile += res.units
+        if res.outcome is not Outcome.UNRESERVED:  # an unreserved one never ran: no page to explain
+            book.released_since_reconcile += res.units
         self.stats.released[res.outcome.value] += 1
+        if book.forgotten and not book.active:
+            del self._books[res.worker_id]
 
     def _settle(self, res: KvReservation, now: float) -> None:
         if res.outcome is not None or res.prefilled:
@@ -370,10 +442,10 @@ class KvLedger:
             return True  # already the worst case (or the context limit): nothing more can be needed
         target = self.predictor.grow(res.model, res.prompt_tokens, generated, res.max_output)
         book = self._books[res.worker_id]
-        fp = self._need(book, res.prompt_tokens, target)
+        fp = self._need(book, res.shape, target)
         new_units = fp.steady if res.prefilled else fp.peak
         delta = new_units - res.units
-        held = sum(u for k, u in book.holds.items() if k != res.request_id)
+        held = self._held_for_others(book, res.request_id)
         if delta > 0 and book.reserved + delta + held > self._capacity_of(book):
             self.stats.grow_refused += 1
             return False
@@ -385,9 +457,8 @@ class KvLedger:
     def sweep(self, now: float) -> list[KvReservation]:
         """Release (LEASE_EXPIRED) every reservation whose lease has passed, drop lapsed holds; returns the former."""
         for b in self._books.values():
-            for rid in [k for k, t in b.hold_expiry.items() if t <= now]:
-                b.holds.pop(rid, None)
-                del b.hold_expiry[rid]
+            for key in [k for k, t in b.hold_expiry.items() if t <= now]:
+                self._pop_hold(b, key)
         expired = [r for b in self._books.values() for r in b.active.values() if r.expires_s <= now]
         for r in expired:
             r.release(Outcome.LEASE_EXPIRED)
@@ -395,8 +466,16 @@ class KvLedger:
 
     # --- reconcile -------------------------------------------------------------------------------------
     def reconcile(self, view: FleetView | Iterable[WorkerView], now: float) -> list[ReconcileSample]:
-        """Compare reported KV usage with reservations; shrink capacity by unexplained usage. Per worker."""
+        """Compare reported KV usage with reservations; shrink capacity by unexplained usage. Per worker.
+
+        Given a `FleetView` (the whole fleet, as the gateway passes its registry's view after every scrape
+        round), books of workers it no longer lists are forgotten (`forget`): discovery removed them. An
+        iterable of views is taken as a subset and forgets nothing."""
         workers = view.workers if isinstance(view, FleetView) else tuple(view)
+        if isinstance(view, FleetView):  # the whole fleet: workers it no longer lists were removed
+            listed = {w.id for w in workers}
+            for wid in [wid for wid, b in self._books.items() if wid not in listed and not b.forgotten]:
+                self.forget(wid)
         s = self.settings
         out: list[ReconcileSample] = []
         for w in workers:
@@ -452,6 +531,7 @@ class KvLedger:
             book = self._books[worker.id] = _Book(overbook=self.settings.max_overbook_frac)
         elif book.view is worker:
             return book
+        book.forgotten = False  # seen again (a fresh view): a pending forget no longer applies
         book.view = worker
         key = (
             worker.pool,

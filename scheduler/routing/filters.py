@@ -9,10 +9,11 @@ Default order (the first reason wins, so workers of other models count as `wrong
 | `excluded` | excluded | worker.id ∈ the cycle's `exclude` (the gateway already failed on it) |
 | `state` | starting / draining / unhealthy | worker.state ≠ ready |
 | `breaker` | breaker_open | worker.breaker_open |
-| `context-length` | exceeds_context | prompt ≥ max_model_len, or ceil((prompt+1)/block) > the worker's KV blocks (an estimated prompt: see the class) |
+| `context-length` | exceeds_context | longest prompt ≥ max_model_len, or ceil((prompt+1)/block) > the worker's KV blocks, per sequence (an estimated prompt: see the class) |
 | `at-capacity` | at_capacity | demand ≥ ceil(max_num_seqs · inflight_factor) |
 | `kv-fit` | kv_full | a reserve plugin's `fits` says no; without one, scraped KV usage: |
 |  |  | usage ≥ max_usage, or ceil(expected/block) > (max_usage − usage) · blocks |
+|  | kv_exceeds_capacity | `fits` says no and the plugin's `exceeds_capacity` (`CapacityBound`) says it never could |
 
 ```yaml
 plugins:
@@ -32,8 +33,8 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler.fleet import WorkerState, WorkerView
-from scheduler.routing.framework import Cycle, FitChecker
-from scheduler.routing.reasons import FilterReason
+from scheduler.routing.framework import CapacityBound, Cycle, FitChecker
+from scheduler.routing.reasons import KV_EXCEEDS_FACT, FilterReason
 
 
 class NoParams(BaseModel):
@@ -107,6 +108,10 @@ class BreakerFilter:
 class ContextLengthFilter:
     """The prompt (plus one output token) must fit the worker's context limit and its whole KV cache.
 
+    Per sequence: each prompt of a batch (and each of `n` completions) has its own context, so the
+    longest prompt is checked (`RouteRequest.longest_prompt`), not their sum; what all sequences need
+    together is the kv-fit filter's question.
+
     An estimated prompt length (`RouteRequest.prompt_tokens_floor` set) steers, it does not refuse: workers
     that fit the estimate are preferred, and only when none of the model's workers does is the check made on
     the floor, so a prompt that may fit still reaches a worker, which tokenizes it and decides."""
@@ -119,7 +124,8 @@ class ContextLengthFilter:
 
     def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
         req = cycle.req
-        if _fits(req.prompt_tokens, worker):
+        longest = req.longest_prompt
+        if _fits(longest, worker):
             return None
         if req.prompt_tokens_floor is None or not _fits(req.prompt_tokens_floor, worker):
             return FilterReason.EXCEEDS_CONTEXT
@@ -128,7 +134,7 @@ class ContextLengthFilter:
         some_fit = cycle.facts.get(_ESTIMATE_FITS_SOMEWHERE)
         if some_fit is None:
             some_fit = cycle.facts[_ESTIMATE_FITS_SOMEWHERE] = any(
-                w.model == req.model and _fits(req.prompt_tokens, w) for w in cycle.view.workers
+                w.model == req.model and _fits(longest, w) for w in cycle.view.workers
             )
         return FilterReason.EXCEEDS_CONTEXT if some_fit else None
 
@@ -185,6 +191,27 @@ def _is_fit_checker(cls: type) -> bool:
     return issubclass(cls, FitChecker)
 
 
+@functools.cache
+def _is_capacity_bound(cls: type) -> bool:
+    return issubclass(cls, CapacityBound)
+
+
+def _full_or_exceeds(cycle: Cycle, checker: object, worker: WorkerView) -> FilterReason:
+    """`kv_full` (may fit once others finish), or `kv_exceeds_capacity` when the checker says the request
+    would not fit even the worker's empty ledger; the largest such worker's numbers go to `cycle.facts`
+    for the Reject's message."""
+    if not _is_capacity_bound(type(checker)):
+        return FilterReason.KV_FULL
+    over = checker.exceeds_capacity(cycle.req, worker)  # type: ignore[attr-defined]
+    if over is None:
+        return FilterReason.KV_FULL
+    need, room = over
+    seen = cycle.facts.get(KV_EXCEEDS_FACT)
+    if seen is None or room > seen["kv_reservable_blocks"]:
+        cycle.facts[KV_EXCEEDS_FACT] = {"kv_need_blocks": need, "kv_reservable_blocks": room}
+    return FilterReason.KV_EXCEEDS_CAPACITY
+
+
 class KvFitFilter:
     type: ClassVar[str] = "kv-fit"
     Params = KvFitParams
@@ -206,7 +233,7 @@ class KvFitFilter:
             req, now = cycle.req, cycle.now
             for checker in checkers:  # a loop, not all(<generator>): this runs per worker per request
                 if not checker.fits(req, worker, now):
-                    return FilterReason.KV_FULL
+                    return _full_or_exceeds(cycle, checker, worker)
             return None
         if worker.kv_usage is None:
             return None  # never scraped: nothing to go on; the worker's own scheduler queues if needed

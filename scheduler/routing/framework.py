@@ -30,18 +30,24 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from scheduler.fleet import FleetView, Role, WorkerView
-from scheduler.routing.reasons import FilterReason, Outcome, Reject
+from scheduler.routing.reasons import KV_EXCEEDS_FACT, FilterReason, Outcome, Reject
 
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What the router knows about a request: its footprint, not its body.
 
+    prompt_tokens, max_output_tokens and predicted_output_tokens count the whole request: every prompt of a
+    batch once, and every sequence's output (a batch of k prompts with `n` completions each decodes k·n
+    sequences, each with its own `max_tokens`);
     predicted_output_tokens: the length predictor's estimate (≤ max_output_tokens);
     prefix_hashes: chained hashes of the prompt's blocks (`scheduler.routing.prefix.block_hashes`);
     prompt_tokens_floor: when `prompt_tokens` is an estimate (a text prompt the gateway did not tokenize),
-    the fewest tokens the prompt can have; context checks refuse only on it, so a prompt the estimate
-    over-counts is left to the worker to judge. None: `prompt_tokens` is exact.
+    the fewest tokens the longest prompt can have; context checks refuse only on it, so a prompt the
+    estimate over-counts is left to the worker to judge. None: `prompt_tokens` is exact;
+    n: completions per prompt (the request's `n`); prompt_lens: each prompt's tokens when the request is a
+    batch of several prompts (Σ = prompt_tokens), () for one prompt. vLLM gives every sequence its own KV
+    blocks and context limit, so KV footprints and context checks go per sequence (`sequence_shape`).
     """
 
     request_id: str
@@ -53,11 +59,31 @@ class RouteRequest:
     priority: int = 0
     arrival_s: float = 0.0
     prompt_tokens_floor: int | None = None
+    n: int = 1
+    prompt_lens: tuple[int, ...] = ()
 
     @property
     def expected_tokens(self) -> int:
         """prompt + predicted output: the tokens of KV the request is expected to hold at its end."""
         return self.prompt_tokens + self.predicted_output_tokens
+
+    @property
+    def sequences(self) -> int:
+        """Sequences vLLM decodes for it: prompts × n."""
+        return max(1, self.n) * max(1, len(self.prompt_lens))
+
+    @property
+    def longest_prompt(self) -> int:
+        """The longest prompt's tokens: what one sequence's context must hold (`prompt_tokens` for one prompt)."""
+        return max(self.prompt_lens) if self.prompt_lens else self.prompt_tokens
+
+    @property
+    def sequence_shape(self) -> int | tuple[tuple[int, ...], int]:
+        """The prompt side of the KV footprint (`scheduler.kv.footprint.request_need`): `prompt_tokens` for
+        a single sequence, else (each prompt's tokens, n)."""
+        if self.n <= 1 and len(self.prompt_lens) <= 1:
+            return self.prompt_lens[0] if self.prompt_lens else self.prompt_tokens
+        return (self.prompt_lens or (self.prompt_tokens,), max(1, self.n))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -85,6 +111,16 @@ class FitChecker(Protocol):
     filter so workers that cannot hold the request are filtered (with `kv_full`) before scoring."""
 
     def fits(self, req: RouteRequest, worker: WorkerView, now: float) -> bool: ...
+
+
+@runtime_checkable
+class CapacityBound(Protocol):
+    """Optional face of a `FitChecker`: can the request *ever* be admitted on `worker`? None when it fits
+    the worker's reservable capacity with nothing else reserved, held or withheld; else (the request's KV
+    need, that most it could reserve), both in the worker's KV blocks. The kv-fit filter then answers
+    `kv_exceeds_capacity` (final: waiting cannot help) instead of `kv_full` (retryable)."""
+
+    def exceeds_capacity(self, req: RouteRequest, worker: WorkerView) -> tuple[int, int] | None: ...
 
 
 class PreFilter(Protocol):
@@ -318,7 +354,7 @@ class Cycle:
             # as if nothing could ever serve it (wrong_role / wrong_model alone are final). Not for a
             # prompt over its context: that would wait (and hold the FIFO queue behind it) for nothing.
             req = self.req
-            tokens = req.prompt_tokens if req.prompt_tokens_floor is None else req.prompt_tokens_floor
+            tokens = req.longest_prompt if req.prompt_tokens_floor is None else req.prompt_tokens_floor
             empty = len(self.view.empty_pools(req.model, profile.roles, tokens))
             if empty:
                 counts[FilterReason.EMPTY_POOL] = counts.get(FilterReason.EMPTY_POOL, 0) + empty
@@ -374,7 +410,8 @@ class Cycle:
         counts: Counter[FilterReason] = Counter()
         for r in results:
             counts.update(r.counts)
-        return Reject.from_counts(counts)
+        exceeded = self.facts.get(KV_EXCEEDS_FACT)
+        return Reject.from_counts(counts, details=exceeded)
 
 
 class Router:

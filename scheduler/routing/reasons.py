@@ -11,6 +11,11 @@ full now may free up), else the most frequent other reason; `wrong_model` counts
 serves the model at all. `empty_pool` is the router's, not a worker's: a configured pool of the request's
 model and role with no worker now (`FleetView.pools`), so a fleet whose decode pool was scaled to zero
 holds the request until the pool is back instead of refusing it as `wrong_role`.
+
+`kv_full` and `kv_exceeds_capacity` split "the KV does not fit": the first fits the worker's reservable
+capacity once others finish (retryable, 429 at the queue deadline); the second exceeds it even with
+nothing else reserved on the worker (this gateway's share, watermark applied), so waiting cannot help: a
+400 at once, whose message gives the footprint and the largest worker's reservable blocks (`details`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class FilterReason(StrEnum):
     EXCLUDED = "excluded"  # the gateway already failed on it for this request
     AT_CAPACITY = "at_capacity"  # in-flight requests at the worker's concurrency limit
     KV_FULL = "kv_full"  # the request's KV does not fit now (ledger or scraped usage)
+    # the request's KV exceeds what the ledger could ever reserve on the worker (empty, no shrink)
+    KV_EXCEEDS_CAPACITY = "kv_exceeds_capacity"
     EXCEEDS_CONTEXT = "exceeds_context"  # prompt longer than the worker's max_model_len or whole KV cache
     NO_WORKERS = "no_workers"  # the fleet is empty
     # a configured pool the request could use has no worker now (scaled to zero, pods not yet listed):
@@ -75,8 +82,14 @@ REJECT_TABLE: Mapping[FilterReason, RejectRule] = {
     FilterReason.EXCEEDS_CONTEXT: RejectRule(
         400, "invalid_request_error", "context_length_exceeded", False, 0.0
     ),
+    FilterReason.KV_EXCEEDS_CAPACITY: RejectRule(
+        400, "invalid_request_error", "kv_exceeds_capacity", False, 0.0
+    ),
     FilterReason.WRONG_MODEL: RejectRule(404, "invalid_request_error", "model_not_found", False, 0.0),
 }
+# `Cycle.facts` key where the kv-fit filter records, for `Reject.details`, the largest reservable capacity
+# among workers the request exceeds: {"kv_need_blocks": N, "kv_reservable_blocks": M}
+KV_EXCEEDS_FACT = "kv-fit/exceeds_capacity"
 _ORDER = {reason: i for i, reason in enumerate(REJECT_TABLE)}
 
 
@@ -104,14 +117,24 @@ class Reject:
         message = self.reason if model is None else f"{self.reason} (model {model!r})"
         if self.primary is FilterReason.WRONG_MODEL and model is not None:
             message = f"The model {model!r} does not exist or no worker serves it"
+        elif self.primary is FilterReason.KV_EXCEEDS_CAPACITY and "kv_need_blocks" in self.details:
+            of = "" if model is None else f" of model {model!r}"
+            message = (
+                f"The request's KV-cache footprint of {self.details['kv_need_blocks']} blocks exceeds the "
+                f"{self.details['kv_reservable_blocks']} blocks the largest worker{of} can reserve for one "
+                "request; lower max_tokens (or n, or the prompt length)"
+            )
         return {
             "error": {"message": message, "type": self.rule.error_type, "param": None, "code": self.rule.code}
         }
 
     @classmethod
-    def from_counts(cls, counts: Mapping[FilterReason, int]) -> Reject:
+    def from_counts(
+        cls, counts: Mapping[FilterReason, int], details: Mapping[str, Any] | None = None
+    ) -> Reject:
         """Summarise per-reason counts; `wrong_model` is left out of the summary when other reasons exist
-        (workers of other models are not news), and an empty tally means an empty fleet."""
+        (workers of other models are not news), and an empty tally means an empty fleet. `details` is
+        kept as is (the kv-fit filter's `KV_EXCEEDS_FACT`, read by `error_body`)."""
         tally = {FilterReason(r): n for r, n in counts.items() if n > 0}
         shown: dict[FilterReason, int] = {
             r: n for r, n in tally.items() if r is not FilterReason.WRONG_MODEL
@@ -125,7 +148,7 @@ class Reject:
         rule = REJECT_TABLE[primary]
         ordered = sorted(shown.items(), key=lambda kv: (-kv[1], _ORDER[kv[0]]))
         summary = "no worker fits: " + ", ".join(f"{n} {r.value}" for r, n in ordered)
-        return cls(summary, dict(tally), rule.retry_after_s, rule.retryable, primary)
+        return cls(summary, dict(tally), rule.retry_after_s, rule.retryable, primary, dict(details or {}))
 
 
 def _primary(shown: Mapping[FilterReason, int]) -> FilterReason:
