@@ -20,7 +20,11 @@ Who records which instance sits where:
   book keeps *computed* slots `pool#n`: the placement the solver would give, shown on `/admin/autoscaler`
   and in the decisions (`mosaic autoscale --json`), never pinned on the backend (a Deployment's scale
   subresource cannot choose nodes; see the docs for the Kubernetes mapping). Scale-in releases the slots
-  `TopologyPlacer.removal_order` ranks first.
+  `TopologyPlacer.removal_order` ranks first. Computed slots change only once the action applied: `plan`
+  keeps the solver's nodes pending and `commit` assigns them (or releases slots) by the action's
+  after − before, so a refused or failed action leaves the book as it was; and at every cycle
+  `reconcile` brings each such pool's slots to its real count (the actuator's desired count, else the
+  registry's), so a Deployment scaled by hand or an action that changed less than asked is caught up.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class PlacementBook:
         self.metrics = metrics
         self.shortfalls: deque[dict[str, Any]] = deque(maxlen=keep)
         self._seq = 0
+        self._pending: dict[str, list[tuple[str, str]]] = {}  # computed nodes of the last plan's scale-ups
 
     @classmethod
     def from_config(
@@ -131,8 +136,9 @@ class PlacementBook:
     def plan(
         self, targets: Mapping[str, int], provisioned: Mapping[str, int], actuator: Any, now: float
     ) -> tuple[dict[str, int], dict[str, Any]]:
-        """Targets clipped to the inventory, nodes handed to a placing actuator or kept as computed slots;
-        scale-ins of computed slots released. Returns (targets, the decision's `placement` record)."""
+        """Targets clipped to the inventory, nodes handed to a placing actuator or kept pending as computed
+        slots (assigned by `commit` once the action applied). Returns (targets, the decision's `placement`
+        record)."""
         places = getattr(actuator, "places", None) or (lambda pool: False)
         out = dict(targets)
         adds = {p: t - provisioned[p] for p, t in targets.items() if p in provisioned and t > provisioned[p]}
@@ -145,20 +151,56 @@ class PlacementBook:
             for pool, nodes in placed.nodes.items():
                 if places(pool):
                     actuator.assign_nodes(pool, nodes)
-            self._assign({p: n for p, n in placed.nodes.items() if not places(p)})
+            self._pending = {p: list(n) for p, n in placed.nodes.items() if not places(p)}
             record["new"] = {p: [list(x) for x in n] for p, n in sorted(placed.nodes.items()) if n}
             record["new_cross_domain_pairs"] = placed.cross_domain_pairs  # with each other and the running
             if placed.shortfall:
                 record["shortfall"] = {**placed.shortfall, "why": placed.explanation}
-        for pool, target in sorted(out.items()):
-            if pool in provisioned and target < provisioned[pool] and not places(pool):
-                slots = self.placer.removal_order(self.placer.instances(pool))
-                for slot in slots[: provisioned[pool] - target]:
-                    self.placer.release(slot)
         self._gauges()
-        # the fleet as placed so far (a placing actuator records its new workers when it starts them)
+        # the fleet as placed so far (a placing actuator records its new workers when it starts them);
+        # `commit` refreshes it once the actions ran
         record["fleet"] = self.placer.summary().as_dict()
         return out, record
+
+    def commit(self, actions: Sequence[Any], places: Any, record: dict[str, Any] | None = None) -> None:
+        """Computed slots follow what the actions did (module docstring): an action that changed the count
+        (no error, after ≠ before) assigns the pending nodes of a scale-up (the rest placed alone) or
+        releases the slots `removal_order` ranks first; any other leaves the book as it was."""
+        pending, self._pending = self._pending, {}
+        for a in actions:
+            if places(a.pool) or a.error is not None or a.after == a.before or a.before < 0:
+                continue
+            if a.after > a.before:
+                nodes = pending.get(a.pool, [])[: a.after - a.before]
+                self._assign({a.pool: nodes})
+                self._fill(a.pool, a.after - a.before - len(nodes))
+            else:
+                self._drop(a.pool, a.before - a.after)
+        self._gauges()
+        if record is not None:
+            record["fleet"] = self.placer.summary().as_dict()
+
+    def reconcile(self, counts: Mapping[str, int], places: Any) -> None:
+        """Each pool's computed slots brought to its real count (`counts`), pools the actuator places left
+        alone: extra slots released, missing ones placed where they fit (a shortfall was reported when
+        the decision or the startup asked for them)."""
+        for pool, n in sorted(counts.items()):
+            if places(pool):
+                continue
+            have = len(self.placer.instances(pool))
+            if have > n:
+                self._drop(pool, have - n)
+            elif have < n:
+                self._fill(pool, n - have)
+        self._gauges()
+
+    def _fill(self, pool: str, n: int) -> None:
+        if n > 0:
+            self._assign(self.placer.place({pool: n}).nodes)
+
+    def _drop(self, pool: str, n: int) -> None:
+        for slot in self.placer.removal_order(self.placer.instances(pool))[:n]:
+            self.placer.release(slot)
 
     def _assign(self, nodes: Mapping[str, Sequence[tuple[str, str]]]) -> None:
         for pool, slots in sorted(nodes.items()):

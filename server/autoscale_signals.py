@@ -4,12 +4,21 @@ Per pool (workers of every state, as the cluster simulator counts them):
 
 | field | from |
 |---|---|
-| ready / starting / draining | worker states in the registry; for a pool the actuator manages, its desired count D is the provisioned total: ready = min(ready seen, D), starting = D − ready, draining = draining seen + ready seen beyond D |
-| decode_tokens_per_s | Σ over workers of Δ`vllm:generation_tokens_total` / Δt between the scrapes seen at the previous and this cycle (a worker new since then: its last scrape-to-scrape rate) |
+| ready / starting / draining | worker states in the registry; for a pool the actuator manages, its desired count D is the provisioned total: ready = min(ready seen, D), starting = D − ready − B, draining = draining seen + ready seen beyond D, where B (`broken`) counts the pool's workers unhealthy for longer than the grace below |
+| decode_tokens_per_s | Σ over workers of Δ`vllm:generation_tokens_total` / Δt between the scrapes seen at the previous and this cycle (a worker new since then: its last scrape-to-scrape rate; a counter reset: current value / Δt, as Prometheus' `increase`) |
 | prompt_tokens_per_s | the same over `vllm:prompt_tokens_total` |
 | num_waiting | Σ `vllm:num_requests_waiting` of ready workers with fresh stats |
 | gpu_utilization | busy proxy: Σ over scrapes in the interval of workers with `num_requests_running` > 0, ÷ Σ ready workers scraped (≤ 1) |
 | starting_ready_in_s | managed pools with `autoscaler.cold_start_s` > 0: each starting instance's start (the cycle whose action raised the desired count) + the cold start − now; the newest are the ones still starting. Otherwise empty (the policy then counts them as arriving at its lead) |
+| signal_complete | False when a READY worker of the pool has no fresh stats (its `/metrics` scrape is older than `scrape.stale_after_s` while `/health` answers): its load is unknown, so the rates undercount. The policy then does not scale in that model's pools (scale-up stays allowed) and says so in the decision's reason. Chosen over carrying the last rate forward: a rate carried for a bounded time still turns into "zero load" when the bound expires, while a blocked scale-in only keeps capacity that is already paid for |
+
+**Unhealthy workers** (`/health` failing: crash-looping, wedged) count as arriving capacity (`starting`) for
+one grace period after the cycle that first saw them unhealthy — `autoscaler.cold_start_s`, or
+`UNHEALTHY_GRACE_S` (120 s) when that is 0 — so a health-check blip does not buy a replacement; after it
+they count as nothing. For a managed pool they stay in the backend's count (a Deployment keeps a
+crash-looping pod), so `broken[pool]` holds them: the policy's `provisioned` is what serves or will, the
+backend's count is that plus the broken ones. The controller does not add replicas on top of them (a bad
+image would crash in each one added).
 
 Fleet-wide, the gateway-side signals (`server.gateway_signals`, one code path for both drivers): admission
 queue depth per model, TTFT p90 and per-request TPOT p90 (inter-token gaps when no gateway exports TPOT),
@@ -34,7 +43,9 @@ from scheduler.fleet import WorkerState
 from server.gateway_signals import GatewaySource, GatewayWindow, gateway_signals, quantile
 from server.registry import Registry, WorkerRecord
 
-__all__ = ["SignalReader", "quantile"]
+__all__ = ["UNHEALTHY_GRACE_S", "SignalReader", "quantile"]
+
+UNHEALTHY_GRACE_S = 120.0  # an unhealthy worker's grace as arriving capacity when cold_start_s is unset
 
 
 @dataclass(slots=True)
@@ -75,6 +86,10 @@ class SignalReader:
     )  # per managed pool: start times, oldest first
     _desired: dict[str, int] = field(default_factory=dict)  # per managed pool: its count at the last cycle
     _last_now: float | None = None
+    _unhealthy_since: dict[str, float] = field(default_factory=dict)  # worker id → first cycle seen unhealthy
+    _cycle_now: float = 0.0
+    # per pool: its workers unhealthy for longer than the grace (not capacity; in a managed pool's backend count)
+    broken: dict[str, int] = field(default_factory=dict)
 
     def scale(self, pool: str) -> float:
         return self.time_scales.get(pool, 1.0)
@@ -94,6 +109,9 @@ class SignalReader:
     # ------------------------------------------------------------------ per cycle
     def observe(self, now: float, desired: Mapping[str, int]) -> Observation:
         """The observation at `now`; `desired` holds the actuator's count for each pool it manages."""
+        self._cycle_now = now
+        self._track_unhealthy(now)
+        self.broken = {}
         pools = {name: self._pool(name, recs, desired.get(name)) for name, recs in self._by_pool().items()}
         for name, want in desired.items():
             if name in pools:
@@ -103,8 +121,23 @@ class SignalReader:
         self._busy.clear()
         merged = self._window.step(self.gateway() if self.gateway is not None else {})
         self.gateways_seen = merged.gateways
-        gateway = gateway_signals(merged, self.scale, self._model_scale)
+        models = sorted({p.model for p in self.registry.pools()})
+        gateway = gateway_signals(merged, self.scale, self._model_scale, models)
         return Observation(now=now, pools=pools, **gateway)
+
+    def _track_unhealthy(self, now: float) -> None:
+        unhealthy = {r.id for r in self.registry.records() if r.state() is WorkerState.UNHEALTHY}
+        for wid in list(self._unhealthy_since):
+            if wid not in unhealthy:
+                del self._unhealthy_since[wid]
+        for wid in unhealthy:
+            self._unhealthy_since.setdefault(wid, now)
+
+    def _is_broken(self, rec: WorkerRecord) -> bool:
+        """Unhealthy for longer than the grace (module docstring): no longer arriving capacity."""
+        since = self._unhealthy_since.get(rec.id)
+        grace = self.cold_start_s if self.cold_start_s > 0 else UNHEALTHY_GRACE_S
+        return since is not None and self._cycle_now - since >= grace
 
     def _starting_etas(self, name: str, desired: int, starting: int, now: float) -> tuple[float, ...]:
         """Expected seconds to ready of a managed pool's starting instances (module docstring). An increase
@@ -131,16 +164,23 @@ class SignalReader:
         states = [r.state() for r in recs]
         seen_ready = states.count(WorkerState.READY)
         seen_draining = states.count(WorkerState.DRAINING)
+        broken = sum(1 for r in recs if r.state() is WorkerState.UNHEALTHY and self._is_broken(r))
+        if broken:
+            self.broken[name] = broken
         if desired is None:  # not managed: what the registry sees
             ready, starting = (
                 seen_ready,
-                states.count(WorkerState.STARTING) + states.count(WorkerState.UNHEALTHY),
+                states.count(WorkerState.STARTING) + states.count(WorkerState.UNHEALTHY) - broken,
             )
             draining = seen_draining
         else:
             ready = min(seen_ready, desired)
-            starting = desired - ready
+            starting = max(0, desired - ready - broken)
             draining = seen_draining + max(0, seen_ready - desired)
+        # a READY worker without fresh stats: its load is unknown (module docstring, signal_complete)
+        complete = all(
+            r.fresh_stats(now, self.stale_after_s) is not None for r in recs if r.state() is WorkerState.READY
+        )
         gen = prompt = 0.0
         waiting = 0
         for rec in recs:
@@ -162,6 +202,7 @@ class SignalReader:
             prompt_tokens_per_s=prompt / scale,
             num_waiting=waiting,
             gpu_utilization=min(1.0, busy.busy / busy.ready) if busy and busy.ready else 0.0,
+            signal_complete=complete,
         )
 
     def _rates(self, rec: WorkerRecord, now: float) -> tuple[float, float]:
@@ -197,7 +238,10 @@ class SignalReader:
 
 
 def _rate(prev: float | None, cur: float | None, dt: float, fallback: float | None) -> float:
-    """Counter rate over dt; a reset (restart) or a missing counter falls back to the registry's last rate."""
-    if prev is None or cur is None or cur < prev:
+    """Counter rate over dt. A reset (restart: the counter went down) counts from zero, cur / dt, as
+    Prometheus' `increase` does; a missing counter falls back to the registry's last rate."""
+    if prev is None or cur is None:
         return fallback or 0.0
+    if cur < prev:
+        return cur / dt
     return (cur - prev) / dt

@@ -6,7 +6,9 @@ and launched vLLM pools (`server.vllm_pool.VllmActuator`); `kubernetes` → the 
 (`autoscaler.kubernetes.deployments`, default every `endpoints.kubernetes` pool under its own name) or to
 one Deployment per network domain (`autoscaler.kubernetes.domains`);
 `dry-run` → every pool (nothing is applied). Other pools keep their size: the policy sees them with
-min = max = their configured count, so their capacity counts and is never changed.
+min = max = their observed count (the controller pins them each cycle, `AutoscalerController._pin`; at
+build time their configured count, or 0 for a pool whose size only discovery knows, such as a kubernetes
+pool not in `autoscaler.kubernetes.deployments`), so their capacity counts and is never changed.
 
 With `autoscaler.nodes`, `controller_for` gives the controller a `server.autoscale_placement.PlacementBook`
 and the embedded actuator its `TopologyPlacer` (it records its simulated workers' nodes itself); `mosaic
@@ -99,9 +101,11 @@ def time_scales(config: MosaicConfig) -> dict[str, float]:
 def pool_specs(
     config: MosaicConfig, registry: Registry, managed: frozenset[str], catalog: Catalog
 ) -> list[PoolSpec]:
+    """Unmanaged pools pinned (min = max): at their configured count, else 0 until the controller pins them
+    at their observed count (module docstring), never at free bounds nobody applies."""
     infos = {p.name: p for p in registry.pools()}
     return [
-        pool_spec(config, p, infos[p.name], catalog, None if p.name in managed else configured_count(p))
+        pool_spec(config, p, infos[p.name], catalog, None if p.name in managed else configured_count(p) or 0)
         for p in config.pools
     ]
 
@@ -139,6 +143,7 @@ def in_process_controller(gw: Gateway) -> AutoscalerController:
                 keep_events=a.history,
                 clock=gw.clock,
                 placer=book.placer if book is not None else None,
+                on_error=(lambda pool: built[0].metrics.errors.labels(pool).inc()) if built else None,
             )
             vllm = VllmActuator(launched)
             return PoolActuators({**dict.fromkeys(sims, embedded), **dict.fromkeys(launched, vllm)})

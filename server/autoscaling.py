@@ -2,17 +2,28 @@
 
 Every `autoscaler.interval_s` the controller
 
-1. reads each managed pool's desired count from its actuator (`Actuator.replicas`),
+1. reads each managed pool's desired count from its actuator (`Actuator.replicas`); a pool whose read
+   fails (403, 404, API down) is recorded as a failed scale action (`error`: "replica count unreadable:
+   <status>", counted in `mosaic_autoscaler_scale_errors_total`), is not scaled this cycle, and is pinned
+   at its last known count (never read: the registry's),
 2. builds an `Observation` from the registry's scraped worker stats and the gateway's own metrics
    (`server.autoscale_signals.SignalReader`),
 3. asks the policy (`scheduler.autoscaler.factory.build_policy`, the same objects `mosaic simulate` runs)
-   for targets, and
-4. applies each changed target of a managed pool through the actuator, recording the decision (targets,
-   reasons, signals) and the scale actions in bounded histories for `GET /admin/autoscaler` and as metrics.
+   for targets: every pool no actuator scales this cycle (unmanaged, or its read failed) is pinned there
+   at its observed count (min = max = provisioned), so its capacity counts and the policy never buys
+   capacity nobody applies, and
+4. applies each changed target of a managed pool through the actuator as the backend's count (never
+   plus the pool's broken workers, `SignalReader.broken`: replicas added beside crash-looping pods of a
+   bad image or config crash too, and would multiply the pool up to its maximum), recording the decision
+   (targets, reasons, signals) and the scale actions in bounded histories for `GET /admin/autoscaler` and
+   as metrics. A signal absent from a cycle (no TTFT sample, a model gone) is removed from the
+   `mosaic_autoscaler_signal` gauge rather than left at its last value.
 
 With `autoscaler.nodes` (a node inventory) the targets pass through `server.autoscale_placement.
 PlacementBook` before step 4: scale-ups are placed on nodes by the topology solver, clipped to what the
-inventory holds (the decision's `placement` record says what and why), and scale-ins free node slots.
+inventory holds (the decision's `placement` record says what and why), and scale-ins free node slots
+once the actions applied (`PlacementBook.commit`; every cycle `PlacementBook.reconcile` also matches the
+computed slots to the real counts).
 
 `server.autoscaler_setup` builds controllers (which pools an actuator manages, their `PoolSpec`s) for
 `mosaic serve` and `mosaic autoscale`. `PoolActuators` puts one actuator per pool behind the `Actuator` shape.
@@ -24,7 +35,7 @@ Metrics (`mosaic_` namespace, in the gateway's registry):
 | mosaic_autoscaler_desired_replicas | gauge | pool: the last decision's target |
 | mosaic_autoscaler_replicas | gauge | pool, state (ready, starting, draining) as observed |
 | mosaic_autoscaler_scale_events_total | counter | pool, direction (up, down) |
-| mosaic_autoscaler_scale_errors_total | counter | pool |
+| mosaic_autoscaler_scale_errors_total | counter | pool: actions refused or failed, unreadable replica counts, embedded workers that could not start |
 | mosaic_autoscaler_signal | gauge | name: the policy's signals (`<model>/decode_demand_tps`, ...) and `ttft_p90_s`, `tpot_p90_s`, `request_rate` |
 | mosaic_autoscaler_pool_signal | gauge | pool, name (decode_tokens_per_s, prompt_tokens_per_s, num_waiting, gpu_utilization) |
 | mosaic_autoscaler_cycles_total, mosaic_autoscaler_cycle_errors_total | counter | |
@@ -36,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -132,6 +144,7 @@ class AutoscalerController:
         self.clock = clock
         self.policy_config = self.settings.policy_config(config.slo)
         self.specs = list(specs)
+        self._base_specs = tuple(specs)  # as configured; `_pin` derives each cycle's from these
         self._actuator_factory = actuator_factory
         self.actuator: Actuator | None = None
         self.policy: ScalingPolicy | None = None
@@ -140,6 +153,8 @@ class AutoscalerController:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._last_cycle: float | None = None
+        self._known: dict[str, int] = {}  # managed pool → its count at the last successful read
+        self._signal_names: set[str] = set()  # labels of mosaic_autoscaler_signal set at the last cycle
 
     def wake(self) -> None:
         """Run the next cycle now rather than at the end of the interval (at most one per `WAKE_GAP_S`): a
@@ -208,34 +223,75 @@ class AutoscalerController:
         self.build()
         assert self.policy is not None
         now = self._last_cycle = self.clock()
-        desired = await self._desired()
-        if self.placement is not None and not self._placement_seeded:
-            # the instances running at the first cycle: the backend's count for managed pools, else the registry's
-            self._placement_seeded = True
-            places = getattr(self.actuator, "places", None) or (lambda pool: False)
-            self.placement.seed({s.name: desired.get(s.name, self._seen(s.name)) for s in self.specs}, places)
-        obs = self.reader.observe(now, desired)
+        desired, unreadable = await self._desired(now)
+        places = getattr(self.actuator, "places", None) or (lambda pool: False)
+        if self.placement is not None:
+            # the instances running: the backend's count for managed pools, else the registry's
+            counts = {
+                s.name: desired.get(s.name, self._seen(s.name))
+                for s in self.specs
+                if s.name not in unreadable
+            }
+            if not self._placement_seeded:
+                self._placement_seeded = True
+                self.placement.seed(counts, places)
+            else:
+                self.placement.reconcile(counts, places)
+        # a pool whose read failed counts at its last known size (never read: the registry's view)
+        known = {p: self._known[p] for p in unreadable if p in self._known}
+        obs = self.reader.observe(now, {**known, **desired})
+        self._pin(
+            {
+                s.name: obs.pools[s.name].provisioned
+                for s in self.specs
+                if s.name not in desired and s.name in obs.pools
+            }
+        )
         decision = self.policy.decide(obs)
         targets, placement = dict(decision.targets), None
         if self.placement is not None:
             provisioned = {p: obs.pools[p].provisioned for p in desired if p in obs.pools}
             targets, placement = self.placement.plan(targets, provisioned, self.actuator, now)
-        actions = []
+        actions = [
+            ScaleAction(now, p, known.get(p, -1), known.get(p, -1), applied=False, error=why)
+            for p, why in sorted(unreadable.items())
+        ]
         for pool, target in sorted(targets.items()):
             if pool in desired and pool in obs.pools and target != obs.pools[pool].provisioned:
                 actions.append(await self._apply(pool, target, now))
+        if self.placement is not None and placement is not None:
+            self.placement.commit(actions, places, placement)
         self._record(obs, decision, actions, placement)
         return decision
 
-    async def _desired(self) -> dict[str, int]:
+    async def _desired(self, now: float) -> tuple[dict[str, int], dict[str, str]]:
+        """The managed pools' counts read from the actuator, and (pool → error) for those whose read failed:
+        each a failed action this cycle (module docstring, step 1)."""
         assert self.actuator is not None
         out: dict[str, int] = {}
+        failed: dict[str, str] = {}
         for pool in sorted(self.managed):
             try:
                 out[pool] = await self._call(self.actuator.replicas, pool)
-            except Exception as exc:  # unmanaged this cycle: the policy sees what the registry sees
-                log.warning("autoscaler: cannot read the replica count of pool %s: %s", pool, exc)
-        return out
+            except Exception as exc:  # not scaled this cycle, pinned at its last known count
+                failed[pool] = f"replica count unreadable: {_error_text(exc)}"
+                self.metrics.errors.labels(pool).inc()
+                log.warning("autoscaler: pool %s: %s; not scaled this cycle", pool, failed[pool])
+        self._known.update(out)
+        return out, failed
+
+    def _pin(self, counts: Mapping[str, int]) -> None:
+        """The policy's pools with min = max = `counts` for the pools nobody scales this cycle (module
+        docstring, step 3); the others at their configured bounds. A policy without pools (static) is as is."""
+        pinned = [
+            dataclasses.replace(s, min_replicas=counts[s.name], max_replicas=counts[s.name])
+            if s.name in counts
+            else s
+            for s in self._base_specs
+        ]
+        self.specs = pinned
+        if self.policy is not None and hasattr(self.policy, "pools"):
+            self.policy.pools = tuple(pinned)  # type: ignore[attr-defined]
 
     async def _apply(self, pool: str, target: int, now: float) -> ScaleAction:
         assert self.actuator is not None
@@ -284,6 +340,10 @@ class AutoscalerController:
                 signals[name] = value
         for name, value in signals.items():
             m.signal.labels(name).set(value)
+        for gone in self._signal_names - set(signals):  # absent this cycle: no stale value left behind
+            with contextlib.suppress(KeyError):
+                m.signal.remove(gone)
+        self._signal_names = set(signals)
         for a in actions:
             self.actions.append({"time": wall, **asdict(a)})
         self.decisions.append(
@@ -361,3 +421,13 @@ class PoolActuators:
             close = getattr(a, "aclose", None)
             if close is not None:
                 await close()
+
+
+def _error_text(exc: Exception) -> str:
+    """An API error as "403 Forbidden" (status and reason, as the kubernetes actuator reports a refused
+    patch), else "<type>: <message>"."""
+    status = getattr(exc, "status", None)
+    reason = getattr(exc, "reason", None)
+    if status is not None or reason is not None:
+        return f"{status or ''} {reason or type(exc).__name__}".strip()
+    return f"{type(exc).__name__}: {exc}"

@@ -424,11 +424,7 @@ class MosaicConfig(_Strict):
                 if pool.model not in known:
                     raise _FieldError(f"pools.{i}.model", f"model {pool.model!r} is not listed under models")
         _check_autoscaler(self)
-        if self.kv.batch_admission.enabled and not self.kv.enabled:
-            raise _FieldError(
-                "kv.batch_admission.enabled",
-                "batch admission plans against the KV ledger; it needs kv.enabled: true",
-            )
+        _check_kv(self)
         return self
 
     def model_configs(self) -> list[ModelConfig]:
@@ -449,12 +445,20 @@ def _check_autoscaler(config: MosaicConfig) -> None:
     """What the autoscaler section can only check against the pools (names, parameters, time scales)."""
     a = config.autoscaler
     names = [p.name for p in config.pools]
-    for mapped in a.kubernetes.deployments:
+    mapped_by: dict[str, str] = {}  # Deployment → the pool mapped to it
+    for mapped, deployment in a.kubernetes.deployments.items():
         if mapped not in names:
             raise _FieldError(
                 f"autoscaler.kubernetes.deployments.{mapped}",
                 f"no pool named {mapped!r}; pools: {', '.join(names)}",
             )
+        if deployment in mapped_by:  # two pools scaling one Deployment would undo each other every cycle
+            raise _FieldError(
+                f"autoscaler.kubernetes.deployments.{mapped}",
+                f"Deployment {deployment!r} is already mapped by pool {mapped_by[deployment]!r}; "
+                "each Deployment can scale one pool only",
+            )
+        mapped_by[deployment] = mapped
     _check_domains(a.kubernetes.deployments, a.kubernetes.domains, names)
     try:  # the parameters parse (hpa-util:0.7, static:pool=N, ...); the live policy is built by the controller
         build_policy(a.policy, [], PolicyConfig(), dict.fromkeys(names, 0))
@@ -483,6 +487,66 @@ def _check_autoscaler(config: MosaicConfig) -> None:
                     f"the simulated pools of model {model!r} mix time_scale values "
                     f"{sorted(found)}; the embedded autoscaler needs one per model",
                 )
+
+
+def _check_kv(config: MosaicConfig) -> None:
+    """What the `kv` section can only check against the pools and limits (docs/kv.md "Knobs")."""
+    kv = config.kv
+    if kv.batch_admission.enabled and not kv.enabled:
+        raise _FieldError(
+            "kv.batch_admission.enabled",
+            "batch admission plans against the KV ledger; it needs kv.enabled: true",
+        )
+    if not kv.enabled:
+        return
+    pools = {p.name: p for p in config.pools}
+    models = [m.name for m in config.model_configs()]
+    for i, c in enumerate(kv.compression):
+        if c.pool is not None:
+            if c.pool not in pools:
+                raise _FieldError(
+                    f"kv.compression.{i}.pool", f"no pool named {c.pool!r}; pools: {', '.join(pools)}"
+                )
+            targets = [pools[c.pool]]
+        else:
+            if c.model not in models:
+                raise _FieldError(
+                    f"kv.compression.{i}.model", f"no model named {c.model!r}; models: {', '.join(models)}"
+                )
+            targets = [p for p in config.pools if p.model == c.model]
+        for pool in targets:
+            if pool.tp > 1:
+                raise _FieldError(
+                    f"kv.compression.{i}.{'pool' if c.pool is not None else 'model'}",
+                    f"pool {pool.name!r} has tp {pool.tp}; per-head compression is supported on tp 1 pools "
+                    "only (the gateway does not build per-rank page tables, so it would under-reserve)",
+                )
+    limits = config.limits
+    # A waiter's aging hold must come before its 429. The default (2 s) is left inert under a shorter
+    # deadline; an explicit setting that can never act is refused.
+    aging = kv.queue.aging_s
+    if (
+        aging is not None
+        and not kv.batch_admission.enabled
+        and "aging_s" in kv.queue.model_fields_set
+        and aging >= limits.queue_deadline_s
+    ):
+        raise _FieldError(
+            "kv.queue.aging_s",
+            f"{aging:g} s must be below limits.queue_deadline_s ({limits.queue_deadline_s:g} s), or the "
+            "waiter gets its 429 before its aging hold (null turns aging off)",
+        )
+    # A reservation is renewed by streamed tokens, but a non-streaming request renews it only once (at its
+    # estimated first token) and may hold it for total_timeout_s; a stream may wait first_token_timeout_s
+    # for its first byte and stall_timeout_s between chunks. The lease must outlast all of them, or the
+    # sweep frees a live request's pages (lease_expired) and the ledger over-commits the worker.
+    longest = max(limits.total_timeout_s, limits.first_token_timeout_s, limits.stall_timeout_s)
+    if kv.lease_s <= longest:
+        raise _FieldError(
+            "kv.lease_s",
+            f"{kv.lease_s:g} s must exceed the longest time a request holds KV pages without renewing "
+            f"them, max(limits.total_timeout_s, first_token_timeout_s, stall_timeout_s) = {longest:g} s",
+        )
 
 
 def _check_domains(deployments: dict[str, str], domains: dict[str, dict[str, str]], names: list[str]) -> None:

@@ -16,6 +16,11 @@ the pool's `SimulatedPoolSource` (`server.embedded`) towards it.
   hop is still running), no gateway in-flight ticket, and an engine with no request in flight and no KV
   held for a P/D peer. A drain that outlives `drain_timeout_s` is stopped anyway and recorded as forced.
 
+A worker that cannot start (`start_refused`: no room in the inventory; `start_failed`: the simulated
+replica did not start) lowers the desired count back to what runs, is logged at warning and is reported
+through `on_error(pool)` (the controller counts it in `mosaic_autoscaler_scale_errors_total`): the action
+that asked for it said applied, so this is where the failure shows.
+
 `events` keeps what happened (started / ready / draining / drain_cancelled / stopped with the wait and
 whether it was forced) for `/admin/autoscaler` and tests.
 
@@ -106,8 +111,10 @@ class EmbeddedActuator:
         clock: Callable[[], float] = time.monotonic,
         keep_events: int = 200,
         placer: TopologyPlacer | None = None,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self.sources = dict(sources)
+        self.on_error = on_error  # called with the pool when a scale-up could not start a worker
         self.placer = placer
         self._next_nodes: dict[str, deque[tuple[str, str]]] = {name: deque() for name in sources}
         self.registry = registry
@@ -192,15 +199,12 @@ class EmbeddedActuator:
                 else:
                     node = self._node_for(pool) if self.places(pool) else None
                     if isinstance(node, str):  # the inventory is full: keep what runs, report it
-                        self._event("start_refused", pool, None, why=node)
-                        self._desired[pool] = len(active)
+                        self._start_error(pool, want, len(active), "start_refused", why=node)
                         break
                     try:
                         index = await src.start_replica(self.cold_start_s)
                     except Exception as exc:  # e.g. no free port: keep what runs, report it, retry next cycle
-                        log.error("pool %s: starting a worker failed: %s", pool, exc)
-                        self._event("start_failed", pool, None, error=str(exc))
-                        self._desired[pool] = len(active)
+                        self._start_error(pool, want, len(active), "start_failed", error=str(exc))
                         break
                     where = {}
                     if node is not None and self.placer is not None:
@@ -223,6 +227,22 @@ class EmbeddedActuator:
             task = self._drains.get((pool, index))
             if task is None or task.done():
                 self._drains[(pool, index)] = self._spawn(self._drain(pool, index))
+
+    def _start_error(self, pool: str, want: int, active: int, kind: str, **why: str) -> None:
+        """A scale-up that could not start its worker: the desired count falls back to what runs (the next
+        decision asks again), the event is recorded, logged at warning and counted as a scale error."""
+        self._event(kind, pool, None, **why)
+        self._desired[pool] = active
+        log.warning(
+            "pool %s: scale-up to %d stopped at %d: %s: %s",
+            pool,
+            want,
+            active,
+            kind,
+            next(iter(why.values())),
+        )
+        if self.on_error is not None:
+            self.on_error(pool)
 
     def _victims(self, pool: str, active: list[int], n: int) -> list[int]:
         """Starting workers first (newest first), then ready ones by fewest in-flight requests, newest on ties."""

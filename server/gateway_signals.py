@@ -23,12 +23,12 @@ gateway replica's `/metrics` (`server.gateway_scrape.GatewayScraper`, parsed by 
 
 | field | from the merged interval |
 |---|---|
-| admission_queue | Σ `mosaic_admission_queue_depth` per model |
+| admission_queue | Σ `mosaic_admission_queue_depth` per model (a non-finite value is skipped) |
 | ttft_p90_s | p90 of `mosaic_time_to_first_token_seconds` bucket increments (`quantile`, as `histogram_quantile`) |
 | tpot_p90_s | p90 of `mosaic_time_per_output_token_seconds` (per request: (e2e − TTFT)/(n − 1)); with no such sample in the interval, of `mosaic_inter_token_latency_seconds` (older gateways) |
 | request_rate | Σ Δ`mosaic_requests_received_total` / Δt (arrivals: a backlog clearing does not read as a surge) |
 | mean_input_tokens, mean_output_tokens | Δ`mosaic_prompt_tokens_total`, Δ`mosaic_generation_tokens_total` ÷ Δ completed requests |
-| models | the four above (and the p90s) per `model` label, so one model's arrivals and latencies do not size another's pools (`Observation.for_model`) |
+| models | the four above (and the p90s) per `model` label, so one model's arrivals and latencies do not size another's pools (`Observation.for_model`); every configured model has an entry (zero arrivals without a series); fleet-wide only for a single-model fleet without labelled series |
 
 Latency bounds are multiplied by the pool's time scale and rates divided by the model's (simulated pools,
 `server.autoscale_signals`).
@@ -153,7 +153,7 @@ class GatewayWindow:
                 continue
             present += 1
             for key, value in snap.samples.items():
-                if key[0] == QUEUE:
+                if key[0] == QUEUE and math.isfinite(value):  # a NaN/Inf gauge is no depth: skipped
                     gauges[key] = gauges.get(key, 0.0) + value
             prev = self._prev.get(gateway)
             if prev is not None and snap.at <= prev.at:
@@ -234,19 +234,34 @@ def latency_buckets(
 
 
 def gateway_signals(
-    merged: Merged, pool_scale: Callable[[str], float], model_scale: Callable[[str], float]
+    merged: Merged,
+    pool_scale: Callable[[str], float],
+    model_scale: Callable[[str], float],
+    configured: Iterable[str] = (),
 ) -> dict[str, Any]:
-    """The `Observation` fields of the merged interval (module docstring's table)."""
-    out: dict[str, Any] = {
-        "admission_queue": {dict(lab).get("model", ""): int(v) for (_, lab), v in merged.gauges.items()}
-    }
+    """The `Observation` fields of the merged interval (module docstring's table).
+
+    `configured`: the fleet's models. Each gets an entry in `models`: its own series, or none yet (zero
+    arrivals, no latencies), so another model's load never sizes its pools. Only a single-model fleet
+    whose model has no labelled series (an older gateway) reads the fleet-wide signals."""
+    out: dict[str, Any] = {"admission_queue": {}}
+    for (_, lab), v in merged.gauges.items():
+        if math.isfinite(v):  # one gateway's NaN/Inf gauge must not fail every cycle
+            model = dict(lab).get("model", "")
+            out["admission_queue"][model] = out["admission_queue"].get(model, 0) + int(v)
     if not merged.counted:
         return out
-    out.update(_model_signals(merged, pool_scale, model_scale, None))
-    models = {dict(lab)["model"] for (name, lab) in merged.per_s if name == RECEIVED and "model" in dict(lab)}
-    out["models"] = {
-        m: ModelObservation(**_model_signals(merged, pool_scale, model_scale, m)) for m in sorted(models)
+    fleet = _model_signals(merged, pool_scale, model_scale, None)
+    out.update(fleet)
+    seen = {dict(lab)["model"] for (name, lab) in merged.per_s if name == RECEIVED and "model" in dict(lab)}
+    wanted = set(configured)
+    models = {
+        m: ModelObservation(**_model_signals(merged, pool_scale, model_scale, m))
+        for m in sorted(seen | wanted)
     }
+    if len(wanted) == 1 and not wanted & seen:
+        models[next(iter(wanted))] = ModelObservation(**fleet)
+    out["models"] = models
     return out
 
 

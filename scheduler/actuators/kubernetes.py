@@ -34,6 +34,12 @@ next cycle reads the counts again and retries.
 Pools with one Deployment: the scale subresource sets a count and cannot choose nodes, so the controller
 keeps the placement it computed as advice (docs/autoscaling-live.md).
 
+**Another scaler on the same Deployment** (an HPA, KEDA, `kubectl scale`): the patch is an absolute
+merge-patch of `spec.replicas`, so it silently overwrites whatever the other one set, and the two undo
+each other. The actuator cannot prevent that; it logs a warning (logger `mosaic.autoscaler`) when a
+freshly read count differs from what the decision was based on (the count `replicas` returned this cycle)
+or from what it last set. Do not point an HPA at a Deployment this actuator manages.
+
 The `kubernetes` client is an optional extra (`pip install mosaic-serve[k8s]`); the API object is injected
 so tests can record the exact calls against canned API responses. No other I/O here. Every call carries
 `_request_timeout=(connect, read)` (`request_timeout`, default 5 s / 20 s): a hung API connection fails the
@@ -42,6 +48,7 @@ read or patch, which is reported like any API error, instead of blocking the con
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +58,7 @@ from scheduler.actuators.base import ScaleAction
 from scheduler.topology import TopologyPlacer
 
 REQUEST_TIMEOUT_S = (5.0, 20.0)  # (connect, read) seconds per API call
+log = logging.getLogger("mosaic.autoscaler")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +111,8 @@ class KubernetesActuator:
         self._next: dict[str, deque[tuple[str, str]]] = {pool: deque() for pool in self._domains}
         self._seq = 0
         self.unplaced: dict[str, int] = {}  # pool → replicas the inventory has no room for (last read)
+        self._based_on: dict[str, int] = {}  # pool → the count `replicas` returned (the decision's basis)
+        self._set: dict[str, int] = {}  # pool → the count this actuator last set
 
     @classmethod
     def from_environment(
@@ -147,8 +157,34 @@ class KubernetesActuator:
         if pool in self._domains:
             counts = {d: self._read(name) for d, name in self._domains[pool].items()}
             self._sync(pool, counts)
-            return sum(counts.values())
-        return self._read(self._deployment(pool))
+            total = sum(counts.values())
+        else:
+            total = self._read(self._deployment(pool))
+        last = self._set.get(pool)
+        if last is not None and total != last:
+            log.warning(
+                "autoscaler: pool %s: its Deployment holds %d replicas, the autoscaler last set %d: something "
+                "else scales it (an HPA, kubectl scale?); the next patch overwrites it",
+                pool,
+                total,
+                last,
+            )
+        self._set.pop(pool, None)  # warned once per change
+        self._based_on[pool] = total
+        return total
+
+    def _drift(self, pool: str, fresh: int, replicas: int) -> None:
+        """Warn when the count read just before patching is not the one the decision was based on."""
+        based = self._based_on.pop(pool, None)
+        if based is not None and fresh != based:
+            log.warning(
+                "autoscaler: pool %s: its Deployment changed from %d to %d since this cycle's read (another "
+                "scaler on it?); patching it to %d overwrites that",
+                pool,
+                based,
+                fresh,
+                replicas,
+            )
 
     def scale(self, pool: str, replicas: int, now: float) -> ScaleAction:
         if replicas < 0:
@@ -159,11 +195,12 @@ class KubernetesActuator:
         before = -1
         try:
             before = self._read(name)
-            if before == replicas:
-                return ScaleAction(now, pool, before, replicas, applied=True)
-            self._patch(name, replicas)
+            self._drift(pool, before, replicas)
+            if before != replicas:
+                self._patch(name, replicas)
         except Exception as exc:  # ApiException and transport errors: report, the next cycle retries
             return ScaleAction(now, pool, before, before, applied=False, error=_why(exc))
+        self._set[pool] = replicas
         return ScaleAction(now, pool, before, replicas, applied=True)
 
     # ------------------------------------------------------------------ topology (placing actuator)
@@ -185,6 +222,7 @@ class KubernetesActuator:
             return PlacedScaleAction(now, pool, -1, -1, applied=False, error=_why(exc))
         self._sync(pool, counts)
         before = sum(counts.values())
+        self._drift(pool, before, replicas)
         want = dict(counts)
         # what to undo per domain if its patch fails: slots placed for new replicas, (slot, node)s released
         adds: dict[str, list[str | None]] = {d: [] for d in by_domain}
@@ -213,6 +251,7 @@ class KubernetesActuator:
             steps.append(DomainScale(domain, name, counts[domain], want[domain]))
         after = before + sum(s.after - s.before for s in steps)
         failed = any(s.error for s in steps) or (refused is not None and after == before)
+        self._set[pool] = after
         return PlacedScaleAction(now, pool, before, after, not failed, error, tuple(steps))
 
     def _up(

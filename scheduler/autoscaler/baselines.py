@@ -75,7 +75,7 @@ class HpaPolicy:
                 # HPA's default scale-up policy: at most +100% or +4 pods per 15 s, whichever is more
                 desired = min(raw, max(2 * current, current + 4))
             else:
-                desired = min(current, max(r for _, r in history))
+                desired = current if not po.signal_complete else min(current, max(r for _, r in history))
             # HPA never scales a target to zero on its own (minReplicas ≥ 1)
             targets[pool.name] = min(max(desired, pool.min_replicas, 1), pool.max_replicas)
             reasons[pool.name] = f"{self.metric}={value:.3g} target={self.target:.3g}"

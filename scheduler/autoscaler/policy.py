@@ -28,7 +28,8 @@ Per model, each cycle:
    (bounded by `max_scale_up_step` / `max_scale_up_factor`); scale-down only to the highest target
    recommended over the last `scale_down_window_s` and by at most `max_scale_down_fraction` per cycle.
    The size a pool had when the policy took over counts as a recommendation, so nothing scales in on
-   less than one window of evidence.
+   less than one window of evidence. No pool of a model scales in while any of its pools' signal is
+   incomplete (`PoolObservation.signal_complete`: a ready instance's load unknown), as during a breach.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class MosaicAutoscaler:
         decode_pools = [p for p in pools if p.role in ("decode", "mixed")]
         prefill_pools = [p for p in pools if p.role == "prefill"]
         current = {p.name: obs.pools[p.name].provisioned if p.name in obs.pools else 0 for p in pools}
+        # a pool whose ready instances' load is partly unknown undercounts the model's demand: no scale-in
+        unknown = [p.name for p in pools if p.name in obs.pools and not obs.pools[p.name].signal_complete]
 
         seen = obs.for_model(model)
         waiting = obs.admission_queue.get(model, 0) + sum(
@@ -159,6 +162,7 @@ class MosaicAutoscaler:
             obs.now,
             targets,
             reasons,
+            unknown,
         )
 
         if not prefill_pools:
@@ -203,6 +207,7 @@ class MosaicAutoscaler:
             obs.now,
             targets,
             reasons,
+            unknown,
         )
 
     def _decode_instance_equivalents(
@@ -304,8 +309,10 @@ class MosaicAutoscaler:
         now: float,
         targets: dict[str, int],
         reasons: dict[str, str],
+        unknown: Sequence[str] = (),
     ) -> None:
-        """Turn a capacity requirement into damped, bounded per-pool targets."""
+        """Turn a capacity requirement into damped, bounded per-pool targets; no scale-in while the latency
+        SLO is `breached` or any of the model's pools has an incomplete signal (`unknown`)."""
         if not pools:
             return
         cfg = self.config
@@ -319,12 +326,17 @@ class MosaicAutoscaler:
         else:
             raw = rebalance(pools, current, required, cap_of)
             why = f"need {required:.0f}, have {have:.0f}"
+        hold = breached or bool(unknown)
         for pool in pools:
             n = current[pool.name]
-            want = max(raw[pool.name], n) if breached else raw[pool.name]
+            want = max(raw[pool.name], n) if hold else raw[pool.name]
             target = self._damp(pool, n, want, now)
             targets[pool.name] = target
             reasons[pool.name] = why + (" (latency SLO breached: no scale-in)" if breached else "")
+            if unknown:
+                reasons[pool.name] += (
+                    f" (signal incomplete: stale worker metrics in {', '.join(unknown)}; no scale-in)"
+                )
 
     def _damp(self, pool: PoolSpec, n: int, want: int, now: float) -> int:
         cfg = self.config

@@ -75,6 +75,9 @@ class PoolObservation:
     gpu_utilization: float = 0.0  # mean busy fraction of the pool's GPUs (HPA baseline only)
     # seconds until each starting instance is expected ready (its start + the cold start); may be empty
     starting_ready_in_s: tuple[float, ...] = ()
+    # False when a ready instance's load is unknown (its metrics are stale): the rates above undercount,
+    # so a policy must not scale in on them (scale-up stays allowed). The simulator always knows: True.
+    signal_complete: bool = True
 
     @property
     def provisioned(self) -> int:
@@ -105,13 +108,16 @@ class Observation:
     mean_input_tokens: float = 0.0
     mean_output_tokens: float = 0.0
     # the same per model, where the gateway labels them (a multi-model fleet: one model's arrivals and
-    # latencies must not size another's pools); a model absent here reads the fleet-wide fields
+    # latencies must not size another's pools). Empty (the simulator, a gateway without model labels):
+    # every model reads the fleet-wide fields; otherwise a model absent here has seen nothing (zero rate)
     models: Mapping[str, ModelObservation] = field(default_factory=dict)
 
     def for_model(self, model: str) -> ModelObservation:
         found = self.models.get(model)
         if found is not None:
             return found
+        if self.models:  # labelled per model, none for this one: no arrivals, not another model's load
+            return ModelObservation()
         return ModelObservation(
             self.request_rate,
             self.mean_input_tokens,
