@@ -86,6 +86,7 @@ class _Req:
     phase: str = "new"  # new | queued | prefill | decode | done | failed
     queued_at: float = 0.0
     first_token: float | None = None
+    decoding: bool = False  # counted among its instance's decode requests (not its prefill backlog)
     finished: float | None = None
     fail_reason: str | None = None
 
@@ -206,6 +207,10 @@ class ClusterSimulator:
         self._retired = {p.name: _PoolTotals() for p in fleet.pools}
         self._window = _Window()
         self._now = 0.0
+        # When the trace was served: the last arrival, completion or failure. Billing ends here for every
+        # policy alike, not at the last event popped (a stale drain timeout or READY of a cancelled instance,
+        # or the tick that noticed the end), which moved the end by up to a drain timeout per policy.
+        self._served_s = 0.0
         self._pending_arrival = False
         self._open_requests = 0  # arrived, not yet completed or failed (queued ones included)
         self.topology = SimTopology.build(fleet, self.catalog)
@@ -336,10 +341,10 @@ class ClusterSimulator:
         assert req.decision is not None
         inst.engine.abort(req.rid, now)
         inst.inflight -= 1
-        if req.first_token is None:
-            inst.inflight_prefill_tokens -= req.src.input_tokens
-        else:
+        if req.decoding:
             inst.inflight_decode -= 1
+        else:
+            inst.inflight_prefill_tokens -= req.src.input_tokens
         prefill = req.decision.prefill
         if req.phase == "prefill":  # its decode instance no longer waits for this KV
             decode = self._instances[req.decision.decode.id]
@@ -447,8 +452,10 @@ class ClusterSimulator:
                 continue
             if req.phase == "decode" or req.decision is None or req.decision.prefill is None:
                 req.first_token = now
-                inst.inflight_prefill_tokens -= req.src.input_tokens
-                inst.inflight_decode += 1
+                if not req.decoding:  # prefilled here: its prompt leaves this instance's backlog
+                    req.decoding = True
+                    inst.inflight_prefill_tokens -= req.src.input_tokens
+                    inst.inflight_decode += 1
                 for res in req.decision.reservations if req.decision else ():
                     first = getattr(res, "first_token", None)
                     if first is not None and res.worker_id == inst.id:
@@ -477,6 +484,7 @@ class ClusterSimulator:
     def _on_arrival(self, src: SimRequest, now: float) -> None:
         idx = self.result.requests_total
         self.result.requests_total += 1
+        self._served_s = max(self._served_s, now)
         rid = f"r{idx}"
         route = RouteRequest(
             rid,
@@ -550,7 +558,14 @@ class ClusterSimulator:
             self._fail(req, "engine_rejected")
             return
         inst.inflight += 1
-        inst.inflight_prefill_tokens += req.src.input_tokens
+        if er.kv_transfer is not None and er.kv_transfer.remote_prefilled:
+            # Prefilled elsewhere: no prompt in this instance's backlog, a decode request from dispatch on,
+            # as the gateway's in-flight ticket counts it (`server.registry.InflightTicket`): one policy,
+            # two drivers, so routing reads the same load in both.
+            req.decoding = True
+            inst.inflight_decode += 1
+        else:
+            inst.inflight_prefill_tokens += req.src.input_tokens
         self._dirty(inst)
         self._kick(inst, now)
 
@@ -580,6 +595,7 @@ class ClusterSimulator:
     ) -> None:
         req.phase = "done"
         req.finished = now
+        self._served_s = max(self._served_s, now)
         self._open_requests -= 1
         inst.inflight -= 1
         inst.inflight_decode -= 1
@@ -599,6 +615,7 @@ class ClusterSimulator:
     def _fail(self, req: _Req, reason: str) -> None:
         if req.phase in ("done", "failed"):
             return
+        self._served_s = max(self._served_s, self._now)
         req.phase = "failed"
         req.fail_reason = reason
         self._open_requests -= 1
@@ -673,6 +690,10 @@ class ClusterSimulator:
 
     def _apply_target(self, pool: str, target: int, obs: PoolObservation, now: float) -> None:
         have = obs.provisioned
+        # last line of defence against a policy's out-of-range target: never above max_replicas, never scaled
+        # in below min_replicas (nor below 0), and never raised past the target (scale-ups were placed for it)
+        bounds = self._pools[pool]
+        target = max(min(target, bounds.max_replicas), min(bounds.min_replicas, max(have, target)))
         if target == have:
             return
         self.result.scale_events.append({"t": round(now, 3), "pool": pool, "before": have, "after": target})
@@ -709,7 +730,7 @@ class ClusterSimulator:
         self.topology.sample(now, {i.id for i in self._live if i.state is not WorkerState.DRAINING})
 
     def _finish(self) -> SimResult:
-        end = self._now
+        end = self._served_s  # module note at `_served_s`: the same end for every policy
         for req in list(self._queue):
             self._fail(req, "admission_deadline")
         self._queue.clear()

@@ -57,6 +57,17 @@ class EngineKnobs(_Strict):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     num_gpu_blocks: int | None = Field(default=None, ge=1)
 
+    @model_validator(mode="after")
+    def _batch_fits_seqs(self) -> EngineKnobs:
+        # as vLLM's SchedulerConfig (and simulator.engine_types.EngineConfig): every running decode must fit
+        # one step's token budget
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be ≥ max_num_seqs "
+                f"({self.max_num_seqs}); lower max_num_seqs or raise max_num_batched_tokens"
+            )
+        return self
+
 
 class PoolConfig(_Strict):
     name: str

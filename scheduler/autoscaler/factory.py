@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from scheduler.autoscaler.baselines import DynamoPlanner, HpaPolicy, StaticPolicy
@@ -25,32 +26,84 @@ class PolicyError(ValueError):
     """An unknown policy name or a bad parameter; the message lists the valid spellings."""
 
 
+def _positive(spec: str, what: str, arg: str, default: float, upper: float | None = None) -> float:
+    """`arg` (or `default` when empty) as a finite number > 0 (and ≤ `upper`): a NaN, infinite, zero or
+    negative target or interval would pin the pools, re-plan every decision or never plan at all."""
+    if not arg:
+        return default
+    try:
+        value = float(arg)
+    except ValueError:
+        raise PolicyError(f"policy {spec!r}: bad parameter: {what} must be a number, got {arg!r}") from None
+    if not math.isfinite(value) or value <= 0 or (upper is not None and value > upper):
+        wanted = "a finite number > 0" if upper is None else f"a finite number in (0, {upper:g}]"
+        raise PolicyError(f"policy {spec!r}: bad parameter: {what} must be {wanted}, got {arg}")
+    return value
+
+
+def _static_counts(
+    spec: str, arg: str, initial: Mapping[str, int], pools: Sequence[PoolSpec], check_bounds: bool
+) -> dict[str, int]:
+    counts = dict(initial)
+    bounds = {p.name: (p.min_replicas, p.max_replicas) for p in pools}
+    for item in filter(None, arg.split(",")):
+        pool, eq, n = item.partition("=")
+        if pool not in counts:
+            raise PolicyError(f"static policy: unknown pool {pool!r}; pools: {', '.join(counts)}")
+        text = n.strip()
+        # an integer ≥ 0: no sign, no fraction, no nan/inf
+        if not eq or not (text.isascii() and text.isdigit()):
+            raise PolicyError(
+                f"policy {spec!r}: bad parameter: the count of pool {pool!r} must be an integer ≥ 0 "
+                f"(static:POOL=N), got {n!r}"
+            )
+        count = int(text)
+        if check_bounds and pool in bounds:
+            lo, hi = bounds[pool]
+            if not lo <= count <= hi:
+                raise PolicyError(
+                    f"policy {spec!r}: bad parameter: the count of pool {pool!r} ({count}) is outside its "
+                    f"min_replicas..max_replicas ({lo}..{hi})"
+                )
+        counts[pool] = count
+    return counts
+
+
 def build_policy(
-    spec: str, pools: Sequence[PoolSpec], config: AutoscalerConfig, initial: Mapping[str, int]
+    spec: str,
+    pools: Sequence[PoolSpec],
+    config: AutoscalerConfig,
+    initial: Mapping[str, int],
+    *,
+    check_bounds: bool = False,
 ) -> ScalingPolicy | None:
-    name, _, arg = spec.partition(":")
+    """The policy `spec` names, every parameter checked (PolicyError naming the policy and the argument).
+
+    `check_bounds`: refuse `static:` counts outside their pool's [min_replicas, max_replicas] (`mosaic
+    simulate`, whose fleet file gives the bounds). Off by default: the live controller pins unmanaged pools
+    at min = max = their current count, so a check there would refuse at run time what the config accepted.
+    """
+    name, colon, arg = spec.partition(":")
+    if name in ("mosaic", "fixed") and colon:
+        raise PolicyError(f"policy {spec!r}: bad parameter: {name} takes no parameter")
     try:
         if name == "mosaic":
             return MosaicAutoscaler(pools, config)
         if name == "hpa-util":
-            return HpaPolicy(pools, "gpu_utilization", float(arg or 0.7))
+            target = _positive(spec, "the GPU-utilisation target (hpa-util:T)", arg, 0.7, upper=1.0)
+            return HpaPolicy(pools, "gpu_utilization", target)
         if name == "hpa-waiting":
-            return HpaPolicy(pools, "num_requests_waiting", float(arg or 4))
+            target = _positive(spec, "the waiting requests per replica (hpa-waiting:T)", arg, 4.0)
+            return HpaPolicy(pools, "num_requests_waiting", target)
         if name == "dynamo":
             return DynamoPlanner(
                 pools,
-                interval_s=float(arg or 180),
+                interval_s=_positive(spec, "the re-planning interval in seconds (dynamo:I)", arg, 180.0),
                 utilization_target=config.utilization_target,
                 observed_context=config.observed_context,
             )
         if name == "static":
-            counts = dict(initial)
-            for item in filter(None, arg.split(",")):
-                pool, _, n = item.partition("=")
-                if pool not in counts:
-                    raise PolicyError(f"static policy: unknown pool {pool!r}; pools: {', '.join(counts)}")
-                counts[pool] = int(n)
-            return StaticPolicy(counts)
+            return StaticPolicy(_static_counts(spec, arg, initial, pools, check_bounds))
         if name == "fixed":
             return None
     except ValueError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -52,17 +53,30 @@ def register(app: typer.Typer) -> None:
             cfg = load_fleet(fleet)
             specs = pool_specs(cfg)
             scaling = build_policy(
-                policy, specs, cfg.autoscaler_config(), {p.name: p.replicas for p in cfg.pools}
+                policy,
+                specs,
+                cfg.autoscaler_config(),
+                {p.name: p.replicas for p in cfg.pools},
+                check_bounds=True,
             )
             source = open_trace(trace, trace_format, seed=seed)
             sim = ClusterSimulator(cfg, scaling, policy)
         except (FleetConfigError, PolicyError, TraceError, RoutingConfigError) as exc:
             fail(str(exc))
+        except ValueError as exc:  # anything else the simulator's parts refuse (engine limits, ...)
+            fail(f"cannot simulate fleet {fleet}: {exc}")
         if not source.timed and rate is None:
             fail(f"trace {trace} has no arrival times: give --rate")
+        try:
+            arrivals = sim_requests(source, rate_scale, rate, max_requests, seed)
+            first = next(arrivals, None)  # read the first row now: an empty trace has no report to make
+        except (TraceError, ValueError) as exc:
+            fail(str(exc))
+        if first is None:
+            fail(f"the trace has no requests: {trace} is empty")
         started = time.perf_counter()
         try:
-            result = sim.run(sim_requests(source, rate_scale, rate, max_requests, seed))
+            result = sim.run(itertools.chain((first,), arrivals))
         except (TraceError, ValueError) as exc:
             fail(str(exc))
         report = build_report(result, time.perf_counter() - started)

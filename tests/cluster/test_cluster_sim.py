@@ -103,13 +103,23 @@ def test_pd_path_tokens_and_ttft_include_transfer() -> None:
 def test_scale_up_is_cold_and_scale_in_is_soft() -> None:
     # a burst then silence: instances are added (ready only after the 60 s cold start) and later drained
     reqs = poisson(1500, 25, seed=2) + poisson(30, 0.05, seed=4, start=120)
-    report, _ = run(PD_FLEET, "mosaic", reqs)
+    report, sim = run(PD_FLEET, "mosaic", reqs)
     ups = [e for e in report["scale_events"] if e["after"] > e["before"]]
     downs = [e for e in report["scale_events"] if e["after"] < e["before"]]
     assert ups and downs
     first_up = ups[0]["t"]
-    # replicas counted as serving (non-draining) include starting ones; cost is billed from the start
-    assert report["gpu_hours"]["total"] > 2 * (report["simulated_s"] / 3600) * 0.99
+    # cost is billed from an instance's start (its cold start included), not from when it became ready:
+    # every instance bought by a scale-up is billed from the decision that bought it to its removal
+    end = sim.result.end_s
+    bought = [i for i in sim._instances.values() if i.created > 0]
+    assert len(bought) == sum(e["after"] - e["before"] for e in ups)
+    assert sorted(i.created for i in bought) == sorted(
+        e["t"] for e in ups for _ in range(e["after"] - e["before"])
+    )
+    billed = sum((i.removed if i.removed is not None else end) - i.created for i in sim._instances.values())
+    assert sim.result.billed_seconds == pytest.approx(billed, abs=1e-6)
+    assert sum(sim.result.instance_seconds.values()) == pytest.approx(billed, abs=1e-6)  # tp 1 everywhere
+    assert report["gpu_hours"]["total"] == pytest.approx(billed / 3600, abs=1e-4)
     assert report["requests"]["aborted_by_scale_in"] == 0
     assert report["requests"]["completed"] == len(reqs)
     assert first_up <= 20

@@ -1,0 +1,136 @@
+"""`mosaic simulate` bad input: an empty trace, engine knobs vLLM would refuse, policy parameters that are not
+finite and > 0 (or static counts outside a pool's bounds) — exit 2 with one `error:` line, no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from server.cli import build_app
+
+ROOT = Path(__file__).resolve().parents[2]
+FLEET = ROOT / "docs" / "examples" / "fleet-pd.yaml"  # prefill-h100 1..8, decode-a100 1..16
+SYNTH = "synthetic:rate=50,n=3,input=32,output=4"
+
+
+def simulate(*args: str) -> tuple[int, str, list[str]]:
+    result = CliRunner().invoke(build_app(), ["simulate", *args])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert "Traceback" not in result.output
+    return result.exit_code, result.output, lines
+
+
+def test_an_empty_trace_is_refused_up_front(tmp_path: Path) -> None:
+    trace = tmp_path / "empty.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    code, _, lines = simulate("--trace", str(trace), "--fleet", str(FLEET), "--policy", "fixed")
+    assert code == 2
+    assert lines == [f"error: the trace has no requests: {trace} is empty"]
+
+
+def test_a_step_budget_below_max_num_seqs_names_the_field(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(FLEET.read_text() + "engine: {max_num_batched_tokens: 8}\n")
+    code, _, lines = simulate("--trace", SYNTH, "--fleet", str(fleet))
+    assert code == 2
+    assert lines == [
+        f"error: {fleet}: engine: Value error, max_num_batched_tokens (8) must be ≥ max_num_seqs (256); "
+        "lower max_num_seqs or raise max_num_batched_tokens"
+    ]
+
+
+def test_any_value_error_building_the_simulator_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("block_size must be ≥ 1, got 0")
+
+    monkeypatch.setattr("server.commands.simulate.ClusterSimulator", refuse)
+    code, _, lines = simulate("--trace", SYNTH, "--fleet", str(FLEET))
+    assert code == 2
+    assert lines == [f"error: cannot simulate fleet {FLEET}: block_size must be ≥ 1, got 0"]
+
+
+BAD = "bad parameter: "
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        pytest.param(
+            "static:decode-a100=-3",
+            "policy 'static:decode-a100=-3': " + BAD + "the count of pool 'decode-a100' must be an integer "
+            "≥ 0 (static:POOL=N), got '-3'",
+            id="a negative static count",
+        ),
+        pytest.param(
+            "static:decode-a100=2.5",
+            "policy 'static:decode-a100=2.5': " + BAD + "the count of pool 'decode-a100' must be an integer "
+            "≥ 0 (static:POOL=N), got '2.5'",
+            id="a fractional static count",
+        ),
+        pytest.param(
+            "static:decode-a100=17",
+            "policy 'static:decode-a100=17': " + BAD + "the count of pool 'decode-a100' (17) is outside its "
+            "min_replicas..max_replicas (1..16)",
+            id="a static count above max_replicas",
+        ),
+        pytest.param(
+            "static:prefill-h100=0",
+            "policy 'static:prefill-h100=0': " + BAD + "the count of pool 'prefill-h100' (0) is outside its "
+            "min_replicas..max_replicas (1..8)",
+            id="a static count below min_replicas",
+        ),
+        pytest.param(
+            "dynamo:-5",
+            "policy 'dynamo:-5': " + BAD + "the re-planning interval in seconds (dynamo:I) must be a finite "
+            "number > 0, got -5",
+            id="a negative dynamo interval",
+        ),
+        pytest.param(
+            "dynamo:0",
+            "policy 'dynamo:0': " + BAD + "the re-planning interval in seconds (dynamo:I) must be a finite "
+            "number > 0, got 0",
+            id="a zero dynamo interval",
+        ),
+        pytest.param(
+            "dynamo:nan",
+            "policy 'dynamo:nan': " + BAD + "the re-planning interval in seconds (dynamo:I) must be a finite "
+            "number > 0, got nan",
+            id="a NaN dynamo interval",
+        ),
+        pytest.param(
+            "hpa-waiting:inf",
+            "policy 'hpa-waiting:inf': " + BAD + "the waiting requests per replica (hpa-waiting:T) must be a "
+            "finite number > 0, got inf",
+            id="an infinite hpa-waiting target",
+        ),
+        pytest.param(
+            "hpa-util:nan",
+            "policy 'hpa-util:nan': " + BAD + "the GPU-utilisation target (hpa-util:T) must be a finite "
+            "number in (0, 1], got nan",
+            id="a NaN hpa-util target",
+        ),
+        pytest.param(
+            "hpa-util:70",
+            "policy 'hpa-util:70': " + BAD + "the GPU-utilisation target (hpa-util:T) must be a finite "
+            "number in (0, 1], got 70",
+            id="a percentage for a fraction",
+        ),
+        pytest.param(
+            "mosaic:3", "policy 'mosaic:3': " + BAD + "mosaic takes no parameter", id="mosaic takes none"
+        ),
+    ],
+)
+def test_bad_policy_parameters_exit_2(policy: str, message: str) -> None:
+    code, _, lines = simulate("--trace", SYNTH, "--fleet", str(FLEET), "--policy", policy)
+    assert code == 2
+    assert lines == [f"error: {message}"]
+
+
+@pytest.mark.parametrize(
+    "policy", ["static:decode-a100=16,prefill-h100=1", "dynamo:30", "hpa-util:1", "hpa-waiting:0.5"]
+)
+def test_good_policy_parameters_run(policy: str) -> None:
+    code, output, _ = simulate("--trace", SYNTH, "--fleet", str(FLEET), "--policy", policy, "--json")
+    assert code == 0, output
