@@ -48,6 +48,7 @@ from server.errors import Cause, GatewayError
 from server.footprint import Kind, parse_request
 from server.gateway import Gateway
 from server.metrics import CONTENT_TYPE
+from simulator.protocol import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 
 log = logging.getLogger("mosaic.app")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -96,9 +97,10 @@ async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes
             return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _request_headers(scope: Scope) -> tuple[str | None, str | None, str | None]:
-    """(x-request-id, authorization, content-length): the first of each (ASGI header names are lowercase)."""
-    rid = auth = length = None
+def _request_headers(scope: Scope) -> tuple[str | None, str | None, str | None, str | None]:
+    """(x-request-id, authorization, content-length, content-type): the first of each (ASGI header names
+    are lowercase)."""
+    rid = auth = length = ctype = None
     for name, value in scope["headers"]:
         if name == b"x-request-id":
             rid = rid or value.decode("latin-1")
@@ -106,7 +108,9 @@ def _request_headers(scope: Scope) -> tuple[str | None, str | None, str | None]:
             auth = auth or value.decode("latin-1")
         elif name == b"content-length":
             length = length or value.decode("latin-1")
-    return rid, auth, length
+        elif name == b"content-type":
+            ctype = ctype or value.decode("latin-1")
+    return rid, auth, length, ctype
 
 
 def internal_error(request_id: str | None = None) -> Response:
@@ -227,7 +231,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
 
     async def endpoint(scope: Scope, receive: Receive) -> Response:
         arrival = clock()
-        rid_header, authorization, declared = _request_headers(scope)
+        rid_header, authorization, declared, content_type = _request_headers(scope)
         rid = request_id_from(rid_header)
         model = "unknown"
         try:
@@ -238,6 +242,9 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
                     retry_after_s=1,
                 )
             key = gw.keys.authenticate(authorization)
+            # as vLLM refuses it (the body is forwarded as JSON, so a text/plain one would have been served)
+            if not is_json_media_type(content_type):
+                raise GatewayError(Cause.BAD_REQUEST, UNSUPPORTED_MEDIA_TYPE)
             body = await read_body(receive, declared, limits.max_body_bytes)
             parsed = parse_request(kind, body, gw.max_model_len)
             if parsed.model not in gw.models:

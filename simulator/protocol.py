@@ -70,9 +70,19 @@ class ApiRequest:
     continuous_usage: bool = False
 
 
+UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"  # vLLM's own words
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """vLLM's check on its POST routes: the media type (before any `;` parameter) is exactly
+    `application/json`, case-insensitively; no header, `text/plain` or a form encoding (curl `-d` without
+    `-H`) are refused with 400, whatever the body holds."""
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
 def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
-    if content_type is None or "application/json" not in content_type.lower():
-        raise bad_shape("Unsupported Media Type: Only 'application/json' is allowed")
+    if not is_json_media_type(content_type):
+        raise bad_shape(UNSUPPORTED_MEDIA_TYPE)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -51,7 +50,7 @@ async def _streams(clock: ManualClock, lengths: list[int]) -> dict[str, float]:
     ):
         for n in lengths:
             body = {"model": "llama-3-8b", "prompt": "hi", "max_tokens": n, "stream": True}
-            resp = await client.post("/v1/completions", content=json.dumps(body))
+            resp = await client.post("/v1/completions", json=body)
             assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
     value = gw.metrics.registry.get_sample_value
     labels = {"model": "llama-3-8b", "pool": "p"}

@@ -172,7 +172,9 @@ def test_a_body_sent_in_pieces_and_chunked_is_assembled() -> None:
         async with serving(worker) as running:
             body = completion(user="pieces")
             reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
             for i in range(0, len(body), 7):
                 piece = body[i : i + 7]
                 writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -258,7 +260,8 @@ def test_a_chunked_body_over_the_limit_is_refused_while_reading() -> None:
         async with serving(FakeWorker("a", mode="ok"), limits={"max_body_bytes": 1024}) as running:
             piece = b"x" * 600
             raw = (
-                b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
                 + (b"%x\r\n%s\r\n" % (len(piece), piece)) * 3
                 + b"0\r\n\r\n"
             )

@@ -51,14 +51,15 @@ def test_request_headers_takes_the_first_of_each() -> None:
         "headers": [
             (b"content-type", b"application/json"),
             (b"x-request-id", b"first"),
+            (b"content-type", b"text/plain"),
             (b"authorization", b"Bearer k1"),
             (b"x-request-id", b"second"),
             (b"content-length", b"12"),
             (b"authorization", b"Bearer k2"),
         ]
     }
-    assert _request_headers(scope) == ("first", "Bearer k1", "12")
-    assert _request_headers({"headers": []}) == (None, None, None)
+    assert _request_headers(scope) == ("first", "Bearer k1", "12", "application/json")
+    assert _request_headers({"headers": []}) == (None, None, None, None)
 
 
 def _body(**fields: Any) -> bytes:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections.abc
+import json
 from typing import Any
 
 import httpx
@@ -171,6 +172,46 @@ def test_prompt_over_context_is_400_even_when_streaming(gw: GatewayThread) -> No
         )
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        (None, 400),
+        ("text/plain", 400),
+        ("application/x-www-form-urlencoded", 400),
+        ("application/json-patch+json", 400),
+        ("application/json; charset=utf-8", 200),
+        ("Application/JSON", 200),
+    ],
+)
+def test_only_a_json_media_type_is_served_as_vllm_does(
+    gw: GatewayThread, content_type: str | None, status: int
+) -> None:
+    """The gateway forwards bodies as JSON, so without this check a text/plain body vLLM refuses was served."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    refused_before = gw.metric_reaches("mosaic_rejections_total", 0.0, reason="bad_request")
+    with httpx.Client(base_url=gw.url, timeout=30) as http:
+        r = http.post(
+            "/v1/completions",
+            content=body,
+            headers={} if content_type is None else {"content-type": content_type},
+        )
+    assert r.status_code == status, r.text
+    if status == 400:
+        err = r.json()["error"]
+        assert err == {
+            "message": "Unsupported Media Type: Only 'application/json' is allowed",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+        assert (
+            gw.metric_reaches("mosaic_rejections_total", refused_before + 1, reason="bad_request")
+            == refused_before + 1
+        )
+    else:
+        assert r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_unknown_path_is_404_in_openai_shape(gw: GatewayThread) -> None:

@@ -180,6 +180,28 @@ def test_malformed_json_is_400(target: Target) -> None:
     assert set(resp.json()["error"]) >= {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        (None, 400),
+        ("text/plain", 400),
+        ("application/x-www-form-urlencoded", 400),  # curl -d without -H
+        ("application/json-patch+json", 400),
+        ("application/json; charset=utf-8", 200),
+        ("Application/JSON", 200),
+    ],
+)
+def test_only_a_json_media_type_is_served(target: Target, content_type: str | None, status: int) -> None:
+    """vLLM refuses a body of any other media type (even valid JSON); through the gateway too."""
+    body = json.dumps({"model": target.model, "prompt": "hi", "max_tokens": 2}).encode()
+    headers = {} if content_type is None else {"content-type": content_type}
+    with target.http() as http:
+        resp = http.post("/v1/completions", content=body, headers=headers)
+    assert resp.status_code == status, resp.text
+    if status == 400:
+        assert "Only 'application/json' is allowed" in resp.json()["error"]["message"]
+
+
 def test_negative_max_tokens_is_400_naming_the_param(target: Target) -> None:
     with target.openai() as client, pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=target.model, prompt="hi", max_tokens=-1)

@@ -94,6 +94,12 @@ async def test_error_shape(
         pytest.param(
             b'{"model": "llama-3-8b", "prompt": "hi"}', "text/plain", None, id="not application/json"
         ),
+        pytest.param(
+            b'{"model": "llama-3-8b", "prompt": "hi"}',
+            "application/json-patch+json",
+            None,
+            id="a media type that only contains application/json",
+        ),
     ],
 )
 async def test_unparseable_bodies(asgi, content: bytes, ctype: str, param: str | None) -> None:
