@@ -253,7 +253,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
                 )
             model = parsed.model
             reserved = parsed.prompt_tokens + parsed.max_output_tokens
-            gw.limiter.admit(key, reserved, arrival)
+            charged = gw.limiter.admit(key, reserved, arrival)
         except GatewayError as err:
             gw.metrics.requests.labels(model, "none", str(err.status)).inc()
             gw.metrics.rejections.labels(err.cause.value).inc()
@@ -262,7 +262,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
             gw.metrics.requests.labels(model, "none", str(CLIENT_CLOSED_STATUS)).inc()
             return Response(status_code=CLIENT_CLOSED_STATUS)
         child(received, model).inc()  # arrivals, before any queueing (the autoscaler's request rate)
-        rec = RequestRecord(rid, model, key, arrival, reserved if gw.limiter.enabled else 0)
+        rec = RequestRecord(rid, model, key, arrival, charged)
         return await gw.dispatcher.handle(parsed, path, rec, receive)
 
     return endpoint

@@ -10,8 +10,9 @@ exit), so response time does not reveal how much of a key matched or which one.
 
 Rate limits are token buckets per key (`limits.rate_limit`): a request bucket of `burst` refilled at
 `requests_per_s`, and a token bucket of `tokens_per_min` refilled continuously at tokens_per_min/60 per
-second, debited with prompt + reserved output tokens at admission and credited back with what the
-request did not use once its usage is known. An empty bucket → 429 with Retry-After = deficit / rate.
+second, debited with prompt + reserved output tokens at admission (at most a full bucket, so no request is
+refused forever) and credited back with what the request did not use of that debit once its usage is
+known. An empty bucket → 429 with Retry-After = deficit / rate.
 """
 
 from __future__ import annotations
@@ -133,8 +134,12 @@ class RateLimiter:
     def enabled(self) -> bool:
         return self._cfg.requests_per_s is not None or self._cfg.tokens_per_min is not None
 
-    def admit(self, key: str, tokens: int, now: float) -> None:
-        """Debit one request and `tokens`; `GatewayError` 429 (request or token limit) when a bucket is short."""
+    def admit(self, key: str, tokens: int, now: float) -> int:
+        """Debit one request and `tokens`; `GatewayError` 429 (request or token limit) when a bucket is short.
+
+        Returns the tokens actually debited (at most a full bucket; 0 without a token limit): what `refund`
+        may credit back at most. Refunding from the uncapped `tokens` refilled the bucket after every
+        request with a huge `max_tokens`, so such requests were never limited."""
         cfg = self._cfg
         req_bucket = None
         if cfg.requests_per_s is not None:
@@ -150,7 +155,8 @@ class RateLimiter:
         if cfg.tokens_per_min is not None:
             bucket = self._bucket(self._tokens, key, cfg.tokens_per_min, cfg.tokens_per_min / 60.0, now)
             # A request larger than the whole bucket can never pass: charge at most a full bucket.
-            wait = bucket.take(min(float(tokens), bucket.capacity), now)
+            charged = min(tokens, math.floor(bucket.capacity))
+            wait = bucket.take(float(charged), now)
             if wait > 0:
                 if req_bucket is not None:
                     req_bucket.give(1.0, now)  # the request was not admitted: refund its request token
@@ -160,9 +166,11 @@ class RateLimiter:
                     f"(this request needs {tokens} tokens).",
                     retry_after_s=wait,
                 )
+            return charged
+        return 0
 
     def refund(self, key: str, tokens: int, now: float) -> None:
-        """Credit back reserved tokens the request did not use (reserved − actual, when positive)."""
+        """Credit back debited tokens the request did not use (debited − actual, when positive)."""
         bucket = self._tokens.get(key)
         if bucket is not None and tokens > 0:
             bucket.give(float(tokens), now)

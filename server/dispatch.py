@@ -100,7 +100,7 @@ class RequestRecord:
     model: str
     key: str
     arrival: float
-    reserved_tokens: int
+    reserved_tokens: int  # debited from the key's token bucket (at most a full bucket; 0 without a limit)
     pool: str = "none"
     finished: bool = False
     first_byte_at: float | None = None
@@ -325,7 +325,12 @@ class Dispatcher:
         self, decision: Decision, parsed: ParsedRequest, path: str, rec: RequestRecord, lease: Lease
     ) -> Response:
         headers = upstream_headers(rec.request_id)
-        timeout = self.limits.first_token_timeout_s if parsed.stream else self.limits.total_timeout_s
+        # a stream's first event within first_token_timeout_s of this dispatch; a whole answer within
+        # total_timeout_s of arrival, whatever the queue and earlier attempts took (not afresh per attempt)
+        if parsed.stream:
+            timeout = self.limits.first_token_timeout_s
+        else:
+            timeout = max(0.0, rec.arrival + self.limits.total_timeout_s - self.clock())
         decode = decision.decode
         try:
             with self.timeouts.timeout(timeout, rec.task):  # a plain `with`: nothing to await on entry

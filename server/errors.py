@@ -108,7 +108,10 @@ class GatewayError(Exception):
         return Response(json.dumps(self.body()), self.status, headers, media_type="application/json")
 
 
+STREAM_DONE = b"data: [DONE]\n\n"  # the last event of every OpenAI stream
+
+
 def stream_error_event(message: str, status: int = 500, err_type: str = "InternalServerError") -> bytes:
     """The SSE tail vLLM sends when a stream fails after it began: an error event, then `[DONE]`."""
     payload = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + json.dumps(payload).encode() + b"\n\n" + STREAM_DONE

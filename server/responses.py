@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from scheduler.routing.reasons import Outcome
-from server.errors import stream_error_event
+from server.errors import STREAM_DONE, stream_error_event
 from server.failure import Lease, classify
 from server.footprint import ParsedRequest
 from server.proxy import SseRelay
@@ -39,6 +39,10 @@ def _media_type(content_type: str) -> bytes:
     if content_type.startswith("text/") and "charset=" not in content_type.lower():
         content_type += "; charset=utf-8"  # as Starlette's media_type handling
     return content_type.encode("latin-1")
+
+
+class TotalTimeout(TimeoutError):
+    """The gateway's own `limits.total_timeout_s` ended a stream that was still flowing."""
 
 
 class PassthroughResponse(Response):
@@ -130,10 +134,11 @@ class StreamSession:
             self.lease.on_tokens(self._generated, now)  # renews KV leases; grows `predicted` reservations
         return out
 
-    def _check_total(self) -> None:
-        """After a piece was sent: `total_timeout_s` since arrival ends the stream."""
-        if self._last > self._deadline:
-            raise TimeoutError(f"total timeout {self.d.limits.total_timeout_s:g} s")
+    def _check_total(self, out: bytes) -> None:
+        """After a piece `out` was sent: `total_timeout_s` since arrival ends the stream, unless that piece
+        ended it (`[DONE]` sent: appending an error and a second `[DONE]` failed a completed stream)."""
+        if self._last > self._deadline and not out.endswith(STREAM_DONE):
+            raise TotalTimeout(f"total timeout {self.d.limits.total_timeout_s:g} s")
 
     def _end(self) -> bytes:
         """The stream ended well: the held-back remainder to send; per-request TPOT observed."""
@@ -145,7 +150,15 @@ class StreamSession:
         return tail
 
     def _failed(self, exc: BaseException) -> bytes:
-        """The worker failed after the first byte: the breaker hears of it; the error event to send."""
+        """The stream failed after the first byte: the error event to send. The worker's breaker hears of
+        it unless it was the gateway's own `total_timeout_s` (a long generation streaming steadily is not a
+        broken worker; a silent one is caught by `stall_timeout_s`)."""
+        if isinstance(exc, TotalTimeout):
+            return stream_error_event(
+                f"The request exceeded the gateway's total timeout of {self.d.limits.total_timeout_s:g} s.",
+                504,
+                "GatewayTimeoutError",
+            )
         kind, hard = classify(exc)
         self.d.registry.report_failure(self.lease.decision.decode.id, f"stream_{kind}", hard)
         return stream_error_event(f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError")
@@ -161,7 +174,7 @@ class StreamSession:
                 out = self._step(chunk)
                 if out:
                     yield out
-                    self._check_total()
+                    self._check_total(out)
             tail = self._end()
             if tail:
                 yield tail
@@ -213,8 +226,8 @@ class StreamSession:
                 more = True
             else:
                 more = write(out)
-            if now > deadline:
-                self._check_total()
+            if now > deadline and not last:  # the last piece ends the stream anyway
+                self._check_total(out)
             return more
 
         outcome = Outcome.WORKER_ERROR

@@ -325,8 +325,12 @@ class ConnectionPool:
         origin.waiters.append(fut)
         try:
             async with asyncio.timeout(self.pool_timeout_s):
-                got = await fut
+                return await fut
         except TimeoutError:
+            # The deadline and a hand-over can land in one loop turn: what was handed over is ours (dropping
+            # it lost the slot for good, and with it, at max_per_origin 1, the worker)
+            if fut.done() and not fut.cancelled():
+                return fut.result()
             raise httpx.PoolTimeout(
                 f"no connection to the worker free within {self.pool_timeout_s:g} s"
             ) from None
@@ -338,7 +342,6 @@ class ConnectionPool:
                 else:
                     origin.free_slot()
             raise
-        return got
 
     async def _connect(self, origin: _Origin) -> _Conn:
         loop = asyncio.get_running_loop()

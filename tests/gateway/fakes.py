@@ -17,6 +17,16 @@ import httpx
 
 from server.config import validate_config
 
+
+async def read_raw_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """(head, body) of the next HTTP/1.1 request on a raw connection (a Content-Length body, or none)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lengths = [
+        line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    ]
+    return head, await reader.readexactly(int(lengths[0]) if lengths else 0)
+
+
 METRICS_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{{engine="0",model_name="{model}"}} {running}

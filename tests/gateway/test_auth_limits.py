@@ -1,12 +1,18 @@
-"""API keys, admin keys and per-key token buckets (pure: time is passed in)."""
+"""API keys, admin keys and per-key token buckets (pure: time is passed in), and the buckets as the gateway
+debits and refunds them."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 
+from server.app import create_app
 from server.auth import OPEN_KEY_ID, KeyStore, RateLimiter, TokenBucket, key_id
 from server.config import AuthConfig, RateLimitConfig
 from server.errors import Cause, GatewayError
+from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
 
 
 @pytest.mark.parametrize(
@@ -119,3 +125,36 @@ def test_request_larger_than_the_bucket_is_charged_a_full_bucket() -> None:
     lim.admit("k", 10_000, now=0.0)  # min(10000, 60): never refused forever
     with pytest.raises(GatewayError):
         lim.admit("k", 1, now=0.0)
+
+
+def test_admit_returns_what_it_debited_and_a_refund_never_exceeds_it() -> None:
+    lim = RateLimiter(RateLimitConfig(tokens_per_min=1000))
+    assert RateLimiter(RateLimitConfig(requests_per_s=5)).admit("k", 500, now=0.0) == 0  # no token limit
+    assert lim.admit("k", 300, now=0.0) == 300
+    lim.refund("k", 300 - 200, now=0.0)  # used 200 of 300: the bucket holds 1000 − 300 + 100 = 800
+    charged = lim.admit(
+        "k", 1_000_000, now=12.0
+    )  # a huge max_tokens is charged a full bucket (refilled by 12 s)
+    assert charged == 1000 and lim._tokens["k"].level == 0
+    lim.refund("k", charged - 900, now=12.0)  # it used 900: 100 back, not 1,000,000 − 900
+    with pytest.raises(GatewayError) as err:
+        lim.admit("k", 1_000_000, now=12.0)  # 100 in the bucket, 1000 needed: 900 short at 1000 a minute
+    assert err.value.cause is Cause.TOKEN_RATE_LIMITED and err.value.retry_after_s == pytest.approx(54.0)
+
+
+def test_requests_with_a_huge_max_tokens_are_limited_by_what_they_use() -> None:
+    """Through the gateway: 900 tokens used a request against 1000 a minute lets one through, not all (the
+    refund of reserved − used refilled the bucket after each request, so every one passed)."""
+    worker = FakeWorker("a", usage={"prompt_tokens": 500, "completion_tokens": 400, "total_tokens": 900})
+    cfg = config(pool("p", "L4", "mixed", worker), limits={"rate_limit": {"tokens_per_min": 1000}})
+
+    async def go() -> list[int]:
+        app = create_app(cfg, transport=FakeFleet(worker).transport)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
+        ):
+            body = {"model": "llama-3-8b", "prompt": "hi", "max_tokens": 100_000}
+            return [(await client.post("/v1/completions", json=body)).status_code for _ in range(3)]
+
+    assert asyncio.run(go()) == [200, 429, 429]

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from server import fast_http, runner
+from server.config import validate_config
 from server.fast_http import FastCycle, GatewayHttpProtocol
 from server.runner import RunningGateway, start_gateway_server
-from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+from tests.gateway.fakes import METRICS_TEXT, FakeFleet, FakeWorker, config, pool, read_raw_request
 
 FAST, SLOW = b"/v1/completions", b"/v1/completions?via=uvicorn"
 
@@ -364,8 +365,6 @@ def test_a_stream_from_a_pooled_worker_is_pushed_on_the_fast_cycle_with_the_same
 
 
 def runner_config(time_scale: float, **limits: float) -> Any:
-    from server.config import validate_config
-
     pool = {
         "name": "sim",
         "model": "llama-3-8b",
@@ -378,7 +377,8 @@ def runner_config(time_scale: float, **limits: float) -> Any:
 
 def test_a_pushed_stream_past_the_total_timeout_ends_with_an_error_event() -> None:
     """`total_timeout_s` is checked per relayed read on the pushed path too: the stream ends with
-    OpenAI's error event and [DONE], one worker_error outcome, the worker's request aborted."""
+    OpenAI's error event (504, the gateway's limit) and [DONE], one worker_error outcome, the worker's
+    request aborted and not counted against its breaker."""
 
     async def go() -> None:
         # L4 decode ≈ 66 ms per token; at time scale 5 ≈ 13 ms: 200 tokens would take ≈ 2.6 s
@@ -389,10 +389,77 @@ def test_a_pushed_stream_past_the_total_timeout_ends_with_an_error_event() -> No
             )
             events = [e for e in answer[1].split(b"\n\n") if e]
             assert 3 < len(events) < 100 and events[-1] == b"data: [DONE]"
-            assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == 502
+            error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+            assert (error["code"], error["type"]) == (504, "GatewayTimeoutError")
+            assert "total timeout of 0.4 s" in error["message"]
             assert running.gateway.dispatcher.outcomes == {"worker_error": 1}
+            # the gateway's own limit, not the worker's failure: its breaker hears nothing
+            assert all(r.last_error is None for r in running.gateway.registry.records())
         finally:
             await running.stop()
+
+    run(go)
+
+
+async def _late_done_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A raw vLLM-like worker: /health, /metrics, and a stream whose `[DONE]` (with the terminating chunk,
+    one read) comes 0.6 s after its two tokens."""
+    try:
+        while True:
+            head, body = await read_raw_request(reader)
+            if head.startswith(b"GET /metrics"):
+                text = METRICS_TEXT.format(model="llama-3-8b", running=0).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
+            elif head.startswith(b"GET "):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            else:
+                assert json.loads(body)["stream"] is True
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+                for i in range(2):
+                    event = (
+                        b'data: {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "w%d "}]}\n\n'
+                        % i
+                    )
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await writer.drain()
+                await asyncio.sleep(0.6)
+                done = b"data: [DONE]\n\n"
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+
+
+def test_a_pushed_stream_whose_done_comes_past_the_total_timeout_is_completed_not_failed_twice() -> None:
+    """The read that ends the stream ([DONE]) is the first past `total_timeout_s`: the stream completed, so
+    it is relayed as it is (one [DONE], no error event appended) and counted completed."""
+
+    async def go() -> None:
+        worker = await asyncio.start_server(_late_done_worker, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{worker.sockets[0].getsockname()[1]}"
+        pool_cfg = {
+            "name": "raw",
+            "model": "llama-3-8b",
+            "gpu": "L4",
+            "role": "mixed",
+            "endpoints": {"static": [url]},
+        }
+        cfg = validate_config({"pools": [pool_cfg], "limits": {"total_timeout_s": 0.3}})
+        running = await start_gateway_server(cfg, "127.0.0.1", 0)
+        try:
+            for _ in range(200):  # until the worker was found healthy
+                if running.gateway.readiness()[1]["ready_workers"]["llama-3-8b"]:
+                    break
+                await asyncio.sleep(0.05)
+            (answer,) = await exchange(running, request(FAST, completion(stream=True, max_tokens=2)))
+            assert answer[0].startswith(b"HTTP/1.1 200")
+            events = [e for e in answer[1].split(b"\n\n") if e]
+            assert len(events) == 3 and events[-1] == b"data: [DONE]" and b'"error"' not in answer[1]
+            assert running.gateway.dispatcher.outcomes == {"completed": 1}
+        finally:
+            await running.stop()
+            worker.close()
 
     run(go)
 

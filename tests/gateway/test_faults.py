@@ -428,3 +428,68 @@ def test_a_text_prompt_over_the_context_by_the_estimate_only_goes_to_the_worker(
             assert gw.dispatcher.outcomes == {"completed": 1, "rejected_no_worker": 1}
 
     run(body)
+
+
+class SlowToRefuse(FakeWorker):
+    """Answers its `status` only after `refuse_after_s` (an overloaded worker's late 503)."""
+
+    refuse_after_s: float = 0.3
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/v1/"):
+            await asyncio.sleep(self.refuse_after_s)
+        return await super().handle(request)
+
+
+def test_a_non_streaming_retry_gets_what_is_left_of_the_total_timeout() -> None:
+    """`total_timeout_s` bounds a whole non-streaming request from its arrival: the retry after a late 503
+    (0.3 s) has 0.3 s of a 0.6 s budget left, so a 0.5 s answer times out with 504 at ~0.6 s (each attempt
+    got a fresh 0.6 s: it answered 200 at ~0.8 s)."""
+    a = SlowToRefuse("a", mode="status", status=503)
+    b = FakeWorker("b", whole_delay_s=0.5)
+
+    async def body() -> None:
+        cfg = config(pool("p", "L4", "mixed", a, b), limits={"total_timeout_s": 0.6}, **RR)
+        async with gateway(cfg, FakeFleet(a, b)) as (c, gw):
+            started = asyncio.get_running_loop().time()
+            r = await c.post(CHAT, json=chat("n"))
+            took = asyncio.get_running_loop().time() - started
+            assert (len(a.seen), len(b.seen)) == (1, 1)  # the 503 first, then the retry
+            assert r.status_code == 504 and r.json()["error"]["type"] == "GatewayTimeoutError"
+            assert 0.55 < took < 0.75
+            assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
+
+    run(body)
+
+
+class DoneAfterAPause(FakeWorker):
+    """Streams two tokens, then `[DONE]` (usage included) only after `pause_s`."""
+
+    pause_s: float = 0.5
+
+    async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
+        chunks = [chunk async for chunk in super()._stream(chat, n, usage)]
+        for chunk in chunks[:n]:
+            yield chunk
+        await asyncio.sleep(self.pause_s)
+        yield b"".join(chunks[n:])
+
+
+def test_a_stream_whose_done_comes_past_the_total_timeout_completes_once() -> None:
+    """The piece that ends the stream is the first past `total_timeout_s`: relayed as it is (one [DONE],
+    no error event after it) and counted completed, not worker_error."""
+    a = DoneAfterAPause("a")
+
+    async def body() -> None:
+        async with gateway(
+            config(pool("p", "L4", "mixed", a), limits={"total_timeout_s": 0.3}), FakeFleet(a)
+        ) as (
+            c,
+            gw,
+        ):
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=2))
+            events = sse_events(r.text)
+            assert len(events) == 3 and events[-1] == "[DONE]" and '"error"' not in r.text
+            assert gw.dispatcher.outcomes == {"completed": 1}
+
+    run(body)

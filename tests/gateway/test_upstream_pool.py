@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from server import h1_response
 from server.h1_response import _SIZE, H1Response, _Llhttp
 from server.upstream import ConnectionPool
+from tests.gateway.fakes import read_raw_request
 
 Reply = list[bytes] | Callable[[asyncio.StreamWriter], Awaitable[None]]
 
@@ -57,13 +59,8 @@ class RawServer:
         self._handlers.add(task)
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                self.requests.append(head + await reader.readexactly(length))
+                head, body = await read_raw_request(reader)
+                self.requests.append(head + body)
                 reply = self.replies.pop(0)
                 if callable(reply):
                     await reply(writer)
@@ -304,6 +301,35 @@ def test_a_released_connection_goes_to_a_waiting_request() -> None:
                 assert await first.aread() == b"one"  # read to the end: the connection is handed over
                 second = await waiting
                 assert await second.aread() == b"two" and srv.connections == 1
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_a_hand_over_in_the_same_loop_turn_as_the_pool_deadline_is_used_not_lost() -> None:
+    """A waiter whose pool deadline fires in the loop turn that hands it a slot takes the slot: dropping it
+    left the slot counted with no connection behind it, and at max_per_origin 1 the worker unreachable."""
+
+    async def stall(writer: asyncio.StreamWriter) -> None:  # a stream that never ends
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(3600)
+
+    async def go() -> None:
+        async with RawServer([stall, ok(b"two"), ok(b"three")]) as srv:
+            pool = ConnectionPool(max_per_origin=1, pool_timeout_s=0.5)
+            loop = asyncio.get_running_loop()
+            try:
+                first = await pool.post(srv.url, b"{}", HEADERS)
+                # the holder closes 0.45 s into the wait and the loop is blocked from 0.3 s to 0.7 s, so
+                # the hand-over (0.45) and the waiter's deadline (0.5) run in one turn, in that order
+                loop.call_later(0.45, first.close)
+                loop.call_later(0.3, time.sleep, 0.4)
+                second = await pool.post(srv.url, b"{}", HEADERS)
+                assert await second.aread() == b"two"
+                third = await pool.post(srv.url, b"{}", HEADERS)  # the slot is free again, and reused
+                assert await third.aread() == b"three" and srv.connections == 2
             finally:
                 await pool.aclose()
 
