@@ -113,6 +113,9 @@ async def run_replay_async(
     if not result.records:
         raise ReplayError("no requests to send: the trace (or the --start/--duration window) is empty")
     metrics = compute_metrics(result.records, result.duration_s, req.slo, req.lag_threshold_ms)
+    if metrics.completed == 0 and set(metrics.errors) == {"connect_error"}:
+        # Nothing was measured: say so before --out replaces an earlier run's report with an empty one.
+        raise ReplayError(f"cannot connect to {req.url}: every request failed to connect")
     s = req.schedule
     config = ReplayConfig(
         trace=req.trace,

@@ -31,6 +31,9 @@ from enum import StrEnum
 from placement.profiles import Role
 
 LOAD_TOL = 1e-9  # relative tolerance of the load check (float noise in decimal inputs)
+# The most instances a plan may need even on the fastest option per bucket. The largest fleets are ~1e5
+# GPUs; past this a rate is in the wrong unit, and past ~1e18 the solvers' integer domains overflow.
+MAX_PLAN_INSTANCES = 10_000_000
 
 
 class PlacementError(ValueError):
@@ -163,6 +166,23 @@ def check_problem(problem: MixProblem) -> None:
                 )
             if any(not math.isfinite(r) or r < 0 for r in d.rates):
                 raise PlacementError(f"demand for {d.model}: rates must be finite and ≥ 0")
+        least = _least_instances(problem, window)
+        if least > MAX_PLAN_INSTANCES:
+            raise PlacementError(
+                f"the demand needs at least {least:.3g} instances even all on the fastest GPU type "
+                f"(the planner stops at {MAX_PLAN_INSTANCES:,}): check the request rate's unit (req/s)"
+            )
+
+
+def _least_instances(problem: MixProblem, window: Sequence[Demand]) -> float:
+    """A lower bound on one window's instance count: every bucket on its fastest option (no bucket shares)."""
+    total = 0.0
+    for d in window:
+        for b, rate in enumerate(d.rates):
+            fastest = max((o.rates[b] for o in problem.options if o.model == d.model), default=0.0)
+            if rate > 0 and fastest > 0:  # unservable buckets are reported by serving_paths
+                total += rate / fastest
+    return total
 
 
 def serving_paths(problem: MixProblem) -> tuple[list[Path], list[Unservable]]:

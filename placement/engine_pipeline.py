@@ -193,17 +193,42 @@ def _slices_near(
     todo = [i for i, s in enumerate(whole) if sum(s.values()) < units]
     todo.sort(key=lambda i: -max(coefs[i].values()))
     prefer = {i: sorted(whole[i], key=lambda o: -real[i][o]) for i in todo}
-    steps = 0
+    if not _place_depth_first(todo, whole, prefer, coefs, room, counts, units):
+        return None
+    if any(sum(w.values()) != units for w in whole):  # every bucket whole
+        return None
+    r = EngineResult(Status.OPTIMAL, tuple(counts), tuple(whole), None, None, 0.0, "lp-branch")
+    if _violations(problem, paths, coefs, r):
+        return None
+    cost = sum(problem.option_cost(opt) * n for opt, n in zip(problem.options, counts, strict=True))
+    return replace(r, objective=cost, bound=cost)
 
-    def place(t: int, first: int) -> bool:
-        """Place path todo[t]'s next slice on its options from `first` on (no order is tried twice)."""
-        nonlocal steps
+
+def _place_depth_first(
+    todo: Sequence[int],
+    whole: list[dict[int, float]],
+    prefer: Mapping[int, Sequence[int]],
+    coefs: Sequence[Mapping[int, float]],
+    room: list[float],
+    counts: Sequence[int],
+    units: int,
+) -> bool:
+    """Fill each path in `todo` up to `units` slices in `whole`, depth-first with backtracking.
+
+    Iterative, with the placed slices as the explicit stack: a slice factor of thousands means thousands of
+    levels, past Python's recursion limit. A path's slices go on its options in `prefer` order, never
+    revisiting an earlier option for a later slice (no order is tried twice). At most ROUNDING_STEPS option
+    tries; False when they run out or no placement exists. `whole` and `room` are updated in place.
+    """
+    placed: list[tuple[int, int]] = []  # (position in todo, option index in prefer) of each slice put
+    t, k, steps = 0, 0, 0
+    while True:
+        while t < len(todo) and sum(whole[todo[t]].values()) >= units:
+            t, k = t + 1, 0
         if t == len(todo):
             return True
         i = todo[t]
-        if sum(whole[i].values()) >= units:
-            return place(t + 1, 0)
-        for k in range(first, len(prefer[i])):
+        while k < len(prefer[i]):
             o = prefer[i][k]
             steps += 1
             if steps > ROUNDING_STEPS:
@@ -211,19 +236,17 @@ def _slices_near(
             if room[o] - coefs[i][o] >= -LOAD_TOL * max(1.0, counts[o]):
                 whole[i][o] += 1
                 room[o] -= coefs[i][o]
-                if place(t, k):
-                    return True
-                whole[i][o] -= 1
-                room[o] += coefs[i][o]
-        return False
-
-    if not place(0, 0) or any(sum(w.values()) != units for w in whole):  # every bucket whole
-        return None
-    r = EngineResult(Status.OPTIMAL, tuple(counts), tuple(whole), None, None, 0.0, "lp-branch")
-    if _violations(problem, paths, coefs, r):
-        return None
-    cost = sum(problem.option_cost(opt) * n for opt, n in zip(problem.options, counts, strict=True))
-    return replace(r, objective=cost, bound=cost)
+                placed.append((t, k))
+                break
+            k += 1
+        else:  # no option left for this slice: take back the last slice placed and try its next option
+            if not placed:
+                return False
+            t, k = placed.pop()
+            i, o = todo[t], prefer[todo[t]][k]
+            whole[i][o] -= 1
+            room[o] += coefs[i][o]
+            k += 1
 
 
 def _cp_sat_exact(

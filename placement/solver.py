@@ -58,6 +58,9 @@ class InfeasibleError(PlacementError):
         self.fixes = dict(fixes or {})
 
 
+MAX_TIME_LIMIT_S = 86_400.0  # a day: longer is a typo, and past ~9e15 s SCIP's millisecond limit overflows
+
+
 def default_engine(variant: Variant) -> str:
     """auto: CP-SAT-checked count search for the sliced model, the LP count search (SCIP behind it) else."""
     return "cp-sat" if variant is Variant.SLICED else "lp-branch"
@@ -85,8 +88,10 @@ def solve_mix(
         raise PlacementError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
     if slice_factor < 1:
         raise PlacementError(f"slice factor must be ≥ 1, got {slice_factor}")
-    if time_limit_s <= 0:
-        raise PlacementError(f"time limit must be > 0 s, got {time_limit_s}")
+    if not 0 < time_limit_s <= MAX_TIME_LIMIT_S:  # also refuses NaN; SCIP takes whole milliseconds
+        raise PlacementError(
+            f"time limit must be > 0 s and ≤ {MAX_TIME_LIMIT_S:g} s (a day), got {time_limit_s}"
+        )
     engine = default_engine(variant) if engine == "auto" else engine
     if engine == "cp-sat" and variant is Variant.CONTINUOUS:
         raise PlacementError("CP-SAT has no continuous variables: use engine scip or the sliced variant")

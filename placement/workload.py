@@ -185,6 +185,9 @@ def load_workload(path: str) -> tuple[ModelWorkload, ...]:
     return workload_from_dict(read_structured(path, WorkloadError), path)
 
 
+MAX_WINDOWS = 1_000  # a day in 90 s windows; the plan is one fleet for all, so finer adds rows, not insight
+
+
 def histogram_from_requests(
     requests: Iterable[tuple[float | None, int, int]],
     model: str,
@@ -240,6 +243,11 @@ def histogram_from_requests(
         )
     end = max(span[1], end_s if end_s is not None and math.isfinite(end_s) else -math.inf)
     last = max(counts)
+    if last >= MAX_WINDOWS:  # one solver row per window and option: past this the plan takes hours
+        raise WorkloadError(
+            f"windows of {window_s:g} s cut the trace ({end:g} s) into {last + 1:,} windows, more than "
+            f"{MAX_WINDOWS:,}: use windows of at least {math.ceil(end / MAX_WINDOWS):g} s"
+        )
     windows = []
     for k in range(last + 1):
         if not timed:

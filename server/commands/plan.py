@@ -84,7 +84,9 @@ def _trace_workload(
     except ImportError:  # pragma: no cover - loadgen ships with Mosaic; kept for partial installs
         fail("--trace needs the load generator's trace readers (loadgen), which are not installed")
     catalog = load_catalog()
-    chosen, _ = select_profiles(profiles, slo)
+    chosen, notes = select_profiles(profiles, slo)
+    if not chosen:
+        raise PlacementError(f"no usable profile: {'; '.join(notes) or 'none given'}")
     models = sorted({canonical_model(p.model, catalog) for p in chosen})
     if model is None and len(models) != 1:
         raise PlacementError(f"profiles cover models {models}: say which one the trace is with --model")

@@ -34,6 +34,8 @@ BASE = [
     "40",
 ]
 
+TRACE_A10G = ["plan", *PROFILES, "--gpus", "A10G", "--trace", str(HERE / "azure_small.csv")]
+
 
 @pytest.fixture(scope="module")
 def app() -> typer.Typer:
@@ -131,6 +133,27 @@ def test_what_if_table_over_slos(app: typer.Typer) -> None:
     assert "What if" in table.output
 
 
+def test_a_rate_no_fleet_could_serve_is_one_what_if_row_error(app: typer.Typer) -> None:
+    """rate=1e300 made SCIP print a C error and report a time-out; now the row says the rate is off."""
+    rows = run_json(app, *BASE, "--what-if", "rate=20,1e300")["what_if"]
+    assert [r["status"] for r in rows] == ["optimal", "error"]
+    assert "instances even all on the fastest GPU type" in rows[1]["error"]
+
+
+def test_melange_file_with_an_absurd_rate_exits_2(app: typer.Typer, tmp_path: Path) -> None:
+    """total_request_rate 1e300 raised a TypeError inside CP-SAT (its integer domain overflowed)."""
+    doc = {
+        "gpu_info": {"A10G": {"cost": 1.01, "tputs": [[2, 1], [5, 2]]}},
+        "workload_distribution": [[0.2, 0.1], [0.5, 0.2]],
+        "total_request_rate": 1e300,
+    }
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(doc))
+    result = run(app, "plan", "--melange", str(path))
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: the demand needs at least 4e+299 instances")
+
+
 def test_trace_input_time_varying_and_nodes(app: typer.Typer) -> None:
     args = [
         "plan",
@@ -184,6 +207,30 @@ def test_real_azure_trace(app: typer.Typer, shared_data: Path) -> None:
         pytest.param([*BASE, "--engine", "gurobi"], "unknown engine", id="bad engine"),
         pytest.param(
             [*BASE[:-2], "--slo-tpot-ms", "10"], "no usable profile", id="SLO nothing was profiled at"
+        ),
+        pytest.param(
+            [
+                "plan",
+                *PROFILES,
+                "--gpus",
+                "A10G",
+                "--trace",
+                str(HERE / "azure_small.csv"),
+                "--slo-tpot-ms",
+                "10",
+            ],
+            "no usable profile: llama-3-8b/A100-80GB: no profile at or under TPOT 10 ms",
+            id="trace with an SLO nothing was profiled at",
+        ),
+        pytest.param(
+            [*TRACE_A10G, "--slo-tpot-ms", "40", "--window-s", "0.001"],
+            "into 1,183,016 windows, more than 1,000: use windows of at least 2 s",
+            id="a window so short the plan has a million windows (it ran for hours)",
+        ),
+        pytest.param(
+            [*BASE, "--engine", "scip", "--time-limit", "1e300"],
+            "time limit must be > 0 s and ≤ 86400 s",
+            id="time limit past a day (SCIP's millisecond limit overflowed)",
         ),
         pytest.param(
             ["plan", "--melange", "x.json", "--gpus", "A10G"],

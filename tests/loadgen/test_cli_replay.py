@@ -66,12 +66,16 @@ def test_bad_input_exits_2_with_one_line(worker_url: str, args: list[str], messa
     assert len(lines) == 1 and message in lines[0], res.output  # type: ignore[attr-defined]
 
 
-def test_unreachable_server_exits_2() -> None:
-    res = mosaic(SPEC, "--url", "http://127.0.0.1:9", "--quiet", "--timeout", "5")
+def test_unreachable_server_exits_2_and_keeps_the_earlier_report(tmp_path: Path) -> None:
+    """--out held an earlier run's report: it was replaced by an empty one before the exit 2."""
+    earlier = tmp_path / "report.json"
+    earlier.write_text('{"earlier": true}')
+    res = mosaic(SPEC, "--url", "http://127.0.0.1:9", "--quiet", "--timeout", "5", "--out", str(earlier))
     assert res.exit_code == 2  # type: ignore[attr-defined]
     assert res.stderr.strip().splitlines() == [  # type: ignore[attr-defined]
         "error: cannot connect to http://127.0.0.1:9: every request failed to connect"
     ]
+    assert earlier.read_text() == '{"earlier": true}'
 
 
 @pytest.mark.parametrize(
