@@ -63,7 +63,9 @@ class GpuOffer:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.cost_per_hour) or self.cost_per_hour < 0:
-            raise PlacementError(f"GPU {self.name}: cost_per_hour must be ≥ 0, got {self.cost_per_hour}")
+            raise PlacementError(
+                f"GPU {self.name}: cost_per_hour must be a finite number ≥ 0, got {self.cost_per_hour}"
+            )
         if self.min_gpus < 0 or (self.max_gpus is not None and self.max_gpus < self.min_gpus):
             raise PlacementError(
                 f"GPU {self.name}: need 0 ≤ min_gpus ≤ max_gpus, got {self.min_gpus}, {self.max_gpus}"

@@ -8,7 +8,7 @@ from typing import Any
 
 from placement.binpacking import GpuOffer, PlacementError
 from placement.catalog import Catalog, CatalogError, load_catalog
-from placement.counts import whole_number
+from placement.counts import finite_number, whole_number
 from placement.profiles import read_structured
 
 
@@ -53,7 +53,11 @@ def load_gpu_offers(
             raise PlacementError(f"{origin}: unknown key(s) {extra}; expected 'gpus'")
         source = source["gpus"]
     if isinstance(source, list | tuple):
-        rows: dict[str, Any] = {str(n): {} for n in source}
+        rows: dict[str, Any] = {}
+        for n in source:
+            if str(n) in rows:
+                raise PlacementError(f"{origin}: GPU {n} is given twice")
+            rows[str(n)] = {}
     elif isinstance(source, Mapping):
         rows = dict(source)
     else:
@@ -61,11 +65,17 @@ def load_gpu_offers(
     if not rows:
         raise PlacementError(f"{origin}: no GPU types given")
     offers: dict[str, GpuOffer] = {}
+    given_as: dict[str, str] = {}  # canonical name → the name the user wrote (A100 and A100-80GB are one)
     for raw, row in rows.items():
         row = row or {}
         if not isinstance(row, Mapping) or set(row) - {"cost_per_hour", "min", "max"}:
             raise PlacementError(f"{origin}: GPU {raw}: allowed keys are cost_per_hour, min, max")
         name = canonical_gpu(raw, catalog)
+        if name in given_as:
+            raise PlacementError(
+                f"{origin}: GPU {raw} is given twice (also as {given_as[name]}), both {name}"
+            )
+        given_as[name] = raw
         cost = row.get("cost_per_hour")
         if cost is None:
             try:
@@ -75,12 +85,13 @@ def load_gpu_offers(
                     f"{origin}: GPU {raw} is not in the catalog: give cost_per_hour"
                 ) from None
         where = f"{origin}: GPU {raw}:"
+        cost = finite_number(cost, f"{where} cost_per_hour", 0, PlacementError)
         low = whole_number(row.get("min", 0), f"{where} min", 0, PlacementError)
         high = None if row.get("max") is None else whole_number(row["max"], f"{where} max", 0, PlacementError)
         try:
-            offers[name] = GpuOffer(name, float(cost), low, high)
-        except (TypeError, ValueError) as exc:
-            raise PlacementError(f"{where} {exc}") from None
+            offers[name] = GpuOffer(name, cost, low, high)
+        except PlacementError as exc:  # its message names the GPU already
+            raise PlacementError(f"{origin}: {exc}") from None
     return offers
 
 

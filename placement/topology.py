@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -324,19 +324,25 @@ def _explain(nodes: Sequence[Node], groups: Sequence[Group], require: bool) -> s
 
 
 def nodes_from_dict(
-    data: object, origin: str = "<nodes>", catalog: Catalog | None = None
+    data: object,
+    origin: str = "<nodes>",
+    catalog: Catalog | None = None,
+    known_gpus: Collection[str] = (),
+    strict_gpus: bool = False,
 ) -> tuple[list[Node], int | None, str]:
     """`{nodes: [{name, gpu, gpus, domain, used?}], max_group_gpus?: N, same_domain?: prefer|require}`.
 
     GPU names go through the catalog's canonical names (aliases and case, as --gpus and profiles do);
-    `gpus` (≥ 1), `used` (≥ 0) and `max_group_gpus` (≥ 1) must be whole numbers."""
+    `gpus` (≥ 1), `used` (≥ 0 and ≤ gpus) and `max_group_gpus` (≥ 1) must be whole numbers, node names
+    unique. `strict_gpus`: a GPU neither in the catalog nor in `known_gpus` (the offered types) is refused
+    as a typo; otherwise it is kept, and no instance lands on its nodes. Errors name the file and the node."""
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
         raise TopologyError(f"{origin}: expected a mapping with a non-empty 'nodes' list")
     extra = sorted(set(data) - {"schema", "nodes", "max_group_gpus", "same_domain"})
     if extra:
         raise TopologyError(f"{origin}: unknown key(s) {extra}")
     catalog = catalog or load_catalog()
-    nodes = []
+    nodes: list[Node] = []
     for i, row in enumerate(data["nodes"]):
         if (
             not isinstance(row, dict)
@@ -345,15 +351,20 @@ def nodes_from_dict(
         ):
             raise TopologyError(f"{origin}: nodes[{i}]: needs name, gpu, gpus (and optional domain, used)")
         where = f"{origin}: nodes[{i}]"
-        nodes.append(
-            Node(
-                str(row["name"]),
-                canonical_gpu(str(row["gpu"]), catalog),
-                whole_number(row["gpus"], f"{where}.gpus", 1, TopologyError),
-                str(row.get("domain", "default")),
-                whole_number(row.get("used", 0), f"{where}.used", 0, TopologyError),
+        name = str(row["name"])
+        if any(n.name == name for n in nodes):
+            raise TopologyError(f"{where} ({name}): node names must be unique; {name} is given twice")
+        gpu = canonical_gpu(str(row["gpu"]), catalog)
+        if strict_gpus and gpu not in known_gpus and gpu not in catalog.gpus:
+            offered = ", ".join(sorted(known_gpus)) or "none"
+            raise TopologyError(
+                f"{where} ({name}): GPU {row['gpu']!r} is neither in the catalog nor offered ({offered})"
             )
-        )
+        gpus = whole_number(row["gpus"], f"{where}.gpus", 1, TopologyError)
+        used = whole_number(row.get("used", 0), f"{where}.used", 0, TopologyError)
+        if used > gpus:
+            raise TopologyError(f"{where} ({name}): used ({used}) must be ≤ gpus ({gpus})")
+        nodes.append(Node(name, gpu, gpus, str(row.get("domain", "default")), used))
     same = data.get("same_domain", "prefer")
     if same not in ("prefer", "require"):
         raise TopologyError(f"{origin}: same_domain must be prefer or require, got {same!r}")

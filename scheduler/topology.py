@@ -53,10 +53,7 @@ class Inventory:
 
     @classmethod
     def from_data(cls, data: object, origin: str = "<nodes>") -> Inventory:
-        nodes, cap, same = nodes_from_dict(data, origin)
-        names = [n.name for n in nodes]
-        if len(set(names)) != len(names):
-            raise TopologyError(f"{origin}: node names must be unique")
+        nodes, cap, same = nodes_from_dict(data, origin)  # names unique, 0 ≤ used ≤ gpus
         return cls(tuple(nodes), cap, "require" if same == "require" else "prefer")
 
     def in_catalog_names(self, catalog: Catalog) -> Inventory:

@@ -198,7 +198,11 @@ def run_plan(opts: dict[str, Any]) -> dict[str, Any]:
     if opts["nodes"]:
         catalog = load_catalog(opts["catalog"]) if opts["catalog"] else load_catalog()
         nodes, cap, same = nodes_from_dict(
-            read_structured(opts["nodes"], PlacementError), opts["nodes"], catalog
+            read_structured(opts["nodes"], PlacementError),
+            opts["nodes"],
+            catalog,
+            known_gpus=plan.problem.gpus,
+            strict_gpus=True,  # a node GPU nobody offers and the catalog lacks is a typo
         )
         same_domain: Literal["prefer", "require"] = (
             "require" if (opts["same_domain"] or same) == "require" else "prefer"

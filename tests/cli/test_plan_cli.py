@@ -228,6 +228,16 @@ def test_real_azure_trace(app: typer.Typer, shared_data: Path) -> None:
             id="a window so short the plan has a million windows (it ran for hours)",
         ),
         pytest.param(
+            [*BASE[:3], "--gpus", "A10G,L4,A10G", *BASE[5:]],
+            "--gpus: GPU A10G is given twice",
+            id="--gpus list naming a type twice (merged silently)",
+        ),
+        pytest.param(
+            [*BASE[:3], "--gpus", "A100,A100-80GB", *BASE[5:]],
+            "--gpus: GPU A100-80GB is given twice (also as A100), both A100-80GB",
+            id="--gpus list naming a type by its alias and its name",
+        ),
+        pytest.param(
             [*BASE, "--engine", "scip", "--time-limit", "1e300"],
             "time limit must be > 0 s and ≤ 86400 s",
             id="time limit past a day (SCIP's millisecond limit overflowed)",
@@ -440,6 +450,62 @@ def test_flags_that_do_not_apply_are_refused(app: typer.Typer, args: list[str], 
             "max_group_gpus must be a whole number ≥ 1, got 'abc'",
             id="--nodes max_group_gpus abc",
         ),
+        pytest.param(
+            "gpus.yaml",
+            "gpus:\n  A10G: {cost_per_hour: .inf}\n",
+            "--gpus",
+            "GPU A10G: cost_per_hour must be a finite number ≥ 0, got inf",
+            id="--gpus cost .inf (said ≥ 0, with the GPU named twice)",
+        ),
+        pytest.param(
+            "gpus.yaml",
+            "gpus:\n  A10G: {cost_per_hour: yes}\n",
+            "--gpus",
+            "GPU A10G: cost_per_hour must be a finite number ≥ 0, got True",
+            id="--gpus cost yes (read as $1/h)",
+        ),
+        pytest.param(
+            "gpus.yaml",
+            "gpus:\n  A10G: {cost_per_hour: '2'}\n",
+            "--gpus",
+            "GPU A10G: cost_per_hour must be a finite number ≥ 0, got '2'",
+            id="--gpus cost a string",
+        ),
+        pytest.param(
+            "gpus.yaml",
+            "gpus:\n  A10G: {min: 3, max: 2}\n",
+            "--gpus",
+            "GPU A10G: need 0 ≤ min_gpus ≤ max_gpus, got 3, 2",
+            id="--gpus max under min (the GPU was named twice)",
+        ),
+        pytest.param(
+            "gpus.yaml",
+            "gpus:\n  A100: {}\n  a100-80gb: {}\n",
+            "--gpus",
+            "GPU a100-80gb is given twice (also as A100), both A100-80GB",
+            id="--gpus one type under two names (merged silently)",
+        ),
+        pytest.param(
+            "nodes.yaml",
+            "nodes:\n  - {name: n1, gpu: H900, gpus: 8}\n",
+            "--nodes",
+            "nodes[0] (n1): GPU 'H900' is neither in the catalog nor offered (A100-80GB, A10G, L4)",
+            id="--nodes unknown GPU (accepted, its nodes never used)",
+        ),
+        pytest.param(
+            "nodes.yaml",
+            "nodes:\n  - {name: n1, gpu: A10G, gpus: 4, used: 5}\n",
+            "--nodes",
+            "nodes[0] (n1): used (5) must be ≤ gpus (4)",
+            id="--nodes used over gpus (named neither file nor node)",
+        ),
+        pytest.param(
+            "nodes.yaml",
+            "nodes:\n  - {name: n1, gpu: A10G, gpus: 4}\n  - {name: n1, gpu: L4, gpus: 4}\n",
+            "--nodes",
+            "nodes[1] (n1): node names must be unique; n1 is given twice",
+            id="--nodes duplicate name (named neither file nor node)",
+        ),
     ],
 )
 def test_bad_counts_in_files_exit_2_with_one_line(
@@ -456,7 +522,7 @@ def test_bad_counts_in_files_exit_2_with_one_line(
     result = run(app, *args)
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ") and message in lines[0]
+    assert lines == [f"error: {path}: {message}"]
 
 
 def test_node_inventory_gpu_names_take_aliases_and_case(app: typer.Typer, tmp_path: Path) -> None:
