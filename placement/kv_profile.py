@@ -86,6 +86,8 @@ def kept_tokens(ratio: float, tokens: int, sink: int, window: int) -> int:
 def load_head_profile(path: str | Path) -> HeadProfile:
     """Read a profile from `.npz` (Tangram), `.json` or `.csv`; raises ProfileError naming the file and field."""
     p = Path(path)
+    if p.is_dir():
+        raise ProfileError(f"profile file {p} is a directory")
     if not p.is_file():
         raise ProfileError(f"profile file {p} does not exist")
     loaders = {".npz": _load_npz, ".json": _load_json, ".csv": _load_csv}

@@ -57,7 +57,7 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf or .nan is a typo
 
 
 class ModelConfig(_Strict):
@@ -93,7 +93,8 @@ class KubernetesSource(_Strict):
 class SimulatedSource(_Strict):
     """Simulated vLLM workers started in-process (`simulator.worker_server.start_worker_server`)."""
 
-    replicas: int = Field(default=1, ge=0)
+    # each is an HTTP server in the gateway's process; fleets larger than this are `mosaic simulate`'s job
+    replicas: int = Field(default=1, ge=0, le=256)
     time_scale: float = Field(default=1.0, gt=0)  # X times faster than real time
     seed: int = 0
     kv_link_gbps: float | None = Field(default=None, gt=0)  # P/D transfer link; None → the worker's default

@@ -42,7 +42,12 @@ class FleetConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN interval or rate is a typo
+    # A NaN interval or rate is a typo, and so is `replicas: yes` or a quoted "3" (lax mode reads them as 1, 3).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+# Instances per pool: each is a simulated engine stepped per event, and Kubernetes pools past this are rare.
+MAX_POOL_REPLICAS = 1_000
 
 
 class SloSpec(_Strict):
@@ -75,9 +80,9 @@ class PoolConfig(_Strict):
     role: Literal["prefill", "decode", "mixed"] = "mixed"
     model: str | None = None  # defaults to the fleet's model
     tp: int = Field(default=1, ge=1)
-    replicas: int = Field(default=1, ge=0)
-    min_replicas: int = Field(default=0, ge=0)
-    max_replicas: int = Field(default=64, ge=0)
+    replicas: int = Field(default=1, ge=0, le=MAX_POOL_REPLICAS)
+    min_replicas: int = Field(default=0, ge=0, le=MAX_POOL_REPLICAS)
+    max_replicas: int = Field(default=64, ge=0, le=MAX_POOL_REPLICAS)
     cost_per_hour: float | None = Field(default=None, gt=0)  # per instance; default: catalog $/GPU-h · tp
     domain: str | None = None
 
@@ -85,6 +90,11 @@ class PoolConfig(_Strict):
     def _bounds(self) -> PoolConfig:
         if not self.min_replicas <= self.max_replicas:
             raise ValueError(f"pool {self.name}: min_replicas must be ≤ max_replicas")
+        # Starting under min_replicas is allowed (the policy raises the pool, as an HPA would); over max is not.
+        if self.replicas > self.max_replicas:
+            raise ValueError(
+                f"pool {self.name}: replicas ({self.replicas}) must be ≤ max_replicas ({self.max_replicas})"
+            )
         return self
 
 

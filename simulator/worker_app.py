@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import secrets
 import time
@@ -98,8 +99,10 @@ class WorkerConfig:
     def validate(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if not self.time_scale > 0:
-            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+        if (
+            not 0 < self.time_scale < math.inf
+        ):  # NaN fails both; inf would freeze simulated time at its anchor
+            raise ValueError(f"time_scale must be a finite number > 0, got {self.time_scale}")
         if self.kv_link_gbps <= 0:
             raise ValueError(f"kv_link_gbps must be > 0, got {self.kv_link_gbps}")
         self.faults.validate()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 
@@ -39,8 +40,8 @@ class SimClock:
     __slots__ = ("anchor_sim", "anchor_wall", "time_scale")
 
     def __init__(self, time_scale: float) -> None:
-        if not time_scale > 0:
-            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        if not 0 < time_scale < math.inf:  # NaN fails both; inf would freeze simulated time at its anchor
+            raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
         self.time_scale = time_scale
         self.anchor_sim = 0.0
         self.anchor_wall = time.monotonic()

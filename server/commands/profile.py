@@ -214,6 +214,8 @@ def register(app: typer.Typer) -> None:
             config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         except ValueError as e:
             fail(str(e))
+        if out.suffix.lower() not in (".yaml", ".yml", ".json"):  # the suffix picks the format
+            fail(f"--out {out}: name a .yaml, .yml or .json file (the suffix picks the format)")
         check_output_file(out, "--out")
         plan = ProbePlan(probe_window_s, probe_requests, probe_e2e_factor)
         factory: MeasureFactory

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import typer
 
-from server.commands.common import check_log_level, fail, python_log_level
+from server.commands.common import check_log_level, check_number, fail, python_log_level
 from server.config import ConfigError, MosaicConfig, load_config
 from server.discovery import KubernetesUnavailable
 
@@ -111,8 +111,7 @@ def register(app: typer.Typer) -> None:
             else:
                 from server.embedded import default_config
 
-                if time_scale is not None and not time_scale > 0:
-                    fail(f"--time-scale must be > 0, got {time_scale}")
+                check_number("--time-scale", time_scale)  # finite and > 0
                 cfg = default_config(time_scale=time_scale or 1.0)
         except ConfigError as exc:
             fail(str(exc))

@@ -114,12 +114,15 @@ CASES: list[tuple[str, list[str], str]] = [
     ("profile out is a directory", [*PROFILE, "--out", "DIR"], "--out"),
     ("profile out under /proc", [*PROFILE, "--out", "/proc/p.json"], "--out"),
     ("profile out under a file", [*PROFILE, "--out", "FILE/p.json"], "--out"),
+    ("profile out neither yaml nor json", [*PROFILE, "--out", "DIR/p.txt"], "--out"),
     ("kv-layout alpha nan", [*KV, "--alpha", "nan"], "--alpha"),
     ("kv-layout alpha inf json", [*KV, "--alpha", "inf", "--json"], "--alpha"),
     ("kv-layout time-limit nan", [*KV, "--tp", "2", "--time-limit", "nan"], "--time-limit"),
     ("replay burstiness nan", [*REPLAY, "--burstiness", "nan"], "--burstiness"),
     ("replay start nan", [*REPLAY, "--start", "nan"], "--start"),
     ("replay duration nan", [*REPLAY, "--duration", "nan"], "--duration"),
+    ("serve time-scale inf", ["serve", "--port", "0", "--time-scale", "inf"], "--time-scale"),
+    ("serve time-scale nan", ["serve", "--port", "0", "--time-scale", "nan"], "--time-scale"),
 ]
 
 
@@ -128,7 +131,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     tmp = tmp_path_factory.mktemp("numeric")
     (tmp / "dir").mkdir()
     (tmp / "file").write_text("")
-    subs = {"DIR": str(tmp / "dir"), "FILE/p.json": str(tmp / "file" / "p.json")}
+    subs = {
+        "DIR": str(tmp / "dir"),
+        "FILE/p.json": str(tmp / "file" / "p.json"),
+        "DIR/p.txt": str(tmp / "p.txt"),
+    }
     argvs, outs = [], []
     for case_id, args, _ in CASES:
         argv = [subs.get(a, a) for a in args]

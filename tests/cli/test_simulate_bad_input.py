@@ -134,3 +134,48 @@ def test_bad_policy_parameters_exit_2(policy: str, message: str) -> None:
 def test_good_policy_parameters_run(policy: str) -> None:
     code, output, _ = simulate("--trace", SYNTH, "--fleet", str(FLEET), "--policy", policy, "--json")
     assert code == 0, output
+
+
+POOLS = "pools:\n  - {name: decode-a100, gpu: A100-80GB, role: mixed, %s}\n"
+
+
+@pytest.mark.parametrize(
+    ("pool", "message"),
+    [
+        pytest.param(
+            "replicas: 1000000000, max_replicas: 1000000000",
+            "pools.0.replicas: Input should be less than or equal to 1000",
+            id="a billion replicas (the simulator hung building them)",
+        ),
+        pytest.param(
+            "replicas: 20, max_replicas: 16",
+            "pools.0: Value error, pool decode-a100: replicas (20) must be ≤ max_replicas (16)",
+            id="replicas over max_replicas",
+        ),
+        pytest.param(
+            "replicas: yes", "pools.0.replicas: Input should be a valid integer", id="a boolean read as 1"
+        ),
+        pytest.param(
+            "replicas: '3'", "pools.0.replicas: Input should be a valid integer", id="a quoted count"
+        ),
+        pytest.param(
+            "cost_per_hour: yes",
+            "pools.0.cost_per_hour: Input should be a valid number",
+            id="a boolean price",
+        ),
+    ],
+)
+def test_bad_pool_counts_in_the_fleet_file_exit_2(tmp_path: Path, pool: str, message: str) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(POOLS % pool)
+    code, _, lines = simulate("--trace", SYNTH, "--fleet", str(fleet), "--policy", "fixed")
+    assert code == 2
+    assert lines == [f"error: {fleet}: {message}"]
+
+
+def test_exponents_without_a_dot_are_numbers_in_the_fleet_file(tmp_path: Path) -> None:
+    """YAML 1.1 (PyYAML) reads 1.2e1 as a string; strict fields would refuse it, so the loader reads 1.2 floats."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("cold_start_s: 1.2e1\nkv_link_gbps: 2.5e1\n" + POOLS % "replicas: 1")
+    code, output, _ = simulate("--trace", SYNTH, "--fleet", str(fleet), "--policy", "fixed", "--json")
+    assert code == 0, output

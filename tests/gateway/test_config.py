@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,21 @@ def test_defaults() -> None:
             {"pools": [_pool()], "kv": {"mode": "yolo"}},
             "test: kv.mode: Input should be 'worst_case' or 'predicted'",
             id="kv section validated",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={"simulated": {"replicas": 10**9}})]},
+            "test: pools.0.endpoints.simulated.replicas: Input should be less than or equal to 256",
+            id="a billion simulated workers (serve hung starting them)",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={"simulated": {"time_scale": math.inf}})]},
+            "test: pools.0.endpoints.simulated.time_scale: Input should be a finite number",
+            id="an infinite time scale (froze the simulated clock)",
+        ),
+        pytest.param(
+            {"pools": [_pool()], "scrape": {"interval_s": math.nan}},
+            "test: scrape.interval_s: Input should be a finite number",
+            id="a NaN interval",
         ),
         pytest.param({"pools": []}, "test: pools: List should have at least 1 item", id="no pools"),
         pytest.param(["not", "a", "mapping"], "test: top level must be a mapping", id="not a mapping"),

@@ -91,6 +91,12 @@ def test_bad_profiles_raise_one_line_naming_the_file(name: str, message: str) ->
     assert "\n" not in str(info.value)
 
 
+def test_a_directory_is_named_as_one(tmp_path: Path) -> None:
+    """It said "does not exist" about a folder that plainly does."""
+    with pytest.raises(ProfileError, match=f"^profile file {tmp_path} is a directory$"):
+        load_head_profile(tmp_path)
+
+
 def test_unknown_suffix(tmp_path: Path) -> None:
     f = tmp_path / "p.txt"
     f.write_text("x")
