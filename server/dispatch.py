@@ -336,7 +336,7 @@ class Dispatcher:
             with self.timeouts.timeout(timeout, rec.task):  # a plain `with`: nothing to await on entry
                 params = None
                 if decision.prefill is not None:
-                    params = await self._prefill(decision, parsed, path, headers, lease)
+                    params = await self._prefill(decision, parsed, path, headers, lease, timeout)
                 body = self._decode_body(parsed, params)
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
                 if not parsed.stream:
@@ -393,16 +393,18 @@ class Dispatcher:
         path: str,
         headers: list[tuple[bytes, bytes]],
         lease: Lease,
+        left_s: float,
     ) -> dict[str, Any] | None:
         """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure.
 
-        Bounded by half the first-token budget, so a slow prefill worker leaves the decode worker time to
-        prefill the request itself."""
+        Bounded by half the first-token budget, or half of `left_s` (what is left of the request's own
+        budget) when less, so a slow prefill worker leaves the decode worker time to prefill the request
+        itself, and a time-out during this hop is the prefill worker's, never charged to the decode one."""
         worker = decision.prefill
         assert worker is not None
         ticket = lease.track(worker.id, parsed.prompt_tokens)
         try:
-            budget = self.limits.first_token_timeout_s / 2
+            budget = min(self.limits.first_token_timeout_s, left_s) / 2
             with self.timeouts.timeout(budget):
                 auth = self._worker_auth.get(worker.pool)
                 resp = await self.upstream.post(
@@ -417,9 +419,9 @@ class Dispatcher:
                 finally:
                     await resp.aclose()
             params = json.loads(content).get("kv_transfer_params") if resp.status_code == 200 else None
-            if resp.status_code >= 500 or resp.status_code == 429:
+            if resp.status_code >= 500:
                 self.registry.report_failure(worker.id, f"status_{resp.status_code}")
-            elif resp.status_code == 200:
+            elif resp.status_code in (200, 429):  # 429: busy, not broken (as on the decode hop)
                 self.registry.report_success(worker.id)
         except (httpx.HTTPError, TimeoutError, ValueError, AttributeError) as exc:
             bad_body = isinstance(exc, ValueError | AttributeError) and not isinstance(exc, TimeoutError)

@@ -77,6 +77,7 @@ class _Common(_Lenient):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int | None = 1
+    kv_transfer_params: Any = None  # refused when set: only the gateway may steer a worker's KV transfer
 
 
 class _Chat(_Common):
@@ -170,6 +171,15 @@ def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | No
         req: _Chat | _Completion = (_Chat if kind == "chat" else _Completion).model_validate_json(body)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+    if req.kv_transfer_params is not None:
+        # vLLM's connector fields (do_remote_decode holds KV blocks until an abort timeout, outside the KV
+        # ledger; do_remote_prefill makes the worker pull KV from any remote_host): the gateway sets them
+        # on its own P/D hops and a client's would reach mixed and decode workers as they are.
+        raise GatewayError(
+            Cause.BAD_REQUEST,
+            "'kv_transfer_params' is set by the gateway for prefill/decode disaggregation; clients may not send it",
+            param="kv_transfer_params",
+        )
     n = req.n if req.n and req.n > 0 else 1
     token_ids: list[int] | None = None
     text: str | None = None

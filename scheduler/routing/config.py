@@ -24,6 +24,7 @@ enabled scorer is refused. Reserve plugins are live objects (the KV ledger), pas
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -92,7 +93,7 @@ class RoutingConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite weight overflowed routing
 
 
 class PluginSpec(_Strict):
@@ -188,8 +189,8 @@ def profile_weights(config: RoutingConfig, scorer_names: Sequence[str], profile:
                 raise RoutingConfigError(
                     f"{source}.{name}: not an enabled scorer; scorers: {', '.join(scorer_names) or 'none'}"
                 )
-            if w < 0:
-                raise RoutingConfigError(f"{source}.{name}: weight must be ≥ 0, got {w}")
+            if not 0 <= w < math.inf:  # NaN fails both
+                raise RoutingConfigError(f"{source}.{name}: weight must be a finite number ≥ 0, got {w}")
     missing = [n for n in scorer_names if n not in merged]
     if missing:
         raise RoutingConfigError(

@@ -30,15 +30,15 @@ import functools
 import math
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from scheduler.fleet import WorkerState, WorkerView
-from scheduler.routing.framework import CapacityBound, Cycle, FitChecker
+from scheduler.routing.framework import CapacityBound, Cycle, FitChecker, PluginParams
 from scheduler.routing.reasons import KV_EXCEEDS_FACT, FilterReason
 
 
-class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class NoParams(PluginParams):
+    """No parameters: any key is refused."""
 
 
 class ModelFilter:
@@ -129,17 +129,30 @@ class ContextLengthFilter:
             return None
         if req.prompt_tokens_floor is None or not _fits(req.prompt_tokens_floor, worker):
             return FilterReason.EXCEEDS_CONTEXT
-        # Over by the estimate, not by the floor: pass only if no worker of the model fits the estimate
-        # (computed once per cycle, and only on this rare path).
-        some_fit = cycle.facts.get(_ESTIMATE_FITS_SOMEWHERE)
+        # Over by the estimate, not by the floor: pass only if no worker that could take the request now
+        # fits the estimate (a down, draining, excluded or wrong-role one that would fit must not turn this
+        # one away). Computed once per cycle and profile (P/D runs two), only on this rare path.
+        key = f"{_ESTIMATE_FITS_SOMEWHERE}.{'+'.join(sorted(cycle.roles))}"
+        some_fit = cycle.facts.get(key)
         if some_fit is None:
-            some_fit = cycle.facts[_ESTIMATE_FITS_SOMEWHERE] = any(
-                w.model == req.model and _fits(longest, w) for w in cycle.view.workers
+            some_fit = cycle.facts[key] = any(
+                _could_serve(cycle, w) and _fits(longest, w) for w in cycle.view.workers
             )
         return FilterReason.EXCEEDS_CONTEXT if some_fit else None
 
 
 _ESTIMATE_FITS_SOMEWHERE = "context-length.estimate_fits_somewhere"
+
+
+def _could_serve(cycle: Cycle, worker: WorkerView) -> bool:
+    """The model, role, state, breaker and exclusion filters would pass `worker` in this cycle."""
+    return (
+        worker.model == cycle.req.model
+        and worker.role in cycle.roles
+        and worker.state not in _STATE_REASONS
+        and not worker.breaker_open
+        and worker.id not in cycle.exclude
+    )
 
 
 def _fits(prompt_tokens: int, worker: WorkerView) -> bool:
@@ -153,8 +166,7 @@ def _fits(prompt_tokens: int, worker: WorkerView) -> bool:
     return -(-tokens // block) <= total  # ceil(tokens / block_size) blocks
 
 
-class AtCapacityParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class AtCapacityParams(PluginParams):
     # limit = ceil(max_num_seqs · inflight_factor): >1 lets a short queue form on the worker so its next
     # batch is ready; beyond it requests wait in the gateway's admission queue, where routing is still free.
     inflight_factor: float = Field(default=1.5, gt=0)
@@ -174,8 +186,7 @@ class AtCapacityFilter:
         return FilterReason.AT_CAPACITY if worker.demand >= self.limit(worker) else None
 
 
-class KvFitParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class KvFitParams(PluginParams):
     # Scraped-usage fallback (no ledger): keep this fraction as the ceiling so a burst between scrapes
     # does not push the worker into preemption.
     max_usage: float = Field(default=0.98, gt=0, le=1)

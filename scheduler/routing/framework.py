@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from pydantic import BaseModel, ConfigDict
+
 from scheduler.fleet import FleetView, Role, WorkerView
 from scheduler.routing.reasons import KV_EXCEEDS_FACT, FilterReason, Outcome, Reject
 
@@ -88,6 +90,13 @@ class RouteRequest:
 
 # ---------------------------------------------------------------------------------------------------
 # Extension points: one Protocol, one method each.
+
+
+class PluginParams(BaseModel):
+    """A plugin's `params:` block. Unknown keys are typos; `.inf` and `.nan` are too (an infinite factor
+    or weight overflowed `ceil`/`round` on every request, a NaN one silently disabled its check)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Reservation(Protocol):

@@ -15,16 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict
-
 from scheduler.fleet import WorkerView
-from scheduler.routing.framework import Cycle, Scored
+from scheduler.routing.framework import Cycle, PluginParams, Scored
 
 _TIE = 1e-9
 
 
-class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class NoParams(PluginParams):
+    """No parameters: any key is refused."""
 
 
 class MaxScorePicker:

@@ -31,16 +31,16 @@ import math
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from scheduler.fleet import WorkerView
-from scheduler.routing.framework import Cycle, Decision, RouteRequest
+from scheduler.routing.framework import Cycle, Decision, PluginParams, RouteRequest
 from scheduler.routing.prefix import PrefixIndex
 from scheduler.routing.reasons import Outcome
 
 
-class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class NoParams(PluginParams):
+    """No parameters: any key is refused."""
 
 
 def ratio_to_best(values: Sequence[float]) -> list[float]:
@@ -142,8 +142,7 @@ class KvHeadroomScorer:
         return out
 
 
-class PrefixAffinityParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class PrefixAffinityParams(PluginParams):
     lru_blocks: int = Field(default=65536, ge=1)  # block hashes remembered per worker
     # Load escape: no affinity for a worker whose L_w exceeds load_escape × the least loaded candidate's,
     # so a popular prefix cannot pile every request onto one worker (llm-d's prefix scorer has no escape;

@@ -292,6 +292,49 @@ def test_pd_falls_back_to_decode_only(mode: str) -> None:
     run(body)
 
 
+def test_a_busy_prefill_worker_is_not_ejected() -> None:
+    """A 429 on the prefill hop counted as a breaker failure (on the decode hop it is busy, not broken):
+    three in a row opened the breaker of a worker that was merely full."""
+    p, d = FakeWorker("p", mode="status", status=429), FakeWorker("d")
+    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            for i in range(4):
+                r = await c.post(CHAT, json=chat(LONG_PROMPT + str(i)))
+                assert r.status_code == 200
+            prefill = gw.registry.get("prefill/p:8000")
+            assert prefill is not None and prefill.breaker.failures == 0
+            assert not prefill.breaker.is_open(gw.clock()) and len(p.seen) == 4  # still routed to
+            assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b") == 4
+
+    run(body)
+
+
+def test_a_total_timeout_during_the_prefill_hop_is_not_the_decode_workers() -> None:
+    """With less of total_timeout_s left than half the first-token budget, the request's own timeout fired
+    during the prefill hop and was charged to the decode worker, which never saw the request (504, a breaker
+    failure, excluded). The hop now gets half of what is left, so the decode worker serves the rest."""
+    p, d = FakeWorker("p", mode="stall"), FakeWorker("d")
+    cfg = config(
+        pool("prefill", "H100", "prefill", p),
+        pool("decode", "A100", "decode", d),
+        limits={"first_token_timeout_s": 4.0, "total_timeout_s": 0.6},
+    )
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            r = await c.post(CHAT, json=chat(LONG_PROMPT))
+            assert r.status_code == 200, r.text
+            assert len(d.seen) == 1 and "kv_transfer_params" not in d.seen[0]
+            decode, prefill = gw.registry.get("decode/d:8000"), gw.registry.get("prefill/p:8000")
+            assert decode is not None and decode.breaker.failures == 0
+            assert prefill is not None and prefill.breaker.failures == 1
+            assert metric(gw, "mosaic_upstream_errors_total", worker="decode/d:8000", kind="timeout") == 0
+
+    run(body)
+
+
 def test_concurrent_faults_every_request_one_outcome() -> None:
     """Mixed failures under concurrency: every request gets exactly one terminal outcome; none hangs."""
     ok = FakeWorker("ok", chunk_delay_s=0.01)

@@ -174,6 +174,24 @@ def test_prompt_over_context_is_400_even_when_streaming(gw: GatewayThread) -> No
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("content", ["Hello!", LONG], ids=["mixed", "pd"])
+def test_a_client_may_not_steer_kv_transfers(client: openai.OpenAI, content: str) -> None:
+    """kv_transfer_params reached mixed and decode workers as sent: a client could make a worker hold KV
+    blocks outside the ledger (do_remote_decode) or pull KV from any host (do_remote_prefill)."""
+    params = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 5600}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=_ask(content), max_tokens=2, extra_body={"kv_transfer_params": params}
+        )
+    assert err.value.body == {
+        "message": "'kv_transfer_params' is set by the gateway for prefill/decode disaggregation; "
+        "clients may not send it",
+        "type": "BadRequestError",
+        "param": "kv_transfer_params",
+        "code": 400,
+    }
+
+
 @pytest.mark.parametrize(
     ("content_type", "status"),
     [

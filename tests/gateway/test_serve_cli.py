@@ -28,7 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
             ["--config", "/nonexistent/mosaic.yaml"], "cannot read config file", id="missing config file"
         ),
         pytest.param(["--port", "70000"], "--port must be in 0..65535", id="port out of range"),
-        pytest.param(["--time-scale", "0"], "--time-scale must be a finite number > 0, got 0", id="time scale not positive"),
+        pytest.param(
+            ["--time-scale", "0"],
+            "--time-scale must be a finite number > 0, got 0",
+            id="time scale not positive",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -52,8 +53,23 @@ from tests.scheduler.routing.builders import req, view, worker
         ),
         pytest.param(
             {"profiles": {"prefill": {"weights": {"cost": -1}}}},
-            "routing.profiles.prefill.weights.cost: weight must be ≥ 0",
+            "routing.profiles.prefill.weights.cost: weight must be a finite number ≥ 0",
             id="negative weight",
+        ),
+        pytest.param(
+            {"weights": {"cost": math.inf}},
+            "routing.weights.cost: Input should be a finite number",
+            id="infinite weight (every route raised OverflowError: a 500)",
+        ),
+        pytest.param(
+            {"profiles": {"decode": {"weights": {"cost": math.nan}}}},
+            "routing.profiles.decode.weights.cost: Input should be a finite number",
+            id="NaN weight (silently disabled the scorer)",
+        ),
+        pytest.param(
+            {"plugins": [{"type": "at-capacity", "params": {"inflight_factor": math.inf}}]},
+            "routing.plugins[0] (at-capacity).params.inflight_factor: Input should be a finite number",
+            id="infinite plugin param (every request raised OverflowError)",
         ),
         pytest.param(
             {"profiles": {"decode": {"picker": "best"}}},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 
@@ -198,3 +199,27 @@ def test_an_estimated_prompt_length_steers_but_refuses_only_on_its_floor(
     cycle.profile = profile(picker=None)
     flt = f.ContextLengthFilter()
     assert {w.id: flt.filter(cycle, w) for w in workers} == expected
+
+
+def _long(**kw: Any) -> WorkerView:
+    return worker("long", capacity=LONG.capacity, **kw)
+
+
+@pytest.mark.parametrize(
+    ("long", "exclude", "roles"),
+    [
+        pytest.param(_long(state="unhealthy"), frozenset(), frozenset(Role), id="unhealthy"),
+        pytest.param(_long(state="draining"), frozenset(), frozenset(Role), id="draining"),
+        pytest.param(_long(breaker=True), frozenset(), frozenset(Role), id="breaker open"),
+        pytest.param(_long(), frozenset({"long"}), frozenset(Role), id="excluded after a failed attempt"),
+        pytest.param(_long(role="prefill"), frozenset(), frozenset({Role.MIXED}), id="a role this profile skips"),
+    ],
+)  # fmt: skip
+def test_a_worker_that_cannot_serve_does_not_turn_the_estimate_away(
+    long: WorkerView, exclude: frozenset[str], roles: frozenset[Role]
+) -> None:
+    """A long-context worker that fits the estimate but cannot take the request now made the short one
+    refuse it as exceeds_context: the request waited or was refused instead of reaching a worker."""
+    cycle = Cycle(_estimated(8250, 4125), view(SHORT, long), 0.0, random.Random(0), exclude, ())
+    cycle.profile = profile(roles=roles, picker=None)
+    assert f.ContextLengthFilter().filter(cycle, SHORT) is None
