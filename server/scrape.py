@@ -25,6 +25,7 @@ exposition is mostly histogram buckets), which makes a scrape several times chea
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -120,7 +121,9 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
                     block_size = int(float(sample.labels["block_size"]))
                 continue
             hit = _SAMPLES.get(sample.name)
-            if hit is None:
+            if hit is None or not math.isfinite(sample.value):
+                # a NaN usage ranked the worker best (every comparison with it fails); a NaN count raised
+                # in round(): an unusable sample is a missing one
                 continue
             key, is_legacy = hit
             if key == "kv_usage":

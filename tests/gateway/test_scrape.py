@@ -66,6 +66,20 @@ def test_usage_is_plain_mean_without_block_counts() -> None:
     assert parse_vllm_metrics(text).kv_usage == pytest.approx(0.4)  # (0.2 + 0.6) / 2
 
 
+def test_non_finite_samples_read_as_missing() -> None:
+    """A NaN kv_cache_usage_perc made the worker look emptiest to every scorer; a NaN gauge raised in round()."""
+    text = (
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} NaN\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} +Inf\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3\n'
+    )
+    s = parse_vllm_metrics(text)
+    assert (s.kv_usage, s.num_running, s.num_waiting) == (None, None, 3)
+
+
 def test_unrelated_exposition_gives_empty_stats() -> None:
     assert parse_vllm_metrics("# TYPE up gauge\nup 1\n") == WorkerStats()
 
