@@ -41,7 +41,6 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import anyio
@@ -58,7 +57,7 @@ from server.auth import RateLimiter
 from server.config import ConfigError, MosaicConfig
 from server.deadlines import TaskTimeouts
 from server.errors import Cause, GatewayError
-from server.failure import DisconnectWatch, Lease, RelayResponse, UpstreamFailure, classify
+from server.failure import DisconnectWatch, GatewayOutcome, Lease, RelayResponse, UpstreamFailure, classify
 from server.footprint import ParsedRequest, route_request
 from server.h1_response import H1Response
 from server.metrics import GatewayMetrics
@@ -76,12 +75,6 @@ from server.responses import PassthroughResponse, StreamSession, relay_headers
 from server.upstream import UpstreamResponse
 
 log = logging.getLogger("mosaic.dispatch")
-
-
-class GatewayOutcome(StrEnum):
-    """Terminal outcomes the gateway records beyond the router's `Outcome` (metrics, /admin, logs)."""
-
-    WORKER_REJECTED = "worker_rejected"  # the worker answered 4xx (bad request, context too long, ...)
 
 
 # finish()'s metric children: requests, outcomes, rejections (None without a reason), e2e (None unless 200),

@@ -27,6 +27,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from types import TracebackType
 from typing import Any
 
@@ -39,6 +40,13 @@ from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome
 from server.fast_http import FastCycle
 from server.registry import InflightTicket, Registry
+
+
+class GatewayOutcome(StrEnum):
+    """Terminal outcomes the gateway records beyond the router's `Outcome` (metrics, /admin, logs)."""
+
+    WORKER_REJECTED = "worker_rejected"  # the worker answered 4xx (bad request, context too long, ...)
+    TIMED_OUT = "timed_out"  # the gateway's total_timeout_s ended a stream after its first byte
 
 
 @dataclass(slots=True)

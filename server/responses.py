@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from scheduler.routing.reasons import Outcome
 from server.errors import STREAM_DONE, stream_error_event
-from server.failure import Lease, classify
+from server.failure import GatewayOutcome, Lease, classify
 from server.footprint import ParsedRequest
 from server.proxy import SseRelay
 from server.upstream import H1Response, UpstreamResponse
@@ -163,9 +163,14 @@ class StreamSession:
         self.d.registry.report_failure(self.lease.decision.decode.id, f"stream_{kind}", hard)
         return stream_error_event(f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError")
 
+    @staticmethod
+    def _failure_outcome(exc: BaseException) -> Outcome | GatewayOutcome:
+        """The gateway's own total_timeout_s is `timed_out`, not a worker error (`_failed` spares the breaker)."""
+        return GatewayOutcome.TIMED_OUT if isinstance(exc, TotalTimeout) else Outcome.WORKER_ERROR
+
     # ------------------------------------------------------------------ the two ways
     async def body(self) -> AsyncIterator[bytes]:
-        outcome = Outcome.WORKER_ERROR
+        outcome: Outcome | GatewayOutcome = Outcome.WORKER_ERROR
         try:
             out = self._begin()
             if out:
@@ -181,7 +186,7 @@ class StreamSession:
             outcome = Outcome.COMPLETED
         except (httpx.HTTPError, TimeoutError) as exc:
             yield self._failed(exc)
-            outcome = Outcome.WORKER_ERROR
+            outcome = self._failure_outcome(exc)
         except BaseException:
             outcome = Outcome.CLIENT_DISCONNECTED
             raise
@@ -230,7 +235,7 @@ class StreamSession:
                 self._check_total(out)
             return more
 
-        outcome = Outcome.WORKER_ERROR
+        outcome: Outcome | GatewayOutcome = Outcome.WORKER_ERROR
         try:
             out = self._begin()
             if resp.ended:  # the whole stream came with the first read
@@ -244,7 +249,7 @@ class StreamSession:
         except (httpx.HTTPError, TimeoutError) as exc:
             write(pending)
             last = self._failed(exc)
-            outcome = Outcome.WORKER_ERROR
+            outcome = self._failure_outcome(exc)
         except BaseException:
             outcome = Outcome.CLIENT_DISCONNECTED
             raise
@@ -256,7 +261,7 @@ class StreamSession:
         """Called by the response however it ends; a no-op after the body's own close."""
         await self._close(Outcome.CLIENT_DISCONNECTED)
 
-    async def _close(self, outcome: Outcome) -> None:
+    async def _close(self, outcome: Outcome | GatewayOutcome) -> None:
         if self.closed:
             return
         self.closed = True
@@ -270,5 +275,8 @@ class StreamSession:
                 with anyio.CancelScope(shield=True):
                     await resp.aclose()
         finally:
-            self.lease.release(outcome)
+            # The router hears a timed-out stream as a hang-up: the worker built the prompt's KV, as for a
+            # client that left mid-stream (prefix affinity keeps it).
+            timed_out = outcome is GatewayOutcome.TIMED_OUT
+            self.lease.release(Outcome.CLIENT_DISCONNECTED if timed_out else outcome)  # type: ignore[arg-type]
             self.d.finish(self.rec, 200, outcome, self.relay.usage)

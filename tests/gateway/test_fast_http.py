@@ -377,8 +377,8 @@ def runner_config(time_scale: float, **limits: float) -> Any:
 
 def test_a_pushed_stream_past_the_total_timeout_ends_with_an_error_event() -> None:
     """`total_timeout_s` is checked per relayed read on the pushed path too: the stream ends with
-    OpenAI's error event (504, the gateway's limit) and [DONE], one worker_error outcome, the worker's
-    request aborted and not counted against its breaker."""
+    OpenAI's error event (504, the gateway's limit) and [DONE], one timed_out outcome (it was counted a
+    worker_error), the worker's request aborted and not counted against its breaker."""
 
     async def go() -> None:
         # L4 decode ≈ 66 ms per token; at time scale 5 ≈ 13 ms: 200 tokens would take ≈ 2.6 s
@@ -392,7 +392,7 @@ def test_a_pushed_stream_past_the_total_timeout_ends_with_an_error_event() -> No
             error = json.loads(events[-2].removeprefix(b"data: "))["error"]
             assert (error["code"], error["type"]) == (504, "GatewayTimeoutError")
             assert "total timeout of 0.4 s" in error["message"]
-            assert running.gateway.dispatcher.outcomes == {"worker_error": 1}
+            assert running.gateway.dispatcher.outcomes == {"timed_out": 1}
             # the gateway's own limit, not the worker's failure: its breaker hears nothing
             assert all(r.last_error is None for r in running.gateway.registry.records())
         finally:

@@ -536,3 +536,23 @@ def test_a_stream_whose_done_comes_past_the_total_timeout_completes_once() -> No
             assert gw.dispatcher.outcomes == {"completed": 1}
 
     run(body)
+
+
+def test_a_stream_cut_by_the_total_timeout_is_timed_out_not_a_worker_error() -> None:
+    """The relayed stream (not the pushed one) past `total_timeout_s`: a 504 error event, then [DONE], one
+    `timed_out` outcome (it was `worker_error`), and the steadily streaming worker keeps a clean breaker."""
+    a = FakeWorker("a", tokens=40, chunk_delay_s=0.02)
+
+    async def body() -> None:
+        async with gateway(
+            config(pool("p", "L4", "mixed", a), limits={"total_timeout_s": 0.3}), FakeFleet(a)
+        ) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=40))
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 504
+            assert gw.dispatcher.outcomes == {"timed_out": 1}
+            assert metric(gw, "mosaic_request_outcomes_total", model="llama-3-8b", outcome="timed_out") == 1
+            worker = gw.registry.get("p/a:8000")
+            assert worker is not None and worker.breaker.failures == 0
+
+    run(body)
