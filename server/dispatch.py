@@ -57,7 +57,15 @@ from server.auth import RateLimiter
 from server.config import ConfigError, MosaicConfig
 from server.deadlines import TaskTimeouts
 from server.errors import Cause, GatewayError
-from server.failure import DisconnectWatch, GatewayOutcome, Lease, RelayResponse, UpstreamFailure, classify
+from server.failure import (
+    SHUTDOWN_MESSAGE,
+    DisconnectWatch,
+    GatewayOutcome,
+    Lease,
+    RelayResponse,
+    UpstreamFailure,
+    classify,
+)
 from server.footprint import ParsedRequest, route_request
 from server.h1_response import H1Response
 from server.metrics import GatewayMetrics
@@ -149,6 +157,8 @@ class Dispatcher:
         self.timeouts = TaskTimeouts(period=min(1.0, shortest / 8))  # no timer handle per request
         self.rng = random.Random(config.routing.seed)
         self.outcomes: dict[str, int] = {}  # terminal outcomes by name (tests and /admin read it)
+        self.open: dict[int, RequestRecord] = {}  # id → a request `handle` took and `finish` has not closed
+        self._stopped: set[asyncio.Task[Any]] = set()  # tasks `stop_requests` cancelled for shutdown
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._finish_children: dict[tuple[str, str, int, str, str | None], _OutcomeChildren] = {}
         self._worker_auth = worker_auth_headers(config)
@@ -172,16 +182,22 @@ class Dispatcher:
         response starts (started only after `WATCH_AFTER_S`, so fast requests create no extra task)."""
         task = rec.task = asyncio.current_task()
         assert task is not None
+        self.open[id(rec)] = rec
         watch = DisconnectWatch(receive, task)
         watch.arm(WATCH_AFTER_S)
         try:
             return await self._serve(parsed, path, rec)
         except asyncio.CancelledError:
-            if not watch.disconnected:
-                raise  # shutdown or an outer timeout: not ours to swallow
-            task.uncancel()
-            self.finish(rec, CLIENT_CLOSED_STATUS, Outcome.CLIENT_DISCONNECTED)
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+            if watch.disconnected:
+                task.uncancel()
+                self.finish(rec, CLIENT_CLOSED_STATUS, Outcome.CLIENT_DISCONNECTED)
+                return Response(status_code=CLIENT_CLOSED_STATUS)
+            if task not in self._stopped:
+                raise  # an outer timeout or uvicorn's own cancel: not ours to swallow
+            task.uncancel()  # ended for shutdown before its response began: 503, as a new request gets
+            err = GatewayError(Cause.SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry_after_s=1)
+            self.finish(rec, err.status, None, reason=err.cause.value)
+            return err.to_response(rec.request_id)
         except GatewayError as exc:
             self.finish(rec, exc.status, None, reason=exc.cause.value)
             return exc.to_response(rec.request_id)
@@ -205,6 +221,7 @@ class Dispatcher:
         if rec.finished:
             return
         rec.finished = True
+        self.open.pop(id(rec), None)
         name = outcome.value if outcome is not None else f"rejected_{reason or status}"
         key = (rec.model, rec.pool, status, name, reason)
         children = self._finish_children.get(key)
@@ -248,6 +265,26 @@ class Dispatcher:
             child(m.prompt_tokens, model),
             child(m.generation_tokens, model),
         )
+
+    # ------------------------------------------------------------------ shutdown
+    def stop_requests(self, queued_only: bool = False) -> int:
+        """End open requests for shutdown (`Gateway.begin_shutdown`): each one's task is cancelled and
+        answers 503 (before its response began) or ends its stream with an error event and `[DONE]`
+        (`RelayResponse`), its outcome recorded. `queued_only`: only those still waiting for admission,
+        sent nowhere yet. Returns how many were stopped."""
+        stopped = 0
+        for rec in list(self.open.values()):
+            task = rec.task
+            if task is None or task.done() or task in self._stopped or (queued_only and rec.pool != "none"):
+                continue
+            self._stopped.add(task)
+            task.cancel()
+            stopped += 1
+        return stopped
+
+    def stopped(self, task: asyncio.Task[Any]) -> bool:
+        """`task` was ended by `stop_requests` (its cancellation is the gateway's shutdown, not a client's)."""
+        return task in self._stopped
 
     # ------------------------------------------------------------------ routing + retries
     def _route(self, rreq: RouteRequest, exclude: set[str]) -> Decision | Reject:
@@ -480,4 +517,5 @@ class Dispatcher:
             session.close,
             relay_headers(rec.request_id, resp.headers.get("content-type", "text/event-stream")),
             push=session.push if session.can_push() else None,
+            stopped=self.stopped,
         )

@@ -38,8 +38,12 @@ from starlette.types import Receive, Scope, Send
 
 from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome
+from server.errors import stream_error_event
 from server.fast_http import FastCycle
 from server.registry import InflightTicket, Registry
+
+SHUTDOWN_MESSAGE = "The gateway is shutting down; retry on another replica."
+SHUTDOWN_EVENT = stream_error_event(SHUTDOWN_MESSAGE, 503, "ServiceUnavailableError")
 
 
 class GatewayOutcome(StrEnum):
@@ -47,6 +51,7 @@ class GatewayOutcome(StrEnum):
 
     WORKER_REJECTED = "worker_rejected"  # the worker answered 4xx (bad request, context too long, ...)
     TIMED_OUT = "timed_out"  # the gateway's total_timeout_s ended a stream after its first byte
+    SHUT_DOWN = "shut_down"  # still running when the shutdown grace ran out: the gateway ended it (503)
 
 
 @dataclass(slots=True)
@@ -207,6 +212,7 @@ class RelayResponse(StreamingResponse):
         raw_headers: list[tuple[bytes, bytes]],
         status_code: int = 200,
         push: Callable[[FastCycle], Awaitable[bytes]] | None = None,
+        stopped: Callable[[asyncio.Task[Any]], bool] | None = None,
     ) -> None:
         # Headers come ready-made (`server.responses.relay_headers`): Starlette's `init_headers` would
         # encode and scan a header dict per stream.
@@ -216,6 +222,7 @@ class RelayResponse(StreamingResponse):
         self.raw_headers = raw_headers
         self._on_close = on_close
         self._push = push
+        self._stopped = stopped  # the gateway ended this task for shutdown (`Dispatcher.stop_requests`)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -238,9 +245,14 @@ class RelayResponse(StreamingResponse):
             exhausted = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
         except asyncio.CancelledError:
-            if not watch.disconnected:
+            if watch.disconnected:
+                task.uncancel()  # the client left: nothing to send, nothing to propagate
+            elif self._stopped is not None and self._stopped(task):
+                # the shutdown grace ran out: end the stream as vLLM ends a failed one, not cut mid-way
+                task.uncancel()
+                await send({"type": "http.response.body", "body": SHUTDOWN_EVENT, "more_body": False})
+            else:
                 raise
-            task.uncancel()  # the client left: nothing to send, nothing to propagate
         finally:
             watch.done = True
             watch.stop()

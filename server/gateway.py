@@ -15,6 +15,7 @@ optionally batch-plans its waiters (`server.kv_admission.KvQueuePolicy`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -45,6 +46,8 @@ from server.metrics import GatewayMetrics
 from server.proxy import Upstream
 from server.registry import PoolInfo, Registry
 
+SHUTDOWN_MARGIN_S = 0.5  # in-flight requests are ended this long before the shutdown grace runs out
+
 log = logging.getLogger("mosaic.gateway")
 
 
@@ -66,6 +69,7 @@ class Gateway:
         self.clock = clock
         self.started_at = int(time.time())
         self.draining = False
+        self._shutdown_timer: asyncio.TimerHandle | None = None
         self.metrics = GatewayMetrics()
         self.keys = KeyStore(config.auth)
         self.limiter = RateLimiter(config.limits.rate_limit)
@@ -220,7 +224,24 @@ class Gateway:
         if self.autoscaler is not None:
             self.autoscaler.start()
 
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Stop taking work (idempotent). New requests get 503 (`draining`); those still waiting in the
+        admission queue get 503 now (they were sent nowhere; the client retries on another replica); what
+        is still running when `grace_s` (less a margin) has passed is ended by the gateway: 503 before its
+        response began, an error event and `[DONE]` after. Without this, uvicorn's graceful-shutdown
+        timeout cancelled them into a plain-text 500, or a stream cut without `[DONE]`."""
+        self.draining = True
+        if self._shutdown_timer is not None:
+            return
+        self.dispatcher.stop_requests(queued_only=True)
+        margin = min(SHUTDOWN_MARGIN_S, grace_s / 2)  # uvicorn cancels at ceil(grace_s) + 0.1 s
+        self._shutdown_timer = asyncio.get_running_loop().call_later(
+            max(0.0, grace_s - margin), self.dispatcher.stop_requests
+        )
+
     async def stop(self) -> None:
+        if self._shutdown_timer is not None:
+            self._shutdown_timer.cancel()
         if self.autoscaler is not None:
             await self.autoscaler.stop()
         await self.registry.stop()

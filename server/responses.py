@@ -15,6 +15,7 @@ is dropped, which aborts the request in the worker), the lease, and the request'
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -188,7 +189,7 @@ class StreamSession:
             yield self._failed(exc)
             outcome = self._failure_outcome(exc)
         except BaseException:
-            outcome = Outcome.CLIENT_DISCONNECTED
+            outcome = self._cancelled_outcome()
             raise
         finally:
             await self._close(outcome)
@@ -251,7 +252,7 @@ class StreamSession:
             last = self._failed(exc)
             outcome = self._failure_outcome(exc)
         except BaseException:
-            outcome = Outcome.CLIENT_DISCONNECTED
+            outcome = self._cancelled_outcome()
             raise
         finally:
             await self._close(outcome)
@@ -259,7 +260,14 @@ class StreamSession:
 
     async def close(self) -> None:
         """Called by the response however it ends; a no-op after the body's own close."""
-        await self._close(Outcome.CLIENT_DISCONNECTED)
+        await self._close(self._cancelled_outcome())
+
+    def _cancelled_outcome(self) -> Outcome | GatewayOutcome:
+        """A stream cut short by cancellation: the gateway's shutdown (`Dispatcher.stop_requests`, the
+        response then sends the error event) or the client leaving."""
+        task = asyncio.current_task()
+        stopped = task is not None and self.d.stopped(task)
+        return GatewayOutcome.SHUT_DOWN if stopped else Outcome.CLIENT_DISCONNECTED
 
     async def _close(self, outcome: Outcome | GatewayOutcome) -> None:
         if self.closed:
@@ -275,8 +283,8 @@ class StreamSession:
                 with anyio.CancelScope(shield=True):
                     await resp.aclose()
         finally:
-            # The router hears a timed-out stream as a hang-up: the worker built the prompt's KV, as for a
-            # client that left mid-stream (prefix affinity keeps it).
-            timed_out = outcome is GatewayOutcome.TIMED_OUT
-            self.lease.release(Outcome.CLIENT_DISCONNECTED if timed_out else outcome)  # type: ignore[arg-type]
+            # The router hears a stream the gateway cut (time-out, shutdown) as a hang-up: the worker built
+            # the prompt's KV, as for a client that left mid-stream (prefix affinity keeps it).
+            cut = outcome in (GatewayOutcome.TIMED_OUT, GatewayOutcome.SHUT_DOWN)
+            self.lease.release(Outcome.CLIENT_DISCONNECTED if cut else outcome)  # type: ignore[arg-type]
             self.d.finish(self.rec, 200, outcome, self.relay.usage)

@@ -5,9 +5,11 @@
     await running.stop()                    # graceful: drains in-flight requests (limits.shutdown_grace_s)
 
 Graceful shutdown: on SIGTERM/SIGINT (when `install_signals`) or `stop()`, the gateway is marked
-draining first (new requests → 503, `/ready` → 503 so load balancers stop sending), uvicorn stops
-accepting connections and waits up to `limits.shutdown_grace_s` for in-flight requests — streams
-included — to finish, then the lifespan stops discovery, scraping and simulated workers.
+draining first (new requests → 503, `/ready` → 503 so load balancers stop sending) and requests still
+waiting in the admission queue get 503; uvicorn stops accepting connections and waits up to
+`limits.shutdown_grace_s` for in-flight requests — streams included — to finish. Half a second before
+that runs out the gateway ends what is left itself (`Gateway.begin_shutdown`: 503 in OpenAI's shape, or an
+error event and `[DONE]`), then the lifespan stops discovery, scraping and simulated workers.
 """
 
 from __future__ import annotations
@@ -54,13 +56,19 @@ def http_protocol() -> Any:
 
 
 class _GatewayServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gateway: Gateway, install_signals: bool) -> None:
+    def __init__(
+        self, config: uvicorn.Config, gateway: Gateway, install_signals: bool, grace_s: float
+    ) -> None:
         super().__init__(config)
         self.gateway = gateway
         self._install_signals = install_signals
+        self.grace_s = grace_s
+        self._loop = asyncio.get_running_loop()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.gateway.draining = True  # refuse new work before uvicorn starts draining connections
+        # a signal handler runs between two bytecodes of whatever the loop was doing: schedule, don't act
+        self._loop.call_soon_threadsafe(self.gateway.begin_shutdown, self.grace_s)
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -91,7 +99,7 @@ class RunningGateway:
 
     async def stop(self) -> None:
         """Drain and stop; idempotent."""
-        self.gateway.draining = True
+        self.gateway.begin_shutdown(self.server.grace_s)
         self.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
@@ -128,6 +136,6 @@ async def start_gateway_server(
         backlog=4096,
         http=http_protocol(),
     )
-    server = _GatewayServer(uv, app.state.gateway, install_signals)
+    server = _GatewayServer(uv, app.state.gateway, install_signals, config.limits.shutdown_grace_s)
     task = await serve_until_started(server, sock, "gateway")
     return RunningGateway(app, host, bound, server, task)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import json
+import threading
 import time
 from typing import Any
 
@@ -145,3 +146,49 @@ def test_graceful_shutdown_drains_an_open_stream() -> None:
         assert events[-1] == "data: [DONE]" and len(events) == 61  # all 60 tokens, then [DONE]
         stopping.result(20)
         assert gw.gateway.dispatcher.outcomes == {"completed": 1}
+
+
+def test_shutdown_ends_what_outlives_the_grace_in_openai_shape() -> None:
+    """One worker with max_num_seqs 1 (at-capacity lets 2 in flight): a stream and a non-streaming request
+    run, a third waits in the admission queue. On stop the queued one gets 503 at once; when the 1 s grace
+    (less its margin) runs out, the gateway ends the other two itself: 503 JSON before the response began,
+    an error event and [DONE] for the stream. uvicorn's own time-out cancelled them into plain-text 500s."""
+    cfg = _config(replicas=1, limits={"shutdown_grace_s": 1, "queue_deadline_s": 60})
+    cfg = cfg.model_copy(update={"pools": [cfg.pools[0].model_copy(update={"max_num_seqs": 1})]})
+    with GatewayThread(cfg) as gw, httpx.Client(base_url=gw.url, timeout=30) as http:
+        outcomes: dict[str, Any] = {}
+
+        def whole(name: str) -> None:
+            outcomes[name] = http.post("/v1/completions", json=_body(300, stream=False))
+
+        with http.stream("POST", "/v1/completions", json=_body(300, stream=True)) as r:
+            lines = r.iter_lines()
+            assert next(e for e in lines if e).startswith("data: {")
+            running = threading.Thread(target=whole, args=("running",))
+            running.start()
+            time.sleep(0.3)
+            queued = threading.Thread(target=whole, args=("queued",))
+            queued.start()
+            time.sleep(0.3)
+            assert gw.gateway.admission.depths() == {MODEL: 1}
+            assert gw.running is not None
+            started = time.monotonic()
+            stopping = asyncio.run_coroutine_threadsafe(gw.running.stop(), gw.loop)
+            queued.join(5)
+            assert time.monotonic() - started < 0.4  # refused at once, not at the end of the grace
+            rest = [e for e in lines if e]
+        running.join(5)
+        stopping.result(10)
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["error"] == {
+            "message": "The gateway is shutting down; retry on another replica.",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
+        for name in ("queued", "running"):
+            answer = outcomes[name]
+            assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+            assert answer.json()["error"]["type"] == "ServiceUnavailableError"
+        assert gw.gateway.dispatcher.outcomes == {"shut_down": 1, "rejected_shutting_down": 2}
+        assert not gw.gateway.dispatcher.open
