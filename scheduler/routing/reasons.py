@@ -133,7 +133,8 @@ class Reject:
         cls, counts: Mapping[FilterReason, int], details: Mapping[str, Any] | None = None
     ) -> Reject:
         """Summarise per-reason counts; `wrong_model` is left out of the summary when other reasons exist
-        (workers of other models are not news), and an empty tally means an empty fleet. `details` is
+        (workers of other models are not news), `wrong_role` is the primary reason only when no other is,
+        and an empty tally means an empty fleet. `details` is
         kept as is (the kv-fit filter's `KV_EXCEEDS_FACT`, read by `error_body`)."""
         tally = {FilterReason(r): n for r, n in counts.items() if n > 0}
         shown: dict[FilterReason, int] = {
@@ -144,7 +145,10 @@ class Reject:
             return cls(
                 "no worker fits: no workers", {}, rule.retry_after_s, rule.retryable, FilterReason.NO_WORKERS
             )
-        primary = _primary(shown)
+        # Workers of a role the profile does not use are the reason only when nothing else is: a P/D
+        # fleet's prefill workers outnumbering the decode workers that refuse a prompt over the context
+        # made the answer a 503 no_worker_for_role, not the 400 context_length_exceeded.
+        primary = _primary({r: n for r, n in shown.items() if r is not FilterReason.WRONG_ROLE} or shown)
         rule = REJECT_TABLE[primary]
         ordered = sorted(shown.items(), key=lambda kv: (-kv[1], _ORDER[kv[0]]))
         summary = "no worker fits: " + ", ".join(f"{n} {r.value}" for r, n in ordered)

@@ -106,6 +106,14 @@ def test_decode_pool_at_zero_holds_pd_requests_for_it():
     assert isinstance(short, Reject) and short.retryable and short.primary is FilterReason.EMPTY_POOL
 
 
+def test_a_prompt_over_every_decode_context_is_a_400_however_many_prefill_workers():
+    """Two prefill workers (wrong_role for the decode pass) outnumbered the decode worker refusing the
+    prompt as too long: the client got 503 no_worker_for_role instead of 400 context_length_exceeded."""
+    result = route(view(P, worker("p2", gpu="H100-SXM", role="prefill"), D), 10**6)
+    assert isinstance(result, Reject) and result.primary is FilterReason.EXCEEDS_CONTEXT
+    assert (result.http_status, result.error_body(MODEL)["error"]["code"]) == (400, "context_length_exceeded")
+
+
 def test_without_configured_pools_a_missing_role_is_still_final():
     result = route(view(P), 2048)
     assert isinstance(result, Reject)

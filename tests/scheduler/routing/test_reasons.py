@@ -66,6 +66,12 @@ def test_each_row_is_a_consistent_openai_error(reason: FilterReason):
             id="equal counts break by table order",
         ),
         pytest.param(
+            {FilterReason.WRONG_ROLE: 3, FilterReason.EXCEEDS_CONTEXT: 1},
+            "no worker fits: 3 wrong_role, 1 exceeds_context",
+            FilterReason.EXCEEDS_CONTEXT,
+            id="workers of an unused role are the reason only when nothing else is (was wrong_role: a 503)",
+        ),
+        pytest.param(
             {}, "no worker fits: no workers", FilterReason.NO_WORKERS, id="empty fleet → no_workers"
         ),
     ],
