@@ -1,4 +1,5 @@
-"""`mosaic worker`: one simulated vLLM worker (OpenAI API + /metrics) for a GPU type and model.
+"""`mosaic worker`: one simulated vLLM worker (OpenAI API + /metrics) for a GPU type and model, or with
+`--engine vllm` a real `vllm serve` started with the same flags (`server/vllm_worker.py`).
 
     mosaic worker --gpu H100 --model llama-3-8b --port 8001 --time-scale 10
 
@@ -6,8 +7,7 @@ The engine flags keep vLLM's names (`--max-num-seqs`, `--max-num-batched-tokens`
 `--gpu-memory-utilization`, `--num-gpu-blocks` = vLLM's --num-gpu-blocks-override, `--max-model-len`).
 Port 0 picks a free port; the line printed at start names the URL. SIGINT/SIGTERM stop it.
 
-The worker is the simulator today; `serve_simulated` is one backend so that a later `--engine vllm`
-(launching a real vLLM server with the same flags) can sit beside it.
+`serve_simulated` is the simulated backend; `--engine vllm` hands the flags to a real vLLM instead.
 """
 
 from __future__ import annotations
