@@ -261,7 +261,9 @@ class Dispatcher:
             child(m.requests, model, pool, str(status)),
             child(m.outcomes, model, name),
             child(m.rejections, reason) if reason is not None else None,
-            child(m.e2e, model, pool) if status == 200 else None,
+            # completed requests only: a stream cut short (worker error, time-out, hang-up) also had status
+            # 200, and its truncated time skewed the latency histogram low
+            child(m.e2e, model, pool) if name == Outcome.COMPLETED.value else None,
             child(m.prompt_tokens, model),
             child(m.generation_tokens, model),
         )

@@ -13,7 +13,7 @@ nothing per request.
 | mosaic_time_to_first_token_seconds | histogram | model, pool (arrival → first streamed event relayed) |
 | mosaic_inter_token_latency_seconds | histogram | model, pool (gap between relayed stream events) |
 | mosaic_time_per_output_token_seconds | histogram | model, pool (per completed stream of n ≥ 2 tokens: (e2e − TTFT) / (n − 1), as vLLM and the load generator) |
-| mosaic_e2e_request_latency_seconds | histogram | model, pool (arrival → last byte) |
+| mosaic_e2e_request_latency_seconds | histogram | model, pool (arrival → last byte, completed requests only) |
 | mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
 | mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |
 | mosaic_retries_total | counter | model, reason (connect, timeout, status_429, status_503, ...) |
