@@ -232,8 +232,12 @@ class AdmissionQueue(Generic[D]):
                         else self._deadline_s,
                     )
                 tried_just_now = False
+                # asyncio.timeout, not wait_for: on 3.11 wait_for returns the inner result and drops a
+                # cancellation that lands while the event is being set (a notify on every lease release),
+                # so a disconnect or the shutdown's cancel of a queued request was lost under load
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waiter.event.wait(), min(remaining, self._poll_s))
+                    async with asyncio.timeout(min(remaining, self._poll_s)):
+                        await waiter.event.wait()
         finally:
             if waiter in q:
                 was_head = q[0] is waiter

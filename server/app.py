@@ -44,7 +44,7 @@ from scheduler.routing.framework import ReservePlugin
 from server.config import MosaicConfig
 from server.discovery import Source
 from server.dispatch import CLIENT_CLOSED_STATUS, RequestRecord
-from server.errors import Cause, GatewayError
+from server.errors import Cause, GatewayError, shutting_down
 from server.footprint import Kind, parse_request
 from server.gateway import Gateway
 from server.metrics import CONTENT_TYPE
@@ -236,11 +236,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
         model = "unknown"
         try:
             if gw.draining:
-                raise GatewayError(
-                    Cause.SHUTTING_DOWN,
-                    "The gateway is shutting down; retry on another replica.",
-                    retry_after_s=1,
-                )
+                raise shutting_down()
             key = gw.keys.authenticate(authorization)
             # as vLLM refuses it (the body is forwarded as JSON, so a text/plain one would have been served)
             if not is_json_media_type(content_type):

@@ -39,6 +39,7 @@ import logging
 import os
 import random
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,9 +57,8 @@ from server.admission import AdmissionQueue
 from server.auth import RateLimiter
 from server.config import ConfigError, MosaicConfig
 from server.deadlines import TaskTimeouts
-from server.errors import Cause, GatewayError
+from server.errors import Cause, GatewayError, shutting_down
 from server.failure import (
-    SHUTDOWN_MESSAGE,
     DisconnectWatch,
     GatewayOutcome,
     Lease,
@@ -158,7 +158,9 @@ class Dispatcher:
         self.rng = random.Random(config.routing.seed)
         self.outcomes: dict[str, int] = {}  # terminal outcomes by name (tests and /admin read it)
         self.open: dict[int, RequestRecord] = {}  # id → a request `handle` took and `finish` has not closed
-        self._stopped: set[asyncio.Task[Any]] = set()  # tasks `stop_requests` cancelled for shutdown
+        # tasks `stop_requests` cancelled for shutdown (weak: a finished one is not kept)
+        self._stopped: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+        self.draining = False  # set by `stop_requests`: a request reaching `handle` from now on gets 503
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._finish_children: dict[tuple[str, str, int, str, str | None], _OutcomeChildren] = {}
         self._worker_auth = worker_auth_headers(config)
@@ -182,6 +184,8 @@ class Dispatcher:
         response starts (started only after `WATCH_AFTER_S`, so fast requests create no extra task)."""
         task = rec.task = asyncio.current_task()
         assert task is not None
+        if self.draining:  # its body was still arriving when the shutdown began: sent nowhere, so refuse
+            return self._shut_out(rec)
         self.open[id(rec)] = rec
         watch = DisconnectWatch(receive, task)
         watch.arm(WATCH_AFTER_S)
@@ -193,11 +197,12 @@ class Dispatcher:
                 self.finish(rec, CLIENT_CLOSED_STATUS, Outcome.CLIENT_DISCONNECTED)
                 return Response(status_code=CLIENT_CLOSED_STATUS)
             if task not in self._stopped:
-                raise  # an outer timeout or uvicorn's own cancel: not ours to swallow
+                # uvicorn's own cancel at the end of its graceful shutdown: not ours to swallow (it answers
+                # 500), but the request still ends in one recorded outcome
+                self.finish(rec, 500, GatewayOutcome.SHUT_DOWN)
+                raise
             task.uncancel()  # ended for shutdown before its response began: 503, as a new request gets
-            err = GatewayError(Cause.SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry_after_s=1)
-            self.finish(rec, err.status, None, reason=err.cause.value)
-            return err.to_response(rec.request_id)
+            return self._shut_out(rec)
         except GatewayError as exc:
             self.finish(rec, exc.status, None, reason=exc.cause.value)
             return exc.to_response(rec.request_id)
@@ -273,16 +278,27 @@ class Dispatcher:
         """End open requests for shutdown (`Gateway.begin_shutdown`): each one's task is cancelled and
         answers 503 (before its response began) or ends its stream with an error event and `[DONE]`
         (`RelayResponse`), its outcome recorded. `queued_only`: only those still waiting for admission,
-        sent nowhere yet. Returns how many were stopped."""
+        sent nowhere yet. From the first call on, a request reaching `handle` gets 503. Returns how many
+        were stopped."""
+        self.draining = True
         stopped = 0
         for rec in list(self.open.values()):
             task = rec.task
-            if task is None or task.done() or task in self._stopped or (queued_only and rec.pool != "none"):
+            if task is None or task.done() or (queued_only and rec.pool != "none"):
                 continue
+            if queued_only and task in self._stopped:
+                continue
+            # the last pass cancels every open request again: a cancel can be lost on its way (a 3.11
+            # `asyncio.wait_for` whose inner future completed in the same turn returns instead of raising)
             self._stopped.add(task)
             task.cancel()
             stopped += 1
         return stopped
+
+    def _shut_out(self, rec: RequestRecord) -> Response:
+        err = shutting_down()
+        self.finish(rec, err.status, None, reason=err.cause.value)
+        return err.to_response(rec.request_id)
 
     def stopped(self, task: asyncio.Task[Any]) -> bool:
         """`task` was ended by `stop_requests` (its cancellation is the gateway's shutdown, not a client's)."""
@@ -364,11 +380,14 @@ class Dispatcher:
         else:
             timeout = max(0.0, rec.arrival + self.limits.total_timeout_s - self.clock())
         decode = decision.decode
+        waiting_on = decode
         try:
             with self.timeouts.timeout(timeout, rec.task):  # a plain `with`: nothing to await on entry
                 params = None
                 if decision.prefill is not None:
+                    waiting_on = decision.prefill  # whose hop a time-out now ends
                     params = await self._prefill(decision, parsed, path, headers, lease, timeout)
+                waiting_on = decode
                 body = self._decode_body(parsed, params)
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
                 if not parsed.stream:
@@ -405,7 +424,9 @@ class Dispatcher:
                     raise
         except (httpx.HTTPError, TimeoutError) as exc:
             kind, hard = classify(exc)
-            raise UpstreamFailure(decode.id, kind, hard) from None
+            # The request's own time-out can fire during the prefill hop (both blocks expire in one sweep of
+            # `TaskTimeouts`, every up to 1 s): that is the prefill worker's slowness, not the decode one's.
+            raise UpstreamFailure(waiting_on.id, kind, hard) from None
         self.registry.report_success(decode.id)
         lease.first_token()
         return self._stream(resp, chunks, first, parsed, rec, lease)

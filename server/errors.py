@@ -109,6 +109,12 @@ class GatewayError(Exception):
 
 
 STREAM_DONE = b"data: [DONE]\n\n"  # the last event of every OpenAI stream
+SHUTDOWN_MESSAGE = "The gateway is shutting down; retry on another replica."
+
+
+def shutting_down() -> GatewayError:
+    """The 503 a request gets once the gateway shuts down: new, still queued, or running past the grace."""
+    return GatewayError(Cause.SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry_after_s=1)
 
 
 def stream_error_event(message: str, status: int = 500, err_type: str = "InternalServerError") -> bytes:

@@ -24,6 +24,7 @@ away (used before the response starts, and by `RelayResponse` while streaming).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -38,12 +39,12 @@ from starlette.types import Receive, Scope, Send
 
 from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome
-from server.errors import stream_error_event
+from server.errors import SHUTDOWN_MESSAGE, shutting_down, stream_error_event
 from server.fast_http import FastCycle
 from server.registry import InflightTicket, Registry
 
-SHUTDOWN_MESSAGE = "The gateway is shutting down; retry on another replica."
 SHUTDOWN_EVENT = stream_error_event(SHUTDOWN_MESSAGE, 503, "ServiceUnavailableError")
+SHUTDOWN_SEND_S = 0.25  # the longest a stream's last event waits on a full client socket at shutdown
 
 
 class GatewayOutcome(StrEnum):
@@ -230,10 +231,12 @@ class RelayResponse(StreamingResponse):
         watch = DisconnectWatch(receive, task)
         watch.start()
         exhausted = False  # the body iterator ran to its end (and ran its own clean-up)
+        started = False  # the start message went out: a stream's error must be an event, not a status
         try:
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
+            started = True
             cycle = getattr(send, "__self__", None)
             last = b""
             if self._push is not None and isinstance(cycle, FastCycle):
@@ -248,9 +251,12 @@ class RelayResponse(StreamingResponse):
             if watch.disconnected:
                 task.uncancel()  # the client left: nothing to send, nothing to propagate
             elif self._stopped is not None and self._stopped(task):
-                # the shutdown grace ran out: end the stream as vLLM ends a failed one, not cut mid-way
+                # the shutdown grace ran out: end the stream as vLLM ends a failed one, not cut mid-way;
+                # bounded, so a client that stopped reading cannot hold the task until uvicorn's own cancel
                 task.uncancel()
-                await send({"type": "http.response.body", "body": SHUTDOWN_EVENT, "more_body": False})
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(SHUTDOWN_SEND_S):
+                        await self._send_shutdown(scope, receive, send, started)
             else:
                 raise
         finally:
@@ -264,6 +270,12 @@ class RelayResponse(StreamingResponse):
                     if aclose is not None:
                         await aclose()  # finalises a generator left suspended at a yield
                     await self._on_close()
+
+    async def _send_shutdown(self, scope: Scope, receive: Receive, send: Send, started: bool) -> None:
+        if not started:  # cancelled while the start message waited: the whole answer is the 503
+            await shutting_down().to_response()(scope, receive, send)
+        else:
+            await send({"type": "http.response.body", "body": SHUTDOWN_EVENT, "more_body": False})
 
 
 class DisconnectWatch:

@@ -335,6 +335,29 @@ def test_a_total_timeout_during_the_prefill_hop_is_not_the_decode_workers() -> N
     run(body)
 
 
+def test_a_total_timeout_swept_with_the_prefill_hops_blames_the_prefill_worker() -> None:
+    """Time-outs are swept periodically (up to every 1 s): the prefill hop's and the request's own can
+    expire in one sweep, and the request's then surfaces from inside the prefill hop. It was charged to the
+    decode worker, which never received the request."""
+    p, d = FakeWorker("p", mode="stall"), FakeWorker("d")
+    cfg = config(
+        pool("prefill", "H100", "prefill", p),
+        pool("decode", "A100", "decode", d),
+        limits={"first_token_timeout_s": 4.0, "total_timeout_s": 0.6, "max_retries": 0},
+    )
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            gw.dispatcher.timeouts.period = 1.0  # one sweep finds both blocks expired
+            r = await c.post(CHAT, json=chat(LONG_PROMPT))
+            assert r.status_code == 504 and d.seen == []
+            decode, prefill = gw.registry.get("decode/d:8000"), gw.registry.get("prefill/p:8000")
+            assert decode is not None and decode.breaker.failures == 0
+            assert prefill is not None and prefill.breaker.failures == 1
+
+    run(body)
+
+
 def test_concurrent_faults_every_request_one_outcome() -> None:
     """Mixed failures under concurrency: every request gets exactly one terminal outcome; none hangs."""
     ok = FakeWorker("ok", chunk_delay_s=0.01)

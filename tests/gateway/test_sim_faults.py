@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import json
+import socket
 import threading
 import time
 from typing import Any
@@ -192,3 +193,69 @@ def test_shutdown_ends_what_outlives_the_grace_in_openai_shape() -> None:
             assert answer.json()["error"]["type"] == "ServiceUnavailableError"
         assert gw.gateway.dispatcher.outcomes == {"shut_down": 1, "rejected_shutting_down": 2}
         assert not gw.gateway.dispatcher.open
+
+
+def test_a_body_still_arriving_at_shutdown_is_refused_not_sent_to_a_worker() -> None:
+    """The draining check ran before the body was read: a request mid-upload at SIGTERM was routed to a
+    worker once its body arrived, then ended at the end of the grace (or by uvicorn, a plain-text 500)."""
+    with GatewayThread(_config(replicas=1, limits={"shutdown_grace_s": 2})) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        body = json.dumps(_body(2000, stream=False)).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body[:10])
+            time.sleep(0.2)
+            assert gw.running is not None
+            stopping = asyncio.run_coroutine_threadsafe(gw.running.stop(), gw.loop)
+            time.sleep(0.3)
+            sent = time.monotonic()
+            s.sendall(body[10:])
+            s.settimeout(5)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+            took = time.monotonic() - sent
+        stopping.result(10)
+        status, _, payload = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 503") and took < 0.5
+        assert json.loads(payload)["error"]["type"] == "ServiceUnavailableError"
+        assert gw.gateway.dispatcher.outcomes == {"rejected_shutting_down": 1}
+        engines = [w.runtime.engine for w in _source(gw).workers.values()]
+        assert all(e.counters.steps == 0 for e in engines)  # no worker ever saw it
+
+
+def test_a_queued_request_is_refused_even_when_a_wake_up_meets_the_cancel() -> None:
+    """A lease release wakes the queue's head in the same loop turn as the shutdown's cancel: on 3.11
+    `asyncio.wait_for` returned the wake-up and dropped the cancel, so the queued request waited out the
+    whole grace (and was cancelled by uvicorn, logged as exceeding the graceful shutdown)."""
+    cfg = _config(replicas=1, limits={"shutdown_grace_s": 3, "queue_deadline_s": 60})
+    cfg = cfg.model_copy(update={"pools": [cfg.pools[0].model_copy(update={"max_num_seqs": 1})]})
+    with GatewayThread(cfg) as gw, httpx.Client(base_url=gw.url, timeout=30) as http:
+        answers: dict[int, tuple[int, float]] = {}
+        started = time.monotonic()
+
+        def whole(i: int) -> None:
+            r = http.post("/v1/completions", json=_body(400, stream=False))
+            answers[i] = (r.status_code, time.monotonic() - started)
+
+        threads = [threading.Thread(target=whole, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        assert gw.gateway.admission.depths() == {MODEL: 1}  # two on the worker, one queued
+
+        def wake_then_shut_down() -> None:
+            gw.gateway.admission.notify(MODEL)
+            gw.gateway.begin_shutdown(3.0)
+
+        shut_at = time.monotonic() - started
+        gw.loop.call_soon_threadsafe(wake_then_shut_down)
+        time.sleep(0.3)
+        assert gw.gateway.admission.depths() == {MODEL: 0}
+        assert gw.running is not None
+        asyncio.run_coroutine_threadsafe(gw.running.stop(), gw.loop).result(10)
+        for t in threads:
+            t.join(10)
+        queued = answers[2]
+        assert queued[0] == 503 and queued[1] - shut_at < 0.3
+        assert gw.gateway.dispatcher.outcomes == {"rejected_shutting_down": 3}
