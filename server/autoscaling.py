@@ -212,8 +212,9 @@ class AutoscalerController:
 
     async def _until_next_cycle(self) -> None:
         """One interval, or less when `wake()` is called (not sooner than `WAKE_GAP_S` after the last cycle)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
+        with contextlib.suppress(TimeoutError):  # asyncio.timeout: 3.11's wait_for can drop a stop's cancel
+            async with asyncio.timeout(self.settings.interval_s):
+                await self._wake.wait()
         if self._wake.is_set() and self._last_cycle is not None:
             await asyncio.sleep(max(0.0, self._last_cycle + WAKE_GAP_S - self.clock()))
         self._wake.clear()

@@ -186,8 +186,9 @@ class EngineDriver:
         delay = self.clock.wall_at(sim_t) - time.monotonic()
         self._wake.clear()
         if delay > 0:
-            try:
-                await asyncio.wait_for(self._wake.wait(), delay)
+            try:  # asyncio.timeout: 3.11's wait_for drops a stop's cancel that meets a submit's wake-up
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
             except TimeoutError:
                 return max(sim_t, self.clock.now())
         else:
