@@ -46,6 +46,7 @@ from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import RouteRequest
 from scheduler.routing.prefix import block_hashes, text_block_hashes
 from server.errors import Cause, GatewayError
+from simulator.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS  # vLLM's and OpenAI's, for /v1/completions
 
 CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text (ASCII characters)
 NON_ASCII_BYTES_PER_TOKEN = 3  # other characters: one token per CJK character (3 UTF-8 bytes)
@@ -55,7 +56,6 @@ NON_ASCII_BYTES_PER_TOKEN = 3  # other characters: one token per CJK character (
 MAX_CHARS_PER_TOKEN = 8
 TOKENS_PER_MESSAGE = 3  # chat framing per message (OpenAI cookbook "How to count tokens")
 REPLY_PRIMING_TOKENS = 3
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM and OpenAI default for /v1/completions
 PREFIX_HASH_BLOCKS = 64  # hash at most this many leading blocks (affinity needs the prefix, not all of it)
 
 Kind = Literal["chat", "completions"]

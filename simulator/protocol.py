@@ -205,10 +205,14 @@ def _check_sampling(body: Mapping[str, Any], chat: bool) -> None:
         )
 
 
+# vLLM's CompletionRequest default (OpenAI's legacy API); the gateway's estimate uses it too
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiRequest:
     """Validate `body`; raises ApiError. The model check comes first, as in vLLM."""
     model = body.get("model", served)
-    if model is None:
+    if model is None or model == "":  # vLLM serves an empty name as its (only) served model
         model = served
     if not isinstance(model, str):
         raise bad_shape("model: Input should be a valid string", "body.model")
@@ -222,6 +226,8 @@ def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiReques
     max_tokens = _int_field(body, "max_tokens")
     if chat:
         max_tokens = _int_field(body, "max_completion_tokens") or max_tokens
+    elif max_tokens is None:  # completions default to 16 tokens; chat fills the context
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
     min_tokens = _int_field(body, "min_tokens") or 0

@@ -116,6 +116,23 @@ def test_response_fields(real_vllm: RealServer, sim_url: str, case: str) -> None
     assert_listed(shape_diff(case, real.json(), sim.json()), KNOWN_BODY, f"{case} .")
 
 
+DEFAULTS = {  # case → (completions body, completion tokens both must generate)
+    "completions default max_tokens": ({"model": MODEL, "prompt": "hi"}, 16),
+    "completions max_tokens null": ({"model": MODEL, "prompt": "hi", "max_tokens": None}, 16),
+    "empty model name": ({"model": "", "prompt": "hi", "max_tokens": 3}, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(DEFAULTS))
+def test_defaults(real_vllm: RealServer, sim_url: str, case: str) -> None:
+    """The simulated worker filled the context where vLLM generates 16 tokens, and answered 404 to an empty
+    model name vLLM serves as its model."""
+    body, tokens = DEFAULTS[case]
+    real, sim = both(real_vllm, sim_url, "POST", "/v1/completions", json={**body, "ignore_eos": True})
+    assert real.status_code == sim.status_code == 200, (real.text, sim.text)
+    assert real.json()["usage"]["completion_tokens"] == sim.json()["usage"]["completion_tokens"] == tokens
+
+
 def events_of(chunks: list[bytes]) -> list[dict[str, Any]]:
     """Framing rules both servers follow; returns the JSON events (without [DONE])."""
     assert chunks[-1] == b"data: [DONE]\n\n"

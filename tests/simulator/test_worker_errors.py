@@ -168,3 +168,21 @@ async def test_sampling_values_at_vllms_bounds_are_served(asgi) -> None:
         for extra in edges:
             resp = await client.post(C, json={"model": M, "prompt": "hi", "max_tokens": 1, **extra})
             assert resp.status_code == 200, (extra, resp.text)
+
+
+async def test_completions_default_to_16_tokens_and_an_empty_model_name_is_the_served_one(asgi) -> None:
+    """vLLM's (and OpenAI's legacy) completions default max_tokens is 16; the simulated worker filled the
+    context (here 254 tokens). An empty `model` is vLLM's served model, not a 404. Chat still fills the
+    context, as in vLLM. (tests/real_vllm/test_fidelity.py checks both against vLLM itself.)"""
+    async with asgi(CFG) as (client, _):
+        plain = await client.post(C, json={"model": M, "prompt": "hi", "ignore_eos": True})
+        null = await client.post(
+            C, json={"model": "", "prompt": "hi", "max_tokens": None, "ignore_eos": True}
+        )
+        chat = await client.post(
+            CHAT, json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        )
+    assert plain.status_code == null.status_code == chat.status_code == 200
+    assert plain.json()["usage"]["completion_tokens"] == null.json()["usage"]["completion_tokens"] == 16
+    used = chat.json()["usage"]
+    assert used["prompt_tokens"] + used["completion_tokens"] == 256
