@@ -40,8 +40,9 @@ def read_text(path: Path, error: type[ValueError], cannot_read: str) -> str:
 
 
 def parse_yaml(text: str, error: type[ValueError], not_valid: str) -> Any:
-    """`yaml.safe_load(text)` with YAML 1.2 exponents (`_Loader`); `error(not_valid + " at line N")` on a syntax error (PyYAML's own message
-    spans several lines with a caret drawing; the line number is what a user needs)."""
+    """`yaml.safe_load(text)`, reading exponents as YAML 1.2 does (`_Loader`); `error(not_valid + " at line N")`
+    on a syntax error (PyYAML's own message spans several lines with a caret drawing; the line number is
+    what a user needs)."""
     try:
         return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as exc:

@@ -327,15 +327,14 @@ def nodes_from_dict(
     data: object,
     origin: str = "<nodes>",
     catalog: Catalog | None = None,
-    known_gpus: Collection[str] = (),
-    strict_gpus: bool = False,
+    known_gpus: Collection[str] | None = None,
 ) -> tuple[list[Node], int | None, str]:
     """`{nodes: [{name, gpu, gpus, domain, used?}], max_group_gpus?: N, same_domain?: prefer|require}`.
 
     GPU names go through the catalog's canonical names (aliases and case, as --gpus and profiles do);
     `gpus` (≥ 1), `used` (≥ 0 and ≤ gpus) and `max_group_gpus` (≥ 1) must be whole numbers, node names
-    unique. `strict_gpus`: a GPU neither in the catalog nor in `known_gpus` (the offered types) is refused
-    as a typo; otherwise it is kept, and no instance lands on its nodes. Errors name the file and the node."""
+    unique. Given `known_gpus` (the offered types), a GPU neither in the catalog nor among them is refused
+    as a typo; without, it is kept, and no instance lands on its nodes. Errors name the file and the node."""
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
         raise TopologyError(f"{origin}: expected a mapping with a non-empty 'nodes' list")
     extra = sorted(set(data) - {"schema", "nodes", "max_group_gpus", "same_domain"})
@@ -343,6 +342,7 @@ def nodes_from_dict(
         raise TopologyError(f"{origin}: unknown key(s) {extra}")
     catalog = catalog or load_catalog()
     nodes: list[Node] = []
+    names: set[str] = set()
     for i, row in enumerate(data["nodes"]):
         if (
             not isinstance(row, dict)
@@ -352,10 +352,11 @@ def nodes_from_dict(
             raise TopologyError(f"{origin}: nodes[{i}]: needs name, gpu, gpus (and optional domain, used)")
         where = f"{origin}: nodes[{i}]"
         name = str(row["name"])
-        if any(n.name == name for n in nodes):
+        if name in names:
             raise TopologyError(f"{where} ({name}): node names must be unique; {name} is given twice")
+        names.add(name)
         gpu = canonical_gpu(str(row["gpu"]), catalog)
-        if strict_gpus and gpu not in known_gpus and gpu not in catalog.gpus:
+        if known_gpus is not None and gpu not in known_gpus and gpu not in catalog.gpus:
             offered = ", ".join(sorted(known_gpus)) or "none"
             raise TopologyError(
                 f"{where} ({name}): GPU {row['gpu']!r} is neither in the catalog nor offered ({offered})"

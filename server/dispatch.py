@@ -85,8 +85,8 @@ from server.upstream import UpstreamResponse
 log = logging.getLogger("mosaic.dispatch")
 
 
-# finish()'s metric children: requests, outcomes, rejections (None without a reason), e2e (None unless 200),
-# prompt tokens, generation tokens
+# finish()'s metric children: requests, outcomes, rejections (None without a reason), e2e (None unless
+# completed), prompt tokens, generation tokens
 _OutcomeChildren = tuple[Any, Any, Any, Any, Any, Any]
 
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": recorded, never sent
@@ -160,7 +160,7 @@ class Dispatcher:
         self.open: dict[int, RequestRecord] = {}  # id → a request `handle` took and `finish` has not closed
         # tasks `stop_requests` cancelled for shutdown (weak: a finished one is not kept)
         self._stopped: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
-        self.draining = False  # set by `stop_requests`: a request reaching `handle` from now on gets 503
+        self.draining = False  # shutting down (`Gateway.draining`): a request reaching `handle` gets 503
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._finish_children: dict[tuple[str, str, int, str, str | None], _OutcomeChildren] = {}
         self._worker_auth = worker_auth_headers(config)

@@ -68,7 +68,6 @@ class Gateway:
         self.config = config
         self.clock = clock
         self.started_at = int(time.time())
-        self.draining = False
         self._shutdown_timer: asyncio.TimerHandle | None = None
         self.metrics = GatewayMetrics()
         self.keys = KeyStore(config.auth)
@@ -223,6 +222,15 @@ class Gateway:
         await self.registry.start()
         if self.autoscaler is not None:
             self.autoscaler.start()
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: new requests, and any whose body arrives from now on, get 503; `/ready` is 503."""
+        return self.dispatcher.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.dispatcher.draining = value
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Stop taking work (idempotent). New requests get 503 (`draining`); those still waiting in the

@@ -24,7 +24,6 @@ enabled scorer is refused. Reserve plugins are live objects (the KV ledger), pas
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -189,8 +188,8 @@ def profile_weights(config: RoutingConfig, scorer_names: Sequence[str], profile:
                 raise RoutingConfigError(
                     f"{source}.{name}: not an enabled scorer; scorers: {', '.join(scorer_names) or 'none'}"
                 )
-            if not 0 <= w < math.inf:  # NaN fails both
-                raise RoutingConfigError(f"{source}.{name}: weight must be a finite number ≥ 0, got {w}")
+            if w < 0:  # .inf and .nan are refused when the config is validated (allow_inf_nan)
+                raise RoutingConfigError(f"{source}.{name}: weight must be ≥ 0, got {w}")
     missing = [n for n in scorer_names if n not in merged]
     if missing:
         raise RoutingConfigError(

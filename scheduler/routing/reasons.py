@@ -134,8 +134,8 @@ class Reject:
     ) -> Reject:
         """Summarise per-reason counts; `wrong_model` is left out of the summary when other reasons exist
         (workers of other models are not news), `wrong_role` is the primary reason only when no other is,
-        and an empty tally means an empty fleet. `details` is
-        kept as is (the kv-fit filter's `KV_EXCEEDS_FACT`, read by `error_body`)."""
+        and an empty tally means an empty fleet. `details` is kept as is (the kv-fit filter's
+        `KV_EXCEEDS_FACT`, read by `error_body`)."""
         tally = {FilterReason(r): n for r, n in counts.items() if n > 0}
         shown: dict[FilterReason, int] = {
             r: n for r, n in tally.items() if r is not FilterReason.WRONG_MODEL

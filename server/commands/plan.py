@@ -201,8 +201,7 @@ def run_plan(opts: dict[str, Any]) -> dict[str, Any]:
             read_structured(opts["nodes"], PlacementError),
             opts["nodes"],
             catalog,
-            known_gpus=plan.problem.gpus,
-            strict_gpus=True,  # a node GPU nobody offers and the catalog lacks is a typo
+            known_gpus=plan.problem.gpus,  # a node GPU nobody offers and the catalog lacks is a typo
         )
         same_domain: Literal["prefer", "require"] = (
             "require" if (opts["same_domain"] or same) == "require" else "prefer"
