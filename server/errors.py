@@ -117,6 +117,12 @@ def shutting_down() -> GatewayError:
     return GatewayError(Cause.SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry_after_s=1)
 
 
+def is_error_event(piece: bytes) -> bool:
+    """Whether a stream's piece opens with an error event (`data: {"error": ...}`: vLLM's and
+    `stream_error_event`'s shape), not a token."""
+    return piece.startswith(b"data:") and piece[5:].lstrip(b" ").startswith(b'{"error"')
+
+
 def stream_error_event(message: str, status: int = 500, err_type: str = "InternalServerError") -> bytes:
     """The SSE tail vLLM sends when a stream fails after it began: an error event, then `[DONE]`."""
     payload = {"error": {"message": message, "type": err_type, "param": None, "code": status}}

@@ -10,8 +10,8 @@ nothing per request.
 | mosaic_requests_total | counter | model, pool, status (HTTP status sent to the client; pool `none` when never routed) |
 | mosaic_requests_received_total | counter | model (at arrival, past auth, validation and rate limits: the autoscaler's arrival rate) |
 | mosaic_request_outcomes_total | counter | model, outcome (completed, failed_before_first_byte, client_disconnected, worker_error, timed_out, shut_down, ...) |
-| mosaic_time_to_first_token_seconds | histogram | model, pool (arrival → first streamed event relayed) |
-| mosaic_inter_token_latency_seconds | histogram | model, pool (gap between relayed stream events) |
+| mosaic_time_to_first_token_seconds | histogram | model, pool (arrival → first streamed event relayed, unless an error event) |
+| mosaic_inter_token_latency_seconds | histogram | model, pool (gap between relayed stream events carrying tokens: not `[DONE]`, not the usage-only event) |
 | mosaic_time_per_output_token_seconds | histogram | model, pool (per completed stream of n ≥ 2 tokens: (e2e − TTFT) / (n − 1), as vLLM and the load generator) |
 | mosaic_e2e_request_latency_seconds | histogram | model, pool (arrival → last byte, completed requests only) |
 | mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
@@ -356,7 +356,7 @@ class GatewayMetrics:
         )
         self.itl = Histogram(
             "mosaic_inter_token_latency_seconds",
-            "Gap between relayed stream events",
+            "Gap between relayed stream events carrying tokens",
             ["model", "pool"],
             buckets=_ITL_BUCKETS,
         )

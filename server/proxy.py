@@ -164,14 +164,17 @@ class SseRelay:
     """Pass-through filter for an upstream SSE stream (see module docstring).
 
     `feed(chunk)` returns the bytes to send now; `flush()` the held-back remainder at the end.
-    `usage` is the last usage object seen; `events` counts relayed `data:` events.
+    `usage` is the last usage object seen; `usage_only_relayed` counts the usage-only events (`choices`
+    empty: no token) relayed since the caller last reset it, so a caller counting tokens per piece can
+    tell them from token events without parsing the piece again.
     """
 
-    __slots__ = ("_buf", "strip_usage", "usage")
+    __slots__ = ("_buf", "strip_usage", "usage", "usage_only_relayed")
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
         self.usage: dict[str, Any] | None = None
+        self.usage_only_relayed = 0
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -226,7 +229,11 @@ class SseRelay:
             payload = _json_or_none(event[5:])
             if isinstance(payload, dict) and payload.get("usage"):
                 self.usage = payload["usage"]
-                return self.strip_usage and not payload.get("choices")
+                if payload.get("choices"):
+                    return False
+                if self.strip_usage:
+                    return True
+                self.usage_only_relayed += 1
         return False
 
     def _filter_split(self, chunk: bytes) -> bytes:

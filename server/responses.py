@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from scheduler.routing.reasons import Outcome
-from server.errors import STREAM_DONE, stream_error_event
+from server.errors import STREAM_DONE, is_error_event, stream_error_event
 from server.failure import GatewayOutcome, Lease, classify
 from server.footprint import ParsedRequest
 from server.proxy import SseRelay
@@ -110,7 +110,8 @@ class StreamSession:
         self._clock = d.clock
         self._itl = d.child(d.metrics.itl, rec.model, rec.pool)
         self._deadline = rec.arrival + d.limits.total_timeout_s
-        self._last = self._first_at = 0.0
+        self._last = self._first_at = 0.0  # the last relayed piece; the first
+        self._last_token = 0.0  # the last relayed piece that carried a token event
         self._generated = 0  # ≈ tokens: vLLM sends one event per step per sequence
 
     # ------------------------------------------------------------------ steps shared by both ways
@@ -118,21 +119,35 @@ class StreamSession:
         """The first chunk: the bytes to send, TTFT observed."""
         d, rec = self.d, self.rec
         out = self.relay.feed(self.first)
-        self._last = self._first_at = self._clock()
-        d.child(d.metrics.ttft, rec.model, rec.pool).observe(self._last - rec.arrival)
-        self._generated = out.count(b"data: ")
+        self._last = self._first_at = self._last_token = self._clock()
+        if not is_error_event(self.first):  # a stream that fails at once has no first token to time
+            d.child(d.metrics.ttft, rec.model, rec.pool).observe(self._last - rec.arrival)
+        self._generated = self._token_events(out)
         return out
+
+    def _token_events(self, out: bytes) -> int:
+        """Events in a relayed piece that carry tokens: all but `data: [DONE]` and the usage-only event
+        (`choices: []`), which end a stream in the same step as its last token; timing them as token gaps
+        put a ~0 s sample per stream into ITL (and the end of the stream into TPOT)."""
+        relay = self.relay
+        events = out.count(b"data: ") - out.endswith(STREAM_DONE)
+        if relay.usage_only_relayed:
+            events -= relay.usage_only_relayed
+            relay.usage_only_relayed = 0
+        return events
 
     def _step(self, chunk: bytes) -> bytes:
         """A later chunk from the worker → the bytes to send now (b"" while an event is incomplete); per
-        relayed piece an ITL observation and the KV lease renewal."""
+        relayed piece with a token event an ITL observation and the KV lease renewal."""
         out = self.relay.feed(chunk)
         if out:
-            now = self._clock()
-            self._itl.observe(now - self._last)
-            self._last = now
-            self._generated += out.count(b"data: ")
-            self.lease.on_tokens(self._generated, now)  # renews KV leases; grows `predicted` reservations
+            now = self._last = self._clock()
+            tokens = self._token_events(out)
+            if tokens > 0:
+                self._itl.observe(now - self._last_token)
+                self._last_token = now
+                self._generated += tokens
+                self.lease.on_tokens(self._generated, now)  # renews KV leases; grows `predicted` reservations
         return out
 
     def _check_total(self, out: bytes) -> None:
@@ -147,7 +162,9 @@ class StreamSession:
         n = int((self.relay.usage or {}).get("completion_tokens") or 0)
         if n >= 2:  # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1)
             d, rec = self.d, self.rec
-            d.child(d.metrics.tpot, rec.model, rec.pool).observe((self._last - self._first_at) / (n - 1))
+            d.child(d.metrics.tpot, rec.model, rec.pool).observe(
+                (self._last_token - self._first_at) / (n - 1)
+            )
         return tail
 
     def _failed(self, exc: BaseException) -> bytes:
@@ -204,12 +221,13 @@ class StreamSession:
         while the client's socket is full, where `body()`'s consumer would wait in `send`."""
         resp = self.resp
         assert isinstance(resp, H1Response)
-        write, feed, clock, observe, on_tokens = (
+        write, feed, clock, observe, on_tokens, token_events = (
             cycle.write,
             self.relay.feed,
             self._clock,
             self._itl.observe,
             self.lease.on_tokens,
+            self._token_events,
         )
         deadline = self._deadline
         pending = b""  # the stream's last piece, held for the final write
@@ -222,11 +240,13 @@ class StreamSession:
             out = feed(chunk)
             if not out:
                 return True
-            now = clock()
-            observe(now - self._last)
-            self._last = now
-            self._generated += out.count(b"data: ")
-            on_tokens(self._generated, now)
+            now = self._last = clock()
+            tokens = token_events(out)
+            if tokens > 0:
+                observe(now - self._last_token)
+                self._last_token = now
+                self._generated += tokens
+                on_tokens(self._generated, now)
             if last:
                 pending = out
                 more = True

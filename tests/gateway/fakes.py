@@ -46,7 +46,7 @@ vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="1000"}} 1.0
 class FakeWorker:
     name: str
     model: str = "llama-3-8b"
-    mode: str = "ok"  # ok | refuse | status | stall | die_mid_stream | no_kv_params
+    mode: str = "ok"  # ok | refuse | status | stall | die_mid_stream | no_kv_params | error_event
     status: int = 503
     tokens: int = 4
     die_after: int = 2  # chunks sent before dying (die_mid_stream)
@@ -139,6 +139,18 @@ class FakeWorker:
     async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
+            if self.mode == "error_event":  # vLLM's stream when generation fails before the first token
+                err = {
+                    "error": {
+                        "message": "engine died",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                }
+                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
             for i in range(n):
                 if self.mode == "die_mid_stream" and i == self.die_after:
                     raise httpx.ReadError("connection reset by peer")

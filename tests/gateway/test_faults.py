@@ -204,6 +204,31 @@ def test_usage_injected_upstream_and_stripped_for_the_client() -> None:
     run(body)
 
 
+def test_stream_timings_count_token_events_only() -> None:
+    """ITL is one gap per token event after the first: `[DONE]` and the usage-only event end the stream
+    in its last token's step and are not gaps; a stream that opens with an error event has no TTFT."""
+    a = FakeWorker("a", tokens=4)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            labels = {"model": "llama-3-8b", "pool": "p"}
+            for usage in (False, True):  # [DONE] after the tokens; then the usage-only event too
+                r = await c.post(
+                    CHAT, json=chat(stream=True, max_tokens=4, stream_options={"include_usage": usage})
+                )
+                assert sse_events(r.text)[-1] == "[DONE]"
+            assert metric(gw, "mosaic_time_to_first_token_seconds_count", **labels) == 2
+            assert metric(gw, "mosaic_inter_token_latency_seconds_count", **labels) == 2 * 3
+            assert metric(gw, "mosaic_time_per_output_token_seconds_count", **labels) == 2
+            a.mode = "error_event"
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=4))
+            assert json.loads(sse_events(r.text)[0])["error"]["message"] == "engine died"
+            assert metric(gw, "mosaic_time_to_first_token_seconds_count", **labels) == 2
+            assert metric(gw, "mosaic_inter_token_latency_seconds_count", **labels) == 2 * 3
+
+    run(body)
+
+
 def test_request_id_propagated_or_created() -> None:
     a = FakeWorker("a")
 
