@@ -4,13 +4,13 @@ Three profiles, each one Filter → Score → Pick → Reserve pass over the wor
 
 | profile | roles | used for |
 |---|---|---|
-| `mixed` | mixed, decode | prompts shorter than `pd_threshold_tokens`, or models with no prefill pool |
+| `mixed` | mixed, decode | prompts shorter than `pd_threshold_tokens`, several sequences (a batch, `n` > 1), or models with no prefill pool |
 | `decode` | decode, mixed | P/D-eligible prompts: picked **first**, as decode holds the KV for the whole generation |
 | `prefill` | prefill | P/D-eligible prompts whose decode pick is a decode-role worker |
 
 The decider (`PdProfileHandler.handle`):
 
-1. prompt ≥ `pd_threshold_tokens` and the model has a prefill pool → run `decode`;
+1. one sequence, prompt ≥ `pd_threshold_tokens` and the model has a prefill pool → run `decode`;
    - nothing fits → Reject (reasons from the decode pass);
    - a mixed worker won → single hop to it (path `single`);
    - a decode worker won → run `prefill`; a prefill worker fits and the P/D gate (`pd_gate.py`) finds
@@ -123,8 +123,16 @@ class PdProfileHandler:
     )  # conditional disaggregation; off by default (always remote prefill)
 
     def pd_eligible(self, cycle: Cycle) -> bool:
+        """One sequence, a prompt of at least the threshold, and a prefill pool for the model. Several
+        sequences (a batch of prompts, `n` > 1) are never split: vLLM answers a prefill hop with one
+        `kv_transfer_params` (a batch's: its first prompt's), so a decode hop would pull one sequence's
+        blocks for all of them. They go single-hop, a decode worker prefilling them itself."""
         req = cycle.req
-        return req.prompt_tokens >= self.pd_threshold_tokens and cycle.view.has_role(req.model, Role.PREFILL)
+        return (
+            req.sequences == 1
+            and req.prompt_tokens >= self.pd_threshold_tokens
+            and cycle.view.has_role(req.model, Role.PREFILL)
+        )
 
     def handle(self, cycle: Cycle) -> Decision | Reject:
         if not self.pd_eligible(cycle):

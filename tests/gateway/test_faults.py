@@ -287,6 +287,25 @@ def test_pd_two_hop_handshake() -> None:
     run(body)
 
 
+def test_a_multi_sequence_request_skips_the_prefill_hop() -> None:
+    """A batch of long prompts, or n > 1, goes to the decode worker in one hop without kv_transfer_params
+    (vLLM's prefill answer carries one sequence's blocks)."""
+    p, d = FakeWorker("p"), FakeWorker("d")
+    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            batch = {"model": "llama-3-8b", "prompt": [LONG_PROMPT, LONG_PROMPT], "max_tokens": 4}
+            r1 = await c.post("/v1/completions", json=batch)
+            r2 = await c.post(CHAT, json=chat(LONG_PROMPT, n=2))
+            assert (r1.status_code, r2.status_code) == (200, 200)
+            assert p.seen == [] and [("kv_transfer_params" in b) for b in d.seen] == [False, False]
+            assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b") == 0
+            assert gw.dispatcher.outcomes == {"completed": 2}
+
+    run(body)
+
+
 @pytest.mark.parametrize(
     "mode",
     ["refuse", "no_kv_params", "status", "stall"],

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler.fleet import FleetView, PoolRef, Role
 from scheduler.routing.config import RoutingConfig, build_router
-from scheduler.routing.framework import Decision
+from scheduler.routing.framework import Decision, RouteRequest
 from scheduler.routing.reasons import FilterReason, Outcome, Reject
 from tests.scheduler.routing.builders import MODEL, BlockLedger, req, view, worker
 
@@ -68,6 +68,20 @@ def test_pd_decider_paths(fleet, prompt, expected):
 def test_threshold_is_configurable():
     assert route(view(P, D), 300, threshold=256).path == "pd"
     assert route(view(P, D), 300, threshold=512).path == "single"
+
+
+@pytest.mark.parametrize(
+    ("n", "prompt_lens"),
+    [pytest.param(2, (), id="n = 2"), pytest.param(1, (1024, 1024), id="a batch of two prompts")],
+)
+def test_several_sequences_never_take_the_pd_path(n, prompt_lens):
+    """vLLM's prefill hop answers one kv_transfer_params per request: a multi-sequence request is
+    served single-hop by a decode worker, however long its prompts."""
+    router = build_router(RoutingConfig(pd_threshold_tokens=256))
+    request = RouteRequest("r1", MODEL, 2048, 512, 256, n=n, prompt_lens=prompt_lens)
+    decision = router.route(request, view(P, D), 0.0, random.Random(0), frozenset())
+    assert isinstance(decision, Decision)
+    assert (decision.path, decision.decode.id, decision.prefill) == ("single", "d", None)
 
 
 def test_no_decode_side_rejects_with_the_decode_pass_reasons():
