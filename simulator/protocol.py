@@ -7,8 +7,11 @@ errors → 400 `BadRequestError` naming the `param` (`max_tokens`, `min_tokens`,
 → 400 `BadRequestError` with `param: "input_tokens"` (plain JSON even for streams). A prompt that fits but
 whose `max_tokens` does not is accepted with `max_tokens` clamped to `max_model_len − prompt`.
 
-Not supported by the simulated worker (400 with a clear message): `n` > 1 and several prompts in one
-completions request. Accepted and ignored: sampling parameters (temperature, top_p, seed, stop, logprobs,
+Several sequences, as vLLM serves them: a completions batch of prompts (strings or token-id lists) and
+`n` completions per prompt; choice `index` = prompt · n + completion, usage counts each prompt once and
+every completion's tokens (`ApiRequest.sequences`). Refused (400, a clear message): `kv_transfer_params`
+on a request of several sequences (vLLM's prefill answer carries one sequence's). Accepted and ignored:
+sampling parameters (temperature, top_p, seed, stop, logprobs,
 …; numeric ones are type- and range-checked as vLLM checks them, `_check_sampling`), tools,
 response_format, echo. `max_tokens` > max_model_len → 400
 (param `max_tokens`), as vLLM 0.32 answers.
@@ -22,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from simulator.tokens import VOCAB_SIZE, count_text_tokens, render_chat, text_token_ids
+from simulator.tokens import VOCAB_SIZE, render_chat, text_token_ids
 
 
 class ApiError(Exception):
@@ -58,7 +61,7 @@ class ApiRequest:
 
     chat: bool
     model: str
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # token ids per prompt: one, or a completions batch's several
     max_tokens: int | None  # None → up to max_model_len
     min_tokens: int
     ignore_eos: bool
@@ -68,6 +71,12 @@ class ApiRequest:
     # stream_options.continuous_usage_stats, honoured (as vLLM does) only together with include_usage:
     # every chunk then carries the usage so far
     continuous_usage: bool = False
+    n: int = 1  # completions per prompt
+
+    @property
+    def sequences(self) -> int:
+        """What vLLM decodes for it: prompts × n, each sequence its own engine request."""
+        return len(self.prompts) * self.n
 
 
 UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"  # vLLM's own words
@@ -113,7 +122,9 @@ def _bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> bo
     return value
 
 
-def _prompt_ids(body: Mapping[str, Any], chat: bool) -> list[int]:
+def _prompts(body: Mapping[str, Any], chat: bool) -> list[list[int]]:
+    """The request's prompts as token ids: chat's rendered messages; a completions prompt (a string, a
+    list of token ids) or a batch of those (a list of strings or of token-id lists, not mixed)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
@@ -121,12 +132,20 @@ def _prompt_ids(body: Mapping[str, Any], chat: bool) -> list[int]:
         if not messages:
             raise ApiError(400, "messages must not be empty", param="messages")
         try:
-            return text_token_ids(render_chat(messages))
+            return [text_token_ids(render_chat(messages))]
         except TypeError as exc:
             raise bad_shape(f"messages: {exc}", "body.messages") from None
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if prompt is None:
+        raise bad_shape("prompt: Field required", "body.prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [_one_prompt(p) for p in prompt]  # a batch of strings
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return [_one_prompt(p) for p in prompt]  # a batch of token-id lists
+    return [_one_prompt(prompt)]
+
+
+def _one_prompt(prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "Prompt cannot be empty", param="prompt")
@@ -139,10 +158,6 @@ def _prompt_ids(body: Mapping[str, Any], chat: bool) -> list[int]:
         if any(t < 0 for t in prompt):
             raise ApiError(400, "token ids must be non-negative", param="prompt")
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError(400, "the simulated worker serves one prompt per request, not a batch", param="prompt")
-    if prompt is None:
-        raise bad_shape("prompt: Field required", "body.prompt")
     raise bad_shape(
         "prompt: Input should be a string, a list of token ids or a batch of those", "body.prompt"
     )
@@ -222,7 +237,7 @@ def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiReques
             raise bad_shape(f"{name}: Input should be a valid number", f"body.{name}")
     if model != served:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-    prompt_ids = _prompt_ids(body, chat)
+    prompts = _prompts(body, chat)
     max_tokens = _int_field(body, "max_tokens")
     if chat:
         max_tokens = _int_field(body, "max_completion_tokens") or max_tokens
@@ -240,8 +255,7 @@ def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiReques
     n = _int_field(body, "n")
     if n is not None and n < 1:
         raise ApiError(400, f"n must be at least 1, got {n}.")  # vLLM names no param here
-    if n is not None and n > 1:
-        raise ApiError(400, f"n must be 1 on the simulated worker, got {n}.", param="n")
+    n = n or 1
     _check_sampling(body, chat)
     stream = _bool_field(body, "stream")
     opts = body.get("stream_options")
@@ -254,9 +268,16 @@ def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiReques
     kvp = body.get("kv_transfer_params")
     if kvp is not None and not isinstance(kvp, Mapping):
         raise bad_shape("kv_transfer_params: Input should be a valid dictionary", "body.kv_transfer_params")
+    if kvp and len(prompts) * n > 1:
+        raise ApiError(
+            400,
+            "kv_transfer_params applies to one sequence: the simulated worker refuses it with n > 1 or a batch "
+            "of prompts (vLLM's prefill answer carries one sequence's blocks).",
+            param="kv_transfer_params",
+        )
     return ApiRequest(
-        chat, model, prompt_ids, max_tokens, min_tokens, _bool_field(body, "ignore_eos"), stream, include_usage,
-        dict(kvp) if kvp else None, continuous_usage,
+        chat, model, prompts, max_tokens, min_tokens, _bool_field(body, "ignore_eos"), stream, include_usage,
+        dict(kvp) if kvp else None, continuous_usage, n,
     )  # fmt: skip
 
 
@@ -285,16 +306,6 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
     return room if max_tokens is None else min(max_tokens, room)
 
 
-def count_prompt_tokens(body: Mapping[str, Any], chat: bool) -> int:
-    """The worker's prompt-token count for a request body (what `usage.prompt_tokens` will say)."""
-    if chat:
-        return count_text_tokens(render_chat(body.get("messages") or []))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    return count_text_tokens(prompt) if isinstance(prompt, str) else len(prompt or [])
-
-
 # ------------------------------------------------------------------ responses
 def usage(prompt: int, completion: int) -> dict[str, Any]:
     return {
@@ -306,16 +317,18 @@ def usage(prompt: int, completion: int) -> dict[str, Any]:
 
 
 def completion_body(
-    rid: str, model: str, created: int, text: str, finish: str, prompt: int, completion: int, kvp: Any
+    rid: str, model: str, created: int, choices: list[tuple[str, str]], prompt: int, completion: int, kvp: Any
 ) -> dict[str, Any]:
+    """`choices`: (text, finish reason) per sequence, in index order."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+            {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
              "prompt_logprobs": None}
+            for i, (text, finish) in enumerate(choices)
         ],
         "usage": usage(prompt, completion),
         "system_fingerprint": None,
@@ -324,8 +337,9 @@ def completion_body(
 
 
 def chat_body(
-    rid: str, model: str, created: int, text: str, finish: str, prompt: int, completion: int, kvp: Any
+    rid: str, model: str, created: int, choices: list[tuple[str, str]], prompt: int, completion: int, kvp: Any
 ) -> dict[str, Any]:
+    """`choices`: (text, finish reason) per sequence, in index order."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -333,7 +347,7 @@ def chat_body(
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": i,
                 "message": {
                     "role": "assistant",
                     "content": text,
@@ -347,6 +361,7 @@ def chat_body(
                 "finish_reason": finish,
                 "stop_reason": None,
             }
+            for i, (text, finish) in enumerate(choices)
         ],
         "usage": usage(prompt, completion),
         "prompt_logprobs": None,
@@ -375,23 +390,32 @@ class ChunkWriter:
         self._head = f'data: {{"id":{json.dumps(rid)},"object":"{obj}","created":{self.created},"model":{json.dumps(model)},'
         self._tail = "}\n\n"
 
-    def role(self, usage_so_far: tuple[int, int] | None = None) -> str:
+    def role(self, usage_so_far: tuple[int, int] | None = None, index: int = 0) -> str:
         return (
             self._head
-            + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+            + f'"choices":[{{"index":{index},"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]'
             + _continuous_usage(usage_so_far)
             + self._tail
         )
 
-    def token(self, text: str, finish: str | None = None, usage_so_far: tuple[int, int] | None = None) -> str:
-        """One token's chunk; `usage_so_far` (prompt, completion tokens so far) with continuous usage."""
+    def token(
+        self,
+        text: str,
+        finish: str | None = None,
+        usage_so_far: tuple[int, int] | None = None,
+        index: int = 0,
+    ) -> str:
+        """One token's chunk of choice `index`; `usage_so_far` (prompt, completion tokens so far) with
+        continuous usage."""
         fr = "null" if finish is None else json.dumps(finish)
         t = json.dumps(text)
         if self.chat:  # vLLM puts stop_reason on a chat stream's final event only
             stop = "" if finish is None else ',"stop_reason":null'
-            choice = f'{{"index":0,"delta":{{"content":{t}}},"logprobs":null,"finish_reason":{fr}{stop}}}'
+            choice = (
+                f'{{"index":{index},"delta":{{"content":{t}}},"logprobs":null,"finish_reason":{fr}{stop}}}'
+            )
         else:
-            choice = f'{{"index":0,"text":{t},"logprobs":null,"finish_reason":{fr},"stop_reason":null}}'
+            choice = f'{{"index":{index},"text":{t},"logprobs":null,"finish_reason":{fr},"stop_reason":null}}'
         return f'{self._head}"choices":[{choice}]{_continuous_usage(usage_so_far)}{self._tail}'
 
     def usage(self, prompt: int, completion: int) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import random
 import secrets
@@ -50,11 +51,29 @@ from simulator.protocol import (
     parse_body,
     parse_request,
 )
-from simulator.requests import EngineRequest, KvTransfer, RequestRecord, prompt_fingerprint
+from simulator.requests import (
+    EngineRequest,
+    KvTransfer,
+    RequestRecord,
+    prompt_fingerprint,
+    sample_natural_output,
+)
 from simulator.tokens import pseudo_words
 from simulator.worker_runtime import EngineDriver, Ticket
 
 ROLES = ("mixed", "prefill", "decode")
+_MASK64 = (1 << 64) - 1
+_SEQUENCE_MIX = 0x9E3779B97F4A7C15  # spreads completion j of a prompt over the fingerprint's bits
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSequence:
+    """One sequence of an API request: its engine request, the fingerprint its words are drawn from, and
+    its prompt's tokens."""
+
+    request: EngineRequest
+    fingerprint: int
+    prompt_tokens: int
 
 
 @dataclass(slots=True)
@@ -147,7 +166,8 @@ class WorkerRuntime:
         try:
             body = parse_body(await request.body(), request.headers.get("content-type"))
             api = parse_request(body, chat, self.served)
-            max_tokens = check_context(len(api.prompt_ids), api.max_tokens, self.engine.max_model_len)
+            limit = self.engine.max_model_len
+            max_tokens = [check_context(len(ids), api.max_tokens, limit) for ids in api.prompts]
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         faults = self.faults
@@ -157,25 +177,70 @@ class WorkerRuntime:
             err = ApiError(500, "simulated worker failure (error_rate)", "InternalServerError")
             return JSONResponse(err.body(), status_code=500)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(8)
-        kvt = self._kv_transfer(api, rid)
-        ereq = EngineRequest(rid, api.prompt_ids, max_tokens, api.min_tokens, api.ignore_eos, None, kvt)
-        tk = await self.driver.submit(ereq, stream=api.stream)
+        seqs = self._sequences(api, rid, max_tokens)
+        tickets = await self.driver.submit_all([s.request for s in seqs], stream=api.stream)
         if api.stream:
             cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
-            return StreamingResponse(self._stream(api, tk, bool(cut)), media_type="text/event-stream")
-        rec = await self._finished_or_disconnected(request, tk)
+            stream = self._stream(api, rid, seqs, tickets, bool(cut))
+            return StreamingResponse(stream, media_type="text/event-stream")
+        recs = await self._finished_or_disconnected(request, tickets)
         self._remote.pop(rid, None)  # the KV never landed if it was aborted first
-        if rec is None:
+        if recs is None:
             return Response(status_code=499)  # nobody is listening any more
-        text = "".join(pseudo_words(self.cfg.seed, prompt_fingerprint(ereq), 0, rec.output_tokens))
+        choices = [
+            (
+                "".join(pseudo_words(self.cfg.seed, seq.fingerprint, 0, rec.output_tokens)),
+                rec.finish_reason.value,
+            )
+            for seq, rec in zip(seqs, recs, strict=True)
+        ]
         build = chat_body if chat else completion_body
-        out = build(rid, self.served, int(time.time()), text, rec.finish_reason.value, rec.prompt_tokens,
-                    rec.output_tokens, self._kv_response(rec))  # fmt: skip
+        kvp = self._kv_response(recs[0]) if len(recs) == 1 else None
+        out = build(rid, self.served, int(time.time()), choices, sum(map(len, api.prompts)),
+                    sum(rec.output_tokens for rec in recs), kvp)  # fmt: skip
         return JSONResponse(out)
 
-    async def _finished_or_disconnected(self, request: Request, tk: Ticket) -> RequestRecord | None:
-        """Wait for the request to finish; if the client disconnects first, abort it (as vLLM does) → None."""
-        waiter = asyncio.ensure_future(tk.wait_done())
+    def _sequences(self, api: ApiRequest, rid: str, max_tokens: list[int]) -> list[ApiSequence]:
+        """The engine requests of `api`, in choice order (index = prompt · n + completion): vLLM decodes
+        every completion of every prompt as its own sequence. One sequence keeps the response's id (P/D
+        holds and releases name it). Completion j > 0 of a prompt gets its own answer and EOS position
+        (a fingerprint mixed with j), as sampling gives n different completions."""
+        single = api.sequences == 1
+        kvt = self._kv_transfer(api, rid) if single else None
+        seqs = []
+        for p, ids in enumerate(api.prompts):
+            for j in range(api.n):
+                index = p * api.n + j
+                req = EngineRequest(
+                    rid if single else f"{rid}-{index}",
+                    ids,
+                    max_tokens[p],
+                    api.min_tokens,
+                    api.ignore_eos,
+                    None,
+                    kvt,
+                )
+                fp = prompt_fingerprint(req)
+                natural = None
+                if j:
+                    fp ^= (j * _SEQUENCE_MIX) & _MASK64
+                    c = self.engine.config
+                    natural = sample_natural_output(
+                        self.engine.seed, fp, c.natural_output_mean, c.natural_output_shape
+                    )
+                    req = dataclasses.replace(req, natural_output_tokens=natural)
+                seqs.append(ApiSequence(req, fp, len(ids)))
+        return seqs
+
+    async def _finished_or_disconnected(
+        self, request: Request, tickets: list[Ticket]
+    ) -> list[RequestRecord] | None:
+        """Wait for every sequence to finish; if the client disconnects first, abort them (as vLLM does) → None."""
+
+        async def all_done() -> list[RequestRecord]:
+            return [await tk.wait_done() for tk in tickets]  # one waiter on their shared event
+
+        waiter = asyncio.ensure_future(all_done())
         listener = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({waiter, listener}, return_when=asyncio.FIRST_COMPLETED)
@@ -183,43 +248,53 @@ class WorkerRuntime:
             listener.cancel()
             if not waiter.done():
                 waiter.cancel()
-                self.driver.abort(tk)
+                for tk in tickets:
+                    self.driver.abort(tk)
         return waiter.result() if waiter in done else None
 
-    async def _stream(self, api: ApiRequest, tk: Ticket, cut: bool) -> AsyncIterator[str]:
-        w = ChunkWriter(tk.request.request_id, self.served, api.chat)
-        seed, fp = self.cfg.seed, prompt_fingerprint(tk.request)
-        sent = 0
-        prompt = len(api.prompt_ids) if api.continuous_usage else 0
+    async def _stream(
+        self, api: ApiRequest, rid: str, seqs: list[ApiSequence], tickets: list[Ticket], cut: bool
+    ) -> AsyncIterator[str]:
+        """One event per token of each sequence as the engine produces them (each event carries one choice,
+        as vLLM's); chat opens with a role event per choice. `cut`: a simulated failure halfway through."""
+        w = ChunkWriter(rid, self.served, api.chat)
+        seed, cont = self.cfg.seed, api.continuous_usage
+        sent = [0] * len(tickets)
+        event = tickets[0].event  # shared by the request's sequences
         try:
             if api.chat:
-                yield w.role((prompt, 0) if api.continuous_usage else None)
+                for i, seq in enumerate(seqs):
+                    yield w.role((seq.prompt_tokens, 0) if cont else None, i)
             while True:
-                if tk.produced > sent:
-                    words = pseudo_words(seed, fp, sent, tk.produced)
+                for i, (seq, tk) in enumerate(zip(seqs, tickets, strict=True)):
+                    if tk.produced <= sent[i]:
+                        continue
+                    words = pseudo_words(seed, seq.fingerprint, sent[i], tk.produced)
                     last = tk.record.output_tokens - 1 if tk.done and tk.record is not None else -1
-                    for i, word in enumerate(words, start=sent):
-                        if cut and tk.request.max_tokens > 1 and i >= tk.request.max_tokens // 2:
-                            self.driver.abort(tk)
+                    for k, word in enumerate(words, start=sent[i]):
+                        if cut and tk.request.max_tokens > 1 and k >= tk.request.max_tokens // 2:
+                            for other in tickets:
+                                self.driver.abort(other)
                             yield w.error(
                                 ApiError(500, "simulated mid-stream failure", "InternalServerError")
                             )
                             yield w.done()
                             return
-                        reason = tk.record.finish_reason.value if i == last and tk.record else None
-                        yield w.token(word, reason, (prompt, i + 1) if api.continuous_usage else None)
-                    sent = tk.produced
-                if tk.done:
+                        reason = tk.record.finish_reason.value if k == last and tk.record else None
+                        yield w.token(word, reason, (seq.prompt_tokens, k + 1) if cont else None, i)
+                    sent[i] = tk.produced
+                if all(tk.done for tk in tickets):
                     break
-                tk.event.clear()
-                await tk.event.wait()
-            rec = tk.record
-            if api.include_usage and rec is not None:
-                yield w.usage(rec.prompt_tokens, rec.output_tokens)
+                event.clear()
+                await event.wait()
+            recs = [tk.record for tk in tickets]
+            if api.include_usage and all(rec is not None for rec in recs):
+                yield w.usage(sum(map(len, api.prompts)), sum(rec.output_tokens for rec in recs if rec))
             yield w.done()
         finally:
-            self.driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
-            self._remote.pop(tk.request.request_id, None)
+            for tk in tickets:
+                self.driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
+            self._remote.pop(rid, None)
 
     # ------------------------------------------------------------ P/D
     def _kv_transfer(self, api: ApiRequest, rid: str) -> KvTransfer | None:
@@ -231,7 +306,7 @@ class WorkerRuntime:
             return KvTransfer(prefill_only=True, hold_timeout_s=self.cfg.kv_hold_timeout_s)
         if role == "decode" and kvp.get("do_remote_prefill"):
             self._remote[rid] = kvp
-            nbytes = len(api.prompt_ids) * self.perf.model.kv_bytes_per_token
+            nbytes = len(api.prompts[0]) * self.perf.model.kv_bytes_per_token
             return KvTransfer(remote_prefilled=True, transfer_delay_s=nbytes / (self.cfg.kv_link_gbps * 1e9))
         return None
 

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from simulator.engine import Engine, StepResult
 from simulator.metrics import WorkerMetrics
@@ -62,7 +62,9 @@ class Ticket:
 
     __slots__ = ("arrival", "done", "event", "last_token", "produced", "record", "request", "stream")
 
-    def __init__(self, request: EngineRequest, arrival: float, stream: bool) -> None:
+    def __init__(
+        self, request: EngineRequest, arrival: float, stream: bool, event: asyncio.Event | None = None
+    ) -> None:
         self.request = request
         self.arrival = arrival
         self.stream = stream
@@ -70,7 +72,8 @@ class Ticket:
         self.last_token = arrival  # simulated time of the last token (for ITL after a preemption)
         self.done = False
         self.record: RequestRecord | None = None
-        self.event = asyncio.Event()
+        # shared by the sequences of one API request (a batch, n > 1): one handler waits on any of them
+        self.event = event if event is not None else asyncio.Event()
 
     async def wait_done(self) -> RequestRecord:
         while not self.done:
@@ -106,21 +109,36 @@ class EngineDriver:
 
     async def submit(self, req: EngineRequest, stream: bool) -> Ticket:
         """Queue `req` in the engine (after the API overhead); ValueError from the engine propagates."""
+        (tk,) = await self.submit_all([req], stream)
+        return tk
+
+    async def submit_all(self, reqs: Sequence[EngineRequest], stream: bool) -> list[Ticket]:
+        """Queue the sequences of one API request together (one API overhead, one arrival, one shared
+        wake-up event: `Ticket.event`)."""
         arrival = self.now()
         if self._overhead_wall >= _MIN_SLEEP_S:
             await asyncio.sleep(self._overhead_wall)
         now = max(self.now(), arrival)
         self.engine.expire_held(now)
-        self.engine.add_request(req, now, arrival=arrival)
-        tk = Ticket(req, arrival, stream)
-        self._tickets[req.request_id] = tk
-        if stream:
-            self._streams[req.request_id] = tk
+        event = asyncio.Event()
+        tickets: list[Ticket] = []
+        try:
+            for req in reqs:
+                self.engine.add_request(req, now, arrival=arrival)
+                tk = Ticket(req, arrival, stream, event)
+                tickets.append(tk)
+                self._tickets[req.request_id] = tk
+                if stream:
+                    self._streams[req.request_id] = tk
+        except ValueError:  # all of the request's sequences or none
+            for tk in tickets:
+                self.abort(tk)
+            raise
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
         else:
             self._wake.set()
-        return tk
+        return tickets
 
     def abort(self, tk: Ticket) -> None:
         """The client went away: drop the request from the engine (no success counted)."""

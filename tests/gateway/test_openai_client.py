@@ -103,6 +103,20 @@ def test_pd_path_end_to_end(client: openai.OpenAI, gw: GatewayThread) -> None:
     )
 
 
+def test_a_batch_with_n_completions_each_is_served_in_one_hop(client: openai.OpenAI, gw: GatewayThread) -> None:
+    """A completions batch of two long prompts with n = 2: four choices from one decode worker, no prefill
+    hop (vLLM's prefill answer carries one sequence's KV)."""
+    prefill = gw.gateway.registry.get("prefill-h100/sim-0")
+    assert prefill is not None
+    before = prefill.dispatched_total
+    r = client.completions.create(
+        model=MODEL, prompt=[LONG, LONG + " Again."], n=2, max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage is not None and r.usage.completion_tokens == 4 * 3
+    assert prefill.dispatched_total == before
+
+
 @pytest.mark.parametrize(
     ("kwargs", "exc"),
     [

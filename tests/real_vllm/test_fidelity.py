@@ -346,3 +346,59 @@ def test_metric_families_and_labels(real_vllm: RealServer, sim_url: str) -> None
     family_diffs = {f"{n}: present vs absent" for n in real.keys() - sim.keys()}
     family_diffs |= {f"{n}: absent vs present" for n in sim.keys() - real.keys()}
     assert_listed(family_diffs, KNOWN_METRIC_FAMILIES, "")
+
+
+MULTI = {  # case → (path, body, shape case); token-id prompts: both count the same prompt tokens
+    "completions batch of 2 × n 2": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": [[5, 6, 7, 8], [9, 10, 11]], "n": 2, "max_tokens": 3, "ignore_eos": True},
+        "completion",
+    ),
+    "chat n 3": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "n": 3, "max_tokens": 3, "ignore_eos": True},
+        "chat",
+    ),
+}
+
+
+def event_kind(event: dict[str, Any]) -> tuple[int, str]:
+    if not event["choices"]:
+        return (-1, "usage")
+    (choice,) = event["choices"]  # one choice per event on both
+    if (choice.get("delta") or {}).get("role"):
+        return (choice["index"], "role")
+    return (choice["index"], "last" if choice.get("finish_reason") else "token")
+
+
+@pytest.mark.parametrize("case", list(MULTI))
+def test_several_sequences(real_vllm: RealServer, sim_url: str, case: str) -> None:
+    """A batch of prompts and n > 1, whole and streamed: the same choices (index, finish reason), the same
+    usage (each prompt once, every completion's tokens), one choice per event, chat's role events first."""
+    path, body, shape = MULTI[case]
+    real, sim = both(real_vllm, sim_url, "POST", path, json=body)
+    assert real.status_code == sim.status_code == 200, (real.text, sim.text)
+    for side in (real.json(), sim.json()):
+        assert [(c["index"], c["finish_reason"]) for c in side["choices"]] == [
+            (i, "length") for i in range(len(side["choices"]))
+        ]
+    assert len(real.json()["choices"]) == len(sim.json()["choices"])
+    usage = {
+        k: real.json()["usage"][k] == sim.json()["usage"][k] for k in ("completion_tokens", "prompt_tokens")
+    }
+    assert usage == {"completion_tokens": True, "prompt_tokens": True} or (
+        shape == "chat" and usage["completion_tokens"]  # chat templates tokenise differently
+    )
+    assert shape_diff(shape, real.json(), sim.json()) <= KNOWN_BODY.keys()
+    streamed = {}
+    for side, url in (("real", real_vllm.url), ("sim", sim_url)):
+        status, _, chunks = raw_chunks(
+            url, path, {**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
+        assert status == 200
+        kinds = [event_kind(e) for e in events_of(chunks)]
+        if shape == "chat":
+            assert kinds[: body["n"]] == [(i, "role") for i in range(body["n"])], side
+        usage_event = events_of(chunks)[-1]["usage"]
+        streamed[side] = (sorted(kinds), usage_event["completion_tokens"])
+    assert streamed["real"] == streamed["sim"]

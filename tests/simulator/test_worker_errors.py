@@ -55,7 +55,14 @@ ERRORS = [
                  id="chat top_logprobs -1 (the whole vocabulary) over 20"),
     pytest.param(CHAT, {"model": M, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": -5}, 400,
                  "BadRequestError", "top_logprobs", id="chat top_logprobs -5, before the logprobs check"),
-    pytest.param(C, {"model": M, "prompt": "hi", "n": 2}, 400, "BadRequestError", "n", id="n 2 → 400 n"),
+    pytest.param(C, {"model": M, "prompt": "hi", "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, 400,
+                 "BadRequestError", "kv_transfer_params", id="kv_transfer_params with n 2 → 400"),
+    pytest.param(C, {"model": M, "prompt": ["a", "b"], "kv_transfer_params": {"do_remote_prefill": True}}, 400,
+                 "BadRequestError", "kv_transfer_params", id="kv_transfer_params with a batch → 400"),
+    pytest.param(C, {"model": M, "prompt": ["hi", "x" * 1100]}, 400, "BadRequestError", "input_tokens",
+                 id="a batch with one prompt over max_model_len → 400 input_tokens, nothing served"),
+    pytest.param(C, {"model": M, "prompt": ["hi", [1, 2]]}, 400, "Bad Request", "body.prompt",
+                 id="a batch mixing a string and token ids"),
     pytest.param(C, {"model": M, "prompt": "hi", "n": 0}, 400, "BadRequestError", None, id="n 0 → 400, no param"),
     pytest.param(C, {"model": M, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
                  "BadRequestError", "stream_options", id="stream_options without stream → 400"),
@@ -66,8 +73,6 @@ ERRORS = [
                  id="max_tokens not an integer"),
     pytest.param(C, {"model": M, "prompt": "hi", "temperature": "hot"}, 400, "Bad Request", "body.temperature",
                  id="temperature not a number"),
-    pytest.param(C, {"model": M, "prompt": ["a", "b"]}, 400, "BadRequestError", "prompt",
-                 id="a batch of two prompts → 400 (simulator serves one)"),
 ]  # fmt: skip
 
 

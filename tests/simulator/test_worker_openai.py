@@ -199,3 +199,54 @@ async def test_client_disconnect_aborts_the_request(served, stream: bool) -> Non
             await asyncio.sleep(0.02)
         assert eng.num_running == 0 and eng.kv.used == 0
         assert eng.counters.success == {"stop": 0, "length": 0}  # vLLM counts no success for an abort
+
+
+async def test_a_batch_of_prompts_with_n_completions_each(served) -> None:
+    """vLLM's batch semantics: choice index = prompt · n + completion, usage counts each prompt once and
+    every completion's tokens; every completion its own sequence in the engine (own answer, own EOS)."""
+    prompts = [list(range(100, 137)), list(range(200, 210))]  # 37 and 10 token ids
+    async with served(FAST) as w, openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="none") as client:
+        r = await client.completions.create(
+            model="llama-3-8b", prompt=prompts, n=2, max_tokens=6, extra_body={"ignore_eos": True}
+        )
+        natural = await client.completions.create(model="llama-3-8b", prompt=prompts[0], n=3, max_tokens=4000)
+        counters = w.runtime.engine.counters
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" and len(c.text.split()) == 6 for c in r.choices)
+    assert r.choices[0].text != r.choices[1].text  # two samples of one prompt differ
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (37 + 10, 4 * 6)
+    # completion 0 of a prompt is what n = 1 gives (natural EOS from the prompt); the others draw their own
+    assert natural.usage is not None and natural.usage.prompt_tokens == 37
+    lengths = [len(c.text.split()) for c in natural.choices]
+    assert lengths[0] == natural_length(prompts[0]) and natural.usage.completion_tokens == sum(lengths)
+    assert len(set(lengths)) > 1
+    assert sum(counters.success.values()) == 4 + 3  # one engine request per sequence, as vLLM's children
+
+
+async def test_n_completions_stream_one_choice_per_event(served) -> None:
+    """Chat with n = 3, streamed: a role event per choice first, then each event one choice's token, every
+    choice finished once, usage summed (the prompt once)."""
+    async with served(FAST) as w, openai.AsyncOpenAI(base_url=w.url + "/v1", api_key="none") as client:
+        stream = await client.chat.completions.create(
+            model="llama-3-8b",
+            messages=[{"role": "user", "content": PROMPT}],
+            n=3,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = [c async for c in stream]
+        one = await client.chat.completions.create(
+            model="llama-3-8b", messages=[{"role": "user", "content": PROMPT}], max_tokens=1
+        )
+    assert [c.choices[0].index for c in chunks[:3]] == [0, 1, 2]
+    assert all(c.choices[0].delta.role == "assistant" for c in chunks[:3])
+    tokens = [c.choices[0] for c in chunks[3:-1]]
+    assert all(len(c.choices) == 1 for c in chunks[3:-1])
+    assert sorted(t.index for t in tokens) == [0] * 5 + [1] * 5 + [2] * 5
+    assert sorted(t.index for t in tokens if t.finish_reason == "length") == [0, 1, 2]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None and one.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (one.usage.prompt_tokens, 15)
