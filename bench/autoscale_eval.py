@@ -14,7 +14,7 @@ at its size.
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
     python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--observed-context] [--quick]
     python bench/autoscale_eval.py --load-sweep 1,2,4 [--quick]
-    python bench/autoscale_eval.py --seeds 1,2,3,4,5,6,7,8,9,10 [--quick]
+    python bench/autoscale_eval.py --seeds 1,2,3,4,5,6,7,8,9,10 [--mosaic-knob NAME=VALUE ...] [--quick]
 
 `--grid` is a sensitivity check of the comparison itself: the two target-driven families (Mosaic and the
 Dynamo-style planner) over the given utilisation targets instead of the standard grid, on every trace,
@@ -39,7 +39,8 @@ drawn with each seed (arrival times and lengths; 7 is the standard trace), the t
 over the standard grid on each, each family's best run and the ratio per seed, and over all seeds the
 mean ratio, the ratio of summed best GPU-hours, and how many seeds meet the 0.95 bar (a seed where a
 family passes no target counts as not met). It writes `bench/results/autoscale_seeds.json` and leaves
-`autoscale_eval.json` alone.
+`autoscale_eval.json` alone. With `--mosaic-knob NAME=VALUE` (an `AutoscalerConfig` field, repeatable)
+Mosaic's runs get that knob too, and the results go to `autoscale_seeds_knobs.json`.
 
 `--pd-gate-sweep` measures conditional disaggregation (the router's P/D gate, `pd_max_prefill_wait_s`,
 docs/routing.md) in this evaluation: the Mosaic, Dynamo-style and static families over their whole grids,
@@ -51,6 +52,7 @@ family's best run per setting, and how many requests the gate sent decode-only. 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -67,6 +69,7 @@ from bench._common import ROOT, SHARED_DATA, append_line, write_result
 from loadgen.diurnal import Burst, DiurnalSpec, diurnal_trace
 from loadgen.formats import open_trace
 from scheduler.autoscaler.factory import build_policy
+from scheduler.autoscaler.policy import AutoscalerConfig
 from simulator.cluster import ClusterSimulator, SimRequest
 from simulator.cluster_config import FleetConfig, parse_fleet, pool_specs
 from simulator.cluster_report import build_report
@@ -333,16 +336,17 @@ def target_jobs(
     grid: tuple[float, ...],
     extra: dict[str, Any] | None = None,
     quick: bool = False,
+    mosaic_extra: dict[str, Any] | None = None,
 ) -> list[tuple[str, str, str, dict[str, Any], list[SimRequest]]]:
     """`run_one` jobs for Mosaic and the Dynamo-style planner at each target in `grid`, `extra` overrides
-    added to each."""
+    added to each, `mosaic_extra` to Mosaic's only (`--mosaic-knob`)."""
     base = parse_fleet(FLEET)
     extra = extra or {}
     jobs = []
     for u in grid:
         profile = profile_trace(trace_name, reqs, quick)
         _, spec, ov = mosaic_run(base, profile, u, bool(extra.get("observed_context")))
-        jobs.append((trace_name, "mosaic", spec, {**ov, **extra}, reqs))
+        jobs.append((trace_name, "mosaic", spec, {**ov, **extra, **(mosaic_extra or {})}, reqs))
     jobs += [(trace_name, "dynamo", "dynamo:180", {"utilization_target": u, **extra}, reqs) for u in grid]
     return jobs
 
@@ -437,16 +441,21 @@ def load_sweep(loads: tuple[float, ...], quick: bool, workers: int) -> None:
     _record("autoscale_load", f"--load-sweep {_join(loads)}", quick, {**payload, "loads": summary}, lines)
 
 
-def seed_sweep(seeds: tuple[int, ...], quick: bool, workers: int) -> None:
+def seed_sweep(
+    seeds: tuple[int, ...], quick: bool, workers: int, mosaic_knobs: dict[str, float] | None = None
+) -> None:
     """Mosaic and the planner over the standard grid on the compressed day drawn with each seed
-    (`--seeds`); per seed the best runs and the ratio, over all seeds the aggregates (module docstring)."""
+    (`--seeds`); per seed the best runs and the ratio, over all seeds the aggregates (module docstring).
+    `mosaic_knobs` (`--mosaic-knob`): extra autoscaler knobs for Mosaic's runs, recorded in
+    `autoscale_seeds_knobs.json` instead of `autoscale_seeds.json`."""
     grid = standard_grid(quick)
     per_seed: dict[str, Any] = {}
     lines = []
     for seed in seeds:
         reqs = compressed_day(quick, seed=seed)
+        jobs = target_jobs(COMPRESSED_DAY, reqs, grid, quick=quick, mosaic_extra=mosaic_knobs)
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            reports = list(pool.map(run_one, target_jobs(COMPRESSED_DAY, reqs, grid, quick=quick)))
+            reports = list(pool.map(run_one, jobs))
         out = target_families(reports)
         per_seed[str(seed)] = {"requests": len(reqs), **out}
         lines.append(
@@ -459,9 +468,13 @@ def seed_sweep(seeds: tuple[int, ...], quick: bool, workers: int) -> None:
         f"{aggregate['summed_ratio']}, ≤ 0.95 on {aggregate['seeds_meeting_bar']} of {len(seeds)}"
     )
     payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "trace": COMPRESSED_DAY}
+    flag = f"--seeds {','.join(map(str, seeds))}"
+    if mosaic_knobs:
+        payload["mosaic_knobs"] = mosaic_knobs
+        flag += "".join(f" --mosaic-knob {k}={v:g}" for k, v in mosaic_knobs.items())
     _record(
-        "autoscale_seeds",
-        f"--seeds {','.join(map(str, seeds))}",
+        "autoscale_seeds_knobs" if mosaic_knobs else "autoscale_seeds",
+        flag,
         quick,
         {**payload, "seeds": per_seed, "aggregate": aggregate},
         lines,
@@ -506,6 +519,27 @@ def _record(name: str, flag: str, quick: bool, payload: dict[str, Any], lines: l
     append_line(name, command, "; ".join(lines))
     for line in lines:
         print(line)
+
+
+def parse_knobs(items: list[str]) -> dict[str, float]:
+    """`NAME=VALUE` items → Mosaic autoscaler knobs; a name AutoscalerConfig lacks or a value that is not a
+    finite number exits with one line."""
+    names = {f.name for f in dataclasses.fields(AutoscalerConfig)}
+    knobs: dict[str, float] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or name not in names:
+            raise SystemExit(
+                f"error: --mosaic-knob wants NAME=VALUE with NAME an autoscaler knob, got {item!r}"
+            )
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise SystemExit(f"error: --mosaic-knob {name}: {value!r} is not a finite number")
+        knobs[name] = number
+    return knobs
 
 
 def parse_grid(text: str) -> tuple[float, ...]:
@@ -560,11 +594,22 @@ def main() -> None:
         action="store_true",
         help="with --grid: both families size decode at the observed context (see above)",
     )
+    parser.add_argument(
+        "--mosaic-knob",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="with --seeds: an extra autoscaler knob for Mosaic's runs (repeatable), e.g. "
+        "scale_down_delay_after_ready_s=120",
+    )
     args = parser.parse_args()
     if args.observed_context and not args.grid:
         raise SystemExit("error: --observed-context applies to --grid only")
+    if args.mosaic_knob and not args.seeds:
+        raise SystemExit("error: --mosaic-knob applies to --seeds only")
     if args.seeds:
-        seed_sweep(parse_seeds(args.seeds), args.quick, args.workers)
+        knobs = parse_knobs(args.mosaic_knob)
+        seed_sweep(parse_seeds(args.seeds), args.quick, args.workers, knobs or None)
         return
     if args.load_sweep:
         load_sweep(parse_loads(args.load_sweep), args.quick, args.workers)

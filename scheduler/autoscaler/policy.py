@@ -69,6 +69,10 @@ class AutoscalerConfig:
     # > 0: the backlog term sizes for the queue projected to when capacity bought now is ready (this lead:
     # the cold start), given ready capacity and starting instances' ready times; 0: for the queue now
     backlog_lead_s: float = 0.0
+    # > 0: no scale-in of a pool while an instance of it is starting, nor within this long after one became
+    # ready (Cluster Autoscaler's scale-down-delay-after-add, counted from ready): an instance bought for
+    # demand is not removed before it has served, however the recommendations moved during its cold start
+    scale_down_delay_after_ready_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):  # NaN passes every comparison below; inf is no setting either
@@ -96,14 +100,31 @@ class MosaicAutoscaler:
         self._trend: dict[str, tuple[float, float, float]] = {}  # key → (time, demand, smoothed slope)
         self._context: dict[str, float] = {}  # model → smoothed mean context per sequence (tokens)
         self._seeded: set[str] = set()
+        self._ready: dict[str, tuple[int, float]] = {}  # pool → (ready count last seen, when it last rose)
 
     def decide(self, obs: Observation) -> ScalingDecision:
         targets: dict[str, int] = {}
         reasons: dict[str, str] = {}
         signal: dict[str, float] = {}
+        added = self._recently_added(obs)
         for model in sorted({p.model for p in self.pools}):
-            self._decide_model(model, obs, targets, reasons, signal)
+            self._decide_model(model, obs, targets, reasons, signal, added)
         return ScalingDecision(obs.now, targets, reasons, signal)
+
+    def _recently_added(self, obs: Observation) -> frozenset[str]:
+        """Pools under `scale_down_delay_after_ready_s`: an instance starting, or one ready for less than
+        the delay (a rise of the ready count seen between two observations)."""
+        delay = self.config.scale_down_delay_after_ready_s
+        out = set()
+        for name, po in obs.pools.items():
+            seen = self._ready.get(name)
+            rose = seen[1] if seen is not None else -math.inf
+            if seen is not None and po.ready > seen[0]:
+                rose = obs.now
+            self._ready[name] = (po.ready, rose)
+            if delay > 0 and (po.starting > 0 or obs.now - rose < delay):
+                out.add(name)
+        return frozenset(out)
 
     # -- one model -----------------------------------------------------------------------------------
 
@@ -114,6 +135,7 @@ class MosaicAutoscaler:
         targets: dict[str, int],
         reasons: dict[str, str],
         signal: dict[str, float],
+        added: frozenset[str] = frozenset(),
     ) -> None:
         cfg = self.config
         pools = [p for p in self.pools if p.model == model]
@@ -163,6 +185,7 @@ class MosaicAutoscaler:
             targets,
             reasons,
             unknown,
+            added,
         )
 
         if not prefill_pools:
@@ -208,6 +231,7 @@ class MosaicAutoscaler:
             targets,
             reasons,
             unknown,
+            added,
         )
 
     def _decode_instance_equivalents(
@@ -310,6 +334,7 @@ class MosaicAutoscaler:
         targets: dict[str, int],
         reasons: dict[str, str],
         unknown: Sequence[str] = (),
+        added: frozenset[str] = frozenset(),
     ) -> None:
         """Turn a capacity requirement into damped, bounded per-pool targets; no scale-in while the latency
         SLO is `breached` or any of the model's pools has an incomplete signal (`unknown`)."""
@@ -331,8 +356,12 @@ class MosaicAutoscaler:
             n = current[pool.name]
             want = max(raw[pool.name], n) if hold else raw[pool.name]
             target = self._damp(pool, n, want, now)
+            if pool.name in added:  # after the window's history took the recommendation: the delay and
+                target = max(target, min(n, pool.max_replicas))  # the window run side by side, as in CA
             targets[pool.name] = target
             reasons[pool.name] = why + (" (latency SLO breached: no scale-in)" if breached else "")
+            if pool.name in added and raw[pool.name] < n:
+                reasons[pool.name] += " (instance added recently: no scale-in)"
             if unknown:
                 reasons[pool.name] += (
                     f" (signal incomplete: stale worker metrics in {', '.join(unknown)}; no scale-in)"
