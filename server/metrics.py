@@ -11,8 +11,8 @@ nothing per request.
 | mosaic_requests_received_total | counter | model (at arrival, past auth, validation and rate limits: the autoscaler's arrival rate) |
 | mosaic_request_outcomes_total | counter | model, outcome (completed, failed_before_first_byte, client_disconnected, worker_error, timed_out, shut_down, ...) |
 | mosaic_time_to_first_token_seconds | histogram | model, pool (arrival → first streamed event relayed, unless an error event) |
-| mosaic_inter_token_latency_seconds | histogram | model, pool (gap between relayed stream events carrying tokens: not `[DONE]`, not the usage-only event) |
-| mosaic_time_per_output_token_seconds | histogram | model, pool (per completed stream of n ≥ 2 tokens: (e2e − TTFT) / (n − 1), as vLLM and the load generator) |
+| mosaic_inter_token_latency_seconds | histogram | model, pool (gap between relayed stream events carrying tokens: not `[DONE]`, not the usage-only event; streams of one sequence) |
+| mosaic_time_per_output_token_seconds | histogram | model, pool (per completed stream of one sequence and n ≥ 2 tokens: (e2e − TTFT) / (n − 1), as vLLM and the load generator) |
 | mosaic_e2e_request_latency_seconds | histogram | model, pool (arrival → last byte, completed requests only) |
 | mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
 | mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |

@@ -42,6 +42,10 @@ def _media_type(content_type: str) -> bytes:
     return content_type.encode("latin-1")
 
 
+def _untimed(_: float) -> None:
+    """The ITL observer of a stream of several sequences (`StreamSession._timed`)."""
+
+
 class TotalTimeout(TimeoutError):
     """The gateway's own `limits.total_timeout_s` ended a stream that was still flowing."""
 
@@ -108,6 +112,9 @@ class StreamSession:
         self.relay = SseRelay(strip_usage=not parsed.client_wants_usage)
         self.closed = False
         self._clock = d.clock
+        # Per-token timings need one sequence: a batch's or n > 1's choices interleave their tokens (two
+        # events of one engine step are no gap), and usage sums their tokens (TPOT's n − 1 would be theirs)
+        self._timed = parsed.sequences == 1
         self._itl = d.child(d.metrics.itl, rec.model, rec.pool)
         self._deadline = rec.arrival + d.limits.total_timeout_s
         self._last = self._first_at = 0.0  # the last relayed piece; the first
@@ -144,7 +151,8 @@ class StreamSession:
             now = self._last = self._clock()
             tokens = self._token_events(out)
             if tokens > 0:
-                self._itl.observe(now - self._last_token)
+                if self._timed:
+                    self._itl.observe(now - self._last_token)
                 self._last_token = now
                 self._generated += tokens
                 self.lease.on_tokens(self._generated, now)  # renews KV leases; grows `predicted` reservations
@@ -160,7 +168,9 @@ class StreamSession:
         """The stream ended well: the held-back remainder to send; per-request TPOT observed."""
         tail = self.relay.flush()
         n = int((self.relay.usage or {}).get("completion_tokens") or 0)
-        if n >= 2:  # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1)
+        if (
+            n >= 2 and self._timed
+        ):  # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1)
             d, rec = self.d, self.rec
             d.child(d.metrics.tpot, rec.model, rec.pool).observe(
                 (self._last_token - self._first_at) / (n - 1)
@@ -225,7 +235,7 @@ class StreamSession:
             cycle.write,
             self.relay.feed,
             self._clock,
-            self._itl.observe,
+            self._itl.observe if self._timed else _untimed,
             self.lease.on_tokens,
             self._token_events,
         )

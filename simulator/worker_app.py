@@ -266,10 +266,14 @@ class WorkerRuntime:
                 for i, seq in enumerate(seqs):
                     yield w.role((seq.prompt_tokens, 0) if cont else None, i)
             while True:
+                # Cleared before the scan and `produced` read once per pass: a yield can wait on the client's
+                # socket while the engine delivers more, which the next pass (not this one) must send.
+                event.clear()
                 for i, (seq, tk) in enumerate(zip(seqs, tickets, strict=True)):
-                    if tk.produced <= sent[i]:
+                    upto = tk.produced
+                    if upto <= sent[i]:
                         continue
-                    words = pseudo_words(seed, seq.fingerprint, sent[i], tk.produced)
+                    words = pseudo_words(seed, seq.fingerprint, sent[i], upto)
                     last = tk.record.output_tokens - 1 if tk.done and tk.record is not None else -1
                     for k, word in enumerate(words, start=sent[i]):
                         if cut and tk.request.max_tokens > 1 and k >= tk.request.max_tokens // 2:
@@ -282,11 +286,11 @@ class WorkerRuntime:
                             return
                         reason = tk.record.finish_reason.value if k == last and tk.record else None
                         yield w.token(word, reason, (seq.prompt_tokens, k + 1) if cont else None, i)
-                    sent[i] = tk.produced
-                if all(tk.done for tk in tickets):
+                    sent[i] = upto
+                if all(tk.done and sent[i] >= tk.produced for i, tk in enumerate(tickets)):
                     break
-                event.clear()
-                await event.wait()
+                if not event.is_set():
+                    await event.wait()
             recs = [tk.record for tk in tickets]
             if api.include_usage and all(rec is not None for rec in recs):
                 yield w.usage(sum(map(len, api.prompts)), sum(rec.output_tokens for rec in recs if rec))

@@ -69,10 +69,11 @@ class AutoscalerConfig:
     # > 0: the backlog term sizes for the queue projected to when capacity bought now is ready (this lead:
     # the cold start), given ready capacity and starting instances' ready times; 0: for the queue now
     backlog_lead_s: float = 0.0
-    # > 0: no scale-in of a pool while an instance of it is starting, nor within this long after one became
-    # ready (Cluster Autoscaler's scale-down-delay-after-add, counted from ready): an instance bought for
-    # demand is not removed before it has served, however the recommendations moved during its cold start
-    scale_down_delay_after_ready_s: float = 0.0
+    # > 0: no scale-in of a pool for this long after its provisioned count last rose (Cluster Autoscaler's
+    # scale-down-delay-after-add; set it to the cold start plus the service an added instance should give):
+    # an instance bought for demand is not removed before it has served, however the recommendations moved
+    # during its cold start. Counted from the add, so a pod that never becomes ready cannot hold it forever
+    scale_down_delay_after_add_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):  # NaN passes every comparison below; inf is no setting either
@@ -100,7 +101,7 @@ class MosaicAutoscaler:
         self._trend: dict[str, tuple[float, float, float]] = {}  # key → (time, demand, smoothed slope)
         self._context: dict[str, float] = {}  # model → smoothed mean context per sequence (tokens)
         self._seeded: set[str] = set()
-        self._ready: dict[str, tuple[int, float]] = {}  # pool → (ready count last seen, when it last rose)
+        self._added: dict[str, tuple[int, float]] = {}  # pool → (provisioned count last seen, when it rose)
 
     def decide(self, obs: Observation) -> ScalingDecision:
         targets: dict[str, int] = {}
@@ -109,20 +110,24 @@ class MosaicAutoscaler:
         added = self._recently_added(obs)
         for model in sorted({p.model for p in self.pools}):
             self._decide_model(model, obs, targets, reasons, signal, added)
+        for name, target in targets.items():  # its own adds count from the decision, not the next look
+            if name in obs.pools and target > obs.pools[name].provisioned:
+                self._added[name] = (target, obs.now)
         return ScalingDecision(obs.now, targets, reasons, signal)
 
     def _recently_added(self, obs: Observation) -> frozenset[str]:
-        """Pools under `scale_down_delay_after_ready_s`: an instance starting, or one ready for less than
-        the delay (a rise of the ready count seen between two observations)."""
-        delay = self.config.scale_down_delay_after_ready_s
+        """Pools under `scale_down_delay_after_add_s`: their provisioned count (ready + starting) rose less
+        than the delay ago, as seen between two observations (a worker coming back from unhealthy moves
+        it between ready and starting, not up)."""
+        delay = self.config.scale_down_delay_after_add_s
         out = set()
         for name, po in obs.pools.items():
-            seen = self._ready.get(name)
+            seen = self._added.get(name)
             rose = seen[1] if seen is not None else -math.inf
-            if seen is not None and po.ready > seen[0]:
+            if seen is not None and po.provisioned > seen[0]:
                 rose = obs.now
-            self._ready[name] = (po.ready, rose)
-            if delay > 0 and (po.starting > 0 or obs.now - rose < delay):
+            self._added[name] = (po.provisioned, rose)
+            if delay > 0 and obs.now - rose < delay:
                 out.add(name)
         return frozenset(out)
 

@@ -51,6 +51,7 @@ class FakeWorker:
     tokens: int = 4
     die_after: int = 2  # chunks sent before dying (die_mid_stream)
     chunk_delay_s: float = 0.0
+    tail_delay_s: float = 0.0  # between the last token and the stream's end (usage event, [DONE])
     whole_delay_s: float = 0.0  # a whole (non-streaming) answer comes after this long
     seen: list[dict[str, Any]] = field(default_factory=list)
     raw_seen: list[bytes] = field(default_factory=list)
@@ -165,6 +166,8 @@ class FakeWorker:
                     ).encode()
                     + b"\n\n"
                 )
+            if self.tail_delay_s:
+                await asyncio.sleep(self.tail_delay_s)
             if usage:
                 u = {
                     "id": "x",

@@ -206,7 +206,8 @@ def test_usage_injected_upstream_and_stripped_for_the_client() -> None:
 
 def test_stream_timings_count_token_events_only() -> None:
     """ITL is one gap per token event after the first: `[DONE]` and the usage-only event end the stream
-    in its last token's step and are not gaps; a stream that opens with an error event has no TTFT."""
+    in its last token's step and are not gaps, and TPOT ends at the last token; a stream of several
+    sequences has no per-token timings; a stream that opens with an error event has no TTFT."""
     a = FakeWorker("a", tokens=4)
 
     async def body() -> None:
@@ -220,11 +221,24 @@ def test_stream_timings_count_token_events_only() -> None:
             assert metric(gw, "mosaic_time_to_first_token_seconds_count", **labels) == 2
             assert metric(gw, "mosaic_inter_token_latency_seconds_count", **labels) == 2 * 3
             assert metric(gw, "mosaic_time_per_output_token_seconds_count", **labels) == 2
+            # TPOT runs to the last token, not to the end of the stream: 3 gaps of 20 ms, then 400 ms to [DONE]
+            a.chunk_delay_s, a.tail_delay_s = 0.02, 0.4
+            await c.post(CHAT, json=chat(stream=True, max_tokens=4))
+            a.chunk_delay_s = a.tail_delay_s = 0.0
+            tpot = gw.metrics.registry.get_sample_value("mosaic_time_per_output_token_seconds_sum", labels)
+            assert metric(gw, "mosaic_time_per_output_token_seconds_count", **labels) == 3
+            assert tpot is not None and 0.02 <= tpot < 0.1 + 2 * 0.01  # ~0.02 + ~0 s for the first two
+            # several sequences (n = 2): TTFT, but no per-token timing (their tokens interleave)
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=4, n=2))
+            assert sse_events(r.text)[-1] == "[DONE]"
+            assert metric(gw, "mosaic_time_to_first_token_seconds_count", **labels) == 4
+            assert metric(gw, "mosaic_inter_token_latency_seconds_count", **labels) == 3 * 3
+            assert metric(gw, "mosaic_time_per_output_token_seconds_count", **labels) == 3
             a.mode = "error_event"
             r = await c.post(CHAT, json=chat(stream=True, max_tokens=4))
             assert json.loads(sse_events(r.text)[0])["error"]["message"] == "engine died"
-            assert metric(gw, "mosaic_time_to_first_token_seconds_count", **labels) == 2
-            assert metric(gw, "mosaic_inter_token_latency_seconds_count", **labels) == 2 * 3
+            assert metric(gw, "mosaic_time_to_first_token_seconds_count", **labels) == 4
+            assert metric(gw, "mosaic_inter_token_latency_seconds_count", **labels) == 3 * 3
 
     run(body)
 

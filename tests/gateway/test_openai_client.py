@@ -103,7 +103,9 @@ def test_pd_path_end_to_end(client: openai.OpenAI, gw: GatewayThread) -> None:
     )
 
 
-def test_a_batch_with_n_completions_each_is_served_in_one_hop(client: openai.OpenAI, gw: GatewayThread) -> None:
+def test_a_batch_with_n_completions_each_is_served_in_one_hop(
+    client: openai.OpenAI, gw: GatewayThread
+) -> None:
     """A completions batch of two long prompts with n = 2: four choices from one decode worker, no prefill
     hop (vLLM's prefill answer carries one sequence's KV)."""
     prefill = gw.gateway.registry.get("prefill-h100/sim-0")

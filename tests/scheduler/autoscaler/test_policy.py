@@ -284,25 +284,23 @@ def test_the_starting_size_holds_scale_in_for_one_window() -> None:
     assert policy.decide(obs(301, **{"d-a100": po(4, 800)})).targets["d-a100"] == 3
 
 
-def test_no_scale_in_while_an_instance_starts_or_within_the_delay_after_it_became_ready() -> None:
-    """scale_down_delay_after_ready_s: a spike buys an instance; demand falls back while it cold-starts. The
-    window alone (60 s) would remove it as soon as it is ready; the delay keeps it for 120 s of service.
-    The window's history is not held meanwhile, so scale-in comes right when the delay ends."""
-    cfg = dataclasses.replace(CFG, scale_down_window_s=60, scale_down_delay_after_ready_s=120)
-    for delay, kept_until in ((0.0, 0), (120.0, 250)):
-        policy = MosaicAutoscaler(
-            [decode_pool()], dataclasses.replace(cfg, scale_down_delay_after_ready_s=delay)
-        )
+def test_no_scale_in_within_the_delay_after_an_add() -> None:
+    """scale_down_delay_after_add_s: a spike buys an instance at 0 s; demand falls back while it cold-starts
+    (ready at 120 s). The window alone (60 s) removes it at 75 s, a cold start paid for nothing; a 240 s
+    delay keeps it to 240 s (120 s of service). The window's history is not held meanwhile, so scale-in
+    comes right when the delay ends; a worker moving from starting back to ready (provisioned unchanged)
+    does not restart the delay."""
+    for delay, last_three in ((0.0, 60), (240.0, 225)):
+        cfg = dataclasses.replace(CFG, scale_down_window_s=60, scale_down_delay_after_add_s=delay)
+        policy = MosaicAutoscaler([decode_pool()], cfg)
         assert policy.decide(obs(0, **{"d-a100": po(2, 2400)})).targets["d-a100"] == 3  # 2,400/800
-        assert policy.decide(obs(15, **{"d-a100": po(2, 1600, starting=1)})).targets["d-a100"] == 3
         targets = {}
-        for t in range(30, 400, 15):  # 1,600/800 = 2 from here on; the third is ready from t = 120
+        for t in range(15, 400, 15):  # 1,600/800 = 2 from here on; the third is ready from 120 s
             ready, starting = (3, 0) if t >= 120 else (2, 1)
+            if t == 180:
+                ready, starting = 2, 1  # one worker unhealthy for a cycle (live: counted as starting)
             targets[t] = policy.decide(obs(t, **{"d-a100": po(ready, 1600, starting)})).targets["d-a100"]
-        last_three = max(t for t, n in targets.items() if n == 3)
-        # off: the window (60 s after the last recommendation of 3, at 0 s) lets it go at 75 s, while it is
-        # still starting (a cold start paid for nothing); on: kept until 120 s after it became ready (120 s)
-        assert last_three == (60 if delay == 0 else 225), (delay, targets)
+        assert max(t for t, n in targets.items() if n == 3) == last_three, (delay, targets)
         assert targets[last_three + 15] == 2
 
 
