@@ -9,6 +9,7 @@ Public API (stable; the HTTP worker, the cluster simulator and `mosaic profile -
     engine.abort(request_id: str, now: float) -> RequestRecord | None
     engine.release_held(request_id: str) -> int                       # P/D: decode side fetched the KV
     engine.expire_held(now: float) -> int                             # P/D: free holds past their timeout
+    engine.next_hold_expiry() -> float | None                         # P/D: when the earliest hold times out
     engine.has_work() -> bool;  engine.next_event_time() -> float | None  (a KV transfer landing)
     engine.inspect(request_id) -> SeqView | None;  engine.requests() -> list[SeqView]
     state: num_running, num_waiting, num_held, kv_usage, num_gpu_blocks, block_size, max_model_len,
@@ -234,6 +235,14 @@ class Engine:
         """When a remote KV transfer lands (the only thing that can unblock an idle engine with work)."""
         heap = self._transfer_heap
         while heap and heap[0][2].state is not _State.TRANSFERRING:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def next_hold_expiry(self) -> float | None:
+        """When the earliest P/D hold times out and frees its blocks (a request waiting for KV may then be
+        admitted); None without holds. Stale heap entries (holds released since) are dropped."""
+        heap = self._held_heap
+        while heap and heap[0][2].state is not _State.HELD:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 

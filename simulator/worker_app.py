@@ -168,6 +168,11 @@ class WorkerRuntime:
             api = parse_request(body, chat, self.served)
             limit = self.engine.max_model_len
             max_tokens = [check_context(len(ids), api.max_tokens, limit) for ids in api.prompts]
+            if api.min_tokens > min(max_tokens):  # vLLM's SamplingParams check, after the clamp
+                raise ApiError(
+                    400,
+                    f"min_tokens must be less than or equal to max_tokens={min(max_tokens)}, got {api.min_tokens}.",
+                )
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         faults = self.faults
@@ -178,13 +183,18 @@ class WorkerRuntime:
             return JSONResponse(err.body(), status_code=500)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(8)
         seqs = self._sequences(api, rid, max_tokens)
-        tickets = await self.driver.submit_all([s.request for s in seqs], stream=api.stream)
+        try:
+            tickets = await self.driver.submit_all([s.request for s in seqs], stream=api.stream)
+        except ValueError as exc:  # the engine refused what the checks above let through: a 400, not a 500
+            self._abandon_remote(rid)
+            err = ApiError(400, str(exc))
+            return JSONResponse(err.body(), status_code=err.status)
         if api.stream:
             cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
             stream = self._stream(api, rid, seqs, tickets, bool(cut))
             return StreamingResponse(stream, media_type="text/event-stream")
         recs = await self._finished_or_disconnected(request, tickets)
-        self._remote.pop(rid, None)  # the KV never landed if it was aborted first
+        self._abandon_remote(rid)  # aborted before its KV landed: the prefill side frees it now
         if recs is None:
             return Response(status_code=499)  # nobody is listening any more
         choices = [
@@ -298,7 +308,7 @@ class WorkerRuntime:
         finally:
             for tk in tickets:
                 self.driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
-            self._remote.pop(rid, None)
+            self._abandon_remote(rid)
 
     # ------------------------------------------------------------ P/D
     def _kv_transfer(self, api: ApiRequest, rid: str) -> KvTransfer | None:
@@ -341,9 +351,19 @@ class WorkerRuntime:
             rid = self._holds.pop(ids[0], rid)
         if not isinstance(rid, str):
             return 0
-        return self.engine.release_held(rid)
+        freed = self.engine.release_held(rid)
+        if freed:
+            self.driver.kick()  # a request waiting for those blocks is admitted now, not at the next arrival
+        return freed
 
     def _kv_received(self, rid: str) -> None:
+        self._abandon_remote(rid)
+
+    def _abandon_remote(self, rid: str) -> None:
+        """The decode side is done with request `rid`'s remote KV: it landed (`_kv_received`), or the request
+        ended before it did (aborted, refused). Either way the prefill side is told to free its hold, as
+        vLLM's NIXL connector notifies it (after the read, or with no blocks for an aborted request); a
+        request whose KV already landed was removed from `_remote` then and is not notified twice."""
         kvp = self._remote.pop(rid, None)
         if not kvp or not kvp.get("remote_host") or not kvp.get("remote_port"):
             return
@@ -410,7 +430,8 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         return Response(status_code=200 if rt.faults.healthy else 503)
 
     async def metrics(request: Request) -> Response:
-        rt.engine.expire_held(rt.driver.now())
+        if rt.engine.expire_held(rt.driver.now()):
+            rt.driver.kick()
         return Response(rt.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def state(request: Request) -> Response:

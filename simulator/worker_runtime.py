@@ -56,6 +56,12 @@ class SimClock:
         self.anchor_sim = sim
         self.anchor_wall = time.monotonic()
 
+    def slide(self, sim: float) -> None:
+        """Move the anchor along the clock's own line to `sim` (no drift): the idle-gap cap then counts from
+        the last step, not from the last rebase (after an hour of on-time steps the clock froze)."""
+        self.anchor_wall = self.wall_at(sim)
+        self.anchor_sim = sim
+
 
 class Ticket:
     """One request's progress as its HTTP handler sees it. `event` is set on new tokens (streams) and at end."""
@@ -134,11 +140,20 @@ class EngineDriver:
             for tk in tickets:
                 self.abort(tk)
             raise
+        self._ensure_running()
+        return tickets
+
+    def kick(self) -> None:
+        """KV was freed outside a step (a P/D hold released or timed out): a request waiting for blocks
+        may be admitted now, so step again if there is work."""
+        if self.engine.has_work():
+            self._ensure_running()
+
+    def _ensure_running(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
         else:
             self._wake.set()
-        return tickets
 
     def abort(self, tk: Ticket) -> None:
         """The client went away: drop the request from the engine (no success counted)."""
@@ -175,8 +190,10 @@ class EngineDriver:
                     if res.preempted:
                         continue
                     nxt = eng.next_event_time()
+                    if nxt is None:  # waiting for KV that P/D holds keep: the earliest times out then
+                        nxt = eng.next_hold_expiry()
                     if nxt is None:
-                        break  # nothing can run until something changes; the next submit restarts us
+                        break  # nothing can run until something changes; a submit or kick restarts us
                     t = await self._idle_until(nxt)
                     continue
                 self._busy_until = res.end
@@ -193,10 +210,12 @@ class EngineDriver:
         delay = self.clock.wall_at(sim_end) - time.monotonic()
         if delay >= _MIN_SLEEP_S:
             await asyncio.sleep(delay)
-            return
-        await asyncio.sleep(0)  # let handlers write what the previous step produced
+        else:
+            await asyncio.sleep(0)  # let handlers write what the previous step produced
         if delay < -_LATE_REBASE_S:
             self.clock.rebase(sim_end)  # late: the simulated clock follows the engine, not the wall
+        else:
+            self.clock.slide(sim_end)
 
     async def _idle_until(self, sim_t: float) -> float:
         """Wait (woken early by a submit) until simulated `sim_t`; returns the simulated time to step at."""

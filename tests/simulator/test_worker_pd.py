@@ -90,3 +90,45 @@ async def test_release_endpoint_by_block_ids(asgi) -> None:
         again = await client.post("/sim/kv/release", json={"remote_block_ids": kvp["remote_block_ids"]})
     assert freed.json() == {"released_blocks": 13} and again.json() == {"released_blocks": 0}
     assert rt.engine.kv.used == 0
+
+
+@pytest.mark.parametrize("freed_by", ["release", "timeout"])
+async def test_a_request_waiting_for_held_kv_is_served_when_the_hold_goes(asgi, freed_by: str) -> None:
+    """A prefill worker whose KV is all held for decode sides: a new request waits. Freeing the hold (the
+    decode side's release, or its timeout) admits it with no other traffic; before, the idle engine slept
+    until the next arrival."""
+    from simulator.engine import EngineConfig
+
+    timeout = 1e6 if freed_by == "release" else 2.0  # simulated seconds; 2 s is 0.2 s of wall time here
+    cfg = WorkerConfig(
+        gpu="H100", model=M, role="prefill", time_scale=10.0, kv_hold_timeout_s=timeout,
+        engine=EngineConfig(num_gpu_blocks=16, max_model_len=256),
+    )  # fmt: skip
+    async with asgi(cfg) as (client, rt):
+        kvp = (await client.post("/v1/completions", json=prefill_body())).json()["kv_transfer_params"]
+        assert len(kvp["remote_block_ids"]) == 13 and rt.engine.kv.used == 13
+        second = asyncio.ensure_future(client.post("/v1/completions", json=prefill_body()))
+        assert await wait_for(lambda: rt.engine.num_waiting == 1)  # 13 more blocks do not fit in 16
+        await asyncio.sleep(0.05)
+        assert rt.engine.num_waiting == 1 and not second.done()
+        if freed_by == "release":
+            await client.post("/sim/kv/release", json={"remote_block_ids": kvp["remote_block_ids"]})
+        answer = await asyncio.wait_for(second, 2.0)
+    assert answer.status_code == 200 and answer.json()["kv_transfer_params"]["remote_block_ids"]
+
+
+async def test_a_decode_request_aborted_before_its_kv_lands_frees_the_prefill_hold(served) -> None:
+    """The decode side's client leaves while the KV is in flight: the prefill side is told to free its hold
+    (vLLM's NIXL connector notifies it), not left holding it for kv_hold_timeout_s."""
+    pcfg = WorkerConfig(gpu="H100", model=M, role="prefill", time_scale=10.0)
+    dcfg = WorkerConfig(gpu="L4", model=M, role="decode", time_scale=10.0, kv_link_gbps=0.01)
+    async with served(pcfg) as p, served(dcfg) as d, httpx.AsyncClient(timeout=30) as h:
+        kvp = (await h.post(p.url + "/v1/completions", json=prefill_body())).json()["kv_transfer_params"]
+        assert p.runtime.engine.num_held == 1
+        body = {"model": M, "prompt": PROMPT, "max_tokens": 5, "kv_transfer_params": kvp}
+        # 200 tokens · 128 KiB at 0.01 GB/s ≈ 2.6 s simulated ≈ 0.26 s wall: leave after 0.1 s
+        with pytest.raises(httpx.ReadTimeout):
+            await h.post(d.url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.1))
+        assert await wait_for(lambda: d.runtime.engine.num_waiting == 0 and d.runtime.engine.kv.used == 0)
+        assert await wait_for(lambda: p.runtime.engine.num_held == 0, timeout=2.0)
+        assert p.runtime.engine.kv.used == 0
