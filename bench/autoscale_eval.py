@@ -600,7 +600,7 @@ def main() -> None:
         default=[],
         metavar="NAME=VALUE",
         help="with --seeds: an extra autoscaler knob for Mosaic's runs (repeatable), e.g. "
-        "scale_down_delay_after_ready_s=120",
+        "scale_down_delay_after_add_s=240",
     )
     args = parser.parse_args()
     if args.observed_context and not args.grid:
