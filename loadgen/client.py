@@ -87,7 +87,7 @@ def _consume(rec: RequestRecord, data: str, now: float) -> bool:
         return True
     try:
         chunk = json.loads(data)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # JSONDecodeError, or nesting too deep to decode
         raise _Fail("bad_chunk", f"chunk is not JSON: {data[:80]!r}") from None
     if not isinstance(chunk, dict):
         raise _Fail("bad_chunk", f"chunk is not an object: {data[:80]!r}")

@@ -11,6 +11,8 @@ hours; shrink `ProbePlan` for quick looks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 from collections.abc import Callable
 
 import httpx
@@ -42,13 +44,20 @@ def url_measure_factory(
     hint: Callable[[Bucket], float | None] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> MeasureFactory:
-    """`measure(rate)` per bucket against `target`; buckets longer than `max_context` cannot be served."""
+    """`measure(rate)` per bucket against `target`; buckets longer than `max_context` cannot be served.
+
+    Every probe (and each unloaded baseline) sends its own prompts (`RunOptions.prompt_salt`): the probes
+    of a bucket reuse the same lengths and arrival gaps, and with the same prompts a server with prefix
+    caching (vLLM's default) would serve every probe after the first from its cache."""
+    probes = itertools.count(1)
 
     def unloaded_ttft(bucket: Bucket) -> float | None:
         """p90 TTFT of the bucket's first 10 requests sent one at a time, one output token each."""
         reqs = unloaded_requests(bucket, max_context, seed)
         sched = [ScheduledRequest(k, 0.0, r.input_tokens, 1) for k, r in enumerate(reqs)]
-        one_at_a_time = RunOptions(concurrency=1, timeout_s=opts.timeout_s, seed=opts.seed)
+        one_at_a_time = RunOptions(
+            concurrency=1, timeout_s=opts.timeout_s, seed=opts.seed, prompt_salt=next(probes)
+        )
         result = asyncio.run(replay(sched, target, one_at_a_time, None, transport))
         ttfts = [r.ttft_s for r in result.records if r.ttft_s is not None]
         return float(np.percentile(ttfts, 90)) * 1000.0 if ttfts else None
@@ -65,7 +74,8 @@ def url_measure_factory(
                 ScheduledRequest(k, r.offset / rate, r.input_tokens, r.output_tokens)
                 for k, r in enumerate(reqs)
             ]
-            result = asyncio.run(replay(sched, target, opts, None, transport))
+            salted = dataclasses.replace(opts, prompt_salt=next(probes))
+            result = asyncio.run(replay(sched, target, salted, None, transport))
             window_recs = [r for r in result.records if lo <= r.scheduled_s < hi]
             ok = [r for r in window_recs if r.success]
             return summarize(

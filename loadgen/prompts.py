@@ -50,22 +50,25 @@ WORDS: tuple[str, ...] = (
 _WORDS = np.array(WORDS)
 
 
-def _rng(seed: int, kind: int, key: int) -> np.random.Generator:
-    # SeedSequence mixes the three integers into independent streams: (seed, block h) ≠ (seed, request h).
-    return np.random.Generator(
-        np.random.PCG64(np.random.SeedSequence([seed & 0xFFFFFFFF, kind, key & (2**63 - 1)]))
-    )
+def _rng(seed: int, kind: int, key: int, salt: int = 0) -> np.random.Generator:
+    # SeedSequence mixes the integers into independent streams: (seed, block h) ≠ (seed, request h); a salt
+    # (a later probe of the same requests) draws other ids, and salt 0 the ids it always drew.
+    entropy = [seed & 0xFFFFFFFF, kind, key & (2**63 - 1)] + ([salt & (2**63 - 1)] if salt else [])
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
 
 
 class PromptBuilder:
-    """Token ids and texts for scheduled requests, deterministic for `seed`."""
+    """Token ids and texts for scheduled requests, deterministic for `seed` and `salt` (salt > 0: other ids
+    for the same requests, so a server's prefix cache cannot serve a repeated run from the last one)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, salt: int = 0) -> None:
         self.seed = seed
+        self.salt = salt
         self._block = lru_cache(maxsize=4096)(self._make_block)
 
     def _make_block(self, hash_id: int) -> np.ndarray:
-        return _rng(self.seed, 1, hash_id).integers(TOKEN_ID_LOW, TOKEN_ID_HIGH, BLOCK_TOKENS, dtype=np.int64)
+        rng = _rng(self.seed, 1, hash_id, self.salt)
+        return rng.integers(TOKEN_ID_LOW, TOKEN_ID_HIGH, BLOCK_TOKENS, dtype=np.int64)
 
     def _ids(self, req: ScheduledRequest) -> np.ndarray:
         """Symbol indices: the hash-id blocks first, then request-unique symbols up to input_tokens."""
@@ -74,7 +77,9 @@ class PromptBuilder:
         have = len(parts) * BLOCK_TOKENS
         if have < n:
             parts.append(
-                _rng(self.seed, 2, req.index).integers(TOKEN_ID_LOW, TOKEN_ID_HIGH, n - have, dtype=np.int64)
+                _rng(self.seed, 2, req.index, self.salt).integers(
+                    TOKEN_ID_LOW, TOKEN_ID_HIGH, n - have, dtype=np.int64
+                )
             )
         return np.concatenate(parts)[:n] if parts else np.zeros(0, dtype=np.int64)
 

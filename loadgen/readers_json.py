@@ -159,6 +159,7 @@ def _iter_json_array(fh: TextIO, path: Path) -> Iterator[tuple[int, Any | RowErr
             skip(" \t\r\n")
         first = False
         while True:
+            skip(" \t\r\n")  # raw_decode skips no whitespace: a refill after ",\n" starts with some
             try:
                 obj, end = decoder.raw_decode(buf, pos)
                 break

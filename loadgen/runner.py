@@ -1,11 +1,13 @@
 """The replay loop: send each scheduled request at its time, stream the answers, keep the records.
 
-One asyncio task per request. The loop prepares the next request's body while it waits for that
-request's send time, so building a 100k-token prompt does not delay the send; whatever delay remains
-(event-loop load, a slow body) is measured as send lag, never hidden. With `concurrency` set, a request
+One asyncio task per request. While the loop waits for the next send time it builds the bodies of the
+requests due within the next `PREBUILD_WINDOW_S` (at most `PREBUILD_BYTES` of them), so a burst's prompts
+(real traces send dozens in the same millisecond after seconds of quiet) and a 100k-token prompt are ready
+when their time comes; each task is started before the loop goes on, so a send never waits for the next
+body. Whatever delay remains (event-loop load, a slow body) is measured as send lag, never hidden. With `concurrency` set, a request
 whose time has come waits for a free slot (the wait is reported apart from send lag, like vLLM's
 `--max-concurrency`). The trace is consumed lazily: memory holds the records and the in-flight requests,
-never the trace. Connections are kept alive and reused (responses are read to their end so that they
+never the trace (beyond the prebuilt window). Connections are kept alive and reused (responses are read to their end so that they
 can be), over `CLIENT_SHARDS` httpx clients so that no connection pool grows large.
 """
 
@@ -14,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -24,6 +27,10 @@ import httpx
 from loadgen.client import ENDPOINT_PATHS, RequestRecord, send_request
 from loadgen.prompts import PromptBuilder, build_body
 from loadgen.schedule import ScheduledRequest
+
+PREBUILD_WINDOW_S = 2.0  # bodies of requests due this far past the next one are built while waiting
+PREBUILD_BYTES = 64 << 20  # … up to this much of them in memory
+_PREBUILD_MARGIN_S = 0.002  # stop building this close to the next send time
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,9 @@ class RunOptions:
     concurrency: int | None = None  # max requests in flight; None = unbounded (trace timing rules)
     timeout_s: float | None = 600.0  # per request, from send to the last byte
     seed: int = 0  # prompt token ids
+    prompt_salt: int = (
+        0  # > 0: other prompts for the same seed (`PromptBuilder`: a later probe, not a cache hit)
+    )
 
 
 class Observer(Protocol):
@@ -121,24 +131,26 @@ async def replay(
     """Send every scheduled request at `send_at_s` after the start; return when all have finished."""
     if target.endpoint not in ENDPOINT_PATHS:
         raise ValueError(f"endpoint must be one of {', '.join(ENDPOINT_PATHS)}, got {target.endpoint!r}")
-    prompts = PromptBuilder(opts.seed)
+    prompts = PromptBuilder(opts.seed, opts.prompt_salt)
     slots = asyncio.Semaphore(opts.concurrency) if opts.concurrency else None
     result = RunResult(started_at=datetime.now(UTC).isoformat())
     tasks: set[asyncio.Task[None]] = set()
-    it = iter(requests)
+    ahead = _Prebuilt(iter(requests), target, prompts)
     async with contextlib.AsyncExitStack() as stack:
         # Requests go round-robin to a few clients: httpcore scans its whole pool when a request starts or
         # ends, so one pool of n connections costs O(n) per request; shards keep n small at high load.
         shards = [await stack.enter_async_context(make_client(opts, transport)) for _ in range(CLIENT_SHARDS)]
         try:
-            nxt = next(it, None)
-            body = build_body(nxt, target.endpoint, target.model, prompts) if nxt else b""
+            ahead.pull()
             origin = time.perf_counter()
-            while nxt is not None:
-                delay = origin + nxt.send_at_s - time.perf_counter()
+            while ahead.queue:
+                nxt, body = ahead.queue[0]
+                due = origin + nxt.send_at_s
+                ahead.fill(nxt.send_at_s, due - _PREBUILD_MARGIN_S)
                 # Behind schedule, still yield once per request: the tasks already created send now, rather
                 # than after every overdue body is built (all of them in memory, the first send seconds late).
-                await asyncio.sleep(max(0.0, delay))
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                ahead.pop()
                 rec = RequestRecord(
                     nxt.index, nxt.send_at_s, nxt.input_tokens, nxt.output_tokens, trace_line=nxt.trace_line
                 )
@@ -147,8 +159,11 @@ async def replay(
                 task = asyncio.create_task(_one(rec, body, client, target, opts, origin, slots, observer))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-                nxt = next(it, None)
-                body = build_body(nxt, target.endpoint, target.model, prompts) if nxt else b""
+                await asyncio.sleep(0)  # the task sends now, not after the next body is built
+                if not ahead.queue:
+                    ahead.pull()
+            if ahead.error is not None:  # a bad trace row: raised where the replay reached it
+                raise ahead.error
             if tasks:
                 await asyncio.gather(*tasks)
         finally:  # a trace error mid-replay (or Ctrl-C): no request is left running
@@ -158,3 +173,48 @@ async def replay(
                 await asyncio.gather(*tasks, return_exceptions=True)
     result.duration_s = max((r.end_s for r in result.records), default=0.0)
     return result
+
+
+class _Prebuilt:
+    """The requests read from the trace but not yet sent, each with its body, in send order. A trace error
+    is kept and raised by the caller once every request before the bad row has been sent (as reading the
+    trace one request at a time would)."""
+
+    def __init__(self, it: Iterator[ScheduledRequest], target: Target, prompts: PromptBuilder) -> None:
+        self._it, self._target, self._prompts = it, target, prompts
+        self.queue: deque[tuple[ScheduledRequest, bytes]] = deque()
+        self.bytes = 0
+        self.error: Exception | None = None
+        self._done = False
+
+    def pull(self) -> bool:
+        """Read and build one more request; False at the trace's end (or its error)."""
+        if self._done:
+            return False
+        try:
+            req = next(self._it, None)
+        except Exception as exc:  # any reader error ends the trace here; re-raised in order
+            self.error, self._done = exc, True
+            return False
+        if req is None:
+            self._done = True
+            return False
+        body = build_body(req, self._target.endpoint, self._target.model, self._prompts)
+        self.queue.append((req, body))
+        self.bytes += len(body)
+        return True
+
+    def fill(self, head_s: float, deadline: float) -> None:
+        """Build the requests due within `PREBUILD_WINDOW_S` after the head (`head_s`), while the wall clock
+        is before `deadline` and the bytes stay under `PREBUILD_BYTES`."""
+        while (
+            self.queue[-1][0].send_at_s - head_s < PREBUILD_WINDOW_S
+            and self.bytes < PREBUILD_BYTES
+            and time.perf_counter() < deadline
+            and self.pull()
+        ):
+            pass
+
+    def pop(self) -> None:
+        _, body = self.queue.popleft()
+        self.bytes -= len(body)

@@ -268,3 +268,12 @@ def test_connect_error_and_timeout() -> None:
 
     r = run_client(stall, FakeClock(), timeout=0.05)
     assert r.error_type == "timeout" and not r.success
+
+
+def test_a_chunk_nested_too_deep_to_decode_fails_that_request_only() -> None:
+    """json.loads raises RecursionError, not a decode error, on deep nesting: it escaped send_request and
+    the whole replay (every record lost, a traceback). Now it is that request's bad_chunk."""
+    clock = FakeClock()
+    events = [(100.1, sse(text_chunk("a"))), (100.2, b"data: " + b"[" * 200_000 + b"\n\n")]
+    r = run_client(scripted(clock, events), clock)
+    assert not r.success and r.error_type == "bad_chunk"

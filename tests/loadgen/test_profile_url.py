@@ -33,3 +33,42 @@ def test_profile_url_writes_a_url_profile(worker_url: str, tmp_path: Path) -> No
     assert p.max_rate[0][0] == round(SearchConfig(5, 40).grid()[-1], 4)
     m = p.measured[0][0] if p.measured else None
     assert m is not None and m.n > 0 and m.tpot_p90_ms is not None and m.tpot_p90_ms < 40
+
+
+def test_each_probe_sends_its_own_prompts() -> None:
+    """The probes of a bucket reuse its lengths and arrival gaps; with the same prompts too, a server with
+    prefix caching (vLLM's default) served every probe after the first from its cache (99.6% of prompt
+    tokens hit in a review's run). A worker with prefix caching sees no hit across two probes and the
+    unloaded baseline."""
+    import asyncio
+    import threading
+
+    from loadgen.profile_url import url_measure_factory
+    from loadgen.profiling import Bucket, ProbePlan
+    from loadgen.runner import Target
+    from simulator.engine import EngineConfig
+    from simulator.worker_app import WorkerConfig
+    from simulator.worker_server import start_worker_server
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    cfg = WorkerConfig(
+        gpu="H100", model="llama-3-8b", time_scale=500, engine=EngineConfig(enable_prefix_caching=True)
+    )
+    worker = asyncio.run_coroutine_threadsafe(start_worker_server(cfg), loop).result(30)
+    try:
+        plan = ProbePlan(min_window_s=0.2, min_requests=8, e2e_factor=0)
+        factory = url_measure_factory(Target(worker.url, "llama-3-8b"), 8192, plan=plan)
+        bucket = Bucket(0, 0, 512, 1024, 2, 8)
+        measure = factory(bucket)
+        assert measure is not None and measure.unloaded_ttft_ms is not None
+        for _ in range(2):
+            assert measure.measure(20.0).n > 0
+        counters = worker.runtime.engine.counters
+        assert counters.prefix_cache_queries > 0 and counters.prefix_cache_hits == 0
+    finally:
+        asyncio.run_coroutine_threadsafe(worker.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

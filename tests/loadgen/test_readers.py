@@ -285,6 +285,31 @@ def test_sharegpt_elements_cut_anywhere_by_the_buffer_still_parse() -> None:
     assert not _cut_by_buffer(info.value, 122)
 
 
+@pytest.mark.parametrize("gap", ["\n  ", "  ", "\n\n\t"])
+def test_a_read_ending_in_the_whitespace_between_elements_reads_on(tmp_path: Path, gap: str) -> None:
+    """A pretty-printed array (ShareGPT_V3's layout) whose first read ends after "," with the next element's
+    indentation in the next read: valid JSON, read on (it was "invalid JSON: Expecting value")."""
+    from loadgen.readers_json import _CHUNK
+
+    def doc(pad: int) -> str:
+        first = {
+            "id": "a",
+            "conversations": [{"from": "human", "value": "x" * pad}, {"from": "gpt", "value": "ok"}],
+        }
+        second = {
+            "id": "b",
+            "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}],
+        }
+        return "[" + json.dumps(first) + "," + gap + json.dumps(second) + "]"
+
+    comma = doc(0).index("," + gap + '{"id": "b"')
+    text = doc(_CHUNK - 2 - comma)  # the first read ends one whitespace character after the comma
+    assert text[_CHUNK - 2] == "," and text[_CHUNK - 1 :].startswith(gap)
+    path = tmp_path / "pretty.json"
+    path.write_text(text)
+    assert [r.output_tokens for r in open_trace(path)] == [1, 1]
+
+
 def test_token_counts_past_the_longest_context_are_bad_rows(tmp_path: Path) -> None:
     path = tmp_path / "huge.jsonl"
     path.write_text(

@@ -101,9 +101,8 @@ def test_chunks_with_a_null_error_field_are_not_failures() -> None:
     assert m.errors == {} and m.completed == 25
 
 
-def test_sends_start_while_the_replay_is_behind_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """All 300 requests are due at once: the first must reach the worker after a few bodies are built, not
-    after all 300 (the loop built every overdue body before yielding to the tasks that send them)."""
+def count_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """[bodies built so far], counted as the replay loop builds them."""
     import loadgen.runner as runner
 
     built = [0]
@@ -114,6 +113,13 @@ def test_sends_start_while_the_replay_is_behind_schedule(monkeypatch: pytest.Mon
         return real_build(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(runner, "build_body", counting_build)
+    return built
+
+
+def test_sends_start_while_the_replay_is_behind_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """All 300 requests are due at once: the first must reach the worker after a few bodies are built, not
+    after all 300 (the loop built every overdue body before yielding to the tasks that send them)."""
+    built = count_builds(monkeypatch)
     worker = FakeWorker()
     first_seen: list[int] = []
     handle = worker._handle
@@ -183,3 +189,29 @@ def test_concurrency_bounds_requests_in_flight_and_reports_the_wait() -> None:
     wait = out.report["summary"]["concurrency_wait_ms"]  # type: ignore[attr-defined]
     # 25 requests arrive within 60 ms; two at a time need Σ output · 10 ms / 2 (≥ 25 · 10 / 2 = 125 ms)
     assert wait["max"] > 100 and out.metrics.send_lag.p99 < wait["max"]  # type: ignore[attr-defined]
+
+
+def test_a_burst_after_a_quiet_spell_is_built_before_it_is_due(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Real traces send dozens of requests in the same millisecond after seconds of quiet: their bodies
+    are built during the quiet, so the burst's first request reaches the worker with all of them ready
+    (before, each body was built as its turn came, after the previous send, and the burst's last request
+    left tens of milliseconds late)."""
+    built = count_builds(monkeypatch)
+    trace = tmp_path / "burst.jsonl"
+    rows = [{"timestamp": 0, "input_length": 64, "output_length": 1, "hash_ids": [0]}]
+    rows += [{"timestamp": 300, "input_length": 2000, "output_length": 1, "hash_ids": []} for _ in range(20)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    worker = FakeWorker()
+    seen_at: list[int] = []
+    handle = worker._handle
+
+    async def recording(body: dict[str, object], chat: bool) -> object:
+        seen_at.append(built[0])
+        return await handle(body, chat)
+
+    worker._handle = recording  # type: ignore[method-assign]
+    out = run(ReplayRequest(str(trace), "http://fake", "m", progress=False), worker)
+    assert out.metrics.completed == 21  # type: ignore[attr-defined]
+    assert seen_at[1] == 21, seen_at  # the burst's first request: every body already built
