@@ -103,9 +103,10 @@ RowParser = Callable[[dict[str, str], int], TraceRequest | None]
 
 def _azure(timeline: _Timeline, stats: ReadStats) -> RowParser:
     def parse(row: dict[str, str], line: int) -> TraceRequest | None:
-        t = timeline.relative(parse_datetime_s(row["timestamp"]))
+        stamp = parse_datetime_s(row["timestamp"])
         inp = parse_count(row["contexttokens"], "ContextTokens")
         out = parse_count(row["generatedtokens"], "GeneratedTokens")
+        t = timeline.relative(stamp)  # after the checks: a malformed row does not start the clock
         return TraceRequest(t, inp, out, (), line) if _lengths(inp, out, stats) else None
 
     return parse
@@ -113,9 +114,10 @@ def _azure(timeline: _Timeline, stats: ReadStats) -> RowParser:
 
 def _burstgpt(timeline: _Timeline, stats: ReadStats) -> RowParser:
     def parse(row: dict[str, str], line: int) -> TraceRequest | None:
-        t = timeline.relative(parse_seconds(row["timestamp"], "Timestamp"))
+        stamp = parse_seconds(row["timestamp"], "Timestamp")
         inp = parse_count(row["request tokens"], "Request tokens")
         out = parse_count(row["response tokens"], "Response tokens")
+        t = timeline.relative(stamp)  # after the checks: a malformed row does not start the clock
         if out == 0:
             stats.dropped["failed_in_source"] += 1  # BurstGPT marks failed requests with 0 response tokens
             return None

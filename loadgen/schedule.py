@@ -98,6 +98,10 @@ def schedule(requests: Iterable[TraceRequest], opts: ScheduleOptions) -> Iterato
         else:
             assert req.arrival_s is not None
             send_at = (req.arrival_s - opts.start_s) / opts.rate_scale
+            if not math.isfinite(send_at):  # a rate scale so small that the division overflows
+                raise ScheduleError(
+                    f"rate scale {opts.rate_scale:g} puts a request at infinity (trace time {req.arrival_s:g} s)"
+                )
         yield ScheduledRequest(index, send_at, req.input_tokens, req.output_tokens, req.hash_ids, req.line)
         index += 1
         if opts.max_requests is not None and index >= opts.max_requests:

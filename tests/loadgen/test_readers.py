@@ -94,6 +94,31 @@ def test_skip_bad_rows_counts_each_reason() -> None:
     assert stats["rows"] == 7 and stats["requests"] == 2
 
 
+@pytest.mark.parametrize(
+    ("header", "bad_first"),
+    [
+        ("TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:00:00.0000000,lots,12"),
+        (
+            "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type",
+            "0,ChatGPT,x,5,5,Conversation log",
+        ),
+    ],
+    ids=["azure", "burstgpt"],
+)
+def test_a_skipped_bad_first_row_does_not_start_the_clock(
+    tmp_path: Path, header: str, bad_first: str
+) -> None:
+    """The first row the trace keeps is t = 0: a malformed first row, skipped, set the origin (the replay
+    then idled until the first real request, 600 s here)."""
+    if header.startswith("TIMESTAMP"):
+        good = ["2023-11-16 18:10:00.0000000,10,10", "2023-11-16 18:10:01.5000000,20,20"]
+    else:
+        good = ["600,ChatGPT,10,10,20,Conversation log", "601.5,ChatGPT,20,20,40,Conversation log"]
+    path = tmp_path / "first_bad.csv"
+    path.write_text("\n".join([header, bad_first, *good]) + "\n")
+    assert [r.arrival_s for r in open_trace(path, skip_bad_rows=True)] == [0.0, 1.5]
+
+
 def test_burstgpt_drops_failed_rows_and_zero_prompts() -> None:
     reqs, stats = read("burstgpt.csv")
     # Timestamp 5 is t = 0; rows at 45 (0 response tokens) and 118.5 (0 request tokens) are dropped

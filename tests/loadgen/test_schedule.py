@@ -249,3 +249,12 @@ def test_wide_length_distributions_are_capped_not_overflowing() -> None:
     dist = parse_spec("synthetic:rate=1,n=1,input=lognormal:300:1000").input
     samples = [dist.sample(rng) for _ in range(200)]
     assert max(samples) == MAX_TOKENS and min(samples) >= 1
+
+
+def test_a_rate_scale_that_sends_a_request_at_infinity_is_refused() -> None:
+    """A rate scale that is positive and finite but so small that trace time / scale overflows scheduled the
+    request at inf: the replay never ended."""
+    out = schedule(iter(trace(0.0, 2.0)), ScheduleOptions(rate_scale=1e-320))
+    assert next(out).send_at_s == 0.0
+    with pytest.raises(ScheduleError, match="infinity"):
+        next(out)
