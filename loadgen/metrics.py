@@ -155,7 +155,8 @@ def compute_metrics(
     if duration_s is None:
         duration_s = max((r.end_s for r in records), default=0.0)
     dur = duration_s if duration_s > 0 else float("nan")
-    total_in = sum(r.input_tokens for r in ok)
+    # the server's own count when its usage gives one (a chat template adds tokens), as vLLM's benchmark
+    total_in = sum(r.input_tokens if r.usage_prompt_tokens is None else r.usage_prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     good = sum(1 for r in ok if slo.met_by(r)) if slo.given else None
     itls: list[float] = []

@@ -33,6 +33,10 @@ from loadgen.runner import RunOptions, Target, replay
 from loadgen.schedule import ScheduledRequest
 
 PROBE_TPOT_S = 0.05  # per-token time assumed when sizing a probe (never the SLO: see profile_search)
+# A probe whose sends fall this far behind their times (the generator, not the server, is the limit) does
+# not pass: the queue test reads scheduled times and TTFT from the actual send, so it cannot see that
+# backlog, and the rate was never offered. Jitter of milliseconds stays far below it.
+GENERATOR_BACKLOG_S = 0.25
 
 
 def url_measure_factory(
@@ -78,13 +82,15 @@ def url_measure_factory(
             result = asyncio.run(replay(sched, target, salted, None, transport))
             window_recs = [r for r in result.records if lo <= r.scheduled_s < hi]
             ok = [r for r in window_recs if r.success]
-            return summarize(
+            m = summarize(
                 rate,
                 [r.scheduled_s for r in ok],
                 [r.ttft_s or 0.0 for r in ok],
                 [r.tpot_s for r in ok],
                 failed=len(window_recs) - len(ok),
             )
+            behind = max((r.send_lag_s for r in window_recs), default=0.0)
+            return dataclasses.replace(m, stable=False) if behind > GENERATOR_BACKLOG_S else m
 
         return BucketMeasure(measure, None if hint is None else hint(bucket), unloaded_ttft(bucket))
 

@@ -62,6 +62,14 @@ def test_latencies_follow_vllm_definitions() -> None:
     assert m.e2el.mean == pytest.approx(1250 / 3) and m.e2el.max == 625
 
 
+def test_input_tokens_are_the_servers_count_when_its_usage_gives_one() -> None:
+    """As vLLM's benchmark: a chat template adds tokens the trace's length does not count."""
+    with_usage = rec(0, 1.0, [1.125, 1.25], 2, 100)
+    with_usage.usage_prompt_tokens = 106
+    m = compute_metrics([with_usage, rec(1, 2.0, [2.25], 1, 50)])
+    assert m.total_input_tokens == 106 + 50
+
+
 def test_throughput_counts_completed_requests_over_the_duration() -> None:
     m = compute_metrics(RECORDS)
     assert m.duration_s == 2.25  # t = 0 → B's last chunk

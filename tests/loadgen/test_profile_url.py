@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from loadgen.profile_search import SearchConfig
@@ -72,3 +75,42 @@ def test_each_probe_sends_its_own_prompts() -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_a_probe_the_generator_could_not_send_on_time_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server answered every request at once, but the sends fell ever further behind their times (this
+    process could not offer the rate): the probe does not pass, where before it was stable with no failure."""
+    import loadgen.profile_url as profile_url
+    from loadgen.client import RequestRecord
+    from loadgen.profiling import Bucket, ProbePlan
+    from loadgen.runner import RunOptions, RunResult, Target
+    from loadgen.schedule import ScheduledRequest
+
+    def fake_run(lag_per_request_s: float) -> Callable[..., Coroutine[Any, Any, RunResult]]:
+        async def replay(
+            sched: list[ScheduledRequest],
+            target: Target,
+            opts: RunOptions,
+            observer: object,
+            transport: object,
+        ) -> RunResult:
+            result = RunResult(started_at="")
+            for k, req in enumerate(sched):
+                rec = RequestRecord(req.index, req.send_at_s, req.input_tokens, req.output_tokens)
+                rec.slot_s = req.send_at_s
+                rec.sent_s = req.send_at_s + k * lag_per_request_s
+                rec.chunk_s.extend([rec.sent_s + 0.01, rec.sent_s + 0.02])
+                rec.output_tokens, rec.success, rec.end_s = 2, True, rec.sent_s + 0.02
+                result.records.append(rec)
+            return result
+
+        return replay
+
+    plan = ProbePlan(min_window_s=2.0, min_requests=10, e2e_factor=0)
+    for lag, stable in ((0.0, True), (0.002, False)):  # 0.002 s more per request: ~0.8 s behind at the end
+        monkeypatch.setattr(profile_url, "replay", fake_run(lag))
+        factory = profile_url.url_measure_factory(Target("http://unused", "m"), 8192, plan=plan)
+        measure = factory(Bucket(0, 0, 16, 32, 2, 3))
+        assert measure is not None
+        m = measure.measure(100.0)
+        assert (m.failed, m.stable) == (0, stable), (lag, m)
