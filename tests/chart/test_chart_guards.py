@@ -42,3 +42,24 @@ def test_a_gateway_scaled_to_zero_still_renders_a_config_the_controller_loads(
     rendered = render(chart, {"gateway": {"replicas": 0}, "controller": {"enabled": True}})
     assert rendered.config()["gateway"]["replicas"] == 1
     assert rendered.load_config(tmp_path).gateway.replicas == 1
+
+
+@pytest.mark.parametrize("resource", ["endpointslices", "pods"])
+def test_an_all_digit_pool_name_stays_a_string_label(
+    chart: helm.Chart, tmp_path: Path, resource: str
+) -> None:
+    """The schema accepts a pool named `123` (a DNS label); unquoted it rendered as an integer label value,
+    which the API server refuses, and the pods selector read `mosaic.dev/pool=%!s(float64=123)`."""
+    values = {
+        "pools": [{"name": "123", "model": "llama-3-8b", "gpu": "L4", "simulated": True}],
+        "gateway": {"discovery": {"resource": resource}},
+    }
+    rendered = render(chart, values)
+    dep = rendered.get("Deployment", "mosaic-123")
+    assert dep["metadata"]["labels"]["mosaic.dev/pool"] == "123"
+    assert dep["spec"]["template"]["metadata"]["labels"]["mosaic.dev/pool"] == "123"
+    assert dep["spec"]["selector"]["matchLabels"]["mosaic.dev/pool"] == "123"
+    config = rendered.load_config(tmp_path)
+    (pool,) = config.pools
+    if resource == "pods":
+        assert "mosaic.dev/pool=123" in pool.endpoints.kubernetes.label_selector.split(",")

@@ -266,6 +266,9 @@ def test_real_pool_runs_vllm_as_configured(
     assert _flag(args, "--max-model-len") == max_len
     assert _flag(args, "--port") == "8000" and _flag(args, "--host") == "0.0.0.0"
     assert "--enable-prefix-caching" in args
+    # vLLM drains on SIGTERM only with --shutdown-timeout: the grace period less the preStop sleep and 5 s
+    grace, drain = spec["terminationGracePeriodSeconds"], entry.get("drainSeconds", 15)
+    assert _flag(args, "--shutdown-timeout") == str(grace - drain - 5)
     assert (
         c["resources"]["limits"]["nvidia.com/gpu"] == tp
         and c["resources"]["requests"]["nvidia.com/gpu"] == tp

@@ -215,16 +215,16 @@ so upper-casing and `-` → `_` gives each pool its own variable name. */}}
 {{- $pool := index . 1 -}}
 {{ include "mosaic.selectorLabels" $root }}
 app.kubernetes.io/component: worker
-mosaic.dev/pool: {{ $pool.name }}
+mosaic.dev/pool: {{ $pool.name | quote }}
 {{- end }}
 
 {{/* Labels a pool's objects add to "mosaic.labels": the discovery labels the gateway reads off each pod. */}}
 {{- define "mosaic.pool.labels" -}}
 {{- $pool := index . 1 -}}
 app.kubernetes.io/component: worker
-mosaic.dev/pool: {{ $pool.name }}
-mosaic.dev/role: {{ $pool.role }}
-mosaic.dev/gpu: {{ $pool.gpu }}
+mosaic.dev/pool: {{ $pool.name | quote }}
+mosaic.dev/role: {{ $pool.role | quote }}
+mosaic.dev/gpu: {{ $pool.gpu | quote }}
 mosaic.dev/simulated: {{ $pool.simulated | quote }}
 {{- end }}
 

@@ -1,0 +1,49 @@
+"""The chart's vLLM command lines, parsed by vLLM's own CLI parser (the release in .venv-vllm): an argument
+vLLM does not know, or a value it refuses, would crash-loop every GPU pod of a pool."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import helm_python as helm
+import pytest
+from vllm_env import VENV_PYTHON
+
+from tests.chart.chartkit import CHART_DIR, EXAMPLES_DIR, RELEASE, container, load_values, render
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(300)]
+
+# Parses each argument list with `vllm serve`'s parser and prints what the chart relies on.
+PARSE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+out = []
+for args in json.load(sys.stdin):
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+    kv = ns.kv_transfer_config
+    out.append({"shutdown_timeout": ns.shutdown_timeout, "kv_role": getattr(kv, "kv_role", None),
+                "tp": ns.tensor_parallel_size, "prefix_caching": ns.enable_prefix_caching})
+print(json.dumps(out))
+"""
+
+
+def test_every_pool_of_the_pd_example_parses_with_vllms_parser() -> None:
+    if not VENV_PYTHON.exists():
+        pytest.skip(f"{VENV_PYTHON} missing: `make vllm-env` builds the vLLM environment")
+    values = load_values(EXAMPLES_DIR / "heterogeneous-pd.yaml")
+    with helm.Chart.load(CHART_DIR) as chart:
+        rendered = render(chart, values)
+    real = [p["name"] for p in values["pools"] if not p.get("simulated")]
+    argvs = [
+        [str(a) for a in container(rendered.get("Deployment", f"{RELEASE}-{name}"))["args"]] for name in real
+    ]
+    proc = subprocess.run(
+        [str(VENV_PYTHON), "-c", PARSE], input=json.dumps(argvs), capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    parsed = dict(zip(real, json.loads(proc.stdout), strict=True))
+    assert all(p["shutdown_timeout"] == 100 for p in parsed.values()), parsed  # 120 s grace − 15 s − 5 s
+    roles = {name: p["kv_role"] for name, p in parsed.items()}
+    assert roles["h100-prefill"] == "kv_producer" and roles["a100-decode"] == "kv_consumer", roles
