@@ -2,9 +2,10 @@
 `scale` subresource.
 
 RBAC it needs, in the release namespace only (the Helm chart's controller Role):
-`apps/deployments/scale: get, patch` (and `pods`, `discovery.k8s.io/endpointslices: get, list, watch` for
-discovery). Scale-in is soft because the gateway stops routing to terminating endpoints at once and the
-chart gives vLLM pods a preStop drain and a termination grace period, so in-flight streams finish.
+`apps/deployments/scale: get, patch` (and `pods`, `discovery.k8s.io/endpointslices: list` for discovery).
+Scale-in is soft because the gateway stops routing to terminating endpoints at once and the chart gives
+vLLM pods a preStop drain, a termination grace period and vLLM's `--shutdown-timeout` for the rest of it
+(without that flag vLLM aborts running requests on SIGTERM), so in-flight streams finish.
 
 **A pool with one Deployment per domain** (`domains`: pool → {domain → Deployment}; the chart's
 `pools[].domains` renders them, each pinned by `nodeSelector` to its domain's nodes) is scaled as the sum
