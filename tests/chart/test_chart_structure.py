@@ -301,6 +301,7 @@ def test_real_pool_runs_vllm_as_configured(
     assert mounts == {"model-cache": "/models", "dshm": "/dev/shm"}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c[probe]["timeoutSeconds"] == 5  # not Kubernetes' 1 s: /health shares vLLM's API event loop
     # 10 s × 180 = 30 min for weights to download and load before liveness can kill the pod.
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 1800
     # A replacement needs free GPUs: never surge.
