@@ -302,6 +302,10 @@ def test_real_pool_runs_vllm_as_configured(
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
         assert c[probe]["timeoutSeconds"] == 5  # not Kubernetes' 1 s: /health shares vLLM's API event loop
+    # no chart or app version on the pod template: an upgrade that leaves vLLM alone restarts no GPU pod
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert "helm.sh/chart" not in labels and "app.kubernetes.io/version" not in labels
+    assert "helm.sh/chart" in dep["metadata"]["labels"]
     # 10 s × 180 = 30 min for weights to download and load before liveness can kill the pod.
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 1800
     # A replacement needs free GPUs: never surge.

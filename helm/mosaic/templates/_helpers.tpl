@@ -23,6 +23,17 @@ names DNS labels and refuses the component names, so the two never collide).
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* Labels of a GPU worker's pod template: "mosaic.labels" without the chart and app versions, so an
+upgrade that leaves a pool's vLLM container alone does not restart its pods (each a model reload). */}}
+{{- define "mosaic.stableLabels" -}}
+{{ include "mosaic.selectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: mosaic
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
 {{/* Labels on every object. */}}
 {{- define "mosaic.labels" -}}
 helm.sh/chart: {{ include "mosaic.chart" . }}
