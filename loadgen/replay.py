@@ -3,11 +3,18 @@
 `mosaic replay` is a thin shell over `run_replay`; tests and benches call it directly. Input errors
 (`TraceError`, `ScheduleError`) are raised before any request is sent when they can be known up front,
 and as soon as the bad row is reached otherwise (in-flight requests are then cancelled).
+
+Ctrl-C (SIGINT, on the main thread) stops the replay rather than killing it: nothing more is sent, the
+requests in flight are cancelled (error type `cancelled`), and the metrics, report and plots of what was
+measured are written with `summary.interrupted: true`. A second Ctrl-C kills it as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,12 +112,15 @@ async def run_replay_async(
     target = Target(req.url, req.model, req.endpoint, req.api_key)
     opts = RunOptions(req.concurrency, req.timeout_s, req.seed)
     scheduled = schedule(trace, req.schedule)
-    if req.progress:
-        with ProgressDisplay(console, _known_total(req, trace)) as progress:
-            result = await replay(scheduled, target, opts, progress, transport)
-    else:
-        result = await replay(scheduled, target, opts, None, transport)
+    with _stop_on_sigint() as stop:
+        if req.progress:
+            with ProgressDisplay(console, _known_total(req, trace)) as progress:
+                result = await replay(scheduled, target, opts, progress, transport, stop)
+        else:
+            result = await replay(scheduled, target, opts, None, transport, stop)
     if not result.records:
+        if result.interrupted:
+            raise ReplayError("interrupted before any request was sent")
         raise ReplayError("no requests to send: the trace (or the --start/--duration window) is empty")
     metrics = compute_metrics(result.records, result.duration_s, req.slo, req.lag_threshold_ms)
     if metrics.completed == 0 and set(metrics.errors) == {"connect_error"}:
@@ -136,6 +146,7 @@ async def run_replay_async(
     )
     trace_stats = {"source": trace.source, "format": trace.format, **trace.stats.as_dict()}
     report = build_report(config, metrics, result.records, trace_stats, result.started_at)
+    report["summary"]["interrupted"] = result.interrupted
     outcome = ReplayOutcome(metrics, result, report)
     try:
         if req.out is not None:
@@ -146,6 +157,28 @@ async def run_replay_async(
         where = exc.filename or req.out or req.plot_dir
         raise ReplayError(f"cannot write {where}: {exc.strerror or exc}") from None
     return outcome
+
+
+@contextlib.contextmanager
+def _stop_on_sigint() -> Iterator[asyncio.Event]:
+    """An event the first SIGINT sets (the replay then stops and reports); the handler is removed at once,
+    so a second SIGINT interrupts as Python does. Without a main-thread loop, an event nothing sets."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_sigint() -> None:
+        stop.set()
+        loop.remove_signal_handler(signal.SIGINT)
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals here
+        yield stop
+        return
+    try:
+        yield stop
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def run_replay(req: ReplayRequest, console: Console | None = None, summary: bool = True) -> ReplayOutcome:

@@ -74,6 +74,7 @@ class RunResult:
     records: list[RequestRecord] = field(default_factory=list)
     started_at: str = ""  # wall-clock ISO time of t = 0
     duration_s: float = 0.0  # t = 0 → end of the last request
+    interrupted: bool = False  # `stop` was set: nothing more sent, requests in flight cancelled
 
 
 async def _one(
@@ -127,8 +128,11 @@ async def replay(
     opts: RunOptions = RunOptions(),
     observer: Observer | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    stop: asyncio.Event | None = None,
 ) -> RunResult:
-    """Send every scheduled request at `send_at_s` after the start; return when all have finished."""
+    """Send every scheduled request at `send_at_s` after the start; return when all have finished, or soon
+    after `stop` is set (Ctrl-C): then nothing more is sent, the requests in flight are cancelled and
+    recorded as `cancelled`, and the result says `interrupted`."""
     if target.endpoint not in ENDPOINT_PATHS:
         raise ValueError(f"endpoint must be one of {', '.join(ENDPOINT_PATHS)}, got {target.endpoint!r}")
     prompts = PromptBuilder(opts.seed, opts.prompt_salt)
@@ -149,7 +153,8 @@ async def replay(
                 ahead.fill(nxt.send_at_s, due - _PREBUILD_MARGIN_S)
                 # Behind schedule, still yield once per request: the tasks already created send now, rather
                 # than after every overdue body is built (all of them in memory, the first send seconds late).
-                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                if await _stopped_while_waiting(stop, due - time.perf_counter()):
+                    break
                 ahead.pop()
                 rec = RequestRecord(
                     nxt.index, nxt.send_at_s, nxt.input_tokens, nxt.output_tokens, trace_line=nxt.trace_line
@@ -162,17 +167,47 @@ async def replay(
                 await asyncio.sleep(0)  # the task sends now, not after the next body is built
                 if not ahead.queue:
                     ahead.pull()
-            if ahead.error is not None:  # a bad trace row: raised where the replay reached it
+            if ahead.error is not None and not (stop and stop.is_set()):  # a bad trace row, where reached
                 raise ahead.error
-            if tasks:
-                await asyncio.gather(*tasks)
+            await _until_done_or_stopped(tasks, stop)
         finally:  # a trace error mid-replay (or Ctrl-C): no request is left running
             for t in tasks:
                 t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+    if stop is not None and stop.is_set():
+        result.interrupted = True
+        now = time.perf_counter() - origin
+        for rec in result.records:
+            if not rec.success and rec.error_type is None:  # in flight when the run stopped
+                rec.error_type, rec.error, rec.end_s = "cancelled", "the replay was interrupted", now
     result.duration_s = max((r.end_s for r in result.records), default=0.0)
     return result
+
+
+async def _stopped_while_waiting(stop: asyncio.Event | None, delay: float) -> bool:
+    """Wait `delay` seconds (at least one yield); True as soon as `stop` is set."""
+    if stop is None or delay <= 0:
+        await asyncio.sleep(max(0.0, delay))
+    else:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await stop.wait()
+    return stop is not None and stop.is_set()
+
+
+async def _until_done_or_stopped(tasks: set[asyncio.Task[None]], stop: asyncio.Event | None) -> None:
+    """Every request task finished, or `stop` set (the caller's `finally` cancels the rest)."""
+    if stop is None:
+        if tasks:
+            await asyncio.gather(*tasks)
+        return
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        while tasks and not stop.is_set():
+            await asyncio.wait({*tasks, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
 
 
 class _Prebuilt:

@@ -125,3 +125,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"report: {out}", err=True)
         for p in outcome.plots:
             typer.echo(f"plot: {p}", err=True)
+        if outcome.result.interrupted:
+            cancelled = m.errors.get("cancelled", 0)
+            typer.echo(f"interrupted: {m.sent} requests sent, {cancelled} in flight cancelled", err=True)
+            raise typer.Exit(130)  # as a shell reports a run stopped by Ctrl-C

@@ -95,3 +95,54 @@ def test_bad_target_exits_2_with_one_line_before_sending(args: list[str], messag
     assert res.exit_code == 2, res.output  # type: ignore[attr-defined]
     lines = res.stderr.strip().splitlines()  # type: ignore[attr-defined]
     assert len(lines) == 1 and message in lines[0], res.output  # type: ignore[attr-defined]
+
+
+def test_ctrl_c_stops_the_replay_and_keeps_what_was_measured(tmp_path: Path) -> None:
+    """SIGINT killed the replay (exit 130, no summary, no report: an interrupted hour lost). Now the first one
+    stops it: nothing more is sent, the requests in flight are cancelled, and the report of what finished is
+    written with `interrupted: true`; the exit code is still 130."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from simulator.worker_app import WorkerConfig
+    from simulator.worker_server import start_worker_server
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    # real time on an L4: 2-token requests finish in ~0.1 s, 2,000-token ones would take minutes
+    cfg = WorkerConfig(gpu="L4", model="llama-3-8b", time_scale=1.0)
+    worker = asyncio.run_coroutine_threadsafe(start_worker_server(cfg), loop).result(30)
+    out = tmp_path / "report.json"
+    spec = "synthetic:rate=20,n=400,arrival=constant,input=8,output=2000,seed=1"
+    cmd = [str(Path(sys.executable).with_name("mosaic")), "replay", spec, "--url", worker.url, "--quiet"]
+    try:
+        proc = subprocess.Popen(
+            [*cmd, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        deadline = time.monotonic() + 30
+        while worker.runtime.engine.num_running < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.runtime.engine.num_running >= 5
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130, stderr
+        assert "interrupted:" in stderr and "Traceback" not in stderr
+        report = json.loads(out.read_text())
+        summary = report["summary"]
+        assert summary["interrupted"] is True and summary["sent"] < 400
+        assert summary["errors"].get("cancelled", 0) == summary["failed"] > 0
+        assert {r["error_type"] for r in report["requests"]} <= {None, "cancelled"}
+        deadline = time.monotonic() + 10  # the worker sees the streams closed and aborts them
+        while worker.runtime.engine.num_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.runtime.engine.num_running == 0
+    finally:
+        asyncio.run_coroutine_threadsafe(worker.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
