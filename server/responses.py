@@ -168,9 +168,8 @@ class StreamSession:
         """The stream ended well: the held-back remainder to send; per-request TPOT observed."""
         tail = self.relay.flush()
         n = int((self.relay.usage or {}).get("completion_tokens") or 0)
-        if (
-            n >= 2 and self._timed
-        ):  # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1)
+        # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1), to the last token
+        if n >= 2 and self._timed:
             d, rec = self.d, self.rec
             d.child(d.metrics.tpot, rec.model, rec.pool).observe(
                 (self._last_token - self._first_at) / (n - 1)
