@@ -302,6 +302,8 @@ def test_real_pool_runs_vllm_as_configured(
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
         assert c[probe]["timeoutSeconds"] == 5  # not Kubernetes' 1 s: /health shares vLLM's API event loop
+    # a Service named `vllm` in the namespace would inject VLLM_PORT=tcp://…, which vLLM refuses to start with
+    assert spec["enableServiceLinks"] is False
     # no chart or app version on the pod template: an upgrade that leaves vLLM alone restarts no GPU pod
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert "helm.sh/chart" not in labels and "app.kubernetes.io/version" not in labels
