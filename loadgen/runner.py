@@ -56,9 +56,8 @@ class RunOptions:
     concurrency: int | None = None  # max requests in flight; None = unbounded (trace timing rules)
     timeout_s: float | None = 600.0  # per request, from send to the last byte
     seed: int = 0  # prompt token ids
-    prompt_salt: int = (
-        0  # > 0: other prompts for the same seed (`PromptBuilder`: a later probe, not a cache hit)
-    )
+    # > 0: other prompts for the same seed (`PromptBuilder`: a later probe, not a cache hit)
+    prompt_salt: int = 0
 
 
 class Observer(Protocol):
@@ -205,7 +204,9 @@ async def _until_done_or_stopped(tasks: set[asyncio.Task[None]], stop: asyncio.E
     stopped = asyncio.ensure_future(stop.wait())
     try:
         while tasks and not stop.is_set():
-            await asyncio.wait({*tasks, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({*tasks, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {stopped}:
+                task.result()  # a request task's unexpected error surfaces, as gather raised it
     finally:
         stopped.cancel()
 

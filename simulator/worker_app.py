@@ -231,7 +231,6 @@ class WorkerRuntime:
                     kvt,
                 )
                 fp = prompt_fingerprint(req)
-                natural = None
                 if j:
                     fp ^= (j * _SEQUENCE_MIX) & _MASK64
                     c = self.engine.config
