@@ -11,7 +11,8 @@ Events, ordered by (time, priority, sequence) so a seeded run replays exactly:
 - ARRIVAL: a trace request is routed (or queued in the admission queue, or failed).
 - SCRAPE: the router's scraped view of each instance (running, waiting, KV usage) is refreshed.
 - DECIDE: the autoscaler sees one `Observation` (measured as the gateway measures it: request rate from
-  arrivals, mean lengths, TTFT and TPOT from the requests completed since the last DECIDE) and its targets
+  arrivals, TTFT from the first tokens, mean lengths and TPOT from the requests completed since the last
+  DECIDE) and its targets
   are applied: new instances start cold (billed from the start), surplus ones are first cancelled if
   still starting, else drained — the router stops sending them work and they are removed once empty
   (soft scale-in: nothing is aborted).
@@ -101,8 +102,13 @@ class _Instance:
     created: float
     state: WorkerState
     removed: float | None = None
-    stepping: bool = False
+    stepping: bool = False  # a STEP is pending: a step under way, or an idle wait (`wake_at`)
     pending: StepResult | None = None
+    # An idle engine's timed wake (a KV transfer landing, a P/D hold expiring): new work must not wait for it,
+    # so a kick supersedes it. Only the STEP carrying the current `step_token` acts; superseded ones are stale.
+    wake_at: float | None = None
+    step_token: int = 0
+    busy_mark: float = 0.0  # the engine's busy seconds at the last DECIDE (the HPA baseline's utilisation)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
     inflight_decode: int = 0
@@ -408,11 +414,24 @@ class ClusterSimulator:
         return inst.view
 
     def _kick(self, inst: _Instance, now: float) -> None:
-        if not inst.stepping:
-            inst.stepping = True
-            self._push(now, _Ev.STEP, inst)
+        """Something changed on `inst` (work arrived, blocks freed): step it now, unless a step is under
+        way (its end looks at the engine again). An idle wait for a timed wake is cut short: the engine may
+        have runnable work now that it did not have when the wait began."""
+        if inst.stepping and inst.wake_at is None:
+            return
+        self._schedule_step(inst, now)
 
-    def _on_step(self, inst: _Instance, now: float) -> None:
+    def _schedule_step(self, inst: _Instance, t: float, wake: bool = False) -> None:
+        inst.stepping = True
+        inst.step_token += 1
+        inst.wake_at = t if wake else None
+        self._push(t, _Ev.STEP, (inst, inst.step_token))
+
+    def _on_step(self, event: tuple[_Instance, int], now: float) -> None:
+        inst, token = event
+        if token != inst.step_token:
+            return  # a wake superseded by a kick
+        inst.wake_at = None
         if inst.removed is not None:  # removed with a step under way (drain timeout): nothing to apply
             inst.pending, inst.stepping = None, False
             return
@@ -425,14 +444,17 @@ class ClusterSimulator:
             result = engine.step(now)
             if not result.idle:
                 inst.pending = result
-                self._push(result.end, _Ev.STEP, inst)
+                self._schedule_step(inst, result.end)
                 return
-            wake = engine.next_event_time()
+            wake = engine.next_event_time()  # work, none runnable: it waits for a KV transfer to land
             if wake is not None and wake > now:
-                self._push(wake, _Ev.STEP, inst)
+                self._schedule_step(inst, wake, wake=True)
                 return
         inst.stepping = False
         self._maybe_retire(inst, now)
+        expiry = engine.next_hold_expiry()  # held blocks its decode side never fetched free at their timeout
+        if inst.removed is None and expiry is not None:
+            self._schedule_step(inst, max(expiry, now), wake=True)
 
     def _maybe_retire(self, inst: _Instance, now: float) -> None:
         if (
@@ -452,6 +474,7 @@ class ClusterSimulator:
                 continue
             if req.phase == "decode" or req.decision is None or req.decision.prefill is None:
                 req.first_token = now
+                self._window.first_token(now - req.src.arrival_s)  # the gateway observes TTFT here
                 if not req.decoding:  # prefilled here: its prompt leaves this instance's backlog
                     req.decoding = True
                     inst.inflight_prefill_tokens -= req.src.input_tokens
@@ -607,7 +630,7 @@ class ClusterSimulator:
         self.result.completed.append(
             (req.src.arrival_s, ttft, tpot, e2e, req.src.input_tokens, req.src.output_tokens)
         )
-        self._window.complete(req.src.input_tokens, req.src.output_tokens, ttft, tpot)
+        self._window.complete(req.src.input_tokens, req.src.output_tokens, tpot)
         del self._reqs[req.rid]
         self._maybe_retire(inst, now)
         self._drain_queue(now)
@@ -660,11 +683,18 @@ class ClusterSimulator:
         interval = self.fleet.decision_interval_s
         pools: dict[str, PoolObservation] = {}
         for name in self._pools:
-            gen, prompt, busy, _ = self._pool_counters(name)
-            prev = self._window.counters.get(name, (0, 0, 0.0))
-            self._window.counters[name] = (gen, prompt, busy)
+            gen, prompt, _, _ = self._pool_counters(name)
+            prev = self._window.counters.get(name, (0, 0))
+            self._window.counters[name] = (gen, prompt)
             members = [i for i in self._live if i.pool == name]
             ready = sum(i.state is WorkerState.READY for i in members)
+            # As the HPA averages a per-pod metric: over the pods that report it, the ready ones (a draining
+            # pod is terminating and excluded); each one's busy time since the last decision.
+            busy = sum(
+                i.engine.counters.busy_s - i.busy_mark for i in members if i.state is WorkerState.READY
+            )
+            for i in members:
+                i.busy_mark = i.engine.counters.busy_s
             pools[name] = PoolObservation(
                 ready=ready,
                 starting=sum(i.state is WorkerState.STARTING for i in members),
@@ -672,7 +702,7 @@ class ClusterSimulator:
                 decode_tokens_per_s=(gen - prev[0]) / interval,
                 prompt_tokens_per_s=(prompt - prev[1]) / interval,
                 num_waiting=sum(i.engine.num_waiting for i in members if i.state is WorkerState.READY),
-                gpu_utilization=min(1.0, (busy - prev[2]) / (interval * ready)) if ready else 0.0,
+                gpu_utilization=min(1.0, busy / (interval * ready)) if ready else 0.0,
                 starting_ready_in_s=tuple(
                     max(0.0, i.created + self.fleet.cold_start_s - now)
                     for i in members
@@ -745,9 +775,11 @@ class ClusterSimulator:
 @dataclass(slots=True)
 class _Window:
     """What happened since the last DECIDE, measured as the live gateway measures it
-    (`server.gateway_signals`): the request rate from arrivals; the mean input and output lengths, TTFT and
-    TPOT from completed requests only. A gateway learns a request's lengths from the worker's `usage` when it
-    finishes, never at arrival, so the trace's output lengths of requests still in flight are not seen here."""
+    (`server.gateway_signals`): the request rate from arrivals; TTFT when a request's first token reaches
+    the client (the gateway observes it on the first byte relayed, so a queue shows in TTFT while those
+    requests are still decoding); the mean input and output lengths and TPOT from completed requests only.
+    A gateway learns a request's lengths from the worker's `usage` when it finishes, never at arrival, so
+    the trace's output lengths of requests still in flight are not seen here."""
 
     arrivals: int = 0
     completed: int = 0
@@ -755,16 +787,18 @@ class _Window:
     output_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
     tpots: list[float] = field(default_factory=list)
-    counters: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+    counters: dict[str, tuple[int, int]] = field(default_factory=dict)  # pool → generation, prompt tokens
 
     def arrive(self) -> None:
         self.arrivals += 1
 
-    def complete(self, input_tokens: int, output_tokens: int, ttft: float, tpot: float | None) -> None:
+    def first_token(self, ttft: float) -> None:
+        self.ttfts.append(ttft)
+
+    def complete(self, input_tokens: int, output_tokens: int, tpot: float | None) -> None:
         self.completed += 1
         self.input_tokens += input_tokens
         self.output_tokens += output_tokens
-        self.ttfts.append(ttft)
         if tpot is not None:
             self.tpots.append(tpot)
 

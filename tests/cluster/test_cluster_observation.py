@@ -116,3 +116,53 @@ def test_starting_instances_carry_their_expected_ready_time() -> None:
     assert by_time[20.0].starting == 2 and by_time[20.0].starting_ready_in_s == (35.0, 35.0)
     assert by_time[50.0].starting_ready_in_s == (5.0, 5.0)
     assert by_time[60.0].starting == 0 and by_time[60.0].ready == 4
+
+
+def test_ttft_is_observed_at_the_first_token_not_at_completion() -> None:
+    # one request of 3,000 output tokens (~22 s of decode) at 1 s: its first token comes within the first
+    # interval, its completion two intervals later (a short request at 45 s keeps decisions coming)
+    obs, sim = simulate([SimRequest(1.0, SHORT_IN, LONG_OUT), SimRequest(45.0, SHORT_IN, SHORT_OUT)])
+    (_, ttft, _, e2e, _, _) = next(r for r in sim.result.completed if r[5] == LONG_OUT)
+    assert 10.0 < 1.0 + e2e < 30.0
+    # the gateway times TTFT on the first byte relayed: the latency net sees it while the request decodes
+    assert obs[10.0].ttft_p90_s == pytest.approx(ttft)
+    assert obs[10.0].mean_output_tokens == 0.0  # not completed: no lengths yet
+    done = next(o for t, o in sorted(obs.items()) if o.mean_output_tokens == LONG_OUT)
+    assert done.ttft_p90_s is None  # counted once, when it was observed
+
+
+@dataclass
+class ShrinkOnce:
+    """Scales every pool in by one at the first decision, then holds; keeps every observation."""
+
+    seen: list[Observation] = field(default_factory=list)
+
+    def decide(self, obs: Observation) -> ScalingDecision:
+        self.seen.append(obs)
+        shrink = 1 if len(self.seen) == 1 else 0
+        return ScalingDecision(obs.now, {name: po.provisioned - shrink for name, po in obs.pools.items()})
+
+
+def test_gpu_utilization_averages_the_ready_instances_only() -> None:
+    # Two instances, each with one request in flight at 10 s: A (1,600 output tokens from 0 s, done ~12 s)
+    # and B (1,500 from 8 s, done ~19 s; the two short requests at 0.1 and 0.2 s put it on the other
+    # instance). Scaling in at 10 s drains B (tie on in-flight requests, then by id): busy for ~9 s more,
+    # but draining, so the HPA's average over ready pods leaves it out. A alone is ready and busy ~1.8 s of
+    # the 10. Before, the pool's busy time over the ready count read (9 + 1.8) / 10, clamped to 1.0.
+    data = {**FLEET, "pools": [{**FLEET["pools"][0], "min_replicas": 1}]}
+    policy = ShrinkOnce()
+    sim = ClusterSimulator(parse_fleet(data), policy, "shrink-once")  # type: ignore[arg-type]
+    sim.run(
+        [
+            SimRequest(0.0, SHORT_IN, 1600),
+            SimRequest(0.1, SHORT_IN, SHORT_OUT),
+            SimRequest(0.2, SHORT_IN, SHORT_OUT),
+            SimRequest(8.0, SHORT_IN, 1500),
+            SimRequest(45.0, SHORT_IN, SHORT_OUT),
+        ]
+    )
+    done = {r[5]: r[0] + r[3] for r in sim.result.completed}
+    assert 10.0 < done[1600] < 13.0 and 17.0 < done[1500] < 20.0
+    at20 = {round(o.now, 6): o for o in policy.seen}[20.0].pools["mixed-h100"]
+    assert at20.ready == 1
+    assert at20.gpu_utilization == pytest.approx((done[1600] - 10.0) / 10.0, abs=0.01)
