@@ -79,11 +79,16 @@ def test_every_service_selects_exactly_its_deployments_on_a_named_port(
 
 
 @pytest.mark.parametrize("values_file", CASES)
-def test_pdb_and_hpa_target_the_gateway(chart: helm.Chart, values_file: Path | None) -> None:
+def test_pdbs_and_hpa_target_their_own_deployments(chart: helm.Chart, values_file: Path | None) -> None:
     rendered = _render(chart, values_file)
     gateway = rendered.get("Deployment", f"{RELEASE}-gateway")
+    deployments = rendered.of_kind("Deployment")
     for pdb in rendered.of_kind("PodDisruptionBudget"):
-        assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels(gateway))
+        # the gateway's budget covers the gateway, a pool's covers that pool's Deployments, nothing else
+        pool = pdb["metadata"]["labels"].get("mosaic.dev/pool")
+        expected = [gateway] if pool is None else rendered.deployments_of_pool(pool)
+        matched = [d for d in deployments if selects(pdb["spec"]["selector"]["matchLabels"], pod_labels(d))]
+        assert [d["metadata"]["name"] for d in matched] == [d["metadata"]["name"] for d in expected]
     hpas = rendered.of_kind("HorizontalPodAutoscaler")
     for hpa in hpas:
         assert hpa["spec"]["scaleTargetRef"] == {
