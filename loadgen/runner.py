@@ -6,8 +6,10 @@ requests due within the next `PREBUILD_WINDOW_S` (at most `PREBUILD_BYTES` of th
 when their time comes; each task is started before the loop goes on, so a send never waits for the next
 body. Whatever delay remains (event-loop load, a slow body) is measured as send lag, never hidden. With `concurrency` set, a request
 whose time has come waits for a free slot (the wait is reported apart from send lag, like vLLM's
-`--max-concurrency`). The trace is consumed lazily: memory holds the records and the in-flight requests,
-never the trace (beyond the prebuilt window). Connections are kept alive and reused (responses are read to their end so that they
+`--max-concurrency`); the loop itself waits, so the requests behind it stay in the prebuilt window rather
+than each in a task of its own with its body (a throughput run sends a whole trace at once). The trace is
+consumed lazily: memory holds the records and the in-flight requests, never the trace (beyond the
+prebuilt window). Connections are kept alive and reused (responses are read to their end so that they
 can be), over `CLIENT_SHARDS` httpx clients so that no connection pool grows large.
 """
 
@@ -86,13 +88,12 @@ async def _one(
     slots: asyncio.Semaphore | None,
     observer: Observer | None,
 ) -> None:
-    if slots is None:
-        rec.slot_s = rec.scheduled_s
+    """Send one request; with `slots`, the slot the loop acquired for it is released when it ends."""
+    try:
         await _send(rec, body, client, target, opts, origin, observer)
-        return
-    async with slots:
-        rec.slot_s = time.perf_counter() - origin
-        await _send(rec, body, client, target, opts, origin, observer)
+    finally:
+        if slots is not None:
+            slots.release()
 
 
 async def _send(
@@ -154,10 +155,13 @@ async def replay(
                 # than after every overdue body is built (all of them in memory, the first send seconds late).
                 if await _stopped_while_waiting(stop, due - time.perf_counter()):
                     break
+                if slots is not None and not await _slot_unless_stopped(slots, stop):
+                    break
                 ahead.pop()
                 rec = RequestRecord(
                     nxt.index, nxt.send_at_s, nxt.input_tokens, nxt.output_tokens, trace_line=nxt.trace_line
                 )
+                rec.slot_s = rec.scheduled_s if slots is None else time.perf_counter() - origin
                 result.records.append(rec)
                 client = shards[nxt.index % len(shards)]
                 task = asyncio.create_task(_one(rec, body, client, target, opts, origin, slots, observer))
@@ -193,6 +197,27 @@ async def _stopped_while_waiting(stop: asyncio.Event | None, delay: float) -> bo
             async with asyncio.timeout(delay):
                 await stop.wait()
     return stop is not None and stop.is_set()
+
+
+async def _slot_unless_stopped(slots: asyncio.Semaphore, stop: asyncio.Event | None) -> bool:
+    """Acquire a concurrency slot (True), or give up as soon as `stop` is set (False, nothing held)."""
+    if stop is None:
+        await slots.acquire()
+        return True
+    acquire = asyncio.ensure_future(slots.acquire())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({acquire, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not acquire.done():
+            acquire.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquire
+    got = acquire.done() and not acquire.cancelled()
+    if got and stop.is_set():
+        slots.release()
+    return got and not stop.is_set()
 
 
 async def _until_done_or_stopped(tasks: set[asyncio.Task[None]], stop: asyncio.Event | None) -> None:

@@ -15,7 +15,8 @@ from loadgen.metrics import Slo
 from loadgen.prompts import BLOCK_TOKENS
 from loadgen.replay import ReplayRequest, run_replay_async
 from loadgen.report import SCHEMA, load_report
-from loadgen.schedule import ScheduleOptions
+from loadgen.runner import RunOptions, RunResult, Target, replay
+from loadgen.schedule import ScheduleOptions, schedule
 from loadgen.trace import TraceError
 from tests.loadgen.loadgen_fakes import FakeWorker
 
@@ -215,3 +216,27 @@ def test_a_burst_after_a_quiet_spell_is_built_before_it_is_due(
     out = run(ReplayRequest(str(trace), "http://fake", "m", progress=False), worker)
     assert out.metrics.completed == 21  # type: ignore[attr-defined]
     assert seen_at[1] == 21, seen_at  # the burst's first request: every body already built
+
+
+def test_requests_waiting_for_a_concurrency_slot_hold_no_task_of_their_own() -> None:
+    """A throughput run (a whole trace due at once, concurrency 2) stopped after 0.5 s: only the requests
+    that got a slot were sent and recorded. Before, every due request got a task holding its body at once,
+    waiting on the semaphore (3,000 tasks here; a 100k-request trace held every body in memory)."""
+    spec = "synthetic:rate=100000,n=3000,arrival=constant,input=uniform:5:60,output=uniform:1:9,seed=3"
+    worker = FakeWorker(step_s=0.05)  # 50 ms per token: ≥ 50 ms a request, two at a time
+
+    async def main() -> RunResult:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop.set)
+        scheduled = schedule(open_trace(spec), ScheduleOptions())
+        transport = httpx.ASGITransport(app=worker.app())
+        return await replay(
+            scheduled, Target("http://fake", "m"), RunOptions(concurrency=2), None, transport, stop
+        )
+
+    result = asyncio.run(main())
+    assert result.interrupted
+    # ≤ 0.5 s / 50 ms · 2 slots = 20 completed, plus the two in flight when it stopped (cancelled)
+    assert 2 < len(result.records) <= 22
+    assert sum(r.error_type == "cancelled" for r in result.records) <= 2
+    assert len(worker.received) == len(result.records) and worker.max_in_flight == 2
