@@ -55,18 +55,20 @@ def select_profiles(
                 f"{label}: no profile at or under {_slo_text(need)} (have {', '.join(_slo_text(p.slo) for p in group)}); not used"
             )
             continue
-        best = max(
-            fit,
-            key=lambda p: tuple(
-                math.inf if v is None else v for v in (p.slo.tpot_ms, p.slo.ttft_ms, p.slo.e2e_ms)
-            ),
-        )
+        # loosest in the limits that bind this role only: a prefill profile measured with no TPOT limit is
+        # not looser for prefill than one at the target's TTFT (it would win on TPOT = ∞ first)
+        best = max(fit, key=lambda p: _looseness(_relevant(p.slo, key[3])))
         if _relevant(best.slo, key[3]) != need:
             notes.append(
                 f"{label}: profile measured at {_slo_text(best.slo)} used for {_slo_text(need)} (conservative)"
             )
         chosen.append(best)
     return chosen, notes
+
+
+def _looseness(slo: Slo) -> tuple[float, float, float]:
+    """Order of profiles by their limits, TPOT then TTFT then E2E; an unset limit is the loosest."""
+    return tuple(math.inf if v is None else v for v in (slo.tpot_ms, slo.ttft_ms, slo.e2e_ms))  # type: ignore[return-value]
 
 
 def _slo_text(slo: Slo) -> str:

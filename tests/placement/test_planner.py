@@ -285,3 +285,32 @@ def test_single_type_baselines_keep_the_other_types_floors() -> None:
     assert singles["A100-80GB"] is not None and singles["A100-80GB"].cost_per_hour == pytest.approx(11.01)
     assert plan.savings == pytest.approx(0.0)
     assert "single-type baselines keep the GPU floors (A100-80GB ≥ 2), as the mix does" in plan.notes
+
+
+@pytest.mark.parametrize(
+    ("role", "chosen_rate"),
+    [
+        pytest.param("prefill", 9.0, id="prefill: by TTFT only, not by an unset TPOT"),
+        pytest.param("decode", 5.0, id="decode: by TPOT only"),
+    ],
+)
+def test_select_profiles_ranks_by_the_limits_that_bind_the_role(role: str, chosen_rate: float) -> None:
+    # Two profiles of one key. For prefill only TTFT binds: the one at the target's TTFT (2,000 ms, 9 req/s)
+    # is the loosest safe one; the one at TTFT 1,000 ms and no TPOT limit had won on TPOT = ∞ (5 req/s).
+    # For decode only TPOT binds: the one with no TPOT limit does not fit a TPOT target at all.
+    from placement.profiles import Role, ThroughputProfile
+
+    base = {
+        "model": "llama-3-8b",
+        "gpu": "A100-80GB",
+        "role": Role(role),
+        "input_edges": (1, 512),
+        "output_edges": (1, 128),
+    }
+    tight_ttft = ThroughputProfile(**base, slo=Slo(ttft_ms=1000, tpot_ms=30), max_rate=((5.0,),))
+    unset_tpot = ThroughputProfile(**base, slo=Slo(ttft_ms=1000), max_rate=((5.0,),))
+    exact = ThroughputProfile(**base, slo=Slo(tpot_ms=50, ttft_ms=2000), max_rate=((9.0,),))
+    group = [unset_tpot, exact] if role == "prefill" else [tight_ttft, unset_tpot]
+    picked, notes = select_profiles(group, Slo(tpot_ms=200, ttft_ms=2000))
+    assert [p.max_rate[0][0] for p in picked] == [chosen_rate]
+    assert not notes if role == "prefill" else "conservative" in notes[0]
