@@ -8,7 +8,7 @@ Per pool (workers of every state, as the cluster simulator counts them):
 | decode_tokens_per_s | Σ over workers of Δ`vllm:generation_tokens_total` / Δt between the scrapes seen at the previous and this cycle (a worker new since then: its last scrape-to-scrape rate; a counter reset: current value / Δt, as Prometheus' `increase`) |
 | prompt_tokens_per_s | the same over `vllm:prompt_tokens_total` |
 | num_waiting | Σ `vllm:num_requests_waiting` of ready workers with fresh stats |
-| gpu_utilization | busy proxy: Σ over scrapes in the interval of workers with `num_requests_running` > 0, ÷ Σ ready workers scraped (≤ 1) |
+| gpu_utilization | busy proxy: Σ over scrapes in the interval of ready workers with `num_requests_running` > 0, ÷ Σ ready workers scraped (≤ 1; draining workers are left out, as the HPA leaves out terminating pods) |
 | starting_ready_in_s | managed pools with `autoscaler.cold_start_s` > 0: each starting instance's start (the cycle whose action raised the desired count) + the cold start − now; the newest are the ones still starting. Otherwise empty (the policy then counts them as arriving at its lead) |
 | signal_complete | False when a READY worker of the pool has no fresh stats (its `/metrics` scrape is older than `scrape.stale_after_s` while `/health` answers): its load is unknown, so the rates undercount. The policy then does not scale in that model's pools (scale-up stays allowed) and says so in the decision's reason. Chosen over carrying the last rate forward: a rate carried for a bounded time still turns into "zero load" when the bound expires, while a blocked scale-in only keeps capacity that is already paid for |
 
@@ -100,11 +100,14 @@ class SignalReader:
         for rec in self.registry.records():
             stats = rec.fresh_stats(now, self.stale_after_s)
             state = rec.state()
-            if stats is None or state not in (WorkerState.READY, WorkerState.DRAINING):
+            # the HPA averages a per-pod metric over the ready pods: a draining worker still finishing its
+            # streams is terminating, left out of both sides (counted busy over the ready ones, a scale-in
+            # read as load and bought back)
+            if stats is None or state is not WorkerState.READY:
                 continue
             b = self._busy.setdefault(rec.pool.name, _PoolBusy())
             b.busy += bool(stats.num_running)
-            b.ready += state is WorkerState.READY
+            b.ready += 1
 
     # ------------------------------------------------------------------ per cycle
     def observe(self, now: float, desired: Mapping[str, int]) -> Observation:

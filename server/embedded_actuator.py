@@ -308,8 +308,12 @@ class EmbeddedActuator:
 
     def _after(self, delay_s: float, pool: str, index: int) -> None:
         """Re-list the pool when a cold start ends, so the worker turns ready without waiting for a resync."""
+        started = self.sources[pool].workers.get(index)
 
         def fire() -> None:
+            worker = self.sources[pool].workers.get(index)
+            if worker is None or worker is not started:
+                return  # stopped during its cold start (or its index reused since): nothing turned ready
             self._event("ready", pool, index)
             self._spawn(self.registry.resync(pool))
 

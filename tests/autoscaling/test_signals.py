@@ -39,6 +39,12 @@ INF = math.inf
         pytest.param(0.9, [(0.4, INF, 3)], 0.4, id="everything above the last bound → that bound"),
         pytest.param(
             0.9,
+            [(0, 0.1, 5), (0.1, 0.5, 0), (0.5, 1.0, 0), (1.0, INF, 5)],
+            1.0,
+            id="+Inf bucket above empty finite ones → the largest finite bound, not the top non-empty one",
+        ),
+        pytest.param(
+            0.9,
             [(0, 1, 10), (0, 2, 10)],
             1.6,
             id="mixture of two rescaled histograms: cdf(x) = 10 + 5x on [1, 2] reaches 18 at 1.6",

@@ -1,0 +1,159 @@
+"""Defects of the live autoscaling signals and controller found by a review (2026-12-05): the busy proxy
+counted draining workers, `static:` targets bypassed the pool bounds, knobs that crash every cycle passed
+config load, and the embedded actuator logged a "ready" for a worker stopped during its cold start."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from scheduler.autoscaler.baselines import HpaPolicy
+from scheduler.autoscaler.signals import Observation, PoolSpec
+from scheduler.fleet import Role, capacity_for
+from server.autoscale_signals import SignalReader
+from server.config import HealthConfig, ScrapeConfig
+from server.discovery import Endpoint
+from server.gateway_signals import RegistrySource
+from server.metrics import GatewayMetrics
+from server.registry import PoolInfo, Registry
+
+
+class _Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Listed:
+    """A discovery source listing fixed endpoints."""
+
+    resync_s = None
+
+    def __init__(self, endpoints: list[Endpoint]) -> None:
+        self.endpoints = endpoints
+
+    async def start(self) -> None:
+        return None
+
+    async def list(self) -> list[Endpoint]:
+        return list(self.endpoints)
+
+    async def stop(self) -> None:
+        return None
+
+
+def _metrics(running: int) -> str:
+    return (
+        f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+        'vllm:num_requests_waiting{model_name="m"} 0\n'
+        'vllm:generation_tokens_total{model_name="m"} 0\n'
+        'vllm:prompt_tokens_total{model_name="m"} 0\n'
+    )
+
+
+def test_gpu_busy_proxy_leaves_draining_workers_out() -> None:
+    """One idle ready worker and one draining worker still finishing 3 streams: the HPA averages its metric
+    over ready pods, so the pool reads 0% busy. Before, the draining one counted busy over the one ready
+    worker: 100%, and hpa-util at 0.5 bought the scale-in back (2 replicas)."""
+    running = {"a": 0, "b": 3}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        return httpx.Response(200, text=_metrics(running[request.url.host]))
+
+    async def main() -> Any:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        clock = _Clock(10.0)
+        metrics = GatewayMetrics()
+        registry = Registry(
+            ScrapeConfig(stale_after_s=60.0), HealthConfig(), metrics, client=client, clock=clock
+        )
+        source = _Listed(
+            [Endpoint("a:8000", "http://a:8000"), Endpoint("b:8000", "http://b:8000", terminating=True)]
+        )
+        registry.add_pool(
+            PoolInfo("dec", "llama-3-8b", "L4", Role.DECODE, capacity_for("L4", "llama-3-8b")), source
+        )
+        reader = SignalReader(registry, 60.0, clock, {}, RegistrySource(metrics.registry, clock))
+        registry.on_refresh.append(reader.on_scrape)
+        try:
+            await registry.resync("dec")
+            await registry.health_once()
+            reader.observe(10.0, {})
+            for t in (12.0, 14.0):
+                clock.t = t
+                await registry.scrape_once()
+            return reader.observe(14.0, {}).pools["dec"]
+        finally:
+            await registry.stop()
+            await client.aclose()
+
+    pool = asyncio.run(main())
+    assert (pool.ready, pool.draining) == (1, 1)
+    assert pool.gpu_utilization == 0.0
+    spec = PoolSpec("dec", "llama-3-8b", "decode", "L4", 1.0, 1, 8, decode_tps_capacity=100)
+    assert HpaPolicy([spec], "gpu_utilization", 0.5).decide(Observation(14.0, {"dec": pool})).targets == {
+        "dec": 1
+    }
+
+
+def test_a_worker_stopped_during_its_cold_start_is_never_reported_ready() -> None:
+    """Scaled out to 2, then back to 1 within the 1 s cold start: the starting worker is stopped at once.
+    Its cold-start timer must not log a "ready" for it afterwards (it did: started, draining, stopped, ready
+    on /admin/autoscaler for a worker no longer listed)."""
+    import time
+
+    from server.config import validate_config
+    from server.runner import start_gateway_server
+
+    config = validate_config(
+        {
+            "pools": [
+                {
+                    "name": "l4",
+                    "model": "llama-3-8b",
+                    "gpu": "L4",
+                    "role": "mixed",
+                    "min_replicas": 1,
+                    "max_replicas": 4,
+                    "endpoints": {"simulated": {"replicas": 1, "time_scale": 50}},
+                }
+            ],
+            "auth": {"api_keys": ["k"], "admin_keys": ["adm"]},
+            "autoscaler": {
+                "enabled": True,
+                "actuator": "embedded",
+                "policy": "static:l4=1",
+                "interval_s": 3600,
+                "cold_start_s": 1.0,
+            },
+        }
+    )
+
+    async def main() -> tuple[list[tuple[str, str]], list[str]]:
+        running = await start_gateway_server(config, "127.0.0.1", 0)
+        try:
+            actuator = running.gateway.autoscaler.actuator.by_pool["l4"]
+            actuator.scale("l4", 2, time.monotonic())
+            await asyncio.sleep(0.3)
+            actuator.scale("l4", 1, time.monotonic())  # the starting worker goes first
+            await asyncio.sleep(1.5)  # past its cold start
+            async with httpx.AsyncClient(base_url=running.url) as client:
+                answer = await client.get("/admin/autoscaler", headers={"Authorization": "Bearer adm"})
+            events = [(e["event"], e["worker"]) for e in answer.json()["actuator_events"]]
+            return events, [r.id for r in running.gateway.registry.records()]
+        finally:
+            await running.stop()
+
+    events, listed = asyncio.run(main())
+    assert [e for e in events if e[1] == "l4/sim-1"] == [
+        ("started", "l4/sim-1"),
+        ("draining", "l4/sim-1"),
+        ("stopped", "l4/sim-1"),
+    ]
+    assert listed == ["l4/sim-0"]
