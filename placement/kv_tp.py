@@ -16,7 +16,10 @@ CP-SAT model (heads sorted by budget descending, b_0 ≥ b_1 ≥ … ≥ b_{n-1}
     minimise  z · M + Σ_r cost_r   with z ≥ cost_r  (min-max first, then the sum of per-group maxima)
 
 Because b_i − b_{i+1} ≥ 0 the minimisation pushes each k to its least value ceil(c/H_p), so cost_r equals the
-sorted-chunking cost of rank r's heads exactly. A lower bound on the max is the single-rank sorted cost / tp
+sorted-chunking cost of rank r's heads exactly. When H_p does not divide a rank's heads, one group is short
+(rem heads) and sorted chunking puts it where it costs least: the model picks that position per rank
+(one-hot), and H_p·k becomes w[i,r], the heads of the groups opened among the rank's c largest, which is
+H_p·ceil(c/H_p) before the short group and P + rem + H_p·ceil((c − P − rem)⁺/H_p) from it on (P its start). A lower bound on the max is the single-rank sorted cost / tp
 (the union of per-rank groupings is one partition of all heads, never better than global sorted chunking).
 Budgets are scaled to integers (×10⁴). One search worker, bounded by both a deterministic-time and a wall-time
 limit of `time_limit_s` (small instances are solved to optimality and replay exactly; on large ones the
@@ -178,21 +181,43 @@ def _solve(
     m.add(x[0][hint[order[0] // heads][order[0] % heads]] == 1)
     per_rank = n // tp
     max_groups = -(-per_rank // hp)
+    full, rem = divmod(per_rank, hp)
     costs = []
     for r in range(tp):
         terms = []
         prev = None
+        # A short group (rem heads) when hp does not divide a rank's heads: at the group position the solver
+        # picks (sorted chunking tries each), its start P = hp · position among the rank's heads.
+        start = None
+        if rem:
+            at = [m.new_bool_var(f"s{p}_{r}") for p in range(full + 1)]
+            m.add_exactly_one(at)
+            start = hp * sum(p * at[p] for p in range(full + 1))
         for i in range(n):
             c = m.new_int_var(0, per_rank, f"c{i}_{r}")
             m.add(c == (prev if prev is not None else 0) + x[i][r])
             prev = c
             delta = ib[i] - ib[i + 1]
-            if delta > 0:
-                k = m.new_int_var(0, max_groups, f"k{i}_{r}")
-                m.add(hp * k >= c)
-                terms.append(delta * k)
+            if delta <= 0:
+                continue
+            k = m.new_int_var(0, max_groups, f"k{i}_{r}")
+            m.add(hp * k >= c)
+            if start is None:
+                terms.append(hp * delta * k)
+                continue
+            # w = heads in the groups opened among the rank's c largest: hp·ceil(c/hp) up to the short group
+            # (c ≤ P); past it, P + rem + hp·ceil((c − P − rem)⁺/hp). `after` may only be false when c ≤ P,
+            # and being true when c ≤ P never lowers w, so the minimisation sets it exactly.
+            after = m.new_bool_var(f"a{i}_{r}")
+            m.add(c <= start).only_enforce_if(~after)
+            k2 = m.new_int_var(0, max_groups, f"k2{i}_{r}")
+            m.add(hp * k2 >= c - start - rem)
+            w = m.new_int_var(0, hp * max_groups, f"w{i}_{r}")
+            m.add(w >= hp * k).only_enforce_if(~after)
+            m.add(w >= start + rem + hp * k2).only_enforce_if(after)
+            terms.append(delta * w)
         cost = m.new_int_var(0, hp * max_groups * ib[0] + 1, f"cost{r}")
-        m.add(cost == hp * sum(terms)) if terms else m.add(cost == 0)
+        m.add(cost == sum(terms)) if terms else m.add(cost == 0)
         costs.append(cost)
     z = m.new_int_var(0, hp * max_groups * ib[0] + 1, "z")
     for c in costs:
