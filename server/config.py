@@ -369,8 +369,6 @@ def policy_knobs(knobs: dict[str, Any]) -> PolicyConfig:
     for key in knobs:
         if key not in valid:
             raise ValueError(f"unknown knob {key!r}; valid: {', '.join(valid)}")
-    if knobs.get("prefill_mode", "ratio") not in ("ratio", "prompt_tokens"):
-        raise ValueError(f"prefill_mode must be ratio or prompt_tokens, got {knobs['prefill_mode']!r}")
     try:
         return PolicyConfig(**knobs)
     except (TypeError, ValueError) as exc:

@@ -76,16 +76,54 @@ class AutoscalerConfig:
     scale_down_delay_after_add_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # NaN passes every comparison below; inf is no setting either
+        for f in fields(self):  # a knob of the wrong type (a YAML string, a bool) fails here, not every cycle
             value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
+            if f.name in ("prefill_mode", "observed_context"):
+                continue
+            if f.name in ("ttft_slo_s", "tpot_slo_s") and value is None:
+                continue
+            integral = f.name == "max_scale_up_step"
+            if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+                kind = "an integer" if integral else "a number"
+                raise ValueError(f"{f.name} must be {kind}, got {value!r}")
+            if not math.isfinite(value):  # NaN passes every comparison below; inf is no setting either
                 raise ValueError(f"{f.name} must be a finite number, got {value}")
+        if not isinstance(self.observed_context, bool):
+            raise ValueError(f"observed_context must be true or false, got {self.observed_context!r}")
+        if self.prefill_mode not in ("ratio", "prompt_tokens"):
+            raise ValueError(f"prefill_mode must be ratio or prompt_tokens, got {self.prefill_mode!r}")
         if not 0 < self.utilization_target <= 1:
             raise ValueError("utilization_target must be in (0, 1]")
-        if self.pd_ratio < 0 or self.tolerance < 0:
-            raise ValueError("pd_ratio and tolerance must be ≥ 0")
         if not (0 < self.smoothing <= 1 and 0 < self.trend_smoothing <= 1):
             raise ValueError("smoothing and trend_smoothing must be in (0, 1]")
+        if not 0 < self.max_scale_down_fraction <= 1:
+            raise ValueError("max_scale_down_fraction must be in (0, 1]")
+        at_least = {
+            "pd_ratio": 0.0,
+            "tolerance": 0.0,
+            "scale_down_window_s": 0.0,
+            "max_scale_up_step": 0,
+            "max_scale_up_factor": 1.0,  # below 1 a "scale-up" would shrink the pool
+            "lookahead_s": 0.0,
+            "backlog_lead_s": 0.0,
+            "scale_down_delay_after_add_s": 0.0,
+            "moderate_boost": 1.0,  # the latency net only adds
+            "severe_boost": 1.0,
+            "severe_factor": 1.0,
+        }
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be ≥ {low:g}, got {getattr(self, name)}")
+        for name in (
+            "queue_drain_s",
+            "default_output_tokens",
+            "default_input_tokens",
+            "ttft_slo_s",
+            "tpot_slo_s",
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:  # divisors, or latencies that every request would breach
+                raise ValueError(f"{name} must be > 0, got {value}")
 
 
 class MosaicAutoscaler:

@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import httpx
+import pytest
 
 from scheduler.autoscaler.baselines import HpaPolicy
 from scheduler.autoscaler.signals import Observation, PoolSpec
@@ -157,3 +158,41 @@ def test_a_worker_stopped_during_its_cold_start_is_never_reported_ready() -> Non
         ("stopped", "l4/sim-1"),
     ]
     assert listed == ["l4/sim-0"]
+
+
+KNOB_POOL = {
+    "name": "dec",
+    "model": "llama-3-8b",
+    "gpu": "L4",
+    "role": "mixed",
+    "min_replicas": 1,
+    "max_replicas": 4,
+    "endpoints": {"static": ["http://127.0.0.1:9"]},
+}
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "says"),
+    [
+        ("queue_drain_s", 0, "queue_drain_s must be > 0"),  # a divisor: ZeroDivisionError every cycle
+        ("lookahead_s", "30", "lookahead_s must be a number"),  # TypeError every cycle
+        ("max_scale_up_step", "4", "max_scale_up_step must be an integer"),  # TypeError at the first scale-up
+        ("max_scale_up_step", 2.5, "max_scale_up_step must be an integer"),
+        ("max_scale_up_step", -2, "max_scale_up_step must be ≥ 0"),
+        ("max_scale_up_factor", 0.1, "max_scale_up_factor must be ≥ 1"),  # a "scale-up" from 4 to 2
+        ("max_scale_down_fraction", 0, "max_scale_down_fraction must be in (0, 1]"),
+        ("moderate_boost", 0.5, "moderate_boost must be ≥ 1"),  # the latency net would remove capacity
+        ("scale_down_window_s", -1, "scale_down_window_s must be ≥ 0"),
+        ("observed_context", "yes", "observed_context must be true or false"),
+        ("utilization_target", True, "utilization_target must be a number"),
+    ],
+)
+def test_policy_knobs_that_would_fail_every_cycle_are_refused_at_load(
+    knob: str, value: Any, says: str
+) -> None:
+    from server.config import ConfigError, validate_config
+
+    config = {"pools": [KNOB_POOL], "autoscaler": {"actuator": "dry-run", "policy": "mosaic", knob: value}}
+    with pytest.raises(ConfigError) as caught:
+        validate_config(config)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
