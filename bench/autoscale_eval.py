@@ -538,7 +538,8 @@ def parse_knobs(items: list[str]) -> dict[str, float]:
             number = math.nan
         if not math.isfinite(number):
             raise SystemExit(f"error: --mosaic-knob {name}: {value!r} is not a finite number")
-        knobs[name] = number
+        integral = {f.name for f in dataclasses.fields(AutoscalerConfig) if f.type in (int, "int")}
+        knobs[name] = int(number) if name in integral and number.is_integer() else number
     return knobs
 
 
