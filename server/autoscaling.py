@@ -59,7 +59,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from scheduler.actuators.base import Actuator, ScaleAction
 from scheduler.autoscaler.factory import build_policy
-from scheduler.autoscaler.signals import Observation, PoolSpec, ScalingDecision, ScalingPolicy
+from scheduler.autoscaler.signals import Observation, PoolSpec, ScalingDecision, ScalingPolicy, within_bounds
 from scheduler.fleet import WorkerState
 from server.autoscale_placement import PlacementBook
 from server.autoscale_signals import SignalReader
@@ -249,7 +249,14 @@ class AutoscalerController:
             }
         )
         decision = self.policy.decide(obs)
-        targets, placement = dict(decision.targets), None
+        bounds = {s.name: s for s in self.specs}
+        targets: dict[str, int] = {
+            p: within_bounds(t, obs.pools[p].provisioned, bounds[p].min_replicas, bounds[p].max_replicas)
+            if p in bounds and p in obs.pools
+            else t
+            for p, t in decision.targets.items()
+        }
+        placement = None
         if self.placement is not None:
             provisioned = {p: obs.pools[p].provisioned for p in desired if p in obs.pools}
             targets, placement = self.placement.plan(targets, provisioned, self.actuator, now)

@@ -47,7 +47,7 @@ from typing import Any
 
 from placement.catalog import Catalog, load_catalog
 from placement.perf_model import PerfModel
-from scheduler.autoscaler.signals import Observation, PoolObservation, PoolSpec, ScalingPolicy
+from scheduler.autoscaler.signals import Observation, PoolObservation, PoolSpec, ScalingPolicy, within_bounds
 from scheduler.fleet import FleetView, PoolRef, Role, WorkerCapacity, WorkerState, WorkerView, capacity_for
 from scheduler.routing.config import build_router, parse_routing_config
 from scheduler.routing.framework import Decision, ReservePlugin, RouteRequest
@@ -723,7 +723,7 @@ class ClusterSimulator:
         # last line of defence against a policy's out-of-range target: never above max_replicas, never scaled
         # in below min_replicas (nor below 0), and never raised past the target (scale-ups were placed for it)
         bounds = self._pools[pool]
-        target = max(min(target, bounds.max_replicas), min(bounds.min_replicas, max(have, target)))
+        target = within_bounds(target, have, bounds.min_replicas, bounds.max_replicas)
         if target == have:
             return
         self.result.scale_events.append({"t": round(now, 3), "pool": pool, "before": have, "after": target})

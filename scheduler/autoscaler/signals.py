@@ -62,6 +62,13 @@ class PoolSpec:
             raise ValueError(f"pool {self.name}: a prefill pool needs prefill_tps_capacity > 0")
 
 
+def within_bounds(target: int, have: int, min_replicas: int, max_replicas: int) -> int:
+    """A policy's `target` for a pool of `have` as its driver applies it: never above `max_replicas`, never
+    scaled in below `min_replicas` (a pool already under its minimum is not raised here: the policy does
+    that), never negative. Both drivers apply it, whatever the policy (a `static:` count knows no bounds)."""
+    return max(0, min(target, max_replicas), min(min_replicas, max(have, target)))
+
+
 @dataclass(frozen=True, slots=True)
 class PoolObservation:
     """One pool's state at a cycle. Rates are sums over the pool's ready instances."""

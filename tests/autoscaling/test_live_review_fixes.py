@@ -574,3 +574,52 @@ def test_a_count_changed_by_another_scaler_is_warned(caplog: pytest.LogCaptureFi
         "autoscaler: pool dec: its Deployment holds 4 replicas, the autoscaler last set 3: something else "
         "scales it (an HPA, kubectl scale?); the next patch overwrites it",
     ]
+
+
+@pytest.mark.parametrize(
+    ("policy", "start", "patched"),
+    [
+        pytest.param("static:managed-l4=100", 2, 8, id="static over max_replicas → max (was patched to 100)"),
+        pytest.param("static:managed-l4=0", 2, 2, id="static under min_replicas → no scale-in (was 0)"),
+    ],
+)
+def test_the_controller_keeps_any_policys_targets_within_the_pool_bounds(
+    policy: str, start: int, patched: int
+) -> None:
+    async def run() -> int:
+        deployments = {"managed-l4": "mosaic-managed-l4"}
+        pool = {
+            "name": "managed-l4",
+            "model": "llama-3-8b",
+            "gpu": "L4",
+            "role": "mixed",
+            "min_replicas": 2,
+            "max_replicas": 8,
+            "endpoints": {"kubernetes": {"label_selector": "app=l4", "domain_label": None}},
+        }
+        cfg = validate_config(
+            {
+                "pools": [pool],
+                "autoscaler": {
+                    "actuator": "kubernetes",
+                    "policy": policy,
+                    "kubernetes": {"deployments": deployments},
+                },
+            }
+        )
+        gw = Gateway(cfg)
+        api = FakeAppsApi(replicas=start)
+        ctl = controller_for(
+            cfg,
+            gw.registry,
+            gw.metrics.registry,
+            managed=frozenset(deployments),
+            actuator_factory=lambda i: KubernetesActuator(api, "ns", deployments),
+        )
+        try:
+            await ctl.cycle()
+        finally:
+            await gw.stop()
+        return api.replicas
+
+    assert asyncio.run(run()) == patched
