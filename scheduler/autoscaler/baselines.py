@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from scheduler.autoscaler.signals import Observation, PoolSpec, ScalingDecision
+from scheduler.autoscaler.buying import rebalance
+from scheduler.autoscaler.signals import ModelObservation, Observation, PoolSpec, ScalingDecision
 
 
 class HpaPolicy:
@@ -158,7 +159,7 @@ class _IntervalMeans:
     out_weighted: float = 0.0
     length_weight: float = 0.0
 
-    def add(self, obs: Observation) -> None:
+    def add(self, obs: ModelObservation) -> None:
         self.decisions += 1
         self.rate_sum += obs.request_rate
         if obs.mean_input_tokens and obs.mean_output_tokens:  # 0.0: nothing finished in that decision
@@ -180,7 +181,8 @@ class DynamoPlanner:
     lengths (each decision's means weighted by that decision's request rate, a stand-in for Dynamo's
     Prometheus averages over the interval). It plans at the end of each interval, so the first plan comes
     one interval after it took over, and it skips an interval whose lengths were never observed (no
-    request finished), as Dynamo skips an adjustment on NaN metrics."""
+    request finished), as Dynamo skips an adjustment on NaN metrics. Each model is planned on its own
+    arrivals and lengths (`Observation.for_model`), as one Dynamo planner runs per model deployment."""
 
     def __init__(
         self,
@@ -195,31 +197,41 @@ class DynamoPlanner:
         self.interval_s = interval_s
         self.utilization_target = utilization_target
         self.observed_context = observed_context
-        self._rate = _Holt(alpha, beta)
-        self._in = _Holt(alpha, 0.0)
-        self._out = _Holt(alpha, 0.0)
+        self.alpha, self.beta = alpha, beta
+        self._models: dict[str, _ModelForecast] = {}  # per model: its own rate and lengths, as Dynamo plans
         self._window_start: float | None = None
-        self._window = _IntervalMeans()
         self._targets: dict[str, int] = {}
 
     def decide(self, obs: Observation) -> ScalingDecision:
         if self._window_start is None:
             self._window_start = obs.now
-        self._window.add(obs)
+        models = sorted({p.model for p in self.pools})
+        for model in models:
+            self._forecast(model).window.add(obs.for_model(model))
         if obs.now - self._window_start >= self.interval_s - 1e-9:
-            rate, mean_in, mean_out = self._window.means()
-            self._window, self._window_start = _IntervalMeans(), obs.now
-            if mean_in is not None and mean_out is not None:
-                self._rate.update(rate)
-                self._in.update(mean_in)
-                self._out.update(mean_out)
-                self._plan(obs)
+            self._window_start = obs.now
+            for model in models:
+                f = self._forecast(model)
+                rate, mean_in, mean_out = f.window.means()
+                f.window = _IntervalMeans()
+                if mean_in is not None and mean_out is not None:
+                    f.rate.update(rate)
+                    f.input.update(mean_in)
+                    f.output.update(mean_out)
+                    self._plan(model, f, obs)
         targets = {p.name: self._targets.get(p.name, obs.pools[p.name].provisioned) for p in self.pools}
         return ScalingDecision(obs.now, targets, {p.name: "dynamo planner" for p in self.pools})
 
-    def _plan(self, obs: Observation) -> None:
-        rate = self._rate.forecast()
-        mean_in, mean_out = self._in.forecast(0), self._out.forecast(0)
+    def _forecast(self, model: str) -> _ModelForecast:
+        if model not in self._models:
+            self._models[model] = _ModelForecast(
+                _Holt(self.alpha, self.beta), _Holt(self.alpha, 0.0), _Holt(self.alpha, 0.0)
+            )
+        return self._models[model]
+
+    def _plan(self, model: str, f: _ModelForecast, obs: Observation) -> None:
+        rate = f.rate.forecast()
+        mean_in, mean_out = f.input.forecast(0), f.output.forecast(0)
         # Dynamo's decode interpolator reads per-replica decode throughput at the forecast context
         # (input + output/2); prefill at its profiled rate.
         context = mean_in + mean_out / 2 if self.observed_context else None
@@ -230,13 +242,22 @@ class DynamoPlanner:
         def prefill_cap(p: PoolSpec) -> float:
             return p.prefill_tps_capacity
 
+        mine = [p for p in self.pools if p.model == model]
         for role, tokens, cap in (("decode", mean_out, decode_cap), ("prefill", mean_in, prefill_cap)):
-            pools = [p for p in self.pools if p.role == role or (role == "decode" and p.role == "mixed")]
+            pools = [p for p in mine if p.role == role or (role == "decode" and p.role == "mixed")]
             if not pools:
                 continue
-            # each phase sized separately, in the cheapest pool per unit of that phase's capacity
-            best = min(pools, key=lambda p: p.cost_per_hour / cap(p))
-            need = math.ceil(rate * tokens / (cap(best) * self.utilization_target) - 1e-9)
-            for pool in pools:
-                count = need if pool is best else pool.min_replicas
-                self._targets[pool.name] = min(max(count, pool.min_replicas), pool.max_replicas)
+            # each phase sized separately: its token demand over capacity at the target, bought cheapest per
+            # unit of that phase's capacity first within each pool's bounds (a pool held at its count, e.g.
+            # one nobody scales, contributes what it has)
+            current = {p.name: obs.pools[p.name].provisioned if p.name in obs.pools else 0 for p in pools}
+            need = rate * tokens / self.utilization_target
+            self._targets.update(rebalance(pools, current, need - 1e-9 * need, cap))
+
+
+@dataclass(slots=True)
+class _ModelForecast:
+    rate: _Holt
+    input: _Holt
+    output: _Holt
+    window: _IntervalMeans = field(default_factory=_IntervalMeans)

@@ -412,3 +412,34 @@ def test_each_model_is_sized_on_its_own_arrivals_and_latency() -> None:
     # without per-model signals both read the fleet's: 10 x 100 tokens, boosted by the fleet's TPOT
     fleet_wide = MosaicAutoscaler([a, b], cfg).decide(dataclasses.replace(observation, models={}))
     assert fleet_wide.signal["a/decode_demand_tps"] == fleet_wide.signal["b/decode_demand_tps"] == 1000 * 1.2
+
+
+def test_dynamo_plans_each_model_on_its_own_arrivals() -> None:
+    """Two models, each its own decode pool: model-b gets 50 req/s × 100 output tokens = 5,000 tok/s (5
+    instances of 1,000), model-a nothing. Before, the fleet-wide rate sized the one cheapest pool across
+    both models (model-a's) and left model-b's at its minimum: {dec-a: 5, dec-b: 1}."""
+    a = PoolSpec("dec-a", "model-a", "decode", "L4", 1.0, 1, 20, decode_tps_capacity=1000)
+    b = PoolSpec("dec-b", "model-b", "decode", "L4", 2.0, 1, 20, decode_tps_capacity=1000)
+    planner = DynamoPlanner([a, b], interval_s=15, utilization_target=1.0)
+    models = {"model-a": ModelObservation(0.0, 100, 100), "model-b": ModelObservation(50.0, 100, 100)}
+    pools = {"dec-a": PoolObservation(ready=1), "dec-b": PoolObservation(ready=1)}
+    for t in (0.0, 15.0):
+        obs = Observation(
+            t, pools, request_rate=50.0, mean_input_tokens=100, mean_output_tokens=100, models=models
+        )
+        decision = planner.decide(obs)
+    assert dict(decision.targets) == {"dec-a": 1, "dec-b": 5}
+
+
+def test_dynamo_counts_a_pool_held_at_its_size() -> None:
+    """The cheapest decode pool is held at 1 (min = max = 1: a pool nobody scales, as the live controller
+    pins it): its 2,000 tok/s count, the managed pool buys the other 8,000 (8 of 1,000). Before, the whole
+    need went to the held pool, was clamped to 1, and the managed pool stayed at its minimum."""
+    held = PoolSpec("static-h100", "m", "decode", "H100", 1.0, 1, 1, decode_tps_capacity=2000)
+    managed = PoolSpec("dec-l4", "m", "decode", "L4", 1.0, 1, 20, decode_tps_capacity=1000)
+    planner = DynamoPlanner([held, managed], interval_s=15, utilization_target=1.0)
+    pools = {"static-h100": PoolObservation(ready=1), "dec-l4": PoolObservation(ready=1)}
+    for t in (0.0, 15.0):
+        obs = Observation(t, pools, request_rate=100.0, mean_input_tokens=100, mean_output_tokens=100)
+        decision = planner.decide(obs)
+    assert dict(decision.targets) == {"static-h100": 1, "dec-l4": 8}
