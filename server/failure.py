@@ -40,7 +40,7 @@ from starlette.types import Receive, Scope, Send
 from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome
 from server.errors import SHUTDOWN_MESSAGE, shutting_down, stream_error_event
-from server.fast_http import FastCycle
+from server.fast_http import ClientStalled, FastCycle
 from server.registry import InflightTicket, Registry
 
 SHUTDOWN_EVENT = stream_error_event(SHUTDOWN_MESSAGE, 503, "ServiceUnavailableError")
@@ -247,6 +247,10 @@ class RelayResponse(StreamingResponse):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             exhausted = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
+        except ClientStalled:
+            # connected but reading nothing past the stall bound: the stream was closed upstream (its slot
+            # and KV released), and the connection is dropped, as nothing more can reach that client
+            cycle.abort()
         except asyncio.CancelledError:
             if watch.disconnected:
                 task.uncancel()  # the client left: nothing to send, nothing to propagate

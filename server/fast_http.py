@@ -307,6 +307,25 @@ class FastCycle:
         if flow.write_paused and not self.disconnected:
             await flow.drain()
 
+    async def drain_within(self, timeout_s: float) -> None:
+        """`drain()`, for at most `timeout_s`: a client connected but reading nothing raises `ClientStalled`
+        (a relay would otherwise hold its worker slot and KV reservation for as long as it stays connected)."""
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await self.drain()
+        except TimeoutError:
+            raise ClientStalled(f"the client read nothing for {timeout_s:g} s") from None
+
+    def abort(self) -> None:
+        """Drop the client's connection at once (one that stopped reading): nothing more is sent."""
+        self.disconnected = True
+        self.keep_alive = False
+        self.protocol.transport.abort()
+
+
+class ClientStalled(Exception):
+    """The client stopped reading a response it is still connected for (`FastCycle.drain_within`)."""
+
 
 def _noop() -> None:
     return None

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from scheduler.routing.reasons import Outcome
 from server.errors import STREAM_DONE, is_error_event, stream_error_event
 from server.failure import GatewayOutcome, Lease, classify
+from server.fast_http import ClientStalled
 from server.footprint import ParsedRequest
 from server.proxy import SseRelay
 from server.upstream import H1Response, UpstreamResponse
@@ -271,11 +272,14 @@ class StreamSession:
             if resp.ended:  # the whole stream came with the first read
                 pending = out
             elif out and not write(out):
-                await cycle.drain()
+                await self._drain_client(cycle)
             while not await resp.push(deliver):
-                await cycle.drain()
+                await self._drain_client(cycle)  # the worker's socket is not read meanwhile (upstream)
             last = pending + self._end()
             outcome = Outcome.COMPLETED
+        except ClientStalled:  # the caller drops the client's connection: it is gone for the metrics too
+            outcome = Outcome.CLIENT_DISCONNECTED
+            raise
         except (httpx.HTTPError, TimeoutError) as exc:
             write(pending)
             last = self._failed(exc)
@@ -286,6 +290,12 @@ class StreamSession:
         finally:
             await self._close(outcome)
         return last
+
+    async def _drain_client(self, cycle: FastCycle) -> None:
+        """Wait for the client's socket to take writes again: at most `stall_timeout_s` (the longest gap the
+        gateway allows the worker too) and never past `total_timeout_s`."""
+        left = self._deadline - self._clock()
+        await cycle.drain_within(min(self.d.limits.stall_timeout_s, left))
 
     async def close(self) -> None:
         """Called by the response however it ends; a no-op after the body's own close."""

@@ -50,6 +50,11 @@ from server.h1_response import H1Response, UpstreamResponse, _read_head, _Reset
 __all__ = ["ConnectionPool", "H1Response", "UpstreamResponse"]
 
 
+# Bytes a connection buffers while nobody reads its response (a relay waiting for a slow client) before
+# it stops reading the socket: the worker then blocks on its own send, as it would for a slow client of its own.
+READ_HIGH_WATER = 256 * 1024
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection: a receive buffer, EOF/close flags, and one waiter for more bytes."""
 
@@ -61,6 +66,7 @@ class _Conn(asyncio.Protocol):
         "idle_since",
         "on_data",
         "origin",
+        "reading_paused",
         "reused",
         "transport",
     )
@@ -73,6 +79,7 @@ class _Conn(asyncio.Protocol):
         self.error: Exception | None = None
         self.idle_since = 0.0
         self.reused = False
+        self.reading_paused = False
         self._waiter: asyncio.Future[None] | None = None
         # set while `H1Response.push` relays: called with the new bytes in `buf` instead of waking the reader
         self.on_data: Callable[[], None] | None = None
@@ -86,8 +93,13 @@ class _Conn(asyncio.Protocol):
         on_data = self.on_data
         if on_data is not None:
             on_data()
-        else:
+        elif self._waiter is not None:
             self.wake()
+        elif len(self.buf) > READ_HIGH_WATER and self.transport is not None:
+            # nobody is reading (the relay waits for its client): stop taking the worker's bytes until
+            # someone asks for more (`more`), rather than buffer a whole generation in memory
+            self.transport.pause_reading()
+            self.reading_paused = True
 
     def eof_received(self) -> bool:
         self.closed = True
@@ -111,6 +123,7 @@ class _Conn(asyncio.Protocol):
     async def more(self, timeout: float) -> None:
         """Wait until new bytes, EOF or close (`httpx.ReadTimeout` after `timeout` seconds, see `_Deadlines`)."""
         waiter = self._waiter = asyncio.get_running_loop().create_future()
+        self.resume_reading()
         deadlines = self.origin.deadlines
         deadlines.add(self, time.monotonic() + timeout, timeout)
         try:
@@ -118,6 +131,12 @@ class _Conn(asyncio.Protocol):
         finally:
             deadlines.discard(self)
             self._waiter = None
+
+    def resume_reading(self) -> None:
+        if self.reading_paused:
+            self.reading_paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
 
     def restart_deadline(self, timeout: float) -> None:
         """The current `more()` wait starts over (a pusher delivered bytes): `timeout` from now. The wait
@@ -203,6 +222,7 @@ class _Origin:
     def release(self, conn: _Conn) -> None:
         """`conn` finished a response and may be reused."""
         conn.reused = True
+        conn.resume_reading()  # its idle close (EOF) must be seen, and the next response read
         if not self._hand_over(conn):
             conn.idle_since = time.monotonic()
             self.idle[conn] = None

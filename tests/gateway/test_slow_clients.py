@@ -1,0 +1,164 @@
+"""A streaming client that stays connected but reads slowly or not at all, over real sockets (the gateway's
+fast path and pooled upstream, a scripted worker streaming ~1 KB events as fast as it may).
+
+- The worker's bytes are not buffered without bound while the relay waits for the client: the upstream
+  connection stops reading past `READ_HIGH_WATER` and resumes when the relay asks for more.
+- A client that reads nothing for `stall_timeout_s` is dropped: the stream is closed upstream, its in-flight
+  slot and KV reservation are released, the outcome is `client_disconnected`. Before, it held all of that
+  (and the worker's whole stream in gateway memory: 44 MB after 10 s) for as long as it stayed connected.
+- A client that pauses for less than that gets the whole stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+from server.config import validate_config
+from server.runner import start_gateway_server
+from server.upstream import READ_HIGH_WATER
+
+MODEL = "llama-3-8b"
+EVENTS = 20_000  # ~19 MB of events: far over what the kernel buffers for a localhost socket (≤ 4 MB sent)
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+class StreamingWorker:
+    """Answers /health and /metrics; streams EVENTS chunks of ~0.9 KB to every POST, then [DONE]."""
+
+    def __init__(self) -> None:
+        self.finished = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                length = next(
+                    (int(x.split(b":")[1]) for x in lines if x.lower().startswith(b"content-length:")), 0
+                )
+                if length:
+                    await reader.readexactly(length)
+                if lines[0].split()[1] != b"/v1/chat/completions":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
+                choice = {"index": 0, "delta": {"content": "x" * 900}, "finish_reason": None}
+                event = (
+                    b"data: "
+                    + json.dumps({"id": "c", "model": MODEL, "choices": [choice]}).encode()
+                    + b"\n\n"
+                )
+                for _ in range(EVENTS):
+                    writer.write(_chunk(event))
+                    await writer.drain()
+                writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                await writer.drain()
+                self.finished += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def _gateway(worker: StreamingWorker, stall_s: float) -> tuple[Any, asyncio.Server]:
+    server = await asyncio.start_server(worker.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    config = validate_config(
+        {
+            "pools": [
+                {
+                    "name": "p",
+                    "model": MODEL,
+                    "gpu": "H100",
+                    "role": "mixed",
+                    "endpoints": {"static": [f"http://127.0.0.1:{port}"]},
+                }
+            ],
+            "health": {"interval_s": 60},
+            "scrape": {"interval_s": 60},
+            "limits": {"stall_timeout_s": stall_s, "first_token_timeout_s": 5.0, "total_timeout_s": 60.0},
+        },
+        "test",
+    )
+    return await start_gateway_server(config, "127.0.0.1", 0), server
+
+
+async def _client(url: str, limit: int = 2**16) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client with a small receive buffer that has sent one streaming chat request."""
+    host, port = url.split("//")[1].split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=limit)
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    ).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (len(body), body)
+    )
+    return reader, writer
+
+
+def _upstream_buffered(running: Any) -> int:
+    pool = running.gateway.upstream.pool
+    return sum(len(c.buf) for origin in pool._origins.values() for c in origin._members)
+
+
+def test_a_client_that_stops_reading_is_dropped_and_releases_its_worker() -> None:
+    async def main() -> tuple[int, dict[str, int], int, int]:
+        worker = StreamingWorker()
+        running, server = await _gateway(worker, stall_s=1.0)
+        try:
+            reader, writer = await _client(running.url)
+            await reader.read(200)  # the stream began; the client reads nothing more
+            await asyncio.sleep(0.6)
+            buffered = _upstream_buffered(running)  # the relay is waiting for the client by now
+            await asyncio.sleep(1.4)  # past the 1 s stall bound
+            gw = running.gateway
+            inflight = sum(r.inflight_requests for r in gw.registry.records())
+            writer.transport.abort()
+            return buffered, dict(gw.dispatcher.outcomes), inflight, len(gw.dispatcher.open)
+        finally:
+            await running.stop()
+            server.close()
+
+    buffered, outcomes, inflight, still_open = asyncio.run(main())
+    # the high-water mark, plus at most one read (asyncio reads 256 KiB at a time); 17 MB before
+    assert buffered <= READ_HIGH_WATER + 256 * 1024
+    assert outcomes == {"client_disconnected": 1}
+    assert inflight == 0 and still_open == 0
+
+
+def test_a_client_that_pauses_within_the_stall_bound_gets_the_whole_stream() -> None:
+    async def main() -> tuple[bytes, dict[str, int]]:
+        worker = StreamingWorker()
+        running, server = await _gateway(worker, stall_s=3.0)
+        try:
+            reader, writer = await _client(running.url, limit=2**20)
+            data = await reader.read(200)
+            await asyncio.sleep(1.0)  # the relay and the upstream connection pause meanwhile
+            while not data.endswith(b"0\r\n\r\n"):
+                more = await asyncio.wait_for(reader.read(2**16), 10)
+                assert more, "connection closed before the stream ended"
+                data += more
+            writer.close()
+            await asyncio.sleep(0.1)
+            return data, dict(running.gateway.dispatcher.outcomes)
+        finally:
+            await running.stop()
+            server.close()
+
+    data, outcomes = asyncio.run(main())
+    assert data.count(b'"content": "' + b"x" * 900) == EVENTS
+    assert b"data: [DONE]" in data
+    assert outcomes == {"completed": 1}
