@@ -300,4 +300,7 @@ class AdmissionQueue(Generic[D]):
                 retry_after_s=reject.retry_after_s if reject.retry_after_s > 0 else None,
                 status_override=getattr(reject, "http_status", None),
                 body_override=reject.error_body(model) if hasattr(reject, "error_body") else None,
+                # labelled by what refused it (context_length_exceeded, model_not_found, ...): a client's
+                # error is not a capacity shortage on a dashboard
+                reason_override=reject.rule.code if hasattr(reject, "rule") else None,
             )

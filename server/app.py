@@ -252,7 +252,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
             charged = gw.limiter.admit(key, reserved, arrival)
         except GatewayError as err:
             gw.metrics.requests.labels(model, "none", str(err.status)).inc()
-            gw.metrics.rejections.labels(err.cause.value).inc()
+            gw.metrics.rejections.labels(err.reason).inc()
             return err.to_response(rid)
         except ClientDisconnect:  # gone before its body ended: nobody to answer, and not the gateway's error
             gw.metrics.requests.labels(model, "none", str(CLIENT_CLOSED_STATUS)).inc()

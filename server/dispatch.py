@@ -57,7 +57,14 @@ from server.admission import AdmissionQueue
 from server.auth import RateLimiter
 from server.config import ConfigError, MosaicConfig
 from server.deadlines import TaskTimeouts
-from server.errors import Cause, GatewayError, shutting_down
+from server.errors import (
+    STREAM_DONE,
+    Cause,
+    GatewayError,
+    is_client_error_event,
+    is_error_event,
+    shutting_down,
+)
 from server.failure import (
     DisconnectWatch,
     GatewayOutcome,
@@ -77,6 +84,7 @@ from server.proxy import (
     response_usage,
     upstream_headers,
     usage_body,
+    usage_count,
 )
 from server.registry import Registry
 from server.responses import PassthroughResponse, StreamSession, relay_headers
@@ -123,11 +131,6 @@ def worker_auth_headers(config: MosaicConfig) -> dict[str, tuple[bytes, bytes]]:
             )
         out[pool.name] = (b"authorization", b"Bearer " + key.encode("latin-1"))
     return out
-
-
-def _token_count(value: Any) -> int:
-    """A usage count from a worker's answer: a non-negative int, else 0."""
-    return value if type(value) is int and value > 0 else 0
 
 
 class Dispatcher:
@@ -204,11 +207,11 @@ class Dispatcher:
             task.uncancel()  # ended for shutdown before its response began: 503, as a new request gets
             return self._shut_out(rec)
         except GatewayError as exc:
-            self.finish(rec, exc.status, None, reason=exc.cause.value)
+            self.finish(rec, exc.status, None, reason=exc.reason)
             return exc.to_response(rec.request_id)
         except Exception as exc:
             log.error("request %s failed: %r", rec.request_id, exc, exc_info=exc)
-            self.finish(rec, 500, Outcome.WORKER_ERROR)
+            self.finish(rec, 500, GatewayOutcome.INTERNAL_ERROR)
             return GatewayError(Cause.INTERNAL, "Internal gateway error").to_response(rec.request_id)
         finally:
             watch.done = True  # from here on a disconnect must not cancel this task
@@ -243,8 +246,8 @@ class Dispatcher:
             e2e.observe(now - rec.arrival)
         used = 0
         if usage:  # the worker's numbers: anything but a count ≥ 0 counts as 0 (a counter cannot go down)
-            prompt = _token_count(usage.get("prompt_tokens"))
-            gen = _token_count(usage.get("completion_tokens"))
+            prompt = usage_count(usage.get("prompt_tokens"))
+            gen = usage_count(usage.get("completion_tokens"))
             prompt_tokens.inc(prompt)
             generation_tokens.inc(gen)
             used = prompt + gen
@@ -297,7 +300,7 @@ class Dispatcher:
 
     def _shut_out(self, rec: RequestRecord) -> Response:
         err = shutting_down()
-        self.finish(rec, err.status, None, reason=err.cause.value)
+        self.finish(rec, err.status, None, reason=err.reason)
         return err.to_response(rec.request_id)
 
     def stopped(self, task: asyncio.Task[Any]) -> bool:
@@ -416,6 +419,17 @@ class Dispatcher:
                     first = await anext(chunks, b"")
                     if not first:
                         raise UpstreamFailure(decode.id, "protocol")  # closed before any event
+                    if is_error_event(first) and not is_client_error_event(first):
+                        # failed before its first token, nothing relayed yet: another worker may serve it;
+                        # if none does, the client gets this worker's error event, as vLLM sent it
+                        event = first.split(b"\n\n", 1)[0] + b"\n\n" + STREAM_DONE
+                        raise UpstreamFailure(
+                            decode.id,
+                            "stream_error",
+                            status=200,
+                            body=event,
+                            content_type="text/event-stream",
+                        )
                     if isinstance(resp, H1Response):  # (an injected test transport keeps one read timeout)
                         resp.bound_gaps(self.limits.stall_timeout_s)
                 except BaseException:

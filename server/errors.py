@@ -81,9 +81,15 @@ class GatewayError(Exception):
     retry_after_s: float | None = None
     status_override: int | None = None  # a router Reject's own status and body (its REJECT_TABLE row)
     body_override: dict[str, object] | None = None
+    reason_override: str | None = None  # a router Reject's own code (its REJECT_TABLE row), for the metrics
 
     def __str__(self) -> str:
         return f"{self.cause}: {self.message}"
+
+    @property
+    def reason(self) -> str:
+        """The `reason` label of the rejection metrics (and of the `rejected_*` outcome)."""
+        return self.reason_override or self.cause.value
 
     @property
     def status(self) -> int:
@@ -121,6 +127,18 @@ def is_error_event(piece: bytes) -> bool:
     """Whether a stream's piece opens with an error event (`data: {"error": ...}`: vLLM's and
     `stream_error_event`'s shape), not a token."""
     return piece.startswith(b"data:") and piece[5:].lstrip(b" ").startswith(b'{"error"')
+
+
+def is_client_error_event(piece: bytes) -> bool:
+    """Whether a piece opening with an error event carries a 4xx code: the worker refused the request
+    (another would too), rather than failed it."""
+    event = piece[5:].split(b"\n\n", 1)[0]
+    try:
+        error = json.loads(event).get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+    except (ValueError, AttributeError):
+        return False
+    return type(code) is int and 400 <= code < 500
 
 
 def stream_error_event(message: str, status: int = 500, err_type: str = "InternalServerError") -> bytes:

@@ -53,6 +53,7 @@ class GatewayOutcome(StrEnum):
     WORKER_REJECTED = "worker_rejected"  # the worker answered 4xx (bad request, context too long, ...)
     TIMED_OUT = "timed_out"  # the gateway's total_timeout_s ended a stream after its first byte
     SHUT_DOWN = "shut_down"  # still running when the shutdown grace ran out: the gateway ended it (503)
+    INTERNAL_ERROR = "internal_error"  # the gateway itself failed (a bug): no worker is to blame
 
 
 @dataclass(slots=True)

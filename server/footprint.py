@@ -38,7 +38,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -84,8 +84,13 @@ class _Chat(_Common):
     messages: list[_Message] = Field(min_length=1)
 
 
+# A token id: no model's vocabulary is negative or anywhere near 2^63 (vLLM refuses ids outside its own
+# vocabulary with a 400; past int64 the router's prefix hashing cannot even hold one)
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+
+
 class _Completion(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
 @dataclass(slots=True)
@@ -233,12 +238,14 @@ def _validation_error(exc: ValidationError) -> GatewayError:
     param = ".".join(str(p) for p in path) or None
     if tag is None:
         return GatewayError(Cause.BAD_REQUEST, f"Invalid value for '{param}': {err['msg']}", param=param)
+    mine = [e for e in errors if _split_union_tag(e["loc"])[0] == path]
     accepted = dict.fromkeys(
-        t for e in errors if (s := _split_union_tag(e["loc"]))[0] == path and (t := s[1])
+        t.replace("constrained-int", "int") for e in mine if (t := _split_union_tag(e["loc"])[1])
     )
-    return GatewayError(
-        Cause.BAD_REQUEST, f"Invalid value for '{param}': expected one of {', '.join(accepted)}", param=param
-    )
+    message = f"Invalid value for '{param}': expected one of {', '.join(accepted)}"
+    if any(e["type"] in ("greater_than_equal", "less_than") for e in mine):  # a `TokenId` out of range
+        message += "; token ids are integers from 0 to 2^63 - 1"
+    return GatewayError(Cause.BAD_REQUEST, message, param=param)
 
 
 def _split_union_tag(loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...], str | None]:

@@ -164,17 +164,19 @@ class SseRelay:
     """Pass-through filter for an upstream SSE stream (see module docstring).
 
     `feed(chunk)` returns the bytes to send now; `flush()` the held-back remainder at the end.
-    `usage` is the last usage object seen; `usage_only_relayed` counts the usage-only events (`choices`
-    empty: no token) relayed since the caller last reset it, so a caller counting tokens per piece can
-    tell them from token events without parsing the piece again.
+    `usage` is the last usage object seen (a dict, else None); `usage_only_relayed` counts the usage-only
+    events (`choices` empty: no token) relayed since the caller last reset it, so a caller counting tokens
+    per piece can tell them from token events without parsing the piece again. `error` is the first error
+    event's `error` object relayed (`data: {"error": {...}}`: how vLLM fails a stream that has begun).
     """
 
-    __slots__ = ("_buf", "strip_usage", "usage", "usage_only_relayed")
+    __slots__ = ("_buf", "error", "strip_usage", "usage", "usage_only_relayed")
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
         self.usage: dict[str, Any] | None = None
         self.usage_only_relayed = 0
+        self.error: dict[str, Any] | None = None
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -189,7 +191,10 @@ class SseRelay:
             self._buf = chunk[cut + 2 :]
             chunk = chunk[: cut + 2]
         # find(), not `in`: `in` on bytes first tries the needle as an int and formats (then drops) a
-        # TypeError, ≈ 4k instructions per call on a path taken per relayed chunk and event
+        # TypeError, ≈ 4k instructions per call on a path taken per relayed chunk and event.
+        # `{"error"` opens an error event's object; inside a token's JSON string its quote is escaped.
+        if self.error is None and chunk.find(b'{"error"') >= 0:
+            self._note_error(chunk)
         if chunk.find(b'"usage"') < 0:
             return chunk  # the fast path: nothing to look at
         return self._filter(chunk)
@@ -222,13 +227,22 @@ class SseRelay:
         kept.append(chunk[kept_from:])
         return b"".join(kept)
 
+    def _note_error(self, chunk: bytes) -> None:
+        for event in chunk.split(b"\n\n"):
+            if event.startswith(b"data:"):
+                payload = _json_or_none(event[5:])
+                if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+                    self.error = payload["error"]
+                    return
+
     def _usage_event(self, event: bytes) -> bool:
         """Reads the usage an event carries; True when the event is to be dropped (the injected usage-only
         chunk the client did not ask for)."""
         if event.startswith(b"data:"):
             payload = _json_or_none(event[5:])
             if isinstance(payload, dict) and payload.get("usage"):
-                self.usage = payload["usage"]
+                usage = payload["usage"]
+                self.usage = usage if isinstance(usage, dict) else None  # a malformed one counts as none
                 if payload.get("choices"):
                     return False
                 if self.strip_usage:
@@ -251,6 +265,11 @@ class SseRelay:
     def flush(self) -> bytes:
         rest, self._buf = self._buf, b""
         return rest
+
+
+def usage_count(value: Any) -> int:
+    """A usage count from a worker's answer: a non-negative int, else 0."""
+    return value if type(value) is int and value > 0 else 0
 
 
 def _json_or_none(raw: bytes) -> Any:

@@ -29,7 +29,7 @@ from server.errors import STREAM_DONE, is_error_event, stream_error_event
 from server.failure import GatewayOutcome, Lease, classify
 from server.fast_http import ClientStalled
 from server.footprint import ParsedRequest
-from server.proxy import SseRelay
+from server.proxy import SseRelay, usage_count
 from server.upstream import H1Response, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -168,9 +168,9 @@ class StreamSession:
     def _end(self) -> bytes:
         """The stream ended well: the held-back remainder to send; per-request TPOT observed."""
         tail = self.relay.flush()
-        n = int((self.relay.usage or {}).get("completion_tokens") or 0)
+        n = usage_count((self.relay.usage or {}).get("completion_tokens"))
         # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1), to the last token
-        if n >= 2 and self._timed:
+        if n >= 2 and self._timed and self.relay.error is None:
             d, rec = self.d, self.rec
             d.child(d.metrics.tpot, rec.model, rec.pool).observe(
                 (self._last_token - self._first_at) / (n - 1)
@@ -190,6 +190,19 @@ class StreamSession:
         kind, hard = classify(exc)
         self.d.registry.report_failure(self.lease.decision.decode.id, f"stream_{kind}", hard)
         return stream_error_event(f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError")
+
+    def _ended_outcome(self) -> Outcome | GatewayOutcome:
+        """A stream that ran to its end: completed, unless the worker failed it with an error event (vLLM's
+        way once a stream has begun): a 4xx one is the worker refusing the request (healthy), any other a
+        worker error its breaker hears of."""
+        error = self.relay.error
+        if error is None:
+            return Outcome.COMPLETED
+        code = error.get("code")
+        if type(code) is int and 400 <= code < 500:
+            return GatewayOutcome.WORKER_REJECTED
+        self.d.registry.report_failure(self.lease.decision.decode.id, "stream_error_event")
+        return Outcome.WORKER_ERROR
 
     @staticmethod
     def _failure_outcome(exc: BaseException) -> Outcome | GatewayOutcome:
@@ -211,7 +224,7 @@ class StreamSession:
             tail = self._end()
             if tail:
                 yield tail
-            outcome = Outcome.COMPLETED
+            outcome = self._ended_outcome()
         except (httpx.HTTPError, TimeoutError) as exc:
             yield self._failed(exc)
             outcome = self._failure_outcome(exc)
@@ -276,7 +289,7 @@ class StreamSession:
             while not await resp.push(deliver):
                 await self._drain_client(cycle)  # the worker's socket is not read meanwhile (upstream)
             last = pending + self._end()
-            outcome = Outcome.COMPLETED
+            outcome = self._ended_outcome()
         except ClientStalled:  # the caller drops the client's connection: it is gone for the metrics too
             outcome = Outcome.CLIENT_DISCONNECTED
             raise
@@ -325,5 +338,10 @@ class StreamSession:
             # The router hears a stream the gateway cut (time-out, shutdown) as a hang-up: the worker built
             # the prompt's KV, as for a client that left mid-stream (prefix affinity keeps it).
             cut = outcome in (GatewayOutcome.TIMED_OUT, GatewayOutcome.SHUT_DOWN)
-            self.lease.release(Outcome.CLIENT_DISCONNECTED if cut else outcome)  # type: ignore[arg-type]
+            if cut:
+                self.lease.release(Outcome.CLIENT_DISCONNECTED)
+            elif outcome is GatewayOutcome.WORKER_REJECTED:  # as `_whole`: nothing served, nothing cached
+                self.lease.release(Outcome.WORKER_ERROR)
+            else:
+                self.lease.release(outcome)  # type: ignore[arg-type]
             self.d.finish(self.rec, 200, outcome, self.relay.usage)

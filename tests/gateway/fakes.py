@@ -46,7 +46,9 @@ vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="1000"}} 1.0
 class FakeWorker:
     name: str
     model: str = "llama-3-8b"
-    mode: str = "ok"  # ok | refuse | status | stall | die_mid_stream | no_kv_params | error_event
+    # ok | refuse | status | stall | die_mid_stream | no_kv_params | error_event | error_mid_stream
+    mode: str = "ok"
+    error_code: int = 500  # the code of an error event (error_event, error_mid_stream)
     status: int = 503
     tokens: int = 4
     die_after: int = 2  # chunks sent before dying (die_mid_stream)
@@ -61,6 +63,7 @@ class FakeWorker:
     aborted: int = 0  # streams the gateway closed before the end
     retry_after: str | None = None  # sent with a `status` answer
     usage: dict[str, Any] | None = None  # replaces the usage of whole (non-streaming) answers
+    stream_usage: Any = None  # replaces the usage object of a stream's usage event (malformed ones)
 
     @property
     def url(self) -> str:
@@ -141,18 +144,14 @@ class FakeWorker:
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
             if self.mode == "error_event":  # vLLM's stream when generation fails before the first token
-                err = {
-                    "error": {
-                        "message": "engine died",
-                        "type": "InternalServerError",
-                        "param": None,
-                        "code": 500,
-                    }
-                }
-                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                yield self._error_event()
                 yield b"data: [DONE]\n\n"
                 return
             for i in range(n):
+                if self.mode == "error_mid_stream" and i == self.die_after:
+                    yield self._error_event()
+                    yield b"data: [DONE]\n\n"
+                    return
                 if self.mode == "die_mid_stream" and i == self.die_after:
                     raise httpx.ReadError("connection reset by peer")
                 if self.chunk_delay_s:
@@ -174,13 +173,20 @@ class FakeWorker:
                     "object": obj,
                     "model": self.model,
                     "choices": [],
-                    "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+                    "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
+                    if self.stream_usage is None
+                    else self.stream_usage,
                 }
                 yield b"data: " + json.dumps(u).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         except GeneratorExit:
             self.aborted += 1
             raise
+
+    def _error_event(self) -> bytes:
+        kind = "BadRequestError" if self.error_code < 500 else "InternalServerError"
+        err = {"error": {"message": "engine died", "type": kind, "param": None, "code": self.error_code}}
+        return b"data: " + json.dumps(err).encode() + b"\n\n"
 
 
 class FakeFleet:

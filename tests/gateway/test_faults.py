@@ -549,7 +549,9 @@ def test_a_text_prompt_over_the_context_by_the_estimate_only_goes_to_the_worker(
             r = await c.post(CHAT, json=chat("x" * 80_000))  # ≥ 10,000 tokens at any rate
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
             assert len(a.seen) == 1
-            assert gw.dispatcher.outcomes == {"completed": 1, "rejected_no_worker": 1}
+            # labelled by what refused it, not as a worker shortage (it was rejected_no_worker)
+            assert gw.dispatcher.outcomes == {"completed": 1, "rejected_context_length_exceeded": 1}
+            assert metric(gw, "mosaic_rejections_total", reason="context_length_exceeded") == 1
 
     run(body)
 
@@ -637,5 +639,104 @@ def test_a_stream_cut_by_the_total_timeout_is_timed_out_not_a_worker_error() -> 
             assert metric(gw, "mosaic_e2e_request_latency_seconds_count", model="llama-3-8b", pool="p") == 0
             worker = gw.registry.get("p/a:8000")
             assert worker is not None and worker.breaker.failures == 0
+
+    run(body)
+
+
+def test_a_stream_that_opens_with_a_server_error_event_is_retried_elsewhere() -> None:
+    """vLLM fails a generation that has begun with `data: {"error": ...}` and `[DONE]` on a 200. When that
+    is the first event nothing has reached the client: another worker serves it, and the failing worker's
+    breaker hears of it. (Before, the error was relayed and the request counted as completed.)"""
+    a, b = FakeWorker("a", mode="error_event"), FakeWorker("b")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a, b), **RR), FakeFleet(a, b)) as (c, gw):
+            for i in range(4):
+                r = await c.post(CHAT, json=chat(f"q{i}", stream=True))
+                events = sse_events(r.text)
+                assert events[-1] == "[DONE]" and "error" not in events[0]
+                assert len(events) == 1 + 4  # four tokens from b
+            assert len(a.seen) >= 1 and len(b.seen) == 4
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="stream_error") == len(
+                a.seen
+            )
+            assert gw.dispatcher.outcomes == {"completed": 4}
+
+    run(body)
+
+
+def test_a_stream_failed_after_its_first_token_is_a_worker_error() -> None:
+    """Two tokens, then vLLM's error event: relayed as sent (the client already has tokens), counted as
+    a worker error (breaker told, no e2e latency, no TPOT), not as completed."""
+    a = FakeWorker("a", mode="error_mid_stream", die_after=2)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True, stream_options={"include_usage": True}))
+            events = sse_events(r.text)
+            assert json.loads(events[2])["error"]["message"] == "engine died" and events[-1] == "[DONE]"
+            assert gw.dispatcher.outcomes == {"worker_error": 1}
+            assert gw.registry.records()[0].breaker.failures == 1
+            labels = {"model": "llama-3-8b", "pool": "p"}
+            assert metric(gw, "mosaic_e2e_request_latency_seconds_count", **labels) == 0
+            assert metric(gw, "mosaic_time_per_output_token_seconds_count", **labels) == 0
+
+    run(body)
+
+
+def test_a_stream_refused_with_a_client_error_event_is_not_retried() -> None:
+    """An error event with a 4xx code is the worker refusing the request (another would too): relayed once,
+    outcome worker_rejected, the worker's breaker not told."""
+    a, b = (
+        FakeWorker("a", mode="error_event", error_code=400),
+        FakeWorker("b", mode="error_event", error_code=400),
+    )
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a, b), **RR), FakeFleet(a, b)) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True))
+            assert json.loads(sse_events(r.text)[0])["error"]["code"] == 400
+            assert len(a.seen) + len(b.seen) == 1
+            assert gw.dispatcher.outcomes == {"worker_rejected": 1}
+            assert all(rec.breaker.failures == 0 for rec in gw.registry.records())
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    "usage", [{"prompt_tokens": 7, "completion_tokens": "3 tokens"}, ["not", "a", "dict"]]
+)
+def test_a_malformed_stream_usage_does_not_cut_the_stream(usage: Any) -> None:
+    """A usage event whose counts are not integers (or that is not an object) is taken as no usage: the
+    stream still ends with `[DONE]` and completes. (Before, it raised in the relay's end: no `[DONE]`, and
+    the request counted as a client disconnect.)"""
+    a = FakeWorker("a", stream_usage=usage)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True, stream_options={"include_usage": True}))
+            assert sse_events(r.text)[-1] == "[DONE]"
+            assert gw.dispatcher.outcomes == {"completed": 1}
+            labels = {"model": "llama-3-8b", "pool": "p"}
+            assert metric(gw, "mosaic_e2e_request_latency_seconds_count", **labels) == 1
+
+    run(body)
+
+
+def test_a_gateway_bug_is_an_internal_error_not_a_worker_error() -> None:
+    """An unexpected exception in the gateway's own code (here the router raising) is a 500 in OpenAI's
+    shape with outcome internal_error: no worker was involved, none is blamed (it was worker_error)."""
+    a = FakeWorker("a")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+
+            def broken(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("a bug")
+
+            gw.dispatcher.router.route = broken  # type: ignore[method-assign]
+            r = await c.post(CHAT, json=chat())
+            assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+            assert gw.dispatcher.outcomes == {"internal_error": 1} and not a.seen
 
     run(body)

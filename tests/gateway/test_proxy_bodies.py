@@ -269,6 +269,16 @@ def test_bad_bodies_are_400_with_param(kind: str, body: bytes, param: str | None
             b'{"model": "m", "prompt": [1.5, 2]}',
             "Invalid value for 'prompt': expected one of str, list[int], list[str], list[list[int]]",
         ),
+        *(
+            (
+                "completions",
+                b'{"model": "m", "prompt": %b}' % prompt,
+                "Invalid value for 'prompt': expected one of str, list[int], list[str], list[list[int]]; "
+                "token ids are integers from 0 to 2^63 - 1",
+            )
+            # token ids past int64 (or negative): 400, not the router's OverflowError as a 500 worker_error
+            for prompt in (b"[1, 9223372036854775808]", b"[[1, -1]]", b"[1, 1000000000000000000000000000000]")
+        ),
     ],
 )
 def test_bad_bodies_name_what_is_wrong_not_pydantics_union_members(
