@@ -45,6 +45,7 @@ from placement.catalog import Catalog, CatalogError, load_catalog
 from placement.textfiles import parse_yaml, read_text
 from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
 from scheduler.autoscaler.policy import AutoscalerConfig as PolicyConfig
+from scheduler.autoscaler.signals import PoolSpec
 from scheduler.kv.config import KvConfig
 from scheduler.routing.config import RoutingConfig, RoutingConfigError
 from server.vllm_pool import LaunchVllmConfig
@@ -459,8 +460,23 @@ def _check_autoscaler(config: MosaicConfig) -> None:
             )
         mapped_by[deployment] = mapped
     _check_domains(a.kubernetes.deployments, a.kubernetes.domains, names)
-    try:  # the parameters parse (hpa-util:0.7, static:pool=N, ...); the live policy is built by the controller
-        build_policy(a.policy, [], PolicyConfig(), dict.fromkeys(names, 0))
+    # The parameters parse (hpa-util:0.7, static:pool=N, ...), and `static:` counts lie within their pools'
+    # configured bounds; the live policy is built by the controller (which also clamps every target to them).
+    bounds = [
+        PoolSpec(
+            p.name,
+            "",
+            "prefill",
+            "",
+            0.0,
+            p.min_replicas,
+            max(64, p.min_replicas) if p.max_replicas is None else p.max_replicas,
+            prefill_tps_capacity=1.0,
+        )  # placeholders: only the bounds are read
+        for p in config.pools
+    ]
+    try:
+        build_policy(a.policy, bounds, PolicyConfig(), dict.fromkeys(names, 0), check_bounds=True)
     except PolicyError as exc:
         raise _FieldError("autoscaler.policy", str(exc)) from None
     if a.enabled and a.actuator == "embedded":

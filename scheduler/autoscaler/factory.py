@@ -80,8 +80,9 @@ def build_policy(
     """The policy `spec` names, every parameter checked (PolicyError naming the policy and the argument).
 
     `check_bounds`: refuse `static:` counts outside their pool's [min_replicas, max_replicas] (`mosaic
-    simulate`, whose fleet file gives the bounds). Off by default: the live controller pins unmanaged pools
-    at min = max = their current count, so a check there would refuse at run time what the config accepted.
+    simulate`, and the gateway config when it loads, with each pool's configured bounds). Off by default:
+    the live controller pins unmanaged pools at min = max = their current count, so a check there would
+    refuse at run time what the config accepted; it clamps every policy's targets to the bounds instead.
     """
     name, colon, arg = spec.partition(":")
     if name in ("mosaic", "fixed") and colon:

@@ -576,16 +576,29 @@ def test_a_count_changed_by_another_scaler_is_warned(caplog: pytest.LogCaptureFi
     ]
 
 
+@dataclasses.dataclass
+class _Wants:
+    """A policy that asks for the same count of every pool, whatever its bounds."""
+
+    count: int
+
+    def decide(self, obs: Observation) -> ScalingDecision:
+        return ScalingDecision(obs.now, dict.fromkeys(obs.pools, self.count))
+
+
 @pytest.mark.parametrize(
-    ("policy", "start", "patched"),
+    ("wants", "start", "patched"),
     [
-        pytest.param("static:managed-l4=100", 2, 8, id="static over max_replicas → max (was patched to 100)"),
-        pytest.param("static:managed-l4=0", 2, 2, id="static under min_replicas → no scale-in (was 0)"),
+        pytest.param(100, 2, 8, id="over max_replicas → max (was patched to 100)"),
+        pytest.param(0, 2, 2, id="under min_replicas → no scale-in (was 0)"),
     ],
 )
 def test_the_controller_keeps_any_policys_targets_within_the_pool_bounds(
-    policy: str, start: int, patched: int
+    wants: int, start: int, patched: int
 ) -> None:
+    """Whatever the policy asks (a `static:` count is refused outside the bounds when the config loads, but
+    the controller must not rely on every policy honouring them), the actuator gets a target within them."""
+
     async def run() -> int:
         deployments = {"managed-l4": "mosaic-managed-l4"}
         pool = {
@@ -602,7 +615,7 @@ def test_the_controller_keeps_any_policys_targets_within_the_pool_bounds(
                 "pools": [pool],
                 "autoscaler": {
                     "actuator": "kubernetes",
-                    "policy": policy,
+                    "policy": "mosaic",
                     "kubernetes": {"deployments": deployments},
                 },
             }
@@ -616,6 +629,8 @@ def test_the_controller_keeps_any_policys_targets_within_the_pool_bounds(
             managed=frozenset(deployments),
             actuator_factory=lambda i: KubernetesActuator(api, "ns", deployments),
         )
+        ctl.build()
+        ctl.policy = _Wants(wants)  # type: ignore[assignment]
         try:
             await ctl.cycle()
         finally:
@@ -623,3 +638,15 @@ def test_the_controller_keeps_any_policys_targets_within_the_pool_bounds(
         return api.replicas
 
     assert asyncio.run(run()) == patched
+
+
+@pytest.mark.parametrize("count", [0, 9])
+def test_static_counts_outside_the_pool_bounds_are_refused_at_load(count: int) -> None:
+    """`static:pool=N` outside the pool's min_replicas..max_replicas (2..8) is one line at load, exit 2 for
+    the CLI (it loaded, and the controller patched the Deployment to N)."""
+    pool = {**_pool("dec"), "min_replicas": 2, "max_replicas": 8}
+    with pytest.raises(ConfigError) as caught:
+        validate_config(
+            {"pools": [pool], "autoscaler": {"actuator": "dry-run", "policy": f"static:dec={count}"}}
+        )
+    assert f"({count}) is outside its min_replicas..max_replicas (2..8)" in str(caught.value)
