@@ -30,7 +30,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -146,7 +146,10 @@ def endpoints_from_slices(
     domain_label: str | None = ZONE_LABEL,
     node_labels: NodeLabels | None = None,
 ) -> list[Endpoint]:
-    """EndpointSliceList JSON → endpoints, one per address (deduplicated across slices by address)."""
+    """EndpointSliceList JSON → endpoints, one per address (deduplicated across slices by address), and one
+    per pod: a pod behind a dual-stack Service sits in an IPv4 and an IPv6 slice under one name, and is one
+    worker (at its IPv4 address; terminating if either slice says so). Two endpoints of one name with two
+    URLs made the registry rebuild that worker at every listing (state, in-flight counts, breaker lost)."""
     found: dict[str, Endpoint] = {}
     for item in slices.get("items") or []:
         if item.get("addressType", "IPv4") not in ("IPv4", "IPv6"):
@@ -171,7 +174,14 @@ def endpoints_from_slices(
                 # The same address can sit in two slices during an update: prefer the terminating view.
                 if prev is None or (terminating and not prev.terminating):
                     found[key] = endpoint
-    return sorted(found.values(), key=lambda e: e.name)
+    by_name: dict[str, Endpoint] = {}
+    for endpoint in sorted(found.values(), key=lambda e: ("[" in e.url, e.url)):  # IPv4 first
+        prev = by_name.get(endpoint.name)
+        if prev is None:
+            by_name[endpoint.name] = endpoint
+        elif endpoint.terminating and not prev.terminating:
+            by_name[endpoint.name] = replace(prev, ready=False, terminating=True)
+    return sorted(by_name.values(), key=lambda e: e.name)
 
 
 def _slice_port(ports: list[dict[str, Any]], port: int | str) -> int | None:

@@ -149,3 +149,29 @@ def test_static_source_names_by_host_port() -> None:
     eps = asyncio.run(StaticSource(["http://10.0.0.5:8000", "https://gpu.example:443"]).list())
     assert [e.name for e in eps] == ["10.0.0.5:8000", "gpu.example:443"]
     assert all(e.ready and not e.terminating for e in eps)
+
+
+def _dual_stack(terminating_v6: bool = False) -> dict[str, Any]:
+    """One pod behind a dual-stack Service: an IPv4 and an IPv6 EndpointSlice, one targetRef."""
+
+    def slice_of(family: str, addr: str, terminating: bool) -> dict[str, Any]:
+        return {
+            "addressType": family,
+            "ports": [{"name": "http", "port": 8000}],
+            "endpoints": [
+                {
+                    "addresses": [addr],
+                    "conditions": {"ready": not terminating, "terminating": terminating},
+                    "targetRef": {"kind": "Pod", "name": "vllm-decode-0"},
+                }
+            ],
+        }
+
+    return {"items": [slice_of("IPv6", "fd00::5", terminating_v6), slice_of("IPv4", "10.0.0.5", False)]}
+
+
+def test_a_dual_stack_pod_is_one_worker_at_its_ipv4_address() -> None:
+    # two endpoints of one name made the registry replace the worker's record at every listing
+    assert endpoints_from_slices(_dual_stack(), "http") == [Endpoint("vllm-decode-0", "http://10.0.0.5:8000")]
+    (only,) = endpoints_from_slices(_dual_stack(terminating_v6=True), "http")
+    assert only.url == "http://10.0.0.5:8000" and only.terminating and not only.ready
