@@ -239,6 +239,9 @@ class Registry:
         self._pools: dict[str, _Pool] = {}
         self._pool_refs: tuple[PoolRef, ...] = ()  # the view's configured pools (empty ones hold requests)
         self._workers: dict[str, WorkerRecord] = {}
+        # Workers dropped from a listing with requests still running on them: one listed again under the
+        # same id and URL is the same server (a slice rewritten, a partial listing) and gets its record back
+        self._departed: dict[str, WorkerRecord] = {}
         # (when, seq, ticket or lease): prefills estimated over then (non-streaming requests, whose first
         # token the gateway never sees); retired lazily by `view()`, so no timer per request
         # Held weakly: a request that ended before its estimate leaves nothing to do, and its lease
@@ -302,6 +305,8 @@ class Registry:
             wid = f"{pool_name}/{ep.name}"
             seen.add(wid)
             rec = self._workers.get(wid)
+            if rec is None and (back := self._departed.pop(wid, None)) is not None and back.url == ep.url:
+                rec = self._workers[wid] = back  # its in-flight counts, breaker and last scrape carry on
             if rec is None or rec.url != ep.url:
                 cfg = self._health_cfg
                 rec = WorkerRecord(wid, ep.url, pool.info, CircuitBreaker(cfg.failure_threshold, cfg.open_s))
@@ -312,7 +317,11 @@ class Registry:
             if rec.domain != ep.domain:  # not in the cached view's key: drop the cached view instead
                 rec.domain, rec._view = ep.domain, None
         for wid in pool.ids - seen:
-            self._workers.pop(wid, None)  # in-flight tickets keep their record object; counts stay right
+            gone = self._workers.pop(wid, None)  # in-flight tickets keep their record object; counts stay right
+            if gone is not None and gone.inflight_requests > 0:
+                self._departed[wid] = gone
+        for wid in [w for w, r in self._departed.items() if r.inflight_requests <= 0 or w in seen]:
+            del self._departed[wid]  # nothing left running there (or listed anew under another URL)
         pool.ids = seen
 
     # ------------------------------------------------------------------ the view

@@ -175,3 +175,38 @@ def test_a_dual_stack_pod_is_one_worker_at_its_ipv4_address() -> None:
     assert endpoints_from_slices(_dual_stack(), "http") == [Endpoint("vllm-decode-0", "http://10.0.0.5:8000")]
     (only,) = endpoints_from_slices(_dual_stack(terminating_v6=True), "http")
     assert only.url == "http://10.0.0.5:8000" and only.terminating and not only.ready
+
+
+def test_a_worker_back_in_the_next_listing_keeps_its_in_flight_requests() -> None:
+    """Missing from one listing (a slice rewritten, a partial list), back in the next under the same id and
+    URL, with 300 requests still running there: the same record, its in-flight count intact. Before, it
+    came back as a fresh record (starting, 0 in flight) and the router over-sent to a busy worker."""
+
+    async def main() -> tuple[tuple[str, int], tuple[str, int], int]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200)))
+        reg = Registry(ScrapeConfig(), HealthConfig(), GatewayMetrics(), client=client)
+        reg.add_pool(
+            PoolInfo("p", "llama-3-8b", "H100-SXM", Role.MIXED, capacity_for("H100", "llama-3-8b")), None
+        )
+        a = Endpoint("vllm-0", "http://10.0.0.5:8000")
+        try:
+            reg.sync_pool("p", [a])
+            await asyncio.sleep(0.05)  # its first health check: ready
+            tickets = [reg.track("p/vllm-0", 500) for _ in range(300)]
+            reg.sync_pool("p", [])
+            reg.sync_pool("p", [a])
+            view = reg.view().get("p/vllm-0")
+            back = (view.state.value, view.inflight_requests)
+            for ticket in tickets:
+                ticket.done()
+            reg.sync_pool("p", [])  # gone with nothing running: not kept
+            reg.sync_pool("p", [Endpoint("vllm-0", "http://10.0.0.6:8000")])  # a new pod under the old name
+            fresh = reg.view().get("p/vllm-0")
+            return back, (fresh.state.value, fresh.inflight_requests), len(reg._departed)
+        finally:
+            await reg.stop()
+            await client.aclose()
+
+    back, fresh, departed = asyncio.run(main())
+    assert back == ("ready", 300)
+    assert fresh == ("starting", 0) and departed == 0
