@@ -81,9 +81,12 @@ class PrefixIndex:
         self.ttl_s = ttl_s
         self._lru: dict[str, OrderedDict[int, float]] = {}
 
-    def record(self, worker_id: str, hashes: Iterable[int], now: float) -> None:
+    def record(self, worker_id: str, hashes: Sequence[int], now: float) -> None:
         lru = self._lru.setdefault(worker_id, OrderedDict())
-        for h in hashes:
+        # tail first, so a prompt's leading blocks are its most recent entries and its tail is evicted first,
+        # as vLLM frees a request's blocks: evicting the head first left a chained match of 0 and the dead
+        # tail holding the space
+        for h in reversed(hashes):
             lru[h] = now
             lru.move_to_end(h)
         while len(lru) > self.capacity:
@@ -108,3 +111,13 @@ class PrefixIndex:
     def forget(self, worker_id: str) -> None:
         """Drop a worker's entries (it restarted or left the fleet: its cache is gone)."""
         self._lru.pop(worker_id, None)
+
+    def workers(self) -> int:
+        """Workers with entries."""
+        return len(self._lru)
+
+    def keep_only(self, worker_ids: Iterable[str]) -> None:
+        """Drop the entries of every worker not in `worker_ids` (those that left the fleet)."""
+        keep = set(worker_ids)
+        for gone in [w for w in self._lru if w not in keep]:
+            del self._lru[gone]

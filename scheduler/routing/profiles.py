@@ -52,7 +52,10 @@ POLICY_PICKERS: Mapping[str, str] = {
     "mosaic": "max-score",
 }
 
-DEFAULT_FILTERS = ("model", "role", "excluded", "state", "breaker", "context-length", "at-capacity", "kv-fit")
+# `context-length` before the worker-state filters: a prompt no worker's context can hold is a 400 whatever
+# state each worker is in; counted first as `unhealthy` / `starting` / `draining` (retryable) on a worker not
+# ready, it was held in the admission queue, at the head of the model's FIFO, until its deadline.
+DEFAULT_FILTERS = ("model", "role", "context-length", "excluded", "state", "breaker", "at-capacity", "kv-fit")
 MOSAIC_SCORERS = ("capacity-load", "est-ttft", "prefix-affinity", "kv-headroom", "cost", "pd-domain-affinity")
 
 # `kv-best-fit` is not among the default scorers: the gateway enables it when the KV ledger is on

@@ -166,6 +166,9 @@ class PrefixAffinityScorer:
         hashes = cycle.req.prefix_hashes
         if len(hashes) < self.params.min_blocks:
             return [0.0] * len(candidates)
+        workers = cycle.view.workers
+        if self.index.workers() > len(workers):  # some left the fleet: their entries (and memory) go too
+            self.index.keep_only(w.id for w in workers)
         loads = [normalized_load_s(w, cycle.req) for w in candidates]
         ceiling = self.params.load_escape * min(loads)
         out: list[float] = []

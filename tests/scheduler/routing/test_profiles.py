@@ -189,3 +189,16 @@ def test_an_empty_pool_whose_context_the_prompt_exceeds_does_not_hold_it():
     ):
         held = route(with_pools(view(P, D), PREFILL_POOL, DECODE_POOL, big), 10**6)
         assert isinstance(held, Reject) and (held.primary, held.retryable) == (FilterReason.EMPTY_POOL, True)
+
+
+@pytest.mark.parametrize("state", ["unhealthy", "starting", "draining"])
+def test_a_prompt_no_context_holds_is_a_400_whatever_state_a_worker_is_in(state: str) -> None:
+    """A 20,000-token prompt against 8,192-token workers, one of them not ready: 400 exceeds_context, not
+    retryable. Counted first by its state (retryable), it was held in the admission queue at the head of
+    the model's FIFO until its deadline, then a 429."""
+    fleet = view(
+        *(worker(f"h{i}", gpu="H100-SXM") for i in range(3)), worker("h9", gpu="H100-SXM", state=state)
+    )
+    got = build_router().route(RouteRequest("r", MODEL, 20_000, 16, 16), fleet, 0.0, random.Random(0))
+    assert isinstance(got, Reject)
+    assert (got.primary, got.http_status, got.retryable) == (FilterReason.EXCEEDS_CONTEXT, 400, False)

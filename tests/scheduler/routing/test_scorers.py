@@ -98,13 +98,36 @@ def test_prefix_affinity_records_both_sides_of_a_pd_pair_and_refreshes_on_comple
 
 def test_prefix_index_is_a_bounded_lru_per_worker():
     index = PrefixIndex(capacity=3)
-    index.record("a", [1, 2, 3], 0.0)
-    index.record("a", [1], 1.0)  # 1 becomes most recent: order 2, 3, 1
-    index.record("a", [4], 2.0)  # evicts 2
+    index.record("a", [1, 2, 3], 0.0)  # a prompt's head is its most recent entry: oldest first 3, 2, 1
+    index.record("a", [4], 2.0)  # evicts 3, the first prompt's tail
     assert index.size("a") == 3
-    assert index.match("a", [1], 3.0) == 1 and index.match("a", [2], 3.0) == 0
+    assert index.match("a", [1, 2, 3], 3.0) == 2 and index.match("a", [4], 3.0) == 1
     index.forget("a")
     assert index.size("a") == 0
+
+
+def test_prefix_index_evicts_a_prompts_tail_first():
+    """An 80-block prompt, then an unrelated 30-block one, in 100 entries: the first loses its last 10
+    blocks and still matches 70 (as vLLM frees a request's blocks tail first). Evicting its head first
+    left 70 entries that matched 0 (chained hashes stop at the first miss)."""
+    index = PrefixIndex(capacity=100)
+    a, b = list(range(80)), list(range(1000, 1030))
+    index.record("w", a, 0.0)
+    index.record("w", b, 1.0)
+    assert index.match("w", a, 2.0) == 70 and index.match("w", b, 2.0) == 30
+
+
+def test_prefix_affinity_forgets_workers_that_left_the_fleet():
+    """An autoscaled pool replaces its pods: the entries of workers no longer in the fleet are dropped
+    when the next request is scored (they were kept for every worker id ever dispatched to)."""
+    scorer = s.PrefixAffinityScorer()
+    for gen in range(5):
+        pods = [worker(f"pod-{gen}-{i}", capacity=SLOW) for i in range(3)]
+        r = req(prompt=100, output=10, prefix=(gen, gen + 1))
+        score(scorer, *pods, r=r)
+        scorer.on_dispatch(Decision(pods[0]), r, now=float(gen))
+    # pruned when the ids held (4) outnumbered the fleet (3): only pod-4-0 is left; before, all 5 were kept
+    assert scorer.index.workers() == 1 and scorer.index.size("pod-4-0") == 2
 
 
 def test_block_hashes_are_chained_stable_and_full_blocks_only():
