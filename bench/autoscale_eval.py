@@ -538,8 +538,13 @@ def parse_knobs(items: list[str]) -> dict[str, float]:
             number = math.nan
         if not math.isfinite(number):
             raise SystemExit(f"error: --mosaic-knob {name}: {value!r} is not a finite number")
-        integral = {f.name for f in dataclasses.fields(AutoscalerConfig) if f.type in (int, "int")}
-        knobs[name] = int(number) if name in integral and number.is_integer() else number
+        kinds = {f.name: f.type for f in dataclasses.fields(AutoscalerConfig)}
+        if kinds[name] in (bool, "bool"):  # a switch: 1 or 0 (true/false read as numbers above fail)
+            if number not in (0.0, 1.0):
+                raise SystemExit(f"error: --mosaic-knob {name}: {value!r} is not 0 or 1")
+            knobs[name] = bool(number)
+            continue
+        knobs[name] = int(number) if kinds[name] in (int, "int") and number.is_integer() else number
     return knobs
 
 

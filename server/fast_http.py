@@ -25,6 +25,10 @@ number of `send()` calls per non-streaming answer (2 → 1).
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import struct
+import sys
+import termios
 from collections.abc import Callable
 from typing import Any
 
@@ -307,20 +311,54 @@ class FastCycle:
         if flow.write_paused and not self.disconnected:
             await flow.drain()
 
-    async def drain_within(self, timeout_s: float) -> None:
-        """`drain()`, for at most `timeout_s`: a client connected but reading nothing raises `ClientStalled`
-        (a relay would otherwise hold its worker slot and KV reservation for as long as it stays connected)."""
+    async def drain_within(self, stall_s: float, budget_s: float) -> None:
+        """`drain()`, for at most `budget_s` (then `TimeoutError`). A client connected but reading nothing for
+        `stall_s` raises `ClientStalled` (a relay would otherwise hold its worker slot and KV reservation for
+        as long as it stays connected); one that reads, however slowly, is waited for: each `stall_s` in
+        which the write buffer shrank starts the next."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + budget_s
+        while True:
+            before = self._unread()
+            wait = min(stall_s, end - loop.time())
+            if wait <= 0:
+                raise TimeoutError
+            try:
+                async with asyncio.timeout(wait):
+                    await self.drain()
+                return
+            except TimeoutError:
+                if self.disconnected:
+                    return
+                if wait < stall_s:  # the budget ran out, not the client's patience
+                    raise
+                if self._unread() >= before:
+                    raise ClientStalled(f"the client read nothing for {stall_s:g} s") from None
+
+    def _unread(self) -> int:
+        """Bytes written to the client and not yet taken: the transport's buffer plus, where the platform
+        tells (Linux's SIOCOUTQ), the socket's send queue not yet acknowledged. The transport's buffer alone
+        does not move while a large kernel send buffer waits to become writable again, so a client reading
+        slowly but steadily looked stalled."""
+        transport = self.protocol.transport
+        size = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if _OUTQ is None or sock is None:
+            return size
         try:
-            async with asyncio.timeout(max(0.0, timeout_s)):
-                await self.drain()
-        except TimeoutError:
-            raise ClientStalled(f"the client read nothing for {timeout_s:g} s") from None
+            queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):
+            return size
+        return size + queued
 
     def abort(self) -> None:
         """Drop the client's connection at once (one that stopped reading): nothing more is sent."""
         self.disconnected = True
         self.keep_alive = False
         self.protocol.transport.abort()
+
+
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None  # = SIOCOUTQ
 
 
 class ClientStalled(Exception):

@@ -305,10 +305,13 @@ class StreamSession:
         return last
 
     async def _drain_client(self, cycle: FastCycle) -> None:
-        """Wait for the client's socket to take writes again: at most `stall_timeout_s` (the longest gap the
-        gateway allows the worker too) and never past `total_timeout_s`."""
-        left = self._deadline - self._clock()
-        await cycle.drain_within(min(self.d.limits.stall_timeout_s, left))
+        """Wait for the client's socket to take writes again: a client reading nothing for `stall_timeout_s`
+        (the longest gap the gateway allows the worker too) is dropped (`ClientStalled`); one still reading
+        when `total_timeout_s` runs out gets the gateway's time-out, as a stream that outlives it does."""
+        try:
+            await cycle.drain_within(self.d.limits.stall_timeout_s, self._deadline - self._clock())
+        except TimeoutError:
+            raise TotalTimeout(f"total timeout {self.d.limits.total_timeout_s:g} s") from None
 
     async def close(self) -> None:
         """Called by the response however it ends; a no-op after the body's own close."""

@@ -109,6 +109,7 @@ class _Instance:
     wake_at: float | None = None
     step_token: int = 0
     busy_mark: float = 0.0  # the engine's busy seconds at the last DECIDE (the HPA baseline's utilisation)
+    ready_at: float = 0.0  # when it became ready (its cold start's end; 0 for the initial fleet)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
     inflight_decode: int = 0
@@ -295,6 +296,7 @@ class ClusterSimulator:
         if inst.removed is not None:
             return  # cancelled while starting
         inst.state = WorkerState.READY
+        inst.ready_at = now
         self._dirty(inst)
         self._drain_queue(now)
 
@@ -689,11 +691,14 @@ class ClusterSimulator:
             members = [i for i in self._live if i.pool == name]
             ready = sum(i.state is WorkerState.READY for i in members)
             # As the HPA averages a per-pod metric: over the pods that report it, the ready ones (a draining
-            # pod is terminating and excluded); each one's busy time since the last decision.
-            busy = sum(
-                i.engine.counters.busy_s - i.busy_mark for i in members if i.state is WorkerState.READY
-            )
+            # pod is terminating and excluded); busy time over ready time since the last decision, so one
+            # that became ready mid-interval weighs by the time it was ready (the live reader samples it
+            # per scrape, ready scrapes only).
+            busy = ready_s = 0.0
             for i in members:
+                if i.state is WorkerState.READY:
+                    busy += i.engine.counters.busy_s - i.busy_mark
+                    ready_s += now - max(now - interval, i.ready_at)
                 i.busy_mark = i.engine.counters.busy_s
             pools[name] = PoolObservation(
                 ready=ready,
@@ -702,7 +707,7 @@ class ClusterSimulator:
                 decode_tokens_per_s=(gen - prev[0]) / interval,
                 prompt_tokens_per_s=(prompt - prev[1]) / interval,
                 num_waiting=sum(i.engine.num_waiting for i in members if i.state is WorkerState.READY),
-                gpu_utilization=min(1.0, busy / (interval * ready)) if ready else 0.0,
+                gpu_utilization=min(1.0, busy / ready_s) if ready_s > 0 else 0.0,
                 starting_ready_in_s=tuple(
                     max(0.0, i.created + self.fleet.cold_start_s - now)
                     for i in members

@@ -166,3 +166,21 @@ def test_gpu_utilization_averages_the_ready_instances_only() -> None:
     at20 = {round(o.now, 6): o for o in policy.seen}[20.0].pools["mixed-h100"]
     assert at20.ready == 1
     assert at20.gpu_utilization == pytest.approx((done[1600] - 10.0) / 10.0, abs=0.01)
+
+
+def test_gpu_utilization_weighs_an_instance_by_the_time_it_was_ready() -> None:
+    """1 → 2 instances at 10 s with a 5 s cold start, under a flood that keeps every ready instance busy:
+    at 20 s both were busy all the time they were ready, so the pool reads 1.0 (as the live reader's busy
+    scrapes over ready scrapes). Counting the new one as ready for the whole interval read 0.75."""
+    data = {
+        **FLEET,
+        "cold_start_s": 5,
+        "pools": [{**FLEET["pools"][0], "replicas": 1, "min_replicas": 1, "max_replicas": 2}],
+    }
+    policy = GrowOnce()  # +2 at the first decision, bounded by max_replicas 2
+    ClusterSimulator(parse_fleet(data), policy, "grow-once").run(  # type: ignore[arg-type]
+        [SimRequest(i * 0.025, 500, 400) for i in range(1600)]
+    )
+    at20 = {round(o.now, 6): o for o in policy.seen}[20.0].pools["mixed-h100"]
+    assert at20.ready == 2
+    assert at20.gpu_utilization == pytest.approx(1.0, abs=0.01)

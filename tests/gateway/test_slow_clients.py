@@ -6,7 +6,10 @@ fast path and pooled upstream, a scripted worker streaming ~1 KB events as fast 
 - A client that reads nothing for `stall_timeout_s` is dropped: the stream is closed upstream, its in-flight
   slot and KV reservation are released, the outcome is `client_disconnected`. Before, it held all of that
   (and the worker's whole stream in gateway memory: 44 MB after 10 s) for as long as it stayed connected.
-- A client that pauses for less than that gets the whole stream.
+- A client that pauses for less than that gets the whole stream; one that reads steadily, however far
+  behind the worker, is never dropped (progress is the bytes the client's socket takes, not the time the
+  gateway's buffer takes to drain: it was dropped after 1 s while reading 316 KiB/s); one still reading when
+  `total_timeout_s` runs out ends as `timed_out`, as any stream that outlives it.
 """
 
 from __future__ import annotations
@@ -68,7 +71,9 @@ class StreamingWorker:
             writer.close()
 
 
-async def _gateway(worker: StreamingWorker, stall_s: float) -> tuple[Any, asyncio.Server]:
+async def _gateway(
+    worker: StreamingWorker, stall_s: float, total_s: float = 60.0
+) -> tuple[Any, asyncio.Server]:
     server = await asyncio.start_server(worker.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     config = validate_config(
@@ -84,7 +89,7 @@ async def _gateway(worker: StreamingWorker, stall_s: float) -> tuple[Any, asynci
             ],
             "health": {"interval_s": 60},
             "scrape": {"interval_s": 60},
-            "limits": {"stall_timeout_s": stall_s, "first_token_timeout_s": 5.0, "total_timeout_s": 60.0},
+            "limits": {"stall_timeout_s": stall_s, "first_token_timeout_s": 5.0, "total_timeout_s": total_s},
         },
         "test",
     )
@@ -123,7 +128,9 @@ def test_a_client_that_stops_reading_is_dropped_and_releases_its_worker() -> Non
             await reader.read(200)  # the stream began; the client reads nothing more
             await asyncio.sleep(0.6)
             buffered = _upstream_buffered(running)  # the relay is waiting for the client by now
-            await asyncio.sleep(1.4)  # past the 1 s stall bound
+            await asyncio.sleep(
+                2.4
+            )  # past the 1 s stall bound after its last byte taken (its reader buffers a little)
             gw = running.gateway
             inflight = sum(r.inflight_requests for r in gw.registry.records())
             writer.transport.abort()
@@ -162,3 +169,50 @@ def test_a_client_that_pauses_within_the_stall_bound_gets_the_whole_stream() -> 
     assert data.count(b'"content": "' + b"x" * 900) == EVENTS
     assert b"data: [DONE]" in data
     assert outcomes == {"completed": 1}
+
+
+async def _read_steadily(reader: asyncio.StreamReader, seconds: float, chunk: int) -> int:
+    """Read `chunk` bytes every 50 ms for `seconds`; the bytes read."""
+    got, loop = 0, asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        await asyncio.sleep(0.05)
+        data = await reader.read(chunk)
+        if not data:
+            break
+        got += len(data)
+    return got
+
+
+def test_a_client_reading_steadily_behind_the_worker_is_not_dropped() -> None:
+    async def main() -> tuple[int, dict[str, int]]:
+        worker = StreamingWorker()
+        running, server = await _gateway(worker, stall_s=1.0)
+        try:
+            reader, writer = await _client(running.url)
+            got = await _read_steadily(reader, 3.0, 16384)  # ~320 KiB/s, far behind a worker at full speed
+            outcomes = dict(running.gateway.dispatcher.outcomes)
+            writer.transport.abort()
+            return got, outcomes
+        finally:
+            await running.stop()
+            server.close()
+
+    got, outcomes = asyncio.run(main())
+    assert got > 500_000 and outcomes == {}  # still streaming after 3 s: nothing recorded yet
+
+
+def test_a_reading_client_past_the_total_timeout_ends_as_timed_out() -> None:
+    async def main() -> dict[str, int]:
+        worker = StreamingWorker()
+        running, server = await _gateway(worker, stall_s=30.0, total_s=2.0)
+        try:
+            reader, writer = await _client(running.url)
+            await _read_steadily(reader, 3.0, 4096)
+            writer.transport.abort()
+            return dict(running.gateway.dispatcher.outcomes)
+        finally:
+            await running.stop()
+            server.close()
+
+    assert asyncio.run(main()) == {"timed_out": 1}
