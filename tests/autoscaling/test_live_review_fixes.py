@@ -65,6 +65,20 @@ class FakeAppsApi:
         self.replicas = body["spec"]["replicas"]
 
 
+def _kubernetes_controller(
+    cfg: Any, gw: Gateway, api: FakeAppsApi, deployments: dict[str, str], namespace: str = "ns", **extra: Any
+) -> AutoscalerController:
+    """The live controller over `gw`'s registry, scaling `deployments` through `api` (recorded responses)."""
+    return controller_for(
+        cfg,
+        gw.registry,
+        gw.metrics.registry,
+        managed=frozenset(deployments),
+        actuator_factory=lambda i: KubernetesActuator(api, namespace, deployments),
+        **extra,
+    )
+
+
 def _pool(name: str, gpu: str = "A100-80GB", **extra: Any) -> dict[str, Any]:
     return {
         "name": name,
@@ -294,13 +308,7 @@ async def _slot_cycles() -> tuple[list[tuple[int, int, int | None]], FakeAppsApi
     )
     gw = Gateway(cfg)
     api = FakeAppsApi(1, refuse=True)
-    ctl = controller_for(
-        cfg,
-        gw.registry,
-        gw.metrics.registry,
-        managed=frozenset({"dec"}),
-        actuator_factory=lambda i: KubernetesActuator(api, "llm", {"dec": "mosaic-dec"}),
-    )
+    ctl = _kubernetes_controller(cfg, gw, api, {"dec": "mosaic-dec"}, namespace="llm")
     out = []
     try:
         for i in range(6):
@@ -377,13 +385,7 @@ def test_unmapped_kubernetes_pools_are_pinned_at_their_observed_count() -> None:
         )
         gw = Gateway(cfg)
         api = FakeAppsApi(replicas=1)
-        ctl = controller_for(
-            cfg,
-            gw.registry,
-            gw.metrics.registry,
-            managed=frozenset(deployments),
-            actuator_factory=lambda i: KubernetesActuator(api, "ns", deployments),
-        )
+        ctl = _kubernetes_controller(cfg, gw, api, deployments)
         inner = ctl.reader.observe
 
         def observe(now: float, desired: dict[str, int]) -> Observation:
@@ -424,14 +426,7 @@ async def _unreadable(status: int) -> tuple[AutoscalerController, Gateway, FakeA
     )
     gw = Gateway(cfg)
     api = FakeAppsApi(2)
-    ctl = controller_for(
-        cfg,
-        gw.registry,
-        gw.metrics.registry,
-        managed=frozenset({"dec"}),
-        offload=True,
-        actuator_factory=lambda i: KubernetesActuator(api, "llm", {"dec": "mosaic-dec"}),
-    )
+    ctl = _kubernetes_controller(cfg, gw, api, {"dec": "mosaic-dec"}, namespace="llm", offload=True)
     await ctl.cycle()  # read fine: 2 replicas known
     api.unreadable = status
     return ctl, gw, api
@@ -622,13 +617,7 @@ def test_the_controller_keeps_any_policys_targets_within_the_pool_bounds(
         )
         gw = Gateway(cfg)
         api = FakeAppsApi(replicas=start)
-        ctl = controller_for(
-            cfg,
-            gw.registry,
-            gw.metrics.registry,
-            managed=frozenset(deployments),
-            actuator_factory=lambda i: KubernetesActuator(api, "ns", deployments),
-        )
+        ctl = _kubernetes_controller(cfg, gw, api, deployments)
         ctl.build()
         ctl.policy = _Wants(wants)  # type: ignore[assignment]
         try:
