@@ -555,4 +555,5 @@ class Dispatcher:
             relay_headers(rec.request_id, resp.headers.get("content-type", "text/event-stream")),
             push=session.push if session.can_push() else None,
             stopped=self.stopped,
+            stall_s=self.limits.stall_timeout_s,
         )

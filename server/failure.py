@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -215,6 +216,7 @@ class RelayResponse(StreamingResponse):
         status_code: int = 200,
         push: Callable[[FastCycle], Awaitable[bytes]] | None = None,
         stopped: Callable[[asyncio.Task[Any]], bool] | None = None,
+        stall_s: float | None = None,
     ) -> None:
         # Headers come ready-made (`server.responses.relay_headers`): Starlette's `init_headers` would
         # encode and scan a header dict per stream.
@@ -225,6 +227,9 @@ class RelayResponse(StreamingResponse):
         self._on_close = on_close
         self._push = push
         self._stopped = stopped  # the gateway ended this task for shutdown (`Dispatcher.stop_requests`)
+        self._stall_s = (
+            stall_s  # a pushed stream's last bytes wait at most this long for a client taking nothing
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -243,6 +248,9 @@ class RelayResponse(StreamingResponse):
             if self._push is not None and isinstance(cycle, FastCycle):
                 # the body written from the worker's reads (`StreamSession.push`), but its last bytes
                 last = await self._push(cycle)
+                if self._stall_s is not None:  # the outcome is recorded: a client taking nothing is dropped
+                    exhausted = True
+                    await cycle.drain_within(self._stall_s, math.inf)
             else:
                 async for chunk in self.body_iterator:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -317,7 +317,9 @@ class Registry:
             if rec.domain != ep.domain:  # not in the cached view's key: drop the cached view instead
                 rec.domain, rec._view = ep.domain, None
         for wid in pool.ids - seen:
-            gone = self._workers.pop(wid, None)  # in-flight tickets keep their record object; counts stay right
+            gone = self._workers.pop(
+                wid, None
+            )  # in-flight tickets keep their record object; counts stay right
             if gone is not None and gone.inflight_requests > 0:
                 self._departed[wid] = gone
         for wid in [w for w, r in self._departed.items() if r.inflight_requests <= 0 or w in seen]:

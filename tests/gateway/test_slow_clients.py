@@ -15,6 +15,7 @@ fast path and pooled upstream, a scripted worker streaming ~1 KB events as fast 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from typing import Any
@@ -216,3 +217,33 @@ def test_a_reading_client_past_the_total_timeout_ends_as_timed_out() -> None:
             server.close()
 
     assert asyncio.run(main()) == {"timed_out": 1}
+
+
+def test_a_stream_ended_for_a_client_reading_nothing_does_not_hold_its_connection() -> None:
+    """total_timeout_s (1.5 s) runs out while the client reads nothing (stall bound 3 s): the stream ends
+    as timed_out at once, and its last bytes wait at most the stall bound for a client that takes nothing,
+    then the connection is dropped. (The final write waited on the client for as long as it stayed.)"""
+
+    async def main() -> tuple[dict[str, int], bool]:
+        worker = StreamingWorker()
+        running, server = await _gateway(worker, stall_s=3.0, total_s=1.5)
+        try:
+            reader, writer = await _client(running.url)
+            await reader.read(200)
+            await asyncio.sleep(5.5)  # 1.5 s to the time-out, then 3 s of nothing taken, and some margin
+            outcomes = dict(running.gateway.dispatcher.outcomes)
+            closed = False
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                async with asyncio.timeout(2.0):
+                    while await reader.read(2**16):  # what was buffered, then the gateway's close
+                        pass
+                    closed = True
+            writer.transport.abort()
+            return outcomes, closed
+        finally:
+            await running.stop()
+            server.close()
+
+    outcomes, closed = asyncio.run(main())
+    assert outcomes == {"timed_out": 1}
+    assert closed
