@@ -74,10 +74,17 @@ class SpecTable:
 
     by_pool: Mapping[str, CompressionSpec] = field(default_factory=dict)
     by_model: Mapping[str, CompressionSpec] = field(default_factory=dict)
+    # one spec object per distinct (block size, context, layout): the workers of a pool share it, so a
+    # request's footprint is computed once per spec, not once per worker (`KvLedger._footprint`)
+    _interned: dict[tuple[int, int, int], WorkerKvSpec] = field(default_factory=dict)
 
     def spec_for(self, worker: WorkerView) -> WorkerKvSpec:
         comp = self.by_pool.get(worker.pool) or self.by_model.get(worker.model)
-        return WorkerKvSpec(worker.effective_block_size, worker.capacity.max_model_len, comp)
+        key = (worker.effective_block_size, worker.capacity.max_model_len, id(comp))
+        spec = self._interned.get(key)
+        if spec is None:
+            spec = self._interned[key] = WorkerKvSpec(key[0], key[1], comp)
+        return spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +238,10 @@ class KvLedger:
         self.stats = LedgerStats()
         self._books: dict[str, _Book] = {}
         self._next_key = 0
+        # the request last sized, and its footprints by (spec, prefill side): routing asks for one request
+        # on every worker of the fleet, and the workers of a pool share their spec
+        self._sized: RouteRequest | None = None
+        self._sizes: dict[tuple[int, bool], tuple[Footprint, Footprint]] = {}
 
     # --- capacity --------------------------------------------------------------------------------------
     def spec_for(self, worker: WorkerView) -> WorkerKvSpec:
@@ -280,16 +291,29 @@ class KvLedger:
         A prefill worker (P/D) computes the prompt and one token (the prefill hop runs with max_tokens=1), so
         its footprint is the prompt's KV plus one token, whatever the request's max_tokens.
         """
-        book = self._book(worker)
+        return self._footprint(self._book(worker), req, worker.role == Role.PREFILL)
+
+    def _footprint(self, book: _Book, req: RouteRequest, prefill: bool) -> tuple[Footprint, Footprint]:
+        if self._sized is not req:
+            self._sized = req
+            self._sizes.clear()
+        key = (id(book.spec), prefill)
+        sized = self._sizes.get(key)
+        if sized is not None:
+            return sized
         shape = req.sequence_shape
-        if worker.role == Role.PREFILL:
+        if prefill:
             fp = self._need(book, shape, 1)
-            return fp, fp
-        worst = self._need(book, shape, req.max_output_tokens)
-        if self.settings.mode == "worst_case":
-            return worst, worst
-        predicted = min(req.max_output_tokens, max(1, req.predicted_output_tokens))
-        return self._need(book, shape, predicted), worst
+            sized = fp, fp
+        else:
+            worst = self._need(book, shape, req.max_output_tokens)
+            if self.settings.mode == "worst_case":
+                sized = worst, worst
+            else:
+                predicted = min(req.max_output_tokens, max(1, req.predicted_output_tokens))
+                sized = self._need(book, shape, predicted), worst
+        self._sizes[key] = sized
+        return sized
 
     @staticmethod
     def _need(book: _Book, shape: SequenceShape, output: int) -> Footprint:
@@ -327,8 +351,9 @@ class KvLedger:
 
     # --- ReservePlugin / FitChecker ----------------------------------------------------------------------
     def fits(self, req: RouteRequest, worker: WorkerView, now: float) -> bool:
-        fp, worst = self.footprint(req, worker)
-        return self._admissible(self._book(worker), req.request_id, fp, worst)
+        book = self._book(worker)
+        fp, worst = self._footprint(book, req, worker.role == Role.PREFILL)
+        return self._admissible(book, req.request_id, fp, worst)
 
     def reserve(self, req: RouteRequest, worker: WorkerView, now: float) -> KvReservation | None:
         fp, worst = self.footprint(req, worker)
