@@ -269,3 +269,24 @@ def test_ledger_invariants_under_random_lifecycles(ops: list[tuple], mode: str, 
     assert all(ledger.reserved(w.id) == 0 for w in workers)
     assert sum(ledger.stats.released.values()) == len(made)  # each ended exactly once
     assert all(r.outcome is not None for r in made)
+
+
+def test_one_request_sized_across_workers_of_different_specs_and_roles() -> None:
+    """Footprints are shared by workers of one spec (computed once per request and spec), never across
+    specs or roles: asked in any order, each worker gets what a fresh ledger computes for it alone."""
+    fleet = [
+        worker("a16", block_size=16),
+        worker("b16", block_size=16),
+        worker("c32", block_size=32, pool="q"),
+        worker("p16", block_size=16, role=Role.PREFILL),
+        worker("d16", block_size=16, max_model_len=4096),
+    ]
+    r = request("r", 1000, 300)
+    shared = KvLedger(LedgerSettings(mode="predicted"))
+    for order in (fleet, fleet[::-1]):
+        got = {w.id: shared.footprint(r, w) for w in order}
+        assert got == {w.id: KvLedger(LedgerSettings(mode="predicted")).footprint(r, w) for w in fleet}
+    units = {w.id: shared.footprint(r, w)[1].peak for w in fleet}
+    assert units["a16"] == units["b16"] == units["d16"] == 82  # ceil(1,300 / 16) blocks
+    assert units["c32"] == 41  # ceil(1,300 / 32): another spec, not the 16-token pool's 82
+    assert units["p16"] == 63  # the prefill side: prompt + 1 token, ceil(1,001 / 16)
