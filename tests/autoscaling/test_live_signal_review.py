@@ -109,31 +109,11 @@ def test_a_worker_stopped_during_its_cold_start_is_never_reported_ready() -> Non
     on /admin/autoscaler for a worker no longer listed)."""
     import time
 
-    from server.config import validate_config
     from server.runner import start_gateway_server
+    from tests.autoscaling.test_controller import simulated_config
 
-    config = validate_config(
-        {
-            "pools": [
-                {
-                    "name": "l4",
-                    "model": "llama-3-8b",
-                    "gpu": "L4",
-                    "role": "mixed",
-                    "min_replicas": 1,
-                    "max_replicas": 4,
-                    "endpoints": {"simulated": {"replicas": 1, "time_scale": 50}},
-                }
-            ],
-            "auth": {"api_keys": ["k"], "admin_keys": ["adm"]},
-            "autoscaler": {
-                "enabled": True,
-                "actuator": "embedded",
-                "policy": "static:l4=1",
-                "interval_s": 3600,
-                "cold_start_s": 1.0,
-            },
-        }
+    config = simulated_config(
+        enabled=True, actuator="embedded", policy="static:l4=1", interval_s=3600, cold_start_s=1.0
     )
 
     async def main() -> tuple[list[tuple[str, str]], list[str]]:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 from server.config import validate_config
@@ -97,6 +98,17 @@ async def _gateway(
     return await start_gateway_server(config, "127.0.0.1", 0), server
 
 
+@contextlib.asynccontextmanager
+async def _served(stall_s: float, total_s: float = 60.0) -> AsyncIterator[Any]:
+    """The gateway in front of a fresh `StreamingWorker`, stopped (and the worker's server closed) after."""
+    running, server = await _gateway(StreamingWorker(), stall_s, total_s)
+    try:
+        yield running
+    finally:
+        await running.stop()
+        server.close()
+
+
 async def _client(url: str, limit: int = 2**16) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A client with a small receive buffer that has sent one streaming chat request."""
     host, port = url.split("//")[1].split(":")
@@ -122,23 +134,17 @@ def _upstream_buffered(running: Any) -> int:
 
 def test_a_client_that_stops_reading_is_dropped_and_releases_its_worker() -> None:
     async def main() -> tuple[int, dict[str, int], int, int]:
-        worker = StreamingWorker()
-        running, server = await _gateway(worker, stall_s=1.0)
-        try:
+        async with _served(stall_s=1.0) as running:
             reader, writer = await _client(running.url)
             await reader.read(200)  # the stream began; the client reads nothing more
             await asyncio.sleep(0.6)
             buffered = _upstream_buffered(running)  # the relay is waiting for the client by now
-            await asyncio.sleep(
-                2.4
-            )  # past the 1 s stall bound after its last byte taken (its reader buffers a little)
+            # past the 1 s stall bound after its last byte taken (its reader buffers a little)
+            await asyncio.sleep(2.4)
             gw = running.gateway
             inflight = sum(r.inflight_requests for r in gw.registry.records())
             writer.transport.abort()
             return buffered, dict(gw.dispatcher.outcomes), inflight, len(gw.dispatcher.open)
-        finally:
-            await running.stop()
-            server.close()
 
     buffered, outcomes, inflight, still_open = asyncio.run(main())
     # the high-water mark, plus at most one read (asyncio reads 256 KiB at a time); 17 MB before
@@ -149,9 +155,7 @@ def test_a_client_that_stops_reading_is_dropped_and_releases_its_worker() -> Non
 
 def test_a_client_that_pauses_within_the_stall_bound_gets_the_whole_stream() -> None:
     async def main() -> tuple[bytes, dict[str, int]]:
-        worker = StreamingWorker()
-        running, server = await _gateway(worker, stall_s=3.0)
-        try:
+        async with _served(stall_s=3.0) as running:
             reader, writer = await _client(running.url, limit=2**20)
             data = await reader.read(200)
             await asyncio.sleep(1.0)  # the relay and the upstream connection pause meanwhile
@@ -162,9 +166,6 @@ def test_a_client_that_pauses_within_the_stall_bound_gets_the_whole_stream() -> 
             writer.close()
             await asyncio.sleep(0.1)
             return data, dict(running.gateway.dispatcher.outcomes)
-        finally:
-            await running.stop()
-            server.close()
 
     data, outcomes = asyncio.run(main())
     assert data.count(b'"content": "' + b"x" * 900) == EVENTS
@@ -187,17 +188,12 @@ async def _read_steadily(reader: asyncio.StreamReader, seconds: float, chunk: in
 
 def test_a_client_reading_steadily_behind_the_worker_is_not_dropped() -> None:
     async def main() -> tuple[int, dict[str, int]]:
-        worker = StreamingWorker()
-        running, server = await _gateway(worker, stall_s=1.0)
-        try:
+        async with _served(stall_s=1.0) as running:
             reader, writer = await _client(running.url)
             got = await _read_steadily(reader, 3.0, 16384)  # ~320 KiB/s, far behind a worker at full speed
             outcomes = dict(running.gateway.dispatcher.outcomes)
             writer.transport.abort()
             return got, outcomes
-        finally:
-            await running.stop()
-            server.close()
 
     got, outcomes = asyncio.run(main())
     assert got > 500_000 and outcomes == {}  # still streaming after 3 s: nothing recorded yet
@@ -205,16 +201,11 @@ def test_a_client_reading_steadily_behind_the_worker_is_not_dropped() -> None:
 
 def test_a_reading_client_past_the_total_timeout_ends_as_timed_out() -> None:
     async def main() -> dict[str, int]:
-        worker = StreamingWorker()
-        running, server = await _gateway(worker, stall_s=30.0, total_s=2.0)
-        try:
+        async with _served(stall_s=30.0, total_s=2.0) as running:
             reader, writer = await _client(running.url)
             await _read_steadily(reader, 3.0, 4096)
             writer.transport.abort()
             return dict(running.gateway.dispatcher.outcomes)
-        finally:
-            await running.stop()
-            server.close()
 
     assert asyncio.run(main()) == {"timed_out": 1}
 
@@ -225,9 +216,7 @@ def test_a_stream_ended_for_a_client_reading_nothing_does_not_hold_its_connectio
     then the connection is dropped. (The final write waited on the client for as long as it stayed.)"""
 
     async def main() -> tuple[dict[str, int], bool]:
-        worker = StreamingWorker()
-        running, server = await _gateway(worker, stall_s=3.0, total_s=1.5)
-        try:
+        async with _served(stall_s=3.0, total_s=1.5) as running:
             reader, writer = await _client(running.url)
             await reader.read(200)
             await asyncio.sleep(5.5)  # 1.5 s to the time-out, then 3 s of nothing taken, and some margin
@@ -240,9 +229,6 @@ def test_a_stream_ended_for_a_client_reading_nothing_does_not_hold_its_connectio
                     closed = True
             writer.transport.abort()
             return outcomes, closed
-        finally:
-            await running.stop()
-            server.close()
 
     outcomes, closed = asyncio.run(main())
     assert outcomes == {"timed_out": 1}
