@@ -59,6 +59,7 @@ from scheduler.actuators.base import ScaleAction
 from scheduler.topology import TopologyPlacer
 
 REQUEST_TIMEOUT_S = (5.0, 20.0)  # (connect, read) seconds per API call
+FIELD_MANAGER = "mosaic-autoscaler"  # the managedFields entry of the replicas it sets
 log = logging.getLogger("mosaic.autoscaler")
 
 
@@ -149,8 +150,14 @@ class KubernetesActuator:
         return int(scale.spec.replicas or 0)
 
     def _patch(self, name: str, replicas: int) -> None:
+        # Our own field manager: GitOps tools can then leave exactly the replicas we own alone (Argo CD's
+        # ignoreDifferences.managedFieldsManagers), and `kubectl get -o yaml --show-managed-fields` says who set them.
         self._api.patch_namespaced_deployment_scale(
-            name, self._namespace, {"spec": {"replicas": replicas}}, _request_timeout=self._timeout
+            name,
+            self._namespace,
+            {"spec": {"replicas": replicas}},
+            field_manager=FIELD_MANAGER,
+            _request_timeout=self._timeout,
         )
 
     # ------------------------------------------------------------------ the Actuator shape

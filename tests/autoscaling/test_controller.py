@@ -125,7 +125,12 @@ class FakeAppsApi:
         return SimpleNamespace(spec=SimpleNamespace(replicas=self.replicas))
 
     def patch_namespaced_deployment_scale(
-        self, name: str, namespace: str, body: dict[str, Any], _request_timeout: Any = None
+        self,
+        name: str,
+        namespace: str,
+        body: dict[str, Any],
+        field_manager: str | None = None,
+        _request_timeout: Any = None,
     ) -> Any:
         self.calls.append(("patch", name, namespace, body))
         if self.refuse:

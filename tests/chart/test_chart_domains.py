@@ -236,7 +236,7 @@ def test_the_example_places_per_zone_and_its_inventory_covers_every_domain(
             id="PodMonitor on: the controller's uses its settings",
         ),
         pytest.param(
-            {"monitoring": {"serviceMonitor": {"enabled": True, "interval": "30s"}}},
+            {"monitoring": {"serviceMonitor": {"enabled": True, "interval": "30s", "scrapeTimeout": "30s"}}},
             "serviceMonitor",
             id="ServiceMonitor only: the operator is there too",
         ),
@@ -262,11 +262,12 @@ def test_controller_pod_monitor(chart: helm.Chart, values: dict[str, Any], monit
         assert pm is None
         return
     assert pm is not None
-    settings = {"interval": "15s", "scrapeTimeout": "10s", "labels": {}, **values["monitoring"][monitor]}
+    settings = {"interval": "15s", "labels": {}, **values["monitoring"][monitor]}
     assert settings["labels"].items() <= pm["metadata"]["labels"].items()
     assert pm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    timeout = {"scrapeTimeout": settings["scrapeTimeout"]} if "scrapeTimeout" in settings else {}
     assert pm["spec"]["podMetricsEndpoints"] == [
-        {"port": "metrics", "path": "/metrics", "interval": settings["interval"], "scrapeTimeout": "10s"}
+        {"port": "metrics", "path": "/metrics", "interval": settings["interval"], **timeout}
     ]
     # it selects the controller's pods only, and they have the named port
     chosen = [

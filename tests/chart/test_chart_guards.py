@@ -24,6 +24,38 @@ from tests.chart.chartkit import render
             "gateway.autoscaling.minReplicas 5 is above maxReplicas 2",
             id="an HPA the API server refuses mid-install",
         ),
+        pytest.param(
+            {
+                "pools": [
+                    {"name": "l4", "model": "llama-3-8b", "gpu": "L4", "simulated": True, "domains": ["east"]},
+                    {"name": "l4-east", "model": "llama-3-8b", "gpu": "L4", "simulated": True},
+                ],
+                "gateway": {"discovery": {"domainLabel": "mosaic.dev/rack"}},
+            },
+            'pools[1] (l4-east): Deployment name "mosaic-l4-east" is already pool "l4"\'s',
+            id="a pool named <pool>-<domain>: two pools' manifests on one Deployment",
+        ),
+        pytest.param(
+            {
+                "pools": [
+                    {"name": "l4-east", "model": "llama-3-8b", "gpu": "L4", "simulated": True},
+                    {"name": "l4", "model": "llama-3-8b", "gpu": "L4", "simulated": True, "domains": ["east"]},
+                ],
+                "gateway": {"discovery": {"domainLabel": "mosaic.dev/rack"}},
+            },
+            'pools[1] (l4): Deployment name "mosaic-l4-east" is already pool "l4-east"\'s',
+            id="the same collision, pools the other way round",
+        ),
+        pytest.param(
+            {"monitoring": {"serviceMonitor": {"enabled": True, "interval": "5s", "scrapeTimeout": "10s"}}},
+            "monitoring: scrapeTimeout 10s is longer than interval 5s",
+            id="a ServiceMonitor the Prometheus operator drops: metrics silently unscraped",
+        ),
+        pytest.param(
+            {"monitoring": {"podMonitor": {"enabled": True, "interval": "1m", "scrapeTimeout": "61s"}}},
+            "monitoring: scrapeTimeout 61s is longer than interval 1m",
+            id="a PodMonitor the operator drops, units compared",
+        ),
     ],
 )
 def test_values_that_break_in_the_cluster_fail_the_render(
@@ -63,3 +95,34 @@ def test_an_all_digit_pool_name_stays_a_string_label(
     (pool,) = config.pools
     if resource == "pods":
         assert "mosaic.dev/pool=123" in pool.endpoints.kubernetes.label_selector.split(",")
+
+
+@pytest.mark.parametrize(
+    ("interval", "timeout", "expected"),
+    [("5s", "", None), ("1m", "59s", "59s"), ("15s", "15s", "15s"), ("2s", "1500ms", "1500ms")],
+)
+def test_a_monitor_timeout_is_left_out_or_kept_at_most_the_interval(
+    chart: helm.Chart, interval: str, timeout: str, expected: str | None
+) -> None:
+    """Before, every monitor carried scrapeTimeout 10s whatever its interval; at 5s the operator dropped it."""
+    values = {"monitoring": {"serviceMonitor": {"enabled": True, "interval": interval, "scrapeTimeout": timeout}}}
+    (endpoint,) = render(chart, values).get("ServiceMonitor", "mosaic")["spec"]["endpoints"]
+    assert endpoint["interval"] == interval
+    assert endpoint.get("scrapeTimeout") == expected
+
+
+@pytest.mark.parametrize("name", ["mosaic-gateway", "mosaic-controller", "mosaic-l4"])
+def test_a_catalog_change_rolls_the_pods_that_read_it(chart: helm.Chart, name: str) -> None:
+    """The catalog is read once at start by the gateway, the controller and simulated workers; only the
+    gateway config was hashed, so a price change reached no running pod."""
+    base = {
+        "pools": [{"name": "l4", "model": "llama-3-8b", "gpu": "L4", "simulated": True}],
+        "controller": {"enabled": True},
+    }
+
+    def template(price: float) -> dict[str, Any]:
+        values = {**base, "catalog": {"gpus": {"L4": {"cost_per_hour": price}}}}
+        return render(chart, values).get("Deployment", name)["spec"]["template"]
+
+    assert template(0.8) != template(0.9)
+    assert template(0.8) == template(0.8)

@@ -156,6 +156,7 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- $fullname := include "mosaic.fullname" $root }}
 {{- $resolved := list }}
 {{- $seen := dict }}
+{{- $owners := dict }}{{- /* Deployment name → the pool that renders it, across all pools */}}
 {{- range $i, $p := $root.Values.pools }}
 {{- $pool := mustMergeOverwrite (deepCopy $root.Values.poolDefaults) (deepCopy $p) }}
 {{- if hasKey $seen $pool.name }}
@@ -213,6 +214,12 @@ so upper-casing and `-` → `_` gives each pool its own variable name. */}}
 {{- if lt $j (mod (int $pool.replicas) $n) }}{{ $share = add1 $share }}{{ end }}
 {{- $deployments = append $deployments (dict "name" $dn "domain" $d "replicas" $share) }}
 {{- end }}
+{{- end }}
+{{- range $dep := $deployments }}
+{{- with index $owners $dep.name }}
+{{- fail (printf "pools[%d] (%s): Deployment name %q is already pool %q's (a pool named <pool>-<domain> collides with that pool's Deployment for the domain); rename one" $i $pool.name $dep.name .) }}
+{{- end }}
+{{- $_ := set $owners $dep.name $pool.name }}
 {{- end }}
 {{- $_ := set $pool "deployments" $deployments }}
 {{- $resolved = append $resolved $pool }}
@@ -362,4 +369,28 @@ only spec.nodeName). Then the gateway and the controller need a ClusterRole to l
 {{- if and $disc.domainLabel (or (eq $disc.resource "pods") (ne $disc.domainLabel "topology.kubernetes.io/zone")) -}}
 true
 {{- end }}
+{{- end }}
+
+{{/*
+A monitor endpoint's `interval` and `scrapeTimeout` (argument: the monitor's settings). The timeout is left
+out when unset, so Prometheus uses its global scrape_timeout capped at the interval; one set above the
+interval fails the render, because the Prometheus operator drops such a monitor and the metrics silently go
+unscraped. Both are single-unit durations (the schema's pattern).
+*/}}
+{{- define "mosaic.scrapeTiming" -}}
+interval: {{ .interval }}
+{{- with .scrapeTimeout }}
+{{- if gt (include "mosaic.durationMs" .) (include "mosaic.durationMs" $.interval) }}
+{{- fail (printf "monitoring: scrapeTimeout %s is longer than interval %s; the Prometheus operator drops such a monitor (set scrapeTimeout at most the interval, or leave it empty)" . $.interval) }}
+{{- end }}
+scrapeTimeout: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/* A duration such as 500ms, 15s, 2m or 1h in milliseconds, zero-padded to compare as text. */}}
+{{- define "mosaic.durationMs" -}}
+{{- $n := int (regexFind "^[0-9]+" .) }}
+{{- $unit := regexFind "[a-z]+$" . }}
+{{- $ms := dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 }}
+{{- printf "%020d" (mul $n (index $ms $unit)) }}
 {{- end }}

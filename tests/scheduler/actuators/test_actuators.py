@@ -83,7 +83,11 @@ def test_kubernetes_actuator_patches_the_scale_subresource(k8s: Any) -> None:
     assert state["vllm-decode-a100"] == 5
     method, url, body = calls[-1]
     assert method == "PATCH"
-    assert url == "https://k8s.test/apis/apps/v1/namespaces/llm/deployments/vllm-decode-a100/scale"
+    # as its own field manager, so GitOps tools can leave the replicas it owns alone (docs/deploy.md)
+    assert url == (
+        "https://k8s.test/apis/apps/v1/namespaces/llm/deployments/vllm-decode-a100/scale"
+        "?fieldManager=mosaic-autoscaler"
+    )
     assert body == {"spec": {"replicas": 5}}
 
 

@@ -54,8 +54,10 @@ class Cluster:
         post_params: Any = None,
         _request_timeout: Any = None,
     ) -> Any:
-        assert url.startswith(BASE + "/") and url.endswith("/scale"), url
-        name = url[len(BASE) + 1 : -len("/scale")]
+        path, _, query = url.partition("?")
+        assert path.startswith(BASE + "/") and path.endswith("/scale"), url
+        assert query == ("fieldManager=mosaic-autoscaler" if method == "PATCH" else ""), url
+        name = path[len(BASE) + 1 : -len("/scale")]
         self.calls.append((method, name, body["spec"]["replicas"] if body else None))
         if name in self.forbid_all or (method == "PATCH" and name in self.forbid_patch):
             return RESTResponse(_Recorded(403, {"kind": "Status", "reason": "Forbidden", "code": 403}))
