@@ -165,17 +165,20 @@ class SseRelay:
 
     `feed(chunk)` returns the bytes to send now; `flush()` the held-back remainder at the end.
     `usage` is the last usage object seen (a dict, else None); `usage_only_relayed` counts the usage-only
-    events (`choices` empty: no token) relayed since the caller last reset it, so a caller counting tokens
-    per piece can tell them from token events without parsing the piece again. `error` is the first error
-    event's `error` object relayed (`data: {"error": {...}}`: how vLLM fails a stream that has begun).
+    events (`choices` empty: no token) relayed since the caller last reset it, and `role_only_relayed` the
+    role-only ones (a chat stream's opening `delta: {"role": "assistant", "content": ""}` per choice, which
+    vLLM sends with, not as, the first token), so a caller counting tokens per piece can tell both from
+    token events without parsing the piece again. `error` is the first error event's `error` object relayed
+    (`data: {"error": {...}}`: how vLLM fails a stream that has begun).
     """
 
-    __slots__ = ("_buf", "error", "strip_usage", "usage", "usage_only_relayed")
+    __slots__ = ("_buf", "error", "role_only_relayed", "strip_usage", "usage", "usage_only_relayed")
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
         self.usage: dict[str, Any] | None = None
         self.usage_only_relayed = 0
+        self.role_only_relayed = 0
         self.error: dict[str, Any] | None = None
         self._buf = b""
 
@@ -195,6 +198,8 @@ class SseRelay:
         # `{"error"` opens an error event's object; inside a token's JSON string its quote is escaped.
         if self.error is None and chunk.find(b'{"error"') >= 0:
             self._note_error(chunk)
+        if chunk.find(b'"role"') >= 0:  # only a chat stream's first events name the role
+            self._note_roles(chunk)
         if chunk.find(b'"usage"') < 0:
             return chunk  # the fast path: nothing to look at
         return self._filter(chunk)
@@ -235,6 +240,15 @@ class SseRelay:
                     self.error = payload["error"]
                     return
 
+    def _note_roles(self, chunk: bytes) -> None:
+        for event in chunk.split(b"\n\n"):
+            if (
+                event.startswith(b"data:")
+                and event.find(b'"role"') >= 0
+                and _role_only(_json_or_none(event[5:]))
+            ):
+                self.role_only_relayed += 1
+
     def _usage_event(self, event: bytes) -> bool:
         """Reads the usage an event carries; True when the event is to be dropped (the injected usage-only
         chunk the client did not ask for)."""
@@ -265,6 +279,24 @@ class SseRelay:
     def flush(self) -> bytes:
         rest, self._buf = self._buf, b""
         return rest
+
+
+# Delta fields that carry generated tokens (content, tool-call arguments, reasoning models' thinking).
+_TOKEN_DELTA_FIELDS = ("content", "tool_calls", "reasoning_content", "reasoning")
+
+
+def _role_only(payload: Any) -> bool:
+    """A chat chunk whose every choice only opens the message (role, empty content): no token yet."""
+    if not isinstance(payload, dict):
+        return False
+    choices = payload.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or any(delta.get(f) for f in _TOKEN_DELTA_FIELDS):
+            return False
+    return True
 
 
 def usage_count(value: Any) -> int:

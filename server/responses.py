@@ -118,30 +118,48 @@ class StreamSession:
         self._timed = parsed.sequences == 1
         self._itl = d.child(d.metrics.itl, rec.model, rec.pool)
         self._deadline = rec.arrival + d.limits.total_timeout_s
-        self._last = self._first_at = 0.0  # the last relayed piece; the first
+        self._last = self._first_at = 0.0  # the last relayed piece; the first token's
         self._last_token = 0.0  # the last relayed piece that carried a token event
         self._generated = 0  # ≈ tokens: vLLM sends one event per step per sequence
+        # The first piece carried no token (a chat stream's role event alone, or half an event): TTFT is
+        # timed at the first piece that does, and that piece is no inter-token gap.
+        self._ttft_pending = False
 
     # ------------------------------------------------------------------ steps shared by both ways
     def _begin(self) -> bytes:
-        """The first chunk: the bytes to send, TTFT observed."""
-        d, rec = self.d, self.rec
+        """The first chunk: the bytes to send, TTFT observed if it carries a token."""
         out = self.relay.feed(self.first)
-        self._last = self._first_at = self._last_token = self._clock()
-        if not is_error_event(self.first):  # a stream that fails at once has no first token to time
-            d.child(d.metrics.ttft, rec.model, rec.pool).observe(self._last - rec.arrival)
+        self._last = self._first_at = self._last_token = now = self._clock()
         self._generated = self._token_events(out)
+        if is_error_event(self.first):  # a stream that fails at once has no first token to time
+            return out
+        if self._generated > 0:
+            self._first_token(now)
+        else:
+            self._ttft_pending = True
         return out
 
+    def _first_token(self, now: float) -> None:
+        """TTFT as the client sees it: the first relayed piece with a token event."""
+        d, rec = self.d, self.rec
+        d.child(d.metrics.ttft, rec.model, rec.pool).observe(now - rec.arrival)
+        self._first_at = self._last_token = now
+        self._ttft_pending = False
+
     def _token_events(self, out: bytes) -> int:
-        """Events in a relayed piece that carry tokens: all but `data: [DONE]` and the usage-only event
-        (`choices: []`), which end a stream in the same step as its last token; timing them as token gaps
-        put a ~0 s sample per stream into ITL (and the end of the stream into TPOT)."""
+        """Events in a relayed piece that carry tokens: all but `data: [DONE]`, the usage-only event
+        (`choices: []`), which end a stream in the same step as its last token (timing them as token gaps
+        put a ~0 s sample per stream into ITL, and the end of the stream into TPOT), and a chat stream's
+        role-only opening events (vLLM sends them just before the first token: counted, they made one more
+        near-0 gap per stream; sent early, as the simulated worker once did, the whole prefill)."""
         relay = self.relay
         events = out.count(b"data: ") - out.endswith(STREAM_DONE)
         if relay.usage_only_relayed:
             events -= relay.usage_only_relayed
             relay.usage_only_relayed = 0
+        if relay.role_only_relayed:
+            events -= relay.role_only_relayed
+            relay.role_only_relayed = 0
         return events
 
     def _step(self, chunk: bytes) -> bytes:
@@ -152,7 +170,9 @@ class StreamSession:
             now = self._last = self._clock()
             tokens = self._token_events(out)
             if tokens > 0:
-                if self._timed:
+                if self._ttft_pending:
+                    self._first_token(now)
+                elif self._timed:
                     self._itl.observe(now - self._last_token)
                 self._last_token = now
                 self._generated += tokens
@@ -266,7 +286,10 @@ class StreamSession:
             now = self._last = clock()
             tokens = token_events(out)
             if tokens > 0:
-                observe(now - self._last_token)
+                if self._ttft_pending:
+                    self._first_token(now)
+                else:
+                    observe(now - self._last_token)
                 self._last_token = now
                 self._generated += tokens
                 on_tokens(self._generated, now)

@@ -265,19 +265,23 @@ class WorkerRuntime:
         self, api: ApiRequest, rid: str, seqs: list[ApiSequence], tickets: list[Ticket], cut: bool
     ) -> AsyncIterator[str]:
         """One event per token of each sequence as the engine produces them (each event carries one choice,
-        as vLLM's); chat opens with a role event per choice. `cut`: a simulated failure halfway through."""
+        as vLLM's); chat opens with a role event per choice, sent as vLLM sends them: when the engine's first
+        output arrives (after prefill and any queueing), right before the first token, not on acceptance.
+        `cut`: a simulated failure halfway through."""
         w = ChunkWriter(rid, self.served, api.chat)
         seed, cont = self.cfg.seed, api.continuous_usage
         sent = [0] * len(tickets)
         event = tickets[0].event  # shared by the request's sequences
+        roles_due = api.chat
         try:
-            if api.chat:
-                for i, seq in enumerate(seqs):
-                    yield w.role((seq.prompt_tokens, 0) if cont else None, i)
             while True:
                 # Cleared before the scan and `produced` read once per pass: a yield can wait on the client's
                 # socket while the engine delivers more, which the next pass (not this one) must send.
                 event.clear()
+                if roles_due and any(tk.produced > 0 or tk.done for tk in tickets):
+                    roles_due = False
+                    for i, seq in enumerate(seqs):
+                        yield w.role((seq.prompt_tokens, 0) if cont else None, i)
                 for i, (seq, tk) in enumerate(zip(seqs, tickets, strict=True)):
                     upto = tk.produced
                     if upto <= sent[i]:

@@ -64,6 +64,9 @@ class FakeWorker:
     retry_after: str | None = None  # sent with a `status` answer
     usage: dict[str, Any] | None = None  # replaces the usage of whole (non-streaming) answers
     stream_usage: Any = None  # replaces the usage object of a stream's usage event (malformed ones)
+    # chat streams open with vLLM's role event (`delta: {role, content: ""}`), this long before the first
+    # token (vLLM: ~0, with it; None: no role event)
+    role_lead_s: float | None = None
 
     @property
     def url(self) -> str:
@@ -147,6 +150,10 @@ class FakeWorker:
                 yield self._error_event()
                 yield b"data: [DONE]\n\n"
                 return
+            if chat and self.role_lead_s is not None:
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield b"data: " + json.dumps({"id": "x", "object": obj, "choices": [role]}).encode() + b"\n\n"
+                await asyncio.sleep(self.role_lead_s)
             for i in range(n):
                 if self.mode == "error_mid_stream" and i == self.die_after:
                     yield self._error_event()

@@ -243,6 +243,35 @@ def test_stream_timings_count_token_events_only() -> None:
     run(body)
 
 
+@pytest.mark.parametrize(
+    "lead_s", [0.0, 0.3], ids=["role event with the first token (vLLM)", "role event early"]
+)
+def test_a_chat_streams_role_event_is_no_token(lead_s: float) -> None:
+    """vLLM opens a chat stream with `delta: {role, content: ""}` per choice: no token. Counted as one, it
+    added a near-0 ITL gap per stream; sent early (the simulated worker did), TTFT read ~0 and the whole
+    prefill became one ITL gap and part of TPOT. TTFT is the first token's, ITL its gaps only."""
+    a = FakeWorker("a", tokens=4, role_lead_s=lead_s, chunk_delay_s=0.01)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            labels = {"model": "llama-3-8b", "pool": "p"}
+            for _ in range(2):
+                r = await c.post(CHAT, json=chat(stream=True, max_tokens=4))
+                events = sse_events(r.text)
+                assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+                assert len(events) == 1 + 4 + 1  # the role event is relayed as it came
+            assert metric(gw, "mosaic_time_to_first_token_seconds_count", **labels) == 2
+            assert metric(gw, "mosaic_inter_token_latency_seconds_count", **labels) == 2 * 3
+            ttft = gw.metrics.registry.get_sample_value("mosaic_time_to_first_token_seconds_sum", labels)
+            itl = gw.metrics.registry.get_sample_value("mosaic_inter_token_latency_seconds_sum", labels)
+            tpot = gw.metrics.registry.get_sample_value("mosaic_time_per_output_token_seconds_sum", labels)
+            assert ttft is not None and itl is not None and tpot is not None
+            assert 2 * lead_s <= ttft < 2 * lead_s + 0.5
+            assert itl < 6 * 0.01 + 0.25 and tpot < 2 * 0.01 + 0.1  # 10 ms gaps: the lead is in neither
+
+    run(body)
+
+
 def test_request_id_propagated_or_created() -> None:
     a = FakeWorker("a")
 

@@ -4,6 +4,7 @@ and not, usage and include_usage, token-id prompts, natural EOS and min_tokens, 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -250,3 +251,23 @@ async def test_n_completions_stream_one_choice_per_event(served) -> None:
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None and one.usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (one.usage.prompt_tokens, 15)
+
+
+async def test_a_chat_stream_opens_with_its_first_token_not_on_acceptance(served) -> None:
+    """vLLM sends a chat stream's role event on the engine's first output (chat_completion serving's first
+    iteration), so a client timing the first event (vLLM's benchmark, the gateway) sees the prefill. The
+    worker sent it on acceptance: chat TTFT read ~0 and the prefill became one inter-token gap."""
+    cfg = WorkerConfig(gpu="L4", model="llama-3-8b", time_scale=1.0)
+    messages = [{"role": "user", "content": "word " * 1600}]  # ≈ 2,000 tokens: an L4 prefill of ~0.5 s
+    body = {"model": "llama-3-8b", "messages": messages, "max_tokens": 2, "stream": True}
+    events: list[tuple[float, dict]] = []
+    async with served(cfg) as w, httpx.AsyncClient(timeout=30) as h:
+        start = time.monotonic()
+        async with h.stream("POST", w.url + "/v1/chat/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    events.append((time.monotonic() - start, json.loads(line[6:])["choices"][0]["delta"]))
+    (role_at, role), (token_at, token) = events[0], events[1]
+    assert (role, set(token)) == ({"role": "assistant", "content": ""}, {"content"})
+    assert token_at >= 0.2  # the prefill
+    assert role_at >= 0.9 * token_at  # sent with the first token (was ~0.01 s)

@@ -1,0 +1,99 @@
+"""Stream timings over real sockets (the gateway's fast path pushes the stream from its pooled upstream):
+a scripted worker opens a chat stream with vLLM's role event, waits (the prefill), then sends its tokens
+one per read. TTFT is the first token's, ITL one gap per token after it; the role event is neither."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from server.config import validate_config
+from server.runner import start_gateway_server
+
+MODEL = "llama-3-8b"
+LEAD_S, GAP_S, TOKENS = 0.3, 0.05, 4
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _event(delta: dict[str, str]) -> bytes:
+    choice = {"index": 0, "delta": delta, "finish_reason": None}
+    return b"data: " + json.dumps({"id": "c", "model": MODEL, "choices": [choice]}).encode() + b"\n\n"
+
+
+async def _worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """/health and /metrics: empty 200s; a chat POST: the role event, LEAD_S, then TOKENS tokens GAP_S apart."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            length = next(
+                (int(x.split(b":")[1]) for x in lines if x.lower().startswith(b"content-length:")), 0
+            )
+            if length:
+                await reader.readexactly(length)
+            if lines[0].split()[1] != b"/v1/chat/completions":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                continue
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            writer.write(_chunk(_event({"role": "assistant", "content": ""})))
+            await writer.drain()
+            await asyncio.sleep(LEAD_S)
+            for i in range(TOKENS):
+                if i:
+                    await asyncio.sleep(GAP_S)
+                writer.write(_chunk(_event({"content": f"w{i} "})))
+                await writer.drain()
+            usage = {"prompt_tokens": 3, "completion_tokens": TOKENS, "total_tokens": 3 + TOKENS}
+            tail = b"data: " + json.dumps({"id": "c", "choices": [], "usage": usage}).encode() + b"\n\n"
+            writer.write(_chunk(tail) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+def test_ttft_and_itl_over_real_sockets_leave_the_role_event_out() -> None:
+    async def main() -> dict[str, float]:
+        server = await asyncio.start_server(_worker, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = {"name": "p", "model": MODEL, "gpu": "H100", "role": "mixed"}
+        config = validate_config(
+            {
+                "pools": [pool | {"endpoints": {"static": [f"http://127.0.0.1:{port}"]}}],
+                "health": {"interval_s": 60},
+                "scrape": {"interval_s": 60},
+            },
+            "test",
+        )
+        running = await start_gateway_server(config, "127.0.0.1", 0)
+        try:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            async with httpx.AsyncClient(timeout=10) as client:
+                r = await client.post(running.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.text.count("data: ") == 1 + TOKENS + 1  # role, tokens, [DONE]
+            await asyncio.sleep(0.1)  # the stream is accounted just after its last byte
+            registry, labels = running.gateway.metrics.registry, {"model": MODEL, "pool": "p"}
+            names = ("time_to_first_token", "inter_token_latency", "time_per_output_token")
+            return {
+                f"{n}_{part}": registry.get_sample_value(f"mosaic_{n}_seconds_{part}", labels) or 0.0
+                for n in names
+                for part in ("count", "sum")
+            }
+        finally:
+            await running.stop()
+            server.close()
+
+    m = asyncio.run(main())
+    assert m["time_to_first_token_count"] == 1 and m["time_to_first_token_sum"] >= LEAD_S
+    assert m["inter_token_latency_count"] == TOKENS - 1  # was TOKENS: the lead was one gap
+    assert m["inter_token_latency_sum"] < (TOKENS - 1) * GAP_S + 0.15
+    assert m["time_per_output_token_count"] == 1
+    assert m["time_per_output_token_sum"] < GAP_S + 0.05  # (last − first token) / (n − 1)
