@@ -240,6 +240,13 @@ class Counter:
             child = self._children[tuple(str(v) for v in values)] = CounterChild()
         return child
 
+    def remove_where(self, label: str, value: str) -> None:
+        """Drop every child whose `label` is `value` (a worker that left the fleet: its series would
+        otherwise be exported forever, one per pod an autoscaled fleet ever had)."""
+        at = self.labelnames.index(label)
+        for values in [v for v in self._children if v[at] == value]:
+            del self._children[values]
+
     def family(self) -> Metric:
         fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in list(self._children.items()):
@@ -389,6 +396,7 @@ class GatewayMetrics:
             "mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"]
         )
         self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"])
+        self._per_worker = (self.upstream_errors, self.scrape_errors)
         r.register(
             LeanCollector(
                 [
@@ -409,6 +417,12 @@ class GatewayMetrics:
                 ]
             )
         )
+
+    def forget_worker(self, worker: str) -> None:
+        """A worker left the fleet: its per-worker counter series go (a returning pod starts new ones,
+        which `_created` tells apart from a reset)."""
+        for counter in self._per_worker:
+            counter.remove_where("worker", worker)
 
     def attach_live(
         self,

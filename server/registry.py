@@ -322,8 +322,12 @@ class Registry:
             )  # in-flight tickets keep their record object; counts stay right
             if gone is not None and gone.inflight_requests > 0:
                 self._departed[wid] = gone
+            else:
+                self._metrics.forget_worker(wid)
         for wid in [w for w, r in self._departed.items() if r.inflight_requests <= 0 or w in seen]:
             del self._departed[wid]  # nothing left running there (or listed anew under another URL)
+            if wid not in seen:
+                self._metrics.forget_worker(wid)
         pool.ids = seen
 
     # ------------------------------------------------------------------ the view
@@ -444,7 +448,7 @@ class Registry:
             resp = await self._client.get(rec.url + "/metrics", timeout=self._scrape_cfg.timeout_s)
             resp.raise_for_status()
             stats = parse_vllm_metrics(resp.text)
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, ArithmeticError) as exc:  # one bad worker never ends the round
             self._metrics.scrape_errors.labels(rec.id).inc()
             rec.last_error = f"scrape: {type(exc).__name__}"
             return

@@ -114,11 +114,12 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
             if engine:
                 engines.add(engine)
             if sample.name == _CACHE_INFO:
-                blocks = sample.labels.get("num_gpu_blocks")
-                if blocks not in (None, "", "None"):
-                    blocks_by_engine[engine] = int(float(blocks))
-                if sample.labels.get("block_size") not in (None, "", "None"):
-                    block_size = int(float(sample.labels["block_size"]))
+                blocks = _count_label(sample.labels.get("num_gpu_blocks"))
+                if blocks is not None:
+                    blocks_by_engine[engine] = blocks
+                size = _count_label(sample.labels.get("block_size"))
+                if size is not None:
+                    block_size = size
                 continue
             hit = _SAMPLES.get(sample.name)
             if hit is None or not math.isfinite(sample.value):
@@ -154,6 +155,19 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
         engines=len(engines),
         legacy_names=tuple(sorted(legacy)),
     )
+
+
+def _count_label(text: str | None) -> int | None:
+    """A count in a label of `vllm:cache_config_info` (`"27000"`, vLLM's `"None"` when unset); None when
+    absent, not a number or not a finite non-negative one (`inf` raised OverflowError, which escaped the
+    scrape's error handling and skipped the round's follow-up work for the whole fleet)."""
+    if text in (None, "", "None"):
+        return None
+    try:
+        value = float(text)  # type: ignore[arg-type]
+    except ValueError:
+        return None
+    return int(value) if math.isfinite(value) and value >= 0 else None
 
 
 def _int(value: float | None) -> int | None:

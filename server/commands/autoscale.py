@@ -83,6 +83,8 @@ async def standalone(
 ) -> AsyncIterator[Standalone]:
     """Build and start (registry, gateway scraper) the standalone controller; stop everything on exit.
     `apps_api` / `gateway_lister` replace the Kubernetes clients (tests)."""
+    from prometheus_client import CollectorRegistry
+
     from scheduler.actuators.dry_run import DryRunActuator
     from scheduler.actuators.kubernetes import KubernetesActuator
     from server.autoscaler_setup import controller_for
@@ -123,11 +125,15 @@ async def standalone(
         )
     except ConfigError as exc:  # what only the built gateway checks (e.g. the KV section): one line, exit 2
         fail(str(exc))
+    # The controller's own metrics only (mosaic_autoscaler_*, placement, gateway scrapes): the gateway
+    # object's request and worker families, served here, read 0 in-flight and no KV reservations under the
+    # same names as the real gateways' (it routes nothing), which any query not split by pod then mixed in.
+    own = CollectorRegistry()
     scraper = (
         GatewayScraper(
             a.gateways,
             scrape_interval(a.gateways, a.interval_s),
-            gw.metrics.registry,
+            own,
             lister=gateway_lister,
             clock=gw.clock,
         )
@@ -138,7 +144,7 @@ async def standalone(
         controller = controller_for(
             cfg,
             gw.registry,
-            gw.metrics.registry,
+            own,
             actuator_factory=factory,
             managed=managed,
             gateway=scraper.snapshots
@@ -158,7 +164,7 @@ async def standalone(
                 await scraper.start()  # one round now: the controller's first observation is the baseline
         except KubernetesUnavailable as exc:
             fail(str(exc))
-        yield Standalone(controller, scraper, managed, gw.metrics.registry)
+        yield Standalone(controller, scraper, managed, own)
     finally:
         await controller.stop()
         if scraper is not None:

@@ -101,3 +101,6 @@ def test_standalone_controller_sees_a_loaded_gateways_queue_and_latency() -> Non
     exported = out["exported"]
     assert exported["mosaic_autoscaler_gateways"] == {(("state", "up"),): 1.0, (("state", "down"),): 0.0}
     assert exported["mosaic_autoscaler_cycles"][()] == 1.0
+    # and only the controller's: the gateway object it builds for discovery routes nothing, and its request,
+    # worker and KV families (0 in flight, nothing reserved) were exported under the gateways' own names
+    assert {n for n in exported if not n.startswith(("mosaic_autoscaler_", "mosaic_placement_"))} == set()

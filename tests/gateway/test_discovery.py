@@ -210,3 +210,45 @@ def test_a_worker_back_in_the_next_listing_keeps_its_in_flight_requests() -> Non
     back, fresh, departed = asyncio.run(main())
     assert back == ("ready", 300)
     assert fresh == ("starting", 0) and departed == 0
+
+
+def test_a_worker_that_left_takes_its_error_series_with_it() -> None:
+    """`mosaic_upstream_errors_total{worker}` and `mosaic_scrape_errors_total{worker}` were never removed:
+    an autoscaled fleet exported one series per pod it ever had. A worker still running requests keeps them
+    until those end."""
+
+    async def main() -> list[set[str]]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500)))
+        metrics = GatewayMetrics()
+        reg = Registry(ScrapeConfig(), HealthConfig(), metrics, client=client)
+        reg.add_pool(
+            PoolInfo("p", "llama-3-8b", "H100-SXM", Role.MIXED, capacity_for("H100", "llama-3-8b")), None
+        )
+
+        def workers() -> set[str]:
+            return {
+                s.labels["worker"]
+                for fam in metrics.registry.collect()
+                if fam.name in ("mosaic_upstream_errors", "mosaic_scrape_errors")
+                for s in fam.samples
+            }
+
+        a, b = Endpoint("vllm-0", "http://10.0.0.5:8000"), Endpoint("vllm-1", "http://10.0.0.6:8000")
+        seen = []
+        try:
+            reg.sync_pool("p", [a, b])
+            await reg.scrape_once()  # both answer 500: a scrape error each
+            reg.report_failure("p/vllm-0", "connect")
+            ticket = reg.track("p/vllm-1", 100)
+            seen.append(workers())
+            reg.sync_pool("p", [])  # vllm-0 gone; vllm-1 gone with a request still running there
+            seen.append(workers())
+            ticket.done()
+            reg.sync_pool("p", [])
+            seen.append(workers())
+        finally:
+            await reg.stop()
+            await client.aclose()
+        return seen
+
+    assert asyncio.run(main()) == [{"p/vllm-0", "p/vllm-1"}, {"p/vllm-1"}, set()]

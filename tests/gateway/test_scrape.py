@@ -146,3 +146,17 @@ def test_registry_scrapes_rates_and_drops_stale_stats() -> None:
         await reg.stop()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("blocks", ["1e400", "inf", "-5", "abc"])
+def test_a_cache_config_count_that_is_no_finite_count_reads_as_missing(blocks: str) -> None:
+    """`int(float("inf"))` raised OverflowError, which the registry's scrape did not catch: the round's
+    follow-up work (KV tick, admission wake-up, autoscaler sample) was skipped for the whole fleet."""
+    text = (
+        "# TYPE vllm:cache_config_info gauge\n"
+        f'vllm:cache_config_info{{block_size="{blocks}",engine="0",num_gpu_blocks="{blocks}"}} 1.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3\n'
+    )
+    s = parse_vllm_metrics(text)
+    assert (s.num_gpu_blocks, s.block_size, s.num_waiting) == (None, None, 3)
