@@ -19,6 +19,11 @@ Network domain (`Endpoint.domain`, for the router's `pd-domain-affinity`): the v
 carries that default label's value as its `zone` field, so the default needs no extra API call; another
 label, or `resource: pods` (a pod has only `spec.nodeName`), lists the nodes (`list nodes` RBAC) and reads
 the label from the endpoint's `nodeName`. A node listing that fails leaves those domains unknown (None).
+Node listings are shared by every pool of the process (`NodeLabelCache`): only the nodes carrying the label
+(a label selector), from the API server's watch cache (`resourceVersion=0`), at most once per
+`NODE_LABELS_TTL_S`, plus once when a worker sits on a node the last listing did not show (a node just
+added); with one listing per pool per resync, a GPU cluster's full node objects were fetched every few
+seconds.
 A static pool's domains come from the config (`static: [{url, domain}]`, else the pool's `domain:`).
 The parsers take the API's JSON (camelCase, as `kubectl get -o json` prints it), so they are unit-tested
 against recorded objects in `tests/gateway/fixtures/`.
@@ -29,7 +34,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -39,6 +45,52 @@ from server.config import KubernetesSource
 log = logging.getLogger("mosaic.discovery")
 ZONE_LABEL = "topology.kubernetes.io/zone"  # the label EndpointSlice endpoints copy into `zone`
 NodeLabels = Mapping[str, Mapping[str, str]]  # node name → its labels
+NODE_LABELS_TTL_S = 300.0  # node labels (zone, rack) change rarely; new nodes are caught by the miss rule
+
+
+class NodeLabelCache:
+    """Labels of the nodes carrying a domain label, shared by the pools of one process (module docstring).
+
+    `get(label, nodes, fetch)`: the cached listing while it is younger than `ttl_s` and shows every node in
+    `nodes` (or the node was already missing from it: a node without the label stays unknown); else one
+    `fetch()` (concurrent callers share it). A failed fetch falls back to the last listing, else raises."""
+
+    def __init__(self, ttl_s: float = NODE_LABELS_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._listed: dict[str, tuple[float, dict[str, dict[str, str]], set[str]]] = {}  # at, labels, absent
+        self._fetching: dict[str, asyncio.Future[dict[str, dict[str, str]]]] = {}
+
+    async def get(
+        self, label: str, nodes: Iterable[str], fetch: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> NodeLabels:
+        entry = self._listed.get(label)
+        if entry is not None:
+            at, labels, absent = entry
+            unseen = {n for n in nodes if n not in labels and n not in absent}
+            if self._clock() - at < self.ttl_s and not unseen:
+                return labels
+        pending = self._fetching.get(label)
+        if pending is None:
+            pending = self._fetching[label] = asyncio.ensure_future(self._list(label, fetch))
+            pending.add_done_callback(lambda _: self._fetching.pop(label, None))
+        try:
+            labels = await asyncio.shield(pending)
+        except Exception:
+            if entry is None:
+                raise
+            log.warning("listing nodes for domain label %s failed: using the last listing", label)
+            return entry[1]
+        at, labels, absent = self._listed[label]
+        absent.update(n for n in nodes if n not in labels)
+        return labels
+
+    async def _list(
+        self, label: str, fetch: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> dict[str, dict[str, str]]:
+        labels = node_labels_from_list(await fetch())
+        self._listed[label] = (self._clock(), labels, set())
+        return labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,10 +309,12 @@ class KubernetesDiscovery:
         *,
         request_timeout: tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
         call_timeout_s: float | None = None,
+        nodes: NodeLabelCache | None = None,
     ) -> None:
         self._cfg = cfg
         self.resync_s: float | None = cfg.resync_s
         self._lister = lister
+        self._nodes = nodes if nodes is not None else NodeLabelCache()  # the gateway passes its shared one
         self._nodes_warned = False  # a failing node listing is logged once, not every resync
         self.request_timeout = request_timeout
         self.call_timeout_s = (
@@ -298,19 +352,23 @@ class KubernetesDiscovery:
         data = await self._in_thread(
             cfg.resource, self._lister, cfg.resource, cfg.namespace, cfg.label_selector
         )
-        labels = await self._node_labels()
+        labels = await self._node_labels(_node_names(data, cfg.resource))
         if cfg.resource == "pods":
             return endpoints_from_pods(data, cfg.port, cfg.scheme, cfg.domain_label, labels)
         return endpoints_from_slices(data, cfg.port, cfg.scheme, cfg.domain_label, labels)
 
-    async def _node_labels(self) -> dict[str, dict[str, str]] | None:
+    async def _node_labels(self, nodes: set[str]) -> NodeLabels | None:
         """Node labels when the domain needs them (module docstring), else None; a failure → None, logged."""
         cfg = self._cfg
-        if cfg.domain_label is None or (cfg.resource == "endpointslices" and cfg.domain_label == ZONE_LABEL):
+        label = cfg.domain_label
+        if label is None or (cfg.resource == "endpointslices" and label == ZONE_LABEL):
             return None
-        assert self._lister is not None, "start() first"
+        lister = self._lister
+        assert lister is not None, "start() first"
         try:
-            nodes = await self._in_thread("nodes", self._lister, "nodes", "", "")
+            return await self._nodes.get(
+                label, nodes, lambda: self._in_thread("nodes", lister, "nodes", "", label)
+            )
         except (
             Exception
         ) as exc:  # e.g. 403 without `list nodes`: route without domains rather than not at all
@@ -320,10 +378,18 @@ class KubernetesDiscovery:
                 )
                 self._nodes_warned = True
             return None
-        return node_labels_from_list(nodes)
 
     async def stop(self) -> None:
         return None
+
+
+def _node_names(data: dict[str, Any], resource: str) -> set[str]:
+    """The nodes a listing's workers run on (EndpointSlice endpoints' or pods' `nodeName`)."""
+    if resource == "pods":
+        return {n for pod in data.get("items") or [] if (n := (pod.get("spec") or {}).get("nodeName"))}
+    return {
+        n for sl in data.get("items") or [] for ep in sl.get("endpoints") or [] if (n := ep.get("nodeName"))
+    }
 
 
 def _consume(future: asyncio.Future[Any]) -> None:
@@ -376,8 +442,8 @@ def api_lister(core: Any, discovery: Any, request_timeout: tuple[float, float]) 
         # _request_timeout: (connect, read) seconds, so a hung connection raises instead of blocking forever.
         opts: dict[str, Any] = {"_preload_content": False, "_request_timeout": request_timeout}
         resp: Any
-        if resource == "nodes":  # cluster-scoped: the domain label of each worker's node
-            resp = core.list_node(**opts)
+        if resource == "nodes":  # cluster-scoped: the nodes carrying the domain label, from the API cache
+            resp = core.list_node(label_selector=selector, resource_version="0", **opts)
         elif resource == "pods":
             resp = core.list_namespaced_pod(namespace, label_selector=selector, **opts)
         else:

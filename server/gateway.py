@@ -37,7 +37,7 @@ from server.auth import KeyStore, RateLimiter
 from server.autoscaler_setup import in_process, in_process_controller
 from server.autoscaling import AutoscalerController
 from server.config import ConfigError, MosaicConfig, PoolConfig
-from server.discovery import KubernetesDiscovery, Source, StaticSource, TrackedSource
+from server.discovery import KubernetesDiscovery, NodeLabelCache, Source, StaticSource, TrackedSource
 from server.dispatch import Dispatcher
 from server.embedded_actuator import OpenDecisions
 from server.kv_admission import KvQueuePolicy
@@ -74,6 +74,7 @@ class Gateway:
         self.limiter = RateLimiter(config.limits.rate_limit)
         probe_client = httpx.AsyncClient(transport=transport) if transport is not None else None
         self.registry = Registry(config.scrape, config.health, self.metrics, client=probe_client, clock=clock)
+        self._node_labels = NodeLabelCache()  # node listings shared by the Kubernetes-discovered pools
         self._own_probe_client = probe_client
         catalog = load_catalog(config.catalog)
         self.max_model_len: dict[str, int] = {}
@@ -185,8 +186,8 @@ class Gateway:
         ep = pool.endpoints
         if ep.static is not None:
             return StaticSource(ep.static, ep.static_domains)
-        if ep.kubernetes is not None:
-            return KubernetesDiscovery(ep.kubernetes)
+        if ep.kubernetes is not None:  # one node listing for all pools (discovery's NodeLabelCache)
+            return KubernetesDiscovery(ep.kubernetes, nodes=self._node_labels)
         if ep.launch is not None:
             return self._launched_source(pool)
         from server.embedded import simulated_source  # the simulator is needed only for simulated pools

@@ -20,6 +20,7 @@ from server.config import HealthConfig, KubernetesSource, ScrapeConfig
 from server.discovery import (
     Endpoint,
     KubernetesDiscovery,
+    NodeLabelCache,
     StaticSource,
     endpoints_from_pods,
     endpoints_from_slices,
@@ -117,8 +118,10 @@ def test_kubernetes_source_relists_and_registry_reconciles() -> None:
             "prefill-h100/vllm-prefill-h100-0",
             "prefill-h100/vllm-prefill-h100-2",
         ]
-        # pods carry only their node's name: the node listing gives the domain label (test_discovery_domains)
-        assert calls == [("pods", "mosaic", "mosaic.dev/pool=prefill-h100"), ("nodes", "", "")] * 2
+        # pods carry only their node's name: the node listing (the nodes with the domain label) gives it
+        # (test_discovery_domains); listed once, not at every resync (NodeLabelCache)
+        pods = ("pods", "mosaic", "mosaic.dev/pool=prefill-h100")
+        assert calls == [pods, ("nodes", "", "topology.kubernetes.io/zone"), pods]
         await reg.stop()
         await reg._client.aclose()
 
@@ -252,3 +255,29 @@ def test_a_worker_that_left_takes_its_error_series_with_it() -> None:
         return seen
 
     assert asyncio.run(main()) == [{"p/vllm-0", "p/vllm-1"}, {"p/vllm-1"}, set()]
+
+
+def test_node_labels_are_relisted_for_a_new_node_but_not_for_an_unlabelled_one() -> None:
+    listings = [
+        {"items": [{"metadata": {"name": "n1", "labels": {"rack": "r1"}}}]},
+        {"items": [{"metadata": {"name": "n1", "labels": {"rack": "r1"}}}, {"metadata": {"name": "n2", "labels": {"rack": "r2"}}}]},
+    ]  # fmt: skip
+    fetched: list[int] = []
+
+    async def fetch() -> dict[str, Any]:
+        fetched.append(1)
+        return listings[min(len(fetched), 2) - 1]
+
+    async def run() -> list[dict[str, str]]:
+        cache = NodeLabelCache(ttl_s=600, clock=lambda: 0.0)
+        out = []
+        for nodes in ({"n1"}, {"n1"}, {"n1", "n2"}, {"n1", "n2"}, {"n1", "n2", "n3"}, {"n3"}):
+            labels = await cache.get("rack", nodes, fetch)
+            out.append({n: labels[n]["rack"] for n in sorted(labels)})
+        return out
+
+    seen = asyncio.run(run())
+    # n2 appears (a node just added): relisted once; n3 is missing from the listing too (no label): relisted
+    # once to find out, then known absent
+    assert len(fetched) == 3
+    assert seen == [{"n1": "r1"}] * 2 + [{"n1": "r1", "n2": "r2"}] * 4

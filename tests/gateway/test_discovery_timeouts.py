@@ -21,7 +21,13 @@ from kubernetes.client.rest import RESTResponse
 from scheduler.actuators.kubernetes import REQUEST_TIMEOUT_S, KubernetesActuator
 from scheduler.fleet import Role, capacity_for
 from server.config import HealthConfig, KubernetesSource, ScrapeConfig, validate_config
-from server.discovery import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, KubernetesDiscovery, api_lister
+from server.discovery import (
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    KubernetesDiscovery,
+    NodeLabelCache,
+    api_lister,
+)
 from server.metrics import GatewayMetrics
 from server.registry import PoolInfo, Registry
 from tests.gateway.serverkit import GatewayThread
@@ -31,6 +37,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SLICES = json.loads((FIXTURES / "endpointslices.json").read_text())
 PODS = json.loads((FIXTURES / "pods.json").read_text())
 NODES = json.loads((FIXTURES / "nodes.json").read_text())
+PODS_NODES = json.loads((FIXTURES / "pods_nodes.json").read_text())
 
 
 class RecordedApi:
@@ -227,3 +234,46 @@ def test_gateway_starts_despite_a_hung_api_server_and_is_ready_once_discovery_an
                 assert ready.json()["unsynced_pools"] == {}
     finally:
         lister.release.set()
+
+
+def test_pools_share_one_node_listing_of_the_labelled_nodes_from_the_api_cache(api: RecordedApi) -> None:
+    """Every pool listed every node of the cluster at every resync (3 pools: 3 full node lists per round,
+    per gateway); now the pools of a process share one listing of the nodes carrying the domain label,
+    served from the API server's cache, until it is stale or a worker's node is one it did not show."""
+    seen: list[str] = []
+    request = api.api_client.rest_client.request
+
+    def recording(method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        seen.append(url)
+        if url.split("?")[0].endswith("/pods"):  # pods with their nodeName
+            return RESTResponse(_Recorded(200, PODS_NODES))
+        return request(method, url, *args, **kwargs)
+
+    api.api_client.rest_client.request = recording
+    now = [0.0]
+    shared = NodeLabelCache(ttl_s=60, clock=lambda: now[0])
+    sources = [
+        KubernetesDiscovery(
+            KubernetesSource(namespace="llm", label_selector=f"pool={i}", resource="pods", port="http",
+                             domain_label="mosaic.dev/rdma-group"),
+            api.lister(),
+            nodes=shared,
+        )
+        for i in range(3)
+    ]  # fmt: skip
+
+    async def rounds() -> list[list[str | None]]:
+        out = []
+        for t in (0.0, 30.0, 61.0):
+            now[0] = t
+            for source in sources:
+                out.append(sorted(str(e.domain) for e in await source.list()))
+        return out
+
+    domains = asyncio.run(rounds())
+    nodes = [u for u in seen if "/nodes" in u]
+    assert len(nodes) == 2  # at 0 s and when stale at 61 s; not per pool, not at 30 s
+    assert set(nodes) == {
+        "https://k8s.test/api/v1/nodes?labelSelector=mosaic.dev/rdma-group&resourceVersion=0"
+    }
+    assert domains == [["ib-a", "ib-a"]] * 9  # every pool, every round: both pods' nodes are in group ib-a
