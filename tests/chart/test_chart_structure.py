@@ -121,8 +121,11 @@ def test_rbac_is_namespaced_and_minimal(chart: helm.Chart, values_file: Path | N
         "verbs": ["get", "patch"],
     }
     assert controller["rules"] == [*CONTROLLER_RULES, scale_rule]
-    # The gateway only reads (discovery).
-    assert rendered.get("Role", f"{RELEASE}-gateway")["rules"] == CONTROLLER_RULES
+    # The gateway only lists what its discovery reads (EndpointSlices by default): `list pods` would show
+    # it every pod spec of the namespace, literal env values included.
+    assert rendered.get("Role", f"{RELEASE}-gateway")["rules"] == CONTROLLER_RULES[1:]
+    pods = _render(chart, values_file, gateway={"discovery": {"resource": "pods"}})
+    assert pods.get("Role", f"{RELEASE}-gateway")["rules"] == CONTROLLER_RULES[:1]
 
     for binding in rendered.of_kind("RoleBinding"):
         role = rendered.get("Role", binding["roleRef"]["name"])

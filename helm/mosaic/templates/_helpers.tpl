@@ -49,7 +49,7 @@ app.kubernetes.io/part-of: mosaic
 {{/* The release's selector labels; each component adds app.kubernetes.io/component. */}}
 {{- define "mosaic.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "mosaic.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 
 {{- define "mosaic.gateway.fullname" -}}
@@ -176,12 +176,20 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- if or (lt (int $pool.replicas) (int $pool.minReplicas)) (gt (int $pool.replicas) (int $pool.maxReplicas)) }}
 {{- fail (printf "pools[%d] (%s): replicas %d is outside [minReplicas %d, maxReplicas %d]" $i $pool.name (int $pool.replicas) (int $pool.minReplicas) (int $pool.maxReplicas)) }}
 {{- end }}
+{{- $resync := int $root.Values.gateway.discovery.resyncSeconds }}
+{{- if le (int $pool.drainSeconds) $resync }}
+{{- fail (printf "pools[%d] (%s): drainSeconds %d must exceed gateway.discovery.resyncSeconds %d: the gateways learn that a worker is terminating at their next re-list, and keep routing to it until then, past its SIGTERM" $i $pool.name (int $pool.drainSeconds) $resync) }}
+{{- end }}
 {{- if ge (int $pool.drainSeconds) (int $pool.terminationGracePeriodSeconds) }}
 {{- fail (printf "pools[%d] (%s): drainSeconds %d must be below terminationGracePeriodSeconds %d, or the kubelet kills the worker during its preStop sleep and in-flight requests die on every scale-in" $i $pool.name (int $pool.drainSeconds) (int $pool.terminationGracePeriodSeconds)) }}
 {{- end }}
 {{- $sim := $root.Values.simulated }}
 {{- if hasKey $p "simulated" }}{{ $sim = $p.simulated }}{{ end }}
 {{- $_ := set $pool "simulated" $sim }}
+{{- if and $sim (not (hasKey $p "tolerations")) }}
+{{- /* poolDefaults' tolerations are for GPU nodes' taints: a CPU-only simulated pod must not land there */}}
+{{- $_ := set $pool "tolerations" list }}
+{{- end }}
 {{- $_ := set $pool "fullname" $name }}
 {{- /* apiKey.existingSecret: the pool's vLLM servers require that key; the gateway reads it from `apiKeyEnv`. Pool names are DNS labels,
 so upper-casing and `-` → `_` gives each pool its own variable name. */}}
