@@ -13,8 +13,14 @@ at its size.
     python bench/autoscale_eval.py [--quick]
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
     python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--observed-context] [--quick]
-    python bench/autoscale_eval.py --load-sweep 1,2,4 [--quick]
-    python bench/autoscale_eval.py --seeds 1,2,3,4,5,6,7,8,9,10 [--mosaic-knob NAME=VALUE ...] [--quick]
+    python bench/autoscale_eval.py --load-sweep 1,2,4 [--grid ...] [--quick]
+    python bench/autoscale_eval.py --seeds 1,2,3,4,5,6,7,8,9,10 [--grid ...] [--quick]
+
+`--mosaic-knob NAME=VALUE` (an `AutoscalerConfig` field, repeatable) gives Mosaic's runs in `--grid`,
+`--seeds` or `--load-sweep` that knob too (the planner's runs are unchanged); `--grid` with `--seeds` or
+`--load-sweep` replaces their standard grid. Such a variant writes `<name>_grid.json` /
+`<name>_knobs_<knob>-<value>.json` (both suffixes with both) with the flags in its BENCHMARKS.md line, and
+leaves the standard results alone: every row in docs/autoscaling.md has the command that reproduces it.
 
 `--grid` is a sensitivity check of the comparison itself: the two target-driven families (Mosaic and the
 Dynamo-style planner) over the given utilisation targets instead of the standard grid, on every trace,
@@ -39,8 +45,7 @@ drawn with each seed (arrival times and lengths; 7 is the standard trace), the t
 over the standard grid on each, each family's best run and the ratio per seed, and over all seeds the
 mean ratio, the ratio of summed best GPU-hours, and how many seeds meet the 0.95 bar (a seed where a
 family passes no target counts as not met). It writes `bench/results/autoscale_seeds.json` and leaves
-`autoscale_eval.json` alone. With `--mosaic-knob NAME=VALUE` (an `AutoscalerConfig` field, repeatable)
-Mosaic's runs get that knob too, and the results go to `autoscale_seeds_knobs.json`.
+`autoscale_eval.json` alone.
 
 `--pd-gate-sweep` measures conditional disaggregation (the router's P/D gate, `pd_max_prefill_wait_s`,
 docs/routing.md) in this evaluation: the Mosaic, Dynamo-style and static families over their whole grids,
@@ -388,7 +393,11 @@ def target_families(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def grid_sensitivity(
-    grid: tuple[float, ...], quick: bool, workers: int, observed_context: bool = False
+    grid: tuple[float, ...],
+    quick: bool,
+    workers: int,
+    observed_context: bool = False,
+    mosaic_knobs: dict[str, Any] | None = None,
 ) -> None:
     """Mosaic and the Dynamo-style planner over `grid` on every trace (module docstring, `--grid`); with
     `observed_context` both size decode at the observed (forecast) context."""
@@ -396,8 +405,9 @@ def grid_sensitivity(
     summary: dict[str, Any] = {}
     lines = []
     for trace_name, reqs in traces(quick).items():
+        jobs = target_jobs(trace_name, reqs, grid, extra, quick, mosaic_knobs)
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            reports = list(pool.map(run_one, target_jobs(trace_name, reqs, grid, extra, quick)))
+            reports = list(pool.map(run_one, jobs))
         summary[trace_name] = target_families(reports)
         best, ratio = summary[trace_name]["best"], summary[trace_name]["mosaic_vs_dynamo"]
         lines.append(f"{trace_name}: best (target, GPU-h) {best}, Mosaic/Dynamo {ratio}")
@@ -405,7 +415,7 @@ def grid_sensitivity(
     name, flag = "autoscale_grid", f"--grid {_join(grid)}"
     if observed_context:
         name, flag = "autoscale_grid_observed_context", flag + " --observed-context"
-    _record(name, flag, quick, payload, lines)
+    _record(*_variant(name, flag, None, mosaic_knobs, payload), quick, payload, lines)
 
 
 def scaled_maxima(load: float) -> dict[str, int]:
@@ -413,15 +423,22 @@ def scaled_maxima(load: float) -> dict[str, int]:
     return {p["name"]: math.ceil(p["max_replicas"] * load) for p in FLEET["pools"]}
 
 
-def load_sweep(loads: tuple[float, ...], quick: bool, workers: int) -> None:
-    """Mosaic and the planner over the standard grid on the compressed day at each load (`--load-sweep`)."""
-    grid = standard_grid(quick)
+def load_sweep(
+    loads: tuple[float, ...],
+    quick: bool,
+    workers: int,
+    grid: tuple[float, ...] | None = None,
+    mosaic_knobs: dict[str, Any] | None = None,
+) -> None:
+    """Mosaic and the planner over the standard grid (or `grid`, `--grid`) on the compressed day at each
+    load (`--load-sweep`); `mosaic_knobs` (`--mosaic-knob`) added to Mosaic's runs."""
+    custom_grid, grid = grid, grid or standard_grid(quick)
     summary: dict[str, Any] = {}
     lines = []
     for k in loads:
         reqs = compressed_day(quick, k)
         maxima = scaled_maxima(k)
-        jobs = target_jobs(COMPRESSED_DAY, reqs, grid, {"max_replicas": maxima}, quick)
+        jobs = target_jobs(COMPRESSED_DAY, reqs, grid, {"max_replicas": maxima}, quick, mosaic_knobs)
         with ProcessPoolExecutor(max_workers=workers) as pool:
             reports = list(pool.map(run_one, jobs))
         out = target_families(reports)
@@ -438,17 +455,22 @@ def load_sweep(loads: tuple[float, ...], quick: bool, workers: int) -> None:
             f"Mosaic/Dynamo {out['mosaic_vs_dynamo']}" + (f", at max: {at_max}" if at_max else "")
         )
     payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "trace": COMPRESSED_DAY}
-    _record("autoscale_load", f"--load-sweep {_join(loads)}", quick, {**payload, "loads": summary}, lines)
+    payload["loads"] = summary
+    flag = f"--load-sweep {_join(loads)}"
+    _record(*_variant("autoscale_load", flag, custom_grid, mosaic_knobs, payload), quick, payload, lines)
 
 
 def seed_sweep(
-    seeds: tuple[int, ...], quick: bool, workers: int, mosaic_knobs: dict[str, float] | None = None
+    seeds: tuple[int, ...],
+    quick: bool,
+    workers: int,
+    mosaic_knobs: dict[str, Any] | None = None,
+    grid: tuple[float, ...] | None = None,
 ) -> None:
-    """Mosaic and the planner over the standard grid on the compressed day drawn with each seed
-    (`--seeds`); per seed the best runs and the ratio, over all seeds the aggregates (module docstring).
-    `mosaic_knobs` (`--mosaic-knob`): extra autoscaler knobs for Mosaic's runs, recorded in
-    `autoscale_seeds_knobs.json` instead of `autoscale_seeds.json`."""
-    grid = standard_grid(quick)
+    """Mosaic and the planner over the standard grid (or `grid`, `--grid`) on the compressed day drawn
+    with each seed (`--seeds`); per seed the best runs and the ratio, over all seeds the aggregates (module
+    docstring). `mosaic_knobs` (`--mosaic-knob`): extra autoscaler knobs for Mosaic's runs."""
+    custom_grid, grid = grid, grid or standard_grid(quick)
     per_seed: dict[str, Any] = {}
     lines = []
     for seed in seeds:
@@ -468,17 +490,9 @@ def seed_sweep(
         f"{aggregate['summed_ratio']}, ≤ 0.95 on {aggregate['seeds_meeting_bar']} of {len(seeds)}"
     )
     payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "trace": COMPRESSED_DAY}
+    payload |= {"seeds": per_seed, "aggregate": aggregate}
     flag = f"--seeds {','.join(map(str, seeds))}"
-    if mosaic_knobs:
-        payload["mosaic_knobs"] = mosaic_knobs
-        flag += "".join(f" --mosaic-knob {k}={v:g}" for k, v in mosaic_knobs.items())
-    _record(
-        "autoscale_seeds_knobs" if mosaic_knobs else "autoscale_seeds",
-        flag,
-        quick,
-        {**payload, "seeds": per_seed, "aggregate": aggregate},
-        lines,
-    )
+    _record(*_variant("autoscale_seeds", flag, custom_grid, mosaic_knobs, payload), quick, payload, lines)
 
 
 def seed_aggregate(per_seed: dict[str, Any], bar: float = 0.95) -> dict[str, Any]:
@@ -512,6 +526,30 @@ def _join(values: tuple[float, ...]) -> str:
     return ",".join(f"{v:g}" for v in values)
 
 
+def _variant(
+    name: str,
+    flag: str,
+    grid: tuple[float, ...] | None,
+    mosaic_knobs: dict[str, Any] | None,
+    payload: dict[str, Any],
+) -> tuple[str, str]:
+    """Result name and command flags of a sweep run off its standard grid (`--grid`: `<name>_grid`) or
+    with Mosaic knobs (`--mosaic-knob`: `<name>_knobs_<knob>-<value>`, the knobs recorded), so the
+    standard results stay as they are and every documented variant has its own file and the command that
+    reproduces it."""
+    if grid:
+        name, flag = name + "_grid", flag + f" --grid {_join(grid)}"
+    if mosaic_knobs:
+        payload["mosaic_knobs"] = mosaic_knobs
+        name += "_knobs_" + "_".join(f"{k}-{_knob_text(v)}" for k, v in mosaic_knobs.items())
+        flag += "".join(f" --mosaic-knob {k}={_knob_text(v)}" for k, v in mosaic_knobs.items())
+    return name, flag
+
+
+def _knob_text(value: Any) -> str:
+    return str(int(value)) if isinstance(value, bool) else f"{value:g}"
+
+
 def _record(name: str, flag: str, quick: bool, payload: dict[str, Any], lines: list[str]) -> None:
     """`bench/results/<name>.json`, one BENCHMARKS.md line with the command, and the lines printed."""
     write_result(name, payload)
@@ -519,6 +557,12 @@ def _record(name: str, flag: str, quick: bool, payload: dict[str, Any], lines: l
     append_line(name, command, "; ".join(lines))
     for line in lines:
         print(line)
+
+
+def usage_error(message: str) -> SystemExit:
+    """Print `message` to stderr; the SystemExit to raise (status 2, as argparse's own usage errors)."""
+    print(message, file=sys.stderr)
+    return SystemExit(2)
 
 
 def parse_knobs(items: list[str]) -> dict[str, float]:
@@ -529,7 +573,7 @@ def parse_knobs(items: list[str]) -> dict[str, float]:
     for item in items:
         name, eq, value = item.partition("=")
         if not eq or name not in names:
-            raise SystemExit(
+            raise usage_error(
                 f"error: --mosaic-knob wants NAME=VALUE with NAME an autoscaler knob, got {item!r}"
             )
         try:
@@ -537,11 +581,11 @@ def parse_knobs(items: list[str]) -> dict[str, float]:
         except ValueError:
             number = math.nan
         if not math.isfinite(number):
-            raise SystemExit(f"error: --mosaic-knob {name}: {value!r} is not a finite number")
+            raise usage_error(f"error: --mosaic-knob {name}: {value!r} is not a finite number")
         kinds = {f.name: f.type for f in dataclasses.fields(AutoscalerConfig)}
         if kinds[name] in (bool, "bool"):  # a switch: 1 or 0 (true/false read as numbers above fail)
             if number not in (0.0, 1.0):
-                raise SystemExit(f"error: --mosaic-knob {name}: {value!r} is not 0 or 1")
+                raise usage_error(f"error: --mosaic-knob {name}: {value!r} is not 0 or 1")
             knobs[name] = bool(number)
             continue
         knobs[name] = int(number) if kinds[name] in (int, "int") and number.is_integer() else number
@@ -561,9 +605,9 @@ def parse_seeds(text: str) -> tuple[int, ...]:
     try:
         seeds = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise SystemExit(error) from None
+        raise usage_error(error) from None
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise SystemExit(error)
+        raise usage_error(error)
     return seeds
 
 
@@ -572,9 +616,9 @@ def _parse_floats(text: str, flag: str, what: str, ok: Callable[[float], bool]) 
     try:
         values = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise SystemExit(error) from None
+        raise usage_error(error) from None
     if not values or not all(ok(v) for v in values):
-        raise SystemExit(error)
+        raise usage_error(error)
     return values
 
 
@@ -605,23 +649,26 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="with --seeds: an extra autoscaler knob for Mosaic's runs (repeatable), e.g. "
-        "scale_down_delay_after_add_s=240",
+        help="with --grid, --seeds or --load-sweep: an extra autoscaler knob for Mosaic's runs "
+        "(repeatable), e.g. scale_down_delay_after_add_s=240",
     )
     args = parser.parse_args()
-    if args.observed_context and not args.grid:
-        raise SystemExit("error: --observed-context applies to --grid only")
-    if args.mosaic_knob and not args.seeds:
-        raise SystemExit("error: --mosaic-knob applies to --seeds only")
+    if args.seeds and args.load_sweep:
+        raise usage_error("error: --seeds and --load-sweep are separate sweeps; run one at a time")
+    if args.observed_context and (not args.grid or args.seeds or args.load_sweep):
+        raise usage_error("error: --observed-context applies to --grid alone")
+    if args.mosaic_knob and not (args.grid or args.seeds or args.load_sweep):
+        raise usage_error("error: --mosaic-knob applies to --grid, --seeds or --load-sweep")
+    knobs = parse_knobs(args.mosaic_knob) or None
+    grid = parse_grid(args.grid) if args.grid else None
     if args.seeds:
-        knobs = parse_knobs(args.mosaic_knob)
-        seed_sweep(parse_seeds(args.seeds), args.quick, args.workers, knobs or None)
+        seed_sweep(parse_seeds(args.seeds), args.quick, args.workers, knobs, grid)
         return
     if args.load_sweep:
-        load_sweep(parse_loads(args.load_sweep), args.quick, args.workers)
+        load_sweep(parse_loads(args.load_sweep), args.quick, args.workers, grid, knobs)
         return
-    if args.grid:
-        grid_sensitivity(parse_grid(args.grid), args.quick, args.workers, args.observed_context)
+    if grid:
+        grid_sensitivity(grid, args.quick, args.workers, args.observed_context, knobs)
         return
     if args.pd_gate_sweep:
         pd_gate_sweep(args.quick, args.workers)
