@@ -13,8 +13,12 @@ tokens needing Σ_g n_g · ceil(r_g · T / block_size) head-pages) without touch
 which it next grows instead of checking every sequence every step. Contract: blocks_for is non-decreasing
 in tokens, and next_growth agrees with it (the default implementation derives it by search).
 
-The pool itself is plain counting: `allocate(n)` / `release(n)`, `used`, `free`, `usage` = used / total
+The pool itself is plain counting: `allocate(n)` / `release(n)`, `used`, `free`, `usage` = used / usable
 (what vLLM exports as `vllm:kv_cache_usage_perc`). Which physical blocks a sequence holds is not modelled.
+As in vLLM, one block of `num_blocks` is the null block (vLLM's BlockPool keeps it for padding and never
+hands it out): `usable` = num_blocks − 1 blocks hold KV, usage is over those, and the reported
+`num_gpu_blocks` stays num_blocks. With all num_blocks usable a worker preempted one block later than vLLM
+(8 blocks: vLLM's usage 3/7 where the model said 3/8).
 """
 
 from __future__ import annotations
@@ -23,18 +27,26 @@ from simulator.requests import EngineRequest
 
 
 class KvAccounting:
-    """A pool of `num_blocks` KV blocks of `block_size` tokens; uniform paging (stock vLLM)."""
+    """A pool of `num_blocks` KV blocks of `block_size` tokens, one of them vLLM's null block; uniform
+    paging (stock vLLM). Subclasses count in smaller units (`units_per_block` of them per block)."""
 
-    __slots__ = ("block_size", "num_blocks", "used")
+    __slots__ = ("block_size", "num_blocks", "usable", "used")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be ≥ 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be ≥ 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.usable = num_blocks - self.units_per_block  # less the null block
+        if self.usable < 1:
+            raise ValueError(
+                f"num_blocks must be ≥ 2 (one is vLLM's null block), got {num_blocks // self.units_per_block}"
+            )
         self.used = 0
+
+    @property
+    def units_per_block(self) -> int:
+        return 1
 
     # ---- per-sequence footprint (override for other layouts) ----
     def blocks_for(self, req: EngineRequest, tokens: int) -> int:
@@ -48,24 +60,24 @@ class KvAccounting:
 
     def capacity_tokens(self, req: EngineRequest | None = None) -> int:
         """Largest context one sequence can hold when it has the whole pool (bounds max_model_len)."""
-        return self.num_blocks * self.block_size
+        return self.usable * self.block_size
 
     # ---- the pool ----
     @property
     def free(self) -> int:
-        return self.num_blocks - self.used
+        return self.usable - self.used
 
     @property
     def usage(self) -> float:
-        """Blocks in use / total: vLLM's kv_cache_usage_perc (0–1)."""
-        return self.used / self.num_blocks
+        """Blocks in use / usable blocks: vLLM's kv_cache_usage_perc (0–1; BlockPool.get_usage)."""
+        return self.used / self.usable
 
     def can_allocate(self, n: int) -> bool:
-        return n <= self.num_blocks - self.used
+        return n <= self.usable - self.used
 
     def allocate(self, n: int) -> None:
-        if n < 0 or n > self.num_blocks - self.used:
-            raise RuntimeError(f"cannot allocate {n} blocks: {self.num_blocks - self.used} free")
+        if n < 0 or n > self.usable - self.used:
+            raise RuntimeError(f"cannot allocate {n} blocks: {self.usable - self.used} free")
         self.used += n
 
     def release(self, n: int) -> None:

@@ -88,9 +88,9 @@ class RaggedKvAccounting(KvAccounting):
     __slots__ = ("_draws", "_members", "_sizes", "gpu_blocks", "model", "seed")
 
     def __init__(self, num_gpu_blocks: int, block_size: int, model: CompressionModel, seed: int = 0) -> None:
+        self.model = model  # before the base's init: units_per_block (its null block's head-pages) reads it
         super().__init__(num_gpu_blocks * model.num_heads, block_size)
         self.gpu_blocks = num_gpu_blocks
-        self.model = model
         self.seed = seed
         self._sizes = list(model.groups.sizes)
         self._members = [list(m) for m in model.groups.members]
@@ -151,7 +151,7 @@ class RaggedKvAccounting(KvAccounting):
 
     def capacity_tokens(self, req: EngineRequest | None = None) -> int:
         """Uncompressed tokens the pool holds (a sequence during prefill may need its raw chunk)."""
-        return self.gpu_blocks * self.block_size
+        return (self.gpu_blocks - 1) * self.block_size
 
     # ---- phase changes (CompressionEngine) and measurements ----
     def enter_decode(self, req: EngineRequest) -> None:

@@ -9,7 +9,8 @@ seconds (at time scale X, X times the wall-clock figure a client measures).
 
 Families (REFERENCE.md, "Metrics"): gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`; counters `vllm:prompt_tokens_total`,
-`vllm:generation_tokens_total`, `vllm:num_preemptions_total`, `vllm:request_success_total{finished_reason}`,
+`vllm:generation_tokens_total`, `vllm:num_preemptions_total`,
+`vllm:request_success_total{finished_reason=stop|length|abort|error|repetition}`,
 `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`; histograms
 `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`,
 `vllm:request_queue_time_seconds`, `vllm:request_inference_time_seconds`, `vllm:request_prefill_time_seconds`,
@@ -61,6 +62,8 @@ ITL_BUCKETS = (
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# `finished_reason` series of vllm:request_success_total, in vLLM's FinishReason order (vllm/v1/engine)
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 def buckets_1_2_5(maximum: int) -> tuple[int, ...]:
@@ -197,7 +200,9 @@ class WorkerMetrics:
             "Count of successfully processed requests.",
             labels=["finished_reason", *labels],
         )
-        for reason in ("stop", "length", "abort"):
+        # vLLM exports every FinishReason, 0 until one occurs; the simulator never finishes with error or
+        # repetition (no KV-load failures, no repetition detection), but exports them as vLLM does
+        for reason in FINISHED_REASONS:
             success.add_metric([reason, *values], c.success.get(reason, 0), created=self.created)
         yield success
         for name, doc, hist in (

@@ -1,29 +1,42 @@
 """vLLM's OpenAI server surface, as the simulated worker speaks it: request parsing/validation and response JSON.
 
-Validation follows vLLM 0.32 as observed (`../shared/REAL_VLLM.md`): unknown fields are accepted; a body
-that is not JSON, not an object or has wrongly typed fields → 400 `"type": "Bad Request"`; semantic
-errors → 400 `BadRequestError` naming the `param` (`max_tokens`, `min_tokens`, `n`, `prompt`,
-`stream_options`); unknown model → 404 `NotFoundError`; a prompt that leaves no room for one output token
-→ 400 `BadRequestError` with `param: "input_tokens"` (plain JSON even for streams). A prompt that fits but
-whose `max_tokens` does not is accepted with `max_tokens` clamped to `max_model_len − prompt`.
+Validation follows vLLM 0.32 (its source — the request models in `entrypoints/openai/*/protocol.py`,
+`renderers/params.py`, `sampling_params.py` — and the CPU build measured in `../shared/REAL_VLLM.md`), stage
+by stage in vLLM's order, so a request with several faults gets vLLM's answer to the first one:
+
+1. the request models' "before" validators, on the raw JSON values → 400 `BadRequestError` naming the param:
+   `prompt` missing or `""`, `stream_options` without `stream`, `logprobs`/`top_logprobs` not a number or
+   below −1, `top_logprobs` without `logprobs`, `response_format` json_schema without its schema;
+2. field types, with the lax coercion of vLLM's pydantic models (`"true"`, `"yes"`, `1` are booleans, `"5"`
+   and `5.0` integers; `stop: 5`, `top_k: 1.5`, `response_format: {"type": "nope"}` are refused) → 400
+   `"type": "Bad Request"`, param the error's location (`body.<field>`); a body that is not JSON or not an
+   object is refused the same way;
+3. unknown model → 404 `NotFoundError`;
+4. `max_tokens` (chat: `max_completion_tokens` when sent, else `max_tokens`) over max_model_len → 400 naming
+   that field; no prompt at all (`prompt: []`, `messages: []`) → 400 with no param;
+5. a prompt over max_model_len → 400 `input_tokens` (plain JSON even for streams);
+6. per prompt, `max_tokens` clamped to max_model_len − prompt (0 for a prompt that fills the context), then
+   SamplingParams' checks: n, penalties, temperature, top_p, top_k, min_p, max_tokens ≥ 1 (param
+   `max_tokens`), min_tokens (no param), empty stop strings, n = 1 under greedy sampling (temperature 0);
+7. the engine's checks: at most 20 logprobs, no empty prompt (`[[]]`, `[""]`: no param).
 
 Several sequences, as vLLM serves them: a completions batch of prompts (strings or token-id lists) and
 `n` completions per prompt; choice `index` = prompt · n + completion, usage counts each prompt once and
 every completion's tokens (`ApiRequest.sequences`). Refused (400, a clear message): `kv_transfer_params`
-on a request of several sequences (vLLM's prefill answer carries one sequence's). Accepted and ignored:
-sampling parameters (temperature, top_p, seed, stop, logprobs,
-…; numeric ones are type- and range-checked as vLLM checks them, `_check_sampling`), tools,
-response_format, echo. `max_tokens` > max_model_len → 400
-(param `max_tokens`), as vLLM 0.32 answers.
+on a request of several sequences (vLLM's prefill answer carries one sequence's). Accepted, type-checked and
+ignored: sampling parameters (temperature, top_p, seed, stop, logprobs, …), tools, response_format, echo.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
 from simulator.tokens import VOCAB_SIZE, render_chat, text_token_ids
 
@@ -50,18 +63,191 @@ def bad_shape(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "Bad Request", param)
 
 
-# Sampling parameters the simulator ignores but, like vLLM's pydantic models, type-checks.
-_NUMBER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                  "repetition_penalty", "seed")  # fmt: skip
+def vllm_error(message: str, parameter: str | None = None, value: Any = None) -> ApiError:
+    """A `VLLMValidationError` as vLLM's server answers it: 400 BadRequestError, `param` = its parameter, and
+    `str()` of the exception as message, which appends ` (parameter=…, value=…)` for those that are set."""
+    extras = [f"{k}={v}" for k, v in (("parameter", parameter), ("value", value)) if v is not None]
+    return ApiError(400, f"{message} ({', '.join(extras)})" if extras else message, param=parameter)
 
 
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+MAX_STOP_STRINGS = 4  # VLLM_MAX_STOP_STRINGS
+MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
+MAX_COMPLETION_PROMPTS = 1024  # VLLM_MAX_COMPLETION_PROMPTS
+# vLLM's CompletionRequest default (OpenAI's legacy API); the gateway's estimate uses it too
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_SAMPLING_EPS = 1e-5  # SamplingParams: a temperature below it is greedy sampling
+
+# ---------------------------------------------------------------- request fields
+# The fields of vLLM 0.32's CompletionRequest / ChatCompletionRequest that the simulator reads or type-checks,
+# with vLLM's annotations and defaults and in vLLM's field order (pydantic reports the first field's error
+# first, and vLLM names that one as param). Validated in pydantic's default lax mode, as FastAPI validates
+# vLLM's request bodies. Non-nullable fields (`ignore_eos`, `min_tokens`, completions' `n`, `request_id`)
+# refuse `null` as vLLM does.
+_TokenIds = list[Annotated[int, Field(ge=0)]]
+_Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
+_Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None
+
+
+class _StreamOptions(BaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _ResponseFormat(BaseModel):
+    """vLLM's ResponseFormat (and its structural-tag variants, only by their type name)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+
+
+class _CompletionFields(BaseModel):
+    model: str | None = None
+    prompt: _TokenIds | list[_TokenIds] | str | list[str] | None = None
+    echo: bool | None = False
+    frequency_penalty: float | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    n: int = 1
+    presence_penalty: float | None = None
+    seed: _Seed = None
+    stop: _Stop = None
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    response_format: _ResponseFormat | None = None
+    request_id: str = None  # type: ignore[assignment]  # absent → None (defaults are not validated); null refused
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class _ChatFields(BaseModel):
+    # `messages` (vLLM's first field) is checked by `_chat_prompt`, before these
+    model: str | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, BeforeValidator(lambda v: 0 if v is None else v)] = 0  # null means absent
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    presence_penalty: float | None = None
+    response_format: _ResponseFormat | None = None
+    seed: _Seed = None
+    stop: _Stop = None
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    echo: bool = False
+    request_id: str = None  # type: ignore[assignment]  # absent → None (defaults are not validated); null refused
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+_Fields = _CompletionFields | _ChatFields
+
+# pydantic-core's names for union branches and wrappers in an error's `loc`: vLLM drops them from the param
+# (`clean_loc_for_param`), so `stop: 5` is `body.stop`, not `body.stop.str`.
+_INTERNAL_LOC = frozenset({
+    "function-wrap", "function-after", "function-before", "function-plain", "json-or-python", "lax-or-strict",
+    "chain", "default", "nullable", "tagged-union", "union", "call", "arguments", "is-instance", "is-subclass",
+    "callable", "str", "int", "float", "bool", "bytes", "bytearray", "list", "tuple", "dict", "set",
+    "frozenset", "complex", "none", "nonetype",
+})  # fmt: skip
+
+
+def _param_of(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in ("body", *loc)]
+    return ".".join(p for p in parts if not any(c in p for c in "[]{}()") and p.lower() not in _INTERNAL_LOC)
+
+
+def _brief(value: Any) -> Any:
+    """An error's `input`, bounded as vLLM bounds it: containers described, long strings cut."""
+    if isinstance(value, (list, tuple, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = value if isinstance(value, str) else str(value)
+    return text[:200] + "...[truncated]" if len(text) > 200 else value
+
+
+def _validate_fields(body: Mapping[str, Any], chat: bool) -> _Fields:
+    try:
+        return (_ChatFields if chat else _CompletionFields).model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        # vLLM's message: "<n> validation error(s):" then one line per error (at most 10)
+        lines = [
+            str({"type": e["type"], "loc": _param_of(e["loc"]), "msg": e["msg"], "input": _brief(e["input"])})
+            for e in errors[:10]
+        ]
+        head = f"{len(errors)} validation {'error' if len(errors) == 1 else 'errors'}:"
+        raise bad_shape("\n  ".join([head, *lines]), _param_of(errors[0]["loc"])) from None
+
+
+def _before_validators(body: Mapping[str, Any], chat: bool) -> None:
+    """vLLM's request models' `mode="before"` validators, on the raw JSON values: they run before any field is
+    type-checked (so they win over a type error), in the order pydantic runs them (the last defined first),
+    and they raise VLLMValidationError, which vLLM answers as BadRequestError naming the param."""
+    if chat:
+        _check_logprobs(body, "top_logprobs")
+    else:
+        prompt = body.get("prompt")
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and not isinstance(prompt[0], int)  # vLLM's is_list_of looks at the first item only
+            and len(prompt) > MAX_COMPLETION_PROMPTS
+        ):
+            raise vllm_error(
+                f"prompt list length {len(prompt)} exceeds the maximum allowed count of {MAX_COMPLETION_PROMPTS}. "
+                "To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable.",
+                "prompt",
+            )
+        if prompt is None or prompt == "":
+            raise vllm_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    # The raw values' truthiness, as vLLM tests them: `stream: "false"` passes here (a non-empty string) and
+    # is then coerced to False; `stream: 0` does not pass.
+    if body.get("stream_options") and not body.get("stream"):
+        raise vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
+    if not chat:
+        _check_logprobs(body, "logprobs")
+    rf = body.get("response_format")
+    if isinstance(rf, Mapping) and rf.get("type") == "json_schema" and rf.get("json_schema") is None:
+        raise vllm_error(
+            "When response_format type is 'json_schema', the 'json_schema' field must be provided.",
+            "response_format",
+        )
+
+
+def _check_logprobs(body: Mapping[str, Any], name: str) -> None:
+    """vLLM's `check_logprobs` for the count field (`logprobs` of completions, `top_logprobs` of chat)."""
+    count = body.get(name)
+    if count is None:
+        return
+    if not isinstance(count, (int, float)):  # vLLM's guard: a string would fail the comparisons below
+        raise vllm_error(f"`{name}` must be an integer.", name, count)
+    # −1 asks for the whole vocabulary (then refused by the engine as more than MAX_LOGPROBS)
+    if count < 0 and count != -1:
+        raise vllm_error(f"`{name}` must be a positive value or -1.", name, count)
+    if name == "top_logprobs" and (count == -1 or count > 0) and not body.get("logprobs"):
+        raise vllm_error("when using `top_logprobs`, `logprobs` must be set to true.", name)
+
+
+# ---------------------------------------------------------------- the request
 @dataclass(frozen=True, slots=True)
 class ApiRequest:
     """A validated /v1/completions or /v1/chat/completions request."""
 
     chat: bool
     model: str
-    prompts: list[list[int]]  # token ids per prompt: one, or a completions batch's several
+    prompts: list[list[int]]  # token ids per prompt: one, or a completions batch's several ([] for "")
     max_tokens: int | None  # None → up to max_model_len
     min_tokens: int
     ignore_eos: bool
@@ -72,6 +258,9 @@ class ApiRequest:
     # every chunk then carries the usage so far
     continuous_usage: bool = False
     n: int = 1  # completions per prompt
+    from_text: tuple[bool, ...] = ()  # per prompt: given as text (chat, a string), not token ids
+    request_id: str | None = None  # the body's `request_id`, vLLM's response id when no X-Request-Id header
+    params: _Fields | None = None  # every validated field, for the sampling checks (`check_request`)
 
     @property
     def sequences(self) -> int:
@@ -102,208 +291,177 @@ def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
     return body
 
 
-def _int_field(body: Mapping[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
+def _chat_prompt(body: Mapping[str, Any]) -> list[int] | None:
+    """The rendered messages' token ids; None for an empty list (refused after the max_tokens check, where
+    vLLM's renderer fails on it)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+        raise bad_shape("messages: Field required (a list of message objects)", "body.messages")
+    if not messages:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise bad_shape(f"{name}: Input should be a valid integer", f"body.{name}")
-    return value
+    try:
+        return text_token_ids(render_chat(messages))
+    except TypeError as exc:
+        raise bad_shape(f"messages: {exc}", "body.messages") from None
 
 
-def _bool_field(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_shape(f"{name}: Input should be a valid boolean", f"body.{name}")
-    return value
-
-
-def _prompts(body: Mapping[str, Any], chat: bool) -> list[list[int]]:
-    """The request's prompts as token ids: chat's rendered messages; a completions prompt (a string, a
-    list of token ids) or a batch of those (a list of strings or of token-id lists, not mixed)."""
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
-            raise bad_shape("messages: Field required (a list of message objects)", "body.messages")
-        if not messages:
-            raise ApiError(400, "messages must not be empty", param="messages")
-        try:
-            return [text_token_ids(render_chat(messages))]
-        except TypeError as exc:
-            raise bad_shape(f"messages: {exc}", "body.messages") from None
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise bad_shape("prompt: Field required", "body.prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return [_one_prompt(p) for p in prompt]  # a batch of strings
-    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        return [_one_prompt(p) for p in prompt]  # a batch of token-id lists
-    return [_one_prompt(prompt)]
-
-
-def _one_prompt(prompt: Any) -> list[int]:
+def _completion_prompts(prompt: Any) -> tuple[list[list[int]], tuple[bool, ...]]:
+    """A validated completions prompt (a string, token ids, or a batch of either) as token ids per prompt,
+    and which were text. An empty string or token list is kept as [] for the engine check (vLLM tokenises
+    "" to nothing and refuses the empty prompt in its input processor, after the sampling checks)."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "Prompt cannot be empty", param="prompt")
-        return text_token_ids(prompt)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        if any(t < 0 for t in prompt):
-            raise ApiError(400, "token ids must be non-negative", param="prompt")
-        return list(prompt)
-    raise bad_shape(
-        "prompt: Input should be a string, a list of token ids or a batch of those", "body.prompt"
+        return [text_token_ids(prompt)], (True,)
+    if not prompt:  # `prompt: []`: vLLM's renderer gets no prompt at all
+        raise ApiError(400, "You must pass at least one prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)], (False,)
+    return (
+        [(text_token_ids(p) if p else []) if isinstance(p, str) else list(p) for p in prompt],
+        tuple(isinstance(p, str) for p in prompt),
     )
 
 
-MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
-
-
-def _check_sampling(body: Mapping[str, Any], chat: bool) -> None:
-    """The ranges vLLM 0.32 checks on sampling parameters, in its order and with its messages and params
-    (measured against the CPU build): the simulator ignores the values, but a request vLLM refuses must be
-    refused here too. Types were checked before (`_NUMBER_FIELDS`)."""
-
-    def number(name: str) -> float | None:
-        value = body.get(name)
-        return None if value is None else float(value)
-
-    top_logprobs = _int_field(body, "top_logprobs") if chat else None
-    wants_logprobs = _bool_field(body, "logprobs") if chat else False
-    # vLLM's request model checks the count's sign first: -1 asks for the whole vocabulary, and is then
-    # refused below as more than MAX_LOGPROBS; any other negative count is refused here.
-    count_name = "top_logprobs" if chat else "logprobs"
-    count = top_logprobs if chat else _int_field(body, "logprobs")
-    if count is not None and count < -1:
-        raise ApiError(
-            400,
-            f"`{count_name}` must be a positive value or -1. (parameter={count_name}, value={count})",
-            param=count_name,
-        )
-    if top_logprobs and not wants_logprobs:
-        raise ApiError(
-            400, "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)",
-            param="top_logprobs",
-        )  # fmt: skip
-    for name in ("presence_penalty", "frequency_penalty"):
-        if (v := number(name)) is not None and not -2.0 <= v <= 2.0:
-            raise ApiError(400, f"{name} must be in [-2, 2], got {v}.")
-    if (v := number("repetition_penalty")) is not None and not v > 0.0:
-        raise ApiError(400, f"repetition_penalty must be greater than zero, got {v}.")
-    if (v := number("temperature")) is not None and not 0.0 <= v <= 2.0:
-        what = "must be non-negative" if not v >= 0.0 else "must be in [0, 2]"
-        raise ApiError(
-            400, f"temperature {what}, got {v}. (parameter=temperature, value={v})", param="temperature"
-        )
-    if (v := number("top_p")) is not None and not 0.0 < v <= 1.0:
-        raise ApiError(400, f"top_p must be in (0, 1], got {v}. (parameter=top_p, value={v})", param="top_p")
-    if (k := body.get("top_k")) is not None and k < -1:  # -1 and 0 both disable
-        raise ApiError(400, f"top_k must be 0 (disable), or at least 1, got {k}.")
-    if (v := number("min_p")) is not None and not 0.0 <= v <= 1.0:
-        raise ApiError(400, f"min_p must be in [0, 1], got {v}.")
-    requested = (top_logprobs if wants_logprobs else None) if chat else count
-    if requested == -1:
-        requested = VOCAB_SIZE
-    if requested is not None and requested > MAX_LOGPROBS:
-        raise ApiError(
-            400,
-            f"Requested sample logprobs of {requested}, which is greater than max allowed: {MAX_LOGPROBS} "
-            f"(parameter=logprobs, value={requested})",
-            param="logprobs",
-        )
-
-
-# vLLM's CompletionRequest default (OpenAI's legacy API); the gateway's estimate uses it too
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-def parse_request(body: Mapping[str, Any], chat: bool, served: str) -> ApiRequest:
-    """Validate `body`; raises ApiError. The model check comes first, as in vLLM."""
-    model = body.get("model", served)
-    if model is None or model == "":  # vLLM serves an empty name as its (only) served model
-        model = served
-    if not isinstance(model, str):
-        raise bad_shape("model: Input should be a valid string", "body.model")
-    for name in _NUMBER_FIELDS:
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise bad_shape(f"{name}: Input should be a valid number", f"body.{name}")
+def parse_request(
+    body: Mapping[str, Any], chat: bool, served: str, max_model_len: int | None = None
+) -> ApiRequest:
+    """Stages 1–4 of the module docstring (the checks before any prompt's length); raises ApiError. Without
+    `max_model_len` the max_tokens-over-context check is left out. `check_request` does the rest."""
+    chat_ids = _chat_prompt(body) if chat else None  # `messages` is the chat model's first field
+    _before_validators(body, chat)
+    f = _validate_fields(body, chat)
+    model = f.model or served  # vLLM serves an empty or absent name as its (only) served model
     if model != served:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-    prompts = _prompts(body, chat)
-    max_tokens = _int_field(body, "max_tokens")
-    if chat:
-        max_tokens = _int_field(body, "max_completion_tokens") or max_tokens
-    elif max_tokens is None:  # completions default to 16 tokens; chat fills the context
+    # vLLM's TokenizeParams check, named after the field the client sent (`is not None`: 0 counts as sent)
+    if isinstance(f, _ChatFields) and f.max_completion_tokens is not None:
+        max_tokens, field = f.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, field = f.max_tokens, "max_tokens"
+    if not chat and max_tokens is None:  # completions: null means the default, 16
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-    min_tokens = _int_field(body, "min_tokens") or 0
-    if min_tokens < 0:
-        raise ApiError(400, f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
-    if max_tokens is not None and min_tokens > max_tokens:  # vLLM names no param for either
-        raise ApiError(
-            400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+    if max_model_len is not None and max_tokens is not None and max_tokens > max_model_len:
+        raise vllm_error(
+            f"{field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            field,
+            max_tokens,
         )
-    n = _int_field(body, "n")
-    if n is not None and n < 1:
-        raise ApiError(400, f"n must be at least 1, got {n}.")  # vLLM names no param here
-    n = n or 1
-    _check_sampling(body, chat)
-    stream = _bool_field(body, "stream")
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, Mapping):
-        raise bad_shape("stream_options: Input should be a valid dictionary", "body.stream_options")
-    if opts and not stream:
-        raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
-    include_usage = bool(opts and _bool_field(opts, "include_usage"))
-    continuous_usage = include_usage and bool(_bool_field(opts, "continuous_usage_stats"))
-    kvp = body.get("kv_transfer_params")
-    if kvp is not None and not isinstance(kvp, Mapping):
-        raise bad_shape("kv_transfer_params: Input should be a valid dictionary", "body.kv_transfer_params")
-    if kvp and len(prompts) * n > 1:
+    if chat:
+        if chat_ids is None:
+            raise ApiError(400, "messages must not be empty")  # vLLM names no param
+        prompts, from_text = [chat_ids], (True,)
+    else:
+        prompts, from_text = _completion_prompts(f.prompt)
+    n = 1 if f.n is None else f.n
+    kvp = f.kv_transfer_params
+    if kvp and len(prompts) * max(n, 1) > 1:
         raise ApiError(
             400,
             "kv_transfer_params applies to one sequence: the simulated worker refuses it with n > 1 or a batch "
             "of prompts (vLLM's prefill answer carries one sequence's blocks).",
             param="kv_transfer_params",
         )
+    opts = f.stream_options
+    include_usage = bool(opts and opts.include_usage)
     return ApiRequest(
-        chat, model, prompts, max_tokens, min_tokens, _bool_field(body, "ignore_eos"), stream, include_usage,
-        dict(kvp) if kvp else None, continuous_usage, n,
+        chat, model, prompts, max_tokens, f.min_tokens, f.ignore_eos, bool(f.stream), include_usage,
+        dict(kvp) if kvp else None, include_usage and bool(opts and opts.continuous_usage_stats), n, from_text,
+        f.request_id, f,
     )  # fmt: skip
 
 
-def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """max_tokens to run with: clamped to max_model_len − prompt. ApiError when no output token fits (param
-    input_tokens) or when max_tokens alone exceeds max_model_len (param max_tokens), as vLLM 0.32 does."""
-    room = max_model_len - prompt_tokens
-    if room < 1:
-        requested = max_tokens or 0
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested {requested} "
-            f"output tokens and your prompt contains {prompt_tokens} input tokens, for a total of "
-            f"{prompt_tokens + requested} tokens. Please reduce the length of the input prompt or the number of "
-            f"requested output tokens. (parameter=input_tokens, value={prompt_tokens})",
-            param="input_tokens",
+def check_request(api: ApiRequest, max_model_len: int) -> list[int]:
+    """Stages 5–7 of the module docstring: each prompt's length, then per prompt vLLM's SamplingParams checks
+    with max_tokens clamped to the room the prompt leaves, then the engine's. Returns max_tokens per prompt."""
+    for ids, text in zip(api.prompts, api.from_text or [False] * len(api.prompts), strict=True):
+        # vLLM tokenises text with max_length = max_model_len + 1, so it counts at most that many
+        count = min(len(ids), max_model_len + 1) if text else len(ids)
+        if count > max_model_len:
+            at_least = "at least " if count == max_model_len + 1 else ""
+            raise vllm_error(
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+                f"{at_least}{count} input tokens, which exceeds this limit even without any output tokens. "
+                "Please reduce the length of the input prompt.",
+                "input_tokens",
+                count,
+            )
+    out = []
+    for ids in api.prompts:
+        room = max_model_len - len(ids)  # vLLM's get_max_tokens: 0 when the prompt fills the context
+        max_tokens = room if api.max_tokens is None else min(room, api.max_tokens)
+        if api.params is not None:
+            _check_sampling(api, api.params, max_tokens)
+        out.append(max_tokens)
+    if api.params is not None:
+        _check_engine(api, api.params)
+    return out
+
+
+def _check_sampling(api: ApiRequest, f: _Fields, max_tokens: int) -> None:
+    """SamplingParams' `_verify_args` then its greedy check, in vLLM 0.32's order, messages and params
+    (most name none). The simulator ignores the values, but a request vLLM refuses is refused here too."""
+    n = api.n
+    if n < 1:
+        raise vllm_error(f"n must be at least 1, got {n}.")
+    if n > MAX_N:
+        raise vllm_error(
+            f"n must be at most {MAX_N}, got {n}. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+            "environment variable."
         )
-    if max_tokens is not None and max_tokens > max_model_len:
-        raise ApiError(
-            400,
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
-            f"length is {max_model_len} tokens and your request has {prompt_tokens} input tokens "
-            f"({max_tokens} > {max_model_len} - {prompt_tokens}).",
-            param="max_tokens",
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(f, name)
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise vllm_error(f"{name} must be in [-2, 2], got {v}.")
+    if (v := f.repetition_penalty) is not None:
+        if not math.isfinite(v):
+            raise vllm_error(f"repetition_penalty must be a finite number, got {v}.")
+        if v <= 0.0:
+            raise vllm_error(f"repetition_penalty must be greater than zero, got {v}.")
+    temperature = 1.0 if f.temperature is None else f.temperature  # vLLM's default
+    if not math.isfinite(temperature):
+        raise vllm_error(
+            f"temperature must be a finite number, got {temperature}.", "temperature", temperature
         )
-    return room if max_tokens is None else min(max_tokens, room)
+    if temperature < 0.0:
+        raise vllm_error(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
+    if temperature > 2.0:
+        raise vllm_error(f"temperature must be in [0, 2], got {temperature}.", "temperature", temperature)
+    if (v := f.top_p) is not None and not 0.0 < v <= 1.0:
+        raise vllm_error(f"top_p must be in (0, 1], got {v}.", "top_p", v)
+    if (k := f.top_k) is not None and k < -1:  # -1 and 0 both disable
+        raise vllm_error(f"top_k must be 0 (disable), or at least 1, got {k}.")
+    if (v := f.min_p) is not None and not 0.0 <= v <= 1.0:
+        raise vllm_error(f"min_p must be in [0, 1], got {v}.")
+    if max_tokens < 1:
+        raise vllm_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+    if api.min_tokens < 0:
+        raise vllm_error(f"min_tokens must be greater than or equal to 0, got {api.min_tokens}.")
+    if api.min_tokens > max_tokens:
+        raise vllm_error(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {api.min_tokens}."
+        )
+    stop = [f.stop] if isinstance(f.stop, str) else f.stop or []
+    if any(not s for s in stop):
+        raise vllm_error("stop cannot contain an empty string.")
+    if temperature < _SAMPLING_EPS and n > 1:  # greedy sampling would give n copies of one answer
+        raise vllm_error(f"n must be 1 when using greedy sampling, got {n}.")
+
+
+def _check_engine(api: ApiRequest, f: _Fields) -> None:
+    """The engine's input checks, after every prompt's SamplingParams: the logprobs count, then empty prompts."""
+    # chat asks for top_logprobs only with logprobs true; completions' logprobs is the count itself
+    requested = (f.top_logprobs if f.logprobs else None) if isinstance(f, _ChatFields) else f.logprobs
+    if requested:
+        if requested == -1:
+            requested = VOCAB_SIZE
+        if requested > MAX_LOGPROBS:
+            raise vllm_error(
+                f"Requested sample logprobs of {requested}, which is greater than max allowed: {MAX_LOGPROBS}",
+                "logprobs",
+                requested,
+            )
+    if any(not ids for ids in api.prompts):
+        raise vllm_error("The decoder prompt cannot be empty")
 
 
 # ------------------------------------------------------------------ responses

@@ -36,6 +36,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.routing import Route
 
 from placement.catalog import load_catalog
 from placement.perf_model import PerfModel
@@ -46,7 +47,7 @@ from simulator.protocol import (
     ApiRequest,
     ChunkWriter,
     chat_body,
-    check_context,
+    check_request,
     completion_body,
     parse_body,
     parse_request,
@@ -165,14 +166,9 @@ class WorkerRuntime:
     async def handle(self, request: Request, chat: bool) -> Response:
         try:
             body = parse_body(await request.body(), request.headers.get("content-type"))
-            api = parse_request(body, chat, self.served)
             limit = self.engine.max_model_len
-            max_tokens = [check_context(len(ids), api.max_tokens, limit) for ids in api.prompts]
-            if api.min_tokens > min(max_tokens):  # vLLM's SamplingParams check, after the clamp
-                raise ApiError(
-                    400,
-                    f"min_tokens must be less than or equal to max_tokens={min(max_tokens)}, got {api.min_tokens}.",
-                )
+            api = parse_request(body, chat, self.served, limit)
+            max_tokens = check_request(api, limit)  # per prompt, clamped to the context it leaves
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         faults = self.faults
@@ -181,20 +177,27 @@ class WorkerRuntime:
         if faults.error_rate and self.rng.random() < faults.error_rate:
             err = ApiError(500, "simulated worker failure (error_rate)", "InternalServerError")
             return JSONResponse(err.body(), status_code=500)
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(8)
-        seqs = self._sequences(api, rid, max_tokens)
+        # vLLM's response id (`_base_request_id`): the X-Request-Id header, else the body's request_id, else
+        # random. A client's id may repeat (retries, P/D sending one id to both sides), so the engine gets its
+        # own: the response id plus 8 random hex digits, as vLLM's input processor makes it.
+        base = request.headers.get("x-request-id")
+        if base is None:
+            base = api.request_id if api.request_id is not None else secrets.token_hex(8)
+        rid = ("chatcmpl-" if chat else "cmpl-") + base
+        eid = f"{rid}-{secrets.token_hex(4)}"
+        seqs = self._sequences(api, eid, max_tokens)
         try:
             tickets = await self.driver.submit_all([s.request for s in seqs], stream=api.stream)
         except ValueError as exc:  # the engine refused what the checks above let through: a 400, not a 500
-            self._abandon_remote(rid)
+            self._abandon_remote(eid)
             err = ApiError(400, str(exc))
             return JSONResponse(err.body(), status_code=err.status)
         if api.stream:
             cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
-            stream = self._stream(api, rid, seqs, tickets, bool(cut))
+            stream = self._stream(api, rid, seqs, tickets, bool(cut), eid)
             return StreamingResponse(stream, media_type="text/event-stream")
         recs = await self._finished_or_disconnected(request, tickets)
-        self._abandon_remote(rid)  # aborted before its KV landed: the prefill side frees it now
+        self._abandon_remote(eid)  # aborted before its KV landed: the prefill side frees it now
         if recs is None:
             return Response(status_code=499)  # nobody is listening any more
         choices = [
@@ -212,9 +215,10 @@ class WorkerRuntime:
 
     def _sequences(self, api: ApiRequest, rid: str, max_tokens: list[int]) -> list[ApiSequence]:
         """The engine requests of `api`, in choice order (index = prompt · n + completion): vLLM decodes
-        every completion of every prompt as its own sequence. One sequence keeps the response's id (P/D
-        holds and releases name it). Completion j > 0 of a prompt gets its own answer and EOS position
-        (a fingerprint mixed with j), as sampling gives n different completions."""
+        every completion of every prompt as its own sequence. `rid` is the request's engine id (unique per
+        request); one sequence keeps it (P/D holds and releases name it), several get `rid-<index>`.
+        Completion j > 0 of a prompt gets its own answer and EOS position (a fingerprint mixed with j), as
+        sampling gives n different completions."""
         single = api.sequences == 1
         kvt = self._kv_transfer(api, rid) if single else None
         seqs = []
@@ -262,11 +266,18 @@ class WorkerRuntime:
         return waiter.result() if waiter in done else None
 
     async def _stream(
-        self, api: ApiRequest, rid: str, seqs: list[ApiSequence], tickets: list[Ticket], cut: bool
+        self,
+        api: ApiRequest,
+        rid: str,
+        seqs: list[ApiSequence],
+        tickets: list[Ticket],
+        cut: bool,
+        engine_id: str | None = None,
     ) -> AsyncIterator[str]:
         """One event per token of each sequence as the engine produces them (each event carries one choice,
         as vLLM's); chat opens with a role event per choice, sent as vLLM sends them: when the engine's first
         output arrives (after prefill and any queueing), right before the first token, not on acceptance.
+        `rid`: the response id every chunk carries; `engine_id`: the request's engine id (default `rid`).
         `cut`: a simulated failure halfway through."""
         w = ChunkWriter(rid, self.served, api.chat)
         seed, cont = self.cfg.seed, api.continuous_usage
@@ -311,7 +322,7 @@ class WorkerRuntime:
         finally:
             for tk in tickets:
                 self.driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
-            self._abandon_remote(rid)
+            self._abandon_remote(engine_id or rid)
 
     # ------------------------------------------------------------ P/D
     def _kv_transfer(self, api: ApiRequest, rid: str) -> KvTransfer | None:
@@ -466,16 +477,21 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         return JSONResponse({"released_blocks": rt.release_kv(body)})
 
     # Plain Starlette routes: the handlers parse bodies themselves (vLLM's error shapes), so FastAPI's
-    # dependency solving and per-request telemetry lookups would only add per-request cost.
-    for path, endpoint, methods in (
-        ("/v1/completions", completions, ["POST"]),
-        ("/v1/chat/completions", chat_completions, ["POST"]),
-        ("/v1/models", models, ["GET"]),
-        ("/health", health, ["GET"]),
-        ("/metrics", metrics, ["GET"]),
-        ("/sim/state", state, ["GET"]),
-        ("/sim/faults", faults, ["GET", "POST"]),
-        ("/sim/kv/release", kv_release, ["POST"]),
+    # dependency solving and per-request telemetry lookups would only add per-request cost. Starlette adds
+    # HEAD to every GET route; vLLM's FastAPI GET routes (/health, /v1/models) answer HEAD with 405 (`Allow:
+    # GET`), so `get_only` takes it off again. Its /metrics is a mounted Prometheus app answering any method.
+    for path, endpoint, methods, get_only in (
+        ("/v1/completions", completions, ["POST"], False),
+        ("/v1/chat/completions", chat_completions, ["POST"], False),
+        ("/v1/models", models, ["GET"], True),
+        ("/health", health, ["GET"], True),
+        ("/metrics", metrics, ["GET"], False),
+        ("/sim/state", state, ["GET"], False),
+        ("/sim/faults", faults, ["GET", "POST"], False),
+        ("/sim/kv/release", kv_release, ["POST"], False),
     ):
-        app.add_route(path, endpoint, methods=methods, include_in_schema=False)
+        route = Route(path, endpoint, methods=methods, include_in_schema=False)
+        if get_only and route.methods is not None:
+            route.methods.discard("HEAD")
+        app.router.routes.append(route)
     return app

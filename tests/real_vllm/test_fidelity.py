@@ -264,6 +264,43 @@ BAD_REQUESTS = [
         "/v1/chat/completions",
         {"model": MODEL, "messages": CHAT, "max_tokens": 2, "top_logprobs": -5},
     ),
+    # max_completion_tokens counts when sent (0 included) and names itself when over max-model-len
+    *[
+        (f"chat {extra}", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, **extra})
+        for extra in (
+            {"max_completion_tokens": 0},
+            {"max_completion_tokens": 0, "max_tokens": 5},
+            {"max_completion_tokens": 600},
+            {"n": 2, "temperature": 0},
+        )
+    ],
+    # types vLLM's pydantic models refuse, and empty or context-filling prompts
+    *[
+        (
+            f"completions {label}",
+            "/v1/completions",
+            {"model": MODEL, "max_tokens": 2, "prompt": "hi", **extra},
+        )
+        for label, extra in (
+            ("n 2 at temperature 0", {"n": 2, "temperature": 0}),
+            ("stop 5", {"stop": 5}),
+            ("top_k 1.5", {"top_k": 1.5}),
+            ("seed 1.5", {"seed": 1.5}),
+            ("response_format of an unknown type", {"response_format": {"type": "nope"}}),
+            ("stream maybe", {"stream": "maybe"}),
+            ("prompt []", {"prompt": []}),
+            ("prompt [[]]", {"prompt": [[]]}),
+            ('prompt [""]', {"prompt": [""]}),
+            # max_tokens clamped to 0
+            ("prompt of exactly max-model-len token ids", {"prompt": list(range(5, 517))}),
+            # max_tokens is checked before the prompt's length
+            (
+                "prompt and max_tokens both over max-model-len",
+                {"prompt": list(range(5, 605)), "max_tokens": 600},
+            ),
+        )
+    ],
+    ("chat messages []", "/v1/chat/completions", {"model": MODEL, "messages": []}),
 ]
 
 
@@ -402,3 +439,20 @@ def test_several_sequences(real_vllm: RealServer, sim_url: str, case: str) -> No
         usage_event = events_of(chunks)[-1]["usage"]
         streamed[side] = (sorted(kinds), usage_event["completion_tokens"])
     assert streamed["real"] == streamed["sim"]
+
+
+def test_request_id_header_and_head(real_vllm: RealServer, sim_url: str) -> None:
+    """The response id is `cmpl-` + X-Request-Id, a stream's chunks carry it too, a lax boolean (`stream:
+    "true"`) streams; HEAD /health is 405 on both."""
+    headers = {"X-Request-Id": "fidelity-1"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+    real, sim = both(real_vllm, sim_url, "POST", "/v1/completions", json=body, headers=headers)
+    assert real.json()["id"] == sim.json()["id"] == "cmpl-fidelity-1"
+    real, sim = both(
+        real_vllm, sim_url, "POST", "/v1/completions", json={**body, "stream": "true"}, headers=headers
+    )
+    for resp in (real, sim):
+        events = [json.loads(e[len("data: ") :]) for e in resp.text.split("\n\n") if e.startswith("data: {")]
+        assert len(events) == 2 and {e["id"] for e in events} == {"cmpl-fidelity-1"}
+    real, sim = both(real_vllm, sim_url, "HEAD", "/health")
+    assert real.status_code == sim.status_code == 405

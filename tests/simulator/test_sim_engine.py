@@ -42,7 +42,7 @@ def assert_kv_consistent(eng: Engine) -> None:
     for v in views:
         if v.state in ("prefill", "decoding", "held"):
             assert v.blocks == -(-v.computed_tokens // eng.block_size), v
-    assert eng.kv_usage == eng.kv.used / eng.num_gpu_blocks
+    assert eng.kv_usage == eng.kv.used / (eng.num_gpu_blocks - 1)  # less vLLM's null block
 
 
 def test_token_budget_is_shared_by_decodes_and_prefill_chunks() -> None:
@@ -74,8 +74,9 @@ def test_chunk_timing_uses_the_perf_model_totals() -> None:
 
 
 def test_preemption_happens_exactly_when_blocks_run_out() -> None:
-    # 6 blocks of 4 tokens. A and B: 8-token prompts (2 blocks each), 10 output tokens, ignore_eos.
-    eng = engine(block_size=4, num_gpu_blocks=6, max_model_len=24, max_num_seqs=4, max_num_batched_tokens=64)
+    # 6 usable blocks of 4 tokens (7 less vLLM's null block). A and B: 8-token prompts (2 blocks each), 10
+    # output tokens, ignore_eos.
+    eng = engine(block_size=4, num_gpu_blocks=7, max_model_len=24, max_num_seqs=4, max_num_batched_tokens=64)
     eng.add_request(req("A", 8, 10), 0.0)
     eng.add_request(req("B", 8, 10), 0.0)
     steps = drain(eng)
@@ -98,8 +99,11 @@ def test_preemption_happens_exactly_when_blocks_run_out() -> None:
     assert eng.counters.generation_tokens == 20
 
 
-def test_kv_usage_equals_blocks_used_over_total() -> None:
-    eng = engine(block_size=4, num_gpu_blocks=6, max_model_len=24, max_num_seqs=4, max_num_batched_tokens=64)
+def test_kv_usage_equals_blocks_used_over_usable_blocks() -> None:
+    """vLLM keeps one of num_gpu_blocks as its null block and reports usage over the rest (BlockPool's
+    get_usage): 7 blocks hold 6 blocks of KV. Over all 7, usage read 6/7 with the cache full, and
+    preemption came one block later than vLLM's."""
+    eng = engine(block_size=4, num_gpu_blocks=7, max_model_len=24, max_num_seqs=4, max_num_batched_tokens=64)
     eng.add_request(req("A", 8, 10), 0.0)
     eng.add_request(req("B", 8, 10), 0.0)
     usages = []
@@ -301,7 +305,7 @@ def test_fully_cached_prompt_still_computes_its_last_block() -> None:
 def test_unreferenced_cached_blocks_are_evicted_lru_when_room_is_needed() -> None:
     from simulator.prefix_cache import block_hashes
 
-    eng = cached_engine(num_gpu_blocks=10, max_model_len=160)
+    eng = cached_engine(num_gpu_blocks=11, max_model_len=160)  # 10 usable
     p0, p1, big = list(range(64)), list(range(1000, 1064)), list(range(5000, 5096))
     now = 0.0
     for i, prompt in enumerate((p0, p1)):  # two 64-token prompts (4 full blocks each) prefilled and finished
@@ -319,7 +323,7 @@ def test_unreferenced_cached_blocks_are_evicted_lru_when_room_is_needed() -> Non
 
 
 def test_prefix_cache_stays_consistent_under_preemption() -> None:
-    eng = cached_engine(num_gpu_blocks=40, max_model_len=640, max_num_seqs=8)
+    eng = cached_engine(num_gpu_blocks=41, max_model_len=640, max_num_seqs=8)  # 40 usable
     shared = list(range(64))
     for i in range(8):
         eng.add_request(req(f"r{i}", shared + list(range(1000 * (i + 1), 1000 * (i + 1) + 40)), 60), 0.0)  # type: ignore[arg-type]

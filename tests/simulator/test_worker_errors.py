@@ -13,6 +13,7 @@ pytestmark = pytest.mark.anyio
 CFG = WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=1e4, engine=EngineConfig(max_model_len=256))
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 M = "llama-3-8b"
+MSG = [{"role": "user", "content": "hi"}]
 
 ERRORS = [
     pytest.param(C, {"model": "gpt-4", "prompt": "hi"}, 404, "NotFoundError", "model", id="unknown model → 404"),
@@ -20,8 +21,10 @@ ERRORS = [
                  id="prompt of 275 tokens over max_model_len 256 → 400 input_tokens"),
     pytest.param(C, {"model": M, "prompt": "x" * 1100, "stream": True}, 400, "BadRequestError", "input_tokens",
                  id="prompt over max_model_len while streaming → plain JSON 400"),
-    pytest.param(C, {"model": M, "prompt": "x" * 1024}, 400, "BadRequestError", "input_tokens",
-                 id="prompt of exactly max_model_len leaves no room → 400"),
+    # vLLM 0.32 refuses only a prompt *over* max_model_len as input_tokens; one that fills it leaves
+    # max_tokens = 0, refused by SamplingParams ("max_tokens must be at least 1, got 0.")
+    pytest.param(C, {"model": M, "prompt": "x" * 1024}, 400, "BadRequestError", "max_tokens",
+                 id="prompt of exactly max_model_len leaves max_tokens 0 → 400 max_tokens"),
     pytest.param(C, {"model": M, "prompt": "hi", "max_tokens": -1}, 400, "BadRequestError", "max_tokens",
                  id="max_tokens -1 → 400 max_tokens"),
     pytest.param(C, {"model": M, "prompt": "hi", "max_tokens": 0}, 400, "BadRequestError", "max_tokens",
@@ -61,8 +64,8 @@ ERRORS = [
                  "BadRequestError", "kv_transfer_params", id="kv_transfer_params with a batch → 400"),
     pytest.param(C, {"model": M, "prompt": ["hi", "x" * 1100]}, 400, "BadRequestError", "input_tokens",
                  id="a batch with one prompt over max_model_len → 400 input_tokens, nothing served"),
-    pytest.param(C, {"model": M, "prompt": ["hi", [1, 2]]}, 400, "Bad Request", "body.prompt",
-                 id="a batch mixing a string and token ids"),
+    pytest.param(C, {"model": M, "prompt": ["hi", [1, 2]]}, 400, "Bad Request", "body.prompt.0",
+                 id="a batch mixing a string and token ids (pydantic's first error location)"),
     pytest.param(CHAT, {"model": M, "messages": [{"role": "user", "content": "hi"}], "min_tokens": 250}, 400,
                  "BadRequestError", None, id="chat min_tokens over the context left (max_tokens clamped) → 400"),
     pytest.param(C, {"model": M, "prompt": "x" * 800, "max_tokens": 100, "min_tokens": 80}, 400,
@@ -71,12 +74,54 @@ ERRORS = [
     pytest.param(C, {"model": M, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
                  "BadRequestError", "stream_options", id="stream_options without stream → 400"),
     pytest.param(C, {"model": M, "prompt": 5}, 400, "Bad Request", "body.prompt", id="prompt of wrong type"),
-    pytest.param(C, {"model": M}, 400, "Bad Request", "body.prompt", id="completions without prompt"),
+    # vLLM's CompletionRequest refuses a missing prompt in a before-validator, not as a type error
+    pytest.param(C, {"model": M}, 400, "BadRequestError", "prompt", id="completions without prompt"),
     pytest.param(CHAT, {"model": M}, 400, "Bad Request", "body.messages", id="chat without messages"),
     pytest.param(C, {"model": M, "prompt": "hi", "max_tokens": "ten"}, 400, "Bad Request", "body.max_tokens",
                  id="max_tokens not an integer"),
     pytest.param(C, {"model": M, "prompt": "hi", "temperature": "hot"}, 400, "Bad Request", "body.temperature",
                  id="temperature not a number"),
+    # --- as vLLM 0.32's source has them (entrypoints/openai/*/protocol.py, renderers/params.py,
+    # sampling_params.py); each failed before the simulator followed vLLM here
+    # max_completion_tokens counts when sent, 0 included (`is not None`), and names itself when too large
+    pytest.param(CHAT, {"model": M, "messages": MSG, "max_completion_tokens": 0}, 400, "BadRequestError",
+                 "max_tokens", id="chat max_completion_tokens 0 → 400 max_tokens"),
+    pytest.param(CHAT, {"model": M, "messages": MSG, "max_completion_tokens": 0, "max_tokens": 5}, 400,
+                 "BadRequestError", "max_tokens", id="chat max_completion_tokens 0 wins over max_tokens 5"),
+    pytest.param(CHAT, {"model": M, "messages": MSG, "max_completion_tokens": 600}, 400, "BadRequestError",
+                 "max_completion_tokens", id="chat max_completion_tokens over max_model_len names itself"),
+    pytest.param(CHAT, {"model": M, "messages": MSG, "max_tokens": 600}, 400, "BadRequestError", "max_tokens",
+                 id="chat max_tokens over max_model_len"),
+    # greedy sampling allows one completion
+    pytest.param(C, {"model": M, "prompt": "hi", "n": 2, "temperature": 0}, 400, "BadRequestError", None,
+                 id="completions n 2 at temperature 0"),
+    pytest.param(CHAT, {"model": M, "messages": MSG, "n": 2, "temperature": 0.0}, 400, "BadRequestError", None,
+                 id="chat n 2 at temperature 0"),
+    # pydantic types vLLM's models refuse (lax mode accepts "5" for an int, not 1.5)
+    pytest.param(C, {"model": M, "prompt": "hi", "stop": 5}, 400, "Bad Request", "body.stop", id="stop 5"),
+    pytest.param(C, {"model": M, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "Bad Request",
+                 "body.stop", id="more than 4 stop strings"),
+    pytest.param(C, {"model": M, "prompt": "hi", "top_k": 1.5}, 400, "Bad Request", "body.top_k", id="top_k 1.5"),
+    pytest.param(C, {"model": M, "prompt": "hi", "seed": 1.5}, 400, "Bad Request", "body.seed", id="seed 1.5"),
+    pytest.param(CHAT, {"model": M, "messages": MSG, "response_format": {"type": "nope"}}, 400, "Bad Request",
+                 "body.response_format.type", id="response_format of an unknown type"),
+    pytest.param(C, {"model": M, "prompt": "hi", "stream": "maybe"}, 400, "Bad Request", "body.stream",
+                 id="stream neither a boolean nor a boolean word"),
+    pytest.param(C, {"model": M, "prompt": "hi", "ignore_eos": None}, 400, "Bad Request", "body.ignore_eos",
+                 id="ignore_eos null (not nullable in vLLM)"),
+    pytest.param(C, {"model": M, "prompt": "hi", "max_tokens": "ten", "stream_options": {}, "stream": True,
+                     "logprobs": "3"}, 400, "BadRequestError", "logprobs",
+                 id="a before-validator error wins over a type error"),
+    # order and params at the context limit; empty inputs name no param
+    pytest.param(C, {"model": M, "prompt": "x" * 1100, "max_tokens": 600}, 400, "BadRequestError", "max_tokens",
+                 id="prompt and max_tokens both over the context → max_tokens first"),
+    pytest.param(C, {"model": M, "prompt": []}, 400, "BadRequestError", None, id="prompt []"),
+    pytest.param(C, {"model": M, "prompt": [[]]}, 400, "BadRequestError", None, id="prompt [[]]"),
+    pytest.param(C, {"model": M, "prompt": [""]}, 400, "BadRequestError", None, id='prompt [""]'),
+    pytest.param(C, {"model": M, "prompt": ""}, 400, "BadRequestError", "prompt", id='prompt ""'),
+    pytest.param(CHAT, {"model": M, "messages": []}, 400, "BadRequestError", None, id="messages []"),
+    pytest.param(C, {"model": M, "prompt": "hi", "stop": ""}, 400, "BadRequestError", None,
+                 id="an empty stop string"),
 ]  # fmt: skip
 
 
@@ -195,3 +240,58 @@ async def test_completions_default_to_16_tokens_and_an_empty_model_name_is_the_s
     assert plain.json()["usage"]["completion_tokens"] == null.json()["usage"]["completion_tokens"] == 16
     used = chat.json()["usage"]
     assert used["prompt_tokens"] + used["completion_tokens"] == 256
+
+
+async def test_error_messages_are_vllm_032s(asgi) -> None:
+    """The wording of vLLM 0.32's TokenizeParams, prompt-length and SamplingParams errors (VLLMValidationError's
+    str(): the message, then ` (parameter=…, value=…)` when it has them)."""
+    cases = [
+        (C, {"model": M, "prompt": "hi", "max_tokens": 600},
+         "max_tokens=600 cannot be greater than max_model_len=256. Please request fewer output tokens. "
+         "(parameter=max_tokens, value=600)"),
+        (CHAT, {"model": M, "messages": MSG, "max_completion_tokens": 600},
+         "max_completion_tokens=600 cannot be greater than max_model_len=256. Please request fewer output "
+         "tokens. (parameter=max_completion_tokens, value=600)"),
+        (CHAT, {"model": M, "messages": MSG, "max_completion_tokens": 0, "max_tokens": 5},
+         "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"),
+        # a text prompt is tokenised up to max_model_len + 1 tokens, hence "at least"; token ids are counted
+        (C, {"model": M, "prompt": "x" * 1100},
+         "This model's maximum context length is 256 tokens. However, your prompt contains at least 257 input "
+         "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the "
+         "input prompt. (parameter=input_tokens, value=257)"),
+        (C, {"model": M, "prompt": list(range(300))},
+         "This model's maximum context length is 256 tokens. However, your prompt contains 300 input tokens, "
+         "which exceeds this limit even without any output tokens. Please reduce the length of the input "
+         "prompt. (parameter=input_tokens, value=300)"),
+        (C, {"model": M, "prompt": "hi", "n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
+        (C, {"model": M, "prompt": [[]]}, "The decoder prompt cannot be empty"),
+        (C, {"model": M, "prompt": []}, "You must pass at least one prompt"),
+    ]  # fmt: skip
+    async with asgi(CFG) as (client, _):
+        for path, body, message in cases:
+            resp = await client.post(path, json=body)
+            assert (resp.status_code, resp.json()["error"]["message"]) == (400, message), body
+
+
+async def test_fields_are_coerced_as_vllms_pydantic_models_do(asgi) -> None:
+    """pydantic's lax mode, as vLLM's request models validate: boolean words and 0/1 are booleans, a numeric
+    string or an integral float is an integer. `stream: "true"` streams; `ignore_eos: "yes"` runs to
+    max_tokens. vLLM tests `stream_options` against the raw `stream`, so `"false"` (a non-empty string) passes
+    that check, then is coerced to False: no stream."""
+    async with asgi(CFG) as (client, _):
+        streamed = await client.post(C, json={"model": M, "prompt": "hi", "max_tokens": "3", "stream": "true",
+                                              "ignore_eos": "yes"})  # fmt: skip
+        plain = await client.post(C, json={"model": M, "prompt": "hi", "max_tokens": 4.0, "ignore_eos": 1,
+                                           "stream": "off", "n": "2", "temperature": "0.5", "logprobs": True})  # fmt: skip
+        quirk = await client.post(C, json={"model": M, "prompt": "hi", "max_tokens": 2, "stream": "false",
+                                           "stream_options": {"include_usage": "yes"}})  # fmt: skip
+        chat = await client.post(CHAT, json={"model": M, "messages": MSG, "max_completion_tokens": 2,
+                                             "ignore_eos": "on", "logprobs": "no", "top_logprobs": 3})  # fmt: skip
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in streamed.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) == 3 + 1
+    assert plain.status_code == 200, plain.text
+    assert [c["finish_reason"] for c in plain.json()["choices"]] == ["length", "length"]
+    assert plain.json()["usage"]["completion_tokens"] == 2 * 4
+    assert quirk.status_code == 200 and quirk.headers["content-type"] == "application/json"
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 2

@@ -89,14 +89,16 @@ async def test_gauges_follow_the_engine_while_streams_run(served) -> None:
     assert running == 3
     assert value(scraped, "vllm:num_requests_running") == 3
     assert value(scraped, "vllm:num_requests_waiting") == 0
-    assert value(scraped, "vllm:kv_cache_usage_perc") == pytest.approx(used / eng.num_gpu_blocks)
+    assert value(scraped, "vllm:kv_cache_usage_perc") == pytest.approx(
+        used / (eng.num_gpu_blocks - 1)
+    )  # less the null block
     assert used >= 1 + 1 + 1  # prompts of 10, 20, 30 tokens (+ outputs) hold at least a block each
 
 
 async def test_counters_and_histograms_after_a_workload(asgi) -> None:
     # A small KV (12 blocks of 16 = 192 tokens) so that five 60-token prompts + 40 outputs must preempt.
     cfg = WorkerConfig(gpu="H100", model=M, time_scale=1e5,
-                       engine=EngineConfig(num_gpu_blocks=12, block_size=16, max_model_len=192))  # fmt: skip
+                       engine=EngineConfig(num_gpu_blocks=13, block_size=16, max_model_len=192))  # fmt: skip
     async with asgi(cfg) as (client, rt):
         bodies = [
             {"model": M, "prompt": "z" * 240 + str(i), "max_tokens": 40, "ignore_eos": True} for i in range(5)
@@ -145,3 +147,18 @@ async def test_prefix_cache_counters_with_caching_on(asgi) -> None:
     assert value(fams, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 48
     info = fams["vllm:cache_config_info"]["samples"][0][1]
     assert info["enable_prefix_caching"] == "True"
+
+
+async def test_request_success_has_every_finished_reason_of_vllm(asgi) -> None:
+    """vLLM exports a `finished_reason` series per FinishReason (stop, length, abort, error, repetition), each
+    from 0; the simulator never finishes with error or repetition, so those stay at 0."""
+    async with asgi(WorkerConfig(gpu="H100", model=M, time_scale=1e4)) as (client, _):
+        ok = await client.post("/v1/completions", json={"model": M, "prompt": "hi", "max_tokens": 2})
+        fams = parse((await client.get("/metrics")).text)
+    assert ok.status_code == 200
+    series = {
+        lab["finished_reason"]: val
+        for name, lab, val in fams["vllm:request_success"]["samples"]
+        if name == "vllm:request_success_total"
+    }
+    assert series == {"stop": 0, "length": 1, "abort": 0, "error": 0, "repetition": 0}

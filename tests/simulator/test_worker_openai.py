@@ -271,3 +271,38 @@ async def test_a_chat_stream_opens_with_its_first_token_not_on_acceptance(served
     assert (role, set(token)) == ({"role": "assistant", "content": ""}, {"content"})
     assert token_at >= 0.2  # the prefill
     assert role_at >= 0.9 * token_at  # sent with the first token (was ~0.01 s)
+
+
+async def test_x_request_id_header_names_the_response_and_may_repeat(served) -> None:
+    """vLLM's response id is `cmpl-`/`chatcmpl-` + the X-Request-Id header (else the body's `request_id`, else
+    random), on the body and on every chunk of a stream. Clients may repeat an id: two concurrent requests
+    with the same header are both served (the engine gets its own unique id for each)."""
+    hdr = {"X-Request-Id": "trace-42"}
+    body = {"model": "llama-3-8b", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True}
+    chat = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with served(FAST) as w, httpx.AsyncClient(base_url=w.url) as h:
+        same = await asyncio.gather(*(h.post("/v1/completions", json=body, headers=hdr) for _ in range(2)))
+        chatted = await h.post("/v1/chat/completions", json=chat, headers=hdr)
+        by_body = await h.post("/v1/completions", json={**body, "request_id": "from-body"})
+        streamed = await h.post("/v1/chat/completions", json={**chat, "stream": True}, headers=hdr)
+        assert w.runtime.engine.num_running == 0
+    assert [r.status_code for r in same] == [200, 200]
+    assert [r.json()["id"] for r in same] == ["cmpl-trace-42", "cmpl-trace-42"]
+    assert [r.json()["usage"]["completion_tokens"] for r in same] == [5, 5]
+    assert chatted.json()["id"] == "chatcmpl-trace-42"
+    assert by_body.json()["id"] == "cmpl-from-body"
+    events = [json.loads(e[len("data: ") :]) for e in streamed.text.split("\n\n") if e.startswith("data: {")]
+    assert len(events) == 1 + 3 and {e["id"] for e in events} == {"chatcmpl-trace-42"}
+
+
+async def test_head_is_not_allowed_on_health_and_models(served) -> None:
+    """vLLM's /health and /v1/models are FastAPI GET routes: HEAD → 405 (`Allow: GET`). Its /metrics is a
+    mounted Prometheus app, which answers HEAD."""
+    async with served(FAST) as w, httpx.AsyncClient(base_url=w.url) as h:
+        head_health, head_models, head_metrics = [
+            await h.head(p) for p in ("/health", "/v1/models", "/metrics")
+        ]
+        get_health = await h.get("/health")
+    assert (head_health.status_code, head_health.headers["allow"]) == (405, "GET")
+    assert (head_models.status_code, head_models.headers["allow"]) == (405, "GET")
+    assert head_metrics.status_code == get_health.status_code == 200

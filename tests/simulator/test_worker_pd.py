@@ -102,7 +102,7 @@ async def test_a_request_waiting_for_held_kv_is_served_when_the_hold_goes(asgi, 
     timeout = 1e6 if freed_by == "release" else 2.0  # simulated seconds; 2 s is 0.2 s of wall time here
     cfg = WorkerConfig(
         gpu="H100", model=M, role="prefill", time_scale=10.0, kv_hold_timeout_s=timeout,
-        engine=EngineConfig(num_gpu_blocks=16, max_model_len=256),
+        engine=EngineConfig(num_gpu_blocks=17, max_model_len=256),  # 16 usable
     )  # fmt: skip
     async with asgi(cfg) as (client, rt):
         kvp = (await client.post("/v1/completions", json=prefill_body())).json()["kv_transfer_params"]
