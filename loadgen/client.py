@@ -149,6 +149,12 @@ def _error_message(text: str) -> str:
     return text[:300]
 
 
+def one_line(text: str, limit: int = 200) -> str:
+    """An error message from a server or a library, fit for the CLI's one-line error."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
 async def send_request(
     client: httpx.AsyncClient,
     url: str,

@@ -40,14 +40,29 @@ class DiurnalSpec:
 
     def rate(self, t: float) -> float:
         base = self.mean_rate * (1 + self.amplitude * math.sin(2 * math.pi * t / self.period_s - math.pi / 2))
-        for b in self.bursts:
-            if b.start_s <= t < b.start_s + b.duration_s:
-                base *= b.factor
-        return max(0.0, base)
+        return max(0.0, base * _burst_factor(self.bursts, t))
 
     @property
     def peak_rate(self) -> float:
-        return self.mean_rate * (1 + abs(self.amplitude)) * max([1.0, *(b.factor for b in self.bursts)])
+        """An upper bound of rate(t) for thinning: the curve's peak times the largest product of burst
+        factors active at one instant (overlapping bursts multiply). One burst: its factor (or 1)."""
+        return self.mean_rate * (1 + abs(self.amplitude)) * _max_burst_factor(self.bursts)
+
+
+def _burst_factor(bursts: Sequence[Burst], t: float) -> float:
+    """The product of the factors of the bursts active at `t` (each over [start, start + duration))."""
+    factor = 1.0
+    for b in bursts:
+        if b.start_s <= t < b.start_s + b.duration_s:
+            factor *= b.factor
+    return factor
+
+
+def _max_burst_factor(bursts: Sequence[Burst]) -> float:
+    """max(1, the largest burst product over time). The product only changes where a burst starts or ends,
+    and each interval between those points starts at one, so the maximum is at one of them."""
+    edges = [b.start_s for b in bursts] + [b.start_s + b.duration_s for b in bursts]
+    return max([1.0, *(_burst_factor(bursts, t) for t in edges)])
 
 
 def diurnal_trace(spec: DiurnalSpec, seed: int = 0) -> Iterator[TraceRequest]:

@@ -73,6 +73,23 @@ class SearchSlo:
         )
 
 
+# The grid is a list: this many rates (a few MB) is far finer than any search converges to in `max_probes`.
+MAX_GRID_RATES = 100_000
+
+
+def grid_size(min_rate: float, max_rate: float, resolution: float) -> int:
+    """How many rates the geometric grid from `min_rate` to `max_rate` at `resolution` holds."""
+    return math.floor(math.log(max_rate / min_rate) / math.log1p(resolution) + 1e-9) + 1
+
+
+def finest_resolution(min_rate: float, max_rate: float) -> float:
+    """About the smallest resolution whose grid between the two rates holds at most `MAX_GRID_RATES` rates,
+    rounded *up* to 3 significant digits, so that the number a message prints is one that works."""
+    exact = math.expm1(math.log(max_rate / min_rate) / (MAX_GRID_RATES - 1))
+    scale = 10.0 ** (math.floor(math.log10(exact)) - 2)
+    return float(f"{math.ceil(exact / scale) * scale:.3g}")
+
+
 @dataclass(frozen=True, slots=True)
 class SearchConfig:
     min_rate: float = 0.01  # req/s; a fail here means the bucket cannot be served within the SLO
@@ -84,8 +101,13 @@ class SearchConfig:
     def grid(self) -> list[float]:
         if not (0 < self.min_rate < self.max_rate) or self.resolution <= 0:
             raise ValueError("need 0 < min_rate < max_rate and resolution > 0")
-        k = math.floor(math.log(self.max_rate / self.min_rate) / math.log1p(self.resolution) + 1e-9)
-        return [self.min_rate * (1 + self.resolution) ** i for i in range(k + 1)]
+        n = grid_size(self.min_rate, self.max_rate, self.resolution)
+        if n > MAX_GRID_RATES:  # a tiny resolution would build a list of billions of rates (MemoryError)
+            raise ValueError(
+                f"resolution {self.resolution:g} makes {n:,} grid rates (at most {MAX_GRID_RATES:,}): "
+                f"use ≥ {finest_resolution(self.min_rate, self.max_rate):g}"
+            )
+        return [self.min_rate * (1 + self.resolution) ** i for i in range(n)]
 
 
 @dataclass(slots=True)

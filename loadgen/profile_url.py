@@ -6,6 +6,12 @@ probed rate) through the replay client — token-id prompts of the exact length,
 `benchmark_serving` defines them, failures counted, stability judged from TTFT growth. It runs in real
 time: a probe lasts 2·W seconds plus the drain (W from `ProbePlan`), so a full profile of a real GPU takes
 hours; shrink `ProbePlan` for quick looks.
+
+A profile that cannot measure anything stops instead of writing zeros: `preflight` sends one request (one
+output token) before the first probe, and a probe or baseline whose every request failed in a way no load
+explains (`FATAL_ERRORS`: nothing listens, or the server refuses us whatever we send) raises
+`ProfileError`. Load failures (timeouts, 5xx, 429) and refusals that may be the bucket's length (400, 413,
+422: a server whose max_model_len is below the catalog's context) stay that rate's or bucket's fail.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
+from loadgen.client import one_line
 from loadgen.profile_search import Measurement
 from loadgen.profiling import (
     Bucket,
@@ -29,7 +36,7 @@ from loadgen.profiling import (
     summarize,
     unloaded_requests,
 )
-from loadgen.runner import RunOptions, Target, replay
+from loadgen.runner import RunOptions, RunResult, Target, replay
 from loadgen.schedule import ScheduledRequest
 
 PROBE_TPOT_S = 0.05  # per-token time assumed when sizing a probe (never the SLO: see profile_search)
@@ -37,6 +44,46 @@ PROBE_TPOT_S = 0.05  # per-token time assumed when sizing a probe (never the SLO
 # not pass: the queue test reads scheduled times and TTFT from the actual send, so it cannot see that
 # backlog, and the rate was never offered. Jitter of milliseconds stays far below it.
 GENERATOR_BACKLOG_S = 0.25
+# Failures that say nothing about load: the address, the key, the path or the model name is wrong.
+FATAL_ERRORS = frozenset({"connect_error", "http_401", "http_403", "http_404", "http_405"})
+PREFLIGHT_TIMEOUT_S = 60.0  # a 1-token answer; a dead address should not hold the command for 10 minutes
+PREFLIGHT_INPUT_TOKENS = 16
+
+
+class ProfileError(ValueError):
+    """The server cannot be profiled at all (unreachable, or it refuses every request): the CLI exits 2."""
+
+
+def preflight(
+    target: Target,
+    timeout_s: float | None = PREFLIGHT_TIMEOUT_S,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> None:
+    """Send one small request (one output token) before hours of probes; raise `ProfileError` naming the
+    URL and the error when it does not succeed."""
+    sched = [ScheduledRequest(0, 0.0, PREFLIGHT_INPUT_TOKENS, 1)]
+    result = asyncio.run(replay(sched, target, RunOptions(timeout_s=timeout_s), None, transport))
+    rec = result.records[0]
+    if not rec.success:
+        raise ProfileError(
+            f"cannot profile {target.url}: a first request (1 output token) failed: "
+            f"{rec.error_type}: {one_line(rec.error or '')}"
+        )
+
+
+def _check_measurable(result: RunResult, target: Target, what: str) -> None:
+    """Raise `ProfileError` when every request of a probe (or baseline) failed with a non-load error."""
+    recs = result.records
+    fatal = result.unreachable or (
+        bool(recs) and all(not r.success and r.error_type in FATAL_ERRORS for r in recs)
+    )
+    if not fatal:
+        return
+    first = next((r for r in recs if r.error_type in FATAL_ERRORS), recs[0])
+    raise ProfileError(
+        f"cannot profile {target.url}: every request of {what} failed: "
+        f"{first.error_type}: {one_line(first.error or '')}"
+    )
 
 
 def url_measure_factory(
@@ -63,6 +110,7 @@ def url_measure_factory(
             concurrency=1, timeout_s=opts.timeout_s, seed=opts.seed, prompt_salt=next(probes)
         )
         result = asyncio.run(replay(sched, target, one_at_a_time, None, transport))
+        _check_measurable(result, target, f"the unloaded baseline of {bucket.label}")
         ttfts = [r.ttft_s for r in result.records if r.ttft_s is not None]
         return float(np.percentile(ttfts, 90)) * 1000.0 if ttfts else None
 
@@ -80,6 +128,7 @@ def url_measure_factory(
             ]
             salted = dataclasses.replace(opts, prompt_salt=next(probes))
             result = asyncio.run(replay(sched, target, salted, None, transport))
+            _check_measurable(result, target, f"the probe of {bucket.label} at {rate:.4g} req/s")
             window_recs = [r for r in result.records if lo <= r.scheduled_s < hi]
             ok = [r for r in window_recs if r.success]
             m = summarize(

@@ -26,7 +26,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
 
-from loadgen.trace import ReadStats, RowError, TraceError, TraceRequest, parse_count, parse_seconds
+from loadgen.trace import (
+    ReadStats,
+    RowError,
+    TraceError,
+    TraceRequest,
+    parse_count,
+    parse_seconds,
+    replayable,
+)
 
 # format name → (required columns, columns that may be missing)
 CSV_FORMATS: dict[str, tuple[str, ...]] = {
@@ -87,17 +95,6 @@ class _Timeline:
         return rel
 
 
-def _lengths(inp: int, out: int, stats: ReadStats) -> bool:
-    """Whether a row with these lengths can be replayed; counts the drop reason when not."""
-    if inp == 0:
-        stats.dropped["zero_input_tokens"] += 1
-        return False
-    if out == 0:
-        stats.dropped["zero_output_tokens"] += 1
-        return False
-    return True
-
-
 RowParser = Callable[[dict[str, str], int], TraceRequest | None]
 
 
@@ -107,7 +104,7 @@ def _azure(timeline: _Timeline, stats: ReadStats) -> RowParser:
         inp = parse_count(row["contexttokens"], "ContextTokens")
         out = parse_count(row["generatedtokens"], "GeneratedTokens")
         t = timeline.relative(stamp)  # after the checks: a malformed row does not start the clock
-        return TraceRequest(t, inp, out, (), line) if _lengths(inp, out, stats) else None
+        return TraceRequest(t, inp, out, (), line) if replayable(inp, out, stats) else None
 
     return parse
 
@@ -121,7 +118,7 @@ def _burstgpt(timeline: _Timeline, stats: ReadStats) -> RowParser:
         if out == 0:
             stats.dropped["failed_in_source"] += 1  # BurstGPT marks failed requests with 0 response tokens
             return None
-        return TraceRequest(t, inp, out, (), line) if _lengths(inp, out, stats) else None
+        return TraceRequest(t, inp, out, (), line) if replayable(inp, out, stats) else None
 
     return parse
 
@@ -130,7 +127,7 @@ def _lengths_only(in_col: str, out_col: str, stats: ReadStats) -> RowParser:
     def parse(row: dict[str, str], line: int) -> TraceRequest | None:
         inp = parse_count(row[in_col], in_col)
         out = parse_count(row[out_col], out_col)
-        return TraceRequest(None, inp, out, (), line) if _lengths(inp, out, stats) else None
+        return TraceRequest(None, inp, out, (), line) if replayable(inp, out, stats) else None
 
     return parse
 

@@ -25,10 +25,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from loadgen.trace import ReadStats, RowError, TraceError, TraceRequest, parse_count, parse_seconds
+from loadgen.trace import (
+    ReadStats,
+    RowError,
+    TraceError,
+    TraceRequest,
+    parse_count,
+    parse_seconds,
+    replayable,
+)
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces (FAST'25 release README)
 _CHUNK = 1 << 16
+# json's decoder recurses once per nesting level: a row of `[[[[…` raises RecursionError, not a decode error
+_TOO_DEEP = "invalid JSON: nested too deeply"
 
 
 def estimate_tokens(text: str) -> int:
@@ -46,8 +56,8 @@ def _mooncake_record(obj: Any, last_ms: list[float]) -> TraceRequest:
     ms = parse_seconds(obj["timestamp"], "timestamp")
     if ms < last_ms[0]:
         raise RowError("time_backwards", f"timestamp goes backwards ({ms} ms after {last_ms[0]} ms)")
-    inp = parse_count(obj["input_length"], "input_length", 1)
-    out = parse_count(obj["output_length"], "output_length", 1)
+    inp = parse_count(obj["input_length"], "input_length")  # 0 is well formed: dropped by the reader
+    out = parse_count(obj["output_length"], "output_length")
     raw_ids = obj.get("hash_ids", [])
     if not isinstance(raw_ids, list) or not all(
         isinstance(h, int) and not isinstance(h, bool) for h in raw_ids
@@ -65,7 +75,8 @@ def _mooncake_record(obj: Any, last_ms: list[float]) -> TraceRequest:
 def read_mooncake(
     path: Path, fh: TextIO, stats: ReadStats, skip_bad_rows: bool = False
 ) -> Iterator[TraceRequest]:
-    """Requests of a Mooncake JSONL trace; arrival = timestamp (ms) / 1000, relative to the first row."""
+    """Requests of a Mooncake JSONL trace; arrival = timestamp (ms) / 1000, relative to the first
+    well-formed row (a row dropped for a zero length still starts the clock, as in the CSV readers)."""
     last_ms = [0.0]
     origin: float | None = None
     for line_no, line in enumerate(fh, start=1):
@@ -73,11 +84,7 @@ def read_mooncake(
             continue
         stats.rows += 1
         try:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RowError("bad_json", f"invalid JSON: {e.msg} at column {e.colno}") from None
-            req = _mooncake_record(obj, last_ms)
+            req = _mooncake_record(_loads(line), last_ms)
         except RowError as e:
             if not skip_bad_rows:
                 raise TraceError(path, line_no, str(e)) from None
@@ -86,8 +93,20 @@ def read_mooncake(
         assert req.arrival_s is not None
         if origin is None:
             origin = req.arrival_s
+        if not replayable(req.input_tokens, req.output_tokens, stats):
+            continue
         stats.yielded += 1
         yield TraceRequest(req.arrival_s - origin, req.input_tokens, req.output_tokens, req.hash_ids, line_no)
+
+
+def _loads(text: str) -> Any:
+    """One JSON line; invalid or too deeply nested JSON is a `bad_json` row."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RowError("bad_json", f"invalid JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise RowError("bad_json", _TOO_DEEP) from None
 
 
 def _sharegpt_record(obj: Any, stats: ReadStats, line: int) -> TraceRequest | None:
@@ -170,6 +189,9 @@ def _iter_json_array(fh: TextIO, path: Path) -> Iterator[tuple[int, Any | RowErr
                 more = fh.read(max(_CHUNK, len(buf)))  # grow geometrically: a huge element stays linear
                 eof = not more
                 buf, pos = buf[pos:] + more, 0
+            except RecursionError:  # this deep, reading more cannot make it parse
+                yield line, RowError("bad_json", _TOO_DEEP)
+                return
         yield line, obj
         line += buf.count("\n", pos, end)
         pos = end
@@ -209,6 +231,6 @@ def read_sharegpt(
 
 def _loads_or_error(text: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        return RowError("bad_json", f"invalid JSON: {e.msg} at column {e.colno}")
+        return _loads(text)
+    except RowError as e:
+        return e

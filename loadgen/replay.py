@@ -22,12 +22,13 @@ from typing import Any
 import httpx
 from rich.console import Console
 
+from loadgen.client import one_line
 from loadgen.console import ProgressDisplay, print_summary
 from loadgen.formats import Trace, open_trace
 from loadgen.metrics import Metrics, Slo, compute_metrics
 from loadgen.plots import write_plots
 from loadgen.report import ReplayConfig, build_report, write_report
-from loadgen.runner import RunOptions, RunResult, Target, replay
+from loadgen.runner import UNREACHABLE_AFTER, RunOptions, RunResult, Target, replay
 from loadgen.schedule import ScheduleOptions, schedule
 from loadgen.synthetic import parse_spec
 
@@ -87,11 +88,15 @@ def prepare(req: ReplayRequest) -> Trace:
     """Check the target, open and check the trace and the schedule options before anything is sent."""
     check_target(req.url, req.api_key)
     trace = open_trace(req.trace, req.format, req.skip_bad_rows, req.seed)
-    req.schedule.validate(trace.timed)
-    if req.concurrency is not None and req.concurrency <= 0:
-        raise ReplayError(f"--concurrency must be > 0, got {req.concurrency}")
-    if req.timeout_s is not None and req.timeout_s <= 0:
-        raise ReplayError(f"--timeout must be > 0 seconds, got {req.timeout_s}")
+    try:
+        req.schedule.validate(trace.timed)
+        if req.concurrency is not None and req.concurrency <= 0:
+            raise ReplayError(f"--concurrency must be > 0, got {req.concurrency}")
+        if req.timeout_s is not None and req.timeout_s <= 0:
+            raise ReplayError(f"--timeout must be > 0 seconds, got {req.timeout_s}")
+    except BaseException:
+        trace.close()  # a pipe opened to detect its format
+        raise
     return trace
 
 
@@ -118,6 +123,12 @@ async def run_replay_async(
                 result = await replay(scheduled, target, opts, progress, transport, stop)
         else:
             result = await replay(scheduled, target, opts, None, transport, stop)
+    if result.unreachable:
+        first = next((r.error for r in result.records if r.error_type == "connect_error"), None)
+        raise ReplayError(
+            f"cannot connect to {req.url}: the first {UNREACHABLE_AFTER} requests all failed to connect"
+            f" ({one_line(first or 'connect_error')}); the rest were not sent"
+        )
     if not result.records:
         if result.interrupted:
             raise ReplayError("interrupted before any request was sent")

@@ -33,6 +33,9 @@ from loadgen.schedule import ScheduledRequest
 PREBUILD_WINDOW_S = 2.0  # bodies of requests due this far past the next one are built while waiting
 PREBUILD_BYTES = 64 << 20  # … up to this much of them in memory
 _PREBUILD_MARGIN_S = 0.002  # stop building this close to the next send time
+# The first this many requests to finish all failed to connect: nothing listens at the URL. The replay
+# stops there instead of playing the rest of the schedule (hours, for a real trace) to the same end.
+UNREACHABLE_AFTER = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,7 @@ class RunResult:
     started_at: str = ""  # wall-clock ISO time of t = 0
     duration_s: float = 0.0  # t = 0 → end of the last request
     interrupted: bool = False  # `stop` was set: nothing more sent, requests in flight cancelled
+    unreachable: bool = False  # stopped early: the first UNREACHABLE_AFTER requests all failed to connect
 
 
 async def _one(
@@ -87,10 +91,12 @@ async def _one(
     origin: float,
     slots: asyncio.Semaphore | None,
     observer: Observer | None,
+    watch: _ReachWatch,
 ) -> None:
     """Send one request; with `slots`, the slot the loop acquired for it is released when it ends."""
     try:
         await _send(rec, body, client, target, opts, origin, observer)
+        watch.done(rec)
     finally:
         if slots is not None:
             slots.release()
@@ -110,6 +116,31 @@ async def _send(
     await send_request(client, target.request_url, body, target.headers(), rec, origin, opts.timeout_s)
     if observer is not None:
         observer.done(rec)
+
+
+class _ReachWatch:
+    """Sets `halt` when the first `n` requests to finish all failed to connect. Any other outcome among
+    them (an answer, even an error status) disarms it for good: a server that answered once is there, and
+    what it does next is the replay's to measure."""
+
+    __slots__ = ("_failed", "_halt", "_n", "armed", "tripped")
+
+    def __init__(self, n: int, halt: asyncio.Event) -> None:
+        self._n, self._halt = n, halt
+        self._failed = 0
+        self.armed = n > 0
+        self.tripped = False
+
+    def done(self, rec: RequestRecord) -> None:
+        if not self.armed:
+            return
+        if rec.error_type != "connect_error":
+            self.armed = False
+            return
+        self._failed += 1
+        if self._failed >= self._n:
+            self.armed, self.tripped = False, True
+            self._halt.set()
 
 
 CLIENT_SHARDS = 8  # measured: 300 req/s of small requests, 1 pool 2.6–5.0 ms CPU/request, 8 pools 1.45 ms
@@ -132,7 +163,8 @@ async def replay(
 ) -> RunResult:
     """Send every scheduled request at `send_at_s` after the start; return when all have finished, or soon
     after `stop` is set (Ctrl-C): then nothing more is sent, the requests in flight are cancelled and
-    recorded as `cancelled`, and the result says `interrupted`."""
+    recorded as `cancelled`, and the result says `interrupted`. The same early end, with `unreachable`,
+    when the first `UNREACHABLE_AFTER` requests to finish all failed to connect."""
     if target.endpoint not in ENDPOINT_PATHS:
         raise ValueError(f"endpoint must be one of {', '.join(ENDPOINT_PATHS)}, got {target.endpoint!r}")
     prompts = PromptBuilder(opts.seed, opts.prompt_salt)
@@ -140,7 +172,12 @@ async def replay(
     result = RunResult(started_at=datetime.now(UTC).isoformat())
     tasks: set[asyncio.Task[None]] = set()
     ahead = _Prebuilt(iter(requests), target, prompts)
+    halt = asyncio.Event()  # set by `stop` (Ctrl-C) or by the watch: send nothing more, cancel the rest
+    watch = _ReachWatch(UNREACHABLE_AFTER, halt)
     async with contextlib.AsyncExitStack() as stack:
+        if stop is not None:
+            relay = asyncio.ensure_future(_relay(stop, halt))
+            stack.callback(relay.cancel)
         # Requests go round-robin to a few clients: httpcore scans its whole pool when a request starts or
         # ends, so one pool of n connections costs O(n) per request; shards keep n small at high load.
         shards = [await stack.enter_async_context(make_client(opts, transport)) for _ in range(CLIENT_SHARDS)]
@@ -153,9 +190,9 @@ async def replay(
                 ahead.fill(nxt.send_at_s, due - _PREBUILD_MARGIN_S)
                 # Behind schedule, still yield once per request: the tasks already created send now, rather
                 # than after every overdue body is built (all of them in memory, the first send seconds late).
-                if await _stopped_while_waiting(stop, due - time.perf_counter()):
+                if await _stopped_while_waiting(halt, due - time.perf_counter()):
                     break
-                if slots is not None and not await _slot_unless_stopped(slots, stop):
+                if slots is not None and not await _slot_unless_stopped(slots, halt):
                     break
                 ahead.pop()
                 rec = RequestRecord(
@@ -164,28 +201,37 @@ async def replay(
                 rec.slot_s = rec.scheduled_s if slots is None else time.perf_counter() - origin
                 result.records.append(rec)
                 client = shards[nxt.index % len(shards)]
-                task = asyncio.create_task(_one(rec, body, client, target, opts, origin, slots, observer))
+                task = asyncio.create_task(
+                    _one(rec, body, client, target, opts, origin, slots, observer, watch)
+                )
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 await asyncio.sleep(0)  # the task sends now, not after the next body is built
                 if not ahead.queue:
                     ahead.pull()
-            if ahead.error is not None and not (stop and stop.is_set()):  # a bad trace row, where reached
+            if ahead.error is not None and not halt.is_set():  # a bad trace row, where reached
                 raise ahead.error
-            await _until_done_or_stopped(tasks, stop)
+            await _until_done_or_stopped(tasks, halt)
         finally:  # a trace error mid-replay (or Ctrl-C): no request is left running
             for t in tasks:
                 t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-    if stop is not None and stop.is_set():
-        result.interrupted = True
+    if halt.is_set():
+        result.interrupted = stop is not None and stop.is_set()
+        result.unreachable = watch.tripped
+        why = "the replay was interrupted" if result.interrupted else "the target is unreachable"
         now = time.perf_counter() - origin
         for rec in result.records:
             if not rec.success and rec.error_type is None:  # in flight when the run stopped
-                rec.error_type, rec.error, rec.end_s = "cancelled", "the replay was interrupted", now
+                rec.error_type, rec.error, rec.end_s = "cancelled", why, now
     result.duration_s = max((r.end_s for r in result.records), default=0.0)
     return result
+
+
+async def _relay(stop: asyncio.Event, halt: asyncio.Event) -> None:
+    await stop.wait()
+    halt.set()
 
 
 async def _stopped_while_waiting(stop: asyncio.Event | None, delay: float) -> bool:

@@ -76,6 +76,18 @@ class ReadStats:
         }
 
 
+def replayable(input_tokens: int, output_tokens: int, stats: ReadStats) -> bool:
+    """Whether a well-formed row with these lengths can be replayed; counts the drop reason when not (an
+    empty prompt is no request, and `max_tokens=0` is not a valid one), the same names in every reader."""
+    if input_tokens == 0:
+        stats.dropped["zero_input_tokens"] += 1
+        return False
+    if output_tokens == 0:
+        stats.dropped["zero_output_tokens"] += 1
+        return False
+    return True
+
+
 # The longest context any served model takes is 10M tokens (Llama 4 Scout); a larger count is a broken row,
 # and building its prompt would allocate gigabytes before the first request is sent.
 MAX_TOKENS = 10_000_000

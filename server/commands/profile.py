@@ -25,9 +25,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loadgen.profile_search import SearchConfig, SearchResult, SearchSlo
-from loadgen.profile_url import url_measure_factory
+from loadgen.profile_search import (
+    MAX_GRID_RATES,
+    SearchConfig,
+    SearchResult,
+    SearchSlo,
+    finest_resolution,
+    grid_size,
+)
+from loadgen.profile_url import ProfileError, preflight, url_measure_factory
 from loadgen.profiling import Bucket, MeasureFactory, ProbePlan, ProfileGrid, QueueBound, profile_grid
+from loadgen.replay import ReplayError, check_target
 from loadgen.runner import RunOptions, Target
 from placement.catalog import CatalogError, load_catalog
 from placement.perf_model import PerfModel
@@ -105,6 +113,16 @@ def _table(profile: ThroughputProfile) -> Table:
     for i, row in enumerate(profile.max_rate):
         t.add_row(f"[{profile.input_edges[i]},{profile.input_edges[i + 1]})", *(f"{r:.2f}" for r in row))
     return t
+
+
+def _check_target(target: Target) -> None:
+    """Exit 2 with one line unless the URL, the key and one small request work (else every probe fails
+    alike, and hours later the profile would be all zeros)."""
+    try:
+        check_target(target.url, target.api_key)
+        preflight(target)
+    except (ReplayError, ProfileError) as e:
+        fail(str(e))
 
 
 def register(app: typer.Typer) -> None:
@@ -192,6 +210,12 @@ def register(app: typer.Typer) -> None:
             check_number(name, value, inclusive=True)
         if not max_rate > min_rate:
             fail(f"--max-rate must exceed --min-rate ({min_rate:g}), got {max_rate:g}")
+        if (n_rates := grid_size(min_rate, max_rate, resolution)) > MAX_GRID_RATES:
+            fail(
+                f"--resolution {resolution:g} makes {n_rates:,} rates from --min-rate {min_rate:g} to "
+                f"--max-rate {max_rate:g} (at most {MAX_GRID_RATES:,}): "
+                f"give --resolution ≥ {finest_resolution(min_rate, max_rate):g}"
+            )
         if probe_requests < 1:
             fail(f"--probe-requests must be ≥ 1, got {probe_requests}")
         if role not in {r.value for r in Role}:
@@ -229,6 +253,7 @@ def register(app: typer.Typer) -> None:
                 return capacity_hint(perf, b, 0.05, config, max_len)
 
             target = Target(url, served_model or model, "completions", api_key)
+            _check_target(target)
             factory = url_measure_factory(target, model_spec.max_context, seed, plan, RunOptions(), hint)
         console = Console(stderr=True)
         t0 = time.perf_counter()
@@ -242,7 +267,10 @@ def register(app: typer.Typer) -> None:
             console.print(f"{b.label}: {rate}  [{time.perf_counter() - t0:.1f} s]")
 
         cfg = SearchConfig(min_rate=min_rate, max_rate=max_rate, resolution=resolution)
-        grid = profile_grid(inp, outp, factory, slo, cfg, progress, QueueBound(factor=queue_factor))
+        try:
+            grid = profile_grid(inp, outp, factory, slo, cfg, progress, QueueBound(factor=queue_factor))
+        except ProfileError as e:  # unreachable, or refusing every request: no profile is better than zeros
+            fail(str(e))
         profile = build_profile(
             grid, model_spec.name, gpu_spec.name, tp, "sim" if sim else "url", slo, inp, outp, the_role
         )

@@ -1,8 +1,10 @@
-"""Fixtures of the load-generator tests: a simulated worker served on 127.0.0.1 from a background loop."""
+"""Fixtures of the load-generator tests: a simulated worker served on 127.0.0.1 from a background loop, and
+a port nothing listens on."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -28,3 +30,12 @@ def worker_url() -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@pytest.fixture
+def closed_url() -> Iterator[str]:
+    """A 127.0.0.1 port nothing listens on: bound (so no one else takes it) but not listening, every
+    connection is refused at once."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"

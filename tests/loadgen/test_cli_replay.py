@@ -66,16 +66,26 @@ def test_bad_input_exits_2_with_one_line(worker_url: str, args: list[str], messa
     assert len(lines) == 1 and message in lines[0], res.output  # type: ignore[attr-defined]
 
 
-def test_unreachable_server_exits_2_and_keeps_the_earlier_report(tmp_path: Path) -> None:
-    """--out held an earlier run's report: it was replaced by an empty one before the exit 2."""
+def test_unreachable_server_exits_2_and_keeps_the_earlier_report(tmp_path: Path, closed_url: str) -> None:
+    """--out held an earlier run's report: it was replaced by an empty one before the exit 2. The replay
+    stops once its first 8 requests all failed to connect (it used to play the whole schedule first)."""
     earlier = tmp_path / "report.json"
     earlier.write_text('{"earlier": true}')
-    res = mosaic(SPEC, "--url", "http://127.0.0.1:9", "--quiet", "--timeout", "5", "--out", str(earlier))
+    res = mosaic(SPEC, "--url", closed_url, "--quiet", "--timeout", "5", "--out", str(earlier))
+    assert res.exit_code == 2  # type: ignore[attr-defined]
+    lines = res.stderr.strip().splitlines()  # type: ignore[attr-defined]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"error: cannot connect to {closed_url}: the first 8 requests all failed")
+    assert lines[0].endswith("; the rest were not sent")
+    assert earlier.read_text() == '{"earlier": true}'
+
+
+def test_a_trace_too_short_to_give_up_on_still_exits_2(closed_url: str) -> None:
+    res = mosaic("synthetic:rate=100,n=3,input=8,output=2", "--url", closed_url, "--quiet")
     assert res.exit_code == 2  # type: ignore[attr-defined]
     assert res.stderr.strip().splitlines() == [  # type: ignore[attr-defined]
-        "error: cannot connect to http://127.0.0.1:9: every request failed to connect"
+        f"error: cannot connect to {closed_url}: every request failed to connect"
     ]
-    assert earlier.read_text() == '{"earlier": true}'
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loadgen.profile_search import (
+    MAX_GRID_RATES,
     Measurement,
     SearchConfig,
     SearchSlo,
+    finest_resolution,
+    grid_size,
     queue_is_stable,
     search_max_rate,
 )
@@ -29,6 +32,16 @@ def linear_tpot(rate: float) -> Measurement:
 def test_grid_is_geometric_within_bounds() -> None:
     assert GRID[0] == 0.1 and GRID[-1] <= 200.0 < GRID[-1] * 1.05
     assert all(b / a == pytest.approx(1.05) for a, b in itertools.pairwise(GRID))
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(0.01, 2000.0), (5.0, 40.0), (1e-6, 1e6), (1.0, 1.0001)])
+def test_a_grid_too_fine_is_refused_with_a_resolution_that_works(lo: float, hi: float) -> None:
+    """`--resolution 1e-9` built a list of 12 billion rates (MemoryError): refused, naming one that works."""
+    with pytest.raises(ValueError, match=r"resolution 1e-12 makes .* grid rates \(at most 100,000\): use ≥"):
+        SearchConfig(lo, hi, 1e-12).grid()
+    finest = finest_resolution(lo, hi)
+    assert grid_size(lo, hi, finest) <= MAX_GRID_RATES < grid_size(lo, hi, finest * 0.98)
+    assert len(SearchConfig(lo, hi, finest).grid()) == grid_size(lo, hi, finest)
 
 
 @pytest.mark.parametrize(

@@ -114,3 +114,113 @@ def test_a_probe_the_generator_could_not_send_on_time_fails(monkeypatch: pytest.
         assert measure is not None
         m = measure.measure(100.0)
         assert (m.failed, m.stable) == (0, stable), (lag, m)
+
+
+def test_profile_url_against_nothing_exits_2_at_once(closed_url: str, tmp_path: Path) -> None:
+    """Nothing listening: every probe failed and, after all of them (days at the default sizes), the command
+    exited 0 with an all-zero profile. A first 1-token request now fails it at once, naming URL and error."""
+    out = tmp_path / "p.yaml"
+    args = ["profile", "--url", closed_url, "--gpu", "H100", "--model", "llama-3-8b", "--out", str(out)]
+    # small probes, so that without the preflight the test ends (in seconds) rather than hangs
+    args += ["--input-edges", "1,64", "--output-edges", "2,8", "--min-rate", "5", "--max-rate", "40"]
+    args += ["--probe-window-s", "0.2", "--probe-requests", "5", "--probe-e2e-factor", "0"]
+    res = CliRunner().invoke(build_app(), args)
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines() == [
+        f"error: cannot profile {closed_url}: a first request (1 output token) failed: "
+        "connect_error: All connection attempts failed"
+    ]
+    assert not out.exists()
+
+
+def test_preflight_names_the_url_and_the_server_s_refusal() -> None:
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from loadgen.profile_url import ProfileError, preflight
+    from loadgen.runner import Target
+    from tests.loadgen.loadgen_fakes import FakeWorker
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def refuse() -> JSONResponse:
+        return JSONResponse({"error": {"message": "invalid\nAPI key"}}, status_code=401)
+
+    with pytest.raises(ProfileError) as info:
+        preflight(Target("http://fake", "m"), transport=httpx.ASGITransport(app=app))
+    assert str(info.value) == (
+        "cannot profile http://fake: a first request (1 output token) failed: http_401: invalid API key"
+    )
+    worker = FakeWorker()
+    preflight(Target("http://fake", "m"), transport=httpx.ASGITransport(app=worker.app()))
+    assert [(len(b["prompt"]), b["max_tokens"]) for b in worker.received] == [(16, 1)]
+
+
+def failing_replay(error_types: list[str | None]) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """A stand-in for `runner.replay` whose n-th call fails every request with error_types[n] (None: every
+    request succeeds)."""
+    from loadgen.client import RequestRecord
+    from loadgen.runner import RunResult
+
+    calls = iter(error_types)
+
+    async def replay(sched: list[Any], *args: object) -> RunResult:
+        error_type = next(calls)
+        result = RunResult(started_at="")
+        for req in sched:
+            rec = RequestRecord(req.index, req.send_at_s, req.input_tokens, req.output_tokens)
+            rec.slot_s = rec.sent_s = req.send_at_s
+            if error_type is None:
+                rec.chunk_s.extend([rec.sent_s + 0.01, rec.sent_s + 0.02])
+                rec.output_tokens, rec.success = 2, True
+            else:
+                rec.error_type, rec.error = error_type, f"{error_type} happened"
+            rec.end_s = rec.sent_s + 0.02
+            result.records.append(rec)
+        return result
+
+    return replay
+
+
+@pytest.mark.parametrize(
+    ("error_type", "fatal"),
+    [
+        pytest.param("connect_error", True, id="nothing listens any more: fatal"),
+        pytest.param("http_404", True, id="404 (unknown model or path): fatal"),
+        pytest.param("http_401", True, id="401 (the key): fatal"),
+        pytest.param("http_503", False, id="503 is load: that rate fails"),
+        pytest.param("timeout", False, id="a timeout is load: that rate fails"),
+        pytest.param("http_400", False, id="400 may be the bucket's length (max_model_len): that rate fails"),
+    ],
+)
+def test_a_probe_failing_for_no_load_reason_stops_the_profile(
+    monkeypatch: pytest.MonkeyPatch, error_type: str, fatal: bool
+) -> None:
+    """Every request of a probe refused (or unconnectable) read as "cannot serve this rate": the profile went
+    on, probe after probe, to an all-zero file. Now it raises, and the CLI exits 2."""
+    import loadgen.profile_url as profile_url
+    from loadgen.profiling import Bucket, ProbePlan
+    from loadgen.runner import Target
+
+    plan = ProbePlan(min_window_s=1.0, min_requests=5, e2e_factor=0)
+    factory = profile_url.url_measure_factory(Target("http://unused", "m"), 8192, plan=plan)
+    bucket = Bucket(0, 0, 16, 32, 2, 3)
+    monkeypatch.setattr(profile_url, "replay", failing_replay([None, error_type]))  # baseline, then a probe
+    measure = factory(bucket)
+    assert measure is not None
+    if fatal:
+        with pytest.raises(
+            profile_url.ProfileError, match=rf"every request of the probe of .* failed: {error_type}"
+        ):
+            measure.measure(10.0)
+    else:
+        m = measure.measure(10.0)
+        assert m.n == 0 and m.failed > 0
+    monkeypatch.setattr(profile_url, "replay", failing_replay([error_type]))  # the unloaded baseline
+    if fatal:
+        with pytest.raises(profile_url.ProfileError, match="every request of the unloaded baseline"):
+            factory(bucket)
+    else:
+        assert factory(bucket) is not None

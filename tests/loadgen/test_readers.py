@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import io
 import json
+import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -345,3 +350,139 @@ def test_token_counts_past_the_longest_context_are_bad_rows(tmp_path: Path) -> N
         list(open_trace(path))
     reqs = list(open_trace(path, skip_bad_rows=True))
     assert [r.input_tokens for r in reqs] == [10]
+
+
+# --- deep nesting, pipes, long first lines, byte-order marks, zero lengths ---------------------------------
+
+DEEP = "[" * 200_000  # json's decoder recurses per level: RecursionError, not JSONDecodeError
+MOONCAKE_ROW = '{"timestamp": 0, "input_length": 10, "output_length": 5}'
+SHAREGPT_ROW = json.dumps(
+    {"conversations": [{"from": "human", "value": "abcd"}, {"from": "gpt", "value": "ef"}]}
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "format", "skippable"),
+    [
+        pytest.param(f"{MOONCAKE_ROW}\n{DEEP}\n{MOONCAKE_ROW}\n", None, True, id="Mooncake row"),
+        pytest.param(f"{SHAREGPT_ROW}\n{DEEP}\n{SHAREGPT_ROW}\n", None, True, id="ShareGPT JSONL row"),
+        pytest.param(f"[{SHAREGPT_ROW},\n{DEEP}]\n", None, False, id="ShareGPT array element"),
+    ],
+)
+def test_too_deeply_nested_json_is_a_bad_row(
+    tmp_path: Path, text: str, format: str | None, skippable: bool
+) -> None:
+    """A RecursionError traceback, even with --skip-bad-rows: now `bad_json` like any invalid JSON."""
+    path = tmp_path / "deep.json"
+    path.write_text(text)
+    with pytest.raises(TraceError, match=r"deep\.json:2: invalid JSON: nested too deeply"):
+        list(open_trace(path, format))
+    if skippable:
+        trace = open_trace(path, format, skip_bad_rows=True)
+        assert len(list(trace)) == 2 and trace.stats.skipped == {"bad_json": 1}
+    else:  # an array cannot resynchronise: an error even when skipping
+        with pytest.raises(TraceError, match="nested too deeply"):
+            list(open_trace(path, format, skip_bad_rows=True))
+
+
+def test_a_first_json_line_too_deep_to_decode_is_not_a_format(tmp_path: Path) -> None:
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}\n")  # 10 kB: whole within the detection read
+    with pytest.raises(TraceError, match="neither Mooncake"):
+        detect_format(path)
+
+
+@contextlib.contextmanager
+def piped(data: bytes) -> Iterator[str]:
+    """`data` behind a pipe, named as bash names `<(cmd)`: /dev/fd/N. A thread writes it (more than a pipe
+    holds) and gives up if the reader closes first."""
+    r, w = os.pipe()
+
+    def write() -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(w, view) :]
+        except BrokenPipeError:
+            pass
+        finally:
+            os.close(w)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        yield f"/dev/fd/{r}"
+    finally:
+        os.close(r)
+        writer.join(10)
+
+
+def test_a_pipe_is_read_whole_from_one_handle() -> None:
+    """Detection read the start of a pipe and the reader opened it again, past what detection had taken:
+    `<(head -5 azure.csv)` was an "empty file", a 200-row Mooncake pipe gave 158 rows with --skip-bad-rows."""
+    rows = [json.dumps({"timestamp": 10 * i, "input_length": 600, "output_length": 5, "hash_ids": [i, i + 1]})
+            for i in range(200)]  # fmt: skip
+    with piped(("\n".join(rows) + "\n").encode()) as path:
+        trace = open_trace(path, skip_bad_rows=True)
+        assert trace.format == "mooncake" and len(list(trace)) == 200 and trace.stats.skipped_total == 0
+    azure = (FIX / "azure_2023.csv").read_bytes().splitlines(keepends=True)[:5]
+    with piped(b"".join(azure)) as path:
+        assert len(list(open_trace(path))) == 4
+
+
+def test_a_pipe_with_a_forced_format_and_a_second_read() -> None:
+    """--format sharegpt on a pipe was an io.UnsupportedOperation traceback (the reader seeked back)."""
+    with piped((FIX / "sharegpt.json").read_bytes()) as path:
+        trace = open_trace(path, "sharegpt")
+        assert [(r.input_tokens, r.output_tokens) for r in trace] == [(8, 8), (6, 4)]
+        with pytest.raises(TraceError, match=r"not a regular file .* can be read only once"):
+            list(trace)
+    with piped((FIX / "sharegpt.jsonl").read_bytes()) as path:
+        trace = open_trace(path, "sharegpt")
+        assert trace.jsonl and len(list(trace)) == 2
+
+
+def test_detection_reads_only_the_start_of_a_long_first_line(tmp_path: Path) -> None:
+    """Detection read the whole first line: 370 MB of memory for a minified 186 MB ShareGPT array. A byte
+    that is not UTF-8 1 MB in shows whether it read that far."""
+    path = tmp_path / "minified.json"
+    path.write_bytes(b"[" + b" " * (1 << 20) + b"\xff]\n")
+    assert detect_format(path) == "sharegpt"
+    # a JSONL conversation longer than the detection read is still recognised by its keys
+    long_row = json.dumps({"id": "x", "conversations": [{"from": "human", "value": "w" * 200_000},
+                                                        {"from": "gpt", "value": "ok"}]})  # fmt: skip
+    path.write_text(long_row + "\n")
+    assert detect_format(path) == "sharegpt-jsonl"
+    assert [r.input_tokens for r in open_trace(path)] == [50_000]
+
+
+@pytest.mark.parametrize(
+    ("fixture", "fmt", "n"),
+    [
+        pytest.param("mooncake.jsonl", "mooncake", 3, id="Mooncake"),
+        pytest.param("sharegpt.jsonl", "sharegpt", 2, id="ShareGPT JSONL"),
+        pytest.param("sharegpt.json", "sharegpt", 2, id="ShareGPT array"),
+        pytest.param("azure_2023.csv", "azure", 4, id="Azure CSV"),
+    ],
+)
+def test_a_utf8_byte_order_mark_is_dropped(tmp_path: Path, fixture: str, fmt: str, n: int) -> None:
+    """Detection accepted a BOM but the JSONL readers failed on it ("Unexpected UTF-8 BOM")."""
+    path = tmp_path / fixture
+    path.write_bytes(codecs.BOM_UTF8 + (FIX / fixture).read_bytes())
+    trace = open_trace(path)
+    assert trace.format == fmt and len(list(trace)) == n
+
+
+def test_mooncake_rows_of_zero_length_are_dropped(tmp_path: Path) -> None:
+    """Rejected as malformed (exit 2); the docs say every format drops and counts them, as Azure does."""
+    path = tmp_path / "zero.jsonl"
+    path.write_text(
+        '{"timestamp": 500, "input_length": 0, "output_length": 5, "hash_ids": []}\n'
+        '{"timestamp": 1000, "input_length": 600, "output_length": 0, "hash_ids": [1]}\n'
+        '{"timestamp": 2500, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}\n'
+    )
+    trace = open_trace(path)
+    reqs = list(trace)
+    # the first (dropped but well-formed) row starts the clock, as in the CSV readers
+    assert [(r.arrival_s, r.input_tokens, r.output_tokens) for r in reqs] == [(2.0, 600, 3)]
+    assert trace.stats.dropped == {"zero_input_tokens": 1, "zero_output_tokens": 1}

@@ -16,7 +16,7 @@ from loadgen.prompts import BLOCK_TOKENS
 from loadgen.replay import ReplayRequest, run_replay_async
 from loadgen.report import SCHEMA, load_report
 from loadgen.runner import RunOptions, RunResult, Target, replay
-from loadgen.schedule import ScheduleOptions, schedule
+from loadgen.schedule import ScheduledRequest, ScheduleOptions, schedule
 from loadgen.trace import TraceError
 from tests.loadgen.loadgen_fakes import FakeWorker
 
@@ -240,3 +240,22 @@ def test_requests_waiting_for_a_concurrency_slot_hold_no_task_of_their_own() -> 
     assert 2 < len(result.records) <= 22
     assert sum(r.error_type == "cancelled" for r in result.records) <= 2
     assert len(worker.received) == len(result.records) and worker.max_in_flight == 2
+
+
+def test_an_unreachable_target_stops_the_replay_after_the_first_requests(closed_url: str) -> None:
+    """Every request failed to connect, and the whole schedule was played before the replay said so (hours,
+    for a real trace). Now it stops once the first 8 to finish all failed to connect: the rest are not sent."""
+    sched = [ScheduledRequest(k, k / 200, 8, 2) for k in range(400)]  # 2 s of sends
+    result = asyncio.run(replay(sched, Target(closed_url, "m")))
+    assert result.unreachable and not result.interrupted
+    assert 8 <= len(result.records) < 100
+    errors = {r.error_type for r in result.records}
+    assert "connect_error" in errors and errors <= {"connect_error", "cancelled"}
+
+
+def test_one_answer_among_the_first_requests_keeps_the_replay_going() -> None:
+    """Only a target that never answered is given up on: a server that fails requests is measured."""
+    worker = FakeWorker(fail_every=1)  # every request a 503
+    out = run(ReplayRequest(SPEC, "http://fake", "m", progress=False), worker)
+    m = out.metrics  # type: ignore[attr-defined]
+    assert m.errors == {"http_503": 25} and not out.result.unreachable  # type: ignore[attr-defined]
