@@ -78,14 +78,20 @@ MAX_GRID_RATES = 100_000
 
 
 def grid_size(min_rate: float, max_rate: float, resolution: float) -> int:
-    """How many rates the geometric grid from `min_rate` to `max_rate` at `resolution` holds."""
-    return math.floor(math.log(max_rate / min_rate) / math.log1p(resolution) + 1e-9) + 1
+    """How many rates the geometric grid from `min_rate` to `max_rate` at `resolution` holds; past
+    `MAX_GRID_RATES` only that it is more (a resolution of 1e-320 or rates 1e600 apart make it infinite)."""
+    steps = math.log(max_rate / min_rate) / math.log1p(resolution) if resolution > 0 else math.inf
+    if not math.isfinite(steps) or steps >= MAX_GRID_RATES:
+        return MAX_GRID_RATES + 1
+    return math.floor(steps + 1e-9) + 1
 
 
 def finest_resolution(min_rate: float, max_rate: float) -> float:
     """About the smallest resolution whose grid between the two rates holds at most `MAX_GRID_RATES` rates,
     rounded *up* to 3 significant digits, so that the number a message prints is one that works."""
     exact = math.expm1(math.log(max_rate / min_rate) / (MAX_GRID_RATES - 1))
+    if not math.isfinite(exact) or exact <= 0:
+        return math.inf  # the rates are too far apart (or too close) for any grid: the caller says so
     scale = 10.0 ** (math.floor(math.log10(exact)) - 2)
     return float(f"{math.ceil(exact / scale) * scale:.3g}")
 
@@ -104,7 +110,7 @@ class SearchConfig:
         n = grid_size(self.min_rate, self.max_rate, self.resolution)
         if n > MAX_GRID_RATES:  # a tiny resolution would build a list of billions of rates (MemoryError)
             raise ValueError(
-                f"resolution {self.resolution:g} makes {n:,} grid rates (at most {MAX_GRID_RATES:,}): "
+                f"resolution {self.resolution:g} makes over {MAX_GRID_RATES:,} grid rates: "
                 f"use ≥ {finest_resolution(self.min_rate, self.max_rate):g}"
             )
         return [self.min_rate * (1 + self.resolution) ** i for i in range(n)]

@@ -53,34 +53,49 @@ class NodeLabelCache:
 
     `get(label, nodes, fetch)`: the cached listing while it is younger than `ttl_s` and shows every node in
     `nodes` (or the node was already missing from it: a node without the label stays unknown); else one
-    `fetch()` (concurrent callers share it). A failed fetch falls back to the last listing, else raises."""
+    `fetch()` (concurrent callers share it). A failed fetch falls back to the last listing, else raises; it
+    is logged once per run of failures, and not retried for `retry_s` (every pool's resync would otherwise
+    ask the API server again, as often as before the cache)."""
 
-    def __init__(self, ttl_s: float = NODE_LABELS_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        ttl_s: float = NODE_LABELS_TTL_S,
+        retry_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ttl_s = ttl_s
+        self.retry_s = retry_s
         self._clock = clock
         self._listed: dict[str, tuple[float, dict[str, dict[str, str]], set[str]]] = {}  # at, labels, absent
         self._fetching: dict[str, asyncio.Future[dict[str, dict[str, str]]]] = {}
+        self._failed: dict[str, tuple[float, Exception]] = {}  # label → (when, why) its last listing failed
 
     async def get(
         self, label: str, nodes: Iterable[str], fetch: Callable[[], Awaitable[dict[str, Any]]]
     ) -> NodeLabels:
         entry = self._listed.get(label)
+        now = self._clock()
         if entry is not None:
             at, labels, absent = entry
             unseen = {n for n in nodes if n not in labels and n not in absent}
-            if self._clock() - at < self.ttl_s and not unseen:
+            if now - at < self.ttl_s and not unseen:
                 return labels
+        failed = self._failed.get(label)
+        if failed is not None and now - failed[0] < self.retry_s:
+            if entry is None:
+                raise RuntimeError(f"listing nodes failed {now - failed[0]:.0f} s ago: {failed[1]}")
+            return entry[1]
         pending = self._fetching.get(label)
         if pending is None:
             pending = self._fetching[label] = asyncio.ensure_future(self._list(label, fetch))
             pending.add_done_callback(lambda _: self._fetching.pop(label, None))
+            pending.add_done_callback(_consume)  # retrieved even if every waiter was cancelled
         try:
             labels = await asyncio.shield(pending)
         except Exception:
             if entry is None:
                 raise
-            log.warning("listing nodes for domain label %s failed: using the last listing", label)
-            return entry[1]
+            return entry[1]  # the last listing; `_list` logged the failure
         at, labels, absent = self._listed[label]
         absent.update(n for n in nodes if n not in labels)
         return labels
@@ -88,7 +103,17 @@ class NodeLabelCache:
     async def _list(
         self, label: str, fetch: Callable[[], Awaitable[dict[str, Any]]]
     ) -> dict[str, dict[str, str]]:
-        labels = node_labels_from_list(await fetch())
+        try:
+            labels = node_labels_from_list(await fetch())
+        except Exception as exc:
+            if label not in self._failed and label in self._listed:
+                log.warning(
+                    "listing nodes for domain label %s failed (%s): using the last listing", label, exc
+                )
+            self._failed[label] = (self._clock(), exc)
+            raise
+        if self._failed.pop(label, None) is not None and label in self._listed:
+            log.info("listing nodes for domain label %s works again", label)
         self._listed[label] = (self._clock(), labels, set())
         return labels
 

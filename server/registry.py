@@ -378,10 +378,12 @@ class Registry:
 
     def report_failure(self, worker_id: str, kind: str, hard: bool = False) -> None:
         """A request to the worker failed (`kind`: connect, timeout, status_5xx...); `hard` ejects at once."""
-        self._metrics.upstream_errors.labels(worker_id, kind).inc()
         rec = self._workers.get(worker_id)
         if rec is None:
-            return
+            if worker_id in self._departed:  # still running requests: its series stays until they end
+                self._metrics.upstream_errors.labels(worker_id, kind).inc()
+            return  # gone (its series were forgotten): a late failure must not bring one back
+        self._metrics.upstream_errors.labels(worker_id, kind).inc()
         rec.last_error = kind
         if rec.breaker.record_failure(self._clock(), hard=hard):
             log.warning("worker %s ejected (circuit breaker open) after %s", worker_id, kind)
@@ -449,7 +451,8 @@ class Registry:
             resp.raise_for_status()
             stats = parse_vllm_metrics(resp.text)
         except (httpx.HTTPError, ValueError, ArithmeticError) as exc:  # one bad worker never ends the round
-            self._metrics.scrape_errors.labels(rec.id).inc()
+            if self._workers.get(rec.id) is rec or self._departed.get(rec.id) is rec:  # not left meanwhile
+                self._metrics.scrape_errors.labels(rec.id).inc()
             rec.last_error = f"scrape: {type(exc).__name__}"
             return
         now = self._clock()

@@ -146,6 +146,12 @@ class StreamSession:
         self._first_at = self._last_token = now
         self._ttft_pending = False
 
+    def _first_token_unless_error(self, now: float) -> None:
+        """The first piece with an event after a role-only opening: TTFT, unless that event is the worker's
+        error (vLLM failing the request before its first token: there is no first token to time)."""
+        if self.relay.error is None:
+            self._first_token(now)
+
     def _token_events(self, out: bytes) -> int:
         """Events in a relayed piece that carry tokens: all but `data: [DONE]`, the usage-only event
         (`choices: []`), which end a stream in the same step as its last token (timing them as token gaps
@@ -171,7 +177,7 @@ class StreamSession:
             tokens = self._token_events(out)
             if tokens > 0:
                 if self._ttft_pending:
-                    self._first_token(now)
+                    self._first_token_unless_error(now)
                 elif self._timed:
                     self._itl.observe(now - self._last_token)
                 self._last_token = now
@@ -287,7 +293,7 @@ class StreamSession:
             tokens = token_events(out)
             if tokens > 0:
                 if self._ttft_pending:
-                    self._first_token(now)
+                    self._first_token_unless_error(now)
                 else:
                     observe(now - self._last_token)
                 self._last_token = now

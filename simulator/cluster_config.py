@@ -60,7 +60,7 @@ class EngineKnobs(_Strict):
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     block_size: int = Field(default=16, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    num_gpu_blocks: int | None = Field(default=None, ge=1)
+    num_gpu_blocks: int | None = Field(default=None, ge=2)  # one is vLLM's null block
 
     @model_validator(mode="after")
     def _batch_fits_seqs(self) -> EngineKnobs:

@@ -159,7 +159,7 @@ class Engine:
         elif config.max_model_len > capacity:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the KV cache capacity of {capacity} tokens "
-                f"({kv.num_blocks} blocks of {kv.block_size})"
+                f"({kv.usable} usable blocks of {kv.block_size}: {kv.num_blocks} less vLLM's null block)"
             )
         else:
             self.max_model_len = config.max_model_len

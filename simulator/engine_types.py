@@ -35,8 +35,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be ≥ 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks must be ≥ 1, got {self.num_gpu_blocks}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:  # one is vLLM's null block
+            raise ValueError(
+                f"num_gpu_blocks must be ≥ 2 (one is vLLM's null block), got {self.num_gpu_blocks}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be ≥ 2, got {self.max_model_len}")
         if self.natural_output_mean < 1 or self.natural_output_shape < 0:

@@ -24,7 +24,9 @@ Several sequences, as vLLM serves them: a completions batch of prompts (strings 
 `n` completions per prompt; choice `index` = prompt · n + completion, usage counts each prompt once and
 every completion's tokens (`ApiRequest.sequences`). Refused (400, a clear message): `kv_transfer_params`
 on a request of several sequences (vLLM's prefill answer carries one sequence's). Accepted, type-checked and
-ignored: sampling parameters (temperature, top_p, seed, stop, logprobs, …), tools, response_format, echo.
+ignored: sampling parameters (temperature, top_p, seed, stop, logprobs, …), response_format (by its type
+only), echo. Accepted and ignored without a type check (vLLM checks them): tools, tool_choice, user,
+logit_bias, priority, use_beam_search; a `json_schema` response format's schema.
 """
 
 from __future__ import annotations

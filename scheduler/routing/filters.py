@@ -9,7 +9,7 @@ Default order (the first reason wins, so workers of other models count as `wrong
 | `excluded` | excluded | worker.id ∈ the cycle's `exclude` (the gateway already failed on it) |
 | `state` | starting / draining / unhealthy | worker.state ≠ ready |
 | `breaker` | breaker_open | worker.breaker_open |
-| `context-length` | exceeds_context | longest prompt ≥ max_model_len, or ceil((prompt+1)/block) > the worker's KV blocks, per sequence (an estimated prompt: see the class) |
+| `context-length` | exceeds_context | longest prompt ≥ max_model_len, or ceil((prompt+1)/block) > the worker's KV blocks less vLLM's null block, per sequence (an estimated prompt: see the class) |
 | `at-capacity` | at_capacity | demand ≥ ceil(max_num_seqs · inflight_factor) |
 | `kv-fit` | kv_full | a reserve plugin's `fits` says no; without one, scraped KV usage: |
 |  |  | usage ≥ max_usage, or ceil(expected/block) > (max_usage − usage) · blocks |
@@ -163,7 +163,7 @@ def _fits(prompt_tokens: int, worker: WorkerView) -> bool:
         return False
     block = worker.block_size or capacity.block_size
     total = worker.num_gpu_blocks or capacity.kv_blocks
-    return -(-tokens // block) <= total  # ceil(tokens / block_size) blocks
+    return -(-tokens // block) <= total - 1  # ceil(tokens / block_size) blocks; one is vLLM's null block
 
 
 class AtCapacityParams(PluginParams):

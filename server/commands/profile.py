@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from pathlib import Path
 
@@ -210,11 +211,13 @@ def register(app: typer.Typer) -> None:
             check_number(name, value, inclusive=True)
         if not max_rate > min_rate:
             fail(f"--max-rate must exceed --min-rate ({min_rate:g}), got {max_rate:g}")
-        if (n_rates := grid_size(min_rate, max_rate, resolution)) > MAX_GRID_RATES:
+        if grid_size(min_rate, max_rate, resolution) > MAX_GRID_RATES:
+            finest = finest_resolution(min_rate, max_rate)
+            if not math.isfinite(finest):
+                fail(f"--min-rate {min_rate:g} and --max-rate {max_rate:g} are too far apart for a rate grid")
             fail(
-                f"--resolution {resolution:g} makes {n_rates:,} rates from --min-rate {min_rate:g} to "
-                f"--max-rate {max_rate:g} (at most {MAX_GRID_RATES:,}): "
-                f"give --resolution ≥ {finest_resolution(min_rate, max_rate):g}"
+                f"--resolution {resolution:g} makes over {MAX_GRID_RATES:,} rates from --min-rate {min_rate:g} "
+                f"to --max-rate {max_rate:g}: give --resolution ≥ {finest:g}"
             )
         if probe_requests < 1:
             fail(f"--probe-requests must be ≥ 1, got {probe_requests}")

@@ -146,14 +146,14 @@ class FakeWorker:
     async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
-            if self.mode == "error_event":  # vLLM's stream when generation fails before the first token
-                yield self._error_event()
-                yield b"data: [DONE]\n\n"
-                return
             if chat and self.role_lead_s is not None:
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 yield b"data: " + json.dumps({"id": "x", "object": obj, "choices": [role]}).encode() + b"\n\n"
                 await asyncio.sleep(self.role_lead_s)
+            if self.mode == "error_event":  # vLLM's stream when generation fails before the first token
+                yield self._error_event()
+                yield b"data: [DONE]\n\n"
+                return
             for i in range(n):
                 if self.mode == "error_mid_stream" and i == self.die_after:
                     yield self._error_event()

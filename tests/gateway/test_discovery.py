@@ -281,3 +281,70 @@ def test_node_labels_are_relisted_for_a_new_node_but_not_for_an_unlabelled_one()
     # once to find out, then known absent
     assert len(fetched) == 3
     assert seen == [{"n1": "r1"}] * 2 + [{"n1": "r1", "n2": "r2"}] * 4
+
+
+def test_a_scrape_that_fails_after_its_worker_left_brings_no_series_back() -> None:
+    """A terminating pod's scrape hangs, then fails; discovery had dropped the worker meanwhile and
+    forgotten its series, which the late failure re-created for good."""
+
+    async def slow_failure(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.2)
+        return httpx.Response(500)
+
+    async def main() -> set[str]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(slow_failure))
+        metrics = GatewayMetrics()
+        reg = Registry(ScrapeConfig(), HealthConfig(), metrics, client=client)
+        reg.add_pool(
+            PoolInfo("p", "llama-3-8b", "H100-SXM", Role.MIXED, capacity_for("H100", "llama-3-8b")), None
+        )
+        try:
+            reg.sync_pool("p", [Endpoint("vllm-0", "http://10.0.0.5:8000")])
+            scrape = asyncio.ensure_future(reg.scrape_once())
+            await asyncio.sleep(0.05)
+            reg.sync_pool("p", [])  # gone while its scrape is in flight
+            await scrape
+            reg.report_failure("p/vllm-0", "connect")  # a late request failure: the same
+        finally:
+            await reg.stop()
+            await client.aclose()
+        return {
+            s.labels["worker"]
+            for fam in metrics.registry.collect()
+            if fam.name in ("mosaic_upstream_errors", "mosaic_scrape_errors")
+            for s in fam.samples
+        }
+
+    assert asyncio.run(main()) == set()
+
+
+def test_a_failing_node_listing_is_logged_once_and_not_retried_at_every_resync(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    fetched: list[float] = []
+    failing = [False]
+
+    async def fetch() -> dict[str, Any]:
+        fetched.append(now[0])
+        if failing[0]:
+            raise RuntimeError("403 Forbidden")
+        return {"items": [{"metadata": {"name": "n1", "labels": {"rack": "r1"}}}]}
+
+    async def run() -> list[Any]:
+        cache = NodeLabelCache(ttl_s=60, retry_s=30, clock=lambda: now[0])
+        seen = [await cache.get("rack", {"n1"}, fetch)]
+        failing[0] = True
+        for t in (61, 62, 70, 95, 100):  # stale from 60 s; 3 pools resync at each
+            now[0] = t
+            seen += [await cache.get("rack", {"n1"}, fetch) for _ in range(3)]
+        failing[0] = False
+        now[0] = 130
+        seen.append(await cache.get("rack", {"n1"}, fetch))
+        return seen
+
+    with caplog.at_level("WARNING", logger="mosaic.discovery"):
+        seen = asyncio.run(run())
+    assert all(s == {"n1": {"rack": "r1"}} for s in seen)  # the last listing throughout
+    assert fetched == [0, 61, 95, 130]  # a failure is retried after 30 s, not at every pool's resync
+    assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1  # once per run of failures

@@ -268,6 +268,12 @@ def test_a_chat_streams_role_event_is_no_token(lead_s: float) -> None:
             assert ttft is not None and itl is not None and tpot is not None
             assert 2 * lead_s <= ttft < 2 * lead_s + 0.5
             assert itl < 6 * 0.01 + 0.25 and tpot < 2 * 0.01 + 0.1  # 10 ms gaps: the lead is in neither
+            # the role event, then the worker's error event: no token, so no TTFT (and no gap)
+            a.mode = "error_event"
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=4))
+            assert json.loads(sse_events(r.text)[1])["error"]["message"] == "engine died"
+            assert metric(gw, "mosaic_time_to_first_token_seconds_count", **labels) == 2
+            assert metric(gw, "mosaic_inter_token_latency_seconds_count", **labels) == 2 * 3
 
     run(body)
 

@@ -115,9 +115,13 @@ def test_profile_cli_writes_the_planner_schema(tmp_path: Path) -> None:
         pytest.param(["--sim", "--gpu", "H100", "--model", "llama-3-8b", "--slo-tpot-ms", "0"], "give an SLO", id="no SLO at all"),
         pytest.param(["--url", "localhost:8000", "--gpu", "H100", "--model", "llama-3-8b"], "http://", id="URL without scheme"),
         pytest.param(["--sim", "--gpu", "H100", "--model", "llama-3-8b", "--resolution", "1e-9"],
-                     "--resolution 1e-09 makes 12,206,072,652 rates from --min-rate 0.01 to --max-rate 2000 "
-                     "(at most 100,000): give --resolution ≥ 0.000123",
+                     "--resolution 1e-09 makes over 100,000 rates from --min-rate 0.01 to --max-rate 2000: "
+                     "give --resolution ≥ 0.000123",
                      id="a rate grid too fine to hold (was a MemoryError)"),
+        pytest.param(["--sim", "--gpu", "H100", "--model", "llama-3-8b", "--resolution", "1e-320"],
+                     "give --resolution ≥ 0.000123", id="a resolution whose grid size overflows (was OverflowError)"),
+        pytest.param(["--sim", "--gpu", "H100", "--model", "llama-3-8b", "--min-rate", "1e-300", "--max-rate", "1e300"],
+                     "are too far apart for a rate grid", id="rates whose ratio overflows"),
     ],
 )  # fmt: skip
 def test_bad_profile_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:

@@ -37,7 +37,7 @@ def test_grid_is_geometric_within_bounds() -> None:
 @pytest.mark.parametrize(("lo", "hi"), [(0.01, 2000.0), (5.0, 40.0), (1e-6, 1e6), (1.0, 1.0001)])
 def test_a_grid_too_fine_is_refused_with_a_resolution_that_works(lo: float, hi: float) -> None:
     """`--resolution 1e-9` built a list of 12 billion rates (MemoryError): refused, naming one that works."""
-    with pytest.raises(ValueError, match=r"resolution 1e-12 makes .* grid rates \(at most 100,000\): use ≥"):
+    with pytest.raises(ValueError, match=r"resolution 1e-12 makes over 100,000 grid rates: use ≥"):
         SearchConfig(lo, hi, 1e-12).grid()
     finest = finest_resolution(lo, hi)
     assert grid_size(lo, hi, finest) <= MAX_GRID_RATES < grid_size(lo, hi, finest * 0.98)

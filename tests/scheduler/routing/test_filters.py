@@ -91,6 +91,22 @@ def run(flt, w, r=None, *, roles=frozenset(Role), exclude=frozenset(), reserve=(
             R.EXCEEDS_CONTEXT,
             id="ceil(161/16) = 11 blocks > a 10-block cache → exceeds_context",
         ),
+        pytest.param(
+            f.ContextLengthFilter(),
+            worker(num_gpu_blocks=10),
+            req(prompt=144),
+            {},
+            R.EXCEEDS_CONTEXT,
+            id="ceil(145/16) = 10 blocks: a 10-block cache holds 9 (one is vLLM's null block) → exceeds_context",
+        ),
+        pytest.param(
+            f.ContextLengthFilter(),
+            worker(num_gpu_blocks=10),
+            req(prompt=143),
+            {},
+            None,
+            id="ceil(144/16) = 9 blocks fit the 9 usable",
+        ),
         # at-capacity: limit = ceil(256 · 1.5) = 384
         pytest.param(
             f.AtCapacityFilter(),
