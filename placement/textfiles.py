@@ -12,10 +12,32 @@ import yaml
 
 
 class _Loader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that reads `1e3`, `1.5e3` and `2.5E-1` as floats, as YAML 1.2 (and JSON) do.
+    """`yaml.SafeLoader` that reads `1e3`, `1.5e3` and `2.5E-1` as floats, as YAML 1.2 (and JSON) do, and
+    refuses a key given twice in one mapping.
 
     PyYAML follows YAML 1.1, whose floats need a dot and a signed exponent: `cost_per_hour: 1.5e3` came back
-    as the string "1.5e3", which a strict number check then refused and a lax one silently converted."""
+    as the string "1.5e3", which a strict number check then refused and a lax one silently converted. It also
+    keeps the last of two equal keys without a word: a second `limits:` block dropped the first's settings
+    (YAML 1.2 requires keys to be unique)."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:  # the mapping's own keys: what `<<:` merges in may be overridden
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise DuplicateKeyError(key, key_node.start_mark)
+                    seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    def __init__(self, key: Any, mark: yaml.Mark) -> None:
+        super().__init__(problem=f"key {key!r} given twice", problem_mark=mark)
+        self.key = key
 
 
 _Loader.add_implicit_resolver(
@@ -40,11 +62,14 @@ def read_text(path: Path, error: type[ValueError], cannot_read: str) -> str:
 
 
 def parse_yaml(text: str, error: type[ValueError], not_valid: str) -> Any:
-    """`yaml.safe_load(text)`, reading exponents as YAML 1.2 does (`_Loader`); `error(not_valid + " at line N")`
-    on a syntax error (PyYAML's own message spans several lines with a caret drawing; the line number is
+    """`yaml.safe_load(text)`, reading exponents and refusing repeated keys as YAML 1.2 does (`_Loader`);
+    `error(not_valid + " at line N")` on a syntax error (PyYAML's own message spans several lines with a caret drawing; the line number is
     what a user needs)."""
     try:
         return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        raise error(f"{not_valid}{f' at line {mark.line + 1}' if mark is not None else ''}") from None
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        if isinstance(exc, DuplicateKeyError):
+            raise error(f"{not_valid}{at}: key {exc.key!r} is given twice in one mapping") from None
+        raise error(f"{not_valid}{at}") from None

@@ -36,3 +36,27 @@ def test_infinity_is_still_read_so_checks_can_refuse_it() -> None:
 def test_a_syntax_error_is_one_line_with_its_line_number() -> None:
     with pytest.raises(ValueError, match=r"^f.yaml: not valid YAML at line 2$"):
         parse_yaml("a: 1\nb: : c\n", ValueError, "f.yaml: not valid YAML")
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "key"),
+    [
+        pytest.param(
+            "limits:\n  queue_size: 5\nlimits:\n  total_timeout_s: 30\n", 3, "limits", id="two blocks"
+        ),
+        pytest.param("pools:\n  - name: p\n    tp: 2\n    tp: 4\n", 4, "tp", id="inside a list item"),
+    ],
+)
+def test_a_key_given_twice_is_refused_with_its_line(text: str, line: int, key: str) -> None:
+    """PyYAML kept the last of two equal keys silently: a second `limits:` dropped the first's queue_size."""
+    with pytest.raises(
+        ValueError, match=rf"^f.yaml: not valid YAML at line {line}: key '{key}' is given twice"
+    ):
+        parse_yaml(text, ValueError, "f.yaml: not valid YAML")
+
+
+def test_merge_keys_and_equal_keys_in_different_mappings_are_fine() -> None:
+    text = "base: &b {a: 1, b: 2}\nx:\n  <<: *b\n  b: 3\ny: {a: 1}\nz: {a: 1}\n"
+    assert parse_yaml(text, ValueError, "bad") == {
+        "base": {"a": 1, "b": 2}, "x": {"a": 1, "b": 3}, "y": {"a": 1}, "z": {"a": 1}
+    }  # fmt: skip
