@@ -144,7 +144,7 @@ class StreamSession:
         d, rec = self.d, self.rec
         d.child(d.metrics.ttft, rec.model, rec.pool).observe(now - rec.arrival)
         self._first_at = self._last_token = now
-        self._ttft_pending = False
+        self._ttft_pending = self.relay.watch_roles = False
 
     def _first_token_unless_error(self, now: float) -> None:
         """The first piece with an event after a role-only opening: TTFT, unless that event is the worker's

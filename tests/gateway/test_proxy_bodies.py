@@ -294,3 +294,27 @@ def test_unknown_fields_are_ignored_by_the_parser() -> None:
         "completions", b'{"model":"m","prompt":"x","guided_json":{"type":"object"},"ignore_eos":true}'
     )
     assert p.body.endswith(b'"ignore_eos":true}')  # forwarded bytes are the client's
+
+
+def _chat_event(delta: dict[str, object], index: int = 0) -> bytes:
+    choice = {"index": index, "delta": delta, "finish_reason": None}
+    return b"data: " + json.dumps({"id": "c", "choices": [choice]}).encode() + b"\n\n"
+
+
+def test_relay_counts_the_role_only_events_that_open_a_chat_stream() -> None:
+    """n = 2: a role event per choice, then tokens. Counted at the start of a chunk only, and only until the
+    caller's first token (`watch_roles`): role events open a stream."""
+    role = {"role": "assistant", "content": ""}
+    relay = SseRelay(strip_usage=False)
+    first = _chat_event(role, 0) + _chat_event(role, 1)[:20]  # the second role event split across reads
+    assert relay.feed(first) == _chat_event(role, 0) and relay.role_only_relayed == 1
+    relay.feed(_chat_event(role, 1)[20:] + _chat_event({"content": "Hi"}, 0))
+    assert relay.role_only_relayed == 2
+    # a role with content is a token; an event after a token is not looked at
+    relay = SseRelay(strip_usage=False)
+    relay.feed(_chat_event({"role": "assistant", "content": "Hi"}) + _chat_event(role, 1))
+    assert relay.role_only_relayed == 0
+    relay = SseRelay(strip_usage=False)
+    relay.watch_roles = False
+    relay.feed(_chat_event(role))
+    assert relay.role_only_relayed == 0
