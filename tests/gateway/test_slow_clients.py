@@ -24,13 +24,10 @@ from typing import Any
 from server.config import validate_config
 from server.runner import start_gateway_server
 from server.upstream import READ_HIGH_WATER
+from tests.gateway.scripted_http import EMPTY_200, SSE_HEAD, chunk, read_request
 
 MODEL = "llama-3-8b"
 EVENTS = 20_000  # ~19 MB of events: far over what the kernel buffers for a localhost socket (≤ 4 MB sent)
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 class StreamingWorker:
@@ -42,19 +39,11 @@ class StreamingWorker:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.split(b"\r\n")
-                length = next(
-                    (int(x.split(b":")[1]) for x in lines if x.lower().startswith(b"content-length:")), 0
-                )
-                if length:
-                    await reader.readexactly(length)
-                if lines[0].split()[1] != b"/v1/chat/completions":
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                path, _ = await read_request(reader)
+                if path != b"/v1/chat/completions":
+                    writer.write(EMPTY_200)
                     continue
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-                )
+                writer.write(SSE_HEAD)
                 choice = {"index": 0, "delta": {"content": "x" * 900}, "finish_reason": None}
                 event = (
                     b"data: "
@@ -62,9 +51,9 @@ class StreamingWorker:
                     + b"\n\n"
                 )
                 for _ in range(EVENTS):
-                    writer.write(_chunk(event))
+                    writer.write(chunk(event))
                     await writer.drain()
-                writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
                 await writer.drain()
                 self.finished += 1
         except (asyncio.IncompleteReadError, ConnectionError):

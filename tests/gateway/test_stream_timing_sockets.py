@@ -11,13 +11,10 @@ import httpx
 
 from server.config import validate_config
 from server.runner import start_gateway_server
+from tests.gateway.scripted_http import EMPTY_200, SSE_HEAD, chunk, read_request
 
 MODEL = "llama-3-8b"
 LEAD_S, GAP_S, TOKENS = 0.3, 0.05, 4
-
-
-def _chunk(data: bytes) -> bytes:
-    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def _event(delta: dict[str, str]) -> bytes:
@@ -29,30 +26,22 @@ async def _worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
     """/health and /metrics: empty 200s; a chat POST: the role event, LEAD_S, then TOKENS tokens GAP_S apart."""
     try:
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head.split(b"\r\n")
-            length = next(
-                (int(x.split(b":")[1]) for x in lines if x.lower().startswith(b"content-length:")), 0
-            )
-            if length:
-                await reader.readexactly(length)
-            if lines[0].split()[1] != b"/v1/chat/completions":
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            path, _ = await read_request(reader)
+            if path != b"/v1/chat/completions":
+                writer.write(EMPTY_200)
                 continue
-            writer.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-            )
-            writer.write(_chunk(_event({"role": "assistant", "content": ""})))
+            writer.write(SSE_HEAD)
+            writer.write(chunk(_event({"role": "assistant", "content": ""})))
             await writer.drain()
             await asyncio.sleep(LEAD_S)
             for i in range(TOKENS):
                 if i:
                     await asyncio.sleep(GAP_S)
-                writer.write(_chunk(_event({"content": f"w{i} "})))
+                writer.write(chunk(_event({"content": f"w{i} "})))
                 await writer.drain()
             usage = {"prompt_tokens": 3, "completion_tokens": TOKENS, "total_tokens": 3 + TOKENS}
             tail = b"data: " + json.dumps({"id": "c", "choices": [], "usage": usage}).encode() + b"\n\n"
-            writer.write(_chunk(tail) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            writer.write(chunk(tail) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
