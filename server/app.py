@@ -156,13 +156,31 @@ def create_app(
     transport: httpx.AsyncBaseTransport | None = None,
     sources: Mapping[str, Source] | None = None,
     reserve: Sequence[ReservePlugin] = (),
+    on_startup_error: Callable[[Exception], None] | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving `config`; its lifespan starts discovery, scraping and simulated workers."""
+    """A FastAPI app serving `config`; its lifespan starts discovery, scraping and simulated workers.
+    When that start fails, what did start is stopped; then the error is raised (uvicorn logs it and exits 3),
+    or, given `on_startup_error`, handed to it with the app up but draining: the caller stops the server
+    (`mosaic serve` prints one line and exits 2)."""
     gw = Gateway(config, transport=transport, sources=sources, reserve=reserve)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await gw.start()
+        try:
+            await gw.start()
+        except BaseException as exc:
+            # Startup failed (e.g. a launched pool's second vLLM replica found no free GPU): stop what did
+            # start — vLLM processes of earlier replicas and pools would otherwise outlive this gateway.
+            await gw.stop()
+            if on_startup_error is None or not isinstance(exc, Exception):
+                raise
+            # Reported, not raised: uvicorn answers a failed startup with sys.exit(3) from inside its task,
+            # which its caller cannot turn into a clean exit. The app comes up draining (every request 503,
+            # /ready 503) and the caller, told here, stops it at once.
+            gw.draining = True
+            on_startup_error(exc)
+            yield
+            return
         try:
             yield
         finally:

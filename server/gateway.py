@@ -196,15 +196,25 @@ class Gateway:
 
     def _launched_source(self, pool: PoolConfig) -> Source:
         """`launch: vllm`: the pool's vLLM processes, started and supervised by `server.vllm_source`. One
-        GPU allocator for every launched pool of this gateway, so no two replicas share a GPU."""
-        from server.vllm_launcher import detect_gpu_ids
-        from server.vllm_pool import GpuAllocator
+        GPU allocator for every launched pool of this gateway, so no two replicas share a GPU; a pool with
+        `launch.gpu_ids` draws only from those."""
+        import os
+
         from server.vllm_source import LaunchedPoolSource
 
-        assert pool.endpoints.launch is not None
+        launch = pool.endpoints.launch
+        assert launch is not None
         if self._gpu_allocator is None:
-            self._gpu_allocator = GpuAllocator(detect_gpu_ids())
+            self._gpu_allocator = self._launch_allocator()
         model = self.config.model_config_for(pool.model)
+        # The gateway's own key variables never reach vLLM (the launcher's allowlist drops most names
+        # already; these are dropped even when a name happens to match it).
+        auth = self.config.auth
+        secrets = {auth.api_keys_env, auth.admin_keys_env, *(p.api_key_env for p in self.config.pools)}
+        # vLLM checks VLLM_API_KEY; the gateway sends the pool's `api_key_env` key: make them the same one.
+        api_key = None
+        if pool.api_key_env:  # unset or empty: the dispatcher refuses the config (one line, exit 2)
+            api_key = os.environ.get(pool.api_key_env, "").strip() or None
         return LaunchedPoolSource.for_pool(
             pool.name,
             served_model=model.name,
@@ -212,9 +222,39 @@ class Gateway:
             tp=pool.tp,
             max_model_len=model.max_model_len,
             gpu_memory_utilization=pool.gpu_memory_utilization,
-            launch=pool.endpoints.launch,
+            max_num_seqs=pool.max_num_seqs,
+            block_size=pool.block_size,
+            launch=launch,
             allocator=self._gpu_allocator,
+            api_key=api_key,
+            drop_env={name for name in secrets if name},
         )
+
+    def _launch_allocator(self) -> Any:
+        """The GPUs launched pools share: this machine's (CUDA_VISIBLE_DEVICES, else nvidia-smi), or, when none
+        is detected, the union of the pools' `launch.gpu_ids`. A pool's `gpu_ids` must be among the detected
+        ones: CUDA_VISIBLE_DEVICES=0,1 excludes GPU 2 for the whole gateway."""
+        from server.vllm_launcher import detect_gpu_ids
+        from server.vllm_pool import GpuAllocator
+
+        listed = {
+            p.name: p.endpoints.launch.gpu_ids
+            for p in self.config.pools
+            if p.endpoints.launch is not None and p.endpoints.launch.use_gpus and p.endpoints.launch.gpu_ids
+        }
+        if not listed:
+            return GpuAllocator(detect_gpu_ids())
+        detected = detect_gpu_ids()
+        if not detected:
+            return GpuAllocator(list(dict.fromkeys(g for ids in listed.values() for g in ids)))
+        for name, ids in listed.items():
+            unknown = [g for g in ids if g not in detected]
+            if unknown:
+                raise ConfigError(
+                    f"pools[{name}].endpoints.launch.gpu_ids: GPU {', '.join(unknown)} is not among this machine's "
+                    f"GPUs ({', '.join(detected)}; CUDA_VISIBLE_DEVICES, else nvidia-smi)"
+                )
+        return GpuAllocator(detected)
 
     async def start(self) -> None:
         warning = self.keys.open_warning()

@@ -1,15 +1,24 @@
 """`launch: vllm` pools: Mosaic starts real `vllm serve` processes on this machine's GPUs and scales them.
 
 One process per replica; each gets `tp` GPUs from a `GpuAllocator` shared by every launched pool, so no two
-processes ever see the same GPU (`CUDA_VISIBLE_DEVICES`). Lowest free ids first, which keeps a TP group on
-adjacent GPUs (usually the same NVLink/PCIe switch). Ports: a free loopback port per replica, and for P/D
-roles a block of `tp` free ports for the NIXL side channel (rank r listens on base + r).
+processes ever see the same GPU (`CUDA_VISIBLE_DEVICES`), taken only from the pool's own `gpu_ids` when it
+lists them. Lowest free ids first, which keeps a TP group on adjacent GPUs (usually the same NVLink/PCIe
+switch). Ports: a free port per replica and, for P/D roles, a block of `tp` free ports for the NIXL side
+channel (vLLM 0.32 listens on base + its data-parallel index, i.e. on base alone without data parallelism;
+the block is kept as spare room for TP ranks of releases that listened on base + rank). A port probed free
+is not held by anything until vLLM binds it 30-120 s later, so every port handed out is recorded in a
+process-wide reservation (`reserve_port`) until its replica has exited: two replicas starting at once never
+get the same one.
 
 `VllmPoolLauncher` is non-blocking so the gateway's event loop and the embedded autoscaler can call it: a
-replica starts as a process (health is the registry's job, or `wait_ready`); a stop sends SIGTERM and the
-process is reaped on later calls (`reap`), SIGKILLed with its process group if still alive after
-`stop_grace_s`. `VllmActuator` adapts pools to the autoscaler's `Actuator` protocol
-(`scale(pool, replicas, now)`, `replicas(pool)`).
+replica starts as a process (health is the registry's job, `check_ready` or `wait_ready`); a stop sends
+SIGTERM and the process is reaped on later calls (`reap`), SIGKILLed with its process group if still alive
+after `stop_grace_s`. Failures (a start that raises, a replica that exits by itself, one not ready within
+`start_timeout_s`) feed one `Backoff` per pool: the next start waits `restart_backoff_s`, doubling per
+consecutive failure up to `restart_backoff_max_s`; a replica answering /health ends the streak. Starts are
+done on the calling thread, which must outlive the replica (see `server.vllm_launcher`: parent-death signal).
+`VllmActuator` adapts pools to the autoscaler's `Actuator` protocol (`scale(pool, replicas, now)`,
+`replicas(pool)`).
 
 Config: a pool's `endpoints: {launch: ...}` is a `LaunchVllmConfig` (the gateway builds a
 `server.vllm_source.LaunchedPoolSource` from it):
@@ -21,7 +30,9 @@ pools:
     gpu: H100
     role: decode                   # → --kv-transfer-config with kv_role kv_consumer
     tp: 2                          # → --tensor-parallel-size 2, two GPUs per replica
-    gpu_memory_utilization: 0.9
+    gpu_memory_utilization: 0.9    # → --gpu-memory-utilization
+    max_num_seqs: 256              # → --max-num-seqs   (the gateway sizes capacity from these two)
+    block_size: 16                 # → --block-size
     min_replicas: 1
     max_replicas: 3
     endpoints:
@@ -36,41 +47,131 @@ pools:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import shlex
 import socket
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scheduler.actuators.base import ScaleAction
-from server.vllm_launcher import LaunchError, VllmLaunchSpec, VllmProcess, free_port
+from server.vllm_launcher import (
+    NEVER_INHERITED_ENV,
+    LaunchError,
+    VllmLaunchSpec,
+    VllmProcess,
+    connect_host,
+    free_port,
+    health_ok,
+)
+
+log = logging.getLogger("mosaic.vllm")
 
 
 class LaunchVllmConfig(BaseModel):
     """A pool's `endpoints.launch`: `launch: vllm` (all defaults) or a mapping with these keys."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: a grace, backoff or timeout of .inf would never end (and NaN compares false)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     engine: Literal["vllm"] = "vllm"
-    model: str | None = None  # weights to serve: a path or HF name; None → the pool's model name
+    # weights to serve: a path or HF name; None → the pool's model name
+    model: str | None = Field(default=None, min_length=1)
     replicas: int = Field(default=1, ge=0)  # started with the gateway; the autoscaler moves it in min..max
-    gpu_ids: list[str] | None = None  # GPUs Mosaic may hand out; None → CUDA_VISIBLE_DEVICES, else nvidia-smi
+    # GPUs this pool's replicas may use (from the one allocator of all launched pools); None → every GPU of
+    # the machine (CUDA_VISIBLE_DEVICES, else nvidia-smi)
+    gpu_ids: list[str] | None = None
     use_gpus: bool = True  # false: no GPU assignment (vLLM's CPU build)
     vllm_command: str = "vllm serve"  # split like a shell would
     extra_args: list[str] = Field(default_factory=list)  # appended to every replica's command line
-    env: dict[str, str] = Field(default_factory=dict)
-    host: str = "127.0.0.1"
-    log_dir: str | None = None  # per-replica logs; None → a temporary folder
+    env: dict[str, str] = Field(default_factory=dict)  # set in every replica's environment
+    # variables inherited from the gateway's environment beyond the allowlist (server.vllm_launcher)
+    pass_env: list[str] = Field(default_factory=list)
+    host: str = Field(default="127.0.0.1", min_length=1)  # vLLM's --host (IPv6 without brackets)
+    # host NIXL peers reach this machine's replicas at (P/D roles); None → the bind host, or for a wildcard
+    # bind (0.0.0.0, ::) this machine's primary IPv4 address (127.0.0.1 when it has no route)
+    advertise_host: str | None = Field(default=None, min_length=1)
+    # per-replica logs; None → $XDG_CACHE_HOME/mosaic/vllm-logs/<pool> (~/.cache/...), where the logs of
+    # replicas that stopped cleanly are removed and those of failed ones kept
+    log_dir: str | None = Field(default=None, min_length=1)
     stop_grace_s: float = Field(default=30.0, ge=0)
-    restart_backoff_s: float = Field(default=10.0, ge=0)  # a replica that died is replaced after this
+    restart_backoff_s: float = Field(default=10.0, ge=0)  # first wait after a failure; doubles per failure
+    restart_backoff_max_s: float = Field(default=300.0, ge=0)  # ... up to this
+    # a replica not answering /health this long after its start is stopped and replaced: covers a model
+    # download and load (minutes for a large model); a hung start would otherwise hold its GPUs forever
+    start_timeout_s: float = Field(default=900.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, data: object) -> object:
         return {"engine": data} if isinstance(data, str) else data
+
+    @field_validator("gpu_ids")
+    @classmethod
+    def _gpu_ids(cls, ids: list[str] | None) -> list[str] | None:
+        if ids is None:
+            return None
+        if not ids:
+            raise ValueError("must list at least one GPU (or set use_gpus: false)")
+        for gpu in ids:
+            if not gpu or gpu != gpu.strip() or "," in gpu:
+                raise ValueError(f'{gpu!r} is not a GPU id (one id per item, e.g. "0")')
+        repeated = sorted({g for g in ids if ids.count(g) > 1})
+        if repeated:
+            raise ValueError(f"GPU {', '.join(repeated)} is listed twice")
+        return ids
+
+    @field_validator("vllm_command")
+    @classmethod
+    def _command(cls, command: str) -> str:
+        try:
+            argv = shlex.split(command)
+        except ValueError as exc:  # e.g. "No closing quotation"
+            raise ValueError(f"{command!r}: {exc}") from None
+        if not argv:
+            raise ValueError('must not be empty (e.g. "vllm serve")')
+        return command
+
+    @field_validator("host", "advertise_host")
+    @classmethod
+    def _host(cls, host: str | None) -> str | None:
+        if host is not None and (host.startswith("[") or any(c.isspace() or c == "/" for c in host)):
+            raise ValueError(f"{host!r} is not an address (IPv6 without brackets, e.g. ::1)")
+        return host
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, str]) -> dict[str, str]:
+        if NEVER_INHERITED_ENV & set(env):
+            raise ValueError(
+                "VLLM_API_KEY: set the pool's api_key_env instead (the gateway must send the same key)"
+            )
+        return env
+
+    @field_validator("pass_env")
+    @classmethod
+    def _pass_env(cls, names: list[str]) -> list[str]:
+        if NEVER_INHERITED_ENV & set(names):
+            raise ValueError("VLLM_API_KEY is never passed on: set the pool's api_key_env instead")
+        return names
+
+    @model_validator(mode="after")
+    def _backoff_bounds(self) -> LaunchVllmConfig:
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError(
+                f"restart_backoff_max_s {self.restart_backoff_max_s:g} < restart_backoff_s {self.restart_backoff_s:g}"
+            )
+        return self
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return tuple(shlex.split(self.vllm_command))
 
 
 class GpuAllocator:
@@ -83,21 +184,30 @@ class GpuAllocator:
         self._owner: dict[str, str] = {}
 
     @property
+    def gpu_ids(self) -> tuple[str, ...]:
+        return self._order
+
+    @property
     def free(self) -> tuple[str, ...]:
         return tuple(g for g in self._order if g not in self._owner)
 
     def owned_by(self, owner: str) -> tuple[str, ...]:
         return tuple(g for g in self._order if self._owner.get(g) == owner)
 
-    def allocate(self, owner: str, count: int) -> tuple[str, ...]:
-        """`count` free GPUs (lowest ids first) for `owner`; LaunchError naming the shortfall when too few."""
+    def allocate(self, owner: str, count: int, among: Sequence[str] | None = None) -> tuple[str, ...]:
+        """`count` free GPUs (lowest ids first) for `owner`, only from `among` when given (a pool's own
+        `gpu_ids`); LaunchError naming the shortfall when too few."""
         if self.owned_by(owner):
-            raise LaunchError(f"{owner} already holds GPUs {','.join(self.owned_by(owner))}")
-        free = self.free
+            raise LaunchError(f"{owner} needs GPUs but already holds {','.join(self.owned_by(owner))}")
+        wanted = None if among is None else set(among)
+        allowed = self._order if wanted is None else tuple(g for g in self._order if g in wanted)
+        free = tuple(g for g in allowed if g not in self._owner)
         if count > len(free):
+            in_use = ", ".join(f"{g}→{o}" for g, o in sorted(self._owner.items()) if g in allowed)
             raise LaunchError(
-                f"{owner} needs {count} GPU(s), {len(free)} free of {len(self._order)}"
-                f" (in use: {', '.join(f'{g}→{o}' for g, o in sorted(self._owner.items())) or 'none'})"
+                f"{owner} needs {count} GPU(s), {len(free)} free of {len(allowed)}"
+                f"{'' if among is None else ' (' + ','.join(allowed) + ')'}"
+                f" (in use: {in_use or 'none'})"
             )
         chosen = free[:count]
         for gpu in chosen:
@@ -111,25 +221,100 @@ class GpuAllocator:
         return released
 
 
-def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
-    """A base port such that base .. base+count-1 are all free now (NIXL side channel: one per TP rank)."""
+# Ports handed out to replicas of any pool of this process, held until the replica has exited. A probed port
+# is free only at the instant of the probe: vLLM binds it 30-120 s later, and in between another replica's
+# probe could return it again (the OS hands out ephemeral ports round-robin, not never-twice).
+_reserved_ports: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def reserved_ports() -> frozenset[int]:
+    with _ports_lock:
+        return frozenset(_reserved_ports)
+
+
+def release_ports(ports: Iterable[int]) -> None:
+    with _ports_lock:
+        _reserved_ports.difference_update(ports)
+
+
+def _bindable(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def reserve_port(
+    host: str = "127.0.0.1", attempts: int = 200, probe: Callable[[str], int] | None = None
+) -> int:
+    """A free port no other replica of this process holds, now reserved (`release_ports` gives it back)."""
+    return reserve_port_block(1, host, attempts, probe)
+
+
+def reserve_port_block(
+    count: int, host: str = "127.0.0.1", attempts: int = 200, probe: Callable[[str], int] | None = None
+) -> int:
+    """A base port such that base .. base+count-1 are all free now and unreserved, now reserved. `probe`
+    (default `free_port`) names a port the OS reports free."""
     for _ in range(attempts):
-        base = free_port(host)
+        try:
+            base = (probe or free_port)(host)
+        except OSError as exc:  # e.g. an IPv6 host on a machine without IPv6
+            raise LaunchError(f"cannot probe a free port on {host}: {exc.strerror or exc}") from exc
+        block = set(range(base, base + count))
         if base + count - 1 > 65535:
             continue
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base + 1, base + count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(sock)
-                sock.bind((host, port))
+        with _ports_lock:
+            if block & _reserved_ports:
+                continue
+            if not all(_bindable(host, p) for p in range(base + 1, base + count)):
+                continue
+            _reserved_ports.update(block)
             return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise LaunchError(f"no block of {count} free ports found on {host}")
+    raise LaunchError(f"no block of {count} free port(s) found on {host}")
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """A base port such that base .. base+count-1 are all free now (not reserved: see reserve_port_block)."""
+    base = reserve_port_block(count, host, attempts)
+    release_ports(range(base, base + count))
+    return base
+
+
+class Backoff:
+    """Exponential backoff of starts after failures: `initial_s`, doubling per consecutive failure, capped."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self.initial_s = initial_s
+        self.max_s = max(max_s, initial_s)
+        self.failures = 0  # consecutive failures (0: not backing off)
+        self.retry_at = float("-inf")
+
+    def fail(self, now: float) -> float:
+        """Record a failure at `now`; returns the wait before the next start."""
+        self.failures += 1
+        delay = min(self.initial_s * 2 ** min(self.failures - 1, 62), self.max_s)
+        self.retry_at = now + delay
+        return delay
+
+    def succeed(self) -> None:
+        self.failures = 0
+        self.retry_at = float("-inf")
+
+    def ready(self, now: float) -> bool:
+        return now >= self.retry_at
+
+
+def default_log_dir(pool: str, env: Mapping[str, str] | None = None) -> Path:
+    """Where a pool's replica logs go without `launch.log_dir`: a stable folder under the user's cache (a
+    temporary one vanished with the gateway, taking the log named in a failure's warning with it)."""
+    env = os.environ if env is None else env
+    cache = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return cache / "mosaic" / "vllm-logs" / pool
 
 
 @dataclass(slots=True)
@@ -139,7 +324,11 @@ class LaunchedReplica:
     url: str
     gpu_ids: tuple[str, ...]
     process: VllmProcess
-    stopping_since: float | None = None  # monotonic time SIGTERM was sent
+    ports: tuple[int, ...] = ()  # reserved for it (server port, NIXL side channel) until it has exited
+    started_at: float = 0.0  # launcher clock
+    ready_at: float | None = None  # first /health 200 seen by check_ready
+    failed: bool = False  # exited by itself, or not ready in time: its log is kept
+    stopping_since: float | None = None  # launcher clock time SIGTERM was sent
 
 
 Starter = Callable[[VllmLaunchSpec, Path], VllmProcess]
@@ -147,6 +336,10 @@ Starter = Callable[[VllmLaunchSpec, Path], VllmProcess]
 
 def _default_starter(spec: VllmLaunchSpec, log_path: Path) -> VllmProcess:
     return VllmProcess.start(spec, log_path=log_path)
+
+
+def _health_ok(url: str) -> bool:
+    return health_ok(url, timeout_s=1.0)
 
 
 class VllmPoolLauncher:
@@ -161,7 +354,12 @@ class VllmPoolLauncher:
         *,
         stop_grace_s: float = 30.0,
         use_gpus: bool = True,
+        gpu_ids: Sequence[str] | None = None,
+        start_timeout_s: float = 900.0,
+        backoff: Backoff | None = None,
+        keep_clean_logs: bool = True,
         starter: Starter = _default_starter,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
         self.template = template
@@ -169,7 +367,12 @@ class VllmPoolLauncher:
         self.log_dir = log_dir
         self.stop_grace_s = stop_grace_s
         self.use_gpus = use_gpus  # False: CPU build (no GPU assignment), e.g. the CPU test environment
+        self.gpu_ids = tuple(gpu_ids) if gpu_ids is not None else None  # None: any GPU of the allocator
+        self.start_timeout_s = start_timeout_s
+        self.backoff = backoff if backoff is not None else Backoff(10.0, 300.0)
+        self.keep_clean_logs = keep_clean_logs  # False: remove the log of a replica that stopped cleanly
         self._starter = starter
+        self.clock = clock
         self._serial = 0
         self.desired = 0  # the count last asked for by scale_to (replicas that die are replaced up to it)
         self._live: list[LaunchedReplica] = []
@@ -189,68 +392,128 @@ class VllmPoolLauncher:
         self._serial += 1
         replica_id = f"{self.pool}-{self._serial}"
         tp = self.template.tensor_parallel_size
-        gpu_ids = self.allocator.allocate(replica_id, tp) if self.use_gpus else ()
-        # Ports are probed on loopback when the server binds every interface.
-        probe = "127.0.0.1" if self.template.host in ("0.0.0.0", "::") else self.template.host
+        gpu_ids = self.allocator.allocate(replica_id, tp, self.gpu_ids) if self.use_gpus else ()
+        probe = connect_host(self.template.host)  # a wildcard bind: probe its loopback
+        ports: list[int] = []
         try:
-            side = None if self.template.role == "mixed" else free_port_block(tp, probe)
-            spec = dataclasses.replace(
-                self.template, port=free_port(probe), gpu_ids=gpu_ids, nixl_side_channel_port=side
-            )
-            process = self._starter(spec, self.log_dir / f"{replica_id}.log")
+            port = reserve_port(probe)
+            ports.append(port)
+            side = None
+            if self.template.role != "mixed":
+                side = reserve_port_block(tp, probe)
+                ports.extend(range(side, side + tp))
+            spec = dataclasses.replace(self.template, port=port, gpu_ids=gpu_ids, nixl_side_channel_port=side)
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            log_path = self.log_dir / f"{replica_id}-{stamp}-{os.getpid()}.log"
+            process = self._starter(spec, log_path)
         except Exception:
             self.allocator.release(replica_id)
+            release_ports(ports)
             raise
-        replica = LaunchedReplica(replica_id, self.pool, spec.url, gpu_ids, process)
+        replica = LaunchedReplica(
+            replica_id, self.pool, spec.url, gpu_ids, process, tuple(ports), started_at=self.clock()
+        )
         self._live.append(replica)
+        # Every start is logged, the first ones and the replacements alike: a crash loop shows as launches.
+        log.info(
+            "launched vLLM %s at %s on GPUs %s (pid %s, log %s)",
+            replica.id,
+            replica.url,
+            ",".join(gpu_ids) or "-",
+            process.pid,
+            process.log_path,
+        )
         return replica
 
     def wait_ready(self, replica: LaunchedReplica, timeout_s: float = 900.0) -> float:
-        return replica.process.wait_healthy(timeout_s)
+        waited = replica.process.wait_healthy(timeout_s)
+        replica.ready_at = self.clock()
+        self.backoff.succeed()
+        return waited
 
-    def stop_replica(self, replica_id: str) -> None:
-        """SIGTERM now; the process is reaped by `reap()` (GPUs are released once it has exited)."""
+    def check_ready(self, probe: Callable[[str], bool] = _health_ok) -> list[LaunchedReplica]:
+        """Probe /health of replicas not yet seen ready (blocking: run it off the event loop); those that
+        answer are marked ready and end a failure streak. Returns them."""
+        became: list[LaunchedReplica] = []
+        for replica in list(self._live):
+            if replica.ready_at is None and replica.process.poll() is None and probe(replica.url):
+                replica.ready_at = self.clock()
+                became.append(replica)
+        if became:
+            self.backoff.succeed()
+        return became
+
+    def overdue(self) -> list[LaunchedReplica]:
+        """Live replicas not ready `start_timeout_s` after their start (hung: loading forever, or 503)."""
+        now = self.clock()
+        return [r for r in self._live if r.ready_at is None and now - r.started_at > self.start_timeout_s]
+
+    def stop_replica(self, replica_id: str, *, failed: bool = False) -> None:
+        """SIGTERM now; the process is reaped by `reap()` (GPUs and ports are released once it has exited).
+        `failed`: it is being replaced (a hung start), so its log is kept."""
         replica = next((r for r in self._live if r.id == replica_id), None)
         if replica is None:
             raise KeyError(replica_id)
         self._live.remove(replica)
-        replica.stopping_since = time.monotonic()
+        replica.failed = replica.failed or failed
+        replica.stopping_since = self.clock()
         replica.process.terminate()
         self._stopping.append(replica)
 
+    def _finish(self, replica: LaunchedReplica, timeout_s: float) -> None:
+        replica.process.stop(timeout_s=timeout_s)
+        self.allocator.release(replica.id)
+        release_ports(replica.ports)
+        if not replica.failed and not self.keep_clean_logs and replica.process.log_path is not None:
+            replica.process.log_path.unlink(missing_ok=True)
+
     def reap(self) -> int:
-        """Finish stops: exited processes release their GPUs; those past the grace period are killed.
-        Returns how many are still stopping."""
-        now = time.monotonic()
+        """Finish stops: exited processes release their GPUs and ports; those past the grace period are
+        killed. Returns how many are still stopping."""
+        now = self.clock()
         for replica in list(self._stopping):
             overdue = now - (replica.stopping_since or now) > self.stop_grace_s
             if replica.process.poll() is not None or overdue:
-                replica.process.stop(timeout_s=0.0 if overdue else 5.0)
-                self.allocator.release(replica.id)
+                self._finish(replica, 0.0 if overdue else 5.0)
                 self._stopping.remove(replica)
         return len(self._stopping)
 
     def prune_dead(self) -> list[LaunchedReplica]:
-        """Live replicas whose process exited on its own: removed, GPUs released. Returns them."""
+        """Live replicas whose process exited on its own: removed, GPUs and ports released, counted as a
+        failure (backoff). Returns them."""
         dead = [r for r in self._live if r.process.poll() is not None]
         for replica in dead:
             self._live.remove(replica)
-            replica.process.stop(timeout_s=0.0)
-            self.allocator.release(replica.id)
+            replica.failed = True
+            self._finish(replica, 0.0)
+        if dead:
+            self.backoff.fail(self.clock())
         return dead
 
     def scale_to(self, replicas: int) -> tuple[list[LaunchedReplica], list[str]]:
-        """Start or stop (newest first) until `replicas` are live. Returns (started, stopped ids)."""
+        """Start or stop (newest first) until `replicas` are live. Returns (started, stopped ids). Starts
+        wait out the backoff after failures (LaunchError saying until when); a failed start is one."""
         self.desired = replicas
         self.reap()
         started: list[LaunchedReplica] = []
         stopped: list[str] = []
-        while len(self._live) < replicas:
-            started.append(self.start_replica())
         while len(self._live) > replicas:
             victim = self._live[-1].id
             self.stop_replica(victim)
             stopped.append(victim)
+        if len(self._live) < replicas:
+            now = self.clock()
+            if not self.backoff.ready(now):
+                raise LaunchError(
+                    f"{self.pool}: not starting replicas for {self.backoff.retry_at - now:.0f} s more "
+                    f"(backing off after {self.backoff.failures} failure(s))"
+                )
+            while len(self._live) < replicas:
+                try:
+                    started.append(self.start_replica())
+                except LaunchError:
+                    self.backoff.fail(self.clock())
+                    raise
         return started, stopped
 
     def stop_all(self, timeout_s: float = 30.0) -> None:
@@ -296,10 +559,16 @@ def pool_template(
     tp: int,
     max_model_len: int | None,
     gpu_memory_utilization: float | None,
+    max_num_seqs: int | None = None,
+    block_size: int | None = None,
     extra_args: Sequence[str] = (),
     vllm_command: Sequence[str] = ("vllm", "serve"),
     host: str = "127.0.0.1",
+    advertise_host: str | None = None,
     env: Mapping[str, str] | None = None,
+    pass_env: Sequence[str] = (),
+    drop_env: Iterable[str] = (),
+    api_key: str | None = None,
 ) -> VllmLaunchSpec:
     """The per-pool template a `launch: vllm` pool's replicas are made from (port filled in per replica)."""
     return VllmLaunchSpec(
@@ -311,7 +580,13 @@ def pool_template(
         tensor_parallel_size=tp,
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
+        nixl_side_channel_host=advertise_host,
         extra_args=tuple(extra_args),
         vllm_command=tuple(vllm_command),
         env=dict(env or {}),
+        pass_env=tuple(pass_env),
+        drop_env=frozenset(drop_env),
+        api_key=api_key,
     )

@@ -19,7 +19,12 @@ Flags shared with the simulated worker keep vLLM's names and are forwarded when 
 `--enable-prefix-caching`); everything after `--` goes to vLLM verbatim.
 `--gpu-ids` sets the tensor-parallel size when `--tp` is left at 1 (one rank per listed GPU); a `--tp` that
 disagrees with the number of ids is refused. `--vllm-command` replaces `vllm serve` (e.g. the CPU build's
-wrapper: `.venv-vllm/bin/python scripts/vllm_cpu_cli.py serve`).
+wrapper: `.venv-vllm/bin/python scripts/vllm_cpu_cli.py serve`). `--advertise-host` is the NIXL side-channel
+host P/D peers are told (`VLLM_NIXL_SIDE_CHANNEL_HOST`; default `--host`, or for a wildcard `--host 0.0.0.0`
+this machine's primary IP). The simulator's own options (`--gpu`, `--catalog`, `--time-scale`, `--seed`,
+`--kv-link-gbps`, the failure-injection rates, `--log-level`) are refused (exit 2) rather than silently
+ignored. vLLM gets this command's environment unfiltered (unlike a gateway's launched pools) and dies with it
+even on SIGKILL (parent-death signal).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def worker_spec(
     served_model_name: str | None = None,
     vllm_command: str = "vllm serve",
     extra_args: Sequence[str] = (),
+    advertise_host: str | None = None,
 ) -> VllmLaunchSpec:
     """The launch spec for the CLI's options; ValueError with one readable line on bad input."""
     if role not in ROLES:
@@ -68,7 +74,10 @@ def worker_spec(
         tp = len(ids)
     if ids and len(ids) != tp:
         raise ValueError(f"--gpu-ids {gpu_ids} lists {len(ids)} GPU(s) but --tp is {tp}")
-    command = tuple(shlex.split(vllm_command))
+    try:
+        command = tuple(shlex.split(vllm_command))
+    except ValueError as exc:  # e.g. "No closing quotation"
+        raise ValueError(f"--vllm-command {vllm_command!r}: {exc}") from None
     if not command:
         raise ValueError("--vllm-command must not be empty")
     extra = tuple(a for a in extra_args if a != "--")
@@ -83,6 +92,7 @@ def worker_spec(
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             gpu_ids=ids,
+            nixl_side_channel_host=advertise_host,  # None → the bind host, or for 0.0.0.0 the primary IP
             extra_args=extra,
             vllm_command=command,
         )
@@ -105,7 +115,9 @@ def run_foreground(
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            process = VllmProcess.start(spec)
+            # The user's own foreground command: vLLM gets their environment as is (a VLLM_API_KEY there
+            # turns on vLLM's auth, as it would for `vllm serve`), unlike the gateway's launched pools.
+            process = VllmProcess.start(spec, filter_env=False)
         except LaunchError as exc:  # the command cannot be run at all (e.g. a wrong --vllm-command)
             fail(str(exc))
         with process:
@@ -151,6 +163,22 @@ _FORWARDED_FLAGS = {
 }
 
 
+# Options of the simulated worker that a real vLLM has no use for: refused with --engine vllm rather than
+# silently ignored (`--time-scale 10` must not look as if it did something).
+_SIMULATOR_ONLY = {
+    "gpu": "--gpu",
+    "catalog": "--catalog",
+    "time_scale": "--time-scale",
+    "seed": "--seed",
+    "kv_link_gbps": "--kv-link-gbps",
+    "error_rate": "--error-rate",
+    "stall_rate": "--stall-rate",
+    "stall_s": "--stall-s",
+    "midstream_error_rate": "--midstream-error-rate",
+    "log_level": "--log-level",
+}
+
+
 def run_vllm_worker(ctx: typer.Context) -> int:
     """`mosaic worker --engine vllm ...`: the CLI's parsed parameters (`ctx.params`, extra args after `--` in
     `ctx.args`) → a foreground vLLM. Bad input exits 2 with one line (`fail`)."""
@@ -159,6 +187,13 @@ def run_vllm_worker(ctx: typer.Context) -> int:
     def given(name: str) -> bool:
         # By name: Typer may bring its own copy of click, whose ParameterSource is a different enum class.
         return getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+
+    ignored = [flag for name, flag in _SIMULATOR_ONLY.items() if name in p and given(name)]
+    if ignored:
+        fail(
+            f"{', '.join(ignored)}: simulated worker only (--engine sim); --engine vllm would ignore "
+            f"{'it' if len(ignored) == 1 else 'them'} (vLLM flags go after --)"
+        )
 
     flags: list[str] = []
     for name, flag in _FORWARDED_FLAGS.items():
@@ -181,6 +216,7 @@ def run_vllm_worker(ctx: typer.Context) -> int:
             served_model_name=p.get("served_model_name"),
             vllm_command=p.get("vllm_command") or "vllm serve",
             extra_args=[*flags, *ctx.args],
+            advertise_host=p.get("advertise_host"),
         )
     except ValueError as exc:
         fail(str(exc))

@@ -89,7 +89,7 @@ async def standalone(
     from scheduler.actuators.kubernetes import KubernetesActuator
     from server.autoscaler_setup import controller_for
     from server.autoscaling import ActuatorFactory
-    from server.discovery import KubernetesUnavailable
+    from server.discovery import KubernetesUnavailable, Source, StaticSource
     from server.gateway import Gateway
     from server.gateway_scrape import GatewayScraper, scrape_interval
 
@@ -119,9 +119,17 @@ async def standalone(
     # The gateway's registry and discovery, with its own in-process controller off (this process is it),
     # and without the pools' vLLM keys: it only reads /health and /metrics, which vLLM does not guard.
     pools = [p.model_copy(update={"api_key_env": None}) for p in cfg.pools]
+    # `launch: vllm` pools: their vLLM processes belong to the `mosaic serve` that launched them (on its
+    # machine, on ports it picked, scaled by its embedded actuator). This process only observes, so it must
+    # not start a second set on GPUs the gateway already allocated: such a pool is listed empty here, and
+    # its load is seen through the gateways' /metrics (`autoscaler.gateways`).
+    passive: dict[str, Source] = {
+        p.name: StaticSource([]) for p in cfg.pools if p.endpoints.launch is not None
+    }
     try:
         gw = Gateway(
-            cfg.model_copy(update={"autoscaler": a.model_copy(update={"enabled": False}), "pools": pools})
+            cfg.model_copy(update={"autoscaler": a.model_copy(update={"enabled": False}), "pools": pools}),
+            sources=passive,
         )
     except ConfigError as exc:  # what only the built gateway checks (e.g. the KV section): one line, exit 2
         fail(str(exc))

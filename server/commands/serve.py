@@ -5,7 +5,8 @@
 
 With no `--config` it starts the embedded heterogeneous simulated fleet (`server.embedded`), prints the
 URL and a ready-to-paste `curl` line, and serves until SIGINT/SIGTERM, which drains in-flight requests
-(up to `limits.shutdown_grace_s`) before exiting. A bad config file or an unusable address exits 2 with
+(up to `limits.shutdown_grace_s`) before exiting. A bad config file, an unusable address, or a startup that
+fails (e.g. a `launch: vllm` pool whose replicas find too few GPUs; what did start is stopped) exits 2 with
 one line.
 """
 
@@ -53,12 +54,27 @@ async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, emb
         sock = bind_socket(host, port)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    startup_errors: list[Exception] = []  # the gateway's start failed: filled before the server is up
     try:
         running = await start_gateway_server(
-            config, host, port, install_signals=True, log_level=log_level, sock=sock
+            config,
+            host,
+            port,
+            install_signals=True,
+            log_level=log_level,
+            sock=sock,
+            on_startup_error=startup_errors.append,
         )
     except (KubernetesUnavailable, ConfigError) as exc:  # ConfigError: what only the built gateway can check
         fail(str(exc))
+    if startup_errors:
+        # e.g. a launched vLLM pool: too few GPUs, vLLM not installed. What had started is stopped already
+        # (server.app's lifespan); the app came up draining, so stop it and exit 2 with one line.
+        await running.stop()
+        error = startup_errors[0]
+        # the traceback, for --log-level debug; the line below is what everyone else needs
+        logging.getLogger("mosaic.gateway").debug("gateway startup failed", exc_info=error)
+        fail(f"gateway startup failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
     # Everything built so far (catalog, config, app, pydantic schemas: ~10⁵ objects) lives as long as the
     # process: move it out of the collector's generations, so a full collection does not scan it (one took
     # ~50 ms, stalling every request in flight, at 32 concurrent requests in bench/gateway_overhead.py).

@@ -121,7 +121,8 @@ def register(app: typer.Typer) -> None:
         advertise_host: str | None = typer.Option(
             None,
             "--advertise-host",
-            help="Host a P/D peer reaches this worker at (default: --host; in a pod, its IP).",
+            help="Host a P/D peer reaches this worker at (default: --host; in a pod, its IP). --engine vllm: "
+            "the NIXL side-channel host (default: --host, or this machine's IP for 0.0.0.0).",
         ),
     ) -> None:
         """One simulated vLLM worker: vLLM's OpenAI API and /metrics, timed by the GPU perf model."""

@@ -159,6 +159,8 @@ def test_foreground_lifecycle_with_a_stand_in() -> None:
             "3",
             "--max-num-seqs",
             "64",
+            "--advertise-host",
+            "10.9.9.9",
             "--vllm-command",
             FAKE_VLLM,
             "--",
@@ -173,6 +175,7 @@ def test_foreground_lifecycle_with_a_stand_in() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/launch", timeout=10) as resp:
             launched = json.loads(resp.read())
         assert launched["env"]["CUDA_VISIBLE_DEVICES"] == "3"
+        assert launched["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.9.9.9"  # --advertise-host, not --host
         assert launched["argv"][-5:] == [
             "--kv-transfer-config",
             '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}',
@@ -214,6 +217,23 @@ def test_vllm_that_cannot_start_exits_1() -> None:
             ["--engine", "vllm", "--model", "m", "--role", "both"],
             "error: --role 'both': expected one of mixed, prefill, decode",
             id="vllm: bad role",
+        ),
+        pytest.param(
+            ["--engine", "vllm", "--model", "m", "--time-scale", "10"],
+            "error: --time-scale: simulated worker only (--engine sim); --engine vllm would ignore it "
+            "(vLLM flags go after --)",
+            id="vllm: --time-scale refused, not ignored",
+        ),
+        pytest.param(
+            ["--engine", "vllm", "--model", "m", "--seed", "3", "--gpu", "H100"],
+            "error: --gpu, --seed: simulated worker only (--engine sim); --engine vllm would ignore them "
+            "(vLLM flags go after --)",
+            id="vllm: --seed and --gpu refused",
+        ),
+        pytest.param(
+            ["--engine", "vllm", "--model", "m", "--vllm-command", "'vllm serve"],
+            'error: --vllm-command "\'vllm serve": No closing quotation',
+            id="vllm: unbalanced quote in --vllm-command",
         ),
         pytest.param(
             ["--engine", "tpu", "--model", "m"],

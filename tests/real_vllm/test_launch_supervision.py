@@ -1,0 +1,644 @@
+"""`launch: vllm` pools under supervision: which GPUs and ports a replica gets, what environment vLLM sees,
+what happens when the gateway dies or fails to start, when starts fail, crash or hang, and what the
+controller-only `mosaic autoscale` does with such pools.
+
+Unmarked (runs everywhere, no vLLM): processes are the stand-in `fixtures/fake_vllm.py`, which records its
+argv, environment and pid (`FAKE_VLLM_OUT`) and can crash or hang (`FAKE_VLLM_MODE`). Every process a test
+starts is stopped by the test, and the `spawned` fixture kills any the stand-in recorded that is still alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from server.config import ConfigError, MosaicConfig, validate_config
+from server.gateway import Gateway
+from server.vllm_launcher import (
+    LaunchError,
+    VllmLaunchSpec,
+    VllmProcess,
+    build_command,
+    build_env,
+    default_advertise_host,
+    free_port,
+    health_ok,
+)
+from server.vllm_pool import (
+    Backoff,
+    GpuAllocator,
+    LaunchVllmConfig,
+    VllmPoolLauncher,
+    pool_template,
+    reserved_ports,
+)
+from server.vllm_source import LaunchedPoolSource
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_SCRIPT = Path(__file__).parent / "fixtures" / "fake_vllm.py"
+FAKE = f"{sys.executable} {FAKE_SCRIPT}"
+MOSAIC = str(Path(sys.executable).with_name("mosaic"))
+MODEL = "llama-3-8b"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper that may never come in a container counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+def recorded(out: Path) -> list[dict[str, Any]]:
+    """What each stand-in started so far wrote about itself."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+
+
+@pytest.fixture
+def spawned(tmp_path: Path) -> Iterator[Path]:
+    """A folder the stand-in records itself in; after the test, any stand-in still alive is killed."""
+    out = tmp_path / "spawned"
+    out.mkdir()
+    yield out
+    for record in recorded(out):
+        if alive(record["pid"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record["pid"], signal.SIGKILL)
+
+
+def config(launch: dict[str, Any], **pool: Any) -> MosaicConfig:
+    return validate_config(
+        {
+            "models": [{"name": MODEL}],
+            "pools": [{"name": "p", "model": MODEL, "gpu": "H100", **pool, "endpoints": {"launch": launch}}],
+            "auth": {"api_keys": ["sk-client"]},
+        }
+    )
+
+
+def fake_launch(out: Path, tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    launch: dict[str, Any] = {
+        "replicas": 1,
+        "use_gpus": False,
+        "vllm_command": FAKE,
+        "log_dir": str(tmp_path / "logs"),
+        "env": {"FAKE_VLLM_OUT": str(out)},
+    }
+    env = {**launch["env"], **extra.pop("env", {})}
+    return {**launch, **extra, "env": env}
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def wait_healthy(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not health_ok(url, timeout_s=1.0):
+        assert time.monotonic() < deadline, f"{url} never answered /health"
+        time.sleep(0.05)
+
+
+class StubProcess:
+    """Stands in for a `VllmProcess` where no process is needed (ports, the controller): never exits
+    until terminated."""
+
+    def __init__(self, spec: VllmLaunchSpec, log_path: Path | None = None) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self.pid = 0
+        self._code: int | None = None
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def poll(self) -> int | None:
+        return self._code
+
+    def terminate(self) -> None:
+        self._code = 0
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        self._code = 0
+        return 0
+
+
+# ---------------------------------------------------------------- 1: launch.gpu_ids
+
+
+def test_pool_allocates_only_from_its_gpu_ids(
+    spawned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    gw = Gateway(config(fake_launch(spawned, tmp_path, use_gpus=True, gpu_ids=["2", "3"])))
+    source = gw.sources["p"]
+    assert isinstance(source, LaunchedPoolSource)
+
+    async def run() -> None:
+        await source.start()
+        try:
+            launcher = source.launcher
+            launcher.scale_to(2)
+            assert [r.gpu_ids for r in launcher.replicas] == [("2",), ("3",)]
+            with pytest.raises(LaunchError, match=r"p-3 needs 1 GPU\(s\), 0 free of 2 \(2,3\)"):
+                launcher.scale_to(3)  # GPUs 0 and 1 are free, but not this pool's
+            for replica in launcher.replicas:
+                await asyncio.to_thread(wait_healthy, replica.url)
+            envs = [get_json(f"{r.url}/launch")["env"] for r in launcher.replicas]
+            assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "3"]
+        finally:
+            await gw.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("gpu_ids", "message"),
+    [
+        pytest.param(["2", "2"], "gpu_ids: GPU 2 is listed twice", id="repeated id"),
+        pytest.param([], "gpu_ids: must list at least one GPU", id="empty list"),
+        pytest.param([""], "gpu_ids: '' is not a GPU id", id="empty id"),
+        pytest.param(["0,1"], "gpu_ids: '0,1' is not a GPU id", id="two ids in one item"),
+    ],
+)
+def test_bad_gpu_ids_are_refused_at_config_load(gpu_ids: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=f"pools.0.endpoints.launch.{message}"):
+        config({"gpu_ids": gpu_ids})
+
+
+def test_gpu_ids_outside_the_visible_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ConfigError, match=r"pools\[p\].endpoints.launch.gpu_ids: GPU 7 is not among"):
+        Gateway(config({"gpu_ids": ["1", "7"], "replicas": 0}))
+
+
+# ---------------------------------------------------------------- 2: environment
+
+
+def test_vllm_gets_no_gateway_secrets_and_the_pools_key(
+    spawned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        "MOSAIC_API_KEYS": "sk-client",
+        "VLLM_ADMIN_KEYS": "sk-admin",  # the gateway's admin keys, under a name the allowlist would pass
+        "AWS_SECRET_ACCESS_KEY": "aws-secret",
+        "VLLM_API_KEY": "sk-stray",  # would switch vLLM's auth on with a key the gateway never sends
+        "POOL_VLLM_KEY": "sk-pool",
+        "HF_TOKEN": "hf-token",
+        "UCX_TLS": "rc,cuda_copy",
+    }.items():
+        monkeypatch.setenv(name, value)
+    cfg = validate_config(
+        {
+            "models": [{"name": MODEL}],
+            "pools": [
+                {
+                    "name": "p",
+                    "model": MODEL,
+                    "gpu": "H100",
+                    "api_key_env": "POOL_VLLM_KEY",
+                    "endpoints": {"launch": fake_launch(spawned, tmp_path)},
+                }
+            ],
+            "auth": {"api_keys_env": "MOSAIC_API_KEYS", "admin_keys_env": "VLLM_ADMIN_KEYS"},
+        }
+    )
+    gw = Gateway(cfg)
+
+    async def run() -> dict[str, str]:
+        await gw.sources["p"].start()
+        try:
+            (replica,) = gw.sources["p"].launcher.replicas  # type: ignore[attr-defined]
+            await asyncio.to_thread(wait_healthy, replica.url)
+            return dict(get_json(f"{replica.url}/environ"))
+        finally:
+            await gw.stop()
+
+    env = asyncio.run(run())
+    for secret in ("MOSAIC_API_KEYS", "VLLM_ADMIN_KEYS", "AWS_SECRET_ACCESS_KEY", "POOL_VLLM_KEY"):
+        assert secret not in env
+    assert env["VLLM_API_KEY"] == "sk-pool"  # the key the gateway sends this pool
+    assert env["HF_TOKEN"] == "hf-token" and env["UCX_TLS"] == "rc,cuda_copy"  # what vLLM needs stays
+    assert env["PATH"] == os.environ["PATH"]
+
+
+def test_stray_vllm_api_key_is_not_inherited() -> None:
+    spec = VllmLaunchSpec(model="m", port=8000)
+    env = build_env(spec, base={"PATH": "/bin", "VLLM_API_KEY": "x", "VLLM_LOGGING_LEVEL": "DEBUG"})
+    assert "VLLM_API_KEY" not in env and env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    # launch.pass_env names what else to inherit; launch.env sets values outright
+    named = VllmLaunchSpec(model="m", port=8000, pass_env=("AWS_PROFILE",), env={"X": "1"})
+    assert build_env(named, base={"AWS_PROFILE": "models", "AWS_SECRET_ACCESS_KEY": "s"}) == {
+        "AWS_PROFILE": "models",
+        "X": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    # `mosaic worker --engine vllm` is the user's own command: their environment goes through unfiltered
+    assert build_env(spec, base={"VLLM_API_KEY": "x"}, filtered=False)["VLLM_API_KEY"] == "x"
+
+
+# ---------------------------------------------------------------- 3: orphans and failed startup
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from server.vllm_launcher import VllmLaunchSpec, VllmProcess
+spec = VllmLaunchSpec(model="m", port=int(sys.argv[1]), vllm_command=(sys.executable, sys.argv[2]))
+process = VllmProcess.start(spec, log_path=Path(sys.argv[3]))
+print(process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_vllm_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
+    port = free_port()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(port), str(FAKE_SCRIPT), str(tmp_path / "v.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        wait_healthy(f"http://127.0.0.1:{port}")
+        parent.kill()  # SIGKILL: no handler, no stop() — only the kernel can tell the child
+        parent.wait(timeout=10)
+        assert wait_gone(child), "vLLM outlived the process that started it"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=10)
+        if parent.stdout is not None:
+            parent.stdout.close()
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("launch", "line"),
+    [
+        pytest.param(
+            {"replicas": 2, "use_gpus": True, "gpu_ids": ["0"]},
+            "error: gateway startup failed: pool p: cannot start its 2 vLLM replica(s) (endpoints.launch): "
+            "p-2 needs 1 GPU(s), 0 free of 1 (0) (in use: 0→p-1)",
+            id="second replica finds no GPU",
+        ),
+        pytest.param(
+            {"vllm_command": "/nonexistent/vllm serve"},
+            "error: gateway startup failed: pool p: cannot start its 1 vLLM replica(s) (endpoints.launch): "
+            "cannot run '/nonexistent/vllm': No such file or directory (is vLLM installed? see "
+            "launch.vllm_command)",
+            id="vLLM not installed",
+        ),
+    ],
+)
+def test_serve_startup_failure_stops_replicas_and_exits_2(
+    spawned: Path, tmp_path: Path, launch: dict[str, Any], line: str
+) -> None:
+    cfg = {
+        "models": [{"name": MODEL}],
+        "pools": [
+            {
+                "name": "p",
+                "model": MODEL,
+                "gpu": "H100",
+                "endpoints": {"launch": fake_launch(spawned, tmp_path, **launch)},
+            }
+        ],
+        "auth": {"api_keys": ["sk-client"]},
+    }
+    path = tmp_path / "mosaic.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    done = subprocess.run(
+        [MOSAIC, "serve", "--config", str(path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+    )
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [line]), done.stderr
+    for record in recorded(spawned):  # the replica that did start was stopped with the gateway
+        assert wait_gone(record["pid"]), f"replica pid {record['pid']} left running"
+
+
+# ---------------------------------------------------------------- 4: mosaic autoscale only observes
+
+
+def test_standalone_controller_launches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.commands.autoscale import standalone
+
+    starts: list[VllmLaunchSpec] = []
+
+    def record(cls: type, spec: VllmLaunchSpec, *args: Any, **kwargs: Any) -> StubProcess:
+        starts.append(spec)
+        return StubProcess(spec)
+
+    monkeypatch.setattr(VllmProcess, "start", classmethod(record))
+    cfg = validate_config(
+        {
+            "models": [{"name": MODEL}],
+            "pools": [
+                {
+                    "name": "p",
+                    "model": MODEL,
+                    "gpu": "H100",
+                    "endpoints": {"launch": {"replicas": 2, "use_gpus": False, "vllm_command": FAKE}},
+                }
+            ],
+            "autoscaler": {"actuator": "dry-run", "interval_s": 3600},
+        }
+    )
+
+    async def run() -> None:
+        async with standalone(cfg) as ctl:
+            assert "p" in ctl.managed
+            await ctl.controller.cycle()  # decides (dry-run) without a vLLM of its own
+
+    asyncio.run(run())
+    assert starts == []
+
+
+# ---------------------------------------------------------------- 6 and 12: backoff, launch logs, kept logs
+
+
+def test_failed_scale_up_backs_off_and_logs_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    attempts: list[float] = []  # when each start tried to allocate its GPU
+
+    class CountingAllocator(GpuAllocator):
+        def allocate(self, owner: str, count: int, *args: Any) -> tuple[str, ...]:
+            attempts.append(time.monotonic())
+            return super().allocate(owner, count, *args)
+
+    template = pool_template(
+        model="m", served_model_name="m", role="mixed", tp=1, max_model_len=None, gpu_memory_utilization=None
+    )
+    launcher = VllmPoolLauncher("p", template, CountingAllocator([]), tmp_path)  # no GPU: every start fails
+    source = LaunchedPoolSource(launcher, replicas=0, restart_backoff_s=0.05)
+    launcher.desired = 1  # what the autoscaler asked for
+
+    async def run() -> None:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            await source.list()
+            await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.DEBUG, logger="mosaic.vllm"):
+        asyncio.run(run())
+    # 0.05, 0.1, 0.2, 0.4 s apart: ≤ 5 tries in a second (retrying at every resync made ~80)
+    assert 2 <= len(attempts) <= 5, attempts
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot start vLLM replicas of p" in warnings[0].getMessage()
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    backoff = Backoff(10.0, 60.0)
+    assert [backoff.fail(0.0) for _ in range(5)] == [10.0, 20.0, 40.0, 60.0, 60.0]
+    assert not backoff.ready(59.0) and backoff.ready(60.0)
+    backoff.succeed()
+    assert backoff.ready(0.0) and backoff.fail(0.0) == 10.0
+
+
+def test_crash_loop_backs_off_logs_each_launch_and_keeps_failed_logs(
+    spawned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    launch = LaunchVllmConfig.model_validate(
+        {
+            **fake_launch(spawned, tmp_path, env={"FAKE_VLLM_MODE": "crash"}),
+            "log_dir": None,  # the default folder, under the user's cache
+            "restart_backoff_s": 0.05,
+        }
+    )
+    source = LaunchedPoolSource.for_pool(
+        "p",
+        served_model="m",
+        role="mixed",
+        tp=1,
+        max_model_len=None,
+        gpu_memory_utilization=None,
+        launch=launch,
+        allocator=GpuAllocator([]),
+    )
+
+    async def run() -> None:
+        await source.start()
+        try:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                await source.list()
+                await asyncio.sleep(0.02)
+        finally:
+            await source.stop()
+
+    with caplog.at_level(logging.INFO, logger="mosaic.vllm"):
+        asyncio.run(run())
+    launches = len(recorded(spawned))
+    # backoff 0.05, 0.1, 0.2, 0.4, 0.8 s: at most 6 starts in 2 s (a fixed 0.05 s made a dozen or more)
+    assert 2 <= launches <= 6, launches
+    launched = [r for r in caplog.records if r.getMessage().startswith("launched vLLM p-")]
+    assert len(launched) == launches  # restarts are logged as launches too
+    logs = sorted((tmp_path / "cache" / "mosaic" / "vllm-logs" / "p").glob("p-*.log"))
+    assert len(logs) >= launches - 1  # failed replicas' logs outlive the gateway (the last may still run)
+    assert "fake vllm crash" in logs[0].read_text()
+
+
+def test_default_log_dir_drops_logs_of_clean_stops(
+    spawned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    launch = LaunchVllmConfig.model_validate({**fake_launch(spawned, tmp_path), "log_dir": None})
+    source = LaunchedPoolSource.for_pool(
+        "p",
+        served_model="m",
+        role="mixed",
+        tp=1,
+        max_model_len=None,
+        gpu_memory_utilization=None,
+        launch=launch,
+        allocator=GpuAllocator([]),
+    )
+
+    async def run() -> Path:
+        await source.start()
+        try:
+            (replica,) = source.launcher.replicas
+            await asyncio.to_thread(wait_healthy, replica.url)
+            assert replica.process.log_path is not None and replica.process.log_path.is_file()
+            return replica.process.log_path
+        finally:
+            await source.stop()
+
+    log_path = asyncio.run(run())
+    assert log_path.parent == tmp_path / "cache" / "mosaic" / "vllm-logs" / "p"
+    assert not log_path.exists()
+
+
+# ---------------------------------------------------------------- 7: ports stay reserved
+
+
+def test_a_port_handed_out_is_not_handed_out_again_until_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import server.vllm_pool
+
+    first, second = free_port(), free_port()
+    probes = iter([first, first, second, first])  # the OS reports `first` free again while vLLM loads
+    monkeypatch.setattr(server.vllm_pool, "free_port", lambda host="127.0.0.1": next(probes))
+    template = pool_template(
+        model="m", served_model_name="m", role="mixed", tp=1, max_model_len=None, gpu_memory_utilization=None
+    )
+    stub: Any = StubProcess  # duck-typed VllmProcess: nothing is spawned
+    launcher = VllmPoolLauncher("p", template, GpuAllocator([]), tmp_path, use_gpus=False, starter=stub)
+    launcher.scale_to(2)
+    urls = [r.url for r in launcher.replicas]
+    assert urls == [f"http://127.0.0.1:{first}", f"http://127.0.0.1:{second}"]
+    assert {first, second} <= reserved_ports()
+    launcher.stop_all()
+    assert not {first, second} & reserved_ports()  # released once the replicas have exited
+    launcher.scale_to(1)
+    assert launcher.replicas[0].url == f"http://127.0.0.1:{first}"
+    launcher.stop_all()
+
+
+# ---------------------------------------------------------------- 8: a hung start is replaced
+
+
+def test_replica_never_ready_is_stopped_and_replaced(spawned: Path, tmp_path: Path) -> None:
+    launch = LaunchVllmConfig.model_validate(
+        {
+            **fake_launch(spawned, tmp_path, env={"FAKE_VLLM_MODE": "hang"}),  # /health: 503 forever
+            "start_timeout_s": 1.0,
+            "restart_backoff_s": 0.05,
+        }
+    )
+    source = LaunchedPoolSource.for_pool(
+        "p",
+        served_model="m",
+        role="mixed",
+        tp=1,
+        max_model_len=None,
+        gpu_memory_utilization=None,
+        launch=launch,
+        allocator=GpuAllocator([]),
+    )
+
+    async def run() -> list[str]:
+        await source.start()
+        try:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                ids = [e.name for e in await source.list()]
+                if ids and ids[0] != "p-1":
+                    return ids
+                await asyncio.sleep(0.1)
+            return ids
+        finally:
+            await source.stop()
+
+    assert asyncio.run(run()) == ["p-2"]
+    first = recorded(spawned)[0]
+    assert wait_gone(first["pid"])  # stopped: its GPUs (and ports) are free again
+
+
+# ---------------------------------------------------------------- 9: engine settings
+
+
+def test_pool_engine_settings_reach_the_command_line(spawned: Path, tmp_path: Path) -> None:
+    gw = Gateway(config(fake_launch(spawned, tmp_path, replicas=0), max_num_seqs=64, block_size=32))
+    argv = build_command(gw.sources["p"].launcher.template)  # type: ignore[attr-defined]
+    assert argv[argv.index("--max-num-seqs") + 1] == "64"
+    assert argv[argv.index("--block-size") + 1] == "32"
+    asyncio.run(gw.stop())
+    # A value the operator gives in extra_args wins, and vLLM does not see the flag twice.
+    spec = VllmLaunchSpec(model="m", port=1, block_size=16, extra_args=("--block-size=128",))
+    assert [a for a in build_command(spec) if a.startswith("--block-size")] == ["--block-size=128"]
+
+
+# ---------------------------------------------------------------- 10: advertised NIXL host
+
+
+def test_nixl_side_channel_host_is_advertisable() -> None:
+    wildcard = VllmLaunchSpec(model="m", port=1, host="0.0.0.0", role="prefill")
+    advertised = build_env(wildcard, base={})["VLLM_NIXL_SIDE_CHANNEL_HOST"]
+    assert advertised not in ("0.0.0.0", "::") and advertised == default_advertise_host("0.0.0.0")
+    assert default_advertise_host("10.0.0.5") == "10.0.0.5"
+    launch = LaunchVllmConfig.model_validate({"host": "0.0.0.0", "advertise_host": "10.1.2.3"})
+    source = LaunchedPoolSource.for_pool(
+        "p",
+        served_model="m",
+        role="decode",
+        tp=1,
+        max_model_len=None,
+        gpu_memory_utilization=None,
+        launch=launch,
+        allocator=GpuAllocator([]),
+    )
+    assert build_env(source.launcher.template, base={})["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.2.3"
+
+
+# ---------------------------------------------------------------- 11: config errors are one line
+
+
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        pytest.param({"vllm_command": ""}, "vllm_command: must not be empty", id="empty command"),
+        pytest.param({"vllm_command": "'x"}, 'vllm_command: "\'x": No closing quotation', id="bad quoting"),
+        pytest.param({"host": "[::1]"}, "host: '[::1]' is not an address", id="bracketed IPv6"),
+        pytest.param(
+            {"stop_grace_s": float("inf")}, "stop_grace_s: Input should be a finite", id="inf grace"
+        ),
+        pytest.param(
+            {"restart_backoff_s": float("nan")},
+            "restart_backoff_s: Input should be a finite",
+            id="NaN backoff",
+        ),
+        pytest.param(
+            {"env": {"VLLM_API_KEY": "k"}}, "env: VLLM_API_KEY: set the pool's api_key_env", id="key in env"
+        ),
+    ],
+)
+def test_bad_launch_config_is_one_line(launch: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config(launch)
+    assert f"pools.0.endpoints.launch.{message}" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_ipv6_host_makes_a_valid_url() -> None:
+    spec = VllmLaunchSpec(model="m", port=8123, host="::")
+    assert spec.url == "http://[::1]:8123" and httpx.URL(spec.url).port == 8123
+    assert VllmLaunchSpec(model="m", port=8123, host="fe80::1").url == "http://[fe80::1]:8123"
