@@ -59,6 +59,20 @@ MODEL = "llama-3-8b"
 # ---------------------------------------------------------------- helpers
 
 
+def _mixed_source(launch: LaunchVllmConfig) -> LaunchedPoolSource:
+    """Pool `p` serving `m`, mixed role, TP 1, on no GPUs: what most of these tests launch."""
+    return LaunchedPoolSource.for_pool(
+        "p",
+        served_model="m",
+        role="mixed",
+        tp=1,
+        max_model_len=None,
+        gpu_memory_utilization=None,
+        launch=launch,
+        allocator=GpuAllocator([]),
+    )
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie waiting for a reaper that may never come in a container counts as gone)."""
     try:
@@ -442,16 +456,7 @@ def test_crash_loop_backs_off_logs_each_launch_and_keeps_failed_logs(
             "restart_backoff_s": 0.05,
         }
     )
-    source = LaunchedPoolSource.for_pool(
-        "p",
-        served_model="m",
-        role="mixed",
-        tp=1,
-        max_model_len=None,
-        gpu_memory_utilization=None,
-        launch=launch,
-        allocator=GpuAllocator([]),
-    )
+    source = _mixed_source(launch)
 
     async def run() -> None:
         await source.start()
@@ -480,16 +485,7 @@ def test_default_log_dir_drops_logs_of_clean_stops(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     launch = LaunchVllmConfig.model_validate({**fake_launch(spawned, tmp_path), "log_dir": None})
-    source = LaunchedPoolSource.for_pool(
-        "p",
-        served_model="m",
-        role="mixed",
-        tp=1,
-        max_model_len=None,
-        gpu_memory_utilization=None,
-        launch=launch,
-        allocator=GpuAllocator([]),
-    )
+    source = _mixed_source(launch)
 
     async def run() -> Path:
         await source.start()
@@ -544,16 +540,7 @@ def test_replica_never_ready_is_stopped_and_replaced(spawned: Path, tmp_path: Pa
             "restart_backoff_s": 0.05,
         }
     )
-    source = LaunchedPoolSource.for_pool(
-        "p",
-        served_model="m",
-        role="mixed",
-        tp=1,
-        max_model_len=None,
-        gpu_memory_utilization=None,
-        launch=launch,
-        allocator=GpuAllocator([]),
-    )
+    source = _mixed_source(launch)
 
     async def run() -> list[str]:
         await source.start()
