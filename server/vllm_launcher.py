@@ -80,6 +80,10 @@ INHERITED_ENV_PREFIXES = (
     "LC_", "LD_", "XDG_", "PYTHON", "CUDA_", "NVIDIA_", "NCCL_", "CUBLAS_", "CUDNN_", "NVTE_", "ROCM_",
     "HIP_", "HSA_", "UCX_", "NIXL_", "OMP_", "KMP_", "MKL_", "TORCH", "TRITON_", "FLASHINFER_", "RAY_",
     "GLOO_", "VLLM_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_",
+    # PYTORCH_CUDA_ALLOC_CONF (expandable segments) and its HIP/NVML kin; ROCR_VISIBLE_DEVICES (AMD GPU
+    # mask); HUGGINGFACE_HUB_CACHE; ModelScope; tiktoken's offline encodings; NVSHMEM and libfabric (EFA,
+    # under NIXL); OpenTelemetry (vLLM's tracing)
+    "PYTORCH_", "ROCR_", "HUGGINGFACE_", "MODELSCOPE_", "TIKTOKEN_", "NVSHMEM_", "FI_", "OTEL_",
 )  # fmt: skip
 # Never inherited, whatever the lists above say: vLLM 0.32 reads VLLM_API_KEY and then answers 401 to every
 # request without that key, so a key meant for something else turns a launched server's auth on behind the

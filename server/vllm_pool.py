@@ -285,6 +285,10 @@ def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> 
     return base
 
 
+class BackingOff(LaunchError):
+    """No replica is started before the backoff after a failed start runs out (`Backoff`)."""
+
+
 class Backoff:
     """Exponential backoff of starts after failures: `initial_s`, doubling per consecutive failure, capped."""
 
@@ -504,7 +508,7 @@ class VllmPoolLauncher:
         if len(self._live) < replicas:
             now = self.clock()
             if not self.backoff.ready(now):
-                raise LaunchError(
+                raise BackingOff(
                     f"{self.pool}: not starting replicas for {self.backoff.retry_at - now:.0f} s more "
                     f"(backing off after {self.backoff.failures} failure(s))"
                 )
@@ -546,6 +550,8 @@ class VllmActuator:
         before = len(launcher.replicas)
         try:
             launcher.scale_to(replicas)
+        except BackingOff:  # the failure that started the backoff was reported (and logged) once
+            return ScaleAction(now, pool, before, len(launcher.replicas), applied=False)
         except LaunchError as exc:  # e.g. not enough free GPUs: keep what started, report the rest
             return ScaleAction(now, pool, before, len(launcher.replicas), applied=False, error=str(exc))
         return ScaleAction(now, pool, before, replicas, applied=True)
