@@ -12,7 +12,8 @@ topology: null | {kv_link_gbps, kv_link_cross_domain_gbps, kv_transfers: {intra_
           # with `nodes:` (simulator/cluster_topology.py):
           nodes, domains, same_domain, max_cross_domain_pairs, max_fragmented_nodes,
           shortfalls: [{t, pool, requested, placed, why}],
-          samples: [{t, cross_domain_pairs, pd_pairs, fragmented_nodes, used_gpus, total_gpus}]}
+          samples: [{t, cross_domain_pairs, pd_pairs, fragmented_nodes, used_gpus, total_gpus}]},
+trace: {rows, skipped, dropped, dropped_by_reason, ...}   # `mosaic simulate`: the reader's counts (replay's)
 ```
 TTFT and TPOT are per request as the load generator defines them (vLLM's benchmark): TPOT = (e2e − TTFT) /
 (output − 1). Failed requests count against attainment.

@@ -80,6 +80,9 @@ def register(app: typer.Typer) -> None:
         except (TraceError, ValueError) as exc:
             fail(str(exc))
         report = build_report(result, time.perf_counter() - started)
+        # rows the reader left out (zero lengths, failed in the source, malformed with --skip-bad-rows), as
+        # replay's report has them: the requests above are only the rows that were read
+        report["trace"] = source.stats.as_dict()
         try:
             if out is not None:
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ finite and > 0 (or static counts outside a pool's bounds) — exit 2 with one `e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,38 @@ def test_exponents_without_a_dot_are_numbers_in_the_fleet_file(tmp_path: Path) -
     fleet.write_text("cold_start_s: 1.2e1\nkv_link_gbps: 2.5e1\n" + POOLS % "replicas: 1")
     code, output, _ = simulate("--trace", SYNTH, "--fleet", str(fleet), "--policy", "fixed", "--json")
     assert code == 0, output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--rate-scale", "1e-300"], "is past what the simulator can reach", id="finite but unreachable"),
+        pytest.param(["--rate-scale", "1e-320"], "puts a request at infinity", id="scale overflowing to inf"),
+        pytest.param(["--rate", "1e-320"], "is past what the simulator can reach", id="rate so low the gap is inf"),
+        pytest.param(["--rate", "2", "--rate-scale", "2"], "give one", id="rate and scale together, as replay"),
+    ],
+)  # fmt: skip
+def test_arrivals_the_simulator_cannot_reach_are_refused(args: list[str], message: str) -> None:
+    """These hung: scrape and decision events kept rescheduling themselves while an arrival at ~1e299 s (or
+    inf) was still pending, and t + interval == t."""
+    code, _, lines = simulate("--trace", SYNTH, "--fleet", str(FLEET), *args)
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_the_report_counts_the_rows_the_reader_dropped(tmp_path: Path) -> None:
+    """Two of four Azure rows have a zero length: the report said 2 requests, 2 completed, and nothing of
+    the other two; it now carries the reader's counts, as replay's report does."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,100,10\n2023-11-16 18:15:46.7805900,100,0\n"
+        "2023-11-16 18:15:46.8805900,0,10\n2023-11-16 18:15:46.9805900,120,12\n"
+    )
+    out = tmp_path / "r.json"
+    code, _, _ = simulate(
+        "--trace", str(trace), "--fleet", str(FLEET), "--policy", "fixed", "--out", str(out)
+    )
+    report = json.loads(out.read_text())
+    assert code == 0 and report["trace_requests"] == 2
+    assert report["trace"]["dropped"] == 2
+    assert report["trace"]["dropped_by_reason"] == {"zero_input_tokens": 1, "zero_output_tokens": 1}
