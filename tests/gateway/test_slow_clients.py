@@ -24,7 +24,7 @@ from typing import Any
 from server.config import validate_config
 from server.runner import start_gateway_server
 from server.upstream import READ_HIGH_WATER
-from tests.gateway.scripted_http import EMPTY_200, SSE_HEAD, chunk, read_request
+from tests.gateway.scripted_http import chunk, serve_chat_streams
 
 MODEL = "llama-3-8b"
 EVENTS = 20_000  # ~19 MB of events: far over what the kernel buffers for a localhost socket (≤ 4 MB sent)
@@ -37,29 +37,17 @@ class StreamingWorker:
         self.finished = 0
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                path, _ = await read_request(reader)
-                if path != b"/v1/chat/completions":
-                    writer.write(EMPTY_200)
-                    continue
-                writer.write(SSE_HEAD)
-                choice = {"index": 0, "delta": {"content": "x" * 900}, "finish_reason": None}
-                event = (
-                    b"data: "
-                    + json.dumps({"id": "c", "model": MODEL, "choices": [choice]}).encode()
-                    + b"\n\n"
-                )
-                for _ in range(EVENTS):
-                    writer.write(chunk(event))
-                    await writer.drain()
-                writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-                await writer.drain()
-                self.finished += 1
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        await serve_chat_streams(reader, writer, self._stream)
+
+    async def _stream(self, writer: asyncio.StreamWriter) -> None:
+        choice = {"index": 0, "delta": {"content": "x" * 900}, "finish_reason": None}
+        event = b"data: " + json.dumps({"id": "c", "model": MODEL, "choices": [choice]}).encode() + b"\n\n"
+        for _ in range(EVENTS):
+            writer.write(chunk(event))
+            await writer.drain()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        self.finished += 1
 
 
 async def _gateway(

@@ -11,7 +11,7 @@ import httpx
 
 from server.config import validate_config
 from server.runner import start_gateway_server
-from tests.gateway.scripted_http import EMPTY_200, SSE_HEAD, chunk, read_request
+from tests.gateway.scripted_http import chunk, serve_chat_streams
 
 MODEL = "llama-3-8b"
 LEAD_S, GAP_S, TOKENS = 0.3, 0.05, 4
@@ -22,31 +22,24 @@ def _event(delta: dict[str, str]) -> bytes:
     return b"data: " + json.dumps({"id": "c", "model": MODEL, "choices": [choice]}).encode() + b"\n\n"
 
 
+async def _stream(writer: asyncio.StreamWriter) -> None:
+    """The role event, LEAD_S, then TOKENS tokens GAP_S apart, the usage event and [DONE]."""
+    writer.write(chunk(_event({"role": "assistant", "content": ""})))
+    await writer.drain()
+    await asyncio.sleep(LEAD_S)
+    for i in range(TOKENS):
+        if i:
+            await asyncio.sleep(GAP_S)
+        writer.write(chunk(_event({"content": f"w{i} "})))
+        await writer.drain()
+    usage = {"prompt_tokens": 3, "completion_tokens": TOKENS, "total_tokens": 3 + TOKENS}
+    tail = b"data: " + json.dumps({"id": "c", "choices": [], "usage": usage}).encode() + b"\n\n"
+    writer.write(chunk(tail) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    await writer.drain()
+
+
 async def _worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """/health and /metrics: empty 200s; a chat POST: the role event, LEAD_S, then TOKENS tokens GAP_S apart."""
-    try:
-        while True:
-            path, _ = await read_request(reader)
-            if path != b"/v1/chat/completions":
-                writer.write(EMPTY_200)
-                continue
-            writer.write(SSE_HEAD)
-            writer.write(chunk(_event({"role": "assistant", "content": ""})))
-            await writer.drain()
-            await asyncio.sleep(LEAD_S)
-            for i in range(TOKENS):
-                if i:
-                    await asyncio.sleep(GAP_S)
-                writer.write(chunk(_event({"content": f"w{i} "})))
-                await writer.drain()
-            usage = {"prompt_tokens": 3, "completion_tokens": TOKENS, "total_tokens": 3 + TOKENS}
-            tail = b"data: " + json.dumps({"id": "c", "choices": [], "usage": usage}).encode() + b"\n\n"
-            writer.write(chunk(tail) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-            await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        writer.close()
+    await serve_chat_streams(reader, writer, _stream)
 
 
 def test_ttft_and_itl_over_real_sockets_leave_the_role_event_out() -> None:
