@@ -317,9 +317,8 @@ class Registry:
             if rec.domain != ep.domain:  # not in the cached view's key: drop the cached view instead
                 rec.domain, rec._view = ep.domain, None
         for wid in pool.ids - seen:
-            gone = self._workers.pop(
-                wid, None
-            )  # in-flight tickets keep their record object; counts stay right
+            # in-flight tickets keep their record object; counts stay right
+            gone = self._workers.pop(wid, None)
             if gone is not None and gone.inflight_requests > 0:
                 self._departed[wid] = gone
             else:
@@ -450,7 +449,7 @@ class Registry:
             resp = await self._client.get(rec.url + "/metrics", timeout=self._scrape_cfg.timeout_s)
             resp.raise_for_status()
             stats = parse_vllm_metrics(resp.text)
-        except (httpx.HTTPError, ValueError, ArithmeticError) as exc:  # one bad worker never ends the round
+        except (httpx.HTTPError, ValueError) as exc:  # one bad worker never ends the round
             if self._workers.get(rec.id) is rec or self._departed.get(rec.id) is rec:  # not left meanwhile
                 self._metrics.scrape_errors.labels(rec.id).inc()
             rec.last_error = f"scrape: {type(exc).__name__}"
