@@ -31,7 +31,7 @@ from placement.catalog import Catalog, load_catalog
 from placement.perf_model import PerfModel
 from scheduler.actuators.base import Actuator
 from scheduler.actuators.dry_run import DryRunActuator
-from scheduler.autoscaler.capacity import instance_capacity
+from scheduler.autoscaler.capacity import instance_capacity, no_decode_reason
 from scheduler.autoscaler.signals import PoolSpec
 from server.autoscale_placement import PlacementBook
 from server.autoscale_signals import SignalReader
@@ -62,9 +62,11 @@ def pool_spec(
         kv_tokens=info.capacity.kv_blocks * info.capacity.block_size,
     )
     if pool.role != "prefill" and cap.decode_tps <= 0:
+        kv_tokens = info.capacity.kv_blocks * info.capacity.block_size
+        why = no_decode_reason(perf, tpot_s, config.autoscaler.context_tokens, kv_tokens)
         raise ConfigError(
             f"autoscaler: pool {pool.name}: {pool.gpu} cannot decode {pool.model} within TPOT "
-            f"{tpot_s * 1e3:g} ms at {config.autoscaler.context_tokens} tokens of context"
+            f"{tpot_s * 1e3:g} ms: {why}"
         )
     lo, hi = (fixed, fixed) if fixed is not None else (pool.min_replicas, pool.max_replicas)
     return PoolSpec(

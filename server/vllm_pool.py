@@ -15,7 +15,9 @@ replica starts as a process (health is the registry's job, `check_ready` or `wai
 SIGTERM and the process is reaped on later calls (`reap`), SIGKILLed with its process group if still alive
 after `stop_grace_s`. Failures (a start that raises, a replica that exits by itself, one not ready within
 `start_timeout_s`) feed one `Backoff` per pool: the next start waits `restart_backoff_s`, doubling per
-consecutive failure up to `restart_backoff_max_s`; a replica answering /health ends the streak. Starts are
+consecutive failure up to `restart_backoff_max_s`; a replica that has answered /health for
+`restart_backoff_reset_s` (10 minutes, as the kubelet resets CrashLoopBackOff) ends the streak, so one that
+comes up and then keeps crashing still backs off. Starts are
 done on the calling thread, which must outlive the replica (see `server.vllm_launcher`: parent-death signal).
 `VllmActuator` adapts pools to the autoscaler's `Actuator` protocol (`scale(pool, replicas, now)`,
 `replicas(pool)`).
@@ -103,6 +105,9 @@ class LaunchVllmConfig(BaseModel):
     stop_grace_s: float = Field(default=30.0, ge=0)
     restart_backoff_s: float = Field(default=10.0, ge=0)  # first wait after a failure; doubles per failure
     restart_backoff_max_s: float = Field(default=300.0, ge=0)  # ... up to this
+    # a replica serving this long since its first /health ends a failure streak (the kubelet's 10 minutes);
+    # a replica that answers /health and then crashes again sooner keeps doubling the wait
+    restart_backoff_reset_s: float = Field(default=600.0, ge=0)
     # a replica not answering /health this long after its start is stopped and replaced: covers a model
     # download and load (minutes for a large model); a hung start would otherwise hold its GPUs forever
     start_timeout_s: float = Field(default=900.0, gt=0)
@@ -290,11 +295,13 @@ class BackingOff(LaunchError):
 
 
 class Backoff:
-    """Exponential backoff of starts after failures: `initial_s`, doubling per consecutive failure, capped."""
+    """Exponential backoff of starts after failures: `initial_s`, doubling per consecutive failure, capped.
+    The streak ends when a replica has been up `reset_after_s` (`VllmPoolLauncher` calls `succeed`)."""
 
-    def __init__(self, initial_s: float, max_s: float) -> None:
+    def __init__(self, initial_s: float, max_s: float, reset_after_s: float = 600.0) -> None:
         self.initial_s = initial_s
         self.max_s = max(max_s, initial_s)
+        self.reset_after_s = reset_after_s
         self.failures = 0  # consecutive failures (0: not backing off)
         self.retry_at = float("-inf")
 
@@ -432,20 +439,28 @@ class VllmPoolLauncher:
     def wait_ready(self, replica: LaunchedReplica, timeout_s: float = 900.0) -> float:
         waited = replica.process.wait_healthy(timeout_s)
         replica.ready_at = self.clock()
-        self.backoff.succeed()
+        self._end_streak_if_stable()
         return waited
 
     def check_ready(self, probe: Callable[[str], bool] = _health_ok) -> list[LaunchedReplica]:
         """Probe /health of replicas not yet seen ready (blocking: run it off the event loop); those that
-        answer are marked ready and end a failure streak. Returns them."""
+        answer are marked ready. Returns them."""
         became: list[LaunchedReplica] = []
         for replica in list(self._live):
             if replica.ready_at is None and replica.process.poll() is None and probe(replica.url):
                 replica.ready_at = self.clock()
                 became.append(replica)
-        if became:
-            self.backoff.succeed()
+        self._end_streak_if_stable()
         return became
+
+    def _end_streak_if_stable(self) -> None:
+        """A failure streak ends once a live replica has served `backoff.reset_after_s` since its first
+        /health: ending it at the first /health restarted a replica that loads and then crashes (a bad
+        request path, OOM under load) every `restart_backoff_s`, forever."""
+        now = self.clock()
+        reset = self.backoff.reset_after_s
+        if any(r.ready_at is not None and now - r.ready_at >= reset for r in self._live):
+            self.backoff.succeed()
 
     def overdue(self) -> list[LaunchedReplica]:
         """Live replicas not ready `start_timeout_s` after their start (hung: loading forever, or 503)."""
@@ -485,6 +500,7 @@ class VllmPoolLauncher:
     def prune_dead(self) -> list[LaunchedReplica]:
         """Live replicas whose process exited on its own: removed, GPUs and ports released, counted as a
         failure (backoff). Returns them."""
+        self._end_streak_if_stable()  # one that served long enough before dying starts a new streak
         dead = [r for r in self._live if r.process.poll() is not None]
         for replica in dead:
             self._live.remove(replica)

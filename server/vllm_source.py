@@ -21,7 +21,7 @@ ones already started are stopped and LaunchError names the pool (`mosaic serve` 
 not answered /health within `launch.start_timeout_s` (stopped first: a hung start would hold its GPUs for
 good); and lists each live replica as an endpoint. Replacements and failed scale-ups wait out the pool's
 backoff (`restart_backoff_s`, doubling per consecutive failure up to `restart_backoff_max_s`; reset once a
-replica answers /health); a failing start is logged once per failure streak, not once per retry. Readiness
+replica has answered /health for `restart_backoff_reset_s`); a failing start is logged once per failure streak, not once per retry. Readiness
 for routing is the registry's own /health probe (a replica stays `starting` until vLLM answers). `stop()`
 stops every replica (SIGTERM, then SIGKILL of its process group after the grace period) without blocking the
 event loop. Starts happen on the event-loop thread, which lives as long as the replicas (parent-death signal,
@@ -57,13 +57,14 @@ class LaunchedPoolSource:
         restart_backoff_s: float = 10.0,
         resync_s: float = 1.0,
         restart_backoff_max_s: float = 300.0,
+        restart_backoff_reset_s: float = 600.0,
     ) -> None:
         self.launcher = launcher
         self.initial_replicas = replicas
         self.restart_backoff_s = restart_backoff_s
         self.resync_s: float | None = resync_s
         # One backoff for every start of the pool: replacements here and the autoscaler's scale-ups alike.
-        launcher.backoff = Backoff(restart_backoff_s, restart_backoff_max_s)
+        launcher.backoff = Backoff(restart_backoff_s, restart_backoff_max_s, restart_backoff_reset_s)
         self._start_failing = False  # a failed start was logged and no start has succeeded since
 
     @classmethod
@@ -120,6 +121,7 @@ class LaunchedPoolSource:
             launch.replicas,
             launch.restart_backoff_s,
             restart_backoff_max_s=launch.restart_backoff_max_s,
+            restart_backoff_reset_s=launch.restart_backoff_reset_s,
         )
 
     async def start(self) -> None:

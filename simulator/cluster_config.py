@@ -32,7 +32,7 @@ from placement.perf_model import PerfModel
 from placement.profiles import read_structured
 from placement.textfiles import parse_yaml, read_text
 from scheduler.autoscaler.capacity import decode_tps_within_slo as decode_tps_within_slo  # moved; re-exported
-from scheduler.autoscaler.capacity import instance_capacity
+from scheduler.autoscaler.capacity import instance_capacity, no_decode_reason
 from scheduler.autoscaler.policy import AutoscalerConfig
 from scheduler.autoscaler.signals import PoolSpec
 
@@ -178,8 +178,9 @@ def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int 
         )
         decode, prefill = cap.decode_tps, cap.prefill_tps
         if pool.role in ("decode", "mixed") and decode <= 0:
+            why = no_decode_reason(perf, fleet.slo.tpot_ms / 1e3, context, kv_tokens)
             raise FleetConfigError(
-                f"pool {pool.name}: {gpu.name} cannot decode {model.name} within TPOT {fleet.slo.tpot_ms} ms"
+                f"pool {pool.name}: {gpu.name} cannot decode {model.name} within TPOT {fleet.slo.tpot_ms} ms: {why}"
             )
         specs.append(
             PoolSpec(

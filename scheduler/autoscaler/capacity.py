@@ -50,6 +50,15 @@ def decode_tps_within_slo(
     return lo / perf.decode_step_time([context] * lo) if lo else 0.0
 
 
+def no_decode_reason(perf: PerfModel, tpot_s: float, context: int, kv_tokens: int) -> str:
+    """Why `decode_tps_within_slo` is 0, for the error that refuses the pool: a KV cache too small for one
+    sequence reads very differently from a GPU too slow for the SLO."""
+    if kv_tokens < context:
+        return f"its KV cache holds {kv_tokens} tokens, less than one sequence of {context} tokens of context"
+    step_ms = perf.decode_step_time([context]) * 1e3
+    return f"one sequence's decode step takes {step_ms:.1f} ms at {context} tokens of context"
+
+
 def decode_profile(
     perf: PerfModel,
     tpot_s: float,

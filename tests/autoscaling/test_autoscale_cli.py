@@ -80,7 +80,7 @@ def _static(autoscaler: dict[str, Any], **pool: Any) -> dict[str, Any]:
         ),
         pytest.param(
             {**_static({"actuator": "dry-run"}), "slo": {"tpot_ms": 1}},
-            "cannot decode llama-3-8b within TPOT 1 ms",
+            "cannot decode llama-3-8b within TPOT 1 ms: one sequence's decode step takes",
             id="a pool that cannot meet the TPOT SLO at all",
         ),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -213,3 +214,30 @@ def test_cli_simulate_bad_input_exits_2(tmp_path: Path, args: list[str], message
     result = CliRunner().invoke(build_app(), base + args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+@pytest.mark.parametrize(
+    ("change", "cause"),
+    [
+        pytest.param(
+            {"engine": {"num_gpu_blocks": 2}},
+            "its KV cache holds 32 tokens, less than one sequence of 1024 tokens of context",
+            id="a KV cache too small names the cache, not the GPU's speed",
+        ),
+        pytest.param(
+            {"slo": {"ttft_ms": 3000, "tpot_ms": 1}},
+            "one sequence's decode step takes",
+            id="a TPOT no step can meet names the step time",
+        ),
+    ],
+)
+def test_cli_simulate_says_why_a_pool_cannot_decode(
+    tmp_path: Path, change: dict[str, Any], cause: str
+) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(json.dumps({**PD_FLEET, **change}))
+    args = ["simulate", "--trace", "synthetic:rate=4,n=10,input=100,output=10", "--fleet", str(fleet)]
+    result = CliRunner().invoke(build_app(), [*args, "--policy", "fixed"])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "pool decode-a100" in lines[0] and cause in lines[0], result.output

@@ -476,6 +476,58 @@ def test_backoff_doubles_up_to_its_cap() -> None:
     assert backoff.ready(0.0) and backoff.fail(0.0) == 10.0
 
 
+def test_a_replica_that_serves_and_then_crashes_keeps_backing_off(tmp_path: Path) -> None:
+    """/health ended the failure streak, so a replica that loads, answers and then crashes was restarted every
+    10 s forever; the streak now ends only after `restart_backoff_reset_s` of service (the kubelet's rule)."""
+    now = [0.0]
+    template = pool_template(
+        model="m", served_model_name="m", role="mixed", tp=1, max_model_len=None, gpu_memory_utilization=None
+    )
+    stub: Any = StubProcess
+    launcher = VllmPoolLauncher(
+        "p", template, GpuAllocator([]), tmp_path, use_gpus=False, starter=stub, clock=lambda: now[0]
+    )
+    launcher.backoff = Backoff(10.0, 300.0, reset_after_s=600.0)
+
+    def serve_then_crash(serve_s: float) -> float:
+        """Start a replica, see it healthy, let it serve `serve_s`, crash it: the wait before the next start."""
+        launcher.scale_to(1)
+        assert launcher.check_ready(lambda url: True)
+        now[0] += serve_s
+        launcher.replicas[0].process._code = 1
+        assert len(launcher.prune_dead()) == 1
+        wait = launcher.backoff.retry_at - now[0]
+        now[0] += wait
+        return wait
+
+    assert [serve_then_crash(30.0) for _ in range(4)] == [10.0, 20.0, 40.0, 80.0]
+    assert serve_then_crash(600.0) == 10.0  # ten minutes of service: a new streak
+    assert serve_then_crash(599.0) == 20.0
+    launcher.stop_all()
+
+
+def test_the_streak_ends_while_a_replica_keeps_serving(tmp_path: Path) -> None:
+    now = [0.0]
+    template = pool_template(
+        model="m", served_model_name="m", role="mixed", tp=1, max_model_len=None, gpu_memory_utilization=None
+    )
+    stub: Any = StubProcess
+    launcher = VllmPoolLauncher(
+        "p", template, GpuAllocator([]), tmp_path, use_gpus=False, starter=stub, clock=lambda: now[0]
+    )
+    launcher.backoff = Backoff(10.0, 300.0, reset_after_s=600.0)
+    launcher.backoff.fail(0.0)
+    launcher.backoff.fail(0.0)
+    now[0] = 20.0
+    launcher.scale_to(1)
+    launcher.check_ready(lambda url: True)
+    now[0] = 619.0
+    assert launcher.prune_dead() == [] and launcher.backoff.failures == 2
+    now[0] = 620.0
+    assert launcher.prune_dead() == [] and launcher.backoff.failures == 0
+    launcher.stop_all()
+
+
 def test_crash_loop_backs_off_logs_each_launch_and_keeps_failed_logs(
     spawned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
