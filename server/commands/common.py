@@ -1,9 +1,11 @@
-"""Helpers every sub-command shares: the exit-2 contract for bad input."""
+"""Helpers every sub-command shares: the exit-2 contract for bad input, the open-files limit."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import resource
 from pathlib import Path
 from typing import NoReturn
 
@@ -11,6 +13,24 @@ import typer
 
 EXIT_BAD_INPUT = 2
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
+
+
+OPEN_FILES_WANTED = 65536  # sockets: a gateway holds two per streamed request, a replay one per request
+
+
+def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft limit on open files towards `wanted`, within the hard limit (vLLM's server
+    does the same). Many desktops start processes at 1,024: an open-loop replay or a gateway past ~1,000
+    concurrent requests then fails with EMFILE, which reads as an unreachable server. Returns the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:  # e.g. a sandbox that forbids it: keep what we have
+            logging.getLogger("mosaic").debug("cannot raise the open-files limit to %d: %s", target, exc)
+    return soft
 
 
 def fail(message: str) -> NoReturn:

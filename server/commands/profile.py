@@ -42,7 +42,7 @@ from placement.catalog import CatalogError, load_catalog
 from placement.perf_model import PerfModel
 from placement.profiles import MeasuredPoint, Role, ThroughputProfile, save_profile
 from placement.profiles import Slo as ProfileSlo
-from server.commands.common import check_number, check_output_file, fail
+from server.commands.common import check_number, check_output_file, fail, raise_open_files_limit
 from simulator.engine import EngineConfig
 from simulator.profile_driver import capacity_hint, engine_max_model_len, sim_measure_factory
 
@@ -122,6 +122,7 @@ def _check_target(target: Target) -> None:
     try:
         check_target(target.url, target.api_key)
         preflight(target)
+        raise_open_files_limit()  # the search drives hundreds of concurrent requests
     except (ReplayError, ProfileError) as e:
         fail(str(e))
 

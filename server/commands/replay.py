@@ -22,7 +22,7 @@ from loadgen.replay import ReplayError, ReplayRequest, run_replay
 from loadgen.schedule import ScheduleError, ScheduleOptions
 from loadgen.synthetic import SpecError
 from loadgen.trace import TraceError
-from server.commands.common import check_number, check_report_paths, fail
+from server.commands.common import check_number, check_report_paths, fail, raise_open_files_limit
 
 
 def register(app: typer.Typer) -> None:
@@ -114,6 +114,7 @@ def register(app: typer.Typer) -> None:
         )
         try:
             console = Console(stderr=True)
+            raise_open_files_limit()
             outcome = run_replay(req, console, summary=False)
         except (TraceError, ScheduleError, SpecError, ReplayError) as e:
             fail(str(e))

@@ -20,7 +20,13 @@ from collections.abc import Callable
 
 import typer
 
-from server.commands.common import check_log_level, check_number, fail, python_log_level
+from server.commands.common import (
+    check_log_level,
+    check_number,
+    fail,
+    python_log_level,
+    raise_open_files_limit,
+)
 from server.config import ConfigError, MosaicConfig, load_config
 from server.discovery import KubernetesUnavailable
 
@@ -135,6 +141,7 @@ def register(app: typer.Typer) -> None:
             level=python_log_level(log_level),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+        raise_open_files_limit()
         # uvloop when installed (uvicorn[standard]); uvicorn picks httptools by itself the same way.
         with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
             runner.run(

@@ -19,7 +19,7 @@ import signal
 
 import typer
 
-from server.commands.common import check_log_level, fail
+from server.commands.common import check_log_level, fail, raise_open_files_limit
 from simulator.engine import EngineConfig
 from simulator.worker_app import ROLES, FaultConfig, WorkerConfig, WorkerRuntime
 from simulator.worker_server import start_worker_server
@@ -158,4 +158,5 @@ def register(app: typer.Typer) -> None:
             WorkerRuntime(cfg)
         except ValueError as exc:  # CatalogError is one; its message lists the valid names
             fail(str(exc))
+        raise_open_files_limit()
         asyncio.run(serve_simulated(cfg, host, port, log_level))
