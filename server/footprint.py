@@ -23,7 +23,9 @@ each holds its own KV and has its own context. `prompt_tokens` is the sum over p
 prompt's count (for k > 1), and the route request carries both with `n`, so the KV footprint and the
 context check go per sequence (`RouteRequest.sequence_shape`, `scheduler.kv.footprint.request_need`).
 
-**Output tokens** reserved: `max_completion_tokens` or `max_tokens`; absent, vLLM's defaults — 16 for
+**Output tokens** reserved: chat's `max_completion_tokens` or `max_tokens`, completions' `max_tokens` (vLLM's
+completions request has no `max_completion_tokens`: it ignores one and generates `max_tokens`, so charging it
+let a client buy 2,000 tokens at the price of 1); absent, vLLM's defaults — 16 for
 `/v1/completions`, and for chat the rest of the context, max_model_len − prompt. `max_output_tokens` is
 that bound times k·n (every sequence may reach it). `predicted_output_tokens`: the length predictor's
 `predict` when one is given (a quantile of observed output lengths, fed by the gateway at completion; the
@@ -70,10 +72,17 @@ class _Message(_Lenient):
     content: str | list[dict[str, Any]] | None = None
 
 
+class _StreamOptions(_Lenient):
+    """vLLM 0.32's StreamOptions, read as vLLM reads them (lax booleans: "false", "no", 0 are false)."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
 class _Common(_Lenient):
     model: str = Field(min_length=1)
     stream: bool | None = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: _StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int | None = 1
@@ -199,18 +208,21 @@ def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | No
         prompt, exact, lens, floor, token_ids, text = _completion_prompt(req.prompt)
         prompts = max(1, len(lens))
         default_out = COMPLETIONS_DEFAULT_MAX_TOKENS
-    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    # vLLM's chat requests take max_completion_tokens over max_tokens; its completions requests have no
+    # max_completion_tokens at all (ignored, so max_tokens decides what is generated, and what is charged)
+    limit = req.max_tokens
+    if isinstance(req, _Chat) and req.max_completion_tokens is not None:
+        limit = req.max_completion_tokens
     per_seq_prompt = math.ceil(prompt / prompts)
     if limit is None:
         context = (max_model_len or {}).get(req.model) or 8192
         limit = default_out if default_out is not None else max(1, context - per_seq_prompt)
-    opts = req.stream_options or {}
     return ParsedRequest(
         kind=kind,
         body=body,
         model=req.model,
         stream=bool(req.stream),
-        client_wants_usage=bool(opts.get("include_usage")),
+        client_wants_usage=bool(req.stream_options and req.stream_options.include_usage),
         has_stream_options=req.stream_options is not None,
         prompt_tokens=prompt,
         prompt_exact=exact,

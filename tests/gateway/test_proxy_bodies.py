@@ -192,6 +192,22 @@ def test_usage_filter_finds_the_events_split_would(pieces: list[bytes], strip: b
             id="chat: ceil(9/4)=3 + 3 framing + 3 priming = 9; max_completion_tokens wins",
         ),
         pytest.param(
+            "completions",
+            {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2000, "max_completion_tokens": 1},
+            3,
+            True,
+            2000,
+            id="completions: vLLM ignores max_completion_tokens and generates max_tokens, so that is charged",
+        ),
+        pytest.param(
+            "completions",
+            {"model": "m", "prompt": [1, 2, 3], "max_completion_tokens": 5000},
+            3,
+            True,
+            16,
+            id="completions: max_completion_tokens alone leaves vLLM's default 16",
+        ),
+        pytest.param(
             "chat",
             {
                 "model": "m",
@@ -318,3 +334,28 @@ def test_relay_counts_the_role_only_events_that_open_a_chat_stream() -> None:
     relay.watch_roles = False
     relay.feed(_chat_event(role))
     assert relay.role_only_relayed == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "wants"),
+    [
+        pytest.param(None, False, id="no stream_options"),
+        pytest.param({}, False, id="empty: vLLM 0.32's include_usage defaults to false"),
+        pytest.param({"include_usage": True}, True, id="true"),
+        pytest.param({"include_usage": "false"}, False, id="'false' is false to vLLM's pydantic, not truthy"),
+        pytest.param({"include_usage": "no"}, False, id="'no' likewise"),
+        pytest.param({"include_usage": 1}, True, id="1 is true"),
+    ],
+)
+def test_client_wants_usage_reads_stream_options_as_vllm_does(options: object, wants: bool) -> None:
+    body: dict[str, object] = {"model": "m", "prompt": "x", "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    assert parse_request("completions", json.dumps(body).encode()).client_wants_usage is wants
+
+
+def test_stream_options_of_the_wrong_type_are_refused() -> None:
+    body = b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": "maybe"}}'
+    with pytest.raises(GatewayError) as err:
+        parse_request("completions", body)
+    assert err.value.cause is Cause.BAD_REQUEST and err.value.param == "stream_options.include_usage"
