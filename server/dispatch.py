@@ -34,6 +34,7 @@ lease is released exactly once with its own outcome.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -167,6 +168,7 @@ class Dispatcher:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._finish_children: dict[tuple[str, str, int, str, str | None], _OutcomeChildren] = {}
         self._worker_auth = worker_auth_headers(config)
+        self._tickets = itertools.count(1)  # RouteRequest.ticket: what the KV holds of a request belong to
 
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, memoised: prometheus_client's `labels()` validates and takes a lock on
@@ -318,6 +320,7 @@ class Dispatcher:
             rec.arrival,
             self.cfg.routing.default_output_tokens,
             predictor=self.predictor,
+            ticket=next(self._tickets),
         )
         exclude: set[str] = set()
         last: UpstreamFailure | None = None

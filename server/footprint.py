@@ -299,6 +299,7 @@ def route_request(
     default_output_tokens: int,
     block_size: int = 16,
     predictor: LengthPredictor | None = None,
+    ticket: int = 0,
 ) -> RouteRequest:
     """The router's view of the request: footprint and prefix hashes, never the body.
 
@@ -333,4 +334,5 @@ def route_request(
         prompt_tokens_floor=floor,
         n=parsed.n,
         prompt_lens=parsed.prompt_lens,
+        ticket=ticket,
     )

@@ -26,9 +26,10 @@ assignment that no longer fits is simply not admitted this tick. In batch mode a
 **Keys.** Request ids come from the client (`X-Request-Id`) and may repeat, so nothing here is keyed by them:
 a waiter's hold is keyed by a gateway-unique waiter key (`hold_key`: the request id while no other live
 waiter uses it, else `<id>#<n>`) and plans are answered by `server.admission.plan_keys` (the request id,
-made unique within the planned head). Two waiters with one
-id neither drop each other's hold nor overwrite each other's planned decision (which would leak its
-reservation until the lease sweep).
+made unique within the planned head), and a hold belongs to the waiter's ticket (`RouteRequest.holder`, the
+gateway's number for the request). Two waiters with one id neither drop each other's hold nor overwrite each
+other's planned decision (which would leak its reservation until the lease sweep), and neither can use or
+remove the pages held for the other.
 """
 
 from __future__ import annotations
@@ -124,12 +125,12 @@ class KvQueuePolicy:
                 self.ledger.drop_hold(rid)
             self.stats.holds += 1
         need = self.ledger.footprint(req, target)[0].peak
-        self.ledger.hold(rid, target, need, self._clock(), owner=req.request_id)  # (re)set, renewed
+        self.ledger.hold(rid, target, need, self._clock(), owner=req.holder)  # (re)set, renewed
         self.held[rid] = target.id
 
     def _closeness(self, req: RouteRequest, w: WorkerView) -> float:
         """Free units per unit needed (1 = fits now): units differ between stock and compression workers."""
-        return self.ledger.free(w, req.request_id) / max(1, self.ledger.footprint(req, w)[0].peak)
+        return self.ledger.free(w, req.holder) / max(1, self.ledger.footprint(req, w)[0].peak)
 
     def leave(self, req: RouteRequest) -> None:
         key = self._keys.pop(id(req), None)

@@ -22,7 +22,8 @@ A reservation whose lease (`lease_s` since the last renewal) has passed is relea
 Holds (aging): `hold(key, worker, units, now, owner)` sets pages aside for one waiting request (a large
 long-context request that many small ones keep overtaking); others cannot reserve them, the holder's reserve
 can. `key` names the hold (the gateway passes a key unique per waiter, since client request ids may repeat);
-`owner` is the request id whose reserve may use it (default: the key).
+`owner` is the `RouteRequest.holder` whose reserve may use it (default: the key): the gateway's ticket, so a
+second request carrying the waiter's X-Request-Id can neither use the pages nor drop the hold.
 
 Reconcile counts, as "released since the last reconcile", only pages a worker may still have shown in use at
 its last scrape: a release with `Outcome.UNRESERVED` (the router's rollback, the batch queue's probes and
@@ -118,6 +119,7 @@ class KvReservation:
         "fp_steady",
         "fp_worst_steady",
         "handoff",
+        "holder",
         "key",
         "max_output",
         "model",
@@ -147,6 +149,7 @@ class KvReservation:
         self.key = key
         self.worker_id = worker_id
         self.request_id = req.request_id
+        self.holder = req.holder
         self.model = req.model
         self.prompt_tokens = req.prompt_tokens
         self.shape = req.sequence_shape
@@ -214,7 +217,7 @@ class _Book:
     error_frac: float | None = None
     active: dict[int, KvReservation] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)  # hold key → units
-    hold_owner: dict[str, str] = field(default_factory=dict)  # hold key → the request id that may use it
+    hold_owner: dict[str, str | int] = field(default_factory=dict)  # hold key → the holder that may use it
     hold_expiry: dict[str, float] = field(default_factory=dict)  # a hold nobody claims lapses like a lease
     forgotten: bool = False  # the worker was removed: drop the book when its last reservation ends
     key: tuple[object, ...] = ()  # what the spec was derived from (pool, model, block size, limits, blocks)
@@ -262,20 +265,20 @@ class KvLedger:
         book = self._books.get(worker_id)
         return book.reserved if book else 0
 
-    def free(self, worker: WorkerView, request_id: str | None = None) -> int:
-        """Units `request_id` could reserve now (holds of other requests excluded)."""
-        return self._free_of(self._book(worker), request_id)
+    def free(self, worker: WorkerView, holder: str | int | None = None) -> int:
+        """Units `holder` (a `RouteRequest.holder`) could reserve now (holds of other requests excluded)."""
+        return self._free_of(self._book(worker), holder)
 
-    def _free_of(self, book: _Book, request_id: str | None) -> int:
-        return self._capacity_of(book) - book.reserved - self._held_for_others(book, request_id)
+    def _free_of(self, book: _Book, holder: str | int | None) -> int:
+        return self._capacity_of(book) - book.reserved - self._held_for_others(book, holder)
 
     @staticmethod
-    def _held_for_others(book: _Book, request_id: str | None) -> int:
-        """Units held for requests other than `request_id` (its own holds it may use)."""
+    def _held_for_others(book: _Book, holder: str | int | None) -> int:
+        """Units held for requests other than `holder` (its own holds it may use)."""
         if not book.holds:
             return 0
         owner = book.hold_owner
-        return sum(u for k, u in book.holds.items() if owner.get(k, k) != request_id)
+        return sum(u for k, u in book.holds.items() if owner.get(k, k) != holder)
 
     def active(self, worker_id: str | None = None) -> list[KvReservation]:
         """Live reservations, on one worker or on all."""
@@ -353,12 +356,12 @@ class KvLedger:
     def fits(self, req: RouteRequest, worker: WorkerView, now: float) -> bool:
         book = self._book(worker)
         fp, worst = self._footprint(book, req, worker.role == Role.PREFILL)
-        return self._admissible(book, req.request_id, fp, worst)
+        return self._admissible(book, req.holder, fp, worst)
 
     def reserve(self, req: RouteRequest, worker: WorkerView, now: float) -> KvReservation | None:
         fp, worst = self.footprint(req, worker)
         book = self._book(worker)
-        if not self._admissible(book, req.request_id, fp, worst):
+        if not self._admissible(book, req.holder, fp, worst):
             self.stats.refused += 1
             return None
         self._next_key += 1
@@ -367,13 +370,13 @@ class KvLedger:
         book.reserved += res.units
         book.worst_reserved += res.worst_units
         if book.holds:  # usually none: the holder's reservation replaces its hold
-            for k in [k for k in book.holds if book.hold_owner.get(k, k) == req.request_id]:
+            for k in [k for k in book.holds if book.hold_owner.get(k, k) == req.holder]:
                 self._pop_hold(book, k)
         self.stats.reserved += 1
         return res
 
-    def _admissible(self, book: _Book, request_id: str, fp: Footprint, worst: Footprint) -> bool:
-        if fp.peak > self._free_of(book, request_id):
+    def _admissible(self, book: _Book, holder: str | int, fp: Footprint, worst: Footprint) -> bool:
+        if fp.peak > self._free_of(book, holder):
             return False
         if self.settings.mode == "predicted" and worst.peak > fp.peak:
             limit = self._capacity_of(book) * (1.0 + book.overbook)
@@ -381,7 +384,9 @@ class KvLedger:
         return True
 
     # --- holds (aging) ---------------------------------------------------------------------------------
-    def hold(self, key: str, worker: WorkerView, units: int, now: float, owner: str | None = None) -> None:
+    def hold(
+        self, key: str, worker: WorkerView, units: int, now: float, owner: str | int | None = None
+    ) -> None:
         """Set `units` aside on `worker` under `key` for request `owner` (default: `key`; replaces the key's
         previous hold there) until the owner reserves there, `drop_hold(key)` is called, or `lease_s` passes
         (then `sweep` drops it). Only the owner's `fits`/`reserve` may use held units."""
@@ -470,7 +475,7 @@ class KvLedger:
         fp = self._need(book, res.shape, target)
         new_units = fp.steady if res.prefilled else fp.peak
         delta = new_units - res.units
-        held = self._held_for_others(book, res.request_id)
+        held = self._held_for_others(book, res.holder)
         if delta > 0 and book.reserved + delta + held > self._capacity_of(book):
             self.stats.grow_refused += 1
             return False

@@ -83,7 +83,7 @@ class KvBestFitScorer:
         for w in candidates:
             if ledger is not None:
                 fp, _ = ledger.footprint(req, w)
-                out.append(best_fit_score(ledger.free(w, req.request_id), fp.peak, ledger.capacity(w)))
+                out.append(best_fit_score(ledger.free(w, req.holder), fp.peak, ledger.capacity(w)))
             else:
                 total = w.kv_blocks_total
                 free = (1.0 - (w.kv_usage or 0.0)) * total

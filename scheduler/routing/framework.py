@@ -63,6 +63,15 @@ class RouteRequest:
     prompt_tokens_floor: int | None = None
     n: int = 1
     prompt_lens: tuple[int, ...] = ()
+    # the driver's number for the request, unique among its live requests (the gateway's accept counter);
+    # 0: unnumbered. Request ids come from clients and may repeat; what belongs to one request (its KV
+    # holds) belongs to its `holder`, never to its request id alone
+    ticket: int = 0
+
+    @property
+    def holder(self) -> str | int:
+        """Who the request is to the KV ledger's holds: its ticket when numbered, else its request id."""
+        return self.ticket or self.request_id
 
     @property
     def expected_tokens(self) -> int:

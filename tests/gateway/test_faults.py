@@ -775,3 +775,28 @@ def test_a_gateway_bug_is_an_internal_error_not_a_worker_error() -> None:
             assert gw.dispatcher.outcomes == {"internal_error": 1} and not a.seen
 
     run(body)
+
+
+def test_requests_sharing_an_x_request_id_get_their_own_tickets() -> None:
+    """What a request holds in the KV ledger belongs to its ticket, so each routed request must carry its own,
+    the same X-Request-Id or not (and every retry of one request the same)."""
+    a = FakeWorker("a")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            seen: list[tuple[str, int]] = []
+            route = gw.dispatcher.router.route
+
+            def spy(req: Any, *args: Any, **kwargs: Any) -> Any:
+                seen.append((req.request_id, req.ticket))
+                return route(req, *args, **kwargs)
+
+            gw.dispatcher.router.route = spy  # type: ignore[method-assign]
+            for _ in range(3):
+                r = await c.post(CHAT, json=chat(), headers={"X-Request-Id": "same"})
+                assert r.status_code == 200
+            assert [rid for rid, _ in seen] == ["same"] * 3
+            tickets = [t for _, t in seen]
+            assert len(set(tickets)) == 3 and all(t > 0 for t in tickets)
+
+    run(body)

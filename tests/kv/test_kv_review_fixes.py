@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from scheduler.routing.framework import Decision
 from scheduler.routing.reasons import Outcome
 from server.admission import AdmissionQueue, plan_keys
 from server.config import ConfigError, validate_config
+from server.footprint import parse_request, route_request
 from server.kv_admission import KvQueuePolicy
 from server.metrics import GatewayMetrics
 from tests.kv.kvkit import request, worker
@@ -294,3 +296,37 @@ def test_reconcile_against_the_fleet_forgets_removed_workers_and_their_metrics()
     assert 'worker="b"' not in text and 'mosaic_kv_total_units{worker="a"} 100.0' in text
     ledger.reconcile([a], 2.0)  # a partial list (the fleet driver's) forgets nothing
     assert set(ledger.snapshot()) == {"a"}
+
+
+def test_a_request_reusing_a_waiters_id_can_neither_use_nor_remove_its_hold() -> None:
+    """The hold belonged to the request id: a client retrying with the aged head's X-Request-Id (or any request
+    reusing it) passed `fits` on the head's held pages and its `reserve` deleted the head's hold. It belongs to
+    the gateway's ticket now."""
+    ledger = KvLedger()
+    w = worker("w", blocks=100)  # capacity 98
+    ledger.reserve(request("running", prompt=16 * 38, max_out=0), w, 0.0)  # 38 blocks: 60 left
+    view = FleetView((w,))
+    policy = KvQueuePolicy(
+        KvConfig(queue={"aging_s": 1.0}),  # type: ignore[arg-type]
+        ledger,
+        lambda: view,
+        lambda req, exclude: pytest.fail("aging never routes"),
+        lambda: 5.0,
+    )
+    head = dataclasses.replace(request("X", prompt=16 * 60, max_out=0), ticket=1)
+    policy.before_attempt(head, waited_s=2.0)
+    assert ledger.snapshot()["w"]["holds"] == 60
+    newcomer = dataclasses.replace(request("X", prompt=16 * 60, max_out=0), ticket=2)
+    assert ledger.free(w, newcomer.holder) == 0 and ledger.free(w, head.holder) == 60
+    assert not ledger.fits(newcomer, w, 5.0) and ledger.reserve(newcomer, w, 5.0) is None
+    assert ledger.snapshot()["w"]["holds"] == 60  # still the head's
+    assert ledger.fits(head, w, 5.0)
+    res = ledger.reserve(head, w, 5.0)
+    assert res is not None and ledger.snapshot()["w"]["holds"] == 0  # the holder's reserve takes its hold
+
+
+def test_the_gateway_numbers_each_request_it_routes() -> None:
+    parsed = parse_request("completions", b'{"model": "m", "prompt": [1, 2, 3]}')
+    a = route_request(parsed, "X", 0.0, 16, ticket=7)
+    assert (a.ticket, a.holder) == (7, 7)
+    assert route_request(parsed, "X", 0.0, 16).holder == "X"  # unnumbered: the request id
