@@ -55,6 +55,10 @@ class _WorkerMemo:
     at: float
     gen_rate: float = 0.0
     prompt_rate: float = 0.0
+    # the newest counters a scrape round saw (`on_scrape`): what a worker that leaves the fleet before the
+    # next cycle produced since `at` still counts in that cycle's pool rate, as the simulator's retired totals
+    last_gen: float | None = None
+    last_prompt: float | None = None
 
 
 @dataclass(slots=True)
@@ -99,6 +103,9 @@ class SignalReader:
         now = self.clock()
         for rec in self.registry.records():
             stats = rec.fresh_stats(now, self.stale_after_s)
+            memo = self._memo.get(rec.id)
+            if stats is not None and memo is not None:  # draining ones too: they decode until they leave
+                memo.last_gen, memo.last_prompt = stats.generation_tokens_total, stats.prompt_tokens_total
             state = rec.state()
             # the HPA averages a per-pod metric over the ready pods: a draining worker still finishing its
             # streams is terminating, left out of both sides (counted busy over the ready ones, a scale-in
@@ -145,11 +152,15 @@ class SignalReader:
     def _starting_etas(self, name: str, desired: int, starting: int, now: float) -> tuple[float, ...]:
         """Expected seconds to ready of a managed pool's starting instances (module docstring). An increase
         of the desired count since the last cycle was applied right after it, so those instances started
-        then; instances become ready oldest first, so the newest `starting` start times are kept."""
+        then; a decrease cancelled the newest starting instances first (as every actuator and the simulator
+        pick their victims); instances become ready oldest first, so of the rest the newest `starting` start
+        times are kept."""
         starts = self._starts.setdefault(name, [])
         previous = self._desired.get(name)
         if previous is not None and desired > previous:
             starts.extend([self._last_now if self._last_now is not None else now] * (desired - previous))
+        elif previous is not None and desired < previous:
+            del starts[max(0, len(starts) - (previous - desired)) :]
         self._desired[name] = desired
         del starts[: max(0, len(starts) - starting)]
         if self.cold_start_s <= 0:
@@ -194,7 +205,8 @@ class SignalReader:
                 waiting += stats.num_waiting or 0
         live = {r.id for r in recs}
         for wid in [w for w in self._memo if w.startswith(name + "/") and w not in live]:
-            del self._memo[wid]
+            g, p = _tail(self._memo.pop(wid), now)  # left since the last cycle (a drain that finished)
+            gen, prompt = gen + g, prompt + p
         busy = self._busy.get(name)
         scale = self.scale(name)
         return PoolObservation(
@@ -238,6 +250,19 @@ class SignalReader:
     def _model_scale(self, model: str) -> float:
         scales = [self.scale(p.name) for p in self.registry.pools() if p.model == model]
         return max(scales) if scales else 1.0
+
+
+def _tail(memo: _WorkerMemo, now: float) -> tuple[float, float]:
+    """(generation, prompt) tokens/s a worker that has left produced between the last cycle's scrape and its
+    last scrape, over the cycle's interval (0 for a counter that went down: a restart tells nothing)."""
+    dt = now - memo.at
+    if dt <= 0:
+        return 0.0, 0.0
+
+    def part(first: float | None, last: float | None) -> float:
+        return max(0.0, last - first) / dt if first is not None and last is not None else 0.0
+
+    return part(memo.gen, memo.last_gen), part(memo.prompt, memo.last_prompt)
 
 
 def _rate(prev: float | None, cur: float | None, dt: float, fallback: float | None) -> float:

@@ -479,29 +479,38 @@ def _check_autoscaler(config: MosaicConfig) -> None:
         build_policy(a.policy, bounds, PolicyConfig(), dict.fromkeys(names, 0), check_bounds=True)
     except PolicyError as exc:
         raise _FieldError("autoscaler.policy", str(exc)) from None
-    if a.enabled and a.actuator == "embedded":
-        if not any(
+    if a.enabled and a.actuator in ("embedded", "dry-run"):
+        _check_one_time_scale_per_model(config)
+    if (
+        a.enabled
+        and a.actuator == "embedded"
+        and not any(
             p.endpoints.simulated is not None or getattr(p.endpoints, "launch", None) is not None
             for p in config.pools
-        ):
+        )
+    ):
+        raise _FieldError(
+            "autoscaler.actuator",
+            "the embedded actuator scales simulated (or launched vLLM) "
+            "pools and there is none; use kubernetes (mosaic autoscale) or dry-run",
+        )
+
+
+def _check_one_time_scale_per_model(config: MosaicConfig) -> None:
+    """Simulated rates and latencies are converted to model time by the pool's time_scale; the gateway
+    measures arrivals and latency per model, so one model's simulated pools must share one scale (the
+    in-process controller, embedded or dry-run, reads them the same way)."""
+    scales: dict[str, set[float]] = {}
+    for pool in config.pools:
+        if pool.endpoints.simulated is not None:
+            scales.setdefault(pool.model, set()).add(pool.endpoints.simulated.time_scale)
+    for model, found in scales.items():
+        if len(found) > 1:
             raise _FieldError(
-                "autoscaler.actuator",
-                "the embedded actuator scales simulated (or launched vLLM) "
-                "pools and there is none; use kubernetes (mosaic autoscale) or dry-run",
+                "autoscaler",
+                f"the simulated pools of model {model!r} mix time_scale values "
+                f"{sorted(found)}; the in-process autoscaler ({config.autoscaler.actuator}) needs one per model",
             )
-        # Simulated rates and latencies are converted to model time by the pool's time_scale; the
-        # gateway measures latency per model, so one model's simulated pools must share one scale.
-        scales: dict[str, set[float]] = {}
-        for pool in config.pools:
-            if pool.endpoints.simulated is not None:
-                scales.setdefault(pool.model, set()).add(pool.endpoints.simulated.time_scale)
-        for model, found in scales.items():
-            if len(found) > 1:
-                raise _FieldError(
-                    "autoscaler",
-                    f"the simulated pools of model {model!r} mix time_scale values "
-                    f"{sorted(found)}; the embedded autoscaler needs one per model",
-                )
 
 
 def _check_kv(config: MosaicConfig) -> None:

@@ -96,6 +96,11 @@ STATIC = {"name": "s", "model": "llama-3-8b", "gpu": "L4", "endpoints": {"static
             "mix time_scale values",
             id="one model's simulated pools at two time scales",
         ),
+        pytest.param(
+            _config({"enabled": True, "actuator": "dry-run"}, [_config({})["pools"][0], OTHER_SIM]),
+            "mix time_scale values",
+            id="dry-run reads rates the same way: two time scales refused too",
+        ),
         pytest.param(_config({"cooldown_s": 5}), "autoscaler.cooldown_s: unknown key", id="unknown key"),
         pytest.param(
             _config({"backlog_lead_s": 120}),

@@ -48,11 +48,12 @@ async def _send(client: httpx.AsyncClient, prompt: str) -> tuple[int, dict[str, 
     return resp.status_code, resp.json(), time.monotonic() - started
 
 
-async def _run(cfg: Any) -> dict[str, Any]:
+async def _run(
+    cfg: Any, prompts: tuple[str, ...] = (LONG_PROMPT,) * 4 + (SHORT_PROMPT,) * 2
+) -> dict[str, Any]:
     running = await start_gateway_server(cfg, "127.0.0.1", 0)
     try:
         async with httpx.AsyncClient(base_url=running.url, timeout=60) as client:
-            prompts = [LONG_PROMPT] * 4 + [SHORT_PROMPT] * 2
             results = await asyncio.gather(*(_send(client, p) for p in prompts))
         decode = sorted(r.id for r in running.gateway.registry.records() if r.pool.name == "decode")
         return {"results": results, "decode_workers": decode}
@@ -100,3 +101,29 @@ def test_a_held_request_wakes_the_autoscaler_before_its_interval_ends() -> None:
     out = asyncio.run(_run(pd_config(autoscaler, queue_deadline_s=60)))
     assert [status for status, _, _ in out["results"]] == [200] * 6, out["results"]
     assert max(elapsed for _, _, elapsed in out["results"]) < 10.0
+
+
+def test_one_request_right_after_start_buys_one_worker() -> None:
+    """The first woken cycle ran at once after the controller's baseline: one request over a few ms read as
+    ~26 req/s and bought 4 workers for it. A woken cycle now comes at least 1 s after the baseline."""
+    cfg = validate_config(
+        {
+            "pools": [
+                {
+                    "name": "decode",
+                    "model": MODEL,
+                    "gpu": "L4",
+                    "role": "mixed",
+                    "min_replicas": 0,
+                    "max_replicas": 8,
+                    "endpoints": {"simulated": {"replicas": 0, "seed": 1}},
+                }
+            ],
+            "slo": {"tpot_ms": 100},
+            "limits": {"queue_deadline_s": 30},
+            "autoscaler": {"enabled": True, "actuator": "embedded", "interval_s": 15, "cold_start_s": 0.5},
+        }
+    )
+    out = asyncio.run(_run(cfg, (SHORT_PROMPT,)))
+    assert [status for status, _, _ in out["results"]] == [200], out["results"]
+    assert out["decode_workers"] == ["decode/sim-0"]

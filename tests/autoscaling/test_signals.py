@@ -181,14 +181,54 @@ async def _starting_etas(cold_start_s: float) -> list[tuple[int, tuple[float, ..
 
 def test_starting_instances_get_ready_estimates_from_the_cold_start() -> None:
     # raised to 4 after the cycle at 10 s: two started then, ready at 70 s; one more after 25 s (ready at 85 s);
-    # cut to 3 after 40 s: one still starting, taken to be the newest (the oldest are the first to be ready)
+    # cut from 5 to 3 after 40 s: the two newest starting instances are cancelled first (as the actuators pick
+    # them), so the one still starting is one of 10 s, ready at 70 s (it was read as the newest's, 85 s)
     assert asyncio.run(_starting_etas(60.0)) == [
         (0, ()),
         (2, (45.0, 45.0)),
         (3, (30.0, 30.0, 45.0)),
-        (1, (30.0,)),
+        (1, (15.0,)),
     ]
 
 
 def test_without_a_cold_start_there_are_no_estimates() -> None:
     assert [etas for _, etas in asyncio.run(_starting_etas(0.0))] == [(), (), (), ()]
+
+
+def test_a_worker_that_left_since_the_last_cycle_still_counts_its_tokens() -> None:
+    """A worker whose drain finished between two cycles is gone from the registry at the second: what it
+    decoded since the first cycle's scrape was dropped with it, so every cycle after a scale-in read the
+    pool's rate low (toward more scale-in). The simulator adds retired workers' totals; so does this now."""
+
+    async def run() -> Observation:
+        clock = Clock(10.0)
+        scrape = {"n": 1}
+        metrics = GatewayMetrics()
+        async with httpx.AsyncClient(transport=_recorded(scrape)) as client:
+            reg = Registry(
+                ScrapeConfig(stale_after_s=5.0), HealthConfig(), metrics, client=client, clock=clock
+            )
+            source = StaticSource(["http://a:8000", "http://b:8000"])
+            reg.add_pool(
+                PoolInfo("dec", "llama-3-8b", "L4", Role.DECODE, capacity_for("L4", "llama-3-8b")), source
+            )
+            reader = SignalReader(reg, 5.0, clock, {}, RegistrySource(metrics.registry, clock))
+            reg.on_refresh.append(reader.on_scrape)
+            await reg.resync("dec")
+            await reg.health_once()
+            await reg.scrape_once()
+            reader.observe(10.0, {})  # baseline at t = 10
+            for n, t in ((2, 12.0), (3, 14.0)):
+                scrape["n"], clock.t = n, t
+                await reg.scrape_once()
+            source._endpoints = source._endpoints[:1]  # b has drained and left
+            await reg.resync("dec")
+            obs = reader.observe(14.0, {})
+            await reg.stop()
+        return obs
+
+    pool = asyncio.run(run()).pools["dec"]
+    assert pool.ready == 1
+    # a: 2000 − 1000 and b (gone): 420 − 300 tokens over 14 − 10 s = 280 / s (a alone would read 250)
+    assert pool.decode_tokens_per_s == pytest.approx(280.0)
+    assert pool.prompt_tokens_per_s == pytest.approx((1000 + 200) / 4)
