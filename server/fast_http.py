@@ -14,6 +14,9 @@ byte), without the middleware stack and with a leaner ASGI channel:
 - disconnects are pushed: `on_disconnect(callback)` runs the callback from `connection_lost` (the
   gateway's `DisconnectWatch` subscribes instead of running a watcher task per request).
 
+A lost connection is also reported to the response being written when a pipelined request behind it has
+already been parsed (uvicorn tells only the newest cycle, which is the queued one).
+
 Everything else — other paths and methods, query strings, upgrades, pipelining order, keep-alive timers,
 graceful shutdown (the protocol's `shutdown()` sees `keep_alive` and `response_complete` as on a uvicorn
 cycle), concurrency tracking in `server_state.tasks` — is uvicorn's own code path.
@@ -50,6 +53,21 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         routes: dict[str, ASGIApp] = getattr(config.app, "fast_routes", {})
         self.fast_routes = {path.encode(): app for path, app in routes.items()}
+        self._running: Any = None  # the cycle whose ASGI task was started last (the one answering now)
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """uvicorn marks only `self.cycle` disconnected, which a pipelined request (parsed while the previous
+        response still streams) has replaced: the response being written then never heard of the hang-up
+        and kept its worker slot, in-flight ticket and KV reservation to the end of its generation."""
+        running = self._running
+        super().connection_lost(exc)
+        if running is not None and running is not self.cycle and not running.response_complete:
+            running.disconnected = True
+            running.message_event.set()
 
     def on_headers_complete(self) -> None:
         app = self.fast_routes.get(self.url) if self.fast_routes else None
@@ -392,6 +410,7 @@ _REQUIRED_INTERNALS = (
     "on_body",
     "on_message_complete",
     "on_response_complete",
+    "connection_lost",
 )
 
 

@@ -216,6 +216,36 @@ def test_a_client_gone_before_the_answer_cancels_the_upstream_call() -> None:
 
 
 @pytest.mark.parametrize("target", [FAST, SLOW])
+def test_a_client_gone_with_a_request_pipelined_behind_cancels_the_running_stream(target: bytes) -> None:
+    """uvicorn marks only its newest cycle disconnected, i.e. the pipelined request still queued: the stream
+    being relayed never heard of the hang-up (its writes failed silently) and held its worker slot and KV to
+    the end of the generation, then counted as completed. (With reading paused behind a pipelined request, a
+    hang-up is seen when a write fails, so a response that writes nothing hears of it only at its end.)"""
+
+    async def go() -> None:
+        worker = FakeWorker("a", chunk_delay_s=0.25)  # 12 tokens: 3 s of stream
+        async with serving(worker) as running:
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            writer.write(
+                request(target, completion(stream=True, max_tokens=12)) + request(target, completion())
+            )
+            await writer.drain()
+            await reader.readuntil(b"data: ")  # the stream has started
+            writer.close()
+            await writer.wait_closed()
+            dispatcher = running.gateway.dispatcher
+            for _ in range(150):  # 1.5 s, half the stream
+                if not dispatcher.open and dispatcher.outcomes:
+                    break
+                await asyncio.sleep(0.01)
+            assert not dispatcher.open and dispatcher.outcomes.get("client_disconnected", 0) >= 1
+            assert "completed" not in dispatcher.outcomes
+            assert all(r.inflight_requests == 0 for r in running.gateway.registry.records())
+
+    run(go)
+
+
+@pytest.mark.parametrize("target", [FAST, SLOW])
 def test_a_client_gone_while_sending_its_body_is_recorded_as_499_not_as_an_internal_error(
     target: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
