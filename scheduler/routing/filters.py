@@ -34,7 +34,7 @@ from pydantic import Field
 
 from scheduler.fleet import WorkerState, WorkerView
 from scheduler.routing.framework import CapacityBound, Cycle, FitChecker, PluginParams
-from scheduler.routing.reasons import KV_EXCEEDS_FACT, FilterReason
+from scheduler.routing.reasons import CONTEXT_FACT, KV_EXCEEDS_FACT, FilterReason
 
 
 class NoParams(PluginParams):
@@ -128,7 +128,7 @@ class ContextLengthFilter:
         if _fits(longest, worker):
             return None
         if req.prompt_tokens_floor is None or not _fits(req.prompt_tokens_floor, worker):
-            return FilterReason.EXCEEDS_CONTEXT
+            return _exceeds(cycle, worker, longest)
         # Over by the estimate, not by the floor: pass only if no worker that could take the request now
         # fits the estimate (a down, draining, excluded or wrong-role one that would fit must not turn this
         # one away). Computed once per cycle and profile (P/D runs two), only on this rare path.
@@ -138,7 +138,29 @@ class ContextLengthFilter:
             some_fit = cycle.facts[key] = any(
                 _could_serve(cycle, w) and _fits(longest, w) for w in cycle.view.workers
             )
-        return FilterReason.EXCEEDS_CONTEXT if some_fit else None
+        return _exceeds(cycle, worker, longest) if some_fit else None
+
+
+def _exceeds(cycle: Cycle, worker: WorkerView, prompt_tokens: int) -> FilterReason:
+    """EXCEEDS_CONTEXT, recording for the error message the largest context among the workers exceeded."""
+    limit = _context_limit(worker)
+    seen = cycle.facts.get(CONTEXT_FACT)
+    if seen is None or limit > seen["context_limit_tokens"]:
+        exact = cycle.req.prompt_tokens_floor is None
+        cycle.facts[CONTEXT_FACT] = {
+            "context_limit_tokens": limit,
+            "prompt_tokens": prompt_tokens,
+            "exact": exact,
+        }
+    return FilterReason.EXCEEDS_CONTEXT
+
+
+def _context_limit(worker: WorkerView) -> int:
+    """The most tokens one sequence may hold on `worker`: max_model_len, or its KV cache less the null block."""
+    capacity = worker.capacity
+    block = worker.block_size or capacity.block_size
+    kv = ((worker.num_gpu_blocks or capacity.kv_blocks) - 1) * block
+    return kv if capacity.max_model_len is None else min(capacity.max_model_len, kv)
 
 
 _ESTIMATE_FITS_SOMEWHERE = "context-length.estimate_fits_somewhere"

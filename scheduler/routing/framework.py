@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from scheduler.fleet import FleetView, Role, WorkerView
-from scheduler.routing.reasons import KV_EXCEEDS_FACT, FilterReason, Outcome, Reject
+from scheduler.routing.reasons import CONTEXT_FACT, KV_EXCEEDS_FACT, FilterReason, Outcome, Reject
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,8 +428,8 @@ class Cycle:
         counts: Counter[FilterReason] = Counter()
         for r in results:
             counts.update(r.counts)
-        exceeded = self.facts.get(KV_EXCEEDS_FACT)
-        return Reject.from_counts(counts, details=exceeded)
+        details = {**self.facts.get(CONTEXT_FACT, {}), **self.facts.get(KV_EXCEEDS_FACT, {})}
+        return Reject.from_counts(counts, details=details)
 
 
 class Router:

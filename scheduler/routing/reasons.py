@@ -90,6 +90,9 @@ REJECT_TABLE: Mapping[FilterReason, RejectRule] = {
 # `Cycle.facts` key where the kv-fit filter records, for `Reject.details`, the largest reservable capacity
 # among workers the request exceeds: {"kv_need_blocks": N, "kv_reservable_blocks": M}
 KV_EXCEEDS_FACT = "kv-fit/exceeds_capacity"
+# ... and where the context-length filter records the largest context among the workers the prompt exceeds:
+# {"context_limit_tokens": N, "prompt_tokens": P, "exact": bool} (P the longest prompt, counted or estimated)
+CONTEXT_FACT = "context-length/limit"
 _ORDER = {reason: i for i, reason in enumerate(REJECT_TABLE)}
 
 
@@ -117,6 +120,15 @@ class Reject:
         message = self.reason if model is None else f"{self.reason} (model {model!r})"
         if self.primary is FilterReason.WRONG_MODEL and model is not None:
             message = f"The model {model!r} does not exist or no worker serves it"
+        elif self.primary is FilterReason.EXCEEDS_CONTEXT and "context_limit_tokens" in self.details:
+            # vLLM's wording, with what the gateway knows: its count is an estimate unless token ids were sent
+            of = "This model's" if model is None else f"Model {model!r}'s"
+            about = "" if self.details.get("exact") else "about "
+            message = (
+                f"{of} maximum context length is {self.details['context_limit_tokens']} tokens. However, your "
+                f"prompt contains {about}{self.details['prompt_tokens']} input tokens, which leaves no room for "
+                "any output token. Please reduce the length of the input prompt."
+            )
         elif self.primary is FilterReason.KV_EXCEEDS_CAPACITY and "kv_need_blocks" in self.details:
             of = "" if model is None else f" of model {model!r}"
             message = (

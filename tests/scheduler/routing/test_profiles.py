@@ -202,3 +202,26 @@ def test_a_prompt_no_context_holds_is_a_400_whatever_state_a_worker_is_in(state:
     got = build_router().route(RouteRequest("r", MODEL, 20_000, 16, 16), fleet, 0.0, random.Random(0))
     assert isinstance(got, Reject)
     assert (got.primary, got.http_status, got.retryable) == (FilterReason.EXCEEDS_CONTEXT, 400, False)
+
+
+def test_a_prompt_over_the_context_is_refused_with_the_limit_and_its_size() -> None:
+    """The message named only the router's tallies ("no worker fits: 4 exceeds_context, 1 wrong_role"); it
+    says, as vLLM does, the model's maximum context and the prompt's tokens (estimated ones marked so)."""
+    fleet = view(*(worker(f"h{i}", gpu="H100-SXM") for i in range(2)))
+    limit = build_router().route(RouteRequest("r", MODEL, 10, 16, 16), fleet, 0.0, random.Random(0))
+    assert not isinstance(limit, Reject)
+    exact = build_router().route(RouteRequest("r", MODEL, 20_000, 16, 16), fleet, 0.0, random.Random(0))
+    assert isinstance(exact, Reject)
+    context = fleet.workers[0].capacity.max_model_len
+    assert exact.error_body(MODEL)["error"] == {
+        "message": f"Model {MODEL!r}'s maximum context length is {context} tokens. However, your prompt contains "
+        "20000 input tokens, which leaves no room for any output token. Please reduce the length of the input "
+        "prompt.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "context_length_exceeded",
+    }
+    estimated = RouteRequest("r", MODEL, 30_000, 16, 16, prompt_tokens_floor=20_000)
+    got = build_router().route(estimated, fleet, 0.0, random.Random(0))
+    assert isinstance(got, Reject)
+    assert "your prompt contains about 30000 input tokens" in got.error_body(MODEL)["error"]["message"]
