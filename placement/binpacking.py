@@ -28,12 +28,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from placement.counts import MAX_COST_PER_HOUR, MAX_PLAN_INSTANCES
 from placement.profiles import Role
 
 LOAD_TOL = 1e-9  # relative tolerance of the load check (float noise in decimal inputs)
-# The most instances a plan may need even on the fastest option per bucket. The largest fleets are ~1e5
-# GPUs; past this a rate is in the wrong unit, and past ~1e18 the solvers' integer domains overflow.
-MAX_PLAN_INSTANCES = 10_000_000
+# MAX_PLAN_INSTANCES and MAX_COST_PER_HOUR (placement.counts) bound what a problem may ask for
 
 
 class PlacementError(ValueError):
@@ -66,10 +65,17 @@ class GpuOffer:
             raise PlacementError(
                 f"GPU {self.name}: cost_per_hour must be a finite number ≥ 0, got {self.cost_per_hour}"
             )
+        if self.cost_per_hour > MAX_COST_PER_HOUR:
+            raise PlacementError(
+                f"GPU {self.name}: cost_per_hour must be ≤ {MAX_COST_PER_HOUR:,.0f} $/h, got {self.cost_per_hour:g}"
+            )
         if self.min_gpus < 0 or (self.max_gpus is not None and self.max_gpus < self.min_gpus):
             raise PlacementError(
                 f"GPU {self.name}: need 0 ≤ min_gpus ≤ max_gpus, got {self.min_gpus}, {self.max_gpus}"
             )
+        for label, n in (("min_gpus", self.min_gpus), ("max_gpus", self.max_gpus)):
+            if n is not None and n > MAX_PLAN_INSTANCES:  # the loaders refuse these first, naming the file
+                raise PlacementError(f"GPU {self.name}: {label} must be ≤ {MAX_PLAN_INSTANCES:,}, got {n}")
 
 
 @dataclass(frozen=True, slots=True)

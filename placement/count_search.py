@@ -142,6 +142,9 @@ def search_counts(
     # the lowest goes back in. Ties go to the newest node (depth first among equals).
     heap: list[tuple[float, int, Box, Solved | None]] = []
     order = itertools.count(0, -1)
+    # The bound of the node popped and not yet settled (back on the heap, pruned or split into children):
+    # it is the lowest open bound, so a give-up while it is in hand must count it (else the bound overstates)
+    in_hand = math.inf
     try:
         first = solve(root)
         if first is None:
@@ -154,12 +157,15 @@ def search_counts(
             if nodes >= max_nodes or time.perf_counter() > deadline:
                 raise Undecided("node or time limit")
             heapq.heappop(heap)
+            in_hand = bound
             if solved is None:
                 solved = solve(box)
                 if solved is None or not beats(solved[0]):
+                    in_hand = math.inf
                     continue
                 if heap and solved[0] > heap[0][0]:
                     heapq.heappush(heap, (solved[0], next(order), box, solved))
+                    in_hand = math.inf
                     continue
             _, values, real = solved
             whole = [round(x) for x in values]
@@ -177,8 +183,10 @@ def search_counts(
                 ]
             for child in children:
                 heapq.heappush(heap, (bound, next(order), child, None))
+            in_hand = math.inf
     except Undecided as why:
         open_bound = min((h[0] for h in heap), default=math.inf)
+        open_bound = min(open_bound, in_hand)  # the node in hand had the lowest bound when it was popped
         incumbent = best.objective if best is not None and best.objective is not None else math.inf
         bound = min(open_bound, incumbent)
         status = Status.FEASIBLE if best is not None else Status.UNKNOWN

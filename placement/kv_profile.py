@@ -25,13 +25,15 @@ from __future__ import annotations
 import csv
 import json
 import math
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from placement.textfiles import read_text
+from placement.textfiles import parse_json, read_text
 
 DEFAULT_SINK = 32  # Tangram's calibration: sink = 32 tokens
 DEFAULT_WINDOW = 4096  # Tangram's calibration: recent window = 4096 tokens
@@ -154,41 +156,65 @@ def _check_ratios(name: str, field: str, arr: np.ndarray) -> None:
 
 def _load_npz(p: Path) -> HeadProfile:
     try:
-        with np.load(p, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise ProfileError(f"profile file {p} is not a readable .npz: {exc}") from None
+        with p.open("rb") as fh:  # ours to close: np.load leaks its own handle when the zip is damaged
+            loaded = np.load(fh, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise ValueError("a single .npy array, not an .npz archive")
+            with loaded as data:
+                arrays = {k: data[k] for k in data.files}
+    # an empty file is EOFError (which click turns into "Aborted!", exit 130), a damaged archive BadZipFile
+    # or zlib.error, a damaged member ValueError
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise ProfileError(f"profile file {p} is not a readable .npz: {exc or type(exc).__name__}") from None
     if "raw_ratio" not in arrays:
         raise ProfileError(f"profile file {p}: missing array 'raw_ratio' (expected Tangram's profile.npz)")
-    raw = np.asarray(arrays["raw_ratio"], dtype=np.float64)
-    if raw.ndim != 4:
-        raise ProfileError(f"profile file {p}: 'raw_ratio' must be [R, S, L, H], got shape {raw.shape}")
+    raw = _numbers(p, "raw_ratio", arrays["raw_ratio"])
+    if raw.ndim != 4 or 0 in raw.shape:
+        raise ProfileError(
+            f"profile file {p}: 'raw_ratio' must be [R, S, L, H] with none of them 0, got shape {raw.shape}"
+        )
     sink, window = DEFAULT_SINK, DEFAULT_WINDOW
     meta_rows = arrays.get("sample_meta")
     if meta_rows is not None and meta_rows.ndim == 2 and meta_rows.shape[1] >= 4 and len(meta_rows):
-        sink, window = int(meta_rows[0, 1]), int(meta_rows[0, 3])  # (ctx_len, sink, total, win)
+        row = _numbers(p, "sample_meta", meta_rows)[0]  # (ctx_len, sink, total, win)
+        sink, window = _whole(p, "sample_meta sink", row[1]), _whole(p, "sample_meta window", row[3])
     name = p.parent.name or p.stem
     if "meta" in arrays:
         try:
             meta = json.loads(bytes(arrays["meta"]).decode())
             name = f"{meta.get('scorer', '')}/{p.parent.name}".strip("/") if isinstance(meta, dict) else name
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, TypeError, ValueError, RecursionError):  # a name only: keep the default
             pass
     prof = from_samples(name, raw[0], sink, window)
     ids = arrays.get("static_layer_ids")
-    if ids is not None and len(ids) == prof.layers:
-        prof = HeadProfile(
-            prof.name, prof.mu, prof.sigma, prof.samples, sink, window, tuple(int(i) for i in ids)
-        )
+    if ids is not None:
+        ids = _numbers(p, "static_layer_ids", ids)
+        if ids.ndim != 1:
+            raise ProfileError(f"profile file {p}: 'static_layer_ids' must be a list, got shape {ids.shape}")
+        if len(ids) == prof.layers:
+            layer_ids = tuple(_whole(p, "static_layer_ids", i) for i in ids)
+            prof = HeadProfile(prof.name, prof.mu, prof.sigma, prof.samples, sink, window, layer_ids)
     return prof
+
+
+def _numbers(p: Path, field: str, value: np.ndarray) -> np.ndarray:
+    """The array as float64, or ProfileError naming the field (strings, objects, complex numbers)."""
+    try:
+        return np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ProfileError(f"profile file {p}: '{field}' must hold numbers, got {value.dtype}") from None
+
+
+def _whole(p: Path, field: str, value: float) -> int:
+    """A whole number ≥ 0 (an index, a token count), or ProfileError: NaN, ∞ and 2.5 are none."""
+    if not math.isfinite(value) or not float(value).is_integer() or value < 0:
+        raise ProfileError(f"profile file {p}: {field} must be a whole number ≥ 0, got {float(value):g}")
+    return int(value)
 
 
 def _load_json(p: Path) -> HeadProfile:
     text = read_text(p, ProfileError, f"cannot read profile file {p}: ")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"profile file {p} is not valid JSON: {exc}") from None
+    data = parse_json(text, ProfileError, f"profile file {p} is not valid JSON")
     if not isinstance(data, dict) or not isinstance(data.get("heads"), list):
         raise ProfileError(f"profile file {p}: expected an object with a 'heads' list")
     rows = [_row_from_mapping(p, i, h) for i, h in enumerate(data["heads"])]
@@ -235,7 +261,7 @@ def _int_field(p: Path, data: dict[str, Any], key: str, default: int) -> int:
         return default
     try:
         return int(data[key])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ProfileError(f"profile file {p}: '{key}' must be an integer, got {data[key]!r}") from None
 
 
@@ -243,7 +269,7 @@ def _row_from_mapping(p: Path, i: int, h: Any) -> tuple[int, int, list[float] | 
     if not isinstance(h, dict):
         raise ProfileError(f"profile file {p}: heads[{i}] must be an object")
     try:
-        layer, head = int(h["layer"]), int(h["head"])
+        layer, head = _index(h["layer"]), _index(h["head"])
         if h.get("samples") is not None:
             samples = [float(x) for x in h["samples"]]
             if not samples:
@@ -255,13 +281,25 @@ def _row_from_mapping(p: Path, i: int, h: Any) -> tuple[int, int, list[float] | 
             f"profile file {p}: heads[{i}] is missing field {exc.args[0]!r} "
             "(need layer, head and samples or mu+sigma)"
         ) from None
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ProfileError(f"profile file {p}: heads[{i}] has a non-numeric field ({exc})") from None
+
+
+def _index(value: Any) -> int:
+    """A layer or head index: an int, a whole float (JSON's 2.0) or an integer string (CSV); 1.5 and 1e400
+    (∞) are none (int() truncated the one and raised OverflowError on the other)."""
+    if isinstance(value, bool):
+        raise TypeError(f"an index must be a whole number, got {value!r}")
+    if isinstance(value, float) and (not math.isfinite(value) or not value.is_integer()):
+        raise ValueError(f"an index must be a whole number, got {value!r}")
+    return int(value)
 
 
 def _from_rows(
     p: Path, name: str, rows: list[tuple[int, int, list[float] | None, float, float]], sink: int, window: int
 ) -> HeadProfile:
+    if not rows:
+        raise ProfileError(f"profile file {p}: no heads")
     layers = sorted({r[0] for r in rows})
     heads = sorted({r[1] for r in rows})
     if min(layers) < 0 or min(heads) < 0:

@@ -164,6 +164,10 @@ def _solve(
 ) -> tuple[list[list[int]] | None, str]:
     layers, heads = b2.shape
     n = layers * heads
+    # A group never holds more than a rank's heads: a larger H_p groups exactly as H_p = the rank's heads do
+    # (one group per rank, cost |g|·max either way), and keeps CP-SAT's domains (H_p · groups · budget) small
+    # (H_p = 10¹⁶ overflowed them).
+    hp = min(hp, n // tp)
     order = sorted(range(n), key=lambda f: (-b2.flat[f], f))
     ib = [round(float(b2.flat[f]) * SCALE) for f in order] + [0]
     m = cp_model.CpModel()

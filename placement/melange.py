@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from placement.binpacking import Demand, GpuOffer, InstanceOption, MixProblem, MixSolution, PlacementError
-from placement.counts import whole_number
+from placement.counts import MAX_COST_PER_HOUR, MAX_PLAN_INSTANCES, finite_number, whole_number
 from placement.profiles import read_structured
 
 MELANGE_MODEL = "melange"  # Mélange inputs describe one model; its options are keyed melange/<GPU>
@@ -48,6 +48,8 @@ def _matrix(value: Any, where: str, shape: tuple[int, int] | None = None) -> lis
         rows = [[float(v) for v in row] for row in value]
     except (TypeError, ValueError):
         raise MelangeFormatError(f"{where}: every cell must be a number") from None
+    except OverflowError:  # an integer past float range (10**400)
+        raise MelangeFormatError(f"{where}: cells must be finite and ≥ 0") from None
     width = len(rows[0])
     if any(len(r) != width for r in rows):
         raise MelangeFormatError(f"{where}: rows have different lengths")
@@ -72,9 +74,7 @@ def melange_from_dict(data: Any, origin: str = "<melange>") -> MelangeInput:
             raise MelangeFormatError(f"{origin}: missing key {key!r}")
     dist = _matrix(data["workload_distribution"], f"{origin}: workload_distribution")
     shape = (len(dist), len(dist[0]))
-    rate = data["total_request_rate"]
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate < 0:
-        raise MelangeFormatError(f"{origin}: total_request_rate must be a number ≥ 0, got {rate!r}")
+    rate = finite_number(data["total_request_rate"], f"{origin}: total_request_rate", 0, MelangeFormatError)
     if rate == 0 or sum(map(sum, dist)) == 0:
         raise MelangeFormatError(f"{origin}: total request rate is 0 req/s: nothing to place")
     k = whole_number(data.get("slice_factor", 1), f"{origin}: slice_factor", 1, MelangeFormatError)
@@ -91,11 +91,18 @@ def melange_from_dict(data: Any, origin: str = "<melange>") -> MelangeInput:
         if extra:
             raise MelangeFormatError(f"{where}: unknown key(s) {extra}")
         tputs = _matrix(info["tputs"], f"{where}.tputs", shape)
-        low = whole_number(info.get("min_count", 0), f"{where}.min_count", 0, MelangeFormatError)
+        cost = finite_number(info["cost"], f"{where}.cost", 0, MelangeFormatError, MAX_COST_PER_HOUR)
+        low = whole_number(
+            info.get("min_count", 0), f"{where}.min_count", 0, MelangeFormatError, MAX_PLAN_INSTANCES
+        )
         cap = info.get("max_count")
-        high = None if cap is None else whole_number(cap, f"{where}.max_count", 0, MelangeFormatError)
+        high = (
+            None
+            if cap is None
+            else whole_number(cap, f"{where}.max_count", 0, MelangeFormatError, MAX_PLAN_INSTANCES)
+        )
         try:
-            offers[name] = GpuOffer(name, float(info["cost"]), low, high)
+            offers[name] = GpuOffer(name, cost, low, high)
         except (TypeError, ValueError) as exc:
             raise MelangeFormatError(f"{where}: {exc}") from None
         options.append(InstanceOption(MELANGE_MODEL, name, tuple(v for row in tputs for v in row)))
@@ -106,7 +113,7 @@ def melange_from_dict(data: Any, origin: str = "<melange>") -> MelangeInput:
         if math.isclose(total, 1.0, rel_tol=1e-9)
         else (f"workload_distribution sums to {total:g}, used as written (as Mélange does)",)
     )
-    return MelangeInput(MixProblem(offers, tuple(options), ((demand,),)), k, shape, float(rate), notes)
+    return MelangeInput(MixProblem(offers, tuple(options), ((demand,),)), k, shape, rate, notes)
 
 
 def load_melange(path: str | Path) -> MelangeInput:

@@ -8,7 +8,7 @@ from typing import Any
 
 from placement.binpacking import GpuOffer, PlacementError
 from placement.catalog import Catalog, CatalogError, load_catalog
-from placement.counts import finite_number, whole_number
+from placement.counts import MAX_COST_PER_HOUR, MAX_PLAN_INSTANCES, finite_number, whole_number
 from placement.profiles import read_structured
 
 
@@ -85,9 +85,11 @@ def load_gpu_offers(
                     f"{origin}: GPU {raw} is not in the catalog: give cost_per_hour"
                 ) from None
         where = f"{origin}: GPU {raw}:"
-        cost = finite_number(cost, f"{where} cost_per_hour", 0, PlacementError)
-        low = whole_number(row.get("min", 0), f"{where} min", 0, PlacementError)
-        high = None if row.get("max") is None else whole_number(row["max"], f"{where} max", 0, PlacementError)
+        cost = finite_number(cost, f"{where} cost_per_hour", 0, PlacementError, MAX_COST_PER_HOUR)
+        low = whole_number(row.get("min", 0), f"{where} min", 0, PlacementError, MAX_PLAN_INSTANCES)
+        high = row.get("max")
+        if high is not None:
+            high = whole_number(high, f"{where} max", 0, PlacementError, MAX_PLAN_INSTANCES)
         try:
             offers[name] = GpuOffer(name, cost, low, high)
         except PlacementError as exc:  # its message names the GPU already

@@ -129,7 +129,7 @@ def build_problem(
 ) -> tuple[MixProblem, dict[str, Grid], list[Dropped], list[str]]:
     """Options from the selected profiles, demand per window from the workloads (edges must agree)."""
     catalog = catalog or load_catalog()
-    chosen, notes = select_profiles(inp.profiles, inp.slo, inp.mode)
+    chosen, notes = select_profiles(inp.profiles, inp.slo, inp.mode, catalog)
     offers = dict(inp.offers)
     grids: dict[str, Grid] = {}
     options: list[InstanceOption] = []
@@ -142,7 +142,12 @@ def build_problem(
             raise PlacementError(
                 f"profiles of {model} use different bucket edges ({p.gpu} differs): re-profile on one grid"
             )
-        options.append(InstanceOption(model, gpu, p.flat_rates(), p.tp, p.role))
+        option = InstanceOption(model, gpu, p.flat_rates(), p.tp, p.role)
+        if any(o.key == option.key for o in options):  # select_profiles keeps one per key: a safeguard
+            raise PlacementError(
+                f"two profiles make option {option.key}: give one per model, GPU, tp and role"
+            )
+        options.append(option)
     for name, offer in offers.items():
         if not any(o.gpu == name for o in options):
             if offer.min_gpus > 0:  # a floor is paid for whatever serves: never let its cost vanish

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from typing import Literal
 
 from placement.binpacking import PlacementError
+from placement.catalog import Catalog, load_catalog
+from placement.offers import canonical_gpu, canonical_model
 from placement.profiles import Role, Slo, ThroughputProfile
 
 Mode = Literal["auto", "mixed", "pd"]
@@ -22,18 +24,25 @@ def _relevant(target: Slo, role: Role) -> Slo:
 
 
 def select_profiles(
-    profiles: Sequence[ThroughputProfile], target: Slo | None, mode: Mode = "auto"
+    profiles: Sequence[ThroughputProfile],
+    target: Slo | None,
+    mode: Mode = "auto",
+    catalog: Catalog | None = None,
 ) -> tuple[list[ThroughputProfile], list[str]]:
     """One profile per (model, GPU, tp, role): the loosest one measured at or under the target SLO.
 
-    With no target every profile is used as given, and two for the same key is an error (which SLO?).
-    `mode` keeps mixed only, P/D only, or both ("auto": the solver picks per bucket).
+    Model and GPU are compared by their catalog names: `gpu: a100` and `gpu: A100-80GB` are one GPU (two
+    options of one key were counted twice). With no target every profile is used as given, and two for
+    the same key is an error (which SLO?). `mode` keeps mixed only, P/D only, or both ("auto": the solver
+    picks per bucket).
     """
+    catalog = catalog or load_catalog()
     keep = {"auto": set(Role), "mixed": {Role.MIXED}, "pd": {Role.PREFILL, Role.DECODE}}[mode]
     by_key: dict[tuple[str, str, int, Role], list[ThroughputProfile]] = {}
     for p in profiles:
         if p.role in keep:
-            by_key.setdefault(p.key, []).append(p)
+            key = (canonical_model(p.model, catalog), canonical_gpu(p.gpu, catalog), p.tp, p.role)
+            by_key.setdefault(key, []).append(p)
     chosen, notes = [], []
     for key, group in by_key.items():
         label = (

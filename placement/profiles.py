@@ -35,7 +35,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from placement.textfiles import parse_yaml, read_text
+from placement.counts import MAX_PLAN_INSTANCES
+from placement.textfiles import parse_json, parse_yaml, read_text
 
 SCHEMA = "mosaic.profile/v1"
 
@@ -91,7 +92,7 @@ class ThroughputProfile(BaseModel):
     schema_: Literal["mosaic.profile/v1"] = Field(default="mosaic.profile/v1", alias="schema")
     model: str = Field(min_length=1)
     gpu: str = Field(min_length=1)
-    tp: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1, le=MAX_PLAN_INSTANCES)
     role: Role = Role.MIXED
     source: Literal["sim", "url", "manual", "aibrix", "melange"] = "manual"
     slo: Slo = Slo()
@@ -205,10 +206,7 @@ def read_structured(path: str | Path, error: type[ValueError] = ProfileError) ->
     text = read_text(path, error, f"{path}: cannot read: ")
     if path.suffix.lower() != ".json":
         return parse_yaml(text, error, f"{path}: not valid YAML")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise error(f"{path}: not valid JSON: {exc}") from None
+    return parse_json(text, error, f"{path}: not valid JSON")
 
 
 def load_profile(path: str | Path) -> ThroughputProfile:

@@ -4,6 +4,7 @@ a traceback. Callers keep their own wording for the file (`cannot read fleet fil
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -73,3 +74,36 @@ def parse_yaml(text: str, error: type[ValueError], not_valid: str) -> Any:
         if isinstance(exc, DuplicateKeyError):
             raise error(f"{not_valid}{at}: key {exc.key!r} is given twice in one mapping") from None
         raise error(f"{not_valid}{at}") from None
+    except RecursionError:
+        raise error(f"{not_valid}: nested too deeply") from None
+    except ValueError as exc:  # an integer past Python's 4300-digit conversion limit
+        raise error(f"{not_valid}: {exc}") from None
+
+
+class _RepeatedJsonKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedJsonKey(key)
+        out[key] = value
+    return out
+
+
+def parse_json(text: str, error: type[ValueError], not_valid: str) -> Any:
+    """`json.loads(text)`, refusing a key given twice in one object as `parse_yaml` does (`json` keeps the
+    last without a word); `error(not_valid + ": reason")` on any problem, including nesting too deep to
+    parse and integers too long to convert."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except _RepeatedJsonKey as exc:
+        raise error(f"{not_valid}: key {exc.key!r} is given twice in one mapping") from None
+    except RecursionError:
+        raise error(f"{not_valid}: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and the int conversion limit (4300 digits)
+        raise error(f"{not_valid}: {exc}") from None

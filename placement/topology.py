@@ -36,7 +36,7 @@ from ortools.sat.python import cp_model
 
 from placement.binpacking import PlacementError
 from placement.catalog import Catalog, load_catalog
-from placement.counts import whole_number
+from placement.counts import MAX_PLAN_INSTANCES, whole_number
 from placement.offers import canonical_gpu
 from placement.profiles import Role
 
@@ -361,8 +361,8 @@ def nodes_from_dict(
             raise TopologyError(
                 f"{where} ({name}): GPU {row['gpu']!r} is neither in the catalog nor offered ({offered})"
             )
-        gpus = whole_number(row["gpus"], f"{where}.gpus", 1, TopologyError)
-        used = whole_number(row.get("used", 0), f"{where}.used", 0, TopologyError)
+        gpus = whole_number(row["gpus"], f"{where}.gpus", 1, TopologyError, MAX_PLAN_INSTANCES)
+        used = whole_number(row.get("used", 0), f"{where}.used", 0, TopologyError, MAX_PLAN_INSTANCES)
         if used > gpus:
             raise TopologyError(f"{where} ({name}): used ({used}) must be ≤ gpus ({gpus})")
         nodes.append(Node(name, gpu, gpus, str(row.get("domain", "default")), used))
@@ -371,5 +371,5 @@ def nodes_from_dict(
         raise TopologyError(f"{origin}: same_domain must be prefer or require, got {same!r}")
     cap = data.get("max_group_gpus")
     if cap is not None:
-        cap = whole_number(cap, f"{origin}: max_group_gpus", 1, TopologyError)
+        cap = whole_number(cap, f"{origin}: max_group_gpus", 1, TopologyError, MAX_PLAN_INSTANCES)
     return nodes, cap, str(same)

@@ -46,10 +46,13 @@ def _check_weights(rows: tuple[tuple[float, ...], ...] | None) -> None:
         raise ValueError("weights must be finite and ≥ 0")
 
 
+MAX_WINDOW_S = 1e9  # ~32 years: past it a duration is in the wrong unit (and sums of them overflow to inf)
+
+
 class _Window(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    duration_s: float = Field(default=3600.0, gt=0)
-    rate: float = Field(ge=0)
+    duration_s: float = Field(default=3600.0, gt=0, le=MAX_WINDOW_S, allow_inf_nan=False)
+    rate: float = Field(ge=0, allow_inf_nan=False)
     histogram: tuple[tuple[float, ...], ...]
 
     @field_validator("histogram")
@@ -64,7 +67,7 @@ class _ModelWorkload(BaseModel):
     model: str = Field(min_length=1)
     input_edges: tuple[int, ...]
     output_edges: tuple[int, ...]
-    rate: float | None = Field(default=None, ge=0)
+    rate: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     histogram: tuple[tuple[float, ...], ...] | None = None
     windows: tuple[_Window, ...] | None = None
 

@@ -84,7 +84,7 @@ def _trace_workload(
     except ImportError:  # pragma: no cover - loadgen ships with Mosaic; kept for partial installs
         fail("--trace needs the load generator's trace readers (loadgen), which are not installed")
     catalog = load_catalog()
-    chosen, notes = select_profiles(profiles, slo)
+    chosen, notes = select_profiles(profiles, slo, catalog=catalog)
     if not chosen:
         raise PlacementError(f"no usable profile: {'; '.join(notes) or 'none given'}")
     models = sorted({canonical_model(p.model, catalog) for p in chosen})
@@ -377,6 +377,10 @@ def register(app: typer.Typer) -> None:
         except (PlacementError, ProfileError, WorkloadError, CatalogError) as exc:
             fail(str(exc))
         if as_json:
-            typer.echo(json.dumps(doc, indent=2))
+            try:
+                text = json.dumps(doc, indent=2, allow_nan=False)  # strict JSON: no Infinity or NaN
+            except ValueError as exc:
+                fail(f"the plan holds a value JSON cannot carry ({exc}); check the input for huge numbers")
+            typer.echo(text)
         else:
             render_plan(doc, Console(width=max(100, Console().width)))

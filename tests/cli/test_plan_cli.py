@@ -418,6 +418,16 @@ def test_flags_that_do_not_apply_are_refused(app: typer.Typer, args: list[str], 
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
 
 
+WINDOWED = """schema: mosaic.workload/v1
+model: llama-3-8b
+input_edges: [1, 512, 2048, 8193]
+output_edges: [1, 128, 512, 2049]
+windows:
+  - {{duration_s: {duration}, rate: 20, histogram: [[40, 20, 5], [15, 10, 3], [4, 2, 1]]}}
+  - {{duration_s: 3600, rate: 10, histogram: [[40, 20, 5], [15, 10, 3], [4, 2, 1]]}}
+"""
+
+
 @pytest.mark.parametrize(
     ("name", "text", "flag", "message"),
     [
@@ -506,6 +516,133 @@ def test_flags_that_do_not_apply_are_refused(app: typer.Typer, args: list[str], 
             "nodes[1] (n1): node names must be unique; n1 is given twice",
             id="--nodes duplicate name (named neither file nor node)",
         ),
+        # a key given twice in a JSON object: json kept the last without a word (YAML refuses it)
+        pytest.param(
+            "gpus.json",
+            '{"gpus": {"A10G": {"cost_per_hour": 1.01}, "A10G": {"cost_per_hour": 0.01}}}',
+            "--gpus",
+            "not valid JSON: key 'A10G' is given twice in one mapping",
+            id="--gpus JSON key given twice (the $0.01 price won)",
+        ),
+        pytest.param(
+            "m.json",
+            '{"gpu_info": {"A10G": {"cost": 1.01, "tputs": [[2]]}, "A10G": {"cost": 0.01, "tputs": [[2]]}},'
+            ' "workload_distribution": [[1]], "total_request_rate": 1}',
+            "--melange",
+            "not valid JSON: key 'A10G' is given twice in one mapping",
+            id="--melange JSON key given twice",
+        ),
+        pytest.param(
+            "p.json",
+            json.dumps(json.loads((PLACEMENT / "llama3-l4-tpot40.json").read_text())).replace(
+                '"gpu": "L4"', '"gpu": "L4", "gpu": "A100-80GB"'
+            ),
+            "--profile",
+            "not valid JSON: key 'gpu' is given twice in one mapping",
+            id="--profile JSON key given twice",
+        ),
+        pytest.param(
+            "nodes.json",
+            '{"nodes": [{"name": "a", "gpu": "A100-80GB", "gpus": 8, "gpus": 1}]}',
+            "--nodes",
+            "not valid JSON: key 'gpus' is given twice in one mapping",
+            id="--nodes JSON key given twice",
+        ),
+        # integers past float range: OverflowError tracebacks
+        pytest.param(
+            "m.json",
+            '{"gpu_info": {"A10G": {"cost": 1.01, "tputs": [[2]]}}, "workload_distribution": [[1]],'
+            ' "total_request_rate": 1' + "0" * 400 + "}",
+            "--melange",
+            "total_request_rate must be a finite number ≥ 0, got an integer of 401 digits",
+            id="--melange total_request_rate 10**400",
+        ),
+        pytest.param(
+            "m.json",
+            '{"gpu_info": {"A10G": {"cost": 1.01, "tputs": [[1' + "0" * 400 + "]]}},"
+            ' "workload_distribution": [[1]], "total_request_rate": 1}',
+            "--melange",
+            "gpu_info.A10G.tputs: cells must be finite and ≥ 0",
+            id="--melange tputs cell 10**400",
+        ),
+        # finite but past what the solvers handle: a plan below the floor, or SCIP's "objective is infinite"
+        # printed before a misleading "no solution within the time limit"
+        pytest.param(
+            "m.json",
+            '{"gpu_info": {"A10G": {"cost": 1.01, "tputs": [[2]], "min_count": 100000000000000000000000}},'
+            ' "workload_distribution": [[1]], "total_request_rate": 1}',
+            "--melange",
+            "gpu_info.A10G.min_count must be ≤ 10,000,000 (the planner's limit), got 1e+23",
+            id="--melange min_count 1e23 (planned below it)",
+        ),
+        pytest.param(
+            "m.json",
+            '{"gpu_info": {"A10G": {"cost": 1.01, "tputs": [[2]], "max_count": 100000000000000000000000}},'
+            ' "workload_distribution": [[1]], "total_request_rate": 1}',
+            "--melange",
+            "gpu_info.A10G.max_count must be ≤ 10,000,000 (the planner's limit), got 1e+23",
+            id="--melange max_count 1e23",
+        ),
+        pytest.param(
+            "m.json",
+            '{"gpu_info": {"A10G": {"cost": 1e56, "tputs": [[2]]}}, "workload_distribution": [[1]],'
+            ' "total_request_rate": 1}',
+            "--melange",
+            "gpu_info.A10G.cost must be ≤ 1,000,000 (the planner's limit), got 1e+56",
+            id="--melange cost 1e56",
+        ),
+        pytest.param(
+            "gpus.yaml",
+            "gpus:\n  A100-80GB: {}\n  A10G: {min: 100000000000000000000000}\n",
+            "--gpus",
+            "GPU A10G: min must be ≤ 10,000,000 (the planner's limit), got 1e+23",
+            id="--gpus min 1e23",
+        ),
+        pytest.param(
+            "gpus.yaml",
+            "gpus:\n  A100-80GB: {max: 20000000}\n  A10G: {}\n",
+            "--gpus",
+            "GPU A100-80GB: max must be ≤ 10,000,000 (the planner's limit), got 20000000",
+            id="--gpus max 2e7",
+        ),
+        pytest.param(
+            "gpus.yaml",
+            "gpus:\n  A100-80GB: {}\n  A10G: {cost_per_hour: 1.0e+56}\n",
+            "--gpus",
+            "GPU A10G: cost_per_hour must be ≤ 1,000,000 (the planner's limit), got 1e+56",
+            id="--gpus cost_per_hour 1e56 (SCIP: objective value is infinite)",
+        ),
+        pytest.param(
+            "p.yaml",
+            (PLACEMENT / "llama3-a100-tpot40.yaml")
+            .read_text()
+            .replace("tp: 1", "tp: 100000000000000000000000000000"),
+            "--profile",
+            "field tp: Input should be less than or equal to 10000000",
+            id="--profile tp 1e29 (SCIP: objective value is infinite)",
+        ),
+        pytest.param(
+            "nodes.yaml",
+            "nodes:\n  - {name: a, gpu: A100-80GB, gpus: 100000000000000000000}\n",
+            "--nodes",
+            "nodes[0].gpus must be ≤ 10,000,000 (the planner's limit), got 1e+20",
+            id="--nodes gpus 1e20 (a CP-SAT traceback)",
+        ),
+        # a window of infinite length made --json print Infinity/NaN (not JSON)
+        pytest.param(
+            "w.yaml",
+            WINDOWED.format(duration=".inf"),
+            "--workload",
+            "field models[0].windows[0].duration_s: Input should be a finite number",
+            id="--workload window duration_s .inf",
+        ),
+        pytest.param(
+            "w.yaml",
+            WINDOWED.format(duration="1.0e+308"),
+            "--workload",
+            "field models[0].windows[0].duration_s: Input should be less than or equal to 1000000000",
+            id="--workload window duration_s 1e308 (two of them sum to inf)",
+        ),
     ],
 )
 def test_bad_counts_in_files_exit_2_with_one_line(
@@ -517,6 +654,10 @@ def test_bad_counts_in_files_exit_2_with_one_line(
         args = ["plan", "--melange", str(path)]
     elif flag == "--gpus":
         args = [*BASE[:3], "--gpus", str(path), *BASE[5:]]
+    elif flag == "--workload":
+        args = ["plan", "--workload", str(path), *BASE[3:]]
+    elif flag == "--profile":
+        args = [*BASE, "--profile", str(path)]
     else:
         args = [*BASE, "--nodes", str(path)]
     result = run(app, *args)
@@ -533,3 +674,36 @@ def test_node_inventory_gpu_names_take_aliases_and_case(app: typer.Typer, tmp_pa
     path.write_text(nodes)
     doc = run_json(app, *BASE, "--nodes", str(path))
     assert doc["placement"]["status"] in ("optimal", "feasible")
+
+
+def test_a_gpu_profiled_under_its_alias_is_one_option(app: typer.Typer, tmp_path: Path) -> None:
+    """`gpu: a100` and `gpu: A100-80GB` are one GPU: two options of one key made the header say 7 GPUs while
+    instances[] summed to 8 and --nodes placed 8. With the alias the plan is the one without it."""
+    alias = tmp_path / "a100-alias.yaml"
+    alias.write_text(
+        (PLACEMENT / "llama3-a100-tpot40.yaml").read_text().replace("gpu: A100-80GB", "gpu: a100")
+    )
+    doc = run_json(app, *BASE, "--profile", str(alias), "--nodes", str(PLACEMENT / "nodes.yaml"))
+    assert [(r["key"], r["count"]) for r in doc["instances"]] == [
+        ("llama-3-8b/A100-80GB", 4),
+        ("llama-3-8b/A10G", 2),
+        ("llama-3-8b/L4", 1),
+    ]
+    assert doc["gpus"] == {"A100-80GB": 4, "A10G": 2, "L4": 1} and doc["cost_per_hour"] == 17.4
+    placed = [i for n in doc["placement"]["nodes"] for i in n["instances"]]
+    assert sorted(placed) == ["llama-3-8b/A100-80GB ×4", "llama-3-8b/A10G ×2", "llama-3-8b/L4 ×1"]
+    # without an SLO to choose by, two profiles of one GPU are ambiguous, whatever they call it
+    result = run(app, *BASE[:-2], "--profile", str(alias))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "error: 2 profiles for llama-3-8b/A100-80GB (SLOs ['TPOT 40 ms', 'TPOT 40 ms']): give the SLO to choose"
+    ]
+
+
+def test_json_output_never_holds_infinity(app: typer.Typer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-finite number reaching the document is an error line, not `Infinity` (which is not JSON)."""
+    monkeypatch.setattr(plan_command, "run_plan", lambda opts: {"hours": float("inf")})
+    result = run(app, *BASE, "--json")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the plan holds a value JSON cannot carry")

@@ -263,3 +263,23 @@ def test_infeasible_when_no_single_cap_lift_suffices() -> None:
         match=r"nor with any one cap lifted; without caps: 1× A100-80GB, 1× A10G \(\$4.68/h\)",
     ):
         solve_mix(problem)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param((1e56,), "GPU A10G: cost_per_hour must be ≤ 1,000,000 $/h, got 1e+56", id="cost 1e56"),
+        pytest.param(
+            (1.0, 10**23), "GPU A10G: min_gpus must be ≤ 10,000,000, got " + str(10**23), id="min 1e23"
+        ),
+        pytest.param(
+            (1.0, 0, 10**23), "GPU A10G: max_gpus must be ≤ 10,000,000, got " + str(10**23), id="max 1e23"
+        ),
+    ],
+)
+def test_offers_past_what_the_solvers_handle_are_refused(args: tuple[float, ...], message: str) -> None:
+    """Callers building offers in Python meet the limits the file loaders apply (a min of 1e23 was planned
+    below it in the float LP; a price of 1e56 made SCIP's objective infinite)."""
+    with pytest.raises(PlacementError) as err:
+        GpuOffer("A10G", *args)  # type: ignore[arg-type]
+    assert str(err.value) == message

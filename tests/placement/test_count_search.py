@@ -17,7 +17,7 @@ from placement.binpacking import (
     load_coefficients,
     serving_paths,
 )
-from placement.count_search import _without_point, cost_unit, lifted, search_counts
+from placement.count_search import Undecided, _without_point, cost_unit, lifted, search_counts
 from placement.solver import solve_mix
 
 
@@ -152,3 +152,45 @@ def test_fine_slices_are_placed_without_recursion(slice_factor: int) -> None:
     sol = solve_mix(melange_example(), variant=Variant.SLICED, slice_factor=slice_factor)
     assert sol.status == "optimal" and math.isclose(sol.cost_per_hour, 5.69)
     assert sol.engine == "lp-branch"
+
+
+@pytest.mark.parametrize(("slice_factor", "optimum"), [(1, 6.70), (2, 5.69)])
+def test_a_leaf_left_undecided_does_not_overstate_the_bound(
+    slice_factor: int, optimum: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node whose leaf check gave up had the lowest bound: it must count in the bound handed to CP-SAT.
+
+    Left out, the bound was 7.34 (two A100s, the next node on the heap), which cut off the optimum and
+    "proved" $7.34 optimal with gap 0.
+    """
+    problem = melange_example()
+    paths, _ = serving_paths(problem)
+    coefs = load_coefficients(problem, paths, slice_factor)
+    fit = engine_pipeline._slices_fit(problem, paths, coefs, slice_factor)
+    calls = []
+
+    def undecided_once(counts, real, left):  # type: ignore[no-untyped-def]
+        calls.append(counts)
+        if len(calls) == 1:
+            raise Undecided("a whole-slice fit check ran out of time")
+        return fit(counts, real, left)
+
+    partial = search_counts(problem, paths, coefs, slice_factor, 5.0, undecided_once)
+    assert partial.status is Status.UNKNOWN and partial.bound is not None
+    assert partial.bound <= optimum + 1e-9
+
+    # end to end: the first whole-slice fit check times out (as at a small --time-limit)
+    real_fit = engine_pipeline.fit_slices
+    checks = []
+
+    def times_out_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        checks.append(1)
+        if len(checks) == 1:
+            return engine_pipeline.EngineResult(Status.UNKNOWN, (), (), None, None, 0.0, "cp-sat")
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(engine_pipeline, "fit_slices", times_out_once)
+    monkeypatch.setattr(engine_pipeline, "_slices_near", lambda *a, **k: None)
+    sol = solve_mix(problem, variant=Variant.SLICED, slice_factor=slice_factor)
+    assert sol.status == "optimal" and math.isclose(sol.cost_per_hour, optimum)
+    assert sol.gpus == {"A10G": 3 if slice_factor == 1 else 2, "A100-80GB": 1}
