@@ -123,6 +123,7 @@ class SearchResult:
     probes: list[tuple[float, Measurement, bool]] = field(default_factory=list)  # (rate, m, passed), in order
     converged: bool = True  # False when max_probes ran out before the bracket closed
     capped: bool = False  # True when max_rate itself passed (the real limit may be higher)
+    unloaded_miss: bool = False  # 0 without probing: the bucket misses the SLO even one request at a time
 
 
 def search_max_rate(

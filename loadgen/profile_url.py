@@ -7,6 +7,11 @@ probed rate) through the replay client — token-id prompts of the exact length,
 time: a probe lasts 2·W seconds plus the drain (W from `ProbePlan`), so a full profile of a real GPU takes
 hours; shrink `ProbePlan` for quick looks.
 
+Each bucket starts with its requests sent one at a time (`unloaded`): the p90 TTFT there bounds the queue
+(`loadgen.profiling.QueueBound`), and a bucket that misses the SLO even so, or whose requests the server
+refuses (a max_model_len below the catalog's context: 400), is 0 at once; probing down to the lowest rate
+to find that out took up to a day of real time, the lowest rates' probes being the longest.
+
 A profile that cannot measure anything stops instead of writing zeros: `preflight` sends one request (one
 output token) before the first probe, and a probe or baseline whose every request failed in a way no load
 explains (`FATAL_ERRORS`: nothing listens, or the server refuses us whatever we send) raises
@@ -48,6 +53,7 @@ GENERATOR_BACKLOG_S = 0.25
 FATAL_ERRORS = frozenset({"connect_error", "http_401", "http_403", "http_404", "http_405"})
 PREFLIGHT_TIMEOUT_S = 60.0  # a 1-token answer; a dead address should not hold the command for 10 minutes
 PREFLIGHT_INPUT_TOKENS = 16
+UNLOADED_FULL = 3  # of the baseline's requests, this many are also sent with their whole output (TPOT)
 
 
 class ProfileError(ValueError):
@@ -102,17 +108,31 @@ def url_measure_factory(
     caching (vLLM's default) would serve every probe after the first from its cache."""
     probes = itertools.count(1)
 
-    def unloaded_ttft(bucket: Bucket) -> float | None:
-        """p90 TTFT of the bucket's first 10 requests sent one at a time, one output token each."""
+    def unloaded(bucket: Bucket) -> tuple[float | None, Measurement]:
+        """The bucket one request at a time: p90 TTFT of its first 10 requests (one output token each), and
+        as a `Measurement` the median TTFT of those and the median TPOT of the first `UNLOADED_FULL` sent
+        again with their whole output, failures counted (a server refusing the bucket's lengths: 400)."""
         reqs = unloaded_requests(bucket, max_context, seed)
         sched = [ScheduledRequest(k, 0.0, r.input_tokens, 1) for k, r in enumerate(reqs)]
+        whole = [r for r in reqs[:UNLOADED_FULL] if r.output_tokens > 1]
+        sched += [
+            ScheduledRequest(len(reqs) + k, 0.0, r.input_tokens, r.output_tokens) for k, r in enumerate(whole)
+        ]
         one_at_a_time = RunOptions(
             concurrency=1, timeout_s=opts.timeout_s, seed=opts.seed, prompt_salt=next(probes)
         )
         result = asyncio.run(replay(sched, target, one_at_a_time, None, transport))
         _check_measurable(result, target, f"the unloaded baseline of {bucket.label}")
-        ttfts = [r.ttft_s for r in result.records if r.ttft_s is not None]
-        return float(np.percentile(ttfts, 90)) * 1000.0 if ttfts else None
+        ttfts = [r.ttft_s for r in result.records if r.index < len(reqs) and r.ttft_s is not None]
+        tpots = [r.tpot_s for r in result.records if r.index >= len(reqs) and r.tpot_s is not None]
+        best = Measurement(
+            rate=0.0,
+            n=len(ttfts),
+            ttft_p90_ms=float(np.median(ttfts)) * 1000.0 if ttfts else float("inf"),
+            tpot_p90_ms=float(np.median(tpots)) * 1000.0 if tpots else 0.0,
+            failed=sum(not r.success for r in result.records),
+        )
+        return (float(np.percentile(ttfts, 90)) * 1000.0 if ttfts else None), best
 
     def factory(bucket: Bucket) -> BucketMeasure | None:
         if not bucket.feasible(max_context):
@@ -141,6 +161,7 @@ def url_measure_factory(
             behind = max((r.send_lag_s for r in window_recs), default=0.0)
             return dataclasses.replace(m, stable=False) if behind > GENERATOR_BACKLOG_S else m
 
-        return BucketMeasure(measure, None if hint is None else hint(bucket), unloaded_ttft(bucket))
+        ttft_p90, best = unloaded(bucket)
+        return BucketMeasure(measure, None if hint is None else hint(bucket), ttft_p90, best)
 
     return factory

@@ -153,6 +153,10 @@ class BucketMeasure:
     measure: Callable[[float], Measurement]
     hint: float | None = None
     unloaded_ttft_ms: float | None = None  # p90 TTFT of the bucket's requests sent one at a time
+    # The bucket one request at a time (`rate` 0; medians of TTFT and TPOT, failures counted): the best the
+    # server does on it. When even this misses the SLO, no rate can meet it and the bucket is 0 at once
+    # (`--url`: reaching 0 by probing down to min_rate took a day of real time). None: not measured.
+    unloaded: Measurement | None = None
 
 
 MeasureFactory = Callable[[Bucket], BucketMeasure | None]  # None: this GPU cannot serve the bucket
@@ -206,7 +210,9 @@ def profile_grid(
     for b in bs:
         bm = factory(b)
         res = None
-        if bm is not None:
+        if bm is not None and bm.unloaded is not None and not slo.passes(bm.unloaded):
+            res = SearchResult(0.0, None, unloaded_miss=True)  # monotone in the SLO, as the search
+        elif bm is not None:
             cfg = dataclasses.replace(config, hint=bm.hint)
             res = search_max_rate(bm.measure, slo, cfg, queue.cap_ms(bm.unloaded_ttft_ms))
         if res is not None:

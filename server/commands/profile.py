@@ -39,6 +39,7 @@ from loadgen.profiling import Bucket, MeasureFactory, ProbePlan, ProfileGrid, Qu
 from loadgen.replay import ReplayError, check_target
 from loadgen.runner import RunOptions, Target
 from placement.catalog import CatalogError, load_catalog
+from placement.counts import MAX_PLAN_INSTANCES
 from placement.perf_model import PerfModel
 from placement.profiles import MeasuredPoint, Role, ThroughputProfile, save_profile
 from placement.profiles import Slo as ProfileSlo
@@ -60,6 +61,15 @@ def parse_edges(name: str, text: str) -> list[int]:
     return edges
 
 
+def _rate(r: float) -> float:
+    """A rate as written: 6 significant figures, rounded down (4 decimals wrote a passing 0.00001 req/s
+    as 0, "cannot", and a passing 0.000155 as 0.0002, above anything measured)."""
+    if r <= 0:
+        return 0.0
+    digits = 5 - math.floor(math.log10(r))
+    return math.floor(r * 10**digits * (1 + 1e-12)) / 10**digits  # the 1e-12: 20.58 is not 20.5799
+
+
 def build_profile(
     grid: ProfileGrid,
     model: str,
@@ -76,7 +86,7 @@ def build_profile(
             None
             if m is None
             else MeasuredPoint(
-                rate=round(m.rate, 4),
+                rate=_rate(m.rate),
                 ttft_p90_ms=round(m.ttft_p90_ms, 3),
                 tpot_p90_ms=round(m.tpot_p90_ms, 3),
                 n=m.n,
@@ -96,7 +106,7 @@ def build_profile(
             "slo": ProfileSlo(tpot_ms=slo.tpot_ms, ttft_ms=slo.ttft_ms),
             "input_edges": inp,
             "output_edges": out,
-            "max_rate": [[round(r, 4) for r in row] for row in grid.max_rate],
+            "max_rate": [[_rate(r) for r in row] for row in grid.max_rate],
             "measured": measured,
         }
     )
@@ -193,8 +203,8 @@ def register(app: typer.Typer) -> None:
             gpu_spec, model_spec = catalog.gpu(gpu), catalog.model(model)
         except CatalogError as e:
             fail(str(e))
-        if tp < 1:
-            fail(f"--tp must be ≥ 1, got {tp}")
+        if not 1 <= tp <= MAX_PLAN_INSTANCES:  # a profile file holds no more (checked before hours of probes)
+            fail(f"--tp must be in 1..{MAX_PLAN_INSTANCES:,}, got {tp}")
         for name, value in (
             ("--resolution", resolution),
             ("--min-rate", min_rate),
@@ -254,7 +264,10 @@ def register(app: typer.Typer) -> None:
             max_len = engine_max_model_len(perf, config) or model_spec.max_context
 
             def hint(b: Bucket) -> float:
-                return capacity_hint(perf, b, 0.05, config, max_len)
+                # an upper bound (the largest batch the KV cache holds, whatever its step time): a live
+                # probe lasts ~300 / rate seconds, so the search starts where probes are short and gallops
+                # down; a 50 ms-per-token guess started an L4 at 0.06 req/s, in probes of hours
+                return capacity_hint(perf, b, math.inf, config, max_len)
 
             target = Target(url, served_model or model, "completions", api_key)
             _check_target(target)
@@ -263,11 +276,12 @@ def register(app: typer.Typer) -> None:
         t0 = time.perf_counter()
 
         def progress(b: Bucket, res: SearchResult | None) -> None:
-            rate = (
-                "cannot (does not fit)"
-                if res is None
-                else f"{res.max_rate:.2f} req/s ({len(res.probes)} probes)"
-            )
+            if res is None:
+                rate = "cannot (does not fit)"
+            elif res.unloaded_miss:
+                rate = "cannot (misses the SLO, or is refused, one request at a time)"
+            else:
+                rate = f"{res.max_rate:.2f} req/s ({len(res.probes)} probes)"
             console.print(f"{b.label}: {rate}  [{time.perf_counter() - t0:.1f} s]")
 
         cfg = SearchConfig(min_rate=min_rate, max_rate=max_rate, resolution=resolution)

@@ -13,6 +13,7 @@ from placement.catalog import load_catalog
 from placement.perf_model import PerfModel
 from placement.profiles import load_profile
 from server.cli import build_app
+from server.commands.profile import _rate
 from simulator.profile_driver import sim_measure_factory
 
 CAT = load_catalog()
@@ -91,8 +92,8 @@ def test_profile_cli_writes_the_planner_schema(tmp_path: Path) -> None:
     assert (p.model, p.gpu, p.tp, p.source) == ("llama-3-8b", "A100-80GB", 1, "sim")
     assert p.slo.tpot_ms == 40 and p.input_edges == (1, 512, 2048) and p.output_edges == (1, 128, 512)
     assert [list(r) for r in p.max_rate] == [
-        [round(x, 4) for x in row] for row in grid(40)
-    ]  # same as the API
+        [_rate(x) for x in row] for row in grid(40)
+    ]  # same as the API, to 6 significant figures rounded down
     assert p.measured is not None
     for i in range(2):
         for j in range(2):
@@ -129,3 +130,24 @@ def test_bad_profile_input_exits_2_with_one_line(tmp_path: Path, args: list[str]
     assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, (
         res.output
     )
+
+
+@pytest.mark.parametrize(
+    ("rate", "written"),
+    [
+        pytest.param(0.00001, 0.00001, id="a passing 1e-5 req/s is not written as 0 ('cannot')"),
+        pytest.param(0.000155, 0.000155, id="0.000155 is not written as 0.0002, above what was measured"),
+        pytest.param(20.58, 20.58, id="a float just under its decimal stays"),
+        pytest.param(123.456789, 123.456, id="6 significant figures, rounded down"),
+        pytest.param(0.0, 0.0, id="0 stays 0"),
+    ],
+)
+def test_rates_are_written_to_6_significant_figures_never_up(rate: float, written: float) -> None:
+    assert _rate(rate) == written
+
+
+def test_a_tp_past_what_a_profile_file_holds_exits_2_before_profiling(tmp_path: Path) -> None:
+    args = ["profile", "--sim", "--gpu", "L4", "--model", "llama-3-8b", "--out", str(tmp_path / "x.yaml")]
+    res = CliRunner().invoke(build_app(), [*args, "--slo-tpot-ms", "100", "--tp", "100000000"])
+    assert res.exit_code == 2 and "--tp must be in 1..10,000,000, got 100000000" in res.output
+    assert not (tmp_path / "x.yaml").exists()

@@ -224,3 +224,53 @@ def test_a_probe_failing_for_no_load_reason_stops_the_profile(
             factory(bucket)
     else:
         assert factory(bucket) is not None
+
+
+@pytest.mark.parametrize(
+    ("tpot_s", "status", "probed"),
+    [
+        pytest.param(0.2, 200, False, id="200 ms per token one at a time: misses 100 ms at any rate"),
+        pytest.param(0.05, 400, False, id="the server refuses the bucket's lengths (400): 0 at once"),
+        pytest.param(0.05, 200, True, id="50 ms per token one at a time: searched"),
+    ],
+)
+def test_a_bucket_that_misses_the_slo_one_request_at_a_time_is_0_without_probing(
+    monkeypatch: pytest.MonkeyPatch, tpot_s: float, status: int, probed: bool
+) -> None:
+    """Reaching 0 by probing down to --min-rate took up to a day of real time (the lowest rates' probes
+    are the longest: 300 requests at 0.01 req/s). The unloaded baseline now decides it."""
+    import loadgen.profile_url as profile_url
+    from loadgen.client import RequestRecord
+    from loadgen.profile_search import SearchSlo
+    from loadgen.profiling import ProbePlan, profile_grid
+    from loadgen.runner import RunOptions, RunResult, Target
+    from loadgen.schedule import ScheduledRequest
+
+    calls: list[int] = []
+
+    async def replay(
+        sched: list[ScheduledRequest], target: Target, opts: RunOptions, observer: object, transport: object
+    ) -> RunResult:
+        calls.append(len(sched))
+        result = RunResult(started_at="")
+        for req in sched:
+            rec = RequestRecord(req.index, req.send_at_s, req.input_tokens, req.output_tokens)
+            rec.slot_s = rec.sent_s = req.send_at_s
+            if status != 200:
+                rec.error_type, rec.end_s = f"http_{status}", rec.sent_s
+            else:
+                rec.chunk_s.extend(rec.sent_s + 0.02 + k * tpot_s for k in range(req.output_tokens))
+                rec.output_tokens, rec.success, rec.end_s = req.output_tokens, True, rec.chunk_s[-1]
+            result.records.append(rec)
+        return result
+
+    monkeypatch.setattr(profile_url, "replay", replay)
+    plan = ProbePlan(min_window_s=2.0, min_requests=10, e2e_factor=0)
+    factory = profile_url.url_measure_factory(Target("http://unused", "m"), 8192, plan=plan)
+    grid = profile_grid([16, 32], [4, 8], factory, SearchSlo(tpot_ms=100), SearchConfig(1.0, 8.0))
+    result = grid.results[(0, 0)]
+    assert calls[0] == 10 + 3  # the baseline: 10 requests of one token, 3 of them again whole
+    if probed:
+        assert len(calls) > 1 and result.max_rate > 0 and not result.unloaded_miss
+    else:
+        assert len(calls) == 1 and (result.max_rate, result.unloaded_miss) == (0.0, True)
