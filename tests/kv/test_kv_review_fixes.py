@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.fleet import FleetView
+from scheduler.fleet import FleetView, WorkerView
 from scheduler.kv.batch_admission import AdmissionParams, plan_admission, plan_value
 from scheduler.kv.config import KvConfig
 from scheduler.kv.ledger import KvLedger, LedgerSettings
@@ -126,18 +126,23 @@ def test_batch_plan_of_two_waiters_sharing_an_id_hands_out_both_reservations() -
     asyncio.run(run())
 
 
-def test_waiters_sharing_an_id_keep_their_own_holds() -> None:
-    ledger = KvLedger()
-    w = worker("w", blocks=100)  # capacity 98
-    ledger.reserve(request("running", prompt=800, max_out=0), w, 0.0)  # 50 blocks
+def _aging_policy(ledger: KvLedger, w: WorkerView) -> KvQueuePolicy:
+    """The gateway's queue policy over `ledger` and one worker, aging after 1 s, at t = 5 s."""
     view = FleetView((w,))
-    policy = KvQueuePolicy(
+    return KvQueuePolicy(
         KvConfig(queue={"aging_s": 1.0}),  # type: ignore[arg-type]
         ledger,
         lambda: view,
         lambda req, exclude: pytest.fail("aging never routes"),
         lambda: 5.0,
     )
+
+
+def test_waiters_sharing_an_id_keep_their_own_holds() -> None:
+    ledger = KvLedger()
+    w = worker("w", blocks=100)  # capacity 98
+    ledger.reserve(request("running", prompt=800, max_out=0), w, 0.0)  # 50 blocks
+    policy = _aging_policy(ledger, w)
     first, second = request("dup", prompt=1280, max_out=0), request("dup", prompt=640, max_out=0)  # 80, 40
     policy.before_attempt(first, waited_s=2.0)
     assert policy.held == {"dup": "w"} and ledger.snapshot()["w"]["holds"] == 80
@@ -305,14 +310,7 @@ def test_a_request_reusing_a_waiters_id_can_neither_use_nor_remove_its_hold() ->
     ledger = KvLedger()
     w = worker("w", blocks=100)  # capacity 98
     ledger.reserve(request("running", prompt=16 * 38, max_out=0), w, 0.0)  # 38 blocks: 60 left
-    view = FleetView((w,))
-    policy = KvQueuePolicy(
-        KvConfig(queue={"aging_s": 1.0}),  # type: ignore[arg-type]
-        ledger,
-        lambda: view,
-        lambda req, exclude: pytest.fail("aging never routes"),
-        lambda: 5.0,
-    )
+    policy = _aging_policy(ledger, w)
     head = dataclasses.replace(request("X", prompt=16 * 60, max_out=0), ticket=1)
     policy.before_attempt(head, waited_s=2.0)
     assert ledger.snapshot()["w"]["holds"] == 60

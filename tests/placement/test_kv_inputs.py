@@ -9,29 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 import typer
-from typer.testing import CliRunner
 
 from placement.kv_profile import ProfileError, from_moments, load_head_profile
 from placement.kv_tp import tp_partition
-from server.commands import kv_layout
+from tests.kv import test_kv_layout_cli as kv_cli
+
+app, run = kv_cli.app, kv_cli.run  # the `mosaic kv-layout` app (a module fixture) and its runner
 
 OK_RAW = np.full((1, 2, 2, 2), 0.3)  # [R, S, L, H]: one base ratio, 2 samples, 2 layers × 2 heads
-
-
-@pytest.fixture(scope="module")
-def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:  # keeps `kv-layout` a sub-command, as under `mosaic`
-        pass
-
-    kv_layout.register(app)
-    return app
-
-
-def run(app: typer.Typer, *args: str) -> Any:
-    return CliRunner().invoke(app, ["kv-layout", *args])
 
 
 def _npz(path: Path, **arrays: Any) -> None:

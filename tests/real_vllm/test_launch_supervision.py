@@ -476,10 +476,8 @@ def test_backoff_doubles_up_to_its_cap() -> None:
     assert backoff.ready(0.0) and backoff.fail(0.0) == 10.0
 
 
-def test_a_replica_that_serves_and_then_crashes_keeps_backing_off(tmp_path: Path) -> None:
-    """/health ended the failure streak, so a replica that loads, answers and then crashes was restarted every
-    10 s forever; the streak now ends only after `restart_backoff_reset_s` of service (the kubelet's rule)."""
-    now = [0.0]
+def _clocked_stub_launcher(tmp_path: Path, now: list[float]) -> VllmPoolLauncher:
+    """A launcher of stub processes on the clock `now[0]`, backing off 10 s doubling to 300, reset after 600."""
     template = pool_template(
         model="m", served_model_name="m", role="mixed", tp=1, max_model_len=None, gpu_memory_utilization=None
     )
@@ -488,6 +486,14 @@ def test_a_replica_that_serves_and_then_crashes_keeps_backing_off(tmp_path: Path
         "p", template, GpuAllocator([]), tmp_path, use_gpus=False, starter=stub, clock=lambda: now[0]
     )
     launcher.backoff = Backoff(10.0, 300.0, reset_after_s=600.0)
+    return launcher
+
+
+def test_a_replica_that_serves_and_then_crashes_keeps_backing_off(tmp_path: Path) -> None:
+    """/health ended the failure streak, so a replica that loads, answers and then crashes was restarted every
+    10 s forever; the streak now ends only after `restart_backoff_reset_s` of service (the kubelet's rule)."""
+    now = [0.0]
+    launcher = _clocked_stub_launcher(tmp_path, now)
 
     def serve_then_crash(serve_s: float) -> float:
         """Start a replica, see it healthy, let it serve `serve_s`, crash it: the wait before the next start."""
@@ -508,14 +514,7 @@ def test_a_replica_that_serves_and_then_crashes_keeps_backing_off(tmp_path: Path
 
 def test_the_streak_ends_while_a_replica_keeps_serving(tmp_path: Path) -> None:
     now = [0.0]
-    template = pool_template(
-        model="m", served_model_name="m", role="mixed", tp=1, max_model_len=None, gpu_memory_utilization=None
-    )
-    stub: Any = StubProcess
-    launcher = VllmPoolLauncher(
-        "p", template, GpuAllocator([]), tmp_path, use_gpus=False, starter=stub, clock=lambda: now[0]
-    )
-    launcher.backoff = Backoff(10.0, 300.0, reset_after_s=600.0)
+    launcher = _clocked_stub_launcher(tmp_path, now)
     launcher.backoff.fail(0.0)
     launcher.backoff.fail(0.0)
     now[0] = 20.0
