@@ -182,7 +182,18 @@ class DynamoPlanner:
     Prometheus averages over the interval). It plans at the end of each interval, so the first plan comes
     one interval after it took over, and it skips an interval whose lengths were never observed (no
     request finished), as Dynamo skips an adjustment on NaN metrics. Each model is planned on its own
-    arrivals and lengths (`Observation.for_model`), as one Dynamo planner runs per model deployment."""
+    arrivals and lengths (`Observation.for_model`), as one Dynamo planner runs per model deployment.
+
+    Decode capacity is always read at the forecast context (input + output/2), as Dynamo's decode
+    interpolator reads it (`find_best_throughput_per_gpu(..., context_length=isl + osl/2)`): Dynamo has no
+    setting that sizes decode at a fixed context. (Until 2026-12-05 this baseline followed Mosaic's own
+    `observed_context` knob, off by default, which overstated an A100's decode capacity on the evaluation's
+    ~1,460-token context by 1.27x and made the planner fail where Dynamo would pass.)
+
+    Two differences from Dynamo remain, both in the planner's favour: `utilization_target` is a headroom
+    factor Dynamo does not have (its prefill is sized at 100% of profiled throughput), which the evaluation
+    tunes; and the forecaster is Holt's linear trend (α 0.5, β 0.3) on the rate, where Dynamo's default is
+    ARIMA (Holt behaves like its Kalman option, and leaves more prefill standing before a flash crowd)."""
 
     def __init__(
         self,
@@ -191,12 +202,10 @@ class DynamoPlanner:
         utilization_target: float = 1.0,
         alpha: float = 0.5,
         beta: float = 0.3,
-        observed_context: bool = False,
     ) -> None:
         self.pools = tuple(pools)
         self.interval_s = interval_s
         self.utilization_target = utilization_target
-        self.observed_context = observed_context
         self.alpha, self.beta = alpha, beta
         self._models: dict[str, _ModelForecast] = {}  # per model: its own rate and lengths, as Dynamo plans
         self._window_start: float | None = None
@@ -234,7 +243,7 @@ class DynamoPlanner:
         mean_in, mean_out = f.input.forecast(0), f.output.forecast(0)
         # Dynamo's decode interpolator reads per-replica decode throughput at the forecast context
         # (input + output/2); prefill at its profiled rate.
-        context = mean_in + mean_out / 2 if self.observed_context else None
+        context = mean_in + mean_out / 2
 
         def decode_cap(p: PoolSpec) -> float:
             return p.decode_tps_at(context)

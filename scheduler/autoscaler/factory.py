@@ -101,7 +101,6 @@ def build_policy(
                 pools,
                 interval_s=_positive(spec, "the re-planning interval in seconds (dynamo:I)", arg, 180.0),
                 utilization_target=config.utilization_target,
-                observed_context=config.observed_context,
             )
         if name == "static":
             return StaticPolicy(_static_counts(spec, arg, initial, pools, check_bounds))

@@ -112,23 +112,19 @@ def test_the_observed_context_is_smoothed_and_kept_while_nothing_completes() -> 
     assert policy.decide(observation(45, 1_000, 0.0, 0.0)).signal["llama-3-8b/context_tokens"] == first
 
 
-def test_planner_sizes_decode_at_the_forecast_context_when_asked() -> None:
-    def plan(observed_context: bool) -> int:
-        planner = DynamoPlanner(
-            [decode()], interval_s=30, utilization_target=1.0, observed_context=observed_context
-        )
-        # 4 req/s, 2,560 in / 1,024 out: 4,096 decode tok/s at a 3,072-token context
-        for t in (15.0, 30.0, 45.0):
-            decision = planner.decide(
-                Observation(
-                    now=t,
-                    pools={"d": PoolObservation(ready=1)},
-                    request_rate=4.0,
-                    mean_input_tokens=2_560,
-                    mean_output_tokens=1_024,
-                )
+def test_planner_always_sizes_decode_at_the_forecast_context() -> None:
+    """As Dynamo's decode interpolator does (it has no fixed-context setting): the planner followed Mosaic's
+    `observed_context` knob, off by default, and read this decode pool's 1,024-token 10,000 tok/s."""
+    planner = DynamoPlanner([decode()], interval_s=30, utilization_target=1.0)
+    # 4 req/s, 2,560 in / 1,024 out: 4,096 decode tok/s at a 3,072-token context
+    for t in (15.0, 30.0, 45.0):
+        decision = planner.decide(
+            Observation(
+                now=t,
+                pools={"d": PoolObservation(ready=1)},
+                request_rate=4.0,
+                mean_input_tokens=2_560,
+                mean_output_tokens=1_024,
             )
-        return decision.targets["d"]
-
-    assert plan(True) == math.ceil(4 * 1_024 / (1 / 3e-4))  # 2 at 3,333 tok/s per instance
-    assert plan(False) == 1  # 4,096 / 10,000
+        )
+    assert decision.targets["d"] == math.ceil(4 * 1_024 / (1 / 3e-4))  # 2 at 3,333 tok/s per instance
