@@ -456,7 +456,7 @@ class Engine:
                 if not self._start_transfer(s, now):
                     break
                 continue  # in flight → the next waiting request may go; landed already → back at the front
-            if s.hashes and s.computed == 0:
+            if s.hashes and s.computed == 0 and s.blocks == 0:  # a landed 1-token prompt holds its block
                 n = self._admit_cached(s, budget, chunks)
                 if n == 0:
                     break
@@ -467,6 +467,9 @@ class Engine:
             if extra > kv.free:
                 break  # new requests never preempt
             waiting.popleft()
+            if self._pc is not None and s.computed == 0 and s.blocks == 0:
+                # vLLM counts every new request's tokens as a prefix-cache query, hashed blocks or not
+                self.counters.prefix_cache_queries += s.num_tokens
             if self._pc is not None:
                 self._pc.make_room(extra)
             kv.allocate(extra)
@@ -530,7 +533,9 @@ class Engine:
         if s.shared:
             assert self._pc is not None
             self.kv.release(s.blocks - len(s.shared))
-            self._pc.release(s.shared)
+            # reversed, as vLLM frees a request's blocks: the tail is evicted first and the reusable
+            # prefix stays (head first evicted the prefix and kept tail blocks no lookup can reach)
+            self._pc.release(s.shared[::-1])
             s.shared = []
         else:
             self.kv.release(s.blocks)
@@ -621,7 +626,14 @@ class Engine:
         s.computed = 0
         s.preemptions += 1
         s.state = _State.WAITING
-        self._waiting.appendleft(s)
+        # to the front, as vLLM requeues it, but behind requests whose remote KV already landed: they hold
+        # their blocks and need none to go on, and a recompute ahead of them that cannot get blocks while they
+        # wait preempted itself every other step, forever
+        waiting = self._waiting
+        ready = 0
+        while ready < len(waiting) and waiting[ready].blocks > 0 and not waiting[ready].remote_pending:
+            ready += 1
+        waiting.insert(ready, s)
 
     def _prefill_done(
         self,
@@ -709,7 +721,11 @@ def run_offline(engine: Engine, arrivals: Iterable[tuple[float, EngineRequest]])
             continue
         times = [
             t
-            for t in (engine.next_event_time(), pending[i][0] + overhead if i < n else None)
+            for t in (
+                engine.next_event_time(),
+                engine.next_hold_expiry(),
+                pending[i][0] + overhead if i < n else None,
+            )
             if t is not None
         ]
         if not times:
