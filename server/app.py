@@ -36,12 +36,13 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.routing.framework import ReservePlugin
-from server.config import MosaicConfig
+from server.config import CorsConfig, MosaicConfig
 from server.discovery import Source
 from server.dispatch import CLIENT_CLOSED_STATUS, RequestRecord
 from server.errors import Cause, GatewayError, shutting_down
@@ -190,14 +191,48 @@ def create_app(
         title="Mosaic gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.gateway = gw
+    cors = _cors_options(config.cors)
     for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions")):
         serve = _proxy_endpoint(gw, path, kind)
         app.router.add_route(path, _starlette_endpoint(serve), methods=["POST"])  # served by the fast path
-        app.fast_routes[path] = _asgi(serve)
+        app.fast_routes[path] = _asgi(serve) if cors is None else _cors_when_origin(_asgi(serve), cors)
     _add_info_routes(app, gw)
     _add_error_handlers(app)
+    if cors is not None:  # inside the request id's middleware: a preflight answer carries the id too
+        app.add_middleware(CORSMiddleware, **cors)
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def _cors_options(cors: CorsConfig) -> dict[str, Any] | None:
+    """Starlette's `CORSMiddleware` arguments for the config, None when CORS is off (no origins)."""
+    if not cors.allowed_origins:
+        return None
+    return {
+        "allow_origins": cors.allowed_origins,
+        "allow_methods": cors.allowed_methods,
+        "allow_headers": cors.allowed_headers,
+        "allow_credentials": cors.allow_credentials,
+    }
+
+
+def _cors_when_origin(app: ASGIApp, options: dict[str, Any]) -> ASGIApp:
+    """A proxy endpoint with CORS for the requests that carry an `Origin` header (browsers'): they get
+    `CORSMiddleware`'s headers. The rest (API clients, other services) reach the endpoint with the server's
+    own `send`, so their answers stay byte for byte what they were and a stream on the gateway's fast cycle
+    is still written from the worker's reads (`StreamSession.push` needs that `send`); the middleware would
+    wrap every request's `send` to add `Vary: Origin`. The preflight (OPTIONS) is not a POST: it goes
+    through FastAPI's stack, where the same middleware answers it."""
+    with_cors = CORSMiddleware(app, **options)
+
+    async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+        for name, _ in scope["headers"]:
+            if name == b"origin":
+                await with_cors(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return endpoint
 
 
 class GatewayApp(FastAPI):

@@ -376,6 +376,17 @@ def policy_knobs(knobs: dict[str, Any]) -> PolicyConfig:
         raise ValueError(str(exc)) from None
 
 
+class CorsConfig(_Strict):
+    """Cross-origin requests from browsers, as vLLM's `--allowed-origins`, `--allowed-methods`,
+    `--allowed-headers` and `--allow-credentials` take them, with vLLM's defaults (any origin, method and
+    header; no credentials). An empty `allowed_origins` turns CORS off: no preflight answer, no headers."""
+
+    allowed_origins: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
 class GatewaySettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -397,6 +408,7 @@ class MosaicConfig(_Strict):
     kv: KvConfig = Field(default_factory=KvConfig)  # the KV budget ledger's own model (scheduler.kv.config)
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    cors: CorsConfig = Field(default_factory=CorsConfig)  # browsers' cross-origin requests (vLLM's defaults)
     catalog: str | None = None  # YAML file of GPU/model rows merged over the built-in catalog
     # The file this config was read from (`load_config` sets it; not a key users write): relative paths in
     # it, like `kv.compression[].profile`, are resolved against its folder.

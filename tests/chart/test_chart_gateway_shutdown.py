@@ -97,3 +97,10 @@ def test_strict_readiness_passes_through_to_the_gateway_config(chart: helm.Chart
     rendered = render(chart, {"config": {"readiness": {"require_all_models": True}}})
     (tmp_path / "strict").mkdir()
     assert rendered.load_config(tmp_path / "strict").readiness.require_all_models is True
+
+
+def test_cors_passes_through_to_the_gateway_config(chart: helm.Chart, tmp_path: Path) -> None:
+    assert render(chart, {}).load_config(tmp_path).cors.allowed_origins == ["*"]  # vLLM's default
+    rendered = render(chart, {"config": {"cors": {"allowed_origins": ["https://chat.example"]}}})
+    (tmp_path / "cors").mkdir()
+    assert rendered.load_config(tmp_path / "cors").cors.allowed_origins == ["https://chat.example"]
