@@ -448,6 +448,14 @@ class ClusterSimulator:
                 inst.pending = result
                 self._schedule_step(inst, result.end)
                 return
+            if result.kv_received:  # transfers that landed in a step that ran nothing: the prefill side's
+                self._apply(inst, result, now)  # held blocks are freed now, not at their hold's expiry
+            if result.preempted:
+                # Everything running was preempted and, as in vLLM, nothing admitted in that step: the next
+                # step admits (what landed, the recompute), at once, as vLLM's engine loop, `run_offline` and
+                # the worker runtime go on. Waiting for a kick left runnable work until the next arrival.
+                self._schedule_step(inst, now)
+                return
             wake = engine.next_event_time()  # work, none runnable: it waits for a KV transfer to land
             if wake is not None and wake > now:
                 self._schedule_step(inst, wake, wake=True)
