@@ -51,9 +51,15 @@ class GpuSpec:
     # Plateau MFU of large prefills; None → PerfConstants.mfu_max. Calibrated for A100 and H100 only.
     mfu_max: float | None = None
     source: str = ""
+    # Tensor-parallel interconnect, as the perf model's all-reduce term sees it (REFERENCE.md, "Roofline
+    # perf model"): latency of one all-reduce per log2(tp) step, µs, and the effective all-reduce link
+    # bandwidth, GB/s (far below the nominal link rate: fitted end to end, NCCL + launch overheads included).
+    # The defaults are the conservative PCIe Gen4 figures of the built-in PCIe rows (unverified).
+    allreduce_latency_us: float = 100.0
+    allreduce_gbps: float = 8.0
 
     def __post_init__(self) -> None:
-        for field_name in ("memory_gb", "hbm_gbps", "tflops"):
+        for field_name in ("memory_gb", "hbm_gbps", "tflops", "allreduce_latency_us", "allreduce_gbps"):
             _positive(self.name, field_name, getattr(self, field_name))
         _positive(self.name, "cost_per_hour", self.cost_per_hour, allow_zero=True)
         if self.memory_kind not in ("hbm", "gddr"):
@@ -122,30 +128,53 @@ class ModelSpec:
         return 2 * self.layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
+# Tensor-parallel interconnects: GpuSpec.allreduce_latency_us (µs per all-reduce per log2(tp) step) and
+# allreduce_gbps (effective all-reduce bandwidth, GB/s). NVLink3/4: fitted to splitwise-sim's Llama-2-70B
+# TP2/4/8 prefill and decode on DGX A100-80GB / H100 (../shared/data/calibration/splitwise_sim_perf_model.csv;
+# tests/placement/test_perf_model.py). The latency ratio 64/46 ≈ NVLink's bandwidth ratio 900/600. The
+# bandwidths are effective rates, not link rates: A100's 90 GB/s also absorbs the compute efficiency TP4/8
+# lose on narrower GEMMs; H100's 320 GB/s is bounded below by TP2, whose prefills show no communication cost
+# beyond what the TP2-calibrated MFU already holds (140 GB/s, the unconstrained fit, puts the TP2 512-token
+# prefill at +27%).
+_NVLINK3 = {"allreduce_latency_us": 64.0, "allreduce_gbps": 90.0}  # DGX A100 (NVLink3 + NVSwitch, 600 GB/s)
+_NVLINK4 = {"allreduce_latency_us": 46.0, "allreduce_gbps": 320.0}  # DGX H100 (NVLink4 + NVSwitch, 900 GB/s)
+# PCIe, no NVLink (unverified): PCIe Gen4 x16 is 32 GB/s a direction, Gen3 16 GB/s; NCCL rings through the
+# host bridge reach ~10–20 GB/s (Gen4) of bus bandwidth; derated like the NVLink fits (effective ≈ 0.4–0.7
+# of nccl-tests busbw) to 8 / 4 GB/s, with about twice the NVLink latency. Conservative: tp > 1 on these
+# parts is slow, as it is in practice. The GpuSpec defaults (rows added from YAML) are the Gen4 figures.
+_PCIE4 = {"allreduce_latency_us": 100.0, "allreduce_gbps": 8.0}
+_PCIE3 = {"allreduce_latency_us": 100.0, "allreduce_gbps": 4.0}
+# MI300X: Infinity Fabric, 896 GB/s aggregate a GPU (AMD), H100-class on paper; RCCL's small-message latency
+# is higher than NCCL's, so the A100 NVLink3 fit is taken (unverified).
+_INFINITY_FABRIC = {"allreduce_latency_us": 64.0, "allreduce_gbps": 90.0}
+
 # fmt: off
 _BUILTIN_GPUS: tuple[GpuSpec, ...] = (
     # NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, 65 TFLOP/s fp16 (no bf16); AWS g4dn price (unverified)
-    GpuSpec("T4", 16, 320, 65, 0.53, "gddr", None, None, "NVIDIA T4 datasheet; AWS g4dn.xlarge on-demand"),
+    GpuSpec("T4", 16, 320, 65, 0.53, "gddr", None, None, "NVIDIA T4 datasheet; AWS g4dn.xlarge on-demand", **_PCIE3),
     # NVIDIA A10G (AWS): 24 GB GDDR6, 600 GB/s, 125 TFLOP/s; $1.01/h AWS g5.xlarge as used by Mélange
-    GpuSpec("A10G", 24, 600, 125, 1.01, "gddr", None, None, "AWS A10G spec; Mélange (arXiv 2404.14527) price"),
+    GpuSpec("A10G", 24, 600, 125, 1.01, "gddr", None, None, "AWS A10G spec; Mélange (arXiv 2404.14527) price", **_PCIE4),
     # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, 121 TFLOP/s bf16 dense; GCP g2 price (unverified)
-    GpuSpec("L4", 24, 300, 121, 0.70, "gddr", None, None, "NVIDIA L4 datasheet; GCP g2-standard-4 on-demand"),
+    GpuSpec("L4", 24, 300, 121, 0.70, "gddr", None, None, "NVIDIA L4 datasheet; GCP g2-standard-4 on-demand", **_PCIE4),
     # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, 362 TFLOP/s bf16 dense; AWS g6e price (unverified)
-    GpuSpec("L40S", 48, 864, 362, 1.85, "gddr", None, None, "NVIDIA L40S datasheet; AWS g6e per-GPU on-demand"),
+    GpuSpec("L40S", 48, 864, 362, 1.85, "gddr", None, None, "NVIDIA L40S datasheet; AWS g6e per-GPU on-demand", **_PCIE4),
+    # A40: a 2-GPU NVLink bridge exists, but cloud A40s are PCIe-only: PCIe Gen4 figures (unverified).
     # NVIDIA A40 datasheet: 48 GB GDDR6, 696 GB/s, 150 TFLOP/s; CoreWeave price as used by Vidur
-    GpuSpec("A40", 48, 696, 150, 1.28, "gddr", None, None, "NVIDIA A40 datasheet; CoreWeave price (Vidur)"),
+    GpuSpec("A40", 48, 696, 150, 1.28, "gddr", None, None, "NVIDIA A40 datasheet; CoreWeave price (Vidur)", **_PCIE4),
+    # A100 40GB SXM: NVLink3 as the 80GB part (same DGX/HGX fabric), so its interconnect fit.
     # NVIDIA A100 40GB SXM datasheet: 1,555 GB/s, 312 TFLOP/s; AWS p4d.24xlarge / 8 (unverified)
-    GpuSpec("A100-40GB", 40, 1555, 312, 4.10, "hbm", 60, 0.66, "NVIDIA A100 datasheet; AWS p4d.24xlarge/8"),
+    GpuSpec("A100-40GB", 40, 1555, 312, 4.10, "hbm", 60, 0.66, "NVIDIA A100 datasheet; AWS p4d.24xlarge/8", **_NVLINK3),
     # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s, 312 TFLOP/s; $3.67/h Azure NC24ads (Mélange)
-    GpuSpec("A100-80GB", 80, 2039, 312, 3.67, "hbm", 60, 0.66, "NVIDIA A100 datasheet; Mélange price (Azure)"),
+    GpuSpec("A100-80GB", 80, 2039, 312, 3.67, "hbm", 60, 0.66, "NVIDIA A100 datasheet; Mélange price (Azure)", **_NVLINK3),
     # H100: splitwise-sim's Llama-2-70B TP2 prefills and Lambda's Llama-3-8B TTFT put vLLM at ~47% MFU.
     # NVIDIA H100 SXM datasheet: 80 GB HBM3, 3,350 GB/s, 989 TFLOP/s bf16 dense; CoreWeave (Vidur)
-    GpuSpec("H100-SXM", 80, 3350, 989, 4.25, "hbm", 120, 0.50, "NVIDIA H100 datasheet; CoreWeave price (Vidur)"),
+    GpuSpec("H100-SXM", 80, 3350, 989, 4.25, "hbm", 120, 0.50, "NVIDIA H100 datasheet; CoreWeave price (Vidur)", **_NVLINK4),
+    # H200: NVLink4 + NVSwitch as H100 SXM (HGX H200), so H100's interconnect fit.
     # NVIDIA H200 datasheet: 141 GB HBM3e, 4,800 GB/s, 989 TFLOP/s; AWS p5e capacity block (unverified)
-    GpuSpec("H200", 141, 4800, 989, 5.41, "hbm", 120, 0.50, "NVIDIA H200 datasheet; AWS p5e capacity block/8"),
+    GpuSpec("H200", 141, 4800, 989, 5.41, "hbm", 120, 0.50, "NVIDIA H200 datasheet; AWS p5e capacity block/8", **_NVLINK4),
     # MI300X: ROCm vLLM reaches a lower MFU than CUDA on dense GEMMs (0.45, unverified).
     # AMD MI300X datasheet: 192 GB HBM3, 5,300 GB/s, 1,307 TFLOP/s bf16 dense; marketplace (unverified)
-    GpuSpec("MI300X", 192, 5300, 1307, 1.80, "hbm", None, 0.45, "AMD MI300X datasheet; GPU marketplace price"),
+    GpuSpec("MI300X", 192, 5300, 1307, 1.80, "hbm", None, 0.45, "AMD MI300X datasheet; GPU marketplace price", **_INFINITY_FABRIC),
 )
 
 _BUILTIN_MODELS: tuple[ModelSpec, ...] = (

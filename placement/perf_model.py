@@ -3,17 +3,27 @@
 A step (one forward pass of vLLM's continuous batching) processes some prefill chunks and some decodes
 together. Its time is
 
-    t = t_fix(tp, seqs) + max(t_mem, t_compute)
+    t = t_fix(seqs) + t_tp(T) + max(t_mem, t_compute)
     t_mem     = (W/tp + Σ_decode c_i · kv_bytes/tp) / (BW · η)                 weights + KV read over HBM
     t_compute = (2·N·T + 4·L·d·A) / (tp · F · MFU(T))                          T tokens in the step
     A         = Σ_prefill p_j·(c_j + p_j/2) + Σ_decode c_i                    attention token-pairs (causal)
     MFU(T)    = mfu_max · T / (T + T_half)                                     ramps with tokens per step
-    t_fix     = step_base + step_per_seq · seqs + tp_step · [tp > 1]
+    t_fix     = step_base + step_per_seq · seqs
+    t_tp      = 2·L · (α · log2(tp) + T · h · dtype_bytes · 2(tp−1)/tp / B)    tp > 1; exactly 0 at tp = 1
 
-(REFERENCE.md, "Roofline perf model"). η is the achievable fraction of peak bandwidth (HBM vs GDDR). The
-constants below were fitted to the published measurements in `../shared/data/calibration/` (vLLM
-benchmark_serving on Llama-3-8B; splitwise-sim's Llama-2-70B TP2 prefill/decode); `tests/placement/
-test_perf_model.py` holds the reference table and requires every point within ±25%.
+(REFERENCE.md, "Roofline perf model"). η is the achievable fraction of peak bandwidth (HBM vs GDDR).
+t_tp is the tensor-parallel all-reduce traffic: two all-reduces a layer (after attention and after the
+MLP), each of the step's T·h activations (h = hidden size); α = `GpuSpec.allreduce_latency_us` per log2(tp)
+step (tree latency), B = `GpuSpec.allreduce_gbps`, the effective bandwidth of a ring all-reduce that moves
+2(tp−1)/tp of the message per GPU. Decode at small batch is latency-bound (≈ 2·L·α·log2 tp: ~10 ms a log2
+step for Llama-2-70B on A100, ~7 ms on H100, the "floor" splitwise-sim shows at TP4/8); large prefills add
+the bandwidth part, which also stands in for the compute efficiency TP4/8 lose on narrower GEMMs.
+
+The constants below and the GPU rows' MFU were fitted to the published measurements in
+`../shared/data/calibration/` (vLLM benchmark_serving on Llama-3-8B; splitwise-sim's Llama-2-70B TP2
+prefill/decode), α and B to splitwise-sim's TP2/4/8 runs on A100-80GB and H100. `tests/placement/
+test_perf_model.py` holds the reference table (every point within ±25%, a few TP8 prefills under a stated
+wider bar) and checks the per-tp accuracy over the whole CSV.
 
 KV capacity: (memory · gpu_memory_utilization − weights/tp − activation reserve) / (kv_bytes/tp).
 """
@@ -34,8 +44,6 @@ class PerfConstants:
     eta_gddr: float = 0.78  # GDDR6 parts reach a higher fraction of their (lower) peak
     step_base_s: float = 0.00045  # scheduler + sampling + launch overhead per step
     step_per_seq_s: float = 0.000035  # per sequence in the batch (input prep, sampling, detokenise)
-    tp_step_s: float = 0.0055  # all-reduce latency floor per step once tp > 1 (2 per layer, NCCL)
-    tp4_step_s: float = 0.025  # tp ≥ 4: splitwise-sim shows a 25–35 ms decode floor on 8-GPU nodes
     api_overhead_s: float = 0.012  # per-request fixed TTFT at the API server (tokenise, schedule, detok)
     activation_reserve_frac: float = 0.04  # of device memory, kept for activations / CUDA graphs
 
@@ -47,6 +55,8 @@ class PerfModel:
     """Step timing and KV capacity for (GPU, model, tp). Pure arithmetic: safe to call in tight loops."""
 
     __slots__ = (
+        "_allreduce_s",
+        "_allreduce_s_per_token",
         "_attn_flops_per_pair",
         "_bw",
         "_c",
@@ -75,6 +85,16 @@ class PerfModel:
         self._kv_bytes = model.kv_bytes_per_token
         self._linear_flops = 2.0 * model.params
         self._attn_flops_per_pair = 4.0 * model.layers * model.num_heads * model.head_dim
+        # Tensor-parallel all-reduces: 2 per layer (after attention and after the MLP), each of the step's
+        # T·hidden activations; latency per log2(tp) step plus ring traffic 2(tp−1)/tp of the message.
+        if tp > 1:
+            n = 2 * model.layers
+            self._allreduce_s = n * gpu.allreduce_latency_us * 1e-6 * math.log2(tp)
+            token_bytes = model.hidden_size * model.dtype_bytes * 2.0 * (tp - 1) / tp
+            self._allreduce_s_per_token = n * token_bytes / (gpu.allreduce_gbps * 1e9)
+        else:
+            self._allreduce_s = 0.0
+            self._allreduce_s_per_token = 0.0
 
     @property
     def constants(self) -> PerfConstants:
@@ -86,8 +106,13 @@ class PerfModel:
 
     def fixed_step_s(self, seqs: int) -> float:
         c = self._c
-        tp_floor = 0.0 if self.tp == 1 else (c.tp_step_s if self.tp < 4 else c.tp4_step_s)
-        return c.step_base_s + c.step_per_seq_s * seqs + tp_floor
+        return c.step_base_s + c.step_per_seq_s * seqs
+
+    def tp_comm_s(self, tokens: int) -> float:
+        """Seconds of tensor-parallel all-reduce in a step of `tokens` tokens (0.0 at tp = 1)."""
+        if self.tp == 1:
+            return 0.0
+        return self._allreduce_s + tokens * self._allreduce_s_per_token
 
     def step_time_totals(
         self, prefill_tokens: int, prefill_pairs: float, num_decodes: int, decode_ctx_sum: int, seqs: int
@@ -103,7 +128,10 @@ class PerfModel:
         t_mem = (self._weight_read + decode_ctx_sum * self._kv_bytes) / self._bw
         flops = self._linear_flops * tokens + self._attn_flops_per_pair * (prefill_pairs + decode_ctx_sum)
         t_compute = flops / (self._flops * self.mfu(tokens))
-        return self.fixed_step_s(seqs) + max(t_mem, t_compute)
+        if self.tp == 1:  # exactly the single-GPU roofline: no communication term at all
+            return self.fixed_step_s(seqs) + max(t_mem, t_compute)
+        t_tp = self._allreduce_s + tokens * self._allreduce_s_per_token  # tp_comm_s(tokens), inlined
+        return self.fixed_step_s(seqs) + t_tp + max(t_mem, t_compute)
 
     def step_time(self, prefill_chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
         """Seconds for one step of `prefill_chunks` [(new_tokens, cached_context)] and decodes of `decode_contexts`."""

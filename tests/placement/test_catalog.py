@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from placement.catalog import CatalogError, load_catalog
+from placement.catalog import CatalogError, GpuSpec, load_catalog
 
 REQUIRED_GPUS = ["T4", "A10G", "L4", "L40S", "A100-40GB", "A100-80GB", "H100-SXM", "H200", "MI300X"]
 REQUIRED_MODELS = ["llama-2-7b", "llama-3-8b", "llama-3-70b", "mistral-7b", "qwen2.5-7b", "qwen2.5-32b"]
@@ -63,6 +63,33 @@ def test_yaml_overrides_and_additions(tmp_path: Path) -> None:
     assert catalog.model("tiny").kv_bytes_per_token == 2 * 2 * 2 * 32 * 2
 
 
+def test_interconnect_fields_default_and_override(tmp_path: Path) -> None:
+    catalog = load_catalog()
+    assert (catalog.gpu("H100-SXM").allreduce_latency_us, catalog.gpu("H100-SXM").allreduce_gbps) == (46, 320)
+    assert catalog.gpu("H200").allreduce_gbps == catalog.gpu("H100-SXM").allreduce_gbps  # same NVLink4
+    assert catalog.gpu("A100-80GB").allreduce_gbps == 90
+    assert catalog.gpu("L4").allreduce_gbps < catalog.gpu("A100-80GB").allreduce_gbps  # PCIe, no NVLink
+    # positional construction (fields up to `source`) still works; the interconnect takes the PCIe defaults
+    spec = GpuSpec("X", 24, 300, 121, 0.7, "gddr", None, None, "a source")
+    assert (spec.source, spec.allreduce_latency_us, spec.allreduce_gbps) == ("a source", 100.0, 8.0)
+    path = tmp_path / "catalog.yaml"
+    path.write_text(
+        "gpus:\n  h100: {allreduce_gbps: 400}\n"
+        "  RTX-6000-Ada: {memory_gb: 48, hbm_gbps: 960, tflops: 364, cost_per_hour: 1.4,"
+        " allreduce_latency_us: 80, allreduce_gbps: 12}\n"
+    )
+    overridden = load_catalog(path)
+    assert overridden.gpu("H100-SXM").allreduce_gbps == 400
+    assert overridden.gpu("H100-SXM").allreduce_latency_us == 46  # untouched field keeps the built-in value
+    assert (
+        overridden.gpu("rtx-6000-ada").allreduce_latency_us,
+        overridden.gpu("rtx-6000-ada").allreduce_gbps,
+    ) == (
+        80,
+        12,
+    )
+
+
 def test_bad_catalog_file_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("gpus:\n  L4: {bandwidth: 3}\n")
@@ -85,6 +112,21 @@ def test_bad_catalog_file_is_a_clear_error(tmp_path: Path) -> None:
         ),
         pytest.param(
             "gpus: {L4: {hbm_gbps: -5}}\n", "hbm_gbps must be a number > 0", id="negative bandwidth"
+        ),
+        pytest.param(
+            "gpus: {H100: {allreduce_gbps: 0}}\n",
+            "allreduce_gbps must be a number > 0, got 0",
+            id="zero all-reduce bandwidth",
+        ),
+        pytest.param(
+            "gpus: {L4: {allreduce_latency_us: -3}}\n",
+            "allreduce_latency_us must be a number > 0, got -3",
+            id="negative all-reduce latency",
+        ),
+        pytest.param(
+            "gpus: {L4: {allreduce_gbps: fast}}\n",
+            "allreduce_gbps must be a number > 0, got 'fast'",
+            id="a word for the all-reduce bandwidth",
         ),
         pytest.param("gpus: [1, 2]\n", "'gpus' must be a mapping", id="a list instead of a mapping"),
         pytest.param(
