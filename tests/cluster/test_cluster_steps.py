@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import heapq
 
-from placement.catalog import load_catalog
-from placement.perf_model import PerfModel
 from scheduler.autoscaler.factory import build_policy
 from simulator.cluster import ClusterSimulator, _Ev
 from simulator.cluster_config import parse_fleet, pool_specs
-from simulator.engine import Engine, EngineConfig
-from simulator.requests import EngineRequest, KvTransfer
+from tests.simulator.test_engine_review_fixes import preempted_as_remote_kv_lands
 
-CATALOG = load_catalog()
-H100 = PerfModel(CATALOG.gpu("H100"), CATALOG.model("llama-3-8b"))
 FLEET = {
     "model": "llama-3-8b",
     "pools": [{"name": "mixed-h100", "gpu": "H100", "role": "mixed", "replicas": 1}],
@@ -28,21 +23,7 @@ def test_a_step_that_preempted_everything_is_followed_by_another_at_once() -> No
     is preempted, no admission in that step (vLLM's rule), so the step ran nothing. R could run in the
     next step; the driver stopped stepping the instance instead, until something else kicked it (here
     nothing would: A and R never finished)."""
-    cfg = EngineConfig(
-        block_size=16, num_gpu_blocks=21, max_model_len=320, max_num_seqs=4, max_num_batched_tokens=64
-    )
-    probe = Engine(H100, cfg)
-    probe.add_request(EngineRequest("A", 64, 200, ignore_eos=True), 0.0)
-    starts, now = [], 0.0
-    for _ in range(18):
-        r = probe.step(now)
-        starts.append(r.start)
-        now = r.end
-    delay = (starts[16] + starts[17]) / 2 - starts[1]  # lands in A's step that preempts it
-    engine = Engine(H100, cfg)
-    engine.add_request(EngineRequest("A", 64, 200, ignore_eos=True), 0.0)
-    transfer = KvTransfer(remote_prefilled=True, transfer_delay_s=delay)
-    engine.add_request(EngineRequest("R", 240, 50, ignore_eos=True, kv_transfer=transfer), 0.0)
+    engine = preempted_as_remote_kv_lands()
 
     fleet = parse_fleet(FLEET)
     sim = ClusterSimulator(fleet, build_policy("fixed", pool_specs(fleet), fleet.autoscaler_config(), {}))

@@ -56,10 +56,9 @@ def test_a_landed_one_token_prompt_frees_its_block() -> None:
     assert eng.kv.used == 0
 
 
-def test_a_preempted_recompute_does_not_starve_a_landed_request(deadline: None) -> None:
-    """A decode preempted itself (pool full) in the step a remote KV landed; requeued ahead of the landed
-    request, its recompute took the whole budget, could not grow while the landed one held the rest of the
-    pool, preempted itself again, and so on forever (run_offline never returned)."""
+def preempted_as_remote_kv_lands() -> Engine:
+    """A (64 + 200 tokens) decodes alone and needs a block in the very step R's remote KV (240 tokens)
+    lands, R holding the rest of the pool: that step preempts A and, as in vLLM, admits nothing."""
     cfg = EngineConfig(
         block_size=16, num_gpu_blocks=21, max_model_len=320, max_num_seqs=4, max_num_batched_tokens=64
     )
@@ -75,6 +74,14 @@ def test_a_preempted_recompute_does_not_starve_a_landed_request(deadline: None) 
     eng.add_request(EngineRequest("A", 64, 200, ignore_eos=True), 0.0)
     transfer = KvTransfer(remote_prefilled=True, transfer_delay_s=delay)
     eng.add_request(EngineRequest("R", 240, 50, ignore_eos=True, kv_transfer=transfer), 0.0)
+    return eng
+
+
+def test_a_preempted_recompute_does_not_starve_a_landed_request(deadline: None) -> None:
+    """A decode preempted itself (pool full) in the step a remote KV landed; requeued ahead of the landed
+    request, its recompute took the whole budget, could not grow while the landed one held the rest of the
+    pool, preempted itself again, and so on forever (run_offline never returned)."""
+    eng = preempted_as_remote_kv_lands()
     records = run_offline(eng, [])
     assert sorted(r.request_id for r in records) == ["A", "R"]
     assert eng.kv.used == 0 and not eng.has_work()
