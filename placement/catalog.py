@@ -6,6 +6,8 @@ Built-in rows carry a source comment each; users add or override rows from YAML 
 gpus:
   L4: {cost_per_hour: 0.62}            # override one field of a built-in row
   RTX-6000-Ada: {memory_gb: 48, hbm_gbps: 960, tflops: 364, cost_per_hour: 1.4, memory_kind: gddr}
+  GB200: {memory_gb: 186, hbm_gbps: 8000, tflops: 2500, cost_per_hour: 10,
+          allreduce_latency_us: 46, allreduce_gbps: 320}   # tensor-parallel interconnect (NVLink); default PCIe Gen4
 models:
   my-llama: {layers: 32, hidden_size: 4096, num_heads: 32, num_kv_heads: 8, head_dim: 128,
              params_b: 8.03, max_context: 8192}
@@ -56,7 +58,7 @@ class GpuSpec:
     # bandwidth, GB/s (far below the nominal link rate: fitted end to end, NCCL + launch overheads included).
     # The defaults are the conservative PCIe Gen4 figures of the built-in PCIe rows (unverified).
     allreduce_latency_us: float = 100.0
-    allreduce_gbps: float = 8.0
+    allreduce_gbps: float = 16.0
 
     def __post_init__(self) -> None:
         for field_name in ("memory_gb", "hbm_gbps", "tflops", "allreduce_latency_us", "allreduce_gbps"):
@@ -138,12 +140,13 @@ class ModelSpec:
 # prefill at +27%).
 _NVLINK3 = {"allreduce_latency_us": 64.0, "allreduce_gbps": 90.0}  # DGX A100 (NVLink3 + NVSwitch, 600 GB/s)
 _NVLINK4 = {"allreduce_latency_us": 46.0, "allreduce_gbps": 320.0}  # DGX H100 (NVLink4 + NVSwitch, 900 GB/s)
-# PCIe, no NVLink (unverified): PCIe Gen4 x16 is 32 GB/s a direction, Gen3 16 GB/s; NCCL rings through the
-# host bridge reach ~10–20 GB/s (Gen4) of bus bandwidth; derated like the NVLink fits (effective ≈ 0.4–0.7
-# of nccl-tests busbw) to 8 / 4 GB/s, with about twice the NVLink latency. Conservative: tp > 1 on these
-# parts is slow, as it is in practice. The GpuSpec defaults (rows added from YAML) are the Gen4 figures.
-_PCIE4 = {"allreduce_latency_us": 100.0, "allreduce_gbps": 8.0}
-_PCIE3 = {"allreduce_latency_us": 100.0, "allreduce_gbps": 4.0}
+# PCIe, no NVLink (unverified): PCIe Gen4 x16 is 32 GB/s a direction, Gen3 16 GB/s; NCCL rings reach ~20
+# GB/s (Gen4) of bus bandwidth with peer-to-peer, ~10 without (through the host); taken as 16 / 8 GB/s
+# effective, with about twice the NVLink latency. tp > 1 on these parts costs far more than on NVLink, as it
+# does in practice. The GpuSpec defaults (rows added from YAML that do not set them) are the Gen4 figures:
+# set both fields for a GPU with NVLink.
+_PCIE4 = {"allreduce_latency_us": 100.0, "allreduce_gbps": 16.0}
+_PCIE3 = {"allreduce_latency_us": 100.0, "allreduce_gbps": 8.0}
 # MI300X: Infinity Fabric, 896 GB/s aggregate a GPU (AMD), H100-class on paper; RCCL's small-message latency
 # is higher than NCCL's, so the A100 NVLink3 fit is taken (unverified).
 _INFINITY_FABRIC = {"allreduce_latency_us": 64.0, "allreduce_gbps": 90.0}

@@ -22,7 +22,7 @@ the bandwidth part, which also stands in for the compute efficiency TP4/8 lose o
 The constants below and the GPU rows' MFU were fitted to the published measurements in
 `../shared/data/calibration/` (vLLM benchmark_serving on Llama-3-8B; splitwise-sim's Llama-2-70B TP2
 prefill/decode), α and B to splitwise-sim's TP2/4/8 runs on A100-80GB and H100. `tests/placement/
-test_perf_model.py` holds the reference table (every point within ±25%, a few TP8 prefills under a stated
+test_perf_model.py` holds the reference table (every point within ±25%, one TP8 prefill under a stated
 wider bar) and checks the per-tp accuracy over the whole CSV.
 
 KV capacity: (memory · gpu_memory_utilization − weights/tp − activation reserve) / (kv_bytes/tp).

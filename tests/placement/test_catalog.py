@@ -71,7 +71,7 @@ def test_interconnect_fields_default_and_override(tmp_path: Path) -> None:
     assert catalog.gpu("L4").allreduce_gbps < catalog.gpu("A100-80GB").allreduce_gbps  # PCIe, no NVLink
     # positional construction (fields up to `source`) still works; the interconnect takes the PCIe defaults
     spec = GpuSpec("X", 24, 300, 121, 0.7, "gddr", None, None, "a source")
-    assert (spec.source, spec.allreduce_latency_us, spec.allreduce_gbps) == ("a source", 100.0, 8.0)
+    assert (spec.source, spec.allreduce_latency_us, spec.allreduce_gbps) == ("a source", 100.0, 16.0)
     path = tmp_path / "catalog.yaml"
     path.write_text(
         "gpus:\n  h100: {allreduce_gbps: 400}\n"
