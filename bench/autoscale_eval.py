@@ -14,7 +14,7 @@ at its size.
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
     python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--observed-context] [--quick]
     python bench/autoscale_eval.py --load-sweep 1,2,4 [--grid ...] [--quick]
-    python bench/autoscale_eval.py --seeds 1,2,3,4,5,6,7,8,9,10 [--grid ...] [--quick]
+    python bench/autoscale_eval.py --seeds 1,2,3,4,5,6,7,8,9,10 [--grid ...] [--crowd-oracle] [--quick]
 
 `--mosaic-knob NAME=VALUE` (an `AutoscalerConfig` field, repeatable) gives Mosaic's runs in `--grid`,
 `--seeds` or `--load-sweep` that knob too (the planner's runs are unchanged); `--grid` with `--seeds` or
@@ -47,6 +47,12 @@ mean ratio, the ratio of summed best GPU-hours, and how many seeds meet the 0.95
 family passes no target counts as not met). It writes `bench/results/autoscale_seeds.json` and leaves
 `autoscale_eval.json` alone.
 
+`--crowd-oracle` (with `--seeds`) bounds what any timing of Mosaic's prefill could gain on the flash
+crowd: Mosaic's runs get an oracle that knows the crowd in advance and holds the prefill instances its
+busiest minute needs (read from the trace) from one cold start before it to its end, on top of the policy's
+own decisions (`crowd_oracle`, `with_crowd_oracle`; the planner's runs are unchanged). It writes
+`bench/results/autoscale_seeds_crowd_oracle.json`.
+
 `--pd-gate-sweep` measures conditional disaggregation (the router's P/D gate, `pd_max_prefill_wait_s`,
 docs/routing.md) in this evaluation: the Mosaic, Dynamo-style and static families over their whole grids,
 with the gate off and at each bound in `PD_GATE_BOUNDS` (the same routing config for every family), each
@@ -75,6 +81,7 @@ from loadgen.diurnal import Burst, DiurnalSpec, diurnal_trace
 from loadgen.formats import open_trace
 from scheduler.autoscaler.factory import build_policy
 from scheduler.autoscaler.policy import AutoscalerConfig
+from scheduler.autoscaler.signals import ScalingDecision
 from simulator.cluster import ClusterSimulator, SimRequest
 from simulator.cluster_config import FleetConfig, parse_fleet, pool_specs
 from simulator.cluster_report import build_report
@@ -120,17 +127,26 @@ STANDARD_SEED = 7
 PROFILE_SEED = 0
 
 
+def day_period(quick: bool) -> float:
+    return 1200.0 if quick else 3600.0
+
+
+def flash_crowd(quick: bool) -> Burst:
+    """The compressed day's flash crowd: 1.8x the curve for 5 minutes, on the way down from the peak."""
+    return Burst(0.62 * day_period(quick), 300, 1.8)
+
+
 def compressed_day(quick: bool, load: float = 1.0, seed: int = STANDARD_SEED) -> list[SimRequest]:
     """A compressed day: trough at 0.3x and peak at 1.7x the mean (16 req/s times `load`), one period,
     with a sustained flash crowd (1.8x for 5 minutes, longer than a cold start) on the way down from the
     peak. `seed` draws the arrivals and lengths."""
-    period = 1200.0 if quick else 3600.0
+    period = day_period(quick)
     spec = DiurnalSpec(
         duration_s=period,
         mean_rate=16 * load,
         amplitude=0.7,
         period_s=period,
-        bursts=(Burst(0.62 * period, 300, 1.8),),
+        bursts=(flash_crowd(quick),),
     )
     return [
         SimRequest(r.arrival_s or 0.0, r.input_tokens, r.output_tokens)
@@ -189,6 +205,44 @@ def static_peak_counts(fleet: FleetConfig, reqs: list[SimRequest], factor: float
     }
 
 
+def crowd_oracle(fleet: FleetConfig, reqs: list[SimRequest], quick: bool) -> dict[str, Any]:
+    """`--crowd-oracle`: what an oracle that knows the flash crowd in advance would stand up for it — the
+    prefill instances its busiest minute's prompt tokens/s needs (read from the trace itself), held from
+    one cold start before the crowd (bought then, ready as it starts) to its end."""
+    crowd = flash_crowd(quick)
+    end = crowd.start_s + crowd.duration_s
+    per_min: dict[int, int] = {}
+    for r in reqs:
+        if crowd.start_s <= r.arrival_s < end:
+            key = int((r.arrival_s - crowd.start_s) // 60)
+            per_min[key] = per_min.get(key, 0) + r.input_tokens
+    prefill = next(s for s in pool_specs(fleet) if s.role == "prefill")
+    need = max(per_min.values(), default=0) / 60 / prefill.prefill_tps_capacity
+    return {
+        "pool": prefill.name,
+        "count": max(1, math.ceil(need)),
+        "from_s": crowd.start_s - fleet.cold_start_s,
+        "to_s": end,
+    }
+
+
+def with_crowd_oracle(policy: Any, oracle: dict[str, Any]) -> Any:
+    """`policy` whose decisions keep `oracle["pool"]` at ≥ `oracle["count"]` over the oracle's window (a
+    bench-side analysis wrapper; the policy itself is unchanged)."""
+    decide = policy.decide
+
+    def decide_with_oracle(obs: Any) -> ScalingDecision:
+        decision = decide(obs)
+        if not oracle["from_s"] <= obs.now <= oracle["to_s"]:
+            return decision
+        targets = dict(decision.targets)
+        targets[oracle["pool"]] = max(targets[oracle["pool"]], oracle["count"])
+        return ScalingDecision(decision.now, targets, decision.reasons, decision.signal)
+
+    policy.decide = decide_with_oracle
+    return policy
+
+
 def mosaic_run(
     fleet: FleetConfig, profile: list[SimRequest], target: float, observed_context: bool = False
 ) -> tuple[str, str, dict[str, Any]]:
@@ -238,7 +292,9 @@ def candidates(
 
 def run_one(args: tuple[str, str, str, dict[str, Any], list[SimRequest]]) -> dict[str, Any]:
     trace_name, family, spec, overrides, reqs = args
-    knobs = {k: v for k, v in overrides.items() if k not in ("factor", "routing", "max_replicas")}
+    knobs = {
+        k: v for k, v in overrides.items() if k not in ("factor", "routing", "max_replicas", "crowd_oracle")
+    }
     routing = {**FLEET.get("routing", {}), **overrides.get("routing", {})}  # shared by every family
     maxima = overrides.get("max_replicas", {})  # per pool, --load-sweep
     pools = [{**p, "max_replicas": maxima.get(p["name"], p["max_replicas"])} for p in FLEET["pools"]]
@@ -246,6 +302,8 @@ def run_one(args: tuple[str, str, str, dict[str, Any], list[SimRequest]]) -> dic
     policy = build_policy(
         spec, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools}
     )
+    if "crowd_oracle" in overrides:
+        policy = with_crowd_oracle(policy, overrides["crowd_oracle"])
     if family == "static-peak":  # start (and stay) at the static size; autoscalers start at FLEET's replicas
         counts = {k: int(v) for k, v in (item.split("=") for item in spec.split(":", 1)[1].split(","))}
         fleet = fleet.model_copy(
@@ -466,6 +524,7 @@ def seed_sweep(
     workers: int,
     mosaic_knobs: dict[str, Any] | None = None,
     grid: tuple[float, ...] | None = None,
+    oracle: bool = False,
 ) -> None:
     """Mosaic and the planner over the standard grid (or `grid`, `--grid`) on the compressed day drawn
     with each seed (`--seeds`); per seed the best runs and the ratio, over all seeds the aggregates (module
@@ -475,11 +534,16 @@ def seed_sweep(
     lines = []
     for seed in seeds:
         reqs = compressed_day(quick, seed=seed)
-        jobs = target_jobs(COMPRESSED_DAY, reqs, grid, quick=quick, mosaic_extra=mosaic_knobs)
+        extra = dict(mosaic_knobs or {})
+        if oracle:
+            extra["crowd_oracle"] = crowd_oracle(parse_fleet(FLEET), reqs, quick)
+        jobs = target_jobs(COMPRESSED_DAY, reqs, grid, quick=quick, mosaic_extra=extra)
         with ProcessPoolExecutor(max_workers=workers) as pool:
             reports = list(pool.map(run_one, jobs))
         out = target_families(reports)
         per_seed[str(seed)] = {"requests": len(reqs), **out}
+        if oracle:
+            per_seed[str(seed)]["crowd_oracle"] = extra["crowd_oracle"]
         lines.append(
             f"seed {seed}: best (target, GPU-h) {out['best']}, Mosaic/Dynamo {out['mosaic_vs_dynamo']}"
         )
@@ -491,8 +555,10 @@ def seed_sweep(
     )
     payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "trace": COMPRESSED_DAY}
     payload |= {"seeds": per_seed, "aggregate": aggregate}
-    flag = f"--seeds {','.join(map(str, seeds))}"
-    _record(*_variant("autoscale_seeds", flag, custom_grid, mosaic_knobs, payload), quick, payload, lines)
+    name, flag = "autoscale_seeds", f"--seeds {','.join(map(str, seeds))}"
+    if oracle:
+        name, flag = name + "_crowd_oracle", flag + " --crowd-oracle"
+    _record(*_variant(name, flag, custom_grid, mosaic_knobs, payload), quick, payload, lines)
 
 
 def seed_aggregate(per_seed: dict[str, Any], bar: float = 0.95) -> dict[str, Any]:
@@ -652,7 +718,15 @@ def main() -> None:
         help="with --grid, --seeds or --load-sweep: an extra autoscaler knob for Mosaic's runs "
         "(repeatable), e.g. scale_down_delay_after_add_s=240",
     )
+    parser.add_argument(
+        "--crowd-oracle",
+        action="store_true",
+        help="with --seeds: Mosaic's runs hold the prefill the flash crowd needs from one cold start "
+        "before it (an oracle bound, see above)",
+    )
     args = parser.parse_args()
+    if args.crowd_oracle and not args.seeds:
+        raise usage_error("error: --crowd-oracle applies to --seeds")
     if args.seeds and args.load_sweep:
         raise usage_error("error: --seeds and --load-sweep are separate sweeps; run one at a time")
     if args.observed_context and (not args.grid or args.seeds or args.load_sweep):
@@ -662,7 +736,7 @@ def main() -> None:
     knobs = parse_knobs(args.mosaic_knob) or None
     grid = parse_grid(args.grid) if args.grid else None
     if args.seeds:
-        seed_sweep(parse_seeds(args.seeds), args.quick, args.workers, knobs, grid)
+        seed_sweep(parse_seeds(args.seeds), args.quick, args.workers, knobs, grid, args.crowd_oracle)
         return
     if args.load_sweep:
         load_sweep(parse_loads(args.load_sweep), args.quick, args.workers, grid, knobs)
