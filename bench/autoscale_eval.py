@@ -13,7 +13,7 @@ at its size.
     python bench/autoscale_eval.py [--quick]
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
     python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--observed-context] [--quick]
-    python bench/autoscale_eval.py --load-sweep 1,2,4 [--grid ...] [--quick]
+    python bench/autoscale_eval.py --load-sweep 1,2,4 [--grid ...] [--observed-context] [--quick]
     python bench/autoscale_eval.py --seeds 1,2,3,4,5,6,7,8,9,10 [--grid ...] [--crowd-oracle] [--quick]
 
 `--mosaic-knob NAME=VALUE` (an `AutoscalerConfig` field, repeatable) gives Mosaic's runs in `--grid`,
@@ -28,9 +28,10 @@ each family's best run and the ratio. A finer grid around where 99% is lost show
 grid's spacing decides the result. It writes `bench/results/autoscale_grid.json` and leaves
 `autoscale_eval.json` alone.
 
-`--observed-context` (with `--grid`) runs both families with the knob of that name: decode capacity at
-the observed (Mosaic) or forecast (planner) mean context instead of the pools' configured 1,024 tokens,
-the P/D ratio profiled at the window's context. It writes `autoscale_grid_observed_context.json`.
+`--observed-context` (with `--grid` or `--load-sweep`) runs Mosaic with the knob of that name: decode
+capacity at the observed mean context instead of the pools' configured 1,024 tokens, the P/D ratio
+profiled at the window's context (the planner always sizes decode at its forecast context). It writes
+`autoscale_grid_observed_context.json` / `autoscale_load_observed_context.json`.
 
 `--load-sweep` asks whether that comparison depends on fleet size: on the compressed day only, at each
 multiplier k of its mean rate (same shape, burst and seed; k = 1 is the standard trace), the two
@@ -487,16 +488,21 @@ def load_sweep(
     workers: int,
     grid: tuple[float, ...] | None = None,
     mosaic_knobs: dict[str, Any] | None = None,
+    observed_context: bool = False,
 ) -> None:
     """Mosaic and the planner over the standard grid (or `grid`, `--grid`) on the compressed day at each
-    load (`--load-sweep`); `mosaic_knobs` (`--mosaic-knob`) added to Mosaic's runs."""
+    load (`--load-sweep`); `mosaic_knobs` (`--mosaic-knob`) added to Mosaic's runs; `observed_context`
+    (`--observed-context`): Mosaic sizes decode at the observed context, its P/D ratio profiled there."""
     custom_grid, grid = grid, grid or standard_grid(quick)
     summary: dict[str, Any] = {}
     lines = []
     for k in loads:
         reqs = compressed_day(quick, k)
         maxima = scaled_maxima(k)
-        jobs = target_jobs(COMPRESSED_DAY, reqs, grid, {"max_replicas": maxima}, quick, mosaic_knobs)
+        extra: dict[str, Any] = {"max_replicas": maxima}
+        if observed_context:
+            extra["observed_context"] = True
+        jobs = target_jobs(COMPRESSED_DAY, reqs, grid, extra, quick, mosaic_knobs)
         with ProcessPoolExecutor(max_workers=workers) as pool:
             reports = list(pool.map(run_one, jobs))
         out = target_families(reports)
@@ -514,8 +520,11 @@ def load_sweep(
         )
     payload = {"slo_target": SLO_TARGET, "fleet": FLEET, "grid": list(grid), "trace": COMPRESSED_DAY}
     payload["loads"] = summary
-    flag = f"--load-sweep {_join(loads)}"
-    _record(*_variant("autoscale_load", flag, custom_grid, mosaic_knobs, payload), quick, payload, lines)
+    name, flag = "autoscale_load", f"--load-sweep {_join(loads)}"
+    if observed_context:
+        name, flag = name + "_observed_context", flag + " --observed-context"
+        payload["observed_context"] = True
+    _record(*_variant(name, flag, custom_grid, mosaic_knobs, payload), quick, payload, lines)
 
 
 def seed_sweep(
@@ -708,7 +717,7 @@ def main() -> None:
     parser.add_argument(
         "--observed-context",
         action="store_true",
-        help="with --grid: both families size decode at the observed context (see above)",
+        help="with --grid or --load-sweep: Mosaic sizes decode at the observed context (see above)",
     )
     parser.add_argument(
         "--mosaic-knob",
@@ -729,8 +738,8 @@ def main() -> None:
         raise usage_error("error: --crowd-oracle applies to --seeds")
     if args.seeds and args.load_sweep:
         raise usage_error("error: --seeds and --load-sweep are separate sweeps; run one at a time")
-    if args.observed_context and (not args.grid or args.seeds or args.load_sweep):
-        raise usage_error("error: --observed-context applies to --grid alone")
+    if args.observed_context and (args.seeds or not (args.grid or args.load_sweep)):
+        raise usage_error("error: --observed-context applies to --grid or --load-sweep")
     if args.mosaic_knob and not (args.grid or args.seeds or args.load_sweep):
         raise usage_error("error: --mosaic-knob applies to --grid, --seeds or --load-sweep")
     knobs = parse_knobs(args.mosaic_knob) or None
@@ -739,7 +748,7 @@ def main() -> None:
         seed_sweep(parse_seeds(args.seeds), args.quick, args.workers, knobs, grid, args.crowd_oracle)
         return
     if args.load_sweep:
-        load_sweep(parse_loads(args.load_sweep), args.quick, args.workers, grid, knobs)
+        load_sweep(parse_loads(args.load_sweep), args.quick, args.workers, grid, knobs, args.observed_context)
         return
     if grid:
         grid_sensitivity(grid, args.quick, args.workers, args.observed_context, knobs)
