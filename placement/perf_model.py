@@ -86,15 +86,12 @@ class PerfModel:
         self._linear_flops = 2.0 * model.params
         self._attn_flops_per_pair = 4.0 * model.layers * model.num_heads * model.head_dim
         # Tensor-parallel all-reduces: 2 per layer (after attention and after the MLP), each of the step's
-        # T·hidden activations; latency per log2(tp) step plus ring traffic 2(tp−1)/tp of the message.
-        if tp > 1:
-            n = 2 * model.layers
-            self._allreduce_s = n * gpu.allreduce_latency_us * 1e-6 * math.log2(tp)
-            token_bytes = model.hidden_size * model.dtype_bytes * 2.0 * (tp - 1) / tp
-            self._allreduce_s_per_token = n * token_bytes / (gpu.allreduce_gbps * 1e9)
-        else:
-            self._allreduce_s = 0.0
-            self._allreduce_s_per_token = 0.0
+        # T·hidden activations; latency per log2(tp) step plus ring traffic 2(tp−1)/tp of the message. Both
+        # are exactly 0.0 at tp = 1 (log2(1) = 0, tp − 1 = 0), so a single GPU's step time is the roofline's.
+        n = 2 * model.layers
+        self._allreduce_s = n * gpu.allreduce_latency_us * 1e-6 * math.log2(tp)
+        token_bytes = model.hidden_size * model.dtype_bytes * 2.0 * (tp - 1) / tp
+        self._allreduce_s_per_token = n * token_bytes / (gpu.allreduce_gbps * 1e9)
 
     @property
     def constants(self) -> PerfConstants:
@@ -110,8 +107,6 @@ class PerfModel:
 
     def tp_comm_s(self, tokens: int) -> float:
         """Seconds of tensor-parallel all-reduce in a step of `tokens` tokens (0.0 at tp = 1)."""
-        if self.tp == 1:
-            return 0.0
         return self._allreduce_s + tokens * self._allreduce_s_per_token
 
     def step_time_totals(
@@ -128,9 +123,7 @@ class PerfModel:
         t_mem = (self._weight_read + decode_ctx_sum * self._kv_bytes) / self._bw
         flops = self._linear_flops * tokens + self._attn_flops_per_pair * (prefill_pairs + decode_ctx_sum)
         t_compute = flops / (self._flops * self.mfu(tokens))
-        if self.tp == 1:  # exactly the single-GPU roofline: no communication term at all
-            return self.fixed_step_s(seqs) + max(t_mem, t_compute)
-        t_tp = self._allreduce_s + tokens * self._allreduce_s_per_token  # tp_comm_s(tokens), inlined
+        t_tp = self._allreduce_s + tokens * self._allreduce_s_per_token  # tp_comm_s(tokens), inlined (hot)
         return self.fixed_step_s(seqs) + t_tp + max(t_mem, t_compute)
 
     def step_time(self, prefill_chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
