@@ -24,8 +24,9 @@ Several sequences, as vLLM serves them: a completions batch of prompts (strings 
 `n` completions per prompt; choice `index` = prompt · n + completion, usage counts each prompt once and
 every completion's tokens (`ApiRequest.sequences`). Refused (400, a clear message): `kv_transfer_params`
 on a request of several sequences (vLLM's prefill answer carries one sequence's). Accepted, type-checked and
-ignored: sampling parameters (temperature, top_p, seed, stop, logprobs, …), response_format (by its type
-only), echo. Accepted and ignored without a type check (vLLM checks them): tools, tool_choice, user,
+ignored: sampling parameters (temperature, top_p, seed, stop, …), response_format (by its type only),
+echo, prompt_logprobs. `logprobs` (completions) and `logprobs`/`top_logprobs` (chat) are answered with
+pseudo-values in vLLM's shape (`logprobs_body`, `tokens.pseudo_top_logprobs`), streamed and not. Accepted and ignored without a type check (vLLM checks them): tools, tool_choice, user,
 logit_bias, priority, use_beam_search; a `json_schema` response format's schema.
 """
 
@@ -269,6 +270,15 @@ class ApiRequest:
         """What vLLM decodes for it: prompts × n, each sequence its own engine request."""
         return len(self.prompts) * self.n
 
+    @property
+    def logprobs(self) -> int | None:
+        """Top log-probabilities per output token the answer carries; None: no `logprobs` object. Chat's
+        `top_logprobs` when `logprobs` is true; completions' `logprobs` (0: the sampled token's alone)."""
+        f = self.params
+        if isinstance(f, _ChatFields):
+            return f.top_logprobs if f.logprobs else None
+        return f.logprobs if f is not None else None
+
 
 UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"  # vLLM's own words
 
@@ -467,6 +477,42 @@ def _check_engine(api: ApiRequest, f: _Fields) -> None:
 
 
 # ------------------------------------------------------------------ responses
+def logprobs_body(
+    chat: bool, tops: Sequence[Sequence[tuple[str, float]]], k: int, offset: int = 0
+) -> dict[str, Any]:
+    """A choice's `logprobs` object for its tokens, in vLLM's shape. `tops`: per token its most likely
+    candidates, the sampled token first (`tokens.pseudo_top_logprobs`, max(1, k) of them); `offset`: the
+    characters of the choice's text before these tokens (a stream's chunks continue it).
+
+    Completions: parallel lists, `top_logprobs` a dict of the sampled token and the top k (the sampled one
+    alone for k = 0). Chat: one entry per token with UTF-8 `bytes`; its `top_logprobs` are the first k of
+    the sampled-first candidates, as vLLM 0.32 lists them ([] for k = 0)."""
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": top[0][0],
+                    "logprob": top[0][1],
+                    "bytes": list(top[0][0].encode()),
+                    "top_logprobs": [
+                        {"token": w, "logprob": lp, "bytes": list(w.encode())} for w, lp in top[:k]
+                    ],
+                }
+                for top in tops
+            ]
+        }
+    offsets = []
+    for top in tops:
+        offsets.append(offset)
+        offset += len(top[0][0])
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [top[0][1] for top in tops],
+        "tokens": [top[0][0] for top in tops],
+        "top_logprobs": [dict(top) for top in tops],
+    }
+
+
 def usage(prompt: int, completion: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
@@ -476,19 +522,22 @@ def usage(prompt: int, completion: int) -> dict[str, Any]:
     }
 
 
+Choice = tuple[str, str, dict[str, Any] | None]  # text, finish reason, `logprobs` object (None: not asked)
+
+
 def completion_body(
-    rid: str, model: str, created: int, choices: list[tuple[str, str]], prompt: int, completion: int, kvp: Any
+    rid: str, model: str, created: int, choices: list[Choice], prompt: int, completion: int, kvp: Any
 ) -> dict[str, Any]:
-    """`choices`: (text, finish reason) per sequence, in index order."""
+    """`choices`: one per sequence, in index order."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+            {"index": i, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": None,
              "prompt_logprobs": None}
-            for i, (text, finish) in enumerate(choices)
+            for i, (text, finish, lp) in enumerate(choices)
         ],
         "usage": usage(prompt, completion),
         "system_fingerprint": None,
@@ -497,9 +546,9 @@ def completion_body(
 
 
 def chat_body(
-    rid: str, model: str, created: int, choices: list[tuple[str, str]], prompt: int, completion: int, kvp: Any
+    rid: str, model: str, created: int, choices: list[Choice], prompt: int, completion: int, kvp: Any
 ) -> dict[str, Any]:
-    """`choices`: (text, finish reason) per sequence, in index order."""
+    """`choices`: one per sequence, in index order."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -517,11 +566,11 @@ def chat_body(
                     "function_call": None,
                     "reasoning": None,
                 },
-                "logprobs": None,
+                "logprobs": lp,
                 "finish_reason": finish,
                 "stop_reason": None,
             }
-            for i, (text, finish) in enumerate(choices)
+            for i, (text, finish, lp) in enumerate(choices)
         ],
         "usage": usage(prompt, completion),
         "prompt_logprobs": None,
@@ -564,18 +613,20 @@ class ChunkWriter:
         finish: str | None = None,
         usage_so_far: tuple[int, int] | None = None,
         index: int = 0,
+        logprobs: dict[str, Any] | None = None,
     ) -> str:
         """One token's chunk of choice `index`; `usage_so_far` (prompt, completion tokens so far) with
-        continuous usage."""
+        continuous usage; `logprobs` the token's object (`logprobs_body`) when asked for."""
         fr = "null" if finish is None else json.dumps(finish)
         t = json.dumps(text)
+        lp = "null" if logprobs is None else json.dumps(logprobs, separators=(",", ":"))
         if self.chat:  # vLLM puts stop_reason on a chat stream's final event only
             stop = "" if finish is None else ',"stop_reason":null'
             choice = (
-                f'{{"index":{index},"delta":{{"content":{t}}},"logprobs":null,"finish_reason":{fr}{stop}}}'
+                f'{{"index":{index},"delta":{{"content":{t}}},"logprobs":{lp},"finish_reason":{fr}{stop}}}'
             )
         else:
-            choice = f'{{"index":{index},"text":{t},"logprobs":null,"finish_reason":{fr},"stop_reason":null}}'
+            choice = f'{{"index":{index},"text":{t},"logprobs":{lp},"finish_reason":{fr},"stop_reason":null}}'
         return f'{self._head}"choices":[{choice}]{_continuous_usage(usage_so_far)}{self._tail}'
 
     def usage(self, prompt: int, completion: int) -> str:

@@ -12,10 +12,16 @@ template adds: `<|role|>\\n{content}\\n` per message, then `<|assistant|>\\n`.
 
 Output text. Token i of a request is the pseudo-word `WORDS[h(seed, prompt fingerprint, i) % len(WORDS)]`
 with a leading space: deterministic for a seed and prompt, one word per token.
+
+Log-probabilities (`logprobs` requested). There is no model, so they are pseudo-values with the shape a
+greedy decode has: token i is the most likely candidate at its step, its logprob a draw in (−4, −0.05], and
+the alternatives are other pseudo-words, each less likely than the one before by a draw in [0.1, 2.1).
+Deterministic for a seed, prompt and position, like the words themselves.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -87,13 +93,56 @@ def fingerprint(ids: Sequence[int]) -> int:
     return zlib.crc32(b"".join((t & 0xFFFFFFFF).to_bytes(4, "little") for t in ids))
 
 
+def _answer_base(seed: int, fp: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + fp * 0xBF58476D1CE4E5B9) & _MASK64
+
+
+def _mix(z: int) -> int:
+    """SplitMix64's finaliser: one well-spread 64-bit draw per input."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _unit(z: int) -> float:
+    """A draw in [0, 1) from the top 53 bits of `z`."""
+    return (z >> 11) / 2**53
+
+
+def _word_index(base: int, i: int) -> int:
+    z = (base + i * 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 31)) * 0xD6E8FEB86659FD93) & _MASK64
+    return (z >> 32) % len(WORDS)
+
+
 def pseudo_words(seed: int, fp: int, start: int, stop: int) -> list[str]:
     """Tokens start..stop−1 of the answer to a prompt with fingerprint `fp`, each ' word'."""
+    base = _answer_base(seed, fp)
+    return [" " + WORDS[_word_index(base, i)] for i in range(start, stop)]
+
+
+def pseudo_top_logprobs(
+    seed: int, fp: int, start: int, stop: int, count: int
+) -> list[list[tuple[str, float]]]:
+    """For tokens start..stop−1 of the answer (as `pseudo_words`), the `count` (≥ 1) most likely candidates
+    at each step, most likely first: the token itself, then other pseudo-words (module docstring)."""
     n = len(WORDS)
-    base = (seed * 0x9E3779B97F4A7C15 + fp * 0xBF58476D1CE4E5B9) & _MASK64
+    if not 1 <= count <= n:
+        raise ValueError(f"count must be in [1, {n}], got {count}")
+    base = _answer_base(seed, fp)
     out = []
     for i in range(start, stop):
-        z = (base + i * 0x94D049BB133111EB) & _MASK64
-        z = ((z ^ (z >> 31)) * 0xD6E8FEB86659FD93) & _MASK64
-        out.append(" " + WORDS[(z >> 32) % n])
+        chosen = _word_index(base, i)
+        z = _mix(((base ^ 0xA0761D6478BD642F) + i * 0xE7037ED1A0B428DB) & _MASK64)
+        logprob = -0.05 - 3.95 * _unit(z)
+        top = [(" " + WORDS[chosen], logprob)]
+        # the alternatives walk the other words with a step coprime to n: count ≤ n never repeats one
+        step = 1 + z % (n - 1)
+        while math.gcd(step, n) != 1:
+            step += 1
+        for j in range(1, count):
+            z = _mix(z + j)
+            logprob -= 0.1 + 2.0 * _unit(z)
+            top.append((" " + WORDS[(chosen + j * step) % n], logprob))
+        out.append(top)
     return out

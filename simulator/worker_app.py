@@ -49,6 +49,7 @@ from simulator.protocol import (
     chat_body,
     check_request,
     completion_body,
+    logprobs_body,
     parse_body,
     parse_request,
 )
@@ -59,7 +60,7 @@ from simulator.requests import (
     prompt_fingerprint,
     sample_natural_output,
 )
-from simulator.tokens import pseudo_words
+from simulator.tokens import pseudo_top_logprobs, pseudo_words
 from simulator.worker_runtime import EngineDriver, Ticket
 
 ROLES = ("mixed", "prefill", "decode")
@@ -200,10 +201,12 @@ class WorkerRuntime:
         self._abandon_remote(eid)  # aborted before its KV landed: the prefill side frees it now
         if recs is None:
             return Response(status_code=499)  # nobody is listening any more
+        k = api.logprobs
         choices = [
             (
                 "".join(pseudo_words(self.cfg.seed, seq.fingerprint, 0, rec.output_tokens)),
                 rec.finish_reason.value,
+                None if k is None else logprobs_body(api.chat, self._tops(seq, 0, rec.output_tokens, k), k),
             )
             for seq, rec in zip(seqs, recs, strict=True)
         ]
@@ -212,6 +215,10 @@ class WorkerRuntime:
         out = build(rid, self.served, int(time.time()), choices, sum(map(len, api.prompts)),
                     sum(rec.output_tokens for rec in recs), kvp)  # fmt: skip
         return JSONResponse(out)
+
+    def _tops(self, seq: ApiSequence, start: int, stop: int, k: int) -> list[list[tuple[str, float]]]:
+        """Tokens start..stop−1 of `seq`'s answer with their max(1, k) most likely candidates."""
+        return pseudo_top_logprobs(self.cfg.seed, seq.fingerprint, start, stop, max(1, k))
 
     def _sequences(self, api: ApiRequest, rid: str, max_tokens: list[int]) -> list[ApiSequence]:
         """The engine requests of `api`, in choice order (index = prompt · n + completion): vLLM decodes
@@ -280,8 +287,9 @@ class WorkerRuntime:
         `rid`: the response id every chunk carries; `engine_id`: the request's engine id (default `rid`).
         `cut`: a simulated failure halfway through."""
         w = ChunkWriter(rid, self.served, api.chat)
-        seed, cont = self.cfg.seed, api.continuous_usage
+        seed, cont, k = self.cfg.seed, api.continuous_usage, api.logprobs
         sent = [0] * len(tickets)
+        offsets = [0] * len(tickets)  # characters of each choice's text sent: completions' text_offset
         event = tickets[0].event  # shared by the request's sequences
         roles_due = api.chat
         try:
@@ -298,9 +306,10 @@ class WorkerRuntime:
                     if upto <= sent[i]:
                         continue
                     words = pseudo_words(seed, seq.fingerprint, sent[i], upto)
+                    tops = self._tops(seq, sent[i], upto, k) if k is not None else None
                     last = tk.record.output_tokens - 1 if tk.done and tk.record is not None else -1
-                    for k, word in enumerate(words, start=sent[i]):
-                        if cut and tk.request.max_tokens > 1 and k >= tk.request.max_tokens // 2:
+                    for at, word in enumerate(words, start=sent[i]):
+                        if cut and tk.request.max_tokens > 1 and at >= tk.request.max_tokens // 2:
                             for other in tickets:
                                 self.driver.abort(other)
                             yield w.error(
@@ -308,8 +317,12 @@ class WorkerRuntime:
                             )
                             yield w.done()
                             return
-                        reason = tk.record.finish_reason.value if k == last and tk.record else None
-                        yield w.token(word, reason, (seq.prompt_tokens, k + 1) if cont else None, i)
+                        reason = tk.record.finish_reason.value if at == last and tk.record else None
+                        lp = None
+                        if tops is not None and k is not None:
+                            lp = logprobs_body(api.chat, tops[at - sent[i] : at - sent[i] + 1], k, offsets[i])
+                            offsets[i] += len(word)
+                        yield w.token(word, reason, (seq.prompt_tokens, at + 1) if cont else None, i, lp)
                     sent[i] = upto
                 if all(tk.done and sent[i] >= tk.produced for i, tk in enumerate(tickets)):
                     break

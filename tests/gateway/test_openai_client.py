@@ -103,6 +103,26 @@ def test_pd_path_end_to_end(client: openai.OpenAI, gw: GatewayThread) -> None:
     )
 
 
+@pytest.mark.parametrize("content", ["Hello!", LONG], ids=["direct", "prefill-decode"])
+def test_logprobs_reach_the_client_on_every_path(
+    client: openai.OpenAI, gw: GatewayThread, content: str
+) -> None:
+    """Each streamed token carries its logprobs through the gateway, on one worker and across a P/D pair (the
+    decode side answers), and the gateway still counts one token per event."""
+    before = gw.metric("mosaic_generation_tokens_total", model=MODEL)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=_ask(content), max_tokens=5, stream=True, logprobs=True, top_logprobs=2,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    tokens = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    entries = [c.choices[0].logprobs.content[0] for c in tokens if c.choices[0].logprobs]  # type: ignore[index]
+    assert [e.token for e in entries] == [c.choices[0].delta.content for c in tokens] and len(entries) == 5
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)
+    assert gw.metric_reaches("mosaic_generation_tokens_total", before + 5, model=MODEL) == before + 5
+
+
 def test_a_batch_with_n_completions_each_is_served_in_one_hop(
     client: openai.OpenAI, gw: GatewayThread
 ) -> None:

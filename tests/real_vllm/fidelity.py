@@ -140,6 +140,21 @@ def shape_diff(case: str, real: Any, sim: Any) -> set[str]:
     }
 
 
+def token_keyed(value: Any) -> Any:
+    """`value` with completions' `top_logprobs` dicts (keyed by token text: data, not schema) re-keyed to one
+    `<token>` key, so their shapes compare."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if key == "top_logprobs" and isinstance(item, list):
+                item = [{"<token>": next(iter(d.values()))} if isinstance(d, dict) and d else d for d in item]
+            out[key] = token_keyed(item)
+        return out
+    if isinstance(value, list):
+        return [token_keyed(item) for item in value]
+    return value
+
+
 def raw_chunks(
     url: str, path: str, body: Mapping[str, Any], timeout_s: float = 60.0
 ) -> tuple[int, dict[str, str], list[bytes]]:

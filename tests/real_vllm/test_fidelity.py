@@ -30,6 +30,7 @@ from fidelity import (
     KNOWN_STREAM,
     raw_chunks,
     shape_diff,
+    token_keyed,
 )
 from gateway_harness import CATALOG
 from prometheus_client.parser import text_string_to_metric_families
@@ -406,6 +407,57 @@ def event_kind(event: dict[str, Any]) -> tuple[int, str]:
     if (choice.get("delta") or {}).get("role"):
         return (choice["index"], "role")
     return (choice["index"], "last" if choice.get("finish_reason") else "token")
+
+
+LOGPROBS = {  # greedy on both, so vLLM's sampled token is its top one, as the simulator's always is
+    "completion": ("/v1/completions", {"prompt": "def route(request):", "logprobs": 3}),
+    "completion k=0": ("/v1/completions", {"prompt": "def route(request):", "logprobs": 0}),
+    "chat": ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 3}),
+    "chat no top": ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}),
+}
+
+
+def logprob_counts(body: dict[str, Any]) -> list[int]:
+    """Candidates listed per token of the first choice."""
+    lp = body["choices"][0]["logprobs"]
+    return (
+        [len(e["top_logprobs"]) for e in lp["content"]]
+        if "content" in lp
+        else list(map(len, lp["top_logprobs"]))
+    )
+
+
+@pytest.mark.parametrize("case", list(LOGPROBS))
+def test_logprobs_shape(real_vllm: RealServer, sim_url: str, case: str) -> None:
+    """The `logprobs` objects, whole and per streamed token: the same fields and kinds, the same number of
+    candidates per token (the sampled token and the top k; chat lists the first k), tokens that spell the
+    text and (completions) offsets into it."""
+    path, extra = LOGPROBS[case]
+    body = {"model": MODEL, "max_tokens": 4, "ignore_eos": True, "temperature": 0, **extra}
+    real, sim = both(real_vllm, sim_url, "POST", path, json=body)
+    assert real.status_code == sim.status_code == 200, (real.text, sim.text)
+    diffs = shape_diff(case, token_keyed(real.json()), token_keyed(sim.json()))
+    assert not {d for d in diffs if ".logprobs" in d}, diffs
+    assert logprob_counts(real.json()) == logprob_counts(sim.json())
+    for side in (real.json(), sim.json()):
+        choice, lp = side["choices"][0], side["choices"][0]["logprobs"]
+        tokens = [e["token"] for e in lp["content"]] if "content" in lp else lp["tokens"]
+        assert "".join(tokens) == (choice["message"]["content"] if "message" in choice else choice["text"])
+        if "text_offset" in lp:
+            assert lp["text_offset"] == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    events = {}
+    for side, url in (("real", real_vllm.url), ("sim", sim_url)):
+        status, _, chunks = raw_chunks(url, path, {**body, "stream": True})
+        assert status == 200
+        token_events = [e for e in events_of(chunks) if e["choices"] and e["choices"][0]["logprobs"]]
+        assert len(token_events) == 4, side
+        events[side] = token_events[1]  # a middle token: completions' text_offset continues the text
+        if "text_offset" in token_events[1]["choices"][0]["logprobs"]:
+            offsets = [e["choices"][0]["logprobs"]["text_offset"][0] for e in token_events]
+            texts = [e["choices"][0]["text"] for e in token_events]
+            assert offsets == [sum(map(len, texts[:i])) for i in range(4)], side
+    diffs = shape_diff(case, token_keyed(events["real"]), token_keyed(events["sim"]))
+    assert not {d for d in diffs if ".logprobs" in d}, diffs
 
 
 @pytest.mark.parametrize("case", list(MULTI))
