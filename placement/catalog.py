@@ -98,8 +98,17 @@ class ModelSpec:
     max_context: int
     dtype_bytes: int = 2
     source: str = ""
+    # config.json's vocab_size: token ids from 0 to vocab_size − 1 exist (the simulated worker refuses others
+    # with vLLM's 400); None = not known (the simulator then allows Llama-3's 128,256)
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.vocab_size is not None and (
+            not isinstance(self.vocab_size, int) or isinstance(self.vocab_size, bool) or self.vocab_size < 1
+        ):
+            raise ValueError(
+                f"model {self.name!r}: vocab_size must be a whole number ≥ 1, got {self.vocab_size!r}"
+            )
         for field_name in (
             "layers",
             "hidden_size",
@@ -182,19 +191,19 @@ _BUILTIN_GPUS: tuple[GpuSpec, ...] = (
 
 _BUILTIN_MODELS: tuple[ModelSpec, ...] = (
     # meta-llama/Llama-2-7b-hf config.json: MHA, 4k context
-    ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 6.74, 4096, 2, "meta-llama/Llama-2-7b-hf config.json"),
+    ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 6.74, 4096, 2, "meta-llama/Llama-2-7b-hf config.json", vocab_size=32000),
     # meta-llama/Llama-2-70b-hf config.json: GQA 8 KV heads (used by splitwise-sim's calibration data)
-    ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 68.98, 4096, 2, "meta-llama/Llama-2-70b-hf config.json"),
+    ModelSpec("llama-2-70b", 80, 8192, 64, 8, 128, 68.98, 4096, 2, "meta-llama/Llama-2-70b-hf config.json", vocab_size=32000),
     # meta-llama/Meta-Llama-3-8B config.json: GQA 8 KV heads, 8k context
-    ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 8.03, 8192, 2, "meta-llama/Meta-Llama-3-8B config.json"),
+    ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 8.03, 8192, 2, "meta-llama/Meta-Llama-3-8B config.json", vocab_size=128256),
     # meta-llama/Meta-Llama-3-70B config.json
-    ModelSpec("llama-3-70b", 80, 8192, 64, 8, 128, 70.55, 8192, 2, "meta-llama/Meta-Llama-3-70B config.json"),
+    ModelSpec("llama-3-70b", 80, 8192, 64, 8, 128, 70.55, 8192, 2, "meta-llama/Meta-Llama-3-70B config.json", vocab_size=128256),
     # mistralai/Mistral-7B-Instruct-v0.2 config.json: 32k context, no sliding window
-    ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 7.24, 32768, 2, "mistralai/Mistral-7B-Instruct-v0.2 config.json"),
+    ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 7.24, 32768, 2, "mistralai/Mistral-7B-Instruct-v0.2 config.json", vocab_size=32000),
     # Qwen/Qwen2.5-7B config.json: 28 layers, 28 heads, 4 KV heads, 32k native context
-    ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 7.62, 32768, 2, "Qwen/Qwen2.5-7B config.json"),
+    ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 7.62, 32768, 2, "Qwen/Qwen2.5-7B config.json", vocab_size=152064),
     # Qwen/Qwen2.5-32B config.json: 64 layers, 40 heads, 8 KV heads
-    ModelSpec("qwen2.5-32b", 64, 5120, 40, 8, 128, 32.76, 32768, 2, "Qwen/Qwen2.5-32B config.json"),
+    ModelSpec("qwen2.5-32b", 64, 5120, 40, 8, 128, 32.76, 32768, 2, "Qwen/Qwen2.5-32B config.json", vocab_size=152064),
 )
 # fmt: on
 

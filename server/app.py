@@ -282,6 +282,8 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
     clock = gw.clock
     child, received = gw.dispatcher.child, gw.metrics.received  # memoised metric children
 
+    only_model = gw.models[0] if len(gw.models) == 1 else None  # serves a request that names no model
+
     async def endpoint(scope: Scope, receive: Receive) -> Response:
         arrival = clock()
         rid_header, authorization, declared, content_type = _request_headers(scope)
@@ -295,7 +297,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
             if not is_json_media_type(content_type):
                 raise GatewayError(Cause.BAD_REQUEST, UNSUPPORTED_MEDIA_TYPE)
             body = await read_body(receive, declared, limits.max_body_bytes)
-            parsed = parse_request(kind, body, gw.max_model_len)
+            parsed = parse_request(kind, body, gw.max_model_len, only_model)
             if parsed.model not in gw.models:
                 raise GatewayError(
                     Cause.MODEL_NOT_FOUND, f"The model `{parsed.model}` does not exist.", param="model"

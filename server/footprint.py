@@ -36,6 +36,7 @@ routing estimate only.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from collections.abc import Mapping
@@ -80,7 +81,7 @@ class _StreamOptions(_Lenient):
 
 
 class _Common(_Lenient):
-    model: str = Field(min_length=1)
+    model: str | None = None  # absent, null or "": the only model served (as vLLM serves its one model)
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
     max_tokens: int | None = None
@@ -177,14 +178,31 @@ def _chat_text(messages: list[_Message]) -> str:
     return "".join(parts)
 
 
-def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | None = None) -> ParsedRequest:
+def parse_request(
+    kind: Kind,
+    body: bytes,
+    max_model_len: Mapping[str, int] | None = None,
+    default_model: str | None = None,
+) -> ParsedRequest:
     """Validate the fields the gateway reads; `GatewayError(bad_request)` naming the field otherwise.
 
-    `max_model_len` (model → context limit) sizes the chat default output; unknown models assume 8,192."""
+    `max_model_len` (model → context limit) sizes the chat default output; unknown models assume 8,192.
+    `default_model`: what a request without a model (absent, null or "") asks for — the gateway's one model,
+    as vLLM serves its only model then; None (several models) refuses such a request."""
+    # A UTF-8 byte-order mark (some Windows clients send one) is accepted, as vLLM's json.loads accepts it;
+    # the body is still forwarded as sent
+    text = body[3:] if body.startswith(codecs.BOM_UTF8) else body
     try:
-        req: _Chat | _Completion = (_Chat if kind == "chat" else _Completion).model_validate_json(body)
+        req: _Chat | _Completion = (_Chat if kind == "chat" else _Completion).model_validate_json(text)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+    model = req.model or default_model
+    if not model:
+        raise GatewayError(
+            Cause.BAD_REQUEST,
+            "'model' is required: this gateway serves several models (GET /v1/models lists them)",
+            param="model",
+        )
     if req.kv_transfer_params is not None:
         # vLLM's connector fields (do_remote_decode holds KV blocks until an abort timeout, outside the KV
         # ledger; do_remote_prefill makes the worker pull KV from any remote_host): the gateway sets them
@@ -215,12 +233,12 @@ def parse_request(kind: Kind, body: bytes, max_model_len: Mapping[str, int] | No
         limit = req.max_completion_tokens
     per_seq_prompt = math.ceil(prompt / prompts)
     if limit is None:
-        context = (max_model_len or {}).get(req.model) or 8192
+        context = (max_model_len or {}).get(model) or 8192
         limit = default_out if default_out is not None else max(1, context - per_seq_prompt)
     return ParsedRequest(
         kind=kind,
         body=body,
-        model=req.model,
+        model=model,
         stream=bool(req.stream),
         client_wants_usage=bool(req.stream_options and req.stream_options.include_usage),
         has_stream_options=req.stream_options is not None,

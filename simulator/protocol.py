@@ -18,7 +18,9 @@ by stage in vLLM's order, so a request with several faults gets vLLM's answer to
 6. per prompt, `max_tokens` clamped to max_model_len − prompt (0 for a prompt that fills the context), then
    SamplingParams' checks: n, penalties, temperature, top_p, top_k, min_p, max_tokens ≥ 1 (param
    `max_tokens`), min_tokens (no param), empty stop strings, n = 1 under greedy sampling (temperature 0);
-7. the engine's checks: at most 20 logprobs, no empty prompt (`[[]]`, `[""]`: no param).
+7. the engine's checks: at most 20 logprobs; then per prompt no empty prompt (`[[]]`, `[""]`: no param)
+   and no token id outside the model's vocabulary (`Token id N is out of vocabulary`, N the prompt's
+   largest; the catalog's `vocab_size`, else Llama-3's 128,256).
 
 Several sequences, as vLLM serves them: a completions batch of prompts (strings or token-id lists) and
 `n` completions per prompt; choice `index` = prompt · n + completion, usage counts each prompt once and
@@ -303,6 +305,17 @@ def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
     return body
 
 
+# vLLM's answer (its tokenizer's words) to text that cannot be encoded as UTF-8: a lone surrogate (`"\ud800"`)
+UNENCODABLE_TEXT = "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
+
+
+def _text_ids(text: str) -> list[int]:
+    try:
+        return text_token_ids(text)
+    except UnicodeEncodeError:
+        raise ApiError(400, UNENCODABLE_TEXT) from None
+
+
 def _chat_prompt(body: Mapping[str, Any]) -> list[int] | None:
     """The rendered messages' token ids; None for an empty list (refused after the max_tokens check, where
     vLLM's renderer fails on it)."""
@@ -312,7 +325,7 @@ def _chat_prompt(body: Mapping[str, Any]) -> list[int] | None:
     if not messages:
         return None
     try:
-        return text_token_ids(render_chat(messages))
+        return _text_ids(render_chat(messages))
     except TypeError as exc:
         raise bad_shape(f"messages: {exc}", "body.messages") from None
 
@@ -322,13 +335,13 @@ def _completion_prompts(prompt: Any) -> tuple[list[list[int]], tuple[bool, ...]]
     and which were text. An empty string or token list is kept as [] for the engine check (vLLM tokenises
     "" to nothing and refuses the empty prompt in its input processor, after the sampling checks)."""
     if isinstance(prompt, str):
-        return [text_token_ids(prompt)], (True,)
+        return [_text_ids(prompt)], (True,)
     if not prompt:  # `prompt: []`: vLLM's renderer gets no prompt at all
         raise ApiError(400, "You must pass at least one prompt")
     if isinstance(prompt[0], int):
         return [list(prompt)], (False,)
     return (
-        [(text_token_ids(p) if p else []) if isinstance(p, str) else list(p) for p in prompt],
+        [(_text_ids(p) if p else []) if isinstance(p, str) else list(p) for p in prompt],
         tuple(isinstance(p, str) for p in prompt),
     )
 
@@ -382,9 +395,10 @@ def parse_request(
     )  # fmt: skip
 
 
-def check_request(api: ApiRequest, max_model_len: int) -> list[int]:
+def check_request(api: ApiRequest, max_model_len: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
     """Stages 5–7 of the module docstring: each prompt's length, then per prompt vLLM's SamplingParams checks
-    with max_tokens clamped to the room the prompt leaves, then the engine's. Returns max_tokens per prompt."""
+    with max_tokens clamped to the room the prompt leaves, then the engine's (token ids from 0 to
+    `vocab_size` − 1). Returns max_tokens per prompt."""
     for ids, text in zip(api.prompts, api.from_text or [False] * len(api.prompts), strict=True):
         # vLLM tokenises text with max_length = max_model_len + 1, so it counts at most that many
         count = min(len(ids), max_model_len + 1) if text else len(ids)
@@ -406,6 +420,13 @@ def check_request(api: ApiRequest, max_model_len: int) -> list[int]:
         out.append(max_tokens)
     if api.params is not None:
         _check_engine(api, api.params)
+    # vLLM's input processor, prompt by prompt: empty, then out of the vocabulary (a text's pseudo ids are the
+    # simulator's own, from Llama-3's vocabulary whatever the model: only a client's ids are checked)
+    for ids, text in zip(api.prompts, api.from_text or [False] * len(api.prompts), strict=True):
+        if not ids:
+            raise vllm_error("The decoder prompt cannot be empty")
+        if not text and max(ids) >= vocab_size:
+            raise ApiError(400, f"Token id {max(ids)} is out of vocabulary")
     return out
 
 
@@ -460,7 +481,7 @@ def _check_sampling(api: ApiRequest, f: _Fields, max_tokens: int) -> None:
 
 
 def _check_engine(api: ApiRequest, f: _Fields) -> None:
-    """The engine's input checks, after every prompt's SamplingParams: the logprobs count, then empty prompts."""
+    """The engine's first input check, after every prompt's SamplingParams: the logprobs count."""
     # chat asks for top_logprobs only with logprobs true; completions' logprobs is the count itself
     requested = (f.top_logprobs if f.logprobs else None) if isinstance(f, _ChatFields) else f.logprobs
     if requested:
@@ -472,8 +493,6 @@ def _check_engine(api: ApiRequest, f: _Fields) -> None:
                 "logprobs",
                 requested,
             )
-    if any(not ids for ids in api.prompts):
-        raise vllm_error("The decoder prompt cannot be empty")
 
 
 # ------------------------------------------------------------------ responses

@@ -60,7 +60,7 @@ from simulator.requests import (
     prompt_fingerprint,
     sample_natural_output,
 )
-from simulator.tokens import pseudo_top_logprobs, pseudo_words
+from simulator.tokens import VOCAB_SIZE, pseudo_top_logprobs, pseudo_words
 from simulator.worker_runtime import EngineDriver, Ticket
 
 ROLES = ("mixed", "prefill", "decode")
@@ -169,7 +169,9 @@ class WorkerRuntime:
             body = parse_body(await request.body(), request.headers.get("content-type"))
             limit = self.engine.max_model_len
             api = parse_request(body, chat, self.served, limit)
-            max_tokens = check_request(api, limit)  # per prompt, clamped to the context it leaves
+            max_tokens = check_request(
+                api, limit, self.perf.model.vocab_size or VOCAB_SIZE
+            )  # per prompt, clamped to the context it leaves
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         faults = self.faults

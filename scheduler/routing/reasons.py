@@ -122,10 +122,14 @@ class Reject:
             message = f"The model {model!r} does not exist or no worker serves it"
         elif self.primary is FilterReason.EXCEEDS_CONTEXT and "context_limit_tokens" in self.details:
             # vLLM's wording, with what the gateway knows: its count is an estimate unless token ids were sent
-            of = "This model's" if model is None else f"Model {model!r}'s"
+            of = (
+                "This model's maximum context length"
+                if model is None
+                else f"The maximum context length of model {model!r}"
+            )
             about = "" if self.details.get("exact") else "about "
             message = (
-                f"{of} maximum context length is {self.details['context_limit_tokens']} tokens. However, your "
+                f"{of} is {self.details['context_limit_tokens']} tokens. However, your "
                 f"prompt contains {about}{self.details['prompt_tokens']} input tokens, which leaves no room for "
                 "any output token. Please reduce the length of the input prompt."
             )

@@ -268,6 +268,33 @@ def test_only_a_json_media_type_is_served_as_vllm_does(
         assert r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_request_without_model_is_served_by_the_only_model(gw: GatewayThread) -> None:
+    """vLLM serves its one model when the body names none (absent, null or ""); so does a one-model gateway,
+    forwarding the client's bytes as they are."""
+    for extra in ({}, {"model": None}, {"model": ""}):
+        r = httpx.post(
+            gw.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True, **extra}
+        )
+        assert (r.status_code, r.json()["model"], r.json()["usage"]["completion_tokens"]) == (200, MODEL, 2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_body_with_a_utf8_byte_order_mark_is_served(gw: GatewayThread, stream: bool) -> None:
+    """Some Windows clients prefix a BOM; vLLM's json.loads accepts it, and so does the gateway (it was a 400
+    "not valid JSON"), forwarding the bytes as sent, or spliced for usage on a stream."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True, "stream": stream}
+    r = httpx.post(
+        gw.url + "/v1/completions",
+        content=b"\xef\xbb\xbf" + json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    if stream:
+        assert r.text.endswith("data: [DONE]\n\n") and r.text.count('"text"') == 3
+    else:
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+
 def test_unknown_path_is_404_in_openai_shape(gw: GatewayThread) -> None:
     with httpx.Client(base_url=gw.url) as http:
         r = http.get("/v1/nope")

@@ -305,6 +305,19 @@ def test_bad_bodies_name_what_is_wrong_not_pydantics_union_members(
     assert err.value.message == message
 
 
+@pytest.mark.parametrize("model", [b"", b',"model":null', b',"model":""'], ids=["absent", "null", "empty"])
+def test_a_request_naming_no_model_asks_for_the_only_one(model: bytes) -> None:
+    """As vLLM serves its one model then; with several models (no default) it is a 400 naming `model`."""
+    body = b'{"messages":[{"role":"user","content":"hi"}]%b}' % model
+    assert parse_request("chat", body, {"m": 8192}, default_model="m").model == "m"
+    with pytest.raises(GatewayError) as err:
+        parse_request("chat", body, {"m": 8192, "n": 4096})
+    assert (err.value.param, err.value.message) == (
+        "model",
+        "'model' is required: this gateway serves several models (GET /v1/models lists them)",
+    )
+
+
 def test_unknown_fields_are_ignored_by_the_parser() -> None:
     p = parse_request(
         "completions", b'{"model":"m","prompt":"x","guided_json":{"type":"object"},"ignore_eos":true}'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -266,10 +267,28 @@ async def test_error_messages_are_vllm_032s(asgi) -> None:
         (C, {"model": M, "prompt": "hi", "n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
         (C, {"model": M, "prompt": [[]]}, "The decoder prompt cannot be empty"),
         (C, {"model": M, "prompt": []}, "You must pass at least one prompt"),
+        # ids outside the model's vocabulary (Llama-3's 128,256): vLLM names the prompt's largest; a client's
+        # id past 2^32 was a 500 (the fingerprint's 4-byte packing), which the gateway's breaker counts
+        (C, {"model": M, "prompt": [5, 128256, 7]}, "Token id 128256 is out of vocabulary"),
+        (C, {"model": M, "prompt": [2**32]}, "Token id 4294967296 is out of vocabulary"),
+        (C, {"model": M, "prompt": [[1, 2], [200000, 9]]}, "Token id 200000 is out of vocabulary"),
+        (C, {"model": M, "prompt": [[300000], []]}, "Token id 300000 is out of vocabulary"),  # prompt by prompt
+        (C, {"model": M, "prompt": [[], [300000]]}, "The decoder prompt cannot be empty"),
+        # text that is not UTF-8-encodable (a lone surrogate) was a 500; vLLM's tokenizer refuses it
+        (CHAT, {"model": M, "messages": [{"role": "user", "content": "\ud800"}]},
+         "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"),
+        (C, {"model": M, "prompt": ["ok", "a\ud800b"]},
+         "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"),
     ]  # fmt: skip
     async with asgi(CFG) as (client, _):
-        for path, body, message in cases:
-            resp = await client.post(path, json=body)
+        for (
+            path,
+            body,
+            message,
+        ) in cases:  # json.dumps escapes a lone surrogate (httpx's json= cannot send one)
+            resp = await client.post(
+                path, content=json.dumps(body), headers={"content-type": "application/json"}
+            )
             assert (resp.status_code, resp.json()["error"]["message"]) == (400, message), body
 
 

@@ -214,7 +214,7 @@ def test_a_prompt_over_the_context_is_refused_with_the_limit_and_its_size() -> N
     assert isinstance(exact, Reject)
     context = fleet.workers[0].capacity.max_model_len
     assert exact.error_body(MODEL)["error"] == {
-        "message": f"Model {MODEL!r}'s maximum context length is {context} tokens. However, your prompt contains "
+        "message": f"The maximum context length of model {MODEL!r} is {context} tokens. However, your prompt contains "
         "20000 input tokens, which leaves no room for any output token. Please reduce the length of the input "
         "prompt.",
         "type": "invalid_request_error",
