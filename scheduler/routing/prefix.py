@@ -11,7 +11,7 @@ several gateway replicas and the simulator agree.
   per token, so 64 characters ≈ one 16-token block.
 
 `PrefixIndex` keeps, per worker, the most recently dispatched block hashes (bounded: the oldest fall out
-first, as a worker's KV cache evicts). All state changes are explicit (`record`, `forget`).
+first, as a worker's KV cache evicts). All state changes are explicit (`record`, `unrecord`, `forget`).
 """
 
 from __future__ import annotations
@@ -91,6 +91,24 @@ class PrefixIndex:
             lru.move_to_end(h)
         while len(lru) > self.capacity:
             lru.popitem(last=False)
+
+    def fresh(self, worker_id: str, hashes: Sequence[int], now: float) -> list[int]:
+        """The hashes of `hashes` the worker does not hold now (absent, or older than `ttl_s`)."""
+        lru = self._lru.get(worker_id)
+        if not lru:
+            return list(hashes)
+        ttl = self.ttl_s
+        return [h for h in hashes if (seen := lru.get(h)) is None or (ttl is not None and now - seen > ttl)]
+
+    def unrecord(self, worker_id: str, hashes: Sequence[int], at: float) -> None:
+        """Take back what `record(worker_id, hashes, at)` added: each hash still stamped `at` (a later record
+        of it, by another request, keeps it)."""
+        lru = self._lru.get(worker_id)
+        if not lru:
+            return
+        for h in hashes:
+            if lru.get(h) == at:
+                del lru[h]
 
     def match(self, worker_id: str, hashes: Sequence[int], now: float) -> int:
         """Leading blocks of `hashes` held by `worker_id` (chained hashes: stop at the first miss)."""

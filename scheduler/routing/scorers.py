@@ -28,6 +28,7 @@ profiles:
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -158,9 +159,16 @@ class PrefixAffinityScorer:
     type: ClassVar[str] = "prefix-affinity"
     Params = PrefixAffinityParams
 
+    # In-flight dispatches whose blocks were new on their worker, remembered to take back on a failure: at
+    # most this many (a request whose completion is never reported falls out oldest first).
+    MAX_PENDING = 65536
+
     def __init__(self, params: PrefixAffinityParams | None = None) -> None:
         self.params = params or PrefixAffinityParams()
         self.index = PrefixIndex(self.params.lru_blocks, self.params.ttl_s)
+        # (id of the request, worker id) → (the request, dispatch time, hashes the dispatch added there); the
+        # entry holds the request, so its id is not reused by another while the entry exists
+        self._pending: OrderedDict[tuple[int, str], tuple[RouteRequest, float, list[int]]] = OrderedDict()
 
     def score(self, cycle: Cycle, candidates: Sequence[WorkerView]) -> list[float]:
         hashes = cycle.req.prefix_hashes
@@ -180,15 +188,30 @@ class PrefixAffinityScorer:
         return out
 
     def on_dispatch(self, decision: Decision, req: RouteRequest, now: float) -> None:
-        """Both sides of a P/D pair hold the prompt's KV afterwards (the decode side receives it)."""
+        """Both sides of a P/D pair hold the prompt's KV afterwards (the decode side receives it): recorded
+        now, so the next request with the prefix follows it before this one ends (llm-d's prefix scorer
+        does the same). The blocks new on each worker are remembered until the request ends."""
         if not req.prefix_hashes:
             return
         for worker in (decision.prefill, decision.decode):
-            if worker is not None:
-                self.index.record(worker.id, req.prefix_hashes, now)
+            if worker is None:
+                continue
+            added = self.index.fresh(worker.id, req.prefix_hashes, now)
+            self.index.record(worker.id, req.prefix_hashes, now)
+            if added:
+                self._pending[(id(req), worker.id)] = (req, now, added)
+                if len(self._pending) > self.MAX_PENDING:
+                    self._pending.popitem(last=False)
 
     def on_complete(self, worker_id: str, req: RouteRequest, outcome: Outcome, now: float) -> None:
         """A finished request frees its blocks into the worker's cache now (vLLM's free queue is LRU by
-        release time), so refresh their recency; a request that failed before its first byte built nothing."""
-        if outcome in (Outcome.COMPLETED, Outcome.CLIENT_DISCONNECTED) and req.prefix_hashes:
+        release time), so refresh their recency. One that failed before its first byte, or was taken back
+        inside the routing cycle, built nothing there: the blocks its dispatch added are taken back (else
+        the prefix's next requests, its own retry among them, are steered to a worker that lacks it)."""
+        if not req.prefix_hashes:
+            return
+        pending = self._pending.pop((id(req), worker_id), None)
+        if outcome in (Outcome.COMPLETED, Outcome.CLIENT_DISCONNECTED):
             self.index.record(worker_id, req.prefix_hashes, now)
+        elif pending is not None and outcome in (Outcome.FAILED_BEFORE_FIRST_BYTE, Outcome.UNRESERVED):
+            self.index.unrecord(worker_id, pending[2], pending[1])

@@ -96,6 +96,50 @@ def test_prefix_affinity_records_both_sides_of_a_pd_pair_and_refreshes_on_comple
     assert scorer.index.match("p", (5, 6), 10.5) == 0  # a failure refreshes nothing
 
 
+@pytest.mark.parametrize(
+    ("outcome", "kept"),
+    [
+        (Outcome.FAILED_BEFORE_FIRST_BYTE, 1),  # nothing built there: only the block held before stays
+        (Outcome.UNRESERVED, 1),  # taken back inside the routing cycle: it never ran there
+        (Outcome.COMPLETED, 3),
+        (Outcome.CLIENT_DISCONNECTED, 3),
+        (Outcome.WORKER_ERROR, 3),  # failed after its first byte: its prompt was prefilled there
+    ],
+)
+def test_a_dispatch_that_built_nothing_takes_back_the_blocks_it_added(outcome: Outcome, kept: int):
+    """Recorded at dispatch (so the prefix's next requests follow it); when it ends having built nothing,
+    the blocks it added go (its retry was steered back to the failed worker), those held before stay."""
+    scorer = s.PrefixAffinityScorer()
+    a = worker("a")
+    earlier = req(prefix=(1,))
+    scorer.on_dispatch(Decision(a), earlier, now=0.0)
+    scorer.on_complete("a", earlier, Outcome.COMPLETED, 1.0)
+    r = req(prefix=(1, 2, 3))
+    scorer.on_dispatch(Decision(a), r, now=2.0)
+    assert scorer.index.match("a", (1, 2, 3), 2.0) == 3
+    scorer.on_complete("a", r, outcome, 3.0)
+    assert scorer.index.match("a", (1, 2, 3), 3.0) == kept
+    assert not scorer._pending  # nothing remembered once it ended
+
+
+def test_a_failed_dispatch_keeps_blocks_a_later_request_recorded():
+    """Two requests with one new prefix on one worker: the first fails, the second (dispatched later) still
+    holds the blocks; a request failing on one side of a P/D pair takes back only that side's."""
+    scorer = s.PrefixAffinityScorer()
+    a = worker("a")
+    first, second = req(prefix=(7, 8)), req(prefix=(7, 8))
+    scorer.on_dispatch(Decision(a), first, now=0.0)
+    scorer.on_dispatch(Decision(a), second, now=0.5)
+    scorer.on_complete("a", first, Outcome.FAILED_BEFORE_FIRST_BYTE, 1.0)
+    assert scorer.index.match("a", (7, 8), 1.0) == 2
+    d, p = worker("d", role="decode"), worker("p", role="prefill")
+    r = req(prefix=(4, 5))
+    scorer.on_dispatch(Decision(d, p), r, now=2.0)
+    scorer.on_complete("p", r, Outcome.COMPLETED, 3.0)
+    scorer.on_complete("d", r, Outcome.FAILED_BEFORE_FIRST_BYTE, 3.0)
+    assert (scorer.index.match("p", (4, 5), 3.0), scorer.index.match("d", (4, 5), 3.0)) == (2, 0)
+
+
 def test_prefix_index_is_a_bounded_lru_per_worker():
     index = PrefixIndex(capacity=3)
     index.record("a", [1, 2, 3], 0.0)  # a prompt's head is its most recent entry: oldest first 3, 2, 1
