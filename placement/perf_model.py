@@ -9,7 +9,7 @@ together. Its time is
     A         = Σ_prefill p_j·(c_j + p_j/2) + Σ_decode c_i                    attention token-pairs (causal)
     MFU(T)    = mfu_max · T / (T + T_half)                                     ramps with tokens per step
     t_fix     = step_base + step_per_seq · seqs
-    t_tp      = 2·L · (α · log2(tp) + T · h · dtype_bytes · 2(tp−1)/tp / B)    tp > 1; exactly 0 at tp = 1
+    t_tp      = 2·L · (α · log2(tp) + T · h · a · 2(tp−1)/tp / B)    tp > 1; exactly 0 at tp = 1 (a = max(2, dtype_bytes))
 
 (REFERENCE.md, "Roofline perf model"). η is the achievable fraction of peak bandwidth (HBM vs GDDR).
 t_tp is the tensor-parallel all-reduce traffic: two all-reduces a layer (after attention and after the
@@ -90,7 +90,10 @@ class PerfModel:
         # are exactly 0.0 at tp = 1 (log2(1) = 0, tp − 1 = 0), so a single GPU's step time is the roofline's.
         n = 2 * model.layers
         self._allreduce_s = n * gpu.allreduce_latency_us * 1e-6 * math.log2(tp)
-        token_bytes = model.hidden_size * model.dtype_bytes * 2.0 * (tp - 1) / tp
+        # The activations all-reduced are 16-bit (bf16/fp16) even when weights and KV are 8-bit: FP8 models
+        # quantise GEMM inputs, not the residual stream vLLM all-reduces; a 32-bit model sends 32-bit.
+        activation_bytes = max(2, model.dtype_bytes)
+        token_bytes = model.hidden_size * activation_bytes * 2.0 * (tp - 1) / tp
         self._allreduce_s_per_token = n * token_bytes / (gpu.allreduce_gbps * 1e9)
 
     @property

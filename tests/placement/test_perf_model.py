@@ -300,6 +300,18 @@ def test_all_reduce_scales_with_log2_tp_and_ring_traffic() -> None:
     assert per_token == pytest.approx([160 * 8192 * 2 * 2 * (tp - 1) / tp / 90e9 for tp in (2, 4, 8)])
 
 
+@pytest.mark.parametrize(("dtype_bytes", "activation_bytes"), [(1, 2), (2, 2), (4, 4)])
+def test_all_reduce_sends_16_bit_activations_for_8_bit_weights(
+    dtype_bytes: int, activation_bytes: int
+) -> None:
+    """An FP8 model (1 byte per weight and KV element) still all-reduces bf16 activations."""
+    gpu = CATALOG.gpu("H100-SXM")
+    model = dataclasses.replace(CATALOG.model("llama-3-70b"), dtype_bytes=dtype_bytes)
+    pm = PerfModel(gpu, model, tp=4)
+    per_token = pm.tp_comm_s(1) - pm.tp_comm_s(0)
+    assert per_token == pytest.approx(160 * 8192 * activation_bytes * 2 * 3 / 4 / 320e9)
+
+
 def test_kv_capacity_blocks_llama3_8b_h100() -> None:
     pm = PerfModel(CATALOG.gpu("H100-SXM"), CATALOG.model("llama-3-8b"))
     # (80e9 · (0.9 − 0.04) − 16.06e9) / 131072 = 402,374 tokens → 25,148 blocks of 16
