@@ -2,7 +2,8 @@
 
 Keys come from `auth.api_keys` plus the comma-separated environment variable `auth.api_keys_env`
 (same for admin keys). With no API keys at all the gateway is **open** (every request allowed) and
-`open_warning()` says so at startup. Admin endpoints (`/admin/*`) need an admin key; when no admin key
+`open_warning()` says so at startup; but a named `auth.api_keys_env` that is unset or holds no key is a
+config error (fail closed), not an open gateway. Admin endpoints (`/admin/*`) need an admin key; when no admin key
 is configured they are open only if the whole gateway is open, and refused (403) otherwise.
 
 Every presented key is compared with every configured key through `hmac.compare_digest` (no early
@@ -23,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from server.config import AuthConfig, RateLimitConfig
+from server.config import AuthConfig, ConfigError, RateLimitConfig
 from server.errors import Cause, GatewayError
 
 OPEN_KEY_ID = "anonymous"
@@ -44,7 +45,16 @@ class KeyStore:
     """Configured API and admin keys, as bytes for constant-time comparison."""
 
     def __init__(self, config: AuthConfig) -> None:
-        api = [*config.api_keys, *_env_keys(config.api_keys_env)]
+        env = config.api_keys_env
+        if env and not _env_keys(env):
+            # Fail closed: naming a variable asks for keys, and an unset one (an unexported shell variable, a
+            # Secret key missing) would otherwise serve everyone with a warning in the log. ConfigError: exit 2.
+            state = "is not set" if env not in os.environ else "holds no keys"
+            raise ConfigError(
+                f"auth.api_keys_env: environment variable {env} {state}; set it to comma-separated keys, or "
+                "remove auth.api_keys_env to serve without API keys"
+            )
+        api = [*config.api_keys, *_env_keys(env)]
         admin = [*config.admin_keys, *_env_keys(config.admin_keys_env)]
         self._api = [k.encode() for k in dict.fromkeys(api)]
         self._admin = [k.encode() for k in dict.fromkeys(admin)]

@@ -10,7 +10,7 @@ import pytest
 
 from server.app import create_app
 from server.auth import OPEN_KEY_ID, KeyStore, RateLimiter, TokenBucket, key_id
-from server.config import AuthConfig, RateLimitConfig
+from server.config import AuthConfig, ConfigError, RateLimitConfig
 from server.errors import Cause, GatewayError
 from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
 
@@ -35,6 +35,23 @@ def test_api_keys(header: str | None, ok: bool, monkeypatch: pytest.MonkeyPatch)
         with pytest.raises(GatewayError) as err:
             keys.authenticate(header)
         assert err.value.cause is Cause.UNAUTHORIZED and err.value.status == 401
+
+
+@pytest.mark.parametrize(("value", "state"), [(None, "is not set"), (" , ", "holds no keys")])
+def test_a_named_keys_variable_that_is_unset_or_empty_fails_closed(
+    value: str | None, state: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Naming a variable asks for keys: unset (not exported, a missing Secret key) or empty it refuses to start
+    (exit 2 from `mosaic serve`) instead of serving everyone; api_keys in the file do not excuse it."""
+    monkeypatch.delenv("MOSAIC_TEST_KEYS", raising=False)
+    if value is not None:
+        monkeypatch.setenv("MOSAIC_TEST_KEYS", value)
+    with pytest.raises(ConfigError) as err:
+        KeyStore(AuthConfig(api_keys=["sk-one"], api_keys_env="MOSAIC_TEST_KEYS"))
+    assert str(err.value) == (
+        f"auth.api_keys_env: environment variable MOSAIC_TEST_KEYS {state}; set it to comma-separated keys, "
+        "or remove auth.api_keys_env to serve without API keys"
+    )
 
 
 def test_key_id_never_contains_the_key() -> None:
