@@ -117,6 +117,22 @@ def in_process(config: MosaicConfig) -> bool:
     return config.autoscaler.enabled and config.autoscaler.actuator in ("embedded", "dry-run")
 
 
+def _launched_idle(gw: Gateway, pool: str) -> Callable[[str], bool]:
+    """Replica id of launched `pool` → nothing routed to it is unfinished at the gateway (an open routing
+    decision, P/D peers' included, or an in-flight request)."""
+
+    decisions = gw.open_decisions
+
+    def idle(replica_id: str) -> bool:
+        wid = f"{pool}/{replica_id}"
+        if decisions is not None and decisions.count(wid):
+            return False
+        rec = gw.registry.get(wid)
+        return rec is None or rec.inflight_requests == 0
+
+    return idle
+
+
 def in_process_controller(gw: Gateway) -> AutoscalerController:
     """The controller `mosaic serve` runs (`in_process(config)`): the embedded actuator over the gateway's
     simulated pools (soft scale-in through `gw.open_decisions`), or dry-run over every pool."""
@@ -147,6 +163,9 @@ def in_process_controller(gw: Gateway) -> AutoscalerController:
                 placer=book.placer if book is not None else None,
                 on_error=(lambda pool: built[0].metrics.errors.labels(pool).inc()) if built else None,
             )
+            for name, lp in launched.items():  # soft scale-in: drained at the gateway, then SIGTERM
+                lp.idle = _launched_idle(gw, name)
+                lp.drain_timeout_s = a.drain_timeout_s
             vllm = VllmActuator(launched)
             return PoolActuators({**dict.fromkeys(sims, embedded), **dict.fromkeys(launched, vllm)})
     else:

@@ -5,7 +5,7 @@ Command built by `build_command(spec)` (vLLM 0.32 flags):
     [*spec.vllm_command, MODEL, --host H, --port P, [--served-model-name N], --tensor-parallel-size TP,
      [--max-model-len L], [--gpu-memory-utilization U], [--max-num-seqs S], [--block-size B],
      [--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer"|"kv_consumer"}'],
-     *spec.extra_args]
+     [--shutdown-timeout S], *spec.extra_args]
 
 A flag of ours that `extra_args` also gives is left out (the operator's value wins; vLLM would otherwise see
 it twice). `kv_role` follows the pool role: `prefill` → `kv_producer`, `decode` → `kv_consumer`, `mixed` →
@@ -116,6 +116,9 @@ class VllmLaunchSpec:
     gpu_ids: tuple[str, ...] = ()  # → CUDA_VISIBLE_DEVICES; () leaves the variable as inherited
     nixl_side_channel_port: int | None = None  # P/D roles only; None → vLLM's default 5600
     nixl_side_channel_host: str | None = None  # advertised to peers; None → default_advertise_host(host)
+    # → --shutdown-timeout: seconds vLLM 0.32 lets running requests finish after SIGTERM (its default, 0,
+    # aborts them); None leaves vLLM's default
+    shutdown_timeout_s: int | None = None
     extra_args: tuple[str, ...] = ()
     vllm_command: tuple[str, ...] = DEFAULT_VLLM_COMMAND
     env: Mapping[str, str] = field(default_factory=dict)  # extra variables (e.g. VLLM_CPU_KVCACHE_SPACE)
@@ -203,8 +206,13 @@ def build_command(spec: VllmLaunchSpec) -> list[str]:
         cmd += ["--max-model-len", str(spec.max_model_len)]
     if spec.gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-    # Engine settings the gateway sizes capacity from: passed unless extra_args already gives them.
-    for flag, value in (("--max-num-seqs", spec.max_num_seqs), ("--block-size", spec.block_size)):
+    # Engine settings the gateway sizes capacity from, and the drain on SIGTERM: passed unless extra_args
+    # already gives them.
+    for flag, value in (
+        ("--max-num-seqs", spec.max_num_seqs),
+        ("--block-size", spec.block_size),
+        ("--shutdown-timeout", spec.shutdown_timeout_s),
+    ):
         if value is not None and not _gives(spec.extra_args, flag):
             cmd += [flag, str(value)]
     kv_config = kv_transfer_config(spec.role)

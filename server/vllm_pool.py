@@ -13,7 +13,12 @@ get the same one.
 `VllmPoolLauncher` is non-blocking so the gateway's event loop and the embedded autoscaler can call it: a
 replica starts as a process (health is the registry's job, `check_ready` or `wait_ready`); a stop sends
 SIGTERM and the process is reaped on later calls (`reap`), SIGKILLed with its process group if still alive
-after `stop_grace_s`. Failures (a start that raises, a replica that exits by itself, one not ready within
+after `stop_grace_s`. Scale-in is soft when the gateway watches the pool (`idle` set, as the embedded
+autoscaler sets it): `scale_to` moves the newest replicas to *draining* (listed as terminating, so the
+router stops choosing them, and not counted as replicas), `finish_drains` sends SIGTERM to each once
+nothing routed to it is unfinished (`idle(replica_id)`) or after `drain_timeout_s`, and a scale-out takes
+draining replicas back (warm) before starting new ones. vLLM itself is started with `--shutdown-timeout`
+(`stop_grace_s` − 5 s) so a SIGTERM still lets it finish what is running (its default, 0, aborts it). Failures (a start that raises, a replica that exits by itself, one not ready within
 `start_timeout_s`) feed one `Backoff` per pool: the next start waits `restart_backoff_s`, doubling per
 consecutive failure up to `restart_backoff_max_s`; a replica that has answered /health for
 `restart_backoff_reset_s` (10 minutes, as the kubelet resets CrashLoopBackOff) ends the streak, so one that
@@ -340,6 +345,7 @@ class LaunchedReplica:
     ready_at: float | None = None  # first /health 200 seen by check_ready
     failed: bool = False  # exited by itself, or not ready in time: its log is kept
     stopping_since: float | None = None  # launcher clock time SIGTERM was sent
+    draining_since: float | None = None  # launcher clock time it was taken out of service (soft scale-in)
 
 
 Starter = Callable[[VllmLaunchSpec, Path], VllmProcess]
@@ -364,6 +370,7 @@ class VllmPoolLauncher:
         log_dir: Path,
         *,
         stop_grace_s: float = 30.0,
+        drain_timeout_s: float = 600.0,
         use_gpus: bool = True,
         gpu_ids: Sequence[str] | None = None,
         start_timeout_s: float = 900.0,
@@ -387,12 +394,22 @@ class VllmPoolLauncher:
         self._serial = 0
         self.desired = 0  # the count last asked for by scale_to (replicas that die are replaced up to it)
         self._live: list[LaunchedReplica] = []
+        self._draining: list[LaunchedReplica] = []  # out of service, still running what it was sent
         self._stopping: list[LaunchedReplica] = []
+        # Soft scale-in (module docstring): replica id → nothing routed to it is unfinished. None (nobody
+        # watching the requests, e.g. a standalone launcher): a scale-in stops replicas at once.
+        self.idle: Callable[[str], bool] | None = None
+        self.drain_timeout_s = drain_timeout_s
 
     @property
     def replicas(self) -> tuple[LaunchedReplica, ...]:
         """Replicas started and not being stopped, oldest first."""
         return tuple(self._live)
+
+    @property
+    def draining(self) -> tuple[LaunchedReplica, ...]:
+        """Replicas taken out of service by a soft scale-in, still finishing their requests."""
+        return tuple(self._draining)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -470,10 +487,10 @@ class VllmPoolLauncher:
     def stop_replica(self, replica_id: str, *, failed: bool = False) -> None:
         """SIGTERM now; the process is reaped by `reap()` (GPUs and ports are released once it has exited).
         `failed`: it is being replaced (a hung start), so its log is kept."""
-        replica = next((r for r in self._live if r.id == replica_id), None)
+        replica = next((r for r in (*self._live, *self._draining) if r.id == replica_id), None)
         if replica is None:
             raise KeyError(replica_id)
-        self._live.remove(replica)
+        (self._live if replica in self._live else self._draining).remove(replica)
         replica.failed = replica.failed or failed
         replica.stopping_since = self.clock()
         replica.process.terminate()
@@ -518,9 +535,21 @@ class VllmPoolLauncher:
         started: list[LaunchedReplica] = []
         stopped: list[str] = []
         while len(self._live) > replicas:
-            victim = self._live[-1].id
-            self.stop_replica(victim)
-            stopped.append(victim)
+            victim = self._live.pop()
+            stopped.append(victim.id)
+            if self.idle is None:
+                self._live.append(victim)
+                self.stop_replica(victim.id)
+            else:
+                victim.draining_since = self.clock()
+                self._draining.append(victim)
+                log.info("vLLM %s draining (scale-in): no new requests; stopped once idle", victim.id)
+        while len(self._live) < replicas and self._draining:  # warm and loaded: cheaper than a start
+            back = self._draining.pop()
+            back.draining_since = None
+            self._live.append(back)
+            self._live.sort(key=lambda r: r.started_at)
+            log.info("vLLM %s back in service (scale-out while it drained)", back.id)
         if len(self._live) < replicas:
             now = self.clock()
             if not self.backoff.ready(now):
@@ -536,9 +565,22 @@ class VllmPoolLauncher:
                     raise
         return started, stopped
 
+    def finish_drains(self) -> list[tuple[LaunchedReplica, bool]]:
+        """SIGTERM each draining replica that is idle, has exited, or has drained `drain_timeout_s`
+        (forced). Returns (replica, forced) for each one stopped."""
+        now = self.clock()
+        done: list[tuple[LaunchedReplica, bool]] = []
+        for replica in list(self._draining):
+            forced = now - (replica.draining_since or now) > self.drain_timeout_s
+            exited = replica.process.poll() is not None
+            if forced or exited or self.idle is None or self.idle(replica.id):
+                self.stop_replica(replica.id)
+                done.append((replica, forced and not exited))
+        return done
+
     def stop_all(self, timeout_s: float = 30.0) -> None:
         """Blocking: stop every replica (shutdown path)."""
-        for replica in list(self._live):
+        for replica in [*self._live, *self._draining]:
             self.stop_replica(replica.id)
         deadline = time.monotonic() + timeout_s
         while self.reap() and time.monotonic() < deadline:
@@ -591,6 +633,7 @@ def pool_template(
     pass_env: Sequence[str] = (),
     drop_env: Iterable[str] = (),
     api_key: str | None = None,
+    shutdown_timeout_s: int | None = None,
 ) -> VllmLaunchSpec:
     """The per-pool template a `launch: vllm` pool's replicas are made from (port filled in per replica)."""
     return VllmLaunchSpec(
@@ -611,4 +654,5 @@ def pool_template(
         pass_env=tuple(pass_env),
         drop_env=frozenset(drop_env),
         api_key=api_key,
+        shutdown_timeout_s=shutdown_timeout_s,
     )

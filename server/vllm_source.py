@@ -17,7 +17,8 @@ such pool (`Gateway._launched_source`):
 `start()` spawns `launch.replicas` processes; if one cannot be started (too few GPUs, vLLM not installed) the
 ones already started are stopped and LaunchError names the pool (`mosaic serve` exits 2 with that line).
 
-`list()` (every `resync_s`) reaps stopped replicas; replaces a replica whose process died, and one that has
+`list()` (every `resync_s`) stops drained replicas (soft scale-in, `VllmPoolLauncher.finish_drains`; they
+are listed as terminating until then), reaps stopped replicas; replaces a replica whose process died, and one that has
 not answered /health within `launch.start_timeout_s` (stopped first: a hung start would hold its GPUs for
 good); and lists each live replica as an endpoint. Replacements and failed scale-ups wait out the pool's
 backoff (`restart_backoff_s`, doubling per consecutive failure up to `restart_backoff_max_s`; reset once a
@@ -103,6 +104,8 @@ class LaunchedPoolSource:
             pass_env=launch.pass_env,
             drop_env=drop_env,
             api_key=api_key,
+            # SIGTERM lets running requests finish for the grace period less 5 s of exit (then SIGKILL)
+            shutdown_timeout_s=max(1, int(launch.stop_grace_s) - 5),
         )
         launcher = VllmPoolLauncher(
             pool,
@@ -138,6 +141,15 @@ class LaunchedPoolSource:
 
     async def list(self) -> list[Endpoint]:
         launcher = self.launcher
+        for replica, forced in launcher.finish_drains():
+            if forced:
+                log.warning(
+                    "vLLM %s still busy after %.0f s of draining (autoscaler.drain_timeout_s): stopped anyway",
+                    replica.id,
+                    launcher.drain_timeout_s,
+                )
+            else:
+                log.info("vLLM %s drained: stopped", replica.id)
         launcher.reap()
         for replica in launcher.prune_dead():
             log.warning(
@@ -181,7 +193,10 @@ class LaunchedPoolSource:
                     wait,
                 )
                 self._start_failing = True
-        return [Endpoint(r.id, r.url, ready=r.process.poll() is None) for r in launcher.replicas]
+        live = [Endpoint(r.id, r.url, ready=r.process.poll() is None) for r in launcher.replicas]
+        # draining replicas stay listed as terminating: the registry keeps their in-flight requests' books and
+        # the router chooses them no more
+        return live + [Endpoint(r.id, r.url, terminating=True) for r in launcher.draining]
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.launcher.stop_all)

@@ -55,3 +55,53 @@ def test_gateway_launches_serves_and_stops_a_vllm_pool(tmp_path: Path) -> None:
     print(
         f"\nlaunched pool ready after {ready_s:.1f} s; {log.strip().splitlines()[0] if log.strip() else ''}"
     )
+
+
+@pytest.mark.parametrize(("shutdown_timeout_s", "completes"), [(30, True), (None, False)])
+def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
+    tmp_path: Path, shutdown_timeout_s: int | None, completes: bool
+) -> None:
+    """Why launched replicas get `--shutdown-timeout`: vLLM 0.32 aborts a stream that is running when
+    SIGTERM arrives (its default, 0), and lets it finish with a timeout (the launcher's backstop after the
+    gateway-side drain; also what a gateway shutdown relies on)."""
+    import dataclasses
+    import threading
+
+    import httpx
+
+    from server.vllm_launcher import VllmProcess, free_port
+
+    reason = vllm_env.missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    spec = dataclasses.replace(vllm_env.server_spec(free_port()), shutdown_timeout_s=shutdown_timeout_s)
+    with VllmProcess.start(spec, log_path=tmp_path / "vllm.log") as proc:
+        proc.wait_healthy(300)
+        tokens: list[str] = []
+        ended: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"model": vllm_env.SERVED_MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 400,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            try:
+                with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=120) as resp:
+                    for line in resp.iter_lines():
+                        if line == "data: [DONE]":
+                            ended.append("done")
+                        elif line.startswith("data: {") and '"text"' in line:
+                            tokens.append(line)
+                            first.set()
+            except httpx.HTTPError as exc:
+                ended.append(type(exc).__name__)
+            first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(120)
+        proc.terminate()  # SIGTERM, as the launcher's stop sends
+        reader.join(150)
+    if completes:
+        assert (len(tokens), ended) == (400, ["done"])
+    else:
+        assert len(tokens) < 400 and ended != ["done"]

@@ -712,3 +712,118 @@ def test_ipv6_host_makes_a_valid_url() -> None:
     spec = VllmLaunchSpec(model="m", port=8123, host="::")
     assert spec.url == "http://[::1]:8123" and httpx.URL(spec.url).port == 8123
     assert VllmLaunchSpec(model="m", port=8123, host="fe80::1").url == "http://[fe80::1]:8123"
+
+
+# ---------------------------------------------------------------- 9: soft scale-in
+
+
+def _stub_launcher(tmp_path: Path, now: list[float], **kw: Any) -> VllmPoolLauncher:
+    template = pool_template(
+        model="m", served_model_name="m", role="mixed", tp=1, max_model_len=None, gpu_memory_utilization=None
+    )
+    stub: Any = StubProcess
+    return VllmPoolLauncher(
+        "p", template, GpuAllocator([]), tmp_path, use_gpus=False, starter=stub, clock=lambda: now[0], **kw
+    )
+
+
+def test_scale_in_drains_a_replica_before_its_sigterm(tmp_path: Path) -> None:
+    """With the gateway watching (`idle` set), the newest replica leaves service at once but gets SIGTERM
+    only once nothing routed to it is unfinished; a scale-out takes a draining replica back before starting
+    one; a drain past `drain_timeout_s` is stopped anyway (forced)."""
+    now = [0.0]
+    busy = {"p-2"}
+    launcher = _stub_launcher(tmp_path, now, drain_timeout_s=600.0)
+    launcher.idle = lambda rid: rid not in busy
+    launcher.scale_to(2)
+    first, second = launcher.replicas
+    assert launcher.scale_to(1) == ([], ["p-2"])
+    assert [r.id for r in launcher.replicas] == ["p-1"] and [r.id for r in launcher.draining] == ["p-2"]
+    assert second.process.poll() is None  # still running its requests
+    assert launcher.finish_drains() == [] and second.process.poll() is None
+    launcher.scale_to(2)  # taken back warm: no third start
+    assert [r.id for r in launcher.replicas] == ["p-1", "p-2"] and not launcher.draining
+    launcher.scale_to(1)
+    busy.clear()
+    now[0] = 1.0
+    assert launcher.finish_drains() == [(second, False)]
+    assert second.process.poll() == 0 and not launcher.draining and first.process.poll() is None
+    launcher.scale_to(2)  # p-2 is gone: a new replica
+    assert [r.id for r in launcher.replicas] == ["p-1", "p-3"]
+    busy.add("p-3")
+    launcher.scale_to(1)
+    now[0] = 602.0  # drained 601 s > 600
+    ((stopped, forced),) = launcher.finish_drains()
+    assert (stopped.id, forced, stopped.process.poll()) == ("p-3", True, 0)
+    launcher.stop_all()
+
+
+def test_without_a_watcher_scale_in_stops_at_once(tmp_path: Path) -> None:
+    now = [0.0]
+    launcher = _stub_launcher(tmp_path, now)
+    launcher.scale_to(2)
+    second = launcher.replicas[1]
+    launcher.scale_to(1)
+    assert second.process.poll() == 0 and not launcher.draining
+    launcher.stop_all()
+
+
+def test_a_draining_replica_is_listed_as_terminating_until_stopped(spawned: Path, tmp_path: Path) -> None:
+    """The registry keeps the books of its in-flight requests and the router stops choosing it."""
+    source = _mixed_source(LaunchVllmConfig.model_validate({**fake_launch(spawned, tmp_path), "replicas": 2}))
+    busy = {"p-2"}
+    source.launcher.idle = lambda rid: rid not in busy
+
+    async def run() -> tuple[list[tuple[str, bool]], list[tuple[str, bool]]]:
+        await source.start()
+        try:
+            source.launcher.scale_to(1)
+            while_busy = [(e.name, e.terminating) for e in await source.list()]
+            busy.clear()
+            after = [(e.name, e.terminating) for e in await source.list()]
+            return while_busy, after
+        finally:
+            await source.stop()
+
+    while_busy, after = asyncio.run(run())
+    assert while_busy == [("p-1", False), ("p-2", True)]
+    assert after == [("p-1", False)]
+
+
+def test_launched_vllm_drains_on_sigterm_for_the_grace_period() -> None:
+    """vLLM 0.32 aborts what is running on SIGTERM unless given --shutdown-timeout: a launched replica gets
+    stop_grace_s − 5 s (then SIGKILL), unless extra_args sets its own."""
+    launch = LaunchVllmConfig.model_validate({"stop_grace_s": 40})
+    cmd = build_command(_mixed_source(launch).launcher.template)
+    assert cmd[cmd.index("--shutdown-timeout") + 1] == "35"
+    own = LaunchVllmConfig.model_validate({"extra_args": ["--shutdown-timeout=90"]})
+    cmd = build_command(_mixed_source(own).launcher.template)
+    assert [a for a in cmd if a.startswith("--shutdown-timeout")] == ["--shutdown-timeout=90"]
+
+
+def test_the_embedded_autoscaler_drains_launched_pools(tmp_path: Path) -> None:
+    """`mosaic serve` with the embedded actuator gives each launched pool the gateway's idleness check and
+    its drain_timeout_s: a replica with an open request is not idle, one without is."""
+    cfg = validate_config(
+        {
+            "models": [{"name": MODEL}],
+            "pools": [
+                {
+                    "name": "p",
+                    "model": MODEL,
+                    "gpu": "H100",
+                    "endpoints": {"launch": {"replicas": 0, "use_gpus": False, "vllm_command": FAKE}},
+                }
+            ],
+            "autoscaler": {"enabled": True, "actuator": "embedded", "drain_timeout_s": 45},
+        }
+    )
+    gw = Gateway(cfg)
+    assert gw.autoscaler is not None
+    gw.autoscaler.build()  # the actuator, built once the fleet is listed, wires the launcher
+    launcher = gw.sources["p"].launcher  # type: ignore[attr-defined]
+    assert launcher.idle is not None and launcher.drain_timeout_s == 45
+    assert launcher.idle("p-1")  # unknown to the registry, no open decision
+    assert gw.open_decisions is not None
+    gw.open_decisions._open["p/p-1"] = 1  # a routing decision still open on it
+    assert not launcher.idle("p-1")
