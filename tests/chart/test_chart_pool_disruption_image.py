@@ -92,12 +92,20 @@ def test_a_pool_image_and_security_contexts(chart: helm.Chart) -> None:
     assert vllm["image"] == "rocm/vllm:rocm6.4_vllm_0.32.0"
     assert vllm["imagePullPolicy"] == "IfNotPresent"  # vllm.image's, merged under the pool's
     assert vllm["resources"]["limits"]["amd.com/gpu"] == 1
-    assert vllm["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
-    assert pod_spec(amd)["securityContext"] == {"fsGroup": 1000}
-    # the other real pools: the shared vllm.image, no security contexts
+    # the pool's contexts merged key by key over poolDefaults' hardened ones: IPC_LOCK added back after ALL dropped
+    assert vllm["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
+    assert pod_spec(amd)["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "fsGroup": 1000}
+    # the other real pools: the shared vllm.image, poolDefaults' contexts
     other = out.get("Deployment", f"{RELEASE}-l4")
     assert container(other)["image"] == "vllm/vllm-openai:v0.32.0"
-    assert "securityContext" not in container(other) and "securityContext" not in pod_spec(other)
+    assert container(other)["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod_spec(other)["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
     # a simulated pool runs the Mosaic image whatever its `image` says
     assert container(out.get("Deployment", f"{RELEASE}-sim"))["image"].startswith(
         "ghcr.io/mosaic-serve/mosaic:"

@@ -137,3 +137,30 @@ def test_requests_flow_through_the_charts_gateway_to_its_simulated_pools(
             assert data["model"] == model and data["usage"]["completion_tokens"] >= 1
         metrics = client.get("/metrics").text
         assert 'mosaic_requests_total{model="' in metrics
+
+
+def test_the_helm_test_pods_script_passes_against_the_charts_gateway(
+    chart: helm.Chart, fleet: tuple[str, str, dict[str, Any]]
+) -> None:
+    """`helm test`'s Pod (templates/tests/gateway-test.yaml), its script run as the Pod would run it, with
+    the Service URL replaced by the loopback gateway's and the Secret's key as its secretKeyRef provides it."""
+    url, key, _ = fleet
+    values = load_values(EXAMPLES_DIR / "simulated-fleet.yaml")
+    (c,) = render(chart, values).get("Pod", f"{RELEASE}-gateway-test")["spec"]["containers"]
+    assert c["command"][:2] == ["python", "-c"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert set(env) == {"MOSAIC_URL", "MOSAIC_MODELS", "MOSAIC_API_KEYS"}
+
+    def run(api_keys: str) -> subprocess.CompletedProcess[str]:
+        pod_env = {**os.environ, "MOSAIC_URL": url, "MOSAIC_MODELS": str(env["MOSAIC_MODELS"])}
+        pod_env["MOSAIC_API_KEYS"] = api_keys
+        return subprocess.run(
+            [sys.executable, "-c", c["command"][2]], env=pod_env, capture_output=True, text=True, timeout=60
+        )
+
+    passed = run(key)
+    assert passed.returncode == 0, passed.stderr
+    assert f"ok {url}/ready: 200" in passed.stdout
+    assert f"ok {url}/v1/models without a key: 401" in passed.stdout
+    failed = run("not-a-key")  # a key the gateway does not know: the test fails, saying why
+    assert failed.returncode == 1 and f"FAIL {url}/v1/models: 401" in failed.stderr

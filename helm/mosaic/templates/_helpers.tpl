@@ -129,7 +129,8 @@ config) from the pool's Secret, the same key its vLLM containers get as VLLM_API
 {{- end }}
 {{- end }}
 
-{{/* Prometheus operator CRDs replace the plain scrape annotations when enabled. */}}
+{{/* Scrape annotations of the gateway and controller pods: the Prometheus operator CRDs replace them when
+enabled. Worker pods carry theirs unconditionally (templates/pools.yaml): a toggle there would restart GPU pods. */}}
 {{- define "mosaic.scrapeAnnotations" -}}
 {{- $root := index . 0 -}}
 {{- $port := index . 1 -}}
@@ -190,6 +191,17 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- /* poolDefaults' tolerations are for GPU nodes' taints: a CPU-only simulated pod must not land there */}}
 {{- $_ := set $pool "tolerations" list }}
 {{- end }}
+{{- if and $sim (not (hasKey $p "strategy")) }}
+{{- /* poolDefaults' in-place rollout is for GPU pods: a simulated pool surges as any Deployment, unless it says */}}
+{{- $_ := unset $pool "strategy" }}
+{{- end }}
+{{- with $pool.strategy }}
+{{- $ru := .rollingUpdate | default dict }}
+{{- if and (ne (.type | default "RollingUpdate") "Recreate") (has (toString ($ru.maxSurge | default 0)) (list "0" "0%")) (has (toString ($ru.maxUnavailable | default 0)) (list "0" "0%")) }}
+{{- fail (printf "pools[%d] (%s): strategy.rollingUpdate has maxSurge 0 and maxUnavailable 0, which Kubernetes refuses (a rollout could never replace a pod); allow one of them" $i $pool.name) }}
+{{- end }}
+{{- end }}
+{{- include "mosaic.pool.checkModel" (list $root $i $pool) }}
 {{- $_ := set $pool "fullname" $name }}
 {{- /* apiKey.existingSecret: the pool's vLLM servers require that key; the gateway reads it from `apiKeyEnv`. Pool names are DNS labels,
 so upper-casing and `-` → `_` gives each pool its own variable name. */}}
@@ -233,6 +245,86 @@ so upper-casing and `-` → `_` gives each pool its own variable name. */}}
 {{- $resolved = append $resolved $pool }}
 {{- end }}
 {{- toYaml (dict "pools" $resolved) }}
+{{- end }}
+
+{{/*
+A pool's model must resolve in Mosaic's catalog, or the gateway, the controller and simulated workers refuse
+the config at start (server/config.py check_catalog: a crash loop after install): the model itself, or with
+`config.models` set its entry's `spec` (else its name), case-insensitively among the built-in catalog's rows
+and aliases (files/catalog-models.yaml, kept equal to placement/catalog.py by tests/chart) and the rows
+under `catalog.models`. Arguments: (list root index pool).
+*/}}
+{{- define "mosaic.pool.checkModel" -}}
+{{- $root := index . 0 }}
+{{- $i := index . 1 }}
+{{- $pool := index . 2 }}
+{{- $builtin := $root.Files.Get "files/catalog-models.yaml" | fromYaml }}
+{{- $known := dict }}
+{{- range $builtin.models }}{{ $_ := set $known (lower .) true }}{{ end }}
+{{- range $alias, $_ := $builtin.aliases }}{{ $_ := set $known (lower $alias) true }}{{ end }}
+{{- range $name, $_ := ($root.Values.catalog.models | default dict) }}{{ $_ := set $known (lower $name) true }}{{ end }}
+{{- $names := concat $builtin.models (keys ($root.Values.catalog.models | default dict) | sortAlpha) | join ", " }}
+{{- $models := $root.Values.config.models | default list }}
+{{- if $models }}
+{{- $entry := dict }}
+{{- range $models }}{{ if eq (toString .name) (toString $pool.model) }}{{ $entry = . }}{{ end }}{{ end }}
+{{- if not $entry }}
+{{- $listed := list }}
+{{- range $models }}{{ $listed = append $listed (toString .name) }}{{ end }}
+{{- fail (printf "pools[%d] (%s): model %q is not listed under config.models (%s); with config.models set the gateway serves only the models listed there: add {name: %q, spec: <catalog model>}" $i $pool.name (toString $pool.model) (join ", " $listed) (toString $pool.model)) }}
+{{- end }}
+{{- $spec := toString ($entry.spec | default $entry.name) }}
+{{- if not (hasKey $known (lower $spec)) }}
+{{- fail (printf "pools[%d] (%s): config.models entry %q has spec %q, which is not a model of Mosaic's catalog (%s, their Hugging Face names, or a row under catalog.models)" $i $pool.name (toString $pool.model) $spec $names) }}
+{{- end }}
+{{- else if not (hasKey $known (lower (toString $pool.model))) }}
+{{- fail (printf "pools[%d] (%s): model %q is not a model of Mosaic's catalog (%s, their Hugging Face names, or a row under catalog.models); map it to one with config.models: [{name: %q, spec: <catalog model>}], or add its row under catalog.models" $i $pool.name (toString $pool.model) $names (toString $pool.model)) }}
+{{- end }}
+{{- end }}
+
+{{/*
+A real pool's affinity: the pool's own, with the chart's required GPU term (`vllm.gpuProductLabel` In the
+pool's products) ANDed into each of its required nodeSelectorTerms (the only term when it has none); a term
+that already matches on the product label is kept as written. Preferred terms and pod (anti-)affinity are
+the pool's. No products (a pool that places itself by its own nodeAffinity): the pool's affinity as is.
+Arguments: (list root pool products); returns YAML.
+*/}}
+{{- define "mosaic.pool.affinity" -}}
+{{- $root := index . 0 }}
+{{- $pool := index . 1 }}
+{{- $products := index . 2 }}
+{{- $affinity := deepCopy ($pool.affinity | default dict) }}
+{{- if $products }}
+{{- $label := $root.Values.vllm.gpuProductLabel }}
+{{- $gpu := dict "key" $label "operator" "In" "values" $products }}
+{{- $node := $affinity.nodeAffinity | default dict }}
+{{- $required := get $node "requiredDuringSchedulingIgnoredDuringExecution" | default dict }}
+{{- $terms := list }}
+{{- range ($required.nodeSelectorTerms | default (list (dict))) }}
+{{- $term := deepCopy . }}
+{{- $expressions := $term.matchExpressions | default list }}
+{{- $own := false }}
+{{- range $expressions }}{{ if eq .key $label }}{{ $own = true }}{{ end }}{{ end }}
+{{- if not $own }}
+{{- $_ := set $term "matchExpressions" (append $expressions $gpu) }}
+{{- end }}
+{{- $terms = append $terms $term }}
+{{- end }}
+{{- $_ := set $required "nodeSelectorTerms" $terms }}
+{{- $_ := set $node "requiredDuringSchedulingIgnoredDuringExecution" $required }}
+{{- $_ := set $affinity "nodeAffinity" $node }}
+{{- end }}
+{{- toYaml $affinity }}
+{{- end }}
+
+{{/*
+A probe: its handler (a dict such as {httpGet: …}) with every timing field of its values (periodSeconds,
+failureThreshold, timeoutSeconds: whatever the schema's `probe` accepts), timeoutSeconds defaulting to
+the third argument. Arguments: (list handler values defaultTimeout).
+*/}}
+{{- define "mosaic.probe" -}}
+{{- $probe := mustMergeOverwrite (dict "timeoutSeconds" (index . 2)) (deepCopy (index . 1)) (index . 0) }}
+{{- toYaml $probe }}
 {{- end }}
 
 {{/* Selector labels of one pool's pods: the labels Mosaic's Kubernetes discovery selects on. */}}
