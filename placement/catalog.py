@@ -285,6 +285,19 @@ def _merge(cls: type, rows: dict[str, Any], aliases: dict[str, str], name: str, 
             f"catalog entry {name!r}: unknown fields {sorted(unknown)}; valid: {sorted(fields)}"
         )
     existing = rows.get(_canonical(rows, aliases, name))
+    if existing is None:  # a new row needs every field without a default (named, not Python's TypeError)
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name != "name"
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [f for f in required if f not in row]
+        if missing:
+            raise CatalogError(
+                f"catalog entry {name!r}: missing fields {missing} (a new entry needs {', '.join(required)})"
+            )
     try:
         if existing is not None:
             return dataclasses.replace(existing, **row)

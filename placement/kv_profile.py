@@ -157,6 +157,11 @@ def _check_ratios(name: str, field: str, arr: np.ndarray) -> None:
 def _load_npz(p: Path) -> HeadProfile:
     try:
         with p.open("rb") as fh:  # ours to close: np.load leaks its own handle when the zip is damaged
+            head = fh.read(6)
+            fh.seek(0)
+            # neither a zip (.npz) nor an .npy: np.load would take it for a pickle and talk of allow_pickle
+            if head and not head.startswith((b"PK\x03\x04", b"\x93NUMPY")):
+                raise ValueError("not an .npz archive (no zip header)")
             loaded = np.load(fh, allow_pickle=False)
             if not isinstance(loaded, np.lib.npyio.NpzFile):
                 raise ValueError("a single .npy array, not an .npz archive")

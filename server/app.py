@@ -9,7 +9,7 @@
 | GET /metrics | none | the gateway's Prometheus metrics (`mosaic_…`) |
 | GET /admin/workers | admin key | each worker's state, breaker, parsed stats, in-flight counts, capacity |
 | GET /admin/routing | admin key | the routing policy, plugins, weights; admission queue depths |
-| GET /admin/autoscaler | admin key | autoscaler config, pools as the policy sees them, recent decisions (reasons, signals) and scale actions |
+| GET /admin/autoscaler | admin key | autoscaler config, pools as the policy sees them, recent decisions (reasons, signals) and scale actions (`?last=N`, default 20) |
 
 Before dispatch, in order: request id (the client's `X-Request-Id` when it is a sane token, else a new
 one; echoed on every response — the proxy endpoints set it themselves, every other route, 404 and 405
@@ -386,7 +386,13 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
             return err.to_response()
         if gw.autoscaler is None:
             return JSONResponse({"enabled": False, "config": gw.config.autoscaler.model_dump(mode="json")})
-        return JSONResponse(gw.autoscaler.describe())
+        # ?last=N: how many decisions, actions and events (20 by default; `autoscaler.history` are kept)
+        raw = request.query_params.get("last", "20")
+        if not raw.isdigit() or int(raw) < 1:
+            return GatewayError(
+                Cause.BAD_REQUEST, f"'last' must be a whole number ≥ 1, got {raw!r}", param="last"
+            ).to_response()
+        return JSONResponse(gw.autoscaler.describe(last=int(raw)))
 
 
 def _add_error_handlers(app: FastAPI) -> None:

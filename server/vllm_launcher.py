@@ -324,7 +324,9 @@ class VllmProcess:
             if log_file is not None:
                 log_file.close()
             hint = (
-                " (is vLLM installed? see launch.vllm_command)" if isinstance(exc, FileNotFoundError) else ""
+                " (is vLLM installed? `mosaic worker --vllm-command`, or a pool's launch.vllm_command, names it)"
+                if isinstance(exc, FileNotFoundError)
+                else ""
             )
             raise LaunchError(f"cannot run {spec.vllm_command[0]!r}: {exc.strerror or exc}{hint}") from exc
         return cls(spec, popen, log_path, log_file)

@@ -151,7 +151,8 @@ def parse_fleet(data: Any, source: str = "fleet", base_dir: Path | None = None) 
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise FleetConfigError(f"{source}: {where}: {err['msg']}") from None
+        msg = str(err["msg"]).removeprefix("Value error, ")  # pydantic's wording around a validator's own
+        raise FleetConfigError(f"{source}: {where}: {msg}") from None
 
 
 def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int = 1024) -> list[PoolSpec]:

@@ -65,6 +65,12 @@ async def _dry_run() -> dict[str, Any]:
             out["user_key"] = (await client.get("/admin/autoscaler", headers=USER)).status_code
             resp = await client.get("/admin/autoscaler", headers=ADMIN)
             out["admin"] = resp.status_code, resp.json()
+            one = await client.get("/admin/autoscaler", params={"last": "1"}, headers=ADMIN)
+            out["last_one"] = len(one.json()["decisions"])
+            bad = [
+                await client.get("/admin/autoscaler", params={"last": v}, headers=ADMIN) for v in ("0", "x")
+            ]
+            out["bad_last"] = [(r.status_code, r.json()["error"]["param"]) for r in bad]
     finally:
         await running.stop()
     return out
@@ -92,6 +98,8 @@ def test_dry_run_controller_records_decisions_applies_nothing_and_reports_them()
     assert last["targets"] == {"l4": 3} and isinstance(last["reasons"]["l4"], str)
     assert last["observation"]["pools"]["l4"]["ready"] == 1 and "request_rate" in last["signals"]
     assert body["actions"][0]["applied"] is False and body["actions"][0]["after"] == 3
+    assert len(body["decisions"]) == 2 and out["last_one"] == 1  # ?last=N: the newest N
+    assert out["bad_last"] == [(400, "last"), (400, "last")]
 
 
 async def _disabled() -> tuple[int, dict[str, Any]]:

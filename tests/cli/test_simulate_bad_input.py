@@ -37,7 +37,7 @@ def test_a_step_budget_below_max_num_seqs_names_the_field(tmp_path: Path) -> Non
     code, _, lines = simulate("--trace", SYNTH, "--fleet", str(fleet))
     assert code == 2
     assert lines == [
-        f"error: {fleet}: engine: Value error, max_num_batched_tokens (8) must be ≥ max_num_seqs (256); "
+        f"error: {fleet}: engine: max_num_batched_tokens (8) must be ≥ max_num_seqs (256); "
         "lower max_num_seqs or raise max_num_batched_tokens"
     ]
 
@@ -150,7 +150,7 @@ POOLS = "pools:\n  - {name: decode-a100, gpu: A100-80GB, role: mixed, %s}\n"
         ),
         pytest.param(
             "replicas: 20, max_replicas: 16",
-            "pools.0: Value error, pool decode-a100: replicas (20) must be ≤ max_replicas (16)",
+            "pools.0: pool decode-a100: replicas (20) must be ≤ max_replicas (16)",
             id="replicas over max_replicas",
         ),
         pytest.param(

@@ -148,3 +148,19 @@ def test_bad_catalog_values_are_one_clear_error(tmp_path: Path, text: str, messa
     path.write_text(text)
     with pytest.raises(CatalogError, match=re.escape(message)):
         load_catalog(path)
+
+
+def test_a_new_row_missing_fields_names_them_not_pythons_constructor(tmp_path: Path) -> None:
+    path = tmp_path / "new.yaml"
+    path.write_text("gpus:\n  NEW: {memory_gb: 48}\nmodels:\n  tiny: {layers: 2, hidden_size: 64}\n")
+    with pytest.raises(CatalogError) as err:
+        load_catalog(path)
+    assert str(err.value) == (
+        "catalog entry 'NEW': missing fields ['hbm_gbps', 'tflops', 'cost_per_hour'] "
+        "(a new entry needs memory_gb, hbm_gbps, tflops, cost_per_hour)"
+    )
+    path.write_text("models:\n  tiny: {layers: 2, hidden_size: 64}\n")
+    with pytest.raises(CatalogError, match=r"^catalog entry 'tiny': missing fields \['num_heads', "):
+        load_catalog(path)
+    path.write_text("models:\n  llama-3-8b: {max_context: 4096}\n")  # an override of a built-in row
+    assert load_catalog(path).model("llama-3-8b").max_context == 4096

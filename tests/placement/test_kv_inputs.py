@@ -31,6 +31,8 @@ def _write(tmp: Path, name: str) -> Path:
         path.write_bytes(b"")
     elif name == "not-a-zip.npz":
         path.write_bytes(b"PK\x03\x04 this is not a zip archive")
+    elif name == "text.npz":  # a text file renamed
+        path.write_text("hello world, this is text")
     elif name == "no-base-ratio.npz":
         _npz(path, raw_ratio=np.zeros((0, 2, 2, 2)))
     elif name == "nan-meta.npz":
@@ -57,6 +59,9 @@ def _write(tmp: Path, name: str) -> Path:
 BAD = [
     pytest.param("empty.npz", " is not a readable .npz: No data left in file", id="empty npz (exit 130)"),
     pytest.param("not-a-zip.npz", " is not a readable .npz: File is not a zip file", id="corrupt zip"),
+    pytest.param(
+        "text.npz", " is not a readable .npz: not an .npz archive (no zip header)", id="text (numpy: pickle)"
+    ),
     pytest.param(
         "no-base-ratio.npz",
         ": 'raw_ratio' must be [R, S, L, H] with none of them 0, got shape (0, 2, 2, 2)",
