@@ -378,10 +378,11 @@ def policy_knobs(knobs: dict[str, Any]) -> PolicyConfig:
 
 class CorsConfig(_Strict):
     """Cross-origin requests from browsers, as vLLM's `--allowed-origins`, `--allowed-methods`,
-    `--allowed-headers` and `--allow-credentials` take them, with vLLM's defaults (any origin, method and
-    header; no credentials). An empty `allowed_origins` turns CORS off: no preflight answer, no headers."""
+    `--allowed-headers` and `--allow-credentials` take them, with vLLM 0.32's defaults (no origin: browser
+    access off; any method and header; no credentials). An empty `allowed_origins` turns CORS off: no
+    preflight answer, no headers; `["*"]` lets any web page call the gateway from a user's browser."""
 
-    allowed_origins: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_origins: list[str] = Field(default_factory=list)
     allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
     allow_credentials: bool = False

@@ -36,6 +36,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from placement.catalog import load_catalog
@@ -509,4 +510,10 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         if get_only and route.methods is not None:
             route.methods.discard("HEAD")
         app.router.routes.append(route)
+    # vLLM's server always adds Starlette's CORS middleware with its --allowed-* defaults: no origin (0.32:
+    # "cross-origin browser access is disabled by default"), every method and header, no credentials; so a
+    # browser's preflight gets vLLM's 400 "Disallowed CORS origin" from the simulator too
+    app.add_middleware(
+        CORSMiddleware, allow_origins=[], allow_methods=["*"], allow_headers=["*"], allow_credentials=False
+    )
     return app

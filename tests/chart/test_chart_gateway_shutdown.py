@@ -100,7 +100,7 @@ def test_strict_readiness_passes_through_to_the_gateway_config(chart: helm.Chart
 
 
 def test_cors_passes_through_to_the_gateway_config(chart: helm.Chart, tmp_path: Path) -> None:
-    assert render(chart, {}).load_config(tmp_path).cors.allowed_origins == ["*"]  # vLLM's default
+    assert render(chart, {}).load_config(tmp_path).cors.allowed_origins == []  # vLLM 0.32's default: off
     rendered = render(chart, {"config": {"cors": {"allowed_origins": ["https://chat.example"]}}})
     (tmp_path / "cors").mkdir()
     assert rendered.load_config(tmp_path / "cors").cors.allowed_origins == ["https://chat.example"]

@@ -1,6 +1,7 @@
-"""Cross-origin requests (`cors:`, vLLM's `--allowed-origins` and friends, same defaults): the preflight is
-answered, a browser's POST and GET get `Access-Control-Allow-Origin`, restricted origins are mirrored or
-refused, and requests without an `Origin` are answered as before (on the fast cycle, a stream still pushed).
+"""Cross-origin requests (`cors:`, vLLM's `--allowed-origins` and friends, same defaults: off, as vLLM 0.32):
+with origins allowed the preflight is answered, a browser's POST and GET get `Access-Control-Allow-Origin`,
+restricted origins are mirrored or refused, and requests without an `Origin` are answered as before (on the
+fast cycle, a stream still pushed).
 Raw HTTP/1.1 over real sockets to `start_gateway_server`, workers faked at the transport."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from server.config import ConfigError, validate_config
+from server.config import ConfigError, CorsConfig, validate_config
 from server.responses import StreamSession
 from server.runner import start_gateway_server
 from tests.gateway.fakes import FakeWorker
@@ -48,9 +49,12 @@ def headers_of(head: bytes) -> dict[bytes, bytes]:
     return {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines if ln)}
 
 
-def test_by_default_any_origin_is_allowed_as_vllm_allows_it() -> None:
+ANY = {"allowed_origins": ["*"]}
+
+
+def test_any_origin_when_allowed() -> None:
     async def go() -> None:
-        async with serving(FakeWorker("a", mode="ok")) as running:
+        async with serving(FakeWorker("a", mode="ok"), cors=ANY) as running:
             ((head, body),) = await exchange(running, preflight(b"/v1/chat/completions"))
             h = headers_of(head)
             assert head.startswith(b"HTTP/1.1 200"), head
@@ -80,7 +84,7 @@ def test_by_default_any_origin_is_allowed_as_vllm_allows_it() -> None:
 
 def test_an_error_answer_to_a_browser_carries_the_cors_header_so_it_can_read_the_error() -> None:
     async def go() -> None:
-        async with serving(FakeWorker("a", mode="ok"), auth={"api_keys": ["k1"]}) as running:
+        async with serving(FakeWorker("a", mode="ok"), auth={"api_keys": ["k1"]}, cors=ANY) as running:
             ((head, body),) = await exchange(running, request(FAST, completion(), ORIGIN))
             assert head.startswith(b"HTTP/1.1 401")
             assert headers_of(head)[b"access-control-allow-origin"] == b"*"
@@ -94,7 +98,7 @@ def test_an_error_answer_to_a_browser_carries_the_cors_header_so_it_can_read_the
 
 def test_without_an_origin_the_answer_has_no_cors_headers() -> None:
     async def go() -> None:
-        async with serving(FakeWorker("a", mode="ok")) as running:
+        async with serving(FakeWorker("a", mode="ok"), cors=ANY) as running:
             for raw in (
                 request(FAST, completion()),
                 request(FAST, completion(stream=True)),
@@ -137,9 +141,10 @@ def test_restricted_origins_are_mirrored_and_others_refused() -> None:
     run(go)
 
 
-def test_no_origins_turns_cors_off() -> None:
+@pytest.mark.parametrize("cors", [None, {"allowed_origins": []}], ids=["default (vLLM 0.32: off)", "[]"])
+def test_no_origins_turns_cors_off(cors: dict[str, Any] | None) -> None:
     async def go() -> None:
-        async with serving(FakeWorker("a", mode="ok"), cors={"allowed_origins": []}) as running:
+        async with serving(FakeWorker("a", mode="ok"), **({"cors": cors} if cors else {})) as running:
             ((head, _),) = await exchange(running, preflight(b"/v1/chat/completions"))
             assert head.startswith(b"HTTP/1.1 405")
             ((head, _),) = await exchange(running, request(FAST, completion(), ORIGIN))
@@ -152,8 +157,8 @@ def test_no_origins_turns_cors_off() -> None:
 def test_a_pooled_stream_is_still_pushed_without_an_origin_and_relayed_whole_with_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """CORS is on by default: a request without an Origin keeps the fast cycle's `send`, so its stream is
-    written from the worker's reads; a browser's gets the middleware's `send` and the iterated relay."""
+    """With CORS on, a request without an Origin keeps the fast cycle's `send`, so its stream is written from
+    the worker's reads; a browser's gets the middleware's `send` and the iterated relay."""
     pushed: list[int] = []
     original = StreamSession.push
 
@@ -164,7 +169,8 @@ def test_a_pooled_stream_is_still_pushed_without_an_origin_and_relayed_whole_wit
     monkeypatch.setattr(StreamSession, "push", counting_push)
 
     async def go() -> None:
-        running = await start_gateway_server(runner_config(time_scale=50), "127.0.0.1", 0)
+        cfg = runner_config(time_scale=50).model_copy(update={"cors": CorsConfig(allowed_origins=["*"])})
+        running = await start_gateway_server(cfg, "127.0.0.1", 0)
         try:
             body = completion(stream=True, max_tokens=12)
             ((_, plain),) = await exchange(running, request(FAST, body))

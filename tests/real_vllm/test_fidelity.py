@@ -529,3 +529,27 @@ def test_request_id_header_and_head(real_vllm: RealServer, sim_url: str) -> None
         assert len(events) == 2 and {e["id"] for e in events} == {"cmpl-fidelity-1"}
     real, sim = both(real_vllm, sim_url, "HEAD", "/health")
     assert real.status_code == sim.status_code == 405
+
+
+def test_cors_preflight_and_answer_headers(real_vllm: RealServer, sim_url: str) -> None:
+    """vLLM always runs Starlette's CORS middleware, by default with no origin allowed (0.32: cross-origin
+    browser access off), every method and header: a browser's preflight is refused (400) and a cross-origin
+    answer carries no Access-Control-Allow-Origin, on the simulator as on vLLM."""
+    preflight = {
+        "Origin": "https://chat.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    cors = ("access-control-allow-origin", "access-control-allow-methods", "access-control-allow-headers",
+            "access-control-allow-credentials", "access-control-max-age", "vary")  # fmt: skip
+    real, sim = both(real_vllm, sim_url, "OPTIONS", "/v1/chat/completions", headers=preflight)
+    assert real.status_code == sim.status_code == 400
+    assert real.text == sim.text == "Disallowed CORS origin"
+    assert {h: real.headers.get(h) for h in cors} == {h: sim.headers.get(h) for h in cors}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    real, sim = both(
+        real_vllm, sim_url, "POST", "/v1/completions", json=body, headers={"Origin": "https://a.b"}
+    )
+    assert real.status_code == sim.status_code == 200
+    assert {h: real.headers.get(h) for h in cors} == {h: sim.headers.get(h) for h in cors}
+    assert "access-control-allow-origin" not in sim.headers
