@@ -151,3 +151,30 @@ def test_a_tp_past_what_a_profile_file_holds_exits_2_before_profiling(tmp_path: 
     res = CliRunner().invoke(build_app(), [*args, "--slo-tpot-ms", "100", "--tp", "100000000"])
     assert res.exit_code == 2 and "--tp must be in 1..10,000,000, got 100000000" in res.output
     assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    ("shipped", "args"),
+    [
+        ("llama-2-7b/T4.yaml", ["--gpu", "T4", "--model", "llama-2-7b", "--slo-tpot-ms", "40"]),
+        (
+            "llama-3-8b/pd/A100-80GB-prefill.yaml",
+            ["--role", "prefill", "--gpu", "A100-80GB", "--model", "llama-3-8b", "--slo-ttft-ms", "500"],
+        ),
+    ],
+)
+def test_shipped_profiles_are_what_the_documented_command_writes(
+    shipped: str, args: list[str], tmp_path: Path
+) -> None:
+    """docs/loadgen.md's loops regenerate `placement/profiles/` byte for byte (two fast ones checked here): a
+    change to the engine or the search that moves a profile fails this until the shipped files are rewritten
+    with those loops (all 44 take ~15 min)."""
+    from typer.testing import CliRunner
+
+    from server.cli import build_app
+
+    out = tmp_path / "p.yaml"
+    result = CliRunner().invoke(build_app(), ["profile", "--sim", *args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    repo = Path(__file__).resolve().parents[2]
+    assert out.read_text() == (repo / "placement" / "profiles" / shipped).read_text()
