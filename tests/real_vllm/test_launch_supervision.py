@@ -344,8 +344,8 @@ def test_vllm_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
         pytest.param(
             {"vllm_command": "/nonexistent/vllm serve"},
             "error: gateway startup failed: pool p: cannot start its 1 vLLM replica(s) (endpoints.launch): "
-            "cannot run '/nonexistent/vllm': No such file or directory (is vLLM installed? see "
-            "launch.vllm_command)",
+            "cannot run '/nonexistent/vllm': No such file or directory (is vLLM installed? `mosaic worker "
+            "--vllm-command`, or a pool's launch.vllm_command, names it)",
             id="vLLM not installed",
         ),
     ],
