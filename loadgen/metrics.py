@@ -5,7 +5,8 @@ Over successful requests only (failed ones are counted by error type and exclude
 - TPOT  = (E2EL − TTFT) / (output_tokens − 1), only for requests with ≥ 2 output tokens (excludes the first token);
 - ITL   = every gap between successive content chunks, pooled over requests;
 - statistics: mean, std, median, p90/p95/p99 by `numpy.percentile` (linear interpolation), in ms;
-- duration = from the replay start (t = 0, the first scheduled send) to the end of the last request;
+- duration = from the replay start (the first scheduled send: a window's first arrival may come seconds after
+  the window opens) to the end of the last request;
 - request throughput = completed / duration; output throughput = Σ output tokens / duration;
   total token throughput = (Σ input + Σ output tokens of completed requests) / duration;
 - goodput = completed requests meeting every given SLO (TTFT, TPOT, E2EL in ms) / duration; a request
@@ -150,10 +151,10 @@ def compute_metrics(
     slo: Slo = Slo(),
     lag_threshold_ms: float = 5.0,
 ) -> Metrics:
-    """Metrics of finished records. `duration_s` defaults to the end of the last request (start = 0)."""
+    """Metrics of finished records. `duration_s` defaults to `replay_duration(records)`."""
     ok = [r for r in records if r.success]
     if duration_s is None:
-        duration_s = max((r.end_s for r in records), default=0.0)
+        duration_s = replay_duration(records)
     dur = duration_s if duration_s > 0 else float("nan")
     # the server's own count when its usage gives one (a chat template adds tokens), as vLLM's benchmark
     total_in = sum(r.input_tokens if r.usage_prompt_tokens is None else r.usage_prompt_tokens for r in ok)
@@ -186,6 +187,14 @@ def compute_metrics(
         errors=dict(sorted(Counter(r.error_type for r in records if r.error_type).items())),
         output_length_mismatches=sum(1 for r in ok if r.output_tokens != r.expected_output_tokens),
     )
+
+
+def replay_duration(records: Sequence[RequestRecord]) -> float:
+    """First scheduled send → end of the last request (0 without records), as vLLM's benchmark times from its
+    first send: the idle time before a window's first arrival is no part of it."""
+    if not records:
+        return 0.0
+    return max(r.end_s for r in records) - min(r.scheduled_s for r in records)
 
 
 def _rate(count: float, duration_s: float) -> float:

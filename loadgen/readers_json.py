@@ -109,6 +109,11 @@ def _loads(text: str) -> Any:
         raise RowError("bad_json", _TOO_DEEP) from None
 
 
+_USER_SPEAKERS = frozenset({"human", "user"})
+# ShareGPT's model speakers (`gpt` in most dumps; `chatgpt`, `bard`, `bing` in some) and OpenAI's role
+_MODEL_SPEAKERS = frozenset({"gpt", "chatgpt", "bard", "bing", "assistant", "model"})
+
+
 def _sharegpt_record(obj: Any, stats: ReadStats, line: int) -> TraceRequest | None:
     if not isinstance(obj, dict):
         raise RowError("bad_record", f"expected a conversation object, got {type(obj).__name__}")
@@ -120,7 +125,9 @@ def _sharegpt_record(obj: Any, stats: ReadStats, line: int) -> TraceRequest | No
             raise RowError("bad_record", "each turn must be an object with a string 'value'")
     for i in range(len(conv) - 1):
         speaker = conv[i].get("from", conv[i].get("role"))
-        if speaker in ("human", "user"):
+        answerer = conv[i + 1].get("from", conv[i + 1].get("role"))
+        # a user turn answered by the model: a second user turn (or a system one) is no reply
+        if speaker in _USER_SPEAKERS and answerer in _MODEL_SPEAKERS:
             prompt = conv[i].get("value", conv[i].get("content"))
             reply = conv[i + 1].get("value", conv[i + 1].get("content"))
             return TraceRequest(None, estimate_tokens(prompt), estimate_tokens(reply), (), line)

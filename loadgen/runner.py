@@ -27,6 +27,7 @@ from typing import Protocol
 import httpx
 
 from loadgen.client import ENDPOINT_PATHS, RequestRecord, send_request
+from loadgen.metrics import replay_duration
 from loadgen.prompts import PromptBuilder, build_body
 from loadgen.schedule import ScheduledRequest
 
@@ -77,7 +78,7 @@ class Observer(Protocol):
 class RunResult:
     records: list[RequestRecord] = field(default_factory=list)
     started_at: str = ""  # wall-clock ISO time of t = 0
-    duration_s: float = 0.0  # t = 0 → end of the last request
+    duration_s: float = 0.0  # first scheduled send → end of the last request (`replay_duration`)
     interrupted: bool = False  # `stop` was set: nothing more sent, requests in flight cancelled
     unreachable: bool = False  # stopped early: the first UNREACHABLE_AFTER requests all failed to connect
 
@@ -192,13 +193,16 @@ async def replay(
                 # than after every overdue body is built (all of them in memory, the first send seconds late).
                 if await _stopped_while_waiting(halt, due - time.perf_counter()):
                     break
+                # Concurrency wait is only the time the loop blocks for a slot: with one free when the loop gets
+                # here, any lateness is the generator's own (send lag), not the limit's
+                blocked = slots is not None and slots.locked()
                 if slots is not None and not await _slot_unless_stopped(slots, halt):
                     break
                 ahead.pop()
                 rec = RequestRecord(
                     nxt.index, nxt.send_at_s, nxt.input_tokens, nxt.output_tokens, trace_line=nxt.trace_line
                 )
-                rec.slot_s = rec.scheduled_s if slots is None else time.perf_counter() - origin
+                rec.slot_s = time.perf_counter() - origin if blocked else rec.scheduled_s
                 result.records.append(rec)
                 client = shards[nxt.index % len(shards)]
                 task = asyncio.create_task(
@@ -225,7 +229,7 @@ async def replay(
         for rec in result.records:
             if not rec.success and rec.error_type is None:  # in flight when the run stopped
                 rec.error_type, rec.error, rec.end_s = "cancelled", why, now
-    result.duration_s = max((r.end_s for r in result.records), default=0.0)
+    result.duration_s = replay_duration(result.records)
     return result
 
 

@@ -72,11 +72,11 @@ def test_input_tokens_are_the_servers_count_when_its_usage_gives_one() -> None:
 
 def test_throughput_counts_completed_requests_over_the_duration() -> None:
     m = compute_metrics(RECORDS)
-    assert m.duration_s == 2.25  # t = 0 → B's last chunk
+    assert m.duration_s == 2.0  # the first scheduled send (C, 0.25) → B's last chunk (2.25)
     assert m.total_input_tokens == 180 and m.total_output_tokens == 9  # 100 + 50 + 30; 5 + 1 + 3
-    assert m.request_throughput == pytest.approx(3 / 2.25)
-    assert m.output_throughput == pytest.approx(9 / 2.25)
-    assert m.total_token_throughput == pytest.approx(189 / 2.25)
+    assert m.request_throughput == pytest.approx(3 / 2.0)
+    assert m.output_throughput == pytest.approx(9 / 2.0)
+    assert m.total_token_throughput == pytest.approx(189 / 2.0)
     assert m.errors == {"http_503": 1}
 
 
@@ -95,7 +95,7 @@ def test_throughput_counts_completed_requests_over_the_duration() -> None:
 )
 def test_goodput_and_slo_attainment(slo: Slo, good: int) -> None:
     m = compute_metrics(RECORDS, slo=slo)
-    assert m.goodput == pytest.approx(good / 2.25)
+    assert m.goodput == pytest.approx(good / 2.0)
     assert m.slo_attainment == pytest.approx(good / 4)  # the failed request misses its SLO
 
 

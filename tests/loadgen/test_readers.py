@@ -486,3 +486,22 @@ def test_mooncake_rows_of_zero_length_are_dropped(tmp_path: Path) -> None:
     # the first (dropped but well-formed) row starts the clock, as in the CSV readers
     assert [(r.arrival_s, r.input_tokens, r.output_tokens) for r in reqs] == [(2.0, 600, 3)]
     assert trace.stats.dropped == {"zero_input_tokens": 1, "zero_output_tokens": 1}
+
+
+def test_sharegpt_pairs_a_user_turn_with_the_models_answer(tmp_path: Path) -> None:
+    """A second user turn is no reply: `[human, human, gpt]` pairs the second human turn with the gpt one
+    (it took the second human turn as the output); a conversation opening with system or model turns
+    pairs its first answered user turn; user turns never answered are dropped."""
+    conversations = [
+        [("human", "a" * 40), ("human", "b" * 8), ("gpt", "c" * 20)],
+        [("system", "s" * 100), ("gpt", "g" * 12), ("user", "u" * 16), ("assistant", "r" * 24)],
+        [("human", "only a question"), ("human", "and another")],
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(
+        json.dumps([{"conversations": [{"from": f, "value": v} for f, v in c]} for c in conversations])
+    )
+    trace = open_trace(path)
+    reqs = list(trace)
+    assert [(r.input_tokens, r.output_tokens) for r in reqs] == [(2, 5), (4, 6)]
+    assert trace.stats.as_dict()["dropped_by_reason"] == {"no_prompt_reply_pair": 1}

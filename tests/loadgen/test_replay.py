@@ -259,3 +259,32 @@ def test_one_answer_among_the_first_requests_keeps_the_replay_going() -> None:
     out = run(ReplayRequest(SPEC, "http://fake", "m", progress=False), worker)
     m = out.metrics  # type: ignore[attr-defined]
     assert m.errors == {"http_503": 25} and not out.result.unreachable  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("concurrency", [None, 1000])
+def test_a_stalled_generator_shows_as_send_lag_whatever_the_concurrency_limit(
+    concurrency: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop stalls 150 ms building one body: the requests due meanwhile leave late, and that lateness is
+    the generator's send lag. With a limit that never binds it was booked as concurrency wait (the slot's
+    time was stamped when the loop woke, not when a slot was free) and the lag warning stayed silent."""
+    import time as _time
+
+    import loadgen.runner
+
+    real = loadgen.runner.build_body
+
+    def slow(req: ScheduledRequest, *a: object) -> bytes:
+        if req.index == 3:
+            _time.sleep(0.15)  # a huge body built on the event loop
+        return real(req, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loadgen.runner, "build_body", slow)
+    sched = [ScheduledRequest(k, k * 0.001, 8, 2) for k in range(10)]  # due before the body can be built
+    transport = httpx.ASGITransport(app=FakeWorker().app())
+    result = asyncio.run(
+        replay(sched, Target("http://fake", "m"), RunOptions(concurrency=concurrency), None, transport)
+    )
+    lag = max(r.sent_s - r.slot_s for r in result.records)
+    wait = max(r.slot_s - r.scheduled_s for r in result.records)
+    assert lag > 0.08 and wait == 0.0
