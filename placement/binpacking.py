@@ -164,6 +164,13 @@ def check_problem(problem: MixProblem) -> None:
             raise PlacementError(f"option {o.key}: rates must be finite and ≥ 0")
         if lengths.setdefault(o.model, len(o.rates)) != len(o.rates):
             raise PlacementError(f"options of model {o.model} disagree on the number of buckets")
+    for name, offer in problem.gpus.items():
+        # a floor is paid for whatever serves: with no option on its GPU the solver would drop it, cost and all
+        if offer.min_gpus > 0 and not any(o.gpu == name for o in problem.options):
+            raise PlacementError(
+                f"{name}: min {offer.min_gpus} GPU(s) must be paid for, but no instance option uses it: "
+                "give it one (a profile, or a capacity of 0) or drop its min"
+            )
     for window in problem.windows:
         for d in window:
             if d.model not in lengths:

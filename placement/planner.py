@@ -380,8 +380,11 @@ def cheapest_capacity(
     """
     if not math.isfinite(need) or need < 0:
         raise PlacementError(f"capacity need must be a finite number ≥ 0, got {need}")
+    # GPUs held by a floor (`min_gpus`: already running) stay in the mix, costed, even where they provide
+    # nothing (capacity 0): dropping their option dropped the floor and its cost
+    held = {g: 0.0 for g, o in offers.items() if o.min_gpus > 0 and g not in per_instance}
     options = tuple(
-        InstanceOption("capacity", g, (float(c),)) for g, c in per_instance.items() if g in offers
+        InstanceOption("capacity", g, (float(c),)) for g, c in {**per_instance, **held}.items() if g in offers
     )
     problem = MixProblem(dict(offers), options, ((Demand("capacity", (float(need),)),),))
     return solve_mix(problem, variant=Variant.CONTINUOUS, time_limit_s=time_limit_s)

@@ -239,6 +239,23 @@ def test_cheapest_capacity_for_the_autoscaler() -> None:
         cheapest_capacity(math.inf, {"A10G": 1.0}, {"A10G": A10G})
 
 
+def test_a_floor_on_a_gpu_without_an_option_is_kept_or_refused_never_dropped() -> None:
+    """2 A100 already running (min 2) with no capacity entry: they stay in the mix, costed (12 A10G + 2 A100,
+    $19.46; it was 12 A10G, $12.12, the floor and its cost gone); solve_mix refuses such a problem, as the
+    planner's own build_problem does."""
+    floor = GpuOffer("A100-80GB", 3.67, min_gpus=2)
+    sol = cheapest_capacity(10_000, {"A10G": 900.0}, {"A10G": A10G, "A100-80GB": floor})
+    assert sol.gpus == {"A10G": 12, "A100-80GB": 2}
+    assert sol.cost_per_hour == pytest.approx(19.46)
+    problem = MixProblem(
+        {"A10G": A10G, "A100-80GB": floor},
+        (InstanceOption("m", "A10G", (900.0,)),),
+        ((Demand("m", (10_000.0,)),),),
+    )
+    with pytest.raises(PlacementError, match="A100-80GB: min 2 GPU\\(s\\) must be paid for"):
+        solve_mix(problem)
+
+
 @pytest.mark.parametrize(
     ("load", "count", "ok"),
     [

@@ -79,7 +79,7 @@ def test_windows_and_several_models() -> None:
 
 def test_timed_trace_is_binned_per_window() -> None:
     # 3 requests in the first 10 s window, 1 in the second; one prompt of 9000 tokens is outside the edges.
-    reqs = [(0.0, 10, 10), (2.0, 600, 10), (9.0, 9000, 10), (12.0, 10, 600)]
+    reqs = [(0.0, 10, 10), (2.0, 600, 10), (9.0, 9000, 10), (16.0, 10, 600)]
     wl = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT, window_s=10.0)
     assert len(wl.windows) == 2
     first, second = wl.windows
@@ -87,11 +87,11 @@ def test_timed_trace_is_binned_per_window() -> None:
     assert first.rates[0] == pytest.approx(0.1)
     assert first.rates[3] == pytest.approx(0.1)
     assert first.out_of_range == pytest.approx(0.1)
-    # (10 in, 600 out) → bucket (0, 2); the last window is covered 10 → 12 s only: 1 request / 2 s
-    assert second.rates[2] == pytest.approx(0.5) and second.duration_s == pytest.approx(2.0)
-    # one window over the whole trace: 4 requests over 12 s of arrivals
+    # (10 in, 600 out) → bucket (0, 2); the last window is covered 10 → 16 s only: 1 request / 6 s
+    assert second.rates[2] == pytest.approx(1 / 6) and second.duration_s == pytest.approx(6.0)
+    # one window over the whole trace: 4 requests over 16 s of arrivals
     whole = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT)
-    assert whole.windows[0].total == pytest.approx(4 / 12)
+    assert whole.windows[0].total == pytest.approx(4 / 16)
 
 
 def test_untimed_trace_needs_a_rate() -> None:
@@ -117,14 +117,18 @@ def test_rate_rescales_the_busiest_window_of_a_timed_trace() -> None:
             3600.0, None, [8 / 9], [9.0], id="window longer than the trace: 8 / (last arrival 9 − 0)"
         ),
         pytest.param(3600.0, 20.0, [0.4], [20.0], id="window longer than the trace: 8 / its known end 20"),
-        pytest.param(4.0, None, [1.0, 0.5, 2.0], [4.0, 4.0, 1.0], id="last window 8 → 9 s: 2 requests / 1 s"),
-        pytest.param(4.0, 10.0, [1.0, 0.5, 1.0], [4.0, 4.0, 2.0], id="last window 8 → 10 s (end): 2 / 2 s"),
+        pytest.param(
+            4.0, None, [1.0, 0.8], [4.0, 5.0], id="last window 8 → 9 s (< half): merged, 4 requests / 4 → 9 s"
+        ),
+        pytest.param(
+            4.0, 10.0, [1.0, 0.5, 1.0], [4.0, 4.0, 2.0], id="last window 8 → 10 s (end, half): 2 / 2 s"
+        ),
         pytest.param(
             3.0,
             9.0,
-            [4 / 3, 2 / 3, 0.0, 2.0],
-            [3.0, 3.0, 3.0, 1.0],
-            id="last arrival on a window start → 1 s",
+            [4 / 3, 2 / 3, 2 / 3],
+            [3.0, 3.0, 3.0],
+            id="last arrival on a window start: merged into 6 → 9 s",
         ),
     ],
 )
@@ -140,3 +144,14 @@ def test_the_last_window_counts_only_the_time_the_trace_covers(
 def test_empty_trace_is_an_error() -> None:
     with pytest.raises(WorkloadError, match="no requests"):
         histogram_from_requests([], "m", EDGES_IN, EDGES_OUT)
+
+
+def test_a_sliver_of_a_last_window_does_not_set_the_peak() -> None:
+    """A 5 req/s trace 3,601 s long in 900 s windows: the second past the last boundary held 7 requests, read
+    as a 7 req/s window, and `rate` scaled every real window to 40 · 5/7 ≈ 28 req/s (a fleet 30% short).
+    The sliver joins the window before it."""
+    reqs = [(i / 5, 10, 10) for i in range(18_000)] + [(3600.0 + i / 7, 10, 10) for i in range(7)]
+    wl = histogram_from_requests(reqs, "m", EDGES_IN, EDGES_OUT, window_s=900.0, rate=40.0, end_s=3601.0)
+    assert [w.duration_s for w in wl.windows] == [900.0, 900.0, 900.0, 901.0]
+    merged = (4500 + 7) / 901  # 5.002 req/s: now the busiest window, set to 40
+    assert [w.total for w in wl.windows] == pytest.approx([5 * 40 / merged] * 3 + [40.0])  # 39.98, not 28
