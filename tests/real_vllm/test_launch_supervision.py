@@ -60,6 +60,24 @@ MODEL = "llama-3-8b"
 # ---------------------------------------------------------------- helpers
 
 
+def launched_pool_config(replicas: int, autoscaler: dict[str, Any]) -> MosaicConfig:
+    """A gateway config with one launched pool `p` of `replicas` stand-in vLLMs (no GPU) and `autoscaler`."""
+    return validate_config(
+        {
+            "models": [{"name": MODEL}],
+            "pools": [
+                {
+                    "name": "p",
+                    "model": MODEL,
+                    "gpu": "H100",
+                    "endpoints": {"launch": {"replicas": replicas, "use_gpus": False, "vllm_command": FAKE}},
+                }
+            ],
+            "autoscaler": autoscaler,
+        }
+    )
+
+
 def _mixed_source(launch: LaunchVllmConfig) -> LaunchedPoolSource:
     """Pool `p` serving `m`, mixed role, TP 1, on no GPUs: what most of these tests launch."""
     return LaunchedPoolSource.for_pool(
@@ -392,20 +410,7 @@ def test_standalone_controller_launches_nothing(tmp_path: Path, monkeypatch: pyt
         return StubProcess(spec)
 
     monkeypatch.setattr(VllmProcess, "start", classmethod(record))
-    cfg = validate_config(
-        {
-            "models": [{"name": MODEL}],
-            "pools": [
-                {
-                    "name": "p",
-                    "model": MODEL,
-                    "gpu": "H100",
-                    "endpoints": {"launch": {"replicas": 2, "use_gpus": False, "vllm_command": FAKE}},
-                }
-            ],
-            "autoscaler": {"actuator": "dry-run", "interval_s": 3600},
-        }
-    )
+    cfg = launched_pool_config(2, {"actuator": "dry-run", "interval_s": 3600})
 
     async def run() -> None:
         async with standalone(cfg) as ctl:
@@ -804,21 +809,7 @@ def test_launched_vllm_drains_on_sigterm_for_the_grace_period() -> None:
 def test_the_embedded_autoscaler_drains_launched_pools(tmp_path: Path) -> None:
     """`mosaic serve` with the embedded actuator gives each launched pool the gateway's idleness check and
     its drain_timeout_s: a replica with an open request is not idle, one without is."""
-    cfg = validate_config(
-        {
-            "models": [{"name": MODEL}],
-            "pools": [
-                {
-                    "name": "p",
-                    "model": MODEL,
-                    "gpu": "H100",
-                    "endpoints": {"launch": {"replicas": 0, "use_gpus": False, "vllm_command": FAKE}},
-                }
-            ],
-            "autoscaler": {"enabled": True, "actuator": "embedded", "drain_timeout_s": 45},
-        }
-    )
-    gw = Gateway(cfg)
+    gw = Gateway(launched_pool_config(0, {"enabled": True, "actuator": "embedded", "drain_timeout_s": 45}))
     assert gw.autoscaler is not None
     gw.autoscaler.build()  # the actuator, built once the fleet is listed, wires the launcher
     launcher = gw.sources["p"].launcher  # type: ignore[attr-defined]
