@@ -134,6 +134,8 @@ class Gateway:
         )
         if (kv_queue := self.kv_queue) is not None:
             self.metrics.attach_kv_queue(lambda: kv_queue.stats)
+        if (ledger := self.ledger) is not None:
+            self.metrics.attach_kv_ledger(lambda: ledger.stats)
         self.upstream = Upstream(config.limits, transport)
         self.dispatcher = Dispatcher(
             config,

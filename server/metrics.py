@@ -29,6 +29,8 @@ nothing per request.
 | mosaic_admission_queue_depth | gauge | model |
 | mosaic_kv_total_units, mosaic_kv_reserved_units, mosaic_kv_shrink_units, mosaic_kv_active_reservations | gauge | worker (KV ledger, when `kv.enabled`) |
 | mosaic_kv_estimate_error | gauge | worker: (reported − reserved) / total at the last reconcile |
+| mosaic_kv_reservations_total, mosaic_kv_reservations_refused_total, mosaic_kv_grows_total, mosaic_kv_grows_refused_total, mosaic_kv_double_releases_total | counter | — (the ledger's own counts) |
+| mosaic_kv_reservations_released_total | counter | outcome |
 """
 
 from __future__ import annotations
@@ -189,6 +191,46 @@ class _KvQueueCollector(Collector):
             "Wall time of the last batch-admission solve",
             value=st.last_solve_ms / 1000.0,
         )
+
+
+class KvLedgerCounts(Protocol):
+    """What the KV ledger counts (`scheduler.kv.ledger.LedgerStats`)."""
+
+    reserved: int
+    refused: int
+    released: Mapping[str, int]
+    double_releases: int
+    grows: int
+    grow_refused: int
+
+
+_KV_LEDGER_COUNTERS = (
+    ("reserved", "mosaic_kv_reservations", "KV reservations made"),
+    ("refused", "mosaic_kv_reservations_refused", "KV reservations refused: no room on the chosen worker"),
+    ("grows", "mosaic_kv_grows", "Predicted-mode reservations grown as their output passed the prediction"),
+    (
+        "grow_refused",
+        "mosaic_kv_grows_refused",
+        "Predicted-mode growths refused for want of room: the worker may preempt (overbooking's cost)",
+    ),
+    ("double_releases", "mosaic_kv_double_releases", "Releases of a reservation already released (ignored)"),
+)
+
+
+class _KvLedgerCollector(Collector):
+    def __init__(self, stats: Callable[[], KvLedgerCounts]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        for key, name, doc in _KV_LEDGER_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(st, key))
+        released = CounterMetricFamily(
+            "mosaic_kv_reservations_released", "KV reservations released, by outcome", labels=["outcome"]
+        )
+        for outcome, n in sorted(st.released.items()):
+            released.add_metric([outcome], n)
+        yield released
 
 
 _KV_GAUGES = (
@@ -431,6 +473,10 @@ class GatewayMetrics:
         kv: Callable[[], Mapping[str, Mapping[str, float | int | None]]] | None = None,
     ) -> None:
         self.registry.register(_LiveCollector(workers, queues, kv))
+
+    def attach_kv_ledger(self, stats: Callable[[], KvLedgerCounts]) -> None:
+        """Export the KV ledger's counters (`scheduler.kv.ledger.LedgerStats`) at scrape time."""
+        self.registry.register(_KvLedgerCollector(stats))
 
     def attach_kv_queue(self, stats: Callable[[], KvQueueCounts]) -> None:
         """Export the KV admission queue's counters (`server.kv_admission.KvQueueStats`) at scrape time."""

@@ -378,7 +378,9 @@ class KvLedger:
     def _admissible(self, book: _Book, holder: str | int, fp: Footprint, worst: Footprint) -> bool:
         if fp.peak > self._free_of(book, holder):
             return False
-        if self.settings.mode == "predicted" and worst.peak > fp.peak:
+        if self.settings.mode == "predicted":
+            # the bound is on the sum of every reservation's worst case, this one's too even when it is
+            # exact (a cold predictor, a small max_tokens): skipping those let overbooked ones exceed it
             limit = self._capacity_of(book) * (1.0 + book.overbook)
             return book.worst_reserved + worst.peak <= limit
         return True
@@ -481,6 +483,8 @@ class KvLedger:
             return False
         self._resize(res, new_units, res.worst_units)
         res.reserved_output = fp.reserved_output
+        if not res.prefilled:  # grown before its first token: the steady size it shrinks to then grows too
+            res.fp_steady = max(res.fp_steady, fp.steady)
         self.stats.grows += 1
         return True
 
@@ -575,6 +579,10 @@ class KvLedger:
             book.spec = self.specs.spec_for(worker)
             book.total = worker.kv_blocks_total * book.spec.units_per_block
             s = self.settings
-            book.base_capacity = math.floor(book.total * (1.0 - s.watermark) * s.share)
+            # vLLM's null block is never reservable, whatever the watermark's rounding (a tiny watermark, or
+            # head-page units where it leaves less than one block's worth); a watermark of 0, which the
+            # config refuses, is an idealised ledger with nothing kept back (unit tests' arithmetic)
+            usable = max(0, book.total - book.spec.units_per_block) if s.watermark > 0 else book.total
+            book.base_capacity = math.floor(min(book.total * (1.0 - s.watermark), usable) * s.share)
             book.needs.clear()
         return book

@@ -525,6 +525,13 @@ def test_kv_reservations_follow_each_request() -> None:
             assert gw.predictor.samples("llama-3-8b", 7) == (3,)  # usage: 7 prompt, 3 completion tokens
             text = (await c.get("/metrics")).text
             assert 'mosaic_kv_reserved_units{worker="p/a:8000"} 0.0' in text
+            # the ledger's own counts (they reached no metric: a refused growth was invisible)
+            assert "mosaic_kv_reservations_total 1.0" in text
+            assert 'mosaic_kv_reservations_released_total{outcome="completed"} 1.0' in text
+            assert (
+                "mosaic_kv_reservations_refused_total 0.0" in text
+                and "mosaic_kv_grows_refused_total 0.0" in text
+            )
 
     run(body)
 

@@ -1,0 +1,45 @@
+"""Bounds the ledger promises (docs/kv.md), as a review found them broken: the worst-case sum under
+overbooking, growth made before the first token, and vLLM's null block under any watermark and unit."""
+
+from __future__ import annotations
+
+from scheduler.kv.footprint import CompressionSpec
+from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
+from tests.kv.kvkit import request, worker
+
+
+def test_predicted_mode_bounds_the_worst_case_sum_whatever_each_request_predicts() -> None:
+    """Capacity 100, allowance 10%: an overbooked request (2 blocks reserved, 105 worst case) and then an exact
+    one (98, prediction = worst case) were both admitted, worst cases summing to 203 > 110 (the bound was only
+    checked for requests predicted below their worst case)."""
+    led = KvLedger(LedgerSettings(mode="predicted", watermark=0.0, max_overbook_frac=0.1))
+    w = worker(blocks=100, block_size=16)
+    a = led.reserve(request("a", prompt=16, max_out=16 * 104, predicted=16), w, 0.0)
+    assert a is not None and (a.units, a.worst_units) == (2, 105)
+    assert led.reserve(request("b", prompt=16 * 98, max_out=0, predicted=0), w, 0.0) is None
+    assert led.stats.refused == 1
+    small = led.reserve(request("c", prompt=16 * 5, max_out=0, predicted=0), w, 0.0)  # 105 + 5 ≤ 110
+    assert small is not None and led._books["w0"].worst_reserved == 110
+
+
+def test_growth_before_the_first_token_survives_it() -> None:
+    """Grown while prefilling (16 output tokens in: 2 blocks → 3), the reservation shrank back to its
+    admission-time steady size at the first token though it had 32 output tokens reserved."""
+    led = KvLedger(LedgerSettings(mode="predicted", watermark=0.0))
+    r = led.reserve(request("a", prompt=16, max_out=16 * 100, predicted=16), worker("w0", blocks=1000), 0.0)
+    assert r is not None
+    assert r.on_tokens(16, 1.0) and r.reserved_output == 32
+    r.first_token(2.0)
+    assert r.units * 16 >= 16 + r.reserved_output  # the prompt's and the reserved output's blocks
+
+
+def test_the_null_block_stays_out_of_reach_under_any_watermark_and_unit() -> None:
+    """A watermark of 1e-17 (1 − w == 1.0 in floats) left every block reservable, and on a compression
+    worker (units are head-pages) a watermark below 1/num_gpu_blocks left less than one block's worth."""
+    stock = KvLedger(LedgerSettings(watermark=1e-17))
+    assert stock.capacity(worker("s", blocks=1000)) == 999
+    comp = KvLedger(
+        LedgerSettings(watermark=0.0005), SpecTable(by_pool={"c": CompressionSpec.uniform(256, 0.3)})
+    )
+    w = worker("c0", blocks=1000, pool="c")
+    assert comp.total_units(w) - comp.capacity(w) >= 256  # one block of 256 heads at least
