@@ -32,7 +32,14 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from scheduler.fleet import FleetView, Role, WorkerView
-from scheduler.routing.reasons import CONTEXT_FACT, KV_EXCEEDS_FACT, FilterReason, Outcome, Reject
+from scheduler.routing.reasons import (
+    CONTEXT_FACT,
+    KV_EXCEEDS_FACT,
+    REJECT_TABLE,
+    FilterReason,
+    Outcome,
+    Reject,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +136,10 @@ class FitChecker(Protocol):
     filter so workers that cannot hold the request are filtered (with `kv_full`) before scoring."""
 
     def fits(self, req: RouteRequest, worker: WorkerView, now: float) -> bool: ...
+
+
+# the leading model/role partition's reasons: workers the request was never for
+_PARTITION_REASONS = frozenset({FilterReason.WRONG_MODEL, FilterReason.WRONG_ROLE})
 
 
 @runtime_checkable
@@ -376,6 +387,8 @@ class Cycle:
             empty = len(self.view.empty_pools(req.model, profile.roles, tokens))
             if empty:
                 counts[FilterReason.EMPTY_POOL] = counts.get(FilterReason.EMPTY_POOL, 0) + empty
+            elif (exceeding := self._exceeds_everywhere(profile, counts)) is not None:
+                counts = exceeding
             return ProfileResult(profile.name, None, (), counts)
         # One survivor: scores would only rank it against itself (the Kubernetes scheduler skips scoring
         # then too). It is scored as by a profile without scorers (total 0, no parts); the picker still
@@ -388,6 +401,35 @@ class Cycle:
             # a ReservePlugin refused: the ledger says it does not fit
             counts[FilterReason.KV_FULL] = counts.get(FilterReason.KV_FULL, 0) + 1
         return ProfileResult(profile.name, None, (), counts, tuple(scored))
+
+    def _exceeds_everywhere(
+        self, profile: SchedulingProfile, counts: Mapping[FilterReason, int]
+    ) -> dict[FilterReason, int] | None:
+        """When nothing passed for passing reasons only (starting, draining, a breaker, at capacity, KV full),
+        but the request exceeds the empty ledger of every worker of its model and the profile's roles (their
+        `num_gpu_blocks` scraped): counts saying so, so the answer is the final 400 `kv_exceeds_capacity` now,
+        not a 429 after the queue's deadline (the kv-fit filter, which says it, runs after those filters)."""
+        if any(not REJECT_TABLE[r].retryable for r in counts if r not in _PARTITION_REASONS):
+            return None  # a final reason already (a prompt over the context, ...)
+        bounds = [p for p in self.reserve_plugins if isinstance(p, CapacityBound)]
+        req = self.req
+        workers = [w for w in self.view.workers if w.model == req.model and w.role in profile.roles]
+        if not bounds or not workers:
+            return None
+        largest: tuple[int, int] | None = None
+        for worker in workers:
+            if not worker.num_gpu_blocks:  # its capacity is the perf model's guess: it may fit
+                return None
+            over = next((o for b in bounds if (o := b.exceeds_capacity(req, worker)) is not None), None)
+            if over is None:
+                return None
+            if largest is None or over[1] > largest[1]:
+                largest = over
+        assert largest is not None
+        self.facts[KV_EXCEEDS_FACT] = {"kv_need_blocks": largest[0], "kv_reservable_blocks": largest[1]}
+        out = {r: n for r, n in counts.items() if r in _PARTITION_REASONS}
+        out[FilterReason.KV_EXCEEDS_CAPACITY] = len(workers)
+        return out
 
     def reserve(self, worker: WorkerView) -> tuple[Reservation, ...] | None:
         """Reserve on `worker` with every plugin; if one refuses, release the others (reverse) → None."""

@@ -43,3 +43,32 @@ def test_the_null_block_stays_out_of_reach_under_any_watermark_and_unit() -> Non
     )
     w = worker("c0", blocks=1000, pool="c")
     assert comp.total_units(w) - comp.capacity(w) >= 256  # one block of 256 heads at least
+
+
+def test_a_request_that_never_fits_is_final_even_when_its_workers_are_busy() -> None:
+    """110 blocks on a worker of 100 (98 reservable): a 400 kv_exceeds_capacity at once. With the worker at
+    max_num_seqs, starting again or its breaker open, the filters before kv-fit answered a retryable reason
+    and the request waited its whole queue deadline for a 429. A worker not yet scraped (capacity a guess)
+    may still fit it: then the answer stays retryable."""
+    import dataclasses
+    import random
+
+    from scheduler.fleet import FleetView, WorkerState
+    from scheduler.routing.config import RoutingConfig, build_router
+    from scheduler.routing.reasons import FilterReason, Reject
+
+    led = KvLedger(LedgerSettings(watermark=0.02))
+    router = build_router(RoutingConfig(), reserve=[led])
+    huge = request("huge", prompt=16 * 80, max_out=16 * 30)
+    scraped = worker("w0", blocks=100, max_num_seqs=4, scraped_blocks=100)
+    for busy in (
+        dataclasses.replace(scraped, inflight_requests=8),
+        dataclasses.replace(scraped, state=WorkerState.STARTING),
+        dataclasses.replace(scraped, breaker_open=True),
+    ):
+        r = router.route(huge, FleetView((busy, worker("x", model="other"))), 0.0, random.Random(0))
+        assert isinstance(r, Reject) and (r.primary, r.retryable) == (FilterReason.KV_EXCEEDS_CAPACITY, False)
+        assert r.details["kv_need_blocks"] == 110 and r.details["kv_reservable_blocks"] == 98
+    guess = dataclasses.replace(worker("w0", blocks=100, max_num_seqs=4), inflight_requests=8)
+    r = router.route(huge, FleetView((guess,)), 0.0, random.Random(0))
+    assert isinstance(r, Reject) and r.primary is FilterReason.AT_CAPACITY and r.retryable
