@@ -213,6 +213,7 @@ class _Book:
     shrink: int = 0
     released_since_reconcile: int = 0
     overbook: float = 0.0  # current allowance (predicted mode)
+    last_sample_at: float | None = None  # when the scrape last reconciled was taken
     last_preemptions: float | None = None
     error_frac: float | None = None
     active: dict[int, KvReservation] = field(default_factory=dict)
@@ -516,6 +517,17 @@ class KvLedger:
             if w.kv_usage is None:
                 continue
             book = self._book(w)
+            # A worker whose scrape failed keeps its last sample until it is stale: reconciling it again
+            # would count the releases since then as unexplained (capacity withheld from an idle worker)
+            # and regrow the overbook allowance on no news. One reconcile per sample.
+            taken = None if w.scrape_age_s is None else now - w.scrape_age_s
+            if (
+                taken is not None
+                and book.last_sample_at is not None
+                and abs(taken - book.last_sample_at) < 1e-6
+            ):
+                continue
+            book.last_sample_at = taken
             total = book.total
             used = w.kv_usage * total
             explained = book.reserved + book.released_since_reconcile + total * (1.0 - s.share)

@@ -72,3 +72,24 @@ def test_a_request_that_never_fits_is_final_even_when_its_workers_are_busy() -> 
     guess = dataclasses.replace(worker("w0", blocks=100, max_num_seqs=4), inflight_requests=8)
     r = router.route(huge, FleetView((guess,)), 0.0, random.Random(0))
     assert isinstance(r, Reject) and r.primary is FilterReason.AT_CAPACITY and r.retryable
+
+
+def test_a_sample_is_reconciled_once_however_many_scrape_rounds_reuse_it() -> None:
+    """A worker whose scrape fails keeps its last sample (until stale) in every round's view: reconciled
+    again after its 90 blocks were released, the old 90% usage read as unexplained and 88 blocks of an idle
+    worker were withheld. Now a sample is reconciled once; the releases wait for a newer scrape."""
+    import dataclasses
+
+    led = KvLedger(LedgerSettings(watermark=0.02))
+    w = worker("w0", blocks=100)
+    held = [led.reserve(request(f"r{i}", prompt=16 * 9, max_out=16), w, 0.0) for i in range(9)]  # 90 blocks
+    sample = dataclasses.replace(w, kv_usage=0.90, scrape_age_s=0.5)  # taken at t = 0.5
+    assert led.reconcile([sample], 1.0)[0].shrink_units == 0
+    for r in held:
+        assert r is not None
+        r.release("completed")
+    for now in (2.0, 3.0):  # the same sample, older each round
+        assert led.reconcile([dataclasses.replace(sample, scrape_age_s=now - 0.5)], now) == []
+    assert led.capacity(w) == 98
+    fresh = dataclasses.replace(w, kv_usage=0.0, scrape_age_s=0.1)
+    assert led.reconcile([fresh], 4.0)[0].shrink_units == 0 and led.capacity(w) == 98
