@@ -160,11 +160,14 @@ class AdmissionQueue(Generic[D]):
             reject: RejectLike = result  # type: ignore[assignment]
             last = reject
             self._refuse_if_final(model, reject)
-        elif self.policy is not None and self.policy.batch and req is not None:
-            # Batch mode plans waiters rather than routing them one by one, so a request no worker can
-            # ever serve (a prompt over every worker's context, …) would learn it only at its deadline, as
-            # a 429. Probe the router once: a final reject ends it now with the router's status; a
-            # decision is released at once, and the request waits its turn behind the queue.
+        elif self.policy is not None and (
+            (self.policy.batch and req is not None) or len(q) >= 1 + self.policy.backfill
+        ):
+            # Batch mode plans waiters rather than routing them one by one, and per-request mode routes only
+            # the first 1 + backfill waiters, so a request no worker can ever serve (a prompt over every
+            # worker's context, a KV footprint over every worker's, …) would learn it only at its deadline or
+            # when it reaches the window. Probe the router once: a final reject ends it now with the
+            # router's status; a decision is released at once, and the request waits its turn.
             probe = attempt()
             if self._is_reject(probe):
                 last = probe  # type: ignore[assignment]

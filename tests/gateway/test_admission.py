@@ -157,3 +157,33 @@ def test_batch_mode_refuses_an_unservable_newcomer_at_once_and_queues_a_servable
         assert q.depths() == {"m": 0}
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("backfill", "probed"), [(0, True), (1, False)])
+def test_a_newcomer_outside_the_backfill_window_is_probed_for_a_final_reject(
+    backfill: int, probed: bool
+) -> None:
+    """Per-request mode routes only the first 1 + backfill waiters: a newcomer outside that window that no
+    worker can ever serve (a KV footprint over every worker's) waited until it reached the window (the head's
+    remaining deadline) for its 400. It is probed once on arrival, as in batch mode; inside the window the
+    queue routes it anyway."""
+
+    async def run() -> None:
+        policy = BatchPolicy(batch=False, backfill=backfill)
+        q: AdmissionQueue[object] = AdmissionQueue(
+            4, 5.0, is_reject=lambda r: isinstance(r, R), poll_s=10.0, policy=policy
+        )
+        first = asyncio.create_task(q.admit("m", R))
+        await asyncio.sleep(0.01)
+        final = R(reason="no worker fits: 1 kv_exceeds_capacity", retryable=False)
+        if probed:
+            with pytest.raises(GatewayError) as err:
+                await q.admit("m", lambda: final)
+            assert err.value.cause is Cause.NO_WORKER
+        else:  # inside the window the wait's own first attempt refuses it
+            with pytest.raises(GatewayError):
+                await asyncio.wait_for(q.admit("m", lambda: final), 1.0)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+
+    asyncio.run(run())
