@@ -6,12 +6,15 @@ by stage in vLLM's order, so a request with several faults gets vLLM's answer to
 
 1. the request models' "before" validators, on the raw JSON values → 400 `BadRequestError` naming the param:
    `prompt` missing or `""`, `stream_options` without `stream`, `logprobs`/`top_logprobs` not a number or
-   below −1, `top_logprobs` without `logprobs`, `response_format` json_schema without its schema;
+   below −1, `top_logprobs` without `logprobs`, `response_format` json_schema without its schema, `tools`
+   empty, `tool_choice` not a known value or given without `tools`;
 2. field types, with the lax coercion of vLLM's pydantic models (`"true"`, `"yes"`, `1` are booleans, `"5"`
    and `5.0` integers; `stop: 5`, `top_k: 1.5`, `response_format: {"type": "nope"}` are refused) → 400
    `"type": "Bad Request"`, param the error's location (`body.<field>`); a body that is not JSON or not an
    object is refused the same way;
-3. unknown model → 404 `NotFoundError`;
+3. unknown model → 404 `NotFoundError`; then tool calls, which the simulator never makes, refused as by a
+   vLLM without `--enable-auto-tool-choice`/`--tool-call-parser` (its default): `tools` with `tool_choice`
+   auto (implied when absent), required or a named function → 400 in that server's words;
 4. `max_tokens` (chat: `max_completion_tokens` when sent, else `max_tokens`) over max_model_len → 400 naming
    that field; no prompt at all (`prompt: []`, `messages: []`) → 400 with no param;
 5. a prompt over max_model_len → 400 `input_tokens` (plain JSON even for streams);
@@ -28,8 +31,9 @@ every completion's tokens (`ApiRequest.sequences`). Refused (400, a clear messag
 on a request of several sequences (vLLM's prefill answer carries one sequence's). Accepted, type-checked and
 ignored: sampling parameters (temperature, top_p, seed, stop, …), response_format (by its type only),
 echo, prompt_logprobs. `logprobs` (completions) and `logprobs`/`top_logprobs` (chat) are answered with
-pseudo-values in vLLM's shape (`logprobs_body`, `tokens.pseudo_top_logprobs`), streamed and not. Accepted and ignored without a type check (vLLM checks them): tools, tool_choice, user,
-logit_bias, priority, use_beam_search; a `json_schema` response format's schema.
+pseudo-values in vLLM's shape (`logprobs_body`, `tokens.pseudo_top_logprobs`), streamed and not. Typed as
+vLLM types them and ignored: `tools` (with `tool_choice` none or null), `user`, `logit_bias`. Accepted and
+ignored without a type check: priority, use_beam_search; a `json_schema` response format's schema.
 """
 
 from __future__ import annotations
@@ -94,6 +98,31 @@ _Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
 _Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None
 
 
+class _FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class _Tool(BaseModel):
+    """vLLM's ChatCompletionToolsParam."""
+
+    type: Literal["function"] = "function"
+    function: _FunctionDefinition
+
+
+class _NamedFunction(BaseModel):
+    name: str
+
+
+class _NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: _NamedFunction
+
+
+_ToolChoice = Literal["none", "auto", "required"] | _NamedToolChoice | None
+
+
 class _StreamOptions(BaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -110,6 +139,7 @@ class _CompletionFields(BaseModel):
     prompt: _TokenIds | list[_TokenIds] | str | list[str] | None = None
     echo: bool | None = False
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     logprobs: int | None = None
     max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     n: int = 1
@@ -120,6 +150,7 @@ class _CompletionFields(BaseModel):
     stream_options: _StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -134,6 +165,7 @@ class _ChatFields(BaseModel):
     # `messages` (vLLM's first field) is checked by `_chat_prompt`, before these
     model: str | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, BeforeValidator(lambda v: 0 if v is None else v)] = 0  # null means absent
     max_tokens: int | None = None
@@ -147,6 +179,9 @@ class _ChatFields(BaseModel):
     stream_options: _StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    tools: list[_Tool] | None = None
+    tool_choice: _ToolChoice = "none"
+    user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -202,6 +237,7 @@ def _before_validators(body: Mapping[str, Any], chat: bool) -> None:
     and they raise VLLMValidationError, which vLLM answers as BadRequestError naming the param."""
     if chat:
         _check_logprobs(body, "top_logprobs")
+        _check_tools(body)
     else:
         prompt = body.get("prompt")
         if (
@@ -228,6 +264,44 @@ def _before_validators(body: Mapping[str, Any], chat: bool) -> None:
         raise vllm_error(
             "When response_format type is 'json_schema', the 'json_schema' field must be provided.",
             "response_format",
+        )
+
+
+def _check_tools(body: Mapping[str, Any]) -> None:
+    """vLLM 0.32's checks of `tools` / `tool_choice` on the raw values (its request model's validators)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise vllm_error(
+            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" are '
+            "supported.",
+            "tool_choice",
+        )
+    if isinstance(tools, list) and not tools:
+        raise vllm_error(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+            "tools",
+        )
+    if tools is None and choice is not None and choice != "none":
+        raise vllm_error("When using `tool_choice`, `tools` must be set.", "tool_choice")
+
+
+def _refuse_tool_calls(body: Mapping[str, Any], f: _ChatFields) -> None:
+    """The simulator makes no tool calls, as a vLLM started without `--enable-auto-tool-choice` and
+    `--tool-call-parser` (its default): tools with `tool_choice` auto (also implied by tools sent without a
+    choice), required or a named function are refused with that server's words; `none` (or null) is served
+    as plain text."""
+    if not f.tools:
+        return
+    choice = f.tool_choice if "tool_choice" in body else "auto"
+    if choice == "auto":
+        raise ApiError(
+            400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        )
+    if choice == "required":
+        raise ApiError(400, 'tool_choice="required" requires --tool-call-parser to be set')
+    if isinstance(choice, _NamedToolChoice):
+        raise ApiError(
+            400, f'tool_choice=function "{choice.function.name}" requires --tool-call-parser to be set'
         )
 
 
@@ -357,6 +431,8 @@ def parse_request(
     model = f.model or served  # vLLM serves an empty or absent name as its (only) served model
     if model != served:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if isinstance(f, _ChatFields):
+        _refuse_tool_calls(body, f)
     # vLLM's TokenizeParams check, named after the field the client sent (`is not None`: 0 counts as sent)
     if isinstance(f, _ChatFields) and f.max_completion_tokens is not None:
         max_tokens, field = f.max_completion_tokens, "max_completion_tokens"

@@ -41,6 +41,7 @@ pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
 
 MODEL = "tiny-llama"
 CHAT = [{"role": "user", "content": "Compare paged attention with a contiguous KV cache."}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +303,34 @@ BAD_REQUESTS = [
         )
     ],
     ("chat messages []", "/v1/chat/completions", {"model": MODEL, "messages": []}),
+    # tools: the simulator answers as a vLLM without a tool-call parser (the default)
+    *[
+        (f"chat {name}", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2, **extra})
+        for name, extra in (
+            ("tools without tool_choice", {"tools": [TOOL]}),
+            ("tool_choice auto", {"tools": [TOOL], "tool_choice": "auto"}),
+            ("tool_choice required", {"tools": [TOOL], "tool_choice": "required"}),
+            (
+                "tool_choice named",
+                {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            ),
+            ("tool_choice none", {"tools": [TOOL], "tool_choice": "none"}),
+            ("tool_choice null", {"tools": [TOOL], "tool_choice": None}),
+            ("tool_choice without tools", {"tool_choice": "required"}),
+            ("empty tools", {"tools": []}),
+            ("tool without function", {"tools": [{"type": "function"}]}),
+            ("tool_choice unknown", {"tools": [TOOL], "tool_choice": "sometimes"}),
+            ("user not a string", {"user": 5}),
+            ("logit_bias not numbers", {"logit_bias": {"a": "b"}}),
+            ("logit_bias", {"logit_bias": {"5": 1.0}}),
+            ("tools with max_tokens over the context", {"tools": [TOOL], "max_tokens": 100_000}),
+        )
+    ],
+    (
+        "completion user not a string",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": 5},
+    ),
     # the tiny model's vocabulary is 2,048 ids (the fixture catalog's vocab_size)
     ("token id out of vocabulary", "/v1/completions", {"model": MODEL, "prompt": [5, 2048], "max_tokens": 2}),
     ("token id past 2^32", "/v1/completions", {"model": MODEL, "prompt": [2**32], "max_tokens": 2}),

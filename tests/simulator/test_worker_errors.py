@@ -15,6 +15,7 @@ CFG = WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=1e4, engine=Engine
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 M = "llama-3-8b"
 MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f"}}
 
 ERRORS = [
     pytest.param(C, {"model": "gpt-4", "prompt": "hi"}, 404, "NotFoundError", "model", id="unknown model → 404"),
@@ -274,6 +275,19 @@ async def test_error_messages_are_vllm_032s(asgi) -> None:
         (C, {"model": M, "prompt": [[1, 2], [200000, 9]]}, "Token id 200000 is out of vocabulary"),
         (C, {"model": M, "prompt": [[300000], []]}, "Token id 300000 is out of vocabulary"),  # prompt by prompt
         (C, {"model": M, "prompt": [[], [300000]]}, "The decoder prompt cannot be empty"),
+        # tool calls, as a vLLM without a tool-call parser refuses them (the simulator makes none)
+        (CHAT, {"model": M, "messages": MSG, "tools": [TOOL]},
+         '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
+        (CHAT, {"model": M, "messages": MSG, "tools": [TOOL], "tool_choice": "required"},
+         'tool_choice="required" requires --tool-call-parser to be set'),
+        (CHAT, {"model": M, "messages": MSG, "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         'tool_choice=function "f" requires --tool-call-parser to be set'),
+        (CHAT, {"model": M, "messages": MSG, "tool_choice": "auto"},
+         "When using `tool_choice`, `tools` must be set. (parameter=tool_choice)"),
+        (CHAT, {"model": M, "messages": MSG, "tools": []},
+         "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely. "
+         "(parameter=tools)"),
         # text that is not UTF-8-encodable (a lone surrogate) was a 500; vLLM's tokenizer refuses it
         (CHAT, {"model": M, "messages": [{"role": "user", "content": "\ud800"}]},
          "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"),
