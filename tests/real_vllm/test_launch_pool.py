@@ -103,5 +103,6 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
         reader.join(150)
     if completes:
         assert (len(tokens), ended) == (400, ["done"])
-    else:
-        assert len(tokens) < 400 and ended != ["done"]
+    else:  # aborted: cut, or ended early with finish_reason "abort" (then vLLM still sends [DONE])
+        assert len(tokens) < 400
+        assert ended != ["done"] or '"finish_reason":"abort"' in tokens[-1]
