@@ -172,20 +172,33 @@ _KV_QUEUE_COUNTERS = (
 )
 
 
+def _count_families(
+    st: object, counters: Sequence[tuple[str, str, str]], by: tuple[str, str, str, str]
+) -> Iterator[Metric]:
+    """A stats object's plain counts (attribute, metric name, help), then one of its mappings as a counter
+    labelled by key (attribute, metric name, help, label)."""
+    for key, name, doc in counters:
+        yield CounterMetricFamily(name, doc, value=getattr(st, key))
+    attr, name, doc, label = by
+    fam = CounterMetricFamily(name, doc, labels=[label])
+    for value, n in sorted(getattr(st, attr).items()):
+        fam.add_metric([value], n)
+    yield fam
+
+
 class _KvQueueCollector(Collector):
     def __init__(self, stats: Callable[[], KvQueueCounts]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
         st = self._stats()
-        for key, name, doc in _KV_QUEUE_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=getattr(st, key))
-        plans = CounterMetricFamily(
-            "mosaic_kv_batch_plans", "Batch-admission plans by the method that made them", labels=["solver"]
+        plans = (
+            "methods",
+            "mosaic_kv_batch_plans",
+            "Batch-admission plans by the method that made them",
+            "solver",
         )
-        for method, n in sorted(st.methods.items()):
-            plans.add_metric([method], n)
-        yield plans
+        yield from _count_families(st, _KV_QUEUE_COUNTERS, plans)
         yield GaugeMetricFamily(
             "mosaic_kv_batch_last_solve_seconds",
             "Wall time of the last batch-admission solve",
@@ -222,15 +235,13 @@ class _KvLedgerCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        st = self._stats()
-        for key, name, doc in _KV_LEDGER_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=getattr(st, key))
-        released = CounterMetricFamily(
-            "mosaic_kv_reservations_released", "KV reservations released, by outcome", labels=["outcome"]
+        released = (
+            "released",
+            "mosaic_kv_reservations_released",
+            "KV reservations released, by outcome",
+            "outcome",
         )
-        for outcome, n in sorted(st.released.items()):
-            released.add_metric([outcome], n)
-        yield released
+        yield from _count_families(self._stats(), _KV_LEDGER_COUNTERS, released)
 
 
 _KV_GAUGES = (
