@@ -49,6 +49,8 @@ from server.errors import Cause, GatewayError, shutting_down
 from server.footprint import Kind, parse_request
 from server.gateway import Gateway
 from server.metrics import CONTENT_TYPE
+from server.request_body import read_body
+from server.tokenize_proxy import TOKENIZER_PATHS, TokenizerProxy
 from simulator.protocol import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 
 log = logging.getLogger("mosaic.app")
@@ -73,29 +75,6 @@ def new_request_id() -> str:
     n = (n & ~(0xF000 << 64)) | (4 << 76)  # version 4 (uuid.UUID's bit layout)
     n = (n & ~(0xC000 << 48)) | (0x8000 << 48)  # RFC 4122 variant
     return f"{n:032x}"
-
-
-async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
-    """The request body from the ASGI channel, refusing more than `limit` bytes (413) before (declared
-    Content-Length) or while reading it. A client gone before the body ended → Starlette's `ClientDisconnect`."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise GatewayError(
-            Cause.BODY_TOO_LARGE, f"Request body of {declared} bytes exceeds the {limit}-byte limit."
-        )
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise GatewayError(Cause.BODY_TOO_LARGE, f"Request body exceeds the {limit}-byte limit.")
-            parts.append(chunk)
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _request_headers(scope: Scope) -> tuple[str | None, str | None, str | None, str | None]:
@@ -320,6 +299,10 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
 
 
 def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
+    tokenizer = TokenizerProxy(gw)
+    for path in TOKENIZER_PATHS:  # vLLM's tokenizer endpoints, answered by a worker (server.tokenize_proxy)
+        app.router.add_route(path, tokenizer.endpoint(path, _RID_KEY), methods=["POST"])
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:

@@ -167,7 +167,7 @@ class Dispatcher:
         self.draining = False  # shutting down (`Gateway.draining`): a request reaching `handle` gets 503
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._finish_children: dict[tuple[str, str, int, str, str | None], _OutcomeChildren] = {}
-        self._worker_auth = worker_auth_headers(config)
+        self.worker_auth = worker_auth_headers(config)
         self._tickets = itertools.count(1)  # RouteRequest.ticket: what the KV holds of a request belong to
 
     def child(self, metric: Any, *labels: str) -> Any:
@@ -409,7 +409,7 @@ class Dispatcher:
                         self.registry.prefill_ends_in(lease, eta)
                 # the headers wait gets the request's own budget, not the stall timeout: a non-streaming
                 # answer's first byte comes only when generation ends
-                auth = self._worker_auth.get(decode.pool)
+                auth = self.worker_auth.get(decode.pool)
                 resp = await self.upstream.post(
                     decode.url, path, body, headers if auth is None else [*headers, auth], timeout
                 )
@@ -476,7 +476,7 @@ class Dispatcher:
         try:
             budget = min(self.limits.first_token_timeout_s, left_s) / 2
             with self.timeouts.timeout(budget):
-                auth = self._worker_auth.get(worker.pool)
+                auth = self.worker_auth.get(worker.pool)
                 resp = await self.upstream.post(
                     worker.url,
                     path,

@@ -449,6 +449,11 @@ class GatewayMetrics:
             "mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"]
         )
         self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"])
+        self.tokenizer_requests = Counter(
+            "mosaic_tokenizer_requests",
+            "POST /tokenize and /detokenize, forwarded to a worker (server.tokenize_proxy), by answer status",
+            ["path", "model", "status"],
+        )
         self._per_worker = (self.upstream_errors, self.scrape_errors)
         r.register(
             LeanCollector(
@@ -467,6 +472,7 @@ class GatewayMetrics:
                     self.pd_fallbacks,
                     self.upstream_errors,
                     self.scrape_errors,
+                    self.tokenizer_requests,
                 ]
             )
         )

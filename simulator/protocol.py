@@ -43,11 +43,13 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
 from simulator.tokens import VOCAB_SIZE, render_chat, text_token_ids
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class ApiError(Exception):
@@ -218,17 +220,30 @@ def _brief(value: Any) -> Any:
 
 
 def _validate_fields(body: Mapping[str, Any], chat: bool) -> _Fields:
+    return validated(_ChatFields if chat else _CompletionFields, body)
+
+
+def validated(
+    model: type[ModelT], body: Mapping[str, Any], union_missing: str | None = None, union_first: bool = False
+) -> ModelT:
+    """`body` validated as `model`, or vLLM's 400 for FastAPI's validation errors: "<n> validation
+    error(s):" then one line per error (at most 10), param the first error's location. `union_missing`: the
+    required field of the union's other request model (vLLM's /tokenize), reported missing beside this
+    model's errors — before them when that model comes first in the union (`union_first`) — as pydantic
+    reports a union none of whose members validated."""
     try:
-        return (_ChatFields if chat else _CompletionFields).model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        # vLLM's message: "<n> validation error(s):" then one line per error (at most 10)
-        lines = [
-            str({"type": e["type"], "loc": _param_of(e["loc"]), "msg": e["msg"], "input": _brief(e["input"])})
-            for e in errors[:10]
+        errors = [
+            {"type": e["type"], "loc": _param_of(e["loc"]), "msg": e["msg"], "input": _brief(e["input"])}
+            for e in exc.errors(include_url=False)
         ]
-        head = f"{len(errors)} validation {'error' if len(errors) == 1 else 'errors'}:"
-        raise bad_shape("\n  ".join([head, *lines]), _param_of(errors[0]["loc"])) from None
+    if union_missing is not None:
+        missing = {"type": "missing", "loc": f"body.{union_missing}", "msg": "Field required"}
+        missing["input"] = _brief(dict(body))
+        errors = [missing, *errors] if union_first else [*errors, missing]
+    head = f"{len(errors)} validation {'error' if len(errors) == 1 else 'errors'}:"
+    raise bad_shape("\n  ".join([head, *map(str, errors[:10])]), errors[0]["loc"])
 
 
 def _before_validators(body: Mapping[str, Any], chat: bool) -> None:
@@ -383,7 +398,7 @@ def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
 UNENCODABLE_TEXT = "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
 
 
-def _text_ids(text: str) -> list[int]:
+def text_ids(text: str) -> list[int]:
     try:
         return text_token_ids(text)
     except UnicodeEncodeError:
@@ -399,7 +414,7 @@ def _chat_prompt(body: Mapping[str, Any]) -> list[int] | None:
     if not messages:
         return None
     try:
-        return _text_ids(render_chat(messages))
+        return text_ids(render_chat(messages))
     except TypeError as exc:
         raise bad_shape(f"messages: {exc}", "body.messages") from None
 
@@ -409,13 +424,13 @@ def _completion_prompts(prompt: Any) -> tuple[list[list[int]], tuple[bool, ...]]
     and which were text. An empty string or token list is kept as [] for the engine check (vLLM tokenises
     "" to nothing and refuses the empty prompt in its input processor, after the sampling checks)."""
     if isinstance(prompt, str):
-        return [_text_ids(prompt)], (True,)
+        return [text_ids(prompt)], (True,)
     if not prompt:  # `prompt: []`: vLLM's renderer gets no prompt at all
         raise ApiError(400, "You must pass at least one prompt")
     if isinstance(prompt[0], int):
         return [list(prompt)], (False,)
     return (
-        [(_text_ids(p) if p else []) if isinstance(p, str) else list(p) for p in prompt],
+        [(text_ids(p) if p else []) if isinstance(p, str) else list(p) for p in prompt],
         tuple(isinstance(p, str) for p in prompt),
     )
 

@@ -79,13 +79,20 @@ def message_text(content: Any) -> str:
     raise TypeError("message content must be a string, a list of content parts or null")
 
 
-def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
-    """The simulated chat template: `<|role|>\\n{content}\\n` per message, then the assistant header."""
+def render_chat(messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The simulated chat template: `<|role|>\\n{content}\\n` per message, then (unless told not to, as
+    vLLM's `add_generation_prompt: false`) the assistant header."""
     out = []
     for m in messages:
         out.append(f"<|{m.get('role', 'user')}|>\n{message_text(m.get('content'))}\n")
-    out.append("<|assistant|>\n")
+    if add_generation_prompt:
+        out.append("<|assistant|>\n")
     return "".join(out)
+
+
+def id_text(token_id: int) -> str:
+    """The text the simulator gives a token id (`/detokenize`): a pseudo-word with its leading space."""
+    return " " + WORDS[token_id % len(WORDS)]
 
 
 def fingerprint(ids: Sequence[int]) -> int:

@@ -4,8 +4,8 @@
     app.state.worker -> WorkerRuntime   (engine, driver, metrics, faults; `await aclose()` when not served
                                          by uvicorn — the app's lifespan does it otherwise)
 
-Routes (vLLM's): POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Simulator-only (not in vLLM, under /sim/): GET|POST /sim/faults (failure injection at
+Routes (vLLM's): POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize (`simulator.tokenize_api`), GET /health, GET /metrics. Simulator-only (not in vLLM, under /sim/): GET|POST /sim/faults (failure injection at
 run time), POST /sim/kv/release (P/D: the decode side tells the prefill side its KV was fetched),
 GET /sim/state (engine state as JSON). See docs/worker.md.
 
@@ -61,6 +61,7 @@ from simulator.requests import (
     prompt_fingerprint,
     sample_natural_output,
 )
+from simulator.tokenize_api import detokenize_body, tokenize_body
 from simulator.tokens import VOCAB_SIZE, pseudo_top_logprobs, pseudo_words
 from simulator.worker_runtime import EngineDriver, Ticket
 
@@ -456,6 +457,20 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
     async def models(request: Request) -> Response:
         return JSONResponse(rt.models_body())
 
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = parse_body(await request.body(), request.headers.get("content-type"))
+            return JSONResponse(tokenize_body(body, rt.served, rt.engine.max_model_len))
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = parse_body(await request.body(), request.headers.get("content-type"))
+            return JSONResponse(detokenize_body(body, rt.served, rt.perf.model.vocab_size or VOCAB_SIZE))
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+
     async def health(request: Request) -> Response:
         return Response(status_code=200 if rt.faults.healthy else 503)
 
@@ -500,6 +515,8 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         ("/v1/completions", completions, ["POST"], False),
         ("/v1/chat/completions", chat_completions, ["POST"], False),
         ("/v1/models", models, ["GET"], True),
+        ("/tokenize", tokenize, ["POST"], False),
+        ("/detokenize", detokenize, ["POST"], False),
         ("/health", health, ["GET"], True),
         ("/metrics", metrics, ["GET"], False),
         ("/sim/state", state, ["GET"], False),

@@ -98,6 +98,10 @@ class FakeWorker:
             return httpx.Response(self.status, json=err, headers=headers)
         if self.mode == "stall":
             await asyncio.sleep(3600)
+        if path == "/tokenize":  # vLLM's answer shape; the ids say which worker answered
+            return httpx.Response(200, json={"count": 1, "max_model_len": 8192, "tokens": [len(self.name)]})
+        if path == "/detokenize":
+            return httpx.Response(200, json={"prompt": self.name})
         chat = path.endswith("chat/completions")
         kv = body.get("kv_transfer_params") or {}
         if kv.get("do_remote_decode"):

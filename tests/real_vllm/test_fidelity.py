@@ -344,6 +344,24 @@ BAD_REQUESTS = [
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
     ),
+    # vLLM's tokenizer endpoints (the union of a completion form and a chat form)
+    *[
+        (f"{path} {label}", path, body)
+        for path, label, body in (
+            ("/tokenize", "without prompt or messages", {"model": MODEL}),
+            ("/tokenize", "prompt not a string", {"model": MODEL, "prompt": 5}),
+            ("/tokenize", "prompt of token ids", {"model": MODEL, "prompt": [1, 2]}),
+            ("/tokenize", "messages not a list", {"model": MODEL, "messages": 5}),
+            ("/tokenize", "messages []", {"model": MODEL, "messages": []}),
+            ("/tokenize", "unknown model", {"model": "nope", "prompt": "hi"}),
+            ("/tokenize", "no model", {"prompt": "hi"}),
+            ("/tokenize", "messages and prompt", {"model": MODEL, "messages": CHAT, "prompt": "hi"}),
+            ("/detokenize", "tokens not a list", {"model": MODEL, "tokens": "abc"}),
+            ("/detokenize", "without tokens", {"model": MODEL}),
+            ("/detokenize", "unknown model", {"model": "nope", "tokens": [1]}),
+            ("/detokenize", "id out of vocabulary", {"model": MODEL, "tokens": [99_999_999]}),
+        )
+    ],
 ]
 
 
@@ -391,6 +409,42 @@ def test_unparseable_bodies(real_vllm: RealServer, sim_url: str, case: str, kwar
     a, b = status_type_param(real), status_type_param(sim)
     assert a[0] == 400 and a[1] == "Bad Request"
     assert_listed(set() if a == b else {f"{case}: {a} vs {b}"}, KNOWN_ERRORS, f"{case}: ")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/tokenize", {"model": MODEL, "prompt": "def route(request):"}),
+        ("/tokenize", {"model": MODEL, "prompt": "def route(request):", "return_token_strs": True}),
+        ("/tokenize", {"model": MODEL, "prompt": ""}),
+        ("/tokenize", {"model": MODEL, "messages": CHAT}),
+        ("/tokenize", {"model": MODEL, "messages": CHAT, "add_generation_prompt": False}),
+        ("/detokenize", {"model": MODEL, "tokens": []}),
+        ("/detokenize", {"model": MODEL, "tokens": [99_999_999]}),
+    ],
+)
+def test_tokenizer_answers(real_vllm: RealServer, sim_url: str, path: str, body: dict[str, Any]) -> None:
+    """The same fields with the same types (the ids differ: the simulator has no tokenizer); no token for an
+    empty prompt; the chat form's count is the prompt_tokens its chat completion is charged, on both; an id
+    outside the vocabulary detokenizes to nothing."""
+    real, sim = both(real_vllm, sim_url, "POST", path, json=body)
+    assert real.status_code == sim.status_code == 200
+    a, b = real.json(), sim.json()
+    assert {k: type(v) for k, v in a.items()} == {k: type(v) for k, v in b.items()}
+    if path == "/detokenize":
+        assert a == b == {"prompt": ""}
+        return
+    assert a["max_model_len"] == b["max_model_len"] == 512
+    for answer in (a, b):
+        assert answer["count"] == len(answer["tokens"])
+        if body.get("return_token_strs"):
+            assert len(answer["token_strs"]) == answer["count"]
+    if body.get("prompt") == "":
+        assert a["count"] == b["count"] == 0
+    if "messages" in body and body.get("add_generation_prompt", True):
+        for url, answer in ((real_vllm.url, a), (sim_url, b)):
+            chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60)
+            assert chat.json()["usage"]["prompt_tokens"] == answer["count"]
 
 
 def test_unknown_path_is_plain_404(real_vllm: RealServer, sim_url: str) -> None:

@@ -123,6 +123,38 @@ def test_unknown_model_is_404(target: Target) -> None:
     assert set(err.value.body) >= {"message", "type", "param", "code"}  # openai unwraps {"error": {...}}
 
 
+# vLLM's own answers, kept from the first target that ran (vLLM's or the gateway's: they must be equal)
+TOKENIZER_ANSWERS: dict[str, tuple[int, dict[str, object]]] = {}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/tokenize", {"prompt": "def schedule(requests):", "return_token_strs": True}),
+        ("/tokenize", {"messages": CHAT}),
+        ("/tokenize", {"prompt": ""}),
+        ("/detokenize", {"tokens": [824, 329, 1976, 1308]}),
+        ("/tokenize", {"prompt": 5}),  # vLLM's own 400: passed through unchanged
+    ],
+    ids=["prompt", "messages", "empty", "detokenize", "bad prompt"],
+)
+def test_tokenizer_endpoints_answer_as_vllm(target: Target, path: str, body: dict[str, object]) -> None:
+    """POST /tokenize and /detokenize through Mosaic are vLLM's answers, byte for byte equal as JSON: the
+    gateway forwards to a worker of the model and relays its answer. A tokenize count agrees with the
+    prompt_tokens the same messages are charged."""
+    with target.http() as http:
+        resp = http.post(path, json={"model": target.model, **body})
+        key = f"{path} {json.dumps(body)}"
+        seen = TOKENIZER_ANSWERS.setdefault(key, (resp.status_code, resp.json()))
+        assert (resp.status_code, resp.json()) == seen
+        if "messages" in body:
+            chat = http.post(
+                "/v1/chat/completions", json={"model": target.model, "messages": CHAT, "max_tokens": 1}
+            )
+            assert chat.json()["usage"]["prompt_tokens"] == resp.json()["count"]
+    assert resp.status_code == (400 if body.get("prompt") == 5 else 200)
+
+
 # 200 CJK characters: 600 tokens for the tiny model's byte-level BPE (3 bytes each, no merges learnt from
 # English), while Mosaic's estimate without a tokenizer is ceil(200 / 4) = 50: only vLLM can see it is too long.
 CJK_600_TOKENS = "漢字テスト" * 40

@@ -1,0 +1,31 @@
+"""Reading a request's body from the ASGI channel within the gateway's size limit (413 otherwise)."""
+
+from __future__ import annotations
+
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive
+
+from server.errors import Cause, GatewayError
+
+
+async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The request body from the ASGI channel, refusing more than `limit` bytes (413) before (declared
+    Content-Length) or while reading it. A client gone before the body ended → Starlette's `ClientDisconnect`."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise GatewayError(
+            Cause.BODY_TOO_LARGE, f"Request body of {declared} bytes exceeds the {limit}-byte limit."
+        )
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise GatewayError(Cause.BODY_TOO_LARGE, f"Request body exceeds the {limit}-byte limit.")
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
