@@ -12,8 +12,12 @@ exit), so response time does not reveal how much of a key matched or which one.
 Rate limits are token buckets per key (`limits.rate_limit`): a request bucket of `burst` refilled at
 `requests_per_s`, and a token bucket of `tokens_per_min` refilled continuously at tokens_per_min/60 per
 second, debited with prompt + reserved output tokens at admission (at most a full bucket, so no request is
-refused forever) and credited back with what the request did not use of that debit once its usage is
-known. An empty bucket → 429 with Retry-After = deficit / rate.
+refused forever) and settled once its usage is known (`settle`): credited back what it did not use of that
+debit, or debited what it used beyond it — its prompt was only estimated (images and audio are not counted
+at all, dense text or code is undercounted), or its debit was capped at a full bucket. That extra debit may
+take the bucket below zero, down to minus one full bucket, so a key pays for what it used by waiting (its
+next request is refused until the bucket has refilled to cover it). An empty bucket → 429 with
+Retry-After = deficit / rate.
 """
 
 from __future__ import annotations
@@ -107,7 +111,8 @@ def _matches(presented: bytes, keys: list[bytes]) -> bool:
 
 @dataclass(slots=True)
 class TokenBucket:
-    """Capacity `capacity`, refilled at `rate` per second; `level` may go negative only via `force_take`."""
+    """Capacity `capacity`, refilled at `rate` per second; `level` may go negative only via `force_take`, down
+    to −capacity."""
 
     capacity: float
     rate: float
@@ -130,6 +135,11 @@ class TokenBucket:
     def give(self, amount: float, now: float) -> None:
         self._refill(now)
         self.level = min(self.capacity, self.level + amount)
+
+    def force_take(self, amount: float, now: float) -> None:
+        """Take `amount` whether or not it is there (a debt for what was already used), down to −capacity."""
+        self._refill(now)
+        self.level = max(-self.capacity, self.level - amount)
 
 
 class RateLimiter:
@@ -179,11 +189,16 @@ class RateLimiter:
             return charged
         return 0
 
-    def refund(self, key: str, tokens: int, now: float) -> None:
-        """Credit back debited tokens the request did not use (debited − actual, when positive)."""
+    def settle(self, key: str, charged: int, used: int, now: float) -> None:
+        """Settle a request's token debit with what it used: credit back `charged − used` when it used less,
+        debit `used − charged` more when it used more (the bucket may go below zero, to −capacity)."""
         bucket = self._tokens.get(key)
-        if bucket is not None and tokens > 0:
-            bucket.give(float(tokens), now)
+        if bucket is None:
+            return
+        if used < charged:
+            bucket.give(float(charged - used), now)
+        elif used > charged:
+            bucket.force_take(float(used - charged), now)
 
     @staticmethod
     def _bucket(

@@ -259,7 +259,7 @@ class Dispatcher:
                 )  # output lengths for `predicted` KV reservations
         elif status == 200:
             used = rec.reserved_tokens  # no usage reported: keep the whole debit
-        self.limiter.refund(rec.key, rec.reserved_tokens - used, now)
+        self.limiter.settle(rec.key, rec.reserved_tokens, used, now)
 
     def _outcome_children(
         self, model: str, pool: str, status: int, name: str, reason: str | None

@@ -124,7 +124,7 @@ def test_token_rate_limit_refunds_unused_tokens() -> None:
     with pytest.raises(GatewayError) as err:
         lim.admit("k", 200, now=0.0)  # 100 left, 200 needed: short 100 → 10 s
     assert err.value.cause is Cause.TOKEN_RATE_LIMITED and err.value.retry_after_s == pytest.approx(10.0)
-    lim.refund("k", 450, now=0.0)  # the first request used 50 of its 500
+    lim.settle("k", 500, 50, now=0.0)  # the first request used 50 of its 500
     lim.admit("k", 200, now=0.0)
 
 
@@ -148,15 +148,57 @@ def test_admit_returns_what_it_debited_and_a_refund_never_exceeds_it() -> None:
     lim = RateLimiter(RateLimitConfig(tokens_per_min=1000))
     assert RateLimiter(RateLimitConfig(requests_per_s=5)).admit("k", 500, now=0.0) == 0  # no token limit
     assert lim.admit("k", 300, now=0.0) == 300
-    lim.refund("k", 300 - 200, now=0.0)  # used 200 of 300: the bucket holds 1000 − 300 + 100 = 800
+    lim.settle("k", 300, 200, now=0.0)  # used 200 of 300: the bucket holds 1000 − 300 + 100 = 800
     charged = lim.admit(
         "k", 1_000_000, now=12.0
     )  # a huge max_tokens is charged a full bucket (refilled by 12 s)
     assert charged == 1000 and lim._tokens["k"].level == 0
-    lim.refund("k", charged - 900, now=12.0)  # it used 900: 100 back, not 1,000,000 − 900
+    lim.settle("k", charged, 900, now=12.0)  # it used 900: 100 back, not 1,000,000 − 900
     with pytest.raises(GatewayError) as err:
         lim.admit("k", 1_000_000, now=12.0)  # 100 in the bucket, 1000 needed: 900 short at 1000 a minute
     assert err.value.cause is Cause.TOKEN_RATE_LIMITED and err.value.retry_after_s == pytest.approx(54.0)
+
+
+def test_usage_beyond_the_debit_is_debited_too_down_to_minus_one_bucket() -> None:
+    """A request that used more than it was debited (its prompt estimated low, or its debit capped at a full
+    bucket) pays the difference: the bucket goes into debt, at most one bucket deep, and the key waits."""
+    lim = RateLimiter(RateLimitConfig(tokens_per_min=600))  # 10 tokens/s
+    assert lim.admit("k", 100, now=0.0) == 100
+    lim.settle("k", 100, 400, now=0.0)  # used 400: 600 − 100 − 300 = 200 left
+    assert lim._tokens["k"].level == pytest.approx(200)
+    lim.settle("k", 0, 5_000, now=0.0)  # far more than a bucket: the debt stops at −600
+    assert lim._tokens["k"].level == pytest.approx(-600)
+    with pytest.raises(GatewayError) as err:
+        lim.admit("k", 10, now=0.0)
+    assert err.value.retry_after_s == pytest.approx(61.0)  # (10 + 600) / 10 per second
+    lim.admit("k", 10, now=61.0)
+    lim.settle("other", 0, 100, now=0.0)  # a key never admitted has no bucket: nothing to settle
+
+
+def test_requests_using_more_than_their_estimate_are_limited_by_what_they_use() -> None:
+    """Through the gateway: chat requests with an image part are debited their text estimate (images are not
+    counted) and use 1,510 tokens each; against 1,000 tokens a minute the first one passes, and the key is
+    in debt afterwards, so the next ones are refused (each of the 40 passed before: only the estimate was
+    ever debited)."""
+    worker = FakeWorker("a", usage={"prompt_tokens": 1500, "completion_tokens": 10, "total_tokens": 1510})
+    cfg = config(pool("p", "L4", "mixed", worker), limits={"rate_limit": {"tokens_per_min": 1000}})
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}],
+        "max_tokens": 10,
+    }
+
+    async def go() -> list[int]:
+        app = create_app(cfg, transport=FakeFleet(worker).transport)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c,
+        ):
+            return [(await c.post("/v1/chat/completions", json=body)).status_code for _ in range(5)]
+
+    assert asyncio.run(go()) == [200, 429, 429, 429, 429]
+    assert len(worker.seen) == 1
 
 
 def test_requests_with_a_huge_max_tokens_are_limited_by_what_they_use() -> None:
