@@ -388,10 +388,22 @@ class CorsConfig(_Strict):
     allow_credentials: bool = False
 
 
+class GatewayPeersConfig(_Strict):
+    """This gateway's own replicas, listed at run time (`server.peers`): N of the 1/N KV share is the number
+    listed — at once when it rises, after `grow_back_after_s` of fewer when it falls — instead of the fixed
+    `gateway.replicas`. Kubernetes discovery of the gateway's pods: the EndpointSlices of its Service (every
+    pod with an address, ready or not, terminating ones included) or the pods by label."""
+
+    kubernetes: KubernetesSource
+    grow_back_after_s: float = Field(default=60.0, ge=0)
+
+
 class GatewaySettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    replicas: int = Field(default=1, ge=1)  # gateway processes sharing the fleet: each owns 1/N of capacity
+    # gateway processes sharing the fleet: each owns 1/N of capacity (with `peers`: N until the first listing)
+    replicas: int = Field(default=1, ge=1)
+    peers: GatewayPeersConfig | None = None
 
 
 class MosaicConfig(_Strict):
@@ -536,6 +548,12 @@ def _check_kv(config: MosaicConfig) -> None:
         )
     if not kv.enabled:
         return
+    if kv.share is not None and config.gateway.peers is not None:
+        raise _FieldError(
+            "kv.share",
+            "a fixed share and gateway.peers (a share of 1/N from the listed replicas) exclude each other; "
+            "remove one",
+        )
     pools = {p.name: p for p in config.pools}
     models = [m.name for m in config.model_configs()]
     for i, c in enumerate(kv.compression):

@@ -43,6 +43,7 @@ from server.embedded_actuator import OpenDecisions
 from server.kv_admission import KvQueuePolicy
 from server.kv_setup import build_gateway_ledger, routing_with_kv
 from server.metrics import GatewayMetrics
+from server.peers import GatewayPeers
 from server.proxy import Upstream
 from server.registry import PoolInfo, Registry
 
@@ -148,6 +149,12 @@ class Gateway:
             clock,
             self.predictor,
         )
+        # `gateway.peers`: the KV share follows the gateway replicas listed at run time (server.peers)
+        self.peers: GatewayPeers | None = None
+        if config.gateway.peers is not None and self.ledger is not None:
+            self.peers = GatewayPeers(
+                config.gateway.peers, self.ledger, config.gateway.replicas, self.metrics.registry, clock
+            )
         # `autoscaler.enabled` with the embedded or dry-run actuator: the controller runs in this process.
         self.autoscaler: AutoscalerController | None = (
             in_process_controller(self) if in_process(config) else None
@@ -262,6 +269,8 @@ class Gateway:
         warning = self.keys.open_warning()
         if warning:
             log.warning(warning)
+        if self.peers is not None:
+            await self.peers.start()
         await self.registry.start()
         if self.autoscaler is not None:
             self.autoscaler.start()
@@ -295,6 +304,8 @@ class Gateway:
             self._shutdown_timer.cancel()
         if self.autoscaler is not None:
             await self.autoscaler.stop()
+        if self.peers is not None:
+            await self.peers.stop()
         await self.registry.stop()
         await self.upstream.aclose()
         if self._own_probe_client is not None:

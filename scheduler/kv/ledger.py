@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Literal
 
@@ -205,9 +205,8 @@ class KvReservation:
 @dataclass(slots=True)
 class _Book:
     total: int = 0  # units on the worker (last seen)
-    base_capacity: int = (
-        0  # floor(total · (1 − watermark) · share), derived with `total` (capacity = it − shrink)
-    )
+    unshared: float = 0.0  # min(total · (1 − watermark), total − the null block), derived with `total`
+    base_capacity: int = 0  # floor(unshared · share) (capacity = it − shrink)
     reserved: int = 0
     worst_reserved: int = 0
     shrink: int = 0
@@ -499,6 +498,16 @@ class KvLedger:
             r.release(Outcome.LEASE_EXPIRED)
         return expired
 
+    def set_share(self, share: float) -> None:
+        """This process's part of every worker changed (`server.peers`: the listed gateway replicas). Applies
+        at once: a smaller share refuses new reservations until this process's own fall below it (nothing
+        already reserved is taken back); the reconcile's allowance for the others' shares follows."""
+        if share == self.settings.share:
+            return
+        self.settings = replace(self.settings, share=share)  # validated there: (0, 1]
+        for book in self._books.values():
+            book.base_capacity = math.floor(book.unshared * share)
+
     # --- reconcile -------------------------------------------------------------------------------------
     def reconcile(self, view: FleetView | Iterable[WorkerView], now: float) -> list[ReconcileSample]:
         """Compare reported KV usage with reservations; shrink capacity by unexplained usage. Per worker.
@@ -595,6 +604,7 @@ class KvLedger:
             # head-page units where it leaves less than one block's worth); a watermark of 0, which the
             # config refuses, is an idealised ledger with nothing kept back (unit tests' arithmetic)
             usable = max(0, book.total - book.spec.units_per_block) if s.watermark > 0 else book.total
-            book.base_capacity = math.floor(min(book.total * (1.0 - s.watermark), usable) * s.share)
+            book.unshared = min(book.total * (1.0 - s.watermark), usable)
+            book.base_capacity = math.floor(book.unshared * s.share)
             book.needs.clear()
         return book

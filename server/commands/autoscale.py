@@ -128,7 +128,13 @@ async def standalone(
     }
     try:
         gw = Gateway(
-            cfg.model_copy(update={"autoscaler": a.model_copy(update={"enabled": False}), "pools": pools}),
+            cfg.model_copy(
+                update={
+                    "autoscaler": a.model_copy(update={"enabled": False}),
+                    "pools": pools,
+                    "gateway": cfg.gateway.model_copy(update={"peers": None}),  # it reserves no KV
+                }
+            ),
             sources=passive,
         )
     except ConfigError as exc:  # what only the built gateway checks (e.g. the KV section): one line, exit 2

@@ -16,6 +16,7 @@ from server.config import load_config
 from tests.chart.chartkit import (
     CHART_DIR,
     EXAMPLES_DIR,
+    NAMESPACE,
     RELEASE,
     Rendered,
     container,
@@ -76,6 +77,27 @@ def test_rendered_config_parses_with_mosaics_loader(
         gateway["port"],
         n,
     )
+    # the KV share's N counted at run time: the gateway Service's EndpointSlices, whose port is named http
+    peers = config.gateway.peers
+    assert peers is not None and peers.grow_back_after_s == gateway["peers"]["growBackSeconds"]
+    service = rendered.get("Service", f"{RELEASE}-gateway")
+    assert [p["name"] for p in service["spec"]["ports"]] == [peers.kubernetes.port] == ["http"]
+    assert peers.kubernetes.label_selector == f"kubernetes.io/service-name={service['metadata']['name']}"
+    assert (peers.kubernetes.resource, peers.kubernetes.namespace) == ("endpointslices", NAMESPACE)
+    assert peers.kubernetes.domain_label is None and peers.kubernetes.in_cluster is True
+    off = load_config(
+        _materialise_config(
+            render(
+                chart,
+                {
+                    **(load_values(values_file) if values_file else {}),
+                    "gateway": {"peers": {"enabled": False}},
+                },
+            ),
+            tmp_path,
+        )
+    )
+    assert off.gateway.peers is None
 
 
 def test_config_sections_pass_through_to_the_gateway(chart: helm.Chart, tmp_path: Path) -> None:

@@ -124,8 +124,13 @@ def test_rbac_is_namespaced_and_minimal(chart: helm.Chart, values_file: Path | N
     # The gateway only lists what its discovery reads (EndpointSlices by default): `list pods` would show
     # it every pod spec of the namespace, literal env values included.
     assert rendered.get("Role", f"{RELEASE}-gateway")["rules"] == CONTROLLER_RULES[1:]
+    # With pod discovery it lists pods, and EndpointSlices only to count its own replicas (gateway.peers)
     pods = _render(chart, values_file, gateway={"discovery": {"resource": "pods"}})
-    assert pods.get("Role", f"{RELEASE}-gateway")["rules"] == CONTROLLER_RULES[:1]
+    assert pods.get("Role", f"{RELEASE}-gateway")["rules"] == CONTROLLER_RULES
+    alone = _render(
+        chart, values_file, gateway={"discovery": {"resource": "pods"}, "peers": {"enabled": False}}
+    )
+    assert alone.get("Role", f"{RELEASE}-gateway")["rules"] == CONTROLLER_RULES[:1]
 
     for binding in rendered.of_kind("RoleBinding"):
         role = rendered.get("Role", binding["roleRef"]["name"])

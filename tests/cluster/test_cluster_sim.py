@@ -168,7 +168,9 @@ def test_bad_fleet_is_one_clear_error() -> None:
         parse_fleet({"pools": [{"name": "x", "gpu": "L4", "role": "both"}]})
     with pytest.raises(FleetConfigError, match="unknown GPU 'B300'"):
         pool_specs(parse_fleet({"pools": [{"name": "x", "gpu": "B300"}]}))
-    with pytest.raises(FleetConfigError) as err:  # a validator's own words, without pydantic's "Value error, "
+    with pytest.raises(
+        FleetConfigError
+    ) as err:  # a validator's own words, without pydantic's "Value error, "
         parse_fleet({"pools": [{"name": "a", "gpu": "H100", "replicas": 5, "max_replicas": 2}]})
     assert str(err.value) == "fleet: pools.0: pool a: replicas (5) must be ≤ max_replicas (2)"
 

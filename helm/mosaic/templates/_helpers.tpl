@@ -362,7 +362,8 @@ The gateway's config.yaml (server/config.py, INTERFACES.md §4): `.Values.config
 owns. Each pool is found through the Kubernetes API in the release namespace: by default the EndpointSlices
 of the pool's Service (ready endpoints only), or with gateway.discovery.resource=pods the pool's pods by
 their selector labels. `gateway.replicas` is the N of the 1/N KV share each gateway replica owns: with the
-HPA it is maxReplicas, the pessimistic share.
+HPA it is maxReplicas, the pessimistic share; with gateway.peers.enabled (the default) only until a replica's
+first listing of the gateway Service's EndpointSlices, after which N is the count listed (server/peers.py).
 */}}
 {{- define "mosaic.gatewayConfig" -}}
 {{- $root := . }}
@@ -437,7 +438,14 @@ HPA it is maxReplicas, the pessimistic share.
 {{- if $root.Values.gateway.autoscaling.enabled }}{{ $n = $root.Values.gateway.autoscaling.maxReplicas }}{{ end }}
 {{- /* at least 1: `gateway.replicas: 0` (the gateway scaled away for maintenance) must still give a config the
 controller, which reads the same ConfigMap, accepts */}}
-{{- $_ := set $cfg "gateway" (dict "replicas" (max 1 (int $n)) "host" "0.0.0.0" "port" (int $root.Values.gateway.port)) }}
+{{- $gw := dict "replicas" (max 1 (int $n)) "host" "0.0.0.0" "port" (int $root.Values.gateway.port) }}
+{{- $peers := $root.Values.gateway.peers }}
+{{- if $peers.enabled }}
+{{- /* the gateway Service's EndpointSlices, port by the Service port's name: every replica, ready or not */}}
+{{- $slices := dict "namespace" $root.Release.Namespace "label_selector" (printf "kubernetes.io/service-name=%s" (include "mosaic.gateway.fullname" $root)) "port" "http" "resource" "endpointslices" "resync_s" (float64 $peers.resyncSeconds) "in_cluster" true "domain_label" nil }}
+{{- $_ := set $gw "peers" (dict "kubernetes" $slices "grow_back_after_s" (float64 $peers.growBackSeconds)) }}
+{{- end }}
+{{- $_ := set $cfg "gateway" $gw }}
 {{- if $root.Values.auth.enabled }}
 {{- $_ := set $cfg "auth" (dict "api_keys_env" "MOSAIC_API_KEYS" "admin_keys_env" "MOSAIC_ADMIN_KEYS") }}
 {{- end }}
