@@ -19,8 +19,9 @@ Per request:
 
 Timeouts: `first_token_timeout_s` bounds dispatch → first byte of a stream (prefill hop included);
 `total_timeout_s` bounds a whole non-streaming request (its headers come only when generation ends, so
-the wait for them gets that budget) and is checked between stream chunks; `stall_timeout_s` (the client's
-read timeout) bounds every gap between a stream's chunks and the read of a body once its headers came.
+the wait for them gets that budget; when it runs out the request ends `timed_out`, with no retry and no
+mark on the worker's breaker) and is checked between stream chunks; `stall_timeout_s` (the client's read
+timeout) bounds every gap between a stream's chunks and the read of a body once its headers came.
 
 Client disconnects: while waiting for the first byte, a `DisconnectWatch` cancels the work (the upstream
 connection is closed, which aborts the request in vLLM) — pushed by `server.fast_http`'s cycle at once,
@@ -99,6 +100,8 @@ log = logging.getLogger("mosaic.dispatch")
 _OutcomeChildren = tuple[Any, Any, Any, Any, Any, Any]
 
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": recorded, never sent
+# A time-out this close to the end of a request's total_timeout_s is that budget's (timers fire at or after it)
+BUDGET_SLACK_S = 0.01
 WATCH_AFTER_S = 0.05  # requests answered faster than this never start a disconnect watcher
 
 
@@ -333,12 +336,16 @@ class Dispatcher:
                 if isinstance(routed, Reject):
                     return self._give_up(rec, last)
                 decision = routed
+                self.metrics.retries.labels(parsed.model, last.kind).inc()  # counted once it is dispatched
+                log.info("request %s: retrying after %s", rec.request_id, last)
             rec.pool = decision.decode.pool
             lease = Lease(decision, rreq, self.registry, self.router, self.admission.notify, self.clock)
             try:
                 return await self._attempt(decision, parsed, path, rec, lease)
             except UpstreamFailure as failure:
                 lease.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
+                if failure.budget_spent:  # its own total_timeout_s ran out: no worker to blame, no time left
+                    return self._timed_out(rec)
                 if failure.status == 429:  # busy, not broken: retried elsewhere, but no mark on its breaker
                     self.registry.report_success(failure.worker_id)
                 elif failure.kind not in ("pool_timeout", "removed"):
@@ -346,13 +353,15 @@ class Dispatcher:
                 exclude.add(failure.worker_id)
                 last = failure
                 attempt += 1
+                now = self.clock()
                 if (
                     attempt > self.limits.max_retries
-                    or self.clock() - rec.arrival > self.limits.retry_budget_s
+                    or now - rec.arrival > self.limits.retry_budget_s
+                    # a whole answer has total_timeout_s from arrival, retries included: with nothing left,
+                    # a retry would only be sent to time out at once (and blamed on that worker)
+                    or (not parsed.stream and now >= rec.arrival + self.limits.total_timeout_s)
                 ):
                     return self._give_up(rec, failure)
-                self.metrics.retries.labels(parsed.model, failure.kind).inc()
-                log.info("request %s: retrying after %s", rec.request_id, failure)
             except BaseException as exc:
                 lease.release(
                     Outcome.CLIENT_DISCONNECTED
@@ -360,6 +369,18 @@ class Dispatcher:
                     else Outcome.WORKER_ERROR
                 )
                 raise
+
+    def _timed_out(self, rec: RequestRecord) -> Response:
+        """A whole (non-streaming) answer not there when `total_timeout_s` ran out: 504, outcome `timed_out`,
+        no breaker mark — as a stream the same limit ends (a long generation is not a broken worker; a
+        hung one is found by its health checks and by streams' first-token and stall time-outs)."""
+        err = GatewayError(
+            Cause.UPSTREAM_TIMEOUT,
+            f"The request did not complete within the gateway's total timeout of "
+            f"{self.limits.total_timeout_s:g} s.",
+        )
+        self.finish(rec, err.status, GatewayOutcome.TIMED_OUT)
+        return err.to_response(rec.request_id)
 
     def _give_up(self, rec: RequestRecord, failure: UpstreamFailure) -> Response:
         if failure.status is not None:  # the worker answered: its body passes through unchanged
@@ -415,6 +436,8 @@ class Dispatcher:
                 )
                 try:
                     if resp.status_code != 200 or not parsed.stream:
+                        if isinstance(resp, H1Response):  # once the head came, the body may not stall
+                            resp.bound_gaps(self.limits.stall_timeout_s)
                         content = await resp.aread()
                         await resp.aclose()
                         return self._whole(resp, content, decode.id, parsed, rec, lease)
@@ -441,9 +464,19 @@ class Dispatcher:
                     raise
         except (httpx.HTTPError, TimeoutError) as exc:
             kind, hard = classify(exc)
+            # A whole answer's waits are bounded by what is left of its total_timeout_s: a time-out once that
+            # is spent is the request's own limit (a long generation), not a stalled worker.
+            spent = (
+                not parsed.stream
+                and kind == "timeout"
+                and self.clock() >= rec.arrival + self.limits.total_timeout_s - BUDGET_SLACK_S
+            )
             # The request's own time-out can fire during the prefill hop (both blocks expire in one sweep of
-            # `TaskTimeouts`, every up to 1 s): that is the prefill worker's slowness, not the decode one's.
-            raise UpstreamFailure(waiting_on.id, kind, hard) from None
+            # `TaskTimeouts`, every up to 1 s): that is the prefill worker's slowness, not the decode one's —
+            # the hop's own bound (half the budget) had passed too, so it is told even when the budget is spent.
+            if spent and waiting_on is not decode:
+                self.registry.report_failure(waiting_on.id, "prefill_timeout")
+            raise UpstreamFailure(waiting_on.id, kind, hard, budget_spent=spent) from None
         self.registry.report_success(decode.id)
         lease.first_token()
         return self._stream(resp, chunks, first, parsed, rec, lease)

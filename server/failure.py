@@ -52,7 +52,7 @@ class GatewayOutcome(StrEnum):
     """Terminal outcomes the gateway records beyond the router's `Outcome` (metrics, /admin, logs)."""
 
     WORKER_REJECTED = "worker_rejected"  # the worker answered 4xx (bad request, context too long, ...)
-    TIMED_OUT = "timed_out"  # the gateway's total_timeout_s ended a stream after its first byte
+    TIMED_OUT = "timed_out"  # total_timeout_s ended the request: a stream, or the wait for a whole answer
     SHUT_DOWN = "shut_down"  # still running when the shutdown grace ran out: the gateway ended it (503)
     INTERNAL_ERROR = "internal_error"  # the gateway itself failed (a bug): no worker is to blame
 
@@ -66,6 +66,9 @@ class UpstreamFailure(Exception):
     body: bytes = b""  # the worker's error body, passed through if retries run out
     content_type: str = "application/json"
     retry_after: str | None = None  # the worker's Retry-After, kept if its 429/503 is passed through
+    # the request's own total_timeout_s ran out while it waited (a non-streaming answer): not the worker's
+    # fault, and no budget is left for a retry
+    budget_spent: bool = False
 
     def __str__(self) -> str:
         return f"{self.worker_id}: {self.kind}"

@@ -174,6 +174,7 @@ class SseRelay:
 
     __slots__ = (
         "_buf",
+        "done",
         "error",
         "role_only_relayed",
         "strip_usage",
@@ -190,6 +191,7 @@ class SseRelay:
         # Role events open a stream: looked for at the start of each chunk until the caller's first token.
         self.watch_roles = True
         self.error: dict[str, Any] | None = None
+        self.done = False  # `data: [DONE]` relayed: the stream ended as an OpenAI stream ends
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -203,6 +205,8 @@ class SseRelay:
                 return b""
             self._buf = chunk[cut + 2 :]
             chunk = chunk[: cut + 2]
+        if chunk.endswith(b"data: [DONE]\n\n"):  # the last event: nothing follows it
+            self.done = True
         # find(), not `in`: `in` on bytes first tries the needle as an int and formats (then drops) a
         # TypeError, ≈ 4k instructions per call on a path taken per relayed chunk and event.
         # `{"error"` opens an error event's object; inside a token's JSON string its quote is escaped.

@@ -192,8 +192,17 @@ class StreamSession:
             raise TotalTimeout(f"total timeout {self.d.limits.total_timeout_s:g} s")
 
     def _end(self) -> bytes:
-        """The stream ended well: the held-back remainder to send; per-request TPOT observed."""
+        """The worker's body ended: the held-back remainder to send; per-request TPOT observed. A body that
+        ended without `data: [DONE]` (a worker that died with a close-delimited body, or ended its chunked
+        one early) is ended as a failed stream is: an error event (unless the worker sent one) and `[DONE]`,
+        the incomplete event it was in the middle of dropped — the client is never left without `[DONE]`."""
         tail = self.relay.flush()
+        if not self.relay.done:
+            if self.relay.error is not None:
+                return STREAM_DONE
+            return stream_error_event(
+                "Upstream stream ended before it was complete (no [DONE]).", 502, "BadGatewayError"
+            )
         n = usage_count((self.relay.usage or {}).get("completion_tokens"))
         # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1), to the last token
         if n >= 2 and self._timed and self.relay.error is None:
@@ -207,6 +216,8 @@ class StreamSession:
         """The stream failed after the first byte: the error event to send. The worker's breaker hears of
         it unless it was the gateway's own `total_timeout_s` (a long generation streaming steadily is not a
         broken worker; a silent one is caught by `stall_timeout_s`)."""
+        if self.relay.done:  # `[DONE]` was relayed: the answer is whole, whatever the worker does after it
+            return b""
         if isinstance(exc, TotalTimeout):
             return stream_error_event(
                 f"The request exceeded the gateway's total timeout of {self.d.limits.total_timeout_s:g} s.",
@@ -223,6 +234,9 @@ class StreamSession:
         worker error its breaker hears of."""
         error = self.relay.error
         if error is None:
+            if not self.relay.done:  # cut short without an error event: `_end` sent one
+                self.d.registry.report_failure(self.lease.decision.decode.id, "stream_truncated")
+                return Outcome.WORKER_ERROR
             return Outcome.COMPLETED
         code = error.get("code")
         if type(code) is int and 400 <= code < 500:
@@ -230,9 +244,11 @@ class StreamSession:
         self.d.registry.report_failure(self.lease.decision.decode.id, "stream_error_event")
         return Outcome.WORKER_ERROR
 
-    @staticmethod
-    def _failure_outcome(exc: BaseException) -> Outcome | GatewayOutcome:
-        """The gateway's own total_timeout_s is `timed_out`, not a worker error (`_failed` spares the breaker)."""
+    def _failure_outcome(self, exc: BaseException) -> Outcome | GatewayOutcome:
+        """The gateway's own total_timeout_s is `timed_out`, not a worker error (`_failed` spares the breaker);
+        a stream whose `[DONE]` was relayed ended as it ended, whatever failed after it."""
+        if self.relay.done:
+            return self._ended_outcome()
         return GatewayOutcome.TIMED_OUT if isinstance(exc, TotalTimeout) else Outcome.WORKER_ERROR
 
     # ------------------------------------------------------------------ the two ways

@@ -1,0 +1,222 @@
+"""How requests end when time or the worker's stream runs out (failure-semantics review findings): a whole
+answer's total_timeout_s is the request's own limit, never a worker's fault; retries are counted when they
+are dispatched; a stream always ends with `[DONE]`, and nothing follows its `[DONE]`; a whole answer's body
+may not stall after its head for longer than stall_timeout_s. Fake workers at the HTTP seam, and scripted
+workers over real sockets where the pooled upstream's read deadlines matter."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from server.config import validate_config
+from server.runner import start_gateway_server
+from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+from tests.gateway.scripted_http import EMPTY_200, SSE_HEAD, chunk, read_request
+from tests.gateway.test_faults import CHAT, chat, gateway, metric, run, sse_events
+
+RR = {"routing": {"policy": "round-robin"}}
+
+
+def failures(gw: Any) -> dict[str, int]:
+    """Breaker failures by worker host."""
+    return {r.url.split("//")[1].rsplit(":", 1)[0]: r.breaker.failures for r in gw.registry.records()}
+
+
+def test_whole_answers_past_total_timeout_blame_no_worker_and_are_not_retried() -> None:
+    """Three requests, each first sent to a worker that never answers: before, each was retried on the
+    healthy worker with nothing left of its budget, which timed out at once and was charged — both workers
+    were ejected after three requests."""
+    hung, healthy = FakeWorker("hung", mode="stall"), FakeWorker("healthy", whole_delay_s=0.1)
+    limits = {"total_timeout_s": 0.5, "first_token_timeout_s": 2.0, "retry_budget_s": 10.0}
+
+    async def body() -> None:
+        cfg = config(pool("p", "L4", "mixed", hung, healthy), limits=limits, **RR)
+        async with gateway(cfg, FakeFleet(hung, healthy)) as (c, gw):
+            statuses = [(await c.post(CHAT, json=chat(f"q{i}"))).status_code for i in range(4)]
+            assert sorted(statuses) == [200, 200, 504, 504]  # round robin: each worker twice
+            assert len(healthy.seen) == 2  # only its own turns: no retry was sent to it
+            assert failures(gw) == {"hung": 0, "healthy": 0}
+            assert gw.dispatcher.outcomes == {"timed_out": 2, "completed": 2}
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="timeout") == 0
+
+    run(body)
+
+
+def test_long_whole_answers_do_not_eject_a_healthy_worker() -> None:
+    slow = FakeWorker("slow", whole_delay_s=1.0)
+    limits = {"total_timeout_s": 0.3, "retry_budget_s": 0.1}
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", slow), limits=limits), FakeFleet(slow)) as (c, gw):
+            rs = await asyncio.gather(*[c.post(CHAT, json=chat(f"q{i}")) for i in range(4)])
+            assert [r.status_code for r in rs] == [504] * 4
+            assert failures(gw) == {"slow": 0}
+            ok, body = gw.readiness()
+            assert ok and body["ready_workers"] == {"llama-3-8b": 1}
+
+    run(body)
+
+
+def test_retries_are_counted_when_dispatched() -> None:
+    only = FakeWorker("only", mode="status", status=503)
+    a, b = FakeWorker("a", mode="status", status=503), FakeWorker("b")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", only)), FakeFleet(only)) as (c, gw):
+            assert (await c.post(CHAT, json=chat())).status_code == 503
+            assert len(only.seen) == 1  # nowhere else to go: no retry happened
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="status_503") == 0
+        async with gateway(config(pool("p", "L4", "mixed", a, b), **RR), FakeFleet(a, b)) as (c, gw):
+            assert (await c.post(CHAT, json=chat())).status_code == 200
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="status_503") == 1
+
+    run(body)
+
+
+class EndsEarly(FakeWorker):
+    """A stream whose body ends cleanly after its second token, without `[DONE]` (and, with
+    `error_first`, after an error event)."""
+
+    error_first: bool = False
+
+    async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
+        sent = 0
+        async for piece in super()._stream(chat, n, usage):
+            if sent == 2:
+                if self.error_first:
+                    yield self._error_event()
+                return
+            sent += 1
+            yield piece
+
+
+def _ended_early(error_first: bool) -> None:
+    a = EndsEarly("a", tokens=4)
+    a.error_first = error_first
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True))
+            events = sse_events(r.text)
+            assert r.status_code == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
+            assert len(events) == 4  # two tokens, an error event, [DONE]
+            error = json.loads(events[-2])["error"]
+            if not error_first:
+                assert error["type"] == "BadGatewayError" and "no [DONE]" in error["message"]
+            assert gw.dispatcher.outcomes == {"worker_error": 1}
+            kind = "stream_error_event" if error_first else "stream_truncated"
+            assert metric(gw, "mosaic_upstream_errors_total", worker="p/a:8000", kind=kind) == 1
+
+    run(body)
+
+
+def test_a_stream_that_ends_without_done_gets_an_error_event_and_done() -> None:
+    """Before, a body that ended early was `completed` and the client got neither an error nor `[DONE]`."""
+    _ended_early(error_first=False)
+
+
+def test_a_stream_that_ends_after_an_error_event_without_done_gets_done() -> None:
+    _ended_early(error_first=True)
+
+
+# ------------------------------------------------------------------------------------- real sockets
+def _event(content: str) -> bytes:
+    choice = {"index": 0, "delta": {"content": content}, "finish_reason": None}
+    return b"data: " + json.dumps({"id": "c", "choices": [choice]}).encode() + b"\n\n"
+
+
+async def _with_worker(
+    answer: Callable[[asyncio.StreamWriter, bool], Awaitable[None]],
+    limits: dict[str, float],
+    request: dict[str, Any],
+) -> tuple[httpx.Response, float, Any]:
+    """A scripted worker (`answer(writer, stream)` writes the response to a completion), a real gateway in
+    front of it, one request; (response, seconds it took, the gateway)."""
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                path, body = await read_request(reader)
+                if not path.startswith(b"/v1/"):
+                    writer.write(EMPTY_200)
+                    continue
+                await answer(writer, bool(json.loads(body).get("stream")))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(worker, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = validate_config(
+        {
+            "pools": [
+                {
+                    "name": "p",
+                    "model": "llama-3-8b",
+                    "gpu": "H100",
+                    "role": "mixed",
+                    "endpoints": {"static": [f"http://127.0.0.1:{port}"]},
+                }
+            ],
+            "health": {"interval_s": 60},
+            "scrape": {"interval_s": 60},
+            "limits": limits,
+        },
+        "test",
+    )
+    running = await start_gateway_server(cfg, "127.0.0.1", 0)
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            started = time.monotonic()
+            r = await client.post(running.url + CHAT, json=request)
+            took = time.monotonic() - started
+        await asyncio.sleep(0.1)  # accounted just after the last byte
+        return r, took, running.gateway
+    finally:
+        await running.stop()
+        server.close()
+
+
+def test_nothing_follows_done_when_the_worker_stalls_after_it() -> None:
+    """The worker sends its tokens and `[DONE]`, then keeps the chunked body open: before, the stall timeout
+    appended an error event and a second `[DONE]` to a complete answer and charged the worker."""
+
+    async def answer(writer: asyncio.StreamWriter, stream: bool) -> None:
+        writer.write(SSE_HEAD + chunk(_event("w0 ")) + chunk(_event("w1 ")) + chunk(b"data: [DONE]\n\n"))
+        await writer.drain()
+        await asyncio.sleep(3)  # never ends the chunked body
+
+    body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    r, _, gw = asyncio.run(_with_worker(answer, {"stall_timeout_s": 0.5}, body))
+    assert sse_events(r.text) == [
+        sse_events(_event("w0 ").decode())[0],
+        sse_events(_event("w1 ").decode())[0],
+        "[DONE]",
+    ]
+    assert gw.dispatcher.outcomes == {"completed": 1}
+    assert failures(gw) == {"127.0.0.1": 0}
+
+
+def test_a_whole_answers_body_may_not_stall_longer_than_stall_timeout() -> None:
+    """Headers and one byte of a 100-byte body, then nothing: the wait is bounded by stall_timeout_s (0.5 s),
+    not by what is left of total_timeout_s (8 s), and the stalled worker is told."""
+
+    async def answer(writer: asyncio.StreamWriter, stream: bool) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+        await writer.drain()
+        await asyncio.sleep(10)
+
+    body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}]}
+    r, took, gw = asyncio.run(
+        _with_worker(answer, {"stall_timeout_s": 0.5, "total_timeout_s": 8, "max_retries": 0}, body)
+    )
+    assert r.status_code == 504 and took < 2.5
+    assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
+    assert failures(gw) == {"127.0.0.1": 1}
