@@ -295,11 +295,13 @@ class KvFleet:
         self._step_at(w, now)
 
     def _stream(self, res: StepResult, now: float) -> None:
-        """Predicted mode: count emitted tokens and grow reservations that reach their reserved output."""
+        """Every emitted token reaches its reservation, as the gateway relays each streamed one: the ledger
+        grows predicted reservations that reach their reserved output, and its reconcile bounds what a
+        request holds by the tokens it has streamed."""
         for rid in (*res.decoded, *res.prefilled):
             n = self._generated[rid] = self._generated.get(rid, 0) + 1
             r = self.reservations.get(rid)
-            if r is not None and n >= r.reserved_output:
+            if r is not None:
                 r.on_tokens(n, now)
 
     def _step_at(self, w: _Worker, now: float) -> None:

@@ -9,8 +9,10 @@ Per worker, in the worker's ledger units (blocks, or head-pages for compression 
 
 `share` is this gateway process's part of every worker (1/N for N gateway replicas, DESIGN "Scaling the
 gateway out"); `shrink` comes from `reconcile`: when a worker reports more KV in use than this process's
-reservations (plus the other processes' shares, plus what was released since the last reconcile) explain,
-by more than `reconcile_tolerance` of the total, the excess is withheld until usage falls back.
+requests can hold (plus the other processes' shares, plus what was released since the last reconcile)
+explain, by more than `reconcile_tolerance` of the total, the excess is withheld until usage falls back.
+What a request can hold (`_held_at_most`) is its prompt and the tokens it has streamed so far when it
+streams, else its reservation: a worst-case reservation counted whole hid usage nobody here reserved.
 
 Lifecycle of a `KvReservation` (every path ends in exactly one `release`):
 admission → `reserve` holds `peak` → `first_token` shrinks to `steady` (the transient prefill chunk is
@@ -118,6 +120,7 @@ class KvReservation:
         "expires_s",
         "fp_steady",
         "fp_worst_steady",
+        "generated",
         "handoff",
         "holder",
         "key",
@@ -160,6 +163,7 @@ class KvReservation:
         self.worst_units = worst.peak
         self.fp_worst_steady = worst.steady
         self.prefilled = False
+        self.generated: int | None = None  # output tokens streamed so far (`on_tokens`); None: not streamed
         # A P/D prefill worker's pages are handed to the decode worker: the decode hop's first token means
         # the KV has been pulled, so `first_token` releases them then (not at the end of the request).
         self.handoff = worker_role == Role.PREFILL
@@ -468,6 +472,7 @@ class KvLedger:
 
     def _grow(self, res: KvReservation, generated: int, now: float) -> bool:
         res.touch(now)
+        res.generated = generated
         if res.outcome is not None or generated < res.reserved_output:
             return True
         if res.reserved_output >= res.max_output:
@@ -539,7 +544,8 @@ class KvLedger:
             book.last_sample_at = taken
             total = book.total
             used = w.kv_usage * total
-            explained = book.reserved + book.released_since_reconcile + total * (1.0 - s.share)
+            own = self._held_at_most(book)
+            explained = own + book.released_since_reconcile + total * (1.0 - s.share)
             excess = used - explained - s.reconcile_tolerance * total
             book.shrink = max(0, math.ceil(excess))
             book.released_since_reconcile = 0
@@ -547,6 +553,25 @@ class KvLedger:
             self._track_preemptions(book, w.preemptions_total)
             out.append(ReconcileSample(w.id, used, book.reserved, book.error_frac, book.shrink))
         return out
+
+    def _held_at_most(self, book: _Book) -> int:
+        """What this process's requests can hold on the worker now, at most: a streaming request's prompt
+        and the tokens it has streamed, plus a block per sequence (the engine may be a step or an unsent
+        event ahead), never more than its reservation; any other request (not streamed, or no token yet)
+        its reservation. A worst-case reservation is mostly unused for most of a request's life: counted
+        whole, it explained away usage nobody here reserved — another gateway's surplus replica, clients
+        sent to the worker directly, image or audio tokens the estimate leaves out — up to the slack of this
+        process's own reservations, and a worker was over-committed."""
+        held = 0
+        for res in book.active.values():
+            g = res.generated
+            if g is None or not res.prefilled:
+                held += res.units
+                continue
+            sequences = 1 if isinstance(res.shape, int) else len(res.shape[0]) * max(1, res.shape[1])
+            bound = request_need(res.shape, g + sequences * book.spec.block_size, book.spec).steady
+            held += min(res.units, bound)
+        return held
 
     def _track_preemptions(self, book: _Book, total: float | None) -> None:
         """Predicted mode: halve the overbook allowance when preemptions exceed the budget, else regrow it."""
