@@ -8,7 +8,8 @@ so `--rate-scale 2` replays twice as fast, and `--start 600 --duration 60` repla
 (the window is in trace seconds, before scaling). Fixed rate (`--rate R`): the window still selects by
 the trace's own times when it has any, then the selected requests keep their order and lengths and are
 re-timed by a Poisson process at R req/s (gamma gaps with shape k = `burstiness`; `constant` spacing on
-request), starting at 0. Traces without times (ShareGPT, length samples) need `--rate`.
+request), starting at 0. Traces without times (ShareGPT, length samples) need `--rate`. A request scheduled
+past `latest_send_s` (`mosaic replay`: 10⁷ s, 116 days) is refused.
 `max_requests` cuts the stream after N requests. Everything is lazy: one request in, one out.
 """
 
@@ -37,6 +38,9 @@ class ScheduleOptions:
     duration_s: float | None = None
     max_requests: int | None = None
     seed: int = 0
+    # a request scheduled later than this after the start is refused (a real-time replay would sleep for
+    # it: `--rate-scale 1e-300` slept ~1e298 s without a word); inf: no limit
+    latest_send_s: float = math.inf
 
     def validate(self, timed: bool) -> None:
         """Raise ScheduleError for impossible combinations; `timed` = the trace carries arrival times."""
@@ -102,6 +106,12 @@ def schedule(requests: Iterable[TraceRequest], opts: ScheduleOptions) -> Iterato
                 raise ScheduleError(
                     f"rate scale {opts.rate_scale:g} puts a request at infinity (trace time {req.arrival_s:g} s)"
                 )
+        if send_at > opts.latest_send_s:
+            raise ScheduleError(
+                f"request {index} would be sent {send_at:g} s after the start, past the replay's limit of "
+                f"{opts.latest_send_s:g} s ({opts.latest_send_s / 86400:.0f} days): use a larger rate scale or "
+                "rate, or --duration"
+            )
         yield ScheduledRequest(index, send_at, req.input_tokens, req.output_tokens, req.hash_ids, req.line)
         index += 1
         if opts.max_requests is not None and index >= opts.max_requests:

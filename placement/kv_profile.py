@@ -70,8 +70,10 @@ class HeadProfile:
         return self.layers * self.kv_heads
 
     def budgets(self, alpha: float = 2.0) -> np.ndarray:
-        """Static per-head budget μ_h + α·σ_h, clipped to [0, 1] (Tangram's μ + 2σ with α = 2)."""
-        return np.clip(self.mu + alpha * self.sigma, 0.0, 1.0)
+        """Static per-head budget μ_h + α·σ_h, clipped to [0, 1] (Tangram's μ + 2σ with α = 2). A product that
+        overflows (a huge σ or α) is +inf and clips to 1, the answer it stands for: no warning."""
+        with np.errstate(over="ignore"):
+            return np.clip(self.mu + alpha * self.sigma, 0.0, 1.0)
 
     def kept_tokens(self, ratio: float, tokens: int) -> int:
         """Tokens a head with retention `ratio` keeps of a `tokens`-long context (sink and window always kept)."""

@@ -77,7 +77,9 @@ def melange_from_dict(data: Any, origin: str = "<melange>") -> MelangeInput:
     rate = finite_number(data["total_request_rate"], f"{origin}: total_request_rate", 0, MelangeFormatError)
     if rate == 0 or sum(map(sum, dist)) == 0:
         raise MelangeFormatError(f"{origin}: total request rate is 0 req/s: nothing to place")
-    k = whole_number(data.get("slice_factor", 1), f"{origin}: slice_factor", 1, MelangeFormatError)
+    k = whole_number(
+        data.get("slice_factor", 1), f"{origin}: slice_factor", 1, MelangeFormatError, MAX_PLAN_INSTANCES
+    )
     gpu_info = data["gpu_info"]
     if not isinstance(gpu_info, dict) or not gpu_info:
         raise MelangeFormatError(f"{origin}: gpu_info must map GPU names to {{cost, tputs}}")

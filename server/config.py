@@ -96,7 +96,7 @@ class SimulatedSource(_Strict):
 
     # each is an HTTP server in the gateway's process; fleets larger than this are `mosaic simulate`'s job
     replicas: int = Field(default=1, ge=0, le=256)
-    time_scale: float = Field(default=1.0, gt=0)  # X times faster than real time
+    time_scale: float = Field(default=1.0, ge=1e-3)  # X times faster than real time (≥ 1000× slower)
     seed: int = 0
     kv_link_gbps: float | None = Field(default=None, gt=0)  # P/D transfer link; None → the worker's default
     error_rate: float = Field(default=0.0, ge=0, le=1)  # failure injection (reliability tests)

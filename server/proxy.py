@@ -174,6 +174,7 @@ class SseRelay:
 
     __slots__ = (
         "_buf",
+        "aborted",
         "done",
         "error",
         "role_only_relayed",
@@ -192,6 +193,7 @@ class SseRelay:
         self.watch_roles = True
         self.error: dict[str, Any] | None = None
         self.done = False  # `data: [DONE]` relayed: the stream ended as an OpenAI stream ends
+        self.aborted = False  # an event carried finish_reason "abort": the worker stopped it (vLLM's stop)
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -207,6 +209,8 @@ class SseRelay:
             chunk = chunk[: cut + 2]
         if chunk.endswith(b"data: [DONE]\n\n"):  # the last event: nothing follows it
             self.done = True
+        if chunk.find(b'"finish_reason":"abort"') >= 0:  # vLLM's compact JSON, as the simulator writes it
+            self.aborted = True
         # find(), not `in`: `in` on bytes first tries the needle as an int and formats (then drops) a
         # TypeError, ≈ 4k instructions per call on a path taken per relayed chunk and event.
         # `{"error"` opens an error event's object; inside a token's JSON string its quote is escaped.

@@ -102,8 +102,8 @@ class FleetConfig(_Strict):
     model: str = "llama-3-8b"
     slo: SloSpec = SloSpec()
     cold_start_s: float = Field(default=120.0, ge=0)
-    decision_interval_s: float = Field(default=15.0, gt=0)
-    scrape_interval_s: float = Field(default=1.0, gt=0)
+    decision_interval_s: float = Field(default=15.0, ge=1e-3)  # ≥ 1 ms: t + interval must move the clock
+    scrape_interval_s: float = Field(default=1.0, ge=1e-3)
     kv_link_gbps: float = Field(default=25.0, gt=0)
     kv_link_cross_domain_gbps: float | None = Field(default=None, gt=0)
     nodes: dict[str, Any] | None = None  # node inventory (a path is read by `parse_fleet`)

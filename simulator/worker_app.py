@@ -66,6 +66,7 @@ from simulator.tokens import VOCAB_SIZE, pseudo_top_logprobs, pseudo_words
 from simulator.worker_runtime import EngineDriver, Ticket
 
 ROLES = ("mixed", "prefill", "decode")
+MIN_TIME_SCALE = 1e-3  # time_scale floor: at most 1000× slower than real time
 _MASK64 = (1 << 64) - 1
 _SEQUENCE_MIX = 0x9E3779B97F4A7C15  # spreads completion j of a prompt over the fingerprint's bits
 
@@ -95,8 +96,8 @@ class FaultConfig:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
-        if self.stall_s < 0:
-            raise ValueError(f"stall_s must be ≥ 0, got {self.stall_s}")
+        if not (math.isfinite(self.stall_s) and self.stall_s >= 0):  # NaN passed `< 0` and meant no stall
+            raise ValueError(f"stall_s must be a finite number ≥ 0, got {self.stall_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +123,15 @@ class WorkerConfig:
     def validate(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if (
-            not 0 < self.time_scale < math.inf
-        ):  # NaN fails both; inf would freeze simulated time at its anchor
-            raise ValueError(f"time_scale must be a finite number > 0, got {self.time_scale}")
-        if self.kv_link_gbps <= 0:
-            raise ValueError(f"kv_link_gbps must be > 0, got {self.kv_link_gbps}")
+        # NaN fails both; inf would freeze simulated time at its anchor; below MIN_TIME_SCALE a request's
+        # few simulated seconds take wall-clock days (1e-300: every request hung)
+        if not MIN_TIME_SCALE <= self.time_scale < math.inf:
+            raise ValueError(
+                f"time_scale must be a finite number ≥ {MIN_TIME_SCALE:g} (at most 1000× slower than real "
+                f"time), got {self.time_scale}"
+            )
+        if not (math.isfinite(self.kv_link_gbps) and self.kv_link_gbps > 0):  # NaN: transfers never ended
+            raise ValueError(f"kv_link_gbps must be a finite number > 0, got {self.kv_link_gbps}")
         self.faults.validate()
 
 
@@ -138,7 +142,13 @@ class WorkerRuntime:
         cfg.validate()
         catalog = load_catalog(cfg.catalog_path)
         self.cfg = cfg
-        self.perf = PerfModel(catalog.gpu(cfg.gpu), catalog.model(cfg.model), tp=cfg.tp)
+        model = catalog.model(cfg.model)
+        if model.num_heads % cfg.tp:  # vLLM's own check, in its words
+            raise ValueError(
+                f"Total number of attention heads ({model.num_heads}) must be divisible by tensor parallel "
+                f"size ({cfg.tp})."
+            )
+        self.perf = PerfModel(catalog.gpu(cfg.gpu), model, tp=cfg.tp)
         self.engine = Engine(self.perf, cfg.engine, seed=cfg.seed)
         self.served = cfg.served_model_name or self.perf.model.name
         self.metrics = WorkerMetrics(self.engine, self.served)
@@ -296,6 +306,7 @@ class WorkerRuntime:
         offsets = [0] * len(tickets)  # characters of each choice's text sent: completions' text_offset
         event = tickets[0].event  # shared by the request's sequences
         roles_due = api.chat
+        ended = [False] * len(tickets)  # the sequence's finish_reason was sent
         try:
             while True:
                 # Cleared before the scan and `produced` read once per pass: a yield can wait on the client's
@@ -327,12 +338,17 @@ class WorkerRuntime:
                             lp = logprobs_body(api.chat, tops[at - sent[i] : at - sent[i] + 1], k, offsets[i])
                             offsets[i] += len(word)
                         yield w.token(word, reason, (seq.prompt_tokens, at + 1) if cont else None, i, lp)
+                        ended[i] = ended[i] or reason is not None
                     sent[i] = upto
                 if all(tk.done and sent[i] >= tk.produced for i, tk in enumerate(tickets)):
                     break
                 if not event.is_set():
                     await event.wait()
             recs = [tk.record for tk in tickets]
+            for i, rec in enumerate(recs):
+                if rec is not None and not ended[i]:  # aborted (server stopping) after its last token: vLLM
+                    usage = (seqs[i].prompt_tokens, sent[i]) if cont else None  # ends it with an empty event
+                    yield w.token("", rec.finish_reason.value, usage, i, None)
             if api.include_usage and all(rec is not None for rec in recs):
                 yield w.usage(sum(map(len, api.prompts)), sum(rec.output_tokens for rec in recs if rec))
             yield w.done()

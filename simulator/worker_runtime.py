@@ -166,6 +166,14 @@ class EngineDriver:
         tk.done = True
         tk.event.set()
 
+    def abort_all(self) -> int:
+        """Abort every request in the engine (the server is stopping, as vLLM's default
+        `--shutdown-timeout 0` does): each ends with finish_reason `abort`. Returns how many."""
+        tickets = list(self._tickets.values())
+        for tk in tickets:
+            self.abort(tk)
+        return len(tickets)
+
     async def aclose(self) -> None:
         task, self._task = self._task, None
         if task is not None:

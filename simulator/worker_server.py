@@ -23,9 +23,21 @@ from simulator.worker_app import WorkerConfig, WorkerRuntime, create_worker_app
 
 
 class _EmbeddedServer(uvicorn.Server):
+    abort_on_shutdown = True  # False: `RunningWorker.kill`, a crash (streams cut, nothing ended cleanly)
+
     @contextlib.contextmanager
     def capture_signals(self):  # type: ignore[no-untyped-def]
         yield  # leave signal handling to whoever owns the process
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # vLLM (its default --shutdown-timeout 0) aborts what is running when it stops: every request ends
+        # with finish_reason "abort" (a stream with its last event and [DONE]). Left running, uvicorn's
+        # graceful-shutdown timeout cancelled the handlers: a plain-text 500 and a traceback.
+        app = self.config.app
+        runtime = getattr(getattr(app, "state", None), "worker", None)
+        if runtime is not None and self.abort_on_shutdown:
+            runtime.driver.abort_all()
+        await super().shutdown(sockets)
 
 
 @dataclass(slots=True)
@@ -45,10 +57,23 @@ class RunningWorker:
         return self.app.state.worker
 
     async def stop(self) -> None:
-        """Stop serving (open streams are cut) and wait for the server task; idempotent."""
+        """Stop serving, as vLLM stops: what is running ends with finish_reason "abort" (`_EmbeddedServer.
+        shutdown`); then wait for the server task. Idempotent."""
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+    async def kill(self) -> None:
+        """Stop as a crashed worker does (tests of the gateway's failure handling): open streams are cut,
+        nothing running is ended cleanly."""
+        server = self._server
+        if isinstance(server, _EmbeddedServer):
+            server.abort_on_shutdown = False
+        for connection in list(server.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()  # a reset, as the kernel sends for a process that died
+        await self.stop()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import resource
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -59,10 +60,18 @@ def check_output_file(path: Path, option: str) -> None:
 
 
 def check_output_dir(path: Path, option: str) -> None:
-    """As `check_output_file`, for a folder outputs are written into."""
+    """As `check_output_file`, for a folder outputs are written into: created now (with its parents), and a
+    probe file written into it and removed, so that what only a real write refuses (/proc as root, a full
+    disk) fails before the run, not after it with the report already written."""
     if path.exists() and not path.is_dir():
         fail(f"{option} {path}: exists and is not a directory")
     _check_creatable(path, option, path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".mosaic-probe-"):
+            pass
+    except OSError as exc:
+        fail(f"{option} {path}: cannot write into it ({exc.strerror or exc})")
 
 
 def check_report_paths(out: Path | None, plot: Path | None) -> None:

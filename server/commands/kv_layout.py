@@ -19,6 +19,7 @@ import typer
 from placement.kv_layout import layout_report, sorted_groups
 from placement.kv_profile import HeadProfile, ProfileError, load_head_profile
 from placement.kv_tp import TpPartition, tp_partition
+from placement.solver import MAX_TIME_LIMIT_S
 from server.commands.common import check_number, fail
 
 
@@ -120,6 +121,8 @@ def register(app: typer.Typer) -> None:
             fail(f"--tp must be ≥ 1, got {tp}")
         check_number("--alpha", alpha, inclusive=True)
         check_number("--time-limit", time_limit)
+        if time_limit > MAX_TIME_LIMIT_S:  # the planner's bound: CP-SAT ran unbounded past 1e300 s
+            fail(f"--time-limit must be ≤ {MAX_TIME_LIMIT_S:g} s (a day), got {time_limit:g}")
         try:
             prof = load_head_profile(profile)
         except ProfileError as exc:

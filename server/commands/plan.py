@@ -20,6 +20,7 @@ from rich.console import Console
 
 from placement.binpacking import PlacementError, Variant
 from placement.catalog import CatalogError, load_catalog
+from placement.counts import MAX_PLAN_INSTANCES
 from placement.melange import MELANGE_MODEL, MelangeInput, load_melange
 from placement.plan_report import instance_counts, placement_to_dict, plan_to_dict
 from placement.planner import (
@@ -372,6 +373,8 @@ def register(app: typer.Typer) -> None:
         ):
             check_number(name, value)
         check_number("--slice-factor", slice_factor, 1, inclusive=True)
+        if slice_factor is not None and slice_factor > MAX_PLAN_INSTANCES:  # the solvers' integer range
+            fail(f"--slice-factor must be ≤ {MAX_PLAN_INSTANCES:,} (the planner's limit), got {slice_factor}")
         try:
             doc = run_plan(opts)
         except (PlacementError, ProfileError, WorkloadError, CatalogError) as exc:

@@ -230,6 +230,12 @@ def register(app: typer.Typer) -> None:
                 f"--resolution {resolution:g} makes over {MAX_GRID_RATES:,} rates from --min-rate {min_rate:g} "
                 f"to --max-rate {max_rate:g}: give --resolution ≥ {finest:g}"
             )
+        coarsest = max_rate / min_rate - 1  # one step from --min-rate past --max-rate: a grid of one rate
+        if grid_size(min_rate, max_rate, resolution) < 2:
+            fail(
+                f"--resolution {resolution:g} leaves only --min-rate {min_rate:g} between it and --max-rate "
+                f"{max_rate:g} (every bucket would read {min_rate:g} req/s): give --resolution < {coarsest:g}"
+            )
         if probe_requests < 1:
             fail(f"--probe-requests must be ≥ 1, got {probe_requests}")
         if role not in {r.value for r in Role}:

@@ -24,6 +24,8 @@ from loadgen.synthetic import SpecError
 from loadgen.trace import TraceError
 from server.commands.common import check_number, check_report_paths, fail, raise_open_files_limit
 
+REPLAY_LATEST_SEND_S = 1e7  # 116 days: a replay scheduled past it is a mistaken rate, not a plan
+
 
 def register(app: typer.Typer) -> None:
     @app.command("replay")
@@ -101,6 +103,7 @@ def register(app: typer.Typer) -> None:
                 duration_s=duration,
                 max_requests=max_requests,
                 seed=seed,
+                latest_send_s=REPLAY_LATEST_SEND_S,
             ),
             concurrency=concurrency,
             timeout_s=timeout,

@@ -133,7 +133,7 @@ def register(app: typer.Typer) -> None:
             else:
                 from server.embedded import default_config
 
-                check_number("--time-scale", time_scale)  # finite and > 0
+                check_number("--time-scale", time_scale, 1e-3, inclusive=True)  # at most 1000× slower
                 cfg = default_config(time_scale=time_scale or 1.0)
         except ConfigError as exc:
             fail(str(exc))

@@ -88,6 +88,7 @@ PROFILE = ["profile", "--sim", "--gpu", "H100", "--model", "llama-3-8b", "--inpu
 PROFILE += ["--output-edges", "1,64", "--probe-window-s", "1", "--probe-requests", "20"]
 KV = ["kv-layout", "--profile", HEADS, "--heads-per-group", "4"]
 REPLAY = ["replay", "synthetic:rate=50,n=3,input=32,output=4", "--url", "http://127.0.0.1:9", "--quiet"]
+WORKER = ["worker", "--gpu", "A100", "--model", "llama-3-8b", "--port", "0"]
 
 # (id, argv, the option the error line names); DIR and FILE/p.json stand for paths made in the fixture
 CASES: list[tuple[str, list[str], str]] = [
@@ -123,6 +124,20 @@ CASES: list[tuple[str, list[str], str]] = [
     ("replay duration nan", [*REPLAY, "--duration", "nan"], "--duration"),
     ("serve time-scale inf", ["serve", "--port", "0", "--time-scale", "inf"], "--time-scale"),
     ("serve time-scale nan", ["serve", "--port", "0", "--time-scale", "nan"], "--time-scale"),
+    # CLI review (2026-12-05): a traceback, a hang, a worker that started broken, a one-rate profile
+    ("plan slice-factor past int64", [*PLAN_40, "--slice-factor", "9223372036854775807"], "--slice-factor"),
+    ("plan slice-factor 1e20", [*PLAN_40, "--slice-factor", "99999999999999999999"], "--slice-factor"),
+    ("profile resolution leaving one rate", [*PROFILE, "--resolution", "1e6"], "--resolution"),
+    ("kv-layout time-limit 1e300", [*KV, "--tp", "2", "--time-limit", "1e300"], "--time-limit"),
+    ("serve time-scale 1e-300", ["serve", "--port", "0", "--time-scale", "1e-300"], "--time-scale"),
+    ("replay rate-scale 1e-300", [*REPLAY, "--rate-scale", "1e-300"], "rate scale"),
+    ("replay rate 1e-300", [*REPLAY, "--rate", "1e-300"], "rate scale or rate"),
+    ("worker kv-link-gbps nan", [*WORKER, "--role", "decode", "--kv-link-gbps", "nan"], "kv_link_gbps"),
+    ("worker stall-s nan", [*WORKER, "--stall-s", "nan"], "stall_s"),
+    ("worker stall-s inf", [*WORKER, "--stall-s", "inf"], "stall_s"),
+    ("worker time-scale 1e-300", [*WORKER, "--time-scale", "1e-300"], "time_scale"),
+    ("worker tp not dividing the heads", [*WORKER, "--tp", "3"], "tensor parallel size (3)"),
+    ("worker tp huge", [*WORKER, "--tp", "99999999999"], "tensor parallel size"),
 ]
 
 

@@ -215,3 +215,30 @@ def test_the_report_counts_the_rows_the_reader_dropped(tmp_path: Path) -> None:
     assert code == 0 and report["trace_requests"] == 2
     assert report["trace"]["dropped"] == 2
     assert report["trace"]["dropped_by_reason"] == {"zero_input_tokens": 1, "zero_output_tokens": 1}
+
+
+@pytest.mark.parametrize("field", ["decision_interval_s", "scrape_interval_s"])
+def test_an_interval_too_small_to_move_the_clock_is_refused(tmp_path: Path, field: str) -> None:
+    """`t + 1e-20 == t`: the event fired at the same instant forever (the run spun without output)."""
+    fleet = tmp_path / "fleet.yaml"
+    text = "\n".join(
+        f"{field}: 1.0e-20" if line.startswith(f"{field}:") else line
+        for line in FLEET.read_text().splitlines()
+    )
+    assert f"{field}: 1.0e-20" in text
+    fleet.write_text(text + "\n")
+    code, _, lines = simulate("--trace", SYNTH, "--fleet", str(fleet))
+    assert code == 2 and len(lines) == 1 and field in lines[0] and "0.001" in lines[0], lines
+
+
+def test_a_plot_folder_that_cannot_be_written_fails_before_the_run(tmp_path: Path) -> None:
+    """Checked by writing into it: before, /proc passed the check (as root) and the run failed at its end
+    with the report already written."""
+    out = tmp_path / "r.json"
+    code, _, lines = simulate(
+        "--trace", SYNTH, "--fleet", str(FLEET), "--out", str(out), "--plot", "/proc/plots"
+    )
+    assert code == 2 and lines == [
+        "error: --plot /proc/plots: cannot write into it (No such file or directory)"
+    ]
+    assert not out.exists()

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
         pytest.param(["--port", "70000"], "--port must be in 0..65535", id="port out of range"),
         pytest.param(
             ["--time-scale", "0"],
-            "--time-scale must be a finite number > 0, got 0",
+            "--time-scale must be a finite number ≥ 0.001, got 0",
             id="time scale not positive",
         ),
     ],

@@ -91,7 +91,7 @@ def test_worker_killed_mid_stream_ends_with_error_event(gw: GatewayThread) -> No
         with http.stream("POST", "/v1/completions", json=_body(200, stream=True)) as r:
             lines = r.iter_lines()
             events = [next(e for e in lines if e) for _ in range(3)]
-            gw.call(_source(gw).workers[_busy_worker_index(gw)].stop())
+            gw.call(_source(gw).workers[_busy_worker_index(gw)].kill())
             events += [e for e in lines if e]
         assert r.status_code == 200
         assert 3 <= len(events) < 200
@@ -100,6 +100,26 @@ def test_worker_killed_mid_stream_ends_with_error_event(gw: GatewayThread) -> No
         # the surviving worker takes the next request (the dead one is refused and ejected)
         assert http.post("/v1/completions", json=_body(3, stream=False)).status_code == 200
     assert gw.gateway.dispatcher.outcomes == {"worker_error": 1, "completed": 1}
+
+
+def test_worker_stopped_mid_stream_ends_it_as_vllm_aborts_it(gw: GatewayThread) -> None:
+    """A worker that stops (as vLLM does on SIGTERM without a shutdown timeout) ends its running stream with
+    finish_reason "abort" and [DONE]: relayed as sent, the outcome a worker error, its breaker not told (a
+    stop is not a fault). Before, the gateway counted the cut answer as completed."""
+    with (
+        httpx.Client(base_url=gw.url, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=_body(200, stream=True)) as r,
+    ):
+        lines = r.iter_lines()
+        events = [next(e for e in lines if e) for _ in range(3)]
+        gw.call(_source(gw).workers[_busy_worker_index(gw)].stop())
+        events += [e for e in lines if e]
+    assert r.status_code == 200 and 3 <= len(events) < 200
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))["choices"][0]
+    assert (last["text"], last["finish_reason"]) == ("", "abort")
+    assert gw.gateway.dispatcher.outcomes == {"worker_error": 1}
+    assert all(rec.breaker.failures == 0 for rec in gw.gateway.registry.records())
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
