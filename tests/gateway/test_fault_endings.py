@@ -10,11 +10,11 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 
-from server.config import validate_config
 from server.runner import start_gateway_server
 from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
 from tests.gateway.scripted_http import EMPTY_200, SSE_HEAD, chunk, read_request
@@ -154,23 +154,8 @@ async def _with_worker(
 
     server = await asyncio.start_server(worker, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    cfg = validate_config(
-        {
-            "pools": [
-                {
-                    "name": "p",
-                    "model": "llama-3-8b",
-                    "gpu": "H100",
-                    "role": "mixed",
-                    "endpoints": {"static": [f"http://127.0.0.1:{port}"]},
-                }
-            ],
-            "health": {"interval_s": 60},
-            "scrape": {"interval_s": 60},
-            "limits": limits,
-        },
-        "test",
-    )
+    address = SimpleNamespace(url=f"http://127.0.0.1:{port}")  # what `pool` reads of a worker
+    cfg = config(pool("p", "H100", "mixed", address), limits=limits)  # type: ignore[arg-type]
     running = await start_gateway_server(cfg, "127.0.0.1", 0)
     try:
         async with httpx.AsyncClient(timeout=30) as client:
