@@ -172,7 +172,7 @@ class RateLimiter:
                     f"Rate limit reached: {cfg.requests_per_s:g} requests/s for this key.",
                     retry_after_s=wait,
                 )
-        if cfg.tokens_per_min is not None:
+        if cfg.tokens_per_min is not None and tokens > 0:  # a call that costs no tokens (/tokenize) owes none
             bucket = self._bucket(self._tokens, key, cfg.tokens_per_min, cfg.tokens_per_min / 60.0, now)
             # A request larger than the whole bucket can never pass: charge at most a full bucket.
             charged = min(tokens, math.floor(bucket.capacity))

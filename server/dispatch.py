@@ -405,9 +405,12 @@ class Dispatcher:
         if parsed.stream:
             timeout = self.limits.first_token_timeout_s
         else:
-            timeout = max(0.0, rec.arrival + self.limits.total_timeout_s - self.clock())
+            timeout = rec.arrival + self.limits.total_timeout_s - self.clock()
+            if timeout <= 0:  # spent waiting in the admission queue: sent nowhere, to time out at once
+                raise UpstreamFailure(decision.decode.id, "timeout", budget_spent=True)
         decode = decision.decode
         waiting_on = decode
+        mark = None if parsed.stream else self._progress_mark(decode.id)
         try:
             with self.timeouts.timeout(timeout, rec.task):  # a plain `with`: nothing to await on entry
                 params = None
@@ -476,10 +479,28 @@ class Dispatcher:
             # the hop's own bound (half the budget) had passed too, so it is told even when the budget is spent.
             if spent and waiting_on is not decode:
                 self.registry.report_failure(waiting_on.id, "prefill_timeout")
+            elif spent and self._made_no_progress(decode.id, mark):
+                # a long generation is no fault, a worker that generated nothing since the request was sent is
+                # hung (its /health may still answer): its breaker hears of it, as a stream's stall would tell
+                self.registry.report_failure(decode.id, "timeout_no_progress")
             raise UpstreamFailure(waiting_on.id, kind, hard, budget_spent=spent) from None
         self.registry.report_success(decode.id)
         lease.first_token()
         return self._stream(resp, chunks, first, parsed, rec, lease)
+
+    def _progress_mark(self, worker_id: str) -> tuple[float, float] | None:
+        """(when, tokens): the worker's last scraped `vllm:generation_tokens_total`, None when unknown."""
+        rec = self.registry.get(worker_id)
+        if rec is None or rec.stats is None or rec.stats_at is None:
+            return None
+        total = rec.stats.generation_tokens_total
+        return None if total is None else (rec.stats_at, total)
+
+    def _made_no_progress(self, worker_id: str, mark: tuple[float, float] | None) -> bool:
+        """The worker's generation counter, scraped since `mark` was taken, has not moved: it generated
+        nothing for anyone while this request waited. False when there is no such later scrape."""
+        now = self._progress_mark(worker_id)
+        return mark is not None and now is not None and now[0] > mark[0] and now[1] <= mark[1]
 
     def _decode_body(self, parsed: ParsedRequest, params: dict[str, Any] | None) -> bytes:
         needs_usage = parsed.stream and not parsed.client_wants_usage
@@ -569,6 +590,11 @@ class Dispatcher:
             lease.release(Outcome.WORKER_ERROR)  # the router's view: nothing cached, nothing generated
             self.finish(rec, status, GatewayOutcome.WORKER_REJECTED)
             log.info("request %s: worker %s answered %d", rec.request_id, worker_id, status)
+        elif status == 200 and content.find(b'"finish_reason":"abort"') >= 0:
+            # the worker stopped it (vLLM stopping aborts what it runs): passed through, not a completion (its
+            # cut length must not train the length predictor), no mark on the breaker (a stop is no fault)
+            lease.release(Outcome.WORKER_ERROR)
+            self.finish(rec, status, Outcome.WORKER_ERROR, response_usage(content))
         else:
             self.registry.report_success(worker_id)
             lease.release(Outcome.COMPLETED)

@@ -108,6 +108,7 @@ class Lease:
         "__weakref__",  # the registry's prefill-end heap holds non-streaming leases weakly
         "_growable",
         "_notify",
+        "_per_event",
         "_released",
         "_router",
         "_tickets",
@@ -132,6 +133,7 @@ class Lease:
         self._router = router
         self._notify = notify
         self.clock = clock
+        self._per_event = 1.0  # tokens per stream event on the decode worker, read at the first `on_tokens`
         self._tickets: list[InflightTicket] = []
         self._released: Outcome | None = None
         # reservations on the worker that streams (decode side) with an `on_tokens(generated, now)` hook;
@@ -163,14 +165,19 @@ class Lease:
             if hook is not None:
                 hook(now)
 
-    def on_tokens(self, generated: int, now: float) -> None:
-        """`generated` output tokens streamed so far: renews leases and lets reservations grow."""
+    def on_tokens(self, events: int, now: float) -> None:
+        """`events` token events streamed so far: renews leases and lets reservations grow, by the tokens they
+        carry — events times the decode worker's tokens per event (`Registry.tokens_per_event`: more than
+        one with speculative decoding or vLLM's --stream-interval), so KV growth and the reconcile's bound on
+        what a stream holds count tokens, not events."""
         growable = self._growable
         if growable is None:
             decode_id = self.decision.decode.id
             growable = self._growable = [
                 r for r in self.decision.reservations if r.worker_id == decode_id and hasattr(r, "on_tokens")
             ]
+            self._per_event = self.registry.tokens_per_event(decode_id)
+        generated = events if self._per_event == 1.0 else math.ceil(events * self._per_event)
         for r in growable:
             r.on_tokens(generated, now)
 

@@ -197,6 +197,8 @@ class SseRelay:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        if self.done:  # the stream ended with [DONE]: whatever a worker sends after it is not relayed
+            return b""
         if self._buf:
             chunk = self._buf + chunk
             self._buf = b""
@@ -207,9 +209,10 @@ class SseRelay:
                 return b""
             self._buf = chunk[cut + 2 :]
             chunk = chunk[: cut + 2]
-        if chunk.endswith(b"data: [DONE]\n\n"):  # the last event: nothing follows it
+        # the last event, `data: [DONE]` (vLLM's framing; `data:[DONE]` and extra newlines read the same)
+        if chunk.rstrip(b"\r\n").endswith(b"[DONE]"):
             self.done = True
-        if chunk.find(b'"finish_reason":"abort"') >= 0:  # vLLM's compact JSON, as the simulator writes it
+        if not self.aborted and chunk.find(b'"finish_reason":"abort"') >= 0:  # vLLM's compact JSON
             self.aborted = True
         # find(), not `in`: `in` on bytes first tries the needle as an int and formats (then drops) a
         # TypeError, ≈ 4k instructions per call on a path taken per relayed chunk and event.

@@ -26,6 +26,7 @@ import heapq
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,7 +41,8 @@ from server.metrics import GatewayMetrics, WorkerGaugeRow
 from server.scrape import WorkerStats, counter_rate, parse_vllm_metrics
 
 log = logging.getLogger("mosaic.registry")
-VIEW_AGE_RESOLUTION_S = 0.01  # a cached worker view's scrape_age_s is at most this much behind
+VIEW_AGE_RESOLUTION_S = 0.01
+PER_EVENT_STREAMS = 32  # streams whose tokens per event a worker's record keeps  # a cached worker view's scrape_age_s is at most this much behind
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,9 @@ class WorkerRecord:
     inflight_prefill_tokens: int = 0
     inflight_decode_requests: int = 0
     dispatched_total: int = 0
+    # completion tokens per token event of its recent streams (`Registry.note_stream`): one for vLLM's
+    # default, more with speculative decoding or --stream-interval
+    per_event: deque[float] = field(default_factory=lambda: deque(maxlen=PER_EVENT_STREAMS))
     domain: str | None = None  # from discovery (Endpoint.domain); the view falls back to the pool's
     _view: WorkerView | None = field(default=None, repr=False, compare=False)
     _view_key: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
@@ -368,6 +373,18 @@ class Registry:
         `server.failure.Lease` (its tickets and its KV reservations' first-token hooks too)."""
         self._prefill_seq += 1
         heapq.heappush(self._prefill_ends, (self._clock() + seconds, self._prefill_seq, weakref.ref(ticket)))
+
+    def tokens_per_event(self, worker_id: str) -> float:
+        """Completion tokens per streamed token event on the worker: the largest of its last
+        `PER_EVENT_STREAMS` streams (an upper bound, as KV accounting needs), 1 before any."""
+        rec = self._workers.get(worker_id)
+        return max(rec.per_event, default=1.0) if rec is not None else 1.0
+
+    def note_stream(self, worker_id: str, events: int, tokens: int) -> None:
+        """A stream ended on the worker with `tokens` completion tokens (its usage) in `events` token events."""
+        rec = self._workers.get(worker_id)
+        if rec is not None and events > 0 and tokens > 0:
+            rec.per_event.append(max(1.0, tokens / events))
 
     # ------------------------------------------------------------------ passive health
     def report_success(self, worker_id: str) -> None:

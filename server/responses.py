@@ -47,6 +47,9 @@ def _untimed(_: float) -> None:
     """The ITL observer of a stream of several sequences (`StreamSession._timed`)."""
 
 
+AFTER_DONE_S = 1.0  # the longest the end of a worker's body may lag its `[DONE]` (vLLM: the same write)
+
+
 class TotalTimeout(TimeoutError):
     """The gateway's own `limits.total_timeout_s` ended a stream that was still flowing."""
 
@@ -131,6 +134,8 @@ class StreamSession:
         out = self.relay.feed(self.first)
         self._last = self._first_at = self._last_token = now = self._clock()
         self._generated = self._token_events(out)
+        if self.relay.done:  # the whole stream came in the first read
+            self._after_done()
         if is_error_event(self.first):  # a stream that fails at once has no first token to time
             return out
         if self._generated > 0:
@@ -183,7 +188,15 @@ class StreamSession:
                 self._last_token = now
                 self._generated += tokens
                 self.lease.on_tokens(self._generated, now)  # renews KV leases; grows `predicted` reservations
+            if self.relay.done:
+                self._after_done()
         return out
+
+    def _after_done(self) -> None:
+        """`[DONE]` relayed: the body's end (vLLM writes it with `[DONE]`) is waited for at most
+        `AFTER_DONE_S`, not a stall timeout (a worker holding its body open kept the client waiting 60 s)."""
+        if isinstance(self.resp, H1Response):
+            self.resp.bound_gaps(AFTER_DONE_S)
 
     def _check_total(self, out: bytes) -> None:
         """After a piece `out` was sent: `total_timeout_s` since arrival ends the stream, unless that piece
@@ -204,6 +217,7 @@ class StreamSession:
                 "Upstream stream ended before it was complete (no [DONE]).", 502, "BadGatewayError"
             )
         n = usage_count((self.relay.usage or {}).get("completion_tokens"))
+        self.d.registry.note_stream(self.lease.decision.decode.id, self._generated, n)
         # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1), to the last token
         if n >= 2 and self._timed and self.relay.error is None:
             d, rec = self.d, self.rec
@@ -324,6 +338,11 @@ class StreamSession:
                 more = write(out)
             if now > deadline and not last:  # the last piece ends the stream anyway
                 self._check_total(out)
+            if self.relay.done and not last:
+                # `[DONE]` before the body's end: pause, so that the next read waits with `_after_done`'s bound
+                # (this one keeps the deadline it began with)
+                self._after_done()
+                return False
             return more
 
         outcome: Outcome | GatewayOutcome = Outcome.WORKER_ERROR

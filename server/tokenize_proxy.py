@@ -135,7 +135,8 @@ class TokenizerProxy:
                     await resp.aclose()
             except (httpx.HTTPError, TimeoutError) as exc:
                 kind, hard = classify(exc)
-                gw.registry.report_failure(worker.id, kind, hard)
+                if kind != "pool_timeout":  # no free connection of the gateway's own: not the worker's fault
+                    gw.registry.report_failure(worker.id, kind, hard)
                 timed_out = "timeout" in kind
                 continue
             status = resp.status_code

@@ -568,9 +568,13 @@ class KvLedger:
             if g is None or not res.prefilled:
                 held += res.units
                 continue
-            sequences = 1 if isinstance(res.shape, int) else len(res.shape[0]) * max(1, res.shape[1])
-            bound = request_need(res.shape, g + sequences * book.spec.block_size, book.spec).steady
-            held += min(res.units, bound)
+            step = book.spec.block_size * (
+                1 if isinstance(res.shape, int) else len(res.shape[0]) * max(1, res.shape[1])
+            )
+            # g plus a block per sequence, rounded up to whole blocks per sequence: the same few output sizes
+            # recur, so the memoised footprints answer (a reconcile is per scrape, over every reservation)
+            output = (g // step + 2) * step
+            held += min(res.units, self._need(book, res.shape, output).steady)
         return held
 
     def _track_preemptions(self, book: _Book, total: float | None) -> None:

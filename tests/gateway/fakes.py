@@ -39,6 +39,9 @@ vllm:kv_cache_usage_perc{{engine="0",model_name="{model}"}} 0.1
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="1000"}} 1.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{engine="0",model_name="{model}"}} {generated}
 """
 
 
@@ -67,6 +70,7 @@ class FakeWorker:
     # chat streams open with vLLM's role event (`delta: {role, content: ""}`), this long before the first
     # token (vLLM: ~0, with it; None: no role event)
     role_lead_s: float | None = None
+    generated: float = 0.0  # its /metrics' vllm:generation_tokens_total
 
     @property
     def url(self) -> str:
@@ -79,7 +83,9 @@ class FakeWorker:
         if path == "/health":
             return httpx.Response(200 if self.health_ok else 503)
         if path == "/metrics":
-            return httpx.Response(200, text=METRICS_TEXT.format(model=self.model, running=0))
+            return httpx.Response(
+                200, text=METRICS_TEXT.format(model=self.model, running=0, generated=self.generated)
+            )
         body = json.loads(request.content)
         self.seen.append(body)
         self.raw_seen.append(request.content)

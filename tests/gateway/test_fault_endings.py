@@ -170,16 +170,22 @@ async def _with_worker(
 
 
 def test_nothing_follows_done_when_the_worker_stalls_after_it() -> None:
-    """The worker sends its tokens and `[DONE]`, then keeps the chunked body open: before, the stall timeout
-    appended an error event and a second `[DONE]` to a complete answer and charged the worker."""
+    """The worker sends its tokens and `[DONE]`, then keeps the chunked body open and sends more: before, the
+    stall timeout appended an error event and a second `[DONE]` to a complete answer and charged the worker,
+    and the client waited the whole stall timeout; the response now ends within AFTER_DONE_S (1 s) of
+    `[DONE]`, and nothing after it is relayed."""
 
     async def answer(writer: asyncio.StreamWriter, stream: bool) -> None:
         writer.write(SSE_HEAD + chunk(_event("w0 ")) + chunk(_event("w1 ")) + chunk(b"data: [DONE]\n\n"))
         await writer.drain()
-        await asyncio.sleep(3)  # never ends the chunked body
+        await asyncio.sleep(0.2)
+        writer.write(chunk(_event("after the end")))
+        await writer.drain()
+        await asyncio.sleep(10)  # never ends the chunked body
 
     body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    r, _, gw = asyncio.run(_with_worker(answer, {"stall_timeout_s": 0.5}, body))
+    r, took, gw = asyncio.run(_with_worker(answer, {"stall_timeout_s": 5}, body))
+    assert took < 2.5
     assert sse_events(r.text) == [
         sse_events(_event("w0 ").decode())[0],
         sse_events(_event("w1 ").decode())[0],
@@ -205,3 +211,89 @@ def test_a_whole_answers_body_may_not_stall_longer_than_stall_timeout() -> None:
     assert r.status_code == 504 and took < 2.5
     assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
     assert failures(gw) == {"127.0.0.1": 1}
+
+
+def test_tokens_per_stream_event_are_learnt_and_counted_as_tokens() -> None:
+    """A worker whose stream events carry 4 tokens each (speculative decoding, vLLM's --stream-interval):
+    after one stream the gateway counts 4 tokens per event for it, so the next stream's KV reservation grows
+    and is bounded by tokens, not events (counted as events, the reconcile's bound on what a stream holds
+    fell below it and withheld KV the gateway's own streams used: review finding)."""
+    a = FakeWorker(
+        "a", tokens=5, stream_usage={"prompt_tokens": 7, "completion_tokens": 20, "total_tokens": 27}
+    )
+    seen: list[int] = []
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            assert gw.registry.tokens_per_event("p/a:8000") == 1.0
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=5))
+            assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
+            assert gw.registry.tokens_per_event("p/a:8000") == 4.0  # 20 tokens in 5 events
+            ledger = gw.ledger
+            assert ledger is not None
+            grow = ledger._grow
+
+            def spy(res: Any, generated: int, now: float) -> bool:  # what each reservation is told
+                seen.append(generated)
+                return grow(res, generated, now)
+
+            ledger._grow = spy  # type: ignore[method-assign]
+            assert (await c.post(CHAT, json=chat(stream=True, max_tokens=5))).status_code == 200
+
+    run(body)
+    assert seen[:3] == [8, 12, 16]  # after events 2, 3 and 4 (the first comes with the head), 4 tokens each
+
+
+class AbortsWhole(FakeWorker):
+    """Answers a whole request as vLLM does when it stops with it running: 200, finish_reason abort."""
+
+    def _whole(self, chat: bool, n: int) -> dict[str, Any]:
+        answer = super()._whole(chat, n)
+        answer["choices"][0]["finish_reason"] = "abort"
+        return answer
+
+
+def test_a_whole_answer_the_worker_aborted_is_no_completion() -> None:
+    a = AbortsWhole("a")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            r = await c.post(CHAT, json=chat())
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort"
+            assert gw.dispatcher.outcomes == {"worker_error": 1}
+            assert failures(gw) == {"a": 0}  # a stop is not a fault
+            assert gw.predictor is not None and gw.predictor.count("llama-3-8b", 7) == 0  # not learnt from
+
+    run(body)
+
+
+class Progressing(FakeWorker):
+    """A slow worker that is generating: its generation counter moves at every scrape."""
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            self.generated += 100
+        return await super().handle(request)
+
+
+def test_a_hung_worker_is_told_by_whole_answers_a_slow_one_is_not() -> None:
+    """Both time out every whole answer (total_timeout_s 0.3 s). The hung one's generation counter never
+    moves while it holds them: its breaker opens after failure_threshold of them, as before 2026-12-05 (the
+    review found non-streaming traffic could no longer eject it); the one generating for others is not told."""
+    limits = {"total_timeout_s": 0.3, "retry_budget_s": 0.0}
+    scrape = {"interval_s": 0.05}
+    for worker, hung in ((FakeWorker("w", mode="stall"), True), (Progressing("w", whole_delay_s=5.0), False)):
+
+        async def body(worker: FakeWorker = worker, hung: bool = hung) -> None:
+            cfg = config(pool("p", "L4", "mixed", worker), limits=limits, scrape=scrape)
+            async with gateway(cfg, FakeFleet(worker)) as (c, gw):
+                await asyncio.sleep(0.2)  # scraped
+                for _ in range(3):
+                    assert (await c.post(CHAT, json=chat())).status_code in (503, 504)
+                record = gw.registry.get("p/w:8000")
+                assert record is not None
+                assert record.breaker.is_open(gw.clock()) is hung
+                kind = {"worker": "p/w:8000", "kind": "timeout_no_progress"}
+                assert metric(gw, "mosaic_upstream_errors_total", **kind) == (3 if hung else 0)
+
+        run(body)

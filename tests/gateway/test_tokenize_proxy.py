@@ -222,3 +222,40 @@ def test_get_is_405() -> None:
             assert r.status_code == 405 and json.loads(r.text)["error"]["type"] == "MethodNotAllowedError"
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_a_key_in_token_debt_may_still_tokenize() -> None:
+    """A key whose tokens/min bucket is below zero (it used more than its requests were estimated at) is
+    refused generation until it refills, not /tokenize, which costs no tokens."""
+
+    async def body() -> None:
+        a = FakeWorker("a")
+        cfg = config(pool("p", "L4", "mixed", a), limits={"rate_limit": {"tokens_per_min": 100}})
+        async with gateway(cfg, FakeFleet(a)) as (c, gw):
+            gw.limiter.admit("anonymous", 1, gw.clock())
+            gw.limiter.settle("anonymous", 1, 150, gw.clock())  # in debt: 100 − 150
+            assert (await c.post("/tokenize", json={"prompt": "x"})).status_code == 200
+            r = await c.post("/v1/completions", json={"model": "llama-3-8b", "prompt": "x", "max_tokens": 1})
+            assert r.status_code == 429
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_the_gateways_own_pool_timeout_is_not_the_workers_fault() -> None:
+    async def body() -> None:
+        a, b = FakeWorker("a"), FakeWorker("b")
+        async with gateway(config(pool("p", "L4", "mixed", a, b)), FakeFleet(a, b)) as (c, gw):
+            gw.registry.get("p/b:8000").inflight_requests = 1  # type: ignore[union-attr]  # `a` first
+            post = gw.dispatcher.upstream.post
+
+            async def no_connection(base: str, *args: Any, **kwargs: Any) -> Any:
+                if "//a:" in base:
+                    raise httpx.PoolTimeout("no connection to the worker free")
+                return await post(base, *args, **kwargs)
+
+            gw.dispatcher.upstream.post = no_connection  # type: ignore[method-assign]
+            for _ in range(4):
+                assert (await c.post("/tokenize", json={"prompt": "x"})).status_code == 200
+            assert gw.registry.get("p/a:8000").breaker.failures == 0  # type: ignore[union-attr]
+
+    asyncio.run(asyncio.wait_for(body(), 30))

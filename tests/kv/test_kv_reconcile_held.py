@@ -32,7 +32,8 @@ def test_usage_nobody_reserved_is_withheld_while_reservations_are_mostly_unused(
     streaming(ledger, 4, generated=10)  # each holds ceil(170 / 16) = 11 blocks of its 100
     # 600 blocks used by something else + the four requests' 44
     [sample] = ledger.reconcile(FleetView((worker(blocks=BLOCKS, kv_usage=0.644),)), 1.0)
-    # explained: 4 × ceil((160 + 10 + 16) / 16) = 48 (a block of margin each); 644 − 48 − 20 tolerance
+    # explained: 4 × ceil((160 + 32) / 16) = 48 (10 streamed + a block of margin, in whole blocks);
+    # 644 − 48 − 20 tolerance
     assert sample.shrink_units == 576
     assert ledger.capacity(worker(blocks=BLOCKS)) == 990 - 576
     # 400 reserved of 414: the next 100-block request does not fit (before: shrink 224, capacity 766, it did)
@@ -43,9 +44,11 @@ def test_the_bound_grows_with_the_stream_and_never_exceeds_the_reservation() -> 
     ledger = KvLedger(LedgerSettings(watermark=0.01, reconcile_tolerance=0.0))
     [res] = streaming(ledger, 1, generated=10)
     assert ledger.reconcile([worker(blocks=BLOCKS, kv_usage=0.012)], 1.0)[0].shrink_units == 0  # 12 ≤ 12
-    res.on_tokens(800, 2.0)  # ceil((160 + 800 + 16) / 16) = 61 blocks at most
-    assert ledger.reconcile([worker(blocks=BLOCKS, kv_usage=0.061)], 2.0)[0].shrink_units == 0
-    assert ledger.reconcile([worker(blocks=BLOCKS, kv_usage=0.071)], 3.0)[0].shrink_units == 10
+    # 800 streamed: a block of margin, rounded up to whole blocks: (800 // 16 + 2) · 16 = 832 output tokens,
+    # ceil((160 + 832) / 16) = 62 blocks at most
+    res.on_tokens(800, 2.0)
+    assert ledger.reconcile([worker(blocks=BLOCKS, kv_usage=0.062)], 2.0)[0].shrink_units == 0
+    assert ledger.reconcile([worker(blocks=BLOCKS, kv_usage=0.072)], 3.0)[0].shrink_units == 10
     res.on_tokens(5000, 4.0)  # past max_tokens (events are not tokens): the reservation caps it
     assert ledger.reconcile([worker(blocks=BLOCKS, kv_usage=0.1)], 4.0)[0].shrink_units == 0
     assert ledger.reconcile([worker(blocks=BLOCKS, kv_usage=0.101)], 5.0)[0].shrink_units == 1
