@@ -18,7 +18,9 @@ after the count has stayed lower for `grow_back_after_s` (listings that flap, a 
 deletion and its drain). A smaller share never takes back what is reserved: new reservations wait until
 the process's own fall below it. A listing that fails, or that does not list any replica (this one must be
 among them), changes nothing: the share stays as it was (`gateway.replicas` until the first listing, which
-`start` makes before the gateway serves). `kv.share` (a fixed share) and `gateway.peers` exclude each other.
+`start` makes before the gateway serves). A listing without this replica's pod (`HOSTNAME`, which Kubernetes sets to the
+pod's name: an EndpointSlice not yet updated for a pod that just started) counts it too. `kv.share` (a fixed
+share) and `gateway.peers` exclude each other.
 
 Metrics: `mosaic_gateway_peers` (replicas in the last good listing), `mosaic_kv_share` (the share in effect).
 """
@@ -28,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -38,15 +41,20 @@ from server.config import GatewayPeersConfig
 from server.discovery import Endpoint, KubernetesDiscovery
 
 log = logging.getLogger("mosaic.gateway.peers")
+# A request fitting the share of the fewest replicas listed within this long is not refused for good while
+# more are listed (a rollout's surge replica): it waits in the admission queue instead.
+CEILING_WINDOW_S = 600.0
 
 
 class PeerWindow:
-    """N_eff: the largest replica count observed within the last `window_s` (pure: time comes in)."""
+    """N_eff: the largest replica count observed within the last `window_s` (pure: time comes in); with
+    `pick=min`, the smallest (the share ceiling's N)."""
 
-    def __init__(self, window_s: float, initial: int) -> None:
+    def __init__(self, window_s: float, initial: int, pick: Callable[[Iterable[int]], int] = max) -> None:
         self.window_s = window_s
         self._seen: deque[tuple[float, int]] = deque()
         self._initial = max(1, initial)
+        self._pick = pick
 
     def observe(self, count: int, now: float) -> int:
         self._seen.append((now, max(1, count)))
@@ -56,11 +64,11 @@ class PeerWindow:
 
     @property
     def current(self) -> int:
-        return max((n for _, n in self._seen), default=self._initial)
+        return self._pick((n for _, n in self._seen), default=self._initial)  # type: ignore[call-arg]
 
 
 class ShareTarget(Protocol):
-    def set_share(self, share: float) -> None: ...
+    def set_share(self, share: float, ceiling: float | None = None) -> None: ...
 
 
 class Lister(Protocol):
@@ -80,13 +88,19 @@ class GatewayPeers:
         registry: CollectorRegistry,
         clock: Callable[[], float],
         lister: Lister | None = None,
+        own_name: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.clock = clock
         self.window = PeerWindow(cfg.grow_back_after_s, initial_replicas)
+        # the fewest replicas listed lately: what a request is measured against before it is refused for good
+        self.fewest = PeerWindow(CEILING_WINDOW_S, initial_replicas, pick=min)
         self.lister: Lister = lister if lister is not None else KubernetesDiscovery(cfg.kubernetes)
         self.listed: int | None = None  # replicas in the last good listing
+        # this replica's pod name (Kubernetes sets HOSTNAME to it): a listing that misses it (the EndpointSlice
+        # not updated yet for a pod that just started) counts it anyway, or its first share would be too big
+        self.own_name = own_name if own_name is not None else os.environ.get("HOSTNAME")
         self._failing = False  # a failing listing is logged once per run of failures
         self._started = False
         self._task: asyncio.Task[Any] | None = None
@@ -132,11 +146,14 @@ class GatewayPeers:
         if self._failing:
             log.info("listing gateway replicas works again")
             self._failing = False
-        self.listed = len({e.name for e in endpoints})
-        n = self.window.observe(self.listed, self.clock())
+        names = {e.name for e in endpoints}
+        self.listed = len(names) + (1 if self.own_name and self.own_name not in names else 0)
+        now = self.clock()
+        n = self.window.observe(self.listed, now)
+        fewest = self.fewest.observe(self.listed, now)
         self._peers.set(self.listed)
         self._share.set(1.0 / n)
-        self.ledger.set_share(1.0 / n)
+        self.ledger.set_share(1.0 / n, 1.0 / fewest)
 
     def _failed(self, exc: BaseException) -> None:
         if not self._failing:

@@ -119,6 +119,10 @@ class WorkerRecord:
         self, now: float, stale_after_s: float, state: WorkerState, breaker_open: bool
     ) -> WorkerView:
         s = self.fresh_stats(now, stale_after_s)
+        # The cache config (num_gpu_blocks, block_size) is the engine's for its life: the last scrape's holds
+        # when it goes stale. Dropped with the load, the KV ledger fell back to the perf model's guess of the
+        # blocks — a scrape failing for stale_after_s could over-commit a worker the guess overstates.
+        last = self.stats
         p = self.pool
         # Positional, in `VIEW_FIELD_ORDER`.
         return new_worker_view(
@@ -134,8 +138,8 @@ class WorkerRecord:
             s.num_running if s else None,
             s.num_waiting if s else None,
             s.kv_usage if s else None,
-            s.num_gpu_blocks if s else None,
-            s.block_size if s else None,
+            last.num_gpu_blocks if last else None,
+            last.block_size if last else None,
             self.generation_tokens_per_s if s else None,
             self.prompt_tokens_per_s if s else None,
             s.preemptions_total if s else None,

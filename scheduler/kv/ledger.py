@@ -243,6 +243,7 @@ class KvLedger:
         self.specs = specs or SpecTable()
         self.predictor = predictor or LengthPredictor()
         self.stats = LedgerStats()
+        self._share_ceiling = self.settings.share  # `set_share`
         self._books: dict[str, _Book] = {}
         self._next_key = 0
         # the request last sized, and its footprints by (spec, prefill side): routing asks for one request
@@ -346,7 +347,10 @@ class KvLedger:
         also needs the worst-case peak within capacity · (1 + overbook.max_frac)."""
         fp, worst = self.footprint(req, worker)
         book = self._book(worker)
-        need_units, room = fp.peak, book.base_capacity
+        room = book.base_capacity
+        if self._share_ceiling > self.settings.share:  # a lowered share may come back (`set_share`)
+            room = math.floor(book.unshared * self._share_ceiling)
+        need_units = fp.peak
         if need_units <= room and self.settings.mode == "predicted" and worst.peak > fp.peak:
             limit = math.floor(room * (1.0 + self.settings.max_overbook_frac))
             if worst.peak > limit:
@@ -503,10 +507,17 @@ class KvLedger:
             r.release(Outcome.LEASE_EXPIRED)
         return expired
 
-    def set_share(self, share: float) -> None:
+    def set_share(self, share: float, ceiling: float | None = None) -> None:
         """This process's part of every worker changed (`server.peers`: the listed gateway replicas). Applies
         at once: a smaller share refuses new reservations until this process's own fall below it (nothing
-        already reserved is taken back); the reconcile's allowance for the others' shares follows."""
+        already reserved is taken back); the reconcile's allowance for the others' shares follows.
+        `ceiling` (≥ share): the largest share this process has had lately; a request that fits it is not
+        refused for good (`exceeds_capacity`) while the share is lower — a rollout's surge replica lowers
+        every share for minutes, and such a request waits for it to end instead of a final 400."""
+        ceiling = share if ceiling is None else max(share, ceiling)
+        if not 0.0 < ceiling <= 1.0:
+            raise ValueError(f"share ceiling must be in (0, 1], got {ceiling}")
+        self._share_ceiling = ceiling
         if share == self.settings.share:
             return
         self.settings = replace(self.settings, share=share)  # validated there: (0, 1]

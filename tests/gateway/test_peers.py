@@ -73,6 +73,18 @@ def test_set_share_recomputes_capacity_and_keeps_what_is_reserved() -> None:
         ledger.set_share(0.0)
 
 
+def test_a_request_fitting_the_share_ceiling_is_not_refused_for_good() -> None:
+    ledger = KvLedger(LedgerSettings(watermark=0.01))
+    w = worker(blocks=1000)
+    big = request("big", prompt=16 * 300, max_out=16)  # 301 blocks
+    ledger.set_share(0.25, ceiling=0.5)  # 247 now, 495 lately
+    assert ledger.exceeds_capacity(big, w) is None and ledger.reserve(big, w, now=0.0) is None  # it waits
+    ledger.set_share(0.25)  # the ceiling followed the share down
+    assert ledger.exceeds_capacity(big, w) == (301, 247)
+    with pytest.raises(ValueError):
+        ledger.set_share(0.5, ceiling=1.5)
+
+
 def test_reconcile_allowance_follows_the_share() -> None:
     """The other replicas' shares explain usage this process did not reserve: 1 − share of the total."""
     ledger = KvLedger(LedgerSettings(share=0.5, reconcile_tolerance=0.0))
@@ -93,14 +105,16 @@ def run(coro: Any) -> Any:
 def peers(lister: FakeLister, ledger: Any, initial: int = 6, t: list[float] | None = None) -> GatewayPeers:
     clock = t if t is not None else [0.0]
     cfg = GatewayPeersConfig(**PEERS)
-    return GatewayPeers(cfg, ledger, initial, CollectorRegistry(), lambda: clock[0], lister=lister)
+    return GatewayPeers(
+        cfg, ledger, initial, CollectorRegistry(), lambda: clock[0], lister=lister, own_name=""
+    )
 
 
 class Shares:
     def __init__(self) -> None:
         self.seen: list[float] = []
 
-    def set_share(self, share: float) -> None:
+    def set_share(self, share: float, ceiling: float | None = None) -> None:
         self.seen.append(share)
 
 
@@ -157,13 +171,18 @@ def test_kv_share_and_peers_exclude_each_other() -> None:
 def test_gateway_with_peers_reserves_the_listed_share_end_to_end() -> None:
     """`gateway.replicas: 6` (an HPA's maxReplicas) with two replicas listed: each owns half a worker, not a
     sixth; a request needing a third of the worker's KV is served, where 1/6 refused it for good (400
-    kv_exceeds_capacity). When a third and fourth replica are listed, the same request no longer fits."""
+    kv_exceeds_capacity). When a third and fourth replica are listed (a rollout's surge, say), the same request
+    no longer fits: it waits, for the share it had within CEILING_WINDOW_S may come back (here until the
+    queue deadline: 429); once four have been listed for that long it is refused for good."""
     a = FakeWorker("a")
-    cfg = config(pool("p", "L4", "mixed", a), gateway={"replicas": 6, "peers": PEERS})
+    cfg = config(
+        pool("p", "L4", "mixed", a), gateway={"replicas": 6, "peers": PEERS}, limits={"queue_deadline_s": 0.5}
+    )
     app = create_app(cfg, transport=FakeFleet(a).transport)
     gw = app.state.gateway
     assert gw.peers is not None
     gw.peers.lister = FakeLister(replicas(2))
+    gw.peers.own_name = "gw-0"  # this replica is the first listed (not this machine's HOSTNAME)
     # the fake worker reports 1,000 blocks of 16 tokens: a third of it is ~5,300 tokens
     body = {"model": "llama-3-8b", "prompt": [1] * 4000, "max_tokens": 1300}
 
@@ -179,8 +198,26 @@ def test_gateway_with_peers_reserves_the_listed_share_end_to_end() -> None:
             gw.peers.lister = FakeLister(replicas(4))
             await gw.peers.refresh()
             r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
+            gw.peers.fewest = PeerWindow(0.0, 4, pick=min)  # as if CEILING_WINDOW_S had passed
+            await gw.peers.refresh()
+            r = await c.post("/v1/completions", json=body)
             assert r.status_code == 400 and r.json()["error"]["code"] == "kv_exceeds_capacity"
             sample = gw.metrics.registry.get_sample_value
             assert (sample("mosaic_gateway_peers"), sample("mosaic_kv_share")) == (4, 0.25)
 
     run(go())
+
+
+def test_this_replica_counts_when_the_listing_misses_it() -> None:
+    """A pod that just started may not be in its Service's EndpointSlice yet: counted all the same."""
+    shares = Shares()
+    cfg = GatewayPeersConfig(**PEERS)
+    p = GatewayPeers(
+        cfg, shares, 1, CollectorRegistry(), lambda: 0.0, lister=FakeLister(replicas(2)), own_name="gw-9"
+    )
+    run(p.refresh())
+    assert (p.listed, shares.seen) == (3, [pytest.approx(1 / 3)])
+    p.own_name = "gw-1"  # listed: counted once
+    run(p.refresh())
+    assert p.listed == 2

@@ -118,7 +118,9 @@ def test_registry_scrapes_rates_and_drops_stale_stats() -> None:
         return httpx.Response(
             200,
             text=f'# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{{engine="0"}} {gen}\n'
-            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3\n',
+            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3\n'
+            "# TYPE vllm:cache_config_info gauge\n"
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n',
         )
 
     async def run() -> None:
@@ -142,6 +144,9 @@ def test_registry_scrapes_rates_and_drops_stale_stats() -> None:
         await reg.scrape_once()
         v = reg.view().workers[0]
         assert v.num_running is None and v.generation_tokens_per_s is None and v.scrape_age_s is None
+        # the engine's cache config stays what it was (the KV ledger fell back to the perf model's guess,
+        # here 2,183 blocks where the worker has 1,000)
+        assert (v.num_gpu_blocks, v.block_size, v.kv_blocks_total) == (1000, 16, 1000)
         await client.aclose()
         await reg.stop()
 
