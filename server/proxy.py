@@ -209,8 +209,9 @@ class SseRelay:
                 return b""
             self._buf = chunk[cut + 2 :]
             chunk = chunk[: cut + 2]
-        # the last event, `data: [DONE]` (vLLM's framing; `data:[DONE]` and extra newlines read the same)
-        if chunk.rstrip(b"\r\n").endswith(b"[DONE]"):
+        # the last event, `data: [DONE]` (vLLM's framing; `data:[DONE]` and extra newlines read the same): looked
+        # for in the chunk's last bytes only, without a copy (a token event ends in its JSON's closing braces)
+        if chunk.find(b"[DONE]", max(0, len(chunk) - 16)) >= 0:
             self.done = True
         if not self.aborted and chunk.find(b'"finish_reason":"abort"') >= 0:  # vLLM's compact JSON
             self.aborted = True

@@ -338,11 +338,8 @@ class StreamSession:
                 more = write(out)
             if now > deadline and not last:  # the last piece ends the stream anyway
                 self._check_total(out)
-            if self.relay.done and not last:
-                # `[DONE]` before the body's end: pause, so that the next read waits with `_after_done`'s bound
-                # (this one keeps the deadline it began with)
+            if self.relay.done and not last:  # the read deadline restarts with `_after_done`'s bound
                 self._after_done()
-                return False
             return more
 
         outcome: Outcome | GatewayOutcome = Outcome.WORKER_ERROR
