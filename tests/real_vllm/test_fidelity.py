@@ -554,14 +554,23 @@ def test_logprobs_shape(real_vllm: RealServer, sim_url: str, case: str) -> None:
         status, _, chunks = raw_chunks(url, path, {**body, "stream": True})
         assert status == 200
         token_events = [e for e in events_of(chunks) if e["choices"] and e["choices"][0]["logprobs"]]
-        assert len(token_events) == 4, side
-        events[side] = token_events[1]  # a middle token: completions' text_offset continues the text
+        # 4 tokens' logprobs; a loaded vLLM may send two tokens in one event (its output processor behind the
+        # engine: seen in CI, 3 events for 4 tokens), each event then listing both tokens' entries
+        assert sum(logprob_counts_of_event(e) for e in token_events) == 4, side
+        assert 2 <= len(token_events) <= 4, side
+        events[side] = token_events[1]  # a middle event: completions' text_offset continues the text
         if "text_offset" in token_events[1]["choices"][0]["logprobs"]:
             offsets = [e["choices"][0]["logprobs"]["text_offset"][0] for e in token_events]
             texts = [e["choices"][0]["text"] for e in token_events]
-            assert offsets == [sum(map(len, texts[:i])) for i in range(4)], side
+            assert offsets == [sum(map(len, texts[:i])) for i in range(len(texts))], side
     diffs = shape_diff(case, token_keyed(events["real"]), token_keyed(events["sim"]))
     assert not {d for d in diffs if ".logprobs" in d}, diffs
+
+
+def logprob_counts_of_event(event: dict[str, Any]) -> int:
+    """Tokens whose logprobs one streamed event carries (chat: `content` entries; completions: `tokens`)."""
+    lp = event["choices"][0]["logprobs"]
+    return len(lp["content"]) if "content" in lp else len(lp["tokens"])
 
 
 @pytest.mark.parametrize("case", list(MULTI))

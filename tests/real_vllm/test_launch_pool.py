@@ -103,6 +103,6 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
         reader.join(150)
     if completes:
         assert (len(tokens), ended) == (400, ["done"])
-    else:  # aborted: cut, or ended early with finish_reason "abort" (then vLLM still sends [DONE])
-        assert len(tokens) < 400
-        assert ended != ["done"] or '"finish_reason":"abort"' in tokens[-1]
+    else:  # aborted: cut, or ended early with [DONE] after a finish_reason "abort" event or (seen in CI)
+        assert len(tokens) < 400  # after no finish_reason at all; never with the reason of a finished request
+        assert not any('"finish_reason":"length"' in t or '"finish_reason":"stop"' in t for t in tokens)
