@@ -19,8 +19,9 @@ Per request:
 
 Timeouts: `first_token_timeout_s` bounds dispatch → first byte of a stream (prefill hop included);
 `total_timeout_s` bounds a whole non-streaming request (its headers come only when generation ends, so
-the wait for them gets that budget; when it runs out the request ends `timed_out`, with no retry and no
-mark on the worker's breaker) and is checked between stream chunks; `stall_timeout_s` (the client's read
+the wait for them gets that budget; when it runs out the request ends `timed_out`, with no retry, and the
+worker's breaker is told only if its generation counter stood still meanwhile) and is checked between
+stream chunks; `stall_timeout_s` (the client's read
 timeout) bounds every gap between a stream's chunks and the read of a body once its headers came.
 
 Client disconnects: while waiting for the first byte, a `DisconnectWatch` cancels the work (the upstream
@@ -372,8 +373,8 @@ class Dispatcher:
 
     def _timed_out(self, rec: RequestRecord) -> Response:
         """A whole (non-streaming) answer not there when `total_timeout_s` ran out: 504, outcome `timed_out`,
-        no breaker mark — as a stream the same limit ends (a long generation is not a broken worker; a
-        hung one is found by its health checks and by streams' first-token and stall time-outs)."""
+        as a stream the same limit ends (a long generation is not a broken worker; `_attempt` told the
+        breaker already if the worker generated nothing meanwhile, `timeout_no_progress`)."""
         err = GatewayError(
             Cause.UPSTREAM_TIMEOUT,
             f"The request did not complete within the gateway's total timeout of "
