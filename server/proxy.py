@@ -177,6 +177,7 @@ class SseRelay:
         "aborted",
         "done",
         "error",
+        "finished",
         "role_only_relayed",
         "strip_usage",
         "usage",
@@ -193,6 +194,9 @@ class SseRelay:
         self.watch_roles = True
         self.error: dict[str, Any] | None = None
         self.done = False  # `data: [DONE]` relayed: the stream ended as an OpenAI stream ends
+        # An event carried a finish_reason (a string, not null): a sequence ended. vLLM stopped by SIGTERM may
+        # end a stream with [DONE] and none at all (seen on 0.32 in CI): cut, not completed.
+        self.finished = False
         self.aborted = False  # an event carried finish_reason "abort": the worker stopped it (vLLM's stop)
         self._buf = b""
 
@@ -213,7 +217,17 @@ class SseRelay:
         # for in the chunk's last bytes only, without a copy (a token event ends in its JSON's closing braces)
         if chunk.find(b"[DONE]", max(0, len(chunk) - 16)) >= 0:
             self.done = True
-        if not self.aborted and chunk.find(b'"finish_reason":"abort"') >= 0:  # vLLM's compact JSON
+        # vLLM's compact JSON, or json.dumps' default spacing (other OpenAI-compatible servers); token events
+        # carry `"finish_reason":null`, which neither needle matches
+        if not self.finished and (
+            chunk.find(b'"finish_reason":"') >= 0 or chunk.find(b'"finish_reason": "') >= 0
+        ):
+            self.finished = True
+        if (
+            self.finished
+            and not self.aborted
+            and (chunk.find(b'"finish_reason":"abort"') >= 0 or chunk.find(b'"finish_reason": "abort"') >= 0)
+        ):
             self.aborted = True
         # find(), not `in`: `in` on bytes first tries the needle as an int and formats (then drops) a
         # TypeError, ≈ 4k instructions per call on a path taken per relayed chunk and event.

@@ -251,8 +251,10 @@ class StreamSession:
             if not self.relay.done:  # cut short without an error event: `_end` sent one
                 self.d.registry.report_failure(self.lease.decision.decode.id, "stream_truncated")
                 return Outcome.WORKER_ERROR
-            if self.relay.aborted:  # the worker stopped it (shutting down): relayed as sent, not completed,
-                return Outcome.WORKER_ERROR  # and no mark on its breaker (a stop is not a fault)
+            # The worker stopped it (shutting down: finish_reason "abort", or vLLM's [DONE] with no finish_reason
+            # at all): relayed as sent, not completed, and no mark on its breaker (a stop is not a fault)
+            if self.relay.aborted or not self.relay.finished:
+                return Outcome.WORKER_ERROR
             return Outcome.COMPLETED
         code = error.get("code")
         if type(code) is int and 400 <= code < 500:

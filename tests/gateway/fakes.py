@@ -173,7 +173,8 @@ class FakeWorker:
                     raise httpx.ReadError("connection reset by peer")
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)
-                choice = {"index": 0, "finish_reason": None}
+                # vLLM's last token event carries the finish_reason; the others null
+                choice = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
                 choice |= {"delta": {"content": f"w{i} "}} if chat else {"text": f"w{i} "}
                 yield (
                     b"data: "

@@ -446,10 +446,10 @@ async def _late_done_worker(reader: asyncio.StreamReader, writer: asyncio.Stream
                 assert json.loads(body)["stream"] is True
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
-                for i in range(2):
+                for i, reason in enumerate((b"null", b'"length"')):  # vLLM's last token event carries it
                     event = (
-                        b'data: {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "w%d "}]}\n\n'
-                        % i
+                        b'data: {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "w%d ", '
+                        b'"finish_reason": %s}]}\n\n' % (i, reason)
                     )
                     writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                     await writer.drain()

@@ -126,8 +126,8 @@ def test_a_stream_that_ends_after_an_error_event_without_done_gets_done() -> Non
 
 
 # ------------------------------------------------------------------------------------- real sockets
-def _event(content: str) -> bytes:
-    choice = {"index": 0, "delta": {"content": content}, "finish_reason": None}
+def _event(content: str, finish_reason: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": {"content": content}, "finish_reason": finish_reason}
     return b"data: " + json.dumps({"id": "c", "choices": [choice]}).encode() + b"\n\n"
 
 
@@ -176,7 +176,9 @@ def test_nothing_follows_done_when_the_worker_stalls_after_it() -> None:
     `[DONE]`, and nothing after it is relayed."""
 
     async def answer(writer: asyncio.StreamWriter, stream: bool) -> None:
-        writer.write(SSE_HEAD + chunk(_event("w0 ")) + chunk(_event("w1 ")) + chunk(b"data: [DONE]\n\n"))
+        writer.write(
+            SSE_HEAD + chunk(_event("w0 ")) + chunk(_event("w1 ", "length")) + chunk(b"data: [DONE]\n\n")
+        )
         await writer.drain()
         await asyncio.sleep(0.2)
         writer.write(chunk(_event("after the end")))
@@ -188,7 +190,7 @@ def test_nothing_follows_done_when_the_worker_stalls_after_it() -> None:
     assert took < 2.5
     assert sse_events(r.text) == [
         sse_events(_event("w0 ").decode())[0],
-        sse_events(_event("w1 ").decode())[0],
+        sse_events(_event("w1 ", "length").decode())[0],
         "[DONE]",
     ]
     assert gw.dispatcher.outcomes == {"completed": 1}
@@ -297,3 +299,40 @@ def test_a_hung_worker_is_told_by_whole_answers_a_slow_one_is_not() -> None:
                 assert metric(gw, "mosaic_upstream_errors_total", **kind) == (3 if hung else 0)
 
         run(body)
+
+
+def _stream_ending(*events: bytes) -> Callable[[asyncio.StreamWriter, bool], Awaitable[None]]:
+    async def answer(writer: asyncio.StreamWriter, stream: bool) -> None:
+        writer.write(
+            SSE_HEAD + b"".join(chunk(e) for e in events) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        )
+        await writer.drain()
+
+    return answer
+
+
+STREAM_REQUEST = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+def test_a_stream_ending_with_done_and_no_finish_reason_is_no_completion() -> None:
+    """vLLM 0.32 stopped by SIGTERM may end a running stream with [DONE] and no finish_reason at all (seen
+    in CI): relayed as sent, but cut short, so a worker error (it was counted completed and its cut length
+    taught the length predictor), and no mark on the breaker (a stop is not a fault)."""
+    answer = _stream_ending(_event("w0 "), _event("w1 "))
+    r, _, gw = asyncio.run(_with_worker(answer, {}, STREAM_REQUEST))
+    assert sse_events(r.text) == [sse_events(_event(w).decode())[0] for w in ("w0 ", "w1 ")] + ["[DONE]"]
+    assert gw.dispatcher.outcomes == {"worker_error": 1}
+    assert failures(gw) == {"127.0.0.1": 0}
+    assert gw.predictor is not None and gw.predictor.count("llama-3-8b", 7) == 0
+
+
+def test_a_stream_finished_in_json_dumps_spacing_is_read_as_finished() -> None:
+    """Another OpenAI-compatible server's `"finish_reason": "stop"` (json.dumps' spacing) ends a stream as
+    vLLM's compact `"finish_reason":"stop"` does, and `"finish_reason": "abort"` as vLLM's abort."""
+    finished = _stream_ending(_event("w0 "), _event("w1 ", "stop"))
+    r, _, gw = asyncio.run(_with_worker(finished, {}, STREAM_REQUEST))
+    assert r.status_code == 200 and gw.dispatcher.outcomes == {"completed": 1}
+    aborted = _stream_ending(_event("w0 "), _event("", "abort"))
+    r, _, gw = asyncio.run(_with_worker(aborted, {}, STREAM_REQUEST))
+    assert r.status_code == 200 and gw.dispatcher.outcomes == {"worker_error": 1}
+    assert failures(gw) == {"127.0.0.1": 0}

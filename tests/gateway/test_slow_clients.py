@@ -45,7 +45,9 @@ class StreamingWorker:
         for _ in range(EVENTS):
             writer.write(chunk(event))
             await writer.drain()
-        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        last = {"index": 0, "delta": {"content": ""}, "finish_reason": "length"}  # vLLM's last event
+        ending = b"data: " + json.dumps({"id": "c", "model": MODEL, "choices": [last]}).encode() + b"\n\n"
+        writer.write(chunk(ending) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await writer.drain()
         self.finished += 1
 
