@@ -596,6 +596,10 @@ class Dispatcher:
             # cut length must not train the length predictor), no mark on the breaker (a stop is no fault)
             lease.release(Outcome.WORKER_ERROR)
             self.finish(rec, status, Outcome.WORKER_ERROR, response_usage(content))
+        elif status == 200 and not _json_object_shaped(content):
+            # not an OpenAI answer (an HTML page from a proxy in front of the worker, a URL pointing at some
+            # other server): nothing reached the client yet, so a protocol failure, retried elsewhere
+            raise UpstreamFailure(worker_id, "not_json")
         else:
             self.registry.report_success(worker_id)
             lease.release(Outcome.COMPLETED)
@@ -620,3 +624,11 @@ class Dispatcher:
             stopped=self.stopped,
             stall_s=self.limits.stall_timeout_s,
         )
+
+
+def _json_object_shaped(body: bytes) -> bool:
+    """A body that opens and closes as a JSON object does: the check a whole answer passes before it is
+    relayed as a completion. Not a parse: an answer's text is never decoded on this path (`response_usage`
+    reads only its usage), and a truncated body is already httpx's error."""
+    body = body.strip()  # the same object when there is nothing to strip, as in vLLM's answers
+    return body[:1] == b"{" and body[-1:] == b"}"

@@ -18,9 +18,7 @@ import httpx
 from server.runner import start_gateway_server
 from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
 from tests.gateway.scripted_http import EMPTY_200, SSE_HEAD, chunk, read_request
-from tests.gateway.test_faults import CHAT, chat, gateway, metric, run, sse_events
-
-RR = {"routing": {"policy": "round-robin"}}
+from tests.gateway.test_faults import CHAT, RR, chat, gateway, metric, run, sse_events
 
 
 def failures(gw: Any) -> dict[str, int]:
@@ -336,3 +334,49 @@ def test_a_stream_finished_in_json_dumps_spacing_is_read_as_finished() -> None:
     r, _, gw = asyncio.run(_with_worker(aborted, {}, STREAM_REQUEST))
     assert r.status_code == 200 and gw.dispatcher.outcomes == {"worker_error": 1}
     assert failures(gw) == {"127.0.0.1": 0}
+
+
+class AnswersHtml(FakeWorker):
+    """A 200 whose body is no JSON (a proxy's HTML page in front of the worker, a URL of another server)."""
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/v1/"):
+            self.paths.append(request.url.path)
+            return httpx.Response(
+                200, text="<html><body>Sign in</body></html>", headers={"content-type": "text/html"}
+            )
+        return await super().handle(request)
+
+
+def test_a_whole_answer_that_is_no_json_is_retried_elsewhere() -> None:
+    """Before, the HTML page was relayed to the client as a 200 and counted completed."""
+    bad, good = AnswersHtml("bad"), FakeWorker("good")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", bad, good), **RR), FakeFleet(bad, good)) as (
+            c,
+            gw,
+        ):
+            answers = [await c.post(CHAT, json=chat(f"q{i}")) for i in range(4)]
+            assert [r.status_code for r in answers] == [200] * 4
+            assert all(r.json()["object"] == "chat.completion" for r in answers)
+            assert len(bad.paths) >= 1 and len(good.seen) == 4 and gw.dispatcher.outcomes == {"completed": 4}
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="not_json") == len(bad.paths)
+            assert failures(gw)["good"] == 0
+
+    run(body)
+
+
+def test_a_whole_answer_that_is_no_json_from_the_only_worker_is_a_502() -> None:
+    bad = AnswersHtml("bad")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", bad)), FakeFleet(bad)) as (c, gw):
+            r = await c.post(CHAT, json=chat())
+            assert r.status_code == 502
+            error = r.json()["error"]
+            assert (error["type"], error["code"]) == ("BadGatewayError", 502)
+            assert set(error) == {"message", "type", "param", "code"}
+            assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
+
+    run(body)
