@@ -41,7 +41,7 @@ from loadgen.profiling import (
     summarize,
     unloaded_requests,
 )
-from loadgen.runner import RunOptions, RunResult, Target, replay
+from loadgen.runner import FATAL_ERRORS, RunOptions, RunResult, Target, replay
 from loadgen.schedule import ScheduledRequest
 
 PROBE_TPOT_S = 0.05  # per-token time assumed when sizing a probe (never the SLO: see profile_search)
@@ -49,8 +49,6 @@ PROBE_TPOT_S = 0.05  # per-token time assumed when sizing a probe (never the SLO
 # not pass: the queue test reads scheduled times and TTFT from the actual send, so it cannot see that
 # backlog, and the rate was never offered. Jitter of milliseconds stays far below it.
 GENERATOR_BACKLOG_S = 0.25
-# Failures that say nothing about load: the address, the key, the path or the model name is wrong.
-FATAL_ERRORS = frozenset({"connect_error", "http_401", "http_403", "http_404", "http_405"})
 PREFLIGHT_TIMEOUT_S = 60.0  # a 1-token answer; a dead address should not hold the command for 10 minutes
 PREFLIGHT_INPUT_TOKENS = 16
 UNLOADED_FULL = 3  # of the baseline's requests, this many are also sent with their whole output (TPOT)
@@ -80,7 +78,7 @@ def preflight(
 def _check_measurable(result: RunResult, target: Target, what: str) -> None:
     """Raise `ProfileError` when every request of a probe (or baseline) failed with a non-load error."""
     recs = result.records
-    fatal = result.unreachable or (
+    fatal = result.gave_up or (
         bool(recs) and all(not r.success and r.error_type in FATAL_ERRORS for r in recs)
     )
     if not fatal:

@@ -28,7 +28,7 @@ from loadgen.formats import Trace, open_trace
 from loadgen.metrics import Metrics, Slo, compute_metrics
 from loadgen.plots import write_plots
 from loadgen.report import ReplayConfig, build_report, write_report
-from loadgen.runner import UNREACHABLE_AFTER, RunOptions, RunResult, Target, replay
+from loadgen.runner import FATAL_ERRORS, GIVE_UP_AFTER, RunOptions, RunResult, Target, replay
 from loadgen.schedule import ScheduleOptions, schedule
 from loadgen.synthetic import parse_spec
 
@@ -109,6 +109,21 @@ def _known_total(req: ReplayRequest, trace: Trace) -> int | None:
     return total
 
 
+def _refused(url: str, result: RunResult, first_n: bool) -> str:
+    """The one line for a replay whose requests all failed in a way no load explains (`FATAL_ERRORS`):
+    nothing listens at the URL, or the server refuses us (the key, the path or the model name is wrong).
+    `first_n`: the replay gave up after its first `GIVE_UP_AFTER` requests, else it played them all."""
+    fatal = [r for r in result.records if r.error_type in FATAL_ERRORS]
+    which = f"the first {GIVE_UP_AFTER} requests" if first_n else "every request"
+    if all(r.error_type == "connect_error" for r in fatal):
+        first = fatal[0].error if fatal else None
+        failed = f"{which} all failed" if first_n else f"{which} failed"
+        return f"cannot connect to {url}: {failed} to connect ({one_line(first or 'connect_error')})"
+    refused = next(r for r in fatal if r.error_type != "connect_error")
+    kinds = ", ".join(sorted({r.error_type or "" for r in fatal}))
+    return f"{url} refused {which} ({kinds}): {one_line(refused.error or '')}"
+
+
 async def run_replay_async(
     req: ReplayRequest, console: Console | None = None, transport: httpx.AsyncBaseTransport | None = None
 ) -> ReplayOutcome:
@@ -123,20 +138,18 @@ async def run_replay_async(
                 result = await replay(scheduled, target, opts, progress, transport, stop)
         else:
             result = await replay(scheduled, target, opts, None, transport, stop)
-    if result.unreachable:
-        first = next((r.error for r in result.records if r.error_type == "connect_error"), None)
+    if result.gave_up:
         raise ReplayError(
-            f"cannot connect to {req.url}: the first {UNREACHABLE_AFTER} requests all failed to connect"
-            f" ({one_line(first or 'connect_error')}); the rest were not sent"
+            _refused(req.url, result, f"the first {GIVE_UP_AFTER} requests all") + "; the rest were not sent"
         )
     if not result.records:
         if result.interrupted:
             raise ReplayError("interrupted before any request was sent")
         raise ReplayError("no requests to send: the trace (or the --start/--duration window) is empty")
     metrics = compute_metrics(result.records, result.duration_s, req.slo, req.lag_threshold_ms)
-    if metrics.completed == 0 and set(metrics.errors) == {"connect_error"}:
+    if metrics.completed == 0 and set(metrics.errors) <= FATAL_ERRORS:
         # Nothing was measured: say so before --out replaces an earlier run's report with an empty one.
-        raise ReplayError(f"cannot connect to {req.url}: every request failed to connect")
+        raise ReplayError(_refused(req.url, result, first_n=False))
     s = req.schedule
     config = ReplayConfig(
         trace=req.trace,

@@ -34,9 +34,12 @@ from loadgen.schedule import ScheduledRequest
 PREBUILD_WINDOW_S = 2.0  # bodies of requests due this far past the next one are built while waiting
 PREBUILD_BYTES = 64 << 20  # … up to this much of them in memory
 _PREBUILD_MARGIN_S = 0.002  # stop building this close to the next send time
-# The first this many requests to finish all failed to connect: nothing listens at the URL. The replay
-# stops there instead of playing the rest of the schedule (hours, for a real trace) to the same end.
-UNREACHABLE_AFTER = 8
+# Failures that say nothing about load: nothing listens, or the key, the path or the model name is wrong
+# (the server refuses us whatever we send).
+FATAL_ERRORS = frozenset({"connect_error", "http_401", "http_403", "http_404", "http_405"})
+# The first this many requests to finish all failed so: the replay stops there instead of playing the rest
+# of the schedule (hours, for a real trace) to the same end.
+GIVE_UP_AFTER = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +83,8 @@ class RunResult:
     started_at: str = ""  # wall-clock ISO time of t = 0
     duration_s: float = 0.0  # first scheduled send → end of the last request (`replay_duration`)
     interrupted: bool = False  # `stop` was set: nothing more sent, requests in flight cancelled
-    unreachable: bool = False  # stopped early: the first UNREACHABLE_AFTER requests all failed to connect
+    # stopped early: the first GIVE_UP_AFTER requests to finish all failed with FATAL_ERRORS
+    gave_up: bool = False
 
 
 async def _one(
@@ -120,9 +124,9 @@ async def _send(
 
 
 class _ReachWatch:
-    """Sets `halt` when the first `n` requests to finish all failed to connect. Any other outcome among
-    them (an answer, even an error status) disarms it for good: a server that answered once is there, and
-    what it does next is the replay's to measure."""
+    """Sets `halt` when the first `n` requests to finish all failed in a way no load explains
+    (`FATAL_ERRORS`). Any other outcome among them (a success, a 5xx, a 429, a 400, a timeout) disarms it for
+    good: a server that served or refused for a reason of load or of the request is there to be measured."""
 
     __slots__ = ("_failed", "_halt", "_n", "armed", "tripped")
 
@@ -135,7 +139,7 @@ class _ReachWatch:
     def done(self, rec: RequestRecord) -> None:
         if not self.armed:
             return
-        if rec.error_type != "connect_error":
+        if rec.error_type not in FATAL_ERRORS:
             self.armed = False
             return
         self._failed += 1
@@ -164,8 +168,8 @@ async def replay(
 ) -> RunResult:
     """Send every scheduled request at `send_at_s` after the start; return when all have finished, or soon
     after `stop` is set (Ctrl-C): then nothing more is sent, the requests in flight are cancelled and
-    recorded as `cancelled`, and the result says `interrupted`. The same early end, with `unreachable`,
-    when the first `UNREACHABLE_AFTER` requests to finish all failed to connect."""
+    recorded as `cancelled`, and the result says `interrupted`. The same early end, with `gave_up`, when
+    the first `GIVE_UP_AFTER` requests to finish all failed with `FATAL_ERRORS`."""
     if target.endpoint not in ENDPOINT_PATHS:
         raise ValueError(f"endpoint must be one of {', '.join(ENDPOINT_PATHS)}, got {target.endpoint!r}")
     prompts = PromptBuilder(opts.seed, opts.prompt_salt)
@@ -174,7 +178,7 @@ async def replay(
     tasks: set[asyncio.Task[None]] = set()
     ahead = _Prebuilt(iter(requests), target, prompts)
     halt = asyncio.Event()  # set by `stop` (Ctrl-C) or by the watch: send nothing more, cancel the rest
-    watch = _ReachWatch(UNREACHABLE_AFTER, halt)
+    watch = _ReachWatch(GIVE_UP_AFTER, halt)
     async with contextlib.AsyncExitStack() as stack:
         if stop is not None:
             relay = asyncio.ensure_future(_relay(stop, halt))
@@ -223,8 +227,8 @@ async def replay(
                 await asyncio.gather(*tasks, return_exceptions=True)
     if halt.is_set():
         result.interrupted = stop is not None and stop.is_set()
-        result.unreachable = watch.tripped
-        why = "the replay was interrupted" if result.interrupted else "the target is unreachable"
+        result.gave_up = watch.tripped
+        why = "the replay was interrupted" if result.interrupted else "the target refuses every request"
         now = time.perf_counter() - origin
         for rec in result.records:
             if not rec.success and rec.error_type is None:  # in flight when the run stopped

@@ -20,6 +20,7 @@ class FakeWorker:
     fail_every: int = 0  # every n-th request gets a 503 (0 = never)
     corrupt_gzip_every: int = 0  # every n-th request gets a 200 whose gzip body does not decode
     null_error: bool = False  # every chunk carries "error": null (as servers that serialise unset fields)
+    refuse_status: int = 0  # every request gets this status with an OpenAI error (401: a wrong key)
     received: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -39,6 +40,14 @@ class FakeWorker:
 
     async def _handle(self, body: dict[str, Any], chat: bool) -> Any:
         self.received.append(body)
+        if self.refuse_status:
+            err = {
+                "message": "Unauthorized",
+                "type": "AuthenticationError",
+                "param": None,
+                "code": self.refuse_status,
+            }
+            return JSONResponse({"error": err}, status_code=self.refuse_status)
         if self.fail_every and len(self.received) % self.fail_every == 0:
             err = {"message": "overloaded", "type": "ServiceUnavailable", "param": None, "code": 503}
             return JSONResponse({"error": err}, status_code=503)

@@ -84,7 +84,7 @@ def test_a_trace_too_short_to_give_up_on_still_exits_2(closed_url: str) -> None:
     res = mosaic("synthetic:rate=100,n=3,input=8,output=2", "--url", closed_url, "--quiet")
     assert res.exit_code == 2  # type: ignore[attr-defined]
     assert res.stderr.strip().splitlines() == [  # type: ignore[attr-defined]
-        f"error: cannot connect to {closed_url}: every request failed to connect"
+        f"error: cannot connect to {closed_url}: every request failed to connect (All connection attempts failed)"
     ]
 
 
@@ -156,3 +156,14 @@ def test_ctrl_c_stops_the_replay_and_keeps_what_was_measured(tmp_path: Path) -> 
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_a_model_the_server_does_not_serve_exits_2_after_the_first_requests(worker_url: str) -> None:
+    """vLLM answers 404 to every request for a model it does not serve: the replay played its whole
+    schedule and exited 0 with nothing measured."""
+    res = mosaic(SPEC, "--url", worker_url, "--model", "nope", "--quiet")
+    assert res.exit_code == 2, res.output  # type: ignore[attr-defined]
+    assert res.stderr.strip().splitlines() == [  # type: ignore[attr-defined]
+        f"error: {worker_url} refused the first 8 requests (http_404): The model `nope` does not exist.;"
+        " the rest were not sent"
+    ]

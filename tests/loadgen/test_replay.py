@@ -13,7 +13,7 @@ from rich.console import Console
 from loadgen.formats import open_trace
 from loadgen.metrics import Slo
 from loadgen.prompts import BLOCK_TOKENS
-from loadgen.replay import ReplayRequest, run_replay_async
+from loadgen.replay import ReplayError, ReplayRequest, run_replay_async
 from loadgen.report import SCHEMA, load_report
 from loadgen.runner import RunOptions, RunResult, Target, replay
 from loadgen.schedule import ScheduledRequest, ScheduleOptions, schedule
@@ -247,10 +247,28 @@ def test_an_unreachable_target_stops_the_replay_after_the_first_requests(closed_
     for a real trace). Now it stops once the first 8 to finish all failed to connect: the rest are not sent."""
     sched = [ScheduledRequest(k, k / 200, 8, 2) for k in range(400)]  # 2 s of sends
     result = asyncio.run(replay(sched, Target(closed_url, "m")))
-    assert result.unreachable and not result.interrupted
+    assert result.gave_up and not result.interrupted
     assert 8 <= len(result.records) < 100
     errors = {r.error_type for r in result.records}
     assert "connect_error" in errors and errors <= {"connect_error", "cancelled"}
+
+
+def test_a_server_refusing_every_request_stops_the_replay_after_the_first_requests() -> None:
+    """A wrong key (401, as a wrong model's 404 or path's 405) fails every request whatever the load: the
+    whole schedule was played (hours, for a real trace) and the run exited 0 with an empty measurement."""
+    worker = FakeWorker(refuse_status=401)
+    sched = [ScheduledRequest(k, k / 200, 8, 2) for k in range(400)]  # 2 s of sends
+    result = asyncio.run(
+        replay(sched, Target("http://fake", "m"), transport=httpx.ASGITransport(app=worker.app()))
+    )
+    assert result.gave_up and not result.interrupted
+    assert 8 <= len(result.records) < 100
+    assert {r.error_type for r in result.records} <= {"http_401", "cancelled"}
+    with pytest.raises(
+        ReplayError,
+        match=r"^http://fake refused the first 8 requests \(http_401\): Unauthorized; the rest were not sent$",
+    ):
+        run(ReplayRequest(SPEC, "http://fake", "m", progress=False), worker)
 
 
 def test_one_answer_among_the_first_requests_keeps_the_replay_going() -> None:
@@ -258,7 +276,7 @@ def test_one_answer_among_the_first_requests_keeps_the_replay_going() -> None:
     worker = FakeWorker(fail_every=1)  # every request a 503
     out = run(ReplayRequest(SPEC, "http://fake", "m", progress=False), worker)
     m = out.metrics  # type: ignore[attr-defined]
-    assert m.errors == {"http_503": 25} and not out.result.unreachable  # type: ignore[attr-defined]
+    assert m.errors == {"http_503": 25} and not out.result.gave_up  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("concurrency", [None, 1000])
