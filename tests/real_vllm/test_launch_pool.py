@@ -63,7 +63,9 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
 ) -> None:
     """Why launched replicas get `--shutdown-timeout`: vLLM 0.32 aborts a stream that is running when
     SIGTERM arrives (its default, 0), and lets it finish with a timeout (the launcher's backstop after the
-    gateway-side drain; also what a gateway shutdown relies on)."""
+    gateway-side drain; also what a gateway shutdown relies on). The stream goes through a Mosaic gateway in
+    front of the server: an aborted one (cut, finish_reason "abort", or [DONE] with no finish_reason at all)
+    is a worker_error there, never completed, and still ends with [DONE]."""
     import dataclasses
     import threading
 
@@ -75,8 +77,14 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
     if reason is not None:
         pytest.skip(reason)
     spec = dataclasses.replace(vllm_env.server_spec(free_port()), shutdown_timeout_s=shutdown_timeout_s)
-    with VllmProcess.start(spec, log_path=tmp_path / "vllm.log") as proc:
+    with (
+        VllmProcess.start(spec, log_path=tmp_path / "vllm.log") as proc,
+        MosaicGateway(static_config(vllm_env.SERVED_MODEL_NAME, [proc.url]), tmp_path) as gateway,
+    ):
         proc.wait_healthy(300)
+        gateway.wait_ready()
+        gateway.wait_worker_scraped()
+        target = gateway.target(vllm_env.SERVED_MODEL_NAME)
         tokens: list[str] = []
         ended: list[str] = []
         first = threading.Event()
@@ -85,7 +93,10 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
             body = {"model": vllm_env.SERVED_MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 400,
                     "ignore_eos": True, "stream": True}  # fmt: skip
             try:
-                with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=120) as resp:
+                auth = {"Authorization": f"Bearer {target.api_key}"}
+                with httpx.stream(
+                    "POST", f"{target.base_url}/v1/completions", json=body, headers=auth, timeout=120
+                ) as resp:
                     for line in resp.iter_lines():
                         if line == "data: [DONE]":
                             ended.append("done")
@@ -101,8 +112,28 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
         assert first.wait(120)
         proc.terminate()  # SIGTERM, as the launcher's stop sends
         reader.join(150)
+        deadline = time.monotonic() + 10  # counted as the response ends, just after the client's last read
+        while not (outcomes := gateway_outcomes(gateway)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert ended == ["done"]  # through the gateway a stream always ends with [DONE], cut or not
+    assert outcomes == {"completed": 1} if completes else {"worker_error": 1}
     if completes:
-        assert (len(tokens), ended) == (400, ["done"])
+        assert len(tokens) == 400
     else:  # aborted: cut, or ended early with [DONE] after a finish_reason "abort" event or (seen in CI)
         assert len(tokens) < 400  # after no finish_reason at all; never with the reason of a finished request
         assert not any('"finish_reason":"length"' in t or '"finish_reason":"stop"' in t for t in tokens)
+
+
+def gateway_outcomes(gateway: MosaicGateway) -> dict[str, int]:
+    """The gateway's terminal outcomes so far, from its /metrics (`mosaic_request_outcomes_total`)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{gateway.url}/metrics", timeout=30).text
+    return {
+        s.labels["outcome"]: int(s.value)
+        for family in text_string_to_metric_families(text)
+        if family.name == "mosaic_request_outcomes"
+        for s in family.samples
+        if s.name.endswith("_total") and s.value
+    }
