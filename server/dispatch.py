@@ -447,8 +447,16 @@ class Dispatcher:
                         return self._whole(resp, content, decode.id, parsed, rec, lease)
                     chunks = resp.aiter_raw()
                     first = await anext(chunks, b"")
-                    if not first:
-                        raise UpstreamFailure(decode.id, "protocol")  # closed before any event
+                    # Nothing is relayed before the first whole event: a worker that dies within it has sent
+                    # the client nothing, so another worker may serve the request (a half event relayed
+                    # would commit it). Bounded by the first-token timeout, as the first read.
+                    while first and not _holds_an_event(first):
+                        more = await anext(chunks, b"")
+                        if not more:
+                            break
+                        first += more
+                    if not _holds_an_event(first):
+                        raise UpstreamFailure(decode.id, "protocol")  # closed before its first whole event
                     if is_error_event(first) and not is_client_error_event(first):
                         # failed before its first token, nothing relayed yet: another worker may serve it;
                         # if none does, the client gets this worker's error event, as vLLM sent it
@@ -632,3 +640,8 @@ def _json_object_shaped(body: bytes) -> bool:
     reads only its usage), and a truncated body is already httpx's error."""
     body = body.strip()  # the same object when there is nothing to strip, as in vLLM's answers
     return body[:1] == b"{" and body[-1:] == b"}"
+
+
+def _holds_an_event(data: bytes) -> bool:
+    """`data` holds a whole SSE event: a blank line ends one (vLLM's LF framing, or CRLF)."""
+    return data.find(b"\n\n") >= 0 or data.find(b"\r\n\r\n") >= 0

@@ -19,7 +19,9 @@ Tests inject an `httpx` transport instead (e.g. `httpx.MockTransport`); the erro
 
 **Relay.** `SseRelay` passes stream bytes through as they came, holding back only an incomplete event
 at a chunk's end (events end with a blank line), and looks inside only chunks that mention `"usage"`:
-there it reads the usage event (`choices: []` + `usage`) and drops it when the client did not ask.
+there it reads the usage event (`choices: []` + `usage`) and drops it when the client did not ask. A
+stream framed with CRLF (the SSE spec allows it; sse-starlette, behind llama-cpp-python's server, writes
+it; vLLM writes LF) is relayed with LF framing: its JSON holds no raw CR or LF, so only the framing changes.
 """
 
 from __future__ import annotations
@@ -174,6 +176,8 @@ class SseRelay:
 
     __slots__ = (
         "_buf",
+        "_cr_held",
+        "_crlf",
         "aborted",
         "done",
         "error",
@@ -199,10 +203,14 @@ class SseRelay:
         self.finished = False
         self.aborted = False  # an event carried finish_reason "abort": the worker stopped it (vLLM's stop)
         self._buf = b""
+        self._crlf: bool | None = None  # the worker frames with CRLF; None until its first line break
+        self._cr_held = False  # a CRLF stream's chunk ended with a CR, dropped until the next chunk
 
     def feed(self, chunk: bytes) -> bytes:
         if self.done:  # the stream ended with [DONE]: whatever a worker sends after it is not relayed
             return b""
+        if self._crlf is not False:
+            chunk = self._lf_framed(chunk)
         if self._buf:
             chunk = self._buf + chunk
             self._buf = b""
@@ -239,6 +247,30 @@ class SseRelay:
         if chunk.find(b'"usage"') < 0:
             return chunk  # the fast path: nothing to look at
         return self._filter(chunk)
+
+    def _lf_framed(self, chunk: bytes) -> bytes:
+        """A CRLF-framed stream's chunk with LF framing (the first line break decides which a stream is).
+        A CR at a chunk's end waits for the next chunk, where its LF may come."""
+        if self._crlf is None:
+            at = chunk.find(b"\n")
+            if at < 0:
+                return chunk  # no line break yet: nothing to decide (`feed` holds it back whole)
+            if at > 0:
+                self._crlf = chunk[at - 1] == 13
+            else:  # the CR, if any, ended the held-back bytes of the chunk before
+                self._crlf = self._buf.endswith(b"\r")
+                if self._crlf:
+                    self._buf = self._buf[:-1]
+            if not self._crlf:
+                return chunk
+        if self._cr_held:
+            chunk = b"\r" + chunk
+            self._cr_held = False
+        chunk = chunk.replace(b"\r\n", b"\n")
+        if chunk.endswith(b"\r"):
+            self._cr_held = True
+            chunk = chunk[:-1]
+        return chunk
 
     def _filter(self, chunk: bytes) -> bytes:
         # Only the events that mention "usage" are looked at (one per stream, usually among many when a

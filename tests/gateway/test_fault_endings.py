@@ -380,3 +380,64 @@ def test_a_whole_answer_that_is_no_json_from_the_only_worker_is_a_502() -> None:
             assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
 
     run(body)
+
+
+class DiesWithinTheFirstEvent(FakeWorker):
+    """Sends the opening bytes of its first event, then the connection drops."""
+
+    async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
+        yield b'data: {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"con'
+        await asyncio.sleep(0.01)
+        raise httpx.ReadError("connection reset by peer")
+
+
+def test_a_stream_that_dies_within_its_first_event_is_retried_elsewhere() -> None:
+    """Nothing reached the client: before, the half event committed the request to that worker, and the
+    client got the fragment, an error event and [DONE] (worker_error) where another worker could serve it."""
+    bad, good = DiesWithinTheFirstEvent("bad"), FakeWorker("good")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", bad, good), **RR), FakeFleet(bad, good)) as (
+            c,
+            gw,
+        ):
+            answers = [await c.post(CHAT, json=chat(f"q{i}", stream=True)) for i in range(4)]
+            assert [r.status_code for r in answers] == [200] * 4
+            assert all(sse_events(r.text)[-1] == "[DONE]" and '"error"' not in r.text for r in answers)
+            assert len(bad.seen) >= 1 and len(good.seen) == 4 and gw.dispatcher.outcomes == {"completed": 4}
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="protocol") == len(bad.seen)
+
+    run(body)
+
+
+class CrlfFramed(FakeWorker):
+    """An SSE stream framed with CRLF (allowed by the SSE spec; vLLM uses LF), one token every 0.2 s."""
+
+    async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
+        for i in range(n):
+            reason = '"length"' if i == n - 1 else "null"
+            event = (
+                '{"id": "x", "choices": [{"index": 0, "delta": {"content": "w%d "}, "finish_reason": %s}]}'
+            )
+            yield b"data: " + (event % (i, reason)).encode() + b"\r\n\r\n"
+            await asyncio.sleep(0.2)
+        yield b"data: [DONE]\r\n\r\n"
+
+
+def test_a_crlf_framed_stream_is_relayed_lf_framed_from_its_first_event() -> None:
+    """The wait for the first whole event knows CRLF's blank line (a CRLF stream longer than the first-token
+    timeout is relayed, not held to its end and timed out), and the relay frames it with LF (before, no
+    event was ever complete: the client got only an error event and [DONE])."""
+    w = CrlfFramed("w", tokens=5)
+
+    async def body() -> None:
+        cfg = config(pool("p", "L4", "mixed", w), limits={"first_token_timeout_s": 0.5})
+        async with gateway(cfg, FakeFleet(w)) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True, max_tokens=5))
+            events = sse_events(r.text)
+            assert r.status_code == 200 and "\r" not in r.text and len(events) == 6 and events[-1] == "[DONE]"
+            contents = [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]]
+            assert contents == [f"w{i} " for i in range(5)]
+            assert gw.dispatcher.outcomes == {"completed": 1}
+
+    run(body)

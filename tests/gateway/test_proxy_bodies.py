@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -124,6 +125,31 @@ def test_relay_holds_back_only_an_incomplete_event() -> None:
     relay = SseRelay(strip_usage=True)
     assert relay.feed(b"data: {}\n\ndata: {") == b"data: {}\n\n"
     assert relay.feed(b'"x": 1}\n\n') == b'data: {"x": 1}\n\n'
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=400), max_size=12), st.booleans())
+def test_a_crlf_framed_stream_is_relayed_lf_framed_wherever_its_chunks_split(
+    cuts: list[int], strip: bool
+) -> None:
+    """A worker framing SSE with CRLF (sse-starlette's default): the client gets the same stream LF-framed,
+    usage read and stripped as in an LF stream, [DONE] seen, however the reads split it (a CR and its LF in
+    two chunks too). Before, no event was ever complete (no `\\n\\n`): the whole stream was dropped."""
+    lf = _events(CHUNK, CHUNK, USAGE, b"[DONE]")
+    crlf = lf.replace(b"\n", b"\r\n")
+    bounds = sorted({0, len(crlf), *(c % (len(crlf) + 1) for c in cuts)})
+    relay = SseRelay(strip_usage=strip)
+    out = b"".join(relay.feed(crlf[a:b]) for a, b in itertools.pairwise(bounds)) + relay.flush()
+    assert out == (_events(CHUNK, CHUNK, b"[DONE]") if strip else lf)
+    assert relay.usage == USAGE["usage"] and relay.done
+
+
+def test_an_lf_stream_with_a_cr_inside_an_event_keeps_it() -> None:
+    """The first line break decides the framing: an LF stream is passed through as it came."""
+    relay = SseRelay(strip_usage=True)
+    raw = b'data: {"choices":[{"text":"a"}]}\n\n'
+    assert relay.feed(raw) is raw
+    assert relay.feed(b"data: x\r\n\n") == b"data: x\r\n\n"
 
 
 _USAGE_ONLY = b'data: {"choices":[],"usage":{"completion_tokens":3}}'
