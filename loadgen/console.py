@@ -8,6 +8,8 @@ banner: its offered load was not the one asked for.
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -58,6 +60,14 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "—" if x is None else f"{x:,.{digits}f}"
 
 
+def percent_down(fraction: float, decimals: int = 2) -> str:
+    """`fraction` as a percentage rounded down: an attainment short of 1 never reads 100.00% (one failed
+    request in 20,000 is 99.99%, not a rounded-up 100.00% beside "1 failed")."""
+    scale = 10**decimals
+    value = math.floor(fraction * 100 * scale + 1e-6) / scale  # the epsilon absorbs binary error (0.29)
+    return f"{value:.{decimals}f}%"
+
+
 def summary_table(m: Metrics, title: str = "Serving benchmark result") -> Table:
     """The headline numbers, in vLLM benchmark_serving's order and wording."""
     t = Table(title=title, show_header=False, title_justify="left")
@@ -75,7 +85,7 @@ def summary_table(m: Metrics, title: str = "Serving benchmark result") -> Table:
     ]
     if m.goodput is not None:
         rows.append(("Request goodput (req/s)", _fmt(m.goodput)))
-        rows.append(("SLO attainment (%)", _fmt(100 * (m.slo_attainment or 0.0))))
+        rows.append(("SLO attainment (%)", percent_down(m.slo_attainment or 0.0).removesuffix("%")))
     for label, value in rows:
         t.add_row(label, value)
     return t

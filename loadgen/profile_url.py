@@ -98,8 +98,11 @@ def url_measure_factory(
     opts: RunOptions = RunOptions(),
     hint: Callable[[Bucket], float | None] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    on_probe: Callable[[str], None] | None = None,
 ) -> MeasureFactory:
     """`measure(rate)` per bucket against `target`; buckets longer than `max_context` cannot be served.
+    `on_probe` hears one line as each baseline and probe starts (a live probe lasts minutes, a bucket an
+    hour: the command shows it is working).
 
     Every probe (and each unloaded baseline) sends its own prompts (`RunOptions.prompt_salt`): the probes
     of a bucket reuse the same lengths and arrival gaps, and with the same prompts a server with prefix
@@ -119,6 +122,8 @@ def url_measure_factory(
         one_at_a_time = RunOptions(
             concurrency=1, timeout_s=opts.timeout_s, seed=opts.seed, prompt_salt=next(probes)
         )
+        if on_probe is not None:
+            on_probe(f"{bucket.label}: unloaded baseline, {len(sched)} requests one at a time")
         result = asyncio.run(replay(sched, target, one_at_a_time, None, transport))
         _check_measurable(result, target, f"the unloaded baseline of {bucket.label}")
         ttfts = [r.ttft_s for r in result.records if r.index < len(reqs) and r.ttft_s is not None]
@@ -145,6 +150,9 @@ def url_measure_factory(
                 for k, r in enumerate(reqs)
             ]
             salted = dataclasses.replace(opts, prompt_salt=next(probes))
+            if on_probe is not None:
+                last = sched[-1].send_at_s if sched else 0.0
+                on_probe(f"{bucket.label}: probing {rate:.4g} req/s, {len(sched)} requests over {last:.0f} s")
             result = asyncio.run(replay(sched, target, salted, None, transport))
             _check_measurable(result, target, f"the probe of {bucket.label} at {rate:.4g} req/s")
             window_recs = [r for r in result.records if lo <= r.scheduled_s < hi]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import typer
+from rich.console import Console
 
 EXIT_BAD_INPUT = 2
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
@@ -32,6 +33,18 @@ def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
         except (ValueError, OSError) as exc:  # e.g. a sandbox that forbids it: keep what we have
             logging.getLogger("mosaic").debug("cannot raise the open-files limit to %d: %s", target, exc)
     return soft
+
+
+TABLE_WIDTH = 132  # the widest table a command prints (replay's latency table: 8 columns) fits
+
+
+def table_console(stderr: bool = False) -> Console:
+    """A console for the commands' tables: a terminal's own width, and at least TABLE_WIDTH when the output
+    is a pipe or a file (rich falls back to 80 columns there and cut numbers to `4,151.…`)."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal and console.width < TABLE_WIDTH:
+        console = Console(stderr=stderr, width=TABLE_WIDTH)
+    return console
 
 
 def fail(message: str) -> NoReturn:

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from loadgen.profile_search import (
@@ -43,7 +42,13 @@ from placement.counts import MAX_PLAN_INSTANCES
 from placement.perf_model import PerfModel
 from placement.profiles import MeasuredPoint, Role, ThroughputProfile, save_profile
 from placement.profiles import Slo as ProfileSlo
-from server.commands.common import check_number, check_output_file, fail, raise_open_files_limit
+from server.commands.common import (
+    check_number,
+    check_output_file,
+    fail,
+    raise_open_files_limit,
+    table_console,
+)
 from simulator.engine import EngineConfig
 from simulator.profile_driver import capacity_hint, engine_max_model_len, sim_measure_factory
 
@@ -263,6 +268,12 @@ def register(app: typer.Typer) -> None:
         check_output_file(out, "--out")
         plan = ProbePlan(probe_window_s, probe_requests, probe_e2e_factor)
         factory: MeasureFactory
+        console = table_console(stderr=True)
+        t0 = time.perf_counter()
+
+        def probing(line: str) -> None:  # --url: each live probe lasts minutes; say what runs
+            console.print(f"  {line}  [{time.perf_counter() - t0:.1f} s]", style="dim")
+
         if sim:
             factory = sim_measure_factory(perf, config, seed, plan, the_role, kv_link_gbps)
         else:
@@ -277,9 +288,9 @@ def register(app: typer.Typer) -> None:
 
             target = Target(url, served_model or model, "completions", api_key)
             _check_target(target)
-            factory = url_measure_factory(target, model_spec.max_context, seed, plan, RunOptions(), hint)
-        console = Console(stderr=True)
-        t0 = time.perf_counter()
+            factory = url_measure_factory(
+                target, model_spec.max_context, seed, plan, RunOptions(), hint, on_probe=probing
+            )
 
         def progress(b: Bucket, res: SearchResult | None) -> None:
             if res is None:

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from loadgen.console import print_summary
 from loadgen.formats import FORMATS
@@ -22,7 +21,13 @@ from loadgen.replay import ReplayError, ReplayRequest, run_replay
 from loadgen.schedule import ScheduleError, ScheduleOptions
 from loadgen.synthetic import SpecError
 from loadgen.trace import TraceError
-from server.commands.common import check_number, check_report_paths, fail, raise_open_files_limit
+from server.commands.common import (
+    check_number,
+    check_report_paths,
+    fail,
+    raise_open_files_limit,
+    table_console,
+)
 
 REPLAY_LATEST_SEND_S = 1e7  # 116 days: a replay scheduled past it is a mistaken rate, not a plan
 
@@ -116,7 +121,7 @@ def register(app: typer.Typer) -> None:
             progress=not quiet,
         )
         try:
-            console = Console(stderr=True)
+            console = table_console(stderr=True)
             raise_open_files_limit()
             outcome = run_replay(req, console, summary=False)
         except (TraceError, ScheduleError, SpecError, ReplayError) as e:

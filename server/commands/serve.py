@@ -34,7 +34,10 @@ from server.discovery import KubernetesUnavailable
 def curl_line(url: str, model: str, needs_key: bool) -> str:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     auth = ' -H "Authorization: Bearer $MOSAIC_API_KEY"' if needs_key else ""
-    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+    line = f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+    if needs_key:  # the client's one key, not the gateway's list (MOSAIC_API_KEYS): an easy pair to mix up
+        line += "\n# MOSAIC_API_KEY: one of the gateway's keys (mosaic replay and profile read it too)"
+    return line
 
 
 async def _check_kubernetes_config(config: MosaicConfig) -> None:

@@ -8,14 +8,14 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from loadgen.console import percent_down
 from loadgen.formats import open_trace
 from loadgen.trace import TraceError
 from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
 from scheduler.routing.config import RoutingConfigError
-from server.commands.common import check_number, check_report_paths, fail
+from server.commands.common import check_number, check_report_paths, fail, table_console
 from simulator.cluster import ClusterSimulator
 from simulator.cluster_config import FleetConfigError, load_fleet, pool_specs
 from simulator.cluster_report import build_report, write_plots
@@ -94,7 +94,7 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(report, indent=2))
         else:
-            Console().print(summary_table(report))
+            table_console().print(summary_table(report))
 
 
 def summary_table(report: dict) -> Table:
@@ -113,8 +113,9 @@ def summary_table(report: dict) -> Table:
         ),
         (
             "SLO attainment",
-            f"{slo['attainment']:.2%} (TTFT ≤ {slo['ttft_ms']:.0f} ms: {slo['attainment_ttft']:.2%}, "
-            f"TPOT ≤ {slo['tpot_ms']:.0f} ms: {slo['attainment_tpot']:.2%})",
+            f"{percent_down(slo['attainment'])} (TTFT ≤ {slo['ttft_ms']:.0f} ms: "
+            f"{percent_down(slo['attainment_ttft'])}, TPOT ≤ {slo['tpot_ms']:.0f} ms: "
+            f"{percent_down(slo['attainment_tpot'])})",
         ),
         ("goodput", f"{report['goodput_rps']:.2f} req/s"),
         (

@@ -65,7 +65,10 @@ def test_kubernetes_endpoints_without_a_cluster_config_exit_2_with_one_line(
 
 def test_curl_line_mentions_the_key_only_when_needed() -> None:
     assert "Authorization" not in curl_line("http://h:1", "m", needs_key=False)
-    assert "Authorization: Bearer $MOSAIC_API_KEY" in curl_line("http://h:1", "m", needs_key=True)
+    keyed = curl_line("http://h:1", "m", needs_key=True).splitlines()
+    assert len(keyed) == 2 and "Authorization: Bearer $MOSAIC_API_KEY" in keyed[0]
+    assert keyed[1] == "# MOSAIC_API_KEY: one of the gateway's keys (mosaic replay and profile read it too)"
+    assert len(curl_line("http://h:1", "m", needs_key=False).splitlines()) == 1
 
 
 def test_serve_embedded_default_end_to_end() -> None:

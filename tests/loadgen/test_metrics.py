@@ -6,12 +6,16 @@ import asyncio
 import json
 from array import array
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from rich.console import Console
 
 from loadgen.client import RequestRecord, send_request
+from loadgen.console import latency_table, percent_down
 from loadgen.metrics import Slo, Stats, compute_metrics
+from server.commands.common import table_console
 
 
 def rec(
@@ -285,3 +289,28 @@ def test_a_chunk_nested_too_deep_to_decode_fails_that_request_only() -> None:
     events = [(100.1, sse(text_chunk("a"))), (100.2, b"data: " + b"[" * 200_000 + b"\n\n")]
     r = run_client(scripted(clock, events), clock)
     assert not r.success and r.error_type == "bad_chunk"
+
+
+@pytest.mark.parametrize(
+    ("fraction", "shown"),
+    [(1.0, "100.00%"), (0.99995, "99.99%"), (19_999 / 20_000, "99.99%"), (0.29, "29.00%"), (0.0, "0.00%")],
+)
+def test_percent_down_never_rounds_a_shortfall_up_to_100(fraction: float, shown: str) -> None:
+    assert percent_down(fraction) == shown
+
+
+def test_the_latency_table_is_whole_when_the_output_is_no_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rich sizes a console that is no terminal (a pipe, a CI log) at 80 columns: the 8-column latency table
+    of a real replay cut its numbers to `4,151.…`; the commands' table console is wide enough for it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    big = Stats(300, 4_151.31, 0.0, 5_022.54, 6_790.12, 8_168.33, 13_680.27, 37_607.91)
+    m = SimpleNamespace(ttft=big, tpot=big, itl=big, e2el=big, send_lag=big)
+
+    def rendered(console: Console) -> str:
+        with console.capture() as out:
+            console.print(latency_table(m))  # type: ignore[arg-type]
+        return out.get()
+
+    assert "…" in rendered(Console())  # what the commands printed before
+    text = rendered(table_console())
+    assert "…" not in text and "37,607.91" in text and "13,680.27" in text

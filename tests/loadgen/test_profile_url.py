@@ -36,6 +36,14 @@ def test_profile_url_writes_a_url_profile(worker_url: str, tmp_path: Path) -> No
     assert p.max_rate[0][0] == round(SearchConfig(5, 40).grid()[-1], 4)
     m = p.measured[0][0] if p.measured else None
     assert m is not None and m.n > 0 and m.tpot_p90_ms is not None and m.tpot_p90_ms < 40
+    # a live profile says what runs as each baseline and probe starts (it printed nothing for an hour)
+    lines = res.stderr.splitlines()
+    assert any(
+        line.strip().startswith("in [1,64) × out [2,8): unloaded baseline, 13 requests one at a time")
+        for line in lines
+    ), lines
+    probes = [line for line in lines if ": probing " in line]
+    assert probes and all(" req/s, " in line and " requests over " in line for line in probes)
 
 
 def test_each_probe_sends_its_own_prompts() -> None:
