@@ -120,8 +120,10 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
     if completes:
         assert len(tokens) == 400
     else:  # aborted: cut, or ended early with [DONE] after a finish_reason "abort" event or (seen in CI)
-        assert len(tokens) < 400  # after no finish_reason at all; never with the reason of a finished request
+        # after no finish_reason at all; never with the reason of a finished request. Not a count: the abort
+        # event carries `"text":""`, and a fast CPU run had sent 399 tokens when the SIGTERM took effect
         assert not any('"finish_reason":"length"' in t or '"finish_reason":"stop"' in t for t in tokens)
+        assert sum('"text":""' not in t for t in tokens) < 400
 
 
 def gateway_outcomes(gateway: MosaicGateway) -> dict[str, int]:
