@@ -222,8 +222,10 @@ class SseRelay:
             self._buf = chunk[cut + 2 :]
             chunk = chunk[: cut + 2]
         # the last event, `data: [DONE]` (vLLM's framing; `data:[DONE]` and extra newlines read the same): looked
-        # for in the chunk's last bytes only, without a copy (a token event ends in its JSON's closing braces)
-        if chunk.find(b"[DONE]", max(0, len(chunk) - 16)) >= 0:
+        # for in the chunk's last bytes only, without a copy (a token event ends in its JSON's closing braces,
+        # which a `"stop_reason":"[DONE]"}]}` tail shows is not enough: `_done_event_at` checks the framing)
+        at = chunk.find(b"[DONE]", max(0, len(chunk) - 16))
+        if at >= 0 and _done_event_at(chunk, at):
             self.done = True
         # vLLM's compact JSON, or json.dumps' default spacing (other OpenAI-compatible servers); token events
         # carry `"finish_reason":null`, which neither needle matches
@@ -375,6 +377,16 @@ def _role_only(payload: Any) -> bool:
         if not isinstance(delta, dict) or any(delta.get(f) for f in _TOKEN_DELTA_FIELDS):
             return False
     return True
+
+
+def _done_event_at(chunk: bytes, at: int) -> bool:
+    """Whether the `[DONE]` at `at` is the event `data: [DONE]` ending `chunk`: a `data:` field (one
+    optional space) opening a line, and nothing but newlines after it. A model stopped on the stop string
+    `[DONE]` ends its last token event `"stop_reason":"[DONE]"}]}`, also within the chunk's last bytes."""
+    if chunk[at + 6 :].strip(b"\n"):
+        return False
+    start = at - 1 if at > 0 and chunk[at - 1] == 32 else at  # the one space after `data:`
+    return start >= 5 and chunk[start - 5 : start] == b"data:" and (start == 5 or chunk[start - 6] == 10)
 
 
 def usage_count(value: Any) -> int:

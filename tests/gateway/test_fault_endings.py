@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
 
 from server.runner import start_gateway_server
 from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
@@ -439,5 +440,104 @@ def test_a_crlf_framed_stream_is_relayed_lf_framed_from_its_first_event() -> Non
             contents = [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]]
             assert contents == [f"w{i} " for i in range(5)]
             assert gw.dispatcher.outcomes == {"completed": 1}
+
+    run(body)
+
+
+class SplitReads(FakeWorker):
+    """FakeWorker's stream re-cut into reads of `cut` bytes (TCP or the pool's reads split events anywhere)."""
+
+    cut = 40
+
+    async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
+        data = b"".join([piece async for piece in super()._stream(chat, n, usage)])
+        for at in range(0, len(data), self.cut):
+            yield data[at : at + self.cut]
+
+
+def split_reads(name: str, cut: int, **kw: Any) -> SplitReads:
+    worker = SplitReads(name, **kw)
+    worker.cut = cut
+    return worker
+
+
+def test_a_first_error_event_read_in_pieces_passes_through_whole() -> None:
+    """Found by the fault property test: the gateway decided on the first read, `data: {"error": {"message":
+    "engine di`, and passed that fragment and [DONE] to the client (an event that is no JSON)."""
+    a = split_reads("a", 40, mode="error_event", error_code=500)
+
+    async def body() -> None:
+        cfg = config(pool("p", "L4", "mixed", a), limits={"max_retries": 0})
+        async with gateway(cfg, FakeFleet(a)) as (c, gw):
+            events = sse_events((await c.post(CHAT, json=chat(stream=True))).text)
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[0])["error"]
+            assert (error["code"], error["message"]) == (500, "engine died")
+            assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
+
+    run(body)
+
+
+@pytest.mark.parametrize("cut", [7, 40])
+@pytest.mark.parametrize("code", [400, 500])
+def test_a_first_error_event_read_in_pieces_is_judged_whole(cut: int, code: int) -> None:
+    """A 4xx error event read in pieces is the worker refusing (relayed, worker_rejected, not retried, no
+    breaker mark), a 5xx one a failure retried elsewhere; read as `data: {` (7 bytes) the 5xx event was
+    relayed, read 40 bytes at a time the 4xx one was retried and blamed."""
+    a, b = split_reads("a", cut, mode="error_event", error_code=code), FakeWorker("b")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a, b), **RR), FakeFleet(a, b)) as (c, gw):
+            r = await c.post(CHAT, json=chat(stream=True))
+            assert len(a.seen) == 1  # round robin starts with `a`
+            if code == 400:
+                assert json.loads(sse_events(r.text)[0])["error"]["code"] == 400 and not b.seen
+                assert gw.dispatcher.outcomes == {"worker_rejected": 1}
+                assert failures(gw)["a"] == 0
+            else:
+                assert '"error"' not in r.text and len(b.seen) == 1
+                assert gw.dispatcher.outcomes == {"completed": 1}
+
+    run(body)
+
+
+class StopsOnDoneString(FakeWorker):
+    """A chat stream as vLLM writes it for a request that stopped on the stop string `[DONE]`: the matched
+    string is the final token event's `stop_reason`, its last member."""
+
+    async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
+        head = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"llama-3-8b",'
+        yield (
+            head
+            + b'"choices":[{"index":0,"delta":{"content":"All"},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+        yield (
+            head
+            + b'"choices":[{"index":0,"delta":{"content":" set"},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+        yield head + (
+            b'"choices":[{"index":0,"delta":{"content":""},"logprobs":null,"finish_reason":"stop",'
+            b'"stop_reason":"[DONE]"}]}\n\n'
+        )
+        if usage:
+            yield (
+                head + b'"choices":[],"usage":{"prompt_tokens":7,"total_tokens":9,"completion_tokens":2}}\n\n'
+            )
+        yield b"data: [DONE]\n\n"
+
+
+def test_a_stream_stopped_on_the_stop_string_done_keeps_its_end() -> None:
+    """Found by the fault property test: the relay took the `[DONE]` in the last token event's
+    `"stop_reason":"[DONE]"}]}` for the stream's end and dropped the usage event and the real `[DONE]`."""
+    a = StopsOnDoneString("a")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            body = chat(stream=True, stop=["[DONE]"], stream_options={"include_usage": True})
+            events = sse_events((await c.post(CHAT, json=body)).text)
+            assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+            assert json.loads(events[-2])["usage"]["completion_tokens"] == 2
+            assert gw.dispatcher.outcomes == {"completed": 1}
+            assert metric(gw, "mosaic_generation_tokens_total", model="llama-3-8b") == 2
 
     run(body)

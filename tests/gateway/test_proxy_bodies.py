@@ -144,6 +144,26 @@ def test_a_crlf_framed_stream_is_relayed_lf_framed_wherever_its_chunks_split(
     assert relay.usage == USAGE["usage"] and relay.done
 
 
+@pytest.mark.parametrize(
+    ("chunk", "done"),
+    [
+        (b"data: [DONE]\n\n", True),
+        (b"data:[DONE]\n\n\n", True),
+        (b'data: {"choices":[]}\n\ndata: [DONE]\n\n', True),
+        (b'data: {"choices":[{"finish_reason":"stop","stop_reason":"[DONE]"}]}\n\n', False),
+        (b'data: {"choices":[{"text":"x data: [DONE]"}]}\n\n', False),  # not an event of its own
+        (b'data: {"choices":[{"text":"[DONE]"}]}\n\n', False),
+    ],
+)
+def test_done_is_the_event_not_the_text(chunk: bytes, done: bool) -> None:
+    """`[DONE]` ends a stream only as the event `data: [DONE]`: a model stopped on the stop string `[DONE]`
+    ends its last token event with it (found by the fault property test: the usage event and the real
+    `[DONE]` after it were dropped)."""
+    relay = SseRelay(strip_usage=False)
+    relay.feed(chunk)
+    assert relay.done is done
+
+
 def test_an_lf_stream_with_a_cr_inside_an_event_keeps_it() -> None:
     """The first line break decides the framing: an LF stream is passed through as it came."""
     relay = SseRelay(strip_usage=True)
