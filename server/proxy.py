@@ -175,9 +175,11 @@ class SseRelay:
     """
 
     __slots__ = (
+        "_abort",
         "_buf",
         "_cr_held",
         "_crlf",
+        "_finish",
         "aborted",
         "done",
         "error",
@@ -201,6 +203,8 @@ class SseRelay:
         # An event carried a finish_reason (a string, not null): a sequence ended. vLLM stopped by SIGTERM may
         # end a stream with [DONE] and none at all (seen on 0.32 in CI): cut, not completed.
         self.finished = False
+        self._finish = b'"finish_reason":"'  # a set finish_reason, in the worker's JSON style (`_lf_framed`)
+        self._abort = b'"finish_reason":"abort"'
         self.aborted = False  # an event carried finish_reason "abort": the worker stopped it (vLLM's stop)
         self._buf = b""
         self._crlf: bool | None = None  # the worker frames with CRLF; None until its first line break
@@ -227,17 +231,14 @@ class SseRelay:
         at = chunk.find(b"[DONE]", max(0, len(chunk) - 16))
         if at >= 0 and _done_event_at(chunk, at):
             self.done = True
-        # vLLM's compact JSON, or json.dumps' default spacing (other OpenAI-compatible servers); token events
-        # carry `"finish_reason":null`, which neither needle matches
-        if not self.finished and (
-            chunk.find(b'"finish_reason":"') >= 0 or chunk.find(b'"finish_reason": "') >= 0
-        ):
-            self.finished = True
-        if (
-            self.finished
-            and not self.aborted
-            and (chunk.find(b'"finish_reason":"abort"') >= 0 or chunk.find(b'"finish_reason": "abort"') >= 0)
-        ):
+        # One search per chunk, in the worker's JSON style (`_lf_framed` reads it with the first line break):
+        # a set finish_reason (token events carry `"finish_reason":null`, which the needle does not match)
+        if not self.finished:
+            at = chunk.find(self._finish)
+            if at >= 0:
+                self.finished = True
+                self.aborted = chunk.find(self._abort, at) >= 0
+        elif not self.aborted and chunk.find(self._abort) >= 0:
             self.aborted = True
         # find(), not `in`: `in` on bytes first tries the needle as an int and formats (then drops) a
         # TypeError, ≈ 4k instructions per call on a path taken per relayed chunk and event.
@@ -252,11 +253,15 @@ class SseRelay:
 
     def _lf_framed(self, chunk: bytes) -> bytes:
         """A CRLF-framed stream's chunk with LF framing (the first line break decides which a stream is).
-        A CR at a chunk's end waits for the next chunk, where its LF may come."""
+        A CR at a chunk's end waits for the next chunk, where its LF may come. The chunk with the first line
+        break also says how the worker writes JSON: vLLM's compact `"finish_reason":"`, or json.dumps'
+        default spacing `"finish_reason": "` (other OpenAI-compatible servers)."""
         if self._crlf is None:
             at = chunk.find(b"\n")
             if at < 0:
                 return chunk  # no line break yet: nothing to decide (`feed` holds it back whole)
+            if chunk.find(b'"finish_reason": ') >= 0:
+                self._finish, self._abort = b'"finish_reason": "', b'"finish_reason": "abort"'
             if at > 0:
                 self._crlf = chunk[at - 1] == 13
             else:  # the CR, if any, ended the held-back bytes of the chunk before
