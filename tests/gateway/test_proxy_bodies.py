@@ -153,6 +153,8 @@ def test_a_crlf_framed_stream_is_relayed_lf_framed_wherever_its_chunks_split(
         (b'data: {"choices":[{"finish_reason":"stop","stop_reason":"[DONE]"}]}\n\n', False),
         (b'data: {"choices":[{"text":"x data: [DONE]"}]}\n\n', False),  # not an event of its own
         (b'data: {"choices":[{"text":"[DONE]"}]}\n\n', False),
+        (b'data: {"choices":[{"text":"x\\ndata: [DONE]\\n"}]}\n\n', False),  # escaped newlines
+        (b"data: [DONE]\n\ndata: late\n\n", True),
     ],
 )
 def test_done_is_the_event_not_the_text(chunk: bytes, done: bool) -> None:
@@ -162,6 +164,26 @@ def test_done_is_the_event_not_the_text(chunk: bytes, done: bool) -> None:
     relay = SseRelay(strip_usage=False)
     relay.feed(chunk)
     assert relay.done is done
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        b'data: {"choices":[{"text":"late"}]}\n\n',  # an event after [DONE] in the same read
+        b"data: [DONE]\n\n",  # a second [DONE]
+        b"junk without a line break",  # bytes ending no event: held back, then sent at the end
+    ],
+)
+def test_nothing_after_done_in_the_same_read_is_relayed(extra: bytes) -> None:
+    """Found by the socket-level fault property test: `[DONE]` was looked for in a read's last 16 bytes only,
+    so with more bytes behind it in the same read the stream went on (the extra relayed, and at the body's
+    end an error event and a second [DONE] appended: worker_error, breaker told)."""
+    relay = SseRelay(strip_usage=True)
+    head = b'data: {"choices":[{"text":"a","finish_reason":"length"}]}\n\n'
+    out = relay.feed(head + b"data: [DONE]\n\n" + extra) + relay.flush()
+    assert out == head + b"data: [DONE]\n\n"
+    assert relay.done and relay.finished
+    assert relay.feed(b"data: more\n\n") == b"" and relay.flush() == b""
 
 
 def test_an_lf_stream_with_a_cr_inside_an_event_keeps_it() -> None:
