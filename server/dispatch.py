@@ -43,7 +43,7 @@ import os
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -604,7 +604,7 @@ class Dispatcher:
             # cut length must not train the length predictor), no mark on the breaker (a stop is no fault)
             lease.release(Outcome.WORKER_ERROR)
             self.finish(rec, status, Outcome.WORKER_ERROR, response_usage(content))
-        elif status == 200 and not _json_object_shaped(content):
+        elif status == 200 and not _json_object(content, whole=_delimited_by_close(resp.headers)):
             # not an OpenAI answer (an HTML page from a proxy in front of the worker, a URL pointing at some
             # other server): nothing reached the client yet, so a protocol failure, retried elsewhere
             raise UpstreamFailure(worker_id, "not_json")
@@ -634,12 +634,24 @@ class Dispatcher:
         )
 
 
-def _json_object_shaped(body: bytes) -> bool:
-    """A body that opens and closes as a JSON object does: the check a whole answer passes before it is
-    relayed as a completion. Not a parse: an answer's text is never decoded on this path (`response_usage`
-    reads only its usage), and a truncated body is already httpx's error."""
+def _json_object(body: bytes, whole: bool) -> bool:
+    """Whether a whole answer is a JSON object, the check it passes before it is relayed as a completion.
+    By its shape (opens with `{`, closes with `}`) when its framing proves it complete (a Content-Length or
+    chunked body cut short is httpx's error already): an answer's text is never decoded on this path
+    (`response_usage` reads only its usage). Parsed when `whole` must be proved: a body delimited by the
+    worker closing the connection ends wherever the worker died, maybe just after a `}` of its usage."""
+    if whole:
+        try:
+            return isinstance(json.loads(body), dict)
+        except ValueError:
+            return False
     body = body.strip()  # the same object when there is nothing to strip, as in vLLM's answers
     return body[:1] == b"{" and body[-1:] == b"}"
+
+
+def _delimited_by_close(headers: Mapping[str, str]) -> bool:
+    """A response body with neither Content-Length nor chunked framing: it ends when the server closes."""
+    return "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "").lower()
 
 
 def _holds_an_event(data: bytes) -> bool:

@@ -75,6 +75,10 @@ async def _read_head(conn: _Conn, timeout: float) -> H1Response | None:
     if not version.startswith("HTTP/1.") or not code.isdigit():
         raise httpx.RemoteProtocolError(f"malformed status line {lines[0][:80].encode('latin-1')!r}")
     status = int(code)
+    if status < 100 or status > 599:  # no HTTP status (RFC 9110 §15): the gateway could not answer with it
+        raise httpx.RemoteProtocolError(
+            f"status {status} outside 100-599 in {lines[0][:80].encode('latin-1')!r}"
+        )
     headers: dict[str, str] = {}
     for line in lines[1:]:
         name, sep, value = line.partition(":")

@@ -541,3 +541,55 @@ def test_a_stream_stopped_on_the_stop_string_done_keeps_its_end() -> None:
             assert metric(gw, "mosaic_generation_tokens_total", model="llama-3-8b") == 2
 
     run(body)
+
+
+WHOLE_REQUEST = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+WHOLE_ANSWER = json.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "model": "llama-3-8b",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "a b"}, "finish_reason": "length"}
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+    }
+).encode()
+
+
+@pytest.mark.parametrize("request_body", [WHOLE_REQUEST, STREAM_REQUEST], ids=["whole", "stream"])
+def test_a_status_outside_100_599_is_a_protocol_failure(request_body: dict[str, Any]) -> None:
+    """Found by the socket-level fault property test: `HTTP/1.1 999 Odd` was passed through, and the fast
+    HTTP cycle could not write a 999 status line: the client's connection closed with no answer at all."""
+
+    async def answer(writer: asyncio.StreamWriter, stream: bool) -> None:
+        writer.write(b"HTTP/1.1 999 Odd\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    r, _, gw = asyncio.run(_with_worker(answer, {"max_retries": 0}, request_body))
+    assert r.status_code == 502 and r.json()["error"]["type"] == "BadGatewayError"
+    assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
+
+
+def test_a_close_delimited_whole_answer_cut_after_a_brace_is_no_completion() -> None:
+    """Found by the socket-level fault property test: a body delimited by the worker closing its connection,
+    cut one byte short by the worker's death, still ends with its usage object's `}`; the shape check took it
+    for JSON and relayed the broken answer as a completed 200. Such a body is parsed now."""
+
+    async def answer(writer: asyncio.StreamWriter, stream: bool) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + WHOLE_ANSWER[:-1])
+        await writer.drain()
+        writer.close()
+
+    r, _, gw = asyncio.run(_with_worker(answer, {"max_retries": 0}, WHOLE_REQUEST))
+    assert r.status_code == 502 and r.json()["error"]["type"] == "BadGatewayError"
+    assert gw.dispatcher.outcomes == {"failed_before_first_byte": 1}
+
+    async def whole(writer: asyncio.StreamWriter, stream: bool) -> None:  # the same answer, all of it
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + WHOLE_ANSWER)
+        await writer.drain()
+        writer.close()
+
+    r, _, gw = asyncio.run(_with_worker(whole, {"max_retries": 0}, WHOLE_REQUEST))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert gw.dispatcher.outcomes == {"completed": 1}
