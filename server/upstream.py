@@ -227,6 +227,12 @@ class _Origin:
             conn.idle_since = time.monotonic()
             self.idle[conn] = None
 
+    def retire(self, conn: _Conn) -> None:
+        """Close `conn` keeping its slot for the caller's new connection (its later `forget` is a no-op)."""
+        self._members.discard(conn)
+        self.idle.pop(conn, None)
+        conn.close()
+
     def _hand_over(self, conn: _Conn | None) -> bool:
         """Give `conn` (or a free slot, None) to the first live waiter; False when nobody waits."""
         while self.waiters:
@@ -330,7 +336,11 @@ class ConnectionPool:
         if origin.count >= self.max_per_origin:
             got = await self._wait_for_slot(origin)
             if got is not None:
-                return got  # a released connection, handed over
+                if not fresh:
+                    return got  # a released connection, handed over
+                # the resend after an idle close needs a new connection, not another reused one (which the
+                # worker may close the same way): this one is closed, its slot kept for the new one
+                origin.retire(got)
             # else: a slot, handed over with its count already taken
         else:
             origin.count += 1
