@@ -152,10 +152,8 @@ class Script:
             return False
         if self.ending in ("done", "junk_after"):
             return True
-        return (
-            (stream
-            and self.ending in ("done_extra", "done_stall"))
-            or (not stream and self.ending == "done_extra")
+        return (stream and self.ending in ("done_extra", "done_stall")) or (
+            not stream and self.ending == "done_extra"
         )
 
     def final(self) -> bool:
