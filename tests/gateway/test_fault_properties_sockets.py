@@ -72,8 +72,13 @@ from hypothesis.control import currently_in_test_context
 from server.runner import start_gateway_server
 from tests.gateway.fakes import METRICS_TEXT, config, pool, read_raw_request
 from tests.gateway.scripted_http import EMPTY_200, chunk
+from tests.gateway.test_fault_properties import (
+    MODEL,
+    assert_released,
+    is_openai_error,
+    metric_total,
+)
 
-MODEL = "llama-3-8b"
 STALL_S = 0.3
 CLIENT_BOUND_S = 6.0  # invariant 4: an answer not there by then hangs
 HOLD_CAP_S = 3.0  # the longest a worker holds a stalled connection open (the gateway closes it sooner)
@@ -867,24 +872,6 @@ def pool_clean(state: dict[str, dict[str, int]]) -> bool:
     return all(s["in_use"] == 0 and s["count"] == s["members"] and s["waiting"] == 0 for s in state.values())
 
 
-def assert_released(gw: Any, when: str) -> None:
-    held = {
-        r.id: (r.inflight_requests, r.inflight_prefill_tokens)
-        for r in gw.registry.records()
-        if r.inflight_requests or r.inflight_prefill_tokens
-    }
-    assert not held, f"in-flight tickets left {when}: {held}"
-    assert gw.ledger is not None
-    kv = {w: row for w, row in gw.ledger.snapshot().items() if row["reserved_units"] or row["active"]}
-    assert not kv, f"KV reservations left {when}: {kv}"
-    assert gw.ledger.stats.double_releases == 0, f"KV double releases {when}"
-    assert not gw.dispatcher.open, f"requests still open {when}: {list(gw.dispatcher.open.values())}"
-
-
-def metric_total(gw: Any, name: str) -> float:
-    return sum(s.value for m in gw.metrics.registry.collect() for s in m.samples if s.name == name)
-
-
 def gateway_config(workers: list[SocketWorker], **limits: Any) -> Any:
     base = {
         "stall_timeout_s": STALL_S,
@@ -909,17 +896,6 @@ def run_loop(kind: str, main: Callable[[], Awaitable[Any]]) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- invariants
-ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-def is_openai_error(payload: Any) -> bool:
-    return (
-        isinstance(payload, dict)
-        and set(payload) == {"error"}
-        and isinstance(payload["error"], dict)
-        and set(payload["error"]) >= ERROR_KEYS
-        and isinstance(payload["error"]["message"], str)
-    )
 
 
 def sse(raw: bytes) -> list[bytes]:
