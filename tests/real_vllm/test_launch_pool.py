@@ -117,8 +117,9 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
             time.sleep(0.1)
     assert ended == ["done"]  # through the gateway a stream always ends with [DONE], cut or not
     assert outcomes == {"completed": 1} if completes else {"worker_error": 1}
-    if completes:
-        assert len(tokens) == 400
+    if completes:  # all 400 tokens, ended as a finished request ends; a loaded vLLM may send two tokens in
+        # one event (seen in CI: 399 events), so the events are not counted
+        assert '"finish_reason":"length"' in tokens[-1] and 0 < len(tokens) <= 400
     else:  # aborted: cut, or ended early with [DONE] after a finish_reason "abort" event or (seen in CI)
         # after no finish_reason at all; never with the reason of a finished request. Not a count: the abort
         # event carries `"text":""`, and a fast CPU run had sent 399 tokens when the SIGTERM took effect
