@@ -8,9 +8,10 @@ per-response header assembly (hot path).
 
 `StreamSession`: one relayed stream (`SseRelay` over the worker's chunks): yields the bytes to send,
 measures TTFT, ITL and per-request TPOT at the gateway, renews the request's KV lease per relayed event,
-enforces `total_timeout_s` between chunks, ends a stream that fails after its first byte with an OpenAI
-error event and `data: [DONE]`, and closes exactly once — the upstream response (unread → the connection
-is dropped, which aborts the request in the worker), the lease, and the request's terminal outcome.
+enforces `total_timeout_s` on every read and `stall_timeout_s` on an event that does not complete, ends a
+stream that fails after its first byte with an OpenAI error event and `data: [DONE]`, and closes exactly
+once — the upstream response (unread → the connection is dropped, which aborts the request in the worker),
+the lease, and the request's terminal outcome.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class StreamSession:
         self._deadline = rec.arrival + d.limits.total_timeout_s
         self._last = self._first_at = 0.0  # the last relayed piece; the first token's
         self._last_token = 0.0  # the last relayed piece that carried a token event
+        self._resumed = 0.0  # when reading the worker resumed after the client's socket drained (`push`)
         self._generated = 0  # ≈ tokens: vLLM sends one event per step per sequence
         # The first piece carried no token (a chat stream's role event alone, or half an event): TTFT is
         # timed at the first piece that does, and that piece is no inter-token gap.
@@ -177,7 +179,9 @@ class StreamSession:
         """A later chunk from the worker → the bytes to send now (b"" while an event is incomplete); per
         relayed piece with a token event an ITL observation and the KV lease renewal."""
         out = self.relay.feed(chunk)
-        if out:
+        if not out:
+            self._check_no_event(self._clock())
+        else:
             now = self._last = self._clock()
             tokens = self._token_events(out)
             if tokens > 0:
@@ -197,6 +201,18 @@ class StreamSession:
         `AFTER_DONE_S`, not a stall timeout (a worker holding its body open kept the client waiting 60 s)."""
         if isinstance(self.resp, H1Response):
             self.resp.bound_gaps(AFTER_DONE_S)
+
+    def _check_no_event(self, now: float) -> None:
+        """A read that relayed nothing (a piece of an event, or bytes after `[DONE]`): every byte restarts the
+        worker's read deadline, so a worker trickling an event that never completes outlived both time-outs
+        (one byte every 0.1 s kept a stream 3 s past total 0.6 s and stall 0.3 s, then `completed`). The
+        time since the last relayed piece is bounded as a silent worker's is: `stall_timeout_s` (a stall: the
+        breaker hears of it), `AFTER_DONE_S` once `[DONE]` was relayed, and `total_timeout_s` since arrival."""
+        if now > self._deadline:
+            raise TotalTimeout(f"total timeout {self.d.limits.total_timeout_s:g} s")
+        bound = AFTER_DONE_S if self.relay.done else self.d.limits.stall_timeout_s
+        if now - max(self._last, self._resumed) > bound:  # (not the client's slowness: `_drain_client`)
+            raise httpx.ReadTimeout(f"no whole event within {bound:g} s")
 
     def _check_total(self, out: bytes) -> None:
         """After a piece `out` was sent: `total_timeout_s` since arrival ends the stream, unless that piece
@@ -322,6 +338,8 @@ class StreamSession:
                 return True
             out = feed(chunk)
             if not out:
+                if not last:  # (the body's end ends the stream anyway)
+                    self._check_no_event(clock())
                 return True
             now = self._last = clock()
             tokens = token_events(out)
@@ -377,6 +395,7 @@ class StreamSession:
             await cycle.drain_within(self.d.limits.stall_timeout_s, self._deadline - self._clock())
         except TimeoutError:
             raise TotalTimeout(f"total timeout {self.d.limits.total_timeout_s:g} s") from None
+        self._resumed = self._clock()
 
     async def close(self) -> None:
         """Called by the response however it ends; a no-op after the body's own close."""

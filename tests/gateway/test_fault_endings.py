@@ -214,6 +214,112 @@ def test_a_whole_answers_body_may_not_stall_longer_than_stall_timeout() -> None:
     assert failures(gw) == {"127.0.0.1": 1}
 
 
+def _trickler(after: bytes, seconds: float) -> Callable[[asyncio.StreamWriter, bool], Awaitable[None]]:
+    """A worker that sends `after` (its first events), then the next event one byte every 0.05 s for
+    `seconds`, then the rest of it and `[DONE]`: the read deadline restarts with every byte."""
+    trickled = _event("w1 ", "length")
+
+    async def answer(writer: asyncio.StreamWriter, stream: bool) -> None:
+        writer.write(SSE_HEAD + chunk(after))
+        await writer.drain()
+        sent, started = 0, time.monotonic()
+        while time.monotonic() - started < seconds and sent < len(trickled) - 2:
+            writer.write(chunk(trickled[sent : sent + 1]))
+            await writer.drain()
+            sent += 1
+            await asyncio.sleep(0.05)
+        writer.write(chunk(trickled[sent:]) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    return answer
+
+
+STREAM_BODY = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+def test_an_event_trickled_a_byte_at_a_time_is_bounded_by_the_stall_timeout() -> None:
+    """After its first event the worker sends the next one a byte every 0.05 s for 3 s (every byte restarted
+    the read deadline): before, the stream outlived stall_timeout_s (0.3 s) and ended `completed` after 3 s;
+    now an event that stays incomplete for longer than the stall timeout is a stall."""
+    r, took, gw = asyncio.run(
+        _with_worker(
+            _trickler(_event("w0 "), 3.0), {"stall_timeout_s": 0.3, "total_timeout_s": 8}, STREAM_BODY
+        )
+    )
+    events = sse_events(r.text)
+    assert took < 1.5, took
+    assert events[0] == sse_events(_event("w0 ").decode())[0] and events[-1] == "[DONE]" and len(events) == 3
+    assert json.loads(events[1])["error"]["type"] == "BadGatewayError"
+    assert gw.dispatcher.outcomes == {"worker_error": 1}
+    assert failures(gw) == {"127.0.0.1": 1}
+
+
+def test_an_event_trickled_a_byte_at_a_time_is_bounded_by_the_total_timeout() -> None:
+    """The same worker under a long stall timeout (5 s): total_timeout_s (0.6 s) ends the stream, with the
+    gateway's time-out and no mark on the worker (before: `completed` after 3 s)."""
+    r, took, gw = asyncio.run(
+        _with_worker(
+            _trickler(_event("w0 "), 3.0), {"stall_timeout_s": 5, "total_timeout_s": 0.6}, STREAM_BODY
+        )
+    )
+    events = sse_events(r.text)
+    assert took < 1.5, took
+    assert len(events) == 3 and events[-1] == "[DONE]"
+    assert json.loads(events[1])["error"]["type"] == "GatewayTimeoutError"
+    assert gw.dispatcher.outcomes == {"timed_out": 1}
+    assert failures(gw) == {"127.0.0.1": 0}
+
+
+def test_bytes_trickled_after_done_do_not_hold_the_response_open() -> None:
+    """`[DONE]`, then a byte every 0.05 s for 3 s inside the body: the response ended only with the body
+    (each byte restarted the AFTER_DONE_S bound); now it ends within AFTER_DONE_S of `[DONE]`, completed."""
+    done = _event("w0 ", "length") + b"data: [DONE]\n\n"
+    r, took, gw = asyncio.run(
+        _with_worker(_trickler(done, 3.0), {"stall_timeout_s": 5, "total_timeout_s": 8}, STREAM_BODY)
+    )
+    assert took < 2.0, took
+    assert sse_events(r.text) == [sse_events(_event("w0 ", "length").decode())[0], "[DONE]"]
+    assert gw.dispatcher.outcomes == {"completed": 1}
+    assert failures(gw) == {"127.0.0.1": 0}
+
+
+class Trickles(FakeWorker):
+    """A stream (through an injected transport: the pulled relay, not the pushed one) whose second token
+    event comes a byte every 0.05 s for `trickle_s`."""
+
+    trickle_s: float = 3.0
+
+    async def _stream(self, chat: bool, n: int, usage: bool) -> AsyncIterator[bytes]:
+        sent = 0
+        async for piece in super()._stream(chat, n, usage):
+            if sent == 1:
+                started = time.monotonic()
+                while len(piece) > 1 and time.monotonic() - started < self.trickle_s:
+                    yield piece[:1]
+                    piece = piece[1:]
+                    await asyncio.sleep(0.05)
+            sent += 1
+            yield piece
+
+
+def test_an_event_trickled_through_the_pulled_relay_is_bounded_by_the_stall_timeout() -> None:
+    a = Trickles("a", tokens=4)
+    limits = {"stall_timeout_s": 0.3, "total_timeout_s": 8}
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a), limits=limits), FakeFleet(a)) as (c, gw):
+            started = time.monotonic()
+            r = await c.post(CHAT, json=chat(stream=True))
+            assert time.monotonic() - started < 1.5
+            events = sse_events(r.text)
+            assert len(events) == 3 and events[-1] == "[DONE]"
+            assert json.loads(events[1])["error"]["type"] == "BadGatewayError"
+            assert gw.dispatcher.outcomes == {"worker_error": 1}
+            assert metric(gw, "mosaic_upstream_errors_total", worker="p/a:8000", kind="stream_timeout") == 1
+
+    run(body)
+
+
 def test_tokens_per_stream_event_are_learnt_and_counted_as_tokens() -> None:
     """A worker whose stream events carry 4 tokens each (speculative decoding, vLLM's --stream-interval):
     after one stream the gateway counts 4 tokens per event for it, so the next stream's KV reservation grows

@@ -435,8 +435,18 @@ async def chaos_gateway(cfg: Any, fleet: FakeFleet) -> AsyncIterator[tuple[Any, 
     app = create_app(cfg, transport=fleet.transport)
     gw: Gateway = app.state.gateway
     spy = Spy()
+    install_spies(gw, spy)
+    async with app.router.lifespan_context(app):
+        yield app, gw, spy
+        assert_released(gw, "after the batch")
+    assert_released(gw, "after shutdown")
+
+
+def install_spies(gw: Gateway, spy: Spy) -> None:
+    """Record into `spy` the dispatcher's outcomes (`finish`), its attempts (`_attempt`) and what the
+    registry's breakers are told (`report_failure`, with the request whose task told it), each call passed on."""
     d = gw.dispatcher
-    finish, attempt = d.finish, d._attempt
+    finish, attempt, report_failure = d.finish, d._attempt, gw.registry.report_failure
 
     def spy_finish(rec: Any, status: int, outcome: Any, usage: Any = None, reason: str | None = None) -> None:
         if not rec.finished:
@@ -450,8 +460,6 @@ async def chaos_gateway(cfg: Any, fleet: FakeFleet) -> AsyncIterator[tuple[Any, 
         spy.dispatched.setdefault(rec.request_id, []).append(decision.decode.id)
         return await attempt(decision, parsed, path, rec, lease)
 
-    report_failure = gw.registry.report_failure
-
     def spy_report_failure(worker_id: str, kind: str, hard: bool = False) -> None:
         task = asyncio.current_task()
         spy.blamed.append((worker_id, kind, spy.tasks.get(task) if task is not None else None))
@@ -460,10 +468,6 @@ async def chaos_gateway(cfg: Any, fleet: FakeFleet) -> AsyncIterator[tuple[Any, 
     gw.registry.report_failure = spy_report_failure  # type: ignore[method-assign]
     d.finish = spy_finish  # type: ignore[method-assign]
     d._attempt = spy_attempt  # type: ignore[method-assign]
-    async with app.router.lifespan_context(app):
-        yield app, gw, spy
-        assert_released(gw, "after the batch")
-    assert_released(gw, "after shutdown")
 
 
 def assert_released(gw: Gateway, when: str) -> None:

@@ -56,7 +56,6 @@ import random
 import socket
 import struct
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -74,7 +73,9 @@ from tests.gateway.fakes import METRICS_TEXT, config, pool, read_raw_request
 from tests.gateway.scripted_http import EMPTY_200, chunk
 from tests.gateway.test_fault_properties import (
     MODEL,
+    Spy,
     assert_released,
+    install_spies,
     is_openai_error,
     metric_total,
 )
@@ -798,42 +799,23 @@ async def _read_one(
 
 # -------------------------------------------------------------------------------------------- gateway
 @dataclass
-class Spy:
-    finishes: list[tuple[str, int, str]] = field(default_factory=list)
-    attempts: Counter[str] = field(default_factory=Counter)
-    dispatched: dict[str, list[str]] = field(default_factory=dict)
-    blamed: list[tuple[str, str, str | None]] = field(default_factory=list)
-    tasks: dict[Any, str] = field(default_factory=dict)
+class SocketSpy(Spy):
     handled: set[str] = field(default_factory=set)  # request ids that reached `Dispatcher.handle`
     fresh: int = 0  # requests the pool sent again on a new connection (a reused one closed under it)
     slot_waits: int = 0  # waits for a connection slot (max_upstream_connections in use)
 
 
-def spy_on(gw: Any) -> Spy:
-    spy = Spy()
+def spy_on(gw: Any) -> SocketSpy:
+    """`install_spies`' records, and which requests reached `Dispatcher.handle` and how the upstream pool
+    got their connections."""
+    spy = SocketSpy()
+    install_spies(gw, spy)
     d = gw.dispatcher
-    finish, attempt, report_failure, handle = d.finish, d._attempt, gw.registry.report_failure, d.handle
+    handle = d.handle
 
     async def spy_handle(parsed: Any, path: str, rec: Any, receive: Any) -> Any:
         spy.handled.add(rec.request_id)
         return await handle(parsed, path, rec, receive)
-
-    def spy_finish(rec: Any, status: int, outcome: Any, usage: Any = None, reason: str | None = None) -> None:
-        if not rec.finished:
-            name = outcome.value if outcome is not None else f"rejected_{reason or status}"
-            spy.finishes.append((rec.request_id, status, name))
-        finish(rec, status, outcome, usage, reason)
-
-    async def spy_attempt(decision: Any, parsed: Any, path: str, rec: Any, lease: Any) -> Any:
-        spy.attempts[rec.request_id] += 1
-        spy.tasks[rec.task] = rec.request_id
-        spy.dispatched.setdefault(rec.request_id, []).append(decision.decode.id)
-        return await attempt(decision, parsed, path, rec, lease)
-
-    def spy_report_failure(worker_id: str, kind: str, hard: bool = False) -> None:
-        task = asyncio.current_task()
-        spy.blamed.append((worker_id, kind, spy.tasks.get(task) if task is not None else None))
-        report_failure(worker_id, kind, hard)
 
     pool = gw.upstream.pool
     acquire, wait_for_slot = pool._acquire, pool._wait_for_slot
@@ -847,10 +829,7 @@ def spy_on(gw: Any) -> Spy:
         return await wait_for_slot(origin)
 
     pool._acquire, pool._wait_for_slot = spy_acquire, spy_wait_for_slot
-    d.finish = spy_finish
-    d._attempt = spy_attempt
     d.handle = spy_handle
-    gw.registry.report_failure = spy_report_failure
     return spy
 
 
@@ -1038,7 +1017,7 @@ async def run_scenario(scenario: Scenario) -> None:
 def check_batch(
     scenario: Scenario,
     gw: Any,
-    spy: Spy,
+    spy: SocketSpy,
     answers: list[Answer],
     log: list[Visit],
     names: dict[str, SocketWorker],
