@@ -569,13 +569,13 @@ def _check_kv(config: MosaicConfig) -> None:
                     f"kv.compression.{i}.model", f"no model named {c.model!r}; models: {', '.join(models)}"
                 )
             targets = [p for p in config.pools if p.model == c.model]
-        for pool in targets:
-            if pool.tp > 1:
-                raise _FieldError(
-                    f"kv.compression.{i}.{'pool' if c.pool is not None else 'model'}",
-                    f"pool {pool.name!r} has tp {pool.tp}; per-head compression is supported on tp 1 pools "
-                    "only (the gateway does not build per-rank page tables, so it would under-reserve)",
-                )
+        # tp > 1: each rank's page tables hold its own heads (contiguous shards unless a layout file says)
+        if c.tp_layout != "contiguous" and all(p.tp == 1 for p in targets):
+            raise _FieldError(
+                f"kv.compression.{i}.tp_layout",
+                f"a TP layout says which heads each rank holds; no pool it applies to has tp > 1 "
+                f"({', '.join(f'{p.name}: tp {p.tp}' for p in targets) or 'none'})",
+            )
     limits = config.limits
     # A waiter's aging hold must come before its 429. The default (2 s) is left inert under a shorter
     # deadline; an explicit setting that can never act is refused.

@@ -93,7 +93,10 @@ class Gateway:
         self.models: tuple[str, ...] = tuple(self.registry.models())
         try:
             self.ledger: KvLedger | None = build_gateway_ledger(
-                config.kv, config.gateway.replicas, config.source_dir
+                config.kv,
+                config.gateway.replicas,
+                config.source_dir,
+                {p.name: (p.model, p.tp) for p in config.pools},
             )
         except KvConfigError as exc:
             raise ConfigError(str(exc)) from None

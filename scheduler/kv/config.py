@@ -13,22 +13,25 @@ kv:
   reconcile_tolerance: 0.02  # reported usage may exceed what reservations explain by this fraction before shrinking
   predictor: {quantile: 0.9, window: 512, min_samples: 20}
   overbook: {max_frac: 0.1, preemption_budget: 0}   # predicted mode only
-  compression:             # pools (or models) whose workers compress KV per head (ragged paging); tp = 1 only
+  compression:             # pools (or models) whose workers compress KV per head (ragged paging)
     - pool: decode-h100
       profile: profiles/llama-3.1-8b/profile.npz   # Tangram .npz, or JSON/CSV (placement/kv_profile.py)
       heads_per_group: 4
       prefill_chunk: 8192
+      tp_layout: contiguous  # pools with tp > 1: which heads each rank holds (stock vLLM sharding), or the
+                             # `mosaic kv-layout --tp N --json` file the weights were permuted by
   batch_admission: {enabled: false, solver: cp-sat, time_limit_ms: 50, max_head: 32, aging_s: 10}
   queue: {backfill: 32, aging_s: 2}   # admission queue: backfill window, aging hold after this wait
 ```
-`build_ledger(cfg, gateway_replicas, profiles)` returns a pure `KvLedger` (`None` when `enabled: false`) from
-the parsed compression profiles; reading them is the caller's job (`server.kv_setup.load_profiles`, which
-resolves relative paths against the config file's folder with `profile_paths`), so this floor does no I/O.
+`build_ledger(cfg, gateway_replicas, profiles, pools, layouts)` returns a pure `KvLedger` (`None` when
+`enabled: false`) from the parsed compression profiles and TP layouts; reading them is the caller's job
+(`server.kv_setup`, which resolves relative paths against the config file's folder with `profile_paths`), so
+this floor does no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +42,7 @@ from placement.kv_profile import HeadProfile
 from scheduler.kv.batch_admission import AdmissionParams
 from scheduler.kv.footprint import CompressionSpec
 from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
+from scheduler.kv.tp_layout import TpLayout, contiguous_rank_of, rank_split_spec
 from scheduler.length_predictor import DEFAULT_INPUT_EDGES, LengthPredictor
 
 
@@ -66,6 +70,8 @@ class CompressionPoolConfig(_Strict):
     heads_per_group: int = Field(default=4, ge=1)
     alpha: float | None = Field(default=None, ge=0)  # None → kv.alpha
     prefill_chunk: int = Field(default=8192, ge=1)
+    # pools with tp > 1: "contiguous" (stock vLLM sharding) or a `mosaic kv-layout --tp N --json` file
+    tp_layout: str = Field(default="contiguous", min_length=1)
 
     @model_validator(mode="after")
     def _one_target(self) -> CompressionPoolConfig:
@@ -153,34 +159,77 @@ def profile_paths(cfg: KvConfig, base_dir: str | Path | None = None) -> list[Pat
 
 
 def build_compression(
-    cfg: KvConfig, profiles: Sequence[HeadProfile]
+    cfg: KvConfig,
+    profiles: Sequence[HeadProfile],
+    pools: Mapping[str, tuple[str, int]] | None = None,
+    layouts: Sequence[TpLayout | None] = (),
 ) -> tuple[dict[str, CompressionSpec], dict[str, CompressionSpec]]:
-    """(by pool, by model) compression specs from `kv.compression`, given each entry's parsed profile (in
-    order; the caller reads the files, e.g. `server.kv_setup.load_profiles`)."""
+    """(by pool, by model) compression specs from `kv.compression`, given each entry's parsed profile and TP
+    layout (in order, None for `contiguous`; the caller reads the files, e.g. `server.kv_setup`). `pools`:
+    name → (model, tp) of the configured pools; a pool with tp > 1 gets the per-rank spec
+    (`scheduler.kv.tp_layout`), registered by pool (a model's entry too), an explicit pool entry first."""
     if len(profiles) != len(cfg.compression):
         raise KvConfigError(
             f"kv.compression: {len(cfg.compression)} entries but {len(profiles)} parsed profiles; read them "
             "with server.kv_setup.load_profiles (or build with server.kv_setup.build_gateway_ledger)"
         )
+    pools = pools or {}
+    layouts = list(layouts) or [None] * len(profiles)
     by_pool: dict[str, CompressionSpec] = {}
     by_model: dict[str, CompressionSpec] = {}
-    for c, profile in zip(cfg.compression, profiles, strict=True):
-        groups = sorted_groups(profile, c.heads_per_group, cfg.alpha if c.alpha is None else c.alpha)
-        spec = CompressionSpec(
-            groups.sizes, groups.budgets, profile.sink, profile.window, c.prefill_chunk, name=profile.name
-        )
-        (by_pool if c.pool is not None else by_model)[c.pool or c.model or ""] = spec
-    return by_pool, by_model
+    split_by_model: dict[str, CompressionSpec] = {}  # a model entry's spec for its tp > 1 pools
+    for i, (c, profile, layout) in enumerate(zip(cfg.compression, profiles, layouts, strict=True)):
+        alpha = cfg.alpha if c.alpha is None else c.alpha
+        constants = {"sink": profile.sink, "window": profile.window, "prefill_chunk": c.prefill_chunk}
+        groups = sorted_groups(profile, c.heads_per_group, alpha)
+        spec = CompressionSpec(groups.sizes, groups.budgets, name=profile.name, **constants)  # type: ignore[arg-type]
+        targets = [c.pool] if c.pool is not None else [p for p, (m, _) in pools.items() if m == c.model]
+        split = {p: pools[p][1] for p in targets if pools.get(p, ("", 1))[1] > 1}
+        where = f"kv.compression.{i}.tp_layout"
+        if layout is not None:
+            if not split:
+                raise KvConfigError(
+                    f"{where}: a TP layout for pools of tp 1 ({', '.join(targets) or 'none'})"
+                )
+            if (layout.heads_per_group, layout.alpha) != (c.heads_per_group, alpha):
+                raise KvConfigError(
+                    f"{where}: made with --heads-per-group {layout.heads_per_group} --alpha {layout.alpha:g}; "
+                    f"this entry has heads_per_group {c.heads_per_group}, alpha {alpha:g}"
+                )
+        for pool, tp in split.items():
+            try:
+                if layout is None:
+                    rank_of = contiguous_rank_of(profile.layers, profile.kv_heads, tp)
+                elif layout.tp != tp:
+                    raise ValueError(f"partitions over {layout.tp} ranks; pool {pool!r} has tp {tp}")
+                else:
+                    rank_of = layout.rank_of
+            except ValueError as exc:
+                raise KvConfigError(f"{where}: {exc}") from None
+            tp_spec = rank_split_spec(
+                profile.budgets(alpha), rank_of, c.heads_per_group, name=profile.name, **constants
+            )
+            (by_pool if c.pool is not None else split_by_model)[pool] = tp_spec
+        if c.pool is not None and c.pool not in split:
+            by_pool[c.pool] = spec
+        elif c.model is not None:
+            by_model[c.model] = spec
+    return {**split_by_model, **by_pool}, by_model
 
 
 def build_ledger(
-    cfg: KvConfig, gateway_replicas: int = 1, profiles: Sequence[HeadProfile] = ()
+    cfg: KvConfig,
+    gateway_replicas: int = 1,
+    profiles: Sequence[HeadProfile] = (),
+    pools: Mapping[str, tuple[str, int]] | None = None,
+    layouts: Sequence[TpLayout | None] = (),
 ) -> KvLedger | None:
     """The gateway's ledger for `cfg` (None when reservation is disabled). Share = cfg.share or 1/replicas.
-    `profiles`: the parsed profile of each `kv.compression` entry, in order (required when there are any)."""
+    `profiles`: the parsed profile of each `kv.compression` entry, in order (required when there are any);
+    `pools` and `layouts`: as `build_compression`."""
     if not cfg.enabled:
         return None
-    by_pool, by_model = build_compression(cfg, profiles)
+    by_pool, by_model = build_compression(cfg, profiles, pools, layouts)
     settings = LedgerSettings(
         mode=cfg.mode,
         watermark=cfg.watermark,

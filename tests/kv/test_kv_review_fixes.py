@@ -213,13 +213,16 @@ def test_compression_must_name_a_configured_pool_or_model() -> None:
     assert len(_config({"compression": [{"pool": "p", "profile": prof}]}).kv.compression) == 1
 
 
-def test_compression_on_a_tensor_parallel_pool_is_refused() -> None:
+def test_compression_on_a_tensor_parallel_pool_is_accepted_and_a_layout_needs_one() -> None:
+    """Per-rank page tables are built for tp > 1 pools (tests/kv/test_kv_tp_compression.py); a TP layout file
+    on pools that all have tp 1 is refused."""
     for target in ({"pool": "p"}, {"model": "llama-3-8b"}):
+        assert _config({"compression": [{**target, "profile": "x.npz"}]}, tp=2).pools[0].tp == 2
         msg = _refused(
-            r"kv\.compression\.0\.(pool|model)", kv={"compression": [{**target, "profile": "x.npz"}]}, tp=2
+            r"kv\.compression\.0\.tp_layout",
+            kv={"compression": [{**target, "profile": "x.npz", "tp_layout": "layout.json"}]},
         )
-        assert "pool 'p' has tp 2; per-head compression is supported on tp 1 pools only" in msg
-    assert _config(tp=2).pools[0].tp == 2  # stock KV on a tp 2 pool is fine
+        assert msg.endswith("no pool it applies to has tp > 1 (p: tp 1)")
 
 
 def test_explicit_aging_at_or_past_the_queue_deadline_is_refused() -> None:
