@@ -585,8 +585,17 @@ class ClusterSimulator:
             inst.engine.add_request(er, now, arrival=req.src.arrival_s)
         except ValueError:  # e.g. prompt over the instance's max_model_len
             if req.decision is not None:
+                prefill = req.decision.prefill
                 if req.phase == "prefill":  # counted on its decode instance at dispatch
                     self._instances[req.decision.decode.id].awaiting_kv -= 1
+                elif prefill is not None and prefill.id != inst.id:
+                    # the decode hop refused a request prefilled elsewhere: its KV held there is never
+                    # fetched, so it is freed now (as a scale-in abort frees it, `_abort_request`), not at
+                    # the hold's timeout, which held a draining prefill instance (billed) that long.
+                    # `_prefill_done` retires that instance if it is draining and now empty.
+                    src = self._instances[prefill.id]
+                    if src.removed is None and src.engine.release_held(req.rid):
+                        self._kick(src, now)
                 req.decision.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
             self._fail(req, "engine_rejected")
             return
