@@ -228,7 +228,15 @@ class DynamoPlanner:
                     f.input.update(mean_in)
                     f.output.update(mean_out)
                     self._plan(model, f, obs)
-        targets = {p.name: self._targets.get(p.name, obs.pools[p.name].provisioned) for p in self.pools}
+        # Before its first plan, and for pools a plan did not size, the provisioned count stands, raised to
+        # the pool's minimum: the drivers leave a pool under its minimum for the policy to raise (Dynamo's
+        # own planner never plans below its minimum endpoints either)
+        targets = {
+            p.name: min(
+                max(self._targets.get(p.name, obs.pools[p.name].provisioned), p.min_replicas), p.max_replicas
+            )
+            for p in self.pools
+        }
         return ScalingDecision(obs.now, targets, {p.name: "dynamo planner" for p in self.pools})
 
     def _forecast(self, model: str) -> _ModelForecast:

@@ -421,3 +421,17 @@ def test_found_decode_side_rejection_frees_the_prefill_hold() -> None:
     report, sim = simulate(PD_MIN0, "mosaic", [SimRequest(0.0, 256, 0), SimRequest(5.0, 16, 4)])
     assert report["requests"]["failed_by_reason"] == {"engine_rejected": 1}
     check_billing(report, sim)  # every instance removed by the end of the run
+
+
+def test_found_dynamo_starts_a_pool_configured_under_its_minimum() -> None:
+    """A P/D fleet configured at 0 replicas with min_replicas 1: under `dynamo` every request waited in the
+    admission queue until its deadline and failed, the pools never raised to their minimum (the planner
+    echoed the provisioned 0 until a first plan that needs a finished request); HPA and Mosaic raise them."""
+    fleet = {
+        **PD_MIN0,
+        "admission_deadline_s": 30.0,
+        "pools": [{**p, "replicas": 0, "min_replicas": 1} for p in PD_MIN0["pools"]],
+    }
+    report, _ = simulate(fleet, "dynamo:20", [SimRequest(0.0, 300, 8), SimRequest(1.0, 300, 8)])
+    assert report["requests"]["completed"] == 2, report["requests"]
+    assert report["replicas"][1] == {"t": 1.0, "prefill": 1, "decode": 1}

@@ -443,3 +443,14 @@ def test_dynamo_counts_a_pool_held_at_its_size() -> None:
         obs = Observation(t, pools, request_rate=100.0, mean_input_tokens=100, mean_output_tokens=100)
         decision = planner.decide(obs)
     assert dict(decision.targets) == {"static-h100": 1, "dec-l4": 8}
+
+
+def test_found_dynamo_planner_raises_a_pool_under_its_minimum_before_its_first_plan() -> None:
+    """Found by tests/cluster/test_sim_properties.py: before its first plan (one interval) and after any
+    interval it skips (no request finished), the planner returned the provisioned count as the target,
+    even under `min_replicas`; every driver leaves raising such a pool to the policy (`within_bounds`), so
+    a fleet starting at 0 with min 1 stayed at 0 under Dynamo (forever when nothing could finish: every
+    request failed in the admission queue), where HPA and Mosaic raise it at once."""
+    planner = DynamoPlanner([decode_pool(lo=1), prefill_pool(lo=2)], interval_s=180)
+    assert planner.decide(dyn_obs(0, 0, 0, 10)).targets == {"d-a100": 1, "p-h100": 2}
+    assert planner.decide(dyn_obs(180, 0, 0, 10)).targets == {"d-a100": 1, "p-h100": 2}
