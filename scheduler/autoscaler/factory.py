@@ -6,7 +6,7 @@
 | `hpa-util:T` | Kubernetes HPA on GPU utilisation, target T (default 0.7); starting instances under its missing-metrics rule |
 | `hpa-waiting:T` | KEDA on `num_requests_waiting`, AverageValue T per replica (default 4): ceil(total / T) |
 | `dynamo[:I]` | Dynamo-style planner, re-planning every I seconds (default 180) |
-| `static[:pool=N,...]` | fixed counts (default: the configured replicas) |
+| `static[:pool=N,...]` | fixed counts (default: the configured replicas, within the pool's bounds) |
 | `fixed` | no autoscaler at all |
 """
 
@@ -44,8 +44,13 @@ def _positive(spec: str, what: str, arg: str, default: float, upper: float | Non
 def _static_counts(
     spec: str, arg: str, initial: Mapping[str, int], pools: Sequence[PoolSpec], check_bounds: bool
 ) -> dict[str, int]:
-    counts = dict(initial)
     bounds = {p.name: (p.min_replicas, p.max_replicas) for p in pools}
+    # a pool not given a count keeps the one it has, within its bounds: a pool under its minimum is raised
+    # to it, as by every other policy (the drivers leave that to the policy, `within_bounds`)
+    counts = {
+        name: min(max(n, bounds[name][0]), bounds[name][1]) if name in bounds else n
+        for name, n in initial.items()
+    }
     for item in filter(None, arg.split(",")):
         pool, eq, n = item.partition("=")
         if pool not in counts:
