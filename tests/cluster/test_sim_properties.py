@@ -15,7 +15,16 @@ zero-length outputs, run under each policy. Checked on every run:
 - billing: GPU-hours and $ per GPU type equal each instance's billed lifetime × tp (× price), every
   instance billed within [0, end]; the replicas series' integral never exceeds what was billed;
 - SLO: attainment, goodput and latency stats recomputed from per-request TTFT/TPOT as the load generator
-  defines them (TPOT = (e2e − TTFT) / (output − 1)); every fraction in [0, 1].
+  defines them (TPOT = (e2e − TTFT) / (output − 1)); every fraction in [0, 1];
+- policies: every observation sane (rates ≥ 0, utilisation in [0, 1], one ready-in estimate per starting
+  instance), every target within its pool's bounds, the same decisions from a fresh policy fed the same
+  observations (pure), and Mosaic's prefill scale-ups stopping within one instance of its P/D-ratio
+  requirement (short of it only at a step limit or a pool's maximum).
+Node inventories (`nodes:`), a second model's pool, routing variants and Mosaic's knobs are drawn too.
+`test_cli_report_is_identical_across_processes` runs `mosaic simulate --json` under two hash seeds.
+
+200 derandomised examples by default (~20 s); to hunt, SIM_PROPERTY_EXAMPLES=3000 SIM_PROPERTY_RANDOM=1
+(fresh random examples each run) with `-o timeout=1500` (pytest-timeout's 120 s cuts a long shrink).
 """
 
 from __future__ import annotations
@@ -46,12 +55,13 @@ MAX_MODEL_LEN = 8192  # llama-3-8b in the catalog
 
 @st.composite
 def pools(draw: st.DrawFn) -> list[dict[str, Any]]:
-    layout = draw(st.sampled_from(["mixed", "pd", "pd+mixed", "mixed2"]))
+    layout = draw(st.sampled_from(["mixed", "pd", "pd+mixed", "mixed2", "pd+other-model"]))
     roles = {
         "mixed": ["mixed"],
         "mixed2": ["mixed", "mixed"],
         "pd": ["prefill", "decode"],
         "pd+mixed": ["prefill", "decode", "mixed"],
+        "pd+other-model": ["prefill", "decode", "mixed"],  # the mixed pool serves a model nobody asks for
     }[layout]
     if layout == "pd" and draw(st.booleans()):
         roles.append("decode")  # two decode GPU types behind one prefill pool
@@ -68,6 +78,8 @@ def pools(draw: st.DrawFn) -> list[dict[str, Any]]:
             "min_replicas": lo,
             "max_replicas": hi,
         }
+        if layout == "pd+other-model" and role == "mixed":
+            pool["model"] = "mistral-7b"
         extra = draw(st.sampled_from(["", "", "", "tp", "cost", "domain"]))
         if extra == "tp":
             pool["tp"] = 2
@@ -407,7 +419,7 @@ def check_slo(report: dict[str, Any], sim: ClusterSimulator) -> None:
 
 
 @settings(
-    max_examples=int(os.environ.get("SIM_PROPERTY_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("SIM_PROPERTY_EXAMPLES", "200")),
     derandomize=os.environ.get("SIM_PROPERTY_RANDOM") is None,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
