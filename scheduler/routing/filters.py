@@ -239,6 +239,11 @@ def _full_or_exceeds(cycle: Cycle, checker: object, worker: WorkerView) -> Filte
     if over is None:
         return FilterReason.KV_FULL
     need, room = over
+    return _kv_exceeds(cycle, need, room)
+
+
+def _kv_exceeds(cycle: Cycle, need: int, room: int) -> FilterReason:
+    """`kv_exceeds_capacity`, the largest worker's (need, room) kept in `cycle.facts` for the message."""
     seen = cycle.facts.get(KV_EXCEEDS_FACT)
     if seen is None or room > seen["kv_reservable_blocks"]:
         cycle.facts[KV_EXCEEDS_FACT] = {"kv_need_blocks": need, "kv_reservable_blocks": room}
@@ -270,10 +275,15 @@ class KvFitFilter:
             return None
         if worker.kv_usage is None:
             return None  # never scraped: nothing to go on; the worker's own scheduler queues if needed
-        free_blocks = (self.params.max_usage - worker.kv_usage) * worker.kv_blocks_total
+        need = worker.blocks_for(cycle.req.expected_tokens)
+        ceiling = self.params.max_usage * worker.kv_blocks_total
+        if need > ceiling:
+            # more than this filter lets onto the worker even empty: waiting cannot help, and a retryable
+            # kv_full held it at the head of the FIFO admission queue, everyone behind it, to its deadline
+            return _kv_exceeds(cycle, need, int(ceiling))
         if (
             worker.kv_usage >= self.params.max_usage
-            or worker.blocks_for(cycle.req.expected_tokens) > free_blocks
+            or need > ceiling - worker.kv_usage * worker.kv_blocks_total
         ):
             return FilterReason.KV_FULL
         return None

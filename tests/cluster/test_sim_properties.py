@@ -577,3 +577,20 @@ def test_found_static_raises_a_pool_configured_under_its_minimum() -> None:
         {"t": 1.0, "pool": "prefill", "before": 0, "after": 1},
         {"t": 1.0, "pool": "decode", "before": 0, "after": 1},
     ]
+
+
+def test_found_a_request_no_empty_worker_holds_does_not_block_the_queue() -> None:
+    """Without a KV ledger the kv-fit filter (scraped usage) answered a request that cannot fit even an
+    empty worker (900 + 300 tokens = 75 blocks of 16 against 0.98 · 64 blocks) with a retryable kv_full: it
+    waited at the head of the FIFO admission queue until its deadline, and the small request behind it
+    failed with it (both `admission_deadline`). It is now refused at once as kv_exceeds_capacity."""
+    fleet = {
+        "cold_start_s": 0.0,
+        "decision_interval_s": 1.0,
+        "admission_deadline_s": 30.0,
+        "engine": {"num_gpu_blocks": 64},
+        "pools": [{"name": "mixed", "gpu": "H100", "role": "mixed", "replicas": 1, "max_replicas": 1}],
+    }
+    report, _ = simulate(fleet, "fixed", [SimRequest(0.0, 900, 300), SimRequest(0.0, 100, 10)])
+    assert report["requests"]["completed"] == 1
+    assert report["requests"]["failed_by_reason"] == {"kv_exceeds_capacity": 1}

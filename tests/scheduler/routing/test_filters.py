@@ -153,6 +153,22 @@ def run(flt, w, r=None, *, roles=frozenset(Role), exclude=frozenset(), reserve=(
         pytest.param(
             f.KvFitFilter(), worker(), None, {}, None, id="never scraped passes (the engine queues)"
         ),
+        pytest.param(
+            f.KvFitFilter(),
+            worker(kv_usage=0.0, num_gpu_blocks=48),
+            None,
+            {},
+            R.KV_EXCEEDS_CAPACITY,
+            id="48 blocks needed > 0.98 · 48 = 47.04 the empty worker may take → kv_exceeds_capacity",
+        ),
+        pytest.param(
+            f.KvFitFilter(),
+            worker(kv_usage=0.0, num_gpu_blocks=49),
+            None,
+            {},
+            None,
+            id="48 blocks ≤ 0.98 · 49 = 48.02 passes the empty worker",
+        ),
     ],
 )
 def test_filter(flt, w, r, kw, expected):
