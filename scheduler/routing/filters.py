@@ -279,7 +279,12 @@ class KvFitFilter:
         ceiling = self.params.max_usage * worker.kv_blocks_total
         if need > ceiling:
             # more than this filter lets onto the worker even empty: waiting cannot help, and a retryable
-            # kv_full held it at the head of the FIFO admission queue, everyone behind it, to its deadline
+            # kv_full held it at the head of the FIFO admission queue, everyone behind it, to its deadline.
+            # Over by an estimated prompt only (not by its floor), the worker, which counts it, decides.
+            req = cycle.req
+            floor = req.prompt_tokens_floor
+            if floor is not None and worker.blocks_for(floor + req.predicted_output_tokens) <= ceiling:
+                return None
             return _kv_exceeds(cycle, need, int(ceiling))
         if (
             worker.kv_usage >= self.params.max_usage

@@ -169,6 +169,14 @@ def run(flt, w, r=None, *, roles=frozenset(Role), exclude=frozenset(), reserve=(
             None,
             id="48 blocks ≤ 0.98 · 49 = 48.02 passes the empty worker",
         ),
+        pytest.param(
+            f.KvFitFilter(),
+            worker(kv_usage=0.0, num_gpu_blocks=48),
+            dataclasses.replace(req(), prompt_tokens_floor=256),
+            {},
+            None,
+            id="over by an estimated prompt (512), not by its floor (256 + 256 = 32 blocks): the worker decides",
+        ),
     ],
 )
 def test_filter(flt, w, r, kw, expected):
