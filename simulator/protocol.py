@@ -5,35 +5,46 @@ Validation follows vLLM 0.32 (its source — the request models in `entrypoints/
 by stage in vLLM's order, so a request with several faults gets vLLM's answer to the first one:
 
 1. the request models' "before" validators, on the raw JSON values → 400 `BadRequestError` naming the param:
-   `prompt` missing or `""`, `stream_options` without `stream`, `logprobs`/`top_logprobs` not a number or
-   below −1, `top_logprobs` without `logprobs`, `response_format` json_schema without its schema, `tools`
-   empty, `tool_choice` not a known value or given without `tools`;
-2. field types, with the lax coercion of vLLM's pydantic models (`"true"`, `"yes"`, `1` are booleans, `"5"`
+   chat `messages` that cannot be iterated (a number, null: no param), `continue_final_message` with
+   `add_generation_prompt` (no param), `prompt` missing or `""`, `stream_options` without `stream`,
+   `logprobs`/`top_logprobs`/`prompt_logprobs` not a number or below −1, `prompt_logprobs` with a stream,
+   `top_logprobs` without `logprobs`, `response_format` json_schema without its schema, `tools` empty,
+   `tool_choice` not a known value or given without `tools`, a message's `tool_calls` a number (no param);
+2. chat `messages` as vLLM's message union types them (`_check_messages`: param
+   `body.messages.<i>.ChatCompletionDeveloperMessageParam[.<field>]`), then the other field types, with the lax coercion of vLLM's pydantic models (`"true"`, `"yes"`, `1` are booleans, `"5"`
    and `5.0` integers; `stop: 5`, `top_k: 1.5`, `response_format: {"type": "nope"}` are refused) → 400
    `"type": "Bad Request"`, param the error's location (`body.<field>`); a body that is not JSON or not an
    object is refused the same way;
-3. unknown model → 404 `NotFoundError`; then tool calls, which the simulator never makes, refused as by a
+3. unknown model → 404 `NotFoundError`; then (completions) any `suffix` (no model the simulator serves renders
+   fill-in-the-middle) and (chat) tool calls, which the simulator never makes, refused as by a
    vLLM without `--enable-auto-tool-choice`/`--tool-call-parser` (its default): `tools` with `tool_choice`
    auto (implied when absent), required or a named function → 400 in that server's words;
 4. `max_tokens` (chat: `max_completion_tokens` when sent, else `max_tokens`) over max_model_len → 400 naming
-   that field; no prompt at all (`prompt: []`, `messages: []`) → 400 with no param;
+   that field, then `truncate_prompt_tokens` over it; chat rendering: `continue_final_message` with the
+   default `add_generation_prompt`, content parts (text only: a media part is refused by a text-only model,
+   anything else fails validation; no param); no prompt at all (`prompt: []`, `messages: []`) → 400 with no
+   param; prompts truncated to their last `truncate_prompt_tokens` tokens;
 5. a prompt over max_model_len → 400 `input_tokens` (plain JSON even for streams);
 6. per prompt, `max_tokens` clamped to max_model_len − prompt (0 for a prompt that fills the context), then
-   SamplingParams' checks: n, penalties, temperature, top_p, top_k, min_p, max_tokens ≥ 1 (param
+   SamplingParams' checks: logit_bias keys that are no integers, n, penalties, temperature, top_p, top_k, min_p, max_tokens ≥ 1 (param
    `max_tokens`), min_tokens (no param), empty stop strings, n = 1 under greedy sampling (temperature 0);
-7. the engine's checks: at most 20 logprobs; then per prompt no empty prompt (`[[]]`, `[""]`: no param)
-   and no token id outside the model's vocabulary (`Token id N is out of vocabulary`, N the prompt's
-   largest; the catalog's `vocab_size`, else Llama-3's 128,256).
+7. the engine's checks (`EngineInputError`): at most 20 logprobs, then 20 prompt logprobs (echo asks for the
+   sample's count), token ids of `logit_bias` and `stop_token_ids` in the vocabulary; then per prompt no
+   empty prompt (`[[]]`, `[""]`: no param) and no token id outside the model's vocabulary (`Token id N is
+   out of vocabulary`, N the prompt's largest; the catalog's `vocab_size`, else Llama-3's 128,256). vLLM
+   runs these once a stream's response has begun: a stream gets them as HTTP 200 with one
+   `data: {"error": ...}` event, then `data: [DONE]`.
 
 Several sequences, as vLLM serves them: a completions batch of prompts (strings or token-id lists) and
 `n` completions per prompt; choice `index` = prompt · n + completion, usage counts each prompt once and
 every completion's tokens (`ApiRequest.sequences`). Refused (400, a clear message): `kv_transfer_params`
 on a request of several sequences (vLLM's prefill answer carries one sequence's). Accepted, type-checked and
-ignored: sampling parameters (temperature, top_p, seed, stop, …), response_format (by its type only),
-echo, prompt_logprobs. `logprobs` (completions) and `logprobs`/`top_logprobs` (chat) are answered with
+ignored: sampling parameters (temperature, top_p, seed, stop, stop_token_ids, …), response_format (by its
+type only), echo, prompt_logprobs (answered null), skip_special_tokens, priority, use_beam_search and the
+other vLLM fields of `_CompletionFields`/`_ChatFields`. `logprobs` (completions) and `logprobs`/`top_logprobs` (chat) are answered with
 pseudo-values in vLLM's shape (`logprobs_body`, `tokens.pseudo_top_logprobs`), streamed and not. Typed as
 vLLM types them and ignored: `tools` (with `tool_choice` none or null), `user`, `logit_bias`. Accepted and
-ignored without a type check: priority, use_beam_search; a `json_schema` response format's schema.
+ignored without a type check: a `json_schema` response format's schema.
 """
 
 from __future__ import annotations
@@ -68,6 +79,13 @@ class ApiError(Exception):
         }
 
 
+class EngineInputError(ApiError):
+    """An error of vLLM's engine input checks (stage 7 of the module docstring: SamplingParams.verify, then
+    the prompts' token ids). vLLM runs them when the request's output generator is first read, which for a
+    stream is after its 200 response has started: a stream gets them as `data: {"error": ...}` then
+    `data: [DONE]`, a plain request as its 400."""
+
+
 def bad_shape(message: str, param: str | None = None) -> ApiError:
     """Malformed JSON or a field of the wrong type: vLLM (FastAPI/pydantic) answers these with type "Bad Request"
     and the error location as param (`body.<field>`, or `body.<byte offset>` for JSON that does not parse)."""
@@ -97,7 +115,9 @@ _SAMPLING_EPS = 1e-5  # SamplingParams: a temperature below it is greedy samplin
 # refuse `null` as vLLM does.
 _TokenIds = list[Annotated[int, Field(ge=0)]]
 _Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
-_Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None
+_Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+_Seed = _Int64 | None
+_Truncate = Annotated[int, Field(ge=-1, le=2**63 - 1)] | None
 
 
 class _FunctionDefinition(BaseModel):
@@ -150,21 +170,32 @@ class _CompletionFields(BaseModel):
     stop: _Stop = None
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
+    suffix: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
+    use_beam_search: bool = False
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    length_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: _Truncate = None
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
     response_format: _ResponseFormat | None = None
+    priority: _Int64 = 0
     request_id: str = None  # type: ignore[assignment]  # absent → None (defaults are not validated); null refused
     kv_transfer_params: dict[str, Any] | None = None
 
 
 class _ChatFields(BaseModel):
-    # `messages` (vLLM's first field) is checked by `_chat_prompt`, before these
+    # `messages` (vLLM's first field) is checked by `_check_messages`, before these
     model: str | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -183,13 +214,27 @@ class _ChatFields(BaseModel):
     top_p: float | None = None
     tools: list[_Tool] | None = None
     tool_choice: _ToolChoice = "none"
+    parallel_tool_calls: bool | None = True
     user: str | None = None
+    use_beam_search: bool = False
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    length_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: _Truncate = None
+    prompt_logprobs: int | None = None
     echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    priority: _Int64 = 0
     request_id: str = None  # type: ignore[assignment]  # absent → None (defaults are not validated); null refused
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -320,13 +365,44 @@ def _refuse_tool_calls(body: Mapping[str, Any], f: _ChatFields) -> None:
         )
 
 
+def _refuse_suffix(f: _CompletionFields) -> None:
+    """vLLM renders `suffix` only for a model with fill-in-the-middle rendering (none that the simulator
+    serves): any suffix is refused, in the words of vLLM's completion renderer."""
+    if f.suffix is None or f.prompt == []:  # no prompt: vLLM renders none, then refuses the empty batch
+        return
+    if f.echo:
+        message = "Echo is unsupported with suffix."
+    elif f.truncate_prompt_tokens is not None:
+        message = "suffix is not supported with truncate_prompt_tokens"
+    elif isinstance(f.prompt, str) or (
+        isinstance(f.prompt, list) and all(isinstance(p, str) for p in f.prompt)
+    ):
+        message = "suffix is only supported for models with FIM completion rendering"
+    else:
+        message = "suffix requires text prompt input for FIM completion rendering"
+    raise ApiError(400, message, param="suffix")
+
+
 def _check_logprobs(body: Mapping[str, Any], name: str) -> None:
-    """vLLM's `check_logprobs` for the count field (`logprobs` of completions, `top_logprobs` of chat)."""
+    """vLLM's `check_logprobs` for `prompt_logprobs` and the count field (`logprobs` of completions,
+    `top_logprobs` of chat), in its order: both types, then prompt_logprobs (not with a stream; at least
+    −1), then the count."""
+    for field in ("prompt_logprobs", name):
+        value = body.get(field)
+        # vLLM's guard: a string would fail the comparisons below
+        if value is not None and not isinstance(value, (int, float)):
+            raise vllm_error(f"`{field}` must be an integer.", field, value)
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if body.get("stream") and (prompt_logprobs > 0 or prompt_logprobs == -1):
+            raise vllm_error("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if prompt_logprobs < 0 and prompt_logprobs != -1:
+            raise vllm_error(
+                "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs", prompt_logprobs
+            )
     count = body.get(name)
     if count is None:
         return
-    if not isinstance(count, (int, float)):  # vLLM's guard: a string would fail the comparisons below
-        raise vllm_error(f"`{name}` must be an integer.", name, count)
     # −1 asks for the whole vocabulary (then refused by the engine as more than MAX_LOGPROBS)
     if count < 0 and count != -1:
         raise vllm_error(f"`{name}` must be a positive value or -1.", name, count)
@@ -355,6 +431,7 @@ class ApiRequest:
     from_text: tuple[bool, ...] = ()  # per prompt: given as text (chat, a string), not token ids
     request_id: str | None = None  # the body's `request_id`, vLLM's response id when no X-Request-Id header
     params: _Fields | None = None  # every validated field, for the sampling checks (`check_request`)
+    echo_only: bool = False  # completions' echo with max_tokens 0: one token sampled, a stream of no event
 
     @property
     def sequences(self) -> int:
@@ -405,16 +482,124 @@ def text_ids(text: str) -> list[int]:
         raise ApiError(400, UNENCODABLE_TEXT) from None
 
 
-def _chat_prompt(body: Mapping[str, Any]) -> list[int] | None:
+def _messages_before(body: Mapping[str, Any]) -> None:
+    """vLLM's chat before-validators that touch `messages`, first of all (the last defined): its system-message
+    check iterates `messages` (a number or null fails there, as Python's TypeError), then the generation-prompt
+    check on the raw values."""
+    messages = body.get("messages", [])
+    if messages is None or isinstance(messages, (int, float)):  # bool is an int
+        raise ApiError(400, f"'{type(messages).__name__}' object is not iterable")
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+
+
+def _messages_after(body: Mapping[str, Any]) -> None:
+    """vLLM's last chat before-validator (`_normalize_messages_before`): a message's `tool_calls` that is not
+    a list is made one with `list()`, which fails on a number (a string becomes its characters)."""
+    messages = body.get("messages")
+    for msg in messages if isinstance(messages, list) else ():
+        calls = msg.get("tool_calls") if isinstance(msg, Mapping) else None
+        if calls is not None and isinstance(calls, (int, float)):
+            raise ApiError(400, f"'{type(calls).__name__}' object is not iterable")
+
+
+_FIRST_MESSAGE_TYPE = "ChatCompletionDeveloperMessageParam"  # the first of vLLM's message union
+
+
+def _check_messages(body: Mapping[str, Any]) -> None:
+    """`messages` as pydantic validates vLLM's first field: a list, each item one of the message types of its
+    union; the last of which takes any string role, an optional string or iterable content and an optional
+    string name. The first message that none fits is reported with the first type's first error (its fields:
+    content, role, name), as vLLM names it: `body.messages.<i>.ChatCompletionDeveloperMessageParam[.<field>]`.
+    Content parts are validated lazily, when the messages are rendered (`_check_content_parts`)."""
+    if "messages" not in body:
+        raise bad_shape("1 validation error: messages: Field required", "body.messages")
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise bad_shape("1 validation error: messages: Input should be a valid list", "body.messages")
+    for i, msg in enumerate(messages):
+        where = f"body.messages.{i}.{_FIRST_MESSAGE_TYPE}"
+        if not isinstance(msg, Mapping):
+            raise bad_shape("messages: Input should be a valid dictionary", where)
+        content, role, name = msg.get("content"), msg.get("role"), msg.get("name")
+        content_ok = "content" not in msg or isinstance(content, (str, list, dict))
+        name_ok = name is None or isinstance(name, str)
+        call_id = msg.get("tool_call_id")
+        calls = msg.get("tool_calls")
+        if isinstance(
+            calls, (str, dict)
+        ):  # `_normalize_messages_before` made it a list (its characters, keys)
+            calls = list(calls)
+        calls_ok = calls is None or (
+            isinstance(calls, list)
+            and all(isinstance(c, Mapping) and isinstance(c.get("function"), Mapping) for c in calls)
+        )
+        custom_content_ok = "content" not in msg or isinstance(
+            content, (str, list)
+        )  # an object is refused there
+        if (
+            custom_content_ok
+            and isinstance(role, str)
+            and name_ok
+            and calls_ok
+            and (call_id is None or isinstance(call_id, str))
+        ):
+            continue  # vLLM's custom message type takes it
+        if role in ("developer", "system", "user") and "content" in msg and content_ok and name_ok:
+            continue  # its own type takes it (other fields ignored)
+        if role == "assistant" and (content_ok or content is None) and name_ok and calls_ok:
+            continue  # the assistant type: content optional and nullable, tool_call_id ignored
+        if not ("content" in msg and content_ok):
+            raise bad_shape(
+                "messages: content: Field required or not a string or iterable", f"{where}.content"
+            )
+        if role != "developer":
+            raise bad_shape("messages: role: Input should be 'developer'", f"{where}.role")
+        raise bad_shape("messages: name: Input should be a valid string", f"{where}.name")
+
+
+_STANDARD_ROLES = ("developer", "system", "user", "assistant", "tool", "function")
+_MEDIA_PARTS = ("image_url", "input_audio", "audio_url", "video_url", "image_embeds", "image_pil", "file")
+
+
+def _check_content_parts(messages: Sequence[Mapping[str, Any]], model: str) -> None:
+    """Content parts, validated as vLLM renders the messages (after the max_tokens check; as measured on
+    0.32). vLLM parses the parts itself for a message of a role of its own, or with a valid text part:
+    a string part is text, a part without `type` is refused naming `type`, `text` parts need no text, an
+    unknown type is refused. Otherwise (one part, or a part that is no object) pydantic's lazy validation of
+    the part union checks them: text parts need their text, anything else fails. Either way a media part is
+    refused by a text-only model (all the simulator serves). No param but `type`."""
+    for msg in messages:
+        content = msg.get("content")
+        if not isinstance(content, (list, dict)):
+            continue
+        parts = list(content)
+        own = msg.get("role") not in _STANDARD_ROLES or any(
+            isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in parts
+        )
+        for part in parts:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind in _MEDIA_PARTS and (own or part.get(kind)):
+                raise ApiError(400, f"{model} is not a multimodal model")
+            if own:
+                if isinstance(part, str) or kind == "text":
+                    continue
+                if kind is None:
+                    raise vllm_error("Missing 'type' field in multimodal part.", "type")
+                raise ApiError(400, f"Unsupported chat content part type: {kind!r}.")
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            raise ApiError(400, "validation errors for ValidatorIterator: a content part of no known type")
+
+
+def _chat_prompt(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[int] | None:
     """The rendered messages' token ids; None for an empty list (refused after the max_tokens check, where
     vLLM's renderer fails on it)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
-        raise bad_shape("messages: Field required (a list of message objects)", "body.messages")
     if not messages:
         return None
     try:
-        return text_ids(render_chat(messages))
+        return text_ids(render_chat(messages, add_generation_prompt))
     except TypeError as exc:
         raise bad_shape(f"messages: {exc}", "body.messages") from None
 
@@ -440,14 +625,20 @@ def parse_request(
 ) -> ApiRequest:
     """Stages 1–4 of the module docstring (the checks before any prompt's length); raises ApiError. Without
     `max_model_len` the max_tokens-over-context check is left out. `check_request` does the rest."""
-    chat_ids = _chat_prompt(body) if chat else None  # `messages` is the chat model's first field
+    if chat:
+        _messages_before(body)
     _before_validators(body, chat)
+    if chat:
+        _messages_after(body)
+        _check_messages(body)  # `messages` is the chat model's first field
     f = _validate_fields(body, chat)
     model = f.model or served  # vLLM serves an empty or absent name as its (only) served model
     if model != served:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if isinstance(f, _ChatFields):
         _refuse_tool_calls(body, f)
+    else:
+        _refuse_suffix(f)
     # vLLM's TokenizeParams check, named after the field the client sent (`is not None`: 0 counts as sent)
     if isinstance(f, _ChatFields) and f.max_completion_tokens is not None:
         max_tokens, field = f.max_completion_tokens, "max_completion_tokens"
@@ -455,6 +646,9 @@ def parse_request(
         max_tokens, field = f.max_tokens, "max_tokens"
     if not chat and max_tokens is None:  # completions: null means the default, 16
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    # vLLM's "echo without generation": completions' echo with max_tokens 0 samples one token (counted in the
+    # usage, finish_reason length) and a stream of it sends no event, only [DONE]
+    echo_only = isinstance(f, _CompletionFields) and bool(f.echo) and max_tokens == 0
     if max_model_len is not None and max_tokens is not None and max_tokens > max_model_len:
         raise vllm_error(
             f"{field}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
@@ -462,12 +656,33 @@ def parse_request(
             field,
             max_tokens,
         )
-    if chat:
+    truncate = f.truncate_prompt_tokens
+    if max_model_len is not None and truncate is not None and truncate > max_model_len:
+        raise vllm_error(
+            f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = {max_model_len}. "
+            "Please request a smaller truncation size.",
+            "truncate_prompt_tokens",
+            truncate,
+        )
+    if isinstance(f, _ChatFields):  # vLLM's renderer
+        if f.continue_final_message and f.add_generation_prompt:
+            raise ApiError(
+                400,
+                "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message "
+                "when you want the model to continue the final message, and add_generation_prompt when you want "
+                "to add a header that will prompt it to start a new assistant message instead.",
+            )
+        _check_content_parts(body["messages"], model)
+        chat_ids = _chat_prompt(body["messages"], f.add_generation_prompt)
         if chat_ids is None:
             raise ApiError(400, "messages must not be empty")  # vLLM names no param
         prompts, from_text = [chat_ids], (True,)
     else:
         prompts, from_text = _completion_prompts(f.prompt)
+    if truncate is not None and (truncate >= 0 or max_model_len is not None):
+        # vLLM's tokenizer keeps the last `truncate` tokens (-1: max_model_len of them); 0 leaves none
+        keep = max_model_len if truncate == -1 else truncate
+        prompts = [ids[-keep:] if keep else [] for ids in prompts]
     n = 1 if f.n is None else f.n
     kvp = f.kv_transfer_params
     if kvp and len(prompts) * max(n, 1) > 1:
@@ -482,7 +697,7 @@ def parse_request(
     return ApiRequest(
         chat, model, prompts, max_tokens, f.min_tokens, f.ignore_eos, bool(f.stream), include_usage,
         dict(kvp) if kvp else None, include_usage and bool(opts and opts.continuous_usage_stats), n, from_text,
-        f.request_id, f,
+        f.request_id, f, echo_only,
     )  # fmt: skip
 
 
@@ -506,24 +721,27 @@ def check_request(api: ApiRequest, max_model_len: int, vocab_size: int = VOCAB_S
     for ids in api.prompts:
         room = max_model_len - len(ids)  # vLLM's get_max_tokens: 0 when the prompt fills the context
         max_tokens = room if api.max_tokens is None else min(room, api.max_tokens)
+        if api.echo_only:
+            max_tokens = 1
         if api.params is not None:
             _check_sampling(api, api.params, max_tokens)
         out.append(max_tokens)
     if api.params is not None:
-        _check_engine(api, api.params)
+        _check_engine(api.params, vocab_size)
     # vLLM's input processor, prompt by prompt: empty, then out of the vocabulary (a text's pseudo ids are the
     # simulator's own, from Llama-3's vocabulary whatever the model: only a client's ids are checked)
     for ids, text in zip(api.prompts, api.from_text or [False] * len(api.prompts), strict=True):
         if not ids:
-            raise vllm_error("The decoder prompt cannot be empty")
+            raise EngineInputError(400, "The decoder prompt cannot be empty")
         if not text and max(ids) >= vocab_size:
-            raise ApiError(400, f"Token id {max(ids)} is out of vocabulary")
+            raise EngineInputError(400, f"Token id {max(ids)} is out of vocabulary")
     return out
 
 
 def _check_sampling(api: ApiRequest, f: _Fields, max_tokens: int) -> None:
     """SamplingParams' `_verify_args` then its greedy check, in vLLM 0.32's order, messages and params
     (most name none). The simulator ignores the values, but a request vLLM refuses is refused here too."""
+    _logit_bias_ids(f)  # SamplingParams.from_optional converts its keys before any check
     n = api.n
     if n < 1:
         raise vllm_error(f"n must be at least 1, got {n}.")
@@ -571,19 +789,61 @@ def _check_sampling(api: ApiRequest, f: _Fields, max_tokens: int) -> None:
         raise vllm_error(f"n must be 1 when using greedy sampling, got {n}.")
 
 
-def _check_engine(api: ApiRequest, f: _Fields) -> None:
-    """The engine's first input check, after every prompt's SamplingParams: the logprobs count."""
-    # chat asks for top_logprobs only with logprobs true; completions' logprobs is the count itself
-    requested = (f.top_logprobs if f.logprobs else None) if isinstance(f, _ChatFields) else f.logprobs
-    if requested:
-        if requested == -1:
-            requested = VOCAB_SIZE
-        if requested > MAX_LOGPROBS:
-            raise vllm_error(
-                f"Requested sample logprobs of {requested}, which is greater than max allowed: {MAX_LOGPROBS}",
-                "logprobs",
-                requested,
+def _engine_error(message: str, parameter: str, value: Any) -> EngineInputError:
+    err = vllm_error(message, parameter, value)
+    return EngineInputError(err.status, err.message, err.type, err.param)
+
+
+def _check_engine(f: _Fields, vocab_size: int) -> None:
+    """SamplingParams.verify, the engine's first input check, after every prompt's SamplingParams: the
+    logprobs counts (sample, then prompt: echo asks for the prompt's as many as the sample's), then the
+    token ids of logit_bias and stop_token_ids, each within the vocabulary."""
+    if isinstance(f, _ChatFields):  # chat asks for top_logprobs only with logprobs true
+        sample, prompt = (f.top_logprobs if f.logprobs else None), f.prompt_logprobs
+        if prompt is None and f.echo:
+            prompt = f.top_logprobs
+    else:  # completions' logprobs is the count itself
+        sample, prompt = f.logprobs, f.prompt_logprobs
+        if prompt is None and f.echo:
+            prompt = f.logprobs
+    for requested, param, what in ((sample, "logprobs", "sample"), (prompt, "prompt_logprobs", "prompt")):
+        if requested:
+            if requested == -1:
+                requested = vocab_size
+            if requested > MAX_LOGPROBS:
+                raise _engine_error(
+                    f"Requested {what} logprobs of {requested}, which is greater than max allowed: {MAX_LOGPROBS}",
+                    param,
+                    requested,
+                )
+    for param, ids in (("logit_bias", _logit_bias_ids(f)), ("stop_token_ids", f.stop_token_ids or [])):
+        invalid = [i for i in ids if i < 0 or i >= vocab_size]
+        if invalid:
+            raise _engine_error(
+                f"token_id(s) {invalid} in {param} contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+                param,
+                invalid,
             )
+
+
+def _logit_bias_ids(f: _Fields) -> list[int]:
+    """logit_bias's keys as token ids, as SamplingParams converts them (before its own checks); a key `int()`
+    refuses is a 400 naming logit_bias."""
+    if not f.logit_bias:
+        return []
+    ids, invalid = [], []
+    for key in f.logit_bias:
+        try:
+            ids.append(int(key))
+        except ValueError:
+            invalid.append(key)
+    if invalid:
+        raise vllm_error(
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {invalid!r}",
+            "logit_bias",
+            invalid,
+        )
+    return ids
 
 
 # ------------------------------------------------------------------ responses
@@ -688,12 +948,17 @@ def chat_body(
     }
 
 
-def _continuous_usage(so_far: tuple[int, int] | None) -> str:
-    """`,"usage":{...}` for a chunk of a stream with continuous usage (vLLM sets only the three counts)."""
+def _continuous_usage(so_far: tuple[int, int] | None, chat: bool = False) -> str:
+    """`,"usage":{...}` for a chunk of a stream with continuous usage: vLLM sets the three counts, and a chat
+    chunk's usage also carries `"completion_tokens_details": null` (a completions chunk's does not)."""
     if so_far is None:
         return ""
     prompt, completion = so_far
-    return f',"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},"completion_tokens":{completion}}}'
+    details = ',"completion_tokens_details":null' if chat else ""
+    return (
+        f',"usage":{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},'
+        f'"completion_tokens":{completion}{details}}}'
+    )
 
 
 class ChunkWriter:
@@ -713,7 +978,7 @@ class ChunkWriter:
         return (
             self._head
             + f'"choices":[{{"index":{index},"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]'
-            + _continuous_usage(usage_so_far)
+            + _continuous_usage(usage_so_far, self.chat)
             + self._tail
         )
 
@@ -737,12 +1002,11 @@ class ChunkWriter:
             )
         else:
             choice = f'{{"index":{index},"text":{t},"logprobs":{lp},"finish_reason":{fr},"stop_reason":null}}'
-        return f'{self._head}"choices":[{choice}]{_continuous_usage(usage_so_far)}{self._tail}'
+        return f'{self._head}"choices":[{choice}]{_continuous_usage(usage_so_far, self.chat)}{self._tail}'
 
     def usage(self, prompt: int, completion: int) -> str:
         u = usage(prompt, completion)
-        if self.chat:
-            del u["prompt_tokens_details"]  # vLLM's chat usage event omits it
+        del u["prompt_tokens_details"]  # vLLM's usage event (chat and completions) omits it
         return f'{self._head}"choices":[],"usage":{json.dumps(u, separators=(",", ":"))}{self._tail}'
 
     @staticmethod

@@ -47,6 +47,7 @@ from simulator.protocol import (
     ApiError,
     ApiRequest,
     ChunkWriter,
+    EngineInputError,
     chat_body,
     check_request,
     completion_body,
@@ -62,13 +63,43 @@ from simulator.requests import (
     sample_natural_output,
 )
 from simulator.tokenize_api import detokenize_body, tokenize_body
-from simulator.tokens import VOCAB_SIZE, pseudo_top_logprobs, pseudo_words
+from simulator.tokens import VOCAB_SIZE, id_text, pseudo_top_logprobs, pseudo_words
 from simulator.worker_runtime import EngineDriver, Ticket
 
 ROLES = ("mixed", "prefill", "decode")
 MIN_TIME_SCALE = 1e-3  # time_scale floor: at most 1000× slower than real time
 _MASK64 = (1 << 64) - 1
 _SEQUENCE_MIX = 0x9E3779B97F4A7C15  # spreads completion j of a prompt over the fingerprint's bits
+
+
+async def _error_stream(err: ApiError) -> AsyncIterator[str]:
+    yield ChunkWriter.error(err)
+    yield ChunkWriter.done()
+
+
+async def _echo_only_stream(
+    api: ApiRequest, writer: ChunkWriter, tickets: list[Ticket]
+) -> AsyncIterator[str]:
+    """vLLM's stream of an echo without generation (completions' echo, max_tokens 0): per sequence one event
+    with the prompt's text (the simulator's own words for a token-id prompt) and finish_reason `length`, the
+    usage event when asked for (the one sampled token counted), then [DONE]."""
+    for tk in tickets:
+        await tk.wait_done()
+    raw = api.params.prompt if api.params is not None else None
+    texts = (
+        [raw]
+        if isinstance(raw, str)
+        else list(raw)
+        if isinstance(raw, list) and raw and not isinstance(raw[0], int)
+        else []
+    )
+    for p, ids in enumerate(api.prompts):
+        text = texts[p] if p < len(texts) and isinstance(texts[p], str) else "".join(map(id_text, ids))
+        for j in range(api.n):
+            yield writer.token(text, "length", index=p * api.n + j)
+    if api.include_usage:
+        yield writer.usage(sum(map(len, api.prompts)), api.sequences)
+    yield ChunkWriter.done()
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +215,12 @@ class WorkerRuntime:
             max_tokens = check_request(
                 api, limit, self.perf.model.vocab_size or VOCAB_SIZE
             )  # per prompt, clamped to the context it leaves
+        except EngineInputError as err:
+            if (
+                api.stream
+            ):  # vLLM's engine checks run once the stream has started: an error event, then [DONE]
+                return StreamingResponse(_error_stream(err), media_type="text/event-stream")
+            return JSONResponse(err.body(), status_code=err.status)
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         faults = self.faults
@@ -207,6 +244,9 @@ class WorkerRuntime:
             self._abandon_remote(eid)
             err = ApiError(400, str(exc))
             return JSONResponse(err.body(), status_code=err.status)
+        if api.stream and api.echo_only:  # vLLM streams an echo without generation as one event per sequence
+            writer = ChunkWriter(rid, self.served, api.chat)
+            return StreamingResponse(_echo_only_stream(api, writer, tickets), media_type="text/event-stream")
         if api.stream:
             cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
             stream = self._stream(api, rid, seqs, tickets, bool(cut), eid)
