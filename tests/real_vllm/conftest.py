@@ -2,8 +2,10 @@
 
 `real_vllm`: one server per test session (started on first use, 25-80 s, stopped at the end).
 `real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started only
-for the module that asks for it and stopped after it. Both skip with the reason from `vllm_env.missing_reason()` when `.venv-vllm` or the
-model is absent (`make test-vllm` sets them up).
+for the module that asks for it and stopped after it. Both skip with the reason from `vllm_env.missing_reason()`
+when `.venv-vllm` or the model is absent (`make test-vllm` sets them up). `sim_url`: Mosaic's simulated worker
+serving the same tiny model (`mosaic worker`, one per module), which the fidelity and differential tests diff
+against `real_vllm`.
 
 `MOSAIC_REAL_VLLM_URL=http://127.0.0.1:P` makes `real_vllm` use a server already running (e.g. one from
 `bash scripts/real_vllm.sh start`) instead of starting one: handy while developing; tests assert deltas, so
@@ -13,8 +15,11 @@ a used server is fine.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +29,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_env
-from gateway_harness import MosaicGateway, Target, static_config
+from gateway_harness import CATALOG, MosaicGateway, Target, static_config
 
-from server.vllm_launcher import LaunchError, VllmProcess, health_ok, log_tail
+from server.vllm_launcher import LaunchError, VllmProcess, free_port, health_ok, log_tail
 
+SIM_MODEL = vllm_env.SERVED_MODEL_NAME  # the simulated worker serves the tiny model under the same name
 START_TIMEOUT_S = 420.0  # cold start is ~120 s alone; on a loaded 2-core machine allow well beyond
 
 
@@ -92,6 +98,46 @@ def gateway_available() -> str | None:
         except ImportError as exc:
             return f"Mosaic gateway not importable yet ({exc})"
     return None
+
+
+@pytest.fixture(scope="module")
+def sim_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`mosaic worker` (the simulator) serving the same tiny model: its catalog row, name, block size, length."""
+    if importlib.util.find_spec("simulator.worker_app") is None:
+        pytest.skip("simulated worker (simulator/worker_app.py) not present yet")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("sim") / "worker.log"
+    cmd = [
+        str(Path(sys.executable).with_name("mosaic")),
+        "worker",
+        "--gpu",
+        "CPU-AVX2",
+        "--model",
+        SIM_MODEL,
+        "--catalog",
+        str(CATALOG),
+        "--served-model-name",
+        SIM_MODEL,
+        "--max-model-len",
+        "512",
+        "--block-size",
+        "128",
+        "--port",
+        str(port),
+    ]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while not health_ok(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"simulated worker did not start:\n{log_tail(log_path)}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
 
 
 @pytest.fixture(scope="session")

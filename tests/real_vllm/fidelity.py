@@ -50,6 +50,53 @@ KNOWN_STREAM: Mapping[str, str] = {
     "completion-stream last .system_fingerprint: str vs absent": "the simulator omits system_fingerprint",
 }
 
+# --- differences only the differential test's random requests reach (tests/real_vllm/test_differential.py):
+# keys as `differential.compare` makes them → reason. Not checked for staleness there (which requests come
+# depends on the number of examples); every key is in docs/real_vllm.md.
+_STOPS = (
+    "stop strings and stop_token_ids are checked but not simulated: the simulator's text is not the model's, so "
+    "it never stops on one (vLLM's stop_reason is the string or the token id)"
+)
+_PROMPT_LOGPROBS = (
+    "prompt_logprobs are checked as vLLM checks them (types, stream, at most 20) but answered null"
+)
+_PARTS = (
+    "which of vLLM's two content-part parsers takes a message's parts is approximated (its own for a role of its "
+    "own or a message with a valid text part, else pydantic's): a part without `type` is named `type` by one only"
+)
+_ECHO = "echo is accepted and ignored: the simulator's text and logprobs are the completion's only"
+KNOWN_DIFFERENTIAL: Mapping[str, str] = {
+    "completion .choices[].stop_reason: str vs null": _STOPS,
+    "completion .choices[].stop_reason: int vs null": _STOPS,
+    "chat .choices[].stop_reason: str vs null": _STOPS,
+    "chat .choices[].stop_reason: int vs null": _STOPS,
+    "completion-stream last .choices[].stop_reason: str vs null": _STOPS,
+    "completion-stream last .choices[].stop_reason: int vs null": _STOPS,
+    "chat-stream last .choices[].stop_reason: str vs null": _STOPS,
+    "chat-stream last .choices[].stop_reason: int vs null": _STOPS,
+    "completion .choices[].prompt_logprobs: list vs null": _PROMPT_LOGPROBS,
+    "completion .choices[].prompt_logprobs[]: null vs absent": _PROMPT_LOGPROBS,
+    "chat .prompt_logprobs: list vs null": _PROMPT_LOGPROBS,
+    "chat .prompt_logprobs[]: null vs absent": _PROMPT_LOGPROBS,
+    "completion .choices[].logprobs.token_logprobs[]: null vs float": _ECHO,
+    "completion .choices[].logprobs.top_logprobs[]: null vs dict": _ECHO,
+    "completion .choices[].logprobs.top_logprobs[].<token>: absent vs float": _ECHO,
+    "completion-stream content .choices[].logprobs.token_logprobs[]: null vs float": _ECHO,
+    "completion-stream content .choices[].logprobs.top_logprobs[]: null vs dict": _ECHO,
+    "completion-stream content .choices[].logprobs.top_logprobs[].<token>: absent vs float": _ECHO,
+    "completion-stream last .choices[].logprobs.token_logprobs[]: null vs float": _ECHO,
+    "completion-stream last .choices[].logprobs.top_logprobs[]: null vs dict": _ECHO,
+    "completion-stream last .choices[].logprobs.top_logprobs[].<token>: absent vs float": _ECHO,
+    "completion-stream content .choices[].prompt_token_ids: list vs absent": _ECHO,
+    "completion-stream content .choices[].prompt_token_ids[]: int vs absent": _ECHO,
+    "completion-stream last .choices[].prompt_token_ids: list vs absent": _ECHO,
+    "completion-stream last .choices[].prompt_token_ids[]: int vs absent": _ECHO,
+    "completion-stream usage .system_fingerprint: str vs absent": "the simulator omits system_fingerprint",
+    "chat-stream last .system_fingerprint: str vs absent": "the simulator omits system_fingerprint",
+    "chat error: (400, 'BadRequestError', 'type') vs (400, 'BadRequestError', None)": _PARTS,
+    "chat error: (400, 'BadRequestError', None) vs (400, 'BadRequestError', 'type')": _PARTS,
+}
+
 # --- errors: "<case>: <real (status, type, param)> vs <sim ...>" → reason ---------------------------------------
 KNOWN_ERRORS: Mapping[str, str] = {}
 

@@ -9,13 +9,8 @@ rules (one SSE event per HTTP chunk, `data: [DONE]` last, usage only when asked)
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
-import time
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -32,56 +27,13 @@ from fidelity import (
     shape_diff,
     token_keyed,
 )
-from gateway_harness import CATALOG
 from prometheus_client.parser import text_string_to_metric_families
-
-from server.vllm_launcher import free_port, health_ok, log_tail
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
 
 MODEL = "tiny-llama"
 CHAT = [{"role": "user", "content": "Compare paged attention with a contiguous KV cache."}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-
-
-@pytest.fixture(scope="module")
-def sim_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`mosaic worker` (the simulator) serving the same tiny model: its catalog row, name, block size, length."""
-    if importlib.util.find_spec("simulator.worker_app") is None:
-        pytest.skip("simulated worker (simulator/worker_app.py) not present yet")
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("sim") / "worker.log"
-    cmd = [
-        str(Path(sys.executable).with_name("mosaic")),
-        "worker",
-        "--gpu",
-        "CPU-AVX2",
-        "--model",
-        MODEL,
-        "--catalog",
-        str(CATALOG),
-        "--served-model-name",
-        MODEL,
-        "--max-model-len",
-        "512",
-        "--block-size",
-        "128",
-        "--port",
-        str(port),
-    ]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while not health_ok(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"simulated worker did not start:\n{log_tail(log_path)}")
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(timeout=20)
 
 
 def assert_listed(observed: set[str], known: Mapping[str, str], prefix: str) -> None:

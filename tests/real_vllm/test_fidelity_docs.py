@@ -6,7 +6,14 @@ import re
 
 import pytest
 import vllm_env
-from fidelity import KNOWN_BODY, KNOWN_ERRORS, KNOWN_METRIC_FAMILIES, KNOWN_METRIC_LABELS, KNOWN_STREAM
+from fidelity import (
+    KNOWN_BODY,
+    KNOWN_DIFFERENTIAL,
+    KNOWN_ERRORS,
+    KNOWN_METRIC_FAMILIES,
+    KNOWN_METRIC_LABELS,
+    KNOWN_STREAM,
+)
 
 DOC = (vllm_env.REPO_ROOT / "docs" / "real_vllm.md").read_text(encoding="utf-8")
 
@@ -17,7 +24,18 @@ def field_name(key: str) -> str:
     return re.sub(r"\[\]", "", path.rstrip(":")).rsplit(".", 1)[-1]
 
 
-@pytest.mark.parametrize("key", sorted(KNOWN_BODY) + sorted(KNOWN_STREAM))
+FIELD_KEYS = (
+    sorted(KNOWN_BODY) + sorted(KNOWN_STREAM) + sorted(k for k in KNOWN_DIFFERENTIAL if " error: " not in k)
+)
+
+
+@pytest.mark.parametrize("key", sorted(k for k in KNOWN_DIFFERENTIAL if " error: " in k))
+def test_differential_error_difference_is_documented(key: str) -> None:
+    """An error difference of the random requests is in the docs word for word."""
+    assert f"`{key}`" in DOC, key
+
+
+@pytest.mark.parametrize("key", FIELD_KEYS)
 def test_field_difference_is_documented(key: str) -> None:
     assert f"{field_name(key)}`" in DOC or f".{field_name(key)}" in DOC, key
 
