@@ -302,9 +302,11 @@ class VllmProcess:
         cwd: Path | None = None,
         *,
         filter_env: bool = True,
+        detached: bool = False,
     ) -> Self:
         """Spawn the process (does not wait for health). Output goes to `log_path`, else to our own stdout/stderr.
-        `filter_env=False` hands vLLM the whole environment (a foreground command the user runs themselves)."""
+        `filter_env=False` hands vLLM the whole environment (a foreground command the user runs themselves).
+        `detached`: the server outlives this process (no parent-death signal; stopped by PID later)."""
         log_file: IO[bytes] | None = None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -318,7 +320,8 @@ class VllmProcess:
                 stdout=log_file,  # None: inherit (a foreground `mosaic worker --engine vllm` shows vLLM's log)
                 stderr=subprocess.STDOUT if log_file is not None else None,
                 start_new_session=True,  # own process group: stop() can sweep vLLM's spawned children
-                preexec_fn=_parent_death_signal(),  # our SIGKILL must not leave vLLM running on the GPUs
+                # our SIGKILL must not leave vLLM running on the GPUs (unless it is meant to outlive us)
+                preexec_fn=None if detached else _parent_death_signal(),
             )
         except OSError as exc:
             if log_file is not None:

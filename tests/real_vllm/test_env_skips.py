@@ -1,10 +1,12 @@
 """The environment checks behind the real-vLLM skips, and the script's status/stop on absent servers (no vLLM
-needed: these run in `make test` everywhere)."""
+needed: these run in `make test` everywhere); and its start, whose server must outlive it (`real_vllm`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,26 @@ def test_script_status_and_stop_of_a_server_never_started() -> None:
     )
     assert stop.returncode == 0
     assert json.loads(stop.stdout) == {"name": "never-started", "stopped": False}
+
+
+@pytest.mark.real_vllm
+@pytest.mark.timeout(600)
+def test_script_start_leaves_a_server_running_until_stop() -> None:
+    """`real_vllm.sh start` returns once the server answers; the server must outlive that command (it was
+    spawned with a parent-death signal, so it died with the `start` process)."""
+    if vllm_env.missing_reason() is not None:
+        pytest.skip(vllm_env.missing_reason())
+    name = "start-outlives-the-script"
+    script = ["bash", "scripts/real_vllm.sh"]
+    run = functools.partial(subprocess.run, cwd=vllm_env.REPO_ROOT, capture_output=True, text=True)
+    started = run([*script, "start", "--name", name], timeout=400)
+    try:
+        assert started.returncode == 0, started.stderr[-2000:]
+        url = json.loads(started.stdout)["url"]
+        time.sleep(2.0)  # the parent-death signal came at once when the script's Python exited
+        status = run([*script, "status", "--name", name], timeout=60)
+        assert status.returncode == 0 and json.loads(status.stdout)["alive"] is True, status.stdout
+        vllm_env.smoke_test(url, timeout_s=60)  # and it still serves
+    finally:
+        stopped = run([*script, "stop", "--name", name], timeout=120)
+    assert json.loads(stopped.stdout) == {"name": name, "stopped": True}

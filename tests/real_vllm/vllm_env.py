@@ -169,10 +169,13 @@ def server_spec(port: int, extra_args: Sequence[str] = ()) -> VllmLaunchSpec:
     )
 
 
-def start_process(name: str, extra_args: Sequence[str] = (), port: int | None = None) -> VllmProcess:
-    """Spawn a CPU test server (not yet healthy: call `wait_healthy`). Log: `.real_vllm/logs/<name>.log`."""
+def start_process(
+    name: str, extra_args: Sequence[str] = (), port: int | None = None, *, detached: bool = False
+) -> VllmProcess:
+    """Spawn a CPU test server (not yet healthy: call `wait_healthy`). Log: `.real_vllm/logs/<name>.log`.
+    `detached`: it outlives this process (`start`'s servers), else it gets SIGTERM when this process dies."""
     spec = server_spec(port or free_port(), extra_args)
-    return VllmProcess.start(spec, log_path=LOG_DIR / f"{name}.log", cwd=REPO_ROOT)
+    return VllmProcess.start(spec, log_path=LOG_DIR / f"{name}.log", cwd=REPO_ROOT, detached=detached)
 
 
 def smoke_test(url: str, timeout_s: float = 120.0) -> None:
@@ -204,7 +207,8 @@ def start(name: str, port: int | None, extra_args: Sequence[str], timeout_s: flo
     current = status(name)
     if current.get("alive"):
         raise LaunchError(f"server {name!r} already running: pid {current['pid']} at {current['url']}")
-    proc = start_process(name, extra_args, port)
+    # detached: with the parent-death signal the server died as soon as `real_vllm.sh start` returned
+    proc = start_process(name, extra_args, port, detached=True)
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     record: dict[str, object] = {
         "pid": proc.pid,
