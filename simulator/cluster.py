@@ -55,7 +55,7 @@ from scheduler.routing.reasons import Outcome, Reject
 from simulator.cluster_config import FleetConfig, pool_specs
 from simulator.cluster_topology import SimTopology
 from simulator.engine import Engine, EngineConfig, StepResult
-from simulator.requests import EngineRequest, KvTransfer
+from simulator.requests import EngineRequest, KvTransfer, RequestRecord
 
 
 class _Ev(IntEnum):  # priority among events at the same instant
@@ -509,7 +509,7 @@ class ClusterSimulator:
             if req.phase == "prefill":
                 self._prefill_done(req, inst, now)
             else:
-                self._complete(req, inst, rec.first_token, rec.tpot, now)
+                self._complete(req, inst, rec, now)
         self._dirty(inst)
 
     # -- requests --------------------------------------------------------------------------------
@@ -632,9 +632,10 @@ class ClusterSimulator:
         self._send(decode, er, req, now)
         self._maybe_retire(inst, now)
 
-    def _complete(
-        self, req: _Req, inst: _Instance, first: float | None, tpot: float | None, now: float
-    ) -> None:
+    def _complete(self, req: _Req, inst: _Instance, rec: RequestRecord, now: float) -> None:
+        """`rec`: the decode engine's record. Its output tokens, not the trace's: the engine clamps a request
+        whose prompt + output passes max_model_len, as vLLM's API does (the row counted the asked-for ones)."""
+        first, tpot, out = rec.first_token, rec.tpot, rec.output_tokens
         req.phase = "done"
         req.finished = now
         self._served_s = max(self._served_s, now)
@@ -646,10 +647,8 @@ class ClusterSimulator:
         self.router.on_complete(inst.id, req.route, Outcome.COMPLETED, now)
         ttft = (first if first is not None else now) - req.src.arrival_s
         e2e = now - req.src.arrival_s
-        self.result.completed.append(
-            (req.src.arrival_s, ttft, tpot, e2e, req.src.input_tokens, req.src.output_tokens)
-        )
-        self._window.complete(req.src.input_tokens, req.src.output_tokens, tpot)
+        self.result.completed.append((req.src.arrival_s, ttft, tpot, e2e, req.src.input_tokens, out))
+        self._window.complete(req.src.input_tokens, out, tpot)
         del self._reqs[req.rid]
         self._maybe_retire(inst, now)
         self._drain_queue(now)

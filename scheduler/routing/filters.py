@@ -275,20 +275,26 @@ class KvFitFilter:
             return None
         if worker.kv_usage is None:
             return None  # never scraped: nothing to go on; the worker's own scheduler queues if needed
-        need = worker.blocks_for(cycle.req.expected_tokens)
-        ceiling = self.params.max_usage * worker.kv_blocks_total
-        if need > ceiling:
-            # more than this filter lets onto the worker even empty: waiting cannot help, and a retryable
-            # kv_full held it at the head of the FIFO admission queue, everyone behind it, to its deadline.
-            # Over by an estimated prompt only (not by its floor), the worker, which counts it, decides.
-            req = cycle.req
+        req = cycle.req
+        # each sequence holds at most the worker's context (vLLM clamps max_tokens to it)
+        need = worker.blocks_for(min(req.expected_tokens, req.sequences * _context_limit(worker)))
+        total = worker.kv_blocks_total
+        if need > total - 1:  # more than the whole cache (one block is vLLM's null block)
+            # waiting cannot help, and a retryable kv_full held it at the head of the FIFO admission queue,
+            # everyone behind it, to its deadline. Over by an estimated prompt only (not by its floor), the
+            # worker, which counts it, decides.
             floor = req.prompt_tokens_floor
-            if floor is not None and worker.blocks_for(floor + req.predicted_output_tokens) <= ceiling:
+            if floor is not None and worker.blocks_for(floor + req.predicted_output_tokens) <= total - 1:
                 return None
-            return _kv_exceeds(cycle, need, int(ceiling))
+            return _kv_exceeds(cycle, need, total - 1)
+        free = (1.0 - worker.kv_usage) * total - 1
+        if need > self.params.max_usage * total:
+            # fits the cache but not under the headroom ceiling (a long context on a small cache): it goes
+            # when the worker has that room free, as vLLM runs it (alone if it must), kv_full until then
+            return None if need <= free else FilterReason.KV_FULL
         if (
             worker.kv_usage >= self.params.max_usage
-            or need > ceiling - worker.kv_usage * worker.kv_blocks_total
+            or need > (self.params.max_usage - worker.kv_usage) * total
         ):
             return FilterReason.KV_FULL
         return None
