@@ -556,8 +556,9 @@ class Dispatcher:
                 self.registry.report_failure(worker.id, f"status_{resp.status_code}")
             elif resp.status_code in (200, 429):  # 429: busy, not broken (as on the decode hop)
                 self.registry.report_success(worker.id)
-        except (httpx.HTTPError, TimeoutError, ValueError, AttributeError) as exc:
-            bad_body = isinstance(exc, ValueError | AttributeError) and not isinstance(exc, TimeoutError)
+        except (httpx.HTTPError, TimeoutError, ValueError, AttributeError, RecursionError) as exc:
+            # a body that is no JSON object (RecursionError: valid JSON nested deeper than `json` parses)
+            bad_body = not isinstance(exc, httpx.HTTPError | TimeoutError)
             kind, hard = ("bad_response", False) if bad_body else classify(exc)
             self.registry.report_failure(worker.id, f"prefill_{kind}", hard)
             params = None

@@ -42,6 +42,17 @@ delivered to the wrong request (a poisoned pooled connection) is seen. For every
    every worker well again (breakers reset), a request on every idle pooled connection and a whole and a
    streaming request through the gateway succeed (no poisoned pooled connection).
 
+**P/D** (`test_pd_requests_end_once_and_well_formed_under_socket_faults`): the decode pool's workers draw
+the scripts above behind a prefill pool whose workers draw faults of their own on the prefill hop: statuses,
+garbage, cut, reset and stalled answers, answers after the hop's bound (`late`), and 200 answers whose
+`kv_transfer_params` is missing, null, a list, a string, empty, or whose body is no JSON object (HTML, a
+list, or nested deeper than `json` parses); long prompts take two hops, short ones one. Beyond invariants
+1-7 (`check_pd`): a decode hop carries `kv_transfer_params` only as its own request's prefill hop just
+answered them whole; a prefill hop that failed in any way is followed by the decode hop alone (counted in
+`mosaic_pd_fallbacks_total`); no decode worker is charged for a prefill hop, no prefill worker for what it
+answered well; both hops' tickets and KV reservations end exactly once; with the workers well again a long
+request goes over both hops. MOSAIC_SOCKET_PD_EXAMPLES sets its example count (30; ≈ 30 s).
+
 Real bugs it found are pinned below as plain failing reproducers (`test_found_...`); the property draws
 around their triggers (see `KNOWN_BUG_TRIGGERS`) so it stays green otherwise.
 """
@@ -50,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -72,6 +84,7 @@ from server.runner import start_gateway_server
 from tests.gateway.fakes import METRICS_TEXT, config, pool, read_raw_request
 from tests.gateway.scripted_http import EMPTY_200, chunk
 from tests.gateway.test_fault_properties import (
+    LONG_PROMPT,
     MODEL,
     Spy,
     assert_released,
@@ -144,13 +157,23 @@ class Script:
     after: str = "keep"
     interim: int = 0  # an interim response first (INTERIM)
     fat: bool = False
+    # a P/D prefill hop's answer (a 200 "ok" one): its `kv_transfer_params` (KV_SHAPES)
+    kv: str = "ok"
 
-    def blameless(self, stream: bool) -> bool:
+    def blameless(self, stream: bool, prefill: bool = False) -> bool:
         """Its breaker must never hear of this answer: it is whole (whatever comes after `[DONE]` or after
-        the message, or the keep-alive close after it), a refusal (4xx) or busy (429)."""
+        the message, or the keep-alive close after it), a refusal (4xx) or busy (429). A prefill hop's whole
+        answer also when its `kv_transfer_params` is missing or malformed (docs: a decode-only fallback, a
+        5xx or time-out counts against the prefill worker), not when its body is no JSON object."""
         if self.kind == "status":
             return self.status < 500
+        if prefill and self.kv in ("not_json", "json_list", "deep"):
+            return False
         return self.whole_ok(stream)
+
+    def kv_ok(self) -> bool:
+        """A prefill hop answered by it hands the decode hop its `kv_transfer_params`."""
+        return self.whole_ok(False) and self.kv == "ok"
 
     def whole_ok(self, stream: bool) -> bool:
         """A request whose last attempt got this answer completes (its client still there)."""
@@ -170,6 +193,19 @@ class Script:
 OK = Script()
 
 
+SEQ = itertools.count()  # orders worker visits and the gateway's hops (`Hop`) in one sequence
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A hop as the gateway sent it (`Upstream.post`)."""
+
+    seq: int
+    url: str
+    prefill: bool
+    kv: Any  # a decode hop's `kv_transfer_params`
+
+
 @dataclass
 class Visit:
     rid: str
@@ -177,6 +213,10 @@ class Visit:
     script: Script
     reused: bool  # not the first request on its connection
     stream: bool
+    prefill: bool = False  # a P/D prefill hop (`kv_transfer_params.do_remote_decode`)
+    kv_in: Any = None  # the `kv_transfer_params` the request carried (a decode hop: the prefill's answer)
+    kv_out: Any = None  # a prefill hop: the `kv_transfer_params` it answered with (when it did)
+    seq: int = field(default_factory=lambda: next(SEQ))
 
 
 # --------------------------------------------------------------------------------------------- worker
@@ -212,6 +252,50 @@ def whole_answer(rid: str, chat: bool, n: int) -> bytes:
         "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
     }
     return json.dumps(payload, separators=(",", ":")).encode()
+
+
+# How a prefill worker's 200 answer carries `kv_transfer_params` (vLLM: an object with
+# `do_remote_prefill`, `remote_engine_id`, `remote_block_ids`, `remote_host`, `remote_port`).
+# deep: nested past the JSON parser's recursion limit (valid JSON, which Python's `json` cannot parse)
+KV_SHAPES = ["ok", "missing", "null", "list", "string", "empty", "not_json", "json_list", "deep"]
+DEEP = b"[" * 100_000 + b"]" * 100_000
+LATE_S = 0.5  # a `late` prefill answer comes this long after the request: past the hop's own bound
+
+
+def kv_params(worker: str, rid: str) -> dict[str, Any]:
+    """The `kv_transfer_params` a prefill worker answers `rid` with: naming both, so a decode hop shows
+    whose they are."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": f"{worker}:{rid}",
+        "remote_block_ids": [1, 2, 3],
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+    }
+
+
+def prefill_answer(worker: str, rid: str, chat: bool, kv: str) -> tuple[bytes, Any]:
+    """(body, the params it carries or None) of a prefill hop's 200 answer, `kv` as KV_SHAPES says."""
+    if kv == "not_json":
+        return b"<html><body>502 Bad Gateway</body></html>", None
+    payload = json.loads(whole_answer(rid, chat, 1))
+    params = kv_params(worker, rid)
+    shaped: Any = {
+        "ok": params,
+        "null": None,
+        "list": [params],
+        "string": json.dumps(params),
+        "empty": {},
+    }.get(kv)
+    if kv not in ("missing", "deep"):
+        payload["kv_transfer_params"] = shaped
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    if kv == "deep":
+        body = body[:-1] + b',"kv_transfer_params":' + DEEP + b"}"
+    if kv == "json_list":
+        body = b"[" + body + b"]"
+    return body, params if kv == "ok" else None
 
 
 def framed(parts: list[bytes], framing: str) -> bytes:
@@ -326,9 +410,12 @@ class SocketWorker:
                 )
                 script = self.next_script()
                 req = json.loads(body)
-                self.log.append(Visit(rid, self.name, script, served > 0, bool(req.get("stream"))))
+                kv = req.get("kv_transfer_params")
+                visit = Visit(rid, self.name, script, served > 0, bool(req.get("stream")), kv_in=kv)
+                visit.prefill = isinstance(kv, dict) and kv.get("do_remote_decode") is True
+                self.log.append(visit)
                 served += 1
-                if not await self._answer(script, path, req, rid, reader, writer):
+                if not await self._answer(script, path, req, rid, reader, writer, visit):
                     return
         except (
             asyncio.IncompleteReadError,
@@ -363,12 +450,16 @@ class SocketWorker:
         rid: str,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        visit: Visit,
     ) -> bool:
         """Answer one request by `s`; False once the connection is done with."""
         chat = path.endswith(b"/chat/completions")
         stream = bool(req.get("stream"))
         n = req.get("max_tokens") or 3
         usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        if s.kind == "late":  # a well-formed answer, after the hop's bound
+            await asyncio.sleep(LATE_S)
+            s = replace(s, kind="ok")
         if s.kind == "stall_head":
             await until_closed(reader)
             return False
@@ -398,6 +489,10 @@ class SocketWorker:
         if stream:
             parts = stream_events(rid, chat, n, usage, s.fat)
             ctype = "text/event-stream; charset=utf-8"
+        elif visit.prefill:
+            body, visit.kv_out = prefill_answer(self.name, rid, chat, s.kv)
+            parts = [body]
+            ctype = "application/json"
         else:
             parts = [whole_answer(rid, chat, n)]
             ctype = "application/json"
@@ -413,8 +508,11 @@ class SocketWorker:
                 parts = parts[: int(s.frac * (len(parts) - 1))]  # no [DONE]
             else:
                 cut = max(1, int(s.frac * len(parts[0])))
-                if self.avoid_known_bugs and parts[0][:cut].endswith(b"}"):
-                    cut -= 1  # test_found_a_truncated_whole_answer_ending_in_a_brace_is_a_completion
+                if (self.avoid_known_bugs or s.framing != "close") and parts[0][:cut].endswith(b"}"):
+                    # close: test_found_a_truncated_whole_answer_ending_in_a_brace_is_a_completion; a body
+                    # its framing proves whole is judged by its braces (docs/gateway.md, "Failure handling"):
+                    # a worker that frames a cut answer ending in `}` gets it relayed as it sent it
+                    cut -= 1
                 parts = [parts[0][:cut]]
         body = framed(parts, s.framing)
         if ending == "done_stall":  # the body is never ended: no last chunk, a longer length, no close
@@ -537,13 +635,15 @@ class RequestSpec:
     # 0: its own connection; on the connection of the request before it: 1 sent after its response
     # (keep-alive), 2 right behind it (pipelined)
     follow: int = 0
+    long: bool = False  # a prompt over the P/D threshold (two hops where there is a prefill pool)
 
     def body(self, rid: str) -> bytes:
         data: dict[str, Any] = {"model": MODEL, "max_tokens": self.max_tokens}
+        prompt = (LONG_PROMPT if self.long else "hello ") + rid
         if self.chat:
-            data["messages"] = [{"role": "user", "content": f"hello {rid}"}]
+            data["messages"] = [{"role": "user", "content": prompt}]
         else:
-            data["prompt"] = f"hello {rid}"
+            data["prompt"] = prompt
         if self.stream:
             data["stream"] = True
             if self.include_usage is not None:
@@ -556,7 +656,7 @@ class RequestSpec:
 
 
 @st.composite
-def request_specs(draw: st.DrawFn) -> RequestSpec:
+def request_specs(draw: st.DrawFn, pd: bool = False) -> RequestSpec:
     stream = draw(st.sampled_from([True, True, False]))
     client = draw(
         st.one_of(
@@ -580,6 +680,7 @@ def request_specs(draw: st.DrawFn) -> RequestSpec:
         start_s=draw(st.sampled_from([0.0, 0.0, 0.02, 0.06, 0.12, 0.2, 0.3])),
         client=client,
         follow=draw(st.sampled_from([0, 0, 0, 0, 1, 2])),
+        long=draw(st.sampled_from([True, True, True, False])) if pd else False,
     )
 
 
@@ -593,6 +694,8 @@ class Scenario:
     policy: str | None
     max_connections: int
     loop: str  # asyncio | uvloop
+    # P/D: the prefill pool's workers (`workers` are then the decode pool's); empty: one mixed pool
+    prefill: tuple[tuple[Script, ...], ...] = ()
 
 
 scenarios = st.builds(
@@ -611,6 +714,55 @@ scenarios = st.builds(
     policy=st.sampled_from([None, "round-robin"]),
     max_connections=st.sampled_from([1, 2, 1024, 1024]),
     loop=st.sampled_from(["asyncio", "uvloop"]),
+)
+
+
+def prefill_scripts_strategy() -> st.SearchStrategy[Script]:
+    """How a prefill worker answers a prefill hop (never a stream): well, with its `kv_transfer_params`
+    missing or malformed, no JSON, a status, garbage, cut, reset, stalled, or after the hop's bound."""
+    return st.builds(
+        Script,
+        kind=st.sampled_from(
+            ["ok"] * 6 + ["status"] * 2 + ["garbage", "stall_head", "close_head", "reset_head", "late"]
+        ),
+        framing=st.sampled_from(["chunked", "chunked", "length", "close"]),
+        ending=st.sampled_from(
+            ["done"] * 8 + ["done_extra", "junk_after", "early_end", "close_mid", "reset_mid", "stall_mid"]
+        ),
+        frac=st.sampled_from([0.0, 0.3, 0.8, 0.999]),
+        split_seed=st.integers(0, 2**16),
+        splits=st.sampled_from([0, 0, 1, 3]),
+        status=st.sampled_from([400, 404, 429, 500, 502, 503]),
+        with_body=st.booleans(),
+        garbage=st.integers(0, len(GARBAGE) - 1),
+        junk=st.integers(0, len(JUNK) - 1),
+        after=st.sampled_from(["keep", "keep", "keep", "close", "close_soon", "header_close"]),
+        interim=st.sampled_from([0, 0, 0, 1]),
+        kv=st.sampled_from(["ok"] * 6 + KV_SHAPES[1:]),
+    )
+
+
+def script_lists(strategy: st.SearchStrategy[Script], lo: int, hi: int) -> Any:
+    return st.integers(lo, hi).flatmap(
+        lambda k: st.lists(st.lists(strategy, min_size=1, max_size=4).map(tuple), min_size=k, max_size=k).map(
+            tuple
+        )
+    )
+
+
+pd_scenarios = st.builds(
+    Scenario,
+    workers=script_lists(scripts_strategy(), 1, 2),
+    requests=st.integers(1, 5).flatmap(
+        lambda k: st.lists(request_specs(pd=True), min_size=k, max_size=k).map(tuple)
+    ),
+    max_retries=st.integers(0, 2),
+    first_token_timeout_s=st.sampled_from([0.4, 0.7]),
+    total_timeout_s=st.sampled_from([0.6, 0.9]),
+    policy=st.sampled_from([None, "round-robin"]),
+    max_connections=st.sampled_from([1, 2, 1024, 1024]),
+    loop=st.sampled_from(["asyncio", "uvloop"]),
+    prefill=script_lists(prefill_scripts_strategy(), 1, 2),
 )
 
 
@@ -803,6 +955,7 @@ class SocketSpy(Spy):
     handled: set[str] = field(default_factory=set)  # request ids that reached `Dispatcher.handle`
     fresh: int = 0  # requests the pool sent again on a new connection (a reused one closed under it)
     slot_waits: int = 0  # waits for a connection slot (max_upstream_connections in use)
+    posts: dict[str, list[Hop]] = field(default_factory=dict)  # request id → its hops as sent, in order
 
 
 def spy_on(gw: Any) -> SocketSpy:
@@ -828,7 +981,17 @@ def spy_on(gw: Any) -> SocketSpy:
         spy.slot_waits += 1
         return await wait_for_slot(origin)
 
+    post = gw.upstream.post
+
+    async def spy_post(base: str, path: str, body: bytes, headers: Any, head_timeout: Any = None) -> Any:
+        rid = next(v.decode() for k, v in headers if k == b"x-request-id")
+        kv = json.loads(body).get("kv_transfer_params")
+        prefill = isinstance(kv, dict) and kv.get("do_remote_decode") is True
+        spy.posts.setdefault(rid, []).append(Hop(next(SEQ), base, prefill, None if prefill else kv))
+        return await post(base, path, body, headers, head_timeout)
+
     pool._acquire, pool._wait_for_slot = spy_acquire, spy_wait_for_slot
+    gw.upstream.post = spy_post
     d.handle = spy_handle
     return spy
 
@@ -851,7 +1014,9 @@ def pool_clean(state: dict[str, dict[str, int]]) -> bool:
     return all(s["in_use"] == 0 and s["count"] == s["members"] and s["waiting"] == 0 for s in state.values())
 
 
-def gateway_config(workers: list[SocketWorker], **limits: Any) -> Any:
+def gateway_config(
+    workers: list[SocketWorker], prefill: list[SocketWorker] | None = None, **limits: Any
+) -> Any:
     base = {
         "stall_timeout_s": STALL_S,
         "connect_timeout_s": 0.3,
@@ -865,6 +1030,10 @@ def gateway_config(workers: list[SocketWorker], **limits: Any) -> Any:
     if policy is not None:
         extra["routing"] = {"policy": policy}
     addresses = [SimpleNamespace(url=w.url) for w in workers]
+    if prefill:  # P/D: a prefill pool in front of a decode pool
+        pre = [SimpleNamespace(url=w.url) for w in prefill]
+        pools = [pool("prefill", "H100", "prefill", *pre), pool("decode", "A100", "decode", *addresses)]  # type: ignore[arg-type]
+        return config(*pools, **extra)
     return config(pool("p", "L4", "mixed", *addresses), **extra)  # type: ignore[arg-type]
 
 
@@ -964,10 +1133,12 @@ KNOWN_BUG_TRIGGERS: list[Callable[[Scenario], bool]] = []  # real bugs pinned be
 async def run_scenario(scenario: Scenario) -> None:
     log: list[Visit] = []
     workers = [SocketWorker(f"w{i}", scripts, log) for i, scripts in enumerate(scenario.workers)]
-    for w in workers:
+    prefill = [SocketWorker(f"pw{i}", scripts, log) for i, scripts in enumerate(scenario.prefill)]
+    for w in workers + prefill:
         await w.start()
     cfg = gateway_config(
         workers,
+        prefill,
         max_retries=scenario.max_retries,
         first_token_timeout_s=scenario.first_token_timeout_s,
         total_timeout_s=scenario.total_timeout_s,
@@ -978,12 +1149,13 @@ async def run_scenario(scenario: Scenario) -> None:
     gw = running.gateway
     try:
         spy = spy_on(gw)
-        names = {f"p/127.0.0.1:{w.port}": w for w in workers}
-        for w in workers:
+        names = {f"{'decode' if prefill else 'p'}/127.0.0.1:{w.port}": w for w in workers}
+        names |= {f"prefill/127.0.0.1:{w.port}": w for w in prefill}
+        for w in workers + prefill:
             w.well = False
         answers = [Answer(f"req-{i}", spec) for i, spec in enumerate(scenario.requests)]
         done_seen: dict[str, asyncio.Event] = {}
-        for w in workers:
+        for w in workers + prefill:
             w.done_seen = done_seen
         groups: list[list[Answer]] = []
         for a in answers:
@@ -992,7 +1164,7 @@ async def run_scenario(scenario: Scenario) -> None:
             else:
                 groups.append([a])
         await asyncio.gather(*(run_conn(running.port, g, done_seen) for g in groups))
-        for w in workers:
+        for w in workers + prefill:
             w.well = True
         # outcomes are recorded just after a response's last byte
         loop = asyncio.get_running_loop()
@@ -1000,17 +1172,19 @@ async def run_scenario(scenario: Scenario) -> None:
         while (len(spy.finishes) < len(answers) or gw.dispatcher.open) and loop.time() < end:
             await asyncio.sleep(0.01)
         check_batch(scenario, gw, spy, answers, log, names)
+        if prefill:
+            check_pd(gw, spy, answers, log)
         end = loop.time() + 0.5
         while not pool_clean(pool_state(gw)) and loop.time() < end:
             await asyncio.sleep(0.01)
         state = pool_state(gw)
         assert pool_clean(state), f"upstream pool not settled after the batch: {state}"
-        await check_well_again(running, workers)
+        await check_well_again(running, workers, log if prefill else None)
         await running.stop()
         assert_released(gw, "after shutdown")
     finally:
         await running.stop()
-        for w in workers:
+        for w in workers + prefill:
             await w.stop()
 
 
@@ -1025,9 +1199,10 @@ def check_batch(
     by_rid: dict[str, list[tuple[int, str]]] = {}
     for rid, status, outcome in spy.finishes:
         by_rid.setdefault(rid, []).append((status, outcome))
-    visits: dict[str, list[Visit]] = {}
+    visits: dict[str, list[Visit]] = {}  # the hops that answer the client (a prefill hop's answer never does)
     for v in log:
-        visits.setdefault(v.rid, []).append(v)
+        if not v.prefill:
+            visits.setdefault(v.rid, []).append(v)
     for a in answers:
         mine = visits.get(a.rid, [])
         assert not a.hung, f"{a.rid}: no answer within {CLIENT_BOUND_S} s (visits {mine})"
@@ -1109,7 +1284,7 @@ def check_batch(
     blameless = {
         wid
         for wid, w in names.items()
-        if all(v.script.blameless(v.stream) for v in log if v.worker == w.name)
+        if all(v.script.blameless(v.stream, v.prefill) for v in log if v.worker == w.name)
     }
     wrongly = [
         (wid, kind, rid)
@@ -1120,9 +1295,73 @@ def check_batch(
     assert_released(gw, "after the batch")
 
 
-async def check_well_again(running: Any, workers: list[SocketWorker]) -> None:
+def check_pd(gw: Any, spy: SocketSpy, answers: list[Answer], log: list[Visit]) -> None:
+    """The P/D invariants (docs/gateway.md, "P/D: the two-hop path"):
+
+    - a decode hop carries `kv_transfer_params` only as its request's own prefill hop just answered them
+      (that hop whole and well-formed: never another request's, a stale or a cut answer's);
+    - a prefill hop that answered them whole hands them on; one that failed in any way is followed by the
+      decode hop alone (decode-only fallback, counted), unless the client left first;
+    - no decode worker is charged for a prefill hop's failure.
+    (Reservations and tickets of both hops released exactly once: `assert_released`; a prefill worker charged
+    only for its own failures: `check_batch`'s blameless check.)"""
+    gone = {a.rid for a in answers if a.disconnected or a.dropped or a.spec.client == "pause"}
+    timed_out = {rid for rid, _, outcome in spy.finishes if outcome in ("timed_out", "shut_down")}
+    fell_back = 0  # decode hops sent without params right after a prefill hop
+    for a in answers:
+        sent = spy.posts.get(a.rid, [])
+        hops = [v for v in log if v.rid == a.rid]
+        for i, hop in enumerate(sent):
+            if not hop.prefill:
+                assert hop.kv is None or (i > 0 and sent[i - 1].prefill), (
+                    f"{a.rid}: a decode hop with params no prefill hop gave: {sent}"
+                )
+                continue
+            # whatever the prefill hop did, the decode hop is sent next (unless the request ended meanwhile)
+            if i + 1 == len(sent):
+                assert a.rid in gone or a.rid in timed_out, f"{a.rid}: the prefill hop was the last: {sent}"
+                continue
+            after = sent[i + 1]
+            assert not after.prefill, f"{a.rid}: two prefill hops in a row: {sent}"
+            # what the prefill worker answered this hop (more than one visit: the pool sent it again)
+            answered = [v for v in hops if v.prefill and hop.seq < v.seq < after.seq]
+            well = bool(answered) and answered[-1].script.kv_ok()
+            if after.kv is not None:
+                assert well and after.kv == answered[-1].kv_out, (
+                    f"{a.rid}: decode hop sent {after.kv!r}; its prefill hop was answered {answered}"
+                )
+            else:
+                assert not well, (
+                    f"{a.rid}: the prefill hop answered well ({answered}), the decode hop lost it"
+                )
+                fell_back += 1
+    fallbacks = metric_total(gw, "mosaic_pd_fallbacks_total")
+    # (a prefill hop may fail before it reaches its worker: waiting for a connection slot past its bound)
+    prefill_hops = sum(hop.prefill for sent in spy.posts.values() for hop in sent)
+    assert fell_back <= fallbacks <= prefill_hops, (
+        f"{fallbacks} fallbacks counted, {fell_back} seen, {prefill_hops} prefill hops sent"
+    )
+    for wid, kind, rid in spy.blamed:
+        assert not (wid.startswith("decode/") and kind.startswith("prefill_")), (
+            f"{rid}: decode worker {wid} charged {kind}"
+        )
+    if currently_in_test_context():
+        for v in log:
+            if v.prefill:
+                kind = v.script.kind + (f" {v.script.ending} {v.script.kv}" if v.script.kind == "ok" else "")
+                event(f"prefill {kind}")
+        if fell_back:
+            event("decode-only fallback")
+        if any(v.kv_in for v in log if not v.prefill):
+            event("decode hop with kv_transfer_params")
+
+
+async def check_well_again(
+    running: Any, workers: list[SocketWorker], pd_log: list[Visit] | None = None
+) -> None:
     """Invariant 7: every worker well again (breakers reset): a request on every idle pooled connection, and
-    a whole and a streaming request through the gateway, succeed."""
+    a whole and a streaming request through the gateway, succeed; with a prefill pool (`pd_log`: the visits)
+    long ones too, each over both hops, the decode hop with its prefill hop's `kv_transfer_params`."""
     gw = running.gateway
     for rec in gw.registry.records():
         rec.breaker.record_success()
@@ -1144,14 +1383,18 @@ async def check_well_again(running: Any, workers: list[SocketWorker]) -> None:
 
     async with asyncio.timeout(3):
         await asyncio.gather(*(one(rid, post) for rid, post in posts))
-    for stream in (False, True):
+    for stream, long in [(False, False), (True, False)] + ([(False, True), (True, True)] if pd_log else []):
         spec = RequestSpec(
-            chat=True, stream=stream, include_usage=None, max_tokens=2, start_s=0.0, client="read"
+            chat=True, stream=stream, include_usage=None, max_tokens=2, start_s=0.0, client="read", long=long
         )
-        a = Answer(f"well-{int(stream)}", spec)
+        a = Answer(f"well-{int(stream)}-{int(long)}", spec)
         await run_client(running.port, a)
         assert a.complete and a.status == 200, f"after the faults, a request to a well worker got {a}"
         assert check_answer(a, []), f"after the faults, a request to a well worker did not complete: {a}"
+        if long and pd_log is not None:
+            hops = [v for v in pd_log if v.rid == a.rid]
+            assert [v.prefill for v in hops] == [True, False], f"{a.rid}: not P/D: {hops}"
+            assert hops[1].kv_in == hops[0].kv_out, f"{a.rid}: decode hop's kv_transfer_params: {hops}"
 
 
 @settings(
@@ -1176,6 +1419,25 @@ def test_every_request_ends_once_and_well_formed_under_socket_faults(scenario: S
             f.write(
                 f"{time.monotonic() - started:.2f}s {len(scenario.workers)}w {len(scenario.requests)}r {scenario}\n"
             )
+
+
+@settings(
+    max_examples=int(os.environ.get("MOSAIC_SOCKET_PD_EXAMPLES", "30")),
+    deadline=None,
+    derandomize=not os.environ.get("MOSAIC_SOCKET_RANDOM"),
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    phases=[p for p in Phase if p is not Phase.shrink or not os.environ.get("MOSAIC_SOCKET_NOSHRINK")],
+)
+@given(pd_scenarios)
+def test_pd_requests_end_once_and_well_formed_under_socket_faults(scenario: Scenario) -> None:
+    """The same invariants over a prefill pool in front of a decode pool, the prefill workers drawing faults
+    of their own (`prefill_scripts_strategy`), plus `check_pd`'s. MOSAIC_SOCKET_PD_EXAMPLES: how many."""
+    started = time.monotonic()
+    run_loop(scenario.loop, lambda: run_scenario(scenario))
+    if os.environ.get("MOSAIC_SOCKET_TRACE"):
+        with open(os.environ["MOSAIC_SOCKET_TRACE"], "a") as f:
+            f.write(f"{time.monotonic() - started:.2f}s pd {scenario}\n")
 
 
 # ------------------------------------------------------------------------------ reproducers of real bugs
@@ -1382,3 +1644,53 @@ def test_found_a_request_resent_after_an_idle_close_gets_another_reused_connecti
     assert [a.status for a in answers] == [200, 200, 200], [(a.status, a.body[:120]) for a in answers]
     assert outcomes == {"completed": 3}
     assert set(breaker.values()) == {0}, f"a healthy worker charged: {breaker}"
+
+
+async def _pd_once(prefill: Script, decode: Script, spec: RequestSpec, **limits: Any) -> dict[str, Any]:
+    """One request through a P/D gateway: one prefill and one decode `SocketWorker` answering by `prefill`
+    and `decode`. What happened: the answer, the outcomes, breaker failures by pool, the fallbacks, the
+    visits."""
+    log: list[Visit] = []
+    pre, dec = SocketWorker("pw0", (prefill,), log), SocketWorker("w0", (decode,), log)
+    for w in (pre, dec):
+        await w.start()
+    running = await start_gateway_server(gateway_config([dec], [pre], **limits), "127.0.0.1", 0)
+    try:
+        pre.well = dec.well = False
+        a = Answer("req-0", spec)
+        await run_client(running.port, a)
+        await asyncio.sleep(0.1)  # outcomes are recorded just after the last byte
+        gw = running.gateway
+        return {
+            "answer": a,
+            "outcomes": dict(gw.dispatcher.outcomes),
+            "breaker": {r.pool.name: r.breaker.failures for r in gw.registry.records()},
+            "fallbacks": metric_total(gw, "mosaic_pd_fallbacks_total"),
+            "visits": log,
+        }
+    finally:
+        await running.stop()
+        for w in (pre, dec):
+            await w.stop()
+
+
+@pytest.mark.parametrize(
+    "spec", [replace(WHOLE, long=True), replace(STREAM, long=True)], ids=["whole", "stream"]
+)
+def test_found_a_prefill_answer_nested_too_deep_for_the_parser_is_an_internal_error(
+    spec: RequestSpec,
+) -> None:
+    """docs/gateway.md: "If the prefill hop fails in any way (...) the decode worker serves the request
+    alone". A prefill worker's 200 whose JSON nests deeper than Python's `json` can parse (valid JSON, as
+    a broken or hostile worker may send: here `kv_transfer_params` is 100,000 nested lists) raises
+    `RecursionError` in `Dispatcher._prefill`, which catches only ValueError/AttributeError from the body:
+    it escaped the dispatcher, and the client got a 500 `InternalServerError` (outcome internal_error, a
+    gateway bug) without the decode worker ever being asked."""
+    seen = run_loop("asyncio", lambda: _pd_once(Script(kv="deep"), OK, spec))
+    a = seen["answer"]
+    assert a.complete and a.status == 200, (a.status, a.body[:200])
+    assert check_answer(a, []), a.body[-300:]
+    assert seen["outcomes"] == {"completed": 1}
+    assert [(v.prefill, v.kv_in) for v in seen["visits"]][1:] == [(False, None)]  # decode-only
+    assert seen["fallbacks"] == 1
+    assert seen["breaker"] == {"prefill": 1, "decode": 0}  # a body that is no JSON, as `not_json`
