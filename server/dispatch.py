@@ -61,6 +61,7 @@ from server.auth import RateLimiter
 from server.config import ConfigError, MosaicConfig
 from server.deadlines import TaskTimeouts
 from server.errors import (
+    NOT_JSON,
     STREAM_DONE,
     Cause,
     GatewayError,
@@ -556,9 +557,8 @@ class Dispatcher:
                 self.registry.report_failure(worker.id, f"status_{resp.status_code}")
             elif resp.status_code in (200, 429):  # 429: busy, not broken (as on the decode hop)
                 self.registry.report_success(worker.id)
-        except (httpx.HTTPError, TimeoutError, ValueError, AttributeError, RecursionError) as exc:
-            # a body that is no JSON object (RecursionError: valid JSON nested deeper than `json` parses)
-            bad_body = not isinstance(exc, httpx.HTTPError | TimeoutError)
+        except (httpx.HTTPError, TimeoutError, *NOT_JSON, AttributeError) as exc:
+            bad_body = not isinstance(exc, httpx.HTTPError | TimeoutError)  # a body that is no JSON object
             kind, hard = ("bad_response", False) if bad_body else classify(exc)
             self.registry.report_failure(worker.id, f"prefill_{kind}", hard)
             params = None
@@ -644,7 +644,7 @@ def _json_object(body: bytes, whole: bool) -> bool:
     if whole:
         try:
             return isinstance(json.loads(body), dict)
-        except ValueError:
+        except NOT_JSON:
             return False
     body = body.strip()  # the same object when there is nothing to strip, as in vLLM's answers
     return body[:1] == b"{" and body[-1:] == b"}"

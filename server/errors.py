@@ -123,6 +123,11 @@ def shutting_down() -> GatewayError:
     return GatewayError(Cause.SHUTTING_DOWN, SHUTDOWN_MESSAGE, retry_after_s=1)
 
 
+# What `json` raises on bytes that are no JSON it can decode: RecursionError on valid JSON nested past its
+# recursion limit (a broken or hostile worker's answer), ValueError (UnicodeDecodeError among them) else.
+NOT_JSON = (ValueError, RecursionError)
+
+
 def is_error_event(piece: bytes) -> bool:
     """Whether a stream's piece opens with an error event (`data: {"error": ...}`: vLLM's and
     `stream_error_event`'s shape), not a token."""
@@ -136,7 +141,7 @@ def is_client_error_event(piece: bytes) -> bool:
     try:
         error = json.loads(event).get("error")
         code = error.get("code") if isinstance(error, dict) else None
-    except (ValueError, AttributeError):
+    except (*NOT_JSON, AttributeError):
         return False
     return type(code) is int and 400 <= code < 500
 

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from server.config import LimitsConfig
+from server.errors import NOT_JSON
 from server.upstream import ConnectionPool, UpstreamResponse
 
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -410,7 +411,7 @@ def usage_count(value: Any) -> int:
 def _json_or_none(raw: bytes) -> Any:
     try:
         return json.loads(raw)
-    except ValueError:
+    except NOT_JSON:
         return None
 
 
@@ -434,7 +435,7 @@ def response_usage(body: bytes) -> dict[str, Any] | None:
         if tail.startswith(b":"):
             try:
                 usage, _ = _DECODER.raw_decode(tail[1:].lstrip().decode())
-            except ValueError:
+            except NOT_JSON:
                 usage = None
             if isinstance(usage, dict) and all(type(usage.get(k, 0)) is int for k in _USAGE_COUNTS):
                 return usage

@@ -1694,3 +1694,56 @@ def test_found_a_prefill_answer_nested_too_deep_for_the_parser_is_an_internal_er
     assert [(v.prefill, v.kv_in) for v in seen["visits"]][1:] == [(False, None)]  # decode-only
     assert seen["fallbacks"] == 1
     assert seen["breaker"] == {"prefill": 1, "decode": 0}  # a body that is no JSON, as `not_json`
+
+
+def _deep_answer(kind: str) -> Callable[..., Awaitable[bool]]:
+    """A worker answering with JSON nested deeper than Python's `json` parses (valid JSON): a whole answer
+    closed by the worker (`close`), a whole answer whose `usage` is nested (`usage`), or a stream whose
+    usage event is (`stream`)."""
+
+    async def answer(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rid: str, stream: bool
+    ) -> bool:
+        if kind == "stream":
+            events = stream_events(rid, True, 1, False, False)
+            deep = b'data: {"id":"%b","choices":[],"usage":%b}\n\n' % (rid.encode(), DEEP)
+            writer.write(SSE_HEAD + chunk(b"".join(events[:-1]) + deep + events[-1]) + b"0\r\n\r\n")
+        else:
+            body = whole_answer(rid, True, 1)
+            if kind == "usage":
+                body = body[: body.rindex(b'"usage"')] + b'"usage":' + DEEP + b"}"
+                head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                writer.write(head % len(body) + body)
+            else:
+                body = body[:-1] + b',"x":' + DEEP + b"}"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + body)
+                await writer.drain()
+                writer.close()
+                return False
+        await writer.drain()
+        return True
+
+    return answer
+
+
+@pytest.mark.parametrize("kind", ["close", "usage", "stream"])
+def test_found_a_worker_answer_nested_too_deep_for_the_parser_is_an_internal_error(kind: str) -> None:
+    """The decode side of the bug above: `_json_object` (a close-delimited whole answer is parsed),
+    `response_usage` (a whole answer's usage) and `SseRelay`'s event reads (`_json_or_none`) caught only
+    ValueError, and `json` raises RecursionError on valid JSON nested past its limit. A whole answer got a
+    500 `InternalServerError` (outcome internal_error) instead of the documented not-JSON failure (502 here,
+    no retries left) or its answer passed through; a stream whose usage event nests so was cut after its
+    first event (no `[DONE]`), the connection dropped and the outcome recorded as client_disconnected."""
+    spec = STREAM if kind == "stream" else WHOLE
+    answers, outcomes, _, _ = run_loop(
+        "asyncio", lambda: _scripted(_deep_answer(kind), spec, {"max_retries": 0})
+    )
+    a = answers[0]
+    assert a.complete and not a.dropped, a
+    if kind == "close":
+        assert a.status == 502 and outcomes == {"failed_before_first_byte": 1}, (a.status, a.body[:200])
+    elif kind == "usage":
+        assert a.status == 200 and outcomes == {"completed": 1}, (a.status, outcomes)
+    else:  # the event the relay cannot read passes through as sent
+        assert a.status == 200 and a.body.endswith(b"data: [DONE]\n\n"), a.body[-200:]
+        assert outcomes == {"completed": 1}, outcomes
