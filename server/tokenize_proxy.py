@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from scheduler.fleet import WorkerState, WorkerView
-from server.errors import Cause, GatewayError, shutting_down
+from server.errors import NOT_JSON, Cause, GatewayError, shutting_down
 from server.failure import classify
 from server.gateway import Gateway
 from server.proxy import RETRYABLE_STATUSES, upstream_headers
@@ -50,7 +50,7 @@ def requested_model(body: bytes, models: tuple[str, ...]) -> str:
     text = body[3:] if body.startswith(codecs.BOM_UTF8) else body  # as the proxy endpoints accept a BOM
     try:
         data: Any = json.loads(text)
-    except (ValueError, UnicodeDecodeError):
+    except (*NOT_JSON, UnicodeDecodeError):  # (nested past the parser's recursion limit too: a 500 before)
         raise GatewayError(Cause.BAD_REQUEST, "The request body is not valid JSON.") from None
     if not isinstance(data, dict):
         raise GatewayError(Cause.BAD_REQUEST, "The request body must be a JSON object.")

@@ -259,3 +259,20 @@ def test_the_gateways_own_pool_timeout_is_not_the_workers_fault() -> None:
             assert gw.registry.get("p/a:8000").breaker.failures == 0  # type: ignore[union-attr]
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_a_body_nested_past_the_parsers_recursion_limit_is_a_400() -> None:
+    """`json.loads` raises RecursionError, not ValueError, on 100,000 nested arrays: the tokenizer proxy let it
+    through as a 500 InternalServerError (the completion endpoints' validation answered 400 already)."""
+
+    async def body() -> None:
+        a = FakeWorker("a")
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, _):
+            deep = b"[" * 100_000 + b"]" * 100_000
+            for path in ("/tokenize", "/detokenize"):
+                r = await c.post(path, content=deep, headers={"content-type": "application/json"})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["message"] == "The request body is not valid JSON."
+            assert a.seen == []
+
+    asyncio.run(body())
