@@ -20,7 +20,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from placement.catalog import _MODEL_ALIASES, load_catalog
+from placement.catalog import _GPU_ALIASES, _MODEL_ALIASES, load_catalog
 from scheduler.autoscaler.policy import AutoscalerConfig as PolicyConfig
 from scheduler.kv.config import KvConfig
 from scheduler.routing.config import RoutingConfig
@@ -185,6 +185,10 @@ def test_the_loaders_own_defaults_pass_the_schema(chart: helm.Chart, section: st
         value: Any = [ModelConfig(name="m").model_dump(mode="json")]
     else:
         value = SECTIONS[section]().model_dump(mode="json")
+    if section == "autoscaler":
+        # but the actuator: the loader's default, embedded, scales simulated pools inside `mosaic serve`, which
+        # the chart's pools never are; the schema refuses it and the chart writes kubernetes when none is given
+        assert value.pop("actuator") == "embedded"
     chart.validate_schema({"config": {section: value}})
 
 
@@ -222,9 +226,15 @@ def test_policy_knobs_may_sit_directly_under_autoscaler(chart: helm.Chart, tmp_p
 
 
 def test_the_charts_model_list_is_the_catalogs() -> None:
-    """files/catalog-models.yaml is what the templates check pool models against: the catalog's rows and aliases."""
+    """files/catalog-models.yaml is what the templates check pool models and GPUs against: the catalog's rows
+    and aliases."""
     listed = yaml.safe_load((CHART_DIR / "files" / "catalog-models.yaml").read_text())
-    assert listed == {"models": list(load_catalog().models), "aliases": dict(_MODEL_ALIASES)}
+    assert listed == {
+        "models": list(load_catalog().models),
+        "aliases": dict(_MODEL_ALIASES),
+        "gpus": list(load_catalog().gpus),
+        "gpuAliases": dict(_GPU_ALIASES),
+    }
 
 
 @pytest.mark.parametrize(

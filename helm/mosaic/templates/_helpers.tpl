@@ -202,6 +202,7 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- end }}
 {{- end }}
 {{- include "mosaic.pool.checkModel" (list $root $i $pool) }}
+{{- include "mosaic.pool.checkGpu" (list $root $i $pool) }}
 {{- $_ := set $pool "fullname" $name }}
 {{- /* apiKey.existingSecret: the pool's vLLM servers require that key; the gateway reads it from `apiKeyEnv`. Pool names are DNS labels,
 so upper-casing and `-` → `_` gives each pool its own variable name. */}}
@@ -279,6 +280,27 @@ under `catalog.models`. Arguments: (list root index pool).
 {{- end }}
 {{- else if not (hasKey $known (lower (toString $pool.model))) }}
 {{- fail (printf "pools[%d] (%s): model %q is not a model of Mosaic's catalog (%s, their Hugging Face names, or a row under catalog.models); map it to one with config.models: [{name: %q, spec: <catalog model>}], or add its row under catalog.models" $i $pool.name (toString $pool.model) $names (toString $pool.model)) }}
+{{- end }}
+{{- end }}
+
+{{/*
+A pool's gpu must resolve in Mosaic's catalog, or the gateway and the controller refuse the config at start
+(server/config.py check_catalog: `unknown GPU`, a crash loop): case-insensitively among the built-in catalog's
+GPU rows and aliases (files/catalog-models.yaml) and the rows under `catalog.gpus`. A pool's own gpuProducts
+place it on nodes, but the gateway still sizes it by its catalog row. Arguments: (list root index pool).
+*/}}
+{{- define "mosaic.pool.checkGpu" -}}
+{{- $root := index . 0 }}
+{{- $i := index . 1 }}
+{{- $pool := index . 2 }}
+{{- $builtin := $root.Files.Get "files/catalog-models.yaml" | fromYaml }}
+{{- $known := dict }}
+{{- range $builtin.gpus }}{{ $_ := set $known (lower .) true }}{{ end }}
+{{- range $alias, $_ := $builtin.gpuAliases }}{{ $_ := set $known (lower $alias) true }}{{ end }}
+{{- range $name, $_ := ($root.Values.catalog.gpus | default dict) }}{{ $_ := set $known (lower $name) true }}{{ end }}
+{{- if not (hasKey $known (lower (toString $pool.gpu))) }}
+{{- $names := concat $builtin.gpus (keys ($root.Values.catalog.gpus | default dict) | sortAlpha) | join ", " }}
+{{- fail (printf "pools[%d] (%s): gpu %q is not a GPU of Mosaic's catalog (%s); add its row under catalog.gpus (memory_gb, hbm_gbps, tflops, cost_per_hour), which the gateway sizes the pool by" $i $pool.name (toString $pool.gpu) $names) }}
 {{- end }}
 {{- end }}
 
@@ -392,6 +414,15 @@ first listing of the gateway Service's EndpointSlices, after which N is the coun
 {{- $pools = append $pools $entry }}
 {{- end }}
 {{- $_ := set $cfg "pools" $pools }}
+{{- /* The chart's pools are found through the Kubernetes API, never simulated in-process: `embedded`, the
+gateway's default actuator, cannot scale them (the schema refuses it) and would make the gateway refuse the
+config; kubernetes is the chart's default whether or not the controller runs. */}}
+{{- if and $cfg.autoscaler (not (hasKey $cfg.autoscaler "actuator")) }}
+{{- $_ := set $cfg "autoscaler" (merge (dict "actuator" "kubernetes") (deepCopy $cfg.autoscaler)) }}
+{{- end }}
+{{- if and (not $root.Values.controller.enabled) ($cfg.autoscaler | default dict).enabled (eq (($cfg.autoscaler | default dict).actuator | default "kubernetes") "kubernetes") }}
+{{- fail "config.autoscaler.enabled with controller.enabled false: the kubernetes actuator runs in the controller (`mosaic autoscale`), so nothing would scale the pools; set controller.enabled: true, or config.autoscaler.actuator: dry-run for decisions only (in each gateway)" }}
+{{- end }}
 {{- /* The controller (`mosaic autoscale`) scales each pool's Deployment, <fullname>-<pool>, in this namespace. */}}
 {{- if $root.Values.controller.enabled }}
 {{- $as := deepCopy (default (dict) $cfg.autoscaler) }}
@@ -440,6 +471,10 @@ first listing of the gateway Service's EndpointSlices, after which N is the coun
 controller, which reads the same ConfigMap, accepts */}}
 {{- $gw := dict "replicas" (max 1 (int $n)) "host" "0.0.0.0" "port" (int $root.Values.gateway.port) }}
 {{- $peers := $root.Values.gateway.peers }}
+{{- $kv := $cfg.kv | default dict }}
+{{- if and $peers.enabled (not (kindIs "invalid" $kv.share)) (ne (toString (get $kv "enabled")) "false") }}
+{{- fail (printf "config.kv.share and gateway.peers.enabled exclude each other (the gateway refuses both at start): with peers each gateway's share is 1/N of the replicas it lists; set gateway.peers.enabled: false to use the fixed share %v, or remove config.kv.share" $kv.share) }}
+{{- end }}
 {{- if $peers.enabled }}
 {{- /* the gateway Service's EndpointSlices, port by the Service port's name: every replica, ready or not */}}
 {{- $slices := dict "namespace" $root.Release.Namespace "label_selector" (printf "kubernetes.io/service-name=%s" (include "mosaic.gateway.fullname" $root)) "port" "http" "resource" "endpointslices" "resync_s" (float64 $peers.resyncSeconds) "in_cluster" true "domain_label" nil }}
