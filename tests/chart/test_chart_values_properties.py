@@ -257,6 +257,53 @@ def values(draw: st.DrawFn) -> dict[str, Any]:
             adminKeysKey=draw(st.sampled_from(["admin-keys", "admin", "keys"])),
         )
     if draw(st.booleans()):
+        g = v.setdefault("gateway", {})
+        g["preStop"] = draw(st.sampled_from(["exec", "sleep"]))
+        g["terminationGracePeriodSeconds"] = draw(st.sampled_from([None, 20, 60]))
+        g["topologySpreadConstraints"] = draw(
+            st.sampled_from(
+                [
+                    [],
+                    [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "topology.kubernetes.io/zone",
+                            "whenUnsatisfiable": "DoNotSchedule",
+                        }
+                    ],
+                ]
+            )
+        )
+        g["service"] = {"annotations": {"example.com/lb": "internal"}}
+    if draw(st.booleans()):
+        interval = draw(st.sampled_from(["5s", "15s", "1m"]))
+        timeout = draw(st.sampled_from(["", "10s", "500ms"]))
+        v.setdefault("monitoring", {})["serviceMonitor"] = {
+            "enabled": True,
+            "interval": interval,
+            "scrapeTimeout": timeout,
+        }
+        v["monitoring"]["grafanaDashboard"] = {"enabled": draw(st.booleans())}
+    if draw(st.booleans()):
+        v.setdefault("vllm", {})["modelCache"] = draw(
+            st.sampled_from(
+                [
+                    {"existingClaim": "models"},
+                    {"hostPath": "/data/models"},
+                    {"sizeLimit": "50Gi", "mountPath": "/cache"},
+                ]
+            )
+        )
+        v["vllm"]["hfToken"] = draw(
+            st.sampled_from([{"existingSecret": "hf", "key": "token"}, {"value": ""}])
+        )
+    if draw(st.booleans()):
+        v.setdefault("controller", {})["probes"] = {
+            "startup": draw(probe),
+            "readiness": draw(probe),
+            "liveness": draw(probe),
+        }
+    if draw(st.booleans()):
         v.setdefault("vllm", {})["kvTransfer"] = {
             "sideChannelPort": draw(st.sampled_from([5600, 5601, 8000]))
         }
