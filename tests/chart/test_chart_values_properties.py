@@ -192,10 +192,13 @@ def values(draw: st.DrawFn) -> dict[str, Any]:
         }
         if draw(st.booleans()):  # a node inventory over the pools' GPUs and domains (the topology solver)
             nodes = []
-            split = {_canonical_gpu(p["gpu"]) for p in v["pools"] if p.get("domains")}
+            # A node of a split pool's GPU outside that pool's domains is refused by `mosaic autoscale` (with a
+            # clear message; the chart does not cross-check the inventory): only inventories that fit.
+            by_gpu: dict[str, set[frozenset[str]]] = {}
             for p in v["pools"]:
-                if not p.get("domains") and _canonical_gpu(p["gpu"]) in split:
-                    continue  # a node of a split pool's GPU outside its domains: refused, rightly (not the chart's)
+                by_gpu.setdefault(_canonical_gpu(p["gpu"]), set()).add(frozenset(p.get("domains") or []))
+            fits = all(len(sets) == 1 for sets in by_gpu.values())
+            for p in v["pools"] if fits else []:
                 for d in p.get("domains") or ["rack-9"]:
                     nodes.append(
                         {
@@ -205,7 +208,8 @@ def values(draw: st.DrawFn) -> dict[str, Any]:
                             "domain": d,
                         }
                     )
-            cfg["autoscaler"]["nodes"] = {"nodes": nodes}
+            if nodes:
+                cfg["autoscaler"]["nodes"] = {"nodes": nodes}
         if draw(st.booleans()):
             cfg["autoscaler"]["actuator"] = draw(st.sampled_from(["kubernetes", "dry-run"]))
     if draw(st.booleans()):
