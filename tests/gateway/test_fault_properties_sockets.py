@@ -700,23 +700,34 @@ class Scenario:
     prefill: tuple[tuple[Script, ...], ...] = ()
 
 
-scenarios = st.builds(
-    Scenario,
-    workers=st.integers(1, 3).flatmap(
-        lambda k: st.lists(
-            st.lists(scripts_strategy(), min_size=1, max_size=4).map(tuple), min_size=k, max_size=k
-        ).map(tuple)
-    ),
-    requests=st.integers(1, 6).flatmap(
-        lambda k: st.lists(request_specs(), min_size=k, max_size=k).map(tuple)
-    ),
-    max_retries=st.integers(0, 2),
-    first_token_timeout_s=st.sampled_from([0.4, 0.7]),
-    total_timeout_s=st.sampled_from([0.6, 0.9]),
-    policy=st.sampled_from([None, "round-robin"]),
-    max_connections=st.sampled_from([1, 2, 1024, 1024]),
-    loop=st.sampled_from(["asyncio", "uvloop"]),
-)
+def script_lists(strategy: st.SearchStrategy[Script], lo: int, hi: int) -> Any:
+    """lo..hi workers, each with 1..4 scripts drawn from `strategy` (taken in turn)."""
+    return st.integers(lo, hi).flatmap(
+        lambda k: st.lists(st.lists(strategy, min_size=1, max_size=4).map(tuple), min_size=k, max_size=k).map(
+            tuple
+        )
+    )
+
+
+def scenarios_of(workers: int, requests: int, pd: bool = False, **extra: Any) -> st.SearchStrategy[Scenario]:
+    """Scenarios of 1..`workers` (decode or mixed) workers and 1..`requests` requests; `extra`: more fields."""
+    return st.builds(
+        Scenario,
+        workers=script_lists(scripts_strategy(), 1, workers),
+        requests=st.integers(1, requests).flatmap(
+            lambda k: st.lists(request_specs(pd=pd), min_size=k, max_size=k).map(tuple)
+        ),
+        max_retries=st.integers(0, 2),
+        first_token_timeout_s=st.sampled_from([0.4, 0.7]),
+        total_timeout_s=st.sampled_from([0.6, 0.9]),
+        policy=st.sampled_from([None, "round-robin"]),
+        max_connections=st.sampled_from([1, 2, 1024, 1024]),
+        loop=st.sampled_from(["asyncio", "uvloop"]),
+        **extra,
+    )
+
+
+scenarios = scenarios_of(3, 6)
 
 
 def prefill_scripts_strategy() -> st.SearchStrategy[Script]:
@@ -744,28 +755,7 @@ def prefill_scripts_strategy() -> st.SearchStrategy[Script]:
     )
 
 
-def script_lists(strategy: st.SearchStrategy[Script], lo: int, hi: int) -> Any:
-    return st.integers(lo, hi).flatmap(
-        lambda k: st.lists(st.lists(strategy, min_size=1, max_size=4).map(tuple), min_size=k, max_size=k).map(
-            tuple
-        )
-    )
-
-
-pd_scenarios = st.builds(
-    Scenario,
-    workers=script_lists(scripts_strategy(), 1, 2),
-    requests=st.integers(1, 5).flatmap(
-        lambda k: st.lists(request_specs(pd=True), min_size=k, max_size=k).map(tuple)
-    ),
-    max_retries=st.integers(0, 2),
-    first_token_timeout_s=st.sampled_from([0.4, 0.7]),
-    total_timeout_s=st.sampled_from([0.6, 0.9]),
-    policy=st.sampled_from([None, "round-robin"]),
-    max_connections=st.sampled_from([1, 2, 1024, 1024]),
-    loop=st.sampled_from(["asyncio", "uvloop"]),
-    prefill=script_lists(prefill_scripts_strategy(), 1, 2),
-)
+pd_scenarios = scenarios_of(2, 5, pd=True, prefill=script_lists(prefill_scripts_strategy(), 1, 2))
 
 
 # --------------------------------------------------------------------------------------------- client
