@@ -355,6 +355,24 @@ def test_a_pools_node_affinity_is_merged_with_the_gpu_term(
     assert pod_spec(_deployment(chart, affinity=affinity))["affinity"] == expected
 
 
+@pytest.mark.parametrize(
+    ("gpu", "products"),
+    [
+        pytest.param("H100", ["NVIDIA-H100-80GB-HBM3"], id="a catalog alias: its GPU's row (H100-SXM)"),
+        pytest.param("a100", ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"], id="an alias in lower case"),
+        pytest.param("l40s", ["NVIDIA-L40S"], id="a catalog name in another case"),
+    ],
+)
+def test_a_gpu_named_as_the_catalog_matches_it_finds_its_product_values(
+    chart: helm.Chart, gpu: str, products: list[str]
+) -> None:
+    """The gateway resolves `H100`, `A100` or `l40s` (aliases, any case); the chart looked up
+    `vllm.gpuProducts` by the exact name and failed the render ("no GPU product label values")."""
+    terms = pod_spec(_deployment(chart, gpu=gpu))["affinity"]["nodeAffinity"]
+    expressions = terms["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    assert expressions["matchExpressions"] == [{**GPU_TERM, "values": products}]
+
+
 def test_a_gpu_without_product_values_is_placed_by_the_pools_own_affinity(chart: helm.Chart) -> None:
     """The escape hatch of the GPU-name check: no products to add, the pool's node affinity as written."""
     own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [ZONE]}]}}}  # fmt: skip

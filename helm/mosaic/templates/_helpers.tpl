@@ -537,3 +537,25 @@ scrapeTimeout: {{ . }}
 {{- $ms := dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 }}
 {{- printf "%020d" (mul $n (index $ms $unit)) }}
 {{- end }}
+
+{{/*
+The node-label values a real pool is placed by when it names none (`pools[].gpuProducts`): the row of
+`vllm.gpuProducts` named as the pool's gpu, else the one its catalog name matches case-insensitively, else the
+one of the GPU its catalog alias stands for (`H100` → `H100-SXM`, files/catalog-models.yaml), as the gateway
+resolves the name. Arguments: (list root pool); returns YAML `{products: [...]}`.
+*/}}
+{{- define "mosaic.pool.gpuProducts" -}}
+{{- $root := index . 0 }}
+{{- $pool := index . 1 }}
+{{- $table := $root.Values.vllm.gpuProducts | default dict }}
+{{- $gpu := toString $pool.gpu }}
+{{- $want := lower $gpu }}
+{{- range $alias, $canonical := ($root.Files.Get "files/catalog-models.yaml" | fromYaml).gpuAliases }}
+{{- if eq (lower $alias) $want }}{{ $want = lower $canonical }}{{ end }}
+{{- end }}
+{{- $found := get $table $gpu }}
+{{- range $name := keys $table | sortAlpha }}
+{{- if and (not $found) (or (eq (lower $name) (lower $gpu)) (eq (lower $name) $want)) }}{{ $found = get $table $name }}{{ end }}
+{{- end }}
+{{- dict "products" ($found | default list) | toYaml }}
+{{- end }}
