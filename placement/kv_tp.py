@@ -28,6 +28,7 @@ greedy start is often already the best found, reported as status GREEDY or FEASI
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +82,7 @@ def tp_partition(
     if heads_per_group < 1:
         raise ValueError(f"heads per group must be ≥ 1, got {heads_per_group}")
     flat = b2.ravel().tolist()
-    contiguous = [[h // (heads // tp) for h in range(heads)] for _ in range(layers)]
+    contiguous = contiguous_assignment(layers, heads, tp)
     lower = group_cost(sorted_chunking(flat, heads_per_group), flat) / tp
     if tp == 1:
         return _result(b2, tp, heads_per_group, contiguous, contiguous, lower, "OPTIMAL")
@@ -95,13 +96,19 @@ def tp_partition(
     return _result(b2, tp, heads_per_group, assign, contiguous, lower, status)
 
 
+def contiguous_assignment(layers: int, heads: int, tp: int) -> list[list[int]]:
+    """Stock vLLM sharding as [layer][head] → rank: rank r holds heads [r·H/tp, (r+1)·H/tp) of every layer
+    (`tp` divides `heads`)."""
+    return [[h // (heads // tp) for h in range(heads)] for _ in range(layers)]
+
+
 def _score(b2: np.ndarray, assign: list[list[int]], tp: int, hp: int) -> tuple[float, float]:
     costs = [rank_cost(b2, assign, r, hp)[1] for r in range(tp)]
     return max(costs), sum(costs)
 
 
 def rank_cost(
-    b2: np.ndarray, rank_of: list[list[int]], rank: int, heads_per_group: int
+    b2: np.ndarray, rank_of: Sequence[Sequence[int]], rank: int, heads_per_group: int
 ) -> tuple[list[list[int]], float]:
     heads = b2.shape[1]
     mine = [layer * heads + h for layer, row in enumerate(rank_of) for h, r in enumerate(row) if r == rank]

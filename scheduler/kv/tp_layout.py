@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from placement.kv_tp import rank_cost
+from placement.kv_tp import contiguous_assignment, rank_cost
 from scheduler.kv.footprint import CompressionSpec
 
 RankOf = tuple[tuple[int, ...], ...]  # [layer][head] → rank
@@ -94,7 +94,7 @@ def contiguous_rank_of(layers: int, kv_heads: int, tp: int) -> RankOf:
     """Stock vLLM sharding: rank r holds heads [r·H/tp, (r+1)·H/tp) of every layer."""
     if kv_heads % tp:
         raise ValueError(f"tp {tp} must divide the {kv_heads} KV heads per layer")
-    return tuple(tuple(h // (kv_heads // tp) for h in range(kv_heads)) for _ in range(layers))
+    return tuple(tuple(row) for row in contiguous_assignment(layers, kv_heads, tp))
 
 
 def rank_split_spec(
@@ -110,7 +110,7 @@ def rank_split_spec(
     rank_groups: list[tuple[int, ...]] = []
     tp = 1 + max(max(row) for row in rank_of)
     for r in range(tp):
-        groups, _ = rank_cost(b2, [list(row) for row in rank_of], r, heads_per_group)
+        groups, _ = rank_cost(b2, rank_of, r, heads_per_group)
         first = len(sizes)
         for g in groups:
             sizes.append(len(g))
