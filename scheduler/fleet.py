@@ -122,6 +122,20 @@ def capacity_for(
 
 
 @dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine of a data-parallel vLLM server (its `engine` label), as the worker's scrape showed it.
+
+    `rank` is the engine's place among the server's engines in label order: the value of the
+    `X-data-parallel-rank` header that pins a request to it (vLLM indexes the engines its API server drives
+    in rank order; the labels are 0..N−1 unless the server fronts a slice of a multi-node group)."""
+
+    rank: int
+    num_gpu_blocks: int
+    kv_usage: float | None = None  # None when the worker's scrape is stale
+    preemptions_total: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker in one routing cycle's snapshot. Scraped fields are None when never scraped or stale."""
 
@@ -152,6 +166,9 @@ class WorkerView:
     # cluster simulator (topology placement), the embedded actuator, static pools' `domain:` and Kubernetes
     # discovery (the node's topology label); read by the `pd-domain-affinity` scorer.
     domain: str | None = None
+    # a data-parallel server's engines (two or more, each with its own KV cache), from the scrape; () for a
+    # single engine. The KV ledger reserves per engine and the gateway pins the request to the one it chose.
+    engines: tuple[EngineView, ...] = ()
 
     @property
     def demand(self) -> int:

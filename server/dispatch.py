@@ -84,6 +84,7 @@ from server.proxy import (
     RETRYABLE_STATUSES,
     Upstream,
     decode_body,
+    pinned_headers,
     prefill_body,
     response_usage,
     upstream_headers,
@@ -418,7 +419,8 @@ class Dispatcher:
                 params = None
                 if decision.prefill is not None:
                     waiting_on = decision.prefill  # whose hop a time-out now ends
-                    params = await self._prefill(decision, parsed, path, headers, lease, timeout)
+                    pinned = pinned_headers(headers, decision.reservations, decision.prefill.id)
+                    params = await self._prefill(decision, parsed, path, pinned, lease, timeout)
                 waiting_on = decode
                 body = self._decode_body(parsed, params)
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
@@ -436,8 +438,9 @@ class Dispatcher:
                 # the headers wait gets the request's own budget, not the stall timeout: a non-streaming
                 # answer's first byte comes only when generation ends
                 auth = self.worker_auth.get(decode.pool)
+                pinned = pinned_headers(headers, decision.reservations, decode.id)
                 resp = await self.upstream.post(
-                    decode.url, path, body, headers if auth is None else [*headers, auth], timeout
+                    decode.url, path, body, pinned if auth is None else [*pinned, auth], timeout
                 )
                 try:
                     if resp.status_code != 200 or not parsed.stream:

@@ -27,7 +27,7 @@ it; vLLM writes LF) is relayed with LF framing: its JSON holds no raw CR or LF, 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
@@ -108,6 +108,24 @@ def upstream_headers(request_id: str) -> list[tuple[bytes, bytes]]:
         (b"accept", b"application/json, text/event-stream"),
         (b"x-request-id", request_id.encode()),
     ]
+
+
+DP_RANK_HEADER = (
+    b"x-data-parallel-rank"  # vLLM ≥ 0.9: run the request on this engine of a data-parallel server
+)
+
+
+def pinned_headers(
+    headers: list[tuple[bytes, bytes]], reservations: Iterable[object], worker_id: str
+) -> list[tuple[bytes, bytes]]:
+    """`headers` for a hop to `worker_id`, with `X-data-parallel-rank` when the KV ledger booked the request
+    on one engine of that data-parallel worker (`KvReservation.engine`): vLLM's own balancer would pick an
+    engine without seeing the reservation, and the pages were set aside on this one."""
+    for res in reservations:
+        engine = getattr(res, "engine", None)  # only the KV ledger's reservations book an engine
+        if engine is not None and getattr(res, "worker_id", None) == worker_id:
+            return [*headers, (DP_RANK_HEADER, str(engine).encode())]
+    return headers
 
 
 def splice_usage_option(body: bytes) -> bytes | None:

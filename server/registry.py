@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from scheduler.fleet import FleetView, PoolRef, Role, WorkerCapacity, WorkerState, WorkerView
+from scheduler.fleet import EngineView, FleetView, PoolRef, Role, WorkerCapacity, WorkerState, WorkerView
 from server.breaker import CircuitBreaker
 from server.config import HealthConfig, ScrapeConfig
 from server.discovery import Endpoint, Source
@@ -148,7 +148,18 @@ class WorkerRecord:
             self.inflight_prefill_tokens,
             self.inflight_decode_requests,
             self.domain or p.domain,
+            _engines(last, fresh=s is not None),
         )
+
+
+def _engines(last: WorkerStats | None, fresh: bool) -> tuple[EngineView, ...]:
+    """A data-parallel worker's engines: their cache config outlives a stale scrape (as `num_gpu_blocks`
+    does), their usage and preemptions do not."""
+    if last is None or not last.engine_views:
+        return ()
+    if fresh:
+        return last.engine_views
+    return tuple(EngineView(e.rank, e.num_gpu_blocks) for e in last.engine_views)
 
 
 # The order `WorkerRecord._build_view` passes a view's fields in.
@@ -156,7 +167,7 @@ VIEW_FIELD_ORDER = (
     "id", "url", "pool", "model", "gpu", "role", "state", "breaker_open", "capacity", "num_running",
     "num_waiting", "kv_usage", "num_gpu_blocks", "block_size", "generation_tokens_per_s", "prompt_tokens_per_s",
     "preemptions_total", "scrape_age_s", "inflight_requests", "inflight_prefill_tokens",
-    "inflight_decode_requests", "domain",
+    "inflight_decode_requests", "domain", "engines",
 )  # fmt: skip
 _VIEW_SETTERS = tuple(
     getattr(WorkerView, name).__set__ for name in VIEW_FIELD_ORDER
@@ -537,6 +548,7 @@ class Registry:
                     if stats is None
                     else {
                         **{k: getattr(stats, k) for k in stats.__slots__},  # type: ignore[attr-defined]
+                        "engine_views": [dataclasses.asdict(e) for e in stats.engine_views],
                         "prompt_tokens_per_s": r.prompt_tokens_per_s,
                         "generation_tokens_per_s": r.generation_tokens_per_s,
                         "mean_itl_s": stats.mean_itl_s,

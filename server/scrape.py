@@ -14,9 +14,16 @@ Names (vLLM v1; REFERENCE.md), with the legacy name each replaced:
 | ITL | `vllm:inter_token_latency_seconds` (sum, count) | `vllm:time_per_output_token_seconds` |
 | TTFT | `vllm:time_to_first_token_seconds` (sum, count) | |
 
-A data-parallel vLLM server exposes one series per engine (`engine` label): counts, counters and
-`num_gpu_blocks` are summed across engines; `kv_usage` is the block-weighted mean
-Σ usage_e · blocks_e / Σ blocks_e (plain mean when block counts are unknown), so it stays a fraction.
+A data-parallel vLLM server exposes one series per engine (`engine` label): counts and counters are
+summed across engines; `kv_usage` (each engine's fraction of its own cache) is their mean. Its
+`cache_config_info` is the exception: the API server sums the engines' block counts into its one cache config
+(vLLM 0.32 `v1/engine/core_client.py`, "Sum num_gpu_blocks from all engines in DP case") and repeats that
+total on every engine's row (measured: two engines of 8 blocks each report `num_gpu_blocks="16"` twice), so
+the rows' value is the server's total, not summed again. Each engine is also kept on its own
+(`WorkerStats.engine_views`: total ÷ engines blocks, its usage and preemptions, in rank order) when there are
+two or more: a sequence lives in one engine's cache, so the KV ledger reserves per engine. The engines of
+one server are alike (same GPU, same `--gpu-memory-utilization`); a block or two of difference between
+them is inside the ledger's watermark.
 When both a v1 name and its legacy name are present, the v1 name wins.
 
 Parsing is `prometheus_client.parser`; lines of families we do not read are dropped first (a real vLLM
@@ -30,6 +37,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler.fleet import EngineView
 
 # sample name → (stat key, is_legacy)
 _SAMPLES: dict[str, tuple[str, bool]] = {
@@ -80,6 +89,7 @@ class WorkerStats:
     ttft_sum: float | None = None
     ttft_count: float | None = None
     engines: int = 0  # distinct `engine` label values seen (0 when the label is absent)
+    engine_views: tuple[EngineView, ...] = ()  # per engine, when ≥ 2 engines all report num_gpu_blocks
     legacy_names: tuple[str, ...] = field(default=())  # legacy metric names read (for /admin/workers)
 
     @property
@@ -104,10 +114,11 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
     new: dict[str, float] = defaultdict(float)
     old: dict[str, float] = defaultdict(float)
     usage_by_engine: dict[str, tuple[float, bool]] = {}
-    blocks_by_engine: dict[str, int] = {}
+    server_blocks: int | None = None  # the server's total, on every engine's row (module docstring)
     block_size: int | None = None
     engines: set[str] = set()
     legacy: set[str] = set()
+    preemptions_by_engine: dict[str, float] = defaultdict(float)
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
             engine = sample.labels.get("engine", "")
@@ -116,7 +127,7 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
             if sample.name == _CACHE_INFO:
                 blocks = _count_label(sample.labels.get("num_gpu_blocks"))
                 if blocks is not None:
-                    blocks_by_engine[engine] = blocks
+                    server_blocks = max(blocks, server_blocks or 0)
                 size = _count_label(sample.labels.get("block_size"))
                 if size is not None:
                     block_size = size
@@ -133,14 +144,18 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
                     usage_by_engine[engine] = (float(sample.value), is_legacy)
             else:
                 (old if is_legacy else new)[key] += float(sample.value)
+                if key == "preemptions_total":
+                    preemptions_by_engine[engine] += float(sample.value)
             if is_legacy:
                 legacy.add(sample.name)
     values = {**old, **new}  # v1 names win over legacy ones
     return WorkerStats(
         num_running=_int(values.get("num_running")),
         num_waiting=_int(values.get("num_waiting")),
-        kv_usage=_weighted_usage(usage_by_engine, blocks_by_engine),
-        num_gpu_blocks=sum(blocks_by_engine.values()) if blocks_by_engine else None,
+        kv_usage=sum(u for u, _ in usage_by_engine.values()) / len(usage_by_engine)
+        if usage_by_engine
+        else None,
+        num_gpu_blocks=server_blocks,
         block_size=block_size,
         prompt_tokens_total=values.get("prompt_tokens_total"),
         generation_tokens_total=values.get("generation_tokens_total"),
@@ -153,7 +168,30 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
         ttft_sum=values.get("ttft_sum"),
         ttft_count=values.get("ttft_count"),
         engines=len(engines),
+        engine_views=_engine_views(engines, server_blocks, usage_by_engine, preemptions_by_engine),
         legacy_names=tuple(sorted(legacy)),
+    )
+
+
+def _engine_views(
+    engines: set[str],
+    server_blocks: int | None,
+    usage: dict[str, tuple[float, bool]],
+    preemptions: dict[str, float],
+) -> tuple[EngineView, ...]:
+    """The engines in rank order (numeric labels by value), each with an equal part of the server's blocks;
+    () unless there are two or more and the server reports its blocks."""
+    if len(engines) < 2 or server_blocks is None:
+        return ()
+    order = sorted(engines, key=lambda e: (0, int(e), e) if e.isdigit() else (1, 0, e))
+    return tuple(
+        EngineView(
+            rank,
+            server_blocks // len(engines),
+            usage[e][0] if e in usage else None,
+            preemptions.get(e),
+        )
+        for rank, e in enumerate(order)
     )
 
 
@@ -172,15 +210,6 @@ def _count_label(text: str | None) -> int | None:
 
 def _int(value: float | None) -> int | None:
     return None if value is None else round(value)
-
-
-def _weighted_usage(usage: dict[str, tuple[float, bool]], blocks: dict[str, int]) -> float | None:
-    if not usage:
-        return None
-    if all(e in blocks for e in usage) and sum(blocks[e] for e in usage) > 0:
-        total = sum(blocks[e] for e in usage)
-        return sum(u * blocks[e] for e, (u, _) in usage.items()) / total
-    return sum(u for u, _ in usage.values()) / len(usage)
 
 
 def counter_rate(prev: float | None, cur: float | None, dt_s: float) -> float | None:

@@ -11,6 +11,8 @@ kv:
                            # the longest a request may hold pages unrenewed (server.config checks the limits)
   alpha: 2.0               # per-head budget μ + α·σ for compression pools
   reconcile_tolerance: 0.02  # reported usage may exceed what reservations explain by this fraction before shrinking
+  data_parallel: per_engine  # a data-parallel vLLM's engines are booked apart and each request pinned to one
+                             # (X-data-parallel-rank) | pooled: one sum, vLLM's balancer picks the engine
   predictor: {quantile: 0.9, window: 512, min_samples: 20}
   overbook: {max_frac: 0.1, preemption_budget: 0}   # predicted mode only
   compression:             # pools (or models) whose workers compress KV per head (ragged paging)
@@ -118,6 +120,7 @@ class KvConfig(_Strict):
     lease_s: float = Field(default=900.0, gt=0)
     alpha: float = Field(default=2.0, ge=0)
     reconcile_tolerance: float = Field(default=0.02, ge=0, le=1)
+    data_parallel: Literal["per_engine", "pooled"] = "per_engine"
     predictor: PredictorConfig = Field(default_factory=PredictorConfig)
     overbook: OverbookConfig = Field(default_factory=OverbookConfig)
     compression: list[CompressionPoolConfig] = Field(default_factory=list)
@@ -238,6 +241,7 @@ def build_ledger(
         max_overbook_frac=cfg.overbook.max_frac,
         preemption_budget=cfg.overbook.preemption_budget,
         reconcile_tolerance=cfg.reconcile_tolerance,
+        per_engine=cfg.data_parallel == "per_engine",
     )
     return KvLedger(settings, SpecTable(by_pool=by_pool, by_model=by_model), build_predictor(cfg))
 

@@ -31,6 +31,15 @@ Reconcile counts, as "released since the last reconcile", only pages a worker ma
 its last scrape: a release with `Outcome.UNRESERVED` (the router's rollback, the batch queue's probes and
 unplanned decisions) never reached a worker and is not counted, so steady probing cannot blind the shrink.
 
+Data-parallel workers (`WorkerView.engines`: a vLLM server driving two or more engines, each with its own
+KV cache) get one book per engine (`per_engine`, the default): a sequence's blocks all come from the one
+engine that runs it, so a worker-wide sum would admit a request no single engine has room for (two
+100-block engines, three 65-block requests). Worker-level questions answer for the roomiest engine (`free`,
+`capacity`, `fits`, `exceeds_capacity`), `reserve` picks the engine with the most free units (ties: the lower
+rank; the holder's own hold first) and records it in `KvReservation.engine`, the rank the gateway pins the
+request to (`X-data-parallel-rank`). Each engine is reconciled against its own usage and preemptions;
+`snapshot` and `reserved` sum a worker's engines.
+
 `forget(worker_id)` drops a removed worker's books (at once, or when its last reservation is released);
 `reconcile(fleet_view)` calls it for every worker the view no longer lists, so the gateway's per-scrape
 reconcile drops workers discovery removed (and their `mosaic_kv_*` series, read from `snapshot`).
@@ -65,6 +74,7 @@ class LedgerSettings:
     max_overbook_frac: float = 0.1  # predicted mode: Σ worst-case peaks may exceed capacity by this fraction
     preemption_budget: float = 0.0  # preemptions seen per reconcile before the overbook allowance halves
     reconcile_tolerance: float = 0.02
+    per_engine: bool = True  # a data-parallel worker's engines are booked apart (module docstring)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.watermark < 1.0 or not 0.0 < self.share <= 1.0 or self.lease_s <= 0:
@@ -116,7 +126,9 @@ class KvReservation:
 
     __slots__ = (
         "_ledger",
+        "book_id",
         "early",
+        "engine",
         "expires_s",
         "fp_steady",
         "fp_worst_steady",
@@ -147,10 +159,16 @@ class KvReservation:
         worst: Footprint,
         now: float,
         worker_role: Role = Role.MIXED,
+        book_id: str | None = None,
+        engine: int | None = None,
     ) -> None:
         self._ledger = ledger
         self.key = key
         self.worker_id = worker_id
+        self.book_id = (
+            worker_id if book_id is None else book_id
+        )  # the ledger's book: an engine's on DP workers
+        self.engine = engine  # the data-parallel rank it is booked on (None: a single-engine worker)
         self.request_id = req.request_id
         self.holder = req.holder
         self.model = req.model
@@ -203,7 +221,8 @@ class KvReservation:
         self.release(Outcome.COMPLETED if exc_type is None else Outcome.WORKER_ERROR)
 
     def __repr__(self) -> str:
-        return f"KvReservation({self.request_id!r} on {self.worker_id!r}, {self.units} units, outcome={self.outcome})"
+        where = self.worker_id if self.engine is None else f"{self.worker_id} engine {self.engine}"
+        return f"KvReservation({self.request_id!r} on {where!r}, {self.units} units, outcome={self.outcome})"
 
 
 @dataclass(slots=True)
@@ -228,6 +247,18 @@ class _Book:
     spec: WorkerKvSpec = field(default_factory=WorkerKvSpec)
     needs: dict[tuple[SequenceShape, int], Footprint] = field(default_factory=dict)  # memoised footprints
     view: WorkerView | None = None  # the snapshot the key was last checked against (a cycle reuses it)
+    book_id: str = ""  # its key in `KvLedger._books`: the worker's id, or `<worker>#dp<rank>` for an engine
+    worker_id: str = ""  # the worker the book is of (an engine's book: its server's)
+    engine: int | None = None  # the data-parallel rank of an engine's book
+
+
+@dataclass(slots=True)
+class _DataParallel:
+    """A data-parallel worker's engines as books: the views derived from the worker's last view."""
+
+    view: WorkerView
+    views: tuple[WorkerView, ...]  # one per engine, id `<worker>#dp<rank>`, the engine's blocks and usage
+    ranks: tuple[int, ...]
 
 
 class KvLedger:
@@ -245,6 +276,7 @@ class KvLedger:
         self.stats = LedgerStats()
         self._share_ceiling = self.settings.share  # `set_share`
         self._books: dict[str, _Book] = {}
+        self._dp: dict[str, _DataParallel] = {}  # worker id → its engines, for data-parallel workers
         self._next_key = 0
         # the request last sized, and its footprints by (spec, prefill side): routing asks for one request
         # on every worker of the fleet, and the workers of a pool share their spec
@@ -253,26 +285,36 @@ class KvLedger:
 
     # --- capacity --------------------------------------------------------------------------------------
     def spec_for(self, worker: WorkerView) -> WorkerKvSpec:
-        return self._book(worker).spec
+        return self._engine_books(worker)[0].spec
 
     def total_units(self, worker: WorkerView) -> int:
-        """num_gpu_blocks (scraped, else the perf model's) × units per block."""
-        return self._book(worker).total
+        """num_gpu_blocks (scraped, else the perf model's) × units per block (summed over a DP worker's engines)."""
+        return sum(b.total for b in self._engine_books(worker))
 
     def capacity(self, worker: WorkerView) -> int:
-        """floor(total · (1 − watermark) · share) − shrink, never below 0."""
-        return self._capacity_of(self._book(worker))
+        """floor(total · (1 − watermark) · share) − shrink, never below 0 (a DP worker: its roomiest engine's)."""
+        if not worker.engines and worker.id not in self._dp:  # one engine (inlined: routing asks per worker)
+            return self._capacity_of(self._book(worker))
+        return self._capacity_of(self._roomiest(self._engine_books(worker), None))
 
     def _capacity_of(self, book: _Book) -> int:
         return max(0, book.base_capacity - book.shrink)
 
     def reserved(self, worker_id: str) -> int:
-        book = self._books.get(worker_id)
-        return book.reserved if book else 0
+        return sum(b.reserved for b in self._books_of(worker_id))
 
     def free(self, worker: WorkerView, holder: str | int | None = None) -> int:
-        """Units `holder` (a `RouteRequest.holder`) could reserve now (holds of other requests excluded)."""
-        return self._free_of(self._book(worker), holder)
+        """Units `holder` (a `RouteRequest.holder`) could reserve now (holds of other requests excluded); on a
+        DP worker, in its roomiest engine (one request's blocks all come from one engine)."""
+        if not worker.engines and worker.id not in self._dp:  # one engine (inlined: routing asks per worker)
+            return self._free_of(self._book(worker), holder)
+        return self._free_of(self._roomiest(self._engine_books(worker), holder), holder)
+
+    def _roomiest(self, books: tuple[_Book, ...], holder: str | int | None) -> _Book:
+        """The book with the most units free for `holder` (the lowest rank among equals)."""
+        if len(books) == 1:
+            return books[0]
+        return max(books, key=lambda b: (self._free_of(b, holder), -(b.engine or 0)))
 
     def _free_of(self, book: _Book, holder: str | int | None) -> int:
         return self._capacity_of(book) - book.reserved - self._held_for_others(book, holder)
@@ -289,8 +331,7 @@ class KvLedger:
         """Live reservations, on one worker or on all."""
         if worker_id is None:
             return [r for b in self._books.values() for r in b.active.values()]
-        book = self._books.get(worker_id)
-        return list(book.active.values()) if book else []
+        return [r for b in self._books_of(worker_id) for r in b.active.values()]
 
     # --- footprint -------------------------------------------------------------------------------------
     def footprint(self, req: RouteRequest, worker: WorkerView) -> tuple[Footprint, Footprint]:
@@ -299,7 +340,8 @@ class KvLedger:
         A prefill worker (P/D) computes the prompt and one token (the prefill hop runs with max_tokens=1), so
         its footprint is the prompt's KV plus one token, whatever the request's max_tokens.
         """
-        return self._footprint(self._book(worker), req, worker.role == Role.PREFILL)
+        book = self._book(worker) if not worker.engines else self._engine_books(worker)[0]
+        return self._footprint(book, req, worker.role == Role.PREFILL)
 
     def _footprint(self, book: _Book, req: RouteRequest, prefill: bool) -> tuple[Footprint, Footprint]:
         if self._sized is not req:
@@ -338,15 +380,25 @@ class KvLedger:
     def can_ever_fit(self, req: RouteRequest, worker: WorkerView) -> bool:
         """Whether the request fits this worker's capacity when nothing else is reserved."""
         fp, _ = self.footprint(req, worker)
-        return fp.peak <= self.capacity(worker)
+        return any(fp.peak <= self._capacity_of(b) for b in self._engine_books(worker))
 
     def exceeds_capacity(self, req: RouteRequest, worker: WorkerView) -> tuple[int, int] | None:
         """The router's `CapacityBound`: None when `req` would be admitted on this worker with nothing else
         reserved, held or withheld (no shrink: that may lift); else (its need, the most it could get) in
         the worker's blocks (ledger units ÷ units per block; need rounded up, room down). Predicted mode
-        also needs the worst-case peak within capacity · (1 + overbook.max_frac)."""
+        also needs the worst-case peak within capacity · (1 + overbook.max_frac). A DP worker: None when one
+        of its engines would admit it, else the bound of the engine with the most room."""
         fp, worst = self.footprint(req, worker)
-        book = self._book(worker)
+        books = self._engine_books(worker)
+        bounds = []
+        for book in books:
+            bound = self._exceeds(book, fp, worst)
+            if bound is None:
+                return None
+            bounds.append(bound)
+        return max(bounds, key=lambda b: b[1])
+
+    def _exceeds(self, book: _Book, fp: Footprint, worst: Footprint) -> tuple[int, int] | None:
         room = book.base_capacity
         if self._share_ceiling > self.settings.share:  # a lowered share may come back (`set_share`)
             room = math.floor(book.unshared * self._share_ceiling)
@@ -362,18 +414,24 @@ class KvLedger:
 
     # --- ReservePlugin / FitChecker ----------------------------------------------------------------------
     def fits(self, req: RouteRequest, worker: WorkerView, now: float) -> bool:
-        book = self._book(worker)
-        fp, worst = self._footprint(book, req, worker.role == Role.PREFILL)
-        return self._admissible(book, req.holder, fp, worst)
+        if not worker.engines and worker.id not in self._dp:  # one engine (inlined: routing asks per worker)
+            book = self._book(worker)
+            fp, worst = self._footprint(book, req, worker.role == Role.PREFILL)
+            return self._admissible(book, req.holder, fp, worst)
+        books = self._engine_books(worker)
+        fp, worst = self._footprint(books[0], req, worker.role == Role.PREFILL)
+        return any(self._admissible(b, req.holder, fp, worst) for b in books)
 
     def reserve(self, req: RouteRequest, worker: WorkerView, now: float) -> KvReservation | None:
-        fp, worst = self.footprint(req, worker)
-        book = self._book(worker)
-        if not self._admissible(book, req.holder, fp, worst):
+        fp, worst = self.footprint(req, worker)  # the public one: a subclass may size it otherwise (oracle)
+        book = self._engine_for(self._engine_books(worker), req.holder, fp, worst)
+        if book is None:
             self.stats.refused += 1
             return None
         self._next_key += 1
-        res = KvReservation(self, self._next_key, req, worker.id, fp, worst, now, worker.role)
+        res = KvReservation(
+            self, self._next_key, req, worker.id, fp, worst, now, worker.role, book.book_id, book.engine
+        )
         book.active[res.key] = res
         book.reserved += res.units
         book.worst_reserved += res.worst_units
@@ -382,6 +440,22 @@ class KvLedger:
                 self._pop_hold(book, k)
         self.stats.reserved += 1
         return res
+
+    def _engine_for(
+        self, books: tuple[_Book, ...], holder: str | int, fp: Footprint, worst: Footprint
+    ) -> _Book | None:
+        """The book to reserve on: the only one; on a DP worker, the engine holding pages for `holder` when it
+        admits the request, else the admitting engine with the most free units (spreading the load: the
+        engines of a DP group step together, so the busiest one sets everyone's pace)."""
+        if len(books) == 1:
+            return books[0] if self._admissible(books[0], holder, fp, worst) else None
+        admitting = [b for b in books if self._admissible(b, holder, fp, worst)]
+        if not admitting:
+            return None
+        for b in admitting:
+            if b.holds and any(b.hold_owner.get(k, k) == holder for k in b.holds):
+                return b
+        return self._roomiest(tuple(admitting), holder)
 
     def _admissible(self, book: _Book, holder: str | int, fp: Footprint, worst: Footprint) -> bool:
         if fp.peak > self._free_of(book, holder):
@@ -399,8 +473,14 @@ class KvLedger:
     ) -> None:
         """Set `units` aside on `worker` under `key` for request `owner` (default: `key`; replaces the key's
         previous hold there) until the owner reserves there, `drop_hold(key)` is called, or `lease_s` passes
-        (then `sweep` drops it). Only the owner's `fits`/`reserve` may use held units."""
-        book = self._book(worker)
+        (then `sweep` drops it). Only the owner's `fits`/`reserve` may use held units. On a DP worker the
+        pages are held in the engine with the most room for the owner (the one `reserve` would pick)."""
+        books = self._engine_books(worker)
+        holder = key if owner is None else owner
+        book = self._roomiest(books, holder)
+        for other in books:
+            if other is not book and key in other.holds:
+                self._pop_hold(other, key)
         book.holds[key] = max(0, int(units))
         book.hold_expiry[key] = now + self.settings.lease_s
         if owner is not None and owner != key:
@@ -423,8 +503,17 @@ class KvLedger:
         """The worker left the fleet: drop its books (memoised footprints, holds, reconcile state) so neither
         memory nor `/metrics` keeps it. With reservations still open the book stays until the last one is
         released (then it goes). True when dropped now. Seeing the worker again (a view of it) cancels a
-        pending forget; after a drop it starts from a fresh book."""
-        book = self._books.get(worker_id)
+        pending forget; after a drop it starts from a fresh book. A DP worker: each engine's book."""
+        engines_dropped = self._forget_engines(worker_id)
+        return self._forget_book(worker_id) and engines_dropped
+
+    def _forget_engines(self, worker_id: str) -> bool:
+        """Drop a DP worker's engine books (each when its last reservation ends). True when all went now."""
+        dp = self._dp.pop(worker_id, None)
+        return dp is None or all([self._forget_book(v.id) for v in dp.views])
+
+    def _forget_book(self, book_id: str) -> bool:
+        book = self._books.get(book_id)
         if book is None:
             return True
         if book.active:
@@ -433,7 +522,7 @@ class KvLedger:
             book.hold_expiry.clear()
             book.hold_owner.clear()
             return False
-        del self._books[worker_id]
+        del self._books[book_id]
         return True
 
     # --- lifecycle -------------------------------------------------------------------------------------
@@ -445,7 +534,7 @@ class KvLedger:
             self.stats.double_releases += 1
             return
         res.outcome = Outcome(outcome)
-        book = self._books[res.worker_id]
+        book = self._books[res.book_id]
         del book.active[res.key]
         book.reserved -= res.units
         book.worst_reserved -= res.worst_units
@@ -453,7 +542,7 @@ class KvLedger:
             book.released_since_reconcile += res.units
         self.stats.released[res.outcome.value] += 1
         if book.forgotten and not book.active:
-            del self._books[res.worker_id]
+            del self._books[res.book_id]
 
     def _settle(self, res: KvReservation, now: float) -> None:
         if res.outcome is not None or res.prefilled:
@@ -467,7 +556,7 @@ class KvLedger:
         self._resize(res, res.fp_steady, res.fp_worst_steady)
 
     def _resize(self, res: KvReservation, units: int, worst_units: int) -> None:
-        book = self._books[res.worker_id]
+        book = self._books[res.book_id]
         book.reserved += units - res.units
         book.worst_reserved += worst_units - res.worst_units
         if units < res.units:
@@ -482,7 +571,7 @@ class KvLedger:
         if res.reserved_output >= res.max_output:
             return True  # already the worst case (or the context limit): nothing more can be needed
         target = self.predictor.grow(res.model, res.prompt_tokens, generated, res.max_output)
-        book = self._books[res.worker_id]
+        book = self._books[res.book_id]
         fp = self._need(book, res.shape, target)
         new_units = fp.steady if res.prefilled else fp.peak
         delta = new_units - res.units
@@ -530,40 +619,48 @@ class KvLedger:
 
         Given a `FleetView` (the whole fleet, as the gateway passes its registry's view after every scrape
         round), books of workers it no longer lists are forgotten (`forget`): discovery removed them. An
-        iterable of views is taken as a subset and forgets nothing."""
-        workers = view.workers if isinstance(view, FleetView) else tuple(view)
+        iterable of views is taken as a subset and forgets nothing. A DP worker's engines are reconciled
+        one by one, each against its own usage (`WorkerView.engines`)."""
+        given = view.workers if isinstance(view, FleetView) else tuple(view)
+        views = [self._views_of(g) for g in given]
         if isinstance(view, FleetView):  # the whole fleet: workers it no longer lists were removed
-            listed = {w.id for w in workers}
-            for wid in [wid for wid, b in self._books.items() if wid not in listed and not b.forgotten]:
+            given_ids = {g.id for g in given}
+            for wid in [wid for wid in self._dp if wid not in given_ids]:
                 self.forget(wid)
-        s = self.settings
+            listed = given_ids | {v.id for vs in views for v in vs}
+            for bid in [bid for bid, b in self._books.items() if bid not in listed and not b.forgotten]:
+                self._forget_book(bid)
         out: list[ReconcileSample] = []
-        for w in workers:
-            if w.kv_usage is None:
+        for g, vs in zip(given, views, strict=True):
+            if all(v.kv_usage is None for v in vs):
                 continue
-            book = self._book(w)
-            # A worker whose scrape failed keeps its last sample until it is stale: reconciling it again
-            # would count the releases since then as unexplained (capacity withheld from an idle worker)
-            # and regrow the overbook allowance on no news. One reconcile per sample.
-            taken = None if w.scrape_age_s is None else now - w.scrape_age_s
-            if (
-                taken is not None
-                and book.last_sample_at is not None
-                and abs(taken - book.last_sample_at) < 1e-6
-            ):
-                continue
-            book.last_sample_at = taken
-            total = book.total
-            used = w.kv_usage * total
-            own = self._held_at_most(book)
-            explained = own + book.released_since_reconcile + total * (1.0 - s.share)
-            excess = used - explained - s.reconcile_tolerance * total
-            book.shrink = max(0, math.ceil(excess))
-            book.released_since_reconcile = 0
-            book.error_frac = (used - book.reserved) / total if total else 0.0
-            self._track_preemptions(book, w.preemptions_total)
-            out.append(ReconcileSample(w.id, used, book.reserved, book.error_frac, book.shrink))
+            for w, book in zip(vs, self._engine_books(g), strict=True):
+                if w.kv_usage is not None:
+                    self._reconcile_book(book, w, w.kv_usage, now, out)
         return out
+
+    def _reconcile_book(
+        self, book: _Book, w: WorkerView, usage: float, now: float, out: list[ReconcileSample]
+    ) -> None:
+        """One book against its worker's (or engine's) sample: `usage`, the view's `kv_usage`."""
+        s = self.settings
+        # A worker whose scrape failed keeps its last sample until it is stale: reconciling it again
+        # would count the releases since then as unexplained (capacity withheld from an idle worker)
+        # and regrow the overbook allowance on no news. One reconcile per sample.
+        taken = None if w.scrape_age_s is None else now - w.scrape_age_s
+        if taken is not None and book.last_sample_at is not None and abs(taken - book.last_sample_at) < 1e-6:
+            return
+        book.last_sample_at = taken
+        total = book.total
+        used = usage * total
+        own = self._held_at_most(book)
+        explained = own + book.released_since_reconcile + total * (1.0 - s.share)
+        excess = used - explained - s.reconcile_tolerance * total
+        book.shrink = max(0, math.ceil(excess))
+        book.released_since_reconcile = 0
+        book.error_frac = (used - book.reserved) / total if total else 0.0
+        self._track_preemptions(book, w.preemptions_total)
+        out.append(ReconcileSample(w.id, used, book.reserved, book.error_frac, book.shrink))
 
     def _held_at_most(self, book: _Book) -> int:
         """What this process's requests can hold on the worker now, at most: a streaming request's prompt
@@ -601,29 +698,91 @@ class KvLedger:
             book.overbook = min(cap, book.overbook + cap / 4.0)
 
     def estimate_error(self, worker_id: str) -> float | None:
-        """Last (reported − reserved) / total for the worker, None before its first reconcile."""
-        book = self._books.get(worker_id)
-        return book.error_frac if book else None
+        """Last (reported − reserved) / total for the worker, None before its first reconcile (a DP worker:
+        its engine's furthest from 0)."""
+        errors = [b.error_frac for b in self._books_of(worker_id) if b.error_frac is not None]
+        return max(errors, key=abs) if errors else None
 
     def snapshot(self) -> dict[str, dict[str, float | int | None]]:
-        """Per worker: total, reserved, shrink, active count, estimate error (for /metrics and /admin)."""
-        return {
-            wid: {
-                "total_units": b.total,
-                "reserved_units": b.reserved,
-                "shrink_units": b.shrink,
-                "active": len(b.active),
-                "estimate_error": b.error_frac,
-                "holds": sum(b.holds.values()),
-            }
-            for wid, b in self._books.items()
-        }
+        """Per worker: total, reserved, shrink, active count, estimate error (for /metrics and /admin); a DP
+        worker's engines summed (estimate error: the engine's furthest from 0)."""
+        out: dict[str, dict[str, float | int | None]] = {}
+        for b in self._books.values():
+            row = out.get(b.worker_id)
+            if row is None:
+                out[b.worker_id] = {
+                    "total_units": b.total,
+                    "reserved_units": b.reserved,
+                    "shrink_units": b.shrink,
+                    "active": len(b.active),
+                    "estimate_error": b.error_frac,
+                    "holds": sum(b.holds.values()),
+                }
+                continue
+            for name, value in (
+                ("total_units", b.total), ("reserved_units", b.reserved), ("shrink_units", b.shrink),
+                ("active", len(b.active)), ("holds", sum(b.holds.values())),
+            ):  # fmt: skip
+                row[name] = (row[name] or 0) + value
+            err, mine = row["estimate_error"], b.error_frac
+            if mine is not None and (err is None or abs(mine) > abs(err)):
+                row["estimate_error"] = mine
+        return out
 
     # --- internals -------------------------------------------------------------------------------------
+    def _views_of(self, worker: WorkerView) -> tuple[WorkerView, ...]:
+        """The views books are kept for: the worker's own, or one per engine of a data-parallel worker (its
+        engine's blocks, usage and preemptions; id `<worker>#dp<rank>`), derived once per worker view."""
+        dp = self._dp.get(worker.id)
+        if dp is not None and dp.view is worker:
+            return dp.views
+        if len(worker.engines) < 2 or not self.settings.per_engine:
+            if dp is not None:  # restarted without data parallelism: the engines' books go
+                self._forget_engines(worker.id)
+            return (worker,)
+        views = tuple(
+            replace(
+                worker,
+                id=f"{worker.id}#dp{e.rank}",
+                num_gpu_blocks=e.num_gpu_blocks,
+                kv_usage=e.kv_usage,
+                preemptions_total=e.preemptions_total,
+                engines=(),
+            )
+            for e in worker.engines
+        )
+        if dp is not None and tuple(v.id for v in dp.views) != tuple(v.id for v in views):
+            for gone in {v.id for v in dp.views} - {v.id for v in views}:  # fewer engines now
+                self._forget_book(gone)
+        self._dp[worker.id] = _DataParallel(worker, views, tuple(e.rank for e in worker.engines))
+        return views
+
+    def _engine_books(self, worker: WorkerView) -> tuple[_Book, ...]:
+        """The worker's book, or its engines' (rank order) on a data-parallel worker."""
+        if not worker.engines and worker.id not in self._dp:  # one engine: the routing hot path
+            return (self._book(worker),)
+        views = self._views_of(worker)
+        if views[0] is worker:
+            return (self._book(worker),)
+        ranks = self._dp[worker.id].ranks
+        books = tuple(self._book(v) for v in views)
+        for book, rank in zip(books, ranks, strict=True):
+            book.worker_id, book.engine = worker.id, rank
+        return books
+
+    def _books_of(self, worker_id: str) -> list[_Book]:
+        """The books kept for a worker id: its own and, for a DP worker, its engines' (lookup only)."""
+        found = [self._books[worker_id]] if worker_id in self._books else []
+        dp = self._dp.get(worker_id)
+        if dp is not None:
+            found += [self._books[v.id] for v in dp.views if v.id in self._books]
+        return found
+
     def _book(self, worker: WorkerView) -> _Book:
         book = self._books.get(worker.id)
         if book is None:
             book = self._books[worker.id] = _Book(overbook=self.settings.max_overbook_frac)
+            book.book_id = book.worker_id = worker.id
         elif book.view is worker:
             return book
         book.forgotten = False  # seen again (a fresh view): a pending forget no longer applies

@@ -71,6 +71,7 @@ class FakeWorker:
     # token (vLLM: ~0, with it; None: no role event)
     role_lead_s: float | None = None
     generated: float = 0.0  # its /metrics' vllm:generation_tokens_total
+    metrics_text: str | None = None  # its whole /metrics exposition, when not the one-engine default
 
     @property
     def url(self) -> str:
@@ -83,9 +84,10 @@ class FakeWorker:
         if path == "/health":
             return httpx.Response(200 if self.health_ok else 503)
         if path == "/metrics":
-            return httpx.Response(
-                200, text=METRICS_TEXT.format(model=self.model, running=0, generated=self.generated)
+            text = self.metrics_text or METRICS_TEXT.format(
+                model=self.model, running=0, generated=self.generated
             )
+            return httpx.Response(200, text=text)
         body = json.loads(request.content)
         self.seen.append(body)
         self.raw_seen.append(request.content)

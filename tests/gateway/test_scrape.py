@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scheduler.fleet import Role, capacity_for
+from scheduler.fleet import EngineView, Role, capacity_for
 from server.config import HealthConfig, ScrapeConfig
 from server.discovery import StaticSource
 from server.metrics import GatewayMetrics
@@ -27,8 +27,9 @@ def test_v1_two_engines_sums_counts_and_weights_kv_usage() -> None:
     s = parse_vllm_metrics((FIXTURES / "vllm_v1_two_engines.metrics.txt").read_text())
     assert s.engines == 2
     assert (s.num_running, s.num_waiting) == (12, 2)  # 7 + 5, 2 + 0
-    assert s.kv_usage == pytest.approx(0.375)  # (0.5·27000 + 0.25·27000) / 54000
-    assert (s.num_gpu_blocks, s.block_size) == (54000, 16)  # 27000 per engine
+    assert s.kv_usage == pytest.approx(0.375)  # (0.5 + 0.25) / 2: each engine's fraction of its own half
+    # vLLM repeats the server's total on each engine's cache_config_info row: not summed again
+    assert (s.num_gpu_blocks, s.block_size) == (27000, 16)
     assert s.prompt_tokens_total == 200000  # 120000 + 80000
     assert s.generation_tokens_total == 50000
     assert s.preemptions_total == 4
@@ -165,3 +166,55 @@ def test_a_cache_config_count_that_is_no_finite_count_reads_as_missing(blocks: s
     )
     s = parse_vllm_metrics(text)
     assert (s.num_gpu_blocks, s.block_size, s.num_waiting) == (None, None, 3)
+
+
+def test_v1_two_engines_are_kept_per_engine_in_rank_order() -> None:
+    s = parse_vllm_metrics((FIXTURES / "vllm_v1_two_engines.metrics.txt").read_text())
+    assert s.engine_views == (
+        EngineView(rank=0, num_gpu_blocks=13500, kv_usage=0.5, preemptions_total=3),
+        EngineView(rank=1, num_gpu_blocks=13500, kv_usage=0.25, preemptions_total=1),
+    )
+
+
+def test_a_real_vllm_dp_server_reports_its_total_blocks_on_every_engine() -> None:
+    # recorded from vLLM 0.32 (CPU) `--data-parallel-size 2 --num-gpu-blocks-override 8`: each engine
+    # allocates 8 blocks (its log: "CPU KV cache size: 1,024 tokens" at 128 per block), and both rows say 16
+    s = parse_vllm_metrics((FIXTURES / "vllm_0_32_dp2.metrics.txt").read_text())
+    assert (s.engines, s.num_gpu_blocks, s.block_size) == (2, 16, 128)
+    assert [(e.rank, e.num_gpu_blocks, e.kv_usage, e.preemptions_total) for e in s.engine_views] == [
+        (0, 8, 0.0, 0.0),
+        (1, 8, 0.0, 0.0),
+    ]
+    assert s.generation_tokens_total == 62  # 22 on engine 0 + 40 on engine 1 (two requests pinned there)
+
+
+def _engines_text(labels: list[str], blocks: str) -> str:
+    lines = ["# TYPE vllm:cache_config_info gauge"]
+    lines += [
+        f'vllm:cache_config_info{{block_size="16",engine="{e}",num_gpu_blocks="{blocks}"}} 1.0'
+        for e in labels
+    ]
+    lines += ["# TYPE vllm:kv_cache_usage_perc gauge"]
+    lines += [
+        f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} 0.{i + 1}' for i, e in enumerate(labels)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_engine_ranks_follow_numeric_label_order_not_text_order() -> None:
+    # a server fronting engines 2..11 of a multi-node group: rank = place in label order, by value ("10" > "9")
+    views = parse_vllm_metrics(_engines_text(["10", "2", "9", "11"], "400")).engine_views
+    assert [(v.rank, v.num_gpu_blocks, v.kv_usage) for v in views] == [
+        (0, 100, 0.2),
+        (1, 100, 0.3),
+        (2, 100, 0.1),
+        (3, 100, 0.4),
+    ]
+    assert views[0].preemptions_total is None  # the family is absent: unknown, not 0
+
+
+def test_engines_are_not_split_without_the_servers_blocks() -> None:
+    one = parse_vllm_metrics(_engines_text(["0"], "500"))
+    assert one.engines == 1 and one.engine_views == () and one.num_gpu_blocks == 500  # the worker itself
+    unknown = parse_vllm_metrics(_engines_text(["0", "1"], "None"))  # vLLM's "None": blocks unknown
+    assert unknown.engines == 2 and unknown.engine_views == () and unknown.num_gpu_blocks is None

@@ -20,6 +20,9 @@ def test_defaults_build_a_worst_case_ledger_sharing_capacity_across_gateways() -
     assert ledger is not None
     s = ledger.settings
     assert (s.mode, s.watermark, s.share, s.lease_s) == ("worst_case", 0.02, 0.5, 900.0)
+    assert s.per_engine  # data-parallel workers are booked per engine unless `data_parallel: pooled`
+    pooled = build_ledger(KvConfig(data_parallel="pooled"))
+    assert pooled is not None and not pooled.settings.per_engine
     assert ledger.capacity(worker(blocks=100)) == 49  # floor(100 · 0.98 · 0.5)
 
 
@@ -48,6 +51,7 @@ def test_compression_pool_gets_the_sorted_layout_of_its_profile() -> None:
         pytest.param({"mode": "greedy"}, "kv.mode", id="unknown mode names the field"),
         pytest.param({"watermark": 1.5}, "kv.watermark", id="watermark above 1"),
         pytest.param({"surprise": 1}, "kv.surprise", id="unknown key"),
+        pytest.param({"data_parallel": "per_rank"}, "kv.data_parallel", id="unknown data-parallel booking"),
         pytest.param(
             {"compression": [{"profile": "p.npz"}]},
             "exactly one of pool or model",

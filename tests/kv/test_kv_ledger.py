@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.fleet import FleetView, Role
+from scheduler.fleet import EngineView, FleetView, Role
 from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.config import RoutingConfig, build_router
@@ -233,12 +234,19 @@ op = st.one_of(
 )
 
 
-@given(st.lists(op, max_size=80), st.sampled_from(["worst_case", "predicted"]), st.booleans())
+@given(st.lists(op, max_size=80), st.sampled_from(["worst_case", "predicted"]), st.booleans(), st.booleans())
 @settings(max_examples=120, deadline=None)
-def test_ledger_invariants_under_random_lifecycles(ops: list[tuple], mode: str, compressed: bool) -> None:
+def test_ledger_invariants_under_random_lifecycles(
+    ops: list[tuple], mode: str, compressed: bool, data_parallel: bool
+) -> None:
     specs = SpecTable(by_pool={"p": two_group_spec()}) if compressed else SpecTable()
-    ledger = KvLedger(LedgerSettings(mode=mode, lease_s=20.0), specs, LengthPredictor(min_samples=1))  # type: ignore[arg-type]
+    settings_ = LedgerSettings(mode=mode, lease_s=20.0)  # type: ignore[arg-type]
+    ledger = KvLedger(settings_, specs, LengthPredictor(min_samples=1))
     workers = [worker(f"w{i}", blocks=40 + 20 * i, block_size=4) for i in range(3)]
+    engine_caps: list[int] = []
+    if data_parallel:  # w2 (80 blocks) as two engines of 40: each request's pages within one engine
+        workers[2] = replace(workers[2], engines=(EngineView(0, 40), EngineView(1, 40)))
+        engine_caps = [KvLedger(settings_, specs).capacity(worker("w2", blocks=40, block_size=4))] * 2
     made = []
     now = 0.0
     for o in ops:
@@ -263,7 +271,12 @@ def test_ledger_invariants_under_random_lifecycles(ops: list[tuple], mode: str, 
         for w in workers:
             live = [x for x in made if x.worker_id == w.id and x.outcome is None]
             assert ledger.reserved(w.id) == sum(x.units for x in live)
-            assert ledger.reserved(w.id) <= ledger.capacity(w)
+            if w.engines:
+                for e, cap in enumerate(engine_caps):
+                    assert sum(x.units for x in live if x.engine == e) <= cap
+                assert all(x.engine in (0, 1) for x in live)
+            else:
+                assert ledger.reserved(w.id) <= ledger.capacity(w)
     for r in made:  # the gateway's finally: release everything still held
         r.release(Outcome.COMPLETED)
     assert all(ledger.reserved(w.id) == 0 for w in workers)

@@ -2,7 +2,7 @@
 
 `real_vllm`: one server per test session (started on first use, 25-80 s, stopped at the end).
 `real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started only
-for the module that asks for it and stopped after it. Both skip with the reason from `vllm_env.missing_reason()`
+for the module that asks for it and stopped after it; `real_vllm_dp` likewise, with two data-parallel engines. Both skip with the reason from `vllm_env.missing_reason()`
 when `.venv-vllm` or the model is absent (`make test-vllm` sets them up). `sim_url`: Mosaic's simulated worker
 serving the same tiny model (`mosaic worker`, one per module), which the fidelity and differential tests diff
 against `real_vllm`.
@@ -88,6 +88,20 @@ def real_vllm_kv() -> Iterator[RealServer]:
         yield RealServer(url=external.rstrip("/"), model=vllm_env.SERVED_MODEL_NAME, process=None)
         return
     yield from _serve("pytest-kv", vllm_env.KV_PRESSURE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def real_vllm_dp() -> Iterator[RealServer]:
+    """A data-parallel server: two engines of 8 blocks, two sequences each (`--data-parallel-size 2` plus the
+    KV-pressure arguments); started for the module that asks for it and stopped after it."""
+    _skip_if_absent()
+    external = os.environ.get("MOSAIC_REAL_VLLM_DP_URL")  # e.g. `real_vllm.sh start --name dp --kv-pressure
+    if external:  # -- --data-parallel-size 2`
+        if not health_ok(external):
+            pytest.fail(f"MOSAIC_REAL_VLLM_DP_URL={external} does not answer /health")
+        yield RealServer(url=external.rstrip("/"), model=vllm_env.SERVED_MODEL_NAME, process=None)
+        return
+    yield from _serve("pytest-dp", ("--data-parallel-size", "2", *vllm_env.KV_PRESSURE_ARGS))
 
 
 def gateway_available() -> str | None:
