@@ -34,7 +34,7 @@ import httpx
 
 from server.config import LimitsConfig
 from server.errors import NOT_JSON
-from server.upstream import ConnectionPool, UpstreamResponse
+from server.upstream import ConnectionPool, SlotWait, UpstreamResponse
 
 PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -80,13 +80,15 @@ class Upstream:
         body: bytes,
         headers: list[tuple[bytes, bytes]],
         head_timeout: float | None = None,
+        slot: SlotWait | None = None,
     ) -> UpstreamResponse:
         """POST and return once the response headers arrived; the body is read (or streamed) by the caller,
         who must `aclose()` the response. `head_timeout` bounds the wait for the headers (default: the
         stall timeout); the caller passes the request's own budget, since a non-streaming vLLM answer
-        sends nothing until generation ends."""
+        sends nothing until generation ends. `slot`: see `server.upstream.SlotWait` (the pool's; an
+        injected transport that has a pool of its own raises `httpx.PoolTimeout`)."""
         if self.transport is None:
-            return await self.pool.post(base + path, body, headers, head_timeout)
+            return await self.pool.post(base + path, body, headers, head_timeout, slot)
         timeouts = self._timeouts if head_timeout is None else {**self._timeouts, "read": head_timeout}
         request = httpx.Request(
             "POST", base + path, headers=headers, content=body, extensions={"timeout": timeouts}

@@ -18,6 +18,7 @@ identity). Errors are httpx's exception classes, so callers classify them as bef
 |---|---|
 | cannot connect / connection refused | `httpx.ConnectError` / `httpx.ConnectTimeout` after `connect_timeout_s` |
 | no connection free within `pool_timeout_s` (`max_per_origin` in use) | `httpx.PoolTimeout` |
+| the caller's own time-out (a cancellation) while waiting for a free connection | what the caller raises; `post(slot=SlotWait())` tells the case apart: `slot.waiting` stays True |
 | no byte for `read_timeout_s` (up to 1/8 more, at most 1 s) while waiting for the body, or for the headers beyond `post(head_timeout=)` | `httpx.ReadTimeout` |
 | reset while reading | `httpx.ReadError` |
 | closed before a complete response, malformed response | `httpx.RemoteProtocolError` |
@@ -47,12 +48,24 @@ import httpx
 
 from server.h1_response import H1Response, UpstreamResponse, _read_head, _Reset
 
-__all__ = ["ConnectionPool", "H1Response", "UpstreamResponse"]
+__all__ = ["ConnectionPool", "H1Response", "SlotWait", "UpstreamResponse"]
 
 
 # Bytes a connection buffers while nobody reads its response (a relay waiting for a slow client) before
 # it stops reading the socket: the worker then blocks on its own send, as it would for a slow client of its own.
 READ_HIGH_WATER = 256 * 1024
+
+
+class SlotWait:
+    """Whether a `post` is waiting for a connection slot: `waiting` is True from the moment it queues for
+    one (`max_per_origin` connections in use) until it gets one. True once the post failed: it failed while
+    waiting (`httpx.PoolTimeout`, or the caller's own time-out: the P/D prefill hop's bound is shorter than
+    `pool_timeout_s`), so the gateway's own connection limit ended it and the worker never got the request."""
+
+    __slots__ = ("waiting",)
+
+    def __init__(self) -> None:
+        self.waiting = False
 
 
 class _Conn(asyncio.Protocol):
@@ -291,12 +304,18 @@ class ConnectionPool:
         return target
 
     async def post(
-        self, url: str, body: bytes, headers: list[tuple[bytes, bytes]], head_timeout: float | None = None
+        self,
+        url: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        head_timeout: float | None = None,
+        slot: SlotWait | None = None,
     ) -> H1Response:
         """POST `body` to `url`; returns once the response's headers arrived (module docstring).
 
         `head_timeout` bounds the wait for the headers (default `read_timeout_s`): a non-streaming answer
-        sends its first byte only when generation ends, so the caller gives the request's own budget."""
+        sends its first byte only when generation ends, so the caller gives the request's own budget.
+        `slot`, when given, shows whether the post is (or failed while) waiting for a connection slot."""
         head_timeout = self.read_timeout_s if head_timeout is None else head_timeout
         origin, head = self._target(url)
         parts = [head]  # one join of a list (a generator unpacked into a tuple costs a frame per header)
@@ -304,11 +323,11 @@ class ConnectionPool:
             parts += (k, b": ", v, b"\r\n")
         parts += (b"Content-Length: %d\r\n\r\n" % len(body), body)
         request = b"".join(parts)
-        conn = await self._acquire(origin)
+        conn = await self._acquire(origin, slot=slot)
         try:
             return await self._exchange(conn, request, head_timeout)
         except _Reset:
-            conn = await self._acquire(origin, fresh=True)
+            conn = await self._acquire(origin, fresh=True, slot=slot)
             try:
                 return await self._exchange(conn, request, head_timeout)
             except _Reset:
@@ -326,7 +345,7 @@ class ConnectionPool:
             conn.close()
             raise
 
-    async def _acquire(self, origin: _Origin, fresh: bool = False) -> _Conn:
+    async def _acquire(self, origin: _Origin, fresh: bool = False, slot: SlotWait | None = None) -> _Conn:
         now = time.monotonic()
         while origin.idle and not fresh:
             conn, _ = origin.idle.popitem()
@@ -334,7 +353,11 @@ class ConnectionPool:
                 return conn
             conn.close()
         if origin.count >= self.max_per_origin:
+            if slot is not None:
+                slot.waiting = True
             got = await self._wait_for_slot(origin)
+            if slot is not None:
+                slot.waiting = False
             if got is not None:
                 if not fresh:
                     return got  # a released connection, handed over

@@ -965,9 +965,9 @@ def spy_on(gw: Any) -> SocketSpy:
     pool = gw.upstream.pool
     acquire, wait_for_slot = pool._acquire, pool._wait_for_slot
 
-    async def spy_acquire(origin: Any, fresh: bool = False) -> Any:
+    async def spy_acquire(origin: Any, fresh: bool = False, slot: Any = None) -> Any:
         spy.fresh += fresh
-        return await acquire(origin, fresh)
+        return await acquire(origin, fresh, slot)
 
     async def spy_wait_for_slot(origin: Any) -> Any:
         spy.slot_waits += 1
@@ -975,12 +975,14 @@ def spy_on(gw: Any) -> SocketSpy:
 
     post = gw.upstream.post
 
-    async def spy_post(base: str, path: str, body: bytes, headers: Any, head_timeout: Any = None) -> Any:
+    async def spy_post(
+        base: str, path: str, body: bytes, headers: Any, head_timeout: Any = None, slot: Any = None
+    ) -> Any:
         rid = next(v.decode() for k, v in headers if k == b"x-request-id")
         kv = json.loads(body).get("kv_transfer_params")
         prefill = isinstance(kv, dict) and kv.get("do_remote_decode") is True
         spy.posts.setdefault(rid, []).append(Hop(next(SEQ), base, prefill, None if prefill else kv))
-        return await post(base, path, body, headers, head_timeout)
+        return await post(base, path, body, headers, head_timeout, slot=slot)
 
     pool._acquire, pool._wait_for_slot = spy_acquire, spy_wait_for_slot
     gw.upstream.post = spy_post

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from server import h1_response
 from server.h1_response import _SIZE, H1Response, _Llhttp
-from server.upstream import ConnectionPool
+from server.upstream import ConnectionPool, SlotWait
 from tests.gateway.fakes import read_raw_request
 
 Reply = list[bytes] | Callable[[asyncio.StreamWriter], Awaitable[None]]
@@ -301,6 +301,36 @@ def test_a_released_connection_goes_to_a_waiting_request() -> None:
                 assert await first.aread() == b"one"  # read to the end: the connection is handed over
                 second = await waiting
                 assert await second.aread() == b"two" and srv.connections == 1
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
+def test_slot_wait_shows_a_post_that_failed_waiting_for_a_connection() -> None:
+    """`SlotWait.waiting` stays True when the caller's own time-out (shorter than `pool_timeout_s`) or
+    `httpx.PoolTimeout` ends the wait for a connection, and is False once a post got one."""
+
+    async def go() -> None:
+        async with RawServer([ok(b"one"), ok(b"two")]) as srv:
+            pool = ConnectionPool(max_per_origin=1, pool_timeout_s=0.2)
+            try:
+                first = await pool.post(srv.url, b"{}", HEADERS, slot=(got := SlotWait()))
+                assert not got.waiting  # a connection at once
+                cut = SlotWait()
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.05):
+                        await pool.post(srv.url, b"{}", HEADERS, slot=cut)
+                pooled = SlotWait()
+                with pytest.raises(httpx.PoolTimeout):
+                    await pool.post(srv.url, b"{}", HEADERS, slot=pooled)
+                assert cut.waiting and pooled.waiting
+                waited = SlotWait()
+                waiting = asyncio.ensure_future(pool.post(srv.url, b"{}", HEADERS, slot=waited))
+                await asyncio.sleep(0.02)
+                assert waited.waiting
+                assert await first.aread() == b"one"  # the connection is handed over
+                assert await (await waiting).aread() == b"two" and not waited.waiting
             finally:
                 await pool.aclose()
 
