@@ -6,8 +6,9 @@ Per request:
    the admission queue (waits when every worker is busy; 429/503 when it gives up).
 2. A `Lease` holds the decision's reservations and in-flight tickets until the request ends.
 3. P/D decision: the prefill hop (non-streaming copy, `max_tokens=1`, `kv_transfer_params.do_remote_decode`);
-   its answer's `kv_transfer_params` go into the decode hop. If the prefill hop fails in any way, the
-   decode worker serves the request alone (decode-only fallback; `mosaic_pd_fallbacks_total`).
+   its answer's `kv_transfer_params` go into the decode hop once checked (`server.prefill_hop`). If the
+   prefill hop fails in any way, the decode worker serves the request alone (decode-only fallback;
+   `mosaic_pd_fallbacks_total{reason}`).
 4. Decode (or mixed) hop. Until its first byte is relayed, a connect error, timeout, protocol error or
    a 429/502/503/504 is an `UpstreamFailure`: the lease is released as failed_before_first_byte, the
    worker reported (breaker), and the request routed again excluding it, while attempts ≤ `max_retries`
@@ -80,6 +81,7 @@ from server.failure import (
 from server.footprint import ParsedRequest, route_request
 from server.h1_response import H1Response
 from server.metrics import GatewayMetrics
+from server.prefill_hop import WARN_EVERY_S, WARNED, Fallback, LogThrottle, kv_params_fault
 from server.proxy import (
     RETRYABLE_STATUSES,
     Upstream,
@@ -93,7 +95,7 @@ from server.proxy import (
 )
 from server.registry import Registry
 from server.responses import PassthroughResponse, StreamSession, relay_headers
-from server.upstream import UpstreamResponse
+from server.upstream import SlotWait, UpstreamResponse
 
 log = logging.getLogger("mosaic.dispatch")
 
@@ -175,6 +177,7 @@ class Dispatcher:
         self._finish_children: dict[tuple[str, str, int, str, str | None], _OutcomeChildren] = {}
         self.worker_auth = worker_auth_headers(config)
         self._tickets = itertools.count(1)  # RouteRequest.ticket: what the KV holds of a request belong to
+        self._pd_warnings = LogThrottle(WARN_EVERY_S, clock)  # (prefill worker, reason) → its last warning
 
     def child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, memoised: prometheus_client's `labels()` validates and takes a lock on
@@ -414,13 +417,15 @@ class Dispatcher:
         decode = decision.decode
         waiting_on = decode
         mark = None if parsed.stream else self._progress_mark(decode.id)
+        slot = None  # the prefill hop's: still waiting for a connection when a time-out ended it
         try:
             with self.timeouts.timeout(timeout, rec.task):  # a plain `with`: nothing to await on entry
                 params = None
                 if decision.prefill is not None:
                     waiting_on = decision.prefill  # whose hop a time-out now ends
                     pinned = pinned_headers(headers, decision.reservations, decision.prefill.id)
-                    params = await self._prefill(decision, parsed, path, pinned, lease, timeout)
+                    slot = SlotWait()
+                    params = await self._prefill(decision, parsed, path, pinned, lease, timeout, slot)
                 waiting_on = decode
                 body = self._decode_body(parsed, params)
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
@@ -489,9 +494,11 @@ class Dispatcher:
             )
             # The request's own time-out can fire during the prefill hop (both blocks expire in one sweep of
             # `TaskTimeouts`, every up to 1 s): that is the prefill worker's slowness, not the decode one's —
-            # the hop's own bound (half the budget) had passed too, so it is told even when the budget is spent.
+            # the hop's own bound (half the budget) had passed too, so it is told even when the budget is spent,
+            # unless the hop was still waiting for a connection to it (the gateway's own limit, as in `_prefill`).
             if spent and waiting_on is not decode:
-                self.registry.report_failure(waiting_on.id, "prefill_timeout")
+                if slot is None or not slot.waiting:
+                    self.registry.report_failure(waiting_on.id, "prefill_timeout")
             elif spent and self._made_no_progress(decode.id, mark):
                 # a long generation is no fault, a worker that generated nothing since the request was sent is
                 # hung (its /health may still answer): its breaker hears of it, as a stream's stall would tell
@@ -531,8 +538,11 @@ class Dispatcher:
         headers: list[tuple[bytes, bytes]],
         lease: Lease,
         left_s: float,
+        slot: SlotWait,
     ) -> dict[str, Any] | None:
-        """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure.
+        """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure, counted
+        by reason and told to the prefill worker's breaker as `server.prefill_hop` tabulates. `slot` shows
+        the caller whether the hop was still waiting for a connection when it ended.
 
         Bounded by half the first-token budget, or half of `left_s` (what is left of the request's own
         budget) when less, so a slow prefill worker leaves the decode worker time to prefill the request
@@ -550,28 +560,71 @@ class Dispatcher:
                     prefill_body(parsed.data()),
                     headers if auth is None else [*headers, auth],
                     budget,
+                    slot=slot,
                 )
                 try:
                     content = await resp.aread()
                 finally:
                     await resp.aclose()
-            params = json.loads(content).get("kv_transfer_params") if resp.status_code == 200 else None
-            if resp.status_code >= 500:
-                self.registry.report_failure(worker.id, f"status_{resp.status_code}")
-            elif resp.status_code in (200, 429):  # 429: busy, not broken (as on the decode hop)
-                self.registry.report_success(worker.id)
+            status = resp.status_code
+            params = json.loads(content).get("kv_transfer_params") if status == 200 else None
         except (httpx.HTTPError, TimeoutError, *NOT_JSON, AttributeError) as exc:
-            bad_body = not isinstance(exc, httpx.HTTPError | TimeoutError)  # a body that is no JSON object
-            kind, hard = ("bad_response", False) if bad_body else classify(exc)
-            self.registry.report_failure(worker.id, f"prefill_{kind}", hard)
-            params = None
+            if slot.waiting:  # its bound ran out in the queue for a connection: the worker never saw it
+                kind, hard = "pool_timeout", False
+            elif isinstance(exc, httpx.HTTPError | TimeoutError):
+                kind, hard = classify(exc)
+            else:  # a body that is no JSON object
+                kind, hard = "bad_response", False
+            if kind != "pool_timeout":  # the gateway's own connection limit: no mark, as on the decode hop
+                self.registry.report_failure(worker.id, f"prefill_{kind}", hard)
+            return self._fall_back(parsed, lease, worker.id, Fallback.of_failure(kind))
         finally:
             ticket.done()
-        if not isinstance(params, dict) or not params:
-            self.metrics.pd_fallbacks.labels(parsed.model).inc()
-            log.info("request %s: prefill hop on %s failed; decode-only", lease.req.request_id, worker.id)
-            return None
-        return params
+        if status != 200:
+            if status >= 500:
+                self.registry.report_failure(worker.id, f"status_{status}")
+            elif status == 429:  # busy, not broken (as on the decode hop)
+                self.registry.report_success(worker.id)
+            return self._fall_back(parsed, lease, worker.id, Fallback.of_status(status), status)
+        fault = kv_params_fault(params)
+        if fault is Fallback.BAD_RESPONSE:  # it answered, but not a handover a decode worker can act on
+            self.registry.report_failure(worker.id, "prefill_bad_response")
+            return self._fall_back(parsed, lease, worker.id, fault)
+        self.registry.report_success(worker.id)
+        if fault is not None:
+            return self._fall_back(parsed, lease, worker.id, fault)
+        return params  # a dict: kv_params_fault checked it
+
+    def _fall_back(
+        self, parsed: ParsedRequest, lease: Lease, worker_id: str, reason: Fallback, status: int = 200
+    ) -> None:
+        """Count a decode-only fallback (the hop then returns None); a misconfigured prefill pool (`WARNED`)
+        is a bounded WARNING."""
+        self.child(self.metrics.pd_fallbacks, parsed.model, reason.value).inc()
+        rid = lease.req.request_id
+        held = self._pd_warnings.due((worker_id, reason)) if reason in WARNED else None
+        if held is None:
+            log.info("request %s: prefill hop on %s failed (%s); decode-only", rid, worker_id, reason.value)
+            return
+        since = f" ({held} more since its last warning)" if held else ""
+        if reason is Fallback.REFUSED:
+            log.warning(
+                "prefill worker %s refused the prefill hop with HTTP %d (request %s)%s: P/D requests it takes "
+                "run decode-only. A 401/403 is a wrong api_key_env for its pool, a 404 a wrong model or path",
+                worker_id,
+                status,
+                rid,
+                since,
+            )
+        else:
+            log.warning(
+                "prefill worker %s answered without kv_transfer_params (request %s)%s: it has no KV connector "
+                "(vLLM's --kv-transfer-config with kv_role kv_producer or kv_both), so P/D requests it takes "
+                "run decode-only",
+                worker_id,
+                rid,
+                since,
+            )
 
     # ------------------------------------------------------------------ responses
     def _whole(

@@ -17,7 +17,7 @@ nothing per request.
 | mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
 | mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |
 | mosaic_retries_total | counter | model, reason (connect, timeout, status_429, status_503, ...) |
-| mosaic_pd_fallbacks_total | counter | model (prefill hop failed → decode-only) |
+| mosaic_pd_fallbacks_total | counter | model, reason (prefill hop failed → decode-only: timeout, pool_timeout, worker_error, busy, refused, bad_response, no_params; `server.prefill_hop`) |
 | mosaic_upstream_errors_total | counter | worker, kind |
 | mosaic_scrape_errors_total | counter | worker |
 | mosaic_worker_inflight_requests, mosaic_worker_inflight_prefill_tokens | gauge | worker, pool |
@@ -443,7 +443,9 @@ class GatewayMetrics:
         )
         self.retries = Counter("mosaic_retries", "Dispatches retried on another worker", ["model", "reason"])
         self.pd_fallbacks = Counter(
-            "mosaic_pd_fallbacks", "P/D requests served decode-only after the prefill hop failed", ["model"]
+            "mosaic_pd_fallbacks",
+            "P/D requests served decode-only after the prefill hop failed, by reason",
+            ["model", "reason"],
         )
         self.upstream_errors = Counter(
             "mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"]

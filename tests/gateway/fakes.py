@@ -49,7 +49,8 @@ vllm:generation_tokens_total{{engine="0",model_name="{model}"}} {generated}
 class FakeWorker:
     name: str
     model: str = "llama-3-8b"
-    # ok | refuse | status | stall | die_mid_stream | no_kv_params | error_event | error_mid_stream
+    # ok | refuse | status | stall | die_mid_stream | no_kv_params | kv_params | pool_timeout | error_event |
+    # error_mid_stream
     mode: str = "ok"
     error_code: int = 500  # the code of an error event (error_event, error_mid_stream)
     status: int = 503
@@ -72,6 +73,7 @@ class FakeWorker:
     role_lead_s: float | None = None
     generated: float = 0.0  # its /metrics' vllm:generation_tokens_total
     metrics_text: str | None = None  # its whole /metrics exposition, when not the one-engine default
+    kv_params: Any = None  # a prefill answer's kv_transfer_params in mode kv_params, as given
 
     @property
     def url(self) -> str:
@@ -81,6 +83,8 @@ class FakeWorker:
         path = request.url.path
         if self.mode == "refuse":
             raise httpx.ConnectError("connection refused", request=request)
+        if self.mode == "pool_timeout" and path.endswith("/completions"):  # a transport's full pool
+            raise httpx.PoolTimeout("no connection free", request=request)
         if path == "/health":
             return httpx.Response(200 if self.health_ok else 503)
         if path == "/metrics":
@@ -128,7 +132,9 @@ class FakeWorker:
 
     def _prefill_answer(self, chat: bool, body: dict[str, Any]) -> dict[str, Any]:
         answer = self._whole(chat, 1)
-        if self.mode != "no_kv_params":
+        if self.mode == "kv_params":
+            answer["kv_transfer_params"] = self.kv_params
+        elif self.mode != "no_kv_params":
             answer["kv_transfer_params"] = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,

@@ -49,7 +49,7 @@ garbage, cut, reset and stalled answers, answers after the hop's bound (`late`),
 list, or nested deeper than `json` parses); long prompts take two hops, short ones one. Beyond invariants
 1-7 (`check_pd`): a decode hop carries `kv_transfer_params` only as its own request's prefill hop just
 answered them whole; a prefill hop that failed in any way is followed by the decode hop alone (counted in
-`mosaic_pd_fallbacks_total`); no decode worker is charged for a prefill hop, no prefill worker for what it
+`mosaic_pd_fallbacks_total`, as `pool_timeout` only after a wait for a connection slot); no decode worker is charged for a prefill hop, no prefill worker for what it
 answered well; both hops' tickets and KV reservations end exactly once; with the workers well again a long
 request goes over both hops. MOSAIC_SOCKET_PD_EXAMPLES sets its example count (30; ≈ 30 s).
 
@@ -163,11 +163,11 @@ class Script:
     def blameless(self, stream: bool, prefill: bool = False) -> bool:
         """Its breaker must never hear of this answer: it is whole (whatever comes after `[DONE]` or after
         the message, or the keep-alive close after it), a refusal (4xx) or busy (429). A prefill hop's whole
-        answer also when its `kv_transfer_params` is missing or malformed (docs: a decode-only fallback, a
-        5xx or time-out counts against the prefill worker), not when its body is no JSON object."""
+        answer also when its `kv_transfer_params` are missing or null (a worker without a KV connector), not
+        when they are malformed or its body is no JSON object (docs: a bad_response, a prefill fault)."""
         if self.kind == "status":
             return self.status < 500
-        if prefill and self.kv in ("not_json", "json_list", "deep"):
+        if prefill and self.kv not in ("ok", "missing", "null"):
             return False
         return self.whole_ok(stream)
 
@@ -1339,6 +1339,13 @@ def check_pd(gw: Any, spy: SocketSpy, answers: list[Answer], log: list[Visit]) -
     prefill_hops = sum(hop.prefill for sent in spy.posts.values() for hop in sent)
     assert fell_back <= fallbacks <= prefill_hops, (
         f"{fallbacks} fallbacks counted, {fell_back} seen, {prefill_hops} prefill hops sent"
+    )
+    # a fallback blamed on the gateway's own connection limit had a hop wait for a slot
+    pool_timeouts = gw.metrics.registry.get_sample_value(
+        "mosaic_pd_fallbacks_total", {"model": MODEL, "reason": "pool_timeout"}
+    )
+    assert (pool_timeouts or 0) <= spy.slot_waits, (
+        f"{pool_timeouts} pool_timeout fallbacks, {spy.slot_waits} waits"
     )
     for wid, kind, rid in spy.blamed:
         assert not (wid.startswith("decode/") and kind.startswith("prefill_")), (

@@ -358,15 +358,22 @@ def test_a_multi_sequence_request_skips_the_prefill_hop() -> None:
             r2 = await c.post(CHAT, json=chat(LONG_PROMPT, n=2))
             assert (r1.status_code, r2.status_code) == (200, 200)
             assert p.seen == [] and [("kv_transfer_params" in b) for b in d.seen] == [False, False]
-            assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b") == 0
+            assert not [
+                m for m in gw.metrics.registry.collect() if m.name == "mosaic_pd_fallbacks" and m.samples
+            ]
             assert gw.dispatcher.outcomes == {"completed": 2}
 
     run(body)
 
 
 @pytest.mark.parametrize(
-    "mode",
-    ["refuse", "no_kv_params", "status", "stall"],
+    ("mode", "reason"),
+    [
+        ("refuse", "worker_error"),
+        ("no_kv_params", "no_params"),
+        ("status", "worker_error"),
+        ("stall", "timeout"),
+    ],
     ids=[
         "prefill worker dead",
         "prefill answered without kv_transfer_params",
@@ -374,7 +381,7 @@ def test_a_multi_sequence_request_skips_the_prefill_hop() -> None:
         "prefill stalls past half the first-token budget",
     ],
 )
-def test_pd_falls_back_to_decode_only(mode: str) -> None:
+def test_pd_falls_back_to_decode_only(mode: str, reason: str) -> None:
     p, d = FakeWorker("p"), FakeWorker("d")
     cfg = config(
         pool("prefill", "H100", "prefill", p),
@@ -388,7 +395,7 @@ def test_pd_falls_back_to_decode_only(mode: str) -> None:
             r = await c.post(CHAT, json=chat(LONG_PROMPT))
             assert r.status_code == 200
             assert len(d.seen) == 1 and "kv_transfer_params" not in d.seen[0]
-            assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b") == 1
+            assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b", reason=reason) == 1
             assert gw.dispatcher.outcomes == {"completed": 1}
 
     run(body)
@@ -408,7 +415,7 @@ def test_a_busy_prefill_worker_is_not_ejected() -> None:
             prefill = gw.registry.get("prefill/p:8000")
             assert prefill is not None and prefill.breaker.failures == 0
             assert not prefill.breaker.is_open(gw.clock()) and len(p.seen) == 4  # still routed to
-            assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b") == 4
+            assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b", reason="busy") == 4
 
     run(body)
 
