@@ -7,7 +7,7 @@ go to the decode worker, and a bounded warning for a prefill pool that is miscon
 |---|---|---|
 | timeout | its bound ran out (half the first-token budget), connecting included | a failure |
 | pool_timeout | no connection to the worker came free within its bound (the gateway's own `max_upstream_connections`: the worker never saw the request) | nothing, as on the decode hop |
-| worker_error | 5xx, connection refused or reset, a malformed HTTP answer | a failure (refused: ejected at once) |
+| worker_error | 5xx, connection refused or reset, a malformed HTTP answer | a failure (a refused connection: ejected at once) |
 | busy | 429 | a success (busy, not broken) |
 | refused | any other status but 200: 401/403 (the pool's `api_key_env`), 404 (path or model), 400 | nothing; a WARNING |
 | bad_response | a 200 whose body is no JSON object, or whose `kv_transfer_params` fail `kv_params_fault` | a failure |
