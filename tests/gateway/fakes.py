@@ -243,3 +243,10 @@ def pool(name: str, gpu: str, role: str, *workers: FakeWorker, **extra: Any) -> 
 def config(*pools: dict[str, Any], **sections: Any) -> Any:
     data = {"pools": list(pools), "health": {"interval_s": 60}, "scrape": {"interval_s": 60}, **sections}
     return validate_config(data, "test")
+
+
+def pd_config(prefill: FakeWorker, decode: FakeWorker, **sections: Any) -> Any:
+    """A P/D fleet of two pools: `prefill` (H100) hands its KV to `decode` (A100)."""
+    return config(
+        pool("prefill", "H100", "prefill", prefill), pool("decode", "A100", "decode", decode), **sections
+    )

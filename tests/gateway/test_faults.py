@@ -18,7 +18,7 @@ from server.app import create_app
 from server.dispatch import RequestRecord
 from server.footprint import parse_request
 from server.gateway import Gateway
-from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+from tests.gateway.fakes import FakeFleet, FakeWorker, config, pd_config, pool
 
 CHAT = "/v1/chat/completions"
 LONG_PROMPT = "word " * 400  # ≈ 2,000 chars ≈ 500 estimated tokens: over the 256-token P/D threshold
@@ -304,7 +304,7 @@ def test_request_id_propagated_or_created() -> None:
 
 def test_pd_two_hop_handshake() -> None:
     p, d = FakeWorker("p"), FakeWorker("d", tokens=5)
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = pd_config(p, d)
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
@@ -349,7 +349,7 @@ def test_a_multi_sequence_request_skips_the_prefill_hop() -> None:
     """A batch of long prompts, or n > 1, goes to the decode worker in one hop without kv_transfer_params
     (vLLM's prefill answer carries one sequence's blocks)."""
     p, d = FakeWorker("p"), FakeWorker("d")
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = pd_config(p, d)
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
@@ -405,7 +405,7 @@ def test_a_busy_prefill_worker_is_not_ejected() -> None:
     """A 429 on the prefill hop counted as a breaker failure (on the decode hop it is busy, not broken):
     three in a row opened the breaker of a worker that was merely full."""
     p, d = FakeWorker("p", mode="status", status=429), FakeWorker("d")
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = pd_config(p, d)
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 
 from server.gateway import Gateway
-from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+from tests.gateway.fakes import FakeFleet, FakeWorker, pd_config
 from tests.gateway.serverkit import GatewayThread
 
 LONG_PROMPT = "word " * 400  # ≈ 500 estimated tokens: over the 256-token P/D threshold
@@ -35,7 +35,7 @@ def test_prefill_reservation_ends_at_the_decode_first_token() -> None:
     p = FakeWorker("p")
     d = FakeWorker("d", chunk_delay_s=0.4)  # 5 chunks: ≥ 1.6 s of stream after the first token
     fleet = FakeFleet(p, d)
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = pd_config(p, d)
     body = {
         "model": "llama-3-8b",
         "messages": [{"role": "user", "content": LONG_PROMPT}],
@@ -76,7 +76,7 @@ def test_non_streaming_prefill_reservation_ends_at_the_estimated_first_token() -
     p = FakeWorker("p")
     d = FakeWorker("d", whole_delay_s=1.5)
     fleet = FakeFleet(p, d)
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = pd_config(p, d)
     body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 5}
 
     async def during_generation(g: Gateway) -> dict[str, int]:

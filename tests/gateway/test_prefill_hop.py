@@ -18,7 +18,7 @@ import pytest
 from server.app import create_app
 from server.gateway import Gateway
 from server.prefill_hop import MAX_KV_DEPTH, MAX_KV_VALUES, Fallback, LogThrottle, kv_params_fault
-from tests.gateway.fakes import METRICS_TEXT, FakeFleet, FakeWorker, config, pool
+from tests.gateway.fakes import METRICS_TEXT, FakeFleet, FakeWorker, config, pd_config, pool
 from tests.gateway.scripted_http import read_request
 from tests.gateway.test_faults import CHAT, LONG_PROMPT, chat, gateway, run
 
@@ -203,7 +203,7 @@ def test_the_decode_hop_gets_only_checked_params(
     """The prefill answer's `kv_transfer_params` went to the decode worker whenever they were a non-empty
     object: `do_remote_decode: true` among them made the decode worker hold its own KV for nobody."""
     p, d = FakeWorker("p", mode="kv_params", kv_params=params), FakeWorker("d")
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = pd_config(p, d)
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
@@ -221,7 +221,7 @@ def test_a_full_connection_pool_on_the_prefill_hop_is_not_the_prefill_workers() 
     """A prefill hop that got no connection (the gateway's own pool full: httpx.PoolTimeout from a transport)
     was charged to the prefill worker, which never saw the request; the decode hop charges nobody for it."""
     p, d = FakeWorker("p", mode="pool_timeout"), FakeWorker("d")
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = pd_config(p, d)
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
@@ -254,7 +254,7 @@ def test_a_refusing_prefill_pool_is_a_bounded_warning(
     nothing but an info line and an unlabelled counter: P/D silently off. Now counted as `refused` and
     logged as a WARNING, once per worker per minute however many requests it refuses."""
     p, d = FakeWorker("p", mode="status", status=status), FakeWorker("d")
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = pd_config(p, d)
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
@@ -279,7 +279,7 @@ def test_a_refusing_prefill_pool_is_a_bounded_warning(
 
 def test_a_prefill_pool_without_a_kv_connector_is_a_bounded_warning(caplog: pytest.LogCaptureFixture) -> None:
     p, d = FakeWorker("p", mode="no_kv_params"), FakeWorker("d")
-    cfg = config(pool("prefill", "H100", "prefill", p), pool("decode", "A100", "decode", d))
+    cfg = pd_config(p, d)
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
