@@ -390,6 +390,7 @@ first listing of the gateway Service's EndpointSlices, after which N is the coun
 {{- define "mosaic.gatewayConfig" -}}
 {{- $root := . }}
 {{- $cfg := deepCopy $root.Values.config }}
+{{- include "mosaic.checkConfig" (list $root (include "mosaic.pools" $root | fromYaml).pools) }}
 {{- $disc := $root.Values.gateway.discovery }}
 {{- $pools := list }}
 {{- range (include "mosaic.pools" $root | fromYaml).pools }}
@@ -488,6 +489,172 @@ controller, which reads the same ConfigMap, accepts */}}
 {{- $_ := set $cfg "catalog" "/etc/mosaic/catalog.yaml" }}
 {{- end }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/*
+What the gateway and the controller refuse at start in `config`, checked at render so that a bad value fails
+`helm install` instead of leaving every gateway (or the controller) in CrashLoopBackOff with a one-line config
+error. The bounds one schema keyword can hold (policy knobs, the policy's spelling) are in values.schema.json;
+these are the rules across keys. Each cites the loader's own rule: keep them in step
+(tests/chart/test_chart_startup_refusals.py). Arguments: (list root resolvedPools).
+*/}}
+{{- define "mosaic.checkConfig" -}}
+{{- $root := index . 0 }}
+{{- $pools := index . 1 }}
+{{- $cfg := $root.Values.config | default dict }}
+{{- include "mosaic.checkModelNames" $cfg }}
+{{- include "mosaic.checkKvLease" $cfg }}
+{{- include "mosaic.checkBacklogLead" $cfg }}
+{{- include "mosaic.checkPolicy" (list $cfg $pools) }}
+{{- /* the chart writes autoscaler.kubernetes.domains, which the inventory is checked against, only for the controller */}}
+{{- if $root.Values.controller.enabled }}
+{{- include "mosaic.checkNodeDomains" (list $root $pools) }}
+{{- end }}
+{{- end }}
+
+{{/* config.models[].name given twice: server/config.py MosaicConfig._cross_checks (`_unique`, "duplicate
+model name"). Argument: the config values. */}}
+{{- define "mosaic.checkModelNames" -}}
+{{- $first := dict }}
+{{- range $i, $m := .models | default list }}
+{{- $name := toString $m.name }}
+{{- if hasKey $first $name }}
+{{- fail (printf "config.models[%d]: name %q is config.models[%d]'s too; the gateway refuses a model listed twice (models.%d.name: duplicate model name): keep one entry" $i $name (get $first $name) $i) }}
+{{- end }}
+{{- $_ := set $first $name $i }}
+{{- end }}
+{{- end }}
+
+{{/* With the KV ledger on (kv.enabled, default true), kv.lease_s must exceed the longest a request holds its
+pages without renewing them, or the sweep frees a live request's pages: server/config.py `_check_kv`
+(`kv.lease_s <= max(total_timeout_s, first_token_timeout_s, stall_timeout_s)` is refused). The defaults are
+the loader's: lease_s 900 (scheduler/kv/config.py KvConfig), total 600, first token 60, stall 60
+(server/config.py LimitsConfig). Argument: the config values. */}}
+{{- define "mosaic.checkKvLease" -}}
+{{- $kv := .kv | default dict }}
+{{- $limits := .limits | default dict }}
+{{- if dig "enabled" true $kv }}
+{{- $lease := float64 (dig "lease_s" 900 $kv) }}
+{{- $longest := maxf (dig "total_timeout_s" 600 $limits) (dig "first_token_timeout_s" 60 $limits) (dig "stall_timeout_s" 60 $limits) }}
+{{- if le $lease $longest }}
+{{- fail (printf "config.kv.lease_s %v must exceed the longest a request holds KV pages without renewing them, max(config.limits.total_timeout_s, first_token_timeout_s, stall_timeout_s) = %v s (the gateway refuses it at start); raise config.kv.lease_s above it" $lease $longest) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A backlog lead needs the cold start (the starting instances' expected ready times): server/config.py
+AutoscalerConfig._lead_needs_cold_start. The knob sits under autoscaler.knobs or directly under autoscaler;
+the one in knobs wins, as the loader merges them (`_flat_knobs`). Argument: the config values. */}}
+{{- define "mosaic.checkBacklogLead" -}}
+{{- $a := .autoscaler | default dict }}
+{{- $knobs := $a.knobs | default dict }}
+{{- $path := "config.autoscaler.backlog_lead_s" }}
+{{- $lead := float64 (dig "backlog_lead_s" 0 $a) }}
+{{- if hasKey $knobs "backlog_lead_s" }}
+{{- $path = "config.autoscaler.knobs.backlog_lead_s" }}
+{{- $lead = float64 (get $knobs "backlog_lead_s") }}
+{{- end }}
+{{- if and (gt $lead 0.0) (le (float64 (dig "cold_start_s" 0 $a)) 0.0) }}
+{{- fail (printf "%s %v needs config.autoscaler.cold_start_s > 0, a new instance's expected start-to-ready time (the gateway and the controller refuse the lead without it at start); set cold_start_s, or backlog_lead_s: 0" $path $lead) }}
+{{- end }}
+{{- end }}
+
+{{/* autoscaler.policy's parameter, as scheduler/autoscaler/factory.py build_policy checks it when the
+gateway loads its config (server/config.py `_check_autoscaler`, with check_bounds): hpa-util:T in (0, 1],
+hpa-waiting:T and dynamo:I > 0 (`_positive`), static:POOL=N naming pools, each N within the pool's
+minReplicas..maxReplicas (`_static_counts`). The schema's pattern holds the names and the parameters' shape.
+Arguments: (list configValues resolvedPools). */}}
+{{- define "mosaic.checkPolicy" -}}
+{{- $cfg := index . 0 }}
+{{- $pools := index . 1 }}
+{{- $spec := toString (dig "policy" "mosaic" ($cfg.autoscaler | default dict)) }}
+{{- $name := index (splitList ":" $spec) 0 }}
+{{- $arg := trimPrefix $name $spec | trimPrefix ":" }}
+{{- if and $arg (has $name (list "hpa-util" "hpa-waiting" "dynamo")) }}
+{{- $v := float64 $arg }}{{- /* 0 also when out of float range (1e999), which the loader refuses as infinite */}}
+{{- if or (le $v 0.0) (and (eq $name "hpa-util") (gt $v 1.0)) }}
+{{- fail (printf "config.autoscaler.policy %q: the parameter must be a finite number %s (the gateway refuses it at start)" $spec (ternary "in (0, 1], a GPU-utilisation target" "> 0" (eq $name "hpa-util"))) }}
+{{- end }}
+{{- else if eq $name "static" }}
+{{- $bounds := dict }}
+{{- range $pools }}{{ $_ := set $bounds .name (list (int .minReplicas) (int .maxReplicas)) }}{{ end }}
+{{- range (splitList "," $arg) }}
+{{- if . }}
+{{- $pool := index (splitList "=" .) 0 }}
+{{- $n := atoi (trim (trimPrefix (printf "%s=" $pool) .)) }}
+{{- if not (hasKey $bounds $pool) }}
+{{- fail (printf "config.autoscaler.policy %q: %q is not a pool (pools: %s); the gateway refuses it at start" $spec $pool (keys $bounds | sortAlpha | join ", ")) }}
+{{- end }}
+{{- $b := get $bounds $pool }}
+{{- if or (lt $n (index $b 0)) (gt $n (index $b 1)) }}
+{{- fail (printf "config.autoscaler.policy %q: the count %d is outside pool %s's minReplicas..maxReplicas (%d..%d); the gateway refuses it at start" $spec $n $pool (index $b 0) (index $b 1)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A GPU name in the catalog's spelling: its row (built-in or under catalog.gpus, any case), else the row its
+built-in alias stands for, else the name as given; as placement/catalog.py `_canonical` resolves it.
+Arguments: (list root name). */}}
+{{- define "mosaic.canonicalGpu" -}}
+{{- $root := index . 0 }}
+{{- $name := toString (index . 1) }}
+{{- $builtin := $root.Files.Get "files/catalog-models.yaml" | fromYaml }}
+{{- $found := "" }}
+{{- range concat $builtin.gpus (keys ($root.Values.catalog.gpus | default dict) | sortAlpha) }}
+{{- if and (not $found) (eq (lower .) (lower $name)) }}{{ $found = . }}{{ end }}
+{{- end }}
+{{- range $alias, $target := $builtin.gpuAliases }}
+{{- if and (not $found) (eq (lower $alias) (lower $name)) }}{{ $found = $target }}{{ end }}
+{{- end }}
+{{- default $name $found }}
+{{- end }}
+
+{{/*
+An inline node inventory (config.autoscaler.nodes) against the pools with `domains`, which the chart writes as
+autoscaler.kubernetes.domains: every domain of such a pool must be in the inventory, and every inventory domain
+with nodes of the pool's GPU (catalog spelling) must be one of its domains, or the controller refuses the config
+at start (server/autoscale_placement.py check_domains). A node without a domain is in "default", as
+placement/topology.py nodes_from_dict reads it. A path (an inventory file) is not read here. Arguments: (list
+root resolvedPools).
+*/}}
+{{- define "mosaic.checkNodeDomains" -}}
+{{- $root := index . 0 }}
+{{- $pools := index . 1 }}
+{{- $inventory := dig "autoscaler" "nodes" "" ($root.Values.config | default dict) }}
+{{- $nodes := list }}
+{{- if kindIs "map" $inventory }}{{ $nodes = $inventory.nodes | default list }}{{ end }}
+{{- /* no inventory: nothing to check (an empty or malformed one the controller refuses on its own terms) */}}
+{{- if and (kindIs "slice" $nodes) $nodes }}
+{{- $known := dict }}
+{{- $byGpu := dict }}{{- /* lower-cased catalog GPU → {domain: true} */}}
+{{- range $nodes }}
+{{- if kindIs "map" . }}
+{{- $d := toString (dig "domain" "default" .) }}
+{{- $_ := set $known $d true }}
+{{- $gpu := lower (include "mosaic.canonicalGpu" (list $root .gpu)) }}
+{{- $_ := set $byGpu $gpu (set (get $byGpu $gpu | default dict) $d true) }}
+{{- end }}
+{{- end }}
+{{- range $i, $pool := $pools }}
+{{- with $pool.domains }}
+{{- range . | sortAlpha }}
+{{- if not (hasKey $known .) }}
+{{- fail (printf "pools[%d] (%s): domain %q is not in config.autoscaler.nodes (domains: %s); the controller refuses it at start: add the domain's nodes to the inventory, or remove it from the pool" $i $pool.name . (keys $known | sortAlpha | join ", ")) }}
+{{- end }}
+{{- end }}
+{{- $gpu := include "mosaic.canonicalGpu" (list $root $pool.gpu) }}
+{{- $unmapped := list }}
+{{- range $d, $_ := get $byGpu (lower $gpu) | default dict }}
+{{- if not (has $d $pool.domains) }}{{ $unmapped = append $unmapped $d }}{{ end }}
+{{- end }}
+{{- if $unmapped }}
+{{- fail (printf "config.autoscaler.nodes has %s nodes in %s, where pool %s (pools[%d]) has no Deployment; the topology solver may place the pool there and the controller refuses it at start: add them to pools[%d].domains, or take those nodes out of the inventory" $gpu ($unmapped | sortAlpha | join ", ") $pool.name $i $i) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
