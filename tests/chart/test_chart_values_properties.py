@@ -1,8 +1,11 @@
-"""Property test over the chart's VALUES: for random values the schema accepts, `helm template` either refuses
-them with one of the chart's own `fail` messages, or renders objects that Kubernetes accepts (kubernetes-validate,
+"""Property test over the chart's VALUES: for random values, `helm template` either refuses them (the schema, or
+one of the chart's own `fail` messages), or renders objects that Kubernetes accepts (kubernetes-validate,
 strict; DNS names; selectors that select; named ports that exist; RBAC for what the controller patches) and a
-config that `mosaic serve` and `mosaic autoscale` accept at start (no CrashLoopBackOff). Renders are
-deterministic (byte for byte, but for the API key the chart generates when none is given).
+config that `mosaic serve` and `mosaic autoscale` accept at start (no CrashLoopBackOff). The strategy also draws
+values those refuse (a KV lease under a request timeout, a backlog lead without a cold start, policy knobs and
+parameters out of range, unknown policies, a model listed twice, a node inventory off the pools' domains), which
+the chart must refuse. Renders are deterministic (byte for byte, but for the API key the chart generates when
+none is given).
 
 Derandomized and short by default (about 60 examples); MOSAIC_CHART_PROPERTY_EXAMPLES=2000 for a longer hunt.
 """
@@ -10,6 +13,7 @@ Derandomized and short by default (about 60 examples); MOSAIC_CHART_PROPERTY_EXA
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import tempfile
@@ -23,6 +27,7 @@ import yaml
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
+from scheduler.autoscaler.policy import AutoscalerConfig as PolicyConfig
 from server.config import ConfigError, load_config
 from tests.chart.chartkit import CRD_KINDS, LABEL_VALUE, NAMESPACE, RELEASE, Rendered, parse_selector
 
@@ -65,6 +70,9 @@ WITH_PRODUCTS = {"L4", "A100-80GB", "H100-SXM", "H200"}  # vllm.gpuProducts has 
 MODELS = ["llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "qwen2.5-7b", "Mistral-7B"]
 POOL_NAMES = ["a", "p1", "decode-a100", "prefill-h100", "123", "x" * 30, "mixed-l4"]
 DOMAINS = ["rack-1", "Rack_2", "zone.a", "us-east-1a"]
+# Policy knobs, and values in and out of each knob's range (the schema refuses what the policy would)
+KNOBS = [f.name for f in dataclasses.fields(PolicyConfig)]
+KNOB_VALUES = [0.5, 1, 1, 1.5, 4, -1, 0]
 
 ints = st.integers
 small = st.integers(min_value=0, max_value=6)
@@ -73,13 +81,6 @@ probe = st.fixed_dictionaries(
     {"periodSeconds": ints(1, 30), "failureThreshold": ints(1, 200)},
     optional={"timeoutSeconds": ints(1, 10)},
 )
-
-
-def _canonical_gpu(name: str) -> str:
-    from placement.catalog import _GPU_ALIASES
-
-    aliases = {k.lower(): v for k, v in _GPU_ALIASES.items()}
-    return aliases.get(name.lower(), name).lower()
 
 
 @st.composite
@@ -184,21 +185,34 @@ def values(draw: st.DrawFn) -> dict[str, Any]:
         cfg["kv"] = {"enabled": draw(st.booleans())}
         if draw(st.booleans()):
             cfg["kv"]["share"] = draw(st.sampled_from([None, 0.5, 1]))
+        if draw(st.booleans()):  # at or below the longest request timeout (default 600 s) is refused
+            cfg["kv"]["lease_s"] = draw(st.sampled_from([30, 600, 600.5, 900, 1800]))
     if draw(st.booleans()):
+        # Some of each kind the gateway or the controller refuses at start: the chart must refuse them too.
+        static = f"static:{draw(st.sampled_from([*names, 'nope']))}={draw(ints(0, 8))}"
         cfg["autoscaler"] = {
             "enabled": draw(st.booleans()),
-            "policy": draw(st.sampled_from(["mosaic", "hpa-util:0.7", "hpa-waiting:4", "dynamo:180"])),
+            "policy": draw(
+                st.sampled_from(
+                    ["mosaic", "hpa-util:0.7", "hpa-waiting:4", "dynamo:180", "hpa-util:1.5", "fixed", static]
+                )
+            ),
             "interval_s": draw(st.sampled_from([5, 15])),
         }
+        a = cfg["autoscaler"]
+        if draw(st.sampled_from([False, False, True])):
+            knobs = draw(st.dictionaries(st.sampled_from(KNOBS), st.sampled_from(KNOB_VALUES), max_size=2))
+            for knob, value in knobs.items():
+                (a if draw(st.booleans()) else a.setdefault("knobs", {}))[knob] = value  # flat or under knobs
+        if draw(st.booleans()):  # a lead without a cold start is refused
+            (a if draw(st.booleans()) else a.setdefault("knobs", {}))["backlog_lead_s"] = draw(
+                st.sampled_from([0, 30])
+            )
+        if draw(st.booleans()):
+            a["cold_start_s"] = draw(st.sampled_from([0, 60]))
         if draw(st.booleans()):  # a node inventory over the pools' GPUs and domains (the topology solver)
             nodes = []
-            # A node of a split pool's GPU outside that pool's domains is refused by `mosaic autoscale` (with a
-            # clear message; the chart does not cross-check the inventory): only inventories that fit.
-            by_gpu: dict[str, set[frozenset[str]]] = {}
             for p in v["pools"]:
-                by_gpu.setdefault(_canonical_gpu(p["gpu"]), set()).add(frozenset(p.get("domains") or []))
-            fits = all(len(sets) == 1 for sets in by_gpu.values())
-            for p in v["pools"] if fits else []:
                 for d in p.get("domains") or ["rack-9"]:
                     nodes.append(
                         {
@@ -208,14 +222,24 @@ def values(draw: st.DrawFn) -> dict[str, Any]:
                             "domain": d,
                         }
                     )
+            # Off the pools' domains (a split pool's GPU also in another pool's domains, or rack-9 for a pool
+            # without; one of its domains dropped) `mosaic autoscale` refuses the inventory, and so the chart.
+            if draw(st.booleans()):
+                del nodes[draw(ints(0, len(nodes) - 1))]
             if nodes:
-                cfg["autoscaler"]["nodes"] = {"nodes": nodes}
+                a["nodes"] = {"nodes": nodes}
         if draw(st.booleans()):
             cfg["autoscaler"]["actuator"] = draw(st.sampled_from(["kubernetes", "dry-run"]))
     if draw(st.booleans()):
         cfg["limits"] = {"shutdown_grace_s": draw(st.sampled_from([0, 10, 30.5]))}
+        if draw(st.booleans()):  # the KV lease (default 900 s) must outlast each of these
+            cfg["limits"]["total_timeout_s"] = draw(st.sampled_from([60, 600, 1200]))
+        if draw(st.booleans()):
+            cfg["limits"]["stall_timeout_s"] = draw(st.sampled_from([30, 900]))
     if draw(st.booleans()):
         cfg["models"] = [{"name": m, "spec": "llama-3-8b"} for m in sorted({p["model"] for p in v["pools"]})]
+        if draw(st.sampled_from([False, False, True])):  # a name listed twice is refused
+            cfg["models"].append(dict(cfg["models"][0]))
     if cfg:
         v["config"] = cfg
     if draw(st.booleans()):
@@ -550,7 +574,7 @@ def check(chart: helm.Chart, vals: dict[str, Any]) -> None:
     try:
         chart.validate_schema(vals)
     except helm.HelmValuesError:
-        return  # refused with the schema's message: fine (the strategy aims at valid values)
+        return  # refused with the schema's message, naming the key: fine
     try:
         first = _render_raw(chart, vals)
     except helm.HelmRenderError as exc:
@@ -583,7 +607,7 @@ def check(chart: helm.Chart, vals: dict[str, Any]) -> None:
     ],
 )
 @given(vals=values())
-def test_schema_valid_values_render_valid_objects_and_a_config_mosaic_accepts(
+def test_values_are_refused_at_render_or_give_valid_objects_and_a_config_mosaic_accepts(
     chart: helm.Chart, vals: dict[str, Any]
 ) -> None:
     note(yaml.safe_dump(vals, sort_keys=False))
