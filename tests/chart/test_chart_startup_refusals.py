@@ -374,3 +374,25 @@ def test_the_inventory_is_not_checked_without_the_controller(chart: helm.Chart, 
         "config": {"autoscaler": {"nodes": _nodes(("L4", "a"))}},
     }
     _loads(chart, values, tmp_path)
+
+
+# ---- 7. kv keys with a fixed set or an open bound ----
+
+
+@pytest.mark.parametrize(
+    ("kv", "path"),
+    [
+        pytest.param({"watermark": 0}, "/config/kv/watermark", id="watermark 0 (KvConfig: must be > 0)"),
+        pytest.param({"data_parallel": "per_rank"}, "/config/kv/data_parallel", id="unknown DP booking"),
+    ],
+)
+def test_kv_values_the_gateway_refuses_are_refused(chart: helm.Chart, kv: dict[str, Any], path: str) -> None:
+    assert not _gateway_accepts({"kv": kv})
+    assert path in _refusal(chart, {"pools": [POOL], "config": {"kv": kv}})
+
+
+def test_kv_values_just_inside_render_and_load(chart: helm.Chart, tmp_path: Path) -> None:
+    kv = {"watermark": 0.001, "data_parallel": "pooled"}
+    assert _gateway_accepts({"kv": kv})
+    loaded = _loads(chart, {"pools": [POOL], "config": {"kv": kv}}, tmp_path)
+    assert (loaded.kv.watermark, loaded.kv.data_parallel) == (0.001, "pooled")
