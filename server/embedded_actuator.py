@@ -278,7 +278,7 @@ class EmbeddedActuator:
         if worker is None:
             return True
         runtime = worker.runtime
-        return runtime.driver.inflight == 0 and runtime.engine.num_held == 0
+        return runtime.inflight == 0 and runtime.num_held == 0  # every data-parallel engine
 
     async def _drain(self, pool: str, index: int) -> None:
         src = self.sources[pool]

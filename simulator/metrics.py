@@ -3,8 +3,13 @@
 Rendered by prometheus_client from a per-app `CollectorRegistry` (never the global one) through a custom
 collector, so gauges and counters are read from the engine at scrape time (no per-step updates) and
 histograms accept bulk observations (`observe(value, count)`: a step's inter-token latencies are one call).
-Every family carries `model_name` and `engine="0"` labels, as vLLM ≥ 0.10 does (cache_config_info only
-`engine`, as in vLLM 0.32). Times are simulated
+Every family carries `model_name` and `engine` labels, as vLLM ≥ 0.10 does (cache_config_info only
+`engine`, as in vLLM 0.32), with one series per engine of a data-parallel worker (`engine="0"`, `"1"`, …,
+in rank order; request_success_total by reason, then engine, as vLLM renders it). `cache_config_info` has a
+row per engine, each with the server's total `num_gpu_blocks` (vLLM 0.32's API server sums its engines'
+blocks into one cache config, `v1/engine/core_client.py`) and the engine's own `num_gpu_blocks_override`.
+One `WorkerMetrics` per engine holds that engine's histograms; the first (rank 0) owns the server's
+registry, and later engines join it with `add_engine`. Times are simulated
 seconds (at time scale X, X times the wall-clock figure a client measures).
 
 Families (REFERENCE.md, "Metrics"): gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`,
@@ -109,11 +114,13 @@ def _le(bound: float) -> str:
 
 
 class WorkerMetrics:
-    """Histograms fed by the worker runtime plus a collector reading the engine; `render()` → exposition."""
+    """One engine's histograms, fed by its driver, and the collector reading every engine of the server at
+    scrape time; `render()` → the server's exposition (any rank's gives the same)."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, rank: int = 0) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.rank = rank
         self.created = time.time()
         mml = engine.max_model_len
         self.ttft = Hist(TTFT_BUCKETS)
@@ -127,8 +134,18 @@ class WorkerMetrics:
         self.generation_tokens = Hist(buckets_1_2_5(mml))
         cap = engine.config.max_num_batched_tokens
         self.iteration_tokens = Hist([b for b in ITERATION_TOKEN_BUCKETS if b <= cap])
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)  # type: ignore[arg-type]
+        self.ranks: list[WorkerMetrics] = [self]  # the server's engines, shared by all of them
+        if rank == 0:
+            self.registry = CollectorRegistry(auto_describe=False)
+            self.registry.register(self)  # type: ignore[arg-type]
+
+    def add_engine(self, engine: Engine) -> WorkerMetrics:
+        """The next engine of this data-parallel server: its own histograms, the same exposition."""
+        added = WorkerMetrics(engine, self.model_name, rank=len(self.ranks))
+        added.registry = self.registry
+        self.ranks.append(added)
+        added.ranks = self.ranks
+        return added
 
     def observe_finished(self, rec: RequestRecord) -> None:
         """A request finished (not aborted): the per-request histograms, as vLLM records them at finish."""
@@ -149,52 +166,57 @@ class WorkerMetrics:
 
     # ---- prometheus_client collector protocol
     def collect(self) -> Iterator[Metric]:
-        eng, labels, values = self.engine, ["model_name", "engine"], [self.model_name, "0"]
+        ranks, labels = self.ranks, ["model_name", "engine"]
+        values = [[self.model_name, str(m.rank)] for m in ranks]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, attr: str) -> GaugeMetricFamily:  # an `Engine` property
             g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
+            for m, v in zip(ranks, values, strict=True):
+                g.add_metric(v, getattr(m.engine, attr))
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        def counter(name: str, doc: str, attr: str) -> CounterMetricFamily:  # an `EngineCounters` field
             c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value, created=self.created)
+            for m, v in zip(ranks, values, strict=True):
+                c.add_metric(v, getattr(m.engine.counters, attr), created=m.created)
             return c
 
         yield gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", eng.num_running
+            "vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"
         )
-        yield gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", eng.num_waiting
-        )
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", eng.kv_usage)
-        cfg = eng.config
-        info_labels = {
-            "block_size": str(eng.block_size),
-            "cache_dtype": "auto",
-            "enable_prefix_caching": str(cfg.enable_prefix_caching),
-            "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
-            "num_gpu_blocks": str(eng.num_gpu_blocks),
-            "num_gpu_blocks_override": str(cfg.num_gpu_blocks),
-        }
-        # vLLM 0.32 labels cache_config_info with `engine` but not `model_name`.
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            labels=[*info_labels, "engine"],
-        )
-        info.add_metric([*info_labels.values(), "0"], 1.0)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting")
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage")
+        total_blocks = str(sum(m.engine.num_gpu_blocks for m in ranks))
+        info: GaugeMetricFamily | None = None
+        for m in ranks:
+            eng, cfg = m.engine, m.engine.config
+            info_labels = {
+                "block_size": str(eng.block_size),
+                "cache_dtype": "auto",
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+                "num_gpu_blocks": total_blocks,
+                "num_gpu_blocks_override": str(cfg.num_gpu_blocks),
+            }
+            if info is None:
+                # vLLM 0.32 labels cache_config_info with `engine` but not `model_name`.
+                info = GaugeMetricFamily(
+                    "vllm:cache_config_info",
+                    "Information of the LLMEngine CacheConfig",
+                    labels=[*info_labels, "engine"],
+                )
+            info.add_metric([*info_labels.values(), str(m.rank)], 1.0)
+        assert info is not None
         yield info
-        c = eng.counters
         yield counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", c.preemptions
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", "preemptions"
         )
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", c.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", c.generation_tokens)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens")
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens")
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      c.prefix_cache_queries)  # fmt: skip
+                      "prefix_cache_queries")  # fmt: skip
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      c.prefix_cache_hits)  # fmt: skip
+                      "prefix_cache_hits")  # fmt: skip
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -203,23 +225,26 @@ class WorkerMetrics:
         # vLLM exports every FinishReason, 0 until one occurs; the simulator never finishes with error or
         # repetition (no KV-load failures, no repetition detection), but exports them as vLLM does
         for reason in FINISHED_REASONS:
-            success.add_metric([reason, *values], c.success.get(reason, 0), created=self.created)
+            for m, v in zip(ranks, values, strict=True):
+                success.add_metric([reason, *v], m.engine.counters.success.get(reason, 0), created=m.created)
         yield success
-        for name, doc, hist in (
-            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", self.ttft),
-            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", self.itl),
-            ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self.e2e),
-            ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", self.queue),
+        for name, doc, attr in (
+            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
+            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", "itl"),
+            ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", "e2e"),
+            ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", "queue"),
             ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
-             self.inference),
+             "inference"),
             ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-             self.prefill),
-            ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", self.decode),
-            ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
-            ("vllm:request_generation_tokens", "Number of generation tokens processed.", self.generation_tokens),
-            ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", self.iteration_tokens),
+             "prefill"),
+            ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", "decode"),
+            ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+            ("vllm:request_generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+            ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", "iteration_tokens"),
         ):  # fmt: skip
             fam = HistogramMetricFamily(name, doc, labels=labels)
-            fam.add_metric(values, hist.cumulative(), hist.sum)
-            fam.add_sample(name + "_created", dict(zip(labels, values, strict=True)), self.created)
+            for m, v in zip(ranks, values, strict=True):
+                hist: Hist = getattr(m, attr)
+                fam.add_metric(v, hist.cumulative(), hist.sum)
+                fam.add_sample(name + "_created", dict(zip(labels, v, strict=True)), m.created)
             yield fam

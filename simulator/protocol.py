@@ -29,7 +29,9 @@ by stage in vLLM's order, so a request with several faults gets vLLM's answer to
    SamplingParams' checks: logit_bias keys that are no integers, n, penalties, temperature, top_p, top_k, min_p, max_tokens ≥ 1 (param
    `max_tokens`), min_tokens (no param), empty stop strings, n = 1 under greedy sampling (temperature 0);
 7. the engine's checks (`EngineInputError`): at most 20 logprobs, then 20 prompt logprobs (echo asks for the
-   sample's count), token ids of `logit_bias` and `stop_token_ids` in the vocabulary; then per prompt no
+   sample's count), token ids of `logit_bias` and `stop_token_ids` in the vocabulary; an
+   `X-data-parallel-rank` header's rank in [0, engines) (`data_parallel_rank 5 is out of range [0, 2).`,
+   no param; `simulator.data_parallel`); then per prompt no
    empty prompt (`[[]]`, `[""]`: no param) and no token id outside the model's vocabulary (`Token id N is
    out of vocabulary`, N the prompt's largest; the catalog's `vocab_size`, else Llama-3's 128,256). vLLM
    runs these once a stream's response has begun: a stream gets them as HTTP 200 with one
@@ -701,10 +703,17 @@ def parse_request(
     )  # fmt: skip
 
 
-def check_request(api: ApiRequest, max_model_len: int, vocab_size: int = VOCAB_SIZE) -> list[int]:
+def check_request(
+    api: ApiRequest,
+    max_model_len: int,
+    vocab_size: int = VOCAB_SIZE,
+    data_parallel_rank: int | None = None,
+    data_parallel_size: int = 1,
+) -> list[int]:
     """Stages 5–7 of the module docstring: each prompt's length, then per prompt vLLM's SamplingParams checks
-    with max_tokens clamped to the room the prompt leaves, then the engine's (token ids from 0 to
-    `vocab_size` − 1). Returns max_tokens per prompt."""
+    with max_tokens clamped to the room the prompt leaves, then the engine's (the `X-data-parallel-rank`
+    header's rank against the server's engines, token ids from 0 to `vocab_size` − 1). Returns max_tokens
+    per prompt."""
     for ids, text in zip(api.prompts, api.from_text or [False] * len(api.prompts), strict=True):
         # vLLM tokenises text with max_length = max_model_len + 1, so it counts at most that many
         count = min(len(ids), max_model_len + 1) if text else len(ids)
@@ -728,6 +737,7 @@ def check_request(api: ApiRequest, max_model_len: int, vocab_size: int = VOCAB_S
         out.append(max_tokens)
     if api.params is not None:
         _check_engine(api.params, vocab_size)
+    check_data_parallel_rank(data_parallel_rank, data_parallel_size)
     # vLLM's input processor, prompt by prompt: empty, then out of the vocabulary (a text's pseudo ids are the
     # simulator's own, from Llama-3's vocabulary whatever the model: only a client's ids are checked)
     for ids, text in zip(api.prompts, api.from_text or [False] * len(api.prompts), strict=True):
@@ -736,6 +746,13 @@ def check_request(api: ApiRequest, max_model_len: int, vocab_size: int = VOCAB_S
         if not text and max(ids) >= vocab_size:
             raise EngineInputError(400, f"Token id {max(ids)} is out of vocabulary")
     return out
+
+
+def check_data_parallel_rank(rank: int | None, size: int) -> None:
+    """vLLM's input processor, after the sampling parameters and before the prompt: a rank named by
+    `X-data-parallel-rank` must be one of the server's engines, also on a server of one engine (no param)."""
+    if rank is not None and not 0 <= rank < size:
+        raise EngineInputError(400, f"data_parallel_rank {rank} is out of range [0, {size}).")
 
 
 def _check_sampling(api: ApiRequest, f: _Fields, max_tokens: int) -> None:

@@ -17,6 +17,18 @@ A `decode` worker given `do_remote_prefill=true` allocates the prompt's blocks, 
 prompt_tokens · kv_bytes_per_token / (kv_link_gbps · 10⁹) s of simulated time, computes the last prompt
 token, decodes, and POSTs /sim/kv/release to remote_host:remote_port (best effort). A `mixed` worker, or a
 role that does not match the params, answers `kv_transfer_params: null` like vLLM without a connector.
+
+Data parallelism (`data_parallel_size` N > 1, vLLM's `--data-parallel-size`): N engines, each with its own
+driver, clock, KV cache of the configured blocks and the same perf model, behind this one API server. A
+request runs on the engine its `X-data-parallel-rank` header names (a rank outside [0, N) is refused as
+vLLM refuses it), else on the one vLLM's balancer would pick (`simulator.data_parallel`); all sequences of
+one API request run on the same engine (vLLM balances each of `n`'s child requests on its own: the
+simulator's sequences of a request share one wake-up event, so they stay together). Aborts and
+disconnects reach the engine running the request. A prefill engine's `remote_engine_id` is the worker's
+engine id with `_dp<rank>` appended, as vLLM suffixes each DP engine's KV-connector id; `remote_port` stays
+this server's (the simulated release goes to /sim/kv/release, which finds the engine holding the blocks).
+`/sim/state` sums the engines (KV usage: their mean; blocks: the server's total, as `cache_config_info`)
+and lists each under `engines`. N = 1 answers exactly as a worker without data parallelism.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from starlette.routing import Route
 
 from placement.catalog import load_catalog
 from placement.perf_model import PerfModel
+from simulator.data_parallel import RANK_HEADER, DpBalancer, EngineLoad, requested_rank
 from simulator.engine import Engine, EngineConfig
 from simulator.metrics import WorkerMetrics
 from simulator.protocol import (
@@ -150,10 +163,15 @@ class WorkerConfig:
     advertise_host: str = "127.0.0.1"  # remote_host in kv_transfer_params
     advertise_port: int = 0  # remote_port; start_worker_server fills in the bound port
     engine_id: str | None = None  # remote_engine_id; None → random
+    data_parallel_size: int = 1  # engines behind the one API server (vLLM's --data-parallel-size)
 
     def validate(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if isinstance(self.data_parallel_size, bool) or not (
+            isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1
+        ):
+            raise ValueError(f"data_parallel_size must be an integer ≥ 1, got {self.data_parallel_size!r}")
         # NaN fails both; inf would freeze simulated time at its anchor; below MIN_TIME_SCALE a request's
         # few simulated seconds take wall-clock days (1e-300: every request hung)
         if not MIN_TIME_SCALE <= self.time_scale < math.inf:
@@ -167,7 +185,10 @@ class WorkerConfig:
 
 
 class WorkerRuntime:
-    """The app's state: engine + driver + metrics + P/D holds + faults. Built by `create_worker_app`."""
+    """The app's state: engines + their drivers + metrics + P/D holds + faults. Built by `create_worker_app`.
+
+    `engines`, `drivers`, `engine_metrics`: one per data-parallel rank; `engine`, `driver`, `metrics` are
+    rank 0's (the only ones without data parallelism; `metrics.render()` is the whole server's)."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
         cfg.validate()
@@ -180,24 +201,70 @@ class WorkerRuntime:
                 f"size ({cfg.tp})."
             )
         self.perf = PerfModel(catalog.gpu(cfg.gpu), model, tp=cfg.tp)
-        self.engine = Engine(self.perf, cfg.engine, seed=cfg.seed)
         self.served = cfg.served_model_name or self.perf.model.name
+        # Every engine gets the worker's seed: DP engines are replicas of one model, so a prompt's answer
+        # does not depend on which engine runs it (vLLM at temperature 0 likewise).
+        self.engines = [Engine(self.perf, cfg.engine, seed=cfg.seed) for _ in range(cfg.data_parallel_size)]
+        self.engine = self.engines[0]
         self.metrics = WorkerMetrics(self.engine, self.served)
-        self.driver = EngineDriver(self.engine, self.metrics, cfg.time_scale)
-        self.driver.on_kv_received = self._kv_received
+        self.engine_metrics = [self.metrics, *(self.metrics.add_engine(e) for e in self.engines[1:])]
+        self.drivers = [
+            EngineDriver(e, m, cfg.time_scale) for e, m in zip(self.engines, self.engine_metrics, strict=True)
+        ]
+        self.driver = self.drivers[0]
+        for driver in self.drivers:
+            driver.on_kv_received = self._kv_received
+        self._balancer = DpBalancer()
         self.faults = FaultConfig(**asdict(cfg.faults))
         self.rng = random.Random(cfg.seed)
         self.engine_id = cfg.engine_id or f"sim-{secrets.token_hex(6)}"
         self.advertise_port = cfg.advertise_port
         self.created = int(time.time())
         self._next_block_id = 1
-        self._holds: dict[int, str] = {}  # first remote block id → request id (prefill side)
+        self._holds: dict[
+            int, tuple[int, str]
+        ] = {}  # first remote block id → (rank, request id) (prefill side)
         self._remote: dict[str, dict[str, Any]] = {}  # request id → kv_transfer_params (decode side)
         self._client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task[None]] = set()
 
+    @property
+    def inflight(self) -> int:
+        """Sequences the engines are running or queueing (P/D holds not included: `num_held`)."""
+        return sum(d.inflight for d in self.drivers)
+
+    @property
+    def num_held(self) -> int:
+        return sum(e.num_held for e in self.engines)
+
+    def abort_all(self) -> int:
+        """Abort every request of every engine (the server is stopping): `EngineDriver.abort_all`."""
+        return sum(d.abort_all() for d in self.drivers)
+
+    def expire_held(self) -> None:
+        """Free P/D holds past their timeout now (a scrape reads usage) and step an engine that can admit."""
+        for driver in self.drivers:
+            if driver.engine.expire_held(driver.now()):
+                driver.kick()
+
+    def engine_for(self, rank: int | None) -> int:
+        """The engine a request runs on: the rank it names (checked already), else the balancer's pick."""
+        if rank is not None:
+            return rank
+        if len(self.drivers) == 1:
+            return 0
+        return self._balancer.pick(
+            [
+                EngineLoad(
+                    d.engine.num_waiting, d.engine.num_running, d.engine.kv_usage, d.inflight + d.arriving
+                )
+                for d in self.drivers
+            ]
+        )
+
     async def aclose(self) -> None:
-        await self.driver.aclose()
+        for driver in self.drivers:
+            await driver.aclose()
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -212,8 +279,9 @@ class WorkerRuntime:
             body = parse_body(await request.body(), request.headers.get("content-type"))
             limit = self.engine.max_model_len
             api = parse_request(body, chat, self.served, limit)
+            dp_rank = requested_rank(request.headers.get(RANK_HEADER))
             max_tokens = check_request(
-                api, limit, self.perf.model.vocab_size or VOCAB_SIZE
+                api, limit, self.perf.model.vocab_size or VOCAB_SIZE, dp_rank, len(self.engines)
             )  # per prompt, clamped to the context it leaves
         except EngineInputError as err:
             if (
@@ -238,8 +306,10 @@ class WorkerRuntime:
         rid = ("chatcmpl-" if chat else "cmpl-") + base
         eid = f"{rid}-{secrets.token_hex(4)}"
         seqs = self._sequences(api, eid, max_tokens)
+        rank = self.engine_for(dp_rank)
+        driver = self.drivers[rank]
         try:
-            tickets = await self.driver.submit_all([s.request for s in seqs], stream=api.stream)
+            tickets = await driver.submit_all([s.request for s in seqs], stream=api.stream)
         except ValueError as exc:  # the engine refused what the checks above let through: a 400, not a 500
             self._abandon_remote(eid)
             err = ApiError(400, str(exc))
@@ -249,9 +319,9 @@ class WorkerRuntime:
             return StreamingResponse(_echo_only_stream(api, writer, tickets), media_type="text/event-stream")
         if api.stream:
             cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
-            stream = self._stream(api, rid, seqs, tickets, bool(cut), eid)
+            stream = self._stream(api, rid, seqs, tickets, bool(cut), eid, driver)
             return StreamingResponse(stream, media_type="text/event-stream")
-        recs = await self._finished_or_disconnected(request, tickets)
+        recs = await self._finished_or_disconnected(request, tickets, driver)
         self._abandon_remote(eid)  # aborted before its KV landed: the prefill side frees it now
         if recs is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -265,7 +335,7 @@ class WorkerRuntime:
             for seq, rec in zip(seqs, recs, strict=True)
         ]
         build = chat_body if chat else completion_body
-        kvp = self._kv_response(recs[0]) if len(recs) == 1 else None
+        kvp = self._kv_response(recs[0], rank) if len(recs) == 1 else None
         out = build(rid, self.served, int(time.time()), choices, sum(map(len, api.prompts)),
                     sum(rec.output_tokens for rec in recs), kvp)  # fmt: skip
         return JSONResponse(out)
@@ -307,7 +377,7 @@ class WorkerRuntime:
         return seqs
 
     async def _finished_or_disconnected(
-        self, request: Request, tickets: list[Ticket]
+        self, request: Request, tickets: list[Ticket], driver: EngineDriver
     ) -> list[RequestRecord] | None:
         """Wait for every sequence to finish; if the client disconnects first, abort them (as vLLM does) → None."""
 
@@ -323,7 +393,7 @@ class WorkerRuntime:
             if not waiter.done():
                 waiter.cancel()
                 for tk in tickets:
-                    self.driver.abort(tk)
+                    driver.abort(tk)
         return waiter.result() if waiter in done else None
 
     async def _stream(
@@ -334,13 +404,16 @@ class WorkerRuntime:
         tickets: list[Ticket],
         cut: bool,
         engine_id: str | None = None,
+        driver: EngineDriver | None = None,
     ) -> AsyncIterator[str]:
         """One event per token of each sequence as the engine produces them (each event carries one choice,
         as vLLM's); chat opens with a role event per choice, sent as vLLM sends them: when the engine's first
         output arrives (after prefill and any queueing), right before the first token, not on acceptance.
-        `rid`: the response id every chunk carries; `engine_id`: the request's engine id (default `rid`).
-        `cut`: a simulated failure halfway through."""
+        `rid`: the response id every chunk carries; `engine_id`: the request's engine id (default `rid`);
+        `driver`: the engine's driver that runs it (default rank 0's). `cut`: a simulated failure halfway
+        through."""
         w = ChunkWriter(rid, self.served, api.chat)
+        driver = driver or self.driver
         seed, cont, k = self.cfg.seed, api.continuous_usage, api.logprobs
         sent = [0] * len(tickets)
         offsets = [0] * len(tickets)  # characters of each choice's text sent: completions' text_offset
@@ -366,7 +439,7 @@ class WorkerRuntime:
                     for at, word in enumerate(words, start=sent[i]):
                         if cut and tk.request.max_tokens > 1 and at >= tk.request.max_tokens // 2:
                             for other in tickets:
-                                self.driver.abort(other)
+                                driver.abort(other)
                             yield w.error(
                                 ApiError(500, "simulated mid-stream failure", "InternalServerError")
                             )
@@ -394,7 +467,7 @@ class WorkerRuntime:
             yield w.done()
         finally:
             for tk in tickets:
-                self.driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
+                driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
             self._abandon_remote(engine_id or rid)
 
     # ------------------------------------------------------------ P/D
@@ -411,18 +484,22 @@ class WorkerRuntime:
             return KvTransfer(remote_prefilled=True, transfer_delay_s=nbytes / (self.cfg.kv_link_gbps * 1e9))
         return None
 
-    def _kv_response(self, rec: RequestRecord) -> dict[str, Any] | None:
+    def _kv_response(self, rec: RequestRecord, rank: int = 0) -> dict[str, Any] | None:
         if not rec.held_blocks:
             return None
         first = self._next_block_id
         self._next_block_id += rec.held_blocks
-        if len(self._holds) > 2 * self.engine.num_held + 64:  # forget holds that timed out in the engine
-            self._holds = {b: r for b, r in self._holds.items() if self.engine.inspect(r) is not None}
-        self._holds[first] = rec.request_id
+        if len(self._holds) > 2 * self.num_held + 64:  # forget holds that timed out in the engine
+            self._holds = {
+                b: (k, r) for b, (k, r) in self._holds.items() if self.engines[k].inspect(r) is not None
+            }
+        self._holds[first] = (rank, rec.request_id)
+        # vLLM appends `_dp<rank>` to each DP engine's KV-connector engine id (v1/engine/utils.py)
+        engine_id = self.engine_id if len(self.engines) == 1 else f"{self.engine_id}_dp{rank}"
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
+            "remote_engine_id": engine_id,
             "remote_block_ids": list(range(first, first + rec.held_blocks)),
             "remote_host": self.cfg.advertise_host,
             "remote_port": self.advertise_port,
@@ -434,14 +511,18 @@ class WorkerRuntime:
         """Free a hold named by `remote_block_ids` (or `remote_request_id`); returns blocks freed."""
         ids = body.get("remote_block_ids")
         rid = body.get("remote_request_id")
-        if isinstance(ids, list) and ids and isinstance(ids[0], int):
-            rid = self._holds.pop(ids[0], rid)
+        ranks: range | tuple[int] = range(len(self.engines))  # named by request id only: whichever holds it
+        if isinstance(ids, list) and ids and isinstance(ids[0], int) and ids[0] in self._holds:
+            rank, rid = self._holds.pop(ids[0])
+            ranks = (rank,)
         if not isinstance(rid, str):
             return 0
-        freed = self.engine.release_held(rid)
-        if freed:
-            self.driver.kick()  # a request waiting for those blocks is admitted now, not at the next arrival
-        return freed
+        for rank in ranks:
+            freed = self.engines[rank].release_held(rid)
+            if freed:
+                self.drivers[rank].kick()  # a request waiting for those blocks is admitted now
+                return freed
+        return 0
 
     def _kv_received(self, rid: str) -> None:
         self._abandon_remote(rid)
@@ -477,12 +558,42 @@ class WorkerRuntime:
 
     def state_body(self) -> dict[str, Any]:
         eng = self.engine
+        if len(self.engines) == 1:
+            return {
+                "gpu": self.perf.gpu.name, "model": self.perf.model.name, "served_model_name": self.served,
+                "role": self.cfg.role, "tp": self.cfg.tp, "time_scale": self.cfg.time_scale,
+                "sim_time_s": self.driver.now(), "num_running": eng.num_running, "num_waiting": eng.num_waiting,
+                "num_held": eng.num_held, "kv_usage": eng.kv_usage, "num_gpu_blocks": eng.num_gpu_blocks,
+                "block_size": eng.block_size, "max_model_len": eng.max_model_len, "counters": asdict(eng.counters),
+            }  # fmt: skip
+        engines = [self._engine_state(rank) for rank in range(len(self.engines))]
+        counters: dict[str, Any] = {}
+        for e in engines:
+            for key, value in e["counters"].items():
+                if isinstance(value, dict):  # success, by finish reason
+                    merged = counters.setdefault(key, {})
+                    for reason, n in value.items():
+                        merged[reason] = merged.get(reason, 0) + n
+                else:
+                    counters[key] = counters.get(key, 0) + value
         return {
             "gpu": self.perf.gpu.name, "model": self.perf.model.name, "served_model_name": self.served,
             "role": self.cfg.role, "tp": self.cfg.tp, "time_scale": self.cfg.time_scale,
-            "sim_time_s": self.driver.now(), "num_running": eng.num_running, "num_waiting": eng.num_waiting,
-            "num_held": eng.num_held, "kv_usage": eng.kv_usage, "num_gpu_blocks": eng.num_gpu_blocks,
-            "block_size": eng.block_size, "max_model_len": eng.max_model_len, "counters": asdict(eng.counters),
+            "data_parallel_size": len(self.engines), "sim_time_s": max(e["sim_time_s"] for e in engines),
+            "num_running": sum(e["num_running"] for e in engines),
+            "num_waiting": sum(e["num_waiting"] for e in engines),
+            "num_held": sum(e["num_held"] for e in engines),
+            "kv_usage": sum(e["kv_usage"] for e in engines) / len(engines),  # engines of equal size
+            "num_gpu_blocks": sum(e["num_gpu_blocks"] for e in engines), "block_size": eng.block_size,
+            "max_model_len": eng.max_model_len, "counters": counters, "engines": engines,
+        }  # fmt: skip
+
+    def _engine_state(self, rank: int) -> dict[str, Any]:
+        eng, driver = self.engines[rank], self.drivers[rank]
+        return {
+            "rank": rank, "sim_time_s": driver.now(), "num_running": eng.num_running,
+            "num_waiting": eng.num_waiting, "num_held": eng.num_held, "kv_usage": eng.kv_usage,
+            "num_gpu_blocks": eng.num_gpu_blocks, "counters": asdict(eng.counters),
         }  # fmt: skip
 
 
@@ -531,8 +642,7 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         return Response(status_code=200 if rt.faults.healthy else 503)
 
     async def metrics(request: Request) -> Response:
-        if rt.engine.expire_held(rt.driver.now()):
-            rt.driver.kick()
+        rt.expire_held()
         return Response(rt.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def state(request: Request) -> Response:

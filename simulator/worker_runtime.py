@@ -104,6 +104,7 @@ class EngineDriver:
         self._busy_until: float | None = None
         self._last_end = 0.0
         self._overhead_wall = engine.api_overhead_s / time_scale
+        self.arriving = 0  # sequences in their API-server overhead, not yet in the engine (data_parallel.py)
 
     @property
     def inflight(self) -> int:
@@ -123,7 +124,11 @@ class EngineDriver:
         wake-up event: `Ticket.event`)."""
         arrival = self.now()
         if self._overhead_wall >= _MIN_SLEEP_S:
-            await asyncio.sleep(self._overhead_wall)
+            self.arriving += len(reqs)
+            try:
+                await asyncio.sleep(self._overhead_wall)
+            finally:
+                self.arriving -= len(reqs)
         now = max(self.now(), arrival)
         self.engine.expire_held(now)
         event = asyncio.Event()

@@ -36,7 +36,7 @@ class _EmbeddedServer(uvicorn.Server):
         app = self.config.app
         runtime = getattr(getattr(app, "state", None), "worker", None)
         if runtime is not None and self.abort_on_shutdown:
-            runtime.driver.abort_all()
+            runtime.abort_all()
         await super().shutdown(sockets)
 
 

@@ -4,7 +4,8 @@
     mosaic worker --gpu H100 --model llama-3-8b --port 8001 --time-scale 10
 
 The engine flags keep vLLM's names (`--max-num-seqs`, `--max-num-batched-tokens`, `--block-size`,
-`--gpu-memory-utilization`, `--num-gpu-blocks` = vLLM's --num-gpu-blocks-override, `--max-model-len`).
+`--gpu-memory-utilization`, `--num-gpu-blocks` = vLLM's --num-gpu-blocks-override, `--max-model-len`,
+`--data-parallel-size`: engines behind the one server, each with those settings).
 Port 0 picks a free port; the line printed at start names the URL. SIGINT/SIGTERM stop it.
 
 `serve_simulated` is the simulated backend; `--engine vllm` hands the flags to a real vLLM instead.
@@ -37,9 +38,11 @@ async def serve_simulated(cfg: WorkerConfig, host: str, port: int, log_level: st
     gc.freeze()
     rt = worker.runtime
     eng = rt.engine
+    # data parallel: the blocks are each engine's (the cache_config_info rows report the server's sum)
+    dp = f" ×{cfg.data_parallel_size} engines" if cfg.data_parallel_size > 1 else ""
     typer.echo(
         f"mosaic worker: simulated {rt.perf.gpu.name} ×{cfg.tp} serving {rt.served} ({cfg.role}) at {worker.url} "
-        f"— num_gpu_blocks={eng.num_gpu_blocks} block_size={eng.block_size} max_model_len={eng.max_model_len} "
+        f"— num_gpu_blocks={eng.num_gpu_blocks}{dp} block_size={eng.block_size} max_model_len={eng.max_model_len} "
         f"time_scale={cfg.time_scale:g}",
         err=False,
     )
@@ -83,6 +86,9 @@ def register(app: typer.Typer) -> None:
         ),
         seed: int = typer.Option(0, "--seed", help="Seed of output lengths, text and failure injection."),
         tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree (GPUs per worker)."),
+        data_parallel_size: int = typer.Option(
+            1, "--data-parallel-size", help="Engines behind this one server (vLLM's data parallelism)."
+        ),
         max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="vLLM --max-num-seqs."),
         max_num_batched_tokens: int = typer.Option(
             8192, "--max-num-batched-tokens", help="Token budget per step."
@@ -152,7 +158,7 @@ def register(app: typer.Typer) -> None:
                 served_model_name=served_model_name, catalog_path=catalog, kv_link_gbps=kv_link_gbps,
                 faults=FaultConfig(error_rate=error_rate, stall_rate=stall_rate, stall_s=stall_s,
                                    midstream_error_rate=midstream_error_rate),
-                advertise_host=advertise_host or host,
+                advertise_host=advertise_host or host, data_parallel_size=data_parallel_size,
             )  # fmt: skip
             # Build the runtime once up front so catalog and capacity errors exit 2 before binding.
             WorkerRuntime(cfg)
