@@ -100,6 +100,9 @@ class SimulatedSource(_Strict):
     seed: int = 0
     kv_link_gbps: float | None = Field(default=None, gt=0)  # P/D transfer link; None → the worker's default
     error_rate: float = Field(default=0.0, ge=0, le=1)  # failure injection (reliability tests)
+    # engines behind each worker's one API server (vLLM's --data-parallel-size), each with the pool's engine
+    # settings; the gateway learns the engines from the first scrape (before it, one engine's capacity)
+    data_parallel_size: int = Field(default=1, ge=1)
 
 
 class EndpointsConfig(_Strict):

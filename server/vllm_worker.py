@@ -160,6 +160,7 @@ _FORWARDED_FLAGS = {
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "block_size": "--block-size",
     "num_gpu_blocks": "--num-gpu-blocks-override",
+    "data_parallel_size": "--data-parallel-size",
 }
 
 

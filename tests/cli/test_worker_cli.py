@@ -48,6 +48,8 @@ def app() -> typer.Typer:
                      id="error rate over 1"),
         pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--num-gpu-blocks", "4", "--max-model-len", "100"],
                      "exceeds the KV cache capacity", id="max_model_len over the KV capacity"),
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--data-parallel-size", "0"],
+                     "data_parallel_size must be an integer ≥ 1, got 0", id="no engine"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_with_one_line(app: typer.Typer, args: list[str], message: str) -> None:
@@ -55,6 +57,22 @@ def test_bad_input_exits_2_with_one_line(app: typer.Typer, args: list[str], mess
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+
+
+def test_data_parallel_size_goes_to_a_real_vllm_under_its_own_name(
+    app: typer.Typer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--engine vllm --data-parallel-size 2` is vLLM's flag too: forwarded, not dropped."""
+    from server import vllm_worker
+
+    specs: list[object] = []
+    monkeypatch.setattr(vllm_worker, "run_foreground", lambda spec, echo: specs.append(spec) or 0)
+    result = CliRunner().invoke(
+        app, ["worker", "--engine", "vllm", "--model", "m", "--data-parallel-size", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    (spec,) = specs
+    assert list(spec.extra_args) == ["--data-parallel-size", "2"]  # type: ignore[attr-defined]
 
 
 def test_worker_process_serves_on_a_free_port_and_stops_on_sigterm() -> None:
