@@ -5,7 +5,7 @@
 for the module that asks for it and stopped after it; `real_vllm_dp` likewise, with two data-parallel engines. Both skip with the reason from `vllm_env.missing_reason()`
 when `.venv-vllm` or the model is absent (`make test-vllm` sets them up). `sim_url`: Mosaic's simulated worker
 serving the same tiny model (`mosaic worker`, one per module), which the fidelity and differential tests diff
-against `real_vllm`.
+against `real_vllm`; `sim_dp_url`: the same with `real_vllm_dp`'s engines (`--data-parallel-size 2`).
 
 `MOSAIC_REAL_VLLM_URL=http://127.0.0.1:P` makes `real_vllm` use a server already running (e.g. one from
 `bash scripts/real_vllm.sh start`) instead of starting one: handy while developing; tests assert deltas, so
@@ -117,6 +117,18 @@ def gateway_available() -> str | None:
 @pytest.fixture(scope="module")
 def sim_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`mosaic worker` (the simulator) serving the same tiny model: its catalog row, name, block size, length."""
+    yield from _sim_worker(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def sim_dp_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The simulated worker configured as `real_vllm_dp`: two engines of 8 blocks, two sequences each."""
+    yield from _sim_worker(
+        tmp_path_factory, "--data-parallel-size", "2", "--num-gpu-blocks", "8", "--max-num-seqs", "2"
+    )
+
+
+def _sim_worker(tmp_path_factory: pytest.TempPathFactory, *extra_args: str) -> Iterator[str]:
     if importlib.util.find_spec("simulator.worker_app") is None:
         pytest.skip("simulated worker (simulator/worker_app.py) not present yet")
     port = free_port()
@@ -138,9 +150,13 @@ def sim_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "128",
         "--port",
         str(port),
+        *extra_args,
     ]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        # this checkout's code first: the venv's `mosaic` may be an editable install of another worktree
+        path = os.pathsep.join(p for p in (str(vllm_env.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
