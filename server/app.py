@@ -2,7 +2,8 @@
 
 | path | auth | does |
 |---|---|---|
-| POST /v1/chat/completions, /v1/completions | API key | route and proxy (see `server.dispatch`) |
+| POST /v1/chat/completions, /v1/completions, /v1/responses | API key | route and proxy (see `server.dispatch`) |
+| GET /v1/responses/{id}, POST /v1/responses/{id}/cancel | API key | forwarded to the worker that served that response (`server.stored_responses`) |
 | GET /v1/models | API key | the union of the fleet's models (OpenAI list shape) |
 | GET /health | none | 200 while the process serves |
 | GET /ready | none | 200 when not draining and every pool's discovery has listed once (`readiness.require_all_models`: also every model has a ready worker), else 503; the body has per-model ready workers |
@@ -50,6 +51,7 @@ from server.footprint import Kind, parse_request
 from server.gateway import Gateway
 from server.metrics import CONTENT_TYPE
 from server.request_body import read_body
+from server.stored_responses import stored_response_endpoint
 from server.tokenize_proxy import TOKENIZER_PATHS, TokenizerProxy
 from simulator.protocol import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 
@@ -171,7 +173,12 @@ def create_app(
     )
     app.state.gateway = gw
     cors = _cors_options(config.cors)
-    for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions")):
+    proxied: tuple[tuple[str, Kind], ...] = (
+        ("/v1/chat/completions", "chat"),
+        ("/v1/completions", "completions"),
+        ("/v1/responses", "responses"),  # not on `server.fast_http`'s own cycle: uvicorn's, as other paths
+    )
+    for path, kind in proxied:
         serve = _proxy_endpoint(gw, path, kind)
         app.router.add_route(path, _starlette_endpoint(serve), methods=["POST"])  # served by the fast path
         app.fast_routes[path] = _asgi(serve) if cors is None else _cors_when_origin(_asgi(serve), cors)
@@ -302,6 +309,15 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
     tokenizer = TokenizerProxy(gw)
     for path in TOKENIZER_PATHS:  # vLLM's tokenizer endpoints, answered by a worker (server.tokenize_proxy)
         app.router.add_route(path, tokenizer.endpoint(path, _RID_KEY), methods=["POST"])
+    # stored responses, on the worker that served them (server.stored_responses)
+    app.router.add_route(
+        "/v1/responses/{response_id}", stored_response_endpoint(gw, "GET", "", _RID_KEY), methods=["GET"]
+    )
+    app.router.add_route(
+        "/v1/responses/{response_id}/cancel",
+        stored_response_endpoint(gw, "POST", "/cancel", _RID_KEY),
+        methods=["POST"],
+    )
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

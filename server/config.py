@@ -391,6 +391,14 @@ class CorsConfig(_Strict):
     allow_credentials: bool = False
 
 
+class ResponsesConfig(_Strict):
+    """OpenAI's Responses API (`/v1/responses`): how many served response ids the gateway remembers with
+    their worker (stored-response affinity, `server.response_store`), and for how long."""
+
+    affinity_max_entries: int = Field(default=100_000, ge=1)
+    affinity_ttl_s: float = Field(default=86_400.0, gt=0, allow_inf_nan=False)
+
+
 class GatewayPeersConfig(_Strict):
     """This gateway's own replicas, listed at run time (`server.peers`): N of the 1/N KV share is the number
     listed — at once when it rises, after `grow_back_after_s` of fewer when it falls — instead of the fixed
@@ -425,6 +433,9 @@ class MosaicConfig(_Strict):
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     cors: CorsConfig = Field(default_factory=CorsConfig)  # browsers' cross-origin requests (vLLM's defaults)
+    responses: ResponsesConfig = Field(
+        default_factory=ResponsesConfig
+    )  # /v1/responses' stored-response affinity
     catalog: str | None = None  # YAML file of GPU/model rows merged over the built-in catalog
     # The file this config was read from (`load_config` sets it; not a key users write): relative paths in
     # it, like `kv.compression[].profile`, are resolved against its folder.

@@ -227,6 +227,7 @@ class RelayResponse(StreamingResponse):
         push: Callable[[FastCycle], Awaitable[bytes]] | None = None,
         stopped: Callable[[asyncio.Task[Any]], bool] | None = None,
         stall_s: float | None = None,
+        shutdown_event: bytes = SHUTDOWN_EVENT,
     ) -> None:
         # Headers come ready-made (`server.responses.relay_headers`): Starlette's `init_headers` would
         # encode and scan a header dict per stream.
@@ -240,6 +241,7 @@ class RelayResponse(StreamingResponse):
         self._stall_s = (
             stall_s  # a pushed stream's last bytes wait at most this long for a client taking nothing
         )
+        self._shutdown_event = shutdown_event  # in the stream's framing (a Responses stream has no [DONE])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -298,7 +300,7 @@ class RelayResponse(StreamingResponse):
         if not started:  # cancelled while the start message waited: the whole answer is the 503
             await shutting_down().to_response()(scope, receive, send)
         else:
-            await send({"type": "http.response.body", "body": SHUTDOWN_EVENT, "more_body": False})
+            await send({"type": "http.response.body", "body": self._shutdown_event, "more_body": False})
 
 
 class DisconnectWatch:

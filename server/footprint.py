@@ -13,7 +13,12 @@ the P/D prefill hop).
   (2 bytes) count 2/3 token a character, above what they average. Without that second term a Chinese
   prompt was counted 3–4× short and its KV under-reserved (docs/kv.md, "Text prompts");
 - chat: Σ over messages of (text estimate of its text parts + 3) + 3, the per-message framing and reply
-  priming of OpenAI's token-counting recipe. Non-text parts (images, audio) are not counted.
+  priming of OpenAI's token-counting recipe. Non-text parts (images, audio) are not counted;
+- responses (OpenAI's Responses API, `/v1/responses`): counted as chat, `instructions` as a system message
+  and `input` as one user message (a string) or one message per item — a message's `content` (a string,
+  or its parts' `text`), a tool call's `arguments`, a tool result's `output`. A continuation
+  (`previous_response_id`) also carries the stored conversation, which the gateway knows only by the
+  tokens its worker reported (`with_context`).
 The estimate steers routing, KV reservations and rate limits; workers count exactly and their `usage` is
 what is reported and metered. Context checks refuse an untokenized prompt only on its floor, ceil(c / 8)
 for c characters (framing included), whatever the script (`MAX_CHARS_PER_TOKEN`).
@@ -26,7 +31,8 @@ context check go per sequence (`RouteRequest.sequence_shape`, `scheduler.kv.foot
 **Output tokens** reserved: chat's `max_completion_tokens` or `max_tokens`, completions' `max_tokens` (vLLM's
 completions request has no `max_completion_tokens`: it ignores one and generates `max_tokens`, so charging it
 let a client buy 2,000 tokens at the price of 1); absent, vLLM's defaults — 16 for
-`/v1/completions`, and for chat the rest of the context, max_model_len − prompt. `max_output_tokens` is
+`/v1/completions`, and for chat the rest of the context, max_model_len − prompt. Responses: its
+`max_output_tokens`, else the rest of the context as for chat (vLLM's default). `max_output_tokens` is
 that bound times k·n (every sequence may reach it). `predicted_output_tokens`: the length predictor's
 `predict` when one is given (a quantile of observed output lengths, fed by the gateway at completion; the
 worst case, `max_output_tokens`, until it has `min_samples` observations, so a cold predictor never
@@ -61,7 +67,7 @@ TOKENS_PER_MESSAGE = 3  # chat framing per message (OpenAI cookbook "How to coun
 REPLY_PRIMING_TOKENS = 3
 PREFIX_HASH_BLOCKS = 64  # hash at most this many leading blocks (affinity needs the prefix, not all of it)
 
-Kind = Literal["chat", "completions"]
+Kind = Literal["chat", "completions", "responses"]
 
 
 class _Lenient(BaseModel):
@@ -103,6 +109,19 @@ class _Completion(_Common):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
+class _Responses(_Lenient):
+    """The fields of an OpenAI Responses request the gateway reads (vLLM 0.32's `ResponsesRequest`: `input`
+    required, a string or a list of items)."""
+
+    model: str | None = None
+    stream: bool | None = False
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     kind: Kind
@@ -122,6 +141,8 @@ class ParsedRequest:
     prompt_lens: tuple[int, ...] = ()  # each prompt's tokens when there are several, else ()
     # an estimated prompt: the fewest tokens its longest prompt can have (None: use the legacy formula)
     prompt_floor: int | None = None
+    previous_response_id: str | None = None  # a Responses continuation: served where that response is stored
+    output_defaulted: bool = False  # no output bound in the body: the rest of the context (`with_context`)
 
     def data(self) -> dict[str, Any]:
         """The body as a dict (parsed once, lazily: only the rewriting paths need it)."""
@@ -178,6 +199,108 @@ def _chat_text(messages: list[_Message]) -> str:
     return "".join(parts)
 
 
+def _item_texts(item: dict[str, Any]) -> list[str]:
+    """The text of one Responses input item: a message's content (a string or its parts' `text`), a tool
+    call's `arguments`, a tool result's `output` (what the chat template renders of it)."""
+    texts: list[str] = []
+    content = item.get("content")
+    if isinstance(content, str):
+        texts.append(content)
+    elif isinstance(content, list):
+        texts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for key in ("arguments", "output"):
+        if isinstance(item.get(key), str):
+            texts.append(item[key])
+    return texts
+
+
+def _responses_prompt(req: _Responses) -> tuple[int, int, str]:
+    """(estimated tokens, floor, text for prefix hashing) of a Responses request, counted as chat messages."""
+    messages: list[tuple[str, list[str]]] = []
+    if req.instructions:
+        messages.append(("system", [req.instructions]))
+    if isinstance(req.input, str):
+        messages.append(("user", [req.input]))
+    else:
+        messages.extend(
+            (str(item.get("role", item.get("type", ""))), _item_texts(item)) for item in req.input
+        )
+    tokens = floor_basis = REPLY_PRIMING_TOKENS
+    for _, texts in messages:
+        tokens += sum(estimate_text_tokens(t) for t in texts) + TOKENS_PER_MESSAGE
+        floor_basis += sum(_floor_basis(t) for t in texts) + TOKENS_PER_MESSAGE
+    text = "".join(f"{role}\n{''.join(texts)}\n" for role, texts in messages)
+    return tokens, _floor(floor_basis), text
+
+
+def parse_responses(
+    body: bytes, text: bytes, max_model_len: Mapping[str, int] | None, default_model: str | None
+) -> ParsedRequest:
+    """`parse_request` for a Responses body (`text`: the body without a byte-order mark). One sequence; the
+    stream carries its usage in its last event whatever the client asks, so nothing is rewritten upstream."""
+    try:
+        req = _Responses.model_validate_json(text)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    model = _model_of(req.model, default_model)
+    _refuse_kv_params(req.kv_transfer_params)
+    prompt, floor, prompt_text = _responses_prompt(req)
+    limit = req.max_output_tokens
+    if limit is None:
+        limit = max(1, ((max_model_len or {}).get(model) or 8192) - prompt)
+    return ParsedRequest(
+        kind="responses",
+        body=body,
+        model=model,
+        stream=bool(req.stream),
+        client_wants_usage=True,  # (no stream_options to add: vLLM always sends usage with the last event)
+        has_stream_options=False,
+        prompt_tokens=prompt,
+        prompt_exact=False,
+        sequences=1,
+        max_output_tokens=max(0, limit),
+        token_ids=None,
+        prompt_text=prompt_text,
+        prompt_floor=floor,
+        previous_response_id=req.previous_response_id,
+        output_defaulted=req.max_output_tokens is None,
+    )
+
+
+def with_context(parsed: ParsedRequest, tokens: int, max_model_len: Mapping[str, int] | None) -> None:
+    """Add a continuation's stored conversation (`tokens`: its last turn's input + output, as its worker
+    reported them, exact) to the prompt; an output left to the context shrinks by as much."""
+    parsed.prompt_tokens += tokens
+    if parsed.prompt_floor is not None:
+        parsed.prompt_floor += tokens
+    if parsed.output_defaulted:
+        context = (max_model_len or {}).get(parsed.model) or 8192
+        parsed.max_output_tokens = max(1, context - parsed.prompt_tokens)
+
+
+def _model_of(model: str | None, default_model: str | None) -> str:
+    model = model or default_model
+    if not model:
+        raise GatewayError(
+            Cause.BAD_REQUEST,
+            "'model' is required: this gateway serves several models (GET /v1/models lists them)",
+            param="model",
+        )
+    return model
+
+
+def _refuse_kv_params(kv_transfer_params: Any) -> None:
+    if kv_transfer_params is not None:
+        # vLLM's connector fields (do_remote_decode holds KV blocks until an abort timeout, outside the KV
+        # ledger; do_remote_prefill makes the worker pull KV from any remote_host): the gateway sets them
+        # on its own P/D hops and a client's would reach mixed and decode workers as they are.
+        raise GatewayError(
+            Cause.BAD_REQUEST,
+            "'kv_transfer_params' is set by the gateway for prefill/decode disaggregation; clients may not send it",
+            param="kv_transfer_params",
+        )
+
+
 def parse_request(
     kind: Kind,
     body: bytes,
@@ -192,26 +315,14 @@ def parse_request(
     # A UTF-8 byte-order mark (some Windows clients send one) is accepted, as vLLM's json.loads accepts it;
     # the body is still forwarded as sent
     text = body[3:] if body.startswith(codecs.BOM_UTF8) else body
+    if kind == "responses":
+        return parse_responses(body, text, max_model_len, default_model)
     try:
         req: _Chat | _Completion = (_Chat if kind == "chat" else _Completion).model_validate_json(text)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    model = req.model or default_model
-    if not model:
-        raise GatewayError(
-            Cause.BAD_REQUEST,
-            "'model' is required: this gateway serves several models (GET /v1/models lists them)",
-            param="model",
-        )
-    if req.kv_transfer_params is not None:
-        # vLLM's connector fields (do_remote_decode holds KV blocks until an abort timeout, outside the KV
-        # ledger; do_remote_prefill makes the worker pull KV from any remote_host): the gateway sets them
-        # on its own P/D hops and a client's would reach mixed and decode workers as they are.
-        raise GatewayError(
-            Cause.BAD_REQUEST,
-            "'kv_transfer_params' is set by the gateway for prefill/decode disaggregation; clients may not send it",
-            param="kv_transfer_params",
-        )
+    model = _model_of(req.model, default_model)
+    _refuse_kv_params(req.kv_transfer_params)
     n = req.n if req.n and req.n > 0 else 1
     token_ids: list[int] | None = None
     text: str | None = None
@@ -318,6 +429,7 @@ def route_request(
     block_size: int = 16,
     predictor: LengthPredictor | None = None,
     ticket: int = 0,
+    pinned_worker: str | None = None,
 ) -> RouteRequest:
     """The router's view of the request: footprint and prefix hashes, never the body.
 
@@ -353,4 +465,6 @@ def route_request(
         n=parsed.n,
         prompt_lens=parsed.prompt_lens,
         ticket=ticket,
+        single_hop=parsed.kind == "responses",  # vLLM's Responses request has no P/D handover
+        pinned_worker=pinned_worker,
     )

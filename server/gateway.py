@@ -151,6 +151,7 @@ class Gateway:
             self.limiter,
             clock,
             self.predictor,
+            self.max_model_len,
         )
         # `gateway.peers`: the KV share follows the gateway replicas listed at run time (server.peers)
         self.peers: GatewayPeers | None = None

@@ -112,6 +112,8 @@ class KvQueuePolicy:
         if self.aging_s is None or waited_s < self.aging_s:
             return
         workers = candidates(self._view(), req.model)
+        if req.pinned_worker is not None:  # a continuation can only ever run on its own worker
+            workers = [w for w in workers if w.id == req.pinned_worker]
         rid = self.hold_key(req)
         current = next((w for w in workers if w.id == self.held.get(rid)), None)
         if current is not None and self.ledger.can_ever_fit(req, current):

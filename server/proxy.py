@@ -97,6 +97,24 @@ class Upstream:
         response.request = request
         return response
 
+    async def request(
+        self,
+        method: str,
+        base: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        head_timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """A bodyless request of another method (GET of a stored response), else as `post`; `path` may
+        carry a query string."""
+        if self.transport is None:
+            return await self.pool.request(method, base + path, b"", headers, head_timeout)
+        timeouts = self._timeouts if head_timeout is None else {**self._timeouts, "read": head_timeout}
+        request = httpx.Request(method, base + path, headers=headers, extensions={"timeout": timeouts})
+        response = await self.transport.handle_async_request(request)
+        response.request = request
+        return response
+
     async def aclose(self) -> None:
         await self.pool.aclose()
         if self.transport is not None:

@@ -217,7 +217,7 @@ class StreamSession:
     def _check_total(self, out: bytes) -> None:
         """After a piece `out` was sent: `total_timeout_s` since arrival ends the stream, unless that piece
         ended it (`[DONE]` sent: appending an error and a second `[DONE]` failed a completed stream)."""
-        if self._last > self._deadline and not out.endswith(STREAM_DONE):
+        if self._last > self._deadline and not self.relay.done:
             raise TotalTimeout(f"total timeout {self.d.limits.total_timeout_s:g} s")
 
     def _end(self) -> bytes:
@@ -227,11 +227,7 @@ class StreamSession:
         the incomplete event it was in the middle of dropped — the client is never left without `[DONE]`."""
         tail = self.relay.flush()
         if not self.relay.done:
-            if self.relay.error is not None:
-                return STREAM_DONE
-            return stream_error_event(
-                "Upstream stream ended before it was complete (no [DONE]).", 502, "BadGatewayError"
-            )
+            return self._cut_tail()
         n = usage_count((self.relay.usage or {}).get("completion_tokens"))
         self.d.registry.note_stream(self.lease.decision.decode.id, self._generated, n)
         # per-request TPOT as vLLM and the load generator define it: (e2e − TTFT) / (n − 1), to the last token
@@ -242,6 +238,19 @@ class StreamSession:
             )
         return tail
 
+    def _cut_tail(self) -> bytes:
+        """What ends a body that ended before `[DONE]`: `[DONE]` after the worker's own error event, else an
+        error event and `[DONE]`."""
+        if self.relay.error is not None:
+            return STREAM_DONE
+        return stream_error_event(
+            "Upstream stream ended before it was complete (no [DONE]).", 502, "BadGatewayError"
+        )
+
+    def _error_event(self, message: str, status: int, err_type: str) -> bytes:
+        """The gateway's own error event ending a stream, in the stream's framing (`[DONE]` after it)."""
+        return stream_error_event(message, status, err_type)
+
     def _failed(self, exc: BaseException) -> bytes:
         """The stream failed after the first byte: the error event to send. The worker's breaker hears of
         it unless it was the gateway's own `total_timeout_s` (a long generation streaming steadily is not a
@@ -249,14 +258,14 @@ class StreamSession:
         if self.relay.done:  # `[DONE]` was relayed: the answer is whole, whatever the worker does after it
             return b""
         if isinstance(exc, TotalTimeout):
-            return stream_error_event(
+            return self._error_event(
                 f"The request exceeded the gateway's total timeout of {self.d.limits.total_timeout_s:g} s.",
                 504,
                 "GatewayTimeoutError",
             )
         kind, hard = classify(exc)
         self.d.registry.report_failure(self.lease.decision.decode.id, f"stream_{kind}", hard)
-        return stream_error_event(f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError")
+        return self._error_event(f"Upstream stream failed after it began ({kind}).", 502, "BadGatewayError")
 
     def _ended_outcome(self) -> Outcome | GatewayOutcome:
         """A stream that ran to its end: completed, unless the worker failed it with an error event (vLLM's

@@ -286,22 +286,26 @@ class ConnectionPool:
     def _target(self, url: str) -> tuple[_Origin, bytes]:
         target = self._targets.get(url)
         if target is None:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise httpx.UnsupportedProtocol(f"cannot send to {url!r}")
-            https = parts.scheme == "https"
-            port = parts.port or (443 if https else 80)
-            key = (parts.scheme, parts.hostname, port)
-            origin = self._origins.get(key)
-            if origin is None:
-                if https and self._ssl is None:
-                    self._ssl = httpx.create_ssl_context()  # once: loading CA certificates is slow
-                ssl_context = self._ssl if https else None
-                origin = self._origins[key] = _Origin(parts.hostname, port, ssl_context, self._deadlines)
-            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            head = f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode()
-            target = self._targets[url] = (origin, head)
+            target = self._targets[url] = self._request_line("POST", url)
         return target
+
+    def _request_line(self, method: str, url: str) -> tuple[_Origin, bytes]:
+        """(the origin's connections, the request line and Host header) for `method` on `url`."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise httpx.UnsupportedProtocol(f"cannot send to {url!r}")
+        https = parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
+        key = (parts.scheme, parts.hostname, port)
+        origin = self._origins.get(key)
+        if origin is None:
+            if https and self._ssl is None:
+                self._ssl = httpx.create_ssl_context()  # once: loading CA certificates is slow
+            ssl_context = self._ssl if https else None
+            origin = self._origins[key] = _Origin(parts.hostname, port, ssl_context, self._deadlines)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        head = f"{method} {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode()
+        return origin, head
 
     async def post(
         self,
@@ -316,8 +320,32 @@ class ConnectionPool:
         `head_timeout` bounds the wait for the headers (default `read_timeout_s`): a non-streaming answer
         sends its first byte only when generation ends, so the caller gives the request's own budget.
         `slot`, when given, shows whether the post is (or failed while) waiting for a connection slot."""
-        head_timeout = self.read_timeout_s if head_timeout is None else head_timeout
         origin, head = self._target(url)
+        return await self._send(origin, head, body, headers, head_timeout, slot)
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        head_timeout: float | None = None,
+    ) -> H1Response:
+        """`post` with another method (GET): the request line is built per call, not cached (rare calls:
+        a stored response's retrieval)."""
+        origin, head = self._request_line(method, url)
+        return await self._send(origin, head, body, headers, head_timeout, None)
+
+    async def _send(
+        self,
+        origin: _Origin,
+        head: bytes,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        head_timeout: float | None,
+        slot: SlotWait | None,
+    ) -> H1Response:
+        head_timeout = self.read_timeout_s if head_timeout is None else head_timeout
         parts = [head]  # one join of a list (a generator unpacked into a tuple costs a frame per header)
         for k, v in headers:
             parts += (k, b": ", v, b"\r\n")

@@ -74,6 +74,12 @@ class RouteRequest:
     # 0: unnumbered. Request ids come from clients and may repeat; what belongs to one request (its KV
     # holds) belongs to its `holder`, never to its request id alone
     ticket: int = 0
+    # never the P/D two-hop path: an API without a prefill handover (OpenAI's Responses) goes to one decode or
+    # mixed worker that prefills the request itself
+    single_hop: bool = False
+    # the only worker that may serve it (a Responses continuation: `previous_response_id` names a response
+    # stored on one worker); `Router.route` excludes every other worker
+    pinned_worker: str | None = None
 
     @property
     def holder(self) -> str | int:
@@ -508,7 +514,12 @@ class Router:
         rng: random.Random,
         exclude: frozenset[str] = frozenset(),
     ) -> Decision | Reject:
-        """One cycle over the frozen `view`. Every reservation not handed out in the Decision is released."""
+        """One cycle over the frozen `view`. Every reservation not handed out in the Decision is released.
+        A request pinned to one worker (`RouteRequest.pinned_worker`) has every other worker excluded, the
+        way the batch admission restricts a planned request: the filters then say why the pinned one cannot
+        take it, and the reject summary counts the others as `excluded`."""
+        if req.pinned_worker is not None:
+            exclude = exclude.union(w.id for w in view.workers if w.id != req.pinned_worker)
         cycle = Cycle(req, view, now, rng, exclude, self.reserve_plugins)
         try:
             for pre in self.pre_filters:

@@ -129,10 +129,12 @@ class PdProfileHandler:
         """One sequence, a prompt of at least the threshold, and a prefill pool for the model. Several
         sequences (a batch of prompts, `n` > 1) are never split: vLLM answers a prefill hop with one
         `kv_transfer_params` (a batch's: its first prompt's), so a decode hop would pull one sequence's
-        blocks for all of them. They go single-hop, a decode worker prefilling them itself."""
+        blocks for all of them. They go single-hop, a decode worker prefilling them itself. So does a request
+        marked `single_hop` (an API without a prefill handover: OpenAI's Responses)."""
         req = cycle.req
         return (
-            req.sequences == 1
+            not req.single_hop
+            and req.sequences == 1
             and req.prompt_tokens >= self.pd_threshold_tokens
             and cycle.view.has_role(req.model, Role.PREFILL)
         )
