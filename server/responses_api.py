@@ -209,7 +209,13 @@ class ResponsesRelay:
         elif kind == ERROR_EVENT and self.error is None:
             payload = _data(event, event.find(b"data:")) or {}
             nested = payload.get("error")  # vLLM's chat-style `{"error": {...}}`, should one come
-            self.error = nested if isinstance(nested, dict) else payload
+            error = dict(nested if isinstance(nested, dict) else payload)
+            code = error.get("code")
+            if (
+                isinstance(code, str) and code.isdigit()
+            ):  # OpenAI's codes are strings: "400" is a 4xx all the same
+                error["code"] = int(code)
+            self.error = error
 
     def _created(self, payload: dict[str, Any] | None) -> None:
         response = payload.get("response") if payload is not None else None

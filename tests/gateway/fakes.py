@@ -1,7 +1,8 @@
 """Fake vLLM workers behind one `httpx.MockTransport`, for failure injection at the gateway's HTTP seam.
 
 Each `FakeWorker` answers like vLLM's OpenAI server (bodies, SSE framing, include_usage, P/D
-kv_transfer_params) for the host it is registered under, and can be told to misbehave: refuse
+kv_transfer_params; `/v1/responses` with vLLM 0.32's event framing, its objects taken from a real server's
+answers in `fixtures/vllm_responses_*`, and its stored responses) for the host it is registered under, and can be told to misbehave: refuse
 connections, answer a status, stall, or die mid-stream. Every request it sees is recorded.
 """
 
@@ -11,11 +12,26 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from server.config import validate_config
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# A real vLLM 0.32 server's answers to `POST /v1/responses` (tiny model): a whole one and a stream
+RESPONSES_WHOLE: dict[str, Any] = json.loads((FIXTURES / "vllm_responses_whole.json").read_text())
+RESPONSES_STREAM: list[tuple[str, dict[str, Any]]] = [
+    (event.split("\n")[0].removeprefix("event: "), json.loads(event.split("\n")[1].removeprefix("data: ")))
+    for event in (FIXTURES / "vllm_responses_stream.sse").read_text().split("\n\n")
+    if event
+]
+
+
+def responses_event(kind: str, payload: dict[str, Any]) -> bytes:
+    """One event as vLLM frames it: `event: <type>`, then the JSON compact (pydantic's model_dump_json)."""
+    return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
 async def read_raw_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
@@ -74,6 +90,11 @@ class FakeWorker:
     generated: float = 0.0  # its /metrics' vllm:generation_tokens_total
     metrics_text: str | None = None  # its whole /metrics exposition, when not the one-engine default
     kv_params: Any = None  # a prefill answer's kv_transfer_params in mode kv_params, as given
+    # /v1/responses: what it stored (vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1), by response id; a
+    # stream's terminal event (response.completed; "" ends the body without one); the `status` it reports
+    stored: dict[str, dict[str, Any]] = field(default_factory=dict)
+    responses_terminal: str = "response.completed"
+    responses_status: str = "incomplete"
 
     @property
     def url(self) -> str:
@@ -92,6 +113,9 @@ class FakeWorker:
                 model=self.model, running=0, generated=self.generated
             )
             return httpx.Response(200, text=text)
+        if path.startswith("/v1/responses/"):
+            self.paths.append(f"{request.method} {path}")
+            return self._stored_response(request.method, path.removeprefix("/v1/responses/"))
         body = json.loads(request.content)
         self.seen.append(body)
         self.raw_seen.append(request.content)
@@ -114,6 +138,8 @@ class FakeWorker:
             return httpx.Response(200, json={"count": 1, "max_model_len": 8192, "tokens": [len(self.name)]})
         if path == "/detokenize":
             return httpx.Response(200, json={"prompt": self.name})
+        if path == "/v1/responses":
+            return await self._responses(body)
         chat = path.endswith("chat/completions")
         kv = body.get("kv_transfer_params") or {}
         if kv.get("do_remote_decode"):
@@ -209,10 +235,113 @@ class FakeWorker:
             self.aborted += 1
             raise
 
+    # ------------------------------------------------------------------ /v1/responses
+    async def _responses(self, body: dict[str, Any]) -> httpx.Response:
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.stored:
+            return _not_found(previous)
+        n = body.get("max_output_tokens") or self.tokens
+        rid = f"resp_{self.name}_{len(self.seen)}"
+        text = " ".join(f"w{i}" for i in range(n))
+        whole = self._response_object(rid, body, text, n)
+        if body.get("store", True):
+            self.stored[rid] = whole
+        if body.get("stream"):
+            return httpx.Response(
+                200,
+                headers={"content-type": "text/event-stream; charset=utf-8"},
+                content=self._responses_stream(rid, body, n, whole),
+            )
+        if self.whole_delay_s:
+            await asyncio.sleep(self.whole_delay_s)
+        return httpx.Response(200, json=whole)
+
+    def _response_object(self, rid: str, body: dict[str, Any], text: str, n: int) -> dict[str, Any]:
+        """vLLM's `response` object (the real one's fields), with this request's id, text and usage."""
+        out = json.loads(json.dumps(RESPONSES_WHOLE))
+        out.update(
+            id=rid,
+            model=self.model,
+            status=self.responses_status,
+            max_output_tokens=body.get("max_output_tokens"),
+            previous_response_id=body.get("previous_response_id"),
+        )
+        out["output"][0]["content"][0]["text"] = text
+        usage = (
+            self.usage if self.usage is not None else {**out["usage"], "input_tokens": 7, "output_tokens": n}
+        )
+        out["usage"] = {**usage, "total_tokens": 7 + n} if self.usage is None else usage
+        return out
+
+    async def _responses_stream(
+        self, rid: str, body: dict[str, Any], n: int, whole: dict[str, Any]
+    ) -> AsyncIterator[bytes]:
+        """The real stream's events (`RESPONSES_STREAM`) with this response's id and n text deltas."""
+        by_kind = {kind: payload for kind, payload in RESPONSES_STREAM}
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> bytes:
+            nonlocal seq
+            base = by_kind.get(kind, by_kind["response.completed"])  # (response.incomplete/failed: its shape)
+            payload = {**json.loads(json.dumps(base)), **fields, "sequence_number": seq}
+            seq += 1
+            return responses_event(kind, payload)
+
+        opening = {**by_kind["response.created"]["response"], "id": rid, "model": self.model}
+        try:
+            yield event("response.created", response=opening)
+            yield event("response.in_progress", response=opening)
+            yield event("response.output_item.added")
+            yield event("response.content_part.added")
+            for i in range(n):
+                if self.mode == "die_mid_stream" and i == self.die_after:
+                    raise httpx.ReadError("connection reset by peer")
+                if self.mode == "error_mid_stream" and i == self.die_after:
+                    code = str(self.error_code)
+                    yield responses_event(
+                        "error",
+                        {
+                            "type": "error",
+                            "code": code,
+                            "message": "engine died",
+                            "param": None,
+                            "sequence_number": seq,
+                        },
+                    )
+                    return
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+                yield event("response.output_text.delta", delta=f"w{i} ")
+            if self.tail_delay_s:
+                await asyncio.sleep(self.tail_delay_s)
+            yield event("response.output_text.done", text=whole["output"][0]["content"][0]["text"])
+            yield event("response.content_part.done")
+            yield event("response.output_item.done")
+            if self.responses_terminal:
+                yield event(self.responses_terminal, type=self.responses_terminal, response=whole)
+        except GeneratorExit:
+            self.aborted += 1
+            raise
+
+    def _stored_response(self, method: str, rest: str) -> httpx.Response:
+        rid, _, action = rest.partition("/")
+        if rid not in self.stored:
+            return _not_found(rid)
+        if method == "POST" and action == "cancel":  # vLLM's answer for a response that was not background
+            err = {"message": "Cannot cancel a synchronous response.", "type": "invalid_request_error"}
+            return httpx.Response(400, json={"error": {**err, "param": "response_id", "code": 400}})
+        return httpx.Response(200, json=self.stored[rid])
+
     def _error_event(self) -> bytes:
         kind = "BadRequestError" if self.error_code < 500 else "InternalServerError"
         err = {"error": {"message": "engine died", "type": kind, "param": None, "code": self.error_code}}
         return b"data: " + json.dumps(err).encode() + b"\n\n"
+
+
+def _not_found(response_id: str) -> httpx.Response:
+    """vLLM's answer for a response id it does not store."""
+    err = {"message": f"Response with id '{response_id}' not found.", "type": "invalid_request_error"}
+    return httpx.Response(404, json={"error": {**err, "param": "response_id", "code": 404}})
 
 
 class FakeFleet:
