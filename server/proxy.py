@@ -108,7 +108,7 @@ class Upstream:
         """A bodyless request of another method (GET of a stored response), else as `post`; `path` may
         carry a query string."""
         if self.transport is None:
-            return await self.pool.request(method, base + path, b"", headers, head_timeout)
+            return await self.pool.post(base + path, b"", headers, head_timeout, method=method)
         timeouts = self._timeouts if head_timeout is None else {**self._timeouts, "read": head_timeout}
         request = httpx.Request(method, base + path, headers=headers, extensions={"timeout": timeouts})
         response = await self.transport.handle_async_request(request)

@@ -314,38 +314,16 @@ class ConnectionPool:
         headers: list[tuple[bytes, bytes]],
         head_timeout: float | None = None,
         slot: SlotWait | None = None,
+        method: str | None = None,
     ) -> H1Response:
         """POST `body` to `url`; returns once the response's headers arrived (module docstring).
 
         `head_timeout` bounds the wait for the headers (default `read_timeout_s`): a non-streaming answer
         sends its first byte only when generation ends, so the caller gives the request's own budget.
-        `slot`, when given, shows whether the post is (or failed while) waiting for a connection slot."""
-        origin, head = self._target(url)
-        return await self._send(origin, head, body, headers, head_timeout, slot)
-
-    async def request(
-        self,
-        method: str,
-        url: str,
-        body: bytes,
-        headers: list[tuple[bytes, bytes]],
-        head_timeout: float | None = None,
-    ) -> H1Response:
-        """`post` with another method (GET): the request line is built per call, not cached (rare calls:
-        a stored response's retrieval)."""
-        origin, head = self._request_line(method, url)
-        return await self._send(origin, head, body, headers, head_timeout, None)
-
-    async def _send(
-        self,
-        origin: _Origin,
-        head: bytes,
-        body: bytes,
-        headers: list[tuple[bytes, bytes]],
-        head_timeout: float | None,
-        slot: SlotWait | None,
-    ) -> H1Response:
+        `slot`, when given, shows whether the post is (or failed while) waiting for a connection slot.
+        `method`: another method than POST (a stored response's GET), its request line built per call (rare)."""
         head_timeout = self.read_timeout_s if head_timeout is None else head_timeout
+        origin, head = self._target(url) if method is None else self._request_line(method, url)
         parts = [head]  # one join of a list (a generator unpacked into a tuple costs a frame per header)
         for k, v in headers:
             parts += (k, b": ", v, b"\r\n")

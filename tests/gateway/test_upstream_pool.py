@@ -123,6 +123,36 @@ def test_content_length_body_and_keep_alive_reuse() -> None:
     run(go())
 
 
+def test_a_get_shares_the_origins_connections_and_leaves_posts_cached_request_line() -> None:
+    """`method="GET"` (a stored response's retrieval): its own request line with the query, no body, on the
+    origin's kept-alive connection; the POST after it still says POST."""
+
+    async def go() -> None:
+        async with RawServer([ok(b'{"a":1}'), ok(b'{"b":2}'), ok(b'{"c":3}')]) as srv:
+            pool = ConnectionPool()
+            base = srv.url.removesuffix("/v1/completions")
+            try:
+                for url, method in (
+                    (srv.url, None),
+                    (base + "/v1/responses/r1?stream=false", "GET"),
+                    (srv.url, None),
+                ):
+                    resp = await pool.post(url, b"" if method else b"{}", HEADERS, method=method)
+                    assert resp.status_code == 200
+                    await resp.aread()
+                    await resp.aclose()
+                assert srv.connections == 1
+                assert srv.requests[1].startswith(
+                    b"GET /v1/responses/r1?stream=false HTTP/1.1\r\nHost: 127.0.0.1:"
+                )
+                assert srv.requests[1].endswith(b"Content-Length: 0\r\n\r\n")
+                assert srv.requests[2].startswith(b"POST /v1/completions HTTP/1.1\r\n")
+            finally:
+                await pool.aclose()
+
+    run(go())
+
+
 def test_chunked_body_split_anywhere_is_decoded_in_order() -> None:
     async def go() -> None:
         events = [b'data: {"i": %d}\n\n' % i for i in range(5)]
