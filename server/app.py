@@ -3,7 +3,7 @@
 | path | auth | does |
 |---|---|---|
 | POST /v1/chat/completions, /v1/completions, /v1/responses | API key | route and proxy (see `server.dispatch`) |
-| GET /v1/responses/{id}, POST /v1/responses/{id}/cancel | API key | forwarded to the worker that served that response (`server.stored_responses`) |
+| GET /v1/responses/{id}, POST /v1/responses/{id}/cancel | API key | forwarded to the worker that served that response (`server.response_retrieval`) |
 | GET /v1/models | API key | the union of the fleet's models (OpenAI list shape) |
 | GET /health | none | 200 while the process serves |
 | GET /ready | none | 200 when not draining and every pool's discovery has listed once (`readiness.require_all_models`: also every model has a ready worker), else 503; the body has per-model ready workers |
@@ -51,7 +51,7 @@ from server.footprint import Kind, parse_request
 from server.gateway import Gateway
 from server.metrics import CONTENT_TYPE
 from server.request_body import read_body
-from server.stored_responses import stored_response_endpoint
+from server.response_retrieval import stored_response_endpoint
 from server.tokenize_proxy import TOKENIZER_PATHS, TokenizerProxy
 from simulator.protocol import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 
@@ -176,7 +176,7 @@ def create_app(
     proxied: tuple[tuple[str, Kind], ...] = (
         ("/v1/chat/completions", "chat"),
         ("/v1/completions", "completions"),
-        ("/v1/responses", "responses"),  # not on `server.fast_http`'s own cycle: uvicorn's, as other paths
+        ("/v1/responses", "responses"),
     )
     for path, kind in proxied:
         serve = _proxy_endpoint(gw, path, kind)
@@ -309,7 +309,7 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
     tokenizer = TokenizerProxy(gw)
     for path in TOKENIZER_PATHS:  # vLLM's tokenizer endpoints, answered by a worker (server.tokenize_proxy)
         app.router.add_route(path, tokenizer.endpoint(path, _RID_KEY), methods=["POST"])
-    # stored responses, on the worker that served them (server.stored_responses)
+    # stored responses, on the worker that served them (server.response_retrieval)
     app.router.add_route(
         "/v1/responses/{response_id}", stored_response_endpoint(gw, "GET", "", _RID_KEY), methods=["GET"]
     )

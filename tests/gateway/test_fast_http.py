@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -107,6 +108,32 @@ def test_fast_path_answers_byte_for_byte_as_uvicorns_cycle(
             slow = await exchange(running, request(SLOW, body, *headers))
             assert fast == slow
             assert fast[0][0].startswith(b"HTTP/1.1 ")
+
+    run(go)
+
+
+def _unstamped(body: bytes) -> bytes:
+    return re.sub(rb'"created_at":\s*\d+', b'"created_at":0', re.sub(rb"resp_[A-Za-z0-9_]+", b"ID", body))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_responses_api_answer_is_the_same_on_both_cycles(stream: bool) -> None:
+    """`/v1/responses` is a fast route too: its answers (the Responses relay's events, no [DONE]) must be
+    the ones uvicorn's cycle gives."""
+    body = json.dumps(
+        {"model": "llama-3-8b", "input": "hello", "max_output_tokens": 3, "stream": stream}
+    ).encode()
+
+    async def go() -> None:
+        async with serving(FakeWorker("a", mode="ok")) as running:
+            fast = await exchange(running, request(b"/v1/responses", body))
+            slow = await exchange(running, request(b"/v1/responses?via=uvicorn", body))
+            # the fake numbers its responses and stamps them: the bodies may differ only there
+            fast, slow = ([(h, _unstamped(b)) for h, b in answers] for answers in (fast, slow))
+            assert fast == slow
+            assert fast[0][0].startswith(b"HTTP/1.1 200")
+            if stream:
+                assert b"event: response.completed" in fast[0][1] and b"[DONE]" not in fast[0][1]
 
     run(go)
 

@@ -149,6 +149,9 @@ def server_env() -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        # stored Responses (previous_response_id, GET /v1/responses/{id}): the gateway's affinity is tested
+        # against them; vLLM keeps them in memory, a few per test run
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CACHE_ROOT": str(STATE_DIR / "cache"),
