@@ -460,7 +460,7 @@ class Dispatcher:
         decode = decision.decode
         waiting_on = decode
         mark = None if parsed.stream else self._progress_mark(decode.id)
-        slot = None  # the prefill hop's: still waiting for a connection when a time-out ended it
+        slot = None  # the hop in flight's: still waiting for a connection when a time-out ended it
         try:
             with self.timeouts.timeout(timeout, rec.task):  # a plain `with`: nothing to await on entry
                 params = None
@@ -469,7 +469,7 @@ class Dispatcher:
                     pinned = pinned_headers(headers, decision.reservations, decision.prefill.id)
                     slot = SlotWait()
                     params = await self._prefill(decision, parsed, path, pinned, lease, timeout, slot)
-                waiting_on = decode
+                waiting_on, slot = decode, SlotWait()
                 body = self._decode_body(parsed, params)
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
                 if not parsed.stream:
@@ -488,7 +488,7 @@ class Dispatcher:
                 auth = self.worker_auth.get(decode.pool)
                 pinned = pinned_headers(headers, decision.reservations, decode.id)
                 resp = await self.upstream.post(
-                    decode.url, path, body, pinned if auth is None else [*pinned, auth], timeout
+                    decode.url, path, body, pinned if auth is None else [*pinned, auth], timeout, slot=slot
                 )
                 try:
                     if resp.status_code != 200 or not parsed.stream:
@@ -544,6 +544,13 @@ class Dispatcher:
             if spent and waiting_on is not decode:
                 if slot is None or not slot.waiting:
                     self.registry.report_failure(waiting_on.id, "prefill_timeout")
+            elif waiting_on is decode and slot is not None and slot.waiting:
+                # The request's own time-out ended the decode hop's wait for a connection slot before the
+                # pool's `pool_timeout_s` did (a stream's first-token budget partly spent on the prefill hop,
+                # or what was left of a whole answer's): the gateway's own `max_upstream_connections`, and the
+                # worker never got the request. As an httpx.PoolTimeout: no mark; a stream is retried elsewhere,
+                # a whole answer whose budget it was ends `timed_out`.
+                kind, hard = "pool_timeout", False
             elif spent and self._made_no_progress(decode.id, mark):
                 # a long generation is no fault, a worker that generated nothing since the request was sent is
                 # hung (its /health may still answer): its breaker hears of it, as a stream's stall would tell

@@ -60,7 +60,8 @@ class SlotWait:
     """Whether a `post` is waiting for a connection slot: `waiting` is True from the moment it queues for
     one (`max_per_origin` connections in use) until it gets one. True once the post failed: it failed while
     waiting (`httpx.PoolTimeout`, or the caller's own time-out: the P/D prefill hop's bound is shorter than
-    `pool_timeout_s`), so the gateway's own connection limit ended it and the worker never got the request."""
+    `pool_timeout_s`, and so may be what is left of a request's budget on the decode hop), so the gateway's own
+    connection limit ended it and the worker never got the request."""
 
     __slots__ = ("waiting",)
 

@@ -2,7 +2,7 @@
 answers hand `kv_transfer_params` to the decode worker, why a hop fell back (`mosaic_pd_fallbacks_total`'s
 `reason`), whose breaker hears of it, and the bounded warning for a misconfigured prefill pool. Through fake
 workers behind `httpx.MockTransport`, and over real sockets where the gateway's own connection pool is the
-point."""
+point — there also the decode hop's wait for a connection, which the request's own time-out may end."""
 
 from __future__ import annotations
 
@@ -306,9 +306,12 @@ def _metrics() -> bytes:
 
 
 @asynccontextmanager
-async def _socket_worker(stall: bool, connections: list[int]) -> Any:
-    """A worker on 127.0.0.1: /health and /metrics answered; a completion answered whole (`stall`: never,
-    it holds the connection until the gateway closes it). `connections` counts those that sent one."""
+async def _socket_worker(
+    stall: bool, connections: list[int], delay_s: float = 0.0, kv_params: Any = None
+) -> Any:
+    """A worker on 127.0.0.1: /health and /metrics answered; a completion or /tokenize answered whole after
+    `delay_s` (`stall`: never, it holds the connection until the gateway closes it), with `kv_params` as its
+    `kv_transfer_params` when given. `connections` counts those that sent one."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         counted = False
@@ -318,7 +321,7 @@ async def _socket_worker(stall: bool, connections: list[int]) -> Any:
                 if path == b"/metrics":
                     await _answer(writer, 200, _metrics())
                     continue
-                if not path.endswith(b"/completions"):
+                if not path.endswith((b"/completions", b"/tokenize")):
                     await _answer(writer, 200, b"{}")
                     continue
                 if not counted:
@@ -327,6 +330,7 @@ async def _socket_worker(stall: bool, connections: list[int]) -> Any:
                 if stall:
                     await reader.read()  # until the gateway gives up and closes
                     return
+                await asyncio.sleep(delay_s)
                 msg = {"role": "assistant", "content": "w0"}
                 answer = {
                     "id": "chatcmpl-1",
@@ -335,6 +339,8 @@ async def _socket_worker(stall: bool, connections: list[int]) -> Any:
                     "choices": [{"index": 0, "message": msg, "finish_reason": "length"}],
                     "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
                 }
+                if kv_params is not None:
+                    answer["kv_transfer_params"] = kv_params
                 await _answer(writer, 200, json.dumps(answer).encode())
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -412,3 +418,101 @@ def test_a_prefill_hop_waiting_for_a_connection_slot_is_not_the_prefill_workers(
     assert breakers == (1, 0)  # the first request's stall only
     if status == 200:
         assert fell_back == {"timeout": 1, "pool_timeout": 1}
+
+
+# ------------------------------------------------------- the decode hop's wait for a connection slot
+def _upstream_errors(gw: Gateway, worker: str) -> dict[str, float]:
+    """mosaic_upstream_errors_total of `worker` by kind (a counter: a later success does not reset it)."""
+    return {
+        s.labels["kind"]: s.value
+        for m in gw.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "mosaic_upstream_errors_total" and s.labels["worker"] == worker
+    }
+
+
+def test_a_streams_budget_ending_the_decode_hops_wait_for_a_connection_is_not_the_workers() -> None:
+    """At `max_upstream_connections: 1` the decode hop of a P/D stream waits for the connection a whole answer
+    holds. Its first-token budget started before the prefill hop (0.5 s of it spent there), so it runs out
+    0.5 s before the pool's own `pool_timeout_s` (as long, from the start of the wait) would: that plain
+    time-out was classed `timeout` and charged to the decode worker, which never got the request. Now it is a
+    `pool_timeout`, as the pool's: no mark, the decode worker excluded, and with no other one a 504 that
+    says so."""
+
+    async def body() -> tuple[list[int], int, dict[str, float], dict[str, int], httpx.Response, int]:
+        decode_conns: list[int] = []
+        async with (
+            _socket_worker(False, [], delay_s=0.5, kv_params=NIXL) as p_url,
+            _socket_worker(False, decode_conns, delay_s=3.0) as d_url,
+        ):
+            cfg = config(
+                {**pool("prefill", "H100", "prefill"), "endpoints": {"static": [p_url]}},
+                {**pool("decode", "A100", "decode"), "endpoints": {"static": [d_url]}},
+                # the prefill hop's bound is half of 1.6 s: its 0.5 s answer is in time
+                limits={"max_upstream_connections": 1, "first_token_timeout_s": 1.6, "total_timeout_s": 10.0},
+            )
+            app = create_app(cfg)
+            gw: Gateway = app.state.gateway
+            client = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10
+            )
+            async with app.router.lifespan_context(app), client as c:
+                # the stream's budget ends 1.6 to 1.65 s after dispatch, the pool's wait 0.5 + 1.6 s after it
+                gw.dispatcher.timeouts.period = 0.05
+                decode = next(r for r in gw.registry.records() if r.pool.name == "decode")
+                whole = asyncio.create_task(c.post(CHAT, json=chat(LONG_PROMPT + "a")))
+                while not decode_conns:  # the whole answer's decode hop holds the only connection for 3 s
+                    await asyncio.sleep(0.01)
+                stream = await c.post(CHAT, json=chat(LONG_PROMPT + "b", stream=True))
+                charged = decode.breaker.failures  # before the whole answer's success resets it
+                outcomes = dict(gw.dispatcher.outcomes)
+                status = (await whole).status_code
+                return decode_conns, charged, _upstream_errors(gw, decode.id), outcomes, stream, status
+
+    conns, charged, errors, outcomes, stream, whole = asyncio.run(asyncio.wait_for(body(), 30))
+    assert conns == [1]  # the stream's decode hop never reached the worker
+    assert (charged, errors) == (0, {})  # was (1, {"timeout": 1.0})
+    assert stream.status_code == 504 and outcomes == {"failed_before_first_byte": 1}
+    assert "(pool_timeout)" in stream.json()["error"]["message"]
+    assert whole == 200
+
+
+def test_a_whole_answers_budget_ending_the_decode_hops_wait_for_a_connection_is_not_the_workers() -> None:
+    """A whole answer's time-out is what is left of its `total_timeout_s` (0.6 s here, under the pool's 4 s):
+    ending the wait for the connection a slow /tokenize holds, it was charged `timeout_no_progress` to the
+    worker, whose scraped generation counter had not moved — for a request it never got. It still ends 504
+    `timed_out` (no time left for a retry), with no mark."""
+
+    async def body() -> tuple[list[int], int, dict[str, float], dict[str, int], httpx.Response, int]:
+        conns: list[int] = []
+        async with _socket_worker(False, conns, delay_s=1.5) as url:
+            cfg = config(
+                {**pool("mixed", "A100", "mixed"), "endpoints": {"static": [url]}},
+                limits={"max_upstream_connections": 1, "first_token_timeout_s": 4.0, "total_timeout_s": 0.6},
+                scrape={"interval_s": 0.1},  # a scrape during the wait: a counter that did not move
+            )
+            app = create_app(cfg)
+            gw: Gateway = app.state.gateway
+            client = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10
+            )
+            async with app.router.lifespan_context(app), client as c:
+                worker = next(iter(gw.registry.records()))
+                while worker.stats_at is None:  # scraped once: the request has a progress mark
+                    await asyncio.sleep(0.01)
+                tokenize = asyncio.create_task(
+                    c.post("/tokenize", json={"model": "llama-3-8b", "prompt": "hi"})
+                )
+                while not conns:  # /tokenize holds the only connection for 1.5 s
+                    await asyncio.sleep(0.01)
+                answer = await c.post(CHAT, json=chat("hello"))
+                charged = worker.breaker.failures
+                outcomes = dict(gw.dispatcher.outcomes)
+                status = (await tokenize).status_code
+                return conns, charged, _upstream_errors(gw, worker.id), outcomes, answer, status
+
+    conns, charged, errors, outcomes, answer, tokenized = asyncio.run(asyncio.wait_for(body(), 30))
+    assert conns == [1]  # the completion never reached the worker
+    assert (charged, errors) == (0, {})  # was (1, {"timeout_no_progress": 1.0})
+    assert answer.status_code == 504 and outcomes == {"timed_out": 1}
+    assert tokenized == 200
