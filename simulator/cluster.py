@@ -14,8 +14,9 @@ Events, ordered by (time, priority, sequence) so a seeded run replays exactly:
   arrivals, TTFT from the first tokens, mean lengths and TPOT from the requests completed since the last
   DECIDE) and its targets
   are applied: new instances start cold (billed from the start), surplus ones are first cancelled if
-  still starting, else drained — the router stops sending them work and they are removed once empty
-  (soft scale-in: nothing is aborted).
+  still starting, else drained, those holding the least KV first (`_kv_held`) — the router stops sending
+  them work and they are removed once empty, P/D holds and KV still to come included (soft scale-in:
+  nothing is aborted).
 - DRAIN_TIMEOUT (only with `drain_timeout_s`, Kubernetes' termination grace period): an instance still
   draining that long after it was told to is removed anyway. Whatever is still on an instance when it is
   removed is aborted, failed with reason `aborted_by_scale_in` and counted in `aborted_by_scale_in`
@@ -760,9 +761,11 @@ class ClusterSimulator:
         for iid in self.topology.victims_first([i.id for i in starting])[:surplus]:
             self._remove(members[iid], now)  # cancelled before it served anything
             surplus -= 1
-        ready = sorted(
-            (i for i in members.values() if i.state is WorkerState.READY), key=lambda i: (i.inflight, i.id)
-        )
+        # Least KV first, then fewest in flight: a drain ends only once the victim's KV is gone, a prefill
+        # instance's holds included (it has no request in flight while its decode side has not pulled them).
+        ready = [i for i in members.values() if i.state is WorkerState.READY]
+        held = self._kv_held(ready)
+        ready.sort(key=lambda i: (held[i.id], i.inflight, i.id))
         for iid in self.topology.victims_first([i.id for i in ready])[:surplus]:
             inst = members[iid]
             inst.state = WorkerState.DRAINING
@@ -770,6 +773,20 @@ class ClusterSimulator:
             self._maybe_retire(inst, now)
             if inst.removed is None and self.fleet.drain_timeout_s is not None:
                 self._push(now + self.fleet.drain_timeout_s, _Ev.DRAIN_TIMEOUT, inst)
+
+    def _kv_held(self, insts: list[_Instance]) -> dict[str, int]:
+        """KV blocks each of `insts` holds or is owed, by id: its engine's blocks in use (its requests', KV
+        landing from a prefill instance, and a prefill instance's holds its decode side has not pulled yet),
+        plus the prompt blocks of P/D requests still prefilling elsewhere for it (taken when their transfer
+        starts). A request waiting for admission holds none yet."""
+        held = {i.id: i.engine.kv.used for i in insts}
+        if any(i.awaiting_kv for i in insts):
+            for req in self._reqs.values():
+                decision = req.decision
+                if req.phase == "prefill" and decision is not None and decision.decode.id in held:
+                    kv = self._instances[decision.decode.id].engine.kv
+                    held[decision.decode.id] += -(-req.src.input_tokens // kv.block_size) * kv.units_per_block
+        return held
 
     def _sample_replicas(self, now: float) -> None:
         counts: dict[str, Any] = {"t": round(now, 3)}
