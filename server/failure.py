@@ -91,6 +91,15 @@ def classify(exc: BaseException) -> tuple[str, bool]:
     return "protocol", False
 
 
+def blame(registry: Registry, worker_id: str, exc: BaseException) -> str:
+    """`classify(exc)`, told to the worker's breaker unless it is `pool_timeout` (no free connection of the
+    gateway's own: the worker never saw the request). Returns the kind."""
+    kind, hard = classify(exc)
+    if kind != "pool_timeout":
+        registry.report_failure(worker_id, kind, hard)
+    return kind
+
+
 def outcome_for(exc: BaseException | None) -> Outcome:
     if exc is None:
         return Outcome.COMPLETED

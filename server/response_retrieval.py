@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.errors import Cause, GatewayError, shutting_down
-from server.failure import classify
+from server.failure import blame
 from server.proxy import upstream_headers
 from server.responses import PassthroughResponse
 
@@ -72,9 +72,7 @@ async def _forward(
         finally:
             await resp.aclose()
     except (httpx.HTTPError, TimeoutError) as exc:
-        kind, hard = classify(exc)
-        if kind != "pool_timeout":  # no free connection of the gateway's own: not the worker's fault
-            gw.registry.report_failure(worker.id, kind, hard)
+        kind = blame(gw.registry, worker.id, exc)
         cause = Cause.UPSTREAM_TIMEOUT if "timeout" in kind else Cause.UPSTREAM_UNAVAILABLE
         raise GatewayError(cause, f"The worker storing response '{response_id}' failed ({kind}).") from None
     if resp.status_code >= 500:

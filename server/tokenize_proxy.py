@@ -34,7 +34,7 @@ from starlette.responses import Response
 
 from scheduler.fleet import WorkerState, WorkerView
 from server.errors import NOT_JSON, Cause, GatewayError, shutting_down
-from server.failure import classify
+from server.failure import blame
 from server.gateway import Gateway
 from server.proxy import RETRYABLE_STATUSES, upstream_headers
 from server.request_body import read_body
@@ -134,10 +134,7 @@ class TokenizerProxy:
                 finally:
                     await resp.aclose()
             except (httpx.HTTPError, TimeoutError) as exc:
-                kind, hard = classify(exc)
-                if kind != "pool_timeout":  # no free connection of the gateway's own: not the worker's fault
-                    gw.registry.report_failure(worker.id, kind, hard)
-                timed_out = "timeout" in kind
+                timed_out = "timeout" in blame(gw.registry, worker.id, exc)
                 continue
             status = resp.status_code
             answer = PassthroughResponse(
