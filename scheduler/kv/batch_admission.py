@@ -112,8 +112,8 @@ def build_instance(
     weights = [weight(r, now, p) for r in head]
     for i, r in enumerate(head):
         for j, w in enumerate(workers):
-            if w.model != r.model:
-                continue
+            if w.model != r.model or (r.pinned_worker is not None and w.id != r.pinned_worker):
+                continue  # a pinned request (a Responses continuation) can only run on its own worker
             fp, _ = ledger.footprint(r, w)
             if fp.peak <= free[j] and ledger.fits(r, w, now):
                 raw = p.weight_scale * weights[i] - p.latency_weight * est_ttft_s(r, w) / p.ttft_ref_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -34,6 +35,21 @@ def test_aging_lets_the_old_request_win_the_last_room() -> None:
     queue = [request("young", 150, 10, arrival=99.0), request("old", 150, 10, arrival=0.0)]  # 10 blocks each
     plan = plan_admission(queue, w, ledger, 100.0, AdmissionParams(aging_s=10.0))
     assert plan.assignments == (("old", "A"),)  # weight 1 + 100/10 = 11 vs 1.1
+
+
+def test_a_pinned_request_is_planned_only_on_its_worker() -> None:
+    # A Responses continuation (`previous_response_id`) lives on the worker that stored the response: B, the
+    # slow one. Unpinned, both requests would go to fast A; pinned, r0 goes to B or stays queued.
+    ledger = KvLedger(LedgerSettings(watermark=0.0))
+    workers = [worker("A", blocks=20, prefill_tps=10_000), worker("B", blocks=6, prefill_tps=100)]
+    pinned = replace(request("r0", 90, 6), pinned_worker="B")  # 6 blocks
+    for cp_sat in (False, True):
+        plan = plan_admission([pinned, request("r1", 90, 6)], workers, ledger, 0.0, use_cp_sat=cp_sat)
+        assert plan.assignments == (("r0", "B"), ("r1", "A"))
+    too_big = replace(
+        request("r2", 200, 6), pinned_worker="B"
+    )  # 13 blocks: fits A only, and may not go there
+    assert plan_admission([too_big], workers, ledger, 0.0).assignments == ()
 
 
 def test_priority_and_nothing_fits() -> None:
