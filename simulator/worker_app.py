@@ -4,7 +4,8 @@
     app.state.worker -> WorkerRuntime   (engine, driver, metrics, faults; `await aclose()` when not served
                                          by uvicorn — the app's lifespan does it otherwise)
 
-Routes (vLLM's): POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+Routes (vLLM's): POST /v1/completions, POST /v1/chat/completions, POST /v1/responses
+(`simulator.responses_api`), GET /v1/models, POST /tokenize,
 POST /detokenize (`simulator.tokenize_api`), GET /health, GET /metrics. Simulator-only (not in vLLM, under /sim/): GET|POST /sim/faults (failure injection at
 run time), POST /sim/kv/release (P/D: the decode side tells the prefill side its KV was fetched),
 GET /sim/state (engine state as JSON). See docs/worker.md.
@@ -74,6 +75,14 @@ from simulator.requests import (
     RequestRecord,
     prompt_fingerprint,
     sample_natural_output,
+)
+from simulator.responses_api import (
+    EventWriter,
+    ResponsesFields,
+    message_item,
+    new_ids,
+    parse_responses,
+    response_body,
 )
 from simulator.tokenize_api import detokenize_body, tokenize_body
 from simulator.tokens import VOCAB_SIZE, id_text, pseudo_top_logprobs, pseudo_words
@@ -277,43 +286,20 @@ class WorkerRuntime:
     async def handle(self, request: Request, chat: bool) -> Response:
         try:
             body = parse_body(await request.body(), request.headers.get("content-type"))
-            limit = self.engine.max_model_len
-            api = parse_request(body, chat, self.served, limit)
-            dp_rank = requested_rank(request.headers.get(RANK_HEADER))
-            max_tokens = check_request(
-                api, limit, self.perf.model.vocab_size or VOCAB_SIZE, dp_rank, len(self.engines)
-            )  # per prompt, clamped to the context it leaves
-        except EngineInputError as err:
-            if (
-                api.stream
-            ):  # vLLM's engine checks run once the stream has started: an error event, then [DONE]
-                return StreamingResponse(_error_stream(err), media_type="text/event-stream")
-            return JSONResponse(err.body(), status_code=err.status)
+            api = parse_request(body, chat, self.served, self.engine.max_model_len)
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
-        faults = self.faults
-        if faults.stall_rate and self.rng.random() < faults.stall_rate:
-            await asyncio.sleep(faults.stall_s)
-        if faults.error_rate and self.rng.random() < faults.error_rate:
-            err = ApiError(500, "simulated worker failure (error_rate)", "InternalServerError")
-            return JSONResponse(err.body(), status_code=500)
         # vLLM's response id (`_base_request_id`): the X-Request-Id header, else the body's request_id, else
-        # random. A client's id may repeat (retries, P/D sending one id to both sides), so the engine gets its
-        # own: the response id plus 8 random hex digits, as vLLM's input processor makes it.
+        # random.
         base = request.headers.get("x-request-id")
         if base is None:
             base = api.request_id if api.request_id is not None else secrets.token_hex(8)
         rid = ("chatcmpl-" if chat else "cmpl-") + base
-        eid = f"{rid}-{secrets.token_hex(4)}"
-        seqs = self._sequences(api, eid, max_tokens)
-        rank = self.engine_for(dp_rank)
-        driver = self.drivers[rank]
-        try:
-            tickets = await driver.submit_all([s.request for s in seqs], stream=api.stream)
-        except ValueError as exc:  # the engine refused what the checks above let through: a 400, not a 500
-            self._abandon_remote(eid)
-            err = ApiError(400, str(exc))
-            return JSONResponse(err.body(), status_code=err.status)
+        admitted = await self._admit(request, api, rid, errors_in_stream=True)
+        if isinstance(admitted, Response):
+            return admitted
+        eid, seqs, tickets, rank, driver = admitted
+        faults = self.faults
         if api.stream and api.echo_only:  # vLLM streams an echo without generation as one event per sequence
             writer = ChunkWriter(rid, self.served, api.chat)
             return StreamingResponse(_echo_only_stream(api, writer, tickets), media_type="text/event-stream")
@@ -339,6 +325,45 @@ class WorkerRuntime:
         out = build(rid, self.served, int(time.time()), choices, sum(map(len, api.prompts)),
                     sum(rec.output_tokens for rec in recs), kvp)  # fmt: skip
         return JSONResponse(out)
+
+    async def _admit(
+        self, request: Request, api: ApiRequest, rid: str, errors_in_stream: bool
+    ) -> Response | tuple[str, list[ApiSequence], list[Ticket], int, EngineDriver]:
+        """The checks after parsing, the faults, and the engine submission of a parsed request answered with
+        id `rid`: (engine id, sequences, tickets, rank, driver), or the error Response. `errors_in_stream`:
+        a stream gets the engine input checks' errors as an error event (completions and chat, whose checks
+        vLLM runs once the stream has started; the Responses API runs them before)."""
+        limit = self.engine.max_model_len
+        try:
+            dp_rank = requested_rank(request.headers.get(RANK_HEADER))
+            max_tokens = check_request(
+                api, limit, self.perf.model.vocab_size or VOCAB_SIZE, dp_rank, len(self.engines)
+            )  # per prompt, clamped to the context it leaves
+        except EngineInputError as err:
+            if api.stream and errors_in_stream:
+                return StreamingResponse(_error_stream(err), media_type="text/event-stream")
+            return JSONResponse(err.body(), status_code=err.status)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        faults = self.faults
+        if faults.stall_rate and self.rng.random() < faults.stall_rate:
+            await asyncio.sleep(faults.stall_s)
+        if faults.error_rate and self.rng.random() < faults.error_rate:
+            err = ApiError(500, "simulated worker failure (error_rate)", "InternalServerError")
+            return JSONResponse(err.body(), status_code=500)
+        # A client's id may repeat (retries, P/D sending one id to both sides), so the engine gets its own:
+        # the response id plus 8 random hex digits, as vLLM's input processor makes it.
+        eid = f"{rid}-{secrets.token_hex(4)}"
+        seqs = self._sequences(api, eid, max_tokens)
+        rank = self.engine_for(dp_rank)
+        driver = self.drivers[rank]
+        try:
+            tickets = await driver.submit_all([s.request for s in seqs], stream=api.stream)
+        except ValueError as exc:  # the engine refused what the checks above let through: a 400, not a 500
+            self._abandon_remote(eid)
+            err = ApiError(400, str(exc))
+            return JSONResponse(err.body(), status_code=err.status)
+        return eid, seqs, tickets, rank, driver
 
     def _tops(self, seq: ApiSequence, start: int, stop: int, k: int) -> list[list[tuple[str, float]]]:
         """Tokens start..stop−1 of `seq`'s answer with their max(1, k) most likely candidates."""
@@ -469,6 +494,73 @@ class WorkerRuntime:
             for tk in tickets:
                 driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
             self._abandon_remote(engine_id or rid)
+
+    # ------------------------------------------------------------ responses
+    async def handle_responses(self, request: Request) -> Response:
+        """POST /v1/responses: run as the chat request it maps to (`simulator.responses_api`), answered in
+        the Responses shapes; one sequence, so one output item."""
+        try:
+            body = parse_body(await request.body(), request.headers.get("content-type"))
+            f, api = parse_responses(body, self.served, self.engine.max_model_len)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        rid, mid = new_ids(f)
+        admitted = await self._admit(request, api, rid, errors_in_stream=False)
+        if isinstance(admitted, Response):
+            return admitted
+        eid, seqs, tickets, _, driver = admitted
+        created = int(time.time())
+        if api.stream:
+            events = self._responses_stream(f, rid, mid, created, seqs[0], tickets[0], driver, eid)
+            return StreamingResponse(events, media_type="text/event-stream")
+        recs = await self._finished_or_disconnected(request, tickets, driver)
+        self._abandon_remote(eid)
+        if recs is None:
+            return Response(status_code=499)
+        rec, seq = recs[0], seqs[0]
+        text = "".join(pseudo_words(self.cfg.seed, seq.fingerprint, 0, rec.output_tokens))
+        done = (message_item(mid, text), rec.finish_reason.value, seq.prompt_tokens, rec.output_tokens)
+        return JSONResponse(response_body(f, rid, self.served, created, done))
+
+    async def _responses_stream(
+        self,
+        f: ResponsesFields,
+        rid: str,
+        mid: str,
+        created: int,
+        seq: ApiSequence,
+        tk: Ticket,
+        driver: EngineDriver,
+        engine_id: str,
+    ) -> AsyncIterator[str]:
+        """vLLM's event sequence: the response created and in progress, its item and part added, one text
+        delta per token as the engine produces it, then the text, part and item done and response.completed
+        carrying the whole response with its usage."""
+        w = EventWriter(mid)
+        words: list[str] = []
+        try:
+            for line in w.opening(response_body(f, rid, self.served, created, None)):
+                yield line
+            while True:
+                tk.event.clear()  # before reading `produced`: what arrives while a yield waits is seen next pass
+                upto = tk.produced
+                for word in pseudo_words(self.cfg.seed, seq.fingerprint, len(words), upto):
+                    words.append(word)
+                    yield w.delta(word)
+                if tk.done and len(words) >= tk.produced:
+                    break
+                if not tk.event.is_set():
+                    await tk.event.wait()
+            rec = tk.record
+            if rec is None:  # aborted (the server is stopping): no terminal event, as a cut connection
+                return
+            text = "".join(words)
+            done = (message_item(mid, text), rec.finish_reason.value, seq.prompt_tokens, len(words))
+            for line in w.closing(text, response_body(f, rid, self.served, created, done)):
+                yield line
+        finally:
+            driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
+            self._abandon_remote(engine_id)
 
     # ------------------------------------------------------------ P/D
     def _kv_transfer(self, api: ApiRequest, rid: str) -> KvTransfer | None:
@@ -621,6 +713,9 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await rt.handle(request, chat=True)
 
+    async def responses(request: Request) -> Response:
+        return await rt.handle_responses(request)
+
     async def models(request: Request) -> Response:
         return JSONResponse(rt.models_body())
 
@@ -680,6 +775,7 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
     for path, endpoint, methods, get_only in (
         ("/v1/completions", completions, ["POST"], False),
         ("/v1/chat/completions", chat_completions, ["POST"], False),
+        ("/v1/responses", responses, ["POST"], False),
         ("/v1/models", models, ["GET"], True),
         ("/tokenize", tokenize, ["POST"], False),
         ("/detokenize", detokenize, ["POST"], False),

@@ -1,0 +1,127 @@
+"""POST /v1/responses on the simulated worker, in vLLM 0.32's shapes (tests/gateway/fixtures/vllm_responses_*):
+the whole answer's fields and usage, counted as the chat path counts the same messages; a stream's events in
+vLLM's order and numbering; vLLM's errors for a malformed `input` and for a `previous_response_id`."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from simulator.worker_app import WorkerConfig
+
+pytestmark = pytest.mark.anyio
+FAST = WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=1000.0, seed=7)
+FIXTURES = Path(__file__).parent.parent / "gateway" / "fixtures"
+INPUT = [
+    {"role": "user", "content": "The quick brown fox jumps over the lazy dog."},
+    {"role": "assistant", "content": [{"type": "output_text", "text": "And then?"}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "It slept."}]},
+]
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "The quick brown fox jumps over the lazy dog."},
+    {"role": "assistant", "content": [{"type": "text", "text": "And then?"}]},
+    {"role": "user", "content": [{"type": "text", "text": "It slept."}]},
+]
+
+
+def events(sse: str) -> list[tuple[str, dict[str, Any]]]:
+    """`event: <type>\\ndata: {json}` blocks; a block of another shape fails the test."""
+    out = []
+    for block in sse.strip().split("\n\n"):
+        head, data = block.split("\n")
+        assert head.startswith("event: ") and data.startswith("data: "), block
+        out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+async def test_whole_answer_counts_input_as_chat_and_is_cut_at_max_output_tokens(asgi) -> None:
+    async with asgi(FAST) as (client, _):
+        chat = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+        r = await client.post(
+            "/v1/responses",
+            json={"input": INPUT, "instructions": "be brief", "max_output_tokens": 4, "store": True},
+        )
+    assert r.status_code == 200
+    body = r.json()
+    recorded = json.loads((FIXTURES / "vllm_responses_whole.json").read_text())
+    assert list(body) == list(recorded)  # every field vLLM answers, in its order
+    assert re.fullmatch(r"resp_[0-9a-f]{16}", body["id"])
+    assert (body["object"], body["status"], body["instructions"]) == ("response", "incomplete", "be brief")
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    usage = body["usage"]
+    assert list(usage) == list(recorded["usage"])
+    assert usage["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    assert usage["output_tokens"] == 4
+    assert usage["total_tokens"] == usage["input_tokens"] + 4
+    (item,) = body["output"]
+    assert (item["type"], item["role"], item["status"]) == ("message", "assistant", "completed")
+    assert re.fullmatch(r"msg_[0-9a-f]{16}", item["id"])
+    (part,) = item["content"]
+    assert part["type"] == "output_text" and len(part["text"].split()) == 4  # one pseudo-word per token
+
+
+async def test_whole_answer_that_ends_by_itself_is_completed(asgi) -> None:
+    async with asgi(FAST) as (client, _):
+        r = await client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 100000})
+    body = r.json()
+    assert r.status_code == 200
+    assert (body["status"], body["incomplete_details"]) == ("completed", None)
+    assert 0 < body["usage"]["output_tokens"] < 100000
+
+
+async def test_stream_events_in_vllms_order_one_delta_per_token(asgi) -> None:
+    async with asgi(FAST) as (client, _):
+        r = await client.post(
+            "/v1/responses",
+            json={
+                "input": "be brief, please",
+                "instructions": "be brief",
+                "max_output_tokens": 6,
+                "stream": True,
+            },
+        )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    got = events(r.text)
+    types = [t for t, _ in got]
+    assert [t for t, _ in events((FIXTURES / "vllm_responses_stream.sse").read_text())][:4] == types[:4]
+    assert types == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * 6,
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    assert all(t == data["type"] for t, data in got)
+    assert [data["sequence_number"] for _, data in got] == list(range(len(got)))
+    deltas = "".join(data["delta"] for t, data in got if t == "response.output_text.delta")
+    final = got[-1][1]["response"]
+    assert got[-4][1]["text"] == deltas == final["output"][0]["content"][0]["text"]
+    assert final["usage"]["output_tokens"] == 6 and final["status"] == "incomplete"
+    assert got[0][1]["response"]["status"] == "in_progress" and got[0][1]["response"]["usage"] is None
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": 5}, 400, "body.input"),
+        ({"input": [{"role": "user", "content": 5}]}, 400, None),
+        ({}, 400, "body.input"),
+        ({"input": "x", "previous_response_id": "resp_0"}, 404, "response_id"),
+    ],
+)
+async def test_malformed_input_and_previous_response_are_refused(
+    asgi, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    async with asgi(FAST) as (client, worker):
+        r = await client.post("/v1/responses", json=body)
+        assert worker.inflight == 0
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == status
+    assert err["type"] == ("Bad Request" if status == 400 else "invalid_request_error")
+    if param is not None:
+        assert err["param"] == param
