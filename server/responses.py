@@ -114,7 +114,7 @@ class StreamSession:
         self.first = first
         self.rec = rec
         self.lease = lease
-        self.relay = SseRelay(strip_usage=not parsed.client_wants_usage)
+        self.relay = self._new_relay(parsed)
         self.closed = False
         self._clock = d.clock
         # Per-token timings need one sequence: a batch's or n > 1's choices interleave their tokens (two
@@ -129,6 +129,10 @@ class StreamSession:
         # The first piece carried no token (a chat stream's role event alone, or half an event): TTFT is
         # timed at the first piece that does, and that piece is no inter-token gap.
         self._ttft_pending = False
+
+    def _new_relay(self, parsed: ParsedRequest) -> SseRelay:
+        """The stream's framing (chat and completions: `SseRelay`); a subclass relays another API's."""
+        return SseRelay(strip_usage=not parsed.client_wants_usage)
 
     # ------------------------------------------------------------------ steps shared by both ways
     def _begin(self) -> bytes:

@@ -30,12 +30,8 @@ from server.proxy import usage_count
 from server.responses import StreamSession
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
-    from server.dispatch import Dispatcher, RequestRecord
-    from server.failure import Lease
     from server.footprint import ParsedRequest
-    from server.upstream import UpstreamResponse
+    from server.proxy import SseRelay
 
 # Events that carry generated tokens: one per engine step, as a chat stream's content chunks.
 TOKEN_EVENTS = frozenset(
@@ -255,28 +251,18 @@ class ResponsesStreamSession(StreamSession):
     with its worker as soon as `response.created` names it, so a `GET /v1/responses/{id}` or a cancel can
     reach it while it streams; its conversation size once the terminal event says it."""
 
-    def __init__(
-        self,
-        d: Dispatcher,
-        resp: UpstreamResponse,
-        chunks: AsyncIterator[bytes],
-        first: bytes,
-        parsed: ParsedRequest,
-        rec: RequestRecord,
-        lease: Lease,
-    ) -> None:
-        super().__init__(d, resp, chunks, first, parsed, rec, lease)
-        worker_id = lease.decision.decode.id
+    def _new_relay(self, parsed: ParsedRequest) -> SseRelay:
+        d, model, worker_id = self.d, self.rec.model, self.lease.decision.decode.id
 
         def created(response_id: str) -> None:
-            d.affinity.remember(response_id, worker_id, rec.model, 0, d.clock())
+            d.affinity.remember(response_id, worker_id, model, 0, d.clock())
 
         def ended(usage: dict[str, Any] | None) -> None:
             if relay.response_id is not None:
                 d.affinity.update_tokens(relay.response_id, context_tokens(usage))
 
         relay = ResponsesRelay(created, ended)
-        self.relay = relay  # type: ignore[assignment]  # SseRelay's interface (module docstring)
+        return relay  # type: ignore[return-value]  # SseRelay's interface (module docstring)
 
     def _token_events(self, out: bytes) -> int:
         relay: ResponsesRelay = self.relay  # type: ignore[assignment]
