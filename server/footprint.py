@@ -65,6 +65,7 @@ NON_ASCII_BYTES_PER_TOKEN = 3  # other characters: one token per CJK character (
 MAX_CHARS_PER_TOKEN = 8
 TOKENS_PER_MESSAGE = 3  # chat framing per message (OpenAI cookbook "How to count tokens")
 REPLY_PRIMING_TOKENS = 3
+DEFAULT_CONTEXT = 8192  # a model's context when the gateway knows no max_model_len for it
 PREFIX_HASH_BLOCKS = 64  # hash at most this many leading blocks (affinity needs the prefix, not all of it)
 
 Kind = Literal["chat", "completions", "responses"]
@@ -247,7 +248,7 @@ def parse_responses(
     prompt, floor, prompt_text = _responses_prompt(req)
     limit = req.max_output_tokens
     if limit is None:
-        limit = max(1, ((max_model_len or {}).get(model) or 8192) - prompt)
+        limit = _rest_of_context(max_model_len, model, prompt)
     return ParsedRequest(
         kind="responses",
         body=body,
@@ -274,8 +275,13 @@ def with_context(parsed: ParsedRequest, tokens: int, max_model_len: Mapping[str,
     if parsed.prompt_floor is not None:
         parsed.prompt_floor += tokens
     if parsed.output_defaulted:
-        context = (max_model_len or {}).get(parsed.model) or 8192
-        parsed.max_output_tokens = max(1, context - parsed.prompt_tokens)
+        parsed.max_output_tokens = _rest_of_context(max_model_len, parsed.model, parsed.prompt_tokens)
+
+
+def _rest_of_context(max_model_len: Mapping[str, int] | None, model: str, prompt: int) -> int:
+    """vLLM's default output bound: what the model's context leaves after the prompt (at least 1); a model
+    the gateway has no limit for is taken as 8,192."""
+    return max(1, ((max_model_len or {}).get(model) or DEFAULT_CONTEXT) - prompt)
 
 
 def _model_of(model: str | None, default_model: str | None) -> str:
@@ -344,8 +350,9 @@ def parse_request(
         limit = req.max_completion_tokens
     per_seq_prompt = math.ceil(prompt / prompts)
     if limit is None:
-        context = (max_model_len or {}).get(model) or 8192
-        limit = default_out if default_out is not None else max(1, context - per_seq_prompt)
+        limit = (
+            default_out if default_out is not None else _rest_of_context(max_model_len, model, per_seq_prompt)
+        )
     return ParsedRequest(
         kind=kind,
         body=body,
