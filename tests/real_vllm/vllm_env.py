@@ -159,6 +159,12 @@ def server_env() -> dict[str, str]:
     }
 
 
+def model_max_positions() -> int:
+    """The test model's own context limit (`max_position_embeddings` of the built model, set by
+    build_model.py): what a server may take as `--max-model-len` at most. Call after setup."""
+    return int(json.loads((MODEL_DIR / "config.json").read_text())["max_position_embeddings"])
+
+
 def server_spec(port: int, extra_args: Sequence[str] = ()) -> VllmLaunchSpec:
     """The launch spec of a CPU test server (mixed role, no GPU ids)."""
     return VllmLaunchSpec(
