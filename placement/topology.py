@@ -3,12 +3,12 @@
 Inputs: nodes (name, GPU type, GPU count, network domain such as a switch or RDMA group, GPUs already in
 use) and groups of instances (a P/D group = its prefill and decode instances, which exchange KV caches and
 should share a domain; a mixed instance is a group of its own). An instance of tensor-parallel degree tp
-takes tp GPUs of one node of its GPU type.
+and data-parallel size dp (engines behind one vLLM server) takes tp · dp GPUs of one node of its GPU type.
 
-Model. y[g,r,n] = instances of kind r (model, GPU, tp, role) of group g on node n.
+Model. y[g,r,n] = instances of kind r (model, GPU, tp, dp, role) of group g on node n.
 
     Σ_n y[g,r,n] = count[g,r]                                 every instance placed
-    used_n + Σ_{g,r} tp_r · y[g,r,n] ≤ gpus_n                 node capacity
+    used_n + Σ_{g,r} tp_r · dp_r · y[g,r,n] ≤ gpus_n          node capacity
     cross_g = P_g · D_g − Σ_d P_gd · D_gd                     prefill/decode pairs split across domains
     frag_n ≥ [node n partly used] ; spread_g = domains g touches − 1
     minimise 10⁴ · Σ cross + 10³ · Σ spread + 10 · Σ frag + Σ [node n used]
@@ -21,7 +21,7 @@ domain that its new members will pair with; the cross term then counts new-with-
 cross_g = (P_g + A^P)(D_g + A^D) − Σ_d (P_gd + A^P_d)(D_gd + A^D_d), less the anchors' own cross pairs
 (a constant). `deterministic=True` solves with one CP-SAT worker, so a seeded simulation replays exactly.
 An inventory that cannot hold the instances raises `TopologyError` saying what is short (GPUs of a type,
-per-node room for a tp, a domain's room for a group). `place_instances` is pure and safe to call online.
+per-node room for an instance's GPUs, a domain's room for a group). `place_instances` is pure and safe to call online.
 """
 
 from __future__ import annotations
@@ -66,6 +66,12 @@ class InstanceKind:
     gpu: str
     tp: int = 1
     role: Role = Role.MIXED
+    dp: int = 1  # engines per instance (a data-parallel vLLM server), each on `tp` GPUs of the same node
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one instance takes, all on one node: tp × dp."""
+        return self.tp * self.dp
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +87,7 @@ class Group:
     def gpus_by_type(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for k, n in self.members.items():
-            out[k.gpu] = out.get(k.gpu, 0) + n * k.tp
+            out[k.gpu] = out.get(k.gpu, 0) + n * k.gpus
         return out
 
 
@@ -111,20 +117,20 @@ def groups_from_counts(counts: Mapping[InstanceKind, int], max_group_gpus: int |
     models = sorted({k.model for k, n in counts.items() if n > 0 and k.role is not Role.MIXED})
     for model in models:
         kinds = {k: n for k, n in counts.items() if k.model == model and k.role is not Role.MIXED and n > 0}
-        gpus = sum(k.tp * n for k, n in kinds.items())
+        gpus = sum(k.gpus * n for k, n in kinds.items())
         n_groups = 1 if not max_group_gpus else max(1, math.ceil(gpus / max_group_gpus))
         n_groups = min(
             n_groups,
             min(sum(n for k, n in kinds.items() if k.role is r) for r in (Role.PREFILL, Role.DECODE)) or 1,
         )
         members: list[dict[InstanceKind, int]] = [{} for _ in range(n_groups)]
-        for kind, n in sorted(kinds.items(), key=lambda kv: (kv[0].role.value, kv[0].gpu, kv[0].tp)):
+        for kind, n in sorted(kinds.items(), key=lambda kv: (kv[0].role.value, kv[0].gpu, kv[0].gpus)):
             for g in range(n_groups):
                 share = n // n_groups + (1 if g < n % n_groups else 0)
                 if share:
                     members[g][kind] = share
         groups += [Group(f"{model}/pd{g}", m) for g, m in enumerate(members)]
-    for kind, n in sorted(counts.items(), key=lambda kv: (kv[0].model, kv[0].gpu, kv[0].tp)):
+    for kind, n in sorted(counts.items(), key=lambda kv: (kv[0].model, kv[0].gpu, kv[0].gpus)):
         if kind.role is Role.MIXED:
             groups += [Group(f"{kind.model}/{kind.gpu}#{i}", {kind: 1}) for i in range(n)]
     return groups
@@ -145,13 +151,13 @@ def _precheck(nodes: Sequence[Node], groups: Sequence[Group], require: bool) -> 
     slots: dict[tuple[str, int], int] = {}
     for g in groups:
         for k, n in g.members.items():
-            slots[(k.gpu, k.tp)] = slots.get((k.gpu, k.tp), 0) + n
-    for (gpu, tp), n in sorted(slots.items()):
-        room = sum(x.free // tp for x in nodes if x.gpu == gpu)
+            slots[(k.gpu, k.gpus)] = slots.get((k.gpu, k.gpus), 0) + n
+    for (gpu, size), n in sorted(slots.items()):
+        room = sum(x.free // size for x in nodes if x.gpu == gpu)
         if room < n:
             largest = max((x.free for x in nodes if x.gpu == gpu), default=0)
             raise TopologyError(
-                f"{n} instances of tp {tp} on {gpu} need {tp} free GPUs on one node each; nodes hold only {room} (largest free block {largest})"
+                f"{n} instances of {size} GPUs on {gpu} need {size} free GPUs on one node each; nodes hold only {room} (largest free block {largest})"
             )
     if require:
         domains = sorted({x.domain for x in nodes})
@@ -200,19 +206,20 @@ def place_instances(
         for kind, count in g.members.items():
             cells = []
             for ni, node in enumerate(nodes):
-                if node.gpu == kind.gpu and node.free >= kind.tp:
+                if node.gpu == kind.gpu and node.free >= kind.gpus:
                     y[(gi, kind, ni)] = var = m.new_int_var(
-                        0, min(count, node.free // kind.tp), f"y{gi}_{ni}"
+                        0, min(count, node.free // kind.gpus), f"y{gi}_{ni}"
                     )
                     cells.append(var)
             if not cells:
                 raise TopologyError(
-                    f"group {g.name}: no {kind.gpu} node has {kind.tp} free GPUs for a tp {kind.tp} instance"
+                    f"group {g.name}: no {kind.gpu} node has {kind.gpus} free GPUs for an instance of tp {kind.tp}"
+                    + (f" × dp {kind.dp}" if kind.dp > 1 else "")
                 )
             m.add(sum(cells) == count)
     used_vars, frag_vars = [], []
     for ni, node in enumerate(nodes):
-        terms = [kind.tp * v for (_, kind, nn), v in y.items() if nn == ni]
+        terms = [kind.gpus * v for (_, kind, nn), v in y.items() if nn == ni]
         used, full, frag = m.new_bool_var(f"u{ni}"), m.new_bool_var(f"f{ni}"), m.new_bool_var(f"x{ni}")
         used_vars.append(used)
         frag_vars.append(frag)

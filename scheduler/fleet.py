@@ -14,6 +14,7 @@ Everything here is immutable: the gateway (or the cluster simulator) builds a ne
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -41,8 +42,12 @@ class WorkerCapacity:
 
     prefill_tokens_per_s: sustained prefill rate at a 2,048-token chunk (`PerfModel.prefill_tokens_per_s`);
     decode_tokens_per_s: batch decode throughput at a representative batch (see `capacity_for`);
-    kv_blocks: vLLM's `num_gpu_blocks`; cost_per_hour: $ for the whole TP group;
+    kv_blocks: vLLM's `num_gpu_blocks`; cost_per_hour: $ for the whole worker (every GPU of it);
     max_model_len: the engine's context limit (None = unknown, not checked).
+
+    A data-parallel worker (`engines` > 1, vLLM's `--data-parallel-size`) is the sum of its engines: rates,
+    blocks, sequences and cost are `engines` times one engine's. One sequence still runs on one engine, so
+    what bounds a single request is `engine_kv_blocks` and `engine_prefill_tokens_per_s`.
     """
 
     prefill_tokens_per_s: float
@@ -53,6 +58,17 @@ class WorkerCapacity:
     max_num_seqs: int
     max_model_len: int | None = None
     api_overhead_s: float = 0.0  # fixed per-request TTFT at the worker's API server
+    engines: int = 1  # engines behind the worker's API server (data parallelism), each on its own GPUs
+
+    @property
+    def engine_kv_blocks(self) -> int:
+        """One engine's blocks: all a single sequence can hold."""
+        return self.kv_blocks // self.engines
+
+    @property
+    def engine_prefill_tokens_per_s(self) -> float:
+        """One engine's prefill rate: the rate a single prompt is prefilled at."""
+        return self.prefill_tokens_per_s / self.engines
 
     def service_time_s(self, prompt_tokens: int, output_tokens: int) -> float:
         """GPU-seconds one request of this shape occupies at representative batching:
@@ -91,14 +107,19 @@ def capacity_for(
     cost_per_hour: float | None = None,
     decode_batch: int = REPRESENTATIVE_BATCH,
     decode_context: int = REPRESENTATIVE_CONTEXT,
+    dp: int = 1,
 ) -> WorkerCapacity:
     """A worker's `WorkerCapacity` from the perf model for (gpu, model, tp) and the engine knobs.
 
-    decode batch b = max(1, min(decode_batch, max_num_seqs, kv_tokens // decode_context)), so the rate is
-    one the worker can actually sustain; cost = gpu.cost_per_hour · tp unless `cost_per_hour` is given;
-    kv_blocks = `num_gpu_blocks` if given, else `PerfModel.kv_capacity_blocks`; max_model_len defaults to
-    the model's max context. Raises `CatalogError` for unknown names.
+    Per engine: decode batch b = max(1, min(decode_batch, max_num_seqs, kv_tokens // decode_context)), so
+    the rate is one the engine can actually sustain; kv_blocks = `num_gpu_blocks` if given, else
+    `PerfModel.kv_capacity_blocks`. A worker of `dp` engines (data parallelism) has `dp` times each rate,
+    the blocks and `max_num_seqs`; cost = gpu.cost_per_hour · tp · dp unless `cost_per_hour` is given (the
+    whole worker's). max_model_len defaults to the model's max context. Raises `CatalogError` for unknown
+    names, ValueError for dp < 1.
     """
+    if dp < 1:
+        raise ValueError(f"dp must be ≥ 1, got {dp}")
     cat = catalog if catalog is not None else load_catalog()
     gpu_spec = gpu if isinstance(gpu, GpuSpec) else cat.gpu(gpu)
     model_spec = model if isinstance(model, ModelSpec) else cat.model(model)
@@ -110,15 +131,26 @@ def capacity_for(
     )
     batch = max(1, min(decode_batch, max_num_seqs, (blocks * block_size) // max(1, decode_context)))
     return WorkerCapacity(
-        prefill_tokens_per_s=perf.prefill_tokens_per_s(),
-        decode_tokens_per_s=perf.decode_tokens_per_s(batch, decode_context),
-        kv_blocks=blocks,
+        prefill_tokens_per_s=perf.prefill_tokens_per_s() * dp,
+        decode_tokens_per_s=perf.decode_tokens_per_s(batch, decode_context) * dp,
+        kv_blocks=blocks * dp,
         block_size=block_size,
-        cost_per_hour=cost_per_hour if cost_per_hour is not None else gpu_spec.cost_per_hour * tp,
-        max_num_seqs=max_num_seqs,
+        cost_per_hour=cost_per_hour if cost_per_hour is not None else gpu_spec.cost_per_hour * tp * dp,
+        max_num_seqs=max_num_seqs * dp,
         max_model_len=max_model_len if max_model_len is not None else model_spec.max_context,
         api_overhead_s=perf.constants.api_overhead_s,
+        engines=dp,
     )
+
+
+@functools.cache
+def configured_engines(capacity: WorkerCapacity) -> tuple[EngineView, ...]:
+    """The engines a worker of this capacity has before its first scrape shows them: () for one engine,
+    else `engines` views of `engine_kv_blocks` each, ranks 0..N−1 (what `vllm serve --data-parallel-size N`
+    starts). The scrape's engines replace them (`server.registry`)."""
+    if capacity.engines < 2:
+        return ()
+    return tuple(EngineView(rank, capacity.engine_kv_blocks) for rank in range(capacity.engines))
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +216,14 @@ class WorkerView:
     def kv_blocks_total(self) -> int:
         """Blocks the worker reports (`num_gpu_blocks`), else the perf model's estimate."""
         return self.num_gpu_blocks if self.num_gpu_blocks else self.capacity.kv_blocks
+
+    @property
+    def engine_kv_blocks(self) -> int:
+        """The most blocks one sequence can hold: the largest engine's on a data-parallel worker (its
+        blocks are the engines' sum, and a sequence's all come from one engine), else `kv_blocks_total`."""
+        if self.engines:
+            return max(e.num_gpu_blocks for e in self.engines)
+        return self.kv_blocks_total
 
     @property
     def effective_block_size(self) -> int:

@@ -125,17 +125,17 @@ class TopologyPlacer:
     def assign(self, instance: str, pool: str, node: str) -> None:
         if instance in self._placed:
             raise ValueError(f"instance {instance} is already placed")
-        tp = self.kinds[pool].tp
-        if self._used[node] + tp > self._nodes[node].gpus:
-            raise ValueError(f"node {node} has no room for {instance} ({tp} GPUs)")
+        gpus = self.kinds[pool].gpus
+        if self._used[node] + gpus > self._nodes[node].gpus:
+            raise ValueError(f"node {node} has no room for {instance} ({gpus} GPUs)")
         self._placed[instance] = _Placed(pool, node)
-        self._used[node] += tp
+        self._used[node] += gpus
 
     def release(self, instance: str) -> None:
         """Free the instance's GPUs (unknown instances are ignored: they were never placed)."""
         placed = self._placed.pop(instance, None)
         if placed is not None:
-            self._used[placed.node] -= self.kinds[placed.pool].tp
+            self._used[placed.node] -= self.kinds[placed.pool].gpus
 
     def node_of(self, instance: str) -> str | None:
         placed = self._placed.get(instance)
@@ -222,7 +222,7 @@ class TopologyPlacer:
         need: dict[str, int] = {}
         for pool, n in granted.items():
             k = self.kinds[pool]
-            need[k.gpu] = need.get(k.gpu, 0) + n * k.tp
+            need[k.gpu] = need.get(k.gpu, 0) + n * k.gpus
         short = {g for g, n in need.items() if n > free.get(g, 0)}
         pools = [p for p, n in granted.items() if n > 0 and (not short or self.kinds[p].gpu in short)]
         victim = max(sorted(pools), key=lambda p: (granted[p] / want[p], granted[p]))
@@ -239,7 +239,7 @@ class TopologyPlacer:
                 return (0, 0, 1 << 30)
             kind, node = self.kinds[placed.pool], self._nodes[placed.node]
             used = self._used[node.name]
-            after = used - kind.tp
+            after = used - kind.gpus
             frag_delta = int(0 < after < node.gpus) - int(0 < used < node.gpus)
             cross = 0
             if kind.role in (Role.PREFILL, Role.DECODE):

@@ -120,8 +120,11 @@ class PlacementBook:
         if inventory is None:
             return None
         check_domains(config.autoscaler.kubernetes.domains, inventory, {s.name: s.gpu for s in specs})
-        tp = {p.name: p.tp for p in config.pools}
-        kinds = {s.name: InstanceKind(s.model, s.gpu, tp[s.name], Role(s.role)) for s in specs}
+        pools = {p.name: p for p in config.pools}
+        kinds = {
+            s.name: InstanceKind(s.model, s.gpu, pools[s.name].tp, Role(s.role), pools[s.name].dp)
+            for s in specs
+        }
         return cls(TopologyPlacer(inventory, kinds), PlacementMetrics(registry), config.autoscaler.history)
 
     def seed(self, counts: Mapping[str, int], places: Any) -> None:

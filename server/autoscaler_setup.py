@@ -54,15 +54,16 @@ def pool_spec(
         catalog.gpu(pool.gpu), catalog.model(config.model_config_for(pool.model).spec_name), pool.tp
     )
     tpot_s = config.slo.tpot_ms / 1e3 if config.slo.tpot_ms else DEFAULT_TPOT_S
+    # sized per engine (its sequences, its KV), then times the worker's engines (data parallelism)
+    kv_tokens = info.capacity.engine_kv_blocks * info.capacity.block_size
     cap = instance_capacity(
         perf,
         tpot_s=tpot_s,
         context=config.autoscaler.context_tokens,
         max_num_seqs=pool.max_num_seqs,
-        kv_tokens=info.capacity.kv_blocks * info.capacity.block_size,
-    )
+        kv_tokens=kv_tokens,
+    ).times(pool.dp)
     if pool.role != "prefill" and cap.decode_tps <= 0:
-        kv_tokens = info.capacity.kv_blocks * info.capacity.block_size
         why = no_decode_reason(perf, tpot_s, config.autoscaler.context_tokens, kv_tokens)
         raise ConfigError(
             f"autoscaler: pool {pool.name}: {pool.gpu} cannot decode {pool.model} within TPOT "

@@ -100,9 +100,6 @@ class SimulatedSource(_Strict):
     seed: int = 0
     kv_link_gbps: float | None = Field(default=None, gt=0)  # P/D transfer link; None → the worker's default
     error_rate: float = Field(default=0.0, ge=0, le=1)  # failure injection (reliability tests)
-    # engines behind each worker's one API server (vLLM's --data-parallel-size), each with the pool's engine
-    # settings; the gateway learns the engines from the first scrape (before it, one engine's capacity)
-    data_parallel_size: int = Field(default=1, ge=1)
 
 
 class EndpointsConfig(_Strict):
@@ -164,11 +161,14 @@ class PoolConfig(_Strict):
     model: str
     gpu: str
     role: RoleName = "mixed"
-    tp: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1)  # GPUs per engine (vLLM's --tensor-parallel-size)
+    # engines per worker, behind its one API server (vLLM's --data-parallel-size), each on `tp` GPUs with its
+    # own KV cache: a worker is `dp` times one engine's capacity and price, on tp × dp GPUs
+    dp: int = Field(default=1, ge=1)
     endpoints: EndpointsConfig
     min_replicas: int = Field(default=0, ge=0)
     max_replicas: int | None = Field(default=None, ge=0)
-    cost_per_hour: float | None = Field(default=None, ge=0)  # per worker; None → catalog price × tp
+    cost_per_hour: float | None = Field(default=None, ge=0)  # per worker; None → catalog price × tp × dp
     # vLLM engine knobs the gateway needs to size capacity before the first scrape (and simulated workers use).
     max_num_seqs: int = Field(default=256, ge=1)
     block_size: int = Field(default=16, ge=1)

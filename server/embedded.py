@@ -119,7 +119,7 @@ class SimulatedPoolSource:
             catalog_path=self.catalog_path,
             faults=FaultConfig(error_rate=sim.error_rate),
             engine_id=f"{pool.name}-{index}",
-            data_parallel_size=sim.data_parallel_size,
+            data_parallel_size=pool.dp,
             **extra,
         )
 

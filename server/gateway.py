@@ -190,6 +190,7 @@ class Gateway:
             gpu_memory_utilization=pool.gpu_memory_utilization,
             max_model_len=model_cfg.max_model_len,
             cost_per_hour=pool.cost_per_hour,
+            dp=pool.dp,
         )
         return PoolInfo(
             pool.name, pool.model, catalog.gpu(pool.gpu).name, Role(pool.role), capacity, pool.domain

@@ -33,7 +33,16 @@ from typing import Any, Protocol
 
 import httpx
 
-from scheduler.fleet import EngineView, FleetView, PoolRef, Role, WorkerCapacity, WorkerState, WorkerView
+from scheduler.fleet import (
+    EngineView,
+    FleetView,
+    PoolRef,
+    Role,
+    WorkerCapacity,
+    WorkerState,
+    WorkerView,
+    configured_engines,
+)
 from server.breaker import CircuitBreaker
 from server.config import HealthConfig, ScrapeConfig
 from server.discovery import Endpoint, Source
@@ -148,14 +157,17 @@ class WorkerRecord:
             self.inflight_prefill_tokens,
             self.inflight_decode_requests,
             self.domain or p.domain,
-            _engines(last, fresh=s is not None),
+            _engines(last, fresh=s is not None, capacity=p.capacity),
         )
 
 
-def _engines(last: WorkerStats | None, fresh: bool) -> tuple[EngineView, ...]:
-    """A data-parallel worker's engines: their cache config outlives a stale scrape (as `num_gpu_blocks`
-    does), their usage and preemptions do not."""
-    if last is None or not last.engine_views:
+def _engines(last: WorkerStats | None, fresh: bool, capacity: WorkerCapacity) -> tuple[EngineView, ...]:
+    """A data-parallel worker's engines: the pool's configured ones (`dp`) until the first scrape, then the
+    scrape's, which win (a server started with another `--data-parallel-size` is booked as it runs). Their
+    cache config outlives a stale scrape (as `num_gpu_blocks` does), their usage and preemptions do not."""
+    if last is None:
+        return configured_engines(capacity)
+    if not last.engine_views:
         return ()
     if fresh:
         return last.engine_views

@@ -365,7 +365,7 @@ class KubernetesActuator:
                 fits = [
                     n
                     for n in placer.free_nodes()
-                    if n.domain == domain and n.gpu == kind.gpu and n.free >= kind.tp
+                    if n.domain == domain and n.gpu == kind.gpu and n.free >= kind.gpus
                 ]
                 if not fits:
                     break

@@ -30,6 +30,16 @@ class InstanceCapacity:
     # (context tokens per sequence, decode tokens/s within the TPOT SLO), ascending, every rate > 0
     decode_by_context: tuple[tuple[int, float], ...] = ()
 
+    def times(self, engines: int) -> InstanceCapacity:
+        """An instance of `engines` such engines (a data-parallel vLLM server): every rate `engines` times."""
+        if engines == 1:
+            return self
+        return InstanceCapacity(
+            self.decode_tps * engines,
+            self.prefill_tps * engines,
+            tuple((context, rate * engines) for context, rate in self.decode_by_context),
+        )
+
 
 def decode_tps_within_slo(
     perf: PerfModel, tpot_s: float, context: int, max_seqs: int, kv_tokens: int

@@ -159,7 +159,7 @@ def _context_limit(worker: WorkerView) -> int:
     """The most tokens one sequence may hold on `worker`: max_model_len, or its KV cache less the null block."""
     capacity = worker.capacity
     block = worker.block_size or capacity.block_size
-    kv = ((worker.num_gpu_blocks or capacity.kv_blocks) - 1) * block
+    kv = (worker.engine_kv_blocks - 1) * block
     return kv if capacity.max_model_len is None else min(capacity.max_model_len, kv)
 
 
@@ -184,8 +184,9 @@ def _fits(prompt_tokens: int, worker: WorkerView) -> bool:
     if limit is not None and tokens > limit:
         return False
     block = worker.block_size or capacity.block_size
-    total = worker.num_gpu_blocks or capacity.kv_blocks
-    return -(-tokens // block) <= total - 1  # ceil(tokens / block_size) blocks; one is vLLM's null block
+    return (
+        -(-tokens // block) <= worker.engine_kv_blocks - 1
+    )  # ceil(tokens / block_size) blocks; one is vLLM's null block
 
 
 class AtCapacityParams(PluginParams):

@@ -86,11 +86,15 @@ def queued_prefill_tokens(worker: WorkerView, req: RouteRequest) -> int:
 
 
 def estimated_ttft_s(worker: WorkerView, req: RouteRequest) -> float:
-    """T_w = overhead + (queued prefill tokens + P) / prefill_tps (seconds)."""
-    rate = worker.capacity.prefill_tokens_per_s
+    """T_w = overhead + queued prefill tokens / prefill_tps + P / engine_prefill_tps (seconds): the queue
+    drains at the whole worker's rate, the prompt itself on one engine (the same rate but on a
+    data-parallel worker)."""
+    capacity = worker.capacity
+    rate = capacity.prefill_tokens_per_s
     if rate <= 0:
         return math.inf
-    return worker.capacity.api_overhead_s + (queued_prefill_tokens(worker, req) + req.prompt_tokens) / rate
+    own = req.prompt_tokens * capacity.engines
+    return capacity.api_overhead_s + (queued_prefill_tokens(worker, req) + own) / rate
 
 
 class EstimatedTtftScorer:

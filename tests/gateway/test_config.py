@@ -128,9 +128,9 @@ def test_defaults() -> None:
             id="an infinite time scale (froze the simulated clock)",
         ),
         pytest.param(
-            {"pools": [_pool(endpoints={"simulated": {"data_parallel_size": 0}})]},
-            "test: pools.0.endpoints.simulated.data_parallel_size: Input should be greater than or equal to 1",
-            id="a simulated worker of no engine",
+            {"pools": [_pool(dp=0)]},
+            "test: pools.0.dp: Input should be greater than or equal to 1",
+            id="a worker of no engine",
         ),
         pytest.param(
             {"pools": [_pool()], "scrape": {"interval_s": math.nan}},

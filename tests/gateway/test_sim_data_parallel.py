@@ -1,4 +1,4 @@
-"""The gateway in front of a simulated data-parallel worker (`simulated: {data_parallel_size: 2}`), end to end on
+"""The gateway in front of a simulated data-parallel worker (a pool with `dp: 2`), end to end on
 real sockets: the scrape finds two engines, the KV ledger books each, and a burst that preempts when the server
 is booked as one pool runs without preemption when each engine is booked on its own.
 
@@ -36,7 +36,7 @@ OUTPUT = 600
 
 def config(kv: dict[str, Any]) -> Any:
     pool = simulated_l4_pool(MODEL)
-    pool["endpoints"]["simulated"]["data_parallel_size"] = 2  # type: ignore[index]
+    pool["dp"] = 2
     return validate_config(
         {
             "pools": [pool],

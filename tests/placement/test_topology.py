@@ -90,7 +90,7 @@ def test_fewer_fragmented_nodes_fill_partly_used_nodes_first() -> None:
         pytest.param(
             [Node("a0", "A100-80GB", 4, "a", used=1), Node("a1", "A100-80GB", 4, "a", used=1)],
             [Group("g", {TP2: 3})],
-            "3 instances of tp 2 on A100-80GB need 2 free GPUs on one node each; nodes hold only 2 (largest free block 3)",
+            "3 instances of 2 GPUs on A100-80GB need 2 free GPUs on one node each; nodes hold only 2 (largest free block 3)",
             id="6 GPUs free but in blocks of 3 → only 2 tp-2 instances fit",
         ),
         pytest.param(
