@@ -162,10 +162,11 @@ class WorkerRecord:
 
 
 def _engines(last: WorkerStats | None, fresh: bool, capacity: WorkerCapacity) -> tuple[EngineView, ...]:
-    """A data-parallel worker's engines: the pool's configured ones (`dp`) until the first scrape, then the
-    scrape's, which win (a server started with another `--data-parallel-size` is booked as it runs). Their
-    cache config outlives a stale scrape (as `num_gpu_blocks` does), their usage and preemptions do not."""
-    if last is None:
+    """A data-parallel worker's engines: the pool's configured ones (`dp`) until a scrape shows the server's
+    cache config, then the scrape's, which win (a server started with another `--data-parallel-size` is
+    booked as it runs). Their cache config outlives a stale scrape (as `num_gpu_blocks` does), their usage
+    and preemptions do not."""
+    if last is None or last.num_gpu_blocks is None:
         return configured_engines(capacity)
     if not last.engine_views:
         return ()

@@ -114,3 +114,30 @@ def test_pd_pins_the_prefill_and_the_decode_hop_each_to_its_own_engine() -> None
     # each prefill hop carried max_tokens 1 and its own engine's rank; the decode hop the decode engine's
     assert all(b.get("kv_transfer_params", {}).get("do_remote_decode") for b in p.seen)
     assert max(peaks.values()) == 1
+
+
+def test_a_dp_pool_is_booked_per_engine_and_pinned_before_any_scrape() -> None:
+    """`dp: 2` on the pool: until a scrape shows the engines, the configured ones are booked (the perf model's
+    blocks each) and each request is pinned to its engine. This worker's /metrics has no vLLM series, so no
+    scrape shows its cache config; before `dp`, the worker was one pooled book and nothing was pinned."""
+    w = FakeWorker("dp", chunk_delay_s=0.1, metrics_text="this is not an exposition {\n")
+    cfg = config(pool("p", "L4", "mixed", w, dp=2), limits={"queue_deadline_s": 20})
+    peaks: dict[tuple[str, int | None], int] = {}
+
+    async def run() -> list[int]:
+        app = create_app(cfg, transport=FakeFleet(w).transport)
+        gw: Gateway = app.state.gateway
+        peak_per_engine(gw, peaks)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=30)
+        async with app.router.lifespan_context(app), client as c:
+            rs = await asyncio.gather(
+                *(c.post("/v1/completions", json=BODY, headers={"X-Request-Id": f"r{i}"}) for i in range(2))
+            )
+            [row] = (await c.get("/admin/workers")).json()["workers"]
+            assert row["stats"]["num_gpu_blocks"] is None  # no scrape showed a cache config
+            assert row["capacity"]["engines"] == 2 and row["capacity"]["kv_blocks"] == 2 * 2183
+            return [r.status_code for r in rs]
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == [200, 200]
+    assert sorted(h.get(RANK) for h in w.headers_seen) == ["0", "1"]  # one on each engine, the roomiest
+    assert peaks == {("p/dp:8000", 0): 1, ("p/dp:8000", 1): 1}

@@ -133,6 +133,24 @@ def test_tensor_parallel_instances_stay_on_one_node() -> None:
     assert sorted(p.node for p in placed.instances) == ["a0", "a1"]  # one per node: 2 + 2 > 3
 
 
+def test_data_parallel_instances_take_tp_times_dp_gpus_of_one_node() -> None:
+    dp2 = InstanceKind("m", "A100-80GB", 2, Role.MIXED, dp=2)  # two engines of tp 2: 4 GPUs
+    assert dp2.gpus == 4
+    nodes = [Node("a0", "A100-80GB", 4, "r"), Node("a1", "A100-80GB", 6, "r", used=3)]
+    placed = place_instances(nodes, groups_from_counts({dp2: 1}))
+    assert [p.node for p in placed.instances] == ["a0"]  # a1 has 3 free: not room for 4
+    with pytest.raises(TopologyError, match=r"A100-80GB: need 8 GPUs, 7 free"):  # counted as 4 each
+        place_instances(nodes, groups_from_counts({dp2: 2}))
+    roomy = [
+        Node("a0", "A100-80GB", 6, "r"),
+        Node("a1", "A100-80GB", 6, "r", used=3),
+    ]  # 9 free, one block of 4+
+    with pytest.raises(
+        TopologyError, match=r"2 instances of 4 GPUs on A100-80GB need 4 free GPUs on one node"
+    ):
+        place_instances(roomy, groups_from_counts({dp2: 2}))
+
+
 def test_groups_from_counts_deals_pd_instances_evenly() -> None:
     groups = groups_from_counts({PRE: 3, DEC: 7, MIX: 2}, max_group_gpus=5)
     pd = [g for g in groups if "/pd" in g.name]

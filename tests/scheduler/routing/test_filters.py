@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.fleet import Role, WorkerView
+from scheduler.fleet import EngineView, Role, WorkerView
 from scheduler.routing import filters as f
 from scheduler.routing.framework import Cycle, RouteRequest
 from scheduler.routing.reasons import FilterReason as R
@@ -106,6 +106,22 @@ def run(flt, w, r=None, *, roles=frozenset(Role), exclude=frozenset(), reserve=(
             {},
             None,
             id="ceil(144/16) = 9 blocks fit the 9 usable",
+        ),
+        pytest.param(
+            f.ContextLengthFilter(),
+            worker(num_gpu_blocks=20, engines=(EngineView(0, 10), EngineView(1, 10))),
+            req(prompt=144),
+            {},
+            R.EXCEEDS_CONTEXT,
+            id="data-parallel: 20 blocks over two engines of 10; one sequence holds one engine's 9 → exceeds_context",
+        ),
+        pytest.param(
+            f.ContextLengthFilter(),
+            worker(num_gpu_blocks=20, engines=(EngineView(0, 10), EngineView(1, 10))),
+            req(prompt=143),
+            {},
+            None,
+            id="data-parallel: 9 blocks fit one engine",
         ),
         # at-capacity: limit = ceil(256 · 1.5) = 384
         pytest.param(

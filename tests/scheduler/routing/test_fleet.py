@@ -6,7 +6,7 @@ import pytest
 
 from placement.catalog import CatalogError, load_catalog
 from placement.perf_model import PerfModel
-from scheduler.fleet import FleetView, Role, capacity_for
+from scheduler.fleet import EngineView, FleetView, Role, capacity_for, configured_engines
 from tests.scheduler.routing.builders import worker
 
 
@@ -36,6 +36,26 @@ def test_engine_knobs_and_tp_flow_into_capacity():
     )
     assert (c.kv_blocks, c.block_size, c.max_num_seqs, c.cost_per_hour) == (1000, 32, 8, 9.0)
     assert capacity_for("A100", "llama-3-70b", tp=4).cost_per_hour == pytest.approx(3.67 * 4)
+
+
+def test_a_data_parallel_worker_is_its_engines_summed_and_one_sequence_is_one_engines():
+    one = capacity_for("L4", "llama-3-8b", max_num_seqs=48)
+    dp = capacity_for("L4", "llama-3-8b", max_num_seqs=48, dp=3)
+    assert dp.prefill_tokens_per_s == pytest.approx(3 * one.prefill_tokens_per_s)
+    assert dp.decode_tokens_per_s == pytest.approx(3 * one.decode_tokens_per_s)  # batch sized per engine
+    assert (dp.kv_blocks, dp.max_num_seqs, dp.engines) == (3 * 2183, 144, 3)
+    assert dp.cost_per_hour == pytest.approx(3 * one.cost_per_hour)
+    assert (dp.engine_kv_blocks, dp.engine_prefill_tokens_per_s) == (
+        2183,
+        pytest.approx(one.prefill_tokens_per_s),
+    )
+    assert (
+        capacity_for("L4", "llama-3-8b", dp=3, cost_per_hour=5.0).cost_per_hour == 5.0
+    )  # the whole server's
+    assert configured_engines(dp) == (EngineView(0, 2183), EngineView(1, 2183), EngineView(2, 2183))
+    assert configured_engines(one) == ()
+    with pytest.raises(ValueError, match="dp must be ≥ 1, got 0"):
+        capacity_for("L4", "llama-3-8b", dp=0)
 
 
 def test_an_h100_has_several_times_an_l4s_capacity():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -46,6 +47,17 @@ def test_est_ttft_divides_queued_prefill_by_that_gpus_rate():
     b = worker("b", capacity=FAST, prefill_tokens=300)  # T = (300 + 100) / 2000 = 0.2
     c = worker("c", capacity=FAST, prefill_tokens=300, waiting=5)  # queued = max(300, 5·100) → 600/2000 = 0.3
     assert score(s.EstimatedTtftScorer(), a, b, c) == pytest.approx([1.0, 0.5, 1 / 3])
+
+
+def test_est_ttft_of_a_data_parallel_worker_prefills_its_own_prompt_on_one_engine():
+    # Two engines of 1,000 prompt tokens/s: the queue drains at 2,000/s, this prompt at one engine's 1,000/s.
+    dp2 = dataclasses.replace(capacity(2000, 200, cost=4.0), engines=2)
+    a = worker("a", capacity=SLOW, prefill_tokens=200)  # T = (200 + 100) / 1000 = 0.3
+    b = worker("b", capacity=dp2, prefill_tokens=200)  # T = 200 / 2000 + 100 / 1000 = 0.2
+    c = worker(
+        "c", capacity=FAST, prefill_tokens=200
+    )  # one engine as fast as both: (200 + 100) / 2000 = 0.15
+    assert score(s.EstimatedTtftScorer(), a, b, c) == pytest.approx([0.5, 0.75, 1.0])
 
 
 def test_cost_is_dollars_per_hour_per_unit_of_capacity():
