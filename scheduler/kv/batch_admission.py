@@ -92,9 +92,12 @@ def plan_value(raw: float) -> float:
 
 
 def est_ttft_s(req: RouteRequest, w: WorkerView) -> float:
+    """The gateway's queued prompt tokens at the worker's rate, this prompt at one engine's (a
+    data-parallel worker prefills it on one of its engines), plus the API overhead."""
     tps = w.capacity.prefill_tokens_per_s
     queued = w.inflight_prefill_tokens
-    return w.capacity.api_overhead_s + ((queued + req.prompt_tokens) / tps if tps > 0 else float("inf"))
+    own = req.prompt_tokens * w.capacity.engines
+    return w.capacity.api_overhead_s + ((queued + own) / tps if tps > 0 else float("inf"))
 
 
 def build_instance(

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.kv.batch_admission import AdmissionParams, plan_admission
+from scheduler.fleet import WorkerCapacity
+from scheduler.kv.batch_admission import AdmissionParams, est_ttft_s, plan_admission
 from scheduler.kv.ledger import KvLedger, LedgerSettings
 from tests.kv.kvkit import request, worker
 
@@ -112,3 +113,16 @@ def test_time_limit_is_respected_roughly(limit: float) -> None:
     queue = [request(f"q{i}", rng.randint(100, 3000), rng.randint(1, 500)) for i in range(32)]
     plan = plan_admission(queue, workers, ledger, 0.0, AdmissionParams(time_limit_ms=limit))
     assert plan.solve_ms < limit * 20 + 50  # the solver's own clock; generous for a loaded 2-core box
+
+
+def test_est_ttft_prefills_the_prompt_on_one_engine_of_a_data_parallel_worker() -> None:
+    one = WorkerCapacity(1000.0, 100.0, 1000, 16, 1.0, 256, 8192, 0.5)
+    two = replace(one, prefill_tokens_per_s=2000.0, kv_blocks=2000, engines=2)  # two such engines
+    r = request(prompt=400)
+    # queue 600 at the worker's rate, the 400-token prompt at one engine's 1,000/s
+    assert est_ttft_s(r, replace(worker(), capacity=two, inflight_prefill_tokens=600)) == pytest.approx(
+        0.5 + 600 / 2000 + 400 / 1000
+    )
+    assert est_ttft_s(r, replace(worker(), capacity=one, inflight_prefill_tokens=600)) == pytest.approx(
+        0.5 + 1000 / 1000
+    )
