@@ -98,6 +98,7 @@ def pool(draw: st.DrawFn, name: str) -> dict[str, Any]:
     opt = {
         "role": st.sampled_from(["prefill", "decode", "mixed"]),
         "tp": st.sampled_from([1, 2, 4, 8]),
+        "dp": st.sampled_from([1, 2, 3]),
         "simulated": st.booleans(),
         "maxModelLen": st.one_of(st.none(), ints(1, 32768)),
         "gpuMemoryUtilization": st.sampled_from([0.8, 0.9, 1]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from typing import Any
 
 import helm_python as helm
 import pytest
@@ -24,14 +25,25 @@ for args in json.load(sys.stdin):
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
     kv = ns.kv_transfer_config
     out.append({"shutdown_timeout": ns.shutdown_timeout, "kv_role": getattr(kv, "kv_role", None),
-                "tp": ns.tensor_parallel_size, "prefix_caching": ns.enable_prefix_caching})
+                "tp": ns.tensor_parallel_size, "dp": ns.data_parallel_size,
+                "prefix_caching": ns.enable_prefix_caching})
 print(json.dumps(out))
 """
 
 
-def test_every_pool_of_the_pd_example_parses_with_vllms_parser() -> None:
+def _vllm(script: str, argvs: list[list[str]]) -> list[Any]:
+    """`script` run by .venv-vllm's Python on `argvs` (JSON on stdin), its JSON answer."""
     if not VENV_PYTHON.exists():
         pytest.skip(f"{VENV_PYTHON} missing: `make vllm-env` builds the vLLM environment")
+    proc = subprocess.run(
+        [str(VENV_PYTHON), "-c", script], input=json.dumps(argvs), capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out: list[Any] = json.loads(proc.stdout)
+    return out
+
+
+def test_every_pool_of_the_pd_example_parses_with_vllms_parser() -> None:
     values = load_values(EXAMPLES_DIR / "heterogeneous-pd.yaml")
     with helm.Chart.load(CHART_DIR) as chart:
         rendered = render(chart, values)
@@ -39,11 +51,29 @@ def test_every_pool_of_the_pd_example_parses_with_vllms_parser() -> None:
     argvs = [
         [str(a) for a in container(rendered.get("Deployment", f"{RELEASE}-{name}"))["args"]] for name in real
     ]
-    proc = subprocess.run(
-        [str(VENV_PYTHON), "-c", PARSE], input=json.dumps(argvs), capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    parsed = dict(zip(real, json.loads(proc.stdout), strict=True))
+    parsed = dict(zip(real, _vllm(PARSE, argvs), strict=True))
     assert all(p["shutdown_timeout"] == 100 for p in parsed.values()), parsed  # 120 s grace − 15 s − 5 s
     roles = {name: p["kv_role"] for name, p in parsed.items()}
     assert roles["h100-prefill"] == "kv_producer" and roles["a100-decode"] == "kv_consumer", roles
+
+
+def test_data_parallel_pools_parse_with_vllms_parser() -> None:
+    """dp engines of tp GPUs each: the chart's --data-parallel-size is vLLM's data_parallel_size."""
+    pools = [
+        {"name": "mixed", "model": "llama-3-8b", "gpu": "L4", "dp": 2},
+        {"name": "prefill", "model": "llama-3-8b", "gpu": "L4", "role": "prefill", "tp": 2, "dp": 4},
+        {"name": "single", "model": "llama-3-8b", "gpu": "L4", "tp": 2},
+    ]
+    with helm.Chart.load(CHART_DIR) as chart:
+        rendered = render(chart, {"pools": pools})
+    argvs = [
+        [str(a) for a in container(rendered.get("Deployment", f"{RELEASE}-{p['name']}"))["args"]]
+        for p in pools
+    ]
+    parsed = {p["name"]: out for p, out in zip(pools, _vllm(PARSE, argvs), strict=True)}
+    assert {n: (p["tp"], p["dp"]) for n, p in parsed.items()} == {
+        "mixed": (1, 2),
+        "prefill": (2, 4),
+        "single": (2, 1),
+    }
+    assert parsed["prefill"]["kv_role"] == "kv_producer"

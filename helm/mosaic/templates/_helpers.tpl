@@ -399,7 +399,7 @@ first listing of the gateway Service's EndpointSlices, after which N is the coun
 {{- $selector = include "mosaic.pool.selectorString" (list $root .) }}
 {{- end }}
 {{- $k8s := dict "namespace" $root.Release.Namespace "label_selector" $selector "port" (int $root.Values.vllm.port) "resource" $disc.resource "resync_s" (float64 $disc.resyncSeconds) "in_cluster" true "domain_label" $disc.domainLabel }}
-{{- $entry := dict "name" .name "model" .model "gpu" .gpu "role" .role "tp" (int .tp) }}
+{{- $entry := dict "name" .name "model" .model "gpu" .gpu "role" .role "tp" (int .tp) "dp" (int .dp) }}
 {{- $_ := set $entry "min_replicas" (int .minReplicas) }}
 {{- $_ := set $entry "max_replicas" (int .maxReplicas) }}
 {{- $_ := set $entry "max_num_seqs" (int .maxNumSeqs) }}
