@@ -1,7 +1,8 @@
 """A pool's `dp`: engines per worker (vLLM's --data-parallel-size), each on `tp` GPUs behind the worker's one
 API server. A real pool's pod runs `vllm serve … --data-parallel-size <dp>` on tp × dp GPUs, a simulated pool's
 `mosaic worker` runs dp engines, and the gateway's config says dp so it sizes, prices and books the worker as
-dp engines. At dp 1 nothing of a pod template changes (an upgrade restarts no GPU pod).
+dp engines. At dp 1 nothing of a pod template changes (an upgrade restarts no GPU pod), and the flags the chart
+writes from tp and dp may not also come through extraArgs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests.chart.chartkit import (
     Rendered,
     container,
     parse_mosaic_args,
+    pod_spec,
     render,
 )
 
@@ -182,3 +184,78 @@ def test_pool_defaults_dp_reaches_every_pool(chart: helm.Chart) -> None:
     assert "--data-parallel-size" in _args(_one(rendered, "l4"))
     assert "--data-parallel-size" not in _args(_one(rendered, "sim"))
     assert [p["dp"] for p in rendered.config()["pools"]] == [2, 1]
+
+
+# ---- the flags the chart writes from tp and dp, again in extraArgs ----
+
+REFUSED_ARGS = [
+    pytest.param(["--data-parallel-size", "2"], "--data-parallel-size", "dp", id="--data-parallel-size"),
+    pytest.param(["-dp", "2"], "-dp", "dp", id="-dp"),
+    pytest.param(["-dp=2"], "-dp=2", "dp", id="-dp=2"),
+    pytest.param(["--data_parallel_size=2"], "--data_parallel_size=2", "dp", id="underscores"),
+    pytest.param(
+        ["--enforce-eager", "--tensor-parallel-size", "4"],
+        "--tensor-parallel-size",
+        "tp",
+        id="--tensor-parallel-size",
+    ),
+    pytest.param(["-tp=4"], "-tp=4", "tp", id="-tp=4"),
+    pytest.param(["--tensor-parallel", "4"], "--tensor-parallel", "tp", id="an abbreviation argparse takes"),
+    pytest.param(["-t", "4"], "-t", "tp", id="a short one"),
+]
+VLLM_FLAG = {"dp": "--data-parallel-size", "tp": "--tensor-parallel-size"}
+
+
+@pytest.mark.parametrize(("extra", "arg", "key"), REFUSED_ARGS)
+def test_a_pools_extra_args_may_not_set_tp_or_dp(
+    chart: helm.Chart, extra: list[str], arg: str, key: str
+) -> None:
+    """vLLM keeps the last of a repeated flag, so the pool's would win over the chart's: a pod given tp × dp
+    GPUs would start another shape (or fail to start), and the gateway would size and price it wrongly."""
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(chart, {"pools": [SIM, {**REAL, "extraArgs": extra}]})
+    assert (
+        f'pools[1] (l4): pools[1].extraArgs has "{arg}", vLLM\'s {VLLM_FLAG[key]}, which the chart writes from '
+        f"the pool's {key}"
+    ) in str(caught.value)
+    assert f"remove it and set pools[1].{key}" in str(caught.value)
+
+
+def test_pool_defaults_extra_args_are_named_as_such(chart: helm.Chart) -> None:
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(chart, {"poolDefaults": {"extraArgs": ["-dp", "2"]}, "pools": [REAL]})
+    assert 'pools[0] (l4): poolDefaults.extraArgs has "-dp"' in str(caught.value)
+    assert "remove it and set pools[0].dp" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "arg", "key"),
+    [
+        pytest.param(["--data-parallel-size", "2"], "--data-parallel-size", "dp", id="--data-parallel-size"),
+        pytest.param(["--tp=2"], "--tp=2", "tp", id="--tp=2"),
+    ],
+)
+def test_simulator_extra_args_may_not_set_tp_or_dp(
+    chart: helm.Chart, extra: list[str], arg: str, key: str
+) -> None:
+    flag = {"dp": "--data-parallel-size", "tp": "--tp"}[key]
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(chart, {"simulator": {"extraArgs": extra}, "pools": [SIM]})
+    assert f'pools[0] (sim): simulator.extraArgs has "{arg}", mosaic worker\'s {flag}' in str(caught.value)
+    render(chart, {"simulator": {"extraArgs": extra}, "pools": [REAL]})  # no simulated pool reads them
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--data-parallel-size-local", "1"],
+        ["--data-parallel-backend", "mp"],
+        ["--chat-template", "/t/tp.jinja"],
+        ["--t"],  # ambiguous to vLLM's parser: its own error, not the chart's
+    ],
+    ids=["another DP flag", "DP backend", "a value", "too short a prefix"],
+)
+def test_other_flags_pass(chart: helm.Chart, extra: list[str]) -> None:
+    dep = _one(render(chart, {"pools": [{**REAL, "dp": 2, "extraArgs": extra}]}), "l4")
+    assert _args(dep)[-len(extra) :] == extra
+    assert pod_spec(dep)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2

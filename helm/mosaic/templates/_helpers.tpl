@@ -203,6 +203,7 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- end }}
 {{- include "mosaic.pool.checkModel" (list $root $i $pool) }}
 {{- include "mosaic.pool.checkGpu" (list $root $i $pool) }}
+{{- include "mosaic.pool.checkParallelArgs" (list $root $i $pool (ternary (printf "pools[%d].extraArgs" $i) "poolDefaults.extraArgs" (hasKey $p "extraArgs"))) }}
 {{- $_ := set $pool "fullname" $name }}
 {{- /* apiKey.existingSecret: the pool's vLLM servers require that key; the gateway reads it from `apiKeyEnv`. Pool names are DNS labels,
 so upper-casing and `-` → `_` gives each pool its own variable name. */}}
@@ -301,6 +302,52 @@ place it on nodes, but the gateway still sizes it by its catalog row. Arguments:
 {{- if not (hasKey $known (lower (toString $pool.gpu))) }}
 {{- $names := concat $builtin.gpus (keys ($root.Values.catalog.gpus | default dict) | sortAlpha) | join ", " }}
 {{- fail (printf "pools[%d] (%s): gpu %q is not a GPU of Mosaic's catalog (%s); add its row under catalog.gpus (memory_gb, hbm_gbps, tflops, cost_per_hour), which the gateway sizes the pool by" $i $pool.name (toString $pool.gpu) $names) }}
+{{- end }}
+{{- end }}
+
+{{/*
+A pool's tp and dp reach its workers only through the flags the chart writes from them (vLLM's
+--tensor-parallel-size and --data-parallel-size, `mosaic worker`'s --tp and --data-parallel-size): the same
+flag again in extraArgs would win (vLLM's parser and click keep the last), and the worker would run another
+shape than the one its pod got GPUs for (tp × dp) and the gateway sizes, prices and books (a crash loop, or
+wrong capacity). vLLM's parser also takes `_` for `-` in a long name, `=value`, the short forms -tp and -dp,
+and argparse's abbreviations: every prefix of --tensor-parallel-size from --te (vLLM 0.32 has no other option
+starting so) and -t (its only short option starting so; not -t=N, which argparse refuses), none of
+--data-parallel-size (each is a prefix of --data-parallel-size-local too, ambiguous) or of -dp.
+tests/real_vllm/test_chart_vllm_args.py holds these spellings to vLLM's own parser. A pool's extraArgs are
+checked simulated or not (they are its vLLM arguments once it runs vLLM); simulator.extraArgs (click: exact
+names) for each simulated pool. Arguments: (list root index pool extraArgsValuesPath).
+*/}}
+{{- define "mosaic.pool.checkParallelArgs" -}}
+{{- $root := index . 0 }}
+{{- $i := index . 1 }}
+{{- $pool := index . 2 }}
+{{- $path := index . 3 }}
+{{- $why := "the gateway sizes, prices and books the pool by it, and a real pool's pod gets tp × dp GPUs" }}
+{{- range ($pool.extraArgs | default list) }}
+{{- $arg := toString . }}
+{{- $name := index (splitList "=" $arg) 0 }}
+{{- $key := "" }}
+{{- if hasPrefix "--" $name }}
+{{- $long := trimPrefix "--" $name | replace "_" "-" }}
+{{- if and (ge (len $long) 2) (hasPrefix $long "tensor-parallel-size") }}{{ $key = "tp" }}{{ end }}
+{{- if eq $long "data-parallel-size" }}{{ $key = "dp" }}{{ end }}
+{{- else if or (eq $name "-tp") (eq $arg "-t") }}{{ $key = "tp" }}
+{{- else if eq $name "-dp" }}{{ $key = "dp" }}
+{{- end }}
+{{- if $key }}
+{{- fail (printf "pools[%d] (%s): %s has %q, vLLM's %s, which the chart writes from the pool's %s (%s); remove it and set pools[%d].%s" $i $pool.name $path $arg (ternary "--tensor-parallel-size" "--data-parallel-size" (eq $key "tp")) $key $why $i $key) }}
+{{- end }}
+{{- end }}
+{{- if $pool.simulated }}
+{{- range ($root.Values.simulator.extraArgs | default list) }}
+{{- $arg := toString . }}
+{{- $name := index (splitList "=" $arg) 0 }}
+{{- if has $name (list "--tp" "--data-parallel-size") }}
+{{- $key := ternary "tp" "dp" (eq $name "--tp") }}
+{{- fail (printf "pools[%d] (%s): simulator.extraArgs has %q, mosaic worker's %s, which the chart writes from the pool's %s (%s); remove it and set pools[%d].%s" $i $pool.name $arg $name $key $why $i $key) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
