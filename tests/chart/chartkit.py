@@ -157,9 +157,10 @@ def _mosaic_commands() -> dict[str, Any] | str:
     return dict(commands) if commands is not None else {command.name or "": command}
 
 
-def parse_mosaic_args(args: list[str]) -> None:
+def parse_mosaic_args(args: list[str]) -> dict[str, Any]:
     """Parse `mosaic <args>` with Mosaic's own CLI (click parses, nothing runs): an unknown flag or a bad
-    value fails the test. Skips while the sub-command is not registered yet."""
+    value fails the test. Returns the parsed parameters by name. Skips while the sub-command is not
+    registered yet."""
     commands = _mosaic_commands()
     if isinstance(commands, str):
         pytest.skip(commands)
@@ -168,3 +169,4 @@ def parse_mosaic_args(args: list[str]) -> None:
         pytest.skip(f"`mosaic {args[0]}` is not registered in server/cli.py yet")
     with sub.make_context(args[0], list(args[1:])) as ctx:
         assert ctx.params
+        return dict(ctx.params)

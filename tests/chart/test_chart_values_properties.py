@@ -98,6 +98,7 @@ def pool(draw: st.DrawFn, name: str) -> dict[str, Any]:
     opt = {
         "role": st.sampled_from(["prefill", "decode", "mixed"]),
         "tp": st.sampled_from([1, 2, 4, 8]),
+        "dp": st.sampled_from([1, 2, 3]),
         "simulated": st.booleans(),
         "maxModelLen": st.one_of(st.none(), ints(1, 32768)),
         "gpuMemoryUtilization": st.sampled_from([0.8, 0.9, 1]),
@@ -123,7 +124,8 @@ def pool(draw: st.DrawFn, name: str) -> dict[str, Any]:
         "terminationGracePeriodSeconds": ints(41, 200),
         "progressDeadlineSeconds": st.one_of(st.none(), ints(1, 3000)),
         "image": st.sampled_from([{}, {"tag": "v0.33.0"}, {"repository": "rocm/vllm", "tag": "latest"}]),
-        "extraArgs": st.lists(st.sampled_from(["--enforce-eager", "--seed=1"]), max_size=2),
+        # -dp=2: the data parallel size again, which the render refuses (the chart writes it from dp)
+        "extraArgs": st.lists(st.sampled_from(["--enforce-eager", "--seed=1", "-dp=2"]), max_size=2),
         "nodeSelector": st.sampled_from([{}, {"pool": "gpu"}]),
         "podLabels": st.sampled_from([{}, {"team": "ml"}]),
         "resources": st.sampled_from([{}, {"requests": {"cpu": "2"}, "limits": {"memory": "8Gi"}}]),

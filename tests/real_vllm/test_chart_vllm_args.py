@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from typing import Any
 
 import helm_python as helm
 import pytest
@@ -24,14 +25,43 @@ for args in json.load(sys.stdin):
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
     kv = ns.kv_transfer_config
     out.append({"shutdown_timeout": ns.shutdown_timeout, "kv_role": getattr(kv, "kv_role", None),
-                "tp": ns.tensor_parallel_size, "prefix_caching": ns.enable_prefix_caching})
+                "tp": ns.tensor_parallel_size, "dp": ns.data_parallel_size,
+                "prefix_caching": ns.enable_prefix_caching})
+print(json.dumps(out))
+"""
+
+# Each argument list with one parser (argparse keeps no state between parses): what tp and dp vLLM takes
+# from it, or null where vLLM refuses it (an ambiguous abbreviation, an unknown flag).
+RESOLVE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser())
+out = []
+for args in json.load(sys.stdin):
+    try:
+        ns = parser.parse_args(args)
+    except SystemExit:
+        out.append(None)
+    else:
+        out.append({"tp": ns.tensor_parallel_size, "dp": ns.data_parallel_size})
 print(json.dumps(out))
 """
 
 
-def test_every_pool_of_the_pd_example_parses_with_vllms_parser() -> None:
+def _vllm(script: str, argvs: list[list[str]]) -> list[Any]:
+    """`script` run by .venv-vllm's Python on `argvs` (JSON on stdin), its JSON answer."""
     if not VENV_PYTHON.exists():
         pytest.skip(f"{VENV_PYTHON} missing: `make vllm-env` builds the vLLM environment")
+    proc = subprocess.run(
+        [str(VENV_PYTHON), "-c", script], input=json.dumps(argvs), capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out: list[Any] = json.loads(proc.stdout)
+    return out
+
+
+def test_every_pool_of_the_pd_example_parses_with_vllms_parser() -> None:
     values = load_values(EXAMPLES_DIR / "heterogeneous-pd.yaml")
     with helm.Chart.load(CHART_DIR) as chart:
         rendered = render(chart, values)
@@ -39,11 +69,63 @@ def test_every_pool_of_the_pd_example_parses_with_vllms_parser() -> None:
     argvs = [
         [str(a) for a in container(rendered.get("Deployment", f"{RELEASE}-{name}"))["args"]] for name in real
     ]
-    proc = subprocess.run(
-        [str(VENV_PYTHON), "-c", PARSE], input=json.dumps(argvs), capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    parsed = dict(zip(real, json.loads(proc.stdout), strict=True))
+    parsed = dict(zip(real, _vllm(PARSE, argvs), strict=True))
     assert all(p["shutdown_timeout"] == 100 for p in parsed.values()), parsed  # 120 s grace − 15 s − 5 s
     roles = {name: p["kv_role"] for name, p in parsed.items()}
     assert roles["h100-prefill"] == "kv_producer" and roles["a100-decode"] == "kv_consumer", roles
+
+
+def test_data_parallel_pools_parse_with_vllms_parser() -> None:
+    """dp engines of tp GPUs each: the chart's --data-parallel-size is vLLM's data_parallel_size."""
+    pools = [
+        {"name": "mixed", "model": "llama-3-8b", "gpu": "L4", "dp": 2},
+        {"name": "prefill", "model": "llama-3-8b", "gpu": "L4", "role": "prefill", "tp": 2, "dp": 4},
+        {"name": "single", "model": "llama-3-8b", "gpu": "L4", "tp": 2},
+    ]
+    with helm.Chart.load(CHART_DIR) as chart:
+        rendered = render(chart, {"pools": pools})
+    argvs = [
+        [str(a) for a in container(rendered.get("Deployment", f"{RELEASE}-{p['name']}"))["args"]]
+        for p in pools
+    ]
+    parsed = {p["name"]: out for p, out in zip(pools, _vllm(PARSE, argvs), strict=True)}
+    assert {n: (p["tp"], p["dp"]) for n, p in parsed.items()} == {
+        "mixed": (1, 2),
+        "prefill": (2, 4),
+        "single": (2, 1),
+    }
+    assert parsed["prefill"]["kv_role"] == "kv_producer"
+
+
+def _spellings(flag: str, short: str) -> list[str]:
+    """Every way to write `flag` that vLLM's parser might take: each prefix of the long name and of the short
+    form (argparse's abbreviations), the long ones with `-` or `_`, all with and without `=value`."""
+    names = [flag[:n] for n in range(3, len(flag) + 1)]
+    names += [n.replace("-", "_").replace("__", "--", 1) for n in names if "-" in n[2:]]
+    names += [short[:n] for n in range(2, len(short) + 1)]
+    return sorted({*names, *(f"{n}=3" for n in names)})
+
+
+def test_the_chart_refuses_exactly_the_extra_args_vllm_reads_as_tp_or_dp() -> None:
+    """templates/_helpers.tpl `mosaic.pool.checkParallelArgs` refuses a pool's extraArgs that set vLLM's tensor
+    or data parallel size (the chart writes both from tp and dp): each spelling is refused at render if and only
+    if vLLM's own parser reads it as that flag, so no spelling slips past and none vLLM would refuse anyway (an
+    ambiguous abbreviation) gets the chart's message."""
+    spellings = _spellings("--tensor-parallel-size", "-tp") + _spellings("--data-parallel-size", "-dp")
+    argvs = [["m", s] if "=" in s else ["m", s, "3"] for s in spellings]
+    read = dict(zip(spellings, _vllm(RESOLVE, argvs), strict=True))
+    refused: dict[str, bool] = {}
+    with helm.Chart.load(CHART_DIR) as chart:
+        for spelling, argv in zip(spellings, argvs, strict=True):
+            pool = {"name": "p", "model": "llama-3-8b", "gpu": "L4", "extraArgs": argv[1:]}
+            try:
+                render(chart, {"pools": [pool]})
+            except helm.HelmRenderError as exc:
+                assert "pools[0].extraArgs has" in str(exc), exc
+                refused[spelling] = True
+            else:
+                refused[spelling] = False
+    takes = {s: r is not None and (r["tp"] == 3 or r["dp"] == 3) for s, r in read.items()}
+    assert refused == takes, {s: (refused[s], read[s]) for s in spellings if refused[s] != takes[s]}
+    # the spellings that matter: abbreviations vLLM takes, the short form, an abbreviation it refuses
+    assert takes["--tensor-parallel"] and takes["-t"] and takes["-dp=3"] and not takes["--data-parallel"]

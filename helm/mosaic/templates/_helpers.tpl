@@ -203,6 +203,7 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- end }}
 {{- include "mosaic.pool.checkModel" (list $root $i $pool) }}
 {{- include "mosaic.pool.checkGpu" (list $root $i $pool) }}
+{{- include "mosaic.pool.checkParallelArgs" (list $root $i $pool (ternary (printf "pools[%d].extraArgs" $i) "poolDefaults.extraArgs" (hasKey $p "extraArgs"))) }}
 {{- $_ := set $pool "fullname" $name }}
 {{- /* apiKey.existingSecret: the pool's vLLM servers require that key; the gateway reads it from `apiKeyEnv`. Pool names are DNS labels,
 so upper-casing and `-` → `_` gives each pool its own variable name. */}}
@@ -305,6 +306,52 @@ place it on nodes, but the gateway still sizes it by its catalog row. Arguments:
 {{- end }}
 
 {{/*
+A pool's tp and dp reach its workers only through the flags the chart writes from them (vLLM's
+--tensor-parallel-size and --data-parallel-size, `mosaic worker`'s --tp and --data-parallel-size): the same
+flag again in extraArgs would win (vLLM's parser and click keep the last), and the worker would run another
+shape than the one its pod got GPUs for (tp × dp) and the gateway sizes, prices and books (a crash loop, or
+wrong capacity). vLLM's parser also takes `_` for `-` in a long name, `=value`, the short forms -tp and -dp,
+and argparse's abbreviations: every prefix of --tensor-parallel-size from --te (vLLM 0.32 has no other option
+starting so) and -t (its only short option starting so; not -t=N, which argparse refuses), none of
+--data-parallel-size (each is a prefix of --data-parallel-size-local too, ambiguous) or of -dp.
+tests/real_vllm/test_chart_vllm_args.py holds these spellings to vLLM's own parser. A pool's extraArgs are
+checked simulated or not (they are its vLLM arguments once it runs vLLM); simulator.extraArgs (click: exact
+names) for each simulated pool. Arguments: (list root index pool extraArgsValuesPath).
+*/}}
+{{- define "mosaic.pool.checkParallelArgs" -}}
+{{- $root := index . 0 }}
+{{- $i := index . 1 }}
+{{- $pool := index . 2 }}
+{{- $path := index . 3 }}
+{{- $why := "the gateway sizes, prices and books the pool by it, and a real pool's pod gets tp × dp GPUs" }}
+{{- range ($pool.extraArgs | default list) }}
+{{- $arg := toString . }}
+{{- $name := index (splitList "=" $arg) 0 }}
+{{- $key := "" }}
+{{- if hasPrefix "--" $name }}
+{{- $long := trimPrefix "--" $name | replace "_" "-" }}
+{{- if and (ge (len $long) 2) (hasPrefix $long "tensor-parallel-size") }}{{ $key = "tp" }}{{ end }}
+{{- if eq $long "data-parallel-size" }}{{ $key = "dp" }}{{ end }}
+{{- else if or (eq $name "-tp") (eq $arg "-t") }}{{ $key = "tp" }}
+{{- else if eq $name "-dp" }}{{ $key = "dp" }}
+{{- end }}
+{{- if $key }}
+{{- fail (printf "pools[%d] (%s): %s has %q, vLLM's %s, which the chart writes from the pool's %s (%s); remove it and set pools[%d].%s" $i $pool.name $path $arg (ternary "--tensor-parallel-size" "--data-parallel-size" (eq $key "tp")) $key $why $i $key) }}
+{{- end }}
+{{- end }}
+{{- if $pool.simulated }}
+{{- range ($root.Values.simulator.extraArgs | default list) }}
+{{- $arg := toString . }}
+{{- $name := index (splitList "=" $arg) 0 }}
+{{- if has $name (list "--tp" "--data-parallel-size") }}
+{{- $key := ternary "tp" "dp" (eq $name "--tp") }}
+{{- fail (printf "pools[%d] (%s): simulator.extraArgs has %q, mosaic worker's %s, which the chart writes from the pool's %s (%s); remove it and set pools[%d].%s" $i $pool.name $arg $name $key $why $i $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 A real pool's affinity: the pool's own, with the chart's required GPU term (`vllm.gpuProductLabel` In the
 pool's products) ANDed into each of its required nodeSelectorTerms (the only term when it has none); a term
 that already matches on the product label is kept as written. Preferred terms and pod (anti-)affinity are
@@ -399,7 +446,7 @@ first listing of the gateway Service's EndpointSlices, after which N is the coun
 {{- $selector = include "mosaic.pool.selectorString" (list $root .) }}
 {{- end }}
 {{- $k8s := dict "namespace" $root.Release.Namespace "label_selector" $selector "port" (int $root.Values.vllm.port) "resource" $disc.resource "resync_s" (float64 $disc.resyncSeconds) "in_cluster" true "domain_label" $disc.domainLabel }}
-{{- $entry := dict "name" .name "model" .model "gpu" .gpu "role" .role "tp" (int .tp) }}
+{{- $entry := dict "name" .name "model" .model "gpu" .gpu "role" .role "tp" (int .tp) "dp" (int .dp) }}
 {{- $_ := set $entry "min_replicas" (int .minReplicas) }}
 {{- $_ := set $entry "max_replicas" (int .maxReplicas) }}
 {{- $_ := set $entry "max_num_seqs" (int .maxNumSeqs) }}
