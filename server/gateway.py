@@ -234,6 +234,7 @@ class Gateway:
             served_model=model.name,
             role=pool.role,
             tp=pool.tp,
+            dp=pool.dp,
             max_model_len=model.max_model_len,
             gpu_memory_utilization=pool.gpu_memory_utilization,
             max_num_seqs=pool.max_num_seqs,

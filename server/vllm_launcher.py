@@ -3,21 +3,25 @@
 Command built by `build_command(spec)` (vLLM 0.32 flags):
 
     [*spec.vllm_command, MODEL, --host H, --port P, [--served-model-name N], --tensor-parallel-size TP,
-     [--max-model-len L], [--gpu-memory-utilization U], [--max-num-seqs S], [--block-size B],
+     [--data-parallel-size DP], [--max-model-len L], [--gpu-memory-utilization U], [--max-num-seqs S],
+     [--block-size B],
      [--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer"|"kv_consumer"}'],
      [--shutdown-timeout S], *spec.extra_args]
 
-A flag of ours that `extra_args` also gives is left out (the operator's value wins; vLLM would otherwise see
-it twice). `kv_role` follows the pool role: `prefill` → `kv_producer`, `decode` → `kv_consumer`, `mixed` →
-no KV connector at all. vLLM 0.32's NixlConnector warns that `kv_both` is deprecated and asks for exactly
-this split.
+`--data-parallel-size` only when DP > 1 (vLLM's default is 1). An engine setting of ours that `extra_args`
+also gives is left out (the operator's value wins; vLLM would otherwise see it twice); the parallel sizes
+are not settings a pool may override there (`server.vllm_pool.LaunchVllmConfig` refuses them: the gateway
+sizes GPUs, ports and capacity from the pool's `tp` and `dp`). `kv_role` follows the pool role: `prefill`
+→ `kv_producer`, `decode` → `kv_consumer`, `mixed` → no KV connector at all. vLLM 0.32's NixlConnector
+warns that `kv_both` is deprecated and asks for exactly this split.
 
 Environment (`build_env`): by default only an allowlist of the parent's variables is inherited
 (`INHERITED_ENV_NAMES`, `INHERITED_ENV_PREFIXES`: what vLLM, CUDA, NCCL, UCX/NIXL, torch and the Hugging
 Face hub read), never `VLLM_API_KEY` (vLLM 0.32 turns on its own bearer auth when it is set) nor a name in
 `spec.drop_env`; `spec.pass_env` names more variables to inherit, `spec.env` sets variables outright, and
-`spec.api_key` becomes the child's `VLLM_API_KEY`. Then `CUDA_VISIBLE_DEVICES` from the assigned GPU ids
-(one process never shares a GPU with another, see `server/vllm_pool.py`), `VLLM_NIXL_SIDE_CHANNEL_HOST`
+`spec.api_key` becomes the child's `VLLM_API_KEY`. Then `CUDA_VISIBLE_DEVICES` from the assigned GPU ids,
+TP × DP of them (one process never shares a GPU with another, see `server/vllm_pool.py`; vLLM 0.32 gives
+data-parallel engine r the visible devices r·TP .. r·TP + TP − 1), `VLLM_NIXL_SIDE_CHANNEL_HOST`
 (the host *advertised* to peers: `nixl_side_channel_host`, else `default_advertise_host(host)`, never a
 wildcard such as 0.0.0.0) and `_PORT` for P/D roles (in vLLM 0.32 each engine listens on port + its
 data-parallel index, so the port must be unique per instance on a host), and usage stats off.
@@ -108,12 +112,14 @@ class VllmLaunchSpec:
     host: str = "127.0.0.1"
     served_model_name: str | None = None
     role: str = "mixed"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # GPUs per engine
+    # engines behind the one API server (--data-parallel-size), each on its own tensor_parallel_size GPUs
+    data_parallel_size: int = 1
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None  # → --max-num-seqs (the gateway sizes a worker's capacity from it)
     block_size: int | None = None  # → --block-size (idem: KV blocks per request)
-    gpu_ids: tuple[str, ...] = ()  # → CUDA_VISIBLE_DEVICES; () leaves the variable as inherited
+    gpu_ids: tuple[str, ...] = ()  # → CUDA_VISIBLE_DEVICES, TP × DP ids; () leaves it as inherited
     nixl_side_channel_port: int | None = None  # P/D roles only; None → vLLM's default 5600
     nixl_side_channel_host: str | None = None  # advertised to peers; None → default_advertise_host(host)
     # → --shutdown-timeout: seconds vLLM 0.32 lets running requests finish after SIGTERM (its default, 0,
@@ -137,9 +143,12 @@ class VllmLaunchSpec:
             raise ValueError(f"host: {self.host!r} is not an address (IPv6 without brackets, e.g. ::1)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} must be ≥ 1")
-        if self.gpu_ids and len(self.gpu_ids) != self.tensor_parallel_size:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size: {self.data_parallel_size} must be ≥ 1")
+        if self.gpu_ids and len(self.gpu_ids) != self.gpu_count:
+            dp = f" × data_parallel_size {self.data_parallel_size}" if self.data_parallel_size > 1 else ""
             raise ValueError(
-                f"gpu_ids: {len(self.gpu_ids)} GPUs given for tensor_parallel_size {self.tensor_parallel_size}"
+                f"gpu_ids: {len(self.gpu_ids)} GPUs given for tensor_parallel_size {self.tensor_parallel_size}{dp}"
             )
         if len(set(self.gpu_ids)) != len(self.gpu_ids):
             raise ValueError(f"gpu_ids: {','.join(self.gpu_ids)} repeats a GPU")
@@ -153,6 +162,11 @@ class VllmLaunchSpec:
             raise ValueError(f"block_size: {self.block_size} must be ≥ 1")
         if not self.vllm_command or not self.vllm_command[0]:
             raise ValueError("vllm_command: must not be empty")
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs the process needs: TP ranks of each of its DP engines."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
     @property
     def url(self) -> str:
@@ -202,6 +216,8 @@ def build_command(spec: VllmLaunchSpec) -> list[str]:
     if spec.served_model_name:
         cmd += ["--served-model-name", spec.served_model_name]
     cmd += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    if spec.data_parallel_size > 1:
+        cmd += ["--data-parallel-size", str(spec.data_parallel_size)]
     if spec.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.max_model_len)]
     if spec.gpu_memory_utilization is not None:

@@ -1,14 +1,14 @@
 """`launch: vllm` pools: Mosaic starts real `vllm serve` processes on this machine's GPUs and scales them.
 
-One process per replica; each gets `tp` GPUs from a `GpuAllocator` shared by every launched pool, so no two
-processes ever see the same GPU (`CUDA_VISIBLE_DEVICES`), taken only from the pool's own `gpu_ids` when it
-lists them. Lowest free ids first, which keeps a TP group on adjacent GPUs (usually the same NVLink/PCIe
-switch). Ports: a free port per replica and, for P/D roles, a block of `tp` free ports for the NIXL side
-channel (vLLM 0.32 listens on base + its data-parallel index, i.e. on base alone without data parallelism;
-the block is kept as spare room for TP ranks of releases that listened on base + rank). A port probed free
-is not held by anything until vLLM binds it 30-120 s later, so every port handed out is recorded in a
-process-wide reservation (`reserve_port`) until its replica has exited: two replicas starting at once never
-get the same one.
+One process per replica, with the pool's `dp` engines (`--data-parallel-size`) of `tp` GPUs each; it gets
+tp × dp GPUs from a `GpuAllocator` shared by every launched pool, so no two processes ever see the same GPU
+(`CUDA_VISIBLE_DEVICES`), taken only from the pool's own `gpu_ids` when it lists them. Lowest free ids
+first, which keeps a TP group on adjacent GPUs (usually the same NVLink/PCIe switch): vLLM gives engine r
+the visible devices r·tp .. r·tp + tp − 1. Ports: a free port per replica and, for P/D roles, a block of
+tp × dp free ports for the NIXL side channel (`VllmPoolLauncher.start_replica` says why that many). A port
+probed free is not held by anything until vLLM binds it 30-120 s later, so every port handed out is
+recorded in a process-wide reservation (`reserve_port`) until its replica has exited: two replicas starting
+at once never get the same one.
 
 `VllmPoolLauncher` is non-blocking so the gateway's event loop and the embedded autoscaler can call it: a
 replica starts as a process (health is the registry's job, `check_ready` or `wait_ready`); a stop sends
@@ -36,7 +36,8 @@ pools:
     model: llama-3-8b              # served name; models[].max_model_len → --max-model-len
     gpu: H100
     role: decode                   # → --kv-transfer-config with kv_role kv_consumer
-    tp: 2                          # → --tensor-parallel-size 2, two GPUs per replica
+    tp: 2                          # → --tensor-parallel-size 2, two GPUs per engine
+    dp: 2                          # → --data-parallel-size 2: two engines per replica, tp × dp = 4 GPUs
     gpu_memory_utilization: 0.9    # → --gpu-memory-utilization
     max_num_seqs: 256              # → --max-num-seqs   (the gateway sizes capacity from these two)
     block_size: 16                 # → --block-size
@@ -46,7 +47,7 @@ pools:
       launch:                      # or just `launch: vllm` for all defaults
         model: meta-llama/Meta-Llama-3-8B-Instruct   # weights (default: the model name)
         replicas: 2                # started with the gateway
-        gpu_ids: ["0", "1", "2", "3"]                 # default: CUDA_VISIBLE_DEVICES, else nvidia-smi
+        gpu_ids: ["0", "1", "2", "3", "4", "5", "6", "7"]   # default: CUDA_VISIBLE_DEVICES, else nvidia-smi
         extra_args: [--enable-prefix-caching]
 ```
 """
@@ -96,7 +97,8 @@ class LaunchVllmConfig(BaseModel):
     gpu_ids: list[str] | None = None
     use_gpus: bool = True  # false: no GPU assignment (vLLM's CPU build)
     vllm_command: str = "vllm serve"  # split like a shell would
-    extra_args: list[str] = Field(default_factory=list)  # appended to every replica's command line
+    # appended to every replica's command line; not the parallel sizes (`_extra_args`)
+    extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)  # set in every replica's environment
     # variables inherited from the gateway's environment beyond the allowlist (server.vllm_launcher)
     pass_env: list[str] = Field(default_factory=list)
@@ -148,6 +150,22 @@ class LaunchVllmConfig(BaseModel):
             raise ValueError('must not be empty (e.g. "vllm serve")')
         return command
 
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args(cls, args: list[str]) -> list[str]:
+        # The pool's tp and dp decide how many GPUs (and side-channel ports) a replica gets and what capacity
+        # the gateway books on it; vLLM takes the last of two values, so a size here would run the replica
+        # on GPUs it was not given, or with engines the gateway does not know of.
+        for arg in args:
+            flag = _parallel_size_flag(arg)
+            if flag is not None:
+                field = POOL_FIELD_BY_FLAG[flag]
+                raise ValueError(
+                    f"{arg}: set the pool's {field} instead (the gateway gives each replica tp × dp GPUs and "
+                    "books its capacity from them)"
+                )
+        return args
+
     @field_validator("host", "advertise_host")
     @classmethod
     def _host(cls, host: str | None) -> str | None:
@@ -182,6 +200,24 @@ class LaunchVllmConfig(BaseModel):
     @property
     def argv(self) -> tuple[str, ...]:
         return tuple(shlex.split(self.vllm_command))
+
+
+# vLLM 0.32's spellings of the parallel sizes a pool sets itself (`tp`, `dp`) → the pool's field.
+POOL_FIELD_BY_FLAG: Mapping[str, str] = {
+    "--tensor-parallel-size": "tp",
+    "-tp": "tp",
+    "--data-parallel-size": "dp",
+    "-dp": "dp",
+}
+
+
+def _parallel_size_flag(arg: str) -> str | None:
+    """The flag of POOL_FIELD_BY_FLAG that `arg` gives (`--flag`, `--flag=V`, and since vLLM's parser turns
+    underscores of a long flag into dashes, `--tensor_parallel_size`), else None."""
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        name = "--" + name[2:].replace("_", "-")
+    return name if name in POOL_FIELD_BY_FLAG else None
 
 
 class GpuAllocator:
@@ -419,8 +455,8 @@ class VllmPoolLauncher:
         """Allocate GPUs and ports and spawn the process (does not wait for /health)."""
         self._serial += 1
         replica_id = f"{self.pool}-{self._serial}"
-        tp = self.template.tensor_parallel_size
-        gpu_ids = self.allocator.allocate(replica_id, tp, self.gpu_ids) if self.use_gpus else ()
+        gpus = self.template.gpu_count  # tp × dp: every engine's TP group
+        gpu_ids = self.allocator.allocate(replica_id, gpus, self.gpu_ids) if self.use_gpus else ()
         probe = connect_host(self.template.host)  # a wildcard bind: probe its loopback
         ports: list[int] = []
         try:
@@ -428,8 +464,13 @@ class VllmPoolLauncher:
             ports.append(port)
             side = None
             if self.template.role != "mixed":
-                side = reserve_port_block(tp, probe)
-                ports.extend(range(side, side + tp))
+                # vLLM 0.32 runs one NIXL handshake listener per engine (it serves all of the engine's TP
+                # ranks) on base + the engine's data-parallel index: dp ports. The block is tp × dp, room for
+                # one port per rank of every engine, which releases giving each TP rank its own listener
+                # needed; without data parallelism that is the tp-port block replicas always got.
+                count = self.template.gpu_count
+                side = reserve_port_block(count, probe)
+                ports.extend(range(side, side + count))
             spec = dataclasses.replace(self.template, port=port, gpu_ids=gpu_ids, nixl_side_channel_port=side)
             stamp = time.strftime("%Y%m%dT%H%M%S")
             log_path = self.log_dir / f"{replica_id}-{stamp}-{os.getpid()}.log"
@@ -625,6 +666,7 @@ def pool_template(
     gpu_memory_utilization: float | None,
     max_num_seqs: int | None = None,
     block_size: int | None = None,
+    dp: int = 1,
     extra_args: Sequence[str] = (),
     vllm_command: Sequence[str] = ("vllm", "serve"),
     host: str = "127.0.0.1",
@@ -643,6 +685,7 @@ def pool_template(
         served_model_name=served_model_name,
         role=role,
         tensor_parallel_size=tp,
+        data_parallel_size=dp,
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
         max_num_seqs=max_num_seqs,

@@ -6,7 +6,7 @@ such pool (`Gateway._launched_source`):
 
     allocator = GpuAllocator(detect_gpu_ids())     # or the pools' gpu_ids when nothing is detected
     source = LaunchedPoolSource.for_pool(pool.name, served_model=model.name, role=pool.role, tp=pool.tp,
-                                         max_model_len=model.max_model_len,
+                                         dp=pool.dp, max_model_len=model.max_model_len,
                                          gpu_memory_utilization=pool.gpu_memory_utilization,
                                          max_num_seqs=pool.max_num_seqs, block_size=pool.block_size,
                                          launch=pool.endpoints.launch, allocator=allocator,
@@ -82,16 +82,18 @@ class LaunchedPoolSource:
         allocator: GpuAllocator,
         max_num_seqs: int | None = None,
         block_size: int | None = None,
+        dp: int = 1,
         api_key: str | None = None,
         drop_env: Iterable[str] = (),
     ) -> LaunchedPoolSource:
-        """`api_key`: the pool's key (its `api_key_env`), given to vLLM as VLLM_API_KEY so that vLLM checks
+        """`dp`: engines per replica (`--data-parallel-size`), each on `tp` GPUs. `api_key`: the pool's key (its `api_key_env`), given to vLLM as VLLM_API_KEY so that vLLM checks
         the key the gateway sends. `drop_env`: variables never passed to vLLM (the gateway's key variables)."""
         template = pool_template(
             model=launch.model or served_model,
             served_model_name=served_model,
             role=role,
             tp=tp,
+            dp=dp,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization if launch.use_gpus else None,
             max_num_seqs=max_num_seqs,

@@ -1,5 +1,5 @@
 """A `launch: vllm` pool: the gateway starts a real vLLM (CPU build, mixed role), routes to it once /health
-answers, and stops it when the gateway stops."""
+answers, and stops it when the gateway stops; with `dp: 2`, one vLLM of two engines that both serve."""
 
 from __future__ import annotations
 
@@ -55,6 +55,75 @@ def test_gateway_launches_serves_and_stops_a_vllm_pool(tmp_path: Path) -> None:
     print(
         f"\nlaunched pool ready after {ready_s:.1f} s; {log.strip().splitlines()[0] if log.strip() else ''}"
     )
+
+
+def test_a_data_parallel_launched_pool_is_one_server_of_two_engines(tmp_path: Path) -> None:
+    """`dp: 2`: the gateway starts one vLLM with `--data-parallel-size 2` (CPU build: no GPUs to hand out),
+    scrapes its two engines, and the KV ledger books and pins each request on one of them. Each engine has
+    8 blocks of 128 tokens (7 usable) and each request takes 4 (200 prompt + 300 output tokens), so no engine
+    holds two at once: of four requests sent at once two run, one per engine, the others wait in the
+    gateway's queue, and both engines serve."""
+    import asyncio
+
+    import httpx
+    from gateway_harness import API_KEY
+    from kv_burst import MAX_TOKENS, PROMPT_TOKENS
+
+    reason = vllm_env.missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    extra = {"kv": {"enabled": True, "mode": "worst_case"}, "limits": {"queue_deadline_s": 120.0}}
+    config = static_config(vllm_env.SERVED_MODEL_NAME, [], pool="launched-dp", extra=extra)
+    endpoints = launch_endpoints(tmp_path / "vllm-logs", replicas=1)
+    # One API server: vLLM 0.32 starts one per engine by default, and on 2 cores each more process importing
+    # torch adds ~40 s to the start (test_data_parallel.py runs the default against the gateway's scrape)
+    endpoints["launch"]["extra_args"] += ["--num-gpu-blocks-override", "8", "--api-server-count", "1"]
+    config["pools"][0] |= {"dp": 2, "max_num_seqs": 2, "endpoints": endpoints}
+    with MosaicGateway(config, tmp_path) as gateway:
+        gateway.wait_ready()
+        started = time.monotonic()
+        # one server for the replica; two engines start in ~2 min on 2 cores (conftest's START_TIMEOUT_S)
+        (worker,) = gateway.wait_worker_scraped(timeout_s=420)
+        ready_s = time.monotonic() - started
+        views = worker["stats"]["engine_views"]
+        assert [(e["rank"], e["num_gpu_blocks"]) for e in views] == [(0, 8), (1, 8)]
+        before = _successes_per_engine(worker["url"])
+
+        async def requests() -> list[httpx.Response]:
+            headers = {"authorization": f"Bearer {API_KEY}"}
+            async with httpx.AsyncClient(base_url=gateway.url, headers=headers, timeout=120) as client:
+                bodies = [
+                    {"model": vllm_env.SERVED_MODEL_NAME, "prompt": [10 + i + k for k in range(PROMPT_TOKENS)],
+                     "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+                    for i in range(4)
+                ]  # fmt: skip
+                return list(await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies)))
+
+        served_at = time.monotonic()
+        responses = asyncio.run(requests())
+        served_s = time.monotonic() - served_at
+        assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+        assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
+        after = _successes_per_engine(worker["url"])
+        served = {engine: after[engine] - before.get(engine, 0.0) for engine in after}
+        # one at a time per engine: which engine takes the queued two depends on which finishes first
+        assert sorted(served) == ["0", "1"] and sum(served.values()) == 4, served
+        assert min(served.values()) >= 1, served
+    print(f"\ndp-2 launched pool scraped after {ready_s:.1f} s; four requests in {served_s:.1f} s")
+
+
+def _successes_per_engine(url: str) -> dict[str, float]:
+    """vLLM's finished requests per engine (`vllm:request_success_total`, summed over finished_reason)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "vllm:request_success_total":
+                engine = sample.labels["engine"]
+                totals[engine] = totals.get(engine, 0.0) + sample.value
+    return totals
 
 
 # Tokens the SIGTERM test streams: the 2,048-position server less the 3-token prompt, rounded down.

@@ -213,6 +213,39 @@ def test_pool_allocates_only_from_its_gpu_ids(
     asyncio.run(run())
 
 
+def test_a_data_parallel_pool_gives_each_replica_tp_times_dp_gpus(
+    spawned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dp: 2, tp: 1`: one vLLM per replica with two engines, on two GPUs of the pool's (the gateway's wiring
+    of the pool's dp, not only the launcher's)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4")
+    gw = Gateway(config(fake_launch(spawned, tmp_path, use_gpus=True, gpu_ids=["1", "2", "3", "4"]), dp=2))
+    source = gw.sources["p"]
+    assert isinstance(source, LaunchedPoolSource)
+
+    async def run() -> None:
+        await source.start()
+        try:
+            launcher = source.launcher
+            launcher.scale_to(2)
+            assert [r.gpu_ids for r in launcher.replicas] == [("1", "2"), ("3", "4")]
+            for replica in launcher.replicas:
+                await asyncio.to_thread(wait_healthy, replica.url)
+            infos = [get_json(f"{r.url}/launch") for r in launcher.replicas]
+            assert [i["env"]["CUDA_VISIBLE_DEVICES"] for i in infos] == ["1,2", "3,4"]
+            argv = infos[0]["argv"]
+            assert argv[argv.index("--data-parallel-size") + 1] == "2"
+            assert argv[argv.index("--tensor-parallel-size") + 1] == "1"
+        finally:
+            await gw.stop()
+
+    asyncio.run(run())
+    # dp 1 (the default): the command line has no --data-parallel-size at all, as before pools had dp
+    plain = Gateway(config(fake_launch(spawned, tmp_path, replicas=0)))
+    assert "--data-parallel-size" not in build_command(plain.sources["p"].launcher.template)  # type: ignore[attr-defined]
+    asyncio.run(plain.stop())
+
+
 @pytest.mark.parametrize(
     ("gpu_ids", "message"),
     [
@@ -703,6 +736,22 @@ def test_nixl_side_channel_host_is_advertisable() -> None:
         ),
         pytest.param(
             {"env": {"VLLM_API_KEY": "k"}}, "env: VLLM_API_KEY: set the pool's api_key_env", id="key in env"
+        ),
+        pytest.param(
+            {"extra_args": ["--enforce-eager", "--data-parallel-size", "2"]},
+            "extra_args: --data-parallel-size: set the pool's dp instead",
+            id="DP size in extra_args",
+        ),
+        pytest.param(
+            {"extra_args": ["-dp=2"]}, "extra_args: -dp=2: set the pool's dp instead", id="DP short flag"
+        ),
+        pytest.param(
+            {"extra_args": ["-tp", "2"]}, "extra_args: -tp: set the pool's tp instead", id="TP short flag"
+        ),
+        pytest.param(
+            {"extra_args": ["--tensor_parallel_size=2"]},
+            "extra_args: --tensor_parallel_size=2: set the pool's tp instead",
+            id="TP size with underscores (vLLM reads them as dashes)",
         ),
     ],
 )

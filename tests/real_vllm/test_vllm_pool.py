@@ -26,12 +26,13 @@ def launch_info(url: str) -> dict[str, object]:
         return dict(json.loads(resp.read()))
 
 
-def template(role: str = "prefill", tp: int = 2) -> VllmLaunchSpec:
+def template(role: str = "prefill", tp: int = 2, dp: int = 1) -> VllmLaunchSpec:
     return pool_template(
         model="/models/llama-3-8b",
         served_model_name="llama-3-8b",
         role=role,
         tp=tp,
+        dp=dp,
         max_model_len=4096,
         gpu_memory_utilization=0.9,
         vllm_command=FAKE_VLLM,
@@ -119,6 +120,37 @@ def test_prefill_pool_scales_on_disjoint_gpus(tmp_path: Path) -> None:
     finally:
         pool.stop_all()
     assert alloc.free == ("0", "1", "2", "3")
+
+
+def test_data_parallel_replicas_get_tp_times_dp_gpus_and_side_channel_ports(tmp_path: Path) -> None:
+    alloc = GpuAllocator([str(g) for g in range(8)])
+    pool = VllmPoolLauncher("decode-dp", template("decode", tp=2, dp=2), alloc, tmp_path, stop_grace_s=10)
+    try:
+        started, _ = pool.scale_to(2)
+        infos = []
+        for replica in started:
+            pool.wait_ready(replica, timeout_s=30)
+            infos.append(launch_info(replica.url))
+        # Two engines of two GPUs each: four per replica, all visible to its one server.
+        assert [r.gpu_ids for r in started] == [("0", "1", "2", "3"), ("4", "5", "6", "7")]
+        assert [i["env"]["CUDA_VISIBLE_DEVICES"] for i in infos] == ["0,1,2,3", "4,5,6,7"]  # type: ignore[index]
+        argv: list[str] = infos[0]["argv"]  # type: ignore[assignment]
+        at = argv.index("--tensor-parallel-size")
+        assert argv[at : at + 4] == ["--tensor-parallel-size", "2", "--data-parallel-size", "2"]
+        # Ports reserved besides the server's: the side-channel block, tp × dp from the base vLLM is given
+        # (engine r listens on base + r), so the two replicas' blocks do not overlap.
+        for replica, info in zip(started, infos, strict=True):
+            base = int(info["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"])  # type: ignore[index]
+            assert replica.ports[1:] == tuple(range(base, base + 4))
+        blocks = [set(r.ports[1:]) for r in started]
+        assert not blocks[0] & blocks[1]
+
+        # A third replica needs tp × dp = 4 more GPUs: none free → refused.
+        with pytest.raises(LaunchError, match=r"decode-dp-3 needs 4 GPU\(s\), 0 free of 8"):
+            pool.scale_to(3)
+    finally:
+        pool.stop_all()
+    assert alloc.free == tuple(str(g) for g in range(8))
 
 
 def test_unknown_pool_is_reported_not_raised() -> None:
