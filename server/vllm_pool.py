@@ -157,9 +157,8 @@ class LaunchVllmConfig(BaseModel):
         # the gateway books on it; vLLM takes the last of two values, so a size here would run the replica
         # on GPUs it was not given, or with engines the gateway does not know of.
         for arg in args:
-            flag = _parallel_size_flag(arg)
-            if flag is not None:
-                field = POOL_FIELD_BY_FLAG[flag]
+            field = _parallel_size_flag(arg)
+            if field is not None:
                 raise ValueError(
                     f"{arg}: set the pool's {field} instead (the gateway gives each replica tp × dp GPUs and "
                     "books its capacity from them)"
@@ -202,22 +201,25 @@ class LaunchVllmConfig(BaseModel):
         return tuple(shlex.split(self.vllm_command))
 
 
-# vLLM 0.32's spellings of the parallel sizes a pool sets itself (`tp`, `dp`) → the pool's field.
-POOL_FIELD_BY_FLAG: Mapping[str, str] = {
-    "--tensor-parallel-size": "tp",
-    "-tp": "tp",
-    "--data-parallel-size": "dp",
-    "-dp": "dp",
-}
-
-
 def _parallel_size_flag(arg: str) -> str | None:
-    """The flag of POOL_FIELD_BY_FLAG that `arg` gives (`--flag`, `--flag=V`, and since vLLM's parser turns
-    underscores of a long flag into dashes, `--tensor_parallel_size`), else None."""
+    """The pool field (`tp`, `dp`) whose vLLM flag `arg` sets, as vLLM 0.32's parser reads it (the rule the
+    chart's `mosaic.pool.checkParallelArgs` applies; both are held to vLLM's own parser, spelling by spelling,
+    in tests/real_vllm/test_chart_vllm_args.py), else None:
+
+    - `--tensor-parallel-size` and each abbreviation of two letters or more (argparse takes unique prefixes),
+      with `_` for `-` (vLLM turns a long flag's underscores into dashes), with or without `=value`;
+    - `--data-parallel-size` only whole: each abbreviation is also one of `--data-parallel-size-local`'s, and
+      vLLM refuses it as ambiguous;
+    - `-tp`, `-dp`, and a bare `-t` (argparse reads `-t 3` as `-tp 3`)."""
     name = arg.split("=", 1)[0]
     if name.startswith("--"):
-        name = "--" + name[2:].replace("_", "-")
-    return name if name in POOL_FIELD_BY_FLAG else None
+        flag = name[2:].replace("_", "-")
+        if len(flag) >= 2 and "tensor-parallel-size".startswith(flag):
+            return "tp"
+        return "dp" if flag == "data-parallel-size" else None
+    if name == "-tp" or arg == "-t":
+        return "tp"
+    return "dp" if name == "-dp" else None
 
 
 class GpuAllocator:

@@ -106,14 +106,41 @@ def _spellings(flag: str, short: str) -> list[str]:
     return sorted({*names, *(f"{n}=3" for n in names)})
 
 
+def _parallel_spellings() -> tuple[list[str], list[list[str]], dict[str, bool]]:
+    """The spellings, their argument lists, and whether vLLM's parser reads each as the tp or dp size."""
+    spellings = _spellings("--tensor-parallel-size", "-tp") + _spellings("--data-parallel-size", "-dp")
+    argvs = [["m", s] if "=" in s else ["m", s, "3"] for s in spellings]
+    read = dict(zip(spellings, _vllm(RESOLVE, argvs), strict=True))
+    takes = {s: r is not None and (r["tp"] == 3 or r["dp"] == 3) for s, r in read.items()}
+    return spellings, argvs, takes
+
+
+def test_launched_pools_refuse_exactly_the_extra_args_vllm_reads_as_tp_or_dp() -> None:
+    """`launch.extra_args` (the gateway's own vLLM processes, server/vllm_pool.py) are refused at load by the
+    same rule as the chart's extraArgs, held to vLLM's parser the same way."""
+    from server.config import ConfigError, validate_config
+
+    spellings, argvs, takes = _parallel_spellings()
+    refused: dict[str, bool] = {}
+    for spelling, argv in zip(spellings, argvs, strict=True):
+        launch = {"replicas": 1, "use_gpus": False, "extra_args": argv[1:]}
+        pool = {"name": "p", "model": "llama-3-8b", "gpu": "L4", "endpoints": {"launch": launch}}
+        try:
+            validate_config({"pools": [pool]}, "test")
+        except ConfigError as exc:
+            assert "pools.0.endpoints.launch.extra_args" in str(exc) and "set the pool's" in str(exc), exc
+            refused[spelling] = True
+        else:
+            refused[spelling] = False
+    assert refused == takes, {s: (refused[s], takes[s]) for s in spellings if refused[s] != takes[s]}
+
+
 def test_the_chart_refuses_exactly_the_extra_args_vllm_reads_as_tp_or_dp() -> None:
     """templates/_helpers.tpl `mosaic.pool.checkParallelArgs` refuses a pool's extraArgs that set vLLM's tensor
     or data parallel size (the chart writes both from tp and dp): each spelling is refused at render if and only
     if vLLM's own parser reads it as that flag, so no spelling slips past and none vLLM would refuse anyway (an
     ambiguous abbreviation) gets the chart's message."""
-    spellings = _spellings("--tensor-parallel-size", "-tp") + _spellings("--data-parallel-size", "-dp")
-    argvs = [["m", s] if "=" in s else ["m", s, "3"] for s in spellings]
-    read = dict(zip(spellings, _vllm(RESOLVE, argvs), strict=True))
+    spellings, argvs, takes = _parallel_spellings()
     refused: dict[str, bool] = {}
     with helm.Chart.load(CHART_DIR) as chart:
         for spelling, argv in zip(spellings, argvs, strict=True):
@@ -125,7 +152,6 @@ def test_the_chart_refuses_exactly_the_extra_args_vllm_reads_as_tp_or_dp() -> No
                 refused[spelling] = True
             else:
                 refused[spelling] = False
-    takes = {s: r is not None and (r["tp"] == 3 or r["dp"] == 3) for s, r in read.items()}
-    assert refused == takes, {s: (refused[s], read[s]) for s in spellings if refused[s] != takes[s]}
+    assert refused == takes, {s: (refused[s], takes[s]) for s in spellings if refused[s] != takes[s]}
     # the spellings that matter: abbreviations vLLM takes, the short form, an abbreviation it refuses
     assert takes["--tensor-parallel"] and takes["-t"] and takes["-dp=3"] and not takes["--data-parallel"]
