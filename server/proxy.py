@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from scheduler.routing.framework import booked_engine
 from server.config import LimitsConfig
 from server.errors import NOT_JSON
 from server.upstream import ConnectionPool, SlotWait, UpstreamResponse
@@ -141,11 +142,10 @@ def pinned_headers(
     """`headers` for a hop to `worker_id`, with `X-data-parallel-rank` when the KV ledger booked the request
     on one engine of that data-parallel worker (`KvReservation.engine`): vLLM's own balancer would pick an
     engine without seeing the reservation, and the pages were set aside on this one."""
-    for res in reservations:
-        engine = getattr(res, "engine", None)  # only the KV ledger's reservations book an engine
-        if engine is not None and getattr(res, "worker_id", None) == worker_id:
-            return [*headers, (DP_RANK_HEADER, str(engine).encode())]
-    return headers
+    engine = booked_engine(reservations, worker_id)
+    if engine is None:
+        return headers
+    return [*headers, (DP_RANK_HEADER, str(engine).encode())]
 
 
 def splice_usage_option(body: bytes) -> bytes | None:

@@ -5,8 +5,8 @@
 by simulated time and the engine model's state instead of wall-clock time and scraped `/metrics`.
 
 Events, ordered by (time, priority, sequence) so a seeded run replays exactly:
-- STEP: an instance's engine step ends (its tokens, first tokens and finishes take effect) and the next
-  one starts; an instance only has a STEP pending while its engine has work.
+- STEP: an engine's step ends (its tokens, first tokens and finishes take effect) and the next one
+  starts; an engine only has a STEP pending while it has work.
 - READY: a starting instance finished its cold start.
 - ARRIVAL: a trace request is routed (or queued in the admission queue, or failed).
 - SCRAPE: the router's scraped view of each instance (running, waiting, KV usage) is refreshed.
@@ -26,6 +26,16 @@ P/D: the prefill instance runs the prompt with max_tokens=1 and holds its blocks
 receives the KV after prompt KV bytes / `kv_link_gbps` (`kv_link_cross_domain_gbps` when the two sit in
 different network domains) and then streams; the held blocks are freed when
 the transfer lands (vLLM's NIXL protocol). The client-visible TTFT is the decode side's first token.
+
+Data parallelism (a pool's `dp` > 1, vLLM's `--data-parallel-size`): an instance is dp engines behind one
+API server, each with the pool's engine settings and its own KV cache, stepping on its own. Its
+`WorkerView` is what the gateway sees of such a server: the capacity of dp engines (`capacity_for(dp=)`),
+the engines' summed counts and blocks, and each engine (`engines`: its blocks and, once scraped, its KV
+usage; before the first scrape the pool's configured engines), so the KV ledger books each engine on its
+own. A hop runs on the engine the ledger booked it on (`KvReservation.engine`, which the gateway pins
+with `X-data-parallel-rank`), else on the one vLLM's balancer picks (`simulator.data_parallel`); a
+request never spans engines. It is billed for tp × dp GPUs (catalog price × tp × dp), placed on tp × dp
+GPUs of one node, and the autoscaler sizes it as dp engines (`pool_specs`). dp = 1 is one engine, as before.
 
 Not modelled: the gateway's own latency and the API server's per-request overhead (~10–25 ms), network
 time of token streams, and instance failures.
@@ -49,12 +59,23 @@ from typing import Any
 from placement.catalog import Catalog, load_catalog
 from placement.perf_model import PerfModel
 from scheduler.autoscaler.signals import Observation, PoolObservation, PoolSpec, ScalingPolicy, within_bounds
-from scheduler.fleet import FleetView, PoolRef, Role, WorkerCapacity, WorkerState, WorkerView, capacity_for
+from scheduler.fleet import (
+    EngineView,
+    FleetView,
+    PoolRef,
+    Role,
+    WorkerCapacity,
+    WorkerState,
+    WorkerView,
+    capacity_for,
+    configured_engines,
+)
 from scheduler.routing.config import build_router, parse_routing_config
-from scheduler.routing.framework import Decision, ReservePlugin, RouteRequest
+from scheduler.routing.framework import Decision, ReservePlugin, RouteRequest, booked_engine
 from scheduler.routing.reasons import Outcome, Reject
 from simulator.cluster_config import FleetConfig, pool_specs
 from simulator.cluster_topology import SimTopology
+from simulator.data_parallel import DpBalancer, EngineLoad
 from simulator.engine import Engine, EngineConfig, StepResult
 from simulator.requests import EngineRequest, KvTransfer, RequestRecord
 
@@ -89,6 +110,10 @@ class _Req:
     queued_at: float = 0.0
     first_token: float | None = None
     decoding: bool = False  # counted among its instance's decode requests (not its prefill backlog)
+    # the engine (data-parallel rank) of the instance running its current hop, and on a P/D request's
+    # decode hop the engine of its prefill instance that holds its KV until the transfer lands
+    rank: int = 0
+    held_rank: int = 0
     finished: float | None = None
     fail_reason: str | None = None
 
@@ -98,18 +123,14 @@ class _Instance:
     id: str
     pool: str
     spec: PoolSpec
-    engine: Engine
     capacity: WorkerCapacity
     created: float
     state: WorkerState
+    ranks: tuple[_Rank, ...] = ()  # its engines, in rank order: one unless its pool's dp > 1
+    # vLLM's API-server balancer over the engines, for a request no reservation booked on one (dp > 1 only)
+    balancer: DpBalancer | None = None
     removed: float | None = None
-    stepping: bool = False  # a STEP is pending: a step under way, or an idle wait (`wake_at`)
-    pending: StepResult | None = None
-    # An idle engine's timed wake (a KV transfer landing, a P/D hold expiring): new work must not wait for it,
-    # so a kick supersedes it. Only the STEP carrying the current `step_token` acts; superseded ones are stale.
-    wake_at: float | None = None
-    step_token: int = 0
-    busy_mark: float = 0.0  # the engine's busy seconds at the last DECIDE (the HPA baseline's utilisation)
+    busy_mark: float = 0.0  # its `busy_s()` at the last DECIDE (the HPA baseline's utilisation)
     ready_at: float = 0.0  # when it became ready (its cold start's end; 0 for the initial fleet)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
@@ -118,8 +139,48 @@ class _Instance:
     # dispatch, as the gateway counts them, so a drain waits for their KV instead of retiring under them
     awaiting_kv: int = 0
     scraped: tuple[int, int, float] = (0, 0, 0.0)  # running, waiting, kv usage at the last scrape
+    # each engine's KV usage at the last scrape (dp > 1); None before it, when the view shows the engines
+    # the pool configures (`configured_engines`), as the gateway's before a worker's first scrape
+    engine_usage: tuple[float, ...] | None = None
     view: WorkerView | None = None
     domain: str | None = None  # network domain of its node (or its pool's `domain:`)
+
+    @property
+    def engine(self) -> Engine:
+        """Rank 0's engine: the instance's only one unless its pool's dp > 1."""
+        return self.ranks[0].engine
+
+    def engines(self) -> Iterator[Engine]:
+        return (r.engine for r in self.ranks)
+
+    def busy_s(self) -> float:
+        """Seconds its engines were busy, their mean: the busy time of the instance as a whole, which an
+        HPA's GPU utilisation averages over the pod's GPUs (one engine: that engine's)."""
+        ranks = self.ranks
+        if len(ranks) == 1:
+            return ranks[0].engine.counters.busy_s
+        return sum(r.engine.counters.busy_s for r in ranks) / len(ranks)
+
+    def idle(self) -> bool:
+        """No engine has work or holds P/D KV for a decode side."""
+        return not any(e.has_work() or e.num_held for e in self.engines())
+
+
+@dataclass(slots=True, eq=False)
+class _Rank:
+    """One engine of an instance and its step loop. Every engine of a data-parallel instance steps on its
+    own, as vLLM's engine cores do; what the gateway counts per worker (in flight, P/D awaits) stays on the
+    instance."""
+
+    inst: _Instance
+    index: int  # its data-parallel rank
+    engine: Engine
+    stepping: bool = False  # a STEP is pending: a step under way, or an idle wait (`wake_at`)
+    pending: StepResult | None = None
+    # An idle engine's timed wake (a KV transfer landing, a P/D hold expiring): new work must not wait for it,
+    # so a kick supersedes it. Only the STEP carrying the current `step_token` acts; superseded ones are stale.
+    wake_at: float | None = None
+    step_token: int = 0
 
 
 @dataclass(slots=True)
@@ -143,10 +204,10 @@ class SimResult:
     # (arrival, ttft, tpot | None, e2e, prompt, output) per completed request
     failed: dict[str, int] = field(default_factory=dict)
     aborted_by_scale_in: int = 0
-    instance_seconds: dict[str, float] = field(default_factory=dict)  # by GPU type, × tp
+    instance_seconds: dict[str, float] = field(default_factory=dict)  # GPU-seconds by GPU type (× tp × dp)
     cost_usd: dict[str, float] = field(default_factory=dict)
-    busy_seconds: float = 0.0
-    billed_seconds: float = 0.0
+    busy_seconds: float = 0.0  # instance-seconds busy (a data-parallel instance: its engines' mean)
+    billed_seconds: float = 0.0  # instance-seconds billed
     preemptions: int = 0
     replicas: list[dict[str, Any]] = field(default_factory=list)
     scale_events: list[dict[str, Any]] = field(default_factory=list)
@@ -194,6 +255,7 @@ class ClusterSimulator:
                 gpu_memory_utilization=k.gpu_memory_utilization,
                 num_gpu_blocks=k.num_gpu_blocks,
                 cost_per_hour=self.specs[p.name].cost_per_hour,
+                dp=p.dp,
             )
             for p in fleet.pools
         }
@@ -273,18 +335,23 @@ class ClusterSimulator:
     def _start_instance(self, pool: str, now: float, cold: bool) -> _Instance:
         self._n_created += 1
         iid = f"{pool}-{self._n_created}"
-        engine = Engine(
-            self._perf[pool], self._engine_cfg, seed=self.fleet.seed * 1_000_003 + self._n_created
-        )
         inst = _Instance(
             iid,
             pool,
             self.specs[pool],
-            engine,
             self._caps[pool],
             now,
             WorkerState.STARTING if cold else WorkerState.READY,
         )
+        # Every engine gets the instance's seed, as the simulated worker's: a data-parallel server's engines
+        # are replicas of one model, so a request's answer does not depend on the engine that runs it.
+        seed = self.fleet.seed * 1_000_003 + self._n_created
+        dp = self._pools[pool].dp
+        inst.ranks = tuple(
+            _Rank(inst, rank, Engine(self._perf[pool], self._engine_cfg, seed=seed)) for rank in range(dp)
+        )
+        if dp > 1:
+            inst.balancer = DpBalancer()
         inst.domain = self.topology.start(iid, pool)
         self._instances[iid] = inst
         self._live.append(inst)
@@ -307,15 +374,16 @@ class ClusterSimulator:
 
     def _remove(self, inst: _Instance, now: float) -> None:
         inst.removed = now
-        if inst.inflight or inst.awaiting_kv or inst.engine.num_held or inst.engine.has_work():
+        if inst.inflight or inst.awaiting_kv or not inst.idle():
             # Soft scale-in removes an instance only once it is empty; anything still here is aborted.
             self.result.aborted_by_scale_in += self._abort_all(inst, now)
         totals = self._retired[inst.pool]
-        c = inst.engine.counters
-        totals.generation_tokens += c.generation_tokens
-        totals.prompt_tokens += c.prompt_tokens
-        totals.busy_s += c.busy_s
-        totals.preemptions += c.preemptions
+        for engine in inst.engines():
+            c = engine.counters
+            totals.generation_tokens += c.generation_tokens
+            totals.prompt_tokens += c.prompt_tokens
+            totals.busy_s += c.busy_s
+            totals.preemptions += c.preemptions
         self._bill(inst, now)
         self.topology.remove(inst.id)
         self._live.remove(inst)
@@ -327,7 +395,7 @@ class ClusterSimulator:
         A request prefilling here fails; one whose KV this prefill instance still holds for its decode side
         fails there too (the decode side cannot fetch it from a removed instance)."""
         aborted = 0
-        for view in inst.engine.requests():
+        for view in [v for engine in inst.engines() for v in engine.requests()]:
             req = self._reqs.get(view.request_id)
             if req is None or req.decision is None:
                 continue
@@ -348,7 +416,8 @@ class ClusterSimulator:
     def _abort_request(self, req: _Req, inst: _Instance, now: float) -> None:
         """Drop `req` from `inst`'s engine, undo its in-flight counts there, release it, fail it."""
         assert req.decision is not None
-        inst.engine.abort(req.rid, now)
+        unit = inst.ranks[req.rank]
+        unit.engine.abort(req.rid, now)
         inst.inflight -= 1
         if req.decoding:
             inst.inflight_decode -= 1
@@ -360,27 +429,28 @@ class ClusterSimulator:
             decode.awaiting_kv -= 1
             self._maybe_retire(decode, now)
         if req.phase == "decode" and prefill is not None and prefill.id != inst.id:
-            src = self._instances[prefill.id]
-            if src.removed is None and src.engine.release_held(req.rid):  # its KV is no longer needed
+            src = self._instances[prefill.id].ranks[req.held_rank]
+            if src.inst.removed is None and src.engine.release_held(req.rid):  # its KV is no longer needed
                 self._kick(src, now)
         req.decision.release(Outcome.WORKER_ERROR)
         self.router.on_complete(inst.id, req.route, Outcome.WORKER_ERROR, now)
         self._fail(req, "aborted_by_scale_in")
         self._dirty(inst)
         if inst.removed is None:
-            self._kick(inst, now)
+            self._kick(unit, now)
             self._maybe_retire(inst, now)
 
     def _bill(self, inst: _Instance, now: float) -> None:
         seconds = now - inst.created
         gpu = inst.spec.gpu
-        tp = self._pools[inst.pool].tp
-        self.result.instance_seconds[gpu] = self.result.instance_seconds.get(gpu, 0.0) + seconds * tp
+        pool = self._pools[inst.pool]
+        gpus = pool.tp * pool.dp  # dp engines of tp GPUs each
+        self.result.instance_seconds[gpu] = self.result.instance_seconds.get(gpu, 0.0) + seconds * gpus
         self.result.cost_usd[gpu] = (
             self.result.cost_usd.get(gpu, 0.0) + seconds / 3600 * inst.spec.cost_per_hour
         )
         self.result.billed_seconds += seconds
-        self.result.busy_seconds += inst.engine.counters.busy_s
+        self.result.busy_seconds += inst.busy_s()
 
     def _dirty(self, inst: _Instance) -> None:
         inst.view = None
@@ -394,6 +464,23 @@ class ClusterSimulator:
     def _worker_view(self, inst: _Instance) -> WorkerView:
         if inst.view is None:
             running, waiting, usage = inst.scraped
+            ranks = inst.ranks
+            if len(ranks) == 1:
+                blocks, engines = ranks[0].engine.num_gpu_blocks, ()
+            else:
+                # as a data-parallel vLLM server's scrape shows it (`server.scrape`): the server's blocks are
+                # its engines' sum, and each engine is listed with its own blocks and usage, so the KV ledger
+                # books each on its own (a sequence's blocks all come from the engine that runs it)
+                blocks = sum(r.engine.num_gpu_blocks for r in ranks)
+                usages = inst.engine_usage
+                engines = (
+                    configured_engines(inst.capacity)
+                    if usages is None
+                    else tuple(
+                        EngineView(r.index, r.engine.num_gpu_blocks, u)
+                        for r, u in zip(ranks, usages, strict=True)
+                    )
+                )
             inst.view = WorkerView(
                 id=inst.id,
                 url=f"sim://{inst.id}",
@@ -407,47 +494,49 @@ class ClusterSimulator:
                 num_running=running,
                 num_waiting=waiting,
                 kv_usage=usage,
-                num_gpu_blocks=inst.engine.num_gpu_blocks,
-                block_size=inst.engine.block_size,
+                num_gpu_blocks=blocks,
+                block_size=ranks[0].engine.block_size,
                 inflight_requests=inst.inflight,
                 inflight_prefill_tokens=inst.inflight_prefill_tokens,
                 inflight_decode_requests=inst.inflight_decode,
                 domain=inst.domain,  # the router's pd-domain-affinity pairs prefill with decode by it
+                engines=engines,
             )
         return inst.view
 
-    def _kick(self, inst: _Instance, now: float) -> None:
-        """Something changed on `inst` (work arrived, blocks freed): step it now, unless a step is under
-        way (its end looks at the engine again). An idle wait for a timed wake is cut short: the engine may
-        have runnable work now that it did not have when the wait began."""
-        if inst.stepping and inst.wake_at is None:
+    def _kick(self, unit: _Rank, now: float) -> None:
+        """Something changed on `unit`'s engine (work arrived, blocks freed): step it now, unless a step is
+        under way (its end looks at the engine again). An idle wait for a timed wake is cut short: the engine
+        may have runnable work now that it did not have when the wait began."""
+        if unit.stepping and unit.wake_at is None:
             return
-        self._schedule_step(inst, now)
+        self._schedule_step(unit, now)
 
-    def _schedule_step(self, inst: _Instance, t: float, wake: bool = False) -> None:
-        inst.stepping = True
-        inst.step_token += 1
-        inst.wake_at = t if wake else None
-        self._push(t, _Ev.STEP, (inst, inst.step_token))
+    def _schedule_step(self, unit: _Rank, t: float, wake: bool = False) -> None:
+        unit.stepping = True
+        unit.step_token += 1
+        unit.wake_at = t if wake else None
+        self._push(t, _Ev.STEP, (unit, unit.step_token))
 
-    def _on_step(self, event: tuple[_Instance, int], now: float) -> None:
-        inst, token = event
-        if token != inst.step_token:
+    def _on_step(self, event: tuple[_Rank, int], now: float) -> None:
+        unit, token = event
+        if token != unit.step_token:
             return  # a wake superseded by a kick
-        inst.wake_at = None
+        unit.wake_at = None
+        inst = unit.inst
         if inst.removed is not None:  # removed with a step under way (drain timeout): nothing to apply
-            inst.pending, inst.stepping = None, False
+            unit.pending, unit.stepping = None, False
             return
-        if inst.pending is not None:
-            result, inst.pending = inst.pending, None
+        if unit.pending is not None:
+            result, unit.pending = unit.pending, None
             self._apply(inst, result, now)
-        engine = inst.engine
+        engine = unit.engine
         engine.expire_held(now)
         if engine.has_work():
             result = engine.step(now)
             if not result.idle:
-                inst.pending = result
-                self._schedule_step(inst, result.end)
+                unit.pending = result
+                self._schedule_step(unit, result.end)
                 return
             if result.kv_received:  # transfers that landed in a step that ran nothing: the prefill side's
                 self._apply(inst, result, now)  # held blocks are freed now, not at their hold's expiry
@@ -455,25 +544,24 @@ class ClusterSimulator:
                 # Everything running was preempted and, as in vLLM, nothing admitted in that step: the next
                 # step admits (what landed, the recompute), at once, as vLLM's engine loop, `run_offline` and
                 # the worker runtime go on. Waiting for a kick left runnable work until the next arrival.
-                self._schedule_step(inst, now)
+                self._schedule_step(unit, now)
                 return
             wake = engine.next_event_time()  # work, none runnable: it waits for a KV transfer to land
             if wake is not None and wake > now:
-                self._schedule_step(inst, wake, wake=True)
+                self._schedule_step(unit, wake, wake=True)
                 return
-        inst.stepping = False
+        unit.stepping = False
         self._maybe_retire(inst, now)
         expiry = engine.next_hold_expiry()  # held blocks its decode side never fetched free at their timeout
         if inst.removed is None and expiry is not None:
-            self._schedule_step(inst, max(expiry, now), wake=True)
+            self._schedule_step(unit, max(expiry, now), wake=True)
 
     def _maybe_retire(self, inst: _Instance, now: float) -> None:
         if (
             inst.state is WorkerState.DRAINING
             and inst.inflight == 0
             and inst.awaiting_kv == 0
-            and not inst.engine.has_work()
-            and inst.engine.num_held == 0
+            and inst.idle()
             and inst.removed is None
         ):
             self._remove(inst, now)
@@ -499,10 +587,10 @@ class ClusterSimulator:
             if req is None:
                 continue
             if req.decision is not None and req.decision.prefill is not None:
-                src = self._instances[req.decision.prefill.id]
+                src = self._instances[req.decision.prefill.id].ranks[req.held_rank]
                 src.engine.release_held(rid)
                 self._kick(src, now)
-                self._maybe_retire(src, now)
+                self._maybe_retire(src.inst, now)
         for rec in result.finished:
             req = self._reqs.get(rec.request_id)
             if req is None:
@@ -582,8 +670,10 @@ class ClusterSimulator:
     def _send(self, inst: _Instance, er: EngineRequest, req: _Req, now: float) -> None:
         # a removed instance never steps again: a request sent there would stay open forever
         assert inst.removed is None, f"{req.rid} sent to removed instance {inst.id}"
+        unit = inst.ranks[0] if inst.balancer is None else inst.ranks[self._engine_for(inst, req)]
+        req.rank = unit.index
         try:
-            inst.engine.add_request(er, now, arrival=req.src.arrival_s)
+            unit.engine.add_request(er, now, arrival=req.src.arrival_s)
         except ValueError:  # e.g. prompt over the instance's max_model_len
             if req.decision is not None:
                 prefill = req.decision.prefill
@@ -594,8 +684,8 @@ class ClusterSimulator:
                     # fetched, so it is freed now (as a scale-in abort frees it, `_abort_request`), not at
                     # the hold's timeout, which held a draining prefill instance (billed) that long.
                     # `_prefill_done` retires that instance if it is draining and now empty.
-                    src = self._instances[prefill.id]
-                    if src.removed is None and src.engine.release_held(req.rid):
+                    src = self._instances[prefill.id].ranks[req.held_rank]
+                    if src.inst.removed is None and src.engine.release_held(req.rid):
                         self._kick(src, now)
                 req.decision.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
             self._fail(req, "engine_rejected")
@@ -610,7 +700,24 @@ class ClusterSimulator:
         else:
             inst.inflight_prefill_tokens += req.src.input_tokens
         self._dirty(inst)
-        self._kick(inst, now)
+        self._kick(unit, now)
+
+    def _engine_for(self, inst: _Instance, req: _Req) -> int:
+        """The engine of data-parallel `inst` that runs `req`'s hop: the one the KV ledger booked it on (the
+        gateway pins it there, `server.proxy.pinned_headers`), else the one vLLM's API-server balancer picks
+        from the engines' live load. Its `in_flight` (the server's unfinished requests on the engine) is
+        the engine's running and waiting sequences: the simulator has no API-server overhead in which a
+        request could be on its way to the engine."""
+        assert req.decision is not None and inst.balancer is not None
+        booked = booked_engine(req.decision.reservations, inst.id)
+        if booked is not None:
+            return booked
+        return inst.balancer.pick(
+            [
+                EngineLoad(e.num_waiting, e.num_running, e.kv_usage, e.num_running + e.num_waiting)
+                for e in inst.engines()
+            ]
+        )
 
     def _prefill_done(self, req: _Req, inst: _Instance, now: float) -> None:
         inst.inflight -= 1
@@ -623,6 +730,7 @@ class ClusterSimulator:
         gbps = self.topology.bandwidth_gbps(inst.domain, decode.domain)
         transfer = KvTransfer(remote_prefilled=True, transfer_delay_s=kv_bytes / (gbps * 1e9))
         req.phase = "decode"
+        req.held_rank = req.rank  # the prefill engine keeps its KV until the decode side's transfer lands
         er = EngineRequest(
             req.rid,
             req.src.input_tokens,
@@ -679,8 +787,22 @@ class ClusterSimulator:
 
     def _on_scrape(self, now: float) -> None:
         for inst in self._live:
-            e = inst.engine
-            scraped = (e.num_running, e.num_waiting, e.kv_usage)
+            ranks = inst.ranks
+            if len(ranks) == 1:
+                e = ranks[0].engine
+                scraped = (e.num_running, e.num_waiting, e.kv_usage)
+            else:
+                # a data-parallel server's scrape (`server.scrape`): counts summed over its engines, KV usage
+                # their mean (engines of equal size), and each engine's own usage
+                usage = tuple(r.engine.kv_usage for r in ranks)
+                scraped = (
+                    sum(r.engine.num_running for r in ranks),
+                    sum(r.engine.num_waiting for r in ranks),
+                    sum(usage) / len(usage),
+                )
+                if usage != inst.engine_usage:
+                    inst.engine_usage = usage
+                    self._dirty(inst)
             if scraped != inst.scraped:
                 inst.scraped = scraped
                 self._dirty(inst)
@@ -691,11 +813,12 @@ class ClusterSimulator:
         gen, prompt, busy, pre = t.generation_tokens, t.prompt_tokens, t.busy_s, t.preemptions
         for inst in self._live:
             if inst.pool == pool:
-                c = inst.engine.counters
-                gen += c.generation_tokens
-                prompt += c.prompt_tokens
-                busy += c.busy_s
-                pre += c.preemptions
+                for engine in inst.engines():
+                    c = engine.counters
+                    gen += c.generation_tokens
+                    prompt += c.prompt_tokens
+                    busy += c.busy_s
+                    pre += c.preemptions
         return gen, prompt, busy, pre
 
     def _on_decide(self, now: float) -> None:
@@ -713,17 +836,20 @@ class ClusterSimulator:
             # per scrape, ready scrapes only).
             busy = ready_s = 0.0
             for i in members:
+                busy_s = i.busy_s()
                 if i.state is WorkerState.READY:
-                    busy += i.engine.counters.busy_s - i.busy_mark
+                    busy += busy_s - i.busy_mark
                     ready_s += now - max(now - interval, i.ready_at)
-                i.busy_mark = i.engine.counters.busy_s
+                i.busy_mark = busy_s
             pools[name] = PoolObservation(
                 ready=ready,
                 starting=sum(i.state is WorkerState.STARTING for i in members),
                 draining=sum(i.state is WorkerState.DRAINING for i in members),
                 decode_tokens_per_s=(gen - prev[0]) / interval,
                 prompt_tokens_per_s=(prompt - prev[1]) / interval,
-                num_waiting=sum(i.engine.num_waiting for i in members if i.state is WorkerState.READY),
+                num_waiting=sum(
+                    e.num_waiting for i in members if i.state is WorkerState.READY for e in i.engines()
+                ),
                 gpu_utilization=min(1.0, busy / ready_s) if ready_s > 0 else 0.0,
                 starting_ready_in_s=tuple(
                     max(0.0, i.created + self.fleet.cold_start_s - now)
@@ -779,12 +905,12 @@ class ClusterSimulator:
         landing from a prefill instance, and a prefill instance's holds its decode side has not pulled yet),
         plus the prompt blocks of P/D requests still prefilling elsewhere for it (taken when their transfer
         starts). A request waiting for admission holds none yet."""
-        held = {i.id: i.engine.kv.used for i in insts}
+        held = {i.id: sum(e.kv.used for e in i.engines()) for i in insts}
         if any(i.awaiting_kv for i in insts):
             for req in self._reqs.values():
                 decision = req.decision
                 if req.phase == "prefill" and decision is not None and decision.decode.id in held:
-                    kv = self._instances[decision.decode.id].engine.kv
+                    kv = self._instances[decision.decode.id].engine.kv  # its engines' blocks are alike
                     held[decision.decode.id] += -(-req.src.input_tokens // kv.block_size) * kv.units_per_block
         return held
 

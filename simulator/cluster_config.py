@@ -17,7 +17,12 @@ autoscaler: {utilization_target: 0.8, pd_ratio: 0.5}
 pools:
   - {name: prefill-h100, gpu: H100, role: prefill, replicas: 1, min_replicas: 1, max_replicas: 8}
   - {name: decode-a100, gpu: A100-80GB, role: decode, replicas: 2, min_replicas: 1, max_replicas: 16}
+  - {name: mixed-l4-dp2, gpu: L4, tp: 1, dp: 2, replicas: 1}   # 2 engines per instance (on 2 GPUs)
 ```
+
+A pool's `tp` is the GPUs per engine (vLLM's `--tensor-parallel-size`) and `dp` the engines per instance,
+behind its one API server (vLLM's `--data-parallel-size`), each with the `engine:` knobs and its own KV
+cache: an instance is dp engines' capacity and price on tp × dp GPUs of one node.
 """
 
 from __future__ import annotations
@@ -79,11 +84,14 @@ class PoolConfig(_Strict):
     gpu: str
     role: Literal["prefill", "decode", "mixed"] = "mixed"
     model: str | None = None  # defaults to the fleet's model
-    tp: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1)  # GPUs per engine
+    dp: int = Field(default=1, ge=1)  # engines per instance (data parallelism), each on its own tp GPUs
     replicas: int = Field(default=1, ge=0, le=MAX_POOL_REPLICAS)
     min_replicas: int = Field(default=0, ge=0, le=MAX_POOL_REPLICAS)
     max_replicas: int = Field(default=64, ge=0, le=MAX_POOL_REPLICAS)
-    cost_per_hour: float | None = Field(default=None, gt=0)  # per instance; default: catalog $/GPU-h · tp
+    cost_per_hour: float | None = Field(
+        default=None, gt=0
+    )  # per instance; default: catalog $/GPU-h · tp · dp
     domain: str | None = None
 
     @model_validator(mode="after")
@@ -156,7 +164,9 @@ def parse_fleet(data: Any, source: str = "fleet", base_dir: Path | None = None) 
 
 
 def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int = 1024) -> list[PoolSpec]:
-    """Autoscaler `PoolSpec`s with capacities from the perf model within the fleet's SLO."""
+    """Autoscaler `PoolSpec`s with capacities from the perf model within the fleet's SLO: one engine's (its
+    sequences, its KV cache), times the pool's `dp` engines per instance (`InstanceCapacity.times`, as the
+    gateway's `server.autoscaler_setup.pool_spec`)."""
     cat = catalog or load_catalog()
     specs = []
     for pool in fleet.pools:
@@ -176,7 +186,7 @@ def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int 
             max_num_seqs=fleet.engine.max_num_seqs,
             kv_tokens=kv_tokens,
             max_num_batched_tokens=fleet.engine.max_num_batched_tokens,
-        )
+        ).times(pool.dp)
         decode, prefill = cap.decode_tps, cap.prefill_tps
         if pool.role in ("decode", "mixed") and decode <= 0:
             why = no_decode_reason(perf, fleet.slo.tpot_ms / 1e3, context, kv_tokens)
@@ -189,7 +199,7 @@ def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int 
                 model=model.name,
                 role=pool.role,
                 gpu=gpu.name,
-                cost_per_hour=pool.cost_per_hour or gpu.cost_per_hour * pool.tp,
+                cost_per_hour=pool.cost_per_hour or gpu.cost_per_hour * pool.tp * pool.dp,
                 min_replicas=pool.min_replicas,
                 max_replicas=pool.max_replicas,
                 decode_tps_capacity=decode if pool.role != "prefill" else 0.0,

@@ -5,7 +5,8 @@ With `nodes:` in the fleet file (the `mosaic plan --nodes` format) every instanc
 error), and each decision's additions together, through the planner's CP-SAT topology solver, around the
 instances already running. A decision the inventory cannot hold is clipped to what fits; the shortfall
 is kept (`shortfalls`: t, pool, requested, placed, why). Scale-in picks its victims by
-`TopologyPlacer.removal_order` within the pool; an instance's GPUs are freed when it is removed.
+`TopologyPlacer.removal_order` within the pool; an instance's GPUs are freed when it is removed. An
+instance takes tp × dp GPUs of one node (`InstanceKind.gpus`: its dp engines of tp GPUs each).
 
 Without an inventory, an instance's domain is its pool's `domain:` (None: unknown).
 
@@ -58,7 +59,11 @@ class SimTopology:
         if inventory is not None:
             kinds = {
                 p.name: InstanceKind(
-                    catalog.model(p.model or fleet.model).name, catalog.gpu(p.gpu).name, p.tp, Role(p.role)
+                    catalog.model(p.model or fleet.model).name,
+                    catalog.gpu(p.gpu).name,
+                    p.tp,
+                    Role(p.role),
+                    p.dp,
                 )
                 for p in fleet.pools
             }

@@ -445,8 +445,9 @@ class KvLedger:
         self, books: tuple[_Book, ...], holder: str | int, fp: Footprint, worst: Footprint
     ) -> _Book | None:
         """The book to reserve on: the only one; on a DP worker, the engine holding pages for `holder` when it
-        admits the request, else the admitting engine with the most free units (spreading the load: the
-        engines of a DP group step together, so the busiest one sets everyone's pace)."""
+        admits the request, else the admitting engine with the most free units (spreading the load: each
+        engine's batch sets its own step time, and with expert parallelism, where vLLM steps a DP group's
+        engines together, the busiest one sets everyone's pace)."""
         if len(books) == 1:
             return books[0] if self._admissible(books[0], holder, fp, worst) else None
         admitting = [b for b in books if self._admissible(b, holder, fp, worst)]

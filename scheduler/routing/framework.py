@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -287,6 +287,18 @@ class Decision:
             self.release(outcome_on_error)
             raise
         self.release(Outcome.COMPLETED)
+
+
+def booked_engine(reservations: Iterable[object], worker_id: str) -> int | None:
+    """The engine of data-parallel worker `worker_id` that a reservation booked the request on (the KV
+    ledger's `KvReservation.engine`), None when none did: the worker's own balancer then picks. Both drivers
+    run the hop there: the gateway pins it with `X-data-parallel-rank` (`server.proxy.pinned_headers`), the
+    cluster simulator sends it to that engine."""
+    for res in reservations:
+        engine = getattr(res, "engine", None)  # only the KV ledger's reservations book an engine
+        if engine is not None and getattr(res, "worker_id", None) == worker_id:
+            return engine
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -29,8 +29,9 @@ def test_a_step_that_preempted_everything_is_followed_by_another_at_once() -> No
     sim = ClusterSimulator(fleet, build_policy("fixed", pool_specs(fleet), fleet.autoscaler_config(), {}))
     sim.topology.place_initial()
     inst = sim._start_instance("mixed-h100", 0.0, cold=False)
-    inst.engine = engine
-    sim._kick(inst, 0.0)
+    unit = inst.ranks[0]
+    unit.engine = engine
+    sim._kick(unit, 0.0)
     preempting = []
     step = engine.step
 

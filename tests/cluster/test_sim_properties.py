@@ -1,9 +1,9 @@
 """Property test of the cluster simulator and every autoscaling policy (`mosaic simulate`'s machinery).
 
-Random small fleets (mixed, P/D, P/D beside a mixed pool; several GPU types; min 0 and scale from zero),
-timing knobs (cold start, scrape and decision intervals, drain time-out, admission queue), engines small
-enough to preempt, and traces with bursts, idle gaps, single requests, prompts past the model's length and
-zero-length outputs, run under each policy. Checked on every run:
+Random small fleets (mixed, P/D, P/D beside a mixed pool; several GPU types; tp 2 and dp 2 pools; min 0
+and scale from zero), timing knobs (cold start, scrape and decision intervals, drain time-out, admission
+queue), engines small enough to preempt, and traces with bursts, idle gaps, single requests, prompts past
+the model's length and zero-length outputs, run under each policy. Checked on every run:
 
 - nothing raises; a config the project refuses raises `FleetConfigError` / `PolicyError` only;
 - conservation: every trace request completed or failed with a reason, the report's totals agree, every
@@ -12,7 +12,7 @@ zero-length outputs, run under each policy. Checked on every run:
 - replicas: every scale event within its pool's bounds, `before` equal to the replicas series replayed from
   the initial counts, the series within bounds (a pool starting under its minimum excepted) and equal
   to the live instances not draining;
-- billing: GPU-hours and $ per GPU type equal each instance's billed lifetime × tp (× price), every
+- billing: GPU-hours and $ per GPU type equal each instance's billed lifetime × tp × dp (× price), every
   instance billed within [0, end]; the replicas series' integral never exceeds what was billed;
 - SLO: attainment, goodput and latency stats recomputed from per-request TTFT/TPOT as the load generator
   defines them (TPOT = (e2e − TTFT) / (output − 1)); every fraction in [0, 1];
@@ -80,9 +80,11 @@ def pools(draw: st.DrawFn) -> list[dict[str, Any]]:
         }
         if layout == "pd+other-model" and role == "mixed":
             pool["model"] = "mistral-7b"
-        extra = draw(st.sampled_from(["", "", "", "tp", "cost", "domain"]))
+        extra = draw(st.sampled_from(["", "", "", "tp", "dp", "cost", "domain"]))
         if extra == "tp":
             pool["tp"] = 2
+        elif extra == "dp":  # two engines per instance (data parallelism)
+            pool["dp"] = 2
         elif extra == "cost":
             pool["cost_per_hour"] = 1.25
         elif extra == "domain":
@@ -323,7 +325,7 @@ def check_conservation(report: dict[str, Any], sim: ClusterSimulator, n: int) ->
         if sim.fleet.drain_timeout_s is None:
             # soft scale-in: every instance left empty (one removed at its drain time-out keeps in its dead
             # engine what was aborted, e.g. KV held for a transfer whose decode request was failed)
-            assert not inst.engine.has_work() and inst.engine.num_held == 0, inst.id
+            assert inst.idle(), inst.id  # every engine, of a data-parallel instance too
 
 
 def replay_replicas(report: dict[str, Any], sim: ClusterSimulator) -> None:
@@ -370,7 +372,7 @@ def check_billing(report: dict[str, Any], sim: ClusterSimulator) -> None:
         assert 0.0 <= inst.created <= inst.removed <= end + 1e-9, (inst.id, inst.created, inst.removed, end)
         life = inst.removed - inst.created
         gpu = inst.spec.gpu
-        seconds[gpu] = seconds.get(gpu, 0.0) + life * pools[inst.pool].tp
+        seconds[gpu] = seconds.get(gpu, 0.0) + life * pools[inst.pool].tp * pools[inst.pool].dp
         cost[gpu] = cost.get(gpu, 0.0) + life / 3600 * inst.spec.cost_per_hour
     hours = report["gpu_hours"]["by_gpu"]
     assert set(hours) == set(seconds)
@@ -385,7 +387,7 @@ def check_billing(report: dict[str, Any], sim: ClusterSimulator) -> None:
     for a, b in zip(samples, [*samples[1:], None], strict=True):
         t1 = end if b is None else min(b["t"], end)
         if t1 > a["t"]:
-            integral += sum(a[p] * pools[p].tp for p in pools) * (t1 - a["t"])
+            integral += sum(a[p] * pools[p].tp * pools[p].dp for p in pools) * (t1 - a["t"])
     assert integral <= sum(seconds.values()) + 1e-3 * (1 + len(samples))
     util = report["utilization"]
     if util is not None:
