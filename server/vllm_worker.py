@@ -17,8 +17,9 @@ Flags shared with the simulated worker keep vLLM's names and are forwarded when 
 (`--tp`, `--max-model-len`, `--gpu-memory-utilization`, `--served-model-name`, `--max-num-seqs`,
 `--max-num-batched-tokens`, `--block-size`, `--num-gpu-blocks` → `--num-gpu-blocks-override`,
 `--enable-prefix-caching`); everything after `--` goes to vLLM verbatim.
-`--gpu-ids` sets the tensor-parallel size when `--tp` is left at 1 (one rank per listed GPU); a `--tp` that
-disagrees with the number of ids is refused. `--vllm-command` replaces `vllm serve` (e.g. the CPU build's
+`--data-parallel-size N` runs N engines, each on `--tp` GPUs (vLLM's own flag, set like a launched pool's `dp`).
+`--gpu-ids` sets the tensor-parallel size when `--tp` is left at 1 (the listed GPUs shared equally by the
+engines: one rank per GPU of its share); ids that are not `--tp` × `--data-parallel-size` are refused. `--vllm-command` replaces `vllm serve` (e.g. the CPU build's
 wrapper: `.venv-vllm/bin/python scripts/vllm_cpu_cli.py serve`). `--advertise-host` is the NIXL side-channel
 host P/D peers are told (`VLLM_NIXL_SIDE_CHANNEL_HOST`; default `--host`, or for a wildcard `--host 0.0.0.0`
 this machine's primary IP). The simulator's own options (`--gpu`, `--catalog`, `--time-scale`, `--seed`,
@@ -58,6 +59,7 @@ def worker_spec(
     host: str = "127.0.0.1",
     port: int = 8000,
     tp: int = 1,
+    dp: int = 1,
     gpu_ids: str | None = None,
     max_model_len: int | None = None,
     gpu_memory_utilization: float | None = None,
@@ -70,10 +72,11 @@ def worker_spec(
     if role not in ROLES:
         raise ValueError(f"--role {role!r}: expected one of {', '.join(ROLES)}")
     ids = parse_gpu_ids(gpu_ids) if gpu_ids is not None else ()
-    if ids and tp == 1:
-        tp = len(ids)
-    if ids and len(ids) != tp:
-        raise ValueError(f"--gpu-ids {gpu_ids} lists {len(ids)} GPU(s) but --tp is {tp}")
+    if ids and tp == 1 and len(ids) % dp == 0:  # each engine gets an equal share of the listed GPUs
+        tp = len(ids) // dp
+    if ids and len(ids) != tp * dp:
+        sizes = f"--tp is {tp}" if dp == 1 else f"--tp {tp} × --data-parallel-size {dp} = {tp * dp}"
+        raise ValueError(f"--gpu-ids {gpu_ids} lists {len(ids)} GPU(s) but {sizes}")
     try:
         command = tuple(shlex.split(vllm_command))
     except ValueError as exc:  # e.g. "No closing quotation"
@@ -89,6 +92,7 @@ def worker_spec(
             served_model_name=served_model_name,
             role=role,
             tensor_parallel_size=tp,
+            data_parallel_size=dp,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             gpu_ids=ids,
@@ -160,7 +164,6 @@ _FORWARDED_FLAGS = {
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "block_size": "--block-size",
     "num_gpu_blocks": "--num-gpu-blocks-override",
-    "data_parallel_size": "--data-parallel-size",
 }
 
 
@@ -211,6 +214,7 @@ def run_vllm_worker(ctx: typer.Context) -> int:
             host=p["host"],
             port=p["port"],
             tp=p["tp"],
+            dp=p.get("data_parallel_size") or 1,
             gpu_ids=p.get("gpu_ids"),
             max_model_len=p.get("max_model_len"),
             gpu_memory_utilization=p["gpu_memory_utilization"] if given("gpu_memory_utilization") else None,

@@ -16,6 +16,7 @@ import typer
 from typer.testing import CliRunner
 
 from server.commands import worker as worker_command
+from server.vllm_launcher import build_command
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +63,19 @@ def test_bad_input_exits_2_with_one_line(app: typer.Typer, args: list[str], mess
 def test_data_parallel_size_goes_to_a_real_vllm_under_its_own_name(
     app: typer.Typer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--engine vllm --data-parallel-size 2` is vLLM's flag too: forwarded, not dropped."""
+    """`--engine vllm --data-parallel-size 2` is vLLM's flag too: forwarded, not dropped, and the GPUs listed are
+    the engines' together."""
     from server import vllm_worker
 
     specs: list[object] = []
     monkeypatch.setattr(vllm_worker, "run_foreground", lambda spec, echo: specs.append(spec) or 0)
     result = CliRunner().invoke(
-        app, ["worker", "--engine", "vllm", "--model", "m", "--data-parallel-size", "2"]
+        app, ["worker", "--engine", "vllm", "--model", "m", "--data-parallel-size", "2", "--gpu-ids", "0,1"]
     )
     assert result.exit_code == 0, result.output
     (spec,) = specs
-    assert list(spec.extra_args) == ["--data-parallel-size", "2"]  # type: ignore[attr-defined]
+    assert build_command(spec)[7:] == ["--tensor-parallel-size", "1", "--data-parallel-size", "2"]  # type: ignore[arg-type]
+    assert spec.gpu_ids == ("0", "1")  # type: ignore[attr-defined]
 
 
 def test_worker_process_serves_on_a_free_port_and_stops_on_sigterm() -> None:

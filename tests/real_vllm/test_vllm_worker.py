@@ -56,6 +56,12 @@ FAKE_VLLM = f"{sys.executable} {Path(__file__).parent / 'fixtures' / 'fake_vllm.
             (),
             id="pool flags, extra args after -- appended",
         ),
+        pytest.param(
+            {"gpu_ids": "0,1,2,3", "dp": 2},
+            ["--tensor-parallel-size", "2", "--data-parallel-size", "2"],
+            ("0", "1", "2", "3"),
+            id="--gpu-ids 0-3 with --data-parallel-size 2 → two engines of TP2 (not TP4 × 2 on 4 GPUs)",
+        ),
     ],
 )
 def test_worker_spec(kwargs: dict[str, object], argv_tail: list[str], gpus: tuple[str, ...]) -> None:
@@ -71,6 +77,11 @@ def test_worker_spec(kwargs: dict[str, object], argv_tail: list[str], gpus: tupl
     [
         pytest.param(
             {"gpu_ids": "0,1", "tp": 4}, "--gpu-ids 0,1 lists 2 GPU(s) but --tp is 4", id="TP disagrees"
+        ),
+        pytest.param(
+            {"gpu_ids": "0,1,2", "dp": 2},
+            "--gpu-ids 0,1,2 lists 3 GPU(s) but --tp 1 × --data-parallel-size 2 = 2",
+            id="GPUs not shared equally by the engines",
         ),
         pytest.param(
             {"role": "both"}, "--role 'both': expected one of mixed, prefill, decode", id="bad role"
