@@ -78,14 +78,9 @@ def static_config(
         # Under streaming load the CPU server answers /metrics in 0.1-0.8 s (its API process shares a core with
         # the engine): the default 0.5 s scrape timeout would leave the stats stale exactly when they matter.
         "scrape": {"interval_s": 0.25, "timeout_s": 3.0, "stale_after_s": 10.0},
-        # Busy, the CPU server's engine starves its own API process (2 shared cores), which then accepts a
-        # connection late: past the default 2 s connect timeout a request ended 504 with one server to try
-        # (seen in `make test-vllm`). A GPU server's API process has a core of its own.
-        "limits": {"connect_timeout_s": 15.0},
     }
-    for key, value in (extra or {}).items():  # a section given is merged over these defaults
-        base = config.get(key)
-        config[key] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
+    for key, value in (extra or {}).items():
+        config[key] = value
     return config
 
 
