@@ -78,9 +78,15 @@ def static_config(
         # Under streaming load the CPU server answers /metrics in 0.1-0.8 s (its API process shares a core with
         # the engine): the default 0.5 s scrape timeout would leave the stats stale exactly when they matter.
         "scrape": {"interval_s": 0.25, "timeout_s": 3.0, "stale_after_s": 10.0},
+        # A whole answer can time out before the server answers only by its connect timeout (2 s): seen once
+        # in `make test-vllm`, a 504 on the first burst at a just-started server. The 2 s is wall time in the
+        # gateway's own event loop, which a CPU vLLM's engine starves on the 2 shared cores (a connection
+        # made while the loop waits for the CPU is lost to the timer that expired meanwhile).
+        "limits": {"connect_timeout_s": 15.0},
     }
-    for key, value in (extra or {}).items():
-        config[key] = value
+    for key, value in (extra or {}).items():  # a section given is merged over these defaults
+        base = config.get(key)
+        config[key] = {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
     return config
 
 

@@ -91,7 +91,8 @@ def busy_burst(gateway: MosaicGateway, requests: int) -> dict[str, Any] | None:
         }
         try:
             with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {target.api_key}"}) as http:
-                http.post(f"{target.base_url}/v1/completions", json=body).raise_for_status()
+                resp = http.post(f"{target.base_url}/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text  # the gateway's error says which cause
         finally:
             with lock:
                 remaining[0] -= 1
