@@ -126,6 +126,11 @@ def _successes_per_engine(url: str) -> dict[str, float]:
     return totals
 
 
+# The SIGTERM test's gateway cuts a stream silent for 15 s (default 60). Seen here: after vLLM aborted the
+# stream, its connection stayed open with nothing more on it for 60 s, until the gateway's stall timeout cut
+# it (and only then did the vLLM process exit); other runs closed it within 0.4 s. 15 s stays far above the
+# gaps of a starved CPU server's bursts (4.7 s measured).
+STALL = {"limits": {"stall_timeout_s": 15.0}}
 # Tokens the SIGTERM test streams: the 2,048-position server less the 3-token prompt, rounded down.
 STREAM_TOKENS = 2000
 
@@ -159,7 +164,9 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
     )
     with (
         VllmProcess.start(spec, log_path=tmp_path / "vllm.log") as proc,
-        MosaicGateway(static_config(vllm_env.SERVED_MODEL_NAME, [proc.url]), tmp_path) as gateway,
+        MosaicGateway(
+            static_config(vllm_env.SERVED_MODEL_NAME, [proc.url], extra=STALL), tmp_path
+        ) as gateway,
     ):
         proc.wait_healthy(300)
         gateway.wait_ready()
