@@ -81,9 +81,16 @@ from server.failure import (
     classify,
 )
 from server.footprint import ParsedRequest, route_request, with_context
-from server.h1_response import H1Response
+from server.h1_response import AnswerTooLarge, H1Response, read_at_most
 from server.metrics import GatewayMetrics
-from server.prefill_hop import WARN_EVERY_S, WARNED, Fallback, LogThrottle, kv_params_fault
+from server.prefill_hop import (
+    MAX_ANSWER_BYTES,
+    WARN_EVERY_S,
+    WARNED,
+    Fallback,
+    LogThrottle,
+    kv_params_fault,
+)
 from server.proxy import (
     RETRYABLE_STATUSES,
     Upstream,
@@ -615,17 +622,17 @@ class Dispatcher:
                     slot=slot,
                 )
                 try:
-                    content = await resp.aread()
+                    content = await read_at_most(resp, MAX_ANSWER_BYTES)
                 finally:
                     await resp.aclose()
             status = resp.status_code
             params = json.loads(content).get("kv_transfer_params") if status == 200 else None
-        except (httpx.HTTPError, TimeoutError, *NOT_JSON, AttributeError) as exc:
+        except (httpx.HTTPError, TimeoutError, *NOT_JSON, AttributeError, AnswerTooLarge) as exc:
             if slot.waiting:  # its bound ran out in the queue for a connection: the worker never saw it
                 kind, hard = "pool_timeout", False
             elif isinstance(exc, httpx.HTTPError | TimeoutError):
                 kind, hard = classify(exc)
-            else:  # a body that is no JSON object
+            else:  # a body that is no JSON object, or too long to be a prefill's answer
                 kind, hard = "bad_response", False
             if kind != "pool_timeout":  # the gateway's own connection limit: no mark, as on the decode hop
                 self.registry.report_failure(worker.id, f"prefill_{kind}", hard)

@@ -95,10 +95,14 @@ class _Common(_Lenient):
     max_completion_tokens: int | None = None
     n: int | None = 1
     kv_transfer_params: Any = None  # refused when set: only the gateway may steer a worker's KV transfer
+    # what makes vLLM compute prompt logprobs (`wants_prompt_logprobs`), typed as vLLM 0.32 types them
+    prompt_logprobs: int | None = None
+    echo: bool | None = False
 
 
 class _Chat(_Common):
     messages: list[_Message] = Field(min_length=1)
+    top_logprobs: int | None = 0
 
 
 # A token id: no model's vocabulary is negative or anywhere near 2^63 (vLLM refuses ids outside its own
@@ -108,6 +112,18 @@ TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 
 class _Completion(_Common):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = None
+
+
+def wants_prompt_logprobs(req: _Chat | _Completion) -> bool:
+    """Whether vLLM 0.32 computes this request's prompt logprobs (its `to_sampling_params`): `prompt_logprobs`
+    when set, else with `echo` the request's logprobs count — chat's `top_logprobs` (0 unless set, so a chat
+    `echo` alone asks for them), completions' `logprobs` (none unless set)."""
+    if req.prompt_logprobs is not None:
+        return True
+    if not req.echo:
+        return False
+    return (req.top_logprobs if isinstance(req, _Chat) else req.logprobs) is not None
 
 
 class _Responses(_Lenient):
@@ -144,6 +160,11 @@ class ParsedRequest:
     prompt_floor: int | None = None
     previous_response_id: str | None = None  # a Responses continuation: served where that response is stored
     output_defaulted: bool = False  # no output bound in the body: the rest of the context (`with_context`)
+    # vLLM computes its prompt logprobs (`wants_prompt_logprobs`): only a worker that runs the prompt forward
+    # has them, so a vLLM 0.32 decode worker loads no KV for such a request (`skip_reading_prefix_cache`) and
+    # recomputes its whole prompt — a prefill hop would be paid for twice (a vLLM without that guard fails the
+    # engine instead: vLLM issue #50792). Such a request never takes the two-hop path
+    prompt_logprobs: bool = False
 
     def data(self) -> dict[str, Any]:
         """The body as a dict (parsed once, lazily: only the rewriting paths need it)."""
@@ -369,6 +390,7 @@ def parse_request(
         n=n,
         prompt_lens=lens if len(lens) > 1 else (),
         prompt_floor=None if exact else floor,
+        prompt_logprobs=wants_prompt_logprobs(req),
     )
 
 
@@ -472,6 +494,7 @@ def route_request(
         n=parsed.n,
         prompt_lens=parsed.prompt_lens,
         ticket=ticket,
-        single_hop=parsed.kind == "responses",  # vLLM's Responses request has no P/D handover
+        # vLLM's Responses request has no P/D handover; prompt logprobs need the prompt run where they are asked
+        single_hop=parsed.kind == "responses" or parsed.prompt_logprobs,
         pinned_worker=pinned_worker,
     )

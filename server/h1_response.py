@@ -3,6 +3,7 @@
     resp = await _read_head(conn, timeout)        # status line + headers from the connection's buffer
     resp.status_code, resp.headers["content-type"]
     await resp.aread()  /  async for chunk in resp.aiter_raw(): ...   /  resp.close()
+    await read_at_most(resp, limit)               # the body, or AnswerTooLarge past `limit` bytes
 
 Parsed from the connection's receive buffer as bytes arrive: the status line and headers (a 1xx interim
 response is skipped; more than `MAX_HEAD_BYTES` is a protocol error), then the body delimited by
@@ -46,6 +47,35 @@ class UpstreamResponse(Protocol):
     def aiter_raw(self) -> AsyncIterator[bytes]: ...
 
     async def aclose(self) -> None: ...
+
+
+class AnswerTooLarge(Exception):
+    """A worker's answer is longer than its reader's bound (`read_at_most`)."""
+
+
+async def read_at_most(resp: UpstreamResponse, limit: int) -> bytes:
+    """The whole body of `resp`, or AnswerTooLarge as soon as it is known to be longer than `limit` bytes:
+    from its `Content-Length` before a byte is read, else once the bytes read pass it. For answers the
+    gateway reads only to pick a field from, so a worker gone wrong cannot make it hold an unbounded body.
+    The caller closes `resp`; a body not read to its end closes the connection with it."""
+    declared = resp.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise AnswerTooLarge(f"Content-Length {declared} is over the {limit}-byte bound")
+    if isinstance(
+        resp, httpx.Response
+    ):  # an injected transport's (tests): a body it was given is read already
+        body = await resp.aread()
+        if len(body) > limit:
+            raise AnswerTooLarge(f"the body is over the {limit}-byte bound")
+        return body
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.aiter_raw():
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(f"the body passed the {limit}-byte bound")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 class _Reset(Exception):

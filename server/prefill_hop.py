@@ -10,7 +10,7 @@ go to the decode worker, and a bounded warning for a prefill pool that is miscon
 | worker_error | 5xx, connection refused or reset, a malformed HTTP answer | a failure (a refused connection: ejected at once) |
 | busy | 429 | a success (busy, not broken) |
 | refused | any other status but 200: 401/403 (the pool's `api_key_env`), 404 (path or model), 400 | nothing; a WARNING |
-| bad_response | a 200 whose body is no JSON object, or whose `kv_transfer_params` fail `kv_params_fault` | a failure |
+| bad_response | a 200 whose body is no JSON object, is longer than `MAX_ANSWER_BYTES`, or whose `kv_transfer_params` fail `kv_params_fault` | a failure |
 | no_params | a 200 without `kv_transfer_params` (null or absent: vLLM without a KV connector) | a success; a WARNING |
 
 The two WARNING reasons are misconfigurations the breaker cannot see (the worker is healthy): each is logged
@@ -68,6 +68,11 @@ MAX_KV_DEPTH = 8
 # 2^20 values: the block ids of a 16M-token prompt at vLLM's default 16 tokens per block. More is no
 # prompt's handover but a worker gone wrong, and would be copied into the decode body whole.
 MAX_KV_VALUES = 1 << 20
+# The prefill answer is read whole only for its `kv_transfer_params`: the largest handover the check takes
+# (MAX_KV_VALUES block ids of up to 8 digits and a comma each, 9 MiB) with room for the one-token answer
+# around it (prompt logprobs, which grow with the prompt, never take the P/D path: `server.footprint`).
+# Longer is a worker gone wrong, and the gateway would hold it all in memory: it stops reading there.
+MAX_ANSWER_BYTES = 32 << 20
 
 
 def kv_params_fault(params: Any) -> Fallback | None:

@@ -74,8 +74,9 @@ class RouteRequest:
     # 0: unnumbered. Request ids come from clients and may repeat; what belongs to one request (its KV
     # holds) belongs to its `holder`, never to its request id alone
     ticket: int = 0
-    # never the P/D two-hop path: an API without a prefill handover (OpenAI's Responses) goes to one decode or
-    # mixed worker that prefills the request itself
+    # never the P/D two-hop path: an API without a prefill handover (OpenAI's Responses), or a request whose
+    # prompt logprobs only the worker that runs its prompt can compute, goes to one decode or mixed worker
+    # that prefills the request itself
     single_hop: bool = False
     # the only worker that may serve it (a Responses continuation: `previous_response_id` names a response
     # stored on one worker); `Router.route` excludes every other worker

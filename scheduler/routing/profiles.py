@@ -4,7 +4,7 @@ Three profiles, each one Filter → Score → Pick → Reserve pass over the wor
 
 | profile | roles | used for |
 |---|---|---|
-| `mixed` | mixed, decode | prompts shorter than `pd_threshold_tokens`, several sequences (a batch, `n` > 1), or models with no prefill pool |
+| `mixed` | mixed, decode | prompts shorter than `pd_threshold_tokens`, several sequences (a batch, `n` > 1), requests marked `single_hop` (Responses, prompt logprobs), or models with no prefill pool |
 | `decode` | decode, mixed | P/D-eligible prompts: picked **first**, as decode holds the KV for the whole generation |
 | `prefill` | prefill | P/D-eligible prompts whose decode pick is a decode-role worker |
 
@@ -130,7 +130,8 @@ class PdProfileHandler:
         sequences (a batch of prompts, `n` > 1) are never split: vLLM answers a prefill hop with one
         `kv_transfer_params` (a batch's: its first prompt's), so a decode hop would pull one sequence's
         blocks for all of them. They go single-hop, a decode worker prefilling them itself. So does a request
-        marked `single_hop` (an API without a prefill handover: OpenAI's Responses)."""
+        marked `single_hop` (an API without a prefill handover, OpenAI's Responses; prompt logprobs, which a
+        decode worker given the prompt's KV cannot compute)."""
         req = cycle.req
         return (
             not req.single_hop

@@ -217,6 +217,57 @@ def test_the_decode_hop_gets_only_checked_params(
     run(body)
 
 
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        pytest.param(CHAT, {"prompt_logprobs": 1}, id="chat prompt_logprobs"),
+        pytest.param(CHAT, {"echo": True}, id="chat echo (top_logprobs 0 by default)"),
+        pytest.param("/v1/completions", {"echo": True, "logprobs": 2}, id="completions echo + logprobs"),
+    ],
+)
+def test_prompt_logprobs_never_take_the_two_hop_path(path: str, extra: dict[str, Any]) -> None:
+    """Prompt logprobs need the prompt run where they are asked: a vLLM 0.32 decode worker loads no KV for
+    such a request and recomputes the prompt, so a prefill hop would be paid twice (and a vLLM without that
+    guard fails: vLLM issue #50792). The request goes to the decode worker alone; not counted as a fallback,
+    and the prefill worker never sees it."""
+    p, d = FakeWorker("p"), FakeWorker("d")
+    cfg = pd_config(p, d)
+    body_ = (
+        chat(LONG_PROMPT) if path == CHAT else {"model": "llama-3-8b", "prompt": LONG_PROMPT, "max_tokens": 4}
+    )
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            r = await c.post(path, json=body_ | extra)
+            assert r.status_code == 200 and gw.dispatcher.outcomes == {"completed": 1}
+            assert p.seen == [] and len(d.seen) == 1 and "kv_transfer_params" not in d.seen[0]
+            assert fallbacks(gw) == {}
+            r = await c.post(path, json=body_)  # the same request without them: two hops
+            assert r.status_code == 200 and len(p.seen) == 1
+            assert d.seen[1]["kv_transfer_params"]["do_remote_prefill"] is True
+
+    run(body)
+
+
+def test_a_prefill_answer_over_its_bound_is_not_read_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill answer was read whole, however long, only to pick its `kv_transfer_params`: now reading
+    stops past `MAX_ANSWER_BYTES` (here 200 bytes, under the fake's ~400-byte answer) and the request runs
+    decode-only, a fault of the prefill worker's."""
+    monkeypatch.setattr("server.dispatch.MAX_ANSWER_BYTES", 200)
+    p, d = FakeWorker("p"), FakeWorker("d")
+    cfg = pd_config(p, d)
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            r = await c.post(CHAT, json=chat(LONG_PROMPT))
+            assert r.status_code == 200 and gw.dispatcher.outcomes == {"completed": 1}
+            assert len(p.seen) == 1 and d.seen[0].get("kv_transfer_params") is None
+            assert fallbacks(gw) == {"bad_response": 1}
+            assert (failures(gw, PD[0]), failures(gw, PD[1])) == (1, 0)
+
+    run(body)
+
+
 def test_a_full_connection_pool_on_the_prefill_hop_is_not_the_prefill_workers() -> None:
     """A prefill hop that got no connection (the gateway's own pool full: httpx.PoolTimeout from a transport)
     was charged to the prefill worker, which never saw the request; the decode hop charges nobody for it."""

@@ -440,3 +440,55 @@ def test_stream_options_of_the_wrong_type_are_refused() -> None:
     with pytest.raises(GatewayError) as err:
         parse_request("completions", body)
     assert err.value.cause is Cause.BAD_REQUEST and err.value.param == "stream_options.include_usage"
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "wants"),
+    [
+        pytest.param("chat", {}, False, id="chat, nothing asked"),
+        pytest.param(
+            "chat", {"prompt_logprobs": 0}, True, id="chat prompt_logprobs 0: the prompt tokens' own"
+        ),
+        pytest.param("chat", {"prompt_logprobs": None}, False, id="chat prompt_logprobs null"),
+        pytest.param("chat", {"echo": True}, True, id="chat echo: top_logprobs defaults to 0 in vLLM"),
+        pytest.param("chat", {"echo": True, "top_logprobs": None}, False, id="chat echo, top_logprobs null"),
+        pytest.param("chat", {"echo": "false", "top_logprobs": 5}, False, id="chat echo 'false' is false"),
+        pytest.param("chat", {"logprobs": True, "top_logprobs": 5}, False, id="chat output logprobs only"),
+        pytest.param("completions", {"echo": True}, False, id="completions echo: logprobs default null"),
+        pytest.param("completions", {"echo": True, "logprobs": 0}, True, id="completions echo + logprobs 0"),
+        pytest.param("completions", {"logprobs": 5}, False, id="completions output logprobs only"),
+        pytest.param("completions", {"prompt_logprobs": 2}, True, id="completions prompt_logprobs"),
+    ],
+)
+def test_prompt_logprobs_are_read_as_vllm_reads_them(
+    kind: str, fields: dict[str, object], wants: bool
+) -> None:
+    """vLLM 0.32's `to_sampling_params`: `prompt_logprobs` when set, else with `echo` the logprobs count
+    (chat `top_logprobs`, default 0; completions `logprobs`, default null). Such a request never takes the
+    P/D path: only a worker that runs the prompt has its logits."""
+    base: dict[str, object] = (
+        {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        if kind == "chat"
+        else {"model": "m", "prompt": "x"}
+    )
+    p = parse_request(kind, json.dumps(base | fields).encode())  # type: ignore[arg-type]
+    assert p.prompt_logprobs is wants
+    assert route_request(p, "r", 0.0, 16).single_hop is wants
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        (
+            "chat",
+            b'{"model":"m","messages":[{"role":"user","content":"x"}],"prompt_logprobs":"a"}',
+            "prompt_logprobs",
+        ),
+        ("chat", b'{"model":"m","messages":[{"role":"user","content":"x"}],"echo":"maybe"}', "echo"),
+        ("completions", b'{"model":"m","prompt":"x","logprobs":[1]}', "logprobs"),
+    ],
+)
+def test_prompt_logprob_fields_of_the_wrong_type_are_refused(kind: str, body: bytes, param: str) -> None:
+    with pytest.raises(GatewayError) as err:
+        parse_request(kind, body)  # type: ignore[arg-type]
+    assert err.value.cause is Cause.BAD_REQUEST and err.value.param == param

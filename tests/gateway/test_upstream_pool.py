@@ -606,3 +606,46 @@ def test_push_raises_what_deliver_raises_in_the_waiting_task() -> None:
                 await pool.aclose()
 
     run(go())
+
+
+def test_read_at_most_stops_past_its_bound_and_closes_the_connection() -> None:
+    """`read_at_most`: a Content-Length over the bound is refused before a body byte is read; a chunked body
+    once the bytes read pass it, without waiting for the rest (here: 2 s away, and an endless stream would
+    never end). A body of exactly the bound is read whole and its connection kept."""
+
+    async def endless(w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(3):
+            w.write(b"8\r\n01234567\r\n")
+            await w.drain()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(2)
+
+    async def go() -> None:
+        async with RawServer([ok(b"x" * 17), ok(b"y" * 16), endless]) as srv:
+            pool = ConnectionPool()
+            try:
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                with pytest.raises(h1_response.AnswerTooLarge, match="Content-Length 17"):
+                    await h1_response.read_at_most(resp, 16)
+                await resp.aclose()
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                assert await h1_response.read_at_most(resp, 16) == b"y" * 16
+                await resp.aclose()
+                assert srv.connections == 2  # the first closed unread; the second's kept
+                for _ in range(100):
+                    if srv.eofs:
+                        break
+                    await asyncio.sleep(0.01)
+                assert srv.eofs == 1  # the first connection's
+                resp = await pool.post(srv.url, b"{}", HEADERS)
+                start = time.monotonic()
+                with pytest.raises(h1_response.AnswerTooLarge, match="passed the 20-byte bound"):
+                    await h1_response.read_at_most(resp, 20)
+                assert time.monotonic() - start < 1.0
+                await resp.aclose()  # closes the connection (`test_closing_an_unread_response_closes_...`)
+                assert srv.connections == 2  # the third request reused the second's connection
+            finally:
+                await pool.aclose()
+
+    run(go())
