@@ -168,6 +168,21 @@ class EngineView:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraState:
+    """A worker's LoRA adapters: those it serves (`adapters`, from its `/v1/models`: the cards with a
+    `parent`) and, from its `vllm:lora_requests_info`, the adapters of its running and waiting requests and
+    how many adapters one batch may hold (`max_lora`, vLLM's `--max-loras`); None where not scraped."""
+
+    adapters: frozenset[str] = frozenset()
+    running: frozenset[str] | None = None
+    waiting: frozenset[str] | None = None
+    max_lora: int | None = None
+
+
+NO_LORA = LoraState()
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker in one routing cycle's snapshot. Scraped fields are None when never scraped or stale."""
 
@@ -201,6 +216,9 @@ class WorkerView:
     # a data-parallel server's engines (two or more, each with its own KV cache), from the scrape; () for a
     # single engine. The KV ledger reserves per engine and the gateway pins the request to the one it chose.
     engines: tuple[EngineView, ...] = ()
+    # LoRA adapters it serves and their load (`LoraState`); NO_LORA for a worker serving none (or not
+    # asked yet): a request naming an adapter goes only to workers that list it
+    lora: LoraState = NO_LORA
 
     @property
     def demand(self) -> int:

@@ -283,7 +283,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
             if not is_json_media_type(content_type):
                 raise GatewayError(Cause.BAD_REQUEST, UNSUPPORTED_MEDIA_TYPE)
             body = await read_body(receive, declared, limits.max_body_bytes)
-            parsed = parse_request(kind, body, gw.max_model_len, only_model)
+            parsed = parse_request(kind, body, gw.max_model_len, only_model, gw.registry.adapter_models())
             if parsed.model not in gw.models:
                 raise GatewayError(
                     Cause.MODEL_NOT_FOUND, f"The model `{parsed.model}` does not exist.", param="model"
@@ -332,9 +332,22 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
                 "created": gw.started_at,
                 "owned_by": "mosaic",
                 "root": m,
+                "parent": None,
                 "max_model_len": gw.max_model_len.get(m) or None,
             }
             for m in gw.models
+        ]
+        data += [  # LoRA adapters the workers serve, as vLLM lists them: `parent` is the base model
+            {
+                "id": name,
+                "object": "model",
+                "created": gw.started_at,
+                "owned_by": "mosaic",
+                "root": root,
+                "parent": base,
+                "max_model_len": None,
+            }
+            for name, (base, root) in sorted(gw.registry.adapter_cards().items())
         ]
         return JSONResponse({"object": "list", "data": data})
 

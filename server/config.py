@@ -225,6 +225,8 @@ class ScrapeConfig(_Strict):
     interval_s: float = Field(default=1.0, gt=0)
     timeout_s: float = Field(default=2.0, gt=0)  # a busy vLLM can take ~1 s to render /metrics
     stale_after_s: float = Field(default=5.0, gt=0)  # older stats are dropped from the fleet view
+    # how often a worker's /v1/models is read for its LoRA adapters (`server.registry`)
+    models_interval_s: float = Field(default=15.0, gt=0)
 
 
 class HealthConfig(_Strict):

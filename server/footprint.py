@@ -53,7 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import RouteRequest
-from scheduler.routing.prefix import block_hashes, text_block_hashes
+from scheduler.routing.prefix import adapter_seed, block_hashes, text_block_hashes
 from server.errors import Cause, GatewayError
 from simulator.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS  # vLLM's and OpenAI's, for /v1/completions
 
@@ -165,6 +165,7 @@ class ParsedRequest:
     # recomputes its whole prompt — a prefill hop would be paid for twice (a vLLM without that guard fails the
     # engine instead: vLLM issue #50792). Such a request never takes the two-hop path
     prompt_logprobs: bool = False
+    adapter: str | None = None  # the LoRA adapter `model` named (`model` is then its base model)
 
     def data(self) -> dict[str, Any]:
         """The body as a dict (parsed once, lazily: only the rewriting paths need it)."""
@@ -256,7 +257,11 @@ def _responses_prompt(req: _Responses) -> tuple[int, int, str]:
 
 
 def parse_responses(
-    body: bytes, text: bytes, max_model_len: Mapping[str, int] | None, default_model: str | None
+    body: bytes,
+    text: bytes,
+    max_model_len: Mapping[str, int] | None,
+    default_model: str | None,
+    adapters: Mapping[str, str] | None = None,
 ) -> ParsedRequest:
     """`parse_request` for a Responses body (`text`: the body without a byte-order mark). One sequence; the
     stream carries its usage in its last event whatever the client asks, so nothing is rewritten upstream."""
@@ -264,7 +269,7 @@ def parse_responses(
         req = _Responses.model_validate_json(text)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    model = _model_of(req.model, default_model)
+    model, adapter = _model_of(req.model, default_model, adapters)
     _refuse_kv_params(req.kv_transfer_params)
     prompt, floor, prompt_text = _responses_prompt(req)
     limit = req.max_output_tokens
@@ -286,6 +291,7 @@ def parse_responses(
         prompt_floor=floor,
         previous_response_id=req.previous_response_id,
         output_defaulted=req.max_output_tokens is None,
+        adapter=adapter,
     )
 
 
@@ -305,7 +311,11 @@ def _rest_of_context(max_model_len: Mapping[str, int] | None, model: str, prompt
     return max(1, ((max_model_len or {}).get(model) or DEFAULT_CONTEXT) - prompt)
 
 
-def _model_of(model: str | None, default_model: str | None) -> str:
+def _model_of(
+    model: str | None, default_model: str | None, adapters: Mapping[str, str] | None
+) -> tuple[str, str | None]:
+    """(the model to route as, the LoRA adapter named or None): a name in `adapters` is that adapter, routed
+    as its base model."""
     model = model or default_model
     if not model:
         raise GatewayError(
@@ -313,7 +323,8 @@ def _model_of(model: str | None, default_model: str | None) -> str:
             "'model' is required: this gateway serves several models (GET /v1/models lists them)",
             param="model",
         )
-    return model
+    base = adapters.get(model) if adapters else None
+    return (model, None) if base is None else (base, model)
 
 
 def _refuse_kv_params(kv_transfer_params: Any) -> None:
@@ -333,22 +344,24 @@ def parse_request(
     body: bytes,
     max_model_len: Mapping[str, int] | None = None,
     default_model: str | None = None,
+    adapters: Mapping[str, str] | None = None,
 ) -> ParsedRequest:
     """Validate the fields the gateway reads; `GatewayError(bad_request)` naming the field otherwise.
 
     `max_model_len` (model → context limit) sizes the chat default output; unknown models assume 8,192.
     `default_model`: what a request without a model (absent, null or "") asks for — the gateway's one model,
-    as vLLM serves its only model then; None (several models) refuses such a request."""
+    as vLLM serves its only model then; None (several models) refuses such a request. `adapters` (LoRA
+    adapter → base model): a request naming one is parsed as its base model, `adapter` set."""
     # A UTF-8 byte-order mark (some Windows clients send one) is accepted, as vLLM's json.loads accepts it;
     # the body is still forwarded as sent
     text = body[3:] if body.startswith(codecs.BOM_UTF8) else body
     if kind == "responses":
-        return parse_responses(body, text, max_model_len, default_model)
+        return parse_responses(body, text, max_model_len, default_model, adapters)
     try:
         req: _Chat | _Completion = (_Chat if kind == "chat" else _Completion).model_validate_json(text)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    model = _model_of(req.model, default_model)
+    model, adapter = _model_of(req.model, default_model, adapters)
     _refuse_kv_params(req.kv_transfer_params)
     n = req.n if req.n and req.n > 0 else 1
     token_ids: list[int] | None = None
@@ -391,6 +404,7 @@ def parse_request(
         prompt_lens=lens if len(lens) > 1 else (),
         prompt_floor=None if exact else floor,
         prompt_logprobs=wants_prompt_logprobs(req),
+        adapter=adapter,
     )
 
 
@@ -466,10 +480,11 @@ def route_request(
     bucket once it has `min_samples` observations, the worst case (reserved output) before, so a cold
     predictor never overbooks a `predicted` ledger. Without a predictor (no ledger), a routing estimate:
     min(reserved output, default_output_tokens × sequences)."""
+    seed = adapter_seed(parsed.adapter)
     if parsed.token_ids is not None:
-        hashes = block_hashes(parsed.token_ids, block_size, PREFIX_HASH_BLOCKS)
+        hashes = block_hashes(parsed.token_ids, block_size, PREFIX_HASH_BLOCKS, seed)
     elif parsed.prompt_text:
-        hashes = text_block_hashes(parsed.prompt_text, block_size * CHARS_PER_TOKEN, PREFIX_HASH_BLOCKS)
+        hashes = text_block_hashes(parsed.prompt_text, block_size * CHARS_PER_TOKEN, PREFIX_HASH_BLOCKS, seed)
     else:
         hashes = ()
     if predictor is not None:
@@ -497,4 +512,5 @@ def route_request(
         # vLLM's Responses request has no P/D handover; prompt logprobs need the prompt run where they are asked
         single_hop=parsed.kind == "responses" or parsed.prompt_logprobs,
         pinned_worker=pinned_worker,
+        adapter=parsed.adapter,
     )

@@ -38,7 +38,7 @@ from server.autoscaler_setup import in_process, in_process_controller
 from server.autoscaling import AutoscalerController
 from server.config import ConfigError, MosaicConfig, PoolConfig
 from server.discovery import KubernetesDiscovery, NodeLabelCache, Source, StaticSource, TrackedSource
-from server.dispatch import Dispatcher
+from server.dispatch import Dispatcher, worker_auth_headers
 from server.embedded_actuator import OpenDecisions
 from server.kv_admission import KvQueuePolicy
 from server.kv_setup import build_gateway_ledger, routing_with_kv
@@ -74,7 +74,14 @@ class Gateway:
         self.keys = KeyStore(config.auth)
         self.limiter = RateLimiter(config.limits.rate_limit)
         probe_client = httpx.AsyncClient(transport=transport) if transport is not None else None
-        self.registry = Registry(config.scrape, config.health, self.metrics, client=probe_client, clock=clock)
+        self.registry = Registry(
+            config.scrape,
+            config.health,
+            self.metrics,
+            client=probe_client,
+            clock=clock,
+            auth=worker_auth_headers(config),
+        )
         self._node_labels = NodeLabelCache()  # node listings shared by the Kubernetes-discovered pools
         self._own_probe_client = probe_client
         catalog = load_catalog(config.catalog)

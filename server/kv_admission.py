@@ -44,6 +44,7 @@ from scheduler.kv.batch_admission import build_instance, solve_instance
 from scheduler.kv.config import KvConfig, admission_params
 from scheduler.kv.ledger import KvLedger
 from scheduler.routing.framework import Decision, RouteRequest
+from scheduler.routing.lora import serves
 from scheduler.routing.reasons import Outcome, Reject
 from server.admission import plan_keys
 
@@ -111,7 +112,7 @@ class KvQueuePolicy:
     def before_attempt(self, req: RouteRequest, waited_s: float) -> None:
         if self.aging_s is None or waited_s < self.aging_s:
             return
-        workers = candidates(self._view(), req.model)
+        workers = [w for w in candidates(self._view(), req.model) if serves(w, req.adapter)]
         if req.pinned_worker is not None:  # a continuation can only ever run on its own worker
             workers = [w for w in workers if w.id == req.pinned_worker]
         rid = self.hold_key(req)

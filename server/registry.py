@@ -10,6 +10,11 @@
   `scrape.stale_after_s` are withheld from the view (the router sees None rather than stale numbers).
 - **Health** (`health.interval_s`): GET `/health`; `failure_threshold` consecutive failures → unhealthy.
   A worker whose breaker is open gets no requests; its next health check after `open_s` is the probe.
+- **LoRA adapters**: after a good health check, at most every `scrape.models_interval_s` (and at once for a
+  worker not asked yet), GET `/v1/models` (with the pool's `api_key_env` key: vLLM guards it): the cards
+  with a `parent` are the LoRA adapters the worker serves (vLLM's `--lora-modules` and adapters loaded at
+  run time). A failed fetch keeps the last list. `adapter_models()` maps each adapter to its base model,
+  so a request naming one is routed as that model to the workers listing it (`scheduler.routing.lora`).
 - **In-flight accounting**: `track()` returns an `InflightTicket` (dispatch → `first_token()` → `done()`),
   so routing sees new load immediately, without waiting for a scrape. Counts are this process's only.
 
@@ -34,8 +39,10 @@ from typing import Any, Protocol
 import httpx
 
 from scheduler.fleet import (
+    NO_LORA,
     EngineView,
     FleetView,
+    LoraState,
     PoolRef,
     Role,
     WorkerCapacity,
@@ -87,6 +94,9 @@ class WorkerRecord:
     # default, more with speculative decoding or --stream-interval
     per_event: deque[float] = field(default_factory=lambda: deque(maxlen=PER_EVENT_STREAMS))
     domain: str | None = None  # from discovery (Endpoint.domain); the view falls back to the pool's
+    # LoRA adapters its /v1/models lists: name → the card's `root` (the adapter's path); when last fetched
+    adapters: dict[str, str | None] = field(default_factory=dict)
+    adapters_at: float | None = None
     _view: WorkerView | None = field(default=None, repr=False, compare=False)
     _view_key: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
 
@@ -158,7 +168,16 @@ class WorkerRecord:
             self.inflight_decode_requests,
             self.domain or p.domain,
             _engines(last, fresh=s is not None, capacity=p.capacity),
+            self._lora(s),
         )
+
+    def _lora(self, s: WorkerStats | None) -> LoraState:
+        """Its adapters, with their load from a fresh scrape (None fields when stale or not exposed)."""
+        if not self.adapters and (s is None or s.lora_running is None):
+            return NO_LORA
+        if s is None:
+            return LoraState(frozenset(self.adapters))
+        return LoraState(frozenset(self.adapters), s.lora_running, s.lora_waiting, s.max_lora)
 
 
 def _engines(last: WorkerStats | None, fresh: bool, capacity: WorkerCapacity) -> tuple[EngineView, ...]:
@@ -180,7 +199,7 @@ VIEW_FIELD_ORDER = (
     "id", "url", "pool", "model", "gpu", "role", "state", "breaker_open", "capacity", "num_running",
     "num_waiting", "kv_usage", "num_gpu_blocks", "block_size", "generation_tokens_per_s", "prompt_tokens_per_s",
     "preemptions_total", "scrape_age_s", "inflight_requests", "inflight_prefill_tokens",
-    "inflight_decode_requests", "domain", "engines",
+    "inflight_decode_requests", "domain", "engines", "lora",
 )  # fmt: skip
 _VIEW_SETTERS = tuple(
     getattr(WorkerView, name).__set__ for name in VIEW_FIELD_ORDER
@@ -262,8 +281,15 @@ class Registry:
         metrics: GatewayMetrics,
         client: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.monotonic,
+        auth: dict[str, tuple[bytes, bytes]] | None = None,
     ) -> None:
         self._scrape_cfg = scrape
+        # pool → the Authorization header its workers expect (`server.dispatch.worker_auth_headers`): vLLM's
+        # --api-key guards /v1/models (not /health or /metrics)
+        self._auth = {
+            pool: (k.decode("latin-1"), v.decode("latin-1")) for pool, (k, v) in (auth or {}).items()
+        }
+        self._adapter_models: dict[str, str] | None = None  # `adapter_models()`, rebuilt when adapters change
         self._health_cfg = health
         self._metrics = metrics
         self._clock = clock
@@ -352,6 +378,8 @@ class Registry:
         for wid in pool.ids - seen:
             # in-flight tickets keep their record object; counts stay right
             gone = self._workers.pop(wid, None)
+            if gone is not None and gone.adapters:
+                self._adapter_models = None
             if gone is not None and gone.inflight_requests > 0:
                 self._departed[wid] = gone
             else:
@@ -465,6 +493,8 @@ class Registry:
         if ok:
             rec.health_ok = True
             rec.health_failures = 0
+            if rec.adapters_at is None or now - rec.adapters_at >= self._scrape_cfg.models_interval_s:
+                await self._fetch_adapters(rec)
             return
         rec.last_error = why
         rec.health_failures += 1
@@ -472,6 +502,54 @@ class Registry:
             rec.health_ok = False
         if not probing:
             rec.breaker.record_failure(now, hard=hard)
+
+    async def _fetch_adapters(self, rec: WorkerRecord) -> None:
+        """Its LoRA adapters from `/v1/models` (module docstring); the last list stays when this fails."""
+        auth = self._auth.get(rec.pool.name)
+        asked_at, rec.adapters_at = rec.adapters_at, self._clock()  # a concurrent check does not ask again
+        try:
+            resp = await self._client.get(
+                rec.url + "/v1/models",
+                headers=dict([auth]) if auth else None,
+                timeout=self._scrape_cfg.timeout_s,
+            )
+            resp.raise_for_status()
+            cards = resp.json()["data"]
+            adapters = {
+                c["id"]: c.get("root") for c in cards if isinstance(c, dict) and c.get("parent") is not None
+            }
+            if not all(isinstance(name, str) for name in adapters):
+                raise ValueError("a card's id is not a string")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            rec.last_error = f"models: {type(exc).__name__}"
+            rec.adapters_at = asked_at  # asked again at the next good health check
+            return
+        if adapters != rec.adapters:
+            if rec.adapters or adapters:
+                log.info("worker %s serves LoRA adapters: %s", rec.id, ", ".join(sorted(adapters)) or "none")
+            rec.adapters, rec._view = adapters, None  # not in the cached view's key: drop the cached view
+            self._adapter_models = None
+
+    def adapter_models(self) -> dict[str, str]:
+        """Each LoRA adapter some worker lists → the model of that worker's pool. An adapter name listed under
+        two models maps to the first in sorted order (a name is one adapter to a client)."""
+        if self._adapter_models is None:
+            index: dict[str, str] = {}
+            models = set(self.models())  # a configured model's name is that model, never an adapter
+            for rec in sorted(self._workers.values(), key=lambda r: r.pool.model):
+                for name in rec.adapters:
+                    if name not in models:
+                        index.setdefault(name, rec.pool.model)
+            self._adapter_models = index
+        return self._adapter_models
+
+    def adapter_cards(self) -> dict[str, tuple[str, str | None]]:
+        """Each adapter → (its base model, its `root` as a worker listed it), for the gateway's /v1/models."""
+        roots: dict[str, str | None] = {}
+        for rec in self._workers.values():
+            for name, root in rec.adapters.items():
+                roots.setdefault(name, root)
+        return {name: (model, roots.get(name)) for name, model in self.adapter_models().items()}
 
     async def _get_health(self, url: str) -> tuple[bool, bool, str]:
         try:
@@ -549,6 +627,7 @@ class Registry:
                         "failures": r.breaker.failures,
                     },
                     "last_error": r.last_error,
+                    "lora_adapters": sorted(r.adapters),
                     "inflight": {
                         "requests": r.inflight_requests,
                         "prefill_tokens": r.inflight_prefill_tokens,
@@ -562,6 +641,10 @@ class Registry:
                     else {
                         **{k: getattr(stats, k) for k in stats.__slots__},  # type: ignore[attr-defined]
                         "engine_views": [dataclasses.asdict(e) for e in stats.engine_views],
+                        **{  # frozensets → sorted lists (JSON)
+                            k: None if getattr(stats, k) is None else sorted(getattr(stats, k))
+                            for k in ("lora_running", "lora_waiting")
+                        },
                         "prompt_tokens_per_s": r.prompt_tokens_per_s,
                         "generation_tokens_per_s": r.generation_tokens_per_s,
                         "mean_itl_s": stats.mean_itl_s,

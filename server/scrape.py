@@ -13,6 +13,11 @@ Names (vLLM v1; REFERENCE.md), with the legacy name each replaced:
 | prefix cache | `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` | `vllm:gpu_prefix_cache_*` |
 | ITL | `vllm:inter_token_latency_seconds` (sum, count) | `vllm:time_per_output_token_seconds` |
 | TTFT | `vllm:time_to_first_token_seconds` (sum, count) | |
+| LoRA load | labels of `vllm:lora_requests_info`: `running_lora_adapters`, `waiting_lora_adapters` (comma-separated names), `max_lora` | |
+
+`vllm:lora_requests_info` (a server started with `--enable-lora`) is a gauge vLLM sets to the current time
+under that step's label values, and never removes an old label set: the exposition carries one series per
+combination ever seen, and the current one is the series with the largest value (the latest time).
 
 A data-parallel vLLM server exposes one series per engine (`engine` label): counts and counters are
 summed across engines; `kv_usage` (each engine's fraction of its own cache) is their mean. Its
@@ -62,7 +67,8 @@ _SAMPLES: dict[str, tuple[str, bool]] = {
     "vllm:time_to_first_token_seconds_count": ("ttft_count", False),
 }
 _CACHE_INFO = "vllm:cache_config_info"
-_WANTED_PREFIXES = tuple(sorted({*_SAMPLES, _CACHE_INFO}))
+_LORA_INFO = "vllm:lora_requests_info"
+_WANTED_PREFIXES = tuple(sorted({*_SAMPLES, _CACHE_INFO, _LORA_INFO}))
 # Family names as they appear in `# TYPE`/`# HELP` lines (counters and histograms drop their suffix there).
 _WANTED_FAMILIES = frozenset(_WANTED_PREFIXES) | frozenset(
     n.removesuffix("_total").removesuffix("_sum").removesuffix("_count") for n in _WANTED_PREFIXES
@@ -91,6 +97,10 @@ class WorkerStats:
     engines: int = 0  # distinct `engine` label values seen (0 when the label is absent)
     engine_views: tuple[EngineView, ...] = ()  # per engine, when ≥ 2 engines all report num_gpu_blocks
     legacy_names: tuple[str, ...] = field(default=())  # legacy metric names read (for /admin/workers)
+    # `vllm:lora_requests_info`'s latest series: adapters with running / waiting requests, and --max-loras
+    lora_running: frozenset[str] | None = None
+    lora_waiting: frozenset[str] | None = None
+    max_lora: int | None = None
 
     @property
     def mean_itl_s(self) -> float | None:
@@ -119,11 +129,16 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
     engines: set[str] = set()
     legacy: set[str] = set()
     preemptions_by_engine: dict[str, float] = defaultdict(float)
+    lora: tuple[float, dict[str, str]] | None = None  # the latest lora_requests_info series (value, labels)
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
             engine = sample.labels.get("engine", "")
             if engine:
                 engines.add(engine)
+            if sample.name == _LORA_INFO:
+                if math.isfinite(sample.value) and (lora is None or sample.value > lora[0]):
+                    lora = (sample.value, sample.labels)
+                continue
             if sample.name == _CACHE_INFO:
                 blocks = _count_label(sample.labels.get("num_gpu_blocks"))
                 if blocks is not None:
@@ -170,7 +185,15 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
         engines=len(engines),
         engine_views=_engine_views(engines, server_blocks, usage_by_engine, preemptions_by_engine),
         legacy_names=tuple(sorted(legacy)),
+        lora_running=_names(lora[1].get("running_lora_adapters")) if lora else None,
+        lora_waiting=_names(lora[1].get("waiting_lora_adapters")) if lora else None,
+        max_lora=_count_label(lora[1].get("max_lora")) if lora else None,
     )
+
+
+def _names(text: str | None) -> frozenset[str]:
+    """A comma-joined label of adapter names (`""`: none)."""
+    return frozenset(n for n in (text or "").split(",") if n)
 
 
 def _engine_views(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from scheduler.fleet import WorkerState, WorkerView
+from scheduler.routing.lora import serves
 from server.errors import NOT_JSON, Cause, GatewayError, shutting_down
 from server.failure import blame
 from server.gateway import Gateway
@@ -45,8 +46,11 @@ TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 CLIENT_CLOSED_STATUS = 499  # recorded for a client gone before its body ended, never sent
 
 
-def requested_model(body: bytes, models: tuple[str, ...]) -> str:
-    """The model a tokenizer request asks for; GatewayError (400/404) when the body or its model is bad."""
+def requested_model(
+    body: bytes, models: tuple[str, ...], adapters: Mapping[str, str] | None = None
+) -> tuple[str, str | None]:
+    """(the model a tokenizer request asks for, the LoRA adapter it names or None: `adapters` maps each to
+    its base model); GatewayError (400/404) when the body or its model is bad."""
     text = body[3:] if body.startswith(codecs.BOM_UTF8) else body  # as the proxy endpoints accept a BOM
     try:
         data: Any = json.loads(text)
@@ -64,15 +68,22 @@ def requested_model(body: bytes, models: tuple[str, ...]) -> str:
                 "'model' is required: this gateway serves several models (GET /v1/models lists them)",
                 param="model",
             )
-        return models[0]
-    if model not in models:
-        raise GatewayError(Cause.MODEL_NOT_FOUND, f"The model `{model}` does not exist.", param="model")
-    return model
+        return models[0], None
+    if model in models:
+        return model, None
+    if adapters and model in adapters:
+        return adapters[model], model
+    raise GatewayError(Cause.MODEL_NOT_FOUND, f"The model `{model}` does not exist.", param="model")
 
 
-def candidates(workers: tuple[WorkerView, ...], model: str) -> list[WorkerView]:
-    """Ready workers of `model` with a closed breaker, fewest requests in flight first (stable)."""
-    ready = [w for w in workers if w.model == model and w.state is WorkerState.READY and not w.breaker_open]
+def candidates(workers: tuple[WorkerView, ...], model: str, adapter: str | None = None) -> list[WorkerView]:
+    """Ready workers of `model` (serving `adapter` when one is named) with a closed breaker, fewest requests
+    in flight first (stable)."""
+    ready = [
+        w
+        for w in workers
+        if w.model == model and w.state is WorkerState.READY and not w.breaker_open and serves(w, adapter)
+    ]
     return sorted(ready, key=lambda w: w.inflight_requests)
 
 
@@ -102,9 +113,9 @@ class TokenizerProxy:
             body = await read_body(
                 request.receive, request.headers.get("content-length"), self.limits.max_body_bytes
             )
-            model = requested_model(body, gw.models)
+            model, adapter = requested_model(body, gw.models, gw.registry.adapter_models())
             gw.limiter.admit(key, 0, gw.clock())
-            response = await self._forward(path, body, model, request_id)
+            response = await self._forward(path, body, model, request_id, adapter)
         except GatewayError as err:
             gw.metrics.rejections.labels(err.reason).inc()
             response = err.to_response(request_id)
@@ -113,9 +124,11 @@ class TokenizerProxy:
         gw.metrics.tokenizer_requests.labels(path, model, str(response.status_code)).inc()
         return response
 
-    async def _forward(self, path: str, body: bytes, model: str, request_id: str) -> Response:
+    async def _forward(
+        self, path: str, body: bytes, model: str, request_id: str, adapter: str | None = None
+    ) -> Response:
         gw = self.gw
-        workers = candidates(gw.registry.view().workers, model)
+        workers = candidates(gw.registry.view().workers, model, adapter)
         if not workers:
             raise GatewayError(
                 Cause.NO_WORKER, f"No ready worker serves `{model}` now; retry shortly.", retry_after_s=1

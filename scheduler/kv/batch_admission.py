@@ -38,6 +38,7 @@ from ortools.sat.python import cp_model
 from scheduler.fleet import WorkerView
 from scheduler.kv.ledger import KvLedger
 from scheduler.routing.framework import RouteRequest
+from scheduler.routing.lora import serves
 
 VALUE_SCALE = 1000  # integer objective units per 1.0 of value
 VALUE_FLOOR = 0.01  # values below this are squashed into (0, VALUE_FLOOR), order kept (`plan_value`)
@@ -115,8 +116,13 @@ def build_instance(
     weights = [weight(r, now, p) for r in head]
     for i, r in enumerate(head):
         for j, w in enumerate(workers):
-            if w.model != r.model or (r.pinned_worker is not None and w.id != r.pinned_worker):
-                continue  # a pinned request (a Responses continuation) can only run on its own worker
+            if (
+                w.model != r.model
+                or (r.pinned_worker is not None and w.id != r.pinned_worker)
+                or not serves(w, r.adapter)
+            ):
+                continue  # a pinned request (a Responses continuation) runs on its own worker, an adapter's
+                # on a worker serving it
             fp, _ = ledger.footprint(r, w)
             if fp.peak <= free[j] and ledger.fits(r, w, now):
                 raw = p.weight_scale * weights[i] - p.latency_weight * est_ttft_s(r, w) / p.ttft_ref_s

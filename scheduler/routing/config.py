@@ -41,6 +41,7 @@ from scheduler.routing.framework import (
     Scorer,
     WeightedScorer,
 )
+from scheduler.routing.lora import AdapterFilter, LoraAffinityScorer
 from scheduler.routing.pd_gate import PdGate
 from scheduler.routing.profiles import (
     DEFAULT_FILTERS,
@@ -67,6 +68,7 @@ FILTER_TYPES: Mapping[str, Any] = {
         filters.ContextLengthFilter,
         filters.AtCapacityFilter,
         filters.KvFitFilter,
+        AdapterFilter,  # scheduler/routing/lora.py: LoRA adapters
     )
 }
 SCORER_TYPES: Mapping[str, Any] = {
@@ -79,6 +81,7 @@ SCORER_TYPES: Mapping[str, Any] = {
         scorers.CostScorer,
         KvBestFitScorer,  # scheduler/kv/plugins.py (KV engineer): best fit on the ledger's free pages
         PdDomainAffinityScorer,  # scheduler/routing/topology_scorer.py: prefill in the decode's domain
+        LoraAffinityScorer,  # scheduler/routing/lora.py: a worker already running the request's adapter
     )
 }
 PICKER_TYPES: Mapping[str, Any] = {

@@ -81,6 +81,9 @@ class RouteRequest:
     # the only worker that may serve it (a Responses continuation: `previous_response_id` names a response
     # stored on one worker); `Router.route` excludes every other worker
     pinned_worker: str | None = None
+    # the LoRA adapter the request names (`model` is then its base model): only workers serving it may
+    # take it (`scheduler.routing.lora`)
+    adapter: str | None = None
 
     @property
     def holder(self) -> str | int:

@@ -9,6 +9,8 @@ several gateway replicas and the simulator agree.
   or with a tokenizer); only full blocks are hashed, as vLLM caches only full blocks.
 - `text_block_hashes(text, chars_per_block)`: from text when no tokenizer is configured; ~4 characters
   per token, so 64 characters ≈ one 16-token block.
+- `seed`: the chain's start. 0 for a base model; a LoRA adapter's requests start from `adapter_seed(name)`,
+  as vLLM keys its prefix cache by adapter too (the same prompt under two adapters shares no cached block).
 
 `PrefixIndex` keeps, per worker, the most recently dispatched block hashes (bounded: the oldest fall out
 first, as a worker's KV cache evicts). All state changes are explicit (`record`, `unrecord`, `forget`).
@@ -29,8 +31,13 @@ def _chain(prev: int, payload: bytes) -> int:
     return int.from_bytes(digest, "little") & _MASK
 
 
+def adapter_seed(adapter: str | None) -> int:
+    """The hash chain's start for a request naming `adapter` (0: none)."""
+    return 0 if adapter is None else _chain(0, b"lora\0" + adapter.encode("utf-8", "surrogatepass"))
+
+
 def block_hashes(
-    tokens: Sequence[int], block_size: int = 16, max_blocks: int | None = None
+    tokens: Sequence[int], block_size: int = 16, max_blocks: int | None = None, seed: int = 0
 ) -> tuple[int, ...]:
     """Chained hashes of each full `block_size`-token block of `tokens` (at most `max_blocks`)."""
     if block_size < 1:
@@ -43,14 +50,16 @@ def block_hashes(
     raw = array("q", tokens[: n * block_size]).tobytes()  # one conversion; 8 bytes per token id
     step = block_size * 8
     out: list[int] = []
-    h = 0
+    h = seed
     for i in range(n):
         h = _chain(h, raw[i * step : (i + 1) * step])
         out.append(h)
     return tuple(out)
 
 
-def text_block_hashes(text: str, chars_per_block: int = 64, max_blocks: int | None = None) -> tuple[int, ...]:
+def text_block_hashes(
+    text: str, chars_per_block: int = 64, max_blocks: int | None = None, seed: int = 0
+) -> tuple[int, ...]:
     """Chained hashes of each full `chars_per_block`-character block of `text` (at most `max_blocks`)."""
     if chars_per_block < 1:
         raise ValueError(f"chars_per_block must be ≥ 1, got {chars_per_block}")
@@ -58,7 +67,7 @@ def text_block_hashes(text: str, chars_per_block: int = 64, max_blocks: int | No
     if max_blocks is not None:
         n = min(n, max_blocks)
     out: list[int] = []
-    h = 0
+    h = seed
     for i in range(n):
         h = _chain(h, text[i * chars_per_block : (i + 1) * chars_per_block].encode("utf-8", "surrogatepass"))
         out.append(h)

@@ -55,8 +55,12 @@ POLICY_PICKERS: Mapping[str, str] = {
 # `context-length` before the worker-state filters: a prompt no worker's context can hold is a 400 whatever
 # state each worker is in; counted first as `unhealthy` / `starting` / `draining` (retryable) on a worker not
 # ready, it was held in the admission queue, at the head of the model's FIFO, until its deadline.
-DEFAULT_FILTERS = ("model", "role", "context-length", "excluded", "state", "breaker", "at-capacity", "kv-fit")
-MOSAIC_SCORERS = ("capacity-load", "est-ttft", "prefix-affinity", "kv-headroom", "cost", "pd-domain-affinity")
+DEFAULT_FILTERS = (
+    "model", "role", "adapter", "context-length", "excluded", "state", "breaker", "at-capacity", "kv-fit",
+)  # fmt: skip
+MOSAIC_SCORERS = (
+    "capacity-load", "est-ttft", "prefix-affinity", "kv-headroom", "cost", "pd-domain-affinity", "lora-affinity",
+)  # fmt: skip
 
 # `kv-best-fit` is not among the default scorers: the gateway enables it when the KV ledger is on
 # (`server.kv_setup.routing_with_kv`), with this weight in the mixed and decode profiles (0 for prefill: a
@@ -77,6 +81,14 @@ KV_BEST_FIT_WEIGHT = 0.5
 # docs/routing.md "Network domains"). Only the prefill profile uses it (no decode peer elsewhere).
 PD_DOMAIN_AFFINITY_WEIGHT = 1.0
 
+# `lora-affinity` (scheduler/routing/lora.py) scores 1 / 0.5 / 0: the adapter running there, a free adapter
+# slot, every slot taken by other adapters. The last means waiting for a slot — for the requests of another
+# adapter to finish, whole generations — so a full worker should lose to one twice as loaded: at 2.0 it
+# costs 2 points, what capacity-load (3) charges a worker with three times the best one's load. A judgement
+# from vLLM's scheduling rule, not a measured sweep. It scores every worker 1 for a request without an
+# adapter, so base-model traffic is routed exactly as without it.
+LORA_AFFINITY_WEIGHT = 2.0
+
 # Weights per profile (the same scorer serves every profile with its own weight). Why these:
 # - mixed: load dominates (keeps every GPU at a similar utilisation, so traffic splits by capacity);
 #   TTFT breaks near-ties towards fast prefill; affinity is strong but escapes under load; cost is a nudge.
@@ -91,6 +103,7 @@ MOSAIC_WEIGHTS: Mapping[str, Mapping[str, float]] = {
         "cost": 0.5,
         "kv-best-fit": KV_BEST_FIT_WEIGHT,
         "pd-domain-affinity": 0.0,
+        "lora-affinity": LORA_AFFINITY_WEIGHT,
     },
     "decode": {
         "capacity-load": 3.0,
@@ -100,6 +113,7 @@ MOSAIC_WEIGHTS: Mapping[str, Mapping[str, float]] = {
         "cost": 0.5,
         "kv-best-fit": KV_BEST_FIT_WEIGHT,
         "pd-domain-affinity": 0.0,
+        "lora-affinity": LORA_AFFINITY_WEIGHT,
     },
     "prefill": {
         "capacity-load": 1.0,
@@ -109,6 +123,7 @@ MOSAIC_WEIGHTS: Mapping[str, Mapping[str, float]] = {
         "cost": 0.5,
         "kv-best-fit": 0.0,
         "pd-domain-affinity": PD_DOMAIN_AFFINITY_WEIGHT,
+        "lora-affinity": LORA_AFFINITY_WEIGHT,
     },
 }
 

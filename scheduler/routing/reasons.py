@@ -41,6 +41,7 @@ class FilterReason(StrEnum):
     # the request's KV exceeds what the ledger could ever reserve on the worker (empty, no shrink)
     KV_EXCEEDS_CAPACITY = "kv_exceeds_capacity"
     EXCEEDS_CONTEXT = "exceeds_context"  # prompt longer than the worker's max_model_len or whole KV cache
+    NO_ADAPTER = "no_adapter"  # the request names a LoRA adapter the worker does not serve
     NO_WORKERS = "no_workers"  # the fleet is empty
     # a configured pool the request could use has no worker now (scaled to zero, pods not yet listed):
     # counted once per such pool when nothing else fits, so the request waits for it to come back
@@ -79,6 +80,9 @@ REJECT_TABLE: Mapping[FilterReason, RejectRule] = {
     FilterReason.NO_WORKERS: RejectRule(503, "server_error", "no_workers", True, 5.0),
     FilterReason.EXCLUDED: RejectRule(502, "server_error", "upstream_failed", False, 1.0),
     FilterReason.WRONG_ROLE: RejectRule(503, "server_error", "no_worker_for_role", False, 5.0),
+    # the gateway resolved the adapter from a worker that listed it, gone since: as vLLM answers a name it
+    # does not serve
+    FilterReason.NO_ADAPTER: RejectRule(404, "invalid_request_error", "model_not_found", False, 0.0),
     FilterReason.EXCEEDS_CONTEXT: RejectRule(
         400, "invalid_request_error", "context_length_exceeded", False, 0.0
     ),
@@ -120,6 +124,9 @@ class Reject:
         message = self.reason if model is None else f"{self.reason} (model {model!r})"
         if self.primary is FilterReason.WRONG_MODEL and model is not None:
             message = f"The model {model!r} does not exist or no worker serves it"
+        elif self.primary is FilterReason.NO_ADAPTER:
+            of = "" if model is None else f" of model {model!r}"
+            message = f"No worker{of} serves the LoRA adapter the request names any more ({self.reason})"
         elif self.primary is FilterReason.EXCEEDS_CONTEXT and "context_limit_tokens" in self.details:
             # vLLM's wording, with what the gateway knows: its count is an estimate unless token ids were sent
             of = (

@@ -95,6 +95,11 @@ class FakeWorker:
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)
     responses_terminal: str = "response.completed"
     responses_status: str = "incomplete"
+    # LoRA adapters its /v1/models lists (name → path), as vLLM's --lora-modules; models_status: that
+    # route's status (vLLM's --api-key guards it: 401)
+    adapters: dict[str, str] = field(default_factory=dict)
+    models_status: int = 200
+    models_seen: list[dict[str, str]] = field(default_factory=list)  # headers of each /v1/models GET
 
     @property
     def url(self) -> str:
@@ -108,6 +113,14 @@ class FakeWorker:
             raise httpx.PoolTimeout("no connection free", request=request)
         if path == "/health":
             return httpx.Response(200 if self.health_ok else 503)
+        if path == "/v1/models":
+            self.models_seen.append(dict(request.headers))
+            base = {"id": self.model, "object": "model", "root": self.model, "parent": None}
+            cards = [base] + [
+                {"id": name, "object": "model", "root": root, "parent": self.model}
+                for name, root in self.adapters.items()
+            ]
+            return httpx.Response(self.models_status, json={"object": "list", "data": cards})
         if path == "/metrics":
             text = self.metrics_text or METRICS_TEXT.format(
                 model=self.model, running=0, generated=self.generated

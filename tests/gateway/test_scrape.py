@@ -115,6 +115,8 @@ def test_registry_scrapes_rates_and_drops_stale_stats() -> None:
             raise httpx.ConnectError("down", request=request)
         if request.url.path == "/health":
             return httpx.Response(200)
+        if request.url.path != "/metrics":  # /v1/models (LoRA adapters): none here
+            return httpx.Response(404)
         gen = next(counts)
         return httpx.Response(
             200,
@@ -218,3 +220,20 @@ def test_engines_are_not_split_without_the_servers_blocks() -> None:
     assert one.engines == 1 and one.engine_views == () and one.num_gpu_blocks == 500  # the worker itself
     unknown = parse_vllm_metrics(_engines_text(["0", "1"], "None"))  # vLLM's "None": blocks unknown
     assert unknown.engines == 2 and unknown.engine_views == () and unknown.num_gpu_blocks is None
+
+
+def test_lora_load_is_read_from_the_latest_lora_requests_info_series() -> None:
+    """vLLM sets `vllm:lora_requests_info` to the current time under each step's labels and never removes an
+    old label set: the series with the largest value is the current one, whatever its place in the text."""
+    text = """# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters="chat,sum"} 1.7650000042e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7650000021e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters=""} 1.7650000093e+09
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+"""
+    s = parse_vllm_metrics(text)
+    assert (s.lora_running, s.lora_waiting, s.max_lora) == (frozenset({"sql", "chat"}), frozenset(), 2)
+    assert s.num_running == 2
+    none = parse_vllm_metrics('vllm:num_requests_running{engine="0",model_name="m"} 0.0\n')
+    assert (none.lora_running, none.lora_waiting, none.max_lora) == (None, None, None)

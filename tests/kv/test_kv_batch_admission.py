@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.fleet import WorkerCapacity
+from scheduler.fleet import LoraState, WorkerCapacity
 from scheduler.kv.batch_admission import AdmissionParams, est_ttft_s, plan_admission
 from scheduler.kv.ledger import KvLedger, LedgerSettings
 from tests.kv.kvkit import request, worker
@@ -51,6 +51,20 @@ def test_a_pinned_request_is_planned_only_on_its_worker() -> None:
         request("r2", 200, 6), pinned_worker="B"
     )  # 13 blocks: fits A only, and may not go there
     assert plan_admission([too_big], workers, ledger, 0.0).assignments == ()
+
+
+def test_a_lora_request_is_planned_only_on_workers_serving_its_adapter() -> None:
+    # `sql` is served by slow B only: unfiltered, r0 would go to fast A, where the router would then refuse
+    # it (no_adapter) at every tick and it would wait out its deadline in the queue.
+    ledger = KvLedger(LedgerSettings(watermark=0.0))
+    a = worker("A", blocks=20, prefill_tps=10_000)
+    b = replace(worker("B", blocks=6, prefill_tps=100), lora=LoraState(frozenset({"sql"})))
+    sql = replace(request("r0", 90, 6), adapter="sql")
+    for cp_sat in (False, True):
+        plan = plan_admission([sql, request("r1", 90, 6)], [a, b], ledger, 0.0, use_cp_sat=cp_sat)
+        assert plan.assignments == (("r0", "B"), ("r1", "A"))
+    other = replace(request("r2", 90, 6), adapter="chat")
+    assert plan_admission([other], [a, b], ledger, 0.0).assignments == ()
 
 
 def test_priority_and_nothing_fits() -> None:

@@ -130,8 +130,14 @@ def test_yaml_example_from_the_docs_builds_and_merges_weights():
         "prefix-affinity": 2.0,
         "cost": 1.0,
         "load-2": 1.0,
+        "lora-affinity": 2.0,
     }
-    assert d["profiles"]["decode"]["weights"] == {"capacity-load": 3.0, "prefix-affinity": 1.0, "cost": 1.0}
+    assert d["profiles"]["decode"]["weights"] == {
+        "capacity-load": 3.0,
+        "prefix-affinity": 1.0,
+        "cost": 1.0,
+        "lora-affinity": 2.0,
+    }
     assert d["profiles"]["prefill"]["weights"]["est-ttft"] == 4.0
     params = {p["name"]: p["params"] for p in d["plugins"]}
     assert params["prefix-affinity"]["lru_blocks"] == 32768 and params["at-capacity"] == {
@@ -148,7 +154,7 @@ def test_yaml_example_from_the_docs_builds_and_merges_weights():
         pytest.param(
             "mosaic",
             "max-score",
-            {"capacity-load", "est-ttft", "prefix-affinity", "kv-headroom", "cost"},
+            {"capacity-load", "est-ttft", "prefix-affinity", "kv-headroom", "cost", "lora-affinity"},
             id="mosaic: capacity-aware scorers, max weighted score",
         ),
     ],
@@ -157,7 +163,7 @@ def test_named_policies(policy, picker, scorers):
     d = build_router(RoutingConfig(policy=policy)).describe()
     for prof in d["profiles"].values():
         assert prof["picker"] == picker
-        assert set(prof["filters"]) >= {"model", "role", "state", "breaker", "kv-fit"}
+        assert set(prof["filters"]) >= {"model", "role", "adapter", "state", "breaker", "kv-fit"}
     assert set(d["profiles"]["mixed"]["weights"]) == set(scorers)
 
 

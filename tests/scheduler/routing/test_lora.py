@@ -1,0 +1,114 @@
+"""The `adapter` filter and the `lora-affinity` scorer (scheduler/routing/lora.py), alone and in the router."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from scheduler.fleet import LoraState, WorkerView
+from scheduler.routing.config import RoutingConfig, build_router
+from scheduler.routing.framework import Cycle, Decision, RouteRequest
+from scheduler.routing.lora import AdapterFilter, LoraAffinityScorer
+from scheduler.routing.prefix import adapter_seed, block_hashes, text_block_hashes
+from scheduler.routing.reasons import FilterReason, Reject
+from tests.scheduler.routing.builders import req, view, worker
+
+
+def lora_req(adapter: str | None, prompt: int = 512) -> RouteRequest:
+    return dataclasses.replace(req(prompt=prompt), adapter=adapter)
+
+
+def lora_worker(
+    id: str,
+    adapters: set[str],
+    active: set[str] | None = None,
+    queued: set[str] | None = None,
+    max_lora: int | None = None,
+    **extra: object,
+) -> WorkerView:
+    """A worker serving `adapters`, with `active` / `queued` the adapters of its running / waiting requests."""
+    state = LoraState(
+        frozenset(adapters),
+        None if active is None else frozenset(active),
+        None if queued is None else frozenset(queued),
+        max_lora,
+    )
+    return worker(id, gpu="H100", lora=state, **extra)  # type: ignore[arg-type]
+
+
+def test_the_filter_passes_only_workers_serving_the_named_adapter() -> None:
+    a, b = lora_worker("a", {"sql"}), lora_worker("b", set())
+    f = AdapterFilter()
+    cycle = Cycle(lora_req("sql"), view(a, b), 0.0, random.Random(0))
+    assert [f.filter(cycle, w) for w in (a, b)] == [None, FilterReason.NO_ADAPTER]
+    base = Cycle(lora_req(None), view(a, b), 0.0, random.Random(0))
+    assert [f.filter(base, w) for w in (a, b)] == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "max_lora", "score"),
+    [
+        pytest.param({"sql"}, set(), 1, 1.0, id="running there: 1"),
+        pytest.param(set(), {"sql"}, 1, 1.0, id="waiting there (its slot is coming): 1"),
+        pytest.param({"other"}, set(), 2, 0.5, id="a free slot: 0.5"),
+        pytest.param({"other"}, set(), 1, 0.0, id="every slot another adapter's: 0"),
+        pytest.param({"x"}, {"y"}, 2, 0.0, id="running and waiting fill the slots: 0"),
+        pytest.param(None, None, None, 0.5, id="not scraped: 0.5"),
+    ],
+)
+def test_lora_affinity_scores(
+    running: set[str] | None, waiting: set[str] | None, max_lora: int | None, score: float
+) -> None:
+    w = lora_worker("a", {"sql", "other", "x", "y"}, running, waiting, max_lora)
+    cycle = Cycle(lora_req("sql"), view(w), 0.0, random.Random(0))
+    assert LoraAffinityScorer().score(cycle, [w]) == [score]
+    base = Cycle(lora_req(None), view(w), 0.0, random.Random(0))
+    assert LoraAffinityScorer().score(base, [w]) == [1.0]  # a base-model request: no preference
+
+
+def test_the_router_prefers_the_worker_already_running_the_adapter_over_a_full_one() -> None:
+    """Two H100s serving `sql` at max_lora 1: `busy` runs `sql` with two requests in flight, `full` runs
+    another adapter with one. Without the scorer the less loaded `full` wins and the request waits there for a
+    slot; with it, `busy`. A base-model request still goes to the less loaded one."""
+    busy = lora_worker("busy", {"sql", "other"}, {"sql"}, set(), 1, inflight=2, running=2)
+    full = lora_worker("full", {"sql", "other"}, {"other"}, set(), 1, inflight=1, running=1)
+    fleet = view(busy, full)
+    router = build_router()
+    for seed in range(5):
+        d = router.route(lora_req("sql"), fleet, 0.0, random.Random(seed))
+        assert isinstance(d, Decision) and d.decode.id == "busy"
+        base = router.route(lora_req(None), fleet, 0.0, random.Random(seed))
+        assert isinstance(base, Decision) and base.decode.id == "full"
+    off = build_router(RoutingConfig.model_validate({"weights": {"lora-affinity": 0}}))
+    d = off.route(lora_req("sql"), fleet, 0.0, random.Random(0))
+    assert isinstance(d, Decision) and d.decode.id == "full"
+
+
+def test_no_worker_serving_the_adapter_is_a_final_404() -> None:
+    reject = build_router().route(lora_req("gone"), view(lora_worker("a", {"sql"})), 0.0, random.Random(0))
+    assert isinstance(reject, Reject)
+    assert (reject.primary, reject.http_status, reject.retryable) == (FilterReason.NO_ADAPTER, 404, False)
+    assert reject.error_body("llama-3-8b")["error"]["code"] == "model_not_found"
+
+
+def test_an_adapter_on_a_worker_not_ready_waits_for_it() -> None:
+    """The one worker serving it is starting: a retryable reason wins over the others' no_adapter."""
+    starting = lora_worker("s", {"sql"}, state="starting")
+    reject = build_router().route(
+        lora_req("sql"), view(starting, lora_worker("b", set())), 0.0, random.Random(0)
+    )
+    assert isinstance(reject, Reject) and reject.retryable and reject.primary is FilterReason.STARTING
+
+
+def test_an_adapters_prefix_hashes_are_its_own() -> None:
+    """vLLM keys cached blocks by adapter: the same prompt under two adapters (or the base model) shares none."""
+    tokens = list(range(64))
+    base, sql, chat = (block_hashes(tokens, 16, seed=adapter_seed(a)) for a in (None, "sql", "chat"))
+    assert base == block_hashes(tokens, 16)  # the base model's are unchanged
+    assert len(base) == len(sql) == len(chat) == 4
+    assert not set(base) & set(sql) and not set(sql) & set(chat)
+    assert block_hashes(tokens, 16, seed=adapter_seed("sql")) == sql  # stable
+    text = "x" * 256
+    assert text_block_hashes(text, 64, seed=adapter_seed("sql")) != text_block_hashes(text, 64)
