@@ -27,6 +27,7 @@ from scheduler.routing.filters import NoParams
 from scheduler.routing.framework import Cycle
 from scheduler.routing.reasons import FilterReason
 
+
 class AdapterFilter:
     type: ClassVar[str] = "adapter"
     Params = NoParams
