@@ -260,6 +260,90 @@ def test_bad_gpu_ids_are_refused_at_config_load(gpu_ids: list[str], message: str
         config({"gpu_ids": gpu_ids})
 
 
+@pytest.mark.parametrize(
+    ("pools", "message"),
+    [
+        pytest.param(
+            [({"gpu_ids": ["0"]}, {"tp": 2})],
+            "pools.0.endpoints.launch.gpu_ids: 1 GPU(s) (0) cannot hold one replica of tp 2 × dp 1 = 2 GPUs",
+            id="fewer GPUs than one replica's TP group",
+        ),
+        pytest.param(
+            [({"gpu_ids": ["0", "1", "2"], "replicas": 0}, {"tp": 2, "dp": 2})],
+            "pools.0.endpoints.launch.gpu_ids: 3 GPU(s) (0,1,2) cannot hold one replica of tp 2 × dp 2 = 4 GPUs",
+            id="DP engines count: 3 GPUs for tp 2 × dp 2, even with no replica to start",
+        ),
+        pytest.param(
+            [({"gpu_ids": ["0", "1", "2"], "replicas": 2}, {"tp": 2})],
+            "pools.0.endpoints.launch.replicas: 2 replicas of tp 2 × dp 1 = 2 GPUs need 4 GPUs; gpu_ids lists 3 "
+            "(0,1,2)",
+            id="the replicas started with the gateway do not fit",
+        ),
+        pytest.param(
+            [
+                ({"gpu_ids": ["0", "1", "2", "3"]}, {"tp": 2}),
+                ({"gpu_ids": ["2", "3", "4"], "replicas": 2}, {"tp": 2}),
+            ],
+            "pools.1.endpoints.launch.replicas: pools p, q share GPUs 0,1,2,3,4 and start replicas of 1 × 2 + 2 × 2 "
+            "= 6 GPUs (launch.replicas × tp × dp), more than those 5; a GPU serves one replica at a time",
+            id="overlapping pools whose starting replicas cannot all have GPUs",
+        ),
+    ],
+)
+def test_gpu_ids_that_cannot_hold_the_replicas_are_refused_at_load(
+    pools: list[tuple[dict[str, Any], dict[str, Any]]], message: str
+) -> None:
+    """Refused when the config is loaded, not at the gateway's start (`p-1 needs 2 GPU(s), 1 free of 1`)."""
+    data = {
+        "models": [{"name": MODEL}],
+        "pools": [
+            {"name": name, "model": MODEL, "gpu": "H100", **shape, "endpoints": {"launch": launch}}
+            for name, (launch, shape) in zip("pqr", pools, strict=False)
+        ],
+    }
+    with pytest.raises(ConfigError) as caught:
+        validate_config(data, "mosaic.yaml")
+    assert str(caught.value) == f"mosaic.yaml: {message}"
+
+
+def test_pools_sharing_gpu_ids_are_refused_only_when_their_starting_replicas_outnumber_them() -> None:
+    """Overlapping gpu_ids are GPUs the pools share (as pools without gpu_ids share all of them): the allocator
+    gives each GPU to one replica at a time, so only more starting replicas than shared GPUs is refused."""
+    shared = {"gpu_ids": ["0", "1", "2", "3"], "replicas": 1}
+    data = {
+        "models": [{"name": MODEL}],
+        "pools": [
+            {"name": "p", "model": MODEL, "gpu": "H100", "tp": 2, "endpoints": {"launch": shared}},
+            {"name": "q", "model": MODEL, "gpu": "H100", "tp": 2, "endpoints": {"launch": shared}},
+            {"name": "r", "model": MODEL, "gpu": "H100", "tp": 2, "endpoints": {"launch": shared}},
+        ],
+    }
+    with pytest.raises(
+        ConfigError, match=r"pools.2.endpoints.launch.replicas: pools p, q, r share GPUs 0,1,2,3"
+    ):
+        validate_config(data, "mosaic.yaml")  # 3 × 2 GPUs on 4
+    data["pools"][2]["endpoints"] = {"launch": {**shared, "replicas": 0}}  # type: ignore[index]
+    validate_config(data, "mosaic.yaml")  # 2 × 2 on 4: each pool's replica gets its own pair
+    data["pools"][2]["endpoints"] = {"launch": {**shared, "use_gpus": False}}  # type: ignore[index]
+    validate_config(data, "mosaic.yaml")  # a CPU build takes no GPU
+
+
+def test_gpu_ids_too_few_for_a_replica_make_serve_exit_2_at_load(tmp_path: Path) -> None:
+    path = tmp_path / "mosaic.yaml"
+    pool = {"name": "p", "model": MODEL, "gpu": "H100", "tp": 2, "endpoints": {"launch": {"gpu_ids": ["0"]}}}
+    path.write_text(yaml.safe_dump({"models": [{"name": MODEL}], "pools": [pool]}), encoding="utf-8")
+    done = subprocess.run(
+        [MOSAIC, "serve", "--config", str(path), "--port", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stderr.strip().splitlines()) == (
+        2,
+        [
+            f"error: {path}: pools.0.endpoints.launch.gpu_ids: 1 GPU(s) (0) cannot hold one replica of tp 2 × dp 1 "
+            "= 2 GPUs"
+        ],
+    ), done.stderr
+
+
 def test_gpu_ids_outside_the_visible_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(ConfigError, match=r"pools\[p\].endpoints.launch.gpu_ids: GPU 7 is not among"):
@@ -387,9 +471,9 @@ def test_vllm_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
     ("launch", "line"),
     [
         pytest.param(
-            {"replicas": 2, "use_gpus": True, "gpu_ids": ["0"]},
+            {"replicas": 2, "use_gpus": True},  # the machine's one GPU (with gpu_ids: ["0"], refused at load)
             "error: gateway startup failed: pool p: cannot start its 2 vLLM replica(s) (endpoints.launch): "
-            "p-2 needs 1 GPU(s), 0 free of 1 (0) (in use: 0→p-1)",
+            "p-2 needs 1 GPU(s), 0 free of 1 (in use: 0→p-1)",
             id="second replica finds no GPU",
         ),
         pytest.param(
