@@ -464,6 +464,7 @@ class MosaicConfig(_Strict):
             for i, pool in enumerate(self.pools):
                 if pool.model not in known:
                     raise _FieldError(f"pools.{i}.model", f"model {pool.model!r} is not listed under models")
+        _check_launch_gpus(self)
         _check_autoscaler(self)
         _check_kv(self)
         return self
@@ -480,6 +481,59 @@ class MosaicConfig(_Strict):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+
+def _check_launch_gpus(config: MosaicConfig) -> None:
+    """Launched pools' `gpu_ids` against what their replicas need (tp × dp GPUs each), so that a shortage is
+    refused at load instead of failing the gateway's start (`needs N GPU(s)`): a pool's ids must hold one
+    replica, and the `launch.replicas` started with the gateway must fit the ids listed. Pools whose ids
+    overlap share those GPUs (the allocator gives each GPU to one replica at a time, as it does to pools
+    without `gpu_ids`, which draw from all of them), so their starting replicas are counted together, per
+    group of pools linked by a shared GPU. Both are necessary conditions, so no config whose replicas could
+    all start is refused; a start can still fail (pools without `gpu_ids` draw from the same GPUs, and the
+    allocator takes the lowest free ids, not those no other pool lists)."""
+    listed = [
+        (i, p, p.endpoints.launch)
+        for i, p in enumerate(config.pools)
+        if p.endpoints.launch is not None and p.endpoints.launch.use_gpus and p.endpoints.launch.gpu_ids
+    ]
+    groups: list[tuple[list[int], set[str]]] = []  # pool indexes, their GPU ids
+    for i, pool, launch in listed:
+        ids = launch.gpu_ids or []
+        need = pool.tp * pool.dp
+        if len(ids) < need:
+            raise _FieldError(
+                f"pools.{i}.endpoints.launch.gpu_ids",
+                f"{len(ids)} GPU(s) ({','.join(ids)}) cannot hold one replica of tp {pool.tp} × dp {pool.dp} = "
+                f"{need} GPUs",
+            )
+        members, union = [i], set(ids)
+        for group in [g for g in groups if not g[1].isdisjoint(ids)]:
+            groups.remove(group)
+            members, union = group[0] + members, group[1] | union
+        groups.append((sorted(members), union))
+    for members, _ in groups:
+        pools = [config.pools[i] for i in members]
+        launches = [p.endpoints.launch for p in pools if p.endpoints.launch is not None]
+        gpus = list(dict.fromkeys(g for launch in launches for g in launch.gpu_ids or []))  # as listed
+        demand = [(launch.replicas, p.tp * p.dp) for p, launch in zip(pools, launches, strict=True)]
+        total = sum(r * need for r, need in demand)
+        if total <= len(gpus):
+            continue
+        last = members[-1]
+        if len(members) == 1:
+            (replicas, need), pool = demand[0], pools[0]
+            raise _FieldError(
+                f"pools.{last}.endpoints.launch.replicas",
+                f"{replicas} replicas of tp {pool.tp} × dp {pool.dp} = {need} GPUs need {total} GPUs; "
+                f"gpu_ids lists {len(gpus)} ({','.join(gpus)})",
+            )
+        raise _FieldError(
+            f"pools.{last}.endpoints.launch.replicas",
+            f"pools {', '.join(p.name for p in pools)} share GPUs {','.join(gpus)} and start replicas of "
+            f"{' + '.join(f'{r} × {n}' for r, n in demand)} = {total} GPUs (launch.replicas × tp × dp), more "
+            f"than those {len(gpus)}; a GPU serves one replica at a time",
+        )
 
 
 def _check_autoscaler(config: MosaicConfig) -> None:

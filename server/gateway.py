@@ -221,10 +221,15 @@ class Gateway:
         `launch.gpu_ids` draws only from those."""
         import os
 
+        from server.vllm_pool import check_config_files
         from server.vllm_source import LaunchedPoolSource
 
         launch = pool.endpoints.launch
         assert launch is not None
+        try:  # a vLLM config file in extra_args is read where the replicas run: here, not at config load
+            check_config_files(launch.extra_args)
+        except ValueError as exc:
+            raise ConfigError(f"pools[{pool.name}].endpoints.launch.extra_args: {exc}") from None
         if self._gpu_allocator is None:
             self._gpu_allocator = self._launch_allocator()
         model = self.config.model_config_for(pool.model)

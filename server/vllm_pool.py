@@ -68,6 +68,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from placement.textfiles import parse_yaml, read_text
 from scheduler.actuators.base import ScaleAction
 from server.vllm_launcher import (
     NEVER_INHERITED_ENV,
@@ -155,14 +156,12 @@ class LaunchVllmConfig(BaseModel):
     def _extra_args(cls, args: list[str]) -> list[str]:
         # The pool's tp and dp decide how many GPUs (and side-channel ports) a replica gets and what capacity
         # the gateway books on it; vLLM takes the last of two values, so a size here would run the replica
-        # on GPUs it was not given, or with engines the gateway does not know of.
+        # on GPUs it was not given, or with engines the gateway does not know of. Pipeline parallelism is not
+        # modelled at all. (A `--config FILE` among them is read where the replicas run: `config_file_settings`.)
         for arg in args:
-            field = _parallel_size_flag(arg)
+            field = parallel_size_flag(arg)
             if field is not None:
-                raise ValueError(
-                    f"{arg}: set the pool's {field} instead (the gateway gives each replica tp × dp GPUs and "
-                    "books its capacity from them)"
-                )
+                raise ValueError(parallel_size_refusal(arg, field))
         return args
 
     @field_validator("host", "advertise_host")
@@ -201,25 +200,94 @@ class LaunchVllmConfig(BaseModel):
         return tuple(shlex.split(self.vllm_command))
 
 
-def _parallel_size_flag(arg: str) -> str | None:
-    """The pool field (`tp`, `dp`) whose vLLM flag `arg` sets, as vLLM 0.32's parser reads it (the rule the
-    chart's `mosaic.pool.checkParallelArgs` applies; both are held to vLLM's own parser, spelling by spelling,
-    in tests/real_vllm/test_chart_vllm_args.py), else None:
+PARALLEL_FLAGS: Mapping[str, str] = {
+    "tp": "--tensor-parallel-size",
+    "dp": "--data-parallel-size",
+    "pp": "--pipeline-parallel-size",
+}
 
-    - `--tensor-parallel-size` and each abbreviation of two letters or more (argparse takes unique prefixes),
-      with `_` for `-` (vLLM turns a long flag's underscores into dashes), with or without `=value`;
+
+def parallel_size_flag(arg: str) -> str | None:
+    """The parallel size (`tp`, `dp`, `pp`) whose vLLM flag `arg` sets, as vLLM 0.32's parser reads it (the
+    rule the chart's `mosaic.pool.checkParallelArgs` applies; both are held to vLLM's own parser, spelling by
+    spelling, in tests/real_vllm/test_chart_vllm_args.py), else None:
+
+    - `--tensor-parallel-size` and `--pipeline-parallel-size` and each abbreviation of two letters or more
+      (argparse takes unique prefixes; `--t…` and `--p…` alone are shared with other options), with `_` for
+      `-` (vLLM turns a long flag's underscores into dashes), with or without `=value`;
     - `--data-parallel-size` only whole: each abbreviation is also one of `--data-parallel-size-local`'s, and
       vLLM refuses it as ambiguous;
-    - `-tp`, `-dp`, and a bare `-t` (argparse reads `-t 3` as `-tp 3`)."""
+    - `-tp`, `-dp`, `-pp`, and a bare `-t` (argparse reads `-t 3` as `-tp 3`); not `-p`, which vLLM refuses
+      as ambiguous (`-pp` or `-pcp`)."""
     name = arg.split("=", 1)[0]
     if name.startswith("--"):
         flag = name[2:].replace("_", "-")
-        if len(flag) >= 2 and "tensor-parallel-size".startswith(flag):
-            return "tp"
+        for field in ("tp", "pp"):
+            if len(flag) >= 2 and PARALLEL_FLAGS[field][2:].startswith(flag):
+                return field
         return "dp" if flag == "data-parallel-size" else None
     if name == "-tp" or arg == "-t":
         return "tp"
-    return "dp" if name == "-dp" else None
+    return {"-dp": "dp", "-pp": "pp"}.get(name)
+
+
+def parallel_size_refusal(what: str, field: str) -> str:
+    """Why a launched pool may not set `field` (`parallel_size_flag`) in `what` (an argument, a config key)."""
+    if field == "pp":
+        return (
+            f"{what}: vLLM's --pipeline-parallel-size is not supported: Mosaic does not model pipeline "
+            "parallelism, so the replica would need tp × pp × dp GPUs while the gateway gives it tp × dp and "
+            "books its capacity from them; use the pool's tp instead"
+        )
+    return (
+        f"{what}: set the pool's {field} instead (the gateway gives each replica tp × dp GPUs and books its "
+        "capacity from them)"
+    )
+
+
+def config_file_settings(args: Sequence[str]) -> list[tuple[str, str]]:
+    """(`--config FILE sets KEY`, size) for each key of a vLLM config file named in `args` that sets a
+    parallel size (`parallel_size_flag`), reading the files now; ValueError with one line when `--config`
+    has no file or a file cannot be read, is not YAML, not a mapping, or not `.yaml`/`.yml` (vLLM's rule).
+
+    vLLM 0.32 (`FlexibleArgumentParser.load_config_file`) turns each top-level key into `--KEY` before
+    parsing, so a key sets a size in every spelling its flag does (`tensor_parallel_size`,
+    `tensor-parallel`, …). The command line wins over the file: a tp there loses to the
+    `--tensor-parallel-size` Mosaic writes (refused all the same: it would be ignored without a word), a dp
+    there sets a pool of dp 1 (no `--data-parallel-size` written), a pp always. vLLM reads the file only for
+    an argument exactly `--config` followed by the path (relative to the working directory, which launched
+    replicas share with the gateway); `--config=FILE` it accepts and ignores, and is read here all the same,
+    so that no later release reading it lets a size through."""
+    files: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--config":
+            if i + 1 == len(args):
+                raise ValueError("--config: no file follows it (vLLM reads `--config FILE`)")
+            files.append(args[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    found: list[tuple[str, str]] = []
+    for file in files:
+        if file.rsplit(".", 1)[-1] not in ("yaml", "yml"):
+            raise ValueError(f"--config {file}: vLLM reads only .yaml or .yml config files")
+        text = read_text(Path(file), ValueError, f"--config {file}: cannot read vLLM's config file: ")
+        data = parse_yaml(text, ValueError, f"--config {file}: not valid YAML")
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {file}: must be a mapping of vLLM options (`key: value` lines)")
+        for key in data:
+            field = parallel_size_flag(f"--{key}")
+            if field is not None:
+                found.append((f"--config {file} sets {key}", field))
+    return found
+
+
+def check_config_files(args: Sequence[str]) -> None:
+    """ValueError with one line when a `--config FILE` among a launched pool's `extra_args` cannot be read or
+    sets a parallel size (`config_file_settings`): the gateway checks when it is built (`mosaic serve` exits
+    2), and each replica's start again, as vLLM reads the file again."""
+    settings = config_file_settings(args)
+    if settings:
+        raise ValueError(parallel_size_refusal(*settings[0]))
 
 
 class GpuAllocator:
@@ -457,6 +525,12 @@ class VllmPoolLauncher:
         """Allocate GPUs and ports and spawn the process (does not wait for /health)."""
         self._serial += 1
         replica_id = f"{self.pool}-{self._serial}"
+        try:
+            check_config_files(
+                self.template.extra_args
+            )  # the file may have changed since the gateway started
+        except ValueError as exc:
+            raise LaunchError(f"{replica_id}: extra_args: {exc}") from None
         gpus = self.template.gpu_count  # tp × dp: every engine's TP group
         gpu_ids = self.allocator.allocate(replica_id, gpus, self.gpu_ids) if self.use_gpus else ()
         probe = connect_host(self.template.host)  # a wildcard bind: probe its loopback

@@ -16,7 +16,10 @@ If vLLM exits by itself the command exits 1.
 Flags shared with the simulated worker keep vLLM's names and are forwarded when given on the command line
 (`--tp`, `--max-model-len`, `--gpu-memory-utilization`, `--served-model-name`, `--max-num-seqs`,
 `--max-num-batched-tokens`, `--block-size`, `--num-gpu-blocks` → `--num-gpu-blocks-override`,
-`--enable-prefix-caching`); everything after `--` goes to vLLM verbatim.
+`--enable-prefix-caching`); everything after `--` goes to vLLM verbatim, except what sets a parallel size
+(refused, exit 2, as in a launched pool's `extra_args`: `server.vllm_pool.parallel_size_flag`, and the keys of
+a `--config FILE`, read here): the tensor and data parallel sizes are `--tp` and `--data-parallel-size`,
+which `--gpu-ids` is checked against, and pipeline parallelism Mosaic does not model.
 `--data-parallel-size N` runs N engines, each on `--tp` GPUs (vLLM's own flag, set like a launched pool's `dp`).
 `--gpu-ids` sets the tensor-parallel size when `--tp` is left at 1 (the listed GPUs shared equally by the
 engines: one rank per GPU of its share); ids that are not `--tp` × `--data-parallel-size` are refused. `--vllm-command` replaces `vllm serve` (e.g. the CPU build's
@@ -50,6 +53,7 @@ from server.vllm_launcher import (
     health_ok,
     parse_gpu_ids,
 )
+from server.vllm_pool import PARALLEL_FLAGS, config_file_settings, parallel_size_flag
 
 
 def worker_spec(
@@ -84,6 +88,10 @@ def worker_spec(
     if not command:
         raise ValueError("--vllm-command must not be empty")
     extra = tuple(a for a in extra_args if a != "--")
+    settings = [(a, f) for a in extra if (f := parallel_size_flag(a)) is not None]
+    settings += config_file_settings(extra)  # ValueError: a --config file it cannot read
+    if settings:
+        raise ValueError(_parallel_refusal(*settings[0]))
     try:
         return VllmLaunchSpec(
             model=model,
@@ -102,6 +110,21 @@ def worker_spec(
         )
     except ValueError as exc:
         raise ValueError(f"vllm worker: {exc}") from None
+
+
+def _parallel_refusal(what: str, field: str) -> str:
+    """Why vLLM's arguments after `--` may not set `field` (`server.vllm_pool.parallel_size_flag`) in `what`."""
+    if field == "pp":
+        return (
+            f"{what}: vLLM's --pipeline-parallel-size is not supported: Mosaic does not model pipeline "
+            "parallelism (the server would need --tp × pp × --data-parallel-size GPUs, and the gateway books a "
+            "pool's capacity and GPUs from tp × dp only); use --tp instead"
+        )
+    option = "--tp" if field == "tp" else "--data-parallel-size"
+    return (
+        f"{what}: give the worker's {option} instead, before -- (it writes vLLM's {PARALLEL_FLAGS[field]} "
+        "and checks --gpu-ids against --tp × --data-parallel-size)"
+    )
 
 
 def run_foreground(

@@ -2,7 +2,7 @@
 API server. A real pool's pod runs `vllm serve … --data-parallel-size <dp>` on tp × dp GPUs, a simulated pool's
 `mosaic worker` runs dp engines, and the gateway's config says dp so it sizes, prices and books the worker as
 dp engines. At dp 1 nothing of a pod template changes (an upgrade restarts no GPU pod), and the flags the chart
-writes from tp and dp may not also come through extraArgs.
+writes from tp and dp may not also come through extraArgs, nor a pipeline parallel size (not modelled).
 """
 
 from __future__ import annotations
@@ -219,6 +219,32 @@ def test_a_pools_extra_args_may_not_set_tp_or_dp(
         f"the pool's {key}"
     ) in str(caught.value)
     assert f"remove it and set pools[1].{key}" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "arg"),
+    [
+        pytest.param(
+            ["--pipeline-parallel-size", "2"], "--pipeline-parallel-size", id="--pipeline-parallel-size"
+        ),
+        pytest.param(["-pp", "2"], "-pp", id="-pp"),
+        pytest.param(["-pp=2"], "-pp=2", id="-pp=2"),
+        pytest.param(["--pipeline_parallel_size=2"], "--pipeline_parallel_size=2", id="underscores"),
+        pytest.param(["--pi", "2"], "--pi", id="the shortest abbreviation argparse takes"),
+    ],
+)
+def test_a_pools_extra_args_may_not_set_a_pipeline_parallel_size(
+    chart: helm.Chart, extra: list[str], arg: str
+) -> None:
+    """Mosaic does not model pipeline parallelism: a replica would need tp × pp × dp GPUs, its pod gets tp × dp,
+    and the gateway would size and price it as tp × dp."""
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(chart, {"pools": [SIM, {**REAL, "extraArgs": extra}]})
+    assert (
+        f'pools[1] (l4): pools[1].extraArgs has "{arg}", vLLM\'s --pipeline-parallel-size, which Mosaic does '
+        "not model: a replica would need tp × pp × dp GPUs while its pod gets tp × dp"
+    ) in str(caught.value)
+    assert "remove it and use pools[1].tp" in str(caught.value)
 
 
 def test_pool_defaults_extra_args_are_named_as_such(chart: helm.Chart) -> None:

@@ -3,8 +3,10 @@ vLLM does not know, or a value it refuses, would crash-loop every GPU pod of a p
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import helm_python as helm
@@ -30,8 +32,8 @@ for args in json.load(sys.stdin):
 print(json.dumps(out))
 """
 
-# Each argument list with one parser (argparse keeps no state between parses): what tp and dp vLLM takes
-# from it, or null where vLLM refuses it (an ambiguous abbreviation, an unknown flag).
+# Each argument list with one parser (argparse keeps no state between parses): what tp, dp and pp vLLM takes
+# from it, or null where vLLM refuses it (an ambiguous abbreviation, an unknown flag, a bad config file).
 RESOLVE = """
 import json, sys
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -41,10 +43,10 @@ out = []
 for args in json.load(sys.stdin):
     try:
         ns = parser.parse_args(args)
-    except SystemExit:
+    except (SystemExit, ValueError):
         out.append(None)
     else:
-        out.append({"tp": ns.tensor_parallel_size, "dp": ns.data_parallel_size})
+        out.append({"tp": ns.tensor_parallel_size, "dp": ns.data_parallel_size, "pp": ns.pipeline_parallel_size})
 print(json.dumps(out))
 """
 
@@ -106,18 +108,28 @@ def _spellings(flag: str, short: str) -> list[str]:
     return sorted({*names, *(f"{n}=3" for n in names)})
 
 
+def _takes(read: dict[str, Any] | None) -> bool:
+    """Whether vLLM read a size of 3 (what every spelling sets) as its tp, dp or pp."""
+    return read is not None and 3 in (read["tp"], read["dp"], read["pp"])
+
+
+@functools.cache
 def _parallel_spellings() -> tuple[list[str], list[list[str]], dict[str, bool]]:
-    """The spellings, their argument lists, and whether vLLM's parser reads each as the tp or dp size."""
-    spellings = _spellings("--tensor-parallel-size", "-tp") + _spellings("--data-parallel-size", "-dp")
+    """The spellings, their argument lists, and whether vLLM's parser reads each as the tp, dp or pp size."""
+    spellings = (
+        _spellings("--tensor-parallel-size", "-tp")
+        + _spellings("--data-parallel-size", "-dp")
+        + _spellings("--pipeline-parallel-size", "-pp")
+    )
     argvs = [["m", s] if "=" in s else ["m", s, "3"] for s in spellings]
     read = dict(zip(spellings, _vllm(RESOLVE, argvs), strict=True))
-    takes = {s: r is not None and (r["tp"] == 3 or r["dp"] == 3) for s, r in read.items()}
-    return spellings, argvs, takes
+    return spellings, argvs, {s: _takes(r) for s, r in read.items()}
 
 
-def test_launched_pools_refuse_exactly_the_extra_args_vllm_reads_as_tp_or_dp() -> None:
+def test_launched_pools_refuse_exactly_the_extra_args_vllm_reads_as_a_parallel_size() -> None:
     """`launch.extra_args` (the gateway's own vLLM processes, server/vllm_pool.py) are refused at load by the
-    same rule as the chart's extraArgs, held to vLLM's parser the same way."""
+    same rule as the chart's extraArgs, held to vLLM's parser the same way: tp and dp (set the pool's) and pp
+    (not modelled)."""
     from server.config import ConfigError, validate_config
 
     spellings, argvs, takes = _parallel_spellings()
@@ -128,18 +140,60 @@ def test_launched_pools_refuse_exactly_the_extra_args_vllm_reads_as_tp_or_dp() -
         try:
             validate_config({"pools": [pool]}, "test")
         except ConfigError as exc:
-            assert "pools.0.endpoints.launch.extra_args" in str(exc) and "set the pool's" in str(exc), exc
+            assert f"pools.0.endpoints.launch.extra_args: {spelling}: " in str(exc), exc
             refused[spelling] = True
         else:
             refused[spelling] = False
     assert refused == takes, {s: (refused[s], takes[s]) for s in spellings if refused[s] != takes[s]}
 
 
-def test_the_chart_refuses_exactly_the_extra_args_vllm_reads_as_tp_or_dp() -> None:
+def test_the_vllm_worker_refuses_exactly_the_args_vllm_reads_as_a_parallel_size() -> None:
+    """`mosaic worker --engine vllm ... -- ARGS` (server/vllm_worker.py) applies the launched pools' rule."""
+    from server.vllm_worker import worker_spec
+
+    spellings, argvs, takes = _parallel_spellings()
+    refused: dict[str, bool] = {}
+    for spelling, argv in zip(spellings, argvs, strict=True):
+        try:
+            worker_spec(model="m", port=8000, extra_args=["--", *argv[1:]])
+        except ValueError as exc:
+            assert str(exc).startswith(f"{spelling}: "), exc
+            refused[spelling] = True
+        else:
+            refused[spelling] = False
+    assert refused == takes, {s: (refused[s], takes[s]) for s in spellings if refused[s] != takes[s]}
+
+
+def test_a_vllm_config_file_is_refused_exactly_when_vllm_reads_a_parallel_size_from_it(
+    tmp_path: Path,
+) -> None:
+    """`--config FILE` in a launched pool's extra_args: vLLM turns each key into `--KEY`, so a key sets a size
+    in every spelling a flag does; `server.vllm_pool.config_file_settings` finds exactly those."""
+    from server.vllm_pool import config_file_settings
+
+    names = (
+        _spellings("--tensor-parallel-size", "-tp")
+        + _spellings("--data-parallel-size", "-dp")
+        + _spellings("--pipeline-parallel-size", "-pp")
+    )
+    keys = sorted({n.removeprefix("--") for n in names if "=" not in n} | {"tp", "dp", "pp"})
+    argvs = []
+    for i, key in enumerate(keys):
+        file = tmp_path / f"v{i}.yaml"
+        file.write_text(f"{json.dumps(key)}: 3\n", encoding="utf-8")
+        argvs.append(["m", "--config", str(file)])
+    takes = {key: _takes(r) for key, r in zip(keys, _vllm(RESOLVE, argvs), strict=True)}
+    refused = {key: bool(config_file_settings(argv[1:])) for key, argv in zip(keys, argvs, strict=True)}
+    assert refused == takes, {k: (refused[k], takes[k]) for k in keys if refused[k] != takes[k]}
+    assert takes["tensor_parallel_size"] and takes["pipeline-parallel"] and takes["data-parallel-size"]
+    assert not takes["pp"] and not takes["data-parallel"]  # an unknown flag; an ambiguous one
+
+
+def test_the_chart_refuses_exactly_the_extra_args_vllm_reads_as_a_parallel_size() -> None:
     """templates/_helpers.tpl `mosaic.pool.checkParallelArgs` refuses a pool's extraArgs that set vLLM's tensor
-    or data parallel size (the chart writes both from tp and dp): each spelling is refused at render if and only
-    if vLLM's own parser reads it as that flag, so no spelling slips past and none vLLM would refuse anyway (an
-    ambiguous abbreviation) gets the chart's message."""
+    or data parallel size (the chart writes both from tp and dp) or its pipeline parallel size (not modelled):
+    each spelling is refused at render if and only if vLLM's own parser reads it as that flag, so no spelling
+    slips past and none vLLM would refuse anyway (an ambiguous abbreviation) gets the chart's message."""
     spellings, argvs, takes = _parallel_spellings()
     refused: dict[str, bool] = {}
     with helm.Chart.load(CHART_DIR) as chart:
@@ -155,3 +209,4 @@ def test_the_chart_refuses_exactly_the_extra_args_vllm_reads_as_tp_or_dp() -> No
     assert refused == takes, {s: (refused[s], takes[s]) for s in spellings if refused[s] != takes[s]}
     # the spellings that matter: abbreviations vLLM takes, the short form, an abbreviation it refuses
     assert takes["--tensor-parallel"] and takes["-t"] and takes["-dp=3"] and not takes["--data-parallel"]
+    assert takes["--pi"] and takes["-pp"] and not takes["-p"] and not takes["--p"]  # -p: -pp or -pcp

@@ -260,6 +260,90 @@ def test_bad_gpu_ids_are_refused_at_config_load(gpu_ids: list[str], message: str
         config({"gpu_ids": gpu_ids})
 
 
+@pytest.mark.parametrize(
+    ("pools", "message"),
+    [
+        pytest.param(
+            [({"gpu_ids": ["0"]}, {"tp": 2})],
+            "pools.0.endpoints.launch.gpu_ids: 1 GPU(s) (0) cannot hold one replica of tp 2 × dp 1 = 2 GPUs",
+            id="fewer GPUs than one replica's TP group",
+        ),
+        pytest.param(
+            [({"gpu_ids": ["0", "1", "2"], "replicas": 0}, {"tp": 2, "dp": 2})],
+            "pools.0.endpoints.launch.gpu_ids: 3 GPU(s) (0,1,2) cannot hold one replica of tp 2 × dp 2 = 4 GPUs",
+            id="DP engines count: 3 GPUs for tp 2 × dp 2, even with no replica to start",
+        ),
+        pytest.param(
+            [({"gpu_ids": ["0", "1", "2"], "replicas": 2}, {"tp": 2})],
+            "pools.0.endpoints.launch.replicas: 2 replicas of tp 2 × dp 1 = 2 GPUs need 4 GPUs; gpu_ids lists 3 "
+            "(0,1,2)",
+            id="the replicas started with the gateway do not fit",
+        ),
+        pytest.param(
+            [
+                ({"gpu_ids": ["0", "1", "2", "3"]}, {"tp": 2}),
+                ({"gpu_ids": ["2", "3", "4"], "replicas": 2}, {"tp": 2}),
+            ],
+            "pools.1.endpoints.launch.replicas: pools p, q share GPUs 0,1,2,3,4 and start replicas of 1 × 2 + 2 × 2 "
+            "= 6 GPUs (launch.replicas × tp × dp), more than those 5; a GPU serves one replica at a time",
+            id="overlapping pools whose starting replicas cannot all have GPUs",
+        ),
+    ],
+)
+def test_gpu_ids_that_cannot_hold_the_replicas_are_refused_at_load(
+    pools: list[tuple[dict[str, Any], dict[str, Any]]], message: str
+) -> None:
+    """Refused when the config is loaded, not at the gateway's start (`p-1 needs 2 GPU(s), 1 free of 1`)."""
+    data = {
+        "models": [{"name": MODEL}],
+        "pools": [
+            {"name": name, "model": MODEL, "gpu": "H100", **shape, "endpoints": {"launch": launch}}
+            for name, (launch, shape) in zip("pqr", pools, strict=False)
+        ],
+    }
+    with pytest.raises(ConfigError) as caught:
+        validate_config(data, "mosaic.yaml")
+    assert str(caught.value) == f"mosaic.yaml: {message}"
+
+
+def test_pools_sharing_gpu_ids_are_refused_only_when_their_starting_replicas_outnumber_them() -> None:
+    """Overlapping gpu_ids are GPUs the pools share (as pools without gpu_ids share all of them): the allocator
+    gives each GPU to one replica at a time, so only more starting replicas than shared GPUs is refused."""
+    shared = {"gpu_ids": ["0", "1", "2", "3"], "replicas": 1}
+    data = {
+        "models": [{"name": MODEL}],
+        "pools": [
+            {"name": "p", "model": MODEL, "gpu": "H100", "tp": 2, "endpoints": {"launch": shared}},
+            {"name": "q", "model": MODEL, "gpu": "H100", "tp": 2, "endpoints": {"launch": shared}},
+            {"name": "r", "model": MODEL, "gpu": "H100", "tp": 2, "endpoints": {"launch": shared}},
+        ],
+    }
+    with pytest.raises(
+        ConfigError, match=r"pools.2.endpoints.launch.replicas: pools p, q, r share GPUs 0,1,2,3"
+    ):
+        validate_config(data, "mosaic.yaml")  # 3 × 2 GPUs on 4
+    data["pools"][2]["endpoints"] = {"launch": {**shared, "replicas": 0}}  # type: ignore[index]
+    validate_config(data, "mosaic.yaml")  # 2 × 2 on 4: each pool's replica gets its own pair
+    data["pools"][2]["endpoints"] = {"launch": {**shared, "use_gpus": False}}  # type: ignore[index]
+    validate_config(data, "mosaic.yaml")  # a CPU build takes no GPU
+
+
+def test_gpu_ids_too_few_for_a_replica_make_serve_exit_2_at_load(tmp_path: Path) -> None:
+    path = tmp_path / "mosaic.yaml"
+    pool = {"name": "p", "model": MODEL, "gpu": "H100", "tp": 2, "endpoints": {"launch": {"gpu_ids": ["0"]}}}
+    path.write_text(yaml.safe_dump({"models": [{"name": MODEL}], "pools": [pool]}), encoding="utf-8")
+    done = subprocess.run(
+        [MOSAIC, "serve", "--config", str(path), "--port", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stderr.strip().splitlines()) == (
+        2,
+        [
+            f"error: {path}: pools.0.endpoints.launch.gpu_ids: 1 GPU(s) (0) cannot hold one replica of tp 2 × dp 1 "
+            "= 2 GPUs"
+        ],
+    ), done.stderr
+
+
 def test_gpu_ids_outside_the_visible_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(ConfigError, match=r"pools\[p\].endpoints.launch.gpu_ids: GPU 7 is not among"):
@@ -387,9 +471,9 @@ def test_vllm_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
     ("launch", "line"),
     [
         pytest.param(
-            {"replicas": 2, "use_gpus": True, "gpu_ids": ["0"]},
+            {"replicas": 2, "use_gpus": True},  # the machine's one GPU (with gpu_ids: ["0"], refused at load)
             "error: gateway startup failed: pool p: cannot start its 2 vLLM replica(s) (endpoints.launch): "
-            "p-2 needs 1 GPU(s), 0 free of 1 (0) (in use: 0→p-1)",
+            "p-2 needs 1 GPU(s), 0 free of 1 (in use: 0→p-1)",
             id="second replica finds no GPU",
         ),
         pytest.param(
@@ -753,6 +837,23 @@ def test_nixl_side_channel_host_is_advertisable() -> None:
             "extra_args: --tensor_parallel_size=2: set the pool's tp instead",
             id="TP size with underscores (vLLM reads them as dashes)",
         ),
+        pytest.param(
+            {"extra_args": ["--enforce-eager", "--pipeline-parallel-size", "2"]},
+            "extra_args: --pipeline-parallel-size: vLLM's --pipeline-parallel-size is not supported: Mosaic does "
+            "not model pipeline parallelism, so the replica would need tp × pp × dp GPUs while the gateway gives "
+            "it tp × dp and books its capacity from them; use the pool's tp instead",
+            id="PP size: not modelled",
+        ),
+        pytest.param(
+            {"extra_args": ["-pp", "2"]},
+            "extra_args: -pp: vLLM's --pipeline-parallel-size is not supported",
+            id="PP short flag",
+        ),
+        pytest.param(
+            {"extra_args": ["--pipeline_parallel=2"]},
+            "extra_args: --pipeline_parallel=2: vLLM's --pipeline-parallel-size is not supported",
+            id="PP abbreviation with underscores (argparse takes the prefix)",
+        ),
     ],
 )
 def test_bad_launch_config_is_one_line(launch: dict[str, Any], message: str) -> None:
@@ -760,6 +861,128 @@ def test_bad_launch_config_is_one_line(launch: dict[str, Any], message: str) -> 
         config(launch)
     assert f"pools.0.endpoints.launch.{message}" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- 11b: vLLM's --config FILE in extra_args
+
+
+@pytest.mark.parametrize(
+    ("key", "refusal"),
+    [
+        pytest.param(
+            "tensor_parallel_size",
+            "set the pool's tp instead (the gateway gives each replica tp × dp GPUs",
+            id="tp",
+        ),
+        pytest.param(
+            "tensor-parallel", "set the pool's tp instead", id="tp, abbreviated (vLLM reads it as --KEY)"
+        ),
+        pytest.param("data-parallel-size", "set the pool's dp instead", id="dp"),
+        pytest.param(
+            "pipeline_parallel_size",
+            "vLLM's --pipeline-parallel-size is not supported: Mosaic does not model pipeline parallelism",
+            id="pp",
+        ),
+    ],
+)
+def test_a_vllm_config_file_setting_a_parallel_size_is_refused_when_the_gateway_is_built(
+    tmp_path: Path, key: str, refusal: str
+) -> None:
+    """vLLM reads `--config FILE` (a YAML of its options) before its command line: a size there escapes the
+    extra_args rule. The file is where the replicas run, so the gateway reads it when it is built (`mosaic
+    serve` exits 2), not the config loader (`mosaic autoscale` may load the config elsewhere)."""
+    file = tmp_path / "vllm.yaml"
+    file.write_text("max-num-seqs: 8\nenforce-eager: true\n", encoding="utf-8")
+    cfg = config({"replicas": 0, "use_gpus": False, "extra_args": ["--config", str(file)]})
+    asyncio.run(Gateway(cfg).stop())  # other options pass
+    file.write_text(f"max-num-seqs: 8\n{key}: 2\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as caught:
+        Gateway(cfg)
+    assert str(caught.value).startswith(
+        f"pools[p].endpoints.launch.extra_args: --config {file} sets {key}: {refusal}"
+    ), caught.value
+
+
+@pytest.mark.parametrize(
+    ("args", "text", "message"),
+    [
+        pytest.param(
+            ["--config", "{file}"], None, "cannot read vLLM's config file: No such file", id="missing"
+        ),
+        pytest.param(["--config", "{file}"], "tp: [2\n", "not valid YAML at line 2", id="not YAML"),
+        pytest.param(
+            ["--config", "{file}"], "- -tp\n- 2\n", "must be a mapping of vLLM options", id="a list"
+        ),
+        pytest.param(["--config", "{file}"], "", "must be a mapping of vLLM options", id="empty"),
+        pytest.param(["--config"], None, "--config: no file follows it", id="no file"),
+        pytest.param(
+            ["--config={file}"],
+            "pipeline_parallel_size: 2\n",
+            "sets pipeline_parallel_size",
+            id="--config=FILE: vLLM 0.32 ignores the file; read all the same",
+        ),
+        pytest.param(
+            ["--config", "{file}.json"], "{}", "vLLM reads only .yaml or .yml config files", id="JSON"
+        ),
+    ],
+)
+def test_a_vllm_config_file_that_cannot_be_checked_is_refused(
+    tmp_path: Path, args: list[str], text: str | None, message: str
+) -> None:
+    file = tmp_path / "vllm.yaml"
+    args = [a.format(file=file) for a in args]
+    if text is not None:
+        Path(args[-1].removeprefix("--config=")).write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as caught:
+        Gateway(config({"replicas": 0, "use_gpus": False, "extra_args": args}))
+    line = str(caught.value)
+    assert line.startswith("pools[p].endpoints.launch.extra_args: --config") and message in line, line
+    assert "\n" not in line
+
+
+def test_a_replica_start_reads_the_vllm_config_file_again(tmp_path: Path) -> None:
+    """vLLM reads the file at each start: one changed since the gateway was built fails that start (a failure,
+    backed off like any other), not a replica on GPUs it was not given."""
+    file = tmp_path / "vllm.yaml"
+    file.write_text("max-num-seqs: 8\n", encoding="utf-8")
+    template = pool_template(
+        model="m",
+        served_model_name="m",
+        role="mixed",
+        tp=1,
+        max_model_len=None,
+        gpu_memory_utilization=None,
+        extra_args=["--config", str(file)],
+    )
+    stub: Any = StubProcess
+    launcher = VllmPoolLauncher("p", template, GpuAllocator([]), tmp_path, use_gpus=False, starter=stub)
+    launcher.scale_to(1)
+    file.write_text("pipeline_parallel_size: 2\n", encoding="utf-8")
+    with pytest.raises(LaunchError) as caught:
+        launcher.scale_to(2)
+    assert str(caught.value).startswith(
+        f"p-2: extra_args: --config {file} sets pipeline_parallel_size: vLLM's"
+    )
+    assert [r.id for r in launcher.replicas] == ["p-1"] and launcher.backoff.failures == 1
+
+
+def test_a_vllm_config_file_setting_a_parallel_size_makes_serve_exit_2(tmp_path: Path) -> None:
+    file = tmp_path / "vllm.yaml"
+    file.write_text("data_parallel_size: 2\n", encoding="utf-8")
+    launch = {"replicas": 1, "use_gpus": False, "vllm_command": FAKE, "extra_args": ["--config", str(file)]}
+    path = tmp_path / "mosaic.yaml"
+    pool = {"name": "p", "model": MODEL, "gpu": "H100", "endpoints": {"launch": launch}}
+    path.write_text(yaml.safe_dump({"models": [{"name": MODEL}], "pools": [pool]}), encoding="utf-8")
+    done = subprocess.run(
+        [MOSAIC, "serve", "--config", str(path), "--port", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stderr.strip().splitlines()) == (
+        2,
+        [
+            f"error: pools[p].endpoints.launch.extra_args: --config {file} sets data_parallel_size: set the "
+            "pool's dp instead (the gateway gives each replica tp × dp GPUs and books its capacity from them)"
+        ],
+    ), done.stderr
 
 
 def test_ipv6_host_makes_a_valid_url() -> None:

@@ -91,11 +91,45 @@ def test_worker_spec(kwargs: dict[str, object], argv_tail: list[str], gpus: tupl
         pytest.param(
             {"gpu_memory_utilization": 2.0}, "vllm worker: gpu_memory_utilization: 2.0", id="bad util"
         ),
+        pytest.param(
+            {"extra_args": ["--", "--pipeline-parallel-size", "2"]},
+            "--pipeline-parallel-size: vLLM's --pipeline-parallel-size is not supported: Mosaic does not model "
+            "pipeline parallelism (the server would need --tp × pp × --data-parallel-size GPUs",
+            id="PP after --: not modelled",
+        ),
+        pytest.param(
+            {"extra_args": ["--", "-pp=2"]}, "-pp=2: vLLM's --pipeline-parallel-size", id="PP short"
+        ),
+        pytest.param(
+            {"gpu_ids": "0,1", "extra_args": ["--", "-tp", "4"]},
+            "-tp: give the worker's --tp instead, before -- (it writes vLLM's --tensor-parallel-size and checks "
+            "--gpu-ids against --tp × --data-parallel-size)",
+            id="TP after -- would override the --gpu-ids check",
+        ),
+        pytest.param(
+            {"extra_args": ["--", "--data_parallel_size=2"]},
+            "--data_parallel_size=2: give the worker's --data-parallel-size instead, before --",
+            id="DP after --",
+        ),
     ],
 )
 def test_worker_spec_refuses(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         worker_spec(model="m", port=8000, **kwargs)  # type: ignore[arg-type]
+
+
+def test_worker_spec_reads_a_vllm_config_file_for_parallel_sizes(tmp_path: Path) -> None:
+    """`-- --config FILE`: vLLM reads the file's keys as its flags, before the command line's."""
+    file = tmp_path / "vllm.yaml"
+    file.write_text("max-num-seqs: 8\n", encoding="utf-8")
+    worker_spec(model="m", port=8000, extra_args=["--", "--config", str(file)])
+    file.write_text("pipeline-parallel: 2\n", encoding="utf-8")
+    with pytest.raises(ValueError) as caught:
+        worker_spec(model="m", port=8000, extra_args=["--", "--config", str(file)])
+    assert str(caught.value).startswith(f"--config {file} sets pipeline-parallel: vLLM's --pipeline-parallel")
+    with pytest.raises(ValueError) as caught:
+        worker_spec(model="m", port=8000, extra_args=["--", "--config", f"{tmp_path}/absent.yaml"])
+    assert str(caught.value).startswith(f"--config {tmp_path}/absent.yaml: cannot read vLLM's config file")
 
 
 MOSAIC = str(Path(sys.executable).with_name("mosaic"))
@@ -260,6 +294,13 @@ def test_vllm_that_cannot_start_exits_1() -> None:
             ["--gpu", "H100", "--model", "llama-3-8b", "--", "--foo"],
             "error: unexpected arguments: --foo (only --engine vllm passes extra args on)",
             id="sim: no extra args",
+        ),
+        pytest.param(
+            ["--engine", "vllm", "--model", "m", "--", "-pp", "2"],
+            "error: -pp: vLLM's --pipeline-parallel-size is not supported: Mosaic does not model pipeline "
+            "parallelism (the server would need --tp × pp × --data-parallel-size GPUs, and the gateway books a "
+            "pool's capacity and GPUs from tp × dp only); use --tp instead",
+            id="vllm: a pipeline parallel size after --",
         ),
     ],
 )
