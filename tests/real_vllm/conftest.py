@@ -2,8 +2,10 @@
 
 `real_vllm`: one server per test session (started on first use, 25-80 s, stopped at the end).
 `real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started only
-for the module that asks for it and stopped after it; `real_vllm_dp` likewise, with two data-parallel engines. Both skip with the reason from `vllm_env.missing_reason()`
-when `.venv-vllm` or the model is absent (`make test-vllm` sets them up). `sim_url`: Mosaic's simulated worker
+for the module that asks for it and stopped after it; `real_vllm_dp` likewise, with two data-parallel engines;
+`real_vllm_lora` likewise, with two LoRA adapters built at test time (build_lora.py) and `--max-loras 1`. All
+skip with the reason from `vllm_env.missing_reason()` when `.venv-vllm` or the model is absent (`make test-vllm`
+sets them up). `sim_url`: Mosaic's simulated worker
 serving the same tiny model (`mosaic worker`, one per module), which the fidelity and differential tests diff
 against `real_vllm`; `sim_dp_url`: the same with `real_vllm_dp`'s engines (`--data-parallel-size 2`).
 
@@ -29,12 +31,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_env
+from build_lora import RANK as LORA_RANK
+from build_lora import write_adapters
 from gateway_harness import CATALOG, MosaicGateway, Target, static_config
 
 from server.vllm_launcher import LaunchError, VllmProcess, free_port, health_ok, log_tail
 
 SIM_MODEL = vllm_env.SERVED_MODEL_NAME  # the simulated worker serves the tiny model under the same name
 START_TIMEOUT_S = 420.0  # cold start is ~120 s alone; on a loaded 2-core machine allow well beyond
+LORA_ADAPTERS = {"tiny-lora-a": 1, "tiny-lora-b": 2}  # `real_vllm_lora`'s adapters: served name → build seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,7 @@ class RealServer:
     model: str
     process: VllmProcess | None  # None when MOSAIC_REAL_VLLM_URL points at a server started elsewhere
     max_model_len: int = vllm_env.MAX_MODEL_LEN
+    adapters: tuple[str, ...] = ()  # served names of its LoRA adapters (`--lora-modules`), in start order
 
 
 def _skip_if_absent() -> None:
@@ -51,7 +57,7 @@ def _skip_if_absent() -> None:
         pytest.skip(reason)
 
 
-def _serve(name: str, extra_args: tuple[str, ...]) -> Iterator[RealServer]:
+def _serve(name: str, extra_args: tuple[str, ...], adapters: tuple[str, ...] = ()) -> Iterator[RealServer]:
     proc = vllm_env.start_process(name, extra_args)
     try:
         proc.wait_healthy(START_TIMEOUT_S)
@@ -61,7 +67,7 @@ def _serve(name: str, extra_args: tuple[str, ...]) -> Iterator[RealServer]:
         proc.stop()
         pytest.fail(f"real vLLM server {name!r} did not start: {exc}\n{log_tail(proc.log_path, 40)}")
     try:
-        yield RealServer(url=proc.url, model=vllm_env.SERVED_MODEL_NAME, process=proc)
+        yield RealServer(url=proc.url, model=vllm_env.SERVED_MODEL_NAME, process=proc, adapters=adapters)
     finally:
         proc.stop()
 
@@ -102,6 +108,30 @@ def real_vllm_dp() -> Iterator[RealServer]:
         yield RealServer(url=external.rstrip("/"), model=vllm_env.SERVED_MODEL_NAME, process=None)
         return
     yield from _serve("pytest-dp", ("--data-parallel-size", "2", *vllm_env.KV_PRESSURE_ARGS))
+
+
+@pytest.fixture(scope="module")
+def real_vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
+    """A server with the LoRA adapters of `LORA_ADAPTERS` (rank 8, q_proj/v_proj, written by build_lora.py into a
+    tmp dir, ~2 s) and `--max-loras 1`: one adapter per batch, so a request for another adapter waits in vLLM's
+    queue. `--enable-per-request-metrics` adds engine timings (`queue_time_ms`...) to each answer's `metrics`.
+    Started for the module that asks for it and stopped after it (~20 s warm)."""
+    _skip_if_absent()
+    try:
+        dirs = write_adapters(tmp_path_factory.mktemp("lora"), LORA_ADAPTERS)
+    except RuntimeError as exc:
+        pytest.fail(f"could not build the LoRA adapters: {exc}")
+    args = (
+        "--enable-lora",
+        "--max-loras",
+        "1",
+        "--max-lora-rank",
+        str(LORA_RANK),
+        "--enable-per-request-metrics",
+        "--lora-modules",
+        *(f"{name}={path}" for name, path in dirs.items()),
+    )
+    yield from _serve("pytest-lora", args, adapters=tuple(dirs))
 
 
 def gateway_available() -> str | None:

@@ -1,0 +1,182 @@
+"""LoRA adapters on a real vLLM server: what a gateway routing adapter names relies on, asserted against vLLM.
+
+Server (`real_vllm_lora`): the tiny model served as `tiny-llama` with two rank-8 adapters built at test time
+(build_lora.py), `--lora-modules tiny-lora-a=DIR tiny-lora-b=DIR --max-loras 1 --max-lora-rank 8`.
+
+Seen on vLLM 0.32.0 (CPU):
+- `/v1/models` lists the base card and one card per adapter: `id` = the adapter's name, `root` = its path,
+  `parent` = the base's served name, `max_model_len: null` (the base card has the length, `parent: null`).
+- A request naming an adapter is answered with `model` = the adapter's name (also in stream chunks); at
+  temperature 0 its text differs from the base model's. An unknown name: 404 `NotFoundError`, `param: "model"`.
+- `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` is a gauge set to the current
+  time on every stats update, under the label set of that moment: label sets never go away, so the series with
+  the largest value is the current one (`running_lora_adapters=""` when no adapter request is in flight). Both
+  label values are the same list (every adapter with a request in flight), and an adapter request still waiting
+  for its first step is not in it yet.
+- `--max-loras 1`: a request for adapter B sent while adapter A's runs waits in vLLM's queue until A's finishes
+  (its `queue_time_ms` ≈ A's remaining time); requests for the same adapter or the base model batch together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import RealServer
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
+
+LORA_INFO = re.compile(r"^vllm:lora_requests_info\{(?P<labels>[^}]*)\} (?P<value>\S+)$", re.MULTILINE)
+LONG_TOKENS = 500  # prompt 3 + 500 ≤ max-model-len 512: ~2 s of decoding with an adapter here
+
+
+def _newest_lora_info(metrics_text: str) -> dict[str, str] | None:
+    """Labels of the `vllm:lora_requests_info` series with the largest value (the newest), None when none."""
+    series = [(float(m["value"]), m["labels"]) for m in LORA_INFO.finditer(metrics_text)]
+    if not series:
+        return None
+    labels = max(series)[1]
+    return dict(re.findall(r'(\w+)="([^"]*)"', labels))
+
+
+def _long_completion(model: str, *, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": [10, 11, 12],
+        "max_tokens": LONG_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+def test_models_lists_each_adapter_with_the_base_as_parent(real_vllm_lora: RealServer) -> None:
+    cards = httpx.get(f"{real_vllm_lora.url}/v1/models", timeout=30).json()["data"]
+    by_id = {card["id"]: card for card in cards}
+    assert set(by_id) == {real_vllm_lora.model, *real_vllm_lora.adapters}
+    base = by_id[real_vllm_lora.model]
+    assert base["parent"] is None
+    assert base["max_model_len"] == real_vllm_lora.max_model_len
+    for name in real_vllm_lora.adapters:
+        card = by_id[name]
+        assert card["parent"] == real_vllm_lora.model  # the base's served name, not its path
+        assert card["object"] == "model"
+        assert card["max_model_len"] is None  # a gateway takes the length from the parent's card
+        assert Path(card["root"]).name == name  # the adapter's path as given to --lora-modules
+        assert (Path(card["root"]) / "adapter_config.json").is_file()
+
+
+def test_a_request_naming_an_adapter_is_answered_under_its_name(real_vllm_lora: RealServer) -> None:
+    base = real_vllm_lora.model
+    a, b = real_vllm_lora.adapters
+    texts: dict[str, str] = {}
+    with httpx.Client(base_url=real_vllm_lora.url, timeout=60) as client:
+        for model in (base, a, b):
+            chat = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": model,
+                    "messages": [{"role": "user", "content": "hello"}],
+                    "max_tokens": 16,
+                    "temperature": 0,
+                },
+            )
+            assert chat.status_code == 200, chat.text
+            assert chat.json()["model"] == model
+            completion = client.post(
+                "/v1/completions",
+                json={"model": model, "prompt": "def main():", "max_tokens": 16, "temperature": 0},
+            )
+            assert completion.status_code == 200, completion.text
+            assert completion.json()["model"] == model
+            texts[model] = completion.json()["choices"][0]["text"]
+        assert len(set(texts.values())) == 3, (
+            texts
+        )  # each adapter changes the greedy output, each differently
+
+        with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "model": a,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "stream": True,
+            },
+        ) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        assert resp.status_code == 200
+        assert chunks and {c["model"] for c in chunks} == {a}
+
+        tokenized = {
+            m: client.post("/tokenize", json={"model": m, "prompt": "def main():"}) for m in (base, a)
+        }
+        assert tokenized[a].status_code == 200  # /tokenize takes an adapter's name: the base's tokenizer
+        assert tokenized[a].json()["tokens"] == tokenized[base].json()["tokens"]
+
+        unknown = client.post("/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 1})
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["type"] == "NotFoundError"
+        assert unknown.json()["error"]["param"] == "model"
+
+
+def test_the_newest_lora_info_series_names_the_running_adapter(real_vllm_lora: RealServer) -> None:
+    """Scrapes while a long generation on adapter A runs: the newest series names A (before its first step and
+    after its end, the newest is the no-adapter series `running_lora_adapters=""`); no other adapter appears."""
+    a, _ = real_vllm_lora.adapters
+
+    async def scenario() -> tuple[list[dict[str, str] | None], httpx.Response]:
+        newest: list[dict[str, str] | None] = []
+        async with httpx.AsyncClient(base_url=real_vllm_lora.url, timeout=120) as client:
+            generation = asyncio.create_task(client.post("/v1/completions", json=_long_completion(a)))
+            while not generation.done():
+                newest.append(_newest_lora_info((await client.get("/metrics")).text))
+                await asyncio.sleep(0.05)
+            return newest, await generation
+
+    newest, answer = asyncio.run(scenario())
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == LONG_TOKENS
+    seen = [labels["running_lora_adapters"] for labels in newest if labels is not None]
+    assert a in seen, newest
+    assert set(seen) <= {a, ""}, newest
+    for labels in newest:
+        if labels is not None:
+            assert labels["max_lora"] == "1"
+            assert (
+                labels["waiting_lora_adapters"] == labels["running_lora_adapters"]
+            )  # vLLM 0.32: the same list
+
+
+def _concurrent_metrics(server: RealServer, models: tuple[str, str]) -> list[dict[str, Any]]:
+    """Two long generations sent together; each answer's engine-side `metrics` (per-request metrics are on)."""
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return list(
+                await asyncio.gather(
+                    *(client.post("/v1/completions", json=_long_completion(m)) for m in models)
+                )
+            )
+
+    answers = asyncio.run(both())
+    for model, answer in zip(models, answers, strict=True):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == model
+    return [answer.json()["metrics"] for answer in answers]
+
+
+def test_max_loras_1_queues_another_adapter_behind_the_running_one(real_vllm_lora: RealServer) -> None:
+    """Engine-side timings (`queue_time_ms`: queued → scheduled), not client clocks: with A and B sent together, one
+    waits in vLLM's queue about as long as the other one decodes; two requests for A batch, neither waits."""
+    a, b = real_vllm_lora.adapters
+    first, second = sorted(_concurrent_metrics(real_vllm_lora, (a, b)), key=lambda m: m["queue_time_ms"])
+    assert second["queue_time_ms"] > 0.5 * first["generation_time_ms"], (first, second)  # measured: ≈ equal
+
+    same = _concurrent_metrics(real_vllm_lora, (a, a))
+    assert all(m["queue_time_ms"] < 0.25 * m["generation_time_ms"] for m in same), same  # measured: 0 ms
