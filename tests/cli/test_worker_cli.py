@@ -51,6 +51,8 @@ def app() -> typer.Typer:
                      "exceeds the KV cache capacity", id="max_model_len over the KV capacity"),
         pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--data-parallel-size", "0"],
                      "data_parallel_size must be an integer ≥ 1, got 0", id="no engine"),
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--tp", "0"],
+                     "tp must be an integer ≥ 1, got 0", id="tp 0 (was a ZeroDivisionError traceback)"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_with_one_line(app: typer.Typer, args: list[str], message: str) -> None:
