@@ -52,7 +52,8 @@ def load_gpu_offers(
         if extra:
             raise PlacementError(f"{origin}: unknown key(s) {extra}; expected 'gpus'")
         source = source["gpus"]
-    if isinstance(source, list | tuple):
+    listed = isinstance(source, list | tuple)  # names only: catalog prices
+    if listed:
         rows: dict[str, Any] = {}
         for n in source:
             if str(n) in rows:
@@ -81,6 +82,11 @@ def load_gpu_offers(
             try:
                 cost = catalog.gpu(name).cost_per_hour
             except CatalogError:
+                if listed:  # a name without a price: say which the catalog has
+                    raise PlacementError(
+                        f"{origin}: GPU {raw} is not in the catalog; valid GPUs: {', '.join(catalog.gpus)} "
+                        "(another needs cost_per_hour in a --gpus file)"
+                    ) from None
                 raise PlacementError(
                     f"{origin}: GPU {raw} is not in the catalog: give cost_per_hour"
                 ) from None

@@ -51,7 +51,11 @@ def main() -> None:
         kind = type(exc).__name__
         ctx = getattr(exc, "ctx", None)
         if kind == "NoArgsIsHelpError":  # `mosaic` alone: show the help
-            typer.echo(ctx.get_help() if ctx is not None else "")
+            # Building the error rendered the help already: rich's formatter prints it and returns "" (the
+            # message), the plain one returns the text. Print only what was not printed.
+            message = str(exc.format_message()) if hasattr(exc, "format_message") else ""
+            if message.strip():
+                typer.echo(message)
             sys.exit(0)
         if kind == "Abort":
             typer.echo("aborted", err=True)

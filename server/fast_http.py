@@ -2,9 +2,9 @@
 
 `GatewayHttpProtocol` is `uvicorn.Config(http=...)` for `mosaic serve` (`server.runner`). Every request is
 parsed by uvicorn's `HttpToolsProtocol` (llhttp) as usual. A POST whose raw target is exactly one of the
-app's `fast_routes` (`/v1/chat/completions`, `/v1/completions`) is then served by a `FastCycle` instead of
-uvicorn's `RequestResponseCycle`: the same ASGI endpoint runs (so behaviour is the endpoint's, byte for
-byte), without the middleware stack and with a leaner ASGI channel:
+app's `fast_routes` (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`) is then served by a
+`FastCycle` instead of uvicorn's `RequestResponseCycle`: the same ASGI endpoint runs (so behaviour is the
+endpoint's, byte for byte), without the middleware stack and with a leaner ASGI channel:
 
 - `send` writes a response's status line, headers and first body chunk in **one** `write()` (uvicorn
   writes headers and body separately: two system calls and two loopback segments per answer); header

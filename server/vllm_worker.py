@@ -75,6 +75,8 @@ def worker_spec(
     """The launch spec for the CLI's options; ValueError with one readable line on bad input."""
     if role not in ROLES:
         raise ValueError(f"--role {role!r}: expected one of {', '.join(ROLES)}")
+    if dp < 1:  # before the GPU share below divides by it
+        raise ValueError(f"--data-parallel-size must be ≥ 1, got {dp}")
     ids = parse_gpu_ids(gpu_ids) if gpu_ids is not None else ()
     if ids and tp == 1 and len(ids) % dp == 0:  # each engine gets an equal share of the listed GPUs
         tp = len(ids) // dp
@@ -237,7 +239,7 @@ def run_vllm_worker(ctx: typer.Context) -> int:
             host=p["host"],
             port=p["port"],
             tp=p["tp"],
-            dp=p.get("data_parallel_size") or 1,
+            dp=p.get("data_parallel_size", 1),
             gpu_ids=p.get("gpu_ids"),
             max_model_len=p.get("max_model_len"),
             gpu_memory_utilization=p["gpu_memory_utilization"] if given("gpu_memory_utilization") else None,

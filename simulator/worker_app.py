@@ -181,6 +181,9 @@ class WorkerConfig:
             isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1
         ):
             raise ValueError(f"data_parallel_size must be an integer ≥ 1, got {self.data_parallel_size!r}")
+        # before the heads-divisible check, which divides by it
+        if isinstance(self.tp, bool) or not (isinstance(self.tp, int) and self.tp >= 1):
+            raise ValueError(f"tp must be an integer ≥ 1, got {self.tp!r}")
         # NaN fails both; inf would freeze simulated time at its anchor; below MIN_TIME_SCALE a request's
         # few simulated seconds take wall-clock days (1e-300: every request hung)
         if not MIN_TIME_SCALE <= self.time_scale < math.inf:

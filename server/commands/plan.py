@@ -107,8 +107,8 @@ def _trace_workload(
             rate=rate,
             end_s=_trace_end(trace.source) if trace.format == "synthetic" else None,
         )
-    except TraceError as exc:
-        raise PlacementError(str(exc)) from None
+    except TraceError as exc:  # the readers' hint names replay's and simulate's --format
+        raise PlacementError(str(exc).replace("; use --format", "; use --trace-format")) from None
 
 
 def _trace_end(spec: str) -> float | None:

@@ -233,6 +233,11 @@ def test_real_azure_trace(app: typer.Typer, shared_data: Path) -> None:
             id="--gpus list naming a type twice (merged silently)",
         ),
         pytest.param(
+            [*BASE[:3], "--gpus", "A10G,B200", *BASE[5:]],
+            "--gpus: GPU B200 is not in the catalog; valid GPUs: T4, A10G, L4",
+            id="--gpus list naming an unknown GPU lists the valid ones (it said: give cost_per_hour)",
+        ),
+        pytest.param(
             [*BASE[:3], "--gpus", "A100,A100-80GB", *BASE[5:]],
             "--gpus: GPU A100-80GB is given twice (also as A100), both A100-80GB",
             id="--gpus list naming a type by its alias and its name",
@@ -268,6 +273,18 @@ def test_bad_input_exits_2_with_one_line(app: typer.Typer, args: list[str], mess
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_a_trace_of_unknown_format_names_the_flag_plan_takes(app: typer.Typer, tmp_path: Path) -> None:
+    """The trace readers end an unknown header with "use --format" (replay's and simulate's flag); plan's
+    flag is --trace-format, and `mosaic plan --format` is an unknown option."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("a,b,c\n1,2,3\n")
+    result = run(app, "plan", *PROFILES, "--gpus", "A10G", "--trace", str(trace), "--slo-tpot-ms", "40")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "unrecognised header" in lines[0], result.output
+    assert lines[0].endswith("use --trace-format"), lines[0]
 
 
 def test_registered_under_mosaic() -> None:

@@ -51,3 +51,12 @@ def test_help_exits_0_and_lists_every_command() -> None:
     assert proc.returncode == 0
     for command in ("serve", "worker", "replay", "profile", "plan", "simulate", "kv-layout", "autoscale"):
         assert command in proc.stdout
+
+
+def test_no_arguments_prints_the_help_once() -> None:
+    """`mosaic` alone shows the help as `mosaic --help` does, once: rich's help prints itself while the
+    no-args error is built, so echoing `ctx.get_help()` again printed the whole screen twice."""
+    proc = run_cli()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("Usage: mosaic") == 1, proc.stdout
+    assert proc.stdout.strip() == run_cli("--help").stdout.strip()

@@ -51,6 +51,8 @@ def app() -> typer.Typer:
                      "exceeds the KV cache capacity", id="max_model_len over the KV capacity"),
         pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--data-parallel-size", "0"],
                      "data_parallel_size must be an integer ≥ 1, got 0", id="no engine"),
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--tp", "0"],
+                     "tp must be an integer ≥ 1, got 0", id="tp 0 (was a ZeroDivisionError traceback)"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_with_one_line(app: typer.Typer, args: list[str], message: str) -> None:
@@ -76,6 +78,22 @@ def test_data_parallel_size_goes_to_a_real_vllm_under_its_own_name(
     (spec,) = specs
     assert build_command(spec)[7:] == ["--tensor-parallel-size", "1", "--data-parallel-size", "2"]  # type: ignore[arg-type]
     assert spec.gpu_ids == ("0", "1")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("gpu_ids", [[], ["--gpu-ids", "0,1"]], ids=["no GPU ids", "with GPU ids"])
+def test_no_engine_for_a_real_vllm_exits_2(
+    app: typer.Typer, monkeypatch: pytest.MonkeyPatch, gpu_ids: list[str]
+) -> None:
+    """`--engine vllm --data-parallel-size 0` is refused as the simulated worker refuses it (it ran one engine)."""
+    from server import vllm_worker
+
+    monkeypatch.setattr(vllm_worker, "run_foreground", lambda spec, echo: pytest.fail("started vLLM"))
+    result = CliRunner().invoke(
+        app, ["worker", "--engine", "vllm", "--model", "m", "--data-parallel-size", "0", *gpu_ids]
+    )
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert lines == ["error: --data-parallel-size must be ≥ 1, got 0"], result.output
 
 
 def test_worker_process_serves_on_a_free_port_and_stops_on_sigterm() -> None:
