@@ -140,6 +140,7 @@ class RequestRecord:
     finished: bool = False
     first_byte_at: float | None = None
     task: asyncio.Task[Any] | None = None  # the task serving it (set by `Dispatcher.handle`)
+    adapter: str | None = None  # the LoRA adapter it names (`model` is its base model)
 
 
 def worker_auth_headers(config: MosaicConfig) -> dict[str, tuple[bytes, bytes]]:
@@ -279,11 +280,16 @@ class Dispatcher:
         if e2e is not None:
             e2e.observe(now - rec.arrival)
         used = 0
+        if rec.adapter is not None:
+            self.metrics.lora_requests.labels(rec.model, rec.adapter, str(status)).inc()
         if usage:  # the worker's numbers: anything but a count ≥ 0 counts as 0 (a counter cannot go down)
             prompt = usage_count(usage.get("prompt_tokens"))
             gen = usage_count(usage.get("completion_tokens"))
             prompt_tokens.inc(prompt)
             generation_tokens.inc(gen)
+            if rec.adapter is not None:
+                self.metrics.lora_tokens.labels(rec.model, rec.adapter, "prompt").inc(prompt)
+                self.metrics.lora_tokens.labels(rec.model, rec.adapter, "generation").inc(gen)
             used = prompt + gen
             if outcome is Outcome.COMPLETED and self.predictor is not None:
                 self.predictor.observe(

@@ -15,6 +15,8 @@ nothing per request.
 | mosaic_time_per_output_token_seconds | histogram | model, pool (per completed stream of one sequence and n ≥ 2 tokens: (e2e − TTFT) / (n − 1), as vLLM and the load generator) |
 | mosaic_e2e_request_latency_seconds | histogram | model, pool (arrival → last byte, completed requests only) |
 | mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
+| mosaic_lora_requests_total | counter | model (the base), adapter, status: requests naming a LoRA adapter (also counted in mosaic_requests_total under their base model) |
+| mosaic_lora_tokens_total | counter | model, adapter, kind (prompt, generation; from upstream `usage`) |
 | mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |
 | mosaic_retries_total | counter | model, reason (connect, timeout, status_429, status_503, ...) |
 | mosaic_pd_fallbacks_total | counter | model, reason (prefill hop failed → decode-only: timeout, pool_timeout, worker_error, busy, refused, bad_response, no_params; `server.prefill_hop`) |
@@ -451,6 +453,17 @@ class GatewayMetrics:
             "mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"]
         )
         self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"])
+        # per LoRA adapter (names come from the workers' /v1/models: a client cannot add one)
+        self.lora_requests = Counter(
+            "mosaic_lora_requests",
+            "Requests naming a LoRA adapter, by HTTP status",
+            ["model", "adapter", "status"],
+        )
+        self.lora_tokens = Counter(
+            "mosaic_lora_tokens",
+            "Tokens of requests naming a LoRA adapter (workers' usage)",
+            ["model", "adapter", "kind"],
+        )
         self.tokenizer_requests = Counter(
             "mosaic_tokenizer_requests",
             "POST /tokenize and /detokenize, forwarded to a worker (server.tokenize_proxy), by answer status",
@@ -475,6 +488,8 @@ class GatewayMetrics:
                     self.upstream_errors,
                     self.scrape_errors,
                     self.tokenizer_requests,
+                    self.lora_requests,
+                    self.lora_tokens,
                 ]
             )
         )
