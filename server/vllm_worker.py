@@ -16,7 +16,10 @@ If vLLM exits by itself the command exits 1.
 Flags shared with the simulated worker keep vLLM's names and are forwarded when given on the command line
 (`--tp`, `--max-model-len`, `--gpu-memory-utilization`, `--served-model-name`, `--max-num-seqs`,
 `--max-num-batched-tokens`, `--block-size`, `--num-gpu-blocks` → `--num-gpu-blocks-override`,
-`--enable-prefix-caching`); everything after `--` goes to vLLM verbatim.
+`--enable-prefix-caching`); everything after `--` goes to vLLM verbatim, and so do the options this command
+does not know, before `--` or after it: vLLM's LoRA flags (`--lora-modules NAME=PATH ...`, `--max-loras N`,
+as the simulated worker takes them), with `--enable-lora` added when `--lora-modules` is given without
+`--[no-]enable-lora` (vLLM refuses to start with adapters and LoRA off, its default).
 `--data-parallel-size N` runs N engines, each on `--tp` GPUs (vLLM's own flag, set like a launched pool's `dp`).
 `--gpu-ids` sets the tensor-parallel size when `--tp` is left at 1 (the listed GPUs shared equally by the
 engines: one rank per GPU of its share); ids that are not `--tp` × `--data-parallel-size` are refused. `--vllm-command` replaces `vllm serve` (e.g. the CPU build's
@@ -183,6 +186,15 @@ _SIMULATOR_ONLY = {
 }
 
 
+def lora_needs_enabling(args: Sequence[str]) -> bool:
+    """`--lora-modules` is among vLLM's args but neither `--enable-lora` nor `--no-enable-lora` is."""
+
+    def has(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in args)
+
+    return has("--lora-modules") and not has("--enable-lora") and not has("--no-enable-lora")
+
+
 def run_vllm_worker(ctx: typer.Context) -> int:
     """`mosaic worker --engine vllm ...`: the CLI's parsed parameters (`ctx.params`, extra args after `--` in
     `ctx.args`) → a foreground vLLM. Bad input exits 2 with one line (`fail`)."""
@@ -207,6 +219,8 @@ def run_vllm_worker(ctx: typer.Context) -> int:
         flags.append(
             "--enable-prefix-caching" if p["enable_prefix_caching"] else "--no-enable-prefix-caching"
         )
+    if lora_needs_enabling(ctx.args):
+        flags.append("--enable-lora")
     try:
         spec = worker_spec(
             model=p["model"],
