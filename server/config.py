@@ -91,6 +91,23 @@ class KubernetesSource(_Strict):
     domain_label: str | None = "topology.kubernetes.io/zone"
 
 
+class SimulatedLora(_Strict):
+    """One LoRA adapter of a simulated pool (vLLM's `--lora-modules name=path`); `path` defaults to the name
+    (what a Hugging Face adapter id would be): it is only shown, as the adapter's `/v1/models` `root`."""
+
+    name: str = Field(min_length=1)
+    path: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    @property
+    def module_path(self) -> str:
+        return self.path or self.name
+
+
 class SimulatedSource(_Strict):
     """Simulated vLLM workers started in-process (`simulator.worker_server.start_worker_server`)."""
 
@@ -100,6 +117,20 @@ class SimulatedSource(_Strict):
     seed: int = 0
     kv_link_gbps: float | None = Field(default=None, gt=0)  # P/D transfer link; None → the worker's default
     error_rate: float = Field(default=0.0, ge=0, le=1)  # failure injection (reliability tests)
+    # LoRA adapters every worker serves (vLLM's --enable-lora --lora-modules), a name or {name, path} each,
+    # and how many one engine step may run (--max-loras; vLLM's default 1)
+    lora_modules: list[SimulatedLora] = Field(default_factory=list)
+    max_loras: int = Field(default=1, ge=1)
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _unique_adapters(cls, modules: list[SimulatedLora]) -> list[SimulatedLora]:
+        seen: set[str] = set()
+        for m in modules:
+            if m.name in seen:  # vLLM refuses to start: "The lora adapter '...' has already been loaded."
+                raise ValueError(f"duplicate LoRA adapter name {m.name!r}")
+            seen.add(m.name)
+        return modules
 
 
 class EndpointsConfig(_Strict):
@@ -465,6 +496,15 @@ class MosaicConfig(_Strict):
                 if pool.model not in known:
                     raise _FieldError(f"pools.{i}.model", f"model {pool.model!r} is not listed under models")
         _check_launch_gpus(self)
+        for i, pool in enumerate(self.pools):
+            sim = pool.endpoints.simulated
+            for j, m in enumerate(sim.lora_modules if sim is not None else ()):
+                # the workers' served name (vLLM refuses it: "conflicts with a served base model")
+                if m.name == pool.model:
+                    raise _FieldError(
+                        f"pools.{i}.endpoints.simulated.lora_modules.{j}.name",
+                        f"LoRA adapter {m.name!r} takes the name the pool's workers serve the base model as",
+                    )
         _check_autoscaler(self)
         _check_kv(self)
         return self

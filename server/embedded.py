@@ -30,6 +30,7 @@ from typing import Any
 from server.config import ModelConfig, MosaicConfig, PoolConfig, SimulatedSource, validate_config
 from server.discovery import Endpoint
 from simulator.engine import EngineConfig
+from simulator.lora import LoraModule
 from simulator.worker_app import FaultConfig, WorkerConfig
 from simulator.worker_server import RunningWorker, start_worker_server
 
@@ -114,12 +115,14 @@ class SimulatedPoolSource:
                 block_size=pool.block_size,
                 gpu_memory_utilization=pool.gpu_memory_utilization,
                 max_model_len=self.model.max_model_len,
+                max_loras=sim.max_loras,
             ),
             served_model_name=self.model.name,
             catalog_path=self.catalog_path,
             faults=FaultConfig(error_rate=sim.error_rate),
             engine_id=f"{pool.name}-{index}",
             data_parallel_size=pool.dp,
+            lora_modules=tuple(LoraModule(m.name, m.module_path) for m in sim.lora_modules),
             **extra,
         )
 

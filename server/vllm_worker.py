@@ -19,7 +19,10 @@ Flags shared with the simulated worker keep vLLM's names and are forwarded when 
 `--enable-prefix-caching`); everything after `--` goes to vLLM verbatim, except what sets a parallel size
 (refused, exit 2, as in a launched pool's `extra_args`: `server.vllm_pool.parallel_size_flag`, and the keys of
 a `--config FILE`, read here): the tensor and data parallel sizes are `--tp` and `--data-parallel-size`,
-which `--gpu-ids` is checked against, and pipeline parallelism Mosaic does not model.
+which `--gpu-ids` is checked against, and pipeline parallelism Mosaic does not model; vLLM's LoRA
+flags (`--lora-modules NAME=PATH ...`, `--max-loras N`, as the simulated worker takes them) are forwarded
+whether given before `--` or after it, with `--enable-lora` added when `--lora-modules` is given without
+`--[no-]enable-lora` (vLLM refuses to start with adapters and LoRA off, its default).
 `--data-parallel-size N` runs N engines, each on `--tp` GPUs (vLLM's own flag, set like a launched pool's `dp`).
 `--gpu-ids` sets the tensor-parallel size when `--tp` is left at 1 (the listed GPUs shared equally by the
 engines: one rank per GPU of its share); ids that are not `--tp` × `--data-parallel-size` are refused. `--vllm-command` replaces `vllm serve` (e.g. the CPU build's
@@ -208,6 +211,15 @@ _SIMULATOR_ONLY = {
 }
 
 
+def lora_needs_enabling(args: Sequence[str]) -> bool:
+    """`--lora-modules` is among vLLM's args but neither `--enable-lora` nor `--no-enable-lora` is."""
+
+    def has(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in args)
+
+    return has("--lora-modules") and not has("--enable-lora") and not has("--no-enable-lora")
+
+
 def run_vllm_worker(ctx: typer.Context) -> int:
     """`mosaic worker --engine vllm ...`: the CLI's parsed parameters (`ctx.params`, extra args after `--` in
     `ctx.args`) → a foreground vLLM. Bad input exits 2 with one line (`fail`)."""
@@ -232,6 +244,8 @@ def run_vllm_worker(ctx: typer.Context) -> int:
         flags.append(
             "--enable-prefix-caching" if p["enable_prefix_caching"] else "--no-enable-prefix-caching"
         )
+    if lora_needs_enabling(ctx.args):
+        flags.append("--enable-lora")
     try:
         spec = worker_spec(
             model=p["model"],

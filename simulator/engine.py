@@ -46,8 +46,15 @@ c0 + (g − g0) at step g. Only `StepResult.decoded` (a tuple of the decoding id
 Prefix caching (`enable_prefix_caching`, token-id prompts): full prompt blocks are hashed and reused at
 admission (simulator/prefix_cache.py); hit tokens cost no prefill work.
 
-Not modelled: speculative decoding, priorities, LoRA, swap-based preemption, CUDA-graph padding, async
-scheduling overlap.
+LoRA (`EngineRequest.lora`, an adapter name): vLLM 0.32's `max_loras` rule (v1/core/sched/scheduler.py,
+`scheduled_loras`): the adapters of the running requests scheduled in the step count; a waiting request of
+an adapter not among them is skipped, not admitted, while `config.max_loras` adapters are there already.
+A skipped request keeps its place (vLLM puts the step's skipped requests back at the front of WAITING, in
+their order) and the requests behind it are still considered: base-model requests and those of adapters
+already scheduled go ahead. Adapters cost no time: the perf model has no LoRA term.
+
+Not modelled: speculative decoding, priorities, swap-based preemption, CUDA-graph padding, async
+scheduling overlap, LoRA's compute and adapter loading.
 """
 
 from __future__ import annotations
@@ -184,6 +191,7 @@ class Engine:
         self._tie = 0
         self._landed: list[str] = []  # transfers landed during the current step (StepResult.kv_received)
         self._now = 0.0  # start of the step being scheduled
+        self._loras: dict[str, int] = {}  # LoRA adapter → running sequences of it (vLLM's scheduled_loras)
 
     # ---------------------------------------------------------------- state
     @property
@@ -450,8 +458,14 @@ class Engine:
     def _admit_waiting(self, now: float, chunks: list[tuple[_Seq, int]], budget: int) -> None:
         waiting, running, kv = self._waiting, self._running, self.kv
         max_seqs = self.config.max_num_seqs
+        loras, max_loras = self._loras, self.config.max_loras
+        skipped: list[_Seq] = []  # vLLM's step_skipped_waiting: back at the front, in order, after the pass
         while waiting and budget > 0 and len(running) < max_seqs:
             s = waiting[0]
+            lora = s.req.lora
+            if lora is not None and len(loras) >= max_loras and lora not in loras:
+                skipped.append(waiting.popleft())  # max_loras adapters scheduled: skip, look further
+                continue
             if s.remote_pending:
                 if not self._start_transfer(s, now):
                     break
@@ -480,10 +494,14 @@ class Engine:
                 self._register_blocks(self._pc, s, s.computed + n)
             s.state = _State.PREFILL
             running[s.id] = s
+            if lora is not None:
+                loras[lora] = loras.get(lora, 0) + 1
             if s.first_scheduled is None:
                 s.first_scheduled = now
             chunks.append((s, n))
             budget -= n
+        if skipped:
+            waiting.extendleft(reversed(skipped))
 
     def _admit_cached(self, s: _Seq, budget: int, chunks: list[tuple[_Seq, int]]) -> int:
         """Admit `s` reusing its cached prompt prefix (prefix caching); returns the chunk's tokens, 0 when it
@@ -511,6 +529,9 @@ class Engine:
         self._register_blocks(pc, s, k * bs + n)
         s.state = _State.PREFILL
         self._running[s.id] = s
+        lora = s.req.lora
+        if lora is not None:
+            self._loras[lora] = self._loras.get(lora, 0) + 1
         if s.first_scheduled is None:
             s.first_scheduled = self._now
         chunks.append((s, n))
@@ -616,7 +637,18 @@ class Engine:
         elif s is self._partial:
             self._partial = None
         s.pending = 0
+        self._stop_running(s)
+
+    def _stop_running(self, s: _Seq) -> None:
+        """Take `s` out of RUNNING (finished, preempted or aborted), and its adapter's count with it."""
         del self._running[s.id]
+        lora = s.req.lora
+        if lora is not None:
+            left = self._loras[lora] - 1
+            if left:
+                self._loras[lora] = left
+            else:
+                del self._loras[lora]
 
     def _preempt(self, s: _Seq, g: int) -> None:
         self._leave_running(s)
@@ -653,14 +685,14 @@ class Engine:
             self.counters.prompt_tokens += s.prompt_len
             firsts.append(s.id)
         if s.out >= s.stop_at:
-            del self._running[s.id]
+            self._stop_running(s)
             self._end(s, end, finished)
         else:
             self._join_decode(s, g + 1)
 
     def _finish_decode(self, s: _Seq, g: int, end: float, finished: list[RequestRecord]) -> None:
         self._sync(s, g + 1)  # counts after step g
-        del self._running[s.id]
+        self._stop_running(s)
         self._end(s, end, finished)
 
     def _end(self, s: _Seq, end: float, finished: list[RequestRecord]) -> None:

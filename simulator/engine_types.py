@@ -20,6 +20,7 @@ class EngineConfig:
     num_gpu_blocks: int | None = None  # None → perf model capacity (vLLM: --num-gpu-blocks-override)
     max_model_len: int | None = None  # None → min(model.max_context, KV capacity in tokens)
     enable_prefix_caching: bool = False  # vLLM's automatic prefix caching (simulator/prefix_cache.py)
+    max_loras: int = 1  # LoRA adapters one step may run (vLLM's --max-loras and its default)
     natural_output_mean: float = 204.0  # mean EOS position of the simulated model (ShareGPT-like)
     natural_output_shape: float = 2.0  # gamma shape k of the EOS position: cv = 1/√k (ShareGPT: 0.71)
 
@@ -41,6 +42,8 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be ≥ 2, got {self.max_model_len}")
+        if isinstance(self.max_loras, bool) or not (isinstance(self.max_loras, int) and self.max_loras >= 1):
+            raise ValueError(f"max_loras must be an integer ≥ 1, got {self.max_loras!r}")  # vLLM: Field(ge=1)
         if self.natural_output_mean < 1 or self.natural_output_shape < 0:
             raise ValueError("natural_output_mean must be ≥ 1 and natural_output_shape ≥ 0")
 

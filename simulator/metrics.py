@@ -20,7 +20,8 @@ Families (REFERENCE.md, "Metrics"): gauges `vllm:num_requests_running`, `vllm:nu
 `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`,
 `vllm:request_queue_time_seconds`, `vllm:request_inference_time_seconds`, `vllm:request_prefill_time_seconds`,
 `vllm:request_decode_time_seconds`, `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`,
-`vllm:iteration_tokens_total`.
+`vllm:iteration_tokens_total`; with LoRA adapters, `vllm:lora_requests_info` (no `model_name`/`engine`
+labels, one gauge for the server as in vLLM: `simulator.lora.LoraRequestStates`, set at engine steps).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from prometheus_client.metrics_core import (
 )
 
 from simulator.engine import Engine
+from simulator.lora import LORA_INFO, LORA_INFO_HELP, LORA_INFO_LABELS, LoraRequestStates
 from simulator.requests import RequestRecord
 
 # vLLM v1 (vllm/v1/metrics/loggers.py) bucket boundaries.
@@ -117,10 +119,13 @@ class WorkerMetrics:
     """One engine's histograms, fed by its driver, and the collector reading every engine of the server at
     scrape time; `render()` → the server's exposition (any rank's gives the same)."""
 
-    def __init__(self, engine: Engine, model_name: str, rank: int = 0) -> None:
+    def __init__(
+        self, engine: Engine, model_name: str, rank: int = 0, lora: LoraRequestStates | None = None
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.rank = rank
+        self.lora = lora  # the server's LoRA tracking (shared by its engines); None: LoRA not enabled
         self.created = time.time()
         mml = engine.max_model_len
         self.ttft = Hist(TTFT_BUCKETS)
@@ -141,7 +146,7 @@ class WorkerMetrics:
 
     def add_engine(self, engine: Engine) -> WorkerMetrics:
         """The next engine of this data-parallel server: its own histograms, the same exposition."""
-        added = WorkerMetrics(engine, self.model_name, rank=len(self.ranks))
+        added = WorkerMetrics(engine, self.model_name, rank=len(self.ranks), lora=self.lora)
         added.registry = self.registry
         self.ranks.append(added)
         added.ranks = self.ranks
@@ -248,3 +253,8 @@ class WorkerMetrics:
                 fam.add_metric(v, hist.cumulative(), hist.sum)
                 fam.add_sample(name + "_created", dict(zip(labels, v, strict=True)), m.created)
             yield fam
+        if self.lora is not None:  # registered last in vLLM's PrometheusStatLogger too
+            info = GaugeMetricFamily(LORA_INFO, LORA_INFO_HELP, labels=LORA_INFO_LABELS)
+            for label_values, when in self.lora.series.items():
+                info.add_metric(label_values, when)
+            yield info

@@ -54,7 +54,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -418,7 +418,7 @@ class ApiRequest:
     """A validated /v1/completions or /v1/chat/completions request."""
 
     chat: bool
-    model: str
+    model: str  # the served name, or the LoRA adapter's the request names: the answer's `model`
     prompts: list[list[int]]  # token ids per prompt: one, or a completions batch's several ([] for "")
     max_tokens: int | None  # None → up to max_model_len
     min_tokens: int
@@ -623,10 +623,15 @@ def _completion_prompts(prompt: Any) -> tuple[list[list[int]], tuple[bool, ...]]
 
 
 def parse_request(
-    body: Mapping[str, Any], chat: bool, served: str, max_model_len: int | None = None
+    body: Mapping[str, Any],
+    chat: bool,
+    served: str,
+    max_model_len: int | None = None,
+    adapters: Collection[str] = (),
 ) -> ApiRequest:
     """Stages 1–4 of the module docstring (the checks before any prompt's length); raises ApiError. Without
-    `max_model_len` the max_tokens-over-context check is left out. `check_request` does the rest."""
+    `max_model_len` the max_tokens-over-context check is left out. `check_request` does the rest. `model` may
+    also name one of the LoRA `adapters` (`ApiRequest.model` is then its name, the answer's `model`)."""
     if chat:
         _messages_before(body)
     _before_validators(body, chat)
@@ -635,7 +640,7 @@ def parse_request(
         _check_messages(body)  # `messages` is the chat model's first field
     f = _validate_fields(body, chat)
     model = f.model or served  # vLLM serves an empty or absent name as its (only) served model
-    if model != served:
+    if model != served and model not in adapters:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     if isinstance(f, _ChatFields):
         _refuse_tool_calls(body, f)
@@ -674,7 +679,7 @@ def parse_request(
                 "when you want the model to continue the final message, and add_generation_prompt when you want "
                 "to add a header that will prompt it to start a new assistant message instead.",
             )
-        _check_content_parts(body["messages"], model)
+        _check_content_parts(body["messages"], served)  # vLLM names the base model, adapter or not
         chat_ids = _chat_prompt(body["messages"], f.add_generation_prompt)
         if chat_ids is None:
             raise ApiError(400, "messages must not be empty")  # vLLM names no param

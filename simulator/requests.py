@@ -58,6 +58,7 @@ class EngineRequest:
     ignore_eos: bool = False
     natural_output_tokens: int | None = None  # where EOS falls; None → drawn from the engine's seed
     kv_transfer: KvTransfer | None = None
+    lora: str | None = None  # the LoRA adapter it runs with (its name); None → the base model
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -70,10 +70,10 @@ def _messages(f: ResponsesFields) -> list[dict[str, Any]]:
 
 
 def parse_responses(
-    body: Mapping[str, Any], served: str, max_model_len: int
+    body: Mapping[str, Any], served: str, max_model_len: int, adapters: Collection[str] = ()
 ) -> tuple[ResponsesFields, ApiRequest]:
     """The validated request and the chat request it runs as; raises ApiError (vLLM's 400 for a field of the
-    wrong type, 404 for a `previous_response_id`: nothing is stored)."""
+    wrong type, 404 for a `previous_response_id`: nothing is stored). `model` may name a LoRA adapter."""
     f = validated(ResponsesFields, body)
     if f.previous_response_id is not None:
         raise ApiError(
@@ -90,7 +90,7 @@ def parse_responses(
         chat["temperature"] = f.temperature
     if f.top_p is not None:
         chat["top_p"] = f.top_p
-    return f, parse_request(chat, True, served, max_model_len)
+    return f, parse_request(chat, True, served, max_model_len, adapters)
 
 
 def new_ids(f: ResponsesFields) -> tuple[str, str]:

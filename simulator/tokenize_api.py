@@ -4,8 +4,8 @@
 return_token_strs?}` or a chat form `{model?, messages: [...], add_generation_prompt?, return_token_strs?,
 ...}` (`messages` present → the chat form, as vLLM picks it) and answers `{count, max_model_len, tokens,
 token_strs}`; `token_strs` is null unless `return_token_strs`. `POST /detokenize` takes `{model?, tokens:
-[int]}` and answers `{prompt}`. Both serve an absent or empty `model` as the served model and answer an
-unknown one 404, as vLLM does.
+[int]}` and answers `{prompt}`. Both serve an absent or empty `model` as the served model, take a LoRA
+adapter's name as vLLM does, and answer an unknown one 404.
 
 The simulator has no tokenizer: text is cut as `simulator.tokens` cuts it (one pseudo id per 4-character
 piece, the chat form rendered with its template first), so `/tokenize` gives exactly the ids and count the
@@ -21,7 +21,7 @@ models does), an empty `messages` 400 in vLLM's words.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -56,12 +56,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _check_model(model: str | None, served: str) -> None:
-    if model and model != served:
+def _check_model(model: str | None, served: str, adapters: Collection[str]) -> None:
+    if model and model != served and model not in adapters:  # vLLM's _check_model: a LoRA adapter's name too
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 
-def tokenize_body(body: Mapping[str, Any], served: str, max_model_len: int) -> dict[str, Any]:
+def tokenize_body(
+    body: Mapping[str, Any], served: str, max_model_len: int, adapters: Collection[str] = ()
+) -> dict[str, Any]:
     """The `/tokenize` answer for a parsed JSON object body; raises ApiError."""
     if "messages" in body:
         try:
@@ -76,7 +78,7 @@ def tokenize_body(body: Mapping[str, Any], served: str, max_model_len: int) -> d
     else:
         chat = None
     if chat is not None:
-        _check_model(chat.model, served)
+        _check_model(chat.model, served, adapters)
         if not chat.messages:
             raise ApiError(400, EMPTY_CONVERSATION)
         try:
@@ -86,7 +88,7 @@ def tokenize_body(body: Mapping[str, Any], served: str, max_model_len: int) -> d
         strs = chat.return_token_strs
     else:
         req = validated(TokenizeCompletionRequest, body, "messages")
-        _check_model(req.model, served)
+        _check_model(req.model, served, adapters)
         text, strs = req.prompt, req.return_token_strs
     ids = text_ids(text) if text else []
     pieces = [text[i : i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
@@ -98,8 +100,10 @@ def tokenize_body(body: Mapping[str, Any], served: str, max_model_len: int) -> d
     }
 
 
-def detokenize_body(body: Mapping[str, Any], served: str, vocab_size: int) -> dict[str, Any]:
+def detokenize_body(
+    body: Mapping[str, Any], served: str, vocab_size: int, adapters: Collection[str] = ()
+) -> dict[str, Any]:
     """The `/detokenize` answer for a parsed JSON object body; raises ApiError."""
     req = validated(DetokenizeRequest, body)
-    _check_model(req.model, served)
+    _check_model(req.model, served, adapters)
     return {"prompt": "".join(id_text(t) for t in req.tokens if 0 <= t < vocab_size)}

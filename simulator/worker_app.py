@@ -30,6 +30,12 @@ engine id with `_dp<rank>` appended, as vLLM suffixes each DP engine's KV-connec
 this server's (the simulated release goes to /sim/kv/release, which finds the engine holding the blocks).
 `/sim/state` sums the engines (KV usage: their mean; blocks: the server's total, as `cache_config_info`)
 and lists each under `engines`. N = 1 answers exactly as a worker without data parallelism.
+
+LoRA (`lora_modules`, vLLM's `--enable-lora --lora-modules ...`; `simulator.lora`): a request whose `model`
+is an adapter's name (completions, chat, the Responses API, /tokenize, /detokenize) is served with it and
+answered with that name as `model`; its engine requests carry the adapter, so the engine's `max_loras`
+admission rule applies (`EngineConfig.max_loras`, vLLM's --max-loras, default 1). `/v1/models` lists the
+base card then one card per adapter, and `/metrics` adds `vllm:lora_requests_info`. An adapter costs no time.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from placement.catalog import load_catalog
 from placement.perf_model import PerfModel
 from simulator.data_parallel import RANK_HEADER, DpBalancer, EngineLoad, requested_rank
 from simulator.engine import Engine, EngineConfig
+from simulator.lora import LoraModule, LoraRequestStates, check_lora_modules, model_card, model_permission
 from simulator.metrics import WorkerMetrics
 from simulator.protocol import (
     ApiError,
@@ -173,6 +180,10 @@ class WorkerConfig:
     advertise_port: int = 0  # remote_port; start_worker_server fills in the bound port
     engine_id: str | None = None  # remote_engine_id; None → random
     data_parallel_size: int = 1  # engines behind the one API server (vLLM's --data-parallel-size)
+    # static LoRA adapters (vLLM's --lora-modules); how many one step may run is `engine.max_loras`
+    # (--max-loras). LoRA is on with adapters, or with `enable_lora` alone (vLLM's --enable-lora, none loaded)
+    lora_modules: tuple[LoraModule, ...] = ()
+    enable_lora: bool = False
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -214,11 +225,14 @@ class WorkerRuntime:
             )
         self.perf = PerfModel(catalog.gpu(cfg.gpu), model, tp=cfg.tp)
         self.served = cfg.served_model_name or self.perf.model.name
+        check_lora_modules(cfg.lora_modules, self.served)  # vLLM refuses to start on these too
+        self.loras = {m.name: m for m in cfg.lora_modules}  # adapter name → module, in load order
         # Every engine gets the worker's seed: DP engines are replicas of one model, so a prompt's answer
         # does not depend on which engine runs it (vLLM at temperature 0 likewise).
         self.engines = [Engine(self.perf, cfg.engine, seed=cfg.seed) for _ in range(cfg.data_parallel_size)]
         self.engine = self.engines[0]
-        self.metrics = WorkerMetrics(self.engine, self.served)
+        lora = LoraRequestStates(cfg.engine.max_loras) if self.loras or cfg.enable_lora else None
+        self.metrics = WorkerMetrics(self.engine, self.served, lora=lora)
         self.engine_metrics = [self.metrics, *(self.metrics.add_engine(e) for e in self.engines[1:])]
         self.drivers = [
             EngineDriver(e, m, cfg.time_scale) for e, m in zip(self.engines, self.engine_metrics, strict=True)
@@ -231,7 +245,6 @@ class WorkerRuntime:
         self.rng = random.Random(cfg.seed)
         self.engine_id = cfg.engine_id or f"sim-{secrets.token_hex(6)}"
         self.advertise_port = cfg.advertise_port
-        self.created = int(time.time())
         self._next_block_id = 1
         self._holds: dict[
             int, tuple[int, str]
@@ -289,7 +302,7 @@ class WorkerRuntime:
     async def handle(self, request: Request, chat: bool) -> Response:
         try:
             body = parse_body(await request.body(), request.headers.get("content-type"))
-            api = parse_request(body, chat, self.served, self.engine.max_model_len)
+            api = parse_request(body, chat, self.served, self.engine.max_model_len, self.loras)
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         # vLLM's response id (`_base_request_id`): the X-Request-Id header, else the body's request_id, else
@@ -304,7 +317,7 @@ class WorkerRuntime:
         eid, seqs, tickets, rank, driver = admitted
         faults = self.faults
         if api.stream and api.echo_only:  # vLLM streams an echo without generation as one event per sequence
-            writer = ChunkWriter(rid, self.served, api.chat)
+            writer = ChunkWriter(rid, api.model, api.chat)
             return StreamingResponse(_echo_only_stream(api, writer, tickets), media_type="text/event-stream")
         if api.stream:
             cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
@@ -325,7 +338,7 @@ class WorkerRuntime:
         ]
         build = chat_body if chat else completion_body
         kvp = self._kv_response(recs[0], rank) if len(recs) == 1 else None
-        out = build(rid, self.served, int(time.time()), choices, sum(map(len, api.prompts)),
+        out = build(rid, api.model, int(time.time()), choices, sum(map(len, api.prompts)),
                     sum(rec.output_tokens for rec in recs), kvp)  # fmt: skip
         return JSONResponse(out)
 
@@ -380,6 +393,7 @@ class WorkerRuntime:
         sampling gives n different completions."""
         single = api.sequences == 1
         kvt = self._kv_transfer(api, rid) if single else None
+        lora = api.model if api.model in self.loras else None
         seqs = []
         for p, ids in enumerate(api.prompts):
             for j in range(api.n):
@@ -392,6 +406,7 @@ class WorkerRuntime:
                     api.ignore_eos,
                     None,
                     kvt,
+                    lora,
                 )
                 fp = prompt_fingerprint(req)
                 if j:
@@ -440,7 +455,7 @@ class WorkerRuntime:
         `rid`: the response id every chunk carries; `engine_id`: the request's engine id (default `rid`);
         `driver`: the engine's driver that runs it (default rank 0's). `cut`: a simulated failure halfway
         through."""
-        w = ChunkWriter(rid, self.served, api.chat)
+        w = ChunkWriter(rid, api.model, api.chat)
         driver = driver or self.driver
         seed, cont, k = self.cfg.seed, api.continuous_usage, api.logprobs
         sent = [0] * len(tickets)
@@ -504,7 +519,7 @@ class WorkerRuntime:
         the Responses shapes; one sequence, so one output item."""
         try:
             body = parse_body(await request.body(), request.headers.get("content-type"))
-            f, api = parse_responses(body, self.served, self.engine.max_model_len)
+            f, api = parse_responses(body, self.served, self.engine.max_model_len, self.loras)
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         rid, mid = new_ids(f)
@@ -514,7 +529,7 @@ class WorkerRuntime:
         eid, seqs, tickets, _, driver = admitted
         created = int(time.time())
         if api.stream:
-            events = self._responses_stream(f, rid, mid, created, seqs[0], tickets[0], driver, eid)
+            events = self._responses_stream(f, rid, mid, created, seqs[0], tickets[0], driver, eid, api.model)
             return StreamingResponse(events, media_type="text/event-stream")
         recs = await self._finished_or_disconnected(request, tickets, driver)
         self._abandon_remote(eid)
@@ -523,7 +538,7 @@ class WorkerRuntime:
         rec, seq = recs[0], seqs[0]
         text = "".join(pseudo_words(self.cfg.seed, seq.fingerprint, 0, rec.output_tokens))
         done = (message_item(mid, text), rec.finish_reason.value, seq.prompt_tokens, rec.output_tokens)
-        return JSONResponse(response_body(f, rid, self.served, created, done))
+        return JSONResponse(response_body(f, rid, api.model, created, done))
 
     async def _responses_stream(
         self,
@@ -535,14 +550,16 @@ class WorkerRuntime:
         tk: Ticket,
         driver: EngineDriver,
         engine_id: str,
+        model: str,
     ) -> AsyncIterator[str]:
         """vLLM's event sequence: the response created and in progress, its item and part added, one text
         delta per token as the engine produces it, then the text, part and item done and response.completed
-        carrying the whole response with its usage."""
+        carrying the whole response with its usage. `model`: the name answered (the served one or an
+        adapter's)."""
         w = EventWriter(mid)
         words: list[str] = []
         try:
-            for line in w.opening(response_body(f, rid, self.served, created, None)):
+            for line in w.opening(response_body(f, rid, model, created, None)):
                 yield line
             while True:
                 tk.event.clear()  # before reading `produced`: what arrives while a yield waits is seen next pass
@@ -559,7 +576,7 @@ class WorkerRuntime:
                 return
             text = "".join(words)
             done = (message_item(mid, text), rec.finish_reason.value, seq.prompt_tokens, len(words))
-            for line in w.closing(text, response_body(f, rid, self.served, created, done)):
+            for line in w.closing(text, response_body(f, rid, model, created, done)):
                 yield line
         finally:
             driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
@@ -644,12 +661,15 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------ views
     def models_body(self) -> dict[str, Any]:
+        """vLLM 0.32's `show_available_models`, dumped whole: the base model's card, then each adapter's in
+        load order (`simulator.lora.model_card`); `created` is the time of the call (pydantic's default
+        factory), and each card has one `ModelPermission` of vLLM's defaults."""
         card = {
-            "id": self.served, "object": "model", "created": self.created, "owned_by": "vllm",
+            "id": self.served, "object": "model", "created": int(time.time()), "owned_by": "vllm",
             "root": self.perf.model.name, "parent": None, "max_model_len": self.engine.max_model_len,
-            "permission": [],
+            "permission": [model_permission()],
         }  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *(model_card(m, self.served) for m in self.loras.values())]}
 
     def state_body(self) -> dict[str, Any]:
         eng = self.engine
@@ -725,14 +745,15 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
     async def tokenize(request: Request) -> Response:
         try:
             body = parse_body(await request.body(), request.headers.get("content-type"))
-            return JSONResponse(tokenize_body(body, rt.served, rt.engine.max_model_len))
+            return JSONResponse(tokenize_body(body, rt.served, rt.engine.max_model_len, rt.loras))
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
 
     async def detokenize(request: Request) -> Response:
         try:
             body = parse_body(await request.body(), request.headers.get("content-type"))
-            return JSONResponse(detokenize_body(body, rt.served, rt.perf.model.vocab_size or VOCAB_SIZE))
+            vocab = rt.perf.model.vocab_size or VOCAB_SIZE
+            return JSONResponse(detokenize_body(body, rt.served, vocab, rt.loras))
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from simulator.engine import Engine, StepResult
+from simulator.lora import LoraRequestStates
 from simulator.metrics import WorkerMetrics
 from simulator.requests import EngineRequest, FinishReason, RequestRecord
 
@@ -170,6 +171,9 @@ class EngineDriver:
         tk.record = self.engine.abort(rid, self.now())
         tk.done = True
         tk.event.set()
+        lora = self.metrics.lora
+        if lora is not None and tk.request.lora is not None:  # vLLM's abort_requests: request_finished now
+            lora.finished(rid, tk.request.lora)
 
     def abort_all(self) -> int:
         """Abort every request in the engine (the server is stopping, as vLLM's default
@@ -279,6 +283,8 @@ class EngineDriver:
                 if tk is not None:
                     tk.produced += 1
                     tk.event.set()
+        if m.lora is not None:
+            self._track_loras(m.lora, res)  # before the tickets of finished requests go
         for rec in res.finished:
             tk = tickets.pop(rec.request_id, None)
             streams.pop(rec.request_id, None)
@@ -288,3 +294,25 @@ class EngineDriver:
                 tk.record = rec
                 tk.done = True
                 tk.event.set()
+
+    def _track_loras(self, lora: LoraRequestStates, res: StepResult) -> None:
+        """The step's outputs as vLLM's output processor reads them, in its order (the running requests'
+        outputs first, decodes finishing among them; then the prefills, in schedule order, each started
+        at its first token and finished at its last), then the step's `vllm:lora_requests_info`."""
+        tickets = self._tickets
+        ended = {rec.request_id for rec in res.finished}
+        prefilled = set(res.prefilled)
+        for rid in ended - prefilled:  # decodes: their adapters were tracked since their first token
+            tk = tickets.get(rid)
+            if tk is not None and tk.request.lora is not None:
+                lora.finished(rid, tk.request.lora)
+        firsts = set(res.first_tokens)
+        for rid in res.prefilled:
+            tk = tickets.get(rid)
+            if tk is None or tk.request.lora is None:
+                continue
+            if rid in firsts:
+                lora.started(rid, tk.request.lora)
+            if rid in ended:
+                lora.finished(rid, tk.request.lora)
+        lora.record()

@@ -8,22 +8,71 @@ The engine flags keep vLLM's names (`--max-num-seqs`, `--max-num-batched-tokens`
 `--data-parallel-size`: engines behind the one server, each with those settings).
 Port 0 picks a free port; the line printed at start names the URL. SIGINT/SIGTERM stop it.
 
+LoRA takes vLLM's own flags, read from the rest of the line as vLLM's argparse reads them
+(`lora_args`): `--lora-modules NAME=PATH|JSON ...` (one or more items; a later `--lora-modules` replaces
+an earlier one, as in vLLM), `--max-loras N` (default 1) and `--enable-lora` (implied by adapters; alone it
+turns LoRA on with none, as in vLLM). With `--engine vllm` they go to vLLM as they are, with
+`--enable-lora` added when adapters are given without it (vLLM refuses to start otherwise).
+
 `serve_simulated` is the simulated backend; `--engine vllm` hands the flags to a real vLLM instead.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
 import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import typer
 
 from server.commands.common import check_log_level, fail, raise_open_files_limit
 from simulator.engine import EngineConfig
+from simulator.lora import LoraModule, parse_lora_modules
 from simulator.worker_app import ROLES, FaultConfig, WorkerConfig, WorkerRuntime
 from simulator.worker_server import start_worker_server
+
+
+@dataclass(frozen=True, slots=True)
+class LoraArgs:
+    """vLLM's LoRA flags on a `mosaic worker` line, and what else was left over."""
+
+    modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1
+    enable_lora: bool | None = None  # None: not given
+    rest: tuple[str, ...] = ()
+
+
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line for `fail`, not argparse's usage and exit
+        raise ValueError(message)
+
+
+class _LoraModulesAction(argparse.Action):
+    """vLLM's `LoRAParserAction` (vllm/entrypoints/launchers/cli_args.py): the items after the flag."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        try:
+            setattr(namespace, self.dest, parse_lora_modules(values))
+        except ValueError as exc:
+            parser.error(str(exc))
+
+
+def lora_args(args: Sequence[str]) -> LoraArgs:
+    """Read vLLM's `--lora-modules` (nargs +), `--max-loras` (int) and `--[no-]enable-lora` out of `args`
+    (what the worker command did not parse itself); ValueError with one line on a bad value."""
+    parser = _ArgParser(prog="mosaic worker", add_help=False, allow_abbrev=False)
+    parser.add_argument("--lora-modules", nargs="+", action=_LoraModulesAction, default=())
+    parser.add_argument("--max-loras", type=int, default=1)
+    parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
+    ns, rest = parser.parse_known_args(list(args))
+    return LoraArgs(tuple(ns.lora_modules), ns.max_loras, ns.enable_lora, tuple(rest))
 
 
 async def serve_simulated(cfg: WorkerConfig, host: str, port: int, log_level: str) -> None:
@@ -43,7 +92,12 @@ async def serve_simulated(cfg: WorkerConfig, host: str, port: int, log_level: st
     typer.echo(
         f"mosaic worker: simulated {rt.perf.gpu.name} ×{cfg.tp} serving {rt.served} ({cfg.role}) at {worker.url} "
         f"— num_gpu_blocks={eng.num_gpu_blocks}{dp} block_size={eng.block_size} max_model_len={eng.max_model_len} "
-        f"time_scale={cfg.time_scale:g}",
+        f"time_scale={cfg.time_scale:g}"
+        + (
+            f" lora_modules={','.join(m.name for m in cfg.lora_modules)} max_loras={cfg.engine.max_loras}"
+            if cfg.lora_modules
+            else ""
+        ),
         err=False,
     )
     stop = asyncio.Event()
@@ -131,7 +185,9 @@ def register(app: typer.Typer) -> None:
             "the NIXL side-channel host (default: --host, or this machine's IP for 0.0.0.0).",
         ),
     ) -> None:
-        """One simulated vLLM worker: vLLM's OpenAI API and /metrics, timed by the GPU perf model."""
+        """One simulated vLLM worker: vLLM's OpenAI API and /metrics, timed by the GPU perf model.
+
+        LoRA: vLLM's --lora-modules NAME=PATH|JSON ... and --max-loras N [1] (--enable-lora implied)."""
         if engine == "vllm":  # a real vLLM server instead (server/vllm_worker.py, docs/real_vllm.md)
             from server.vllm_worker import run_vllm_worker
 
@@ -141,8 +197,14 @@ def register(app: typer.Typer) -> None:
         log_level = check_log_level(log_level)
         if gpu is None:
             fail("--gpu is required for the simulated worker")
-        if ctx.args:
-            fail(f"unexpected arguments: {' '.join(ctx.args)} (only --engine vllm passes extra args on)")
+        try:
+            lora = lora_args(ctx.args)
+        except ValueError as exc:
+            fail(str(exc))
+        if lora.rest:
+            fail(f"unexpected arguments: {' '.join(lora.rest)} (only --engine vllm passes extra args on)")
+        if lora.modules and lora.enable_lora is False:
+            fail("LoRA is not enabled. Use --enable-lora to enable LoRA.")  # vLLM's words, at its startup
         if role not in ROLES:
             fail(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
         if not 0 <= port <= 65535:
@@ -154,11 +216,13 @@ def register(app: typer.Typer) -> None:
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks=num_gpu_blocks,
                     max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+                    max_loras=lora.max_loras,
                 ),
                 served_model_name=served_model_name, catalog_path=catalog, kv_link_gbps=kv_link_gbps,
                 faults=FaultConfig(error_rate=error_rate, stall_rate=stall_rate, stall_s=stall_s,
                                    midstream_error_rate=midstream_error_rate),
                 advertise_host=advertise_host or host, data_parallel_size=data_parallel_size,
+                lora_modules=lora.modules, enable_lora=bool(lora.enable_lora),
             )  # fmt: skip
             # Build the runtime once up front so catalog and capacity errors exit 2 before binding.
             WorkerRuntime(cfg)

@@ -17,6 +17,10 @@ from typer.testing import CliRunner
 
 from server.commands import worker as worker_command
 from server.vllm_launcher import build_command
+from simulator.lora import LoraModule
+from simulator.worker_app import WorkerConfig
+
+H100 = ["--gpu", "H100", "--model", "llama-3-8b"]
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +57,25 @@ def app() -> typer.Typer:
                      "data_parallel_size must be an integer ≥ 1, got 0", id="no engine"),
         pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--tp", "0"],
                      "tp must be an integer ≥ 1, got 0", id="tp 0 (was a ZeroDivisionError traceback)"),
+        pytest.param([*H100, "--lora-modules", "{bad"], "Invalid JSON format for --lora-modules: {bad",
+                     id="LoRA module neither name=path nor JSON (vLLM's words)"),
+        pytest.param([*H100, "--lora-modules", '{"name": "a", "url": "/p"}'],
+                     "Invalid fields for --lora-modules: {\"name\": \"a\", \"url\": \"/p\"} - ",
+                     id="LoRA module JSON with an unknown field"),
+        pytest.param([*H100, "--lora-modules"], "argument --lora-modules: expected at least one argument",
+                     id="--lora-modules without a module"),
+        pytest.param([*H100, "--lora-modules", "a=/p", "a=/q"], "The lora adapter 'a' has already been loaded.",
+                     id="one adapter name twice"),
+        pytest.param([*H100, "--lora-modules", "llama-3-8b=/p"],
+                     "The lora adapter 'llama-3-8b' conflicts with a served base model.", id="adapter named as the base model"),
+        pytest.param([*H100, "--lora-modules", "a=/p", "--max-loras", "0"], "max_loras must be an integer ≥ 1, got 0",
+                     id="max_loras 0"),
+        pytest.param([*H100, "--max-loras", "two"], "argument --max-loras: invalid int value: 'two'",
+                     id="max_loras not a number"),
+        pytest.param([*H100, "--no-enable-lora", "--lora-modules", "a=/p"],
+                     "LoRA is not enabled. Use --enable-lora to enable LoRA.", id="adapters with LoRA turned off"),
+        pytest.param([*H100, "--lora-modules", "a=/p", "--foo"],
+                     "unexpected arguments: --foo (only --engine vllm passes extra args on)", id="LoRA flags and an unknown one"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_with_one_line(app: typer.Typer, args: list[str], message: str) -> None:
@@ -94,6 +117,66 @@ def test_no_engine_for_a_real_vllm_exits_2(
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2, result.output
     assert lines == ["error: --data-parallel-size must be ≥ 1, got 0"], result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "modules", "max_loras", "enabled"),
+    [
+        pytest.param(["--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "x"}',
+                      "--max-loras", "2"],
+                     (LoraModule("sql", "/a/sql"), LoraModule("chat", "/a/chat", "x")), 2, False,
+                     id="name=path and JSON items after one flag, then --max-loras"),
+        pytest.param(["--lora-modules", "a=/p", "--lora-modules", "b=/q"], (LoraModule("b", "/q"),), 1, False,
+                     id="a later --lora-modules replaces the earlier one, as vLLM's argparse action does"),
+        pytest.param(["--lora-modules", "a=/x=y"], (LoraModule("a", "/x=y"),), 1, False,
+                     id="name=path splits at the first ="),
+        pytest.param(["--enable-lora", "--lora-modules", "a=/p", ""], (LoraModule("a", "/p"),), 1, True,
+                     id="--enable-lora accepted, an empty item skipped"),
+        pytest.param(["--enable-lora"], (), 1, True, id="--enable-lora alone: LoRA on with no adapter"),
+    ],
+)  # fmt: skip
+def test_lora_flags_reach_the_simulated_worker(
+    app: typer.Typer,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    modules: tuple[LoraModule, ...],
+    max_loras: int,
+    enabled: bool,
+) -> None:
+    configs: list[WorkerConfig] = []
+
+    async def serve(cfg: WorkerConfig, host: str, port: int, log_level: str) -> None:
+        configs.append(cfg)
+
+    monkeypatch.setattr(worker_command, "serve_simulated", serve)
+    result = CliRunner().invoke(app, ["worker", *H100, "--port", "0", *args])
+    assert result.exit_code == 0, result.output
+    (cfg,) = configs
+    assert (cfg.lora_modules, cfg.engine.max_loras, cfg.enable_lora) == (modules, max_loras, enabled)
+
+
+@pytest.mark.parametrize(
+    ("args", "tail"),
+    [
+        pytest.param(["--lora-modules", "a=/p", "b=/q", "--max-loras", "2"],
+                     ["--enable-lora", "--lora-modules", "a=/p", "b=/q", "--max-loras", "2"],
+                     id="adapters: --enable-lora added, the LoRA flags passed as given"),
+        pytest.param(["--", "--enable-lora", "--lora-modules", "a=/p"], ["--enable-lora", "--lora-modules", "a=/p"],
+                     id="--enable-lora given after --: not added twice"),
+        pytest.param(["--max-loras", "2"], ["--max-loras", "2"], id="no adapters: nothing added"),
+    ],
+)  # fmt: skip
+def test_lora_flags_go_to_a_real_vllm_with_lora_enabled(
+    app: typer.Typer, monkeypatch: pytest.MonkeyPatch, args: list[str], tail: list[str]
+) -> None:
+    from server import vllm_worker
+
+    specs: list[object] = []
+    monkeypatch.setattr(vllm_worker, "run_foreground", lambda spec, echo: specs.append(spec) or 0)
+    result = CliRunner().invoke(app, ["worker", "--engine", "vllm", "--model", "m", "--port", "8100", *args])
+    assert result.exit_code == 0, result.output
+    (spec,) = specs
+    assert build_command(spec)[7:] == ["--tensor-parallel-size", "1", *tail]  # type: ignore[arg-type]
 
 
 def test_worker_process_serves_on_a_free_port_and_stops_on_sigterm() -> None:

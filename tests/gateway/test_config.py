@@ -128,6 +128,36 @@ def test_defaults() -> None:
             id="an infinite time scale (froze the simulated clock)",
         ),
         pytest.param(
+            {
+                "pools": [
+                    _pool(endpoints={"simulated": {"lora_modules": ["sql", {"name": "sql", "path": "/b"}]}})
+                ]
+            },
+            "test: pools.0.endpoints.simulated.lora_modules: duplicate LoRA adapter name 'sql'",
+            id="one LoRA adapter name twice (vLLM refuses to start)",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={"simulated": {"lora_modules": ["sql", "llama-3-8b"]}})]},
+            "test: pools.0.endpoints.simulated.lora_modules.1.name: LoRA adapter 'llama-3-8b' takes the name the "
+            "pool's workers serve the base model as",
+            id="a LoRA adapter named as the pool's model",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={"simulated": {"lora_modules": [{"name": "sql", "url": "/a"}]}})]},
+            "test: pools.0.endpoints.simulated.lora_modules.0.url: unknown key",
+            id="a LoRA adapter's unknown key",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={"simulated": {"lora_modules": [""]}})]},
+            "test: pools.0.endpoints.simulated.lora_modules.0.name: String should have at least 1 character",
+            id="a LoRA adapter without a name",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={"simulated": {"lora_modules": ["sql"], "max_loras": 0}})]},
+            "test: pools.0.endpoints.simulated.max_loras: Input should be greater than or equal to 1",
+            id="max_loras 0",
+        ),
+        pytest.param(
             {"pools": [_pool(dp=0)]},
             "test: pools.0.dp: Input should be greater than or equal to 1",
             id="a worker of no engine",
@@ -215,3 +245,21 @@ def test_every_documented_gateway_example_loads(path: Path) -> None:
 
 def test_the_examples_folder_is_found() -> None:
     assert len(EXAMPLES) >= 6
+
+
+def test_simulated_pool_lora_adapters_reach_each_worker() -> None:
+    """`lora_modules: [name or {name, path}]` and `max_loras` become each simulated worker's vLLM flags."""
+    from server.embedded import simulated_source
+    from simulator.lora import LoraModule
+
+    sim = {"replicas": 2, "lora_modules": ["sql", {"name": "chat", "path": "/adapters/chat"}], "max_loras": 2}
+    cfg = validate_config({"pools": [_pool(endpoints={"simulated": sim})]})
+    source = simulated_source(cfg, cfg.pools[0])
+    for index in (0, 1):
+        worker = source.worker_config(index)
+        # a bare name is its own path (as a Hugging Face adapter id would be)
+        assert worker.lora_modules == (LoraModule("sql", "sql"), LoraModule("chat", "/adapters/chat"))
+        assert worker.engine.max_loras == 2
+    plain = validate_config({"pools": [_pool(endpoints={"simulated": {}})]})
+    worker = simulated_source(plain, plain.pools[0]).worker_config(0)
+    assert (worker.lora_modules, worker.engine.max_loras) == ((), 1)  # LoRA off; vLLM's default max_loras
