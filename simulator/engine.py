@@ -287,7 +287,7 @@ class Engine:
                 stop_at, reason = natural, FinishReason.STOP
         s = _Seq(req, now if arrival is None else arrival, stop_at, reason)
         if self._pc is not None and req.token_ids is not None:
-            s.hashes = block_hashes(req.token_ids, self.kv.block_size)
+            s.hashes = block_hashes(req.token_ids, self.kv.block_size, req.lora)
         self._seqs[rid] = s
         self._waiting.append(s)
 

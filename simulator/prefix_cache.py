@@ -11,7 +11,8 @@ its private copy and shares the cached one.
 Freed cached blocks (reference count 0) stay cached but count as *free* — `kv_cache_usage_perc` is blocks
 in use / total, as in vLLM — and are evicted least-recently-freed first when an allocation needs the room.
 
-Only prompt blocks are cached (vLLM also hashes full blocks of generated tokens; a multi-turn client that
+A LoRA adapter's prompts hash apart from the base model's and each other's (`block_hashes(lora=)`), as
+vLLM keys cached blocks by adapter. Only prompt blocks are cached (vLLM also hashes full blocks of generated tokens; a multi-turn client that
 resends an answer as the next prompt would hit them there and not here). Counters: `queries` = prompt
 tokens looked up, `hits` = tokens found, as `vllm:prefix_cache_{queries,hits}_total`.
 """
@@ -21,12 +22,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from scheduler.routing.prefix import adapter_seed
 from simulator.kv_blocks import KvAccounting
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """Chained hashes of the full blocks of `token_ids` (a partial last block has none)."""
-    out, prev = [], 0
+def block_hashes(token_ids: Sequence[int], block_size: int, lora: str | None = None) -> tuple[int, ...]:
+    """Chained hashes of the full blocks of `token_ids` (a partial last block has none). A LoRA adapter's
+    request (`lora`) chains from its own start, as vLLM puts the adapter in every block's hash: the same
+    prompt under two adapters, or under an adapter and the base model, shares no cached block."""
+    out, prev = [], adapter_seed(lora)  # 0 for none; a stable int per name (str hashes are salted)
     ids = tuple(token_ids)
     for start in range(0, len(ids) - block_size + 1, block_size):
         prev = hash((prev, ids[start : start + block_size]))  # ints and tuples hash deterministically

@@ -115,3 +115,19 @@ def test_a_preempted_request_leaves_the_scheduled_adapters() -> None:
 def test_max_loras_must_be_a_positive_integer(bad: object) -> None:
     with pytest.raises(ValueError, match="max_loras must be an integer ≥ 1"):
         EngineConfig(max_loras=bad)  # type: ignore[arg-type]
+
+
+def test_an_adapters_prompt_blocks_are_cached_apart_from_the_base_models() -> None:
+    """vLLM puts the adapter in each block's hash: the same 100-token prompt under adapter `a` reuses nothing
+    the base model cached (6 full blocks), then its own 6 blocks the second time; `b` none of `a`'s."""
+    eng = engine(enable_prefix_caching=True, block_size=16, max_loras=2)
+    prompt = list(range(1000, 1100))
+    now = 0.0
+    hits = []
+    for rid, lora in (("base", None), ("a1", "a"), ("a2", "a"), ("b1", "b")):
+        eng.add_request(EngineRequest(rid, prompt, 4, ignore_eos=True, lora=lora), now)  # type: ignore[arg-type]
+        before = eng.counters.prefix_cache_hits
+        while eng.has_work():
+            now = eng.step(now).end
+        hits.append(eng.counters.prefix_cache_hits - before)
+    assert hits == [0, 0, 96, 0]
