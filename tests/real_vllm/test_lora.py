@@ -35,6 +35,9 @@ pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
 
 LORA_INFO = re.compile(r"^vllm:lora_requests_info\{(?P<labels>[^}]*)\} (?P<value>\S+)$", re.MULTILINE)
 LONG_TOKENS = 500  # prompt 3 + 500 ≤ max-model-len 512: ~2 s of decoding with an adapter here
+# Timing-based checks try this often: on 2 shared cores vLLM's API process is sometimes starved for a
+# generation's whole length (its scrapes and hand-overs to the engine come after the engine is done)
+ATTEMPTS = 3
 
 
 def _newest_lora_info(metrics_text: str) -> dict[str, str] | None:
@@ -141,9 +144,14 @@ def test_the_newest_lora_info_series_names_the_running_adapter(real_vllm_lora: R
                 await asyncio.sleep(0.05)
             return newest, await generation
 
-    newest, answer = asyncio.run(scenario())
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["usage"]["completion_tokens"] == LONG_TOKENS
+    newest: list[dict[str, str] | None] = []
+    for _ in range(ATTEMPTS):  # a starved API process may answer no scrape while A runs: try again
+        polled, answer = asyncio.run(scenario())
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == LONG_TOKENS
+        newest += polled
+        if any(labels and labels["running_lora_adapters"] == a for labels in polled):
+            break
     seen = [labels["running_lora_adapters"] for labels in newest if labels is not None]
     assert a in seen, newest
     assert set(seen) <= {a, ""}, newest
@@ -183,10 +191,16 @@ def test_max_loras_1_queues_another_adapter_behind_the_running_one(real_vllm_lor
     API process may hand B to the engine only after A is done (queue ≈ 0, as if batched): the answers then end
     a whole generation apart, which batching never does."""
     a, b = real_vllm_lora.adapters
-    first, second = sorted(_concurrent_metrics(real_vllm_lora, (a, b)), key=lambda m: m["done_s"])
-    queued = second["queue_time_ms"] > 0.5 * first["generation_time_ms"]  # measured: ≈ equal
-    apart = (second["done_s"] - first["done_s"]) * 1000 > 0.8 * second["generation_time_ms"]
-    assert queued or apart, (first, second)
+    tries = []
+    for _ in range(ATTEMPTS):  # batching shows on every try; a B handed over late only on some
+        first, second = sorted(_concurrent_metrics(real_vllm_lora, (a, b)), key=lambda m: m["done_s"])
+        queued = second["queue_time_ms"] > 0.5 * first["generation_time_ms"]  # measured: ≈ equal
+        apart = (second["done_s"] - first["done_s"]) * 1000 > 0.8 * second["generation_time_ms"]
+        tries.append((first, second))
+        if queued or apart:
+            break
+    else:
+        pytest.fail(f"A and B ran together in every try: {tries}")
 
     same = _concurrent_metrics(real_vllm_lora, (a, a))
     assert all(m["queue_time_ms"] < 0.25 * m["generation_time_ms"] for m in same), same  # measured: 0 ms
@@ -256,4 +270,9 @@ def test_the_gateway_routes_an_adapter_only_to_the_worker_serving_it(
                 assert answer.status_code == 200, answer.text
             return seen
 
-        assert asyncio.run(scenario()) == {a}  # the gateway's scrape saw adapter A running, nothing else
+        seen: set[str] = set()
+        for _ in range(ATTEMPTS):  # (see ATTEMPTS)
+            seen |= asyncio.run(scenario())
+            if seen:
+                break
+        assert seen == {a}  # the gateway's scrape saw adapter A running, nothing else
