@@ -156,8 +156,9 @@ class LaunchVllmConfig(BaseModel):
     def _extra_args(cls, args: list[str]) -> list[str]:
         # The pool's tp and dp decide how many GPUs (and side-channel ports) a replica gets and what capacity
         # the gateway books on it; vLLM takes the last of two values, so a size here would run the replica
-        # on GPUs it was not given, or with engines the gateway does not know of. Pipeline parallelism is not
-        # modelled at all. (A `--config FILE` among them is read where the replicas run: `config_file_settings`.)
+        # on GPUs it was not given, or with engines the gateway does not know of. Pipeline and prefill context
+        # parallelism are not modelled at all. (A `--config FILE` among them is read where the replicas run:
+        # `config_file_settings`.)
         for arg in args:
             field = parallel_size_flag(arg)
             if field is not None:
@@ -204,40 +205,52 @@ PARALLEL_FLAGS: Mapping[str, str] = {
     "tp": "--tensor-parallel-size",
     "dp": "--data-parallel-size",
     "pp": "--pipeline-parallel-size",
+    "pcp": "--prefill-context-parallel-size",
 }
+
+# The sizes Mosaic does not model, each multiplying a vLLM engine's GPUs (vLLM 0.32's ParallelConfig:
+# world_size = pp × tp × pcp). The decode context parallel size (`-dcp`) is not among them: it shards the KV
+# cache over the tp × pcp ranks there are and adds none, so it is passed on.
+UNMODELLED: Mapping[str, str] = {"pp": "pipeline parallelism", "pcp": "prefill context parallelism"}
+
+# The shortest abbreviation vLLM 0.32's parser takes for each long flag (argparse takes a unique prefix):
+# `--t…` and `--p…` are shared with other options, `--prefill…` also with `--prefill-schedule-interval`, and
+# each abbreviation of `--data-parallel-size` is also one of `--data-parallel-size-local`'s.
+_SHORTEST = {"tp": "te", "pp": "pi", "pcp": "prefill-c", "dp": "data-parallel-size"}
 
 
 def parallel_size_flag(arg: str) -> str | None:
-    """The parallel size (`tp`, `dp`, `pp`) whose vLLM flag `arg` sets, as vLLM 0.32's parser reads it (the
-    rule the chart's `mosaic.pool.checkParallelArgs` applies; both are held to vLLM's own parser, spelling by
-    spelling, in tests/real_vllm/test_chart_vllm_args.py), else None:
+    """The parallel size (`tp`, `dp`, `pp`, `pcp`) whose vLLM flag `arg` sets, as vLLM 0.32's parser reads it
+    (the rule the chart's `mosaic.pool.checkParallelArgs` applies; both are held to vLLM's own parser,
+    spelling by spelling, in tests/real_vllm/test_chart_vllm_args.py), else None:
 
-    - `--tensor-parallel-size` and `--pipeline-parallel-size` and each abbreviation of two letters or more
-      (argparse takes unique prefixes; `--t…` and `--p…` alone are shared with other options), with `_` for
-      `-` (vLLM turns a long flag's underscores into dashes), with or without `=value`;
-    - `--data-parallel-size` only whole: each abbreviation is also one of `--data-parallel-size-local`'s, and
-      vLLM refuses it as ambiguous;
-    - `-tp`, `-dp`, `-pp`, and a bare `-t` (argparse reads `-t 3` as `-tp 3`); not `-p`, which vLLM refuses
-      as ambiguous (`-pp` or `-pcp`)."""
+    - the long flag (`PARALLEL_FLAGS`) and each abbreviation from its shortest unique one (`--te`, `--pi`,
+      `--prefill-c`; `--data-parallel-size` only whole), with `_` for `-` (vLLM turns a long flag's
+      underscores into dashes), with or without `=value`;
+    - `-tp`, `-dp`, `-pp`, `-pcp`, with or without `=value`, and a bare `-t` or `-pc` (argparse reads `-t 3`
+      as `-tp 3`, `-pc 3` as `-pcp 3`; `-t=3`, `-pc=3` it does not know); not `-p`, which vLLM refuses as
+      ambiguous (`-pp` or `-pcp`)."""
     name = arg.split("=", 1)[0]
     if name.startswith("--"):
         flag = name[2:].replace("_", "-")
-        for field in ("tp", "pp"):
-            if len(flag) >= 2 and PARALLEL_FLAGS[field][2:].startswith(flag):
+        for field, shortest in _SHORTEST.items():
+            if flag.startswith(shortest) and PARALLEL_FLAGS[field][2:].startswith(flag):
                 return field
-        return "dp" if flag == "data-parallel-size" else None
-    if name == "-tp" or arg == "-t":
+        return None
+    if arg == "-t":
         return "tp"
-    return {"-dp": "dp", "-pp": "pp"}.get(name)
+    if arg == "-pc":
+        return "pcp"
+    return {"-tp": "tp", "-dp": "dp", "-pp": "pp", "-pcp": "pcp"}.get(name)
 
 
 def parallel_size_refusal(what: str, field: str) -> str:
     """Why a launched pool may not set `field` (`parallel_size_flag`) in `what` (an argument, a config key)."""
-    if field == "pp":
+    if field in UNMODELLED:
         return (
-            f"{what}: vLLM's --pipeline-parallel-size is not supported: Mosaic does not model pipeline "
-            "parallelism, so the replica would need tp × pp × dp GPUs while the gateway gives it tp × dp and "
-            "books its capacity from them; use the pool's tp instead"
+            f"{what}: vLLM's {PARALLEL_FLAGS[field]} is not supported: Mosaic does not model {UNMODELLED[field]}, "
+            f"so the replica would need tp × {field} × dp GPUs while the gateway gives it tp × dp and books its "
+            "capacity from them; use the pool's tp instead"
         )
     return (
         f"{what}: set the pool's {field} instead (the gateway gives each replica tp × dp GPUs and books its "
@@ -254,10 +267,10 @@ def config_file_settings(args: Sequence[str]) -> list[tuple[str, str]]:
     parsing, so a key sets a size in every spelling its flag does (`tensor_parallel_size`,
     `tensor-parallel`, …). The command line wins over the file: a tp there loses to the
     `--tensor-parallel-size` Mosaic writes (refused all the same: it would be ignored without a word), a dp
-    there sets a pool of dp 1 (no `--data-parallel-size` written), a pp always. vLLM reads the file only for
-    an argument exactly `--config` followed by the path (relative to the working directory, which launched
-    replicas share with the gateway); `--config=FILE` it accepts and ignores, and is read here all the same,
-    so that no later release reading it lets a size through."""
+    there sets a pool of dp 1 (no `--data-parallel-size` written), a pp or pcp always. vLLM reads the file
+    only for an argument exactly `--config` followed by the path (relative to the working directory, which
+    launched replicas share with the gateway); `--config=FILE` it accepts and ignores, and is read here all
+    the same, so that no later release reading it lets a size through."""
     files: list[str] = []
     for i, arg in enumerate(args):
         if arg == "--config":

@@ -19,10 +19,11 @@ Flags shared with the simulated worker keep vLLM's names and are forwarded when 
 `--enable-prefix-caching`); everything after `--` goes to vLLM verbatim, except what sets a parallel size
 (refused, exit 2, as in a launched pool's `extra_args`: `server.vllm_pool.parallel_size_flag`, and the keys of
 a `--config FILE`, read here): the tensor and data parallel sizes are `--tp` and `--data-parallel-size`,
-which `--gpu-ids` is checked against, and pipeline parallelism Mosaic does not model; vLLM's LoRA
-flags (`--lora-modules NAME=PATH ...`, `--max-loras N`, as the simulated worker takes them) are forwarded
-whether given before `--` or after it, with `--enable-lora` added when `--lora-modules` is given without
-`--[no-]enable-lora` (vLLM refuses to start with adapters and LoRA off, its default).
+which `--gpu-ids` is checked against, and pipeline and prefill context parallelism (`-pp`, `-pcp`) Mosaic
+does not model; vLLM's LoRA flags (`--lora-modules NAME=PATH ...`, `--max-loras N`, as the simulated worker
+takes them) are forwarded whether given before `--` or after it, with `--enable-lora` added when
+`--lora-modules` is given without `--[no-]enable-lora` (vLLM refuses to start with adapters and LoRA off,
+its default).
 `--data-parallel-size N` runs N engines, each on `--tp` GPUs (vLLM's own flag, set like a launched pool's `dp`).
 `--gpu-ids` sets the tensor-parallel size when `--tp` is left at 1 (the listed GPUs shared equally by the
 engines: one rank per GPU of its share); ids that are not `--tp` × `--data-parallel-size` are refused. `--vllm-command` replaces `vllm serve` (e.g. the CPU build's
@@ -56,7 +57,7 @@ from server.vllm_launcher import (
     health_ok,
     parse_gpu_ids,
 )
-from server.vllm_pool import PARALLEL_FLAGS, config_file_settings, parallel_size_flag
+from server.vllm_pool import PARALLEL_FLAGS, UNMODELLED, config_file_settings, parallel_size_flag
 
 
 def worker_spec(
@@ -119,11 +120,11 @@ def worker_spec(
 
 def _parallel_refusal(what: str, field: str) -> str:
     """Why vLLM's arguments after `--` may not set `field` (`server.vllm_pool.parallel_size_flag`) in `what`."""
-    if field == "pp":
+    if field in UNMODELLED:
         return (
-            f"{what}: vLLM's --pipeline-parallel-size is not supported: Mosaic does not model pipeline "
-            "parallelism (the server would need --tp × pp × --data-parallel-size GPUs, and the gateway books a "
-            "pool's capacity and GPUs from tp × dp only); use --tp instead"
+            f"{what}: vLLM's {PARALLEL_FLAGS[field]} is not supported: Mosaic does not model {UNMODELLED[field]} "
+            f"(the server would need --tp × {field} × --data-parallel-size GPUs, and the gateway books a pool's "
+            "capacity and GPUs from tp × dp only); use --tp instead"
         )
     option = "--tp" if field == "tp" else "--data-parallel-size"
     return (

@@ -2,7 +2,8 @@
 API server. A real pool's pod runs `vllm serve … --data-parallel-size <dp>` on tp × dp GPUs, a simulated pool's
 `mosaic worker` runs dp engines, and the gateway's config says dp so it sizes, prices and books the worker as
 dp engines. At dp 1 nothing of a pod template changes (an upgrade restarts no GPU pod), and the flags the chart
-writes from tp and dp may not also come through extraArgs, nor a pipeline parallel size (not modelled).
+writes from tp and dp may not also come through extraArgs, nor a pipeline or prefill context parallel size (not
+modelled).
 """
 
 from __future__ import annotations
@@ -243,6 +244,39 @@ def test_a_pools_extra_args_may_not_set_a_pipeline_parallel_size(
     assert (
         f'pools[1] (l4): pools[1].extraArgs has "{arg}", vLLM\'s --pipeline-parallel-size, which Mosaic does '
         "not model: a replica would need tp × pp × dp GPUs while its pod gets tp × dp"
+    ) in str(caught.value)
+    assert "remove it and use pools[1].tp" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "arg"),
+    [
+        pytest.param(
+            ["--prefill-context-parallel-size", "2"],
+            "--prefill-context-parallel-size",
+            id="--prefill-context-parallel-size",
+        ),
+        pytest.param(["-pcp", "2"], "-pcp", id="-pcp"),
+        pytest.param(["-pcp=2"], "-pcp=2", id="-pcp=2"),
+        pytest.param(
+            ["--prefill_context_parallel_size=2"], "--prefill_context_parallel_size=2", id="underscores"
+        ),
+        pytest.param(
+            ["--prefill-c", "2"], "--prefill-c", id="the shortest abbreviation argparse takes (--prefill-s…)"
+        ),
+        pytest.param(["-pc", "2"], "-pc", id="-pc: argparse takes it for -pcp"),
+    ],
+)
+def test_a_pools_extra_args_may_not_set_a_prefill_context_parallel_size(
+    chart: helm.Chart, extra: list[str], arg: str
+) -> None:
+    """vLLM's world size is tp × pp × pcp: a pcp multiplies a replica's GPUs like a pp does, and Mosaic does not
+    model it either."""
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(chart, {"pools": [SIM, {**REAL, "extraArgs": extra}]})
+    assert (
+        f'pools[1] (l4): pools[1].extraArgs has "{arg}", vLLM\'s --prefill-context-parallel-size, which Mosaic '
+        "does not model: a replica would need tp × pcp × dp GPUs while its pod gets tp × dp"
     ) in str(caught.value)
     assert "remove it and use pools[1].tp" in str(caught.value)
 

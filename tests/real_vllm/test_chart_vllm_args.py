@@ -32,8 +32,9 @@ for args in json.load(sys.stdin):
 print(json.dumps(out))
 """
 
-# Each argument list with one parser (argparse keeps no state between parses): what tp, dp and pp vLLM takes
-# from it, or null where vLLM refuses it (an ambiguous abbreviation, an unknown flag, a bad config file).
+# Each argument list with one parser (argparse keeps no state between parses): what tp, dp, pp, pcp and dcp
+# vLLM takes from it, or null where vLLM refuses it (an ambiguous abbreviation, an unknown flag, a bad config
+# file).
 RESOLVE = """
 import json, sys
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
@@ -46,7 +47,8 @@ for args in json.load(sys.stdin):
     except (SystemExit, ValueError):
         out.append(None)
     else:
-        out.append({"tp": ns.tensor_parallel_size, "dp": ns.data_parallel_size, "pp": ns.pipeline_parallel_size})
+        out.append({"tp": ns.tensor_parallel_size, "dp": ns.data_parallel_size, "pp": ns.pipeline_parallel_size,
+                    "pcp": ns.prefill_context_parallel_size, "dcp": ns.decode_context_parallel_size})
 print(json.dumps(out))
 """
 
@@ -108,28 +110,45 @@ def _spellings(flag: str, short: str) -> list[str]:
     return sorted({*names, *(f"{n}=3" for n in names)})
 
 
+# The sizes refused and the flags that set them; the decode context parallel size is among the spellings as
+# the control: vLLM reads it but it adds no GPU (test_the_refused_sizes_are_the_ones_that_multiply_vllms_gpus),
+# so it is not refused.
+SIZE_FLAGS = (
+    ("--tensor-parallel-size", "-tp"),
+    ("--data-parallel-size", "-dp"),
+    ("--pipeline-parallel-size", "-pp"),
+    ("--prefill-context-parallel-size", "-pcp"),
+    ("--decode-context-parallel-size", "-dcp"),
+)
+
+
 def _takes(read: dict[str, Any] | None) -> bool:
-    """Whether vLLM read a size of 3 (what every spelling sets) as its tp, dp or pp."""
-    return read is not None and 3 in (read["tp"], read["dp"], read["pp"])
+    """Whether vLLM read a size of 3 (what every spelling sets) as its tp, dp, pp or pcp."""
+    return read is not None and 3 in (read["tp"], read["dp"], read["pp"], read["pcp"])
 
 
 @functools.cache
+def _parallel_read() -> dict[str, dict[str, Any] | None]:
+    """Each spelling of SIZE_FLAGS, what vLLM's parser reads from it (`RESOLVE`)."""
+    spellings = sorted({s for flag, short in SIZE_FLAGS for s in _spellings(flag, short)})
+    return dict(zip(spellings, _vllm(RESOLVE, [_argv(s) for s in spellings]), strict=True))
+
+
+def _argv(spelling: str) -> list[str]:
+    return ["m", spelling] if "=" in spelling else ["m", spelling, "3"]
+
+
 def _parallel_spellings() -> tuple[list[str], list[list[str]], dict[str, bool]]:
-    """The spellings, their argument lists, and whether vLLM's parser reads each as the tp, dp or pp size."""
-    spellings = (
-        _spellings("--tensor-parallel-size", "-tp")
-        + _spellings("--data-parallel-size", "-dp")
-        + _spellings("--pipeline-parallel-size", "-pp")
-    )
-    argvs = [["m", s] if "=" in s else ["m", s, "3"] for s in spellings]
-    read = dict(zip(spellings, _vllm(RESOLVE, argvs), strict=True))
-    return spellings, argvs, {s: _takes(r) for s, r in read.items()}
+    """The spellings, their argument lists, and whether vLLM's parser reads each as the tp, dp, pp or pcp
+    size."""
+    read = _parallel_read()
+    return list(read), [_argv(s) for s in read], {s: _takes(r) for s, r in read.items()}
 
 
 def test_launched_pools_refuse_exactly_the_extra_args_vllm_reads_as_a_parallel_size() -> None:
     """`launch.extra_args` (the gateway's own vLLM processes, server/vllm_pool.py) are refused at load by the
-    same rule as the chart's extraArgs, held to vLLM's parser the same way: tp and dp (set the pool's) and pp
-    (not modelled)."""
+    same rule as the chart's extraArgs, held to vLLM's parser the same way: tp and dp (set the pool's), pp and
+    pcp (not modelled)."""
     from server.config import ConfigError, validate_config
 
     spellings, argvs, takes = _parallel_spellings()
@@ -171,29 +190,32 @@ def test_a_vllm_config_file_is_refused_exactly_when_vllm_reads_a_parallel_size_f
     in every spelling a flag does; `server.vllm_pool.config_file_settings` finds exactly those."""
     from server.vllm_pool import config_file_settings
 
-    names = (
-        _spellings("--tensor-parallel-size", "-tp")
-        + _spellings("--data-parallel-size", "-dp")
-        + _spellings("--pipeline-parallel-size", "-pp")
-    )
-    keys = sorted({n.removeprefix("--") for n in names if "=" not in n} | {"tp", "dp", "pp"})
+    names = [s for flag, short in SIZE_FLAGS for s in _spellings(flag, short)]
+    keys = sorted({n.removeprefix("--") for n in names if "=" not in n} | {"tp", "dp", "pp", "pcp", "dcp"})
     argvs = []
     for i, key in enumerate(keys):
         file = tmp_path / f"v{i}.yaml"
         file.write_text(f"{json.dumps(key)}: 3\n", encoding="utf-8")
         argvs.append(["m", "--config", str(file)])
-    takes = {key: _takes(r) for key, r in zip(keys, _vllm(RESOLVE, argvs), strict=True)}
+    read = dict(zip(keys, _vllm(RESOLVE, argvs), strict=True))
+    takes = {key: _takes(r) for key, r in read.items()}
     refused = {key: bool(config_file_settings(argv[1:])) for key, argv in zip(keys, argvs, strict=True)}
     assert refused == takes, {k: (refused[k], takes[k]) for k in keys if refused[k] != takes[k]}
     assert takes["tensor_parallel_size"] and takes["pipeline-parallel"] and takes["data-parallel-size"]
+    assert takes["prefill_context_parallel_size"] and takes["prefill-c"]
     assert not takes["pp"] and not takes["data-parallel"]  # an unknown flag; an ambiguous one
+    # an unknown flag; ambiguous (--prefill-schedule-interval too)
+    assert not takes["pcp"] and not takes["prefill"]
+    read_dcp = read["decode_context_parallel_size"]
+    assert read_dcp is not None and read_dcp["dcp"] == 3 and not takes["decode_context_parallel_size"]
 
 
 def test_the_chart_refuses_exactly_the_extra_args_vllm_reads_as_a_parallel_size() -> None:
     """templates/_helpers.tpl `mosaic.pool.checkParallelArgs` refuses a pool's extraArgs that set vLLM's tensor
-    or data parallel size (the chart writes both from tp and dp) or its pipeline parallel size (not modelled):
-    each spelling is refused at render if and only if vLLM's own parser reads it as that flag, so no spelling
-    slips past and none vLLM would refuse anyway (an ambiguous abbreviation) gets the chart's message."""
+    or data parallel size (the chart writes both from tp and dp) or its pipeline or prefill context parallel
+    size (not modelled): each spelling is refused at render if and only if vLLM's own parser reads it as that
+    flag, so no spelling slips past and none vLLM would refuse anyway (an ambiguous abbreviation) gets the
+    chart's message."""
     spellings, argvs, takes = _parallel_spellings()
     refused: dict[str, bool] = {}
     with helm.Chart.load(CHART_DIR) as chart:
@@ -210,3 +232,36 @@ def test_the_chart_refuses_exactly_the_extra_args_vllm_reads_as_a_parallel_size(
     # the spellings that matter: abbreviations vLLM takes, the short form, an abbreviation it refuses
     assert takes["--tensor-parallel"] and takes["-t"] and takes["-dp=3"] and not takes["--data-parallel"]
     assert takes["--pi"] and takes["-pp"] and not takes["-p"] and not takes["--p"]  # -p: -pp or -pcp
+    # --prefill-c… (--prefill… is also --prefill-schedule-interval), -pc alone (-pc=3 vLLM does not know)
+    assert takes["--prefill_c=3"] and takes["-pc"] and takes["-pcp=3"]
+    assert not takes["--prefill-"] and not takes["-pc=3"]
+    # the control: vLLM reads the decode context parallel size (nowhere refused: it adds no GPU)
+    read = _parallel_read()
+    assert all((read[s] or {}).get("dcp") == 3 for s in ("--dec", "--decode_context=3", "-dcp", "-dcp=3"))
+
+
+# vLLM's ParallelConfig for each set of sizes (JSON on stdin): the processes, one a GPU, a replica of vLLM's
+# runs (`world_size_across_dp`: world_size is tp × pp × pcp, times dp).
+WORLD = """
+import json, sys
+from vllm.config.parallel import ParallelConfig
+print(json.dumps([ParallelConfig(**sizes).world_size_across_dp for sizes in json.load(sys.stdin)]))
+"""
+
+
+def test_the_refused_sizes_are_the_ones_that_multiply_vllms_gpus() -> None:
+    """A replica gets tp × dp GPUs, vLLM's world size while pp and pcp are 1: each of those multiplies it and is
+    refused (not modelled); dcp does not (it shards the KV cache over the tp × pcp ranks there are) and is
+    passed on. Held to vLLM's ParallelConfig, so a release that changes either fails here."""
+    from server.vllm_pool import parallel_size_flag
+
+    sizes: list[dict[str, Any]] = [
+        {"tensor_parallel_size": 2},
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+        {"tensor_parallel_size": 2, "prefill_context_parallel_size": 2},
+        {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},  # vLLM: dcp divides tp when pcp is 1
+        {"tensor_parallel_size": 2, "data_parallel_size": 2},
+    ]
+    assert _vllm(WORLD, sizes) == [2, 4, 4, 2, 4]
+    flags = ("--pipeline-parallel-size", "--prefill-context-parallel-size", "--decode-context-parallel-size")
+    assert [parallel_size_flag(f) for f in flags] == ["pp", "pcp", None]

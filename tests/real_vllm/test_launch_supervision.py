@@ -854,6 +854,29 @@ def test_nixl_side_channel_host_is_advertisable() -> None:
             "extra_args: --pipeline_parallel=2: vLLM's --pipeline-parallel-size is not supported",
             id="PP abbreviation with underscores (argparse takes the prefix)",
         ),
+        pytest.param(
+            {"extra_args": ["--enforce-eager", "--prefill-context-parallel-size", "2"]},
+            "extra_args: --prefill-context-parallel-size: vLLM's --prefill-context-parallel-size is not "
+            "supported: Mosaic does not model prefill context parallelism, so the replica would need tp × pcp × "
+            "dp GPUs while the gateway gives it tp × dp and books its capacity from them; use the pool's tp "
+            "instead",
+            id="PCP size: not modelled",
+        ),
+        pytest.param(
+            {"extra_args": ["-pcp=2"]},
+            "extra_args: -pcp=2: vLLM's --prefill-context-parallel-size is not supported",
+            id="PCP short flag",
+        ),
+        pytest.param(
+            {"extra_args": ["-pc", "2"]},
+            "extra_args: -pc: vLLM's --prefill-context-parallel-size is not supported",
+            id="PCP short flag abbreviated (argparse takes -pc for -pcp)",
+        ),
+        pytest.param(
+            {"extra_args": ["--prefill_c=2"]},
+            "extra_args: --prefill_c=2: vLLM's --prefill-context-parallel-size is not supported",
+            id="PCP shortest abbreviation, underscores",
+        ),
     ],
 )
 def test_bad_launch_config_is_one_line(launch: dict[str, Any], message: str) -> None:
@@ -882,6 +905,12 @@ def test_bad_launch_config_is_one_line(launch: dict[str, Any], message: str) -> 
             "pipeline_parallel_size",
             "vLLM's --pipeline-parallel-size is not supported: Mosaic does not model pipeline parallelism",
             id="pp",
+        ),
+        pytest.param(
+            "prefill-context",
+            "vLLM's --prefill-context-parallel-size is not supported: Mosaic does not model prefill context "
+            "parallelism",
+            id="pcp, abbreviated",
         ),
     ],
 )

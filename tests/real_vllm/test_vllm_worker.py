@@ -101,6 +101,16 @@ def test_worker_spec(kwargs: dict[str, object], argv_tail: list[str], gpus: tupl
             {"extra_args": ["--", "-pp=2"]}, "-pp=2: vLLM's --pipeline-parallel-size", id="PP short"
         ),
         pytest.param(
+            {"extra_args": ["--", "--prefill-context-parallel-size", "2"]},
+            "--prefill-context-parallel-size: vLLM's --prefill-context-parallel-size is not supported: Mosaic "
+            "does not model prefill context parallelism (the server would need --tp × pcp × "
+            "--data-parallel-size GPUs",
+            id="PCP after --: not modelled",
+        ),
+        pytest.param(
+            {"extra_args": ["--", "-pcp=2"]}, "-pcp=2: vLLM's --prefill-context-parallel-size", id="PCP short"
+        ),
+        pytest.param(
             {"gpu_ids": "0,1", "extra_args": ["--", "-tp", "4"]},
             "-tp: give the worker's --tp instead, before -- (it writes vLLM's --tensor-parallel-size and checks "
             "--gpu-ids against --tp × --data-parallel-size)",
@@ -130,6 +140,17 @@ def test_worker_spec_reads_a_vllm_config_file_for_parallel_sizes(tmp_path: Path)
     with pytest.raises(ValueError) as caught:
         worker_spec(model="m", port=8000, extra_args=["--", "--config", f"{tmp_path}/absent.yaml"])
     assert str(caught.value).startswith(f"--config {tmp_path}/absent.yaml: cannot read vLLM's config file")
+
+
+def test_worker_spec_reads_a_prefill_context_parallel_size_from_a_vllm_config_file(tmp_path: Path) -> None:
+    file = tmp_path / "vllm.yaml"
+    file.write_text("prefill_context_parallel_size: 2\n", encoding="utf-8")
+    with pytest.raises(ValueError) as caught:
+        worker_spec(model="m", port=8000, extra_args=["--", "--config", str(file)])
+    assert str(caught.value).startswith(
+        f"--config {file} sets prefill_context_parallel_size: vLLM's --prefill-context-parallel-size is not "
+        "supported"
+    )
 
 
 MOSAIC = str(Path(sys.executable).with_name("mosaic"))
@@ -301,6 +322,13 @@ def test_vllm_that_cannot_start_exits_1() -> None:
             "parallelism (the server would need --tp × pp × --data-parallel-size GPUs, and the gateway books a "
             "pool's capacity and GPUs from tp × dp only); use --tp instead",
             id="vllm: a pipeline parallel size after --",
+        ),
+        pytest.param(
+            ["--engine", "vllm", "--model", "m", "--", "-pcp", "2"],
+            "error: -pcp: vLLM's --prefill-context-parallel-size is not supported: Mosaic does not model prefill "
+            "context parallelism (the server would need --tp × pcp × --data-parallel-size GPUs, and the gateway "
+            "books a pool's capacity and GPUs from tp × dp only); use --tp instead",
+            id="vllm: a prefill context parallel size after --",
         ),
     ],
 )

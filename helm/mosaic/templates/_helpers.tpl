@@ -310,13 +310,16 @@ A pool's tp and dp reach its workers only through the flags the chart writes fro
 --tensor-parallel-size and --data-parallel-size, `mosaic worker`'s --tp and --data-parallel-size): the same
 flag again in extraArgs would win (vLLM's parser and click keep the last), and the worker would run another
 shape than the one its pod got GPUs for (tp × dp) and the gateway sizes, prices and books (a crash loop, or
-wrong capacity). Pipeline parallelism (--pipeline-parallel-size) is refused too: Mosaic does not model it, and
-a replica would need tp × pp × dp GPUs while its pod gets tp × dp and the gateway books that much capacity.
-vLLM's parser also takes `_` for `-` in a long name, `=value`, the short forms -tp, -dp and -pp, and
-argparse's abbreviations: every prefix of --tensor-parallel-size from --te and of --pipeline-parallel-size
-from --pi (vLLM 0.32 has no other option starting so) and -t (its only short option starting so; not -t=N,
-which argparse refuses), none of --data-parallel-size (each is a prefix of --data-parallel-size-local too,
-ambiguous), of -dp, or -p (-pp or -pcp: ambiguous). tests/real_vllm/test_chart_vllm_args.py holds these
+wrong capacity). Pipeline and prefill context parallelism (--pipeline-parallel-size,
+--prefill-context-parallel-size) are refused too: Mosaic does not model them, and as vLLM's world size is
+tp × pp × pcp a replica would need tp × pp × dp or tp × pcp × dp GPUs while its pod gets tp × dp and the
+gateway books that much capacity (--decode-context-parallel-size adds no GPU and passes). vLLM's parser also
+takes `_` for `-` in a long name, `=value`, the short forms -tp, -dp, -pp and -pcp, and argparse's
+abbreviations: every prefix of --tensor-parallel-size from --te, of --pipeline-parallel-size from --pi and of
+--prefill-context-parallel-size from --prefill-c (vLLM 0.32 has no other option starting so;
+--prefill-schedule-interval shares --prefill-), -t and -pc (its only short options starting so; not -t=N or
+-pc=N, which argparse refuses), none of --data-parallel-size (each is a prefix of --data-parallel-size-local
+too, ambiguous), of -dp, or -p (-pp or -pcp: ambiguous). tests/real_vllm/test_chart_vllm_args.py holds these
 spellings to vLLM's own parser. A `--config FILE` in extraArgs (vLLM's YAML of options, which may set these
 sizes too) lives in the container and cannot be read here (docs/deploy.md). A pool's extraArgs are checked
 simulated or not (they are its vLLM arguments once it runs vLLM); simulator.extraArgs (click: exact names)
@@ -336,13 +339,16 @@ for each simulated pool. Arguments: (list root index pool extraArgsValuesPath).
 {{- $long := trimPrefix "--" $name | replace "_" "-" }}
 {{- if and (ge (len $long) 2) (hasPrefix $long "tensor-parallel-size") }}{{ $key = "tp" }}{{ end }}
 {{- if and (ge (len $long) 2) (hasPrefix $long "pipeline-parallel-size") }}{{ $key = "pp" }}{{ end }}
+{{- if and (hasPrefix "prefill-c" $long) (hasPrefix $long "prefill-context-parallel-size") }}{{ $key = "pcp" }}{{ end }}
 {{- if eq $long "data-parallel-size" }}{{ $key = "dp" }}{{ end }}
 {{- else if or (eq $name "-tp") (eq $arg "-t") }}{{ $key = "tp" }}
 {{- else if eq $name "-dp" }}{{ $key = "dp" }}
 {{- else if eq $name "-pp" }}{{ $key = "pp" }}
+{{- else if or (eq $name "-pcp") (eq $arg "-pc") }}{{ $key = "pcp" }}
 {{- end }}
-{{- if eq $key "pp" }}
-{{- fail (printf "pools[%d] (%s): %s has %q, vLLM's --pipeline-parallel-size, which Mosaic does not model: a replica would need tp × pp × dp GPUs while its pod gets tp × dp and the gateway sizes, prices and books the pool by tp × dp; remove it and use pools[%d].tp" $i $pool.name $path $arg $i) }}
+{{- if or (eq $key "pp") (eq $key "pcp") }}
+{{- $flag := ternary "--pipeline-parallel-size" "--prefill-context-parallel-size" (eq $key "pp") }}
+{{- fail (printf "pools[%d] (%s): %s has %q, vLLM's %s, which Mosaic does not model: a replica would need tp × %s × dp GPUs while its pod gets tp × dp and the gateway sizes, prices and books the pool by tp × dp; remove it and use pools[%d].tp" $i $pool.name $path $arg $flag $key $i) }}
 {{- else if $key }}
 {{- fail (printf "pools[%d] (%s): %s has %q, vLLM's %s, which the chart writes from the pool's %s (%s); remove it and set pools[%d].%s" $i $pool.name $path $arg (ternary "--tensor-parallel-size" "--data-parallel-size" (eq $key "tp")) $key $why $i $key) }}
 {{- end }}
