@@ -348,3 +348,40 @@ def test_a_failing_node_listing_is_logged_once_and_not_retried_at_every_resync(
     assert all(s == {"n1": {"rack": "r1"}} for s in seen)  # the last listing throughout
     assert fetched == [0, 61, 95, 130]  # a failure is retried after 30 s, not at every pool's resync
     assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1  # once per run of failures
+
+
+def test_a_worker_back_in_the_next_listing_brings_its_lora_adapters_back() -> None:
+    """Its adapters go from the index when it leaves the listing and come back with its record (the
+    index is rebuilt on both changes), without waiting for the next /v1/models read."""
+    models = {
+        "object": "list",
+        "data": [{"id": "llama-3-8b", "parent": None}, {"id": "sql", "parent": "llama-3-8b"}],
+    }
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=models) if request.url.path == "/v1/models" else httpx.Response(200)
+
+    async def main() -> list[dict[str, str]]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        reg = Registry(ScrapeConfig(models_interval_s=3600), HealthConfig(), GatewayMetrics(), client=client)
+        reg.add_pool(
+            PoolInfo("p", "llama-3-8b", "H100-SXM", Role.MIXED, capacity_for("H100", "llama-3-8b")), None
+        )
+        a = Endpoint("vllm-0", "http://10.0.0.5:8000")
+        seen = []
+        try:
+            reg.sync_pool("p", [a])
+            await asyncio.sleep(0.05)  # its first health check: ready, adapters read
+            seen.append(dict(reg.adapter_models()))
+            ticket = reg.track("p/vllm-0", 500)
+            reg.sync_pool("p", [])
+            seen.append(dict(reg.adapter_models()))
+            reg.sync_pool("p", [a])
+            seen.append(dict(reg.adapter_models()))
+            ticket.done()
+            return seen
+        finally:
+            await reg.stop()
+            await client.aclose()
+
+    assert asyncio.run(main()) == [{"sql": "llama-3-8b"}, {}, {"sql": "llama-3-8b"}]
