@@ -365,7 +365,7 @@ class Registry:
             seen.add(wid)
             rec = self._workers.get(wid)
             if rec is None and (back := self._departed.pop(wid, None)) is not None and back.url == ep.url:
-                rec = self._workers[wid] = back  # its in-flight counts, breaker, last scrape, adapters carry on
+                rec = self._workers[wid] = back  # in-flight counts, breaker, last scrape, adapters carry on
                 if back.adapters:
                     self._adapter_models = None
             if rec is None or rec.url != ep.url:
