@@ -135,6 +135,14 @@ STALL = {"limits": {"stall_timeout_s": 15.0}}
 STREAM_TOKENS = 2000
 
 
+# The abort case's tries: the SIGTERM must reach vLLM while its engine runs the stream, and on 2 shared cores
+# the engine can finish all STREAM_TOKENS before the starved API server has logged the POST or sent a token
+# (seen: SIGTERM 3 s after the engine's "Running: 1 reqs", the request already done, no abort in its log).
+# A try whose SIGTERM came too late (vLLM's log shows no aborted request) is run again on a fresh server.
+SIGTERM_TRIES = 3
+ENGINE_ABORTED = "aborting in-flight requests count=1"
+
+
 @pytest.mark.parametrize(("shutdown_timeout_s", "completes"), [(30, True), (None, False)])
 def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
     tmp_path: Path, shutdown_timeout_s: int | None, completes: bool
@@ -144,6 +152,37 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
     gateway-side drain; also what a gateway shutdown relies on). The stream goes through a Mosaic gateway in
     front of the server: an aborted one (cut, finish_reason "abort", or [DONE] with no finish_reason at all)
     is a worker_error there, never completed, and still ends with [DONE]."""
+    reason = vllm_env.missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    for attempt in range(SIGTERM_TRIES if not completes else 1):
+        workdir = tmp_path / f"try-{attempt}"
+        workdir.mkdir()
+        ended, outcomes, tokens = _stream_then_sigterm(workdir, shutdown_timeout_s)
+        aborted = ENGINE_ABORTED in (workdir / "vllm.log").read_text(errors="replace")
+        if completes or aborted or outcomes != {"completed": 1}:
+            break  # judged below (a completed stream whose engine did abort it fails there)
+    else:
+        pytest.skip(
+            f"the SIGTERM reached vLLM after its engine had finished the stream in {SIGTERM_TRIES} tries"
+        )
+    assert ended == ["done"]  # through the gateway a stream always ends with [DONE], cut or not
+    assert outcomes == ({"completed": 1} if completes else {"worker_error": 1}), (len(tokens), tokens[-2:])
+    if completes:  # all the tokens, ended as a finished request ends; a loaded vLLM may send two tokens in
+        # one event (seen in CI: 399 events for 400), so the events are not counted
+        assert '"finish_reason":"length"' in tokens[-1] and 0 < len(tokens) <= STREAM_TOKENS
+    else:  # aborted: cut, or ended early with [DONE] after a finish_reason "abort" event or (seen in CI)
+        # after no finish_reason at all; never with the reason of a finished request. Not a count: the abort
+        # event carries `"text":""`, and a fast CPU run had sent 399 tokens when the SIGTERM took effect
+        assert not any('"finish_reason":"length"' in t or '"finish_reason":"stop"' in t for t in tokens)
+        assert sum('"text":""' not in t for t in tokens) < STREAM_TOKENS
+
+
+def _stream_then_sigterm(
+    workdir: Path, shutdown_timeout_s: int | None
+) -> tuple[list[str], dict[str, int], list[str]]:
+    """A vLLM server and a gateway in front of it; a STREAM_TOKENS stream through the gateway, SIGTERM to vLLM
+    once it runs. (How the stream ended, the gateway's outcomes, the token events.)"""
     import dataclasses
     import threading
 
@@ -151,9 +190,6 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
 
     from server.vllm_launcher import VllmProcess, free_port
 
-    reason = vllm_env.missing_reason()
-    if reason is not None:
-        pytest.skip(reason)
     # The stream must outlast the time a SIGTERM takes to act, or the abort case finds a finished stream (seen
     # in CI: 400 tokens out on a fast CPU before vLLM stopped). The test model takes 2,048 positions, so this
     # server does too, and the stream asks for ~4x the 512-token servers' longest.
@@ -163,10 +199,8 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
         max_model_len=vllm_env.model_max_positions(),
     )
     with (
-        VllmProcess.start(spec, log_path=tmp_path / "vllm.log") as proc,
-        MosaicGateway(
-            static_config(vllm_env.SERVED_MODEL_NAME, [proc.url], extra=STALL), tmp_path
-        ) as gateway,
+        VllmProcess.start(spec, log_path=workdir / "vllm.log") as proc,
+        MosaicGateway(static_config(vllm_env.SERVED_MODEL_NAME, [proc.url], extra=STALL), workdir) as gateway,
     ):
         proc.wait_healthy(300)
         gateway.wait_ready()
@@ -202,7 +236,7 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
         # was made. vLLM logs the POST as it starts the stream and adds the request to its engine right after,
         # while the engine is still idle; half a second later the request is running.
         assert (
-            wait_for_line(tmp_path / "vllm.log", '"POST /v1/completions HTTP/1.1" 200', 120) or first.is_set()
+            wait_for_line(workdir / "vllm.log", '"POST /v1/completions HTTP/1.1" 200', 120) or first.is_set()
         )
         first.wait(0.5)
         proc.terminate()  # SIGTERM, as the launcher's stop sends
@@ -210,16 +244,7 @@ def test_a_sigterm_lets_running_requests_finish_only_with_a_shutdown_timeout(
         deadline = time.monotonic() + 10  # counted as the response ends, just after the client's last read
         while not (outcomes := gateway_outcomes(gateway)) and time.monotonic() < deadline:
             time.sleep(0.1)
-    assert ended == ["done"]  # through the gateway a stream always ends with [DONE], cut or not
-    assert outcomes == ({"completed": 1} if completes else {"worker_error": 1}), (len(tokens), tokens[-2:])
-    if completes:  # all the tokens, ended as a finished request ends; a loaded vLLM may send two tokens in
-        # one event (seen in CI: 399 events for 400), so the events are not counted
-        assert '"finish_reason":"length"' in tokens[-1] and 0 < len(tokens) <= STREAM_TOKENS
-    else:  # aborted: cut, or ended early with [DONE] after a finish_reason "abort" event or (seen in CI)
-        # after no finish_reason at all; never with the reason of a finished request. Not a count: the abort
-        # event carries `"text":""`, and a fast CPU run had sent 399 tokens when the SIGTERM took effect
-        assert not any('"finish_reason":"length"' in t or '"finish_reason":"stop"' in t for t in tokens)
-        assert sum('"text":""' not in t for t in tokens) < STREAM_TOKENS
+    return ended, outcomes, tokens
 
 
 def wait_for_line(log_path: Path, needle: str, timeout_s: float) -> bool:
