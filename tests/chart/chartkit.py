@@ -161,6 +161,12 @@ def parse_mosaic_args(args: list[str]) -> dict[str, Any]:
     """Parse `mosaic <args>` with Mosaic's own CLI (click parses, nothing runs): an unknown flag or a bad
     value fails the test. Returns the parsed parameters by name. Skips while the sub-command is not
     registered yet."""
+    return parse_mosaic_line(args)[0]
+
+
+def parse_mosaic_line(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """`parse_mosaic_args`, and the arguments click left to the command itself (`ctx.args`: `mosaic worker`
+    reads vLLM's LoRA flags from them)."""
     commands = _mosaic_commands()
     if isinstance(commands, str):
         pytest.skip(commands)
@@ -169,4 +175,4 @@ def parse_mosaic_args(args: list[str]) -> dict[str, Any]:
         pytest.skip(f"`mosaic {args[0]}` is not registered in server/cli.py yet")
     with sub.make_context(args[0], list(args[1:])) as ctx:
         assert ctx.params
-        return dict(ctx.params)
+        return dict(ctx.params), list(ctx.args)

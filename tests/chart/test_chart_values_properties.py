@@ -124,8 +124,23 @@ def pool(draw: st.DrawFn, name: str) -> dict[str, Any]:
         "terminationGracePeriodSeconds": ints(41, 200),
         "progressDeadlineSeconds": st.one_of(st.none(), ints(1, 3000)),
         "image": st.sampled_from([{}, {"tag": "v0.33.0"}, {"repository": "rocm/vllm", "tag": "latest"}]),
-        # -dp=2: the data parallel size again, which the render refuses (the chart writes it from dp)
-        "extraArgs": st.lists(st.sampled_from(["--enforce-eager", "--seed=1", "-dp=2"]), max_size=2),
+        # -dp=2: the data parallel size again, which the render refuses (the chart writes it from dp); so is
+        # --max-loras=2 with `lora` on, and with it off passes through
+        "extraArgs": st.lists(
+            st.sampled_from(["--enforce-eager", "--seed=1", "-dp=2", "--max-loras=2"]), max_size=2
+        ),
+        # LoRA adapters; refused: an adapter named as a pool's model, settings without adapters, run-time
+        # updating with dp > 1
+        "lora": st.sampled_from(
+            [
+                {},
+                {"modules": [{"name": "sql", "path": "/adapters/sql"}], "maxLoras": 2, "maxLoraRank": 64},
+                {"modules": [{"name": "chat", "path": "org/chat-lora"}], "runtimeUpdating": True},
+                {"runtimeUpdating": True},
+                {"modules": [{"name": "llama-3-8b", "path": "/adapters/x"}]},
+                {"maxLoras": 4},
+            ]
+        ),
         "nodeSelector": st.sampled_from([{}, {"pool": "gpu"}]),
         "podLabels": st.sampled_from([{}, {"team": "ml"}]),
         "resources": st.sampled_from([{}, {"requests": {"cpu": "2"}, "limits": {"memory": "8Gi"}}]),

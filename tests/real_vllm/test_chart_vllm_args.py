@@ -265,3 +265,167 @@ def test_the_refused_sizes_are_the_ones_that_multiply_vllms_gpus() -> None:
     assert _vllm(WORLD, sizes) == [2, 4, 4, 2, 4]
     flags = ("--pipeline-parallel-size", "--prefill-context-parallel-size", "--decode-context-parallel-size")
     assert [parallel_size_flag(f) for f in flags] == ["pp", "pcp", None]
+
+
+# ---- LoRA (`pools[].lora`) ----
+
+# Each argument list parsed by `vllm serve`'s parser: its LoRA settings, and whether vLLM's LoRAConfig (the
+# pydantic model the engine builds from them) takes the rank and count; null where the parser refuses the list.
+LORA_PARSE = """
+import json, sys
+from vllm.config.lora import LoRAConfig
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser())
+out = []
+for args in json.load(sys.stdin):
+    try:
+        ns = parser.parse_args(args)
+    except (SystemExit, ValueError):
+        out.append(None)
+        continue
+    modules = None if ns.lora_modules is None else [[m.name, m.path] for m in ns.lora_modules]
+    config = LoRAConfig(max_lora_rank=ns.max_lora_rank, max_loras=ns.max_loras)
+    out.append({"enable_lora": ns.enable_lora, "modules": modules, "max_loras": config.max_loras,
+                "max_lora_rank": config.max_lora_rank, "api_server_count": ns.api_server_count,
+                "shutdown_timeout": ns.shutdown_timeout})
+print(json.dumps(out))
+"""
+
+ADAPTERS = [{"name": "sql", "path": "/adapters/sql"}, {"name": "chat", "path": "my-org/llama3-chat-lora"}]
+LORA_POOL = {"name": "p", "model": "llama-3-8b", "gpu": "L4", "lora": {"modules": ADAPTERS}}
+
+
+def _pool_argvs(values: dict[str, Any]) -> dict[str, list[str]]:
+    with helm.Chart.load(CHART_DIR) as chart:
+        rendered = render(chart, values)
+    return {
+        p["name"]: [str(a) for a in container(rendered.get("Deployment", f"{RELEASE}-{p['name']}"))["args"]]
+        for p in values["pools"]
+    }
+
+
+def test_lora_pools_parse_with_vllms_parser() -> None:
+    """The chart's --enable-lora, --lora-modules name=path ..., --max-loras and --max-lora-rank are vLLM's LoRA
+    settings, and a flag after the adapters (the chart's --shutdown-timeout) is not read as one."""
+    pools = [
+        {
+            "name": "static",
+            "model": "llama-3-8b",
+            "gpu": "L4",
+            "lora": {"modules": ADAPTERS, "maxLoras": 2, "maxLoraRank": 320},
+        },
+        {"name": "runtime", "model": "llama-3-8b", "gpu": "L4", "lora": {"runtimeUpdating": True}},
+        {
+            "name": "dp",
+            "model": "llama-3-8b",
+            "gpu": "L4",
+            "dp": 2,
+            "lora": {"modules": ADAPTERS[:1], "runtimeUpdating": True},
+            "extraArgs": ["--api-server-count", "1"],
+        },
+        {"name": "plain", "model": "llama-3-8b", "gpu": "L4"},
+    ]
+    argvs = _pool_argvs({"pools": pools})
+    parsed = dict(zip(argvs, _vllm(LORA_PARSE, list(argvs.values())), strict=True))
+    modules = [[a["name"], a["path"]] for a in ADAPTERS]
+    assert parsed["static"] == {
+        "enable_lora": True, "modules": modules, "max_loras": 2, "max_lora_rank": 320,
+        "api_server_count": None, "shutdown_timeout": 100,
+    }  # fmt: skip
+    assert parsed["runtime"]["enable_lora"] is True and parsed["runtime"]["modules"] is None
+    assert (parsed["runtime"]["max_loras"], parsed["runtime"]["max_lora_rank"]) == (1, 16)  # vLLM's defaults
+    assert (parsed["dp"]["modules"], parsed["dp"]["api_server_count"]) == (modules[:1], 1)
+    assert (parsed["plain"]["enable_lora"], parsed["plain"]["modules"]) == (None, None)
+    assert all(p["shutdown_timeout"] == 100 for p in parsed.values()), parsed
+
+
+def test_the_schemas_lora_ranks_are_vllms() -> None:
+    """values.schema.json's maxLoraRank enum is vllm/config/lora.py's MaxLoRARanks (and null: vLLM's default)."""
+    script = "import json, typing\nfrom vllm.config.lora import MaxLoRARanks\nprint(json.dumps(typing.get_args(MaxLoRARanks)))"
+    ranks = _vllm(script, [])
+    with helm.Chart.load(CHART_DIR) as chart:
+        lora = chart.schema["definitions"]["poolFields"]["properties"]["lora"]  # type: ignore[index]
+    assert lora["properties"]["maxLoraRank"]["enum"] == [None, *ranks]
+
+
+def _lora_spellings() -> dict[str, list[str]]:
+    """Each way to write the LoRA flags the chart writes that vLLM's parser might take → its argument list:
+    every prefix of the long names (argparse's abbreviations), with `-` or `_`, with and without `=value`
+    (a value vLLM takes for each: an adapter, 3 adapters per batch, rank 32)."""
+    flags = {"--enable-lora": None, "--no-enable-lora": None, "--lora-modules": "b=/p", "--max-loras": "3",
+             "--max-lora-rank": "32"}  # fmt: skip
+    argvs: dict[str, list[str]] = {}
+    for flag, value in flags.items():
+        names = [flag[:n] for n in range(3, len(flag) + 1)]
+        names += [n.replace("-", "_").replace("__", "--", 1) for n in names if "-" in n[2:]]
+        for name in names:
+            argvs[name] = [name] if value is None else [name, value]
+            argvs[f"{name}={value or 1}"] = [f"{name}={value or 1}"]
+    return argvs
+
+
+def _takes_lora(read: dict[str, Any] | None) -> bool:
+    """Whether vLLM read a LoRA setting the chart writes (what every spelling sets) from the list."""
+    return read is not None and (
+        read["enable_lora"] is not None
+        or read["modules"] is not None
+        or read["max_loras"] == 3
+        or read["max_lora_rank"] == 32
+    )
+
+
+def test_the_chart_refuses_exactly_the_extra_args_vllm_reads_as_a_lora_flag() -> None:
+    """templates/_helpers.tpl `mosaic.pool.checkLora` refuses, for a pool with LoRA on, the extraArgs that set
+    what the chart writes from `lora` (--[no-]enable-lora, --lora-modules, --max-loras, --max-lora-rank): each
+    spelling is refused at render if and only if vLLM's own parser reads it as one of them."""
+    spellings = _lora_spellings()
+    read = _vllm(LORA_PARSE, [["m", *argv] for argv in spellings.values()])
+    takes = {s: _takes_lora(r) for s, r in zip(spellings, read, strict=True)}
+    refused: dict[str, bool] = {}
+    with helm.Chart.load(CHART_DIR) as chart:
+        for spelling, argv in spellings.items():
+            try:
+                render(chart, {"pools": [{**LORA_POOL, "extraArgs": argv}]})
+            except helm.HelmRenderError as exc:
+                assert "pools[0].extraArgs has" in str(exc), exc
+                refused[spelling] = True
+            else:
+                refused[spelling] = False
+    assert refused == takes, {s: (refused[s], takes[s]) for s in spellings if refused[s] != takes[s]}
+    # the spellings that matter: the shortest abbreviations vLLM takes, ambiguous ones, a switch with a value
+    assert (
+        takes["--enable-lor"]
+        and takes["--no_enable_lor"]
+        and takes["--lora-m=b=/p"]
+        and takes["--max-lora-r"]
+    )
+    assert not takes["--enable-lo"] and not takes["--lora-"] and not takes["--max-lora"]
+    assert takes["--max-loras"] and not takes["--enable-lora=1"]
+
+
+def test_the_chart_takes_exactly_the_api_server_count_of_1_vllm_reads() -> None:
+    """Run-time LoRA updating with dp > 1 needs one API server (vLLM 0.32 otherwise starts dp of them and
+    refuses VLLM_ALLOW_RUNTIME_LORA_UPDATING): the render takes such a pool if and only if vLLM's parser reads
+    an api_server_count of 1 from its extraArgs."""
+    flag = "--api-server-count"
+    names = [flag[:n] for n in range(3, len(flag) + 1)]
+    names += [n.replace("-", "_").replace("__", "--", 1) for n in names if "-" in n[2:]]
+    names += ["-a", "-as", "-asc"]
+    spellings = {n: [n, "1"] for n in names} | {f"{n}=1": [f"{n}=1"] for n in names}
+    spellings["--api-server-count 2"] = [flag, "2"]
+    read = _vllm(LORA_PARSE, [["m", *argv] for argv in spellings.values()])
+    takes = {s: r is not None and r["api_server_count"] == 1 for s, r in zip(spellings, read, strict=True)}
+    accepted: dict[str, bool] = {}
+    pool = {**LORA_POOL, "dp": 2, "lora": {"runtimeUpdating": True}}
+    with helm.Chart.load(CHART_DIR) as chart:
+        for spelling, argv in spellings.items():
+            try:
+                render(chart, {"pools": [{**pool, "extraArgs": argv}]})
+            except helm.HelmRenderError as exc:
+                assert "lora.runtimeUpdating with dp 2" in str(exc), exc
+                accepted[spelling] = False
+            else:
+                accepted[spelling] = True
+    assert accepted == takes, {s: (accepted[s], takes[s]) for s in spellings if accepted[s] != takes[s]}
+    assert takes["--api-s"] and takes["-as"] and takes["-asc=1"] and not takes["-as=1"] and not takes["--api"]

@@ -204,6 +204,9 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- include "mosaic.pool.checkModel" (list $root $i $pool) }}
 {{- include "mosaic.pool.checkGpu" (list $root $i $pool) }}
 {{- include "mosaic.pool.checkParallelArgs" (list $root $i $pool (ternary (printf "pools[%d].extraArgs" $i) "poolDefaults.extraArgs" (hasKey $p "extraArgs"))) }}
+{{- $lora := $pool.lora | default dict }}
+{{- $_ := set $pool "loraOn" (or (not (empty $lora.modules)) (eq (toString $lora.runtimeUpdating) "true")) }}
+{{- include "mosaic.pool.checkLora" (list $root $i $pool $p (ternary (printf "pools[%d].extraArgs" $i) "poolDefaults.extraArgs" (hasKey $p "extraArgs"))) }}
 {{- $_ := set $pool "fullname" $name }}
 {{- /* apiKey.existingSecret: the pool's vLLM servers require that key; the gateway reads it from `apiKeyEnv`. Pool names are DNS labels,
 so upper-casing and `-` → `_` gives each pool its own variable name. */}}
@@ -246,6 +249,7 @@ so upper-casing and `-` → `_` gives each pool its own variable name. */}}
 {{- $_ := set $pool "deployments" $deployments }}
 {{- $resolved = append $resolved $pool }}
 {{- end }}
+{{- include "mosaic.checkLoraNames" $resolved }}
 {{- toYaml (dict "pools" $resolved) }}
 {{- end }}
 
@@ -360,6 +364,169 @@ for each simulated pool. Arguments: (list root index pool extraArgsValuesPath).
 {{- if has $name (list "--tp" "--data-parallel-size") }}
 {{- $key := ternary "tp" "dp" (eq $name "--tp") }}
 {{- fail (printf "pools[%d] (%s): simulator.extraArgs has %q, mosaic worker's %s, which the chart writes from the pool's %s (%s); remove it and set pools[%d].%s" $i $pool.name $arg $name $key $why $i $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A pool's LoRA adapters (`lora`; `loraOn`: it has `modules` or `runtimeUpdating`), checked where vLLM 0.32 would
+refuse them at start (a crash loop) or another value would override what the chart writes from them. The
+schema holds each value alone (a name without `=`, `,`, blanks or a leading `-`: the chart writes
+`--lora-modules name=path` and vLLM reads an item with a `,` as JSON; maxLoras >= 1; maxLoraRank one of
+vllm/config/lora.py MaxLoRARanks); here the rules across values:
+- a name twice in the pool ("The lora adapter '…' has already been loaded"), or the pool's served name, its
+  `model` ("… conflicts with a served base model"): vLLM loads the static adapters at start and exits;
+- the pool's own maxLoras or maxLoraRank with neither modules nor runtimeUpdating: LoRA stays off, say so;
+- runtimeUpdating with dp > 1: vLLM starts one API server per engine (api_server_count defaults to the data
+  parallel size) and refuses VLLM_ALLOW_RUNTIME_LORA_UPDATING with more than one (entrypoints/cli/serve.py),
+  unless extraArgs set --api-server-count 1 (`_` for `-`, `=1`, an abbreviation from --api-s, -asc, -as but
+  not -as=1, as vLLM's parser reads them);
+- runtimeUpdating with VLLM_ALLOW_RUNTIME_LORA_UPDATING in env or vllm.env too (the later entry would win);
+- with LoRA on, a flag the chart writes from `lora` again in extraArgs: vLLM keeps the last --max-loras,
+  --max-lora-rank and --lora-modules (a later list replaces an earlier one), and --no-enable-lora turns LoRA
+  off. As checkParallelArgs reads them: `_` for `-`, `=value` (not for the switches, which vLLM refuses with
+  a value), and argparse's abbreviations vLLM 0.32 takes: --enable-lor…, --no-enable-lor…, --lora-m…,
+  --max-lora-r… and --max-loras exactly (--max-lora is ambiguous); also vLLM's dotted form (`--lora-modules.name
+  x`, read as JSON). tests/real_vllm/test_chart_vllm_args.py holds these spellings to vLLM's parser. For a
+  simulated pool, simulator.extraArgs too (`mosaic worker` reads --lora-modules, --max-loras and
+  --[no-]enable-lora by exact name). Without LoRA on, extraArgs may carry LoRA flags (the way before `lora`).
+Arguments: (list root index pool poolValues extraArgsValuesPath).
+*/}}
+{{- define "mosaic.pool.checkLora" -}}
+{{- $root := index . 0 }}
+{{- $i := index . 1 }}
+{{- $pool := index . 2 }}
+{{- $own := (index . 3).lora | default dict }}
+{{- $path := index . 4 }}
+{{- $lora := $pool.lora | default dict }}
+{{- $names := dict }}
+{{- range $j, $m := ($lora.modules | default list) }}
+{{- $name := toString $m.name }}
+{{- if hasKey $names $name }}
+{{- fail (printf "pools[%d] (%s): lora.modules[%d] names adapter %q, as lora.modules[%d] does; vLLM refuses an adapter name twice at start (\"The lora adapter '%s' has already been loaded\"): give each adapter its own name" $i $pool.name $j $name (get $names $name) $name) }}
+{{- end }}
+{{- $_ := set $names $name $j }}
+{{- if eq $name (toString $pool.model) }}
+{{- fail (printf "pools[%d] (%s): lora.modules[%d] names adapter %q, the pool's model (vLLM's --served-model-name); vLLM refuses it at start (\"The lora adapter '%s' conflicts with a served base model\"): rename the adapter" $i $pool.name $j $name $name) }}
+{{- end }}
+{{- end }}
+{{- if not $pool.loraOn }}
+{{- range $key := list "maxLoras" "maxLoraRank" }}
+{{- if and (hasKey $own $key) (not (kindIs "invalid" (index $own $key))) }}
+{{- fail (printf "pools[%d] (%s): lora.%s is set but the pool has no lora.modules and no lora.runtimeUpdating, so LoRA stays off and it does nothing; add the adapters (modules) or runtimeUpdating: true, or remove lora.%s" $i $pool.name $key $key) }}
+{{- end }}
+{{- end }}
+{{- else }}
+{{- $args := $pool.extraArgs | default list }}
+{{- if and $lora.runtimeUpdating (gt (int $pool.dp) 1) }}
+{{- $servers := "" }}
+{{- range $k, $a := $args }}
+{{- $arg := toString $a }}
+{{- $name := index (splitList "=" $arg) 0 }}
+{{- $long := trimPrefix "--" $name | replace "_" "-" }}
+{{- if or (and (hasPrefix "--" $name) (ge (len $long) 5) (hasPrefix $long "api-server-count")) (eq $name "-asc") (eq $arg "-as") }}
+{{- if contains "=" $arg }}{{ $servers = trimPrefix (printf "%s=" $name) $arg }}{{ else if lt (add1 $k) (len $args) }}{{ $servers = toString (index $args (add1 $k)) }}{{ end }}
+{{- end }}
+{{- end }}
+{{- if ne $servers "1" }}
+{{- fail (printf "pools[%d] (%s): lora.runtimeUpdating with dp %d: vLLM 0.32 starts one API server per engine and refuses VLLM_ALLOW_RUNTIME_LORA_UPDATING with more than one at start; add `--api-server-count 1` to pools[%d].extraArgs (one API server for the %d engines), or set runtimeUpdating: false and list the adapters in lora.modules" $i $pool.name (int $pool.dp) $i (int $pool.dp)) }}
+{{- end }}
+{{- end }}
+{{- if $lora.runtimeUpdating }}
+{{- range $from, $env := dict (printf "pools[%d].env" $i) ($pool.env | default list) "vllm.env" ($root.Values.vllm.env | default list) }}
+{{- range $env }}
+{{- if eq (toString .name) "VLLM_ALLOW_RUNTIME_LORA_UPDATING" }}
+{{- fail (printf "pools[%d] (%s): %s sets VLLM_ALLOW_RUNTIME_LORA_UPDATING, which the chart writes from lora.runtimeUpdating (the later entry would win); remove it from %s" $i $pool.name $from $from) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $writes := dict "lora-modules" "modules" "max-loras" "maxLoras" "max-lora-rank" "maxLoraRank" }}
+{{- range $args }}
+{{- $arg := toString . }}
+{{- $name := index (splitList "." (index (splitList "=" $arg) 0)) 0 }}
+{{- $flag := "" }}
+{{- if hasPrefix "--" $name }}
+{{- $long := trimPrefix "--" $name | replace "_" "-" }}
+{{- $switch := and (not (contains "=" $arg)) (not (contains "." $arg)) }}
+{{- if and $switch (ge (len $long) 10) (hasPrefix $long "enable-lora") }}{{ $flag = "enable-lora" }}{{ end }}
+{{- if and $switch (ge (len $long) 13) (hasPrefix $long "no-enable-lora") }}{{ $flag = "no-enable-lora" }}{{ end }}
+{{- if and (ge (len $long) 6) (hasPrefix $long "lora-modules") }}{{ $flag = "lora-modules" }}{{ end }}
+{{- if eq $long "max-loras" }}{{ $flag = "max-loras" }}{{ end }}
+{{- if and (ge (len $long) 10) (hasPrefix $long "max-lora-rank") }}{{ $flag = "max-lora-rank" }}{{ end }}
+{{- end }}
+{{- if eq $flag "enable-lora" }}
+{{- fail (printf "pools[%d] (%s): %s has %q, vLLM's --enable-lora, which the chart writes for pools[%d].lora (its modules or runtimeUpdating); remove it" $i $pool.name $path $arg $i) }}
+{{- else if eq $flag "no-enable-lora" }}
+{{- fail (printf "pools[%d] (%s): %s has %q, vLLM's --no-enable-lora, which turns off the LoRA the chart turns on for pools[%d].lora (vLLM then refuses its adapters at start); remove it, or remove pools[%d].lora to serve no adapter" $i $pool.name $path $arg $i $i) }}
+{{- else if $flag }}
+{{- $key := get $writes $flag }}
+{{- fail (printf "pools[%d] (%s): %s has %q, vLLM's --%s, which the chart writes from pools[%d].lora.%s (vLLM keeps the last of a repeated flag); remove it and set pools[%d].lora.%s" $i $pool.name $path $arg $flag $i $key $i $key) }}
+{{- end }}
+{{- end }}
+{{- if $pool.simulated }}
+{{- range ($root.Values.simulator.extraArgs | default list) }}
+{{- $arg := toString . }}
+{{- $name := index (splitList "=" $arg) 0 }}
+{{- if has $name (list "--lora-modules" "--max-loras" "--enable-lora" "--no-enable-lora") }}
+{{- fail (printf "pools[%d] (%s): simulator.extraArgs has %q, mosaic worker's %s (vLLM's), which the chart writes from pools[%d].lora for this simulated pool (the worker keeps the last of a repeated flag); remove it and set pools[%d].lora" $i $pool.name $arg $name $i $i) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A LoRA pool's arguments, vLLM's flags: --enable-lora, --lora-modules name=path ... (a list that ends at the next
+flag: in vLLM's line the chart's own --shutdown-timeout follows), --max-loras and, for vLLM (not `mosaic
+worker`, which has no rank), --max-lora-rank, each when set. Arguments: (list lora forVllm); returns YAML list
+items.
+*/}}
+{{- define "mosaic.pool.loraArgs" -}}
+{{- $lora := index . 0 }}
+- --enable-lora
+{{- with $lora.modules }}
+- --lora-modules
+{{- range . }}
+- {{ printf "%s=%s" (toString .name) (toString .path) | quote }}
+{{- end }}
+{{- end }}
+{{- if not (kindIs "invalid" $lora.maxLoras) }}
+- --max-loras
+- {{ $lora.maxLoras | int | quote }}
+{{- end }}
+{{- if and (index . 1) (not (kindIs "invalid" $lora.maxLoraRank)) }}
+- --max-lora-rank
+- {{ $lora.maxLoraRank | int | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+LoRA adapter names across pools (arguments: the resolved pools). The gateway reads each worker's adapters from
+its /v1/models and routes a request naming one as that worker's base model (server/registry.py
+adapter_models): a pool's model name is always that model, never an adapter, so an adapter named like another
+pool's model is unreachable through the gateway; and an adapter name is one adapter to a client, mapped to one
+base model, so the same name on pools of two different models leaves one of them unreachable. The same adapter
+name on several pools of one model is one adapter served by all of them.
+*/}}
+{{- define "mosaic.checkLoraNames" -}}
+{{- $models := dict }}
+{{- range $i, $p := . }}{{ $_ := set $models (toString $p.model) (printf "pools[%d] (%s)" $i $p.name) }}{{ end }}
+{{- $adapters := dict }}
+{{- range $i, $p := . }}
+{{- if $p.loraOn }}
+{{- range $j, $m := ($p.lora.modules | default list) }}
+{{- $name := toString $m.name }}
+{{- $where := printf "pools[%d] (%s): lora.modules[%d]" $i $p.name $j }}
+{{- with get $models $name }}
+{{- fail (printf "%s names adapter %q, the model of %s; the gateway routes that name to the model, never to this adapter: rename the adapter" $where $name .) }}
+{{- end }}
+{{- $seen := get $adapters $name }}
+{{- if and $seen (ne (index $seen 0) (toString $p.model)) }}
+{{- fail (printf "%s names adapter %q, as %s does for model %q; the gateway maps an adapter name to one base model, so one of them would be unreachable: give the %s adapter its own name" $where $name (index $seen 1) (index $seen 0) (toString $p.model)) }}
+{{- end }}
+{{- if not $seen }}{{ $_ := set $adapters $name (list (toString $p.model) (printf "pools[%d] (%s)" $i $p.name)) }}{{ end }}
 {{- end }}
 {{- end }}
 {{- end }}
