@@ -39,6 +39,10 @@ def test_a_request_naming_an_adapter_goes_only_to_workers_serving_it() -> None:
             # routed, admitted and counted as its base model
             assert gw.dispatcher.outcomes == {"completed": 12}
             assert metric(gw, "mosaic_requests_total", model=MODEL, pool="p", status="200") == 12
+            # per adapter too: the fake's usage is 7 prompt + 4 completion tokens an answer
+            assert metric(gw, "mosaic_lora_requests_total", model=MODEL, adapter="sql", status="200") == 6
+            assert metric(gw, "mosaic_lora_tokens_total", model=MODEL, adapter="sql", kind="prompt") == 42
+            assert metric(gw, "mosaic_lora_tokens_total", model=MODEL, adapter="sql", kind="generation") == 24
 
     run(body)
 
