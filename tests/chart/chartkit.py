@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import kubernetes_validate
 import pytest
 import typer
 import yaml
@@ -117,6 +118,23 @@ def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
 def container(deployment: dict[str, Any], index: int = 0) -> dict[str, Any]:
     c: dict[str, Any] = pod_spec(deployment)["containers"][index]
     return c
+
+
+# The oldest Kubernetes the chart supports and the newest kubernetes-validate knows.
+KUBE_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
+
+
+def container_args(deployment: dict[str, Any]) -> list[str]:
+    """The first container's args, as strings."""
+    return [str(a) for a in container(deployment)["args"]]
+
+
+def validated_deployment(rendered: Rendered, name: str) -> dict[str, Any]:
+    """The release's Deployment `<release>-<name>`, validated (strict) against each of KUBE_VERSIONS."""
+    dep = rendered.get("Deployment", f"{RELEASE}-{name}")
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(dep, version, strict=True)
+    return dep
 
 
 def env_map(c: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -12,32 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
-import kubernetes_validate
 import pytest
 
 from tests.chart.chartkit import (
     RELEASE,
-    Rendered,
     container,
+    container_args,
     parse_mosaic_args,
     pod_spec,
     render,
+    validated_deployment,
 )
 
-KUBE_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
 REAL = {"name": "l4", "model": "llama-3-8b", "gpu": "L4"}
 SIM = {"name": "sim", "model": "llama-3-8b", "gpu": "L4", "simulated": True}
-
-
-def _args(dep: dict[str, Any]) -> list[str]:
-    return [str(a) for a in container(dep)["args"]]
-
-
-def _one(rendered: Rendered, name: str) -> dict[str, Any]:
-    dep = rendered.get("Deployment", f"{RELEASE}-{name}")
-    for version in KUBE_VERSIONS:
-        kubernetes_validate.validate(dep, version, strict=True)
-    return dep
 
 
 def _after(args: list[str], flag: str) -> list[str]:
@@ -52,8 +40,8 @@ def test_a_real_dp_pool_runs_vllm_data_parallel_on_tp_times_dp_gpus(
     chart: helm.Chart, tmp_path: Path
 ) -> None:
     rendered = render(chart, {"pools": [{**REAL, "tp": 2, "dp": 2}]})
-    dep = _one(rendered, "l4")
-    assert _args(dep) == [
+    dep = validated_deployment(rendered, "l4")
+    assert container_args(dep) == [
         "llama-3-8b",
         "--served-model-name", "llama-3-8b",
         "--host", "0.0.0.0",
@@ -79,7 +67,7 @@ def test_a_real_dp_pool_runs_vllm_data_parallel_on_tp_times_dp_gpus(
 
 def test_a_dp_pool_takes_its_gpus_from_its_own_gpu_resource(chart: helm.Chart) -> None:
     pool = {**REAL, "dp": 4, "gpuResource": "amd.com/gpu", "gpuProducts": ["AMD-Instinct-MI300X"]}
-    dep = _one(render(chart, {"pools": [pool]}), "l4")
+    dep = validated_deployment(render(chart, {"pools": [pool]}), "l4")
     resources = container(dep)["resources"]
     assert resources["limits"]["amd.com/gpu"] == 4 and resources["requests"]["amd.com/gpu"] == 4
     assert "nvidia.com/gpu" not in resources["limits"]
@@ -88,7 +76,7 @@ def test_a_dp_pool_takes_its_gpus_from_its_own_gpu_resource(chart: helm.Chart) -
 def test_a_pd_dp_pool_declares_each_engines_nixl_side_channel(chart: helm.Chart) -> None:
     """vLLM 0.32's NIXL connector listens on VLLM_NIXL_SIDE_CHANNEL_PORT + the engine's data-parallel index."""
     rendered = render(chart, {"pools": [{**REAL, "role": "prefill", "dp": 3}]})
-    ports = container(_one(rendered, "l4"))["ports"]
+    ports = container(validated_deployment(rendered, "l4"))["ports"]
     assert ports == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
         {"name": "nixl", "containerPort": 5600, "protocol": "TCP"},
@@ -125,15 +113,20 @@ def test_vllms_port_on_an_engines_side_channel_is_refused(
 
 def test_a_simulated_dp_pool_runs_dp_engines(chart: helm.Chart, tmp_path: Path) -> None:
     rendered = render(chart, {"pools": [{**SIM, "tp": 2, "dp": 2}, {**SIM, "name": "one", "tp": 2}]})
-    args, single = _args(_one(rendered, "sim")), _args(_one(rendered, "one"))
+    args, single = (
+        container_args(validated_deployment(rendered, "sim")),
+        container_args(validated_deployment(rendered, "one")),
+    )
     cut = len(_after(single, "--tp"))
     # the dp = 1 pool's arguments with the engines inserted after --tp
     assert args == [*single[:cut], "--data-parallel-size", "2", *single[cut:]]
     params = parse_mosaic_args(args)
     assert (params["tp"], params["data_parallel_size"]) == (2, 2)
-    annotations = _one(rendered, "sim")["spec"]["template"]["metadata"]["annotations"]
+    annotations = validated_deployment(rendered, "sim")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["mosaic.dev/dp"] == "2"
-    assert not any("gpu" in k for k in container(_one(rendered, "sim"))["resources"].get("limits", {}))
+    assert not any(
+        "gpu" in k for k in container(validated_deployment(rendered, "sim"))["resources"].get("limits", {})
+    )
     assert [(p.name, p.dp) for p in rendered.load_config(tmp_path).pools] == [("sim", 2), ("one", 1)]
 
 
@@ -152,7 +145,7 @@ def test_dp_1_renders_the_pod_templates_as_before(chart: helm.Chart, pool: dict[
     assert explicit["mosaic/templates/pools.yaml"] == raw["mosaic/templates/pools.yaml"]
     dep = render(chart, {"pools": [pool]}).pool_deployments()[0]
     c = container(dep)
-    assert "--data-parallel-size" not in _args(dep)
+    assert "--data-parallel-size" not in container_args(dep)
     assert "mosaic.dev/dp" not in dep["spec"]["template"]["metadata"]["annotations"]
     assert [p["name"] for p in c["ports"]] == ["http", *(["nixl"] if pool.get("role") == "prefill" else [])]
     if not pool.get("simulated"):
@@ -182,8 +175,8 @@ def test_the_schema_refuses_a_dp_that_is_not_a_count_of_engines(
 
 def test_pool_defaults_dp_reaches_every_pool(chart: helm.Chart) -> None:
     rendered = render(chart, {"poolDefaults": {"dp": 2}, "pools": [REAL, {**SIM, "dp": 1}]})
-    assert "--data-parallel-size" in _args(_one(rendered, "l4"))
-    assert "--data-parallel-size" not in _args(_one(rendered, "sim"))
+    assert "--data-parallel-size" in container_args(validated_deployment(rendered, "l4"))
+    assert "--data-parallel-size" not in container_args(validated_deployment(rendered, "sim"))
     assert [p["dp"] for p in rendered.config()["pools"]] == [2, 1]
 
 
@@ -316,6 +309,6 @@ def test_simulator_extra_args_may_not_set_tp_or_dp(
     ids=["another DP flag", "DP backend", "a value", "too short a prefix"],
 )
 def test_other_flags_pass(chart: helm.Chart, extra: list[str]) -> None:
-    dep = _one(render(chart, {"pools": [{**REAL, "dp": 2, "extraArgs": extra}]}), "l4")
-    assert _args(dep)[-len(extra) :] == extra
+    dep = validated_deployment(render(chart, {"pools": [{**REAL, "dp": 2, "extraArgs": extra}]}), "l4")
+    assert container_args(dep)[-len(extra) :] == extra
     assert pod_spec(dep)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2

@@ -11,13 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 import helm_python as helm
-import kubernetes_validate
 import pytest
 
 from server.commands.worker import lora_args
-from tests.chart.chartkit import RELEASE, Rendered, container, env_map, parse_mosaic_line, render
+from tests.chart.chartkit import (
+    RELEASE,
+    container,
+    container_args,
+    env_map,
+    parse_mosaic_line,
+    render,
+    validated_deployment,
+)
 
-KUBE_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
 REAL = {"name": "l4", "model": "llama-3-8b", "gpu": "L4"}
 SIM = {"name": "sim", "model": "llama-3-8b", "gpu": "L4", "simulated": True}
 ADAPTERS = [
@@ -26,17 +32,6 @@ ADAPTERS = [
 ]
 LORA = {"modules": ADAPTERS, "maxLoras": 2, "maxLoraRank": 64}
 RUNTIME = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-
-
-def _args(dep: dict[str, Any]) -> list[str]:
-    return [str(a) for a in container(dep)["args"]]
-
-
-def _one(rendered: Rendered, name: str) -> dict[str, Any]:
-    dep = rendered.get("Deployment", f"{RELEASE}-{name}")
-    for version in KUBE_VERSIONS:
-        kubernetes_validate.validate(dep, version, strict=True)
-    return dep
 
 
 def _refused(chart: helm.Chart, values: dict[str, Any]) -> str:
@@ -51,8 +46,8 @@ def _refused(chart: helm.Chart, values: dict[str, Any]) -> str:
 
 def test_a_real_lora_pool_runs_vllm_with_its_adapters(chart: helm.Chart) -> None:
     rendered = render(chart, {"pools": [{**REAL, "lora": LORA}]})
-    dep = _one(rendered, "l4")
-    assert _args(dep) == [
+    dep = validated_deployment(rendered, "l4")
+    assert container_args(dep) == [
         "llama-3-8b",
         "--served-model-name", "llama-3-8b",
         "--host", "0.0.0.0",
@@ -80,8 +75,8 @@ def test_the_gateway_config_is_the_same_with_or_without_adapters(chart: helm.Cha
 
 def test_runtime_updating_alone_enables_lora_and_vllms_load_endpoint(chart: helm.Chart) -> None:
     rendered = render(chart, {"pools": [{**REAL, "lora": {"runtimeUpdating": True}}]})
-    dep = _one(rendered, "l4")
-    args = _args(dep)
+    dep = validated_deployment(rendered, "l4")
+    args = container_args(dep)
     assert args[args.index("--enable-prefix-caching") + 1 :] == ["--enable-lora", "--shutdown-timeout", "100"]
     env = env_map(container(dep))
     assert env[RUNTIME] == {"name": RUNTIME, "value": "True"}
@@ -93,8 +88,8 @@ def test_runtime_updating_alone_enables_lora_and_vllms_load_endpoint(chart: helm
 def test_runtime_updating_with_static_adapters(chart: helm.Chart) -> None:
     values = {"pools": [{**REAL, "lora": {"modules": ADAPTERS[:1], "runtimeUpdating": True}}]}
     values["vllm"] = {"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]}
-    dep = _one(render(chart, values), "l4")
-    args = _args(dep)
+    dep = validated_deployment(render(chart, values), "l4")
+    args = container_args(dep)
     assert args[args.index("--enable-lora") :] == [
         "--enable-lora", "--lora-modules", "sql=/adapters/sql", "--shutdown-timeout", "100",
     ]  # fmt: skip
@@ -112,9 +107,9 @@ def test_adapters_on_a_volume_of_the_pools_extra_volumes(chart: helm.Chart) -> N
         ],
         "extraVolumeMounts": [{"name": "adapters", "mountPath": "/adapters", "readOnly": True}],
     }
-    dep = _one(render(chart, {"pools": [pool]}), "l4")
+    dep = validated_deployment(render(chart, {"pools": [pool]}), "l4")
     assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in container(dep)["volumeMounts"]
-    assert "sql=/adapters/sql" in _args(dep)
+    assert "sql=/adapters/sql" in container_args(dep)
 
 
 def test_pool_defaults_lora_settings_apply_to_the_pools_with_adapters(chart: helm.Chart) -> None:
@@ -123,8 +118,8 @@ def test_pool_defaults_lora_settings_apply_to_the_pools_with_adapters(chart: hel
         "pools": [REAL, {**REAL, "name": "a100", "gpu": "A100-80GB", "lora": {"modules": ADAPTERS}}],
     }
     rendered = render(chart, values)
-    assert not any("lora" in a for a in _args(_one(rendered, "l4")))
-    args = _args(_one(rendered, "a100"))
+    assert not any("lora" in a for a in container_args(validated_deployment(rendered, "l4")))
+    args = container_args(validated_deployment(rendered, "a100"))
     assert args[args.index("--max-loras") :][:4] == ["--max-loras", "4", "--max-lora-rank", "32"]
 
 
@@ -134,16 +129,19 @@ def test_a_pool_can_turn_off_what_pool_defaults_turn_on(chart: helm.Chart) -> No
         "pools": [REAL, {**REAL, "name": "plain", "lora": {"modules": [], "runtimeUpdating": False}}],
     }
     rendered = render(chart, values)
-    assert "--enable-lora" in _args(_one(rendered, "l4"))
-    plain = _one(rendered, "plain")
-    assert "--enable-lora" not in _args(plain) and RUNTIME not in env_map(container(plain))
+    assert "--enable-lora" in container_args(validated_deployment(rendered, "l4"))
+    plain = validated_deployment(rendered, "plain")
+    assert "--enable-lora" not in container_args(plain) and RUNTIME not in env_map(container(plain))
 
 
 def test_one_adapter_name_on_pools_of_one_model(chart: helm.Chart) -> None:
     """The same adapter served by two pools of the base model: the gateway routes it to either."""
     pools = [{**REAL, "lora": LORA}, {**REAL, "name": "a100", "gpu": "A100-80GB", "lora": LORA}]
     rendered = render(chart, {"pools": pools})
-    l4, a100 = _args(_one(rendered, "l4")), _args(_one(rendered, "a100"))
+    l4, a100 = (
+        container_args(validated_deployment(rendered, "l4")),
+        container_args(validated_deployment(rendered, "a100")),
+    )
     assert l4[l4.index("--enable-lora") :] == a100[a100.index("--enable-lora") :]
     assert "chat=my-org/llama3-chat-lora" in l4
 
@@ -154,15 +152,18 @@ def test_one_adapter_name_on_pools_of_one_model(chart: helm.Chart) -> None:
 def test_a_simulated_lora_pool_serves_the_adapters_as_mosaic_worker_reads_them(chart: helm.Chart) -> None:
     lora = {**LORA, "runtimeUpdating": True}
     rendered = render(chart, {"pools": [{**SIM, "lora": lora}, {**SIM, "name": "plain"}]})
-    dep, plain = _one(rendered, "sim"), _args(_one(rendered, "plain"))
+    dep, plain = (
+        validated_deployment(rendered, "sim"),
+        container_args(validated_deployment(rendered, "plain")),
+    )
     # the pool's arguments without adapters, then vLLM's LoRA flags (no rank: the simulator has no LoRA cost)
-    assert _args(dep) == [
+    assert container_args(dep) == [
         *plain,
         "--enable-lora",
         "--lora-modules", "sql=/adapters/sql", "chat=my-org/llama3-chat-lora",
         "--max-loras", "2",
     ]  # fmt: skip
-    params, rest = parse_mosaic_line(_args(dep))
+    params, rest = parse_mosaic_line(container_args(dep))
     assert params["served_model_name"] == "llama-3-8b"
     read = lora_args(rest)
     assert [(m.name, m.path) for m in read.modules] == [(a["name"], a["path"]) for a in ADAPTERS]
@@ -171,8 +172,8 @@ def test_a_simulated_lora_pool_serves_the_adapters_as_mosaic_worker_reads_them(c
 
 
 def test_a_simulated_pool_without_max_loras_takes_the_workers_default(chart: helm.Chart) -> None:
-    dep = _one(render(chart, {"pools": [{**SIM, "lora": {"modules": ADAPTERS[:1]}}]}), "sim")
-    read = lora_args(parse_mosaic_line(_args(dep))[1])
+    dep = validated_deployment(render(chart, {"pools": [{**SIM, "lora": {"modules": ADAPTERS[:1]}}]}), "sim")
+    read = lora_args(parse_mosaic_line(container_args(dep))[1])
     assert ([m.name for m in read.modules], read.max_loras) == (["sql"], 1)
 
 
@@ -371,8 +372,8 @@ def test_runtime_updating_with_several_api_servers_is_refused(chart: helm.Chart)
     ) in message
     assert "pools[0] (l4)" in _refused(chart, {"pools": [{**pool, "extraArgs": ["--api-server-count", "2"]}]})
     for one in (["--api-server-count", "1"], ["-asc=1"], ["--api_server_count=1"], ["--api-s", "1"]):
-        dep = _one(render(chart, {"pools": [{**pool, "extraArgs": one}]}), "l4")
-        assert _args(dep)[-len(one) :] == one
+        dep = validated_deployment(render(chart, {"pools": [{**pool, "extraArgs": one}]}), "l4")
+        assert container_args(dep)[-len(one) :] == one
     render(chart, {"pools": [{**pool, "dp": 1}]})
     render(chart, {"pools": [{**pool, "lora": {"modules": ADAPTERS}}]})  # static adapters need no API
 
@@ -474,8 +475,8 @@ def test_pool_defaults_extra_args_are_named_as_such(chart: helm.Chart) -> None:
     ids=["cpu loras", "dtype", "fully sharded", "target modules", "--max-lora", "--enable-lo", "switch=1"],
 )
 def test_other_lora_flags_pass(chart: helm.Chart, extra: list[str]) -> None:
-    dep = _one(render(chart, {"pools": [{**REAL, "lora": LORA, "extraArgs": extra}]}), "l4")
-    assert _args(dep)[-len(extra) :] == extra
+    dep = validated_deployment(render(chart, {"pools": [{**REAL, "lora": LORA, "extraArgs": extra}]}), "l4")
+    assert container_args(dep)[-len(extra) :] == extra
 
 
 def test_only_a_pool_with_lora_on_has_the_lora_flags_in_extra_args_refused(chart: helm.Chart) -> None:
@@ -486,8 +487,10 @@ def test_only_a_pool_with_lora_on_has_the_lora_flags_in_extra_args_refused(chart
         chart, {"pools": [{**REAL, "lora": LORA, "extraArgs": extra}]}
     )
     for lora in ({}, {"modules": []}):
-        dep = _one(render(chart, {"pools": [{**REAL, "lora": lora, "extraArgs": extra}]}), "l4")
-        assert _args(dep)[-len(extra) :] == extra
+        dep = validated_deployment(
+            render(chart, {"pools": [{**REAL, "lora": lora, "extraArgs": extra}]}), "l4"
+        )
+        assert container_args(dep)[-len(extra) :] == extra
 
 
 @pytest.mark.parametrize(
