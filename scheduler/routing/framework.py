@@ -175,7 +175,11 @@ class Filter(Protocol):
 
 
 class Scorer(Protocol):
-    """One score per candidate, in the same order, each in [0, 1], 1 best. Candidates are non-empty."""
+    """One score per candidate, in the same order, each in [0, 1], 1 best. Candidates are non-empty.
+
+    A scorer that has an opinion on some requests only may also define `applies(req) -> bool`: the cycle
+    skips it for a request it does not apply to, as if its weight were 0 there (its scores would be the same
+    for every candidate, which ranks nothing and costs a pass over the candidates)."""
 
     def score(self, cycle: Cycle, candidates: Sequence[WorkerView]) -> Sequence[float]: ...
 
@@ -383,6 +387,9 @@ class Cycle:
         totals = [0.0] * len(candidates)
         parts: list[dict[str, float]] = [{} for _ in candidates]
         for ws in profile.scorers:
+            applies = getattr(ws.scorer, "applies", None)
+            if applies is not None and not applies(self.req):
+                continue
             scores = list(ws.scorer.score(self, candidates))
             if len(scores) != len(candidates):
                 raise ValueError(

@@ -14,7 +14,8 @@ Why the scorer: vLLM batches requests of at most `--max-loras` distinct adapters
 set); a request for another adapter waits in its queue until a slot frees, i.e. until the requests of
 some adapter have all finished, which can be whole generations. A worker already running the adapter
 adds the request to a slot it has; one with a free slot loads it; one with every slot taken makes it wait.
-A request naming no adapter scores 1 everywhere (no effect on its ranking).
+A request naming no adapter scores 1 everywhere (no effect on its ranking), and the cycle skips the scorer
+for it (`applies`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import ClassVar
 
 from scheduler.fleet import WorkerView
 from scheduler.routing.filters import NoParams
-from scheduler.routing.framework import Cycle
+from scheduler.routing.framework import Cycle, RouteRequest
 from scheduler.routing.reasons import FilterReason
 
 
@@ -45,6 +46,11 @@ class LoraAffinityScorer:
 
     def __init__(self, params: NoParams | None = None) -> None:
         self.params = params or NoParams()
+
+    @staticmethod
+    def applies(req: RouteRequest) -> bool:
+        """Only requests naming an adapter: for the rest it scores 1 everywhere (`Scorer` skips it then)."""
+        return req.adapter is not None
 
     def score(self, cycle: Cycle, candidates: Sequence[WorkerView]) -> list[float]:
         adapter = cycle.req.adapter

@@ -112,3 +112,17 @@ def test_an_adapters_prefix_hashes_are_its_own() -> None:
     assert block_hashes(tokens, 16, seed=adapter_seed("sql")) == sql  # stable
     text = "x" * 256
     assert text_block_hashes(text, 64, seed=adapter_seed("sql")) != text_block_hashes(text, 64)
+
+
+def test_the_cycle_skips_the_scorer_for_a_request_naming_no_adapter() -> None:
+    """`applies`: for a base-model request every score would be 1, so the cycle does not run it (no part, no
+    pass over the candidates); for an adapter request it scores."""
+    from scheduler.routing.pickers import MaxScorePicker
+    from tests.scheduler.routing.builders import profile
+
+    a, b = lora_worker("a", {"sql"}, {"sql"}, set(), 1), lora_worker("b", {"sql"}, {"x"}, set(), 1)
+    prof = profile(scorers=[("lora-affinity", LoraAffinityScorer(), 2.0)], picker=MaxScorePicker())
+    base = Cycle(lora_req(None), view(a, b), 0.0, random.Random(0)).score(prof, [a, b])
+    assert [(s.total, s.parts) for s in base] == [(0.0, {}), (0.0, {})]
+    sql = Cycle(lora_req("sql"), view(a, b), 0.0, random.Random(0)).score(prof, [a, b])
+    assert [(s.total, s.parts) for s in sql] == [(2.0, {"lora-affinity": 1.0}), (0.0, {"lora-affinity": 0.0})]
