@@ -97,6 +97,9 @@ class WorkerRecord:
     # LoRA adapters its /v1/models lists: name → the card's `root` (the adapter's path); when last fetched
     adapters: dict[str, str | None] = field(default_factory=dict)
     adapters_at: float | None = None
+    # its `LoraState` for the stats it was built from (`_lora`): a view is rebuilt per request on a busy
+    # worker, the adapters and the scrape change far less often
+    _lora_state: tuple[WorkerStats | None, LoraState] | None = field(default=None, repr=False, compare=False)
     _view: WorkerView | None = field(default=None, repr=False, compare=False)
     _view_key: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
 
@@ -172,12 +175,19 @@ class WorkerRecord:
         )
 
     def _lora(self, s: WorkerStats | None) -> LoraState:
-        """Its adapters, with their load from a fresh scrape (None fields when stale or not exposed)."""
+        """Its adapters, with their load from a fresh scrape (None fields when stale or not exposed); built
+        once per scrape and adapter list (a new list drops it: `Registry._fetch_adapters`)."""
+        cached = self._lora_state
+        if cached is not None and cached[0] is s:
+            return cached[1]
         if not self.adapters and (s is None or s.lora_running is None):
-            return NO_LORA
-        if s is None:
-            return LoraState(frozenset(self.adapters))
-        return LoraState(frozenset(self.adapters), s.lora_running, s.lora_waiting, s.max_lora)
+            state = NO_LORA
+        elif s is None:
+            state = LoraState(frozenset(self.adapters))
+        else:
+            state = LoraState(frozenset(self.adapters), s.lora_running, s.lora_waiting, s.max_lora)
+        self._lora_state = (s, state)
+        return state
 
 
 def _engines(last: WorkerStats | None, fresh: bool, capacity: WorkerCapacity) -> tuple[EngineView, ...]:
@@ -529,7 +539,8 @@ class Registry:
         if adapters != rec.adapters:
             if rec.adapters or adapters:
                 log.info("worker %s serves LoRA adapters: %s", rec.id, ", ".join(sorted(adapters)) or "none")
-            rec.adapters, rec._view = adapters, None  # not in the cached view's key: drop the cached view
+            # not in the cached view's key: drop the cached view and LoRA state
+            rec.adapters, rec._view, rec._lora_state = adapters, None, None
             self._adapter_models = None
 
     def adapter_models(self) -> dict[str, str]:
