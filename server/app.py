@@ -49,6 +49,7 @@ from server.dispatch import CLIENT_CLOSED_STATUS, RequestRecord
 from server.errors import Cause, GatewayError, shutting_down
 from server.footprint import Kind, parse_request
 from server.gateway import Gateway
+from server.lora_admin import LOAD_PATH, UNLOAD_PATH
 from server.metrics import CONTENT_TYPE
 from server.request_body import read_body
 from server.response_retrieval import stored_response_endpoint
@@ -306,6 +307,8 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
 
 
 def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
+    for path in (LOAD_PATH, UNLOAD_PATH):  # run-time LoRA adapters, for the whole fleet (server.lora_admin)
+        app.router.add_route(path, gw.lora_admin.endpoint(path, _RID_KEY), methods=["POST"])
     tokenizer = TokenizerProxy(gw)
     for path in TOKENIZER_PATHS:  # vLLM's tokenizer endpoints, answered by a worker (server.tokenize_proxy)
         app.router.add_route(path, tokenizer.endpoint(path, _RID_KEY), methods=["POST"])
@@ -389,6 +392,14 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
             "outcomes": dict(gw.dispatcher.outcomes),
         }
         return JSONResponse(body)
+
+    @app.get("/admin/lora")
+    async def admin_lora(request: Request) -> Response:
+        try:
+            gw.keys.authenticate_admin(request.headers.get("authorization"))
+        except GatewayError as err:
+            return err.to_response()
+        return JSONResponse(gw.lora_admin.describe())
 
     @app.get("/admin/autoscaler")
     async def admin_autoscaler(request: Request) -> Response:

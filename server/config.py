@@ -432,6 +432,15 @@ class ResponsesConfig(_Strict):
     affinity_ttl_s: float = Field(default=86_400.0, gt=0, allow_inf_nan=False)
 
 
+class LoraConfig(_Strict):
+    """Run-time LoRA adapters relayed through the gateway (`server.lora_admin`): how long a worker may take
+    to load one, and whether adapters loaded through the gateway are loaded on workers that come later."""
+
+    load_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)  # vLLM may download from the Hub
+    reconcile: bool = True
+    retry_max_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)  # a failed reconcile's longest wait
+
+
 class GatewayPeersConfig(_Strict):
     """This gateway's own replicas, listed at run time (`server.peers`): N of the 1/N KV share is the number
     listed — at once when it rises, after `grow_back_after_s` of fewer when it falls — instead of the fixed
@@ -466,6 +475,7 @@ class MosaicConfig(_Strict):
     autoscaler: AutoscalerConfig = Field(default_factory=AutoscalerConfig)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     cors: CorsConfig = Field(default_factory=CorsConfig)  # browsers' cross-origin requests (vLLM's defaults)
+    lora: LoraConfig = Field(default_factory=LoraConfig)  # /v1/load_lora_adapter relayed to the fleet
     responses: ResponsesConfig = Field(
         default_factory=ResponsesConfig
     )  # /v1/responses' stored-response affinity

@@ -42,6 +42,7 @@ from server.dispatch import Dispatcher, worker_auth_headers
 from server.embedded_actuator import OpenDecisions
 from server.kv_admission import KvQueuePolicy
 from server.kv_setup import build_gateway_ledger, routing_with_kv
+from server.lora_admin import LoraAdmin
 from server.metrics import GatewayMetrics
 from server.peers import GatewayPeers
 from server.proxy import Upstream
@@ -98,6 +99,19 @@ class Gateway:
             tracked = self.discovery[pool.name] = TrackedSource(source)
             self.registry.add_pool(info, tracked, may_have_workers=pool.max_replicas != 0)
         self.models: tuple[str, ...] = tuple(self.registry.models())
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter for the whole fleet, and their reconcile
+        self.lora_admin = LoraAdmin(
+            self.registry,
+            config.lora,
+            self.models,
+            self.metrics,
+            clock,
+            retry_min_s=config.scrape.models_interval_s,
+            max_body_bytes=config.limits.max_body_bytes,
+            authenticate_admin=self.keys.authenticate_admin,
+            draining=lambda: self.draining,
+        )
+        self.registry.on_adapters = self.lora_admin.reconcile
         try:
             self.ledger: KvLedger | None = build_gateway_ledger(
                 config.kv,

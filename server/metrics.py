@@ -17,6 +17,7 @@ nothing per request.
 | mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
 | mosaic_lora_requests_total | counter | model (the base), adapter, status: requests naming a LoRA adapter (also counted in mosaic_requests_total under their base model) |
 | mosaic_lora_tokens_total | counter | model, adapter, kind (prompt, generation; from upstream `usage`) |
+| mosaic_lora_admin_calls_total | counter | operation (load, unload, reconcile), outcome (ok, failed): run-time LoRA calls to workers, one per worker |
 | mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |
 | mosaic_retries_total | counter | model, reason (connect, timeout, status_429, status_503, ...) |
 | mosaic_pd_fallbacks_total | counter | model, reason (prefill hop failed → decode-only: timeout, pool_timeout, worker_error, busy, refused, bad_response, no_params; `server.prefill_hop`) |
@@ -464,6 +465,11 @@ class GatewayMetrics:
             "Tokens of requests naming a LoRA adapter (workers' usage)",
             ["model", "adapter", "kind"],
         )
+        self.lora_admin_calls = Counter(
+            "mosaic_lora_admin_calls",
+            "Run-time LoRA load/unload calls to workers (server.lora_admin), one per worker",
+            ["operation", "outcome"],
+        )
         self.tokenizer_requests = Counter(
             "mosaic_tokenizer_requests",
             "POST /tokenize and /detokenize, forwarded to a worker (server.tokenize_proxy), by answer status",
@@ -490,6 +496,7 @@ class GatewayMetrics:
                     self.tokenizer_requests,
                     self.lora_requests,
                     self.lora_tokens,
+                    self.lora_admin_calls,
                 ]
             )
         )

@@ -32,7 +32,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -176,7 +176,7 @@ class WorkerRecord:
 
     def _lora(self, s: WorkerStats | None) -> LoraState:
         """Its adapters, with their load from a fresh scrape (None fields when stale or not exposed); built
-        once per scrape and adapter list (a new list drops it: `Registry._fetch_adapters`)."""
+        once per scrape and adapter list (a new list drops it: `Registry.refresh_adapters`)."""
         cached = self._lora_state
         if cached is not None and cached[0] is s:
             return cached[1]
@@ -320,6 +320,9 @@ class Registry:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self.on_refresh: list[Callable[[], None]] = []  # called after each scrape round (admission wake-up)
+        # called (as a task) after each good `/v1/models` read of a health check: the run-time adapters'
+        # reconcile (`server.lora_admin`), which loads on a worker what it should serve and lacks
+        self.on_adapters: Callable[[WorkerRecord], Awaitable[None]] | None = None
 
     # ------------------------------------------------------------------ pools and discovery
     def add_pool(self, info: PoolInfo, source: Source, may_have_workers: bool = True) -> None:
@@ -505,8 +508,14 @@ class Registry:
         if ok:
             rec.health_ok = True
             rec.health_failures = 0
-            if rec.adapters_at is None or now - rec.adapters_at >= self._scrape_cfg.models_interval_s:
-                await self._fetch_adapters(rec)
+            due = rec.adapters_at is None or now - rec.adapters_at >= self._scrape_cfg.models_interval_s
+            if (
+                due
+                and await self.refresh_adapters(rec)
+                and self.on_adapters is not None
+                and not rec.terminating
+            ):
+                self._spawn(self.on_adapters(rec))  # a load can take minutes: not in the health round
             return
         rec.last_error = why
         rec.health_failures += 1
@@ -515,8 +524,18 @@ class Registry:
         if not probing:
             rec.breaker.record_failure(now, hard=hard)
 
-    async def _fetch_adapters(self, rec: WorkerRecord) -> None:
-        """Its LoRA adapters from `/v1/models` (module docstring); the last list stays when this fails."""
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The client of health checks, scrapes and `/v1/models` reads (the LoRA admin's calls too)."""
+        return self._client
+
+    def auth_header(self, pool: str) -> tuple[str, str] | None:
+        """The Authorization header the pool's workers expect (its `api_key_env`), or None."""
+        return self._auth.get(pool)
+
+    async def refresh_adapters(self, rec: WorkerRecord) -> bool:
+        """Its LoRA adapters from `/v1/models` (module docstring); False, and the last list kept, when that
+        fails."""
         auth = self._auth.get(rec.pool.name)
         asked_at, rec.adapters_at = rec.adapters_at, self._clock()  # a concurrent check does not ask again
         try:
@@ -535,13 +554,14 @@ class Registry:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             rec.last_error = f"models: {type(exc).__name__}"
             rec.adapters_at = asked_at  # asked again at the next good health check
-            return
+            return False
         if adapters != rec.adapters:
             if rec.adapters or adapters:
                 log.info("worker %s serves LoRA adapters: %s", rec.id, ", ".join(sorted(adapters)) or "none")
             # not in the cached view's key: drop the cached view and LoRA state
             rec.adapters, rec._view, rec._lora_state = adapters, None, None
             self._adapter_models = None
+        return True
 
     def adapter_models(self) -> dict[str, str]:
         """Each LoRA adapter some worker lists → the model of that worker's pool. An adapter name listed under

@@ -100,10 +100,46 @@ class FakeWorker:
     adapters: dict[str, str] = field(default_factory=dict)
     models_status: int = 200
     models_seen: list[dict[str, str]] = field(default_factory=list)  # headers of each /v1/models GET
+    # vLLM's run-time updating (VLLM_ALLOW_RUNTIME_LORA_UPDATING): /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter as vLLM 0.32 answers them; lora_refusal: (status, message) every load gets
+    # instead (a path it cannot find, a rank too high); lora_calls: (path, body, headers) of each call
+    lora_runtime: bool = False
+    lora_refusal: tuple[int, str] | None = None
+    lora_calls: list[tuple[str, dict[str, Any], dict[str, str]]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"http://{self.name}:8000"
+
+    def _lora_runtime(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+        """vLLM 0.32's `OpenAIServingModels.load_lora_adapter` / `unload_lora_adapter` answers."""
+        self.lora_calls.append((path, body, headers))
+        name = body.get("lora_name")
+
+        def refuse(status: int, message: str, err_type: str) -> httpx.Response:
+            error = {"message": message, "type": err_type, "param": None, "code": status}
+            return httpx.Response(status, json={"error": error})
+
+        if path == "/v1/unload_lora_adapter":
+            if name not in self.adapters:
+                return refuse(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+            del self.adapters[name]
+            return httpx.Response(
+                200, content=f"Success: LoRA adapter '{name}' removed successfully.".encode()
+            )
+        if not body.get("load_inplace") and name in self.adapters:
+            return refuse(
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+                "set 'load_inplace' to True.",
+                "InvalidUserInput",
+            )
+        if self.lora_refusal is not None:
+            return refuse(
+                *self.lora_refusal, "NotFoundError" if self.lora_refusal[0] == 404 else "BadRequestError"
+            )
+        self.adapters[name] = body["lora_path"]
+        return httpx.Response(200, content=f"Success: LoRA adapter '{name}' added successfully.".encode())
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -126,6 +162,8 @@ class FakeWorker:
                 model=self.model, running=0, generated=self.generated
             )
             return httpx.Response(200, text=text)
+        if self.lora_runtime and path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            return self._lora_runtime(path, json.loads(request.content), dict(request.headers))
         if path.startswith("/v1/responses/"):
             self.paths.append(f"{request.method} {path}")
             return self._stored_response(request.method, path.removeprefix("/v1/responses/"))

@@ -1,0 +1,379 @@
+"""Run-time LoRA adapters through the gateway (`server.lora_admin`): vLLM's load/unload relayed to every
+worker of the base model, answered as vLLM answers, and loaded again on workers that come later (fake
+workers speaking vLLM 0.32's endpoints)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from server.discovery import Endpoint
+from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+from tests.gateway.test_faults import CHAT, chat, gateway, metric, run
+
+MODEL = "llama-3-8b"
+LOAD = "/v1/load_lora_adapter"
+UNLOAD = "/v1/unload_lora_adapter"
+SQL = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+
+
+def workers(*names: str, **kw: Any) -> list[FakeWorker]:
+    return [FakeWorker(n, lora_runtime=True, **kw) for n in names]
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait for work the gateway spawned (a reconcile runs as its own task after a health check)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def loads(w: FakeWorker) -> list[dict[str, Any]]:
+    return [body for path, body, _ in w.lora_calls if path == LOAD]
+
+
+def test_a_load_goes_to_every_worker_of_the_model_prefill_ones_too_and_is_routable_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PREFILL_KEY", "sk-p")
+    p1, d1, d2 = workers("p1", "d1", "d2")
+    other = FakeWorker("o", model="qwen2.5-7b", lora_runtime=True)
+    cfg = config(
+        pool("prefill", "H100", "prefill", p1, api_key_env="PREFILL_KEY"),
+        pool("decode", "A100", "decode", d1, d2),
+        {**pool("q", "L4", "mixed", other), "model": "qwen2.5-7b"},
+    )
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p1, d1, d2, other)) as (c, gw):
+            r = await c.post(LOAD, json=SQL | {"base_model_name": MODEL})
+            assert r.status_code == 200
+            assert r.text == "Success: LoRA adapter 'sql' added successfully."
+            assert r.headers["x-request-id"]
+            want = {
+                "lora_name": "sql",
+                "lora_path": "/adapters/sql",
+                "load_inplace": False,
+                "is_3d_lora_weight": False,
+            }
+            assert [loads(w) for w in (p1, d1, d2)] == [[want]] * 3
+            assert other.lora_calls == []  # another model's workers are not asked
+            assert p1.lora_calls[0][2]["authorization"] == "Bearer sk-p"  # the pool's key, as on /v1/models
+            # read again right after: routable now, not at the next models read
+            assert gw.registry.adapter_models() == {"sql": MODEL}
+            assert (await c.post(CHAT, json=chat() | {"model": "sql"})).status_code == 200
+            data = (await c.get("/v1/models")).json()["data"]
+            assert ("sql", "/adapters/sql", MODEL) in [(m["id"], m["root"], m["parent"]) for m in data]
+            assert metric(gw, "mosaic_lora_admin_calls_total", operation="load", outcome="ok") == 3
+            assert gw.lora_admin.desired["sql"].path == "/adapters/sql"
+
+    run(body)
+
+
+def test_one_model_needs_no_base_model_name_and_several_do() -> None:
+    a, b = workers("a", "b")
+    q = FakeWorker("q", model="qwen2.5-7b", lora_runtime=True)
+    one = config(pool("p", "H100", "mixed", a, b))
+    two = config(pool("p", "H100", "mixed", a), {**pool("q", "L4", "mixed", q), "model": "qwen2.5-7b"})
+
+    async def body() -> None:
+        async with gateway(one, FakeFleet(a, b)) as (c, _):
+            assert (await c.post(LOAD, json=SQL)).status_code == 200
+        async with gateway(two, FakeFleet(a, q)) as (c, _):
+            r = await c.post(LOAD, json={"lora_name": "chat", "lora_path": "/adapters/chat"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "base_model_name"
+            r = await c.post(LOAD, json={"lora_name": "chat", "lora_path": "/x", "base_model_name": "nope"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            # an adapter some worker lists names its model: unload needs no base_model_name
+            r = await c.post(UNLOAD, json={"lora_name": "sql"})
+            assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' removed successfully."
+            assert "sql" not in a.adapters
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    ("sent", "status", "message", "param"),
+    [
+        pytest.param(
+            {"lora_name": "sql"},
+            400,
+            "Both 'lora_name' and 'lora_path' must be provided.",
+            None,
+            id="no path",
+        ),
+        pytest.param(
+            {"lora_name": "", "lora_path": "/x"},
+            400,
+            "Both 'lora_name' and 'lora_path' must be provided.",
+            None,
+            id="empty name",
+        ),
+        pytest.param(
+            {"lora_name": 3, "lora_path": "/x"},
+            400,
+            "'lora_name' must be a str.",
+            "lora_name",
+            id="name not a string",
+        ),
+        pytest.param(
+            SQL | {"load_inplace": "yes"},
+            400,
+            "'load_inplace' must be a bool.",
+            "load_inplace",
+            id="inplace not a bool",
+        ),
+        pytest.param(
+            {"lora_name": MODEL, "lora_path": "/x"},
+            400,
+            f"The lora adapter '{MODEL}' conflicts with a served base model.",
+            "lora_name",
+            id="the base model's name",
+        ),
+        pytest.param([1], 400, "The request body must be a JSON object.", None, id="not an object"),
+    ],
+)
+def test_bad_load_bodies_are_refused_before_any_worker_is_asked(
+    sent: Any, status: int, message: str, param: str | None
+) -> None:
+    a, b = workers("a", "b")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "H100", "mixed", a, b)), FakeFleet(a, b)) as (c, gw):
+            r = await c.post(LOAD, json=sent)
+            assert r.status_code == status
+            assert r.json() == {
+                "error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+            }
+            assert a.lora_calls == [] and b.lora_calls == [] and gw.lora_admin.desired == {}
+            r = await c.post(LOAD, content=b"{", headers={"content-type": "application/json"})
+            assert (
+                r.status_code == 400 and r.json()["error"]["message"] == "The request body is not valid JSON."
+            )
+            r = await c.post(LOAD, content=b"{}", headers={"content-type": "text/plain"})
+            assert r.status_code == 400
+
+    run(body)
+
+
+def test_the_admin_key_guards_both_calls() -> None:
+    a, b = workers("a", "b")
+    cfg = config(pool("p", "H100", "mixed", a, b), auth={"api_keys": ["sk-user"], "admin_keys": ["sk-admin"]})
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a, b)) as (c, _):
+            for path, sent in ((LOAD, SQL), (UNLOAD, {"lora_name": "sql"})):
+                for headers in ({}, {"authorization": "Bearer sk-user"}):
+                    r = await c.post(path, json=sent, headers=headers)
+                    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+            assert a.lora_calls == [] and b.lora_calls == []
+            r = await c.post(LOAD, json=SQL, headers={"authorization": "Bearer sk-admin"})
+            assert r.status_code == 200
+            assert (await c.get("/admin/lora")).status_code == 401
+            r = await c.get("/admin/lora", headers={"authorization": "Bearer sk-admin"})
+            assert r.json()["adapters"][0]["serving"] == ["p/a:8000", "p/b:8000"]
+
+    run(body)
+
+
+def test_already_loaded_everywhere_is_vllms_400_and_somewhere_loads_on_the_rest() -> None:
+    a, b = workers("a", "b")
+    a.adapters["sql"] = "/adapters/sql"  # as from --lora-modules
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "H100", "mixed", a, b)), FakeFleet(a, b)) as (c, _):
+            r = await c.post(LOAD, json=SQL)
+            assert r.status_code == 200 and loads(a) == [] and len(loads(b)) == 1
+            r = await c.post(LOAD, json=SQL)
+            assert r.status_code == 400
+            assert r.json()["error"]["message"] == (
+                "The lora adapter 'sql' has already been loaded. If you want to load the adapter in place, set "
+                "'load_inplace' to True."
+            )
+            # another path is a conflict without load_inplace, and goes to every worker with it
+            r = await c.post(LOAD, json={"lora_name": "sql", "lora_path": "/adapters/sql-v2"})
+            assert r.status_code == 400 and "/adapters/sql" in r.json()["error"]["message"]
+            r = await c.post(
+                LOAD, json={"lora_name": "sql", "lora_path": "/adapters/sql-v2", "load_inplace": True}
+            )
+            assert r.status_code == 200 and len(loads(a)) == 1 and len(loads(b)) == 2
+            assert a.adapters["sql"] == b.adapters["sql"] == "/adapters/sql-v2"
+
+    run(body)
+
+
+def test_a_refusal_every_worker_gives_alike_passes_through_and_nothing_is_remembered() -> None:
+    a, b = workers("a", "b", lora_refusal=(404, "Loading lora sql failed: No adapter found for /nope"))
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "H100", "mixed", a, b)), FakeFleet(a, b)) as (c, gw):
+            r = await c.post(LOAD, json={"lora_name": "sql", "lora_path": "/nope"})
+            assert r.status_code == 404
+            assert r.json()["error"] == {
+                "message": "Loading lora sql failed: No adapter found for /nope",
+                "type": "NotFoundError",
+                "param": None,
+                "code": 404,
+            }
+            assert gw.lora_admin.desired == {} and gw.registry.adapter_models() == {}
+            assert metric(gw, "mosaic_lora_admin_calls_total", operation="load", outcome="failed") == 2
+
+    run(body)
+
+
+def test_a_partial_load_is_a_502_naming_the_failed_worker_and_reconcile_finishes_it() -> None:
+    a, b = workers("a", "b")
+    b.lora_refusal = (500, "engine busy")
+    cfg = config(pool("p", "H100", "mixed", a, b), scrape={"interval_s": 60, "models_interval_s": 0.01})
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a, b)) as (c, gw):
+            r = await c.post(LOAD, json=SQL)
+            assert r.status_code == 502 and r.json()["error"]["type"] == "BadGatewayError"
+            message = r.json()["error"]["message"]
+            assert "loaded on 1 of 2 worker(s)" in message and "p/b:8000 (500: engine busy)" in message
+            assert "after their next good health checks" in message
+            # requests naming it go to the worker that has it
+            assert gw.registry.adapter_models() == {"sql": MODEL}
+            assert (await c.post(CHAT, json=chat() | {"model": "sql"})).status_code == 200
+            assert b.seen == []
+            b.lora_refusal = None
+            await asyncio.sleep(0.02)  # past models_interval_s: the next health check reads /v1/models
+            await gw.registry.health_once()
+            await until(lambda: b.adapters.get("sql") == "/adapters/sql")
+            await until(
+                lambda: metric(gw, "mosaic_lora_admin_calls_total", operation="reconcile", outcome="ok") == 1
+            )
+            assert loads(a) == [SQL | {"load_inplace": False, "is_3d_lora_weight": False}]  # not sent again
+
+    run(body)
+
+
+def test_a_worker_that_comes_later_gets_the_remembered_adapters() -> None:
+    a, new = workers("a", "new")
+    cfg = config(pool("p", "H100", "mixed", a))
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a, new)) as (c, gw):
+            assert (await c.post(LOAD, json=SQL)).status_code == 200
+            gw.registry.sync_pool("p", [Endpoint("a:8000", a.url), Endpoint("new:8000", new.url)])
+            # a new worker is health-checked at once, its /v1/models read, then the adapter loaded
+            await until(lambda: new.adapters.get("sql") == "/adapters/sql")
+            await until(lambda: "sql" in gw.registry.get("p/new:8000").adapters)  # type: ignore[union-attr]
+            described = (await c.get("/admin/lora")).json()
+            assert described == {
+                "reconcile": True,
+                "adapters": [
+                    {
+                        "name": "sql",
+                        "model": MODEL,
+                        "path": "/adapters/sql",
+                        "is_3d_lora_weight": False,
+                        "serving": ["p/a:8000", "p/new:8000"],
+                        "missing": [],
+                    }
+                ],
+            }
+
+    run(body)
+
+
+def test_a_failing_reconcile_backs_off_doubling_to_retry_max_s() -> None:
+    a, b = workers("a", "b")
+    b.lora_refusal = (400, "rank 64 above --max-lora-rank 16")
+    cfg = config(
+        pool("p", "H100", "mixed", a, b),
+        scrape={"interval_s": 60, "models_interval_s": 0.01},
+        lora={"retry_max_s": 0.04},
+    )
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a, b)) as (c, gw):
+            assert (await c.post(LOAD, json=SQL)).status_code == 502
+            delays = []
+            for _ in range(4):
+                await asyncio.sleep(0.05)  # past the longest wait
+                calls = len(loads(b))
+                await gw.registry.health_once()
+                await until(lambda n=calls: len(loads(b)) == n + 1)
+                await until(lambda: ("p/b:8000", "sql") not in gw.lora_admin._reconciling)
+                delays.append(gw.lora_admin._retry[("p/b:8000", "sql")].delay_s)
+            assert delays == [0.01, 0.02, 0.04, 0.04]
+            missing = (await c.get("/admin/lora")).json()["adapters"][0]["missing"]
+            assert [m["worker"] for m in missing] == ["p/b:8000"] and 0 <= missing[0]["next_try_in_s"] <= 0.04
+            # within the wait, a health check does not ask again
+            calls = len(loads(b))
+            await gw.registry.health_once()
+            await asyncio.sleep(0.005)
+            assert len(loads(b)) in (calls, calls + 1)  # the wait may just have run out (0.04 s)
+
+    run(body)
+
+
+def test_unload_forgets_first_asks_every_holder_and_a_new_worker_does_not_get_it_back() -> None:
+    a, b, new = workers("a", "b", "new")
+    cfg = config(pool("p", "H100", "mixed", a, b))
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a, b, new)) as (c, gw):
+            assert (await c.post(LOAD, json=SQL)).status_code == 200
+            del b.adapters["sql"]  # unloaded on b behind the gateway's back: its 404 counts as unloaded
+            r = await c.post(UNLOAD, json={"lora_name": "sql"})
+            assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' removed successfully."
+            assert a.adapters == {} and gw.registry.adapter_models() == {} and gw.lora_admin.desired == {}
+            assert (await c.post(CHAT, json=chat() | {"model": "sql"})).status_code == 404
+            gw.registry.sync_pool("p", [Endpoint(n, w.url) for n, w in (("a:8000", a), ("new:8000", new))])
+            await until(lambda: gw.registry.get("p/new:8000") is not None)
+            await gw.registry.health_once()
+            await asyncio.sleep(0.02)
+            assert new.lora_calls == []
+            r = await c.post(UNLOAD, json={"lora_name": "sql"})
+            assert r.status_code == 404
+            assert r.json() == {
+                "error": {
+                    "message": "The lora adapter 'sql' cannot be found.",
+                    "type": "NotFoundError",
+                    "param": "lora_name",
+                    "code": 404,
+                }
+            }
+
+    run(body)
+
+
+def test_no_worker_up_is_a_503_and_draining_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = workers("a", "b", health_ok=False)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "H100", "mixed", a, b)), FakeFleet(a, b)) as (c, gw):
+            r = await c.post(LOAD, json=SQL)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert a.lora_calls == [] and gw.lora_admin.desired == {}
+            gw.draining = True
+            r = await c.post(LOAD, json=SQL)
+            assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+            gw.draining = False
+
+    run(body)
+
+
+def test_without_reconcile_nothing_is_remembered() -> None:
+    a, new = workers("a", "new")
+    cfg = config(pool("p", "H100", "mixed", a), lora={"reconcile": False})
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a, new)) as (c, gw):
+            assert (await c.post(LOAD, json=SQL)).status_code == 200
+            assert gw.lora_admin.desired == {}
+            gw.registry.sync_pool("p", [Endpoint("a:8000", a.url), Endpoint("new:8000", new.url)])
+            await until(
+                lambda: (r := gw.registry.get("p/new:8000")) is not None and r.adapters_at is not None
+            )
+            await asyncio.sleep(0.02)
+            assert new.lora_calls == []
+
+    run(body)
