@@ -111,6 +111,17 @@ def test_config_sections_pass_through_to_the_gateway(chart: helm.Chart, tmp_path
     assert config.catalog == str(tmp_path / "catalog.yaml")  # the chart's catalog overrides are used
 
 
+def test_the_lora_section_passes_through_and_the_schema_refuses_a_misspelt_knob(
+    chart: helm.Chart, tmp_path: Path
+) -> None:
+    rendered = render(chart, {"config": {"lora": {"reconcile": False, "load_timeout_s": 300}}})
+    config = load_config(_materialise_config(rendered, tmp_path))
+    assert (config.lora.reconcile, config.lora.load_timeout_s, config.lora.retry_max_s) == (False, 300, 600)
+    with pytest.raises(helm.HelmValuesError) as caught:
+        chart.validate_schema({"config": {"lora": {"reconcil": False}}})
+    assert "reconcil" in str(caught.value)
+
+
 def test_a_gpu_added_through_the_catalog_parses(chart: helm.Chart, tmp_path: Path) -> None:
     values = {
         "catalog": {
