@@ -177,9 +177,12 @@ class LoraState:
     running: frozenset[str] | None = None
     waiting: frozenset[str] | None = None
     max_lora: int | None = None
+    # it loads an adapter it does not list on the first request naming it (its model's `lora_resolver`)
+    resolves: bool = False
 
 
 NO_LORA = LoraState()
+RESOLVING_NO_LORA = LoraState(resolves=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -284,7 +284,9 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
             if not is_json_media_type(content_type):
                 raise GatewayError(Cause.BAD_REQUEST, UNSUPPORTED_MEDIA_TYPE)
             body = await read_body(receive, declared, limits.max_body_bytes)
-            parsed = parse_request(kind, body, gw.max_model_len, only_model, gw.registry.adapter_models())
+            parsed = parse_request(
+                kind, body, gw.max_model_len, only_model, gw.registry.adapter_models(), gw.adapter_resolver
+            )
             if parsed.model not in gw.models:
                 raise GatewayError(
                     Cause.MODEL_NOT_FOUND, f"The model `{parsed.model}` does not exist.", param="model"

@@ -65,6 +65,10 @@ class ModelConfig(_Strict):
     name: str = Field(min_length=1)
     spec: str | None = None  # catalog model name; None → `name`
     max_model_len: int | None = Field(default=None, ge=1)  # None → the catalog's max context
+    # The workers load LoRA adapters on demand (vLLM's resolver plugins: VLLM_ALLOW_RUNTIME_LORA_UPDATING with
+    # VLLM_PLUGINS=lora_filesystem_resolver and VLLM_LORA_RESOLVER_CACHE_DIR, or the Hub resolver): a request
+    # naming a model the gateway does not know goes to this model's workers as an adapter, not a 404
+    lora_resolver: bool = False
 
     @property
     def spec_name(self) -> str:
@@ -505,6 +509,13 @@ class MosaicConfig(_Strict):
             for i, pool in enumerate(self.pools):
                 if pool.model not in known:
                     raise _FieldError(f"pools.{i}.model", f"model {pool.model!r} is not listed under models")
+        resolving = [i for i, m in enumerate(self.models) if m.lora_resolver]
+        if len(resolving) > 1:  # an unknown name would belong to any of them
+            raise _FieldError(
+                f"models.{resolving[1]}.lora_resolver",
+                "only one model may resolve LoRA adapters on demand: the gateway could not tell which model "
+                "an unknown name belongs to",
+            )
         _check_launch_gpus(self)
         for i, pool in enumerate(self.pools):
             sim = pool.endpoints.simulated
@@ -525,6 +536,11 @@ class MosaicConfig(_Strict):
             return list(self.models)
         names = dict.fromkeys(p.model for p in self.pools)
         return [ModelConfig(name=n) for n in names]
+
+    @property
+    def lora_resolver_model(self) -> str | None:
+        """The model whose workers resolve unknown LoRA adapter names themselves (`lora_resolver`), if any."""
+        return next((m.name for m in self.models if m.lora_resolver), None)
 
     def model_config_for(self, name: str) -> ModelConfig:
         for m in self.model_configs():

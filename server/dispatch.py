@@ -114,6 +114,8 @@ from server.responses_api import (
 )
 from server.upstream import SlotWait, UpstreamResponse
 
+UNLISTED_ADAPTER = "(unlisted)"  # the `adapter` label of requests naming an adapter no worker lists
+
 log = logging.getLogger("mosaic.dispatch")
 
 
@@ -280,16 +282,21 @@ class Dispatcher:
         if e2e is not None:
             e2e.observe(now - rec.arrival)
         used = 0
-        if rec.adapter is not None:
-            self.metrics.lora_requests.labels(rec.model, rec.adapter, str(status)).inc()
+        adapter = rec.adapter
+        if adapter is not None:
+            # a name no worker lists (a model's `lora_resolver` sends any name on) is one label, not one each:
+            # clients choose those names
+            if adapter not in self.registry.adapter_models():
+                adapter = UNLISTED_ADAPTER
+            self.metrics.lora_requests.labels(rec.model, adapter, str(status)).inc()
         if usage:  # the worker's numbers: anything but a count ≥ 0 counts as 0 (a counter cannot go down)
             prompt = usage_count(usage.get("prompt_tokens"))
             gen = usage_count(usage.get("completion_tokens"))
             prompt_tokens.inc(prompt)
             generation_tokens.inc(gen)
-            if rec.adapter is not None:
-                self.metrics.lora_tokens.labels(rec.model, rec.adapter, "prompt").inc(prompt)
-                self.metrics.lora_tokens.labels(rec.model, rec.adapter, "generation").inc(gen)
+            if adapter is not None:
+                self.metrics.lora_tokens.labels(rec.model, adapter, "prompt").inc(prompt)
+                self.metrics.lora_tokens.labels(rec.model, adapter, "generation").inc(gen)
             used = prompt + gen
             if outcome is Outcome.COMPLETED and self.predictor is not None:
                 self.predictor.observe(

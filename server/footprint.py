@@ -262,6 +262,7 @@ def parse_responses(
     max_model_len: Mapping[str, int] | None,
     default_model: str | None,
     adapters: Mapping[str, str] | None = None,
+    resolver: AdapterResolver | None = None,
 ) -> ParsedRequest:
     """`parse_request` for a Responses body (`text`: the body without a byte-order mark). One sequence; the
     stream carries its usage in its last event whatever the client asks, so nothing is rewritten upstream."""
@@ -269,7 +270,7 @@ def parse_responses(
         req = _Responses.model_validate_json(text)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    model, adapter = _model_of(req.model, default_model, adapters)
+    model, adapter = _model_of(req.model, default_model, adapters, resolver)
     _refuse_kv_params(req.kv_transfer_params)
     prompt, floor, prompt_text = _responses_prompt(req)
     limit = req.max_output_tokens
@@ -311,11 +312,26 @@ def _rest_of_context(max_model_len: Mapping[str, int] | None, model: str, prompt
     return max(1, ((max_model_len or {}).get(model) or DEFAULT_CONTEXT) - prompt)
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterResolver:
+    """`models[].lora_resolver`: the workers of `model` load adapters on demand, so any name that is not a
+    configured model is an adapter of `model` (its workers answer vLLM's 404 for one they cannot find)."""
+
+    model: str
+    configured: frozenset[str]
+
+    def base_of(self, name: str) -> str | None:
+        return None if name in self.configured else self.model
+
+
 def _model_of(
-    model: str | None, default_model: str | None, adapters: Mapping[str, str] | None
+    model: str | None,
+    default_model: str | None,
+    adapters: Mapping[str, str] | None,
+    resolver: AdapterResolver | None = None,
 ) -> tuple[str, str | None]:
     """(the model to route as, the LoRA adapter named or None): a name in `adapters` is that adapter, routed
-    as its base model."""
+    as its base model; with a `resolver`, so is any other name that is not a configured model."""
     model = model or default_model
     if not model:
         raise GatewayError(
@@ -324,6 +340,8 @@ def _model_of(
             param="model",
         )
     base = adapters.get(model) if adapters else None
+    if base is None and resolver is not None:
+        base = resolver.base_of(model)
     return (model, None) if base is None else (base, model)
 
 
@@ -345,23 +363,25 @@ def parse_request(
     max_model_len: Mapping[str, int] | None = None,
     default_model: str | None = None,
     adapters: Mapping[str, str] | None = None,
+    resolver: AdapterResolver | None = None,
 ) -> ParsedRequest:
     """Validate the fields the gateway reads; `GatewayError(bad_request)` naming the field otherwise.
 
     `max_model_len` (model → context limit) sizes the chat default output; unknown models assume 8,192.
     `default_model`: what a request without a model (absent, null or "") asks for — the gateway's one model,
     as vLLM serves its only model then; None (several models) refuses such a request. `adapters` (LoRA
-    adapter → base model): a request naming one is parsed as its base model, `adapter` set."""
+    adapter → base model): a request naming one is parsed as its base model, `adapter` set; `resolver`: so is any
+    unknown name (`AdapterResolver`)."""
     # A UTF-8 byte-order mark (some Windows clients send one) is accepted, as vLLM's json.loads accepts it;
     # the body is still forwarded as sent
     text = body[3:] if body.startswith(codecs.BOM_UTF8) else body
     if kind == "responses":
-        return parse_responses(body, text, max_model_len, default_model, adapters)
+        return parse_responses(body, text, max_model_len, default_model, adapters, resolver)
     try:
         req: _Chat | _Completion = (_Chat if kind == "chat" else _Completion).model_validate_json(text)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    model, adapter = _model_of(req.model, default_model, adapters)
+    model, adapter = _model_of(req.model, default_model, adapters, resolver)
     _refuse_kv_params(req.kv_transfer_params)
     n = req.n if req.n and req.n > 0 else 1
     token_ids: list[int] | None = None

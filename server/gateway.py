@@ -40,6 +40,7 @@ from server.config import ConfigError, MosaicConfig, PoolConfig
 from server.discovery import KubernetesDiscovery, NodeLabelCache, Source, StaticSource, TrackedSource
 from server.dispatch import Dispatcher, worker_auth_headers
 from server.embedded_actuator import OpenDecisions
+from server.footprint import AdapterResolver
 from server.kv_admission import KvQueuePolicy
 from server.kv_setup import build_gateway_ledger, routing_with_kv
 from server.lora_admin import LoraAdmin
@@ -99,6 +100,11 @@ class Gateway:
             tracked = self.discovery[pool.name] = TrackedSource(source)
             self.registry.add_pool(info, tracked, may_have_workers=pool.max_replicas != 0)
         self.models: tuple[str, ...] = tuple(self.registry.models())
+        # `models[].lora_resolver`: unknown names are adapters of that model (server.footprint.AdapterResolver)
+        resolving = config.lora_resolver_model
+        self.adapter_resolver = (
+            AdapterResolver(resolving, frozenset(self.models)) if resolving is not None else None
+        )
         # /v1/load_lora_adapter and /v1/unload_lora_adapter for the whole fleet, and their reconcile
         self.lora_admin = LoraAdmin(
             self.registry,
@@ -214,7 +220,13 @@ class Gateway:
             dp=pool.dp,
         )
         return PoolInfo(
-            pool.name, pool.model, catalog.gpu(pool.gpu).name, Role(pool.role), capacity, pool.domain
+            pool.name,
+            pool.model,
+            catalog.gpu(pool.gpu).name,
+            Role(pool.role),
+            capacity,
+            pool.domain,
+            model_cfg.lora_resolver,
         )
 
     def _source(self, pool: PoolConfig) -> Source:

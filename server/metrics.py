@@ -15,7 +15,7 @@ nothing per request.
 | mosaic_time_per_output_token_seconds | histogram | model, pool (per completed stream of one sequence and n ≥ 2 tokens: (e2e − TTFT) / (n − 1), as vLLM and the load generator) |
 | mosaic_e2e_request_latency_seconds | histogram | model, pool (arrival → last byte, completed requests only) |
 | mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
-| mosaic_lora_requests_total | counter | model (the base), adapter, status: requests naming a LoRA adapter (also counted in mosaic_requests_total under their base model) |
+| mosaic_lora_requests_total | counter | model (the base), adapter, status: requests naming a LoRA adapter (also counted in mosaic_requests_total under their base model); adapter "(unlisted)" for one no worker lists |
 | mosaic_lora_tokens_total | counter | model, adapter, kind (prompt, generation; from upstream `usage`) |
 | mosaic_lora_admin_calls_total | counter | operation (load, unload, reconcile), outcome (ok, failed): run-time LoRA calls to workers, one per worker |
 | mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |
@@ -454,7 +454,7 @@ class GatewayMetrics:
             "mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"]
         )
         self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"])
-        # per LoRA adapter (names come from the workers' /v1/models: a client cannot add one)
+        # per LoRA adapter (names the workers list in /v1/models; any other is "(unlisted)": a client cannot add one)
         self.lora_requests = Counter(
             "mosaic_lora_requests",
             "Requests naming a LoRA adapter, by HTTP status",

@@ -40,6 +40,7 @@ import httpx
 
 from scheduler.fleet import (
     NO_LORA,
+    RESOLVING_NO_LORA,
     EngineView,
     FleetView,
     LoraState,
@@ -69,6 +70,9 @@ class PoolInfo:
     role: Role
     capacity: WorkerCapacity
     domain: str | None = None  # the pool's `domain:`: network domain of workers whose endpoint has none
+    lora_resolver: bool = (
+        False  # its model's workers load unknown adapters on demand (`models[].lora_resolver`)
+    )
 
 
 @dataclass(slots=True)
@@ -180,12 +184,13 @@ class WorkerRecord:
         cached = self._lora_state
         if cached is not None and cached[0] is s:
             return cached[1]
+        resolves = self.pool.lora_resolver
         if not self.adapters and (s is None or s.lora_running is None):
-            state = NO_LORA
+            state = RESOLVING_NO_LORA if resolves else NO_LORA
         elif s is None:
-            state = LoraState(frozenset(self.adapters))
+            state = LoraState(frozenset(self.adapters), resolves=resolves)
         else:
-            state = LoraState(frozenset(self.adapters), s.lora_running, s.lora_waiting, s.max_lora)
+            state = LoraState(frozenset(self.adapters), s.lora_running, s.lora_waiting, s.max_lora, resolves)
         self._lora_state = (s, state)
         return state
 

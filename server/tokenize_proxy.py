@@ -36,6 +36,7 @@ from scheduler.fleet import WorkerState, WorkerView
 from scheduler.routing.lora import serves
 from server.errors import NOT_JSON, Cause, GatewayError, shutting_down
 from server.failure import blame
+from server.footprint import AdapterResolver
 from server.gateway import Gateway
 from server.proxy import RETRYABLE_STATUSES, upstream_headers
 from server.request_body import read_body
@@ -47,10 +48,14 @@ CLIENT_CLOSED_STATUS = 499  # recorded for a client gone before its body ended, 
 
 
 def requested_model(
-    body: bytes, models: tuple[str, ...], adapters: Mapping[str, str] | None = None
+    body: bytes,
+    models: tuple[str, ...],
+    adapters: Mapping[str, str] | None = None,
+    resolver: AdapterResolver | None = None,
 ) -> tuple[str, str | None]:
     """(the model a tokenizer request asks for, the LoRA adapter it names or None: `adapters` maps each to
-    its base model); GatewayError (400/404) when the body or its model is bad."""
+    its base model; with a `resolver`, any other unknown name is an adapter of its model); GatewayError
+    (400/404) when the body or its model is bad."""
     text = body[3:] if body.startswith(codecs.BOM_UTF8) else body  # as the proxy endpoints accept a BOM
     try:
         data: Any = json.loads(text)
@@ -73,6 +78,8 @@ def requested_model(
         return model, None
     if adapters and model in adapters:
         return adapters[model], model
+    if resolver is not None and (base := resolver.base_of(model)) is not None:
+        return base, model
     raise GatewayError(Cause.MODEL_NOT_FOUND, f"The model `{model}` does not exist.", param="model")
 
 
@@ -113,7 +120,9 @@ class TokenizerProxy:
             body = await read_body(
                 request.receive, request.headers.get("content-length"), self.limits.max_body_bytes
             )
-            model, adapter = requested_model(body, gw.models, gw.registry.adapter_models())
+            model, adapter = requested_model(
+                body, gw.models, gw.registry.adapter_models(), gw.adapter_resolver
+            )
             gw.limiter.admit(key, 0, gw.clock())
             response = await self._forward(path, body, model, request_id, adapter)
         except GatewayError as err:

@@ -7,8 +7,8 @@ the adapter. What each worker serves and runs is its `WorkerView.lora` (`LoraSta
 
 | type | kind | rule |
 |---|---|---|
-| `adapter` | filter | reason `no_adapter` when the request names an adapter the worker does not list in its `/v1/models` |
-| `lora-affinity` | scorer | 1 when the adapter already has requests running or waiting on the worker; 0.5 when it has room for one more adapter in a batch (fewer than `max_lora` adapters running or waiting), or its LoRA load is not scraped; 0 when every slot holds another adapter |
+| `adapter` | filter | reason `no_adapter` when the request names an adapter the worker does not list in its `/v1/models` (and does not resolve adapters on demand) |
+| `lora-affinity` | scorer | 1 when the adapter already has requests running or waiting on the worker; 0.5 when it has room for one more adapter in a batch (fewer than `max_lora` adapters running or waiting), or its LoRA load is not scraped; 0 when every slot holds another adapter; halved on a worker that would resolve the adapter on demand (it does not list it yet) |
 
 Why the scorer: vLLM batches requests of at most `--max-loras` distinct adapters in one step (1 unless
 set); a request for another adapter waits in its queue until a slot frees, i.e. until the requests of
@@ -16,6 +16,11 @@ some adapter have all finished, which can be whole generations. A worker already
 adds the request to a slot it has; one with a free slot loads it; one with every slot taken makes it wait.
 A request naming no adapter scores 1 everywhere (no effect on its ranking), and the cycle skips the scorer
 for it (`applies`).
+
+Workers whose model resolves adapters on demand (`LoraState.resolves`: vLLM's LoRA resolver plugins) take
+any adapter name, listed or not: the first request naming a new one makes the worker load it (from disk or
+the Hub), so one that lists it already is preferred (the halved score), and the load spreads to others as
+the first's slots fill.
 """
 
 from __future__ import annotations
@@ -61,16 +66,21 @@ class LoraAffinityScorer:
 
 def serves(worker: WorkerView, adapter: str | None) -> bool:
     """Whether `worker` can take a request naming `adapter` (None: its base model, which every worker of the
-    model serves). The one rule for the filter and the gateway's other worker choices (KV holds and batch
+    model serves; a worker resolving adapters on demand serves any). The one rule for the filter and the gateway's other worker choices (KV holds and batch
     plans in the admission queue, the tokenizer routes)."""
-    return adapter is None or adapter in worker.lora.adapters
+    return adapter is None or adapter in worker.lora.adapters or worker.lora.resolves
 
 
 def lora_affinity(worker: WorkerView, adapter: str) -> float:
     """The `lora-affinity` score of one worker for a request naming `adapter` (module docstring)."""
     lora = worker.lora
+    # a worker that would resolve the adapter first (it does not list it) is worth half: it loads it before
+    # it runs the request
+    listed = 1.0 if adapter in lora.adapters else 0.5
     if lora.running is None or lora.waiting is None or lora.max_lora is None:
-        return 0.5  # not scraped (stale, or a server without the metric): neither preferred nor avoided
+        return (
+            0.5 * listed
+        )  # not scraped (stale, or a server without the metric): neither preferred nor avoided
     if adapter in lora.running or adapter in lora.waiting:
         return 1.0
-    return 0.5 if len(lora.running | lora.waiting) < lora.max_lora else 0.0
+    return 0.5 * listed if len(lora.running | lora.waiting) < lora.max_lora else 0.0

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from scheduler.fleet import NO_LORA, LoraState
+from server.config import ConfigError
 from tests.gateway.fakes import METRICS_TEXT, FakeFleet, FakeWorker, config, pool
 from tests.gateway.test_faults import CHAT, chat, gateway, metric, run
 
@@ -191,3 +192,52 @@ def test_admin_workers_shows_each_workers_adapters_and_their_load() -> None:
             assert lora["p/b:8000"] is NO_LORA
 
     run(body)
+
+
+def test_a_model_resolving_adapters_takes_any_unknown_name_as_its_adapter() -> None:
+    """`models[].lora_resolver` (vLLM's resolver plugins load an adapter on its first request): an unknown name
+    is routed as that model's adapter to any of its workers, a listed one preferably to a worker listing it;
+    another configured model stays itself; unlisted names share one metric label."""
+    a, b, _ = lora_fleet()
+    q = FakeWorker("q", model="qwen")
+    cfg = config(
+        pool("p", "H100", "mixed", a, b),
+        {**pool("p2", "L4", "mixed", q), "model": "qwen"},
+        models=[{"name": MODEL, "lora_resolver": True}, {"name": "qwen", "spec": "qwen2.5-7b"}],
+    )
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a, b, q)) as (c, gw):
+            for name in ("brand-new", "other-new"):
+                r = await c.post(CHAT, json=chat() | {"model": name})
+                assert r.status_code == 200
+            assert [s["model"] for s in a.seen + b.seen] == ["brand-new", "other-new"]  # forwarded as sent
+            assert q.seen == []
+            assert metric(gw, "mosaic_requests_total", model=MODEL, pool="p", status="200") == 2
+            assert (
+                metric(gw, "mosaic_lora_requests_total", model=MODEL, adapter="(unlisted)", status="200") == 2
+            )
+            a.seen.clear()
+            b.seen.clear()
+            for _ in range(4):  # listed by `a` only: `b` would load it first
+                assert (await c.post(CHAT, json=chat() | {"model": "sql"})).status_code == 200
+            assert len(a.seen) == 4 and b.seen == []
+            assert metric(gw, "mosaic_lora_requests_total", model=MODEL, adapter="sql", status="200") == 4
+            assert (await c.post(CHAT, json=chat() | {"model": "qwen"})).status_code == 200
+            assert len(q.seen) == 1
+            r = await c.post("/tokenize", json={"model": "brand-new", "prompt": "hi"})
+            assert r.status_code == 200
+
+    run(body)
+
+
+def test_two_models_resolving_adapters_are_refused_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"models\.1\.lora_resolver: only one model may resolve"):
+        config(
+            pool("p", "H100", "mixed", FakeWorker("a")),
+            {**pool("p2", "L4", "mixed", FakeWorker("q", model="qwen")), "model": "qwen"},
+            models=[
+                {"name": MODEL, "lora_resolver": True},
+                {"name": "qwen", "spec": "qwen2.5-7b", "lora_resolver": True},
+            ],
+        )

@@ -126,3 +126,45 @@ def test_the_cycle_skips_the_scorer_for_a_request_naming_no_adapter() -> None:
     assert [(s.total, s.parts) for s in base] == [(0.0, {}), (0.0, {})]
     sql = Cycle(lora_req("sql"), view(a, b), 0.0, random.Random(0)).score(prof, [a, b])
     assert [(s.total, s.parts) for s in sql] == [(2.0, {"lora-affinity": 1.0}), (0.0, {"lora-affinity": 0.0})]
+
+
+def resolving_worker(id: str, adapters: set[str], **kw: object) -> WorkerView:
+    """A worker whose model resolves adapters on demand (`models[].lora_resolver`)."""
+    w = lora_worker(id, adapters, **kw)  # type: ignore[arg-type]
+    return dataclasses.replace(w, lora=dataclasses.replace(w.lora, resolves=True))
+
+
+def test_a_worker_resolving_adapters_on_demand_passes_the_filter_for_any_name() -> None:
+    a, b, plain = resolving_worker("a", {"sql"}), resolving_worker("b", set()), lora_worker("c", set())
+    cycle = Cycle(lora_req("brand-new"), view(a, b, plain), 0.0, random.Random(0))
+    assert [AdapterFilter().filter(cycle, w) for w in (a, b, plain)] == [None, None, FilterReason.NO_ADAPTER]
+
+
+@pytest.mark.parametrize(
+    ("listed", "running", "max_lora", "score"),
+    [
+        pytest.param({"sql"}, set(), 2, 0.5, id="listed, a free slot: 0.5"),
+        pytest.param(set(), set(), 2, 0.25, id="to resolve first, a free slot: 0.25"),
+        pytest.param(set(), {"other"}, 1, 0.0, id="to resolve, every slot taken: 0"),
+        pytest.param(set(), None, None, 0.25, id="to resolve, not scraped: 0.25"),
+        pytest.param({"sql"}, None, None, 0.5, id="listed, not scraped: 0.5"),
+        pytest.param({"sql"}, {"sql"}, 1, 1.0, id="running there: 1"),
+    ],
+)
+def test_a_worker_that_must_resolve_the_adapter_first_scores_half(
+    listed: set[str], running: set[str] | None, max_lora: int | None, score: float
+) -> None:
+    w = resolving_worker(
+        "w", listed, active=running, queued=None if running is None else set(), max_lora=max_lora
+    )
+    cycle = Cycle(lora_req("sql"), view(w), 0.0, random.Random(0))
+    assert LoraAffinityScorer().score(cycle, [w]) == [score]
+
+
+def test_the_router_prefers_the_worker_listing_an_adapter_over_one_that_would_resolve_it() -> None:
+    a, b = resolving_worker("a", set()), resolving_worker("b", {"sql"})
+    picked = [build_router().route(lora_req("sql"), view(a, b), 0.0, random.Random(s)) for s in range(8)]
+    assert all(isinstance(d, Decision) and d.decode.id == "b" for d in picked)
+    # a name neither lists goes to either (the first request makes one of them load it)
+    new = build_router().route(lora_req("brand-new"), view(a, b), 0.0, random.Random(0))
+    assert isinstance(new, Decision) and new.decode.id in ("a", "b")
