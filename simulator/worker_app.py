@@ -36,6 +36,8 @@ is an adapter's name (completions, chat, the Responses API, /tokenize, /detokeni
 answered with that name as `model`; its engine requests carry the adapter, so the engine's `max_loras`
 admission rule applies (`EngineConfig.max_loras`, vLLM's --max-loras, default 1). `/v1/models` lists the
 base card then one card per adapter, and `/metrics` adds `vllm:lora_requests_info`. An adapter costs no time.
+With `allow_runtime_lora_updating` (vLLM's env VLLM_ALLOW_RUNTIME_LORA_UPDATING) POST /v1/load_lora_adapter
+and /v1/unload_lora_adapter change the adapters at run time (`simulator.lora.RuntimeLoras`).
 """
 
 from __future__ import annotations
