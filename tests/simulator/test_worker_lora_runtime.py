@@ -297,7 +297,8 @@ async def test_a_runtime_adapter_counts_toward_max_loras(asgi) -> None:
     )
     async with asgi(cfg) as (client, rt):
         assert (await client.post(LOAD, json={"lora_name": "math", "lora_path": HUB})).status_code == 200
-        long = {"prompt": "hello", "max_tokens": 40, "ignore_eos": True}
+        # ~1.6 s of decoding at this scale: the second request reaches the engine long before it ends
+        long = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True}
         first = asyncio.create_task(client.post("/v1/completions", json={**long, "model": "sql"}))
         await wait_until(lambda: rt.engine.num_running == 1)
         short = {"prompt": "hello", "max_tokens": 2, "ignore_eos": True, "model": "math"}
@@ -319,10 +320,10 @@ async def test_unloading_an_adapter_with_a_request_running_lets_it_finish(asgi) 
     )
     async with asgi(cfg) as (client, rt):
         await client.post(LOAD, json={"lora_name": "math", "lora_path": HUB})
-        body = {"model": "math", "prompt": "hello", "max_tokens": 30, "ignore_eos": True}
+        body = {"model": "math", "prompt": "hello", "max_tokens": 200, "ignore_eos": True}  # ~1.6 s
         plain = asyncio.create_task(client.post("/v1/completions", json=body))
         streamed = asyncio.create_task(client.post("/v1/chat/completions", json={
-            "model": "math", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30,
+            "model": "math", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
             "ignore_eos": True, "stream": True,
         }))  # fmt: skip
         await wait_until(lambda: len(rt.metrics.lora.requests.get("math", ())) == 2)
@@ -334,7 +335,7 @@ async def test_unloading_an_adapter_with_a_request_running_lets_it_finish(asgi) 
         assert rt.metrics.lora.requests == {}  # both stopped counting for it when they finished
     assert unloaded.status_code == 200 and refused.status_code == 404
     assert done.status_code == 200 and done.json()["model"] == "math"
-    assert done.json()["usage"]["completion_tokens"] == 30
+    assert done.json()["usage"]["completion_tokens"] == 200
     events = [json.loads(line[6:]) for line in chunks.text.splitlines() if line.startswith("data: {")]
     assert {e["model"] for e in events} == {"math"} and chunks.text.rstrip().endswith("data: [DONE]")
 
@@ -344,14 +345,14 @@ async def test_a_request_past_its_model_check_keeps_its_adapter_through_an_unloa
     resolves its LoRARequest in the handler, so an unload in between does not make it a base-model request."""
     cfg = WorkerConfig(
         gpu="H100", model=M, time_scale=1000.0, enable_lora=True, allow_runtime_lora_updating=True,
-        faults=FaultConfig(stall_rate=1.0, stall_s=0.2),
+        faults=FaultConfig(stall_rate=1.0, stall_s=1.0),
     )  # fmt: skip
     async with asgi(cfg) as (client, _):
         await client.post(LOAD, json={"lora_name": "math", "lora_path": HUB})
         task = asyncio.create_task(
             client.post("/v1/completions", json={"model": "math", "prompt": "hi", "max_tokens": 2})
         )
-        await asyncio.sleep(0.05)  # the request is stalled, its model checked
+        await asyncio.sleep(0.3)  # the request is stalled, its model checked
         assert (await client.post(UNLOAD, json={"lora_name": "math"})).status_code == 200
         resp = await task
         text = (await client.get("/metrics")).text
@@ -385,7 +386,7 @@ async def test_max_loras_above_one_batches_a_runtime_and_a_static_adapter(asgi) 
     )  # fmt: skip
     async with asgi(cfg) as (client, rt):
         await client.post(LOAD, json={"lora_name": "math", "lora_path": HUB})
-        long = {"prompt": "hello", "max_tokens": 30, "ignore_eos": True}
+        long = {"prompt": "hello", "max_tokens": 100, "ignore_eos": True}
         tasks = [
             asyncio.create_task(client.post("/v1/completions", json={**long, "model": m}))
             for m in ("sql", "math")
