@@ -125,6 +125,10 @@ class SimulatedSource(_Strict):
     # and how many one engine step may run (--max-loras; vLLM's default 1)
     lora_modules: list[SimulatedLora] = Field(default_factory=list)
     max_loras: int = Field(default=1, ge=1)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter on every worker (vLLM with env
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); it turns LoRA on in the workers, as a pool started with
+    # --enable-lora would have it (a vLLM without LoRA answers every load 500)
+    allow_runtime_lora_updating: bool = False
 
     @field_validator("lora_modules")
     @classmethod

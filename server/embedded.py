@@ -123,6 +123,8 @@ class SimulatedPoolSource:
             engine_id=f"{pool.name}-{index}",
             data_parallel_size=pool.dp,
             lora_modules=tuple(LoraModule(m.name, m.module_path) for m in sim.lora_modules),
+            enable_lora=sim.allow_runtime_lora_updating,  # adapters turn LoRA on by themselves
+            allow_runtime_lora_updating=sim.allow_runtime_lora_updating,
             **extra,
         )
 

@@ -30,7 +30,8 @@ engines: one rank per GPU of its share); ids that are not `--tp` × `--data-para
 wrapper: `.venv-vllm/bin/python scripts/vllm_cpu_cli.py serve`). `--advertise-host` is the NIXL side-channel
 host P/D peers are told (`VLLM_NIXL_SIDE_CHANNEL_HOST`; default `--host`, or for a wildcard `--host 0.0.0.0`
 this machine's primary IP). The simulator's own options (`--gpu`, `--catalog`, `--time-scale`, `--seed`,
-`--kv-link-gbps`, the failure-injection rates, `--log-level`) are refused (exit 2) rather than silently
+`--kv-link-gbps`, the failure-injection rates, `--log-level`, `--allow-runtime-lora-updating`: vLLM reads
+env `VLLM_ALLOW_RUNTIME_LORA_UPDATING` instead) are refused (exit 2) rather than silently
 ignored. vLLM gets this command's environment unfiltered (unlike a gateway's launched pools) and dies with it
 even on SIGKILL (parent-death signal).
 """
@@ -209,6 +210,9 @@ _SIMULATOR_ONLY = {
     "stall_s": "--stall-s",
     "midstream_error_rate": "--midstream-error-rate",
     "log_level": "--log-level",
+    # vLLM has no such flag: its runtime LoRA routes follow env VLLM_ALLOW_RUNTIME_LORA_UPDATING, which the
+    # foreground vLLM gets from this command's environment
+    "allow_runtime_lora_updating": "--allow-runtime-lora-updating",
 }
 
 

@@ -23,16 +23,36 @@ What vLLM does, and this mirrors:
   list the same adapters (vLLM fills both dicts with every tracked adapter, its count 0 or not). vLLM never
   removes a label set: every distinct set seen stays a series, and the current one is the one with the
   largest value. The series are not bounded (as in vLLM): one per distinct adapter list seen.
+
+Runtime updating (`RuntimeLoras`; vLLM 0.32's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
+vllm/entrypoints/serve/lora/api_router.py, attached only when env `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is "1" or
+"true" in any case, vllm/envs.py): the body is FastAPI's (`fastapi_body`: JSON only, vLLM's
+`validate_json_request`, then pydantic's lax validation of vLLM's request models), then
+`OpenAIServingModels.load_lora_adapter` / `unload_lora_adapter` (vllm/entrypoints/openai/models/serving.py):
+its checks in its order and words, answered 200 with a plain-text body and no content type (Starlette's
+`Response(content=...)`), or its `create_error_response` JSON (messages through vLLM's `sanitize_message`).
+A load replaces an in-place reload's entry where it was (so `/v1/models` keeps its place) and appends a new
+one; an unload only drops the name: vLLM's engine keeps the adapter, and requests running with it finish.
+The simulator reads no weights: an absolute (or `~`) `lora_path` without an `adapter_config.json` gets
+vLLM's 404 for an adapter its loader cannot find; any other path (a Hugging Face id, a relative path) is
+accepted, where vLLM would download or read it and may refuse it (bad rank, offline hub, ...).
 """
 
 from __future__ import annotations
 
+import email.message
 import json
+import os
+import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from simulator.protocol import UNSUPPORTED_MEDIA_TYPE, ApiError, bad_shape, error_input, validated
 
 LORA_INFO = "vllm:lora_requests_info"
 LORA_INFO_HELP = "Running stats on lora requests."
@@ -141,3 +161,166 @@ class LoraRequestStates:
     def record(self) -> None:
         names = ",".join(self.requests)
         self.series[(self.max_lora, names, names)] = self.clock()
+
+
+# ---------------------------------------------------------------- runtime updating
+
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# what vLLM's engine core answers an `add_lora` on a server started without --enable-lora (the worker's
+# `_ensure_lora_enabled`, wrapped by EngineCoreProc._invoke_utility_method); the API server makes it a 500
+LORA_NOT_ENABLED = "Call to add_lora method failed: LoRA is not enabled. Use --enable-lora to enable LoRA."
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def runtime_lora_updating(environ: Mapping[str, str]) -> bool:
+    """vLLM's `envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING`: "1" or "true" (any case, spaces stripped) turn it on;
+    unset or anything else ("yes", "on", "True1") leave it off."""
+    return environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's `LoadLoRAAdapterRequest` (vllm/entrypoints/serve/lora/protocol.py): its fields, types, defaults."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's `UnloadLoRAAdapterRequest`; `lora_int_id` is validated and then ignored, as vLLM ignores it."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+_PATHS = (
+    re.compile(r" at 0x[0-9a-fA-F]+>"),
+    re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?'),
+    re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"),
+    re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"),
+)
+
+
+def sanitize_message(message: str) -> str:
+    """vLLM's `sanitize_message` (entrypoints/serve/exception_handling/utils.py), which every error body's
+    message goes through: object addresses, traceback lines and file paths under /home, /tmp, ... (or any
+    path ending in a file extension) become `>`, nothing and `<path>`."""
+    message = _PATHS[0].sub(">", message)
+    message = _PATHS[1].sub("", message)
+    message = _PATHS[2].sub("<path>", message)
+    message = _PATHS[3].sub("<path>", message)
+    return message.strip()
+
+
+def _validation_error(errors: Sequence[dict[str, Any] | str], param: str | None) -> ApiError:
+    """vLLM's answer to FastAPI's RequestValidationError (`validation_exception_handler`)."""
+    head = f"{len(errors)} validation {'error' if len(errors) == 1 else 'errors'}:"
+    return bad_shape(sanitize_message("\n  ".join([head, *map(str, errors)])), param)
+
+
+def fastapi_body(raw: bytes, content_type: str | None, model: type[ModelT]) -> ModelT:
+    """A POST body as vLLM's FastAPI route with `Depends(validate_json_request)` and a pydantic body reads it,
+    in FastAPI's order, or the ApiError vLLM answers (400 "Bad Request", param the error's location):
+    1. a non-empty body with a JSON content type (application/json or */*+json) is parsed: malformed JSON
+       is a `json_invalid` error at `body.<byte offset>`, undecodable bytes FastAPI's "There was an error
+       parsing the body";
+    2. `validate_json_request`: a media type (before any `;`) other than exactly `application/json`;
+    3. the model, validated as FastAPI does (`from_attributes`): no body (or `null`) is `body` missing,
+       a JSON value that is no object cannot give fields, then each field's type."""
+    body: Any = None
+    if raw and content_type:
+        msg = email.message.Message()
+        msg["content-type"] = content_type
+        subtype = msg.get_content_subtype()
+        if msg.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json")):
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                err = {"type": "json_invalid", "loc": f"body.{exc.pos}", "msg": "JSON decode error",
+                       "input": error_input({}), "ctx": {"error": exc.msg}}  # fmt: skip
+                raise _validation_error([err], err["loc"]) from None
+            except ValueError:  # bytes that are no UTF-8/16/32: FastAPI's HTTPException, its phrase as type
+                raise bad_shape("There was an error parsing the body") from None
+    # vLLM's validate_json_request: no strip, so "application/json ;charset=utf-8" is refused too
+    if (content_type or "").lower().split(";", 1)[0] != "application/json":
+        raise _validation_error([UNSUPPORTED_MEDIA_TYPE], None)
+    if body is None:
+        raise _validation_error([{"type": "missing", "loc": "body", "msg": "Field required",
+                                  "input": error_input(None)}], "body")  # fmt: skip
+    if not isinstance(body, dict):
+        err = {"type": "model_attributes_type", "loc": "body",
+               "msg": "Input should be a valid dictionary or object to extract fields from",
+               "input": error_input(body)}  # fmt: skip
+        raise _validation_error([err], "body")
+    try:
+        return validated(model, body)
+    except ApiError as exc:  # vLLM sanitizes these messages too (a path-like string value is an `input`)
+        raise bad_shape(sanitize_message(exc.message), exc.param) from None
+
+
+def _error(status: int, message: str, type_: str) -> ApiError:
+    """vLLM's `create_error_response(message, err_type, status_code)`: no param, the message sanitized."""
+    return ApiError(status, sanitize_message(message), type_)
+
+
+def _adapter_found(path: str) -> bool:
+    """Whether vLLM's LoRA loader would find the adapter, as far as the simulator can tell without reading
+    it: `get_adapter_absolute_path` takes an absolute path (or `~`-expanded one) as it is and
+    `PEFTHelper.from_local_dir` opens its `adapter_config.json` (FileNotFoundError → vLLM's
+    LoRAAdapterNotFoundError); other paths are a Hugging Face id or a relative directory, not checked."""
+    if os.path.isabs(path) or path.startswith("~"):
+        return os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json"))
+    return True
+
+
+class RuntimeLoras:
+    """vLLM's `OpenAIServingModels.load_lora_adapter` / `unload_lora_adapter` over the worker's adapters
+    (`loras`: name → module, in load order, shared with the request parsing that resolves names).
+
+    `enabled`: the server has LoRA (vLLM's --enable-lora or adapters); without it every load that passes the
+    checks is the engine's 500. The simulator's event loop runs each call to completion, so vLLM's per-name
+    lock has nothing to guard here."""
+
+    def __init__(self, loras: MutableMapping[str, LoraModule], served: str, enabled: bool) -> None:
+        self.loras = loras
+        self.served = served
+        self.enabled = enabled
+
+    def load(self, req: LoadLoraAdapterRequest) -> str:
+        """The success text, or the ApiError vLLM answers (400 InvalidUserInput for its checks, in its order;
+        then its engine's add_lora: 500 without LoRA, 404 NotFoundError for an adapter not found)."""
+        name, path = req.lora_name, req.lora_path
+        if not name or not path:
+            raise _error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if name == self.served:  # vLLM's is_base_model: the served names only
+            raise _error(
+                400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput"
+            )
+        if not req.load_inplace and name in self.loras:
+            raise _error(
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+                "set 'load_inplace' to True.",
+                "InvalidUserInput",
+            )
+        if not self.enabled:
+            raise _error(500, LORA_NOT_ENABLED, "InternalServerError")
+        if not _adapter_found(path):  # vLLM's LoRAAdapterNotFoundError, through create_error_response
+            raise _error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+        # a name loaded in place keeps its place (dict order: /v1/models lists it where it was)
+        self.loras[name] = LoraModule(name, path, is_3d_lora_weight=req.is_3d_lora_weight)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload(self, req: UnloadLoraAdapterRequest) -> str:
+        """The success text, or vLLM's 400 (no name) / 404 (a name not loaded). A static adapter unloads too."""
+        name = req.lora_name
+        if not name:
+            raise _error(
+                400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput"
+            )
+        if name not in self.loras:
+            raise _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.loras[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."

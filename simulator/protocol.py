@@ -258,12 +258,13 @@ def _param_of(loc: Sequence[Any]) -> str:
     return ".".join(p for p in parts if not any(c in p for c in "[]{}()") and p.lower() not in _INTERNAL_LOC)
 
 
-def _brief(value: Any) -> Any:
-    """An error's `input`, bounded as vLLM bounds it: containers described, long strings cut."""
-    if isinstance(value, (list, tuple, dict)):
+def error_input(value: Any) -> str:
+    """An error's `input` as vLLM's `_summarize_error_input` renders it: containers described, anything else
+    as its string (`5` → `'5'`, null → `'None'`), cut after 200 characters."""
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
         return f"<{type(value).__name__} of {len(value)} items>"
     text = value if isinstance(value, str) else str(value)
-    return text[:200] + "...[truncated]" if len(text) > 200 else value
+    return text[:200] + "...[truncated]" if len(text) > 200 else text
 
 
 def _validate_fields(body: Mapping[str, Any], chat: bool) -> _Fields:
@@ -282,12 +283,12 @@ def validated(
         return model.model_validate(body)
     except ValidationError as exc:
         errors = [
-            {"type": e["type"], "loc": _param_of(e["loc"]), "msg": e["msg"], "input": _brief(e["input"])}
+            {"type": e["type"], "loc": _param_of(e["loc"]), "msg": e["msg"], "input": error_input(e["input"])}
             for e in exc.errors(include_url=False)
         ]
     if union_missing is not None:
         missing = {"type": "missing", "loc": f"body.{union_missing}", "msg": "Field required"}
-        missing["input"] = _brief(dict(body))
+        missing["input"] = error_input(dict(body))
         errors = [missing, *errors] if union_first else [*errors, missing]
     head = f"{len(errors)} validation {'error' if len(errors) == 1 else 'errors'}:"
     raise bad_shape("\n  ".join([head, *map(str, errors[:10])]), errors[0]["loc"])

@@ -36,6 +36,8 @@ is an adapter's name (completions, chat, the Responses API, /tokenize, /detokeni
 answered with that name as `model`; its engine requests carry the adapter, so the engine's `max_loras`
 admission rule applies (`EngineConfig.max_loras`, vLLM's --max-loras, default 1). `/v1/models` lists the
 base card then one card per adapter, and `/metrics` adds `vllm:lora_requests_info`. An adapter costs no time.
+With `allow_runtime_lora_updating` (vLLM's env VLLM_ALLOW_RUNTIME_LORA_UPDATING) POST /v1/load_lora_adapter
+and /v1/unload_lora_adapter change the adapters at run time (`simulator.lora.RuntimeLoras`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,17 @@ from placement.catalog import load_catalog
 from placement.perf_model import PerfModel
 from simulator.data_parallel import RANK_HEADER, DpBalancer, EngineLoad, requested_rank
 from simulator.engine import Engine, EngineConfig
-from simulator.lora import LoraModule, LoraRequestStates, check_lora_modules, model_card, model_permission
+from simulator.lora import (
+    LoadLoraAdapterRequest,
+    LoraModule,
+    LoraRequestStates,
+    RuntimeLoras,
+    UnloadLoraAdapterRequest,
+    check_lora_modules,
+    fastapi_body,
+    model_card,
+    model_permission,
+)
 from simulator.metrics import WorkerMetrics
 from simulator.protocol import (
     ApiError,
@@ -184,6 +196,9 @@ class WorkerConfig:
     # (--max-loras). LoRA is on with adapters, or with `enable_lora` alone (vLLM's --enable-lora, none loaded)
     lora_modules: tuple[LoraModule, ...] = ()
     enable_lora: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: env VLLM_ALLOW_RUNTIME_LORA_UPDATING); it
+    # does not turn LoRA on: without it a load is vLLM's 500 "LoRA is not enabled"
+    allow_runtime_lora_updating: bool = False
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -226,12 +241,16 @@ class WorkerRuntime:
         self.perf = PerfModel(catalog.gpu(cfg.gpu), model, tp=cfg.tp)
         self.served = cfg.served_model_name or self.perf.model.name
         check_lora_modules(cfg.lora_modules, self.served)  # vLLM refuses to start on these too
-        self.loras = {m.name: m for m in cfg.lora_modules}  # adapter name → module, in load order
+        # adapter name → module, in load order; runtime loads and unloads change it in place, so the request
+        # parsers given it see the current adapters
+        self.loras = {m.name: m for m in cfg.lora_modules}
+        self.lora_enabled = bool(cfg.lora_modules) or cfg.enable_lora
+        self.runtime_loras = RuntimeLoras(self.loras, self.served, self.lora_enabled)
         # Every engine gets the worker's seed: DP engines are replicas of one model, so a prompt's answer
         # does not depend on which engine runs it (vLLM at temperature 0 likewise).
         self.engines = [Engine(self.perf, cfg.engine, seed=cfg.seed) for _ in range(cfg.data_parallel_size)]
         self.engine = self.engines[0]
-        lora = LoraRequestStates(cfg.engine.max_loras) if self.loras or cfg.enable_lora else None
+        lora = LoraRequestStates(cfg.engine.max_loras) if self.lora_enabled else None
         self.metrics = WorkerMetrics(self.engine, self.served, lora=lora)
         self.engine_metrics = [self.metrics, *(self.metrics.add_engine(e) for e in self.engines[1:])]
         self.drivers = [
@@ -349,6 +368,9 @@ class WorkerRuntime:
         id `rid`: (engine id, sequences, tickets, rank, driver), or the error Response. `errors_in_stream`:
         a stream gets the engine input checks' errors as an error event (completions and chat, whose checks
         vLLM runs once the stream has started; the Responses API runs them before)."""
+        # The adapter is resolved now, before any await: an unload while this request stalls or queues does not
+        # take it away (vLLM resolves its LoRARequest in the handler and the engine keeps running with it).
+        lora = api.model if api.model in self.loras else None
         limit = self.engine.max_model_len
         try:
             dp_rank = requested_rank(request.headers.get(RANK_HEADER))
@@ -370,7 +392,7 @@ class WorkerRuntime:
         # A client's id may repeat (retries, P/D sending one id to both sides), so the engine gets its own:
         # the response id plus 8 random hex digits, as vLLM's input processor makes it.
         eid = f"{rid}-{secrets.token_hex(4)}"
-        seqs = self._sequences(api, eid, max_tokens)
+        seqs = self._sequences(api, eid, max_tokens, lora)
         rank = self.engine_for(dp_rank)
         driver = self.drivers[rank]
         try:
@@ -385,15 +407,16 @@ class WorkerRuntime:
         """Tokens start..stop−1 of `seq`'s answer with their max(1, k) most likely candidates."""
         return pseudo_top_logprobs(self.cfg.seed, seq.fingerprint, start, stop, max(1, k))
 
-    def _sequences(self, api: ApiRequest, rid: str, max_tokens: list[int]) -> list[ApiSequence]:
+    def _sequences(
+        self, api: ApiRequest, rid: str, max_tokens: list[int], lora: str | None = None
+    ) -> list[ApiSequence]:
         """The engine requests of `api`, in choice order (index = prompt · n + completion): vLLM decodes
         every completion of every prompt as its own sequence. `rid` is the request's engine id (unique per
         request); one sequence keeps it (P/D holds and releases name it), several get `rid-<index>`.
         Completion j > 0 of a prompt gets its own answer and EOS position (a fingerprint mixed with j), as
-        sampling gives n different completions."""
+        sampling gives n different completions. `lora`: the adapter they run with (None: the base model)."""
         single = api.sequences == 1
         kvt = self._kv_transfer(api, rid) if single else None
-        lora = api.model if api.model in self.loras else None
         seqs = []
         for p, ids in enumerate(api.prompts):
             for j in range(api.n):
@@ -785,6 +808,26 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         rt.faults = new
         return JSONResponse(asdict(new))
 
+    async def load_lora_adapter(request: Request) -> Response:
+        try:
+            body = fastapi_body(
+                await request.body(), request.headers.get("content-type"), LoadLoraAdapterRequest
+            )
+            text = rt.runtime_loras.load(body)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        return Response(text)  # vLLM's Response(content=...): text, no content type
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        try:
+            body = fastapi_body(
+                await request.body(), request.headers.get("content-type"), UnloadLoraAdapterRequest
+            )
+            text = rt.runtime_loras.unload(body)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        return Response(text)
+
     async def kv_release(request: Request) -> Response:
         try:
             body = parse_body(await request.body(), request.headers.get("content-type"))
@@ -796,6 +839,13 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
     # dependency solving and per-request telemetry lookups would only add per-request cost. Starlette adds
     # HEAD to every GET route; vLLM's FastAPI GET routes (/health, /v1/models) answer HEAD with 405 (`Allow:
     # GET`), so `get_only` takes it off again. Its /metrics is a mounted Prometheus app answering any method.
+    # vLLM attaches its LoRA routes only when runtime updating is allowed: otherwise they are unknown paths
+    runtime_lora = (
+        (("/v1/load_lora_adapter", load_lora_adapter, ["POST"], False),
+         ("/v1/unload_lora_adapter", unload_lora_adapter, ["POST"], False))
+        if cfg.allow_runtime_lora_updating
+        else ()
+    )  # fmt: skip
     for path, endpoint, methods, get_only in (
         ("/v1/completions", completions, ["POST"], False),
         ("/v1/chat/completions", chat_completions, ["POST"], False),
@@ -808,6 +858,7 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         ("/sim/state", state, ["GET"], False),
         ("/sim/faults", faults, ["GET", "POST"], False),
         ("/sim/kv/release", kv_release, ["POST"], False),
+        *runtime_lora,
     ):
         route = Route(path, endpoint, methods=methods, include_in_schema=False)
         if get_only and route.methods is not None:

@@ -13,6 +13,10 @@ LoRA takes vLLM's own flags, read from the rest of the line as vLLM's argparse r
 an earlier one, as in vLLM), `--max-loras N` (default 1) and `--enable-lora` (implied by adapters; alone it
 turns LoRA on with none, as in vLLM). With `--engine vllm` they go to vLLM as they are, with
 `--enable-lora` added when adapters are given without it (vLLM refuses to start otherwise).
+Runtime adapter loading (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`) is on when the environment has
+vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING` set to "1" or "true" (vLLM's reading), or with
+`--allow-runtime-lora-updating` (the simulator's own flag: vLLM has only the variable). As in vLLM it does not
+turn LoRA on: a load without `--enable-lora` or adapters is vLLM's 500 "LoRA is not enabled".
 
 `serve_simulated` is the simulated backend; `--engine vllm` hands the flags to a real vLLM instead.
 """
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +37,7 @@ import typer
 
 from server.commands.common import check_log_level, fail, raise_open_files_limit
 from simulator.engine import EngineConfig
-from simulator.lora import LoraModule, parse_lora_modules
+from simulator.lora import RUNTIME_LORA_ENV, LoraModule, parse_lora_modules, runtime_lora_updating
 from simulator.worker_app import ROLES, FaultConfig, WorkerConfig, WorkerRuntime
 from simulator.worker_server import start_worker_server
 
@@ -97,7 +102,8 @@ async def serve_simulated(cfg: WorkerConfig, host: str, port: int, log_level: st
             f" lora_modules={','.join(m.name for m in cfg.lora_modules)} max_loras={cfg.engine.max_loras}"
             if cfg.lora_modules
             else ""
-        ),
+        )
+        + (" runtime_lora_updating=on" if cfg.allow_runtime_lora_updating else ""),
         err=False,
     )
     stop = asyncio.Event()
@@ -178,6 +184,12 @@ def register(app: typer.Typer) -> None:
             0.0, "--midstream-error-rate", help="Streams cut with an error."
         ),
         log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+        allow_runtime_lora_updating: bool = typer.Option(
+            False,
+            "--allow-runtime-lora-updating",
+            help=f"Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: env {RUNTIME_LORA_ENV}, "
+            "which is read too).",
+        ),
         advertise_host: str | None = typer.Option(
             None,
             "--advertise-host",
@@ -187,7 +199,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One simulated vLLM worker: vLLM's OpenAI API and /metrics, timed by the GPU perf model.
 
-        LoRA: vLLM's --lora-modules NAME=PATH|JSON ... and --max-loras N [1] (--enable-lora implied)."""
+        LoRA: vLLM's --lora-modules NAME=PATH|JSON ... and --max-loras N [1] (--enable-lora implied); runtime
+        loading with env VLLM_ALLOW_RUNTIME_LORA_UPDATING=true or --allow-runtime-lora-updating."""
         if engine == "vllm":  # a real vLLM server instead (server/vllm_worker.py, docs/real_vllm.md)
             from server.vllm_worker import run_vllm_worker
 
@@ -223,6 +236,7 @@ def register(app: typer.Typer) -> None:
                                    midstream_error_rate=midstream_error_rate),
                 advertise_host=advertise_host or host, data_parallel_size=data_parallel_size,
                 lora_modules=lora.modules, enable_lora=bool(lora.enable_lora),
+                allow_runtime_lora_updating=allow_runtime_lora_updating or runtime_lora_updating(os.environ),
             )  # fmt: skip
             # Build the runtime once up front so catalog and capacity errors exit 2 before binding.
             WorkerRuntime(cfg)

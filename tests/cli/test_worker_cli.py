@@ -156,6 +156,46 @@ def test_lora_flags_reach_the_simulated_worker(
 
 
 @pytest.mark.parametrize(
+    ("args", "env", "on"),
+    [
+        pytest.param([], None, False, id="off by default"),
+        pytest.param(["--allow-runtime-lora-updating"], None, True, id="the simulator's flag"),
+        pytest.param([], "true", True, id="vLLM's variable: true"),
+        pytest.param([], "1", True, id="vLLM's variable: 1"),
+        pytest.param([], "yes", False, id="vLLM's variable: yes is not true to vLLM"),
+        pytest.param(["--allow-runtime-lora-updating"], "0", True, id="the flag whatever the variable"),
+    ],
+)
+def test_runtime_lora_updating_from_the_flag_or_vllms_variable(
+    app: typer.Typer, monkeypatch: pytest.MonkeyPatch, args: list[str], env: str | None, on: bool
+) -> None:
+    configs: list[WorkerConfig] = []
+
+    async def serve(cfg: WorkerConfig, host: str, port: int, log_level: str) -> None:
+        configs.append(cfg)
+
+    monkeypatch.setattr(worker_command, "serve_simulated", serve)
+    if env is None:
+        monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", env)
+    result = CliRunner().invoke(app, ["worker", *H100, "--port", "0", "--enable-lora", *args])
+    assert result.exit_code == 0, result.output
+    (cfg,) = configs
+    assert cfg.allow_runtime_lora_updating is on
+    assert cfg.enable_lora  # given, not implied: as in vLLM the variable does not turn LoRA on
+
+
+def test_the_runtime_lora_flag_is_refused_for_a_real_vllm(app: typer.Typer) -> None:
+    """vLLM has no such flag (only its variable, which the foreground vLLM inherits): refused, not dropped."""
+    result = CliRunner().invoke(
+        app, ["worker", "--engine", "vllm", "--model", "m", "--allow-runtime-lora-updating"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "--allow-runtime-lora-updating: simulated worker only" in result.output
+
+
+@pytest.mark.parametrize(
     ("args", "tail"),
     [
         pytest.param(["--lora-modules", "a=/p", "b=/q", "--max-loras", "2"],

@@ -158,6 +158,17 @@ def test_defaults() -> None:
             id="max_loras 0",
         ),
         pytest.param(
+            {"pools": [_pool(endpoints={"simulated": {"allow_runtime_lora_updating": "sometimes"}})]},
+            "test: pools.0.endpoints.simulated.allow_runtime_lora_updating: Input should be a valid boolean, "
+            "unable to interpret input",
+            id="runtime LoRA updating not a boolean",
+        ),
+        pytest.param(
+            {"pools": [_pool(endpoints={"simulated": {"allow_runtime_lora_update": True}})]},
+            "test: pools.0.endpoints.simulated.allow_runtime_lora_update: unknown key",
+            id="runtime LoRA updating misspelt",
+        ),
+        pytest.param(
             {"pools": [_pool(dp=0)]},
             "test: pools.0.dp: Input should be greater than or equal to 1",
             id="a worker of no engine",
@@ -263,3 +274,25 @@ def test_simulated_pool_lora_adapters_reach_each_worker() -> None:
     plain = validate_config({"pools": [_pool(endpoints={"simulated": {}})]})
     worker = simulated_source(plain, plain.pools[0]).worker_config(0)
     assert (worker.lora_modules, worker.engine.max_loras) == ((), 1)  # LoRA off; vLLM's default max_loras
+
+
+def test_simulated_pool_runtime_lora_updating_reaches_each_worker_with_lora_on() -> None:
+    """`allow_runtime_lora_updating` (off by default) gives each worker vLLM's load/unload routes, and LoRA with
+    them: a pool configured to load adapters at run time is one vLLM would start with --enable-lora."""
+    from server.embedded import simulated_source
+
+    plain = validate_config({"pools": [_pool(endpoints={"simulated": {}})]})
+    assert plain.pools[0].endpoints.simulated is not None
+    assert plain.pools[0].endpoints.simulated.allow_runtime_lora_updating is False
+    worker = simulated_source(plain, plain.pools[0]).worker_config(0)
+    assert (worker.allow_runtime_lora_updating, worker.enable_lora) == (False, False)
+    sim = {"replicas": 2, "allow_runtime_lora_updating": True}
+    cfg = validate_config({"pools": [_pool(endpoints={"simulated": sim})]})
+    source = simulated_source(cfg, cfg.pools[0])
+    for index in (0, 1):
+        worker = source.worker_config(index)
+        assert (worker.allow_runtime_lora_updating, worker.enable_lora, worker.lora_modules) == (
+            True,
+            True,
+            (),
+        )

@@ -3,7 +3,9 @@
 `real_vllm`: one server per test session (started on first use, 25-80 s, stopped at the end).
 `real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started only
 for the module that asks for it and stopped after it; `real_vllm_dp` likewise, with two data-parallel engines;
-`real_vllm_lora` likewise, with two LoRA adapters built at test time (build_lora.py) and `--max-loras 1`. All
+`real_vllm_lora` likewise, with two LoRA adapters built at test time (build_lora.py), `--max-loras 1` and runtime
+adapter loading on (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; `sim_lora_url` is the simulated worker set up the
+same way). All
 skip with the reason from `vllm_env.missing_reason()` when `.venv-vllm` or the model is absent (`make test-vllm`
 sets them up). `sim_url`: Mosaic's simulated worker
 serving the same tiny model (`mosaic worker`, one per module), which the fidelity and differential tests diff
@@ -26,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +43,7 @@ from server.vllm_launcher import LaunchError, VllmProcess, free_port, health_ok,
 SIM_MODEL = vllm_env.SERVED_MODEL_NAME  # the simulated worker serves the tiny model under the same name
 START_TIMEOUT_S = 420.0  # cold start is ~120 s alone; on a loaded 2-core machine allow well beyond
 LORA_ADAPTERS = {"tiny-lora-a": 1, "tiny-lora-b": 2}  # `real_vllm_lora`'s adapters: served name → build seed
+RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # vLLM's reading: "1" or "true", any case
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +61,13 @@ def _skip_if_absent() -> None:
         pytest.skip(reason)
 
 
-def _serve(name: str, extra_args: tuple[str, ...], adapters: tuple[str, ...] = ()) -> Iterator[RealServer]:
-    proc = vllm_env.start_process(name, extra_args)
+def _serve(
+    name: str,
+    extra_args: tuple[str, ...],
+    adapters: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
+) -> Iterator[RealServer]:
+    proc = vllm_env.start_process(name, extra_args, extra_env=extra_env)
     try:
         proc.wait_healthy(START_TIMEOUT_S)
         # /health answers 200 even when the engine process died during start-up: one real completion proves it.
@@ -115,7 +124,9 @@ def real_vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealSer
     """A server with the LoRA adapters of `LORA_ADAPTERS` (rank 8, q_proj/v_proj, written by build_lora.py into a
     tmp dir, ~2 s) and `--max-loras 1`: one adapter per batch, so a request for another adapter waits in vLLM's
     queue. `--enable-per-request-metrics` adds engine timings (`queue_time_ms`...) to each answer's `metrics`.
-    Started for the module that asks for it and stopped after it (~20 s warm)."""
+    Started for the module that asks for it and stopped after it (~20 s warm). Runtime loading is on
+    (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`): a test that loads an adapter unloads it again, so the others see
+    only these two."""
     _skip_if_absent()
     try:
         dirs = write_adapters(tmp_path_factory.mktemp("lora"), LORA_ADAPTERS)
@@ -131,7 +142,7 @@ def real_vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealSer
         "--lora-modules",
         *(f"{name}={path}" for name, path in dirs.items()),
     )
-    yield from _serve("pytest-lora", args, adapters=tuple(dirs))
+    yield from _serve("pytest-lora", args, adapters=tuple(dirs), extra_env=RUNTIME_LORA_ENV)
 
 
 def gateway_available() -> str | None:
@@ -158,7 +169,20 @@ def sim_dp_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
 
 
-def _sim_worker(tmp_path_factory: pytest.TempPathFactory, *extra_args: str) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def sim_lora_url(real_vllm_lora: RealServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The simulated worker set up as `real_vllm_lora`: its adapters (names and directories, read from its
+    /v1/models), `--max-loras 1`, and runtime loading on through vLLM's own variable."""
+    cards = httpx.get(f"{real_vllm_lora.url}/v1/models", timeout=30).json()["data"]
+    modules = [f"{c['id']}={c['root']}" for c in cards if c["parent"] is not None]
+    yield from _sim_worker(
+        tmp_path_factory, "--max-loras", "1", "--lora-modules", *modules, env=RUNTIME_LORA_ENV
+    )
+
+
+def _sim_worker(
+    tmp_path_factory: pytest.TempPathFactory, *extra_args: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
     if importlib.util.find_spec("simulator.worker_app") is None:
         pytest.skip("simulated worker (simulator/worker_app.py) not present yet")
     port = free_port()
@@ -185,7 +209,7 @@ def _sim_worker(tmp_path_factory: pytest.TempPathFactory, *extra_args: str) -> I
     with log_path.open("wb") as log:
         # this checkout's code first: the venv's `mosaic` may be an editable install of another worktree
         path = os.pathsep.join(p for p in (str(vllm_env.REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": path}
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -15,6 +15,10 @@ Seen on vLLM 0.32.0 (CPU):
   for its first step is not in it yet.
 - `--max-loras 1`: a request for adapter B sent while adapter A's runs waits in vLLM's queue until A's finishes
   (its `queue_time_ms` ≈ A's remaining time); requests for the same adapter or the base model batch together.
+- With `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, `POST /v1/load_lora_adapter` loads an adapter directory under a
+  new name (200, plain text "Success: LoRA adapter 'x' added successfully.", no content type), which is then
+  listed and served like a `--lora-modules` one; `/v1/unload_lora_adapter` drops it. The simulated worker
+  (`sim_lora_url`) answers every step with the same status, type and message.
 """
 
 from __future__ import annotations
@@ -292,3 +296,114 @@ def test_the_gateway_reads_the_running_adapter_from_vllm(
         if not seen:
             pytest.skip(f"no gateway scrape of vLLM caught adapter {a} running in {ATTEMPTS} generations")
         assert seen == {a}  # the gateway's scrape saw adapter A running, nothing else
+
+
+RUNTIME_NAME = "tiny-lora-runtime"
+
+
+def _answer(resp: httpx.Response) -> tuple[int, bool, Any]:
+    """Status, whether a content type was sent, and the body: an error's whole JSON (its message included),
+    a success's text."""
+    typed = "content-type" in resp.headers
+    body = resp.json() if typed and resp.headers["content-type"].startswith("application/json") else resp.text
+    return resp.status_code, typed, body
+
+
+def test_runtime_loading_and_unloading_as_the_simulated_worker_answers_it(
+    real_vllm_lora: RealServer, sim_lora_url: str
+) -> None:
+    """vLLM loads adapter A's directory again under a new name at run time, serves it (at temperature 0 with A's
+    output: the same weights), refuses the name twice, unloads it and then no longer knows it. At every step
+    the simulated worker, set up the same way, answers with the same status, content type and body."""
+    base, (a, _) = real_vllm_lora.model, real_vllm_lora.adapters
+    urls = (real_vllm_lora.url, sim_lora_url)
+    with httpx.Client(timeout=60) as http:
+        a_dir = next(c["root"] for c in http.get(f"{urls[0]}/v1/models").json()["data"] if c["id"] == a)
+
+        def both(path: str, **kwargs: Any) -> tuple[httpx.Response, httpx.Response]:
+            real, sim = (http.post(url + path, **kwargs) for url in urls)
+            return real, sim
+
+        def same(path: str, expected: tuple[int, bool, Any] | None = None, **kwargs: Any) -> httpx.Response:
+            real, sim = both(path, **kwargs)
+            assert _answer(real) == _answer(sim), (path, kwargs)
+            if expected is not None:
+                assert _answer(real) == expected
+            return real
+
+        load = {"lora_name": RUNTIME_NAME, "lora_path": a_dir}
+        prompt = {"prompt": "def main():", "max_tokens": 8, "temperature": 0}
+        try:
+            same("/v1/load_lora_adapter", (200, False, f"Success: LoRA adapter '{RUNTIME_NAME}' added successfully."),
+                 json=load)  # fmt: skip
+            for url in urls:
+                cards = {c["id"]: c for c in http.get(f"{url}/v1/models").json()["data"]}
+                assert list(cards) == [
+                    base,
+                    *real_vllm_lora.adapters,
+                    RUNTIME_NAME,
+                ]  # listed last: load order
+                card = cards[RUNTIME_NAME]
+                assert (card["root"], card["parent"], card["max_model_len"]) == (a_dir, base, None)
+                assert list(card) == list(cards[a])  # the same card fields as a --lora-modules adapter
+
+            served = {
+                m: http.post(f"{urls[0]}/v1/completions", json={**prompt, "model": m})
+                for m in (RUNTIME_NAME, a)
+            }
+            assert served[RUNTIME_NAME].status_code == 200, served[RUNTIME_NAME].text
+            assert served[RUNTIME_NAME].json()["model"] == RUNTIME_NAME
+            texts = {m: r.json()["choices"][0]["text"] for m, r in served.items()}
+            assert texts[RUNTIME_NAME] == texts[a]  # A's weights under the new name
+            sim = http.post(f"{urls[1]}/v1/completions", json={**prompt, "model": RUNTIME_NAME})
+            assert sim.status_code == 200 and sim.json()["model"] == RUNTIME_NAME
+
+            # vLLM's refusals, body for body
+            dup = same("/v1/load_lora_adapter", json=load)
+            assert (dup.status_code, dup.json()["error"]["type"]) == (400, "InvalidUserInput")
+            assert "has already been loaded" in dup.json()["error"]["message"]
+            for body in (
+                {"lora_name": base, "lora_path": a_dir},  # the served base model's name
+                {"lora_name": "", "lora_path": a_dir},
+                {"lora_name": "x"},  # FastAPI's validation: no path
+                {"lora_name": 5, "lora_path": a_dir, "load_inplace": "maybe"},  # wrong types
+                {"lora_name": "gone", "lora_path": "/tmp/mosaic-no-such-adapter"},  # 404, the path sanitized
+                {"lora_name": "gone", "lora_path": "/srv/mosaic-no/such-adapter.d"},
+            ):
+                same("/v1/load_lora_adapter", json=body)
+            same(
+                "/v1/load_lora_adapter",
+                content=b'{"lora_name": ',
+                headers={"content-type": "application/json"},
+            )
+            same(
+                "/v1/load_lora_adapter",
+                content=json.dumps(load).encode(),
+                headers={"content-type": "text/plain"},
+            )
+            same("/v1/load_lora_adapter", content=b"", headers={"content-type": "application/json"})
+            same("/v1/unload_lora_adapter", json=[RUNTIME_NAME])
+            same("/v1/unload_lora_adapter", json={"lora_name": ""})
+            same("/v1/unload_lora_adapter", json={"lora_name": RUNTIME_NAME, "lora_int_id": 1.5})
+
+            same("/v1/unload_lora_adapter",
+                 (200, False, f"Success: LoRA adapter '{RUNTIME_NAME}' removed successfully."),
+                 json={"lora_name": RUNTIME_NAME})  # fmt: skip
+        finally:
+            http.post(
+                f"{urls[0]}/v1/unload_lora_adapter", json={"lora_name": RUNTIME_NAME}
+            )  # for the next tests
+        # vLLM's 404 for the name; its message adds "Valid aliases: <served>." where the simulator's stops
+        real, sim = both("/v1/completions", json={**prompt, "model": RUNTIME_NAME})
+        for resp in (real, sim):
+            error = resp.json()["error"]
+            assert (resp.status_code, error["type"], error["param"]) == (404, "NotFoundError", "model")
+            assert error["message"].startswith(f"The model `{RUNTIME_NAME}` does not exist.")
+        again = same("/v1/unload_lora_adapter", json={"lora_name": RUNTIME_NAME})
+        assert again.json()["error"] == {
+            "message": f"The lora adapter '{RUNTIME_NAME}' cannot be found.", "type": "NotFoundError",
+            "param": None, "code": 404,
+        }  # fmt: skip
+        for url in urls:
+            ids = [c["id"] for c in http.get(f"{url}/v1/models").json()["data"]]
+            assert ids == [base, *real_vllm_lora.adapters]

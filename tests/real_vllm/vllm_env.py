@@ -26,7 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -165,7 +165,9 @@ def model_max_positions() -> int:
     return int(json.loads((MODEL_DIR / "config.json").read_text())["max_position_embeddings"])
 
 
-def server_spec(port: int, extra_args: Sequence[str] = ()) -> VllmLaunchSpec:
+def server_spec(
+    port: int, extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
+) -> VllmLaunchSpec:
     """The launch spec of a CPU test server (mixed role, no GPU ids)."""
     return VllmLaunchSpec(
         model=str(MODEL_DIR),
@@ -174,16 +176,22 @@ def server_spec(port: int, extra_args: Sequence[str] = ()) -> VllmLaunchSpec:
         max_model_len=MAX_MODEL_LEN,
         extra_args=(*BASE_SERVER_ARGS, *extra_args),
         vllm_command=(str(VENV_PYTHON), str(CPU_CLI), "serve"),
-        env=server_env(),
+        env={**server_env(), **(extra_env or {})},
     )
 
 
 def start_process(
-    name: str, extra_args: Sequence[str] = (), port: int | None = None, *, detached: bool = False
+    name: str,
+    extra_args: Sequence[str] = (),
+    port: int | None = None,
+    *,
+    detached: bool = False,
+    extra_env: Mapping[str, str] | None = None,
 ) -> VllmProcess:
     """Spawn a CPU test server (not yet healthy: call `wait_healthy`). Log: `.real_vllm/logs/<name>.log`.
-    `detached`: it outlives this process (`start`'s servers), else it gets SIGTERM when this process dies."""
-    spec = server_spec(port or free_port(), extra_args)
+    `detached`: it outlives this process (`start`'s servers), else it gets SIGTERM when this process dies.
+    `extra_env`: variables beside `server_env()`'s (e.g. VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    spec = server_spec(port or free_port(), extra_args, extra_env)
     return VllmProcess.start(spec, log_path=LOG_DIR / f"{name}.log", cwd=REPO_ROOT, detached=detached)
 
 
