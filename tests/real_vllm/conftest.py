@@ -44,6 +44,9 @@ SIM_MODEL = vllm_env.SERVED_MODEL_NAME  # the simulated worker serves the tiny m
 START_TIMEOUT_S = 420.0  # cold start is ~120 s alone; on a loaded 2-core machine allow well beyond
 LORA_ADAPTERS = {"tiny-lora-a": 1, "tiny-lora-b": 2}  # `real_vllm_lora`'s adapters: served name → build seed
 RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # vLLM's reading: "1" or "true", any case
+# an adapter built beside `LORA_ADAPTERS` but not loaded: `real_vllm_lora`'s filesystem resolver loads it when a
+# request first names it (VLLM_LORA_RESOLVER_CACHE_DIR = their folder)
+RESOLVABLE_ADAPTER = "tiny-lora-resolvable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +129,13 @@ def real_vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealSer
     queue. `--enable-per-request-metrics` adds engine timings (`queue_time_ms`...) to each answer's `metrics`.
     Started for the module that asks for it and stopped after it (~20 s warm). Runtime loading is on
     (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`): a test that loads an adapter unloads it again, so the others see
-    only these two."""
+    only these two. vLLM's filesystem resolver serves their folder (`VLLM_LORA_RESOLVER_CACHE_DIR`), where
+    `RESOLVABLE_ADAPTER` waits for a request naming it (a test that names it unloads it again too)."""
     _skip_if_absent()
+    cache = tmp_path_factory.mktemp("lora")
     try:
-        dirs = write_adapters(tmp_path_factory.mktemp("lora"), LORA_ADAPTERS)
+        built = write_adapters(cache, {**LORA_ADAPTERS, RESOLVABLE_ADAPTER: 3})
+        dirs = {name: built[name] for name in LORA_ADAPTERS}
     except RuntimeError as exc:
         pytest.fail(f"could not build the LoRA adapters: {exc}")
     args = (
@@ -142,7 +148,8 @@ def real_vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealSer
         "--lora-modules",
         *(f"{name}={path}" for name, path in dirs.items()),
     )
-    yield from _serve("pytest-lora", args, adapters=tuple(dirs), extra_env=RUNTIME_LORA_ENV)
+    env = RUNTIME_LORA_ENV | {"VLLM_LORA_RESOLVER_CACHE_DIR": str(cache)}
+    yield from _serve("pytest-lora", args, adapters=tuple(dirs), extra_env=env)
 
 
 def gateway_available() -> str | None:

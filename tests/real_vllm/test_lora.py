@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import RealServer
+from conftest import RESOLVABLE_ADAPTER, RealServer
 from gateway_harness import MosaicGateway, static_config
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
@@ -407,3 +407,92 @@ def test_runtime_loading_and_unloading_as_the_simulated_worker_answers_it(
         for url in urls:
             ids = [c["id"] for c in http.get(f"{url}/v1/models").json()["data"]]
             assert ids == [base, *real_vllm_lora.adapters]
+
+
+FLEET_NAME = "tiny-lora-fleet"
+
+
+def test_the_gateway_loads_an_adapter_on_every_worker_and_unloads_it(
+    real_vllm_lora: RealServer, sim_lora_url: str, tmp_path: Path
+) -> None:
+    """`POST /v1/load_lora_adapter` on the gateway (admin key) reaches vLLM and the simulated worker of the
+    pool: vLLM's 200 text, both list the adapter at once, requests naming it are served through the gateway;
+    unload takes it off both."""
+    a = real_vllm_lora.adapters[0]
+    urls = (real_vllm_lora.url, sim_lora_url)
+    config = static_config(real_vllm_lora.model, list(urls), pool="lora")
+    with httpx.Client(timeout=60) as direct:
+        a_dir = next(c["root"] for c in direct.get(f"{urls[0]}/v1/models").json()["data"] if c["id"] == a)
+
+        def listed() -> list[bool]:
+            return [
+                FLEET_NAME in {c["id"] for c in direct.get(f"{url}/v1/models").json()["data"]} for url in urls
+            ]
+
+        try:
+            with MosaicGateway(config, tmp_path) as gateway:
+                gateway.wait_ready()
+                target = gateway.target(real_vllm_lora.model)
+                admin = {"authorization": f"Bearer {target.admin_key}"}
+                with target.http() as http:
+                    body = {"lora_name": FLEET_NAME, "lora_path": a_dir}
+                    assert http.post("/v1/load_lora_adapter", json=body).status_code == 401  # the API key
+                    r = http.post("/v1/load_lora_adapter", json=body, headers=admin)
+                    assert _answer(r) == (
+                        200,
+                        False,
+                        f"Success: LoRA adapter '{FLEET_NAME}' added successfully.",
+                    )
+                    assert listed() == [True, True]
+                    served = gateway.admin_get("/admin/lora")["adapters"]
+                    assert [(s["name"], len(s["serving"]), s["missing"]) for s in served] == [
+                        (FLEET_NAME, 2, [])
+                    ]
+                    for _ in range(4):  # either worker: both serve it
+                        r = http.post(
+                            "/v1/completions", json={"model": FLEET_NAME, "prompt": "def", "max_tokens": 4}
+                        )
+                        assert r.status_code == 200 and r.json()["model"] == FLEET_NAME, r.text
+                    r = http.post("/v1/unload_lora_adapter", json={"lora_name": FLEET_NAME}, headers=admin)
+                    assert _answer(r) == (
+                        200,
+                        False,
+                        f"Success: LoRA adapter '{FLEET_NAME}' removed successfully.",
+                    )
+                    assert listed() == [False, False]
+                    gone = http.post(
+                        "/v1/completions", json={"model": FLEET_NAME, "prompt": "x", "max_tokens": 1}
+                    )
+                    assert gone.status_code == 404
+        finally:
+            for url in urls:  # for the next tests
+                direct.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": FLEET_NAME})
+
+
+def test_the_gateway_sends_an_unknown_name_to_a_model_resolving_adapters(
+    real_vllm_lora: RealServer, tmp_path: Path
+) -> None:
+    """With `models[].lora_resolver`, a name the gateway does not know goes to vLLM, whose filesystem resolver
+    loads the adapter of that name on the first request; a name no resolver finds is vLLM's own 404, passed
+    through. Without it the gateway answers that name 404 itself (the earlier test)."""
+    config = static_config(real_vllm_lora.model, [real_vllm_lora.url], pool="lora")
+    config["models"][0]["lora_resolver"] = True
+    try:
+        with MosaicGateway(config, tmp_path) as gateway:
+            gateway.wait_ready()
+            with gateway.target(real_vllm_lora.model).http() as http:
+                prompt = {"prompt": "def main():", "max_tokens": 4, "temperature": 0}
+                r = http.post("/v1/completions", json={**prompt, "model": RESOLVABLE_ADAPTER})
+                assert r.status_code == 200 and r.json()["model"] == RESOLVABLE_ADAPTER, r.text
+                missing = http.post("/v1/completions", json={**prompt, "model": "tiny-lora-nowhere"})
+                assert missing.status_code == 404
+                error = missing.json()["error"]
+                assert error["message"].startswith(
+                    "The model `tiny-lora-nowhere` does not exist. Valid aliases"
+                )
+            cards = httpx.get(f"{real_vllm_lora.url}/v1/models", timeout=30).json()["data"]
+            assert RESOLVABLE_ADAPTER in {c["id"] for c in cards}  # loaded by vLLM's resolver
+    finally:
+        httpx.post(
+            f"{real_vllm_lora.url}/v1/unload_lora_adapter", json={"lora_name": RESOLVABLE_ADAPTER}, timeout=30
+        )
