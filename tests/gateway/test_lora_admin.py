@@ -8,8 +8,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 
+from server.app import create_app
+from server.config import validate_config
 from server.discovery import Endpoint
 from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
 from tests.gateway.test_faults import CHAT, chat, gateway, metric, run
@@ -375,5 +378,53 @@ def test_without_reconcile_nothing_is_remembered() -> None:
             )
             await asyncio.sleep(0.02)
             assert new.lora_calls == []
+
+    run(body)
+
+
+def test_an_embedded_simulated_fleet_loads_through_the_gateway_and_a_new_replica_gets_it() -> None:
+    """Simulated workers speaking vLLM's run-time LoRA endpoints (`allow_runtime_lora_updating`): a load through
+    the gateway reaches both, requests naming the adapter are served, and a replica started later is given it."""
+    cfg = validate_config(
+        {
+            "pools": [
+                {
+                    "name": "p",
+                    "model": MODEL,
+                    "gpu": "H100",
+                    "endpoints": {
+                        "simulated": {"replicas": 2, "time_scale": 1000, "allow_runtime_lora_updating": True}
+                    },
+                }
+            ],
+            "health": {"interval_s": 60},
+            "scrape": {"interval_s": 60},
+        },
+        "test",
+    )
+
+    async def body() -> None:
+        app = create_app(cfg)
+        gw = app.state.gateway
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", timeout=10)
+        async with app.router.lifespan_context(app), client as c:
+            hub_id = {
+                "lora_name": "sql",
+                "lora_path": "my-org/sql-lora",
+            }  # a Hub id: the simulator reads nothing
+            r = await c.post(LOAD, json=hub_id)
+            assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
+            assert sorted(r.id for r in gw.registry.records() if "sql" in r.adapters) == [
+                "p/sim-0",
+                "p/sim-1",
+            ]
+            for _ in range(3):
+                r = await c.post(CHAT, json=chat() | {"model": "sql"})
+                assert r.status_code == 200 and r.json()["model"] == "sql"
+            await gw.sources["p"].start_replica()
+            await gw.registry.resync("p")
+            await until(lambda: "sql" in getattr(gw.registry.get("p/sim-2"), "adapters", {}))
+            served = (await c.get("/admin/lora")).json()["adapters"][0]["serving"]
+            assert served == ["p/sim-0", "p/sim-1", "p/sim-2"]
 
     run(body)
