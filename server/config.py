@@ -561,7 +561,8 @@ def _check_launch_gpus(config: MosaicConfig) -> None:
     without `gpu_ids`, which draw from all of them), so their starting replicas are counted together, per
     group of pools linked by a shared GPU. Both are necessary conditions, so no config whose replicas could
     all start is refused; a start can still fail (pools without `gpu_ids` draw from the same GPUs, and the
-    allocator takes the lowest free ids, not those no other pool lists)."""
+    allocator, which prefers the GPUs the fewest other pools list, chooses per start, not for every order of
+    starts at once)."""
     listed = [
         (i, p, p.endpoints.launch)
         for i, p in enumerate(config.pools)

@@ -18,6 +18,8 @@ from enum import StrEnum
 
 from starlette.responses import Response
 
+from scheduler.routing.reasons import ERROR_TYPES
+
 
 class Cause(StrEnum):
     """Why the gateway itself answered with an error; also the `reason` label of rejection metrics."""
@@ -40,24 +42,29 @@ class Cause(StrEnum):
     INTERNAL = "internal_error"  # a bug in the gateway, not the worker's doing
 
 
-# cause → (HTTP status, OpenAI error `type`); a test iterates this table.
+# cause → HTTP status; a test iterates this table.
+_STATUS: dict[Cause, int] = {
+    Cause.BAD_REQUEST: 400,
+    Cause.UNAUTHORIZED: 401,
+    Cause.FORBIDDEN: 403,
+    Cause.MODEL_NOT_FOUND: 404,
+    Cause.NOT_FOUND: 404,
+    Cause.METHOD_NOT_ALLOWED: 405,
+    Cause.BODY_TOO_LARGE: 413,
+    Cause.RATE_LIMITED: 429,
+    Cause.TOKEN_RATE_LIMITED: 429,
+    Cause.QUEUE_FULL: 429,
+    Cause.QUEUE_TIMEOUT: 429,
+    Cause.NO_WORKER: 503,
+    Cause.UPSTREAM_UNAVAILABLE: 502,
+    Cause.UPSTREAM_TIMEOUT: 504,
+    Cause.SHUTTING_DOWN: 503,
+    Cause.INTERNAL: 500,
+}
+# cause → (HTTP status, error `type`): the type is the status's in the one vocabulary the router's rejects
+# use too (`scheduler.routing.reasons.ERROR_TYPES`), so both paths answer a status with the same type.
 ERROR_TABLE: dict[Cause, tuple[int, str]] = {
-    Cause.BAD_REQUEST: (400, "BadRequestError"),
-    Cause.UNAUTHORIZED: (401, "AuthenticationError"),
-    Cause.FORBIDDEN: (403, "PermissionDeniedError"),
-    Cause.MODEL_NOT_FOUND: (404, "NotFoundError"),
-    Cause.NOT_FOUND: (404, "NotFoundError"),
-    Cause.METHOD_NOT_ALLOWED: (405, "MethodNotAllowedError"),
-    Cause.BODY_TOO_LARGE: (413, "RequestTooLargeError"),
-    Cause.RATE_LIMITED: (429, "RateLimitError"),
-    Cause.TOKEN_RATE_LIMITED: (429, "RateLimitError"),
-    Cause.QUEUE_FULL: (429, "RateLimitError"),
-    Cause.QUEUE_TIMEOUT: (429, "RateLimitError"),
-    Cause.NO_WORKER: (503, "ServiceUnavailableError"),
-    Cause.UPSTREAM_UNAVAILABLE: (502, "BadGatewayError"),
-    Cause.UPSTREAM_TIMEOUT: (504, "GatewayTimeoutError"),
-    Cause.SHUTTING_DOWN: (503, "ServiceUnavailableError"),
-    Cause.INTERNAL: (500, "InternalServerError"),
+    cause: (status, ERROR_TYPES[status]) for cause, status in _STATUS.items()
 }
 
 # Causes whose `code` is a stable string rather than the status number (OpenAI uses strings here too).

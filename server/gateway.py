@@ -286,20 +286,23 @@ class Gateway:
     def _launch_allocator(self) -> Any:
         """The GPUs launched pools share: this machine's (CUDA_VISIBLE_DEVICES, else nvidia-smi), or, when none
         is detected, the union of the pools' `launch.gpu_ids`. A pool's `gpu_ids` must be among the detected
-        ones: CUDA_VISIBLE_DEVICES=0,1 excludes GPU 2 for the whole gateway."""
+        ones: CUDA_VISIBLE_DEVICES=0,1 excludes GPU 2 for the whole gateway. Every GPU-using launched pool's
+        allowed set (None: all) is given to the allocator up front, before any replica starts, so that the
+        first pool to start already leaves the others the GPUs only they may use."""
         from server.vllm_launcher import detect_gpu_ids
         from server.vllm_pool import GpuAllocator
 
-        listed = {
-            p.name: p.endpoints.launch.gpu_ids
+        pools = {
+            p.name: p.endpoints.launch.gpu_ids or None
             for p in self.config.pools
-            if p.endpoints.launch is not None and p.endpoints.launch.use_gpus and p.endpoints.launch.gpu_ids
+            if p.endpoints.launch is not None and p.endpoints.launch.use_gpus
         }
+        listed = {name: ids for name, ids in pools.items() if ids}
         if not listed:
-            return GpuAllocator(detect_gpu_ids())
+            return GpuAllocator(detect_gpu_ids(), pools)
         detected = detect_gpu_ids()
         if not detected:
-            return GpuAllocator(list(dict.fromkeys(g for ids in listed.values() for g in ids)))
+            return GpuAllocator(list(dict.fromkeys(g for ids in listed.values() for g in ids)), pools)
         for name, ids in listed.items():
             unknown = [g for g in ids if g not in detected]
             if unknown:
@@ -307,7 +310,7 @@ class Gateway:
                     f"pools[{name}].endpoints.launch.gpu_ids: GPU {', '.join(unknown)} is not among this machine's "
                     f"GPUs ({', '.join(detected)}; CUDA_VISIBLE_DEVICES, else nvidia-smi)"
                 )
-        return GpuAllocator(detected)
+        return GpuAllocator(detected, pools)
 
     async def start(self) -> None:
         warning = self.keys.open_warning()

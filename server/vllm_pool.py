@@ -2,9 +2,11 @@
 
 One process per replica, with the pool's `dp` engines (`--data-parallel-size`) of `tp` GPUs each; it gets
 tp × dp GPUs from a `GpuAllocator` shared by every launched pool, so no two processes ever see the same GPU
-(`CUDA_VISIBLE_DEVICES`), taken only from the pool's own `gpu_ids` when it lists them. Lowest free ids
-first, which keeps a TP group on adjacent GPUs (usually the same NVLink/PCIe switch): vLLM gives engine r
-the visible devices r·tp .. r·tp + tp − 1. Ports: a free port per replica and, for P/D roles, a block of
+(`CUDA_VISIBLE_DEVICES`), taken only from the pool's own `gpu_ids` when it lists them. Among the free GPUs
+a replica may use, those the fewest other pools could use come first (a pool without `gpu_ids` could use
+every GPU), so that pools with overlapping `gpu_ids` (A: 0,1 and B: 0) leave each other the GPUs only they
+can take; ties go by the configured order, which keeps a TP group on adjacent GPUs (usually the same
+NVLink/PCIe switch): vLLM gives engine r the visible devices r·tp .. r·tp + tp − 1. Ports: a free port per replica and, for P/D roles, a block of
 tp × dp free ports for the NIXL side channel (`VllmPoolLauncher.start_replica` says why that many). A port
 probed free is not held by anything until vLLM binds it 30-120 s later, so every port handed out is
 recorded in a process-wide reservation (`reserve_port`) until its replica has exited: two replicas starting
@@ -304,13 +306,29 @@ def check_config_files(args: Sequence[str]) -> None:
 
 
 class GpuAllocator:
-    """Local GPU ids handed out without overlap, each to one owner (a replica id)."""
+    """Local GPU ids handed out without overlap, each to one owner (a replica id).
 
-    def __init__(self, gpu_ids: Sequence[str]) -> None:
+    `pools`: each launched pool's allowed GPUs (its `gpu_ids`, None for all of them), so that `allocate`
+    can prefer the GPUs the fewest pools compete for; `register` adds or replaces one."""
+
+    def __init__(
+        self, gpu_ids: Sequence[str], pools: Mapping[str, Sequence[str] | None] | None = None
+    ) -> None:
         if len(set(gpu_ids)) != len(gpu_ids):
             raise ValueError(f"gpu ids {','.join(gpu_ids)}: a GPU is listed twice")
         self._order = tuple(gpu_ids)
         self._owner: dict[str, str] = {}
+        self._pools: dict[str, frozenset[str] | None] = {}
+        for pool, allowed in (pools or {}).items():
+            self.register(pool, allowed)
+
+    def register(self, pool: str, gpu_ids: Sequence[str] | None) -> None:
+        """`pool` may draw from `gpu_ids` (None: from every GPU of the allocator)."""
+        self._pools[pool] = None if gpu_ids is None else frozenset(gpu_ids)
+
+    def contenders(self, gpu: str) -> int:
+        """How many registered pools could use `gpu` (a pool without `gpu_ids` can use every one)."""
+        return sum(1 for allowed in self._pools.values() if allowed is None or gpu in allowed)
 
     @property
     def gpu_ids(self) -> tuple[str, ...]:
@@ -324,8 +342,12 @@ class GpuAllocator:
         return tuple(g for g in self._order if self._owner.get(g) == owner)
 
     def allocate(self, owner: str, count: int, among: Sequence[str] | None = None) -> tuple[str, ...]:
-        """`count` free GPUs (lowest ids first) for `owner`, only from `among` when given (a pool's own
-        `gpu_ids`); LaunchError naming the shortfall when too few."""
+        """`count` free GPUs for `owner`, only from `among` when given (a pool's own `gpu_ids`); LaunchError
+        naming the shortfall when too few. The least contended first (`contenders`), ties in configured
+        order: taking the lowest ids instead, pool A (`gpu_ids` 0,1) would take GPU 0 and leave pool B
+        (`gpu_ids` 0) nothing, where A on 1 and B on 0 both fit. The requesting pool counts towards every GPU
+        in `among` alike, and so does a pool without `gpu_ids`, so neither changes the order. Greedy per
+        request: it does not guarantee a fit where one exists for every sequence of starts."""
         if self.owned_by(owner):
             raise LaunchError(f"{owner} needs GPUs but already holds {','.join(self.owned_by(owner))}")
         wanted = None if among is None else set(among)
@@ -338,7 +360,10 @@ class GpuAllocator:
                 f"{'' if among is None else ' (' + ','.join(allowed) + ')'}"
                 f" (in use: {in_use or 'none'})"
             )
-        chosen = free[:count]
+        # sorted() is stable: equal contention keeps the configured order (adjacent GPUs for a TP group)
+        picked = set(sorted(free, key=self.contenders)[:count])
+        # handed out (CUDA_VISIBLE_DEVICES, engine r's devices) in configured order, whatever the preference
+        chosen = tuple(g for g in free if g in picked)
         for gpu in chosen:
             self._owner[gpu] = owner
         return chosen

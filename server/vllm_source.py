@@ -4,7 +4,8 @@ The gateway builds one `GpuAllocator` for all launched pools of the process (so 
 share a GPU; each pool draws only from its own `launch.gpu_ids` when given) and one `LaunchedPoolSource` per
 such pool (`Gateway._launched_source`):
 
-    allocator = GpuAllocator(detect_gpu_ids())     # or the pools' gpu_ids when nothing is detected
+    allocator = GpuAllocator(detect_gpu_ids(),     # or the pools' gpu_ids when nothing is detected
+                             {p.name: p.endpoints.launch.gpu_ids for p in launched_gpu_pools})
     source = LaunchedPoolSource.for_pool(pool.name, served_model=model.name, role=pool.role, tp=pool.tp,
                                          dp=pool.dp, max_model_len=model.max_model_len,
                                          gpu_memory_utilization=pool.gpu_memory_utilization,

@@ -1,7 +1,7 @@
 """Why a worker was filtered, how a request ended, and the one table mapping reasons to HTTP errors.
 
-`REJECT_TABLE` is the single source for a rejected request's HTTP status, OpenAI error `type` and
-`code`, whether the gateway should hold it in the admission queue and retry (`retryable`), and the
+`REJECT_TABLE` is the single source for a rejected request's HTTP status, error `code` (the error `type`
+follows from the status through `ERROR_TYPES`, shared with the gateway's own errors in `server/errors.py`), whether the gateway should hold it in the admission queue and retry (`retryable`), and the
 `Retry-After` hint. `Reject.from_counts` turns per-worker reason counts into one summary:
 
     "no worker fits: 3 kv_full, 1 draining"
@@ -59,37 +59,57 @@ class Outcome(StrEnum):
     UNRESERVED = "unreserved"  # released inside the routing cycle (Unreserve); the request never ran there
 
 
+# HTTP status → error `type` of every error the gateway answers itself: the router's rejects (below) and the
+# gateway's own causes (`server/errors.py` ERROR_TABLE, which reads it from here: `scheduler/` may not import
+# `server/`). vLLM's class-name vocabulary (BadRequestError, NotFoundError, ...), as its workers' errors pass
+# through unchanged: one status, one type, whichever path answered (an unknown model was NotFoundError from
+# the gateway and invalid_request_error from the router, both 404 model_not_found).
+ERROR_TYPES: Mapping[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class RejectRule:
     status: int  # HTTP status the gateway answers with once it stops retrying
-    error_type: str  # OpenAI error `type`
     code: str  # OpenAI error `code`
     retryable: bool  # True → hold in the admission queue and route again until its deadline
     retry_after_s: float  # Retry-After hint on the final 429/503
 
+    @property
+    def error_type(self) -> str:
+        """The error `type`: the status's (`ERROR_TYPES`), never a row's own, so it cannot drift."""
+        return ERROR_TYPES[self.status]
+
 
 # One row per reason; tests iterate it. Order = precedence among equal counts.
 REJECT_TABLE: Mapping[FilterReason, RejectRule] = {
-    FilterReason.KV_FULL: RejectRule(429, "rate_limit_error", "kv_cache_full", True, 1.0),
-    FilterReason.AT_CAPACITY: RejectRule(429, "rate_limit_error", "workers_at_capacity", True, 1.0),
-    FilterReason.STARTING: RejectRule(503, "server_error", "workers_starting", True, 5.0),
-    FilterReason.EMPTY_POOL: RejectRule(503, "server_error", "pool_empty", True, 5.0),
-    FilterReason.DRAINING: RejectRule(503, "server_error", "workers_draining", True, 5.0),
-    FilterReason.BREAKER_OPEN: RejectRule(503, "server_error", "workers_unavailable", True, 5.0),
-    FilterReason.UNHEALTHY: RejectRule(503, "server_error", "workers_unavailable", True, 5.0),
-    FilterReason.NO_WORKERS: RejectRule(503, "server_error", "no_workers", True, 5.0),
-    FilterReason.EXCLUDED: RejectRule(502, "server_error", "upstream_failed", False, 1.0),
-    FilterReason.WRONG_ROLE: RejectRule(503, "server_error", "no_worker_for_role", False, 5.0),
+    FilterReason.KV_FULL: RejectRule(429, "kv_cache_full", True, 1.0),
+    FilterReason.AT_CAPACITY: RejectRule(429, "workers_at_capacity", True, 1.0),
+    FilterReason.STARTING: RejectRule(503, "workers_starting", True, 5.0),
+    FilterReason.EMPTY_POOL: RejectRule(503, "pool_empty", True, 5.0),
+    FilterReason.DRAINING: RejectRule(503, "workers_draining", True, 5.0),
+    FilterReason.BREAKER_OPEN: RejectRule(503, "workers_unavailable", True, 5.0),
+    FilterReason.UNHEALTHY: RejectRule(503, "workers_unavailable", True, 5.0),
+    FilterReason.NO_WORKERS: RejectRule(503, "no_workers", True, 5.0),
+    FilterReason.EXCLUDED: RejectRule(502, "upstream_failed", False, 1.0),
+    FilterReason.WRONG_ROLE: RejectRule(503, "no_worker_for_role", False, 5.0),
     # the gateway resolved the adapter from a worker that listed it, gone since: as vLLM answers a name it
     # does not serve
-    FilterReason.NO_ADAPTER: RejectRule(404, "invalid_request_error", "model_not_found", False, 0.0),
-    FilterReason.EXCEEDS_CONTEXT: RejectRule(
-        400, "invalid_request_error", "context_length_exceeded", False, 0.0
-    ),
-    FilterReason.KV_EXCEEDS_CAPACITY: RejectRule(
-        400, "invalid_request_error", "kv_exceeds_capacity", False, 0.0
-    ),
-    FilterReason.WRONG_MODEL: RejectRule(404, "invalid_request_error", "model_not_found", False, 0.0),
+    FilterReason.NO_ADAPTER: RejectRule(404, "model_not_found", False, 0.0),
+    FilterReason.EXCEEDS_CONTEXT: RejectRule(400, "context_length_exceeded", False, 0.0),
+    FilterReason.KV_EXCEEDS_CAPACITY: RejectRule(400, "kv_exceeds_capacity", False, 0.0),
+    FilterReason.WRONG_MODEL: RejectRule(404, "model_not_found", False, 0.0),
 }
 # `Cycle.facts` key where the kv-fit filter records, for `Reject.details`, the largest reservable capacity
 # among workers the request exceeds: {"kv_need_blocks": N, "kv_reservable_blocks": M}

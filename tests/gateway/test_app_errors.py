@@ -147,3 +147,18 @@ def test_the_proxy_path_skips_the_request_id_middleware(
         assert entered == []
         assert http.get("/health").status_code == 200
     assert entered == ["/health"]
+
+
+def test_router_rejects_answer_each_status_with_the_gateways_own_error_type() -> None:
+    """One error `type` vocabulary: a router reject (REJECT_TABLE) and a gateway error (ERROR_TABLE) of the
+    same status carry the same type (an unknown model was NotFoundError from the gateway's model check and
+    invalid_request_error from the router, both 404 model_not_found)."""
+    from scheduler.routing.reasons import REJECT_TABLE, FilterReason, Reject
+    from server.errors import ERROR_TABLE, Cause
+
+    gateway_type = dict(ERROR_TABLE.values())
+    assert len(gateway_type) == len(set(ERROR_TABLE.values()))  # one type per status among the gateway's own
+    for reason, rule in REJECT_TABLE.items():
+        assert rule.error_type == gateway_type[rule.status], reason
+        assert Reject.from_counts({reason: 1}).error_body()["error"]["type"] == gateway_type[rule.status]
+    assert REJECT_TABLE[FilterReason.WRONG_MODEL].error_type == ERROR_TABLE[Cause.MODEL_NOT_FOUND][1]

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config import ConfigError, MosaicConfig, load_config, validate_config
+from placement.catalog import load_catalog
+from server.config import ConfigError, MosaicConfig, check_catalog, load_config, validate_config
 from server.embedded import default_config
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "docs" / "examples" / "gateway").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "docs" / "examples" / "gateway").glob("*.yaml"))
 STATIC = {"static": ["http://10.0.0.5:8000"]}
 
 
@@ -21,7 +23,8 @@ def _pool(**over: object) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_documented_examples_load(path: Path) -> None:
+def test_documented_examples_load(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # the examples are served from the repository root (config.yaml's `catalog` path)
     cfg = load_config(path)
     assert isinstance(cfg, MosaicConfig) and cfg.pools
 
@@ -240,18 +243,21 @@ def test_launch_vllm_pool_builds_a_launched_source() -> None:
     asyncio.run(cleanup())
 
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "docs" / "examples" / "gateway").glob("*.yaml"))
-
-
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_every_documented_gateway_example_loads(path: Path) -> None:
+def test_every_documented_gateway_example_loads(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The READMEs point users at these files: each must be a valid config (a section renamed or added,
     like `cors`, cannot leave an example behind that the gateway then refuses)."""
+    monkeypatch.chdir(ROOT)  # the examples are served from the repository root (config.yaml's `catalog` path)
     cfg = load_config(path)
     assert cfg.pools
     if path.name == "config.yaml":  # the annotated example shows every section
         data = yaml.safe_load(path.read_text())
-        assert set(MosaicConfig.model_fields) - {"catalog"} <= set(data)
+        assert set(MosaicConfig.model_fields) <= set(data)
+        # its catalog file's rows are merged over the built-in ones: a price of its own, a model of its own
+        catalog = check_catalog(cfg)
+        assert catalog.gpu("A100-80GB").cost_per_hour == 1.60
+        assert catalog.model("llama-3.1-8b").max_context == 131072
+        assert catalog.gpu("H100-SXM").cost_per_hour == load_catalog().gpu("H100-SXM").cost_per_hour
 
 
 def test_the_examples_folder_is_found() -> None:

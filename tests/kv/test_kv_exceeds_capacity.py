@@ -93,7 +93,7 @@ def test_table_row() -> None:
     rule = REJECT_TABLE[FilterReason.KV_EXCEEDS_CAPACITY]
     assert (rule.status, rule.error_type, rule.code, rule.retryable) == (
         400,
-        "invalid_request_error",
+        "BadRequestError",
         "kv_exceeds_capacity",
         False,
     )

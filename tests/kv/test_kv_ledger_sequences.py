@@ -112,7 +112,7 @@ def test_a_request_over_every_workers_reservable_capacity_is_refused_as_final() 
         "error": {
             "message": "The request's KV-cache footprint of 60 blocks exceeds the 58 blocks the largest worker "
             "of model 'm' can reserve for one request; lower max_tokens (or n, or the prompt length)",
-            "type": "invalid_request_error",
+            "type": "BadRequestError",
             "param": None,
             "code": "kv_exceeds_capacity",
         }

@@ -246,6 +246,31 @@ def test_a_data_parallel_pool_gives_each_replica_tp_times_dp_gpus(
     asyncio.run(plain.stop())
 
 
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")], ids=["A first", "B first"])
+def test_pools_with_overlapping_gpu_ids_both_start_in_either_order(
+    order: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pool A may use GPUs 0,1 and pool B only 0: the gateway tells its allocator every pool's GPUs before
+    any starts, so A's replica takes 1 (the GPU B cannot use) even when A starts first."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    pools = [
+        {
+            "name": name,
+            "model": MODEL,
+            "gpu": "H100",
+            "endpoints": {"launch": {"gpu_ids": ids, "replicas": 0}},
+        }
+        for name, ids in (("a", ["0", "1"]), ("b", ["0"]))
+    ]
+    gw = Gateway(validate_config({"models": [{"name": MODEL}], "pools": pools}))
+    try:
+        launchers = {name: gw.sources[name].launcher for name in order}  # type: ignore[attr-defined]
+        got = {name: lch.allocator.allocate(f"{name}-1", 1, lch.gpu_ids) for name, lch in launchers.items()}
+        assert got == {"a": ("1",), "b": ("0",)}
+    finally:
+        asyncio.run(gw.stop())
+
+
 @pytest.mark.parametrize(
     ("gpu_ids", "message"),
     [

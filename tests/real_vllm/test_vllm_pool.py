@@ -48,11 +48,11 @@ def template(role: str = "prefill", tp: int = 2, dp: int = 1) -> VllmLaunchSpec:
         pytest.param(
             [("a", 1), ("b", 2), ("c", 1)],
             {"a": ("0",), "b": ("1", "2"), "c": ("3",)},
-            id="mixed sizes fill lowest free ids first",
+            id="mixed sizes fill free ids in configured order",
         ),
     ],
 )
-def test_allocator_assigns_lowest_free_without_overlap(
+def test_allocator_assigns_free_ids_in_configured_order_without_overlap(
     requests: list[tuple[str, int]], expected: dict[str, tuple[str, ...]]
 ) -> None:
     alloc = GpuAllocator(["0", "1", "2", "3"])
@@ -70,6 +70,47 @@ def test_allocator_refuses_shortfall_and_reuses_released() -> None:
     assert alloc.allocate("b", 2) == ("0", "1")
     with pytest.raises(ValueError, match="listed twice"):
         GpuAllocator(["0", "0"])
+
+
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")], ids=["A first", "B first"])
+def test_allocator_leaves_other_pools_the_gpus_only_they_may_use(order: tuple[str, str]) -> None:
+    """Pool A may use GPUs 0,1 and pool B only 0, one GPU per replica: taking the lowest id, A would take 0 and
+    B could not start although A on 1 and B on 0 fit. Either start order fits."""
+    among = {"a": ("0", "1"), "b": ("0",)}
+    alloc = GpuAllocator(["0", "1"], pools=among)
+    got = {pool: alloc.allocate(f"{pool}-1", 1, among[pool]) for pool in order}
+    assert got == {"a": ("1",), "b": ("0",)}
+
+
+def test_allocator_prefers_least_contended_gpus_ties_in_configured_order() -> None:
+    # contenders: GPUs 0 and 1 → a, b, c; 2 and 3 → a, c (c lists no gpu_ids: it could use every GPU)
+    pools: dict[str, list[str] | None] = {"a": ["0", "1", "2", "3"], "b": ["0", "1"], "c": None}
+
+    def run() -> list[tuple[str, ...]]:
+        alloc = GpuAllocator(["0", "1", "2", "3"], pools=pools)
+        assert [alloc.contenders(g) for g in alloc.gpu_ids] == [3, 3, 2, 2]
+        got = [alloc.allocate("a-1", 2, pools["a"])]  # the two only b cannot use
+        got.append(alloc.allocate("a-2", 1, pools["a"]))  # 0 and 1 tie: configured order
+        got.append(alloc.allocate("c-1", 1))
+        alloc.release("a-1")
+        got.append(alloc.allocate("c-2", 2))  # 2 and 3 again, in configured order: adjacent for a TP group
+        return got
+
+    assert run() == [("2", "3"), ("0",), ("1",), ("2", "3")]
+    assert run() == run()  # deterministic: the same config and starts give the same GPUs
+
+
+def test_a_pool_without_gpu_ids_contends_for_every_gpu() -> None:
+    alloc = GpuAllocator(["0", "1", "2"])
+    assert [alloc.contenders(g) for g in alloc.gpu_ids] == [0, 0, 0]
+    alloc.register("any", None)
+    alloc.register("two", ["2"])
+    assert [alloc.contenders(g) for g in alloc.gpu_ids] == [1, 1, 2]
+    alloc.register("two", ["1"])  # registering a pool again replaces its set
+    assert [alloc.contenders(g) for g in alloc.gpu_ids] == [1, 2, 1]
+    assert alloc.allocate("any-1", 2) == ("0", "2")  # 1 is the one "two" can use
+    with pytest.raises(LaunchError, match=r"x needs 2 GPU\(s\), 1 free of 3 \(in use: 0→any-1, 2→any-1\)"):
+        alloc.allocate("x", 2)
 
 
 def test_free_port_block_is_bindable() -> None:

@@ -217,7 +217,7 @@ def test_a_prompt_over_the_context_is_refused_with_the_limit_and_its_size() -> N
         "message": f"The maximum context length of model {MODEL!r} is {context} tokens. However, your prompt contains "
         "20000 input tokens, which leaves no room for any output token. Please reduce the length of the input "
         "prompt.",
-        "type": "invalid_request_error",
+        "type": "BadRequestError",
         "param": None,
         "code": "context_length_exceeded",
     }

@@ -6,12 +6,13 @@ import pytest
 
 from scheduler.routing.reasons import REJECT_TABLE, FilterReason, Reject
 
-OPENAI_TYPES_BY_STATUS = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    429: "rate_limit_error",
-    502: "server_error",
-    503: "server_error",
+# the gateway's own errors' types for these statuses (server/errors.py), so a client sees one vocabulary
+TYPES_BY_STATUS = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
 }
 
 
@@ -22,7 +23,7 @@ def test_every_reason_has_exactly_one_row():
 @pytest.mark.parametrize("reason", list(FilterReason), ids=lambda r: f"{r.value} maps to one status and type")
 def test_each_row_is_a_consistent_openai_error(reason: FilterReason):
     rule = REJECT_TABLE[reason]
-    assert rule.error_type == OPENAI_TYPES_BY_STATUS[rule.status]
+    assert rule.error_type == TYPES_BY_STATUS[rule.status]
     assert rule.code and rule.code == rule.code.lower()
     # retryable reasons are the ones that can clear by waiting: 429 (full now) or 503 (not ready now)
     assert rule.retryable == (rule.status in (429, 503) and reason is not FilterReason.WRONG_ROLE)
