@@ -487,7 +487,8 @@ class MosaicConfig(_Strict):
     responses: ResponsesConfig = Field(
         default_factory=ResponsesConfig
     )  # /v1/responses' stored-response affinity
-    catalog: str | None = None  # YAML file of GPU/model rows merged over the built-in catalog
+    # YAML file of GPU/model rows merged over the built-in catalog; relative to the config file's folder
+    catalog: str | None = None
     # The file this config was read from (`load_config` sets it; not a key users write): relative paths in
     # it, like `kv.compression[].profile`, are resolved against its folder.
     _source_path: Path | None = PrivateAttr(default=None)
@@ -838,6 +839,9 @@ def load_config(path: str | Path) -> MosaicConfig:
     p = Path(path)
     text = read_text(p, ConfigError, f"cannot read config file {p}: ")
     data = parse_yaml(text, ConfigError, f"{p}: not valid YAML")
+    if isinstance(data, dict) and isinstance(catalog := data.get("catalog"), str) and catalog:
+        # relative to the config file's folder, as `kv.compression[].profile` is, not to where mosaic started
+        data = {**data, "catalog": str(p.resolve().parent / Path(catalog).expanduser())}
     config = validate_config(data, str(p))
     config._source_path = p.resolve()
     return config

@@ -23,8 +23,10 @@ def _pool(**over: object) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_documented_examples_load(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)  # the examples are served from the repository root (config.yaml's `catalog` path)
+def test_documented_examples_load(path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(
+        tmp_path
+    )  # relative paths in a config are the config's folder's, wherever mosaic starts
     cfg = load_config(path)
     assert isinstance(cfg, MosaicConfig) and cfg.pools
 
@@ -244,10 +246,14 @@ def test_launch_vllm_pool_builds_a_launched_source() -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_every_documented_gateway_example_loads(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_documented_gateway_example_loads(
+    path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """The READMEs point users at these files: each must be a valid config (a section renamed or added,
     like `cors`, cannot leave an example behind that the gateway then refuses)."""
-    monkeypatch.chdir(ROOT)  # the examples are served from the repository root (config.yaml's `catalog` path)
+    monkeypatch.chdir(
+        tmp_path
+    )  # relative paths in a config are the config's folder's, wherever mosaic starts
     cfg = load_config(path)
     assert cfg.pools
     if path.name == "config.yaml":  # the annotated example shows every section
@@ -302,3 +308,17 @@ def test_simulated_pool_runtime_lora_updating_reaches_each_worker_with_lora_on()
             True,
             (),
         )
+
+
+def test_a_relative_catalog_path_is_the_config_files_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "rows.yaml").write_text("gpus:\n  L4:\n    cost_per_hour: 0.5\n")
+    (tmp_path / "conf" / "mosaic.yaml").write_text(
+        yaml.safe_dump({"pools": [_pool(gpu="L4")], "catalog": "rows.yaml"})
+    )
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    cfg = load_config("conf/mosaic.yaml")
+    assert cfg.catalog == str(tmp_path / "conf" / "rows.yaml")
+    assert check_catalog(cfg).gpu("L4").cost_per_hour == 0.5
