@@ -36,8 +36,6 @@ calls itself, for the whole model.
 from __future__ import annotations
 
 import asyncio
-import codecs
-import json
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
@@ -52,7 +50,7 @@ from server.config import LoraConfig
 from server.errors import NOT_JSON, Cause, GatewayError, shutting_down
 from server.metrics import GatewayMetrics
 from server.registry import Registry, WorkerRecord
-from server.request_body import read_body
+from server.request_body import parse_json_object, read_body
 from server.responses import PassthroughResponse
 from simulator.protocol import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 
@@ -117,17 +115,6 @@ def _field(data: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
     if type(value) is not kind:  # (bool is an int: `type`, not isinstance)
         raise GatewayError(Cause.BAD_REQUEST, f"'{name}' must be a {kind.__name__}.", param=name)
     return value
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    text = body[3:] if body.startswith(codecs.BOM_UTF8) else body
-    try:
-        data: Any = json.loads(text)
-    except (*NOT_JSON, UnicodeDecodeError):
-        raise GatewayError(Cause.BAD_REQUEST, "The request body is not valid JSON.") from None
-    if not isinstance(data, dict):
-        raise GatewayError(Cause.BAD_REQUEST, "The request body must be a JSON object.")
-    return data
 
 
 def _answer_why(resp: httpx.Response) -> str:

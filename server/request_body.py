@@ -1,11 +1,16 @@
-"""Reading a request's body from the ASGI channel within the gateway's size limit (413 otherwise)."""
+"""Reading a request's body from the ASGI channel within the gateway's size limit (413 otherwise), and the
+JSON object the gateway's own endpoints take."""
 
 from __future__ import annotations
+
+import codecs
+import json
+from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive
 
-from server.errors import Cause, GatewayError
+from server.errors import NOT_JSON, Cause, GatewayError
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
@@ -29,3 +34,16 @@ async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes
             parts.append(chunk)
         if not message.get("more_body", False):
             return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """A body that must be one JSON object (a UTF-8 byte-order mark accepted, as vLLM's json.loads accepts
+    it); GatewayError (400) otherwise."""
+    text = body[3:] if body.startswith(codecs.BOM_UTF8) else body
+    try:
+        data: Any = json.loads(text)
+    except (*NOT_JSON, UnicodeDecodeError):  # (nested past the parser's recursion limit too)
+        raise GatewayError(Cause.BAD_REQUEST, "The request body is not valid JSON.") from None
+    if not isinstance(data, dict):
+        raise GatewayError(Cause.BAD_REQUEST, "The request body must be a JSON object.")
+    return data

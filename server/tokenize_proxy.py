@@ -23,10 +23,7 @@ gets vLLM's own 200s and 400s.
 
 from __future__ import annotations
 
-import codecs
-import json
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
 import httpx
 from starlette.requests import ClientDisconnect, Request
@@ -34,12 +31,12 @@ from starlette.responses import Response
 
 from scheduler.fleet import WorkerState, WorkerView
 from scheduler.routing.lora import serves
-from server.errors import NOT_JSON, Cause, GatewayError, shutting_down
+from server.errors import Cause, GatewayError, shutting_down
 from server.failure import blame
 from server.footprint import AdapterResolver
 from server.gateway import Gateway
 from server.proxy import RETRYABLE_STATUSES, upstream_headers
-from server.request_body import read_body
+from server.request_body import parse_json_object, read_body
 from server.responses import PassthroughResponse
 from simulator.protocol import UNSUPPORTED_MEDIA_TYPE, is_json_media_type
 
@@ -56,13 +53,7 @@ def requested_model(
     """(the model a tokenizer request asks for, the LoRA adapter it names or None: `adapters` maps each to
     its base model; with a `resolver`, any other unknown name is an adapter of its model); GatewayError
     (400/404) when the body or its model is bad."""
-    text = body[3:] if body.startswith(codecs.BOM_UTF8) else body  # as the proxy endpoints accept a BOM
-    try:
-        data: Any = json.loads(text)
-    except (*NOT_JSON, UnicodeDecodeError):  # (nested past the parser's recursion limit too: a 500 before)
-        raise GatewayError(Cause.BAD_REQUEST, "The request body is not valid JSON.") from None
-    if not isinstance(data, dict):
-        raise GatewayError(Cause.BAD_REQUEST, "The request body must be a JSON object.")
+    data = parse_json_object(body)
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise GatewayError(Cause.BAD_REQUEST, "'model' must be a string.", param="model")

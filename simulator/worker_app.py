@@ -49,7 +49,7 @@ import math
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -808,25 +808,23 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         rt.faults = new
         return JSONResponse(asdict(new))
 
-    async def load_lora_adapter(request: Request) -> Response:
-        try:
-            body = fastapi_body(
-                await request.body(), request.headers.get("content-type"), LoadLoraAdapterRequest
-            )
-            text = rt.runtime_loras.load(body)
-        except ApiError as err:
-            return JSONResponse(err.body(), status_code=err.status)
-        return Response(text)  # vLLM's Response(content=...): text, no content type
+    def runtime_lora_route(model: Any, act: Callable[[Any], str]) -> Callable[[Request], Awaitable[Response]]:
+        """vLLM's /v1/load_lora_adapter or /v1/unload_lora_adapter: the body validated as `model`, then `act`."""
 
-    async def unload_lora_adapter(request: Request) -> Response:
-        try:
-            body = fastapi_body(
-                await request.body(), request.headers.get("content-type"), UnloadLoraAdapterRequest
-            )
-            text = rt.runtime_loras.unload(body)
-        except ApiError as err:
-            return JSONResponse(err.body(), status_code=err.status)
-        return Response(text)
+        async def route(request: Request) -> Response:
+            try:
+                body = fastapi_body(await request.body(), request.headers.get("content-type"), model)
+                text = act(body)
+            except ApiError as err:
+                return JSONResponse(err.body(), status_code=err.status)
+            return Response(text)  # vLLM's Response(content=...): text, no content type
+
+        return route
+
+    load_lora_adapter = runtime_lora_route(LoadLoraAdapterRequest, lambda body: rt.runtime_loras.load(body))
+    unload_lora_adapter = runtime_lora_route(
+        UnloadLoraAdapterRequest, lambda body: rt.runtime_loras.unload(body)
+    )
 
     async def kv_release(request: Request) -> Response:
         try:
