@@ -179,6 +179,9 @@ class LoraState:
     max_lora: int | None = None
     # it loads an adapter it does not list on the first request naming it (its model's `lora_resolver`)
     resolves: bool = False
+    # the adapters of the gateway's own requests in flight there, queued ones included (vLLM's metric shows
+    # an adapter only once its requests run)
+    pending: frozenset[str] = frozenset()
 
 
 NO_LORA = LoraState()

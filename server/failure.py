@@ -157,7 +157,7 @@ class Lease:
 
     def track(self, worker_id: str, prompt_tokens: int, prefilled_remotely: bool = False) -> InflightTicket:
         try:
-            ticket = self.registry.track(worker_id, prompt_tokens, prefilled_remotely)
+            ticket = self.registry.track(worker_id, prompt_tokens, prefilled_remotely, self.req.adapter)
         except KeyError:
             raise UpstreamFailure(worker_id, "removed") from None
         self._tickets.append(ticket)

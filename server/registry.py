@@ -101,6 +101,9 @@ class WorkerRecord:
     # LoRA adapters its /v1/models lists: name → the card's `root` (the adapter's path); when last fetched
     adapters: dict[str, str | None] = field(default_factory=dict)
     adapters_at: float | None = None
+    # this gateway's requests in flight there per LoRA adapter (`InflightTicket`): demand for its `--max-loras`
+    # slots that vLLM's metric shows only once the requests run (queued ones appear in neither label)
+    inflight_adapters: dict[str, int] = field(default_factory=dict)
     # its `LoraState` for the stats it was built from (`_lora`): a view is rebuilt per request on a busy
     # worker, the adapters and the scrape change far less often
     _lora_state: tuple[WorkerStats | None, LoraState] | None = field(default=None, repr=False, compare=False)
@@ -179,18 +182,22 @@ class WorkerRecord:
         )
 
     def _lora(self, s: WorkerStats | None) -> LoraState:
-        """Its adapters, with their load from a fresh scrape (None fields when stale or not exposed); built
-        once per scrape and adapter list (a new list drops it: `Registry.refresh_adapters`)."""
+        """Its adapters, with their load from a fresh scrape (None fields when stale or not exposed) and this
+        gateway's adapters in flight there; built once per scrape, adapter list and set of adapters in flight
+        (a new list or set drops it: `Registry.refresh_adapters`, `InflightTicket`)."""
         cached = self._lora_state
         if cached is not None and cached[0] is s:
             return cached[1]
         resolves = self.pool.lora_resolver
-        if not self.adapters and (s is None or s.lora_running is None):
+        pending = frozenset(self.inflight_adapters)
+        if not self.adapters and not pending and (s is None or s.lora_running is None):
             state = RESOLVING_NO_LORA if resolves else NO_LORA
         elif s is None:
-            state = LoraState(frozenset(self.adapters), resolves=resolves)
+            state = LoraState(frozenset(self.adapters), resolves=resolves, pending=pending)
         else:
-            state = LoraState(frozenset(self.adapters), s.lora_running, s.lora_waiting, s.max_lora, resolves)
+            state = LoraState(
+                frozenset(self.adapters), s.lora_running, s.lora_waiting, s.max_lora, resolves, pending
+            )
         self._lora_state = (s, state)
         return state
 
@@ -247,13 +254,21 @@ class InflightTicket:
     """One request's load on one worker. `first_token()` moves its prompt out of the prefill backlog;
     `done()` removes it entirely. Both are idempotent; `done()` implies the first."""
 
-    __slots__ = ("__weakref__", "_done", "_first", "prompt_tokens", "record")
+    __slots__ = ("__weakref__", "_done", "_first", "adapter", "prompt_tokens", "record")
 
-    def __init__(self, record: WorkerRecord, prompt_tokens: int, prefilled_remotely: bool) -> None:
+    def __init__(
+        self, record: WorkerRecord, prompt_tokens: int, prefilled_remotely: bool, adapter: str | None = None
+    ) -> None:
         self.record = record
         self.prompt_tokens = prompt_tokens if not prefilled_remotely else 0
         self._first = prefilled_remotely
         self._done = False
+        self.adapter = adapter
+        if adapter is not None:
+            held = record.inflight_adapters.get(adapter, 0)
+            record.inflight_adapters[adapter] = held + 1
+            if not held:  # a new adapter in flight there: its LoRA state changes
+                record._lora_state = None
         record.inflight_requests += 1
         record.dispatched_total += 1
         record.inflight_prefill_tokens += self.prompt_tokens
@@ -276,6 +291,14 @@ class InflightTicket:
             self.record.inflight_decode_requests -= 1
         self._done = True
         self.record.inflight_requests -= 1
+        if self.adapter is not None:
+            held = self.record.inflight_adapters
+            left = held[self.adapter] - 1
+            if left:
+                held[self.adapter] = left
+            else:  # its last request there ended
+                del held[self.adapter]
+                self.record._lora_state = None
 
 
 @dataclass(slots=True)
@@ -436,11 +459,13 @@ class Registry:
     def pools(self) -> list[PoolInfo]:
         return [p.info for p in self._pools.values()]
 
-    def track(self, worker_id: str, prompt_tokens: int, prefilled_remotely: bool = False) -> InflightTicket:
+    def track(
+        self, worker_id: str, prompt_tokens: int, prefilled_remotely: bool = False, adapter: str | None = None
+    ) -> InflightTicket:
         rec = self._workers.get(worker_id)
         if rec is None:  # removed between routing and dispatch: account on a detached record
             raise KeyError(worker_id)
-        return InflightTicket(rec, prompt_tokens, prefilled_remotely)
+        return InflightTicket(rec, prompt_tokens, prefilled_remotely, adapter)
 
     def prefill_ends_in(self, ticket: FirstTokenHook, seconds: float) -> None:
         """`ticket.first_token()` runs `seconds` from now (at the first `view()` after, i.e. before the next
@@ -666,6 +691,7 @@ class Registry:
                     },
                     "last_error": r.last_error,
                     "lora_adapters": sorted(r.adapters),
+                    "lora_inflight": dict(sorted(r.inflight_adapters.items())),
                     "inflight": {
                         "requests": r.inflight_requests,
                         "prefill_tokens": r.inflight_prefill_tokens,

@@ -8,12 +8,15 @@ the adapter. What each worker serves and runs is its `WorkerView.lora` (`LoraSta
 | type | kind | rule |
 |---|---|---|
 | `adapter` | filter | reason `no_adapter` when the request names an adapter the worker does not list in its `/v1/models` (and does not resolve adapters on demand) |
-| `lora-affinity` | scorer | 1 when the adapter already has requests running or waiting on the worker; 0.5 when it has room for one more adapter in a batch (fewer than `max_lora` adapters running or waiting), or its LoRA load is not scraped; 0 when every slot holds another adapter; halved on a worker that would resolve the adapter on demand (it does not list it yet) |
+| `lora-affinity` | scorer | 1 when the adapter already has requests running or waiting on the worker, or the gateway has one in flight there; 0.5 when it has room for one more adapter in a batch (fewer than `max_lora` adapters running, waiting or in flight from the gateway), or its LoRA load is not scraped; 0 when every slot holds another adapter; halved on a worker that would resolve the adapter on demand (it does not list it yet) |
 
 Why the scorer: vLLM batches requests of at most `--max-loras` distinct adapters in one step (1 unless
 set); a request for another adapter waits in its queue until a slot frees, i.e. until the requests of
 some adapter have all finished, which can be whole generations. A worker already running the adapter
 adds the request to a slot it has; one with a free slot loads it; one with every slot taken makes it wait.
+vLLM's metric names an adapter only once its requests run, so the gateway adds the adapters of its own
+requests in flight on the worker (`LoraState.pending`, queued ones included): a worker whose slots the
+gateway has just filled with other adapters' requests is not taken for one with room.
 A request naming no adapter scores 1 everywhere (no effect on its ranking), and the cycle skips the scorer
 for it (`applies`).
 
@@ -77,10 +80,13 @@ def lora_affinity(worker: WorkerView, adapter: str) -> float:
     # a worker that would resolve the adapter first (it does not list it) is worth half: it loads it before
     # it runs the request
     listed = 1.0 if adapter in lora.adapters else 0.5
+    if adapter in lora.pending:  # the gateway's own request of it is there: it batches with that one
+        return 1.0
     if lora.running is None or lora.waiting is None or lora.max_lora is None:
         return (
             0.5 * listed
         )  # not scraped (stale, or a server without the metric): neither preferred nor avoided
-    if adapter in lora.running or adapter in lora.waiting:
+    busy = lora.running | lora.waiting | lora.pending  # each takes a slot when it runs
+    if adapter in busy:
         return 1.0
-    return 0.5 * listed if len(lora.running | lora.waiting) < lora.max_lora else 0.0
+    return 0.5 * listed if len(busy) < lora.max_lora else 0.0

@@ -241,3 +241,33 @@ def test_two_models_resolving_adapters_are_refused_at_load() -> None:
                 {"name": "qwen", "spec": "qwen2.5-7b", "lora_resolver": True},
             ],
         )
+
+
+def test_the_gateways_adapter_requests_in_flight_show_in_the_workers_lora_state() -> None:
+    """vLLM's metric names an adapter only once its requests run; the gateway adds its own in flight (queued
+    ones too) to the worker's `LoraState.pending` while they last, and /admin/workers shows them."""
+    a = FakeWorker("a", adapters={"sql": "/adapters/sql"}, whole_delay_s=0.3)
+    cfg = config(pool("p", "H100", "mixed", a))
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a)) as (c, gw):
+            sent = [
+                asyncio.create_task(c.post(CHAT, json=chat() | {"model": m})) for m in ("sql", "sql", MODEL)
+            ]
+            rec = gw.registry.get("p/a:8000")
+            assert rec is not None
+            for _ in range(200):
+                if rec.inflight_requests == 3:
+                    break
+                await asyncio.sleep(0.005)
+            assert rec.inflight_adapters == {"sql": 2}
+            (view,) = gw.registry.view().workers
+            assert view.lora.pending == frozenset({"sql"})
+            rows = (await c.get("/admin/workers")).json()["workers"]
+            assert rows[0]["lora_inflight"] == {"sql": 2}
+            assert all(r.status_code == 200 for r in await asyncio.gather(*sent))
+            assert rec.inflight_adapters == {}
+            (view,) = gw.registry.view().workers
+            assert view.lora.pending == frozenset()
+
+    run(body)

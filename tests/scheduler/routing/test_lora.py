@@ -168,3 +168,31 @@ def test_the_router_prefers_the_worker_listing_an_adapter_over_one_that_would_re
     # a name neither lists goes to either (the first request makes one of them load it)
     new = build_router().route(lora_req("brand-new"), view(a, b), 0.0, random.Random(0))
     assert isinstance(new, Decision) and new.decode.id in ("a", "b")
+
+
+@pytest.mark.parametrize(
+    ("pending", "running", "max_lora", "score"),
+    [
+        pytest.param(
+            {"other"}, set(), 1, 0.0, id="the gateway's request of another adapter fills the slot: 0"
+        ),
+        pytest.param({"other"}, set(), 2, 0.5, id="one of two slots taken by the gateway's: 0.5"),
+        pytest.param({"other"}, {"x"}, 2, 0.0, id="running and the gateway's fill two slots: 0"),
+        pytest.param({"sql"}, {"x"}, 1, 1.0, id="the gateway's request of the same adapter: 1"),
+        pytest.param({"sql"}, None, None, 1.0, id="the same adapter in flight, not scraped: 1"),
+        pytest.param({"other"}, None, None, 0.5, id="another in flight, not scraped: 0.5"),
+    ],
+)
+def test_the_gateways_own_requests_in_flight_take_slots(
+    pending: set[str], running: set[str] | None, max_lora: int | None, score: float
+) -> None:
+    w = lora_worker(
+        "w",
+        {"sql", "other", "x"},
+        active=running,
+        queued=None if running is None else set(),
+        max_lora=max_lora,
+    )
+    w = dataclasses.replace(w, lora=dataclasses.replace(w.lora, pending=frozenset(pending)))
+    cycle = Cycle(lora_req("sql"), view(w), 0.0, random.Random(0))
+    assert LoraAffinityScorer().score(cycle, [w]) == [score]
