@@ -17,17 +17,22 @@ calls itself, for the whole model.
   are routed to it at once. A worker already listing the adapter from the same path is skipped (vLLM
   would answer 400) unless `load_inplace`; one listing it from another path is a 400 without it.
 - **Answer**: vLLM's own 200 text when every worker loaded it; when every worker refused it alike with a
-  4xx (a path vLLM cannot find, a rank above `--max-lora-rank`) the first refusal as that worker gave it;
-  otherwise 502 naming each worker that failed and why.
+  4xx (a path vLLM cannot find: 404) the first refusal as that worker gave it; otherwise 502 naming each
+  worker that failed and why (vLLM 0.32 answers a rank above `--max-lora-rank` 500).
 - **Reconcile** (`lora.reconcile`, on by default): an adapter loaded on at least one worker is remembered
   (name, model, path), and after each good `/v1/models` read of a health check, a worker of that model
-  that does not list it is asked to load it; a failure is retried after `scrape.models_interval_s`,
-  doubling up to `lora.retry_max_s`. Unload forgets it first, then asks every worker of the model listing
-  it (healthy or not, so an unhealthy one does not bring it back) and reads their lists again; a worker's
-  404 counts as unloaded.
+  that does not list it is asked to load it (one listing it from another path is left as it is: another
+  gateway replica may have reloaded it in place there; `GET /admin/lora` shows it); a failure is retried
+  after `scrape.models_interval_s`, doubling up to `lora.retry_max_s`. Unload forgets it first, then asks every
+  worker of the model listing it (healthy or not, so an unhealthy one does not bring it back) and reads
+  their lists again; a worker's 404 counts as unloaded when its list no longer has it (a vLLM without
+  run-time updating answers 404 too, and keeps serving its `--lora-modules`).
+- **Refusals**: only an OpenAI-shaped error body (vLLM's) passes through; a bare 404/405 (no such route:
+  the worker's vLLM lacks `VLLM_ALLOW_RUNTIME_LORA_UPDATING`) is a 502 that says so.
 - **Limits**: the remembered adapters are this gateway process's (a replica learns the others' from the
-  workers' `/v1/models`, but does not load them on new workers; a restart forgets them): adapters that
-  must survive belong in the pool's `--lora-modules` (the chart's `pools[].lora.modules`).
+  workers' `/v1/models`, but does not load them on new workers; a restart forgets them; an unload through
+  another replica is undone by this one's reconcile): adapters that must survive belong in the pool's
+  `--lora-modules` (the chart's `pools[].lora.modules`).
 - **Metrics**: `mosaic_lora_admin_calls_total{operation, outcome}`, one per worker call (operation `load`,
   `unload`, `reconcile`; outcome `ok`, `failed`). `GET /admin/lora` shows the remembered adapters, the
   workers serving and missing each, and when a missing one is tried next.
@@ -36,6 +41,7 @@ calls itself, for the whole model.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping
@@ -92,6 +98,16 @@ class WorkerAnswer:
     @property
     def ok(self) -> bool:
         return self.status == 200
+
+    @property
+    def openai_error(self) -> bool:
+        """Its body is an OpenAI-shaped error (`{"error": {...}}`), as vLLM's handlers answer: not a bare
+        FastAPI 404 `{"detail": "Not Found"}` of a vLLM without the route, or a proxy's page."""
+        try:
+            data = json.loads(self.body)
+        except (*NOT_JSON, UnicodeDecodeError):
+            return False
+        return isinstance(data, dict) and isinstance(data.get("error"), dict)
 
 
 @dataclass(slots=True)
@@ -313,7 +329,7 @@ class LoraAdmin:
         raise GatewayError(
             Cause.UPSTREAM_UNAVAILABLE,
             f"LoRA adapter '{name}' loaded on {len(loaded)} of {len(send)} worker(s) of `{spec.model}`; "
-            f"failed on {_failures(failed)}.{later if self.config.reconcile else ''}",
+            f"failed on {_failures(failed)}.{later if self.config.reconcile else ''}{_no_route_hint(failed)}",
         )
 
     async def unload(self, name: str, model: str, request_id: str) -> Response:
@@ -337,11 +353,10 @@ class LoraAdmin:
                 *(self._post(r, UNLOAD_PATH, {"lora_name": name}) for r in holders)
             )
             await asyncio.gather(*(self.registry.refresh_adapters(r) for r in holders))
-            failed = [
-                a
-                for a, r in zip(answers, holders, strict=True)
-                if not (a.ok or a.status == 404) and name in r.adapters
-            ]
+            # a worker's 404 (it had unloaded it already) counts as unloaded only when its list, read again,
+            # no longer has it: a vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING answers 404 too (no such route)
+            # and goes on serving a `--lora-modules` adapter
+            failed = [a for a, r in zip(answers, holders, strict=True) if not a.ok and name in r.adapters]
             self._count("unload", len(answers) - len(failed), len(failed))
         if not failed:
             log.info("LoRA adapter %s unloaded from %d worker(s) of %s", name, len(holders), model)
@@ -349,7 +364,7 @@ class LoraAdmin:
         raise GatewayError(
             Cause.UPSTREAM_UNAVAILABLE,
             f"LoRA adapter '{name}' unloaded from {len(holders) - len(failed)} of {len(holders)} worker(s) of "
-            f"`{model}`; failed on {_failures(failed)}.",
+            f"`{model}`; failed on {_failures(failed)}.{_no_route_hint(failed)}",
         )
 
     async def reconcile(self, rec: WorkerRecord) -> None:
@@ -448,7 +463,14 @@ class LoraAdmin:
                     "model": spec.model,
                     "path": spec.path,
                     "is_3d_lora_weight": spec.is_3d_lora_weight,
-                    "serving": sorted(r.id for r in workers if spec.name in r.adapters),
+                    "serving": sorted(r.id for r in workers if not _other_path(r, spec)),
+                    # workers listing the name from another path (down during an in-place reload, their own
+                    # --lora-modules, another replica's load): reconcile leaves them as they are
+                    "other_path": [
+                        {"worker": r.id, "path": r.adapters[spec.name]}
+                        for r in sorted(workers, key=lambda r: r.id)
+                        if _other_path(r, spec)
+                    ],
                     "missing": missing,
                 }
             )
@@ -459,9 +481,29 @@ def _alike_refusal(failed: list[WorkerAnswer]) -> WorkerAnswer | None:
     """The first answer when every worker refused alike with a 4xx (the request's fault: another try
     would be refused too), else None."""
     statuses = {a.status for a in failed}
-    if len(statuses) == 1 and (status := failed[0].status) is not None and 400 <= status < 500:
+    if (
+        len(statuses) == 1
+        and (status := failed[0].status) is not None
+        and 400 <= status < 500
+        and all(a.openai_error for a in failed)  # vLLM's refusal, not a route it lacks
+    ):
         return failed[0]
     return None
+
+
+def _other_path(rec: WorkerRecord, spec: AdapterSpec) -> bool:
+    """Whether `rec` lists `spec.name` from a path other than `spec.path` (a card without a `root`: no)."""
+    listed = rec.adapters.get(spec.name)
+    return spec.name in rec.adapters and listed is not None and listed != spec.path
+
+
+def _no_route_hint(failed: list[WorkerAnswer]) -> str:
+    if any(a.status in (404, 405) and not a.openai_error for a in failed):
+        return (
+            " A bare 404/405 means the worker has no run-time LoRA routes: start its vLLM with "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (the chart's pools[].lora.runtimeUpdating)."
+        )
+    return ""
 
 
 def _failures(failed: list[WorkerAnswer]) -> str:

@@ -162,8 +162,12 @@ class FakeWorker:
                 model=self.model, running=0, generated=self.generated
             )
             return httpx.Response(200, text=text)
-        if self.lora_runtime and path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-            return self._lora_runtime(path, json.loads(request.content), dict(request.headers))
+        if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            if self.lora_runtime:
+                return self._lora_runtime(path, json.loads(request.content), dict(request.headers))
+            # vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING attaches no such route: FastAPI's 404
+            self.lora_calls.append((path, json.loads(request.content), dict(request.headers)))
+            return httpx.Response(404, json={"detail": "Not Found"})
         if path.startswith("/v1/responses/"):
             self.paths.append(f"{request.method} {path}")
             return self._stored_response(request.method, path.removeprefix("/v1/responses/"))

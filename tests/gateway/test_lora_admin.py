@@ -277,6 +277,7 @@ def test_a_worker_that_comes_later_gets_the_remembered_adapters() -> None:
                         "path": "/adapters/sql",
                         "is_3d_lora_weight": False,
                         "serving": ["p/a:8000", "p/new:8000"],
+                        "other_path": [],
                         "missing": [],
                     }
                 ],
@@ -426,5 +427,53 @@ def test_an_embedded_simulated_fleet_loads_through_the_gateway_and_a_new_replica
             await until(lambda: "sql" in getattr(gw.registry.get("p/sim-2"), "adapters", {}))
             served = (await c.get("/admin/lora")).json()["adapters"][0]["serving"]
             assert served == ["p/sim-0", "p/sim-1", "p/sim-2"]
+
+    run(body)
+
+
+def test_workers_without_runtime_updating_are_a_502_not_their_bare_404_and_unload_is_no_false_success() -> (
+    None
+):
+    """Workers started without VLLM_ALLOW_RUNTIME_LORA_UPDATING have no such route (FastAPI's 404
+    `{"detail": "Not Found"}`): a load is not answered with that body (no OpenAI error object), and an unload
+    of a static adapter (`--lora-modules`) every worker still lists is not reported removed."""
+    a, b = FakeWorker("a"), FakeWorker("b")
+    a.adapters["sql"] = b.adapters["sql"] = "/adapters/sql"  # as from --lora-modules
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "H100", "mixed", a, b)), FakeFleet(a, b)) as (c, gw):
+            r = await c.post(LOAD, json={"lora_name": "chat", "lora_path": "/adapters/chat"})
+            assert r.status_code == 502
+            error = r.json()["error"]
+            assert (
+                error["type"] == "BadGatewayError" and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in error["message"]
+            )
+            r = await c.post(UNLOAD, json={"lora_name": "sql"})
+            assert r.status_code == 502, r.text
+            assert "unloaded from 0 of 2" in r.json()["error"]["message"]
+            assert gw.registry.adapter_models() == {"sql": MODEL}
+            assert metric(gw, "mosaic_lora_admin_calls_total", operation="unload", outcome="failed") == 2
+
+    run(body)
+
+
+def test_admin_lora_shows_a_worker_left_on_an_older_path_by_an_in_place_reload() -> None:
+    """An in-place reload (new weights at a new path) reaches the workers up at the time; one that was down
+    still lists the old path when it is back. Reconcile leaves it (another gateway replica may have put that
+    path there: reloading would flap between replicas), and `GET /admin/lora` does not count it as serving."""
+    a, b = workers("a", "b")
+    cfg = config(pool("p", "H100", "mixed", a, b), scrape={"interval_s": 60, "models_interval_s": 0.01})
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a, b)) as (c, gw):
+            assert (await c.post(LOAD, json=SQL)).status_code == 200
+            b.health_ok = False
+            gw.registry.get("p/b:8000").health_ok = False  # type: ignore[union-attr]
+            v2 = {"lora_name": "sql", "lora_path": "/adapters/sql-v2", "load_inplace": True}
+            assert (await c.post(LOAD, json=v2)).status_code == 200
+            assert a.adapters["sql"] == "/adapters/sql-v2" and b.adapters["sql"] == "/adapters/sql"
+            described = (await c.get("/admin/lora")).json()["adapters"][0]
+            assert described["serving"] == ["p/a:8000"] and described["missing"] == []
+            assert described["other_path"] == [{"worker": "p/b:8000", "path": "/adapters/sql"}]
 
     run(body)
