@@ -23,7 +23,8 @@ calls itself, for the whole model.
   (name, model, path), and after each good `/v1/models` read of a health check, a worker of that model
   that does not list it is asked to load it (one listing it from another path is left as it is: another
   gateway replica may have reloaded it in place there; `GET /admin/lora` shows it); a failure is retried
-  after `scrape.models_interval_s`, doubling up to `lora.retry_max_s`. Unload forgets it first, then asks every
+  after `scrape.models_interval_s`, doubling up to `lora.retry_max_s`. Reconciles of one adapter on
+  several workers run at once; a load or unload of that name waits for them (and they for it). Unload forgets it first, then asks every
   worker of the model listing it (healthy or not, so an unhealthy one does not bring it back) and reads
   their lists again; a worker's 404 counts as unloaded when its list no longer has it (a vLLM without
   run-time updating answers 404 too, and keeps serving its `--lora-modules`).
@@ -41,10 +42,11 @@ calls itself, for the whole model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +112,46 @@ class WorkerAnswer:
         return isinstance(data, dict) and isinstance(data.get("error"), dict)
 
 
+class _NameLock:
+    """A name's lock: `exclusive` (a load or unload) or `shared` (reconciles, each on its own worker). A
+    waiting `exclusive` holds back new `shared` holders, so reconciles queued behind it cannot starve it."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0  # exclusive holders waiting
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._exclusive and not self._shared)
+            finally:
+                self._waiting -= 1
+                self._cond.notify_all()  # a cancelled waiter lets shared ones in again
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
 @dataclass(slots=True)
 class _Retry:
     at: float
@@ -167,8 +209,10 @@ class LoraAdmin:
         self.clock = clock
         self.retry_min_s = min(retry_min_s, config.retry_max_s)
         self.desired: dict[str, AdapterSpec] = {}  # adapter name → what to keep loaded (reconcile)
-        # one load or unload of a name at a time, as vLLM holds a lock per name (reconcile takes it too)
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # one load or unload of a name at a time, as vLLM holds a lock per name; reconciles of a name on
+        # different workers share it (a scale-out's new workers load it at once, not one after another),
+        # and exclude a load or unload of it
+        self._locks: defaultdict[str, _NameLock] = defaultdict(_NameLock)
         self._retry: dict[tuple[str, str], _Retry] = {}  # (worker id, adapter) → next reconcile try
         self._reconciling: set[tuple[str, str]] = set()
 
@@ -271,7 +315,7 @@ class LoraAdmin:
 
     async def load(self, spec: AdapterSpec, inplace: bool, request_id: str) -> Response:
         name = spec.name
-        async with self._locks[name]:
+        async with self._locks[name].exclusive():
             targets = self._up(spec.model)
             if not targets:
                 raise GatewayError(
@@ -333,7 +377,7 @@ class LoraAdmin:
         )
 
     async def unload(self, name: str, model: str, request_id: str) -> Response:
-        async with self._locks[name]:
+        async with self._locks[name].exclusive():
             remembered = self.desired.get(name)
             if remembered is not None and remembered.model == model:
                 del self.desired[name]  # first: a reconcile must not load it back
@@ -386,7 +430,7 @@ class LoraAdmin:
                 continue
             self._reconciling.add(key)
             try:
-                async with self._locks[spec.name]:
+                async with self._locks[spec.name].shared():
                     # unloaded, loaded anew, or the worker gone or unhealthy while this waited for the lock
                     if (
                         self.desired.get(spec.name) is not spec

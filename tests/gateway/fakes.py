@@ -106,6 +106,8 @@ class FakeWorker:
     lora_runtime: bool = False
     lora_refusal: tuple[int, str] | None = None
     lora_calls: list[tuple[str, dict[str, Any], dict[str, str]]] = field(default_factory=list)
+    lora_gate: asyncio.Event | None = None  # set: each load waits for it (a slow load from the Hub)
+    lora_loading: int = 0  # loads waiting at the gate now
 
     @property
     def url(self) -> str:
@@ -164,6 +166,12 @@ class FakeWorker:
             return httpx.Response(200, text=text)
         if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
             if self.lora_runtime:
+                if self.lora_gate is not None and path == "/v1/load_lora_adapter":
+                    self.lora_loading += 1
+                    try:
+                        await self.lora_gate.wait()
+                    finally:
+                        self.lora_loading -= 1
                 return self._lora_runtime(path, json.loads(request.content), dict(request.headers))
             # vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING attaches no such route: FastAPI's 404
             self.lora_calls.append((path, json.loads(request.content), dict(request.headers)))

@@ -477,3 +477,27 @@ def test_admin_lora_shows_a_worker_left_on_an_older_path_by_an_in_place_reload()
             assert described["other_path"] == [{"worker": "p/b:8000", "path": "/adapters/sql"}]
 
     run(body)
+
+
+def test_reconciles_of_one_adapter_on_several_new_workers_run_at_once_and_an_unload_waits_for_them() -> None:
+    """A scale-out's new workers each load a remembered adapter at once (not one after another behind one
+    lock: a slow load times N), and an unload of it waits for those loads, then takes it off them too."""
+    a, n1, n2 = workers("a", "n1", "n2")
+    gate = asyncio.Event()
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "H100", "mixed", a)), FakeFleet(a, n1, n2)) as (c, gw):
+            assert (await c.post(LOAD, json=SQL)).status_code == 200
+            n1.lora_gate = n2.lora_gate = gate
+            gw.registry.sync_pool("p", [Endpoint(f"{w.name}:8000", w.url) for w in (a, n1, n2)])
+            await until(lambda: n1.lora_loading == 1 and n2.lora_loading == 1)  # both in flight together
+            unload = asyncio.create_task(c.post(UNLOAD, json={"lora_name": "sql"}))
+            await asyncio.sleep(0.02)
+            assert not unload.done() and [p for p, _, _ in a.lora_calls] == [LOAD]
+            gate.set()
+            r = await unload
+            assert r.status_code == 200
+            assert a.adapters == n1.adapters == n2.adapters == {}
+            assert gw.lora_admin.desired == {}
+
+    run(body)
