@@ -343,11 +343,13 @@ class GpuAllocator:
 
     def allocate(self, owner: str, count: int, among: Sequence[str] | None = None) -> tuple[str, ...]:
         """`count` free GPUs for `owner`, only from `among` when given (a pool's own `gpu_ids`); LaunchError
-        naming the shortfall when too few. The least contended first (`contenders`), ties in configured
-        order: taking the lowest ids instead, pool A (`gpu_ids` 0,1) would take GPU 0 and leave pool B
-        (`gpu_ids` 0) nothing, where A on 1 and B on 0 both fit. The requesting pool counts towards every GPU
-        in `among` alike, and so does a pool without `gpu_ids`, so neither changes the order. Greedy per
-        request: it does not guarantee a fit where one exists for every sequence of starts."""
+        naming the shortfall when too few. The least contended GPUs (`contenders`), ties in configured order;
+        among choices as little contended in all, a run adjacent in the configured order (a TP group's GPUs
+        side by side: on PCIe machines neighbours share a switch), the first such run. Fit comes first: a
+        more contended adjacent run is not taken over scattered GPUs. Taking the lowest ids instead, pool A (`gpu_ids` 0,1) would take GPU 0 and leave
+        pool B (`gpu_ids` 0) nothing, where A on 1 and B on 0 both fit. The requesting pool counts towards
+        every GPU in `among` alike, and so does a pool without `gpu_ids`, so neither changes the order.
+        Greedy per request: it does not guarantee a fit where one exists for every sequence of starts."""
         if self.owned_by(owner):
             raise LaunchError(f"{owner} needs GPUs but already holds {','.join(self.owned_by(owner))}")
         wanted = None if among is None else set(among)
@@ -360,13 +362,24 @@ class GpuAllocator:
                 f"{'' if among is None else ' (' + ','.join(allowed) + ')'}"
                 f" (in use: {in_use or 'none'})"
             )
-        # sorted() is stable: equal contention keeps the configured order (adjacent GPUs for a TP group)
-        picked = set(sorted(free, key=self.contenders)[:count])
+        # sorted() is stable: equal contention keeps the configured order
+        least = sorted(free, key=self.contenders)[:count]
+        picked = self._adjacent_run(free, count, sum(map(self.contenders, least))) or set(least)
         # handed out (CUDA_VISIBLE_DEVICES, engine r's devices) in configured order, whatever the preference
         chosen = tuple(g for g in free if g in picked)
         for gpu in chosen:
             self._owner[gpu] = owner
         return chosen
+
+    def _adjacent_run(self, free: Sequence[str], count: int, contention: int) -> set[str] | None:
+        """The first run of `count` free GPUs adjacent in the configured order with at most `contention`
+        contenders in all, or None."""
+        usable = set(free)
+        for start in range(len(self._order) - count + 1):
+            run = self._order[start : start + count]
+            if all(g in usable for g in run) and sum(map(self.contenders, run)) <= contention:
+                return set(run)
+        return None
 
     def release(self, owner: str) -> tuple[str, ...]:
         released = self.owned_by(owner)

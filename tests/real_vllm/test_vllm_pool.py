@@ -215,3 +215,18 @@ def test_cpu_mixed_pool_without_gpus(tmp_path: Path) -> None:
     finally:
         pool.stop_all()
     assert pool.replicas == ()
+
+
+def test_allocator_keeps_a_tp_group_adjacent_when_that_costs_no_fit() -> None:
+    # contenders 1, 1, 1, 1 (only "a", no gpu_ids): least contended are 0 and 1 anyway
+    alloc = GpuAllocator(["0", "1", "2", "3"], pools={"a": None})
+    assert alloc.allocate("a-1", 1) == ("0",)
+    # free 1, 2, 3 all equally contended: the lowest two would be 1 and 2, adjacent
+    assert alloc.allocate("a-2", 2) == ("1", "2")
+    # contenders 2, 1, 2, 1 ("b" may use 0 and 2): the least contended, 1 and 3, are not adjacent; no adjacent
+    # run is as little contended, so fit wins over adjacency
+    alloc = GpuAllocator(["0", "1", "2", "3"], pools={"a": None, "b": ["0", "2"]})
+    assert alloc.allocate("a-1", 2) == ("1", "3")
+    # contenders 1, 2, 1, 1, 1: the least contended 0, 2 are scattered, the run 2, 3 costs as little
+    alloc = GpuAllocator(["0", "1", "2", "3", "4"], pools={"a": None, "b": ["1"]})
+    assert alloc.allocate("a-1", 2) == ("2", "3")
