@@ -23,19 +23,26 @@ calls itself, for the whole model.
   (name, model, path), and after each good `/v1/models` read of a health check, a worker of that model
   that does not list it is asked to load it (one listing it from another path is left as it is: another
   gateway replica may have reloaded it in place there; `GET /admin/lora` shows it); a failure is retried
-  after `scrape.models_interval_s`, doubling up to `lora.retry_max_s`. Reconciles of one adapter on
-  several workers run at once; a load or unload of that name waits for them (and they for it). Unload forgets it first, then asks every
-  worker of the model listing it (healthy or not, so an unhealthy one does not bring it back) and reads
-  their lists again; a worker's 404 counts as unloaded when its list no longer has it (a vLLM without
-  run-time updating answers 404 too, and keeps serving its `--lora-modules`).
+  after `scrape.models_interval_s`, doubling up to `lora.retry_max_s` (from the start again once the
+  worker has been down and up: a restart). Reconciles of one adapter on several workers run at once; a
+  load or unload of that name waits for them (and they for it). A worker that listed the adapter and no
+  longer does without having been down since (a failed health check) had it unloaded elsewhere — through
+  another gateway replica, or by hand — so the gateway forgets it rather than load it back; one that was
+  down (a restart) gets it again. Unload forgets it first, then asks every worker of the model that is not
+  terminating (healthy or not, so an unhealthy one does not bring it back; listing it or not, since one
+  may have loaded it after its last list) and reads their lists again; a worker's 404 counts as unloaded
+  when its list no longer has it (a vLLM without run-time updating answers 404 too, and keeps serving its
+  `--lora-modules`).
 - **Refusals**: only an OpenAI-shaped error body (vLLM's) passes through; a bare 404/405 (no such route:
   the worker's vLLM lacks `VLLM_ALLOW_RUNTIME_LORA_UPDATING`) is a 502 that says so.
 - **Limits**: the remembered adapters are this gateway process's (a replica learns the others' from the
-  workers' `/v1/models`, but does not load them on new workers; a restart forgets them; an unload through
-  another replica is undone by this one's reconcile): adapters that must survive belong in the pool's
-  `--lora-modules` (the chart's `pools[].lora.modules`).
+  workers' `/v1/models`, but does not load them on new workers; a restart forgets them): adapters that must
+  survive belong in the pool's `--lora-modules` (the chart's `pools[].lora.modules`). A worker that
+  restarts within one health interval, unseen, and comes back without the adapter reads as an unload
+  elsewhere: the adapter is forgotten, not loaded back (the log says so).
 - **Metrics**: `mosaic_lora_admin_calls_total{operation, outcome}`, one per worker call (operation `load`,
-  `unload`, `reconcile`; outcome `ok`, `failed`). `GET /admin/lora` shows the remembered adapters, the
+  `unload`, `reconcile`; outcome `ok`, `failed`; and `forget`, once per adapter forgotten as unloaded
+  elsewhere). `GET /admin/lora` shows the remembered adapters, the
   workers serving and missing each, and when a missing one is tried next.
 """
 
@@ -51,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pydantic import TypeAdapter, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -156,6 +164,7 @@ class _NameLock:
 class _Retry:
     at: float
     delay_s: float
+    since: float | None  # the worker's `healthy_since` then: a worker up anew since starts over
 
 
 def load_success(name: str) -> str:
@@ -170,9 +179,17 @@ def _field(data: Mapping[str, Any], name: str, kind: type, default: Any) -> Any:
     value = data.get(name, default)
     if value is None and default is None:
         return None
-    if type(value) is not kind:  # (bool is an int: `type`, not isinstance)
+    if kind is bool:  # as vLLM's pydantic model reads it: true/false, 1/0, "true"/"yes"/"on"/...
+        try:
+            return _BOOL.validate_python(value)
+        except ValidationError:
+            raise GatewayError(Cause.BAD_REQUEST, f"'{name}' must be a boolean.", param=name) from None
+    if type(value) is not kind:
         raise GatewayError(Cause.BAD_REQUEST, f"'{name}' must be a {kind.__name__}.", param=name)
     return value
+
+
+_BOOL = TypeAdapter(bool)
 
 
 def _answer_why(resp: httpx.Response) -> str:
@@ -214,6 +231,10 @@ class LoraAdmin:
         # and exclude a load or unload of it
         self._locks: defaultdict[str, _NameLock] = defaultdict(_NameLock)
         self._retry: dict[tuple[str, str], _Retry] = {}  # (worker id, adapter) → next reconcile try
+        # (worker id, adapter) → the worker's `healthy_since` when its list last had the remembered adapter:
+        # if it no longer has it and has not been down since, it was unloaded elsewhere (another gateway
+        # replica, or the worker directly) and the gateway forgets it instead of loading it back
+        self._seen: dict[tuple[str, str], float | None] = {}
         self._reconciling: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ HTTP
@@ -355,6 +376,7 @@ class LoraAdmin:
                 self.desired[name] = spec
                 for r in send:
                     self._retry.pop((r.id, name), None)
+                self._note_seen(targets, spec)
         if not failed:
             log.info(
                 "LoRA adapter %s (%s) loaded on %d worker(s) of %s", name, spec.path, len(send), spec.model
@@ -384,12 +406,10 @@ class LoraAdmin:
                 self._retry = {k: v for k, v in self._retry.items() if k[1] != name}
             else:
                 remembered = None
-            holders = [
-                r
-                for r in self.registry.records()
-                if r.pool.model == model and name in r.adapters and not r.terminating
-            ]
-            if not holders and remembered is None:
+            # every worker of the model, not only those whose last list has it: one may have loaded it since
+            # (a load that timed out here and finished there, vLLM's resolver on a first request)
+            holders = [r for r in self.registry.records() if r.pool.model == model and not r.terminating]
+            if remembered is None and not any(name in r.adapters for r in holders):
                 raise GatewayError(
                     Cause.NOT_FOUND, f"The lora adapter '{name}' cannot be found.", param="lora_name"
                 )
@@ -402,8 +422,10 @@ class LoraAdmin:
             # and goes on serving a `--lora-modules` adapter
             failed = [a for a, r in zip(answers, holders, strict=True) if not a.ok and name in r.adapters]
             self._count("unload", len(answers) - len(failed), len(failed))
+            for r in holders:
+                self._seen.pop((r.id, name), None)
         if not failed:
-            log.info("LoRA adapter %s unloaded from %d worker(s) of %s", name, len(holders), model)
+            log.info("LoRA adapter %s unloaded from the %d worker(s) of %s", name, len(holders), model)
             return Response(unload_success(name).encode(), 200, {"x-request-id": request_id})
         raise GatewayError(
             Cause.UPSTREAM_UNAVAILABLE,
@@ -411,22 +433,53 @@ class LoraAdmin:
             f"`{model}`; failed on {_failures(failed)}.{_no_route_hint(failed)}",
         )
 
+    def _note_seen(self, workers: list[WorkerRecord], spec: AdapterSpec) -> None:
+        for r in workers:
+            if r.adapters.get(spec.name) == spec.path:
+                self._seen[(r.id, spec.name)] = r.healthy_since
+
+    def _forget_if_unloaded_elsewhere(self, rec: WorkerRecord, spec: AdapterSpec) -> bool:
+        """Whether `rec` had `spec` and dropped it without having been down since: then it was unloaded
+        elsewhere, and the gateway forgets it (loading it back would undo that unload)."""
+        key = (rec.id, spec.name)
+        if key not in self._seen or self._seen[key] != rec.healthy_since:
+            return False
+        del self.desired[spec.name]
+        for k in [k for k in (*self._seen, *self._retry) if k[1] == spec.name]:
+            self._seen.pop(k, None)
+            self._retry.pop(k, None)
+        self._count("forget", 1, 0)
+        log.warning(
+            "LoRA adapter %s is no longer listed by worker %s, which has not been down since it was: unloaded "
+            "elsewhere (another gateway replica, or the worker directly); no longer loaded on workers of %s "
+            "that come later",
+            spec.name,
+            rec.id,
+            spec.model,
+        )
+        return True
+
     async def reconcile(self, rec: WorkerRecord) -> None:
         """Load on `rec` each remembered adapter of its model it does not list (module docstring)."""
         if not self.config.reconcile or not self.desired:
             return
         live = {r.id for r in self.registry.records()}
-        for key in [k for k in self._retry if k[0] not in live]:
-            del self._retry[key]  # a worker gone: its schedule with it
+        for key in [k for k in (*self._retry, *self._seen) if k[0] not in live]:
+            self._retry.pop(key, None)  # a worker gone: its schedule and history with it
+            self._seen.pop(key, None)
         for spec in list(self.desired.values()):
             key = (rec.id, spec.name)
+            if spec.model != rec.pool.model or key in self._reconciling:
+                continue
+            if spec.name in rec.adapters:
+                self._note_seen([rec], spec)
+                continue
+            if self._forget_if_unloaded_elsewhere(rec, spec):
+                continue
             retry = self._retry.get(key)
-            if (
-                spec.model != rec.pool.model
-                or spec.name in rec.adapters
-                or key in self._reconciling
-                or (retry is not None and self.clock() < retry.at)
-            ):
+            if retry is not None and retry.since != rec.healthy_since:
+                retry = None  # up anew since it failed (a restart): start over
+            if retry is not None and self.clock() < retry.at:
                 continue
             self._reconciling.add(key)
             try:
@@ -443,13 +496,14 @@ class LoraAdmin:
                     await self.registry.refresh_adapters(rec)
                     if rec.adapters.get(spec.name) == spec.path:
                         self._retry.pop(key, None)
+                        self._note_seen([rec], spec)
                         self._count("reconcile", 1, 0)
                         log.info("LoRA adapter %s loaded on worker %s (reconcile)", spec.name, rec.id)
                         continue
                     delay = (
                         self.retry_min_s if retry is None else min(retry.delay_s * 2, self.config.retry_max_s)
                     )
-                    self._retry[key] = _Retry(self.clock() + delay, delay)
+                    self._retry[key] = _Retry(self.clock() + delay, delay, rec.healthy_since)
                     self._count("reconcile", 0, 1)
                     log.log(
                         logging.WARNING if retry is None else logging.DEBUG,

@@ -17,7 +17,7 @@ nothing per request.
 | mosaic_prompt_tokens_total, mosaic_generation_tokens_total | counter | model (from upstream `usage`) |
 | mosaic_lora_requests_total | counter | model (the base), adapter, status: requests naming a LoRA adapter (also counted in mosaic_requests_total under their base model); adapter "(unlisted)" for one no worker lists |
 | mosaic_lora_tokens_total | counter | model, adapter, kind (prompt, generation; from upstream `usage`) |
-| mosaic_lora_admin_calls_total | counter | operation (load, unload, reconcile), outcome (ok, failed): run-time LoRA calls to workers, one per worker |
+| mosaic_lora_admin_calls_total | counter | operation (load, unload, reconcile; forget: an adapter unloaded elsewhere), outcome (ok, failed): run-time LoRA calls to workers, one per worker |
 | mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |
 | mosaic_retries_total | counter | model, reason (connect, timeout, status_429, status_503, ...) |
 | mosaic_pd_fallbacks_total | counter | model, reason (prefill hop failed → decode-only: timeout, pool_timeout, worker_error, busy, refused, bad_response, no_params; `server.prefill_hop`) |

@@ -84,6 +84,9 @@ class WorkerRecord:
     discovered_ready: bool = True
     terminating: bool = False
     health_ok: bool | None = None  # None: not checked yet
+    # when it last came up (first good check, or the first good one after a failed check): a worker that
+    # restarted in between has a new value (the LoRA admin's reconcile tells a restart from an unload by it)
+    healthy_since: float | None = None
     health_failures: int = 0
     last_error: str | None = None
     stats: WorkerStats | None = None
@@ -536,6 +539,8 @@ class Registry:
         if probing:
             rec.breaker.record_probe(ok, now)
         if ok:
+            if rec.health_ok is not True or rec.health_failures:  # first up, or back after a failed check
+                rec.healthy_since = now
             rec.health_ok = True
             rec.health_failures = 0
             due = rec.adapters_at is None or now - rec.adapters_at >= self._scrape_cfg.models_interval_s

@@ -124,9 +124,9 @@ def test_one_model_needs_no_base_model_name_and_several_do() -> None:
             id="name not a string",
         ),
         pytest.param(
-            SQL | {"load_inplace": "yes"},
+            SQL | {"load_inplace": "maybe"},  # ("yes", "true", 1 are vLLM's pydantic's true)
             400,
-            "'load_inplace' must be a bool.",
+            "'load_inplace' must be a boolean.",
             "load_inplace",
             id="inplace not a bool",
         ),
@@ -499,5 +499,64 @@ def test_reconciles_of_one_adapter_on_several_new_workers_run_at_once_and_an_unl
             assert r.status_code == 200
             assert a.adapters == n1.adapters == n2.adapters == {}
             assert gw.lora_admin.desired == {}
+
+    run(body)
+
+
+def test_a_flag_reads_as_vllms_pydantic_reads_it() -> None:
+    a, b = workers("a", "b")
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "H100", "mixed", a, b)), FakeFleet(a, b)) as (c, _):
+            assert (await c.post(LOAD, json=SQL | {"is_3d_lora_weight": "false"})).status_code == 200
+            r = await c.post(LOAD, json=SQL | {"lora_path": "/adapters/sql-v2", "load_inplace": "yes"})
+            assert r.status_code == 200 and loads(a)[-1]["load_inplace"] is True
+
+    run(body)
+
+
+def test_an_unload_through_another_replica_is_not_undone_and_a_restart_gets_it_back() -> None:
+    """Replica A loaded it; the workers drop it without having been down (replica B's unload, or one by hand):
+    A forgets it rather than loading it back. A worker that was down (a restart) and comes back without it
+    gets it again."""
+    a, b = workers("a", "b")
+    cfg = config(pool("p", "H100", "mixed", a, b), scrape={"interval_s": 60, "models_interval_s": 0.01})
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a, b)) as (c, gw):
+            assert (await c.post(LOAD, json=SQL)).status_code == 200
+            # a restart of b: down for a check, back without the adapter
+            b.health_ok = False
+            await gw.registry.health_once()
+            b.health_ok, b.adapters = True, {}
+            await asyncio.sleep(0.02)
+            await gw.registry.health_once()
+            await until(lambda: b.adapters.get("sql") == "/adapters/sql")
+            assert len(loads(b)) == 2
+            # another replica unloads it from both (they stay up): forgotten, not loaded back
+            a.adapters.clear()
+            b.adapters.clear()
+            await asyncio.sleep(0.02)
+            await gw.registry.health_once()
+            await until(lambda: gw.lora_admin.desired == {})
+            assert metric(gw, "mosaic_lora_admin_calls_total", operation="forget", outcome="ok") == 1
+            await asyncio.sleep(0.02)
+            await gw.registry.health_once()
+            await asyncio.sleep(0.02)
+            assert len(loads(a)) == 1 and len(loads(b)) == 2 and a.adapters == b.adapters == {}
+
+    run(body)
+
+
+def test_an_unload_reaches_a_worker_whose_last_list_did_not_show_the_adapter() -> None:
+    a, b = workers("a", "b")
+    a.adapters["sql"] = "/adapters/sql"
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "H100", "mixed", a, b)), FakeFleet(a, b)) as (c, gw):
+            b.adapters["sql"] = "/adapters/sql"  # loaded there since its last /v1/models read (a resolver)
+            assert "sql" not in gw.registry.get("p/b:8000").adapters  # type: ignore[union-attr]
+            r = await c.post(UNLOAD, json={"lora_name": "sql"})
+            assert r.status_code == 200 and a.adapters == {} and b.adapters == {}
 
     run(body)
