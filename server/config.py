@@ -841,7 +841,9 @@ def load_config(path: str | Path) -> MosaicConfig:
     data = parse_yaml(text, ConfigError, f"{p}: not valid YAML")
     if isinstance(data, dict) and isinstance(catalog := data.get("catalog"), str) and catalog:
         # relative to the config file's folder, as `kv.compression[].profile` is, not to where mosaic started
-        data = {**data, "catalog": str(p.resolve().parent / Path(catalog).expanduser())}
+        data = {**data, "catalog": str(p.absolute().parent / Path(catalog).expanduser())}
     config = validate_config(data, str(p))
-    config._source_path = p.resolve()
+    # absolute(), not resolve(): a config mounted from a ConfigMap is a symlink into a timestamped folder
+    # that the next update of the ConfigMap removes; its siblings are reached through the mount's own links
+    config._source_path = p.absolute()
     return config

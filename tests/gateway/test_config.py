@@ -322,3 +322,18 @@ def test_a_relative_catalog_path_is_the_config_files_folders(
     cfg = load_config("conf/mosaic.yaml")
     assert cfg.catalog == str(tmp_path / "conf" / "rows.yaml")
     assert check_catalog(cfg).gpu("L4").cost_per_hour == 0.5
+
+
+def test_a_symlinked_config_reads_relative_paths_beside_the_link(tmp_path: Path) -> None:
+    """A ConfigMap mount: `config.yaml` links into a timestamped folder; `rows.yaml` is reached beside the link
+    (the folder behind it goes at the ConfigMap's next update)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "mount").mkdir()
+    (tmp_path / "data" / "config.yaml").write_text(
+        yaml.safe_dump({"pools": [_pool(gpu="L4")], "catalog": "rows.yaml"})
+    )
+    (tmp_path / "mount" / "rows.yaml").write_text("gpus:\n  L4:\n    cost_per_hour: 0.5\n")
+    (tmp_path / "mount" / "config.yaml").symlink_to(tmp_path / "data" / "config.yaml")
+    cfg = load_config(tmp_path / "mount" / "config.yaml")
+    assert check_catalog(cfg).gpu("L4").cost_per_hour == 0.5
+    assert cfg.source_dir == tmp_path / "mount"
