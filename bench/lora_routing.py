@@ -35,8 +35,9 @@ the lowest mean TTFT.
 overhead (punica/SGMV kernels), no `--max-cpu-loras` cache; only vLLM's `max_loras` slot rule is modelled
 (a waiting request of an adapter not among the running ones is skipped while `max_loras` adapters run), so
 the figures measure how much routing avoids waiting for a slot, not how much it saves in adapter loads.
-Every worker serves every adapter (the `adapter` filter removes nobody). One seeded trace per run; the
-spread between seeds is not measured here (`--seed` changes it). Runs share this machine's cores with
+Every worker serves every adapter (the `adapter` filter removes nobody). A few hundred requests per weight: the mean
+and p50 ratios repeat, the p99 ratio does not (`--quick`, 120 requests, gave ×0.52 to ×1.16 on three
+tries); the per-seed ratios in the JSON show the spread. Runs share this machine's cores with
 whatever else runs (wall-clock latencies), so figures move a little between runs.
 
 Writes bench/results/lora_routing.json and one line in BENCHMARKS.md.
