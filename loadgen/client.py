@@ -49,6 +49,7 @@ class RequestRecord:
     error: str | None = None
     end_s: float = 0.0  # when the request finished (success or failure)
     trace_line: int = 0  # the request's line in the trace file
+    model: str = ""  # the body's `model`: the base model, or a LoRA adapter (`--lora-modules`)
 
     @property
     def send_lag_s(self) -> float:

@@ -25,6 +25,7 @@ from rich.console import Console
 from loadgen.client import one_line
 from loadgen.console import ProgressDisplay, print_summary
 from loadgen.formats import Trace, open_trace
+from loadgen.lora import LoraError, check_lora_modules
 from loadgen.metrics import Metrics, Slo, compute_metrics
 from loadgen.plots import write_plots
 from loadgen.report import ReplayConfig, build_report, write_report
@@ -57,6 +58,9 @@ class ReplayRequest:
     plot_dir: Path | None = None
     seed: int = 0
     progress: bool = True
+    # each request names one of these LoRA adapters instead of `model` (loadgen.lora); () = none
+    lora_modules: tuple[str, ...] = ()
+    lora_assignment: str = "random"  # random | round-robin
 
 
 @dataclass(slots=True)
@@ -87,6 +91,10 @@ def check_target(url: str, api_key: str | None) -> None:
 def prepare(req: ReplayRequest) -> Trace:
     """Check the target, open and check the trace and the schedule options before anything is sent."""
     check_target(req.url, req.api_key)
+    if req.lora_modules:
+        check_lora_modules(req.lora_modules, req.lora_assignment)
+    elif req.lora_assignment != "random":  # vLLM ignores it then; here it is a forgotten --lora-modules
+        raise LoraError("--lora-assignment picks among --lora-modules: give them, or drop it")
     trace = open_trace(req.trace, req.format, req.skip_bad_rows, req.seed)
     try:
         req.schedule.validate(trace.timed)
@@ -129,7 +137,9 @@ async def run_replay_async(
 ) -> ReplayOutcome:
     console = console or Console(stderr=True)
     trace = prepare(req)
-    target = Target(req.url, req.model, req.endpoint, req.api_key)
+    target = Target(
+        req.url, req.model, req.endpoint, req.api_key, tuple(req.lora_modules), req.lora_assignment
+    )
     opts = RunOptions(req.concurrency, req.timeout_s, req.seed)
     scheduled = schedule(trace, req.schedule)
     with _stop_on_sigint() as stop:
@@ -167,6 +177,8 @@ async def run_replay_async(
         concurrency=req.concurrency,
         timeout_s=req.timeout_s,
         seed=req.seed,
+        lora_modules=tuple(req.lora_modules) if req.lora_modules else None,
+        lora_assignment=req.lora_assignment if req.lora_modules else None,
     )
     trace_stats = {"source": trace.source, "format": trace.format, **trace.stats.as_dict()}
     report = build_report(config, metrics, result.records, trace_stats, result.started_at)

@@ -7,7 +7,9 @@
   "definitions": {metric: definition, ...}          # loadgen.metrics.DEFINITIONS (vLLM's)
   "config": {"trace", "format", "url", "endpoint", "model", "rate_scale", "rate", "arrival",
              "burstiness", "start_s", "duration_s", "max_requests", "concurrency", "timeout_s", "seed",
+             "lora_modules": [name, ...] | null, "lora_assignment": "random" | "round-robin" | null,
              "slo": {"ttft_ms", "tpot_ms", "e2el_ms"}, "lag_threshold_ms"},
+      # model: the base model; with lora_modules each request names one of them instead (loadgen.lora)
   "trace": {"rows", "requests", "skipped_bad_rows", "skipped_by_reason", "dropped", "dropped_by_reason"},
       # rows: data rows read; requests: requests the reader produced from them, before the --start/--duration
       # window and the cap picked what to send (summary.sent)
@@ -17,10 +19,11 @@
               "ttft_ms" | "tpot_ms" | "itl_ms" | "e2el_ms" | "send_lag_ms":
                   {"count", "mean", "std", "median", "p90", "p95", "p99", "max"},
               "lag_threshold_ms", "lag_exceeded", "errors": {type: count}, "output_length_mismatches",
-              "concurrency_wait_ms": {same stats} | null},
+              "concurrency_wait_ms": {same stats} | null,
+              "requests_by_model": {model: {"sent", "completed"}}},   # the models the bodies named
   "requests": [{"index", "trace_line", "scheduled_s", "sent_s", "end_s", "input_tokens",
                 "expected_output_tokens", "output_tokens", "success", "error_type", "error",
-                "ttft_ms", "tpot_ms", "e2el_ms", "chunks"}, ...]                     # times: s since t = 0
+                "ttft_ms", "tpot_ms", "e2el_ms", "chunks", "model"}, ...]            # times: s since t = 0
 }
 ```
 Additions keep the version; a renamed or removed field bumps it to v2.
@@ -59,6 +62,8 @@ class ReplayConfig:
     concurrency: int | None = None
     timeout_s: float | None = None
     seed: int = 0
+    lora_modules: tuple[str, ...] | None = None  # None: every request names `model`
+    lora_assignment: str | None = None  # with lora_modules: random | round-robin
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -83,12 +88,23 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "tpot_ms": _ms(r.tpot_s),
         "e2el_ms": _ms(r.e2el_s),
         "chunks": len(r.chunk_s),
+        "model": r.model,
     }
 
 
 def concurrency_wait(records: list[RequestRecord]) -> Stats:
     """Time requests waited for a free slot (`--concurrency`), apart from send lag."""
     return Stats.of_seconds([max(0.0, r.slot_s - r.scheduled_s) for r in records])
+
+
+def requests_by_model(records: list[RequestRecord]) -> dict[str, dict[str, int]]:
+    """Requests sent and completed per model named (with --lora-modules: how the adapters were drawn)."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        row = out.setdefault(r.model, {"sent": 0, "completed": 0})
+        row["sent"] += 1
+        row["completed"] += r.success
+    return dict(sorted(out.items()))
 
 
 def build_report(
@@ -99,6 +115,8 @@ def build_report(
     started_at: str,
 ) -> dict[str, Any]:
     cfg = {k: getattr(config, k) for k in config.__dataclass_fields__ if k != "extra"}
+    if config.lora_modules is not None:
+        cfg["lora_modules"] = list(config.lora_modules)
     cfg.update(config.extra)
     cfg["slo"] = {
         "ttft_ms": metrics.slo.ttft_ms,
@@ -108,6 +126,7 @@ def build_report(
     cfg["lag_threshold_ms"] = metrics.lag_threshold_ms
     summary = metrics.as_dict()
     summary["concurrency_wait_ms"] = concurrency_wait(records).as_dict() if config.concurrency else None
+    summary["requests_by_model"] = requests_by_model(records)
     return {
         "schema": SCHEMA,
         "created_at": datetime.now(UTC).isoformat(),

@@ -27,6 +27,7 @@ from typing import Protocol
 import httpx
 
 from loadgen.client import ENDPOINT_PATHS, RequestRecord, send_request
+from loadgen.lora import ModelChooser
 from loadgen.metrics import replay_duration
 from loadgen.prompts import PromptBuilder, build_body
 from loadgen.schedule import ScheduledRequest
@@ -48,6 +49,9 @@ class Target:
     model: str
     endpoint: str = "completions"  # completions | chat
     api_key: str | None = None
+    # each request names one of these LoRA adapters instead of `model` (`loadgen.lora`); () = none
+    lora_modules: tuple[str, ...] = ()
+    lora_assignment: str = "random"  # random | round-robin (vLLM's --lora-assignment)
 
     @property
     def request_url(self) -> str:
@@ -176,7 +180,8 @@ async def replay(
     slots = asyncio.Semaphore(opts.concurrency) if opts.concurrency else None
     result = RunResult(started_at=datetime.now(UTC).isoformat())
     tasks: set[asyncio.Task[None]] = set()
-    ahead = _Prebuilt(iter(requests), target, prompts)
+    models = ModelChooser(target.model, target.lora_modules, target.lora_assignment, opts.seed)
+    ahead = _Prebuilt(iter(requests), target, prompts, models)
     halt = asyncio.Event()  # set by `stop` (Ctrl-C) or by the watch: send nothing more, cancel the rest
     watch = _ReachWatch(GIVE_UP_AFTER, halt)
     async with contextlib.AsyncExitStack() as stack:
@@ -190,7 +195,7 @@ async def replay(
             ahead.pull()
             origin = time.perf_counter()
             while ahead.queue:
-                nxt, body = ahead.queue[0]
+                nxt, model, body = ahead.queue[0]
                 due = origin + nxt.send_at_s
                 ahead.fill(nxt.send_at_s, due - _PREBUILD_MARGIN_S)
                 # Behind schedule, still yield once per request: the tasks already created send now, rather
@@ -204,7 +209,12 @@ async def replay(
                     break
                 ahead.pop()
                 rec = RequestRecord(
-                    nxt.index, nxt.send_at_s, nxt.input_tokens, nxt.output_tokens, trace_line=nxt.trace_line
+                    nxt.index,
+                    nxt.send_at_s,
+                    nxt.input_tokens,
+                    nxt.output_tokens,
+                    trace_line=nxt.trace_line,
+                    model=model,
                 )
                 rec.slot_s = time.perf_counter() - origin if blocked else rec.scheduled_s
                 result.records.append(rec)
@@ -295,9 +305,11 @@ class _Prebuilt:
     is kept and raised by the caller once every request before the bad row has been sent (as reading the
     trace one request at a time would)."""
 
-    def __init__(self, it: Iterator[ScheduledRequest], target: Target, prompts: PromptBuilder) -> None:
-        self._it, self._target, self._prompts = it, target, prompts
-        self.queue: deque[tuple[ScheduledRequest, bytes]] = deque()
+    def __init__(
+        self, it: Iterator[ScheduledRequest], target: Target, prompts: PromptBuilder, models: ModelChooser
+    ) -> None:
+        self._it, self._target, self._prompts, self._models = it, target, prompts, models
+        self.queue: deque[tuple[ScheduledRequest, str, bytes]] = deque()  # request, its model, its body
         self.bytes = 0
         self.error: Exception | None = None
         self._done = False
@@ -314,8 +326,9 @@ class _Prebuilt:
         if req is None:
             self._done = True
             return False
-        body = build_body(req, self._target.endpoint, self._target.model, self._prompts)
-        self.queue.append((req, body))
+        model = self._models.model_for(req.index)
+        body = build_body(req, self._target.endpoint, model, self._prompts)
+        self.queue.append((req, model, body))
         self.bytes += len(body)
         return True
 
@@ -331,5 +344,5 @@ class _Prebuilt:
             pass
 
     def pop(self) -> None:
-        _, body = self.queue.popleft()
+        _, _, body = self.queue.popleft()
         self.bytes -= len(body)

@@ -5,17 +5,24 @@ mooncake, sharegpt) or a synthetic spec such as `synthetic:rate=20,n=1000,input=
 (docs/loadgen.md). The summary tables go to stderr with the progress bar; `--json` prints the report's
 summary to stdout for scripts. Exit 0 when the replay ran (even with failed requests: they are in the
 report), 2 with one line on bad input.
+
+`--lora-modules A B ...` takes its names as vLLM's `bench serve` does (argparse `nargs="+"`: every word
+after the flag up to the next option), so give TRACE before it; `--lora-modules A --lora-modules B` works too.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import typer
+from typer.core import TyperCommand
 
 from loadgen.console import print_summary
 from loadgen.formats import FORMATS
+from loadgen.lora import LORA_ASSIGNMENTS, LoraError
 from loadgen.metrics import Slo
 from loadgen.replay import ReplayError, ReplayRequest, run_replay
 from loadgen.schedule import ScheduleError, ScheduleOptions
@@ -30,10 +37,55 @@ from server.commands.common import (
 )
 
 REPLAY_LATEST_SEND_S = 1e7  # 116 days: a replay scheduled past it is a mistaken rate, not a plan
+LORA_FLAG = "--lora-modules"
+
+
+def expand_lora_modules(args: Sequence[str]) -> list[str] | None:
+    """`--lora-modules A B C` → `--lora-modules A --lora-modules B --lora-modules C`: click options take a
+    fixed number of values, vLLM's flag takes every word up to the next option (or `--`). None when the
+    flag is followed by no name (the caller's usage error)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":  # everything after it is positional, as click and argparse read it
+            out.extend(args[i - 1 :])
+            break
+        if arg != LORA_FLAG:
+            out.append(arg)
+            continue
+        names = []
+        while i < len(args) and not args[i].startswith("-"):
+            names.append(args[i])
+            i += 1
+        if not names:
+            return None
+        for name in names:
+            out += [LORA_FLAG, name]
+    return out
+
+
+class ReplayCommand(TyperCommand):
+    """`mosaic replay` with vLLM's space-separated `--lora-modules` (`expand_lora_modules`)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        expanded = expand_lora_modules(args)
+        if expanded is None:
+            ctx.fail(f"{LORA_FLAG} needs at least one adapter name")  # click's usage error: one line, exit 2
+        try:
+            return super().parse_args(ctx, expanded)
+        except Exception as exc:  # click's own copy in typer: recognised by shape, as server.cli.main does
+            if type(exc).__name__ == "MissingParameter" and expanded != list(args):
+                # `--lora-modules A B TRACE`: the flag took TRACE as a name, as vLLM's argparse would
+                ctx.fail(
+                    f"Missing argument 'trace': {LORA_FLAG} takes every word up to the next option, give TRACE before it"
+                )
+            raise
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("replay")
+    @app.command("replay", cls=ReplayCommand)
     def replay_cmd(
         trace: str = typer.Argument(..., help="Trace file, or a synthetic spec 'synthetic:rate=R,n=N,...'."),
         url: str = typer.Option(..., "--url", help="Base URL of the server, e.g. http://127.0.0.1:8000."),
@@ -53,6 +105,16 @@ def register(app: typer.Typer) -> None:
         duration: float | None = typer.Option(None, "--duration", help="Window length, trace seconds."),
         max_requests: int | None = typer.Option(None, "--max-requests", help="Send at most N requests."),
         model: str = typer.Option("llama-3-8b", "--model", help="Model name sent in each request."),
+        lora_modules: list[str] | None = typer.Option(
+            None,
+            LORA_FLAG,
+            help="LoRA adapter names (NAME [NAME ...], as vLLM's bench): each request names one instead of --model.",
+        ),
+        lora_assignment: str = typer.Option(
+            "random",
+            "--lora-assignment",
+            help=f"With --lora-modules: {' | '.join(LORA_ASSIGNMENTS)} (seeded by --seed).",
+        ),
         api_key: str | None = typer.Option(
             None, "--api-key", envvar="MOSAIC_API_KEY", help="Bearer API key."
         ),
@@ -119,12 +181,14 @@ def register(app: typer.Typer) -> None:
             plot_dir=plot,
             seed=seed,
             progress=not quiet,
+            lora_modules=tuple(lora_modules or ()),
+            lora_assignment=lora_assignment,
         )
         try:
             console = table_console(stderr=True)
             raise_open_files_limit()
             outcome = run_replay(req, console, summary=False)
-        except (TraceError, ScheduleError, SpecError, ReplayError) as e:
+        except (TraceError, ScheduleError, SpecError, ReplayError, LoraError) as e:
             fail(str(e))
         m = outcome.metrics
         print_summary(console, m)

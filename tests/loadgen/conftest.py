@@ -4,25 +4,24 @@ a port nothing listens on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
 
 import pytest
 
+from simulator.lora import LoraModule
 from simulator.worker_app import WorkerConfig
 from simulator.worker_server import RunningWorker, start_worker_server
 
 
-@pytest.fixture(scope="module")
-def worker_url() -> Iterator[str]:
-    """One simulated H100 worker, 500× faster than real time, served from its own event-loop thread."""
+@contextlib.contextmanager
+def _served(cfg: WorkerConfig) -> Iterator[str]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    worker: RunningWorker = asyncio.run_coroutine_threadsafe(
-        start_worker_server(WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=500)), loop
-    ).result(30)
+    worker: RunningWorker = asyncio.run_coroutine_threadsafe(start_worker_server(cfg), loop).result(30)
     try:
         yield worker.url
     finally:
@@ -30,6 +29,21 @@ def worker_url() -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def worker_url() -> Iterator[str]:
+    """One simulated H100 worker, 500× faster than real time, served from its own event-loop thread."""
+    with _served(WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=500)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def lora_worker_url() -> Iterator[str]:
+    """As `worker_url`, serving the LoRA adapters `sql` and `chat-v2` (vLLM's --lora-modules)."""
+    mods = tuple(LoraModule(name, f"/adapters/{name}") for name in ("sql", "chat-v2"))
+    with _served(WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=500, lora_modules=mods)) as url:
+        yield url
 
 
 @pytest.fixture
