@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from loadgen.replay import ReplayOutcome, ReplayRequest, run_replay_async
 from loadgen.report import load_report
 from server.cli import build_app
 from server.commands.replay import expand_lora_modules
+from tests.cli.test_usage_errors import run_cli
 from tests.loadgen.loadgen_fakes import FakeWorker
 
 ADAPTERS = ("sql", "chat-v2", "summarise", "legal")
@@ -149,16 +148,6 @@ def test_cli_sends_the_adapters_to_a_simulated_worker_serving_them(
     assert sum(r["completed"] for r in by_model.values()) == 40
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", "from server.cli import main; main()", "replay", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -169,14 +158,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     ],
 )  # fmt: skip
 def test_cli_bad_lora_input_exits_2_with_one_line(closed_url: str, args: list[str], message: str) -> None:
-    proc = run_cli(SPEC, "--url", closed_url, *args)
+    proc = run_cli("replay", SPEC, "--url", closed_url, *args)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
 def test_cli_names_the_cause_when_the_flag_took_the_trace(closed_url: str) -> None:
-    proc = run_cli("--url", closed_url, "--lora-modules", "a", SPEC)
+    proc = run_cli("replay", "--url", closed_url, "--lora-modules", "a", SPEC)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "give TRACE before it" in lines[0], lines
