@@ -198,6 +198,10 @@ _BUILTIN_MODELS: tuple[ModelSpec, ...] = (
     ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 8.03, 8192, 2, "meta-llama/Meta-Llama-3-8B config.json", vocab_size=128256),
     # meta-llama/Meta-Llama-3-70B config.json
     ModelSpec("llama-3-70b", 80, 8192, 64, 8, 128, 70.55, 8192, 2, "meta-llama/Meta-Llama-3-70B config.json", vocab_size=128256),
+    # meta-llama/Llama-3.1-8B config.json: Llama-3-8B's shapes, 128k context (max_position_embeddings 131072)
+    ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 8.03, 131072, 2, "meta-llama/Llama-3.1-8B config.json", vocab_size=128256),
+    # meta-llama/Llama-3.1-70B config.json: Llama-3-70B's shapes, 128k context
+    ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 128, 70.55, 131072, 2, "meta-llama/Llama-3.1-70B config.json", vocab_size=128256),
     # mistralai/Mistral-7B-Instruct-v0.2 config.json: 32k context, no sliding window
     ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 7.24, 32768, 2, "mistralai/Mistral-7B-Instruct-v0.2 config.json", vocab_size=32000),
     # Qwen/Qwen2.5-7B config.json: 28 layers, 28 heads, 4 KV heads, 32k native context
@@ -213,8 +217,17 @@ _MODEL_ALIASES = {
     "meta-llama/llama-2-70b-hf": "llama-2-70b",
     "meta-llama/meta-llama-3-8b": "llama-3-8b",
     "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
-    "meta-llama/llama-3.1-8b-instruct": "llama-3-8b",
     "meta-llama/meta-llama-3-70b": "llama-3-70b",
+    "meta-llama/meta-llama-3-70b-instruct": "llama-3-70b",
+    # Hugging Face renamed the 3.1 repos (Meta-Llama-3.1-8B → Llama-3.1-8B): both names are in use
+    "meta-llama/llama-3.1-8b": "llama-3.1-8b",
+    "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama/meta-llama-3.1-8b": "llama-3.1-8b",
+    "meta-llama/meta-llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama/llama-3.1-70b": "llama-3.1-70b",
+    "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
+    "meta-llama/meta-llama-3.1-70b": "llama-3.1-70b",
+    "meta-llama/meta-llama-3.1-70b-instruct": "llama-3.1-70b",
     "mistralai/mistral-7b-instruct-v0.2": "mistral-7b",
     "qwen/qwen2.5-7b": "qwen2.5-7b",
     "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",

@@ -253,7 +253,7 @@ def test_every_catalog_model_and_alias_renders_and_loads(
         pytest.param(
             {"pools": [{**POOL, "model": "acme/llm-13b"}]},
             'pools[0] (p): model "acme/llm-13b" is not a model of Mosaic\'s catalog (llama-2-7b, llama-2-70b, '
-            "llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b, qwen2.5-32b, their Hugging Face names, or a row "
+            "llama-3-8b, llama-3-70b, llama-3.1-8b, llama-3.1-70b, mistral-7b, qwen2.5-7b, qwen2.5-32b, their Hugging Face names, or a row "
             'under catalog.models); map it to one with config.models: [{name: "acme/llm-13b", spec: <catalog model>}]',
             id="an unknown model",
         ),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from placement.catalog import load_catalog
+from placement.catalog import CatalogError, load_catalog
 from server.config import ConfigError, MosaicConfig, check_catalog, load_config, validate_config
 from server.embedded import default_config
 
@@ -262,7 +262,9 @@ def test_every_documented_gateway_example_loads(
         # its catalog file's rows are merged over the built-in ones: a price of its own, a model of its own
         catalog = check_catalog(cfg)
         assert catalog.gpu("A100-80GB").cost_per_hour == 1.60
-        assert catalog.model("llama-3.1-8b").max_context == 131072
+        assert catalog.model("llama-3.2-3b").layers == 28
+        with pytest.raises(CatalogError):
+            load_catalog().model("llama-3.2-3b")
         assert catalog.gpu("H100-SXM").cost_per_hour == load_catalog().gpu("H100-SXM").cost_per_hour
 
 

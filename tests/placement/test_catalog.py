@@ -40,6 +40,20 @@ def test_aliases_and_case() -> None:
     assert catalog.model("meta-llama/Meta-Llama-3-8B-Instruct").name == "llama-3-8b"
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B"],
+)
+def test_llama_3_1_is_its_own_row_with_128k_context(name: str) -> None:
+    """Llama-3.1 has Llama-3's shapes but a 128k context (it was aliased to llama-3-8b, 8k: a fleet of it was
+    sized and simulated as if no request could pass 8,192 tokens)."""
+    catalog = load_catalog()
+    spec = catalog.model(name)
+    assert (spec.name, spec.max_context) == ("llama-3.1-8b", 131_072)
+    assert spec.kv_bytes_per_token == catalog.model("llama-3-8b").kv_bytes_per_token
+    assert catalog.model("meta-llama/Llama-3.1-70B-Instruct").max_context == 131_072
+
+
 def test_unknown_names_list_valid_choices() -> None:
     catalog = load_catalog()
     with pytest.raises(CatalogError, match="valid GPUs: T4, A10G"):
