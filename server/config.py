@@ -275,6 +275,9 @@ class HealthConfig(_Strict):
     timeout_s: float = Field(default=1.0, gt=0)
     failure_threshold: int = Field(default=3, ge=1)  # consecutive failures that open the breaker
     open_s: float = Field(default=5.0, gt=0)  # open this long, then one probe decides (half-open)
+    # While a worker is unhealthy, close the gateway's connections to it that got no byte for
+    # failure_threshold × interval_s: requests not begun go to another worker, streams end with an error event
+    sever_silent_requests: bool = True
 
 
 class ReadinessConfig(_Strict):

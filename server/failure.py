@@ -43,6 +43,7 @@ from scheduler.routing.reasons import Outcome
 from server.errors import SHUTDOWN_MESSAGE, shutting_down, stream_error_event
 from server.fast_http import ClientStalled, FastCycle
 from server.registry import InflightTicket, Registry
+from server.upstream import WorkerSevered
 
 SHUTDOWN_EVENT = stream_error_event(SHUTDOWN_MESSAGE, 503, "ServiceUnavailableError")
 SHUTDOWN_SEND_S = 0.25  # the longest a stream's last event waits on a full client socket at shutdown
@@ -80,6 +81,8 @@ class UpstreamFailure(Exception):
 
 def classify(exc: BaseException) -> tuple[str, bool]:
     """(kind, hard) for an exception raised while talking to a worker."""
+    if isinstance(exc, WorkerSevered):  # the gateway cut it: the worker fails its health checks
+        return "unhealthy", False
     if isinstance(exc, httpx.ConnectError):
         return "connect", True
     if isinstance(exc, httpx.ConnectTimeout):

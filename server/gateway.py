@@ -47,7 +47,7 @@ from server.lora_admin import LoraAdmin
 from server.metrics import GatewayMetrics
 from server.peers import GatewayPeers
 from server.proxy import Upstream
-from server.registry import PoolInfo, Registry
+from server.registry import PoolInfo, Registry, WorkerRecord
 
 SHUTDOWN_MARGIN_S = 0.5  # in-flight requests are ended this long before the shutdown grace runs out
 
@@ -168,6 +168,8 @@ class Gateway:
         if (ledger := self.ledger) is not None:
             self.metrics.attach_kv_ledger(lambda: ledger.stats)
         self.upstream = Upstream(config.limits, transport)
+        if config.health.sever_silent_requests and transport is None:
+            self.registry.on_unhealthy = self._sever_silent
         self.dispatcher = Dispatcher(
             config,
             self.registry,
@@ -197,6 +199,26 @@ class Gateway:
         """A request waits for a pool with no worker (scaled to zero): decide now, not at the interval's end."""
         if self.autoscaler is not None and getattr(reject, "primary", None) in WAKING_REASONS:
             self.autoscaler.wake()
+
+    def _sever_silent(self, rec: WorkerRecord) -> None:
+        """`health.sever_silent_requests`: the unhealthy worker's connections that got no byte for the
+        health checks' detection window (`failure_threshold` × `interval_s`) are closed, so their requests end
+        now (retried elsewhere before their first byte, an error event after it) instead of at their
+        first-token or stall timeouts; ones still receiving bytes are left alone."""
+        health = self.config.health
+        window = health.failure_threshold * health.interval_s
+        severed = self.upstream.pool.sever_silent(
+            rec.url,
+            window,
+            f"worker {rec.id} fails its health checks and sent nothing for {window:g} s",
+        )
+        if severed:
+            log.warning(
+                "worker %s fails its health checks: closed %d connection(s) silent for %g s or more",
+                rec.id,
+                severed,
+                window,
+            )
 
     def _kv_tick(self) -> None:
         """After each scrape round: expire lost reservations, then reconcile against reported KV usage."""

@@ -10,6 +10,8 @@
   `scrape.stale_after_s` are withheld from the view (the router sees None rather than stale numbers).
 - **Health** (`health.interval_s`): GET `/health`; `failure_threshold` consecutive failures → unhealthy.
   A worker whose breaker is open gets no requests; its next health check after `open_s` is the probe.
+  Each health round while a worker is unhealthy calls `on_unhealthy` (the gateway severs its silent
+  connections: `server.upstream.ConnectionPool.sever_silent`).
 - **LoRA adapters**: after a good health check, at most every `scrape.models_interval_s` (and at once for a
   worker not asked yet), GET `/v1/models` (with the pool's `api_key_env` key: vLLM guards it): the cards
   with a `parent` are the LoRA adapters the worker serves (vLLM's `--lora-modules` and adapters loaded at
@@ -354,6 +356,9 @@ class Registry:
         # called (as a task) after each good `/v1/models` read of a health check: the run-time adapters'
         # reconcile (`server.lora_admin`), which loads on a worker what it should serve and lacks
         self.on_adapters: Callable[[WorkerRecord], Awaitable[None]] | None = None
+        # called at each health round while a worker is unhealthy (its failed check included): the gateway
+        # closes the connections to it that have been silent since about when its checks began failing
+        self.on_unhealthy: Callable[[WorkerRecord], None] | None = None
 
     # ------------------------------------------------------------------ pools and discovery
     def add_pool(self, info: PoolInfo, source: Source, may_have_workers: bool = True) -> None:
@@ -533,6 +538,8 @@ class Registry:
         now = self._clock()
         probing = rec.breaker.is_open(now)
         if probing and not rec.breaker.probe_due(now):
+            if rec.health_ok is False and self.on_unhealthy is not None:
+                self.on_unhealthy(rec)  # no probe this round; its requests still wait on it
             return
         ok, hard, why = await self._get_health(rec.url)
         now = self._clock()
@@ -558,6 +565,8 @@ class Registry:
             rec.health_ok = False
         if not probing:
             rec.breaker.record_failure(now, hard=hard)
+        if rec.health_ok is False and self.on_unhealthy is not None:
+            self.on_unhealthy(rec)
 
     @property
     def client(self) -> httpx.AsyncClient:

@@ -22,6 +22,7 @@ identity). Errors are httpx's exception classes, so callers classify them as bef
 | no byte for `read_timeout_s` (up to 1/8 more, at most 1 s) while waiting for the body, or for the headers beyond `post(head_timeout=)` | `httpx.ReadTimeout` |
 | reset while reading | `httpx.ReadError` |
 | closed before a complete response, malformed response | `httpx.RemoteProtocolError` |
+| closed by the gateway: the worker fails its health checks and sent nothing on it (`sever_silent`) | `WorkerSevered` (an `httpx.ReadError`) |
 
 Connections. Per origin (scheme, host, port): idle connections are reused last-in first-out; at most
 `max_per_origin` exist at once, further requests wait for one to be released. An idle connection is
@@ -30,6 +31,13 @@ dropped when the server closed it (seen at once: the protocol gets the EOF) or a
 (the server timed out the idle connection as the request was sent), the request is sent once more on a
 new connection; any other failure is raised. A response whose body was not read to the end is closed
 with its connection — that is how an upstream request is aborted.
+
+Severing. `sever_silent(url, silent_s)` closes the connections to a worker that have waited `silent_s` or
+longer for a byte, failing their reads with `WorkerSevered`, and its idle ones: the registry calls it for a
+worker that fails its health checks (`health.sever_silent_requests`), so requests on a worker that went away
+without closing its connections (a lost node, a partition, a frozen process) end now instead of at their
+first-token or stall timeouts. A connection that still receives bytes is left alone. Only connections
+waiting for bytes are looked at: their read deadline says since when (`_Deadlines`), at no cost per read.
 
 Modules: this one holds the pool and its connections (`_Conn`, the asyncio protocol) and read deadlines;
 `server.h1_response` parses responses (head, Content-Length/chunked/close-delimited bodies).
@@ -48,12 +56,17 @@ import httpx
 
 from server.h1_response import H1Response, UpstreamResponse, _read_head, _Reset
 
-__all__ = ["ConnectionPool", "H1Response", "SlotWait", "UpstreamResponse"]
+__all__ = ["ConnectionPool", "H1Response", "SlotWait", "UpstreamResponse", "WorkerSevered"]
 
 
 # Bytes a connection buffers while nobody reads its response (a relay waiting for a slow client) before
 # it stops reading the socket: the worker then blocks on its own send, as it would for a slow client of its own.
 READ_HIGH_WATER = 256 * 1024
+
+
+class WorkerSevered(httpx.ReadError):
+    """The gateway closed the connection (`ConnectionPool.sever_silent`): its worker fails its health checks
+    and sent nothing on it for a while."""
 
 
 class SlotWait:
@@ -166,6 +179,19 @@ class _Conn(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()
+        self.origin.forget(self)
+
+    def sever(self, message: str) -> None:
+        """Fail the current read with `WorkerSevered(message)` and drop the connection (a reset: nothing
+        more is owed to a worker that stopped answering; the abort is how a request ends upstream)."""
+        exc = WorkerSevered(message)
+        self.error = exc
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(exc)  # before the close: a reused connection closed with no byte would be resent
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.abort()
         self.origin.forget(self)
 
 
@@ -290,20 +316,24 @@ class ConnectionPool:
             target = self._targets[url] = self._request_line("POST", url)
         return target
 
-    def _request_line(self, method: str, url: str) -> tuple[_Origin, bytes]:
-        """(the origin's connections, the request line and Host header) for `method` on `url`."""
+    @staticmethod
+    def _origin_key(url: str) -> tuple[str, str, int]:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise httpx.UnsupportedProtocol(f"cannot send to {url!r}")
+        return parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+
+    def _request_line(self, method: str, url: str) -> tuple[_Origin, bytes]:
+        """(the origin's connections, the request line and Host header) for `method` on `url`."""
+        key = self._origin_key(url)
+        parts = urlsplit(url)
         https = parts.scheme == "https"
-        port = parts.port or (443 if https else 80)
-        key = (parts.scheme, parts.hostname, port)
         origin = self._origins.get(key)
         if origin is None:
             if https and self._ssl is None:
                 self._ssl = httpx.create_ssl_context()  # once: loading CA certificates is slow
             ssl_context = self._ssl if https else None
-            origin = self._origins[key] = _Origin(parts.hostname, port, ssl_context, self._deadlines)
+            origin = self._origins[key] = _Origin(key[1], key[2], ssl_context, self._deadlines)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         head = f"{method} {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode()
         return origin, head
@@ -425,6 +455,30 @@ class ConnectionPool:
             raise
         origin.adopt(conn)
         return conn
+
+    def sever_silent(self, url: str, silent_s: float, message: str) -> int:
+        """Close the connections to `url`'s origin that have waited `silent_s` or longer for a byte (each
+        read fails with `WorkerSevered(message)`) and its idle ones (module docstring). Returns how many
+        waiting connections were closed."""
+        try:
+            origin = self._origins.get(self._origin_key(url))
+        except httpx.UnsupportedProtocol:
+            return 0
+        if origin is None:
+            return 0
+        for conn in list(origin.idle):
+            conn.close()
+        now = time.monotonic()
+        waiting = self._deadlines.waiting
+        silent = [
+            c
+            for c, (deadline, timeout) in waiting.items()
+            if c.origin is origin and now - (deadline - timeout) >= silent_s
+        ]
+        for conn in silent:
+            waiting.pop(conn, None)
+            conn.sever(message)
+        return len(silent)
 
     async def aclose(self) -> None:
         self._deadlines.close()

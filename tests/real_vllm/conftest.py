@@ -96,6 +96,14 @@ def real_vllm() -> Iterator[RealServer]:
     yield from _serve("pytest-main", ())
 
 
+@pytest.fixture(scope="module")
+def real_vllm_own() -> Iterator[RealServer]:
+    """A default server for one module alone, for tests that freeze or break it (the session's `real_vllm` must
+    stay usable for every other test); started for the module that asks for it and stopped after it."""
+    _skip_if_absent()
+    yield from _serve("pytest-own", ())
+
+
 @pytest.fixture(scope="module")  # stopped after its module: never more than ~3 servers (2.6 GB each) at once
 def real_vllm_kv() -> Iterator[RealServer]:
     _skip_if_absent()

@@ -1,0 +1,200 @@
+"""`health.sever_silent_requests`: a worker that fails its health checks has the gateway's connections to it that
+got no byte for failure_threshold × interval_s closed, so requests on a worker gone without closing them (a lost
+node, a partition, a frozen process) end at once instead of at their first-token or stall timeouts. Scripted
+workers over real sockets: the pooled upstream client is what severs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from server.runner import RunningGateway, start_gateway_server
+from tests.gateway.fakes import config, pool
+from tests.gateway.scripted_http import EMPTY_200, SSE_HEAD, chunk, read_request
+from tests.gateway.test_faults import CHAT, RR, metric, sse_events
+
+# Checks every 0.1 s, 0.05 s each, 2 failures in a row → unhealthy; silent for 0.2 s → severed
+HEALTH = {"interval_s": 0.1, "timeout_s": 0.05, "failure_threshold": 2}
+WHOLE_BODY = b'{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}'
+
+
+def _token(content: str, finish_reason: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": {"content": content}, "finish_reason": finish_reason}
+    return b"data: " + json.dumps({"id": "c", "choices": [choice]}).encode() + b"\n\n"
+
+
+class ScriptedWorker:
+    """A worker on a real socket. `freeze_on_chat`: the first chat request freezes it: from then on it answers
+    nothing on any connection (health checks included) and closes none, as a lost node or a stopped process;
+    before that, a stream's first `tokens_before_freeze` tokens are sent. `failing_health`: /health answers 503
+    while it streams `stream_tokens` tokens 0.05 s apart (an overloaded but working worker)."""
+
+    def __init__(
+        self,
+        freeze_on_chat: bool = False,
+        tokens_before_freeze: int = 0,
+        failing_health: bool = False,
+        stream_tokens: int = 2,
+    ) -> None:
+        self.freeze_on_chat = freeze_on_chat
+        self.tokens_before_freeze = tokens_before_freeze
+        self.failing_health = failing_health
+        self.stream_tokens = stream_tokens
+        self.frozen = False
+        self.chats = 0
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                path, body = await read_request(reader)
+                if self.frozen:
+                    await asyncio.sleep(3600)  # never answers; the gateway's abort ends this
+                if path == b"/health" and self.failing_health:
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                if path != CHAT.encode():
+                    writer.write(EMPTY_200)
+                    continue
+                self.chats += 1
+                stream = bool(json.loads(body).get("stream"))
+                if self.freeze_on_chat:
+                    if stream:
+                        writer.write(SSE_HEAD)
+                        for i in range(self.tokens_before_freeze):
+                            writer.write(chunk(_token(f"t{i} ")))
+                        await writer.drain()
+                    self.frozen = True
+                    await asyncio.sleep(3600)
+                if not stream:
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                        % (len(WHOLE_BODY), WHOLE_BODY)
+                    )
+                    continue
+                writer.write(SSE_HEAD)
+                for i in range(self.stream_tokens):
+                    last = i == self.stream_tokens - 1
+                    writer.write(chunk(_token(f"t{i} ", "length" if last else None)))
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def fleet(
+    *workers: ScriptedWorker, sever: bool = True, **limits: float
+) -> AsyncIterator[tuple[httpx.AsyncClient, RunningGateway]]:
+    for w in workers:
+        await w.start()
+    addresses = [SimpleNamespace(url=w.url) for w in workers]  # what `pool` reads of a worker
+    cfg = config(
+        pool("p", "H100", "mixed", *addresses),  # type: ignore[arg-type]
+        health={**HEALTH, "sever_silent_requests": sever},
+        limits={"first_token_timeout_s": 20, "stall_timeout_s": 20, "total_timeout_s": 30, **limits},
+        **RR,
+    )
+    running = await start_gateway_server(cfg, "127.0.0.1", 0)
+    try:
+        deadline = time.monotonic() + 5
+        while sum(r.health_ok is True for r in running.gateway.registry.records()) < len(workers):
+            assert time.monotonic() < deadline, "workers never checked healthy"
+            await asyncio.sleep(0.02)
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+            yield client, running
+    finally:
+        await running.stop()
+        for w in workers:
+            w.close()
+
+
+def _chat(stream: bool) -> dict[str, Any]:
+    return {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_on_a_worker_that_froze_is_retried_elsewhere_once_it_is_unhealthy(stream: bool) -> None:
+    """Two requests at once, round robin: the one sent to the worker that freezes (nothing answered, no
+    connection closed) is served by the other worker within about a second — before, it waited its whole
+    first-token (or total) timeout, 20 s here, and only then was retried."""
+
+    async def body() -> None:
+        frozen, healthy = ScriptedWorker(freeze_on_chat=True), ScriptedWorker()
+        async with fleet(frozen, healthy) as (client, running):
+            started = time.monotonic()
+            answers = await asyncio.gather(*(client.post(CHAT, json=_chat(stream)) for _ in range(2)))
+            took = time.monotonic() - started
+            assert [a.status_code for a in answers] == [200, 200]
+            assert took < 3, took
+            assert (frozen.chats, healthy.chats) == (1, 2)
+            gw = running.gateway
+            assert gw.dispatcher.outcomes == {"completed": 2}
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="unhealthy") == 1
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+@pytest.mark.parametrize("sever", [True, False], ids=["severed", "off"])
+def test_a_stream_whose_worker_froze_mid_way_ends_with_an_error_event(sever: bool) -> None:
+    """Two tokens relayed, then the worker freezes: the stream ends with the gateway's error event and
+    `[DONE]` once the worker is unhealthy (about 0.5 s here); with `sever_silent_requests: false` only at the
+    stall timeout (2 s here)."""
+
+    async def body() -> None:
+        frozen = ScriptedWorker(freeze_on_chat=True, tokens_before_freeze=2)
+        async with fleet(frozen, sever=sever, stall_timeout_s=2) as (client, running):
+            started = time.monotonic()
+            answer = await client.post(CHAT, json=_chat(True))
+            took = time.monotonic() - started
+            events = sse_events(answer.text)
+            assert answer.status_code == 200 and events[-1] == "[DONE]" and len(events) == 4
+            error = json.loads(events[2])["error"]
+            assert error["type"] == "BadGatewayError"
+            if sever:
+                assert took < 1.5, took
+                assert "(unhealthy)" in error["message"]
+            else:
+                assert took >= 1.9, took
+                assert "(timeout)" in error["message"]
+            assert running.gateway.dispatcher.outcomes == {"worker_error": 1}
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_a_stream_still_receiving_tokens_is_not_cut_while_its_worker_fails_health_checks() -> None:
+    """The worker answers /health 503 (unhealthy after 0.2 s) but streams a token every 0.05 s for 1.5 s:
+    its connection is never silent for the window, so the stream completes."""
+
+    async def body() -> None:
+        busy = ScriptedWorker()
+        async with fleet(busy) as (client, running):
+            busy.failing_health, busy.stream_tokens = True, 30
+            answer = await client.post(CHAT, json=_chat(True))
+            events = sse_events(answer.text)
+            assert len(events) == 31 and events[-1] == "[DONE]"
+            assert "error" not in answer.text
+            assert running.gateway.registry.records()[0].health_ok is False  # it was unhealthy meanwhile
+            assert running.gateway.dispatcher.outcomes == {"completed": 1}
+
+    asyncio.run(asyncio.wait_for(body(), 30))

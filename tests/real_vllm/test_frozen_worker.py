@@ -1,0 +1,69 @@
+"""A real vLLM that stops answering without closing its connections — its API server process stopped with
+SIGSTOP, as a frozen process or a lost node looks from the gateway — has its request ended by the gateway once
+the worker fails its health checks (`health.sever_silent_requests`), not at the 60 s first-token timeout; after
+SIGCONT the same server serves again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import RealServer
+from gateway_harness import MosaicGateway, static_config
+
+from server.vllm_launcher import health_ok
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(300)]
+
+# Checks every 0.5 s, 2 failures in a row → unhealthy; a connection silent for 1 s is then severed
+HEALTH = {"interval_s": 0.5, "timeout_s": 1.0, "failure_threshold": 2}
+
+
+def test_a_request_to_a_vllm_that_froze_ends_once_it_fails_health_checks(
+    real_vllm_own: RealServer, tmp_path: Path
+) -> None:
+    """The server's API process is stopped, then a request is sent through the gateway, which still counts the
+    worker healthy (its last check passed): the connection is accepted by the kernel and nothing answers. Once
+    two health checks failed (~1 s) the silent connection is closed and the request, not begun, is given up
+    (no other worker here) — not held for the 60 s first-token timeout. (A stream cut mid-way is
+    tests/gateway/test_sever_silent.py's: this tiny model generates a whole answer faster than a client can
+    stop the server after its first token.)"""
+    server = real_vllm_own
+    assert server.process is not None
+    config = static_config(
+        server.model,
+        [server.url],
+        extra={"health": HEALTH, "limits": {"stall_timeout_s": 60, "first_token_timeout_s": 60}},
+    )
+    request = {"model": server.model, "prompt": [10, 11, 12], "max_tokens": 8, "stream": True}
+    with MosaicGateway(config, tmp_path) as gateway:
+        gateway.wait_ready()
+        gateway.wait_worker_scraped()
+        with gateway.target(server.model).http() as http:
+            os.kill(server.process.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                answer = http.post("/v1/completions", json=request)
+                took = time.monotonic() - stopped
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+        assert answer.status_code == 502, answer.text
+        assert "unhealthy" in answer.json()["error"]["message"], answer.text
+        assert took < 15, took  # the window (1 s) and a health round, on 2 busy cores; the timeout is 60 s
+        workers = gateway.admin_get("/admin/workers")["workers"]
+        assert workers[0]["inflight"]["requests"] == 0, workers
+
+    deadline = time.monotonic() + 60
+    while not health_ok(server.url):
+        assert time.monotonic() < deadline, "the server did not answer /health after SIGCONT"
+        time.sleep(0.5)
+    answer = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": server.model, "prompt": "x", "max_tokens": 2},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
