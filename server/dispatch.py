@@ -85,10 +85,12 @@ from server.h1_response import AnswerTooLarge, H1Response, read_at_most
 from server.metrics import GatewayMetrics
 from server.prefill_hop import (
     MAX_ANSWER_BYTES,
+    REQUEST_FAULTS,
     WARN_EVERY_S,
     WARNED,
     Fallback,
     LogThrottle,
+    PrefillRefusal,
     kv_params_fault,
 )
 from server.proxy import (
@@ -489,6 +491,10 @@ class Dispatcher:
                     pinned = pinned_headers(headers, decision.reservations, decision.prefill.id)
                     slot = SlotWait()
                     params = await self._prefill(decision, parsed, path, pinned, lease, timeout, slot)
+                    if isinstance(params, PrefillRefusal):  # the request's own fault: as the decode hop's 4xx
+                        return self._rejected(
+                            params.body, params.status, params.content_type, decision.prefill.id, rec, lease
+                        )
                 waiting_on, slot = decode, SlotWait()
                 body = self._decode_body(parsed, params)
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
@@ -611,10 +617,13 @@ class Dispatcher:
         lease: Lease,
         left_s: float,
         slot: SlotWait,
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, Any] | PrefillRefusal | None:
         """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure, counted
         by reason and told to the prefill worker's breaker as `server.prefill_hop` tabulates. `slot` shows
-        the caller whether the hop was still waiting for a connection when it ended.
+        the caller whether the hop was still waiting for a connection when it ended. A 400 or 422 (vLLM's
+        answer to an invalid request: a bad parameter, a prompt over the context) is the request's own fault,
+        not the pool's: a `PrefillRefusal` the client gets as the decode worker would have answered it (the
+        hop's body differs from the request only in what every request takes: `max_tokens` 1, no stream).
 
         Bounded by half the first-token budget, or half of `left_s` (what is left of the request's own
         budget) when less, so a slow prefill worker leaves the decode worker time to prefill the request
@@ -652,6 +661,10 @@ class Dispatcher:
             return self._fall_back(parsed, lease, worker.id, Fallback.of_failure(kind))
         finally:
             ticket.done()
+        if status in REQUEST_FAULTS:
+            self.registry.report_success(worker.id)  # it judged the request: healthy
+            ctype = resp.headers.get("content-type", "application/json")
+            return PrefillRefusal(status, content, ctype)
         if status != 200:
             if status >= 500:
                 self.registry.report_failure(worker.id, f"status_{status}")
@@ -724,10 +737,7 @@ class Dispatcher:
             lease.release(Outcome.WORKER_ERROR)
             self.finish(rec, status, Outcome.WORKER_ERROR)
         elif status >= 400:  # the worker refused the request: healthy, but nothing was served
-            self.registry.report_success(worker_id)
-            lease.release(Outcome.WORKER_ERROR)  # the router's view: nothing cached, nothing generated
-            self.finish(rec, status, GatewayOutcome.WORKER_REJECTED)
-            log.info("request %s: worker %s answered %d", rec.request_id, worker_id, status)
+            return self._rejected(content, status, ctype, worker_id, rec, lease)
         elif status == 200 and parsed.kind == "responses":
             return self._whole_response(content, ctype, worker_id, rec, lease)
         elif status == 200 and content.find(b'"finish_reason":"abort"') >= 0:
@@ -743,6 +753,16 @@ class Dispatcher:
             self.registry.report_success(worker_id)
             lease.release(Outcome.COMPLETED)
             self.finish(rec, status, Outcome.COMPLETED, response_usage(content) if status == 200 else None)
+        return PassthroughResponse(content, status, rec.request_id, ctype)
+
+    def _rejected(
+        self, content: bytes, status: int, ctype: str, worker_id: str, rec: RequestRecord, lease: Lease
+    ) -> Response:
+        """A worker's 4xx answer to the request, passed through: the worker is healthy, nothing was served."""
+        self.registry.report_success(worker_id)
+        lease.release(Outcome.WORKER_ERROR)  # the router's view: nothing cached, nothing generated
+        self.finish(rec, status, GatewayOutcome.WORKER_REJECTED)
+        log.info("request %s: worker %s answered %d", rec.request_id, worker_id, status)
         return PassthroughResponse(content, status, rec.request_id, ctype)
 
     def _whole_response(

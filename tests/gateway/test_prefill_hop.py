@@ -132,7 +132,7 @@ def test_fallback_reason_of_a_failure(kind: str, reason: Fallback) -> None:
         (401, Fallback.REFUSED),
         (403, Fallback.REFUSED),
         (404, Fallback.REFUSED),
-        (400, Fallback.REFUSED),
+        (405, Fallback.REFUSED),
         (307, Fallback.REFUSED),
     ],
 )
@@ -326,6 +326,33 @@ def test_a_refusing_prefill_pool_is_a_bounded_warning(
         assert warnings == []
     infos = [r for r in mine if r.levelno == logging.INFO and "decode-only" in r.getMessage()]
     assert len(infos) == (2 if reason == "refused" else 3)  # the rest, and every other reason, at INFO
+
+
+@pytest.mark.parametrize("status", [400, 422])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_the_prefill_worker_refuses_as_invalid_gets_that_answer_without_a_decode_hop(
+    status: int, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 400 or 422 from the prefill hop (vLLM's answer to a bad parameter or a prompt over the context) is the
+    request's fault: the client gets it as sent. Before, it was counted and warned as a misconfigured prefill
+    pool (`refused`) and sent again, decode-only, to be refused a second time (helper's walkthrough, 2026-12-06)."""
+    p, d = FakeWorker("p", mode="status", status=status), FakeWorker("d")
+    cfg = pd_config(p, d)
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            for i in range(3):
+                r = await c.post(CHAT, json=chat(LONG_PROMPT + str(i), stream=stream))
+                assert r.status_code == status
+                assert r.json()["error"]["message"] == f"worker p says {status}"
+            assert len(p.seen) == 3 and d.seen == []
+            assert fallbacks(gw) == {}
+            assert (failures(gw, PD[0]), failures(gw, PD[1])) == (0, 0)
+            assert gw.dispatcher.outcomes == {"worker_rejected": 3}
+
+    with caplog.at_level(logging.INFO, logger="mosaic.dispatch"):
+        run(body)
+    assert [r for r in caplog.records if r.name == "mosaic.dispatch" and r.levelno >= logging.WARNING] == []
 
 
 def test_a_prefill_pool_without_a_kv_connector_is_a_bounded_warning(caplog: pytest.LogCaptureFixture) -> None:
