@@ -167,8 +167,10 @@ class Reject:
                 f"{self.details['kv_reservable_blocks']} blocks the largest worker{of} can reserve for one "
                 "request; lower max_tokens (or n, or the prompt length)"
             )
+        # vLLM names the prompt's length as the parameter at fault (`input_tokens`), whichever prompt form
+        param = "input_tokens" if self.primary is FilterReason.EXCEEDS_CONTEXT else None
         return {
-            "error": {"message": message, "type": self.rule.error_type, "param": None, "code": self.rule.code}
+            "error": {"message": message, "type": self.rule.error_type, "param": param, "code": self.rule.code}
         }
 
     @classmethod

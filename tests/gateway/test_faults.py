@@ -606,6 +606,7 @@ def test_a_text_prompt_over_the_context_by_the_estimate_only_goes_to_the_worker(
             assert r.status_code == 200 and len(a.seen) == 1
             r = await c.post(CHAT, json=chat("x" * 80_000))  # ≥ 10,000 tokens at any rate
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert r.json()["error"]["param"] == "input_tokens"  # as vLLM names it
             assert len(a.seen) == 1
             # labelled by what refused it, not as a worker shortage (it was rejected_no_worker)
             assert gw.dispatcher.outcomes == {"completed": 1, "rejected_context_length_exceeded": 1}

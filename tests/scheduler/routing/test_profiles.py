@@ -218,7 +218,7 @@ def test_a_prompt_over_the_context_is_refused_with_the_limit_and_its_size() -> N
         "20000 input tokens, which leaves no room for any output token. Please reduce the length of the input "
         "prompt.",
         "type": "BadRequestError",
-        "param": None,
+        "param": "input_tokens",  # vLLM's
         "code": "context_length_exceeded",
     }
     estimated = RouteRequest("r", MODEL, 30_000, 16, 16, prompt_tokens_floor=20_000)
