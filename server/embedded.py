@@ -23,6 +23,7 @@ as `starting`), `set_draining(index)` (listed terminating: routed nothing new) a
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 from server.config import ModelConfig, MosaicConfig, PoolConfig, SimulatedSource, validate_config
 from server.discovery import Endpoint
 from simulator.engine import EngineConfig
+from simulator.engine_types import LONG_MAX_MODEL_LEN_ENV, vllm_env_flag
 from simulator.lora import LoraModule
 from simulator.worker_app import FaultConfig, WorkerConfig
 from simulator.worker_server import RunningWorker, start_worker_server
@@ -116,6 +118,8 @@ class SimulatedPoolSource:
                 gpu_memory_utilization=pool.gpu_memory_utilization,
                 max_model_len=self.model.max_model_len,
                 max_loras=sim.max_loras,
+                # the gateway's environment is its simulated workers' (vLLM reads it from its own)
+                allow_long_max_model_len=vllm_env_flag(os.environ, LONG_MAX_MODEL_LEN_ENV),
             ),
             served_model_name=self.model.name,
             catalog_path=self.catalog_path,

@@ -163,6 +163,8 @@ class Engine:
         capacity = kv.capacity_tokens()
         if config.max_model_len is None:
             self.max_model_len = min(perf.model.max_context, capacity)
+        elif config.max_model_len > perf.model.max_context and not config.allow_long_max_model_len:
+            raise ValueError(long_max_model_len_error(config.max_model_len, perf.model.max_context))
         elif config.max_model_len > capacity:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the KV cache capacity of {capacity} tokens "
@@ -764,3 +766,13 @@ def run_offline(engine: Engine, arrivals: Iterable[tuple[float, EngineRequest]])
             break
         now = max(now, min(times))
     return records
+
+
+def long_max_model_len_error(max_model_len: int, context: int) -> str:
+    """vLLM 0.32's start-up refusal of a `--max-model-len` past the model's context (its config.json's
+    max_position_embeddings), unless env VLLM_ALLOW_LONG_MAX_MODEL_LEN is set."""
+    return (
+        f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+        f"(max_position_embeddings={context} or model_max_length=None in model's config.json). To allow "
+        "overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
+    )

@@ -3,10 +3,20 @@ read-only view of one request. Re-exported by `simulator.engine`, which is where
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from simulator.requests import RequestRecord
+
+LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def vllm_env_flag(environ: Mapping[str, str], name: str) -> bool:
+    """A vLLM boolean env var as vLLM 0.32 reads it (`envs.VLLM_ALLOW_LONG_MAX_MODEL_LEN`,
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING`): "1" or "true" (any case, spaces stripped) turn it on; unset or anything
+    else ("yes", "on", "True1") leave it off."""
+    return environ.get(name, "0").strip().lower() in ("1", "true")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +31,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None → min(model.max_context, KV capacity in tokens)
     enable_prefix_caching: bool = False  # vLLM's automatic prefix caching (simulator/prefix_cache.py)
     max_loras: int = 1  # LoRA adapters one step may run (vLLM's --max-loras and its default)
+    # vLLM's env VLLM_ALLOW_LONG_MAX_MODEL_LEN: a max_model_len past the model's context is refused without it
+    allow_long_max_model_len: bool = False
     natural_output_mean: float = 204.0  # mean EOS position of the simulated model (ShareGPT-like)
     natural_output_shape: float = 2.0  # gamma shape k of the EOS position: cv = 1/√k (ShareGPT: 0.71)
 

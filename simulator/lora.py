@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from simulator.engine_types import vllm_env_flag
 from simulator.protocol import UNSUPPORTED_MEDIA_TYPE, ApiError, bad_shape, error_input, validated
 
 LORA_INFO = "vllm:lora_requests_info"
@@ -174,9 +175,8 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def runtime_lora_updating(environ: Mapping[str, str]) -> bool:
-    """vLLM's `envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING`: "1" or "true" (any case, spaces stripped) turn it on;
-    unset or anything else ("yes", "on", "True1") leave it off."""
-    return environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+    """vLLM's `envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING` (`vllm_env_flag`)."""
+    return vllm_env_flag(environ, RUNTIME_LORA_ENV)
 
 
 class LoadLoraAdapterRequest(BaseModel):

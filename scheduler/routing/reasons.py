@@ -170,7 +170,12 @@ class Reject:
         # vLLM names the prompt's length as the parameter at fault (`input_tokens`), whichever prompt form
         param = "input_tokens" if self.primary is FilterReason.EXCEEDS_CONTEXT else None
         return {
-            "error": {"message": message, "type": self.rule.error_type, "param": param, "code": self.rule.code}
+            "error": {
+                "message": message,
+                "type": self.rule.error_type,
+                "param": param,
+                "code": self.rule.code,
+            }
         }
 
     @classmethod

@@ -37,6 +37,7 @@ import typer
 
 from server.commands.common import check_log_level, fail, raise_open_files_limit
 from simulator.engine import EngineConfig
+from simulator.engine_types import LONG_MAX_MODEL_LEN_ENV, vllm_env_flag
 from simulator.lora import RUNTIME_LORA_ENV, LoraModule, parse_lora_modules, runtime_lora_updating
 from simulator.worker_app import ROLES, FaultConfig, WorkerConfig, WorkerRuntime
 from simulator.worker_server import start_worker_server
@@ -230,6 +231,7 @@ def register(app: typer.Typer) -> None:
                     gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks=num_gpu_blocks,
                     max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                     max_loras=lora.max_loras,
+                    allow_long_max_model_len=vllm_env_flag(os.environ, LONG_MAX_MODEL_LEN_ENV),
                 ),
                 served_model_name=served_model_name, catalog_path=catalog, kv_link_gbps=kv_link_gbps,
                 faults=FaultConfig(error_rate=error_rate, stall_rate=stall_rate, stall_s=stall_s,

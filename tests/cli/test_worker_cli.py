@@ -53,6 +53,11 @@ def app() -> typer.Typer:
                      id="error rate over 1"),
         pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--num-gpu-blocks", "4", "--max-model-len", "100"],
                      "exceeds the KV cache capacity", id="max_model_len over the KV capacity"),
+        pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--max-model-len", "100000"],
+                     "User-specified max_model_len (100000) is greater than the derived max_model_len "
+                     "(max_position_embeddings=8192 or model_max_length=None in model's config.json). To allow "
+                     "overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.",
+                     id="max_model_len past the model's context (vLLM's start-up refusal)"),
         pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--data-parallel-size", "0"],
                      "data_parallel_size must be an integer ≥ 1, got 0", id="no engine"),
         pytest.param(["--gpu", "H100", "--model", "llama-3-8b", "--tp", "0"],

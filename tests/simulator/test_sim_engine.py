@@ -7,6 +7,7 @@ import pytest
 from placement.catalog import load_catalog
 from placement.perf_model import PerfModel
 from simulator.engine import Engine, EngineConfig, StepResult, run_offline
+from simulator.engine_types import LONG_MAX_MODEL_LEN_ENV, vllm_env_flag
 from simulator.requests import EngineRequest, FinishReason
 
 CATALOG = load_catalog()
@@ -184,6 +185,20 @@ def test_duplicate_id_and_bad_config_raise() -> None:
         EngineConfig(max_num_seqs=512, max_num_batched_tokens=256)
     with pytest.raises(ValueError, match="exceeds the KV cache capacity"):
         Engine(H100, EngineConfig(num_gpu_blocks=4, block_size=16, max_model_len=100))
+
+
+def test_a_max_model_len_past_the_models_context_needs_vllms_long_max_model_len_flag() -> None:
+    """vLLM refuses a --max-model-len over the model's max_position_embeddings at start-up unless env
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN is set; the simulated worker started with any length that fit the KV."""
+    context = H100.model.max_context
+    with pytest.raises(ValueError, match=rf"User-specified max_model_len \({context + 1}\) is greater"):
+        Engine(H100, EngineConfig(max_model_len=context + 1))
+    assert Engine(H100, EngineConfig(max_model_len=context)).max_model_len == context
+    allowed = Engine(H100, EngineConfig(max_model_len=context + 1, allow_long_max_model_len=True))
+    assert allowed.max_model_len == context + 1
+    on = [vllm_env_flag({LONG_MAX_MODEL_LEN_ENV: v}, LONG_MAX_MODEL_LEN_ENV) for v in ("1", " TRUE ", "true")]
+    off = [vllm_env_flag({LONG_MAX_MODEL_LEN_ENV: v}, LONG_MAX_MODEL_LEN_ENV) for v in ("0", "yes", "on", "")]
+    assert on == [True] * 3 and off == [False] * 4 and not vllm_env_flag({}, LONG_MAX_MODEL_LEN_ENV)
 
 
 def test_determinism_for_a_seed_and_natural_lengths_follow_the_prompt() -> None:
