@@ -138,6 +138,16 @@ class ModelSpec:
         """2 (K and V) · layers · kv_heads · head_dim · dtype_bytes (DESIGN.md, KV budget)."""
         return 2 * self.layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
+    def tp_error(self, tp: int) -> str | None:
+        """vLLM's start-up refusal of a tensor-parallel size that does not divide the attention heads, in its
+        words; None when `tp` is one vLLM takes."""
+        if self.num_heads % tp:
+            return (
+                f"Total number of attention heads ({self.num_heads}) must be divisible by tensor parallel "
+                f"size ({tp})."
+            )
+        return None
+
 
 # Tensor-parallel interconnects: GpuSpec.allreduce_latency_us (µs per all-reduce per log2(tp) step) and
 # allreduce_gbps (effective all-reduce bandwidth, GB/s). NVLink3/4: fitted to splitwise-sim's Llama-2-70B

@@ -233,11 +233,9 @@ class WorkerRuntime:
         catalog = load_catalog(cfg.catalog_path)
         self.cfg = cfg
         model = catalog.model(cfg.model)
-        if model.num_heads % cfg.tp:  # vLLM's own check, in its words
-            raise ValueError(
-                f"Total number of attention heads ({model.num_heads}) must be divisible by tensor parallel "
-                f"size ({cfg.tp})."
-            )
+        tp_error = model.tp_error(cfg.tp)  # vLLM's own check, in its words
+        if tp_error is not None:
+            raise ValueError(tp_error)
         self.perf = PerfModel(catalog.gpu(cfg.gpu), model, tp=cfg.tp)
         self.served = cfg.served_model_name or self.perf.model.name
         check_lora_modules(cfg.lora_modules, self.served)  # vLLM refuses to start on these too

@@ -66,6 +66,19 @@ def parse_edges(name: str, text: str) -> list[int]:
     return edges
 
 
+def check_edges_within_context(name: str, edges: list[int], context: int, model: str) -> None:
+    """Exit 2 when a bucket [lo, hi) of `edges` is partly within the model's context and partly past it: its
+    rate, probed with the lengths that fit, would stand for the whole bucket, and `mosaic plan` would then
+    count requests past the context as served. A bucket wholly past it is fine ("cannot"), as is one ending
+    at context + 1 (the default's last edge: an input of `context` tokens leaves room for no output)."""
+    for lo, hi in itertools.pairwise(edges):
+        if lo < context and hi > context + 1:
+            fail(
+                f"{name}: the bucket [{lo}, {hi}) crosses {model}'s context of {context:,} tokens, so its "
+                f"rate would stand for lengths no instance serves; put an edge at {context + 1} or below"
+            )
+
+
 def _rate(r: float) -> float:
     """A rate as written: 6 significant figures, rounded down (4 decimals wrote a passing 0.00001 req/s
     as 0, "cannot", and a passing 0.000155 as 0.0002, above anything measured)."""
@@ -258,6 +271,11 @@ def register(app: typer.Typer) -> None:
         if slo.tpot_ms is None and slo.ttft_ms is None:
             fail("give an SLO: --slo-tpot-ms and/or --slo-ttft-ms")
         inp, outp = parse_edges("--input-edges", input_edges), parse_edges("--output-edges", output_edges)
+        for name, edges in (("--input-edges", inp), ("--output-edges", outp)):
+            check_edges_within_context(name, edges, model_spec.max_context, model_spec.name)
+        tp_error = model_spec.tp_error(tp)  # vLLM would not start such an instance: no profile of one
+        if tp_error is not None:
+            fail(f"--tp {tp}: {tp_error}")
         perf = PerfModel(gpu_spec, model_spec, tp)
         try:
             config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)

@@ -154,6 +154,38 @@ def test_a_tp_past_what_a_profile_file_holds_exits_2_before_profiling(tmp_path: 
 
 
 @pytest.mark.parametrize(
+    ("flag", "edges", "bucket"),
+    [
+        pytest.param("--input-edges", "1,20000", "[1, 20000)", id="an input bucket across the context"),
+        pytest.param("--output-edges", "1,64,9000", "[64, 9000)", id="an output bucket across the context"),
+    ],
+)
+def test_a_bucket_across_the_models_context_exits_2(
+    tmp_path: Path, flag: str, edges: str, bucket: str
+) -> None:
+    """A bucket partly past the context was profiled with the lengths that fit, and `mosaic plan` then counted
+    a 14,050-token request of the Azure trace as served by Llama-3-8B (8,192 tokens; helper walkthrough)."""
+    args = ["profile", "--sim", "--gpu", "H100", "--model", "llama-3-8b", "--out", str(tmp_path / "x.yaml")]
+    res = CliRunner().invoke(build_app(), [*args, "--slo-tpot-ms", "100", flag, edges])
+    assert res.exit_code == 2
+    assert f"{flag}: the bucket {bucket} crosses llama-3-8b's context of 8,192 tokens" in res.output
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_a_tp_that_does_not_divide_the_heads_exits_2_as_the_worker_does(tmp_path: Path) -> None:
+    """`mosaic worker --tp 3` refuses Llama-3-8B's 32 heads as vLLM does; `mosaic profile` wrote a profile of
+    such an instance, which `mosaic plan` would then buy (helper walkthrough, 2026-12-06)."""
+    args = ["profile", "--sim", "--gpu", "H100", "--model", "llama-3-8b", "--out", str(tmp_path / "x.yaml")]
+    res = CliRunner().invoke(build_app(), [*args, "--slo-tpot-ms", "100", "--tp", "3"])
+    assert res.exit_code == 2
+    assert (
+        "--tp 3: Total number of attention heads (32) must be divisible by tensor parallel size (3)."
+        in res.output
+    )
+    assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize(
     ("shipped", "args"),
     [
         ("llama-2-7b/T4.yaml", ["--gpu", "T4", "--model", "llama-2-7b", "--slo-tpot-ms", "40"]),
