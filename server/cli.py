@@ -32,6 +32,31 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"mosaic {_version()}")
+        raise typer.Exit()
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), as `pip show mosaic-serve` gives it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mosaic-serve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print Mosaic's version and exit."
+    ),
+) -> None:
+    """Mosaic: serve LLMs on heterogeneous GPU fleets (gateway, simulated workers, planner, load generator)."""
+
+
 def build_app() -> typer.Typer:
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(app)

@@ -60,3 +60,11 @@ def test_no_arguments_prints_the_help_once() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("Usage: mosaic") == 1, proc.stdout
     assert proc.stdout.strip() == run_cli("--help").stdout.strip()
+
+
+def test_version_prints_the_installed_version() -> None:
+    from importlib.metadata import version
+
+    proc = run_cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"mosaic {version('mosaic-serve')}"
