@@ -158,9 +158,11 @@ def read_csv_trace(
     names = [_norm(h) for h in header]
     missing = [c for c in CSV_FORMATS[fmt] if _norm(c) not in names]
     if missing:
-        raise TraceError(
-            path, 1, f"not a {fmt} trace: header lacks {', '.join(missing)} (has {', '.join(header)})"
-        )
+        has = ", ".join(header)
+        if len(has) > 200:  # not a CSV header at all (a JSONL trace read as CSV): its start says enough
+            has = has[:200] + "…"
+        article = "an" if fmt[:1] in "aeiou" else "a"
+        raise TraceError(path, 1, f"not {article} {fmt} trace: header lacks {', '.join(missing)} (has {has})")
     parse = _parser_for(fmt, stats)
     width = len(names)
     while True:

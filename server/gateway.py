@@ -362,7 +362,15 @@ class Gateway:
         self.draining = True
         if self._shutdown_timer is not None:
             return
-        self.dispatcher.stop_requests(queued_only=True)
+        queued = self.dispatcher.stop_requests(queued_only=True)
+        running = sum(1 for rec in self.dispatcher.open.values() if not rec.finished) - queued
+        # an operator watching a pod terminate sees why it takes up to the grace, and what it waits for
+        log.info(
+            "shutting down: %d request(s) in flight get up to %g s to finish; %d still queued answered 503",
+            max(0, running),
+            grace_s,
+            queued,
+        )
         margin = min(SHUTDOWN_MARGIN_S, grace_s / 2)  # uvicorn cancels at ceil(grace_s) + 0.1 s
         self._shutdown_timer = asyncio.get_running_loop().call_later(
             max(0.0, grace_s - margin), self.dispatcher.stop_requests

@@ -95,12 +95,23 @@ async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, emb
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(7000, gen1, gen2)
     gw = running.gateway
-    pools = ", ".join(f"{p.name} ({p.gpu}, {p.role.value})" for p in gw.registry.pools())
-    n = len(gw.registry.records())
-    what = "embedded simulated fleet" if embedded else f"{n} worker{'' if n == 1 else 's'}"
+    workers: dict[str, int] = {}
+    for rec in gw.registry.records():
+        workers[rec.pool.name] = workers.get(rec.pool.name, 0) + 1
+    # each pool with its own count: a pool at 0 workers (scaled to zero, not started yet) reads as such
+    pools = ", ".join(
+        f"{p.name} ({p.gpu}, {p.role.value}, {_count(workers.get(p.name, 0), 'worker')})"
+        for p in gw.registry.pools()
+    )
+    n = sum(workers.values())
+    what = "embedded simulated fleet" if embedded else _count(n, "worker")
     typer.echo(f"mosaic gateway serving {', '.join(gw.models)} at {running.url} — {what}: {pools}")
     typer.echo(curl_line(running.url, gw.models[0], not gw.keys.open))
     await running.wait()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def register(app: typer.Typer) -> None:

@@ -254,6 +254,21 @@ def test_forced_format_with_the_wrong_header_names_the_missing_columns() -> None
         list(open_trace(FIX / "azure_2023.csv", format="burstgpt"))
 
 
+def test_a_jsonl_trace_forced_as_csv_names_the_format_with_its_article_and_a_short_header(
+    tmp_path: Path,
+) -> None:
+    """`--format azure` on a JSONL trace: "not a azure trace" and every field of the first JSON line as the
+    header it "has" (helper walkthrough); now "an", and the first 200 characters of the line."""
+    trace = tmp_path / "long.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 5, "hash_ids": list(range(200))}) + "\n")
+    with pytest.raises(TraceError) as caught:
+        list(open_trace(trace, format="azure"))
+    message = str(caught.value)
+    assert "long.jsonl:1: not an azure trace: header lacks" in message
+    has = message.split("(has ", 1)[1]
+    assert has.startswith('{"timestamp": 0') and has.endswith("…)") and len(has) == 202
+
+
 def test_unknown_header_and_missing_file() -> None:
     with pytest.raises(TraceError, match=r"unrecognised header"):
         open_trace(FIX / "unknown.csv")
