@@ -486,15 +486,14 @@ class Dispatcher:
         try:
             with self.timeouts.timeout(timeout, rec.task):  # a plain `with`: nothing to await on entry
                 params = None
+                refused: PrefillRefusal | None = None
                 if decision.prefill is not None:
                     waiting_on = decision.prefill  # whose hop a time-out now ends
                     pinned = pinned_headers(headers, decision.reservations, decision.prefill.id)
                     slot = SlotWait()
                     params = await self._prefill(decision, parsed, path, pinned, lease, timeout, slot)
-                    if isinstance(params, PrefillRefusal):  # the request's own fault: as the decode hop's 4xx
-                        return self._rejected(
-                            params.body, params.status, params.content_type, decision.prefill.id, rec, lease
-                        )
+                    if isinstance(params, PrefillRefusal):  # decode-only; judged once the decode hop answers
+                        refused, params = params, None
                 waiting_on, slot = decode, SlotWait()
                 body = self._decode_body(parsed, params)
                 lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
@@ -516,6 +515,10 @@ class Dispatcher:
                 resp = await self.upstream.post(
                     decode.url, path, body, pinned if auth is None else [*pinned, auth], timeout, slot=slot
                 )
+                if refused is not None and resp.status_code < 400:
+                    # the decode worker serves what the prefill pool refused: the pools are set up apart
+                    # (flags, chat template, max_model_len), a misconfiguration the breaker cannot see
+                    self._fall_back(parsed, lease, refused.worker_id, Fallback.REFUSED, refused.status)
                 try:
                     if resp.status_code != 200 or not parsed.stream:
                         if isinstance(resp, H1Response):  # once the head came, the body may not stall
@@ -621,9 +624,9 @@ class Dispatcher:
         """The P/D prefill hop; its `kv_transfer_params`, or None (→ decode-only) on any failure, counted
         by reason and told to the prefill worker's breaker as `server.prefill_hop` tabulates. `slot` shows
         the caller whether the hop was still waiting for a connection when it ended. A 400 or 422 (vLLM's
-        answer to an invalid request: a bad parameter, a prompt over the context) is the request's own fault,
-        not the pool's: a `PrefillRefusal` the client gets as the decode worker would have answered it (the
-        hop's body differs from the request only in what every request takes: `max_tokens` 1, no stream).
+        answer to an invalid request: a bad parameter, a prompt over the context) is a `PrefillRefusal`: the
+        request goes decode-only too, and counts as the pool's `refused` fallback (a WARNING) only if the
+        decode worker serves it — else the request was at fault, not the pool.
 
         Bounded by half the first-token budget, or half of `left_s` (what is left of the request's own
         budget) when less, so a slow prefill worker leaves the decode worker time to prefill the request
@@ -663,8 +666,7 @@ class Dispatcher:
             ticket.done()
         if status in REQUEST_FAULTS:
             self.registry.report_success(worker.id)  # it judged the request: healthy
-            ctype = resp.headers.get("content-type", "application/json")
-            return PrefillRefusal(status, content, ctype)
+            return PrefillRefusal(worker.id, status)
         if status != 200:
             if status >= 500:
                 self.registry.report_failure(worker.id, f"status_{status}")

@@ -204,10 +204,23 @@ class Gateway:
         """`health.sever_silent_requests`: the unhealthy worker's connections that got no byte for the
         health checks' detection window (`failure_threshold` × `interval_s`) are closed, so their requests end
         now (retried elsewhere before their first byte, an error event after it) instead of at their
-        first-token or stall timeouts; ones still receiving bytes are left alone."""
+        first-token or stall timeouts; ones still receiving bytes are left alone. Not while a scrape within
+        the window saw its token counters move (an engine that works, behind a `/health` slow under load: its
+        whole answers and queued requests send nothing until they are done), nor when another worker that
+        is not unhealthy shares its host:port (pools behind one path-routing address share connections)."""
         health = self.config.health
         window = health.failure_threshold * health.interval_s
-        severed = self.upstream.pool.sever_silent(
+        if rec.progress_at is not None and self.clock() - rec.progress_at < window:
+            return
+        pool = self.upstream.pool
+        try:
+            origin = pool.origin_key(rec.url)
+        except httpx.UnsupportedProtocol:  # no connection of the pool's could be its
+            return
+        for other in self.registry.records():
+            if other is not rec and other.health_ok is not False and pool.origin_key(other.url) == origin:
+                return
+        severed = pool.sever_silent(
             rec.url,
             window,
             f"worker {rec.id} fails its health checks and sent nothing for {window:g} s",

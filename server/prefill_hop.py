@@ -9,15 +9,16 @@ go to the decode worker, and a bounded warning for a prefill pool that is miscon
 | pool_timeout | no connection to the worker came free within its bound (the gateway's own `max_upstream_connections`: the worker never saw the request) | nothing, as on the decode hop |
 | worker_error | 5xx, connection refused or reset, a malformed HTTP answer | a failure (a refused connection: ejected at once) |
 | busy | 429 | a success (busy, not broken) |
-| refused | any other status but 200, 400 and 422: 401/403 (the pool's `api_key_env`), 404 (path or model) | nothing; a WARNING |
+| refused | any other status but 200: 401/403 (the pool's `api_key_env`), 404 (path or model); 400 and 422 only when the decode worker serves the request | nothing; a WARNING |
 | bad_response | a 200 whose body is no JSON object, is longer than `MAX_ANSWER_BYTES`, or whose `kv_transfer_params` fail `kv_params_fault` | a failure |
 | no_params | a 200 without `kv_transfer_params` (null or absent: vLLM without a KV connector) | a success; a WARNING |
 
 A 400 or 422 (`REQUEST_FAULTS`: vLLM's answer to an invalid request — a bad parameter, a prompt over the
-context) is no fallback: the request is at fault, not the pool, and the client gets that answer as the decode
-worker would have given it (`PrefillRefusal`; outcome `worker_rejected`, the worker's breaker hears a
-success). Sent on decode-only it was refused a second time, and every bad request counted and warned as a
-misconfigured prefill pool.
+context) goes decode-only too (`PrefillRefusal`), but is counted `refused` and warned of only when the decode
+worker then serves the request (answers below 400): the prefill pool refuses what the decode pool takes, its
+flags, chat template or context set up apart. When the decode worker refuses it as well, the request was at
+fault, not the pool: the client gets the decode worker's answer, and nothing is counted (every invalid
+request had counted and warned as a misconfigured prefill pool). The worker's breaker hears a success.
 
 The two WARNING reasons are misconfigurations the breaker cannot see (the worker is healthy): each is logged
 at most once per worker and reason every `WARN_EVERY_S`, with how many were held back (`LogThrottle`).
@@ -39,17 +40,16 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-# A prefill worker's statuses that judge the request, not the pool (module docstring).
+# A prefill worker's statuses that judge the request (or a pool set up apart): see the module docstring.
 REQUEST_FAULTS = frozenset({400, 422})
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillRefusal:
-    """The prefill worker refused the request itself (`REQUEST_FAULTS`): its answer, for the client."""
+    """The prefill worker refused the request (`REQUEST_FAULTS`); whose fault, the decode hop tells."""
 
+    worker_id: str
     status: int
-    body: bytes
-    content_type: str
 
 
 class Fallback(StrEnum):

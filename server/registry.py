@@ -6,7 +6,8 @@
   health-checked at once; gone → dropped; terminating → draining; not ready → starting). Sources with a
   `resync_s` are re-listed periodically.
 - **Scrape** (`scrape.interval_s`, default 1 s): every worker's `/metrics` concurrently, each with
-  `scrape.timeout_s`; counters become per-second rates between scrapes. Stats older than
+  `scrape.timeout_s` (not a worker whose breaker is open, unless requests of ours run there); counters become
+  per-second rates between scrapes, and a scrape that sees them move marks the engine working (`progress_at`). Stats older than
   `scrape.stale_after_s` are withheld from the view (the router sees None rather than stale numbers).
 - **Health** (`health.interval_s`): GET `/health`; `failure_threshold` consecutive failures → unhealthy.
   A worker whose breaker is open gets no requests; its next health check after `open_s` is the probe.
@@ -95,6 +96,7 @@ class WorkerRecord:
     stats_at: float | None = None
     prompt_tokens_per_s: float | None = None
     generation_tokens_per_s: float | None = None
+    progress_at: float | None = None  # the last scrape whose token counters had moved: its engine works
     inflight_requests: int = 0
     inflight_prefill_tokens: int = 0
     inflight_decode_requests: int = 0
@@ -639,7 +641,9 @@ class Registry:
 
     async def scrape_once(self) -> None:
         now = self._clock()
-        targets = [r for r in self._workers.values() if not r.breaker.is_open(now)]
+        # a worker whose breaker is open is left alone, unless requests of ours still run there: whether its
+        # token counters move decides whether the gateway cuts them (`progress_at`, `on_unhealthy`)
+        targets = [r for r in self._workers.values() if not r.breaker.is_open(now) or r.inflight_requests > 0]
         await asyncio.gather(*(self._scrape(rec) for rec in targets))
         for cb in self.on_refresh:
             cb()
@@ -662,6 +666,8 @@ class Registry:
             rec.generation_tokens_per_s = counter_rate(
                 prev.generation_tokens_total, stats.generation_tokens_total, dt
             )
+            if (rec.generation_tokens_per_s or 0) > 0 or (rec.prompt_tokens_per_s or 0) > 0:
+                rec.progress_at = now
         rec.stats, rec.stats_at = stats, now
 
     # ------------------------------------------------------------------ reporting

@@ -317,7 +317,8 @@ class ConnectionPool:
         return target
 
     @staticmethod
-    def _origin_key(url: str) -> tuple[str, str, int]:
+    def origin_key(url: str) -> tuple[str, str, int]:
+        """(scheme, host, port) of `url`: the connections it shares (httpx.UnsupportedProtocol if none)."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise httpx.UnsupportedProtocol(f"cannot send to {url!r}")
@@ -325,7 +326,7 @@ class ConnectionPool:
 
     def _request_line(self, method: str, url: str) -> tuple[_Origin, bytes]:
         """(the origin's connections, the request line and Host header) for `method` on `url`."""
-        key = self._origin_key(url)
+        key = self.origin_key(url)
         parts = urlsplit(url)
         https = parts.scheme == "https"
         origin = self._origins.get(key)
@@ -461,7 +462,7 @@ class ConnectionPool:
         read fails with `WorkerSevered(message)`) and its idle ones (module docstring). Returns how many
         waiting connections were closed."""
         try:
-            origin = self._origins.get(self._origin_key(url))
+            origin = self._origins.get(self.origin_key(url))
         except httpx.UnsupportedProtocol:
             return 0
         if origin is None:

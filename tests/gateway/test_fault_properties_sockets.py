@@ -80,7 +80,6 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from server.prefill_hop import REQUEST_FAULTS
 from server.runner import start_gateway_server
 from tests.gateway.fakes import METRICS_TEXT, config, pool, read_raw_request
 from tests.gateway.scripted_http import EMPTY_200, chunk
@@ -1194,11 +1193,9 @@ def check_batch(
     by_rid: dict[str, list[tuple[int, str]]] = {}
     for rid, status, outcome in spy.finishes:
         by_rid.setdefault(rid, []).append((status, outcome))
-    # the hops that answer the client: decode hops, and a prefill hop only with a request fault (400, 422),
-    # which the client gets as sent (docs, "P/D": no fallback)
-    visits: dict[str, list[Visit]] = {}
+    visits: dict[str, list[Visit]] = {}  # the hops that answer the client (a prefill hop's answer never does)
     for v in log:
-        if not v.prefill or refuses_the_request(v):
+        if not v.prefill:
             visits.setdefault(v.rid, []).append(v)
     for a in answers:
         mine = visits.get(a.rid, [])
@@ -1293,19 +1290,13 @@ def check_batch(
     assert_released(gw, "after the batch")
 
 
-def refuses_the_request(v: Visit) -> bool:
-    """A prefill hop its worker answered with a request fault (400, 422): no fallback, the client's answer."""
-    return v.prefill and v.script.kind == "status" and v.script.status in REQUEST_FAULTS
-
-
 def check_pd(gw: Any, spy: SocketSpy, answers: list[Answer], log: list[Visit]) -> None:
     """The P/D invariants (docs/gateway.md, "P/D: the two-hop path"):
 
     - a decode hop carries `kv_transfer_params` only as its request's own prefill hop just answered them
       (that hop whole and well-formed: never another request's, a stale or a cut answer's);
     - a prefill hop that answered them whole hands them on; one that failed in any way is followed by the
-      decode hop alone (decode-only fallback, counted), unless the client left first, or the prefill worker
-      refused the request itself (400, 422), which the client then gets;
+      decode hop alone (decode-only fallback, counted), unless the client left first;
     - no decode worker is charged for a prefill hop's failure.
     (Reservations and tickets of both hops released exactly once: `assert_released`; a prefill worker charged
     only for its own failures: `check_batch`'s blameless check.)"""
@@ -1325,13 +1316,9 @@ def check_pd(gw: Any, spy: SocketSpy, answers: list[Answer], log: list[Visit]) -
             # client left, or its own time ran out (504; a loaded loop can sweep the hop's half of the
             # first-token budget together with the whole of it: docs, "P/D", charged to the prefill worker)
             if i + 1 == len(sent):
-                refused = [v for v in hops if v.prefill and v.seq > hop.seq and refuses_the_request(v)]
-                assert (
-                    a.rid in gone
-                    or a.rid in timed_out
-                    or a.status == 504
-                    or (refused and a.status == refused[-1].script.status)
-                ), f"{a.rid}: the prefill hop was the last: {sent}"
+                assert a.rid in gone or a.rid in timed_out or a.status == 504, (
+                    f"{a.rid}: the prefill hop was the last: {sent}"
+                )
                 continue
             after = sent[i + 1]
             assert not after.prefill, f"{a.rid}: two prefill hops in a row: {sent}"

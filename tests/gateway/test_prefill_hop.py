@@ -132,7 +132,7 @@ def test_fallback_reason_of_a_failure(kind: str, reason: Fallback) -> None:
         (401, Fallback.REFUSED),
         (403, Fallback.REFUSED),
         (404, Fallback.REFUSED),
-        (405, Fallback.REFUSED),
+        (400, Fallback.REFUSED),
         (307, Fallback.REFUSED),
     ],
 )
@@ -329,30 +329,40 @@ def test_a_refusing_prefill_pool_is_a_bounded_warning(
 
 
 @pytest.mark.parametrize("status", [400, 422])
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_a_request_the_prefill_worker_refuses_as_invalid_gets_that_answer_without_a_decode_hop(
-    status: int, stream: bool, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("decode_serves", [False, True], ids=["decode refuses too", "decode serves it"])
+def test_a_prefill_refusal_counts_against_the_pool_only_when_the_decode_worker_serves_the_request(
+    status: int, decode_serves: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A 400 or 422 from the prefill hop (vLLM's answer to a bad parameter or a prompt over the context) is the
-    request's fault: the client gets it as sent. Before, it was counted and warned as a misconfigured prefill
-    pool (`refused`) and sent again, decode-only, to be refused a second time (helper's walkthrough, 2026-12-06)."""
-    p, d = FakeWorker("p", mode="status", status=status), FakeWorker("d")
+    """A 400 or 422 from the prefill hop goes decode-only. When the decode worker refuses the request too, the
+    request was invalid: its answer reaches the client and nothing is counted or warned of (every invalid
+    request used to count and warn as a misconfigured prefill pool; helper walkthrough, 2026-12-06). When the
+    decode worker serves it, the pools are set up apart: counted `refused`, one WARNING."""
+    p = FakeWorker("p", mode="status", status=status)
+    d = FakeWorker("d") if decode_serves else FakeWorker("d", mode="status", status=status)
     cfg = pd_config(p, d)
 
     async def body() -> None:
         async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
             for i in range(3):
-                r = await c.post(CHAT, json=chat(LONG_PROMPT + str(i), stream=stream))
-                assert r.status_code == status
-                assert r.json()["error"]["message"] == f"worker p says {status}"
-            assert len(p.seen) == 3 and d.seen == []
-            assert fallbacks(gw) == {}
+                r = await c.post(CHAT, json=chat(LONG_PROMPT + str(i)))
+                assert r.status_code == (200 if decode_serves else status)
+                if not decode_serves:
+                    assert r.json()["error"]["message"] == f"worker d says {status}"  # the decode worker's
+            assert len(p.seen) == 3 and [b.get("kv_transfer_params") for b in d.seen] == [None] * 3
+            assert fallbacks(gw) == ({"refused": 3} if decode_serves else {})
             assert (failures(gw, PD[0]), failures(gw, PD[1])) == (0, 0)
-            assert gw.dispatcher.outcomes == {"worker_rejected": 3}
+            want = "completed" if decode_serves else "worker_rejected"
+            assert gw.dispatcher.outcomes == {want: 3}
 
     with caplog.at_level(logging.INFO, logger="mosaic.dispatch"):
         run(body)
-    assert [r for r in caplog.records if r.name == "mosaic.dispatch" and r.levelno >= logging.WARNING] == []
+    warnings = [
+        r.getMessage() for r in caplog.records if r.name == "mosaic.dispatch" and r.levelno >= logging.WARNING
+    ]
+    if decode_serves:
+        assert len(warnings) == 1 and f"refused the prefill hop with HTTP {status}" in warnings[0], warnings
+    else:
+        assert warnings == []
 
 
 def test_a_prefill_pool_without_a_kv_connector_is_a_bounded_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -88,7 +88,9 @@ def test_serve_embedded_default_end_to_end() -> None:
         url_line = proc.stdout.readline()
         curl = proc.stdout.readline()
         match = re.search(r"(http://127\.0\.0\.1:\d+)", url_line)
-        assert match and "embedded simulated fleet" in url_line and "mixed-l4 (L4, mixed)" in url_line
+        assert (
+            match and "embedded simulated fleet" in url_line and "mixed-l4 (L4, mixed, 2 workers)" in url_line
+        )
         url = match.group(1)
         assert curl.startswith(f"curl {url}/v1/chat/completions")
         body = re.search(r"-d '(.*)'$", curl.strip())

@@ -43,11 +43,18 @@ class ScriptedWorker:
         tokens_before_freeze: int = 0,
         failing_health: bool = False,
         stream_tokens: int = 2,
+        whole_delay_s: float = 0.0,
+        metrics_progress: bool = False,
+        prefix: str = "",
     ) -> None:
         self.freeze_on_chat = freeze_on_chat
         self.tokens_before_freeze = tokens_before_freeze
         self.failing_health = failing_health
         self.stream_tokens = stream_tokens
+        self.whole_delay_s = whole_delay_s  # a whole answer comes this long after the request
+        self.metrics_progress = metrics_progress  # /metrics shows vllm:generation_tokens_total growing
+        self.prefix = prefix  # the path the worker's URL ends with (workers sharing one host:port)
+        self.generated = 0
         self.frozen = False
         self.chats = 0
         self.url = ""
@@ -65,46 +72,56 @@ class ScriptedWorker:
         try:
             while True:
                 path, body = await read_request(reader)
-                if self.frozen:
-                    await asyncio.sleep(3600)  # never answers; the gateway's abort ends this
-                if path == b"/health" and self.failing_health:
-                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
-                    continue
-                if path != CHAT.encode():
-                    writer.write(EMPTY_200)
-                    continue
-                self.chats += 1
-                stream = bool(json.loads(body).get("stream"))
-                if self.freeze_on_chat:
-                    if stream:
-                        writer.write(SSE_HEAD)
-                        for i in range(self.tokens_before_freeze):
-                            writer.write(chunk(_token(f"t{i} ")))
-                        await writer.drain()
-                    self.frozen = True
-                    await asyncio.sleep(3600)
-                if not stream:
-                    writer.write(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                        % (len(WHOLE_BODY), WHOLE_BODY)
-                    )
-                    continue
-                writer.write(SSE_HEAD)
-                for i in range(self.stream_tokens):
-                    last = i == self.stream_tokens - 1
-                    writer.write(chunk(_token(f"t{i} ", "length" if last else None)))
-                    await writer.drain()
-                    await asyncio.sleep(0.05)
-                writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                await self.answer(path.removeprefix(self.prefix.encode()), body, writer)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
             writer.close()
 
+    async def answer(self, path: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        """Answer one request (its path without the worker's prefix)."""
+        if self.frozen:
+            await asyncio.sleep(3600)  # never answers; the gateway's abort ends this
+        if path == b"/health" and self.failing_health:
+            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
+            return
+        if path == b"/metrics" and self.metrics_progress:
+            self.generated += 10
+            text = f'vllm:generation_tokens_total{{model_name="llama-3-8b"}} {self.generated}\n'.encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(text), text))
+            return
+        if path != CHAT.encode():
+            writer.write(EMPTY_200)
+            return
+        self.chats += 1
+        stream = bool(json.loads(body).get("stream"))
+        if self.freeze_on_chat:
+            if stream:
+                writer.write(SSE_HEAD)
+                for i in range(self.tokens_before_freeze):
+                    writer.write(chunk(_token(f"t{i} ")))
+                await writer.drain()
+            self.frozen = True
+            await asyncio.sleep(3600)
+        if not stream:
+            await asyncio.sleep(self.whole_delay_s)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                % (len(WHOLE_BODY), WHOLE_BODY)
+            )
+            return
+        writer.write(SSE_HEAD)
+        for i in range(self.stream_tokens):
+            last = i == self.stream_tokens - 1
+            writer.write(chunk(_token(f"t{i} ", "length" if last else None)))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
 
 @asynccontextmanager
 async def fleet(
-    *workers: ScriptedWorker, sever: bool = True, **limits: float
+    *workers: ScriptedWorker, sever: bool = True, scrape_s: float = 60, **limits: float
 ) -> AsyncIterator[tuple[httpx.AsyncClient, RunningGateway]]:
     for w in workers:
         await w.start()
@@ -112,6 +129,7 @@ async def fleet(
     cfg = config(
         pool("p", "H100", "mixed", *addresses),  # type: ignore[arg-type]
         health={**HEALTH, "sever_silent_requests": sever},
+        scrape={"interval_s": scrape_s},
         limits={"first_token_timeout_s": 20, "stall_timeout_s": 20, "total_timeout_s": 30, **limits},
         **RR,
     )
@@ -196,5 +214,75 @@ def test_a_stream_still_receiving_tokens_is_not_cut_while_its_worker_fails_healt
             assert "error" not in answer.text
             assert running.gateway.registry.records()[0].health_ok is False  # it was unhealthy meanwhile
             assert running.gateway.dispatcher.outcomes == {"completed": 1}
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+@pytest.mark.parametrize("progress", [True, False], ids=["engine works", "no sign of it"])
+def test_a_whole_answer_is_cut_only_when_no_scrape_shows_the_engine_working(progress: bool) -> None:
+    """A whole answer sends nothing until it is done: on a worker whose /health fails (slow under load, say)
+    but whose scrapes show its token counters moving, it is left to finish; with no such sign it is cut
+    once the worker is unhealthy (the only worker here: 502)."""
+
+    async def body() -> None:
+        busy = ScriptedWorker(whole_delay_s=1.5, metrics_progress=progress)
+        async with fleet(busy, scrape_s=0.05) as (client, running):
+            busy.failing_health = True
+            started = time.monotonic()
+            answer = await client.post(CHAT, json=_chat(False))
+            took = time.monotonic() - started
+            if progress:
+                assert answer.status_code == 200 and took >= 1.4, (answer.text, took)
+                assert running.gateway.dispatcher.outcomes == {"completed": 1}
+            else:
+                assert answer.status_code == 502 and "(unhealthy)" in answer.text and took < 1.2, took
+                assert running.gateway.dispatcher.outcomes == {"failed_before_first_byte": 1}
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_a_healthy_worker_sharing_the_unhealthy_ones_host_and_port_keeps_its_requests() -> None:
+    """Two pools behind one address, told apart by path (`http://h:p/a`, `http://h:p/b`): the pooled
+    connections are per host:port, so severing for the unhealthy `a` would cut `b`'s requests too. Not while
+    another worker there is not unhealthy."""
+
+    async def body() -> None:
+        a = ScriptedWorker(failing_health=True, prefix="/a")
+        b = ScriptedWorker(whole_delay_s=1.0, prefix="/b")
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    path, payload = await read_request(reader)
+                    worker = a if path.startswith(b"/a/") else b
+                    await worker.answer(path.removeprefix(worker.prefix.encode()), payload, writer)
+            except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        cfg = config(
+            pool("pa", "H100", "mixed", SimpleNamespace(url=base + "/a")),  # type: ignore[arg-type]
+            pool("pb", "H100", "mixed", SimpleNamespace(url=base + "/b")),  # type: ignore[arg-type]
+            health=HEALTH,
+            limits={"first_token_timeout_s": 20, "total_timeout_s": 30},
+        )
+        running = await start_gateway_server(cfg, "127.0.0.1", 0)
+        try:
+            registry = running.gateway.registry
+            deadline = time.monotonic() + 5
+            while {r.pool.name: r.health_ok for r in registry.records()} != {"pa": False, "pb": True}:
+                assert time.monotonic() < deadline, "a never unhealthy, b never healthy"
+                await asyncio.sleep(0.02)
+            async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+                answer = await client.post(CHAT, json=_chat(False))
+            assert answer.status_code == 200, answer.text
+            assert (a.chats, b.chats) == (0, 1)
+            assert running.gateway.dispatcher.outcomes == {"completed": 1}
+        finally:
+            await running.stop()
+            server.close()
 
     asyncio.run(asyncio.wait_for(body(), 30))
