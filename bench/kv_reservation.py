@@ -2,7 +2,7 @@
 
 Fleet: 2 compression workers (ragged paging, Llama-3.1-8B's ExpectedAttention profile from Tangram's release,
 4 heads per page table, static budgets, raw prefill chunk 4096) and 2 stock vLLM workers, all A100-40GB with
-Llama-3-8B weights (8.8k KV blocks each: memory, not compute, binds on long prompts). Policies:
+Llama-3.1-8B weights (8.8k KV blocks each: memory, not compute, binds on long prompts). Policies:
 
   B0  no reservation: each request goes straight to the least-loaded engine (vLLM greedy, preempts)
   B1  reserve the uncompressed worst case ceil((P + max_tokens)/16) everywhere
@@ -50,7 +50,7 @@ from simulator.kv_metrics import Slo, summarize
 
 PROFILES = SHARED_DATA / "kv_profiles" / "cluster_maps"
 PROFILE = PROFILES / "ea" / "llama-3.1-8b-instruct" / "profile.npz"
-GPU, MODEL, MAX_LEN, CHUNK = "A100-40GB", "llama-3-8b", 131072, 4096
+GPU, MODEL, MAX_LEN, CHUNK = "A100-40GB", "llama-3.1-8b", 131072, 4096  # Llama-3.1: its 128k context
 SLO = Slo(ttft_s=30.0, tpot_s=0.25)
 
 
