@@ -15,6 +15,7 @@ at its size.
     python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--observed-context] [--quick]
     python bench/autoscale_eval.py --load-sweep 1,2,4 [--grid ...] [--observed-context] [--quick]
     python bench/autoscale_eval.py --seeds 1,2,3,4,5,6,7,8,9,10 [--grid ...] [--crowd-oracle] [--quick]
+    python bench/autoscale_eval.py --mooncake 1,2 [--observed-context] [--quick]
 
 `--mosaic-knob NAME=VALUE` (an `AutoscalerConfig` field, repeatable) gives Mosaic's runs in `--grid`,
 `--seeds` or `--load-sweep` that knob too (the planner's runs are unchanged); `--grid` with `--seeds` or
@@ -53,6 +54,12 @@ crowd: Mosaic's runs get an oracle that knows the crowd in advance and holds the
 busiest minute needs (read from the trace) from one cold start before it to its end, on top of the policy's
 own decisions (`crowd_oracle`, `with_crowd_oracle`; the planner's runs are unchanged). It writes
 `bench/results/autoscale_seeds_crowd_oracle.json`.
+
+`--mooncake 1,2` runs every family, as the full run does, on a third real trace: the Mooncake conversation
+trace (Kimi's service, FAST'25, the first 4,000 requests: 22 minutes, inter-arrival CV 2.87) at each speed-up,
+served by Qwen2.5-7B (32k context: the 3,671 requests that fit) with TTFT ≤ 5 s (prompts average 9.2k tokens);
+the rest of FLEET as above. It writes `bench/results/autoscale_mooncake.json` (skipped without ../shared/data);
+with `--observed-context` (Mosaic's runs with that knob) `autoscale_mooncake_observed_context.json`.
 
 `--pd-gate-sweep` measures conditional disaggregation (the router's P/D gate, `pd_max_prefill_wait_s`,
 docs/routing.md) in this evaluation: the Mosaic, Dynamo-style and static families over their whole grids,
@@ -269,13 +276,18 @@ def standard_grid(quick: bool) -> tuple[float, ...]:
 
 
 def candidates(
-    fleet: FleetConfig, trace_name: str, reqs: list[SimRequest], quick: bool
+    fleet: FleetConfig,
+    trace_name: str,
+    reqs: list[SimRequest],
+    quick: bool,
+    observed_context: bool = False,
 ) -> list[tuple[str, str, dict[str, Any]]]:
-    """(family, policy spec, autoscaler overrides) for every knob value tried."""
+    """(family, policy spec, autoscaler overrides) for every knob value tried (`observed_context`: Mosaic's
+    runs with that knob)."""
     runs: list[tuple[str, str, dict[str, Any]]] = []
     grid = standard_grid(quick)
     for u in grid:
-        runs.append(mosaic_run(fleet, profile_trace(trace_name, reqs, quick), u))
+        runs.append(mosaic_run(fleet, profile_trace(trace_name, reqs, quick), u, observed_context))
     # HPA on GPU utilisation over the same span and step count as the planner's grid (8 targets)
     for t in (0.7,) if quick else (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
         runs.append(("hpa-util", f"hpa-util:{t}", {}))
@@ -294,12 +306,15 @@ def candidates(
 def run_one(args: tuple[str, str, str, dict[str, Any], list[SimRequest]]) -> dict[str, Any]:
     trace_name, family, spec, overrides, reqs = args
     knobs = {
-        k: v for k, v in overrides.items() if k not in ("factor", "routing", "max_replicas", "crowd_oracle")
+        k: v
+        for k, v in overrides.items()
+        if k not in ("factor", "routing", "max_replicas", "crowd_oracle", "fleet")
     }
-    routing = {**FLEET.get("routing", {}), **overrides.get("routing", {})}  # shared by every family
+    base = {**FLEET, **overrides.get("fleet", {})}  # --mooncake: its model and SLO
+    routing = {**base.get("routing", {}), **overrides.get("routing", {})}  # shared by every family
     maxima = overrides.get("max_replicas", {})  # per pool, --load-sweep
-    pools = [{**p, "max_replicas": maxima.get(p["name"], p["max_replicas"])} for p in FLEET["pools"]]
-    fleet = parse_fleet({**FLEET, "pools": pools, "autoscaler": knobs, "routing": routing})
+    pools = [{**p, "max_replicas": maxima.get(p["name"], p["max_replicas"])} for p in base["pools"]]
+    fleet = parse_fleet({**base, "pools": pools, "autoscaler": knobs, "routing": routing})
     policy = build_policy(
         spec, pool_specs(fleet), fleet.autoscaler_config(), {p.name: p.replicas for p in fleet.pools}
     )
@@ -733,13 +748,22 @@ def main() -> None:
         help="with --seeds: Mosaic's runs hold the prefill the flash crowd needs from one cold start "
         "before it (an oracle bound, see above)",
     )
+    parser.add_argument(
+        "--mooncake",
+        metavar="SCALES",
+        help="comma-separated speed-ups of the Mooncake conversation trace: every family on it (see above)",
+    )
     args = parser.parse_args()
+    if args.mooncake and (args.seeds or args.load_sweep or args.grid or args.pd_gate_sweep):
+        raise usage_error(
+            "error: --mooncake is a run of its own; give it alone (with --observed-context, --quick, --workers)"
+        )
     if args.crowd_oracle and not args.seeds:
         raise usage_error("error: --crowd-oracle applies to --seeds")
     if args.seeds and args.load_sweep:
         raise usage_error("error: --seeds and --load-sweep are separate sweeps; run one at a time")
-    if args.observed_context and (args.seeds or not (args.grid or args.load_sweep)):
-        raise usage_error("error: --observed-context applies to --grid or --load-sweep")
+    if args.observed_context and (args.seeds or not (args.grid or args.load_sweep or args.mooncake)):
+        raise usage_error("error: --observed-context applies to --grid, --load-sweep or --mooncake")
     if args.mosaic_knob and not (args.grid or args.seeds or args.load_sweep):
         raise usage_error("error: --mosaic-knob applies to --grid, --seeds or --load-sweep")
     knobs = parse_knobs(args.mosaic_knob) or None
@@ -756,46 +780,126 @@ def main() -> None:
     if args.pd_gate_sweep:
         pd_gate_sweep(args.quick, args.workers)
         return
+    if args.mooncake:
+        mooncake_eval(parse_loads(args.mooncake), args.quick, args.workers, args.observed_context)
+        return
     base = parse_fleet(FLEET)
     summary: dict[str, Any] = {}
     lines = []
-    plotted: dict[str, Any] = {}
     for trace_name, reqs in traces(args.quick).items():
-        jobs = [
-            (trace_name, fam, spec, ov, reqs)
-            for fam, spec, ov in candidates(base, trace_name, reqs, args.quick)
-        ]
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            reports = list(pool.map(run_one, jobs))
-        families: dict[str, Any] = {}
-        for fam in dict.fromkeys(r["family"] for r in reports):
-            runs = [r for r in reports if r["family"] == fam]
-            best = best_of(runs)
-            families[fam] = {
-                "best": None if best is None else _row(best),
-                "best_attainment_if_none_met": None if best else max(r["slo"]["attainment"] for r in runs),
-                "runs": [_row(r) for r in runs],
-            }
-        mosaic = families["mosaic"]["best"]
-        hpa = [families[f]["best"] for f in ("hpa-util", "hpa-waiting") if families[f]["best"]]
-        best_hpa = min(hpa, key=lambda r: r["gpu_hours"]) if hpa else None
-        dynamo = families["dynamo"]["best"]
-        ratios = {
-            "mosaic_vs_best_hpa": _ratio(mosaic, best_hpa),
-            "mosaic_vs_dynamo": _ratio(mosaic, dynamo),
-            "mosaic_vs_static_peak": _ratio(mosaic, families["static-peak"]["best"]),
-        }
-        summary[trace_name] = {"requests": len(reqs), "families": families, "ratios": ratios}
+        summary[trace_name] = every_family(base, trace_name, reqs, args.quick, args.workers)
+        ratios = summary[trace_name]["ratios"]
         lines.append(
             f"{trace_name}: Mosaic/HPA {ratios['mosaic_vs_best_hpa']}, Mosaic/Dynamo "
             f"{ratios['mosaic_vs_dynamo']} GPU-h at ≥99% SLO"
         )
-        if mosaic and "mosaic" not in plotted:
-            plotted["mosaic"] = (trace_name, mosaic)
     write_result("autoscale_eval", {"slo_target": SLO_TARGET, "fleet": FLEET, "traces": summary})
     _plot_replicas(summary)
     command = "python bench/autoscale_eval.py" + (" --quick" if args.quick else "")
     append_line("autoscale_eval", command, "; ".join(lines))
+    for line in lines:
+        print(line)
+
+
+def every_family(
+    fleet: FleetConfig,
+    trace_name: str,
+    reqs: list[SimRequest],
+    quick: bool,
+    workers: int,
+    fleet_overrides: dict[str, Any] | None = None,
+    observed_context: bool = False,
+) -> dict[str, Any]:
+    """Every family over its knob on one trace: each family's runs and best run, and Mosaic's ratios to the
+    best-tuned HPA, the Dynamo-style planner and static provisioning. `fleet_overrides` (a FLEET section
+    replaced, `--mooncake`'s model and SLO) go to every run; `observed_context` to Mosaic's."""
+    jobs = []
+    for fam, spec, ov in candidates(fleet, trace_name, reqs, quick, observed_context):
+        jobs.append(
+            (trace_name, fam, spec, {**ov, "fleet": fleet_overrides} if fleet_overrides else ov, reqs)
+        )
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        reports = list(pool.map(run_one, jobs))
+    families: dict[str, Any] = {}
+    for fam in dict.fromkeys(r["family"] for r in reports):
+        runs = [r for r in reports if r["family"] == fam]
+        best = best_of(runs)
+        families[fam] = {
+            "best": None if best is None else _row(best),
+            "best_attainment_if_none_met": None if best else max(r["slo"]["attainment"] for r in runs),
+            "runs": [_row(r) for r in runs],
+        }
+    mosaic = families["mosaic"]["best"]
+    hpa = [families[f]["best"] for f in ("hpa-util", "hpa-waiting") if families[f]["best"]]
+    best_hpa = min(hpa, key=lambda r: r["gpu_hours"]) if hpa else None
+    ratios = {
+        "mosaic_vs_best_hpa": _ratio(mosaic, best_hpa),
+        "mosaic_vs_dynamo": _ratio(mosaic, families["dynamo"]["best"]),
+        "mosaic_vs_static_peak": _ratio(mosaic, families["static-peak"]["best"]),
+    }
+    return {"requests": len(reqs), "families": families, "ratios": ratios}
+
+
+# --mooncake: the Mooncake conversation trace (Kimi's service, FAST'25; ../shared/data) needs a long-context
+# model: Qwen2.5-7B (32k), its requests that fit the context (3,671 of the first 4,000), and a TTFT SLO of
+# 5 s (prompts run to 32k tokens, mean 9.2k; one of 32k takes ~2 s to prefill on an H100 alone).
+MOONCAKE_TRACE = "mooncake_fast25_conversation_first4000.jsonl"
+MOONCAKE_FLEET = {"model": "qwen2.5-7b", "slo": {"ttft_ms": 5000, "tpot_ms": 60}}
+
+
+def mooncake_requests(scale: float) -> list[SimRequest] | None:
+    """The Mooncake conversation trace at `scale`× its speed, the requests that fit Qwen2.5-7B's context;
+    None when ../shared/data is absent."""
+    path = SHARED_DATA / "traces" / MOONCAKE_TRACE
+    if not path.exists():
+        return None
+    context = 32768
+    return [
+        r
+        for r in sim_requests(open_trace(path), rate_scale=scale)
+        if r.input_tokens + r.output_tokens <= context
+    ]
+
+
+def mooncake_eval(scales: tuple[float, ...], quick: bool, workers: int, observed_context: bool) -> None:
+    """`--mooncake`: every family on the Mooncake conversation trace at each rate scale (a third, real trace
+    with bursts: inter-arrival CV 2.87, against the Azure trace's 1.09), Mosaic with `observed_context`
+    when asked (this trace's contexts average ~9.4k tokens, the pools' configured 1,024 far from it)."""
+    fleet = parse_fleet({**FLEET, **MOONCAKE_FLEET})
+    summary: dict[str, Any] = {}
+    lines = []
+    for scale in scales:
+        reqs = mooncake_requests(scale)
+        if reqs is None:
+            print(f"skipped: ../shared/data/traces/{MOONCAKE_TRACE} is absent")
+            return
+        name = f"mooncake-conversation (real, {scale:g}x speed)"
+        summary[name] = every_family(fleet, name, reqs, quick, workers, MOONCAKE_FLEET, observed_context)
+        fams, ratios = summary[name]["families"], summary[name]["ratios"]
+        bests = {f: fams[f]["best"] for f in ("mosaic", "dynamo")}
+        lines.append(
+            f"{name}: Mosaic/HPA {ratios['mosaic_vs_best_hpa']}, Mosaic/Dynamo {ratios['mosaic_vs_dynamo']} "
+            + ", ".join(
+                f"{f} best {b['gpu_hours']:.3f} GPU-h"
+                if b
+                else f"{f} none ≥99% (best {fams[f]['best_attainment_if_none_met']:.1%})"
+                for f, b in bests.items()
+            )
+        )
+    result = "autoscale_mooncake" + ("_observed_context" if observed_context else "")
+    fleet_used = {**FLEET, **MOONCAKE_FLEET}
+    write_result(
+        result,
+        {
+            "slo_target": SLO_TARGET,
+            "fleet": fleet_used,
+            "observed_context": observed_context,
+            "traces": summary,
+        },
+    )
+    command = "python bench/autoscale_eval.py --mooncake " + ",".join(f"{x:g}" for x in scales)
+    command += (" --observed-context" if observed_context else "") + (" --quick" if quick else "")
+    append_line(result, command, "; ".join(lines))
     for line in lines:
         print(line)
 
