@@ -130,11 +130,15 @@ def build_profile(
     )
 
 
+def _slo_text(slo: ProfileSlo) -> str:
+    """`TPOT p90 ≤ 40 ms, TTFT p90 ≤ 2000 ms`: the targets a profile was measured against."""
+    parts = [("TPOT", slo.tpot_ms), ("TTFT", slo.ttft_ms), ("E2E", slo.e2e_ms)]
+    return ", ".join(f"{name} p90 ≤ {ms:g} ms" for name, ms in parts if ms is not None)
+
+
 def _table(profile: ThroughputProfile) -> Table:
     role = "" if profile.role is Role.MIXED else f" ({profile.role.value})"
-    t = Table(
-        title=f"{profile.model} on {profile.gpu}{role}: max req/s within {profile.slo.model_dump(exclude_none=True)}"
-    )
+    t = Table(title=f"{profile.model} on {profile.gpu}{role}: max req/s within {_slo_text(profile.slo)}")
     t.add_column("input \\ output")
     edges_o = profile.output_edges
     for j in range(len(edges_o) - 1):
@@ -310,11 +314,16 @@ def register(app: typer.Typer) -> None:
                 target, model_spec.max_context, seed, plan, RunOptions(), hint, on_probe=probing
             )
 
+        capped: list[str] = []  # buckets that passed at --max-rate itself: their limit may be higher
+
         def progress(b: Bucket, res: SearchResult | None) -> None:
             if res is None:
                 rate = "cannot (does not fit)"
             elif res.unloaded_miss:
                 rate = "cannot (misses the SLO, or is refused, one request at a time)"
+            elif res.capped:
+                capped.append(b.label)
+                rate = f"≥ {res.max_rate:.2f} req/s (passed at the rate grid's top; {len(res.probes)} probes)"
             else:
                 rate = f"{res.max_rate:.2f} req/s ({len(res.probes)} probes)"
             console.print(f"{b.label}: {rate}  [{time.perf_counter() - t0:.1f} s]")
@@ -330,6 +339,11 @@ def register(app: typer.Typer) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_profile(profile, out)
         console.print(_table(profile))
+        if capped:  # written as the top of the grid: the planner would buy more instances than needed
+            console.print(
+                f"{len(capped)} bucket(s) passed at the top of the rate grid (--max-rate {max_rate:g} req/s): "
+                f"{', '.join(capped)}; their real limit may be higher: raise --max-rate to measure it"
+            )
         console.print(f"profile: {out}  ({time.perf_counter() - t0:.1f} s)")
         if as_json:
             typer.echo(json.dumps(profile.to_dict(), indent=1))

@@ -172,6 +172,25 @@ def test_a_bucket_across_the_models_context_exits_2(
     assert not (tmp_path / "x.yaml").exists()
 
 
+def test_a_bucket_passing_at_max_rate_is_reported_as_a_floor_and_the_slo_reads_as_targets(
+    tmp_path: Path,
+) -> None:
+    """An H100 serves far more than 0.5 req/s of short requests: the search stops at --max-rate, which was
+    printed as the bucket's rate with nothing to say the limit was hit (helper walkthrough); the table's title
+    printed the SLO as a Python dict."""
+    args = ["profile", "--sim", "--gpu", "H100", "--model", "llama-3-8b", "--out", str(tmp_path / "x.yaml")]
+    edges = ["--input-edges", "1,256", "--output-edges", "1,64", "--min-rate", "0.1", "--max-rate", "0.5"]
+    res = CliRunner().invoke(build_app(), [*args, *edges, "--resolution", "0.5", "--slo-tpot-ms", "100"])
+    assert res.exit_code == 0, res.output
+    # the grid's top under 0.5 at resolution 0.5 from 0.1: 0.1 · 1.5³ = 0.3375
+    assert "in [1,256) × out [1,64): ≥ 0.34 req/s (passed at the rate grid's top;" in res.output
+    assert "1 bucket(s) passed at the top of the rate grid (--max-rate 0.5 req/s)" in " ".join(
+        res.output.split()
+    )
+    assert "max req/s within TPOT p90 ≤ 100 ms" in " ".join(res.output.split())
+    assert "{'tpot_ms'" not in res.output
+
+
 def test_a_tp_that_does_not_divide_the_heads_exits_2_as_the_worker_does(tmp_path: Path) -> None:
     """`mosaic worker --tp 3` refuses Llama-3-8B's 32 heads as vLLM does; `mosaic profile` wrote a profile of
     such an instance, which `mosaic plan` would then buy (helper walkthrough, 2026-12-06)."""
