@@ -97,6 +97,7 @@ class WorkerRecord:
     prompt_tokens_per_s: float | None = None
     generation_tokens_per_s: float | None = None
     progress_at: float | None = None  # the last scrape whose token counters had moved: its engine works
+    side_scraping: bool = False  # a scrape of it runs beside the rounds (its breaker is open: `scrape_once`)
     inflight_requests: int = 0
     inflight_prefill_tokens: int = 0
     inflight_decode_requests: int = 0
@@ -641,12 +642,25 @@ class Registry:
 
     async def scrape_once(self) -> None:
         now = self._clock()
-        # a worker whose breaker is open is left alone, unless requests of ours still run there: whether its
-        # token counters move decides whether the gateway cuts them (`progress_at`, `on_unhealthy`)
-        targets = [r for r in self._workers.values() if not r.breaker.is_open(now) or r.inflight_requests > 0]
+        targets = []
+        for rec in self._workers.values():
+            if not rec.breaker.is_open(now):
+                targets.append(rec)
+            elif rec.inflight_requests > 0 and not rec.side_scraping:
+                # requests of ours still run on a worker whose breaker is open: whether its token counters
+                # move decides whether the gateway cuts them (`progress_at`, `on_unhealthy`). Scraped beside
+                # the round, not in it: a hung worker's scrape must not hold every other worker's stats back
+                rec.side_scraping = True
+                self._spawn(self._side_scrape(rec))
         await asyncio.gather(*(self._scrape(rec) for rec in targets))
         for cb in self.on_refresh:
             cb()
+
+    async def _side_scrape(self, rec: WorkerRecord) -> None:
+        try:
+            await self._scrape(rec)
+        finally:
+            rec.side_scraping = False
 
     async def _scrape(self, rec: WorkerRecord) -> None:
         try:

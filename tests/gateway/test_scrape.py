@@ -237,3 +237,40 @@ vllm:num_requests_running{engine="0",model_name="m"} 2.0
     assert s.num_running == 2
     none = parse_vllm_metrics('vllm:num_requests_running{engine="0",model_name="m"} 0.0\n')
     assert (none.lora_running, none.lora_waiting, none.max_lora) == (None, None, None)
+
+
+def test_a_hung_worker_with_an_open_breaker_is_scraped_beside_the_round_not_in_it() -> None:
+    """A worker whose breaker is open is scraped only while requests of the gateway's run there (their
+    severing waits on whether its token counters move: `progress_at`), and beside the scrape round: its
+    hung /metrics must not hold the round, and with it every other worker's stats, for the scrape timeout."""
+    gen = {"w2": 0.0}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "w1":  # hung
+            await asyncio.sleep(3600)
+        gen["w2"] += 10
+        return httpx.Response(200, text=f'vllm:generation_tokens_total{{engine="0"}} {gen["w2"]}\n')
+
+    async def run() -> None:
+        clock = _Clock()
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        reg = Registry(
+            ScrapeConfig(timeout_s=5.0), HealthConfig(), GatewayMetrics(), client=client, clock=clock
+        )
+        info = PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b"))
+        reg.add_pool(info, StaticSource(["http://w1:8000", "http://w2:8000"]))
+        await reg.resync("p")
+        hung = next(r for r in reg.records() if r.url == "http://w1:8000")
+        hung.breaker.record_failure(clock(), hard=True)  # open
+        ticket = reg.track(hung.id, 100, False)
+        for _ in range(3):  # each round is quick; one scrape of the hung worker is outstanding at a time
+            await asyncio.wait_for(reg.scrape_once(), 1.0)
+            clock.t += 1.0
+        assert hung.side_scraping and len(reg._tasks) == 1
+        other = next(r for r in reg.records() if r is not hung)
+        assert other.progress_at == clock.t - 1.0  # its counters moved between the last two rounds
+        ticket.done()
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
