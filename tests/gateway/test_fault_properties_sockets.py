@@ -80,6 +80,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
+from server.prefill_hop import REQUEST_FAULTS
 from server.runner import start_gateway_server
 from tests.gateway.fakes import METRICS_TEXT, config, pool, read_raw_request
 from tests.gateway.scripted_http import EMPTY_200, chunk
@@ -1290,6 +1291,12 @@ def check_batch(
     assert_released(gw, "after the batch")
 
 
+def refuses_the_request(v: Visit) -> bool:
+    """A prefill hop its worker answered with a request fault (400, 422): decode-only, counted as the pool's
+    `refused` fallback only if the decode worker then serves the request (docs, "P/D")."""
+    return v.prefill and v.script.kind == "status" and v.script.status in REQUEST_FAULTS
+
+
 def check_pd(gw: Any, spy: SocketSpy, answers: list[Answer], log: list[Visit]) -> None:
     """The P/D invariants (docs/gateway.md, "P/D: the two-hop path"):
 
@@ -1333,7 +1340,10 @@ def check_pd(gw: Any, spy: SocketSpy, answers: list[Answer], log: list[Visit]) -
                 assert not well, (
                     f"{a.rid}: the prefill hop answered well ({answered}), the decode hop lost it"
                 )
-                fell_back += 1
+                # a request fault (400, 422) counts as a fallback only once the decode worker serves it: not
+                # counted into this lower bound
+                if not (answered and refuses_the_request(answered[-1])):
+                    fell_back += 1
     fallbacks = metric_total(gw, "mosaic_pd_fallbacks_total")
     # (a prefill hop may fail before it reaches its worker: waiting for a connection slot past its bound)
     prefill_hops = sum(hop.prefill for sent in spy.posts.values() for hop in sent)
