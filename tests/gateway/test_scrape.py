@@ -8,7 +8,9 @@ v1 server with two engines, and a pre-v1 server with the legacy names.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -106,6 +108,18 @@ class _Clock:
         return self.t
 
 
+async def _registry(
+    handler: Callable[[httpx.Request], Any], clock: _Clock, scrape: ScrapeConfig, *urls: str
+) -> tuple[httpx.AsyncClient, Registry]:
+    """A registry of one L4 pool of `urls`, listed, its HTTP answered by `handler` (MockTransport)."""
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    reg = Registry(scrape, HealthConfig(), GatewayMetrics(), client=client, clock=clock)
+    info = PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b"))
+    reg.add_pool(info, StaticSource(list(urls)))
+    await reg.resync("p")
+    return client, reg
+
+
 def test_registry_scrapes_rates_and_drops_stale_stats() -> None:
     counts = iter([1000.0, 1300.0])
     alive = {"up": True}
@@ -128,13 +142,7 @@ def test_registry_scrapes_rates_and_drops_stale_stats() -> None:
 
     async def run() -> None:
         clock = _Clock()
-        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        reg = Registry(
-            ScrapeConfig(stale_after_s=5.0), HealthConfig(), GatewayMetrics(), client=client, clock=clock
-        )
-        info = PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b"))
-        reg.add_pool(info, StaticSource(["http://w1:8000"]))
-        await reg.resync("p")
+        client, reg = await _registry(handler, clock, ScrapeConfig(stale_after_s=5.0), "http://w1:8000")
         await reg.scrape_once()
         clock.t += 3.0
         await reg.scrape_once()
@@ -253,13 +261,9 @@ def test_a_hung_worker_with_an_open_breaker_is_scraped_beside_the_round_not_in_i
 
     async def run() -> None:
         clock = _Clock()
-        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        reg = Registry(
-            ScrapeConfig(timeout_s=5.0), HealthConfig(), GatewayMetrics(), client=client, clock=clock
+        client, reg = await _registry(
+            handler, clock, ScrapeConfig(timeout_s=5.0), "http://w1:8000", "http://w2:8000"
         )
-        info = PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b"))
-        reg.add_pool(info, StaticSource(["http://w1:8000", "http://w2:8000"]))
-        await reg.resync("p")
         hung = next(r for r in reg.records() if r.url == "http://w1:8000")
         hung.breaker.record_failure(clock(), hard=True)  # open
         ticket = reg.track(hung.id, 100, False)
