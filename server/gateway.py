@@ -58,6 +58,21 @@ log = logging.getLogger("mosaic.gateway")
 WAKING_REASONS = frozenset({FilterReason.EMPTY_POOL, FilterReason.NO_WORKERS})
 
 
+def stays_empty(pool: PoolConfig, config: MosaicConfig) -> bool:
+    """The pool has no worker and never will in this process: an empty `static` list, or a simulated or
+    launched pool started at zero replicas that no in-process embedded autoscaler manages. A request only
+    it could serve is then refused at once (as `max_replicas: 0`, and as the cluster simulator without a
+    policy) instead of being held until the queue deadline for a worker that cannot come. Kubernetes pools
+    are always waited for: their Deployment may be scaled from outside (`mosaic autoscale`, KEDA, kubectl)."""
+    ep = pool.endpoints
+    if ep.static is not None:
+        return not ep.static
+    start = ep.simulated.replicas if ep.simulated is not None else ep.launch.replicas if ep.launch else None
+    if start is None or start > 0:
+        return False
+    return not (config.autoscaler.enabled and config.autoscaler.actuator == "embedded")
+
+
 class Gateway:
     def __init__(
         self,
@@ -98,7 +113,16 @@ class Gateway:
             self.max_model_len.setdefault(pool.model, info.capacity.max_model_len or 0)
             source = self.sources[pool.name] = (sources or {}).get(pool.name) or self._source(pool)
             tracked = self.discovery[pool.name] = TrackedSource(source)
-            self.registry.add_pool(info, tracked, may_have_workers=pool.max_replicas != 0)
+            waited_for = pool.max_replicas != 0 and not (
+                (sources is None or pool.name not in sources) and stays_empty(pool, config)
+            )
+            if pool.max_replicas != 0 and not waited_for:
+                log.warning(
+                    "pool %s starts with no worker and nothing adds one (no autoscaler manages it): "
+                    "requests only it could serve are refused at once",
+                    pool.name,
+                )
+            self.registry.add_pool(info, tracked, may_have_workers=waited_for)
         self.models: tuple[str, ...] = tuple(self.registry.models())
         # `models[].lora_resolver`: unknown names are adapters of that model (server.footprint.AdapterResolver)
         resolving = config.lora_resolver_model

@@ -1,7 +1,8 @@
 """Scale from zero in a live gateway (real HTTP on 127.0.0.1, simulated workers): with the decode pool at
 zero, P/D requests wait in the admission queue for it (the router's `empty_pool` reject is retryable), the
 embedded autoscaler brings decode back from their arrivals, and every request is served. Without an
-autoscaler the same requests end, at the queue deadline, in one 429 each — none hangs."""
+autoscaler nothing can bring it back, so the same requests are refused at once (503); behind a source the
+gateway does not own (Kubernetes) they are held and end at the queue deadline, in one 429 each — none hangs."""
 
 from __future__ import annotations
 
@@ -78,14 +79,63 @@ def test_requests_wait_for_the_decode_pool_the_autoscaler_brings_back() -> None:
     assert len(out["decode_workers"]) >= 1
 
 
-def test_without_an_autoscaler_they_end_at_the_queue_deadline() -> None:
-    out = asyncio.run(_run(pd_config(None, queue_deadline_s=1.0)))
+def test_without_an_autoscaler_they_are_refused_at_once() -> None:
+    """Nothing can bring a simulated pool started at zero back without the embedded autoscaler: its requests
+    are refused at once (as with `max_replicas: 0`, and as `mosaic simulate` without a policy), not held
+    for the queue deadline and then answered 429, which clients would retry for ever."""
+    out = asyncio.run(_run(pd_config(None, queue_deadline_s=10.0)))
     for status, body, elapsed in out["results"]:
+        assert status == 503, body
+        assert body["error"]["code"] == "no_worker_for_role"
+        assert "wrong_role" in body["error"]["message"]
+        assert elapsed < 2.0
+    assert out["decode_workers"] == []
+
+
+def test_a_pool_something_else_may_fill_is_still_waited_for() -> None:
+    """The same empty decode pool behind a source the gateway does not own (as a Kubernetes Deployment that
+    KEDA or `mosaic autoscale` scales): requests wait for it and end at the queue deadline, 429."""
+    from server.discovery import StaticSource
+
+    async def run() -> list[tuple[int, dict[str, Any], float]]:
+        cfg = pd_config(None, queue_deadline_s=1.0)
+        running = await start_gateway_server(cfg, "127.0.0.1", 0, sources={"decode": StaticSource([])})
+        try:
+            async with httpx.AsyncClient(base_url=running.url, timeout=60) as client:
+                return await asyncio.gather(*(_send(client, LONG_PROMPT) for _ in range(3)))
+        finally:
+            await running.stop()
+
+    for status, body, elapsed in asyncio.run(run()):
         assert status == 429, body
         assert body["error"]["code"] == "queue_timeout"
         assert "empty_pool" in body["error"]["message"]
         assert 1.0 <= elapsed < 5.0
-    assert out["decode_workers"] == []
+
+
+def test_stays_empty_only_where_nothing_can_add_a_worker() -> None:
+    from server.gateway import stays_empty
+
+    def pool_cfg(endpoints: dict[str, Any], autoscaler: dict[str, Any] | None = None) -> Any:
+        pool = {"name": "p", "model": MODEL, "gpu": "L4", "endpoints": endpoints}
+        return validate_config({"pools": [pool], **({"autoscaler": autoscaler} if autoscaler else {})})
+
+    embedded = {"enabled": True, "actuator": "embedded"}
+    dry_run = {"enabled": True, "actuator": "dry-run"}
+    cases = [
+        ({"static": []}, None, True),
+        ({"static": ["http://127.0.0.1:9"]}, None, False),
+        ({"simulated": {"replicas": 0}}, None, True),
+        ({"simulated": {"replicas": 0}}, dry_run, True),
+        ({"simulated": {"replicas": 0}}, embedded, False),
+        ({"simulated": {"replicas": 1}}, None, False),
+        ({"launch": {"replicas": 0}}, None, True),
+        ({"launch": {"replicas": 0}}, embedded, False),
+        ({"kubernetes": {"label_selector": "app=vllm"}}, None, False),
+    ]
+    for endpoints, autoscaler, expected in cases:
+        cfg = pool_cfg(endpoints, autoscaler)
+        assert stays_empty(cfg.pools[0], cfg) is expected, (endpoints, autoscaler)
 
 
 def test_a_held_request_wakes_the_autoscaler_before_its_interval_ends() -> None:
