@@ -57,7 +57,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from scheduler.actuators.base import Actuator, ScaleAction
+from scheduler.actuators.base import Actuator, ScaleAction, api_error_text
 from scheduler.autoscaler.factory import build_policy
 from scheduler.autoscaler.signals import Observation, PoolSpec, ScalingDecision, ScalingPolicy, within_bounds
 from scheduler.fleet import WorkerState
@@ -286,7 +286,7 @@ class AutoscalerController:
             try:
                 out[pool] = await self._call(self.actuator.replicas, pool)
             except Exception as exc:  # not scaled this cycle, pinned at its last known count
-                failed[pool] = f"replica count unreadable: {_error_text(exc)}"
+                failed[pool] = f"replica count unreadable: {api_error_text(exc)}"
                 self.metrics.errors.labels(pool).inc()
                 log.warning("autoscaler: pool %s: %s; not scaled this cycle", pool, failed[pool])
         self._known.update(out)
@@ -433,13 +433,3 @@ class PoolActuators:
             close = getattr(a, "aclose", None)
             if close is not None:
                 await close()
-
-
-def _error_text(exc: Exception) -> str:
-    """An API error as "403 Forbidden" (status and reason, as the kubernetes actuator reports a refused
-    patch), else "<type>: <message>"."""
-    status = getattr(exc, "status", None)
-    reason = getattr(exc, "reason", None)
-    if status is not None or reason is not None:
-        return f"{status or ''} {reason or type(exc).__name__}".strip()
-    return f"{type(exc).__name__}: {exc}"

@@ -379,7 +379,10 @@ class AutoscalerConfig(_Strict):
     def _policy_name(cls, spec: str) -> str:
         name = spec.partition(":")[0]
         if name == "fixed":
-            raise ValueError("policy 'fixed' scales nothing; set autoscaler.enabled: false instead")
+            raise ValueError(
+                "policy 'fixed' scales nothing; set autoscaler.enabled: false instead (mosaic serve), or do "
+                "not run mosaic autoscale (the Helm chart: controller.enabled: false)"
+            )
         if name not in POLICY_NAMES:
             raise ValueError(
                 f"unknown policy {spec!r}; valid: {', '.join(n for n in POLICY_NAMES if n != 'fixed')}"

@@ -448,6 +448,13 @@ def load_kubernetes_config(in_cluster: bool | None, needed_by: str = "kubernetes
                 config.load_kube_config()
     except Exception as exc:  # the client raises several unrelated types for a missing/bad kubeconfig
         raise KubernetesUnavailable(f"cannot load Kubernetes config for {needed_by}: {exc}") from None
+    # No urllib3 retries: its default Retry(3) re-sent a call whose read timed out three more times, so one
+    # call on a hung API server took 4 × its `_request_timeout` (80 s, not 20), blocking the controller's
+    # cycle and the discovery thread that long. Every caller already retries at its own pace (the next
+    # cycle, the next resync).
+    configuration = client.Configuration.get_default_copy()
+    configuration.retries = 0
+    client.Configuration.set_default(configuration)
     return client
 
 

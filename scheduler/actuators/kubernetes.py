@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.actuators.base import ScaleAction
+from scheduler.actuators.base import ActuatorCallFailed, ScaleAction, api_error_text
 from scheduler.topology import TopologyPlacer
 
 REQUEST_TIMEOUT_S = (5.0, 20.0)  # (connect, read) seconds per API call
@@ -79,13 +79,6 @@ class PlacedScaleAction(ScaleAction):
     """A per-domain pool's scale: `before`/`after` are the pool's totals; `domains` the Deployments patched."""
 
     domains: tuple[DomainScale, ...] = ()
-
-
-def _why(exc: Exception) -> str:
-    """ApiException → "403 Forbidden"; a transport error → its type name."""
-    status = getattr(exc, "status", None)
-    reason = getattr(exc, "reason", None) or type(exc).__name__
-    return f"{status or ''} {reason}".strip()
 
 
 class KubernetesActuator:
@@ -116,49 +109,39 @@ class KubernetesActuator:
         self._based_on: dict[str, int] = {}  # pool → the count `replicas` returned (the decision's basis)
         self._set: dict[str, int] = {}  # pool → the count this actuator last set
 
-    @classmethod
-    def from_environment(
-        cls,
-        namespace: str,
-        deployments: Mapping[str, str],
-        domains: Mapping[str, Mapping[str, str]] | None = None,
-        placer: TopologyPlacer | None = None,
-    ) -> KubernetesActuator:
-        """In-cluster config when running in a pod, else the local kubeconfig."""
-        try:
-            from kubernetes import client, config
-        except ImportError as exc:  # pragma: no cover - depends on the optional extra
-            raise RuntimeError(
-                "the kubernetes actuator needs the 'k8s' extra: pip install 'mosaic-serve[k8s]'"
-            ) from exc
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        return cls(client.AppsV1Api(), namespace, deployments, domains, placer)
-
     def _deployment(self, pool: str) -> str:
         try:
             return self._deployments[pool]
         except KeyError:
             raise KeyError(f"pool {pool!r} has no Deployment configured") from None
 
-    def _read(self, name: str) -> int:
-        scale = self._api.read_namespaced_deployment_scale(
-            name, self._namespace, _request_timeout=self._timeout
+    def _failed(self, verb: str, name: str, exc: Exception, to: str = "") -> ActuatorCallFailed:
+        return ActuatorCallFailed(
+            f"{verb} deployments/{name}/scale in namespace {self._namespace}{to}: {api_error_text(exc)}"
         )
+
+    def _read(self, name: str) -> int:
+        try:
+            scale = self._api.read_namespaced_deployment_scale(
+                name, self._namespace, _request_timeout=self._timeout
+            )
+        except Exception as exc:  # ApiException, transport errors: say which Deployment, and the API's why
+            raise self._failed("reading", name, exc) from exc
         return int(scale.spec.replicas or 0)
 
     def _patch(self, name: str, replicas: int) -> None:
         # Our own field manager: GitOps tools can then leave exactly the replicas we own alone (Argo CD's
         # ignoreDifferences.managedFieldsManagers), and `kubectl get -o yaml --show-managed-fields` says who set them.
-        self._api.patch_namespaced_deployment_scale(
-            name,
-            self._namespace,
-            {"spec": {"replicas": replicas}},
-            field_manager=FIELD_MANAGER,
-            _request_timeout=self._timeout,
-        )
+        try:
+            self._api.patch_namespaced_deployment_scale(
+                name,
+                self._namespace,
+                {"spec": {"replicas": replicas}},
+                field_manager=FIELD_MANAGER,
+                _request_timeout=self._timeout,
+            )
+        except Exception as exc:
+            raise self._failed("patching", name, exc, f" to {replicas} replicas") from exc
 
     # ------------------------------------------------------------------ the Actuator shape
     def replicas(self, pool: str) -> int:
@@ -207,7 +190,7 @@ class KubernetesActuator:
             if before != replicas:
                 self._patch(name, replicas)
         except Exception as exc:  # ApiException and transport errors: report, the next cycle retries
-            return ScaleAction(now, pool, before, before, applied=False, error=_why(exc))
+            return ScaleAction(now, pool, before, before, applied=False, error=api_error_text(exc))
         self._set[pool] = replicas
         return ScaleAction(now, pool, before, replicas, applied=True)
 
@@ -227,7 +210,7 @@ class KubernetesActuator:
         try:
             counts = {d: self._read(name) for d, name in by_domain.items()}
         except Exception as exc:
-            return PlacedScaleAction(now, pool, -1, -1, applied=False, error=_why(exc))
+            return PlacedScaleAction(now, pool, -1, -1, applied=False, error=api_error_text(exc))
         self._sync(pool, counts)
         before = sum(counts.values())
         self._drift(pool, before, replicas)
@@ -252,8 +235,8 @@ class KubernetesActuator:
             try:
                 self._patch(name, want[domain])
             except Exception as exc:
-                steps.append(DomainScale(domain, name, counts[domain], counts[domain], _why(exc)))
-                error = error or f"{name}: {_why(exc)}"
+                steps.append(DomainScale(domain, name, counts[domain], counts[domain], api_error_text(exc)))
+                error = error or api_error_text(exc)
                 self._undo(pool, adds[domain], drops[domain])
                 continue
             steps.append(DomainScale(domain, name, counts[domain], want[domain]))

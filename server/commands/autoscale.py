@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from server.commands.common import check_log_level, fail, python_log_level
-from server.config import ConfigError, MosaicConfig, load_config
+from server.config import AuthConfig, ConfigError, MosaicConfig, load_config
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -55,6 +55,22 @@ def kubernetes_deployments(cfg: MosaicConfig) -> dict[str, str]:
 def kubernetes_domains(cfg: MosaicConfig) -> dict[str, dict[str, str]]:
     """Pool → {domain → Deployment}: the pools scaled as one Deployment per network domain."""
     return {pool: dict(by) for pool, by in cfg.autoscaler.kubernetes.domains.items()}
+
+
+def observer_config(cfg: MosaicConfig) -> MosaicConfig:
+    """The config of the gateway object this command builds to observe the pools (its registry and discovery,
+    never served): its own in-process controller off (this process is it), no KV peers (it reserves no KV),
+    no API keys (it serves no API: the chart's controller pod has no key Secret, and requiring one made it
+    exit at start-up), and without the pools' vLLM keys (it only reads /health and /metrics, which vLLM
+    does not guard)."""
+    return cfg.model_copy(
+        update={
+            "autoscaler": cfg.autoscaler.model_copy(update={"enabled": False}),
+            "pools": [p.model_copy(update={"api_key_env": None}) for p in cfg.pools],
+            "gateway": cfg.gateway.model_copy(update={"peers": None}),
+            "auth": AuthConfig(),
+        }
+    )
 
 
 def _apps_api(in_cluster: bool | None) -> Any:
@@ -116,9 +132,6 @@ async def standalone(
         def factory(initial: Mapping[str, int]) -> Any:
             return DryRunActuator(initial, keep=a.history)
 
-    # The gateway's registry and discovery, with its own in-process controller off (this process is it),
-    # and without the pools' vLLM keys: it only reads /health and /metrics, which vLLM does not guard.
-    pools = [p.model_copy(update={"api_key_env": None}) for p in cfg.pools]
     # `launch: vllm` pools: their vLLM processes belong to the `mosaic serve` that launched them (on its
     # machine, on ports it picked, scaled by its embedded actuator). This process only observes, so it must
     # not start a second set on GPUs the gateway already allocated: such a pool is listed empty here, and
@@ -127,16 +140,7 @@ async def standalone(
         p.name: StaticSource([]) for p in cfg.pools if p.endpoints.launch is not None
     }
     try:
-        gw = Gateway(
-            cfg.model_copy(
-                update={
-                    "autoscaler": a.model_copy(update={"enabled": False}),
-                    "pools": pools,
-                    "gateway": cfg.gateway.model_copy(update={"peers": None}),  # it reserves no KV
-                }
-            ),
-            sources=passive,
-        )
+        gw = Gateway(observer_config(cfg), sources=passive)
     except ConfigError as exc:  # what only the built gateway checks (e.g. the KV section): one line, exit 2
         fail(str(exc))
     # The controller's own metrics only (mosaic_autoscaler_*, placement, gateway scrapes): the gateway

@@ -205,20 +205,25 @@ def test_kubernetes_controller_patches_deployments_in_the_pod_namespace(
     assert [(a["before"], a["after"], a["applied"]) for a in lines[0]["actions"]] == [(1, 2, True)]
 
 
-def test_controller_needs_no_vllm_key(tmp_path: Path, worker: RunningWorker) -> None:
+def test_controller_needs_no_vllm_key_and_no_api_key(tmp_path: Path, worker: RunningWorker) -> None:
     # the pool's workers want a key the controller's environment does not have: it only reads /health and
-    # /metrics (which vLLM does not guard), so it starts and decides (mosaic serve would exit 2 here)
-    path = _write(
-        tmp_path,
-        _static(
-            {"actuator": "dry-run", "policy": "static:l4=2", "interval_s": 0.2},
-            endpoints={"static": [worker.url]},
-            api_key_env="MOSAIC_TEST_KEY_NOBODY_SET",
-        ),
+    # /metrics (which vLLM does not guard), so it starts and decides (mosaic serve would exit 2 here); and
+    # the gateway's API keys (auth.api_keys_env, which the chart's shared config always names) are not in
+    # its environment either: it serves no API (it exited 2 there, so the chart's controller crash-looped)
+    config = _static(
+        {"actuator": "dry-run", "policy": "static:l4=2", "interval_s": 0.2},
+        endpoints={"static": [worker.url]},
+        api_key_env="MOSAIC_TEST_KEY_NOBODY_SET",
     )
+    config["auth"] = {
+        "api_keys_env": "MOSAIC_TEST_API_KEYS_UNSET",
+        "admin_keys_env": "MOSAIC_TEST_ADMIN_UNSET",
+    }
+    path = _write(tmp_path, config)
     mosaic = ROOT / ".venv" / "bin" / "mosaic"
     cmd = [str(mosaic)] if mosaic.exists() else [sys.executable, "-m", "server.cli"]
-    env = {k: v for k, v in os.environ.items() if k != "MOSAIC_TEST_KEY_NOBODY_SET"}
+    unset = {"MOSAIC_TEST_KEY_NOBODY_SET", "MOSAIC_TEST_API_KEYS_UNSET", "MOSAIC_TEST_ADMIN_UNSET"}
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     proc = subprocess.run(
         [*cmd, "autoscale", "--config", path, "--cycles", "1", "--json"],
         capture_output=True,

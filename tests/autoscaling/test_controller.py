@@ -205,6 +205,6 @@ def test_a_refused_patch_is_recorded_and_retried_next_cycle() -> None:
     api = FakeAppsApi(replicas=1, refuse=True)
     actions, errors = asyncio.run(_kubernetes(api))
     assert [(a["before"], a["after"], a["applied"], a["error"]) for a in actions] == [
-        (1, 1, False, "403 Forbidden")
+        (1, 1, False, "patching deployments/mosaic-dec/scale in namespace llm to 3 replicas: 403 Forbidden")
     ] * 2
     assert errors == 2.0

@@ -455,7 +455,8 @@ def test_an_unreadable_replica_count_is_a_counted_failed_action_and_pins_the_poo
                     "before": 2,
                     "after": 2,
                     "applied": False,
-                    "error": f"replica count unreadable: {status} {reason}",
+                    "error": "replica count unreadable: reading deployments/mosaic-dec/scale in namespace llm: "
+                    f"{status} {reason}",
                 }
             ]
             # pinned at its last known count: the policy wants what it has, the gauge shows no phantom

@@ -79,6 +79,11 @@ from tests.chart.chartkit import render
             "monitoring: scrapeTimeout 61s is longer than interval 1m",
             id="a PodMonitor the operator drops, units compared",
         ),
+        pytest.param(
+            {"config": {"autoscaler": {"enabled": False}}},
+            "config.autoscaler.enabled: false does not stop the controller",
+            id="autoscaling turned off where the controller does not read it: it would scale anyway",
+        ),
     ],
 )
 def test_values_that_break_in_the_cluster_fail_the_render(

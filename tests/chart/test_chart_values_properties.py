@@ -476,7 +476,18 @@ def _check_config(r: Rendered, vals: dict[str, Any]) -> None:
         async def build() -> None:
             gw = Gateway(cfg)
             await gw.stop()
-            if r.find("Deployment", _component(vals, "controller")) is not None:
+            controller = r.find("Deployment", _component(vals, "controller"))
+            if controller is not None:
+                # with the environment the controller's container has, not the gateway's: the key Secret
+                # is only mounted on the gateway (its absence made every default controller exit at start)
+                given = {
+                    e["name"]
+                    for c in controller["spec"]["template"]["spec"]["containers"]
+                    for e in c.get("env") or []
+                }
+                for k in env:
+                    if k not in given:
+                        os.environ.pop(k, None)
                 await _build_controller(cfg)
 
         try:
@@ -545,18 +556,11 @@ async def _build_controller(cfg: Any) -> None:
 
     from scheduler.actuators.dry_run import DryRunActuator
     from server.autoscaler_setup import controller_for
+    from server.commands.autoscale import observer_config
     from server.gateway import Gateway
 
     a = cfg.autoscaler
-    gw = Gateway(
-        cfg.model_copy(
-            update={
-                "autoscaler": a.model_copy(update={"enabled": False}),
-                "pools": [p.model_copy(update={"api_key_env": None}) for p in cfg.pools],
-                "gateway": cfg.gateway.model_copy(update={"peers": None}),
-            }
-        )
-    )
+    gw = Gateway(observer_config(cfg))
     try:
         controller_for(
             cfg,

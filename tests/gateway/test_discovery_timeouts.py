@@ -6,7 +6,9 @@ REST layer replaced by recorded answers (as in tests/scheduler/actuators/test_ac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import RESTResponse
 
+from scheduler.actuators.base import ActuatorCallFailed
 from scheduler.actuators.kubernetes import REQUEST_TIMEOUT_S, KubernetesActuator
 from scheduler.fleet import Role, capacity_for
 from server.config import HealthConfig, KubernetesSource, ScrapeConfig, validate_config
@@ -27,6 +30,7 @@ from server.discovery import (
     KubernetesDiscovery,
     NodeLabelCache,
     api_lister,
+    load_kubernetes_config,
 )
 from server.metrics import GatewayMetrics
 from server.registry import PoolInfo, Registry
@@ -135,7 +139,64 @@ def test_a_hung_actuator_call_is_reported_not_raised(api: RecordedApi) -> None:
         "d", 3, now=0.0
     )
     assert (action.applied, action.before, action.after) == (False, -1, -1)
-    assert action.error == "ReadTimeoutError"
+    assert action.error == (
+        "reading deployments/vllm-d/scale in namespace llm: ReadTimeoutError: "
+        "None: Read timed out. (read timeout=20.0)"
+    )
+
+
+@pytest.fixture
+def silent_api_server() -> Iterator[tuple[str, list[socket.socket]]]:
+    """An "API server" on 127.0.0.1 that accepts connections and never answers; yields its URL and the
+    connections it accepted."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # closed at the end
+            while True:
+                accepted.append(srv.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}", accepted
+    srv.close()
+    for conn in accepted:
+        conn.close()
+
+
+def test_a_hung_api_server_costs_one_read_timeout_not_four(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, silent_api_server: tuple[str, list[socket.socket]]
+) -> None:
+    """Through the real config loading and REST layer: urllib3's default Retry(3) re-sent a GET whose read
+    timed out three more times, so one call on a hung API server took 4 × its read timeout (80 s with the
+    actuator's 20 s), blocking the controller's cycle and the discovery thread that long."""
+    url, accepted = silent_api_server
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps(kubeconfig))
+    from kubernetes.config import kube_config
+
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(path))  # $KUBECONFIG, read at import
+    saved = client.Configuration._default  # the process-wide default the loader sets: restored after
+    try:
+        apps = load_kubernetes_config(False, "the test").AppsV1Api()
+        actuator = KubernetesActuator(apps, "llm", {"d": "vllm-d"}, request_timeout=(2.0, 0.5))
+        started = time.monotonic()
+        with pytest.raises(ActuatorCallFailed, match=r"^reading deployments/vllm-d/scale in namespace llm: "):
+            actuator.replicas("d")
+        elapsed = time.monotonic() - started
+    finally:
+        client.Configuration.set_default(saved)
+    assert 0.5 <= elapsed < 1.5, elapsed  # one read timeout; the four tries took 2.0 s
+    assert len(accepted) == 1
 
 
 def test_a_hung_listing_times_out_and_a_second_is_not_stacked_behind_it(api: RecordedApi) -> None:

@@ -654,6 +654,9 @@ config; kubernetes is the chart's default whether or not the controller runs. */
 {{- end }}
 {{- /* The controller (`mosaic autoscale`) scales each pool's Deployment, <fullname>-<pool>, in this namespace. */}}
 {{- if $root.Values.controller.enabled }}
+{{- if and (hasKey ($cfg.autoscaler | default dict) "enabled") (not $cfg.autoscaler.enabled) }}
+{{- fail "config.autoscaler.enabled: false does not stop the controller (`mosaic autoscale` scales the pools whatever it says); set controller.enabled: false to turn autoscaling off" }}
+{{- end }}
 {{- $as := deepCopy (default (dict) $cfg.autoscaler) }}
 {{- /* A pool with domains is one Deployment per domain: autoscaler.kubernetes.domains, pool → {domain → Deployment}. */}}
 {{- $deployments := dict }}

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from scheduler.actuators.base import ActuatorCallFailed
 from scheduler.actuators.dry_run import DryRunActuator
 from scheduler.actuators.kubernetes import KubernetesActuator
 
@@ -29,6 +30,21 @@ class _Recorded:
 
     def getheader(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name, default)
+
+
+def _forbidden(method: str, name: str) -> dict[str, Any]:
+    """The API server's 403 `Status` for the controller's service account without RBAC for the call."""
+    verb = "get" if method == "GET" else "patch"
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": f'deployments.apps "{name}" is forbidden: User "system:serviceaccount:llm:mosaic-controller" '
+        f'cannot {verb} resource "deployments/scale" in API group "apps" in the namespace "llm"',
+        "reason": "Forbidden",
+        "details": {"name": name, "group": "apps", "kind": "deployments"},
+        "code": 403,
+    }
 
 
 def _scale_object(name: str, replicas: int) -> dict[str, Any]:
@@ -62,7 +78,7 @@ def k8s() -> Any:
         if name in forbidden:
             from kubernetes.client.rest import RESTResponse
 
-            return RESTResponse(_Recorded(403, {"kind": "Status", "reason": "Forbidden", "code": 403}))
+            return RESTResponse(_Recorded(403, _forbidden(method, name)))
         if method == "PATCH":
             state[name] = body["spec"]["replicas"]
         from kubernetes.client.rest import RESTResponse
@@ -101,10 +117,16 @@ def test_kubernetes_actuator_same_count_sends_no_patch(k8s: Any) -> None:
 def test_kubernetes_actuator_reports_refusal_without_raising(k8s: Any) -> None:
     apps, _, _ = k8s
     actuator = KubernetesActuator(apps, "llm", {"p": "vllm-forbidden"})
-    with pytest.raises(client.ApiException):
+    # the error names the Deployment, the namespace and the API server's reason (here RBAC's), which an
+    # operator needs to fix it
+    with pytest.raises(ActuatorCallFailed) as raised:
         actuator.replicas("p")
+    assert str(raised.value) == (
+        "reading deployments/vllm-forbidden/scale in namespace llm: 403 Forbidden: "
+        + _forbidden("GET", "vllm-forbidden")["message"]
+    )
     action = actuator.scale("p", 3, now=5.0)
-    assert (action.applied, action.error) == (False, "403 Forbidden")
+    assert (action.applied, action.error) == (False, str(raised.value))
     with pytest.raises(KeyError, match="no Deployment configured"):
         actuator.scale("unknown", 1, now=0.0)
 

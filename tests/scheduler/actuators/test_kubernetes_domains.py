@@ -13,9 +13,10 @@ from kubernetes.client.rest import RESTResponse
 
 from placement.profiles import Role
 from placement.topology import InstanceKind
+from scheduler.actuators.base import ActuatorCallFailed
 from scheduler.actuators.kubernetes import DomainScale, KubernetesActuator, PlacedScaleAction
 from scheduler.topology import Inventory, TopologyPlacer
-from tests.scheduler.actuators.test_actuators import _Recorded, _scale_object
+from tests.scheduler.actuators.test_actuators import _forbidden, _Recorded, _scale_object
 
 BASE = "https://k8s.test/apis/apps/v1/namespaces/llm/deployments"
 DOMAINS = {
@@ -60,7 +61,7 @@ class Cluster:
         name = path[len(BASE) + 1 : -len("/scale")]
         self.calls.append((method, name, body["spec"]["replicas"] if body else None))
         if name in self.forbid_all or (method == "PATCH" and name in self.forbid_patch):
-            return RESTResponse(_Recorded(403, {"kind": "Status", "reason": "Forbidden", "code": 403}))
+            return RESTResponse(_Recorded(403, _forbidden(method, name)))
         if method == "PATCH":
             self.replicas[name] = body["spec"]["replicas"]
         return RESTResponse(_Recorded(200, _scale_object(name, self.replicas[name])))
@@ -219,10 +220,14 @@ def test_a_refused_patch_is_reported_and_only_what_applied_is_placed(cluster: An
     actuator.assign_nodes("d", [("l2", "rack-2"), ("l2", "rack-2"), ("l1", "rack-1")])
     action = actuator.scale("d", 4, now=5.0)
     assert (action.before, action.after, action.applied) == (1, 2, False)
-    assert action.error == "mosaic-d-rack-2: 403 Forbidden"
+    refused = (
+        "patching deployments/mosaic-d-rack-2/scale in namespace llm to 2 replicas: 403 Forbidden: "
+        + _forbidden("PATCH", "mosaic-d-rack-2")["message"]
+    )
+    assert action.error == refused
     assert action.domains == (
         DomainScale("rack-1", "mosaic-d-rack-1", 1, 2),
-        DomainScale("rack-2", "mosaic-d-rack-2", 0, 0, "403 Forbidden"),
+        DomainScale("rack-2", "mosaic-d-rack-2", 0, 0, refused),
     )
     assert len(placer.instances("d")) == 2 and _nodes(placer)["l2"] == []
     # the next cycle reads 2 and may retry with fresh nodes
@@ -240,7 +245,8 @@ def test_a_refused_scale_in_puts_the_slot_back(cluster: Any) -> None:
         3,
         3,
         False,
-        "mosaic-d-rack-2: 403 Forbidden",
+        "patching deployments/mosaic-d-rack-2/scale in namespace llm to 0 replicas: 403 Forbidden: "
+        + _forbidden("PATCH", "mosaic-d-rack-2")["message"],
     )
     assert len(placer.instances("d")) == 3 and len(_nodes(placer)["l2"]) == 1
 
@@ -249,10 +255,14 @@ def test_an_unreadable_deployment_is_reported_without_raising(cluster: Any) -> N
     c = cluster(p_rack_1=1, p_rack_2=0, d_rack_1=1, d_rack_2=0)
     c.forbid_all.add("mosaic-d-rack-2")
     actuator = KubernetesActuator(c.apps, "llm", {}, DOMAINS, _placer())
-    with pytest.raises(client.ApiException):
+    with pytest.raises(ActuatorCallFailed) as raised:
         actuator.replicas("d")  # the controller logs it and leaves the pool unmanaged this cycle
+    assert str(raised.value) == (
+        "reading deployments/mosaic-d-rack-2/scale in namespace llm: 403 Forbidden: "
+        + _forbidden("GET", "mosaic-d-rack-2")["message"]
+    )
     action = actuator.scale("d", 3, now=0.0)
-    assert (action.before, action.after, action.applied, action.error) == (-1, -1, False, "403 Forbidden")
+    assert (action.before, action.after, action.applied, action.error) == (-1, -1, False, str(raised.value))
     assert c.patches() == []
 
 
