@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,6 +43,18 @@ from placement.topology import (
 )
 
 
+def pool_gpus(pools: Iterable[Any], catalog: Catalog) -> set[str]:
+    """The catalog names of the GPUs `pools` (anything with a `.gpu`) run on; an unknown name as given (the
+    pools' own validation refuses it)."""
+    names = set()
+    for p in pools:
+        try:
+            names.add(catalog.gpu(p.gpu).name)
+        except CatalogError:
+            names.add(str(p.gpu))
+    return names
+
+
 @dataclass(frozen=True, slots=True)
 class Inventory:
     """A node inventory as `mosaic plan --nodes` reads it (`placement.topology.nodes_from_dict`)."""
@@ -52,8 +64,16 @@ class Inventory:
     same_domain: Literal["prefer", "require"] = "prefer"
 
     @classmethod
-    def from_data(cls, data: object, origin: str = "<nodes>") -> Inventory:
-        nodes, cap, same = nodes_from_dict(data, origin)  # names unique, 0 ≤ used ≤ gpus
+    def from_data(
+        cls,
+        data: object,
+        origin: str = "<nodes>",
+        catalog: Catalog | None = None,
+        known_gpus: Collection[str] | None = None,
+    ) -> Inventory:
+        """Given `known_gpus` (the pools' GPUs), a node GPU neither in the catalog nor among them is refused
+        as a typo, as `mosaic plan --nodes` refuses it (else its nodes would only read as "no free GPUs")."""
+        nodes, cap, same = nodes_from_dict(data, origin, catalog, known_gpus)  # names unique, 0 ≤ used ≤ gpus
         return cls(tuple(nodes), cap, "require" if same == "require" else "prefer")
 
     def in_catalog_names(self, catalog: Catalog) -> Inventory:

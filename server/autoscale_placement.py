@@ -40,7 +40,7 @@ from placement.catalog import Catalog
 from placement.profiles import Role, read_structured
 from placement.topology import InstanceKind, TopologyError
 from scheduler.autoscaler.signals import PoolSpec
-from scheduler.topology import Inventory, TopologyPlacer
+from scheduler.topology import Inventory, TopologyPlacer, pool_gpus
 from server.config import ConfigError, MosaicConfig
 
 log = logging.getLogger("mosaic.autoscaler")
@@ -57,7 +57,7 @@ def config_inventory(config: MosaicConfig, catalog: Catalog) -> Inventory | None
         path = config.resolve_path(spec)
         data, origin = read_structured(path, ConfigError), f"autoscaler.nodes: {path}"
     try:
-        inventory = Inventory.from_data(data, origin)
+        inventory = Inventory.from_data(data, origin, catalog, pool_gpus(config.pools, catalog))
     except TopologyError as exc:
         raise ConfigError(str(exc)) from None
     return inventory.in_catalog_names(catalog)

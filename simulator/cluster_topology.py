@@ -25,7 +25,7 @@ from typing import Any
 from placement.catalog import Catalog
 from placement.profiles import Role
 from placement.topology import InstanceKind, TopologyError
-from scheduler.topology import Inventory, TopologyPlacer
+from scheduler.topology import Inventory, TopologyPlacer, pool_gpus
 from simulator.cluster_config import FleetConfig, FleetConfigError
 
 
@@ -34,7 +34,7 @@ def fleet_inventory(fleet: FleetConfig, catalog: Catalog) -> Inventory | None:
     if fleet.nodes is None:
         return None
     try:
-        inventory = Inventory.from_data(fleet.nodes, "nodes")
+        inventory = Inventory.from_data(fleet.nodes, "nodes", catalog, pool_gpus(fleet.pools, catalog))
     except TopologyError as exc:
         raise FleetConfigError(str(exc)) from None
     return inventory.in_catalog_names(catalog)

@@ -79,6 +79,11 @@ def _static(autoscaler: dict[str, Any], **pool: Any) -> dict[str, Any]:
             id="kubernetes actuator outside a cluster, no kubeconfig",
         ),
         pytest.param(
+            _static({"actuator": "dry-run", "nodes": {"nodes": [{"name": "h1", "gpu": "B200", "gpus": 8}]}}),
+            "autoscaler.nodes: nodes[0] (h1): GPU 'B200' is neither in the catalog nor offered (L4)",
+            id="a node GPU neither in the catalog nor run by a pool: a typo, not a shortage (exited 0)",
+        ),
+        pytest.param(
             {**_static({"actuator": "dry-run"}), "slo": {"tpot_ms": 1}},
             "cannot decode llama-3-8b within TPOT 1 ms: one sequence's decode step takes",
             id="a pool that cannot meet the TPOT SLO at all",

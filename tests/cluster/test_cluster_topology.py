@@ -140,6 +140,20 @@ def test_initial_replicas_that_do_not_fit_are_a_config_error() -> None:
         simulate(fleet, [])
 
 
+def test_a_node_gpu_no_pool_runs_and_the_catalog_lacks_is_refused_as_a_typo() -> None:
+    """As `mosaic plan --nodes` refuses it; it read as "not enough free GPUs" for the pools' GPUs."""
+    nodes = {"nodes": [*NODES["nodes"], {"name": "h9", "gpu": "H1OO", "gpus": 8, "domain": "rack-a"}]}
+    with pytest.raises(
+        FleetConfigError,
+        match=r"^nodes: nodes\[\d+\] \(h9\): GPU 'H1OO' is neither in the catalog nor offered "
+        r"\(A100-80GB, H100-SXM\)$",
+    ):
+        simulate({**FLEET, "nodes": nodes}, [])
+    # a GPU the catalog knows is kept though no pool runs it (a shared cluster's other nodes)
+    known = {"nodes": [*NODES["nodes"], {"name": "l9", "gpu": "L4", "gpus": 8, "domain": "rack-a"}]}
+    simulate({**FLEET, "nodes": known}, [])
+
+
 def test_same_seed_same_topology() -> None:
     a, _ = simulate(FLEET, burst(800, 20, seed=5))
     b, _ = simulate(FLEET, burst(800, 20, seed=5))

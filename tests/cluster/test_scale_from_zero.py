@@ -87,3 +87,21 @@ def test_without_a_policy_nothing_waits_for_an_empty_pool() -> None:
     parsed = parse_fleet(fleet(1, 0))
     result = ClusterSimulator(parsed, None, "fixed").run(five_per_second(20))
     assert result.failed == {"wrong_role": 100}
+
+
+def test_idle_pools_go_to_zero_and_come_back() -> None:
+    """`min_replicas: 0` pools go to zero once the load has stopped for a scale-down window (the smoothed
+    demand only decays, and its remainder rounded up to one instance kept each pool at 1 for ever), and
+    come back for the next request, which is served."""
+    reqs = [*five_per_second(60), SimRequest(1805.0, 512, 64)]
+    _, result = run(fleet(1, 1), reqs)
+    assert result.failed == {} and len(result.completed) == 301
+    for pool in ("prefill-h100", "decode-a100"):
+        events = [e for e in result.scale_events if e["pool"] == pool]
+        to_zero = [e["t"] for e in events if e["after"] == 0]
+        back = [e["t"] for e in events if e["before"] == 0 and e["after"] > 0]
+        assert len(to_zero) == 1 and len(back) == 1, events
+        # not before a scale-down window (300 s) of idle recommendations after the load ended at ~60 s
+        assert 60 + 300 <= to_zero[0] < 1805 and back[0] == 1815.0
+    # the idle stretch is billed for neither pool: about an hour less than two pools at one instance
+    assert sum(result.instance_seconds.values()) / 3600 < 0.6

@@ -325,6 +325,24 @@ def test_a_one_interval_spike_is_smoothed_but_a_sustained_rise_buys_at_once() ->
     assert got["raw"] == [4, 5, 5]  # the unsmoothed signal buys on the first sample
 
 
+def test_an_idle_pool_at_min_zero_reaches_zero_and_a_lone_idle_interval_removes_nothing() -> None:
+    """The smoothed level only decays (0.7 per cycle) and any remainder rounds up to one instance: an idle
+    `min_replicas: 0` pool stayed at 1 for ever. An idle interval (no token, no arrival, nothing waiting)
+    recommends 0; the scale-down window still holds the capacity the load before it needed."""
+    cfg = AutoscalerConfig(utilization_target=0.8, scale_down_window_s=60, max_scale_down_fraction=1.0)
+    policy = MosaicAutoscaler([decode_pool(lo=0)], cfg)
+
+    def step(t: float, ready: int, load: float) -> int:
+        return policy.decide(obs(t, **{"d-a100": po(ready, load)})).targets["d-a100"]
+
+    assert step(0, 2, 1600) == 2  # 1,600 / 800
+    assert step(15, 2, 0) == 2  # one idle interval: the window (60 s) holds 2
+    assert step(30, 2, 1600) == 2  # and the load resumes on its smoothed level
+    targets = {t: step(t, 2, 0.0) for t in range(45, 200, 15)}
+    # the last loaded recommendation (30 s) leaves the window after 90 s: zero at the next cycle, not 1
+    assert targets[90] == 2 and targets[105] == 0 and set(targets.values()) == {0, 2}
+
+
 def test_backlog_acts_at_once_through_the_smoothing() -> None:
     cfg = AutoscalerConfig(utilization_target=0.8, queue_drain_s=30, default_output_tokens=200)
     policy = MosaicAutoscaler([decode_pool()], cfg)
