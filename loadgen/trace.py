@@ -65,6 +65,13 @@ class ReadStats:
     def dropped_total(self) -> int:
         return sum(self.dropped.values())
 
+    def why_empty(self) -> str:
+        """Why a read gave no request, for an error line: "is empty", or which rows were left out and why."""
+        if self.rows == 0:
+            return "is empty"
+        reasons = ", ".join(f"{why} {n}" for why, n in sorted((self.dropped + self.skipped).items()))
+        return f"has {self.rows} row(s), all left out" + (f" ({reasons})" if reasons else "")
+
     def as_dict(self) -> dict[str, object]:
         return {
             "rows": self.rows,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -27,6 +28,19 @@ class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"
+
+
+def prefill_only_models(pools: Iterable[tuple[str, str, str]]) -> dict[str, list[str]]:
+    """Models whose every pool is a prefill pool, each with its pools' names, from (name, model, role) per
+    pool: a config mistake (a prefill worker only prefills; nothing could finish a request), refused at
+    load by the gateway's config and the simulator's fleet."""
+    by_model: dict[str, list[str]] = {}
+    finishing: set[str] = set()
+    for name, model, role in pools:
+        by_model.setdefault(model, []).append(name)
+        if role != Role.PREFILL:
+            finishing.add(model)
+    return {model: names for model, names in by_model.items() if model not in finishing}
 
 
 class WorkerState(StrEnum):

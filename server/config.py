@@ -46,6 +46,7 @@ from placement.textfiles import parse_yaml, read_text
 from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
 from scheduler.autoscaler.policy import AutoscalerConfig as PolicyConfig
 from scheduler.autoscaler.signals import PoolSpec
+from scheduler.fleet import prefill_only_models
 from scheduler.kv.config import KvConfig
 from scheduler.routing.config import RoutingConfig, RoutingConfigError
 from server.vllm_pool import LaunchVllmConfig
@@ -372,7 +373,14 @@ class AutoscalerConfig(_Strict):
         if not flat:
             return data
         rest = {k: v for k, v in data.items() if k not in names}
-        return {**rest, "knobs": {**flat, **(rest.get("knobs") or {})}}
+        nested = rest.get("knobs") or {}
+        both = sorted(k for k in flat if isinstance(nested, dict) and k in nested and nested[k] != flat[k])
+        if both:  # which one wins would be a guess
+            raise ValueError(
+                f"{both[0]} is set both under autoscaler ({flat[both[0]]!r}) and under autoscaler.knobs "
+                f"({nested[both[0]]!r}); give it once"
+            )
+        return {**rest, "knobs": {**flat, **nested}}
 
     @field_validator("policy")
     @classmethod
@@ -392,7 +400,7 @@ class AutoscalerConfig(_Strict):
     @field_validator("knobs")
     @classmethod
     def _knobs(cls, knobs: dict[str, Any]) -> dict[str, Any]:
-        policy_knobs(knobs)
+        PolicyConfig.from_knobs(knobs)
         return knobs
 
     @model_validator(mode="after")
@@ -411,19 +419,7 @@ class AutoscalerConfig(_Strict):
             "ttft_slo_s": slo.ttft_ms / 1e3 if slo.ttft_ms else None,
             "tpot_slo_s": slo.tpot_ms / 1e3 if slo.tpot_ms else None,
         }
-        return policy_knobs({**slos, **self.knobs})
-
-
-def policy_knobs(knobs: dict[str, Any]) -> PolicyConfig:
-    """`knobs` → the policy's config; ValueError naming the knob on an unknown name or a bad value."""
-    valid = [f.name for f in dataclasses.fields(PolicyConfig)]
-    for key in knobs:
-        if key not in valid:
-            raise ValueError(f"unknown knob {key!r}; valid: {', '.join(valid)}")
-    try:
-        return PolicyConfig(**knobs)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(str(exc)) from None
+        return PolicyConfig.from_knobs({**slos, **self.knobs})
 
 
 class CorsConfig(_Strict):
@@ -526,6 +522,13 @@ class MosaicConfig(_Strict):
                 f"models.{resolving[1]}.lora_resolver",
                 "only one model may resolve LoRA adapters on demand: the gateway could not tell which model "
                 "an unknown name belongs to",
+            )
+        for model, names in prefill_only_models((p.name, p.model, p.role) for p in self.pools).items():
+            i = next(i for i, p in enumerate(self.pools) if p.name == names[0])
+            raise _FieldError(
+                f"pools.{i}.role",
+                f"model {model!r} has only prefill pools ({', '.join(names)}): a prefill worker does not "
+                "finish a request; add a decode or mixed pool",
             )
         _check_launch_gpus(self)
         for i, pool in enumerate(self.pools):

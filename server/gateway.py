@@ -213,6 +213,12 @@ class Gateway:
                 config.gateway.peers, self.ledger, config.gateway.replicas, self.metrics.registry, clock
             )
         # `autoscaler.enabled` with the embedded or dry-run actuator: the controller runs in this process.
+        if config.autoscaler.enabled and not in_process(config):
+            log.warning(
+                "autoscaler.actuator %s runs in `mosaic autoscale` (the Helm chart's controller), not in this "
+                "gateway: nothing here scales the pools",
+                config.autoscaler.actuator,
+            )
         self.autoscaler: AutoscalerController | None = (
             in_process_controller(self) if in_process(config) else None
         )

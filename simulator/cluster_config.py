@@ -30,7 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from placement.catalog import Catalog, CatalogError, load_catalog
 from placement.perf_model import PerfModel
@@ -40,6 +40,7 @@ from scheduler.autoscaler.capacity import decode_tps_within_slo as decode_tps_wi
 from scheduler.autoscaler.capacity import instance_capacity, no_decode_reason
 from scheduler.autoscaler.policy import AutoscalerConfig
 from scheduler.autoscaler.signals import PoolSpec
+from scheduler.fleet import prefill_only_models
 
 
 class FleetConfigError(ValueError):
@@ -131,13 +132,27 @@ class FleetConfig(_Strict):
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError("pool names must be unique")
+        for model, only in prefill_only_models(
+            (p.name, p.model or self.model, p.role) for p in self.pools
+        ).items():
+            raise ValueError(
+                f"model {model!r} has only prefill pools ({', '.join(only)}): a prefill instance does not "
+                "finish a request; add a decode or mixed pool"
+            )
         return self
+
+    @field_validator("autoscaler")
+    @classmethod
+    def _knobs(cls, knobs: dict[str, Any]) -> dict[str, Any]:
+        """Checked when the file is read, so the error names it and the knob (valid ones listed)."""
+        AutoscalerConfig.from_knobs(knobs)
+        return knobs
 
     def autoscaler_config(self) -> AutoscalerConfig:
         data = {"ttft_slo_s": self.slo.ttft_ms / 1e3, "tpot_slo_s": self.slo.tpot_ms / 1e3, **self.autoscaler}
         try:
-            return AutoscalerConfig(**data)
-        except (TypeError, ValueError) as exc:
+            return AutoscalerConfig.from_knobs(data)
+        except ValueError as exc:
             raise FleetConfigError(f"autoscaler: {exc}") from None
 
 
@@ -174,6 +189,9 @@ def pool_specs(fleet: FleetConfig, catalog: Catalog | None = None, context: int 
             gpu, model = cat.gpu(pool.gpu), cat.model(pool.model or fleet.model)
         except CatalogError as exc:
             raise FleetConfigError(f"pool {pool.name}: {exc}") from None
+        tp_error = model.tp_error(pool.tp)  # vLLM would not start such an instance (its own check and words)
+        if tp_error is not None:
+            raise FleetConfigError(f"pool {pool.name}: tp {pool.tp}: {tp_error}")
         perf = PerfModel(gpu, model, pool.tp)
         kv_tokens = (
             fleet.engine.num_gpu_blocks

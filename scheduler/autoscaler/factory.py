@@ -51,10 +51,14 @@ def _static_counts(
         name: min(max(n, bounds[name][0]), bounds[name][1]) if name in bounds else n
         for name, n in initial.items()
     }
+    given: set[str] = set()
     for item in filter(None, arg.split(",")):
         pool, eq, n = item.partition("=")
         if pool not in counts:
             raise PolicyError(f"static policy: unknown pool {pool!r}; pools: {', '.join(counts)}")
+        if pool in given:  # which count wins would be a guess
+            raise PolicyError(f"policy {spec!r}: bad parameter: pool {pool!r} is given twice")
+        given.add(pool)
         text = n.strip()
         # an integer ≥ 0: no sign, no fraction, no nan/inf
         if not eq or not (text.isascii() and text.isdigit()):

@@ -127,6 +127,19 @@ class AutoscalerConfig:
             if value is not None and value <= 0:  # divisors, or latencies that every request would breach
                 raise ValueError(f"{name} must be > 0, got {value}")
 
+    @classmethod
+    def from_knobs(cls, knobs: Mapping[str, object]) -> AutoscalerConfig:
+        """The config from user-given knobs (a config file's `autoscaler.knobs`, a fleet file's `autoscaler:`);
+        ValueError naming the knob on an unknown name (with the valid ones) or a bad value."""
+        valid = [f.name for f in fields(cls)]
+        for key in knobs:
+            if key not in valid:
+                raise ValueError(f"unknown knob {key!r}; valid: {', '.join(valid)}")
+        try:
+            return cls(**knobs)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+
 
 class MosaicAutoscaler:
     """Implements `ScalingPolicy`. Holds only its recommendation history (for the scale-down window)."""

@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
         except (TraceError, ValueError) as exc:
             fail(str(exc))
         if first is None:
-            fail(f"the trace has no requests: {trace} is empty")
+            fail(f"the trace has no requests: {trace} {source.stats.why_empty()}")
         started = time.perf_counter()
         try:
             result = sim.run(itertools.chain((first,), arrivals))
@@ -109,7 +109,7 @@ def summary_table(report: dict) -> Table:
         (
             "simulated time",
             f"{report['simulated_s']:.0f} s in {report['wall_s']:.1f} s wall "
-            f"({report['sim_requests_per_wall_s']} req/s)",
+            f"(simulated {report['sim_requests_per_wall_s']:,.0f} requests per wall-clock second)",
         ),
         (
             "SLO attainment",

@@ -176,3 +176,63 @@ def test_policy_knobs_that_would_fail_every_cycle_are_refused_at_load(
     with pytest.raises(ConfigError) as caught:
         validate_config(config)
     assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_knob_given_twice_with_two_values_is_refused() -> None:
+    """Flat under `autoscaler:` and under `autoscaler.knobs:`: `knobs` won silently."""
+    from server.config import ConfigError, validate_config
+
+    autoscaler = {"actuator": "dry-run", "utilization_target": 0.6, "knobs": {"utilization_target": 0.5}}
+    with pytest.raises(ConfigError) as caught:
+        validate_config({"pools": [KNOB_POOL], "autoscaler": autoscaler})
+    assert str(caught.value) == (
+        "config: autoscaler: utilization_target is set both under autoscaler (0.6) and under autoscaler.knobs "
+        "(0.5); give it once"
+    )
+    autoscaler["knobs"] = {"utilization_target": 0.6}  # the same value twice is no conflict
+    assert validate_config({"pools": [KNOB_POOL], "autoscaler": autoscaler}).autoscaler.knobs == {
+        "utilization_target": 0.6
+    }
+
+
+def test_a_fleet_files_misspelt_knob_names_the_file_and_the_valid_knobs(tmp_path: Any) -> None:
+    """It was `autoscaler: AutoscalerConfig.__init__() got an unexpected keyword argument ...`."""
+    from simulator.cluster_config import FleetConfigError, load_fleet
+
+    path = tmp_path / "fleet.yaml"
+    path.write_text(
+        "model: llama-3-8b\nautoscaler: {utilisation_target: 0.5}\n"
+        "pools: [{name: l4, gpu: L4, role: mixed, replicas: 1}]\n"
+    )
+    with pytest.raises(FleetConfigError) as caught:
+        load_fleet(path)
+    message = str(caught.value)
+    assert message.startswith(
+        f"{path}: autoscaler: unknown knob 'utilisation_target'; valid: utilization_target, "
+    )
+    assert "\n" not in message
+
+
+def test_serve_says_when_its_autoscaler_runs_elsewhere(caplog: pytest.LogCaptureFixture) -> None:
+    """`enabled: true` with the kubernetes actuator in `mosaic serve` scales nothing here: it says so."""
+    from server.config import validate_config
+    from server.gateway import Gateway
+
+    cfg = validate_config(
+        {
+            "pools": [KNOB_POOL],
+            "autoscaler": {
+                "enabled": True,
+                "actuator": "kubernetes",
+                "kubernetes": {"deployments": {KNOB_POOL["name"]: "d"}},
+            },
+        }
+    )
+    with caplog.at_level("WARNING", logger="mosaic.gateway"):
+        gw = Gateway(cfg)
+    asyncio.run(gw.stop())
+    assert gw.autoscaler is None
+    assert [r.getMessage() for r in caplog.records if r.name == "mosaic.gateway"] == [
+        "autoscaler.actuator kubernetes runs in `mosaic autoscale` (the Helm chart's controller), not in this "
+        "gateway: nothing here scales the pools"
+    ]

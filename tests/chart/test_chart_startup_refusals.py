@@ -142,11 +142,6 @@ def test_the_lease_rule_takes_the_loaders_defaults(chart: helm.Chart, tmp_path: 
             "config.autoscaler.backlog_lead_s",
             id="zero",
         ),
-        pytest.param(
-            {"backlog_lead_s": 0, "knobs": {"backlog_lead_s": 5}},
-            "config.autoscaler.knobs.backlog_lead_s",
-            id="knobs win over flat",
-        ),
     ],
 )
 def test_a_backlog_lead_without_a_cold_start_is_refused(
@@ -165,7 +160,9 @@ def test_a_backlog_lead_without_a_cold_start_is_refused(
         pytest.param({"backlog_lead_s": 30, "cold_start_s": 120}, id="with a cold start"),
         pytest.param({"knobs": {"backlog_lead_s": 30}, "cold_start_s": 0.5}, id="knobs, with a cold start"),
         pytest.param({"backlog_lead_s": 0}, id="lead off"),
-        pytest.param({"backlog_lead_s": 30, "knobs": {"backlog_lead_s": 0}}, id="knobs turn it off"),
+        pytest.param(
+            {"backlog_lead_s": 30, "knobs": {"backlog_lead_s": 30}, "cold_start_s": 60}, id="twice, once"
+        ),
     ],
 )
 def test_a_backlog_lead_with_a_cold_start_renders_and_loads(
@@ -173,6 +170,22 @@ def test_a_backlog_lead_with_a_cold_start_renders_and_loads(
 ) -> None:
     assert _gateway_accepts({"autoscaler": autoscaler})
     _loads(chart, {"pools": [POOL], "config": {"autoscaler": autoscaler}}, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "autoscaler",
+    [
+        pytest.param({"backlog_lead_s": 0, "knobs": {"backlog_lead_s": 5}}, id="lead on in knobs"),
+        pytest.param({"backlog_lead_s": 30, "knobs": {"backlog_lead_s": 0}}, id="lead off in knobs"),
+        pytest.param({"utilization_target": 0.6, "knobs": {"utilization_target": 0.5}}, id="target"),
+    ],
+)
+def test_a_knob_set_twice_with_two_values_is_refused(chart: helm.Chart, autoscaler: dict[str, Any]) -> None:
+    """The loader refuses it (which one wins would be a guess; `knobs` used to, silently)."""
+    message = _refusal(chart, {"pools": [POOL], "config": {"autoscaler": autoscaler}})
+    knob = next(iter(autoscaler["knobs"]))
+    assert f"config.autoscaler.{knob} is set both under autoscaler (" in message
+    assert not _gateway_accepts({"autoscaler": autoscaler})
 
 
 # ---- 3. autoscaler policy knobs out of range ----

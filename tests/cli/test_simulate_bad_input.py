@@ -31,6 +31,20 @@ def test_an_empty_trace_is_refused_up_front(tmp_path: Path) -> None:
     assert lines == [f"error: the trace has no requests: {trace} is empty"]
 
 
+def test_a_trace_whose_every_row_is_left_out_says_so_not_empty(tmp_path: Path) -> None:
+    trace = tmp_path / "zeros.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,100,0\n2023-11-16 18:15:47.6805900,0,10\n"
+    )
+    code, _, lines = simulate("--trace", str(trace), "--fleet", str(FLEET), "--policy", "fixed")
+    assert code == 2
+    assert lines == [
+        f"error: the trace has no requests: {trace} has 2 row(s), all left out "
+        "(zero_input_tokens 1, zero_output_tokens 1)"
+    ]
+
+
 def test_a_step_budget_below_max_num_seqs_names_the_field(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(FLEET.read_text() + "engine: {max_num_batched_tokens: 8}\n")
@@ -167,11 +181,38 @@ POOLS = "pools:\n  - {name: decode-a100, gpu: A100-80GB, role: mixed, %s}\n"
     ],
 )
 def test_bad_pool_counts_in_the_fleet_file_exit_2(tmp_path: Path, pool: str, message: str) -> None:
+    fleet, lines = refused_fleet(tmp_path, POOLS % pool)
+    assert lines == [f"error: {fleet}: {message}"]
+
+
+def refused_fleet(tmp_path: Path, text: str) -> tuple[Path, list[str]]:
+    """`mosaic simulate` over a fleet file of `text`: exit 2; the file and the output's lines."""
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(POOLS % pool)
+    fleet.write_text(text)
     code, _, lines = simulate("--trace", SYNTH, "--fleet", str(fleet), "--policy", "fixed")
     assert code == 2
-    assert lines == [f"error: {fleet}: {message}"]
+    return fleet, lines
+
+
+@pytest.mark.parametrize(
+    ("pools", "message"),
+    [
+        pytest.param(
+            "  - {name: p, gpu: H100, role: prefill, replicas: 1}\n",
+            "{fleet}: (top level): model 'llama-3-8b' has only prefill pools (p): a prefill instance does not "
+            "finish a request; add a decode or mixed pool",
+            id="prefill pools only: every request failed wrong_role",
+        ),
+        pytest.param(
+            "  - {name: d, gpu: L4, role: mixed, replicas: 1, tp: 3}\n",
+            "pool d: tp 3: Total number of attention heads (32) must be divisible by tensor parallel size (3).",
+            id="a tp vLLM refuses: it was simulated and billed as 3 GPUs",
+        ),
+    ],
+)
+def test_fleets_vllm_could_not_run_exit_2(tmp_path: Path, pools: str, message: str) -> None:
+    fleet, lines = refused_fleet(tmp_path, "model: llama-3-8b\npools:\n" + pools)
+    assert lines == ["error: " + message.format(fleet=fleet)]
 
 
 def test_exponents_without_a_dot_are_numbers_in_the_fleet_file(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ def build(spec: str, check_bounds: bool = True) -> object:
          "min_replicas..max_replicas (1..4)"),
         ("static:dec=0", "the count of pool 'dec' (0) is outside its min_replicas..max_replicas (1..4)"),
         ("static:other=1", "static policy: unknown pool 'other'; pools: dec"),
+        ("static:dec=2,dec=3", "policy 'static:dec=2,dec=3': bad parameter: pool 'dec' is given twice"),
         ("fixed:1", "policy 'fixed:1': bad parameter: fixed takes no parameter"),
     ],
 )  # fmt: skip

@@ -184,6 +184,12 @@ def test_defaults() -> None:
             id="a NaN interval",
         ),
         pytest.param({"pools": []}, "test: pools: List should have at least 1 item", id="no pools"),
+        pytest.param(
+            {"pools": [_pool(role="prefill"), _pool(name="q", model="llama-3-70b", role="decode")]},
+            "test: pools.0.role: model 'llama-3-8b' has only prefill pools (p): a prefill worker does not "
+            "finish a request; add a decode or mixed pool",
+            id="a model with prefill pools only: every request 503 no_worker_for_role",
+        ),
         pytest.param(["not", "a", "mapping"], "test: top level must be a mapping", id="not a mapping"),
     ],
 )

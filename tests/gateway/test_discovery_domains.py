@@ -157,7 +157,7 @@ def test_static_domains_per_url_and_per_pool() -> None:
                     "name": "p",
                     "model": "llama-3-8b",
                     "gpu": "H100-SXM",
-                    "role": "prefill",
+                    "role": "mixed",
                     "domain": "rack-1",
                     "endpoints": {
                         "static": [

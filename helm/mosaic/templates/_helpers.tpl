@@ -735,6 +735,7 @@ these are the rules across keys. Each cites the loader's own rule: keep them in 
 {{- $cfg := $root.Values.config | default dict }}
 {{- include "mosaic.checkModelNames" $cfg }}
 {{- include "mosaic.checkKvLease" $cfg }}
+{{- include "mosaic.checkKnobsOnce" $cfg }}
 {{- include "mosaic.checkBacklogLead" $cfg }}
 {{- include "mosaic.checkPolicy" (list $cfg $pools) }}
 {{- /* the chart writes autoscaler.kubernetes.domains, which the inventory is checked against, only for the controller */}}
@@ -773,9 +774,21 @@ the loader's: lease_s 900 (scheduler/kv/config.py KvConfig), total 600, first to
 {{- end }}
 {{- end }}
 
+{{/* A policy knob set both directly under autoscaler and under autoscaler.knobs, with two values: the loader
+refuses it (server/config.py `_flat_knobs`: which one wins would be a guess). Argument: the config values. */}}
+{{- define "mosaic.checkKnobsOnce" -}}
+{{- $a := .autoscaler | default dict }}
+{{- $knobs := $a.knobs | default dict }}
+{{- range $k := keys $knobs | sortAlpha }}
+{{- if and (hasKey $a $k) (ne (toJson (get $a $k)) (toJson (get $knobs $k))) }}
+{{- fail (printf "config.autoscaler.%s is set both under autoscaler (%v) and under autoscaler.knobs (%v); give it once (the gateway refuses it at start)" $k (get $a $k) (get $knobs $k)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* A backlog lead needs the cold start (the starting instances' expected ready times): server/config.py
-AutoscalerConfig._lead_needs_cold_start. The knob sits under autoscaler.knobs or directly under autoscaler;
-the one in knobs wins, as the loader merges them (`_flat_knobs`). Argument: the config values. */}}
+AutoscalerConfig._lead_needs_cold_start. The knob sits under autoscaler.knobs or directly under autoscaler
+(both only with one value: mosaic.checkKnobsOnce). Argument: the config values. */}}
 {{- define "mosaic.checkBacklogLead" -}}
 {{- $a := .autoscaler | default dict }}
 {{- $knobs := $a.knobs | default dict }}
