@@ -282,6 +282,9 @@ class PoolRef:
     model: str
     role: Role
     max_model_len: int | None = None  # its workers' context limit (None = unknown): longer prompts never wait
+    # False: nothing can add a worker to it (`max_replicas: 0`; a fixed empty list; no autoscaler to start
+    # one): a request only it could serve is refused at once (`FilterReason.POOL_STAYS_EMPTY`), not held
+    waited_for: bool = True
 
     def could_serve(self, prompt_tokens: int) -> bool:
         return self.max_model_len is None or prompt_tokens + 1 <= self.max_model_len
@@ -295,14 +298,20 @@ class FleetView:
     workers: tuple[WorkerView, ...] = ()
     pools: tuple[PoolRef, ...] = ()
 
-    def empty_pools(self, model: str, roles: frozenset[Role], prompt_tokens: int) -> list[PoolRef]:
-        """Configured pools of `model` in one of `roles` whose context fits `prompt_tokens` and that have no
-        worker in the view, in any state. (Called only when nothing else fits, which is common under load:
-        the workers are scanned only for the few matching pools, and the scan stops once all are seen.)"""
+    def empty_pools(
+        self, model: str, roles: frozenset[Role], prompt_tokens: int, waited_for: bool = True
+    ) -> list[PoolRef]:
+        """Configured pools of `model` in one of `roles` whose context fits `prompt_tokens`, `waited_for` or
+        not, and that have no worker in the view, in any state. (Called only when nothing else fits, which is
+        common under load: the workers are scanned only for the few matching pools, and the scan stops once
+        all are seen.)"""
         wanted = {
             p.name: p
             for p in self.pools
-            if p.model == model and p.role in roles and p.could_serve(prompt_tokens)
+            if p.model == model
+            and p.role in roles
+            and p.waited_for == waited_for
+            and p.could_serve(prompt_tokens)
         }
         for w in self.workers:
             if not wanted:

@@ -16,8 +16,9 @@ waiter its decision (reserved on the planned worker; plans answer by `plan_keys`
 within the head, since clients choose ids). A waiter that leaves (admitted, deadline, client gone) drops its hold; a planned
 decision whose waiter left, or that no waiter takes, is released.
 
-Refusals: queue already holding `max_size` waiters → 429 `queue_full`; deadline passed → 429
-`queue_timeout`; a non-retryable reject (nothing could ever serve it) → the router's own status and
+Refusals: queue already holding `max_size` waiters → 429 `queue_full`; deadline passed → `queue_timeout`,
+429 when the last reject was a full worker (kv_full, at_capacity), 503 when no worker was available
+(unhealthy, starting, draining, a pool at zero); a non-retryable reject (nothing could ever serve it) → the router's own status and
 body for its primary reason (`scheduler.routing.reasons.REJECT_TABLE`: e.g. 400 `context_length_exceeded`,
 503 `no_worker_for_role`). Each carries
 `Retry-After` from the router's `retry_after_s` (or the queue deadline when the router gave none).
@@ -226,13 +227,17 @@ class AdmissionQueue(Generic[D]):
                         self._wake(q, pos + 1)  # backfill: the next waiter in the window tries too
                 remaining = deadline - self._clock()
                 if remaining <= 0:
+                    # full (429: kv_full, at_capacity) or unavailable (503: every worker unhealthy, starting,
+                    # draining, a pool at zero): a dead backend is not a rate limit to the client
+                    unavailable = last is not None and getattr(last, "http_status", 429) == 503
                     raise GatewayError(
                         Cause.QUEUE_TIMEOUT,
-                        f"No capacity for model {model!r} within {self._deadline_s:g} s"
-                        + (f": {last.reason}" if last else ""),
+                        f"No {'worker available' if unavailable else 'capacity'} for model {model!r} within "
+                        f"{self._deadline_s:g} s" + (f": {last.reason}" if last else ""),
                         retry_after_s=last.retry_after_s
                         if last and last.retry_after_s > 0
                         else self._deadline_s,
+                        status_override=503 if unavailable else None,
                     )
                 tried_just_now = False
                 # asyncio.timeout, not wait_for: on 3.11 wait_for returns the inner result and drops a

@@ -6,6 +6,10 @@
 - **open**: the router filters the worker out (`breaker_open`). After `open_s` it becomes probe-able.
 - **half-open**: the next active health check is the probe (no client request is risked on it): success
   closes the breaker; failure re-opens it for `open_s` · 2^k (k = consecutive re-opens, capped at 8·open_s).
+- **refused**: while the last failure was a refused connection (nothing listens: a process starting,
+  restarting or gone), every health check is a probe, whatever the backoff: a check of a closed port costs
+  the worker nothing, and a vLLM that has just loaded its model is routable at the next health round instead
+  of up to 8·open_s after (measured on a CPU vLLM: 13–38 s after its first `/health` 200).
 
 Time is passed in (`now`, monotonic seconds) so the breaker is testable without sleeping.
 """
@@ -30,6 +34,7 @@ class CircuitBreaker:
     opened_at: float | None = None
     reopens: int = 0
     trips: int = 0  # times opened, for /admin/workers
+    refused: bool = False  # the last failure was a refused connection: probe at every health check
 
     def state(self, now: float) -> BreakerState:
         if self.opened_at is None:
@@ -49,6 +54,7 @@ class CircuitBreaker:
         self.failures = 0
         self.opened_at = None
         self.reopens = 0
+        self.refused = False
 
     def record_failure(self, now: float, hard: bool = False) -> bool:
         """Count a failure; `hard` (connection refused) trips at once. True when this call opened it."""
@@ -58,15 +64,17 @@ class CircuitBreaker:
         if hard or self.failures >= self.failure_threshold:
             self.opened_at = now
             self.trips += 1
+            self.refused = hard
             return True
         return False
 
     def probe_due(self, now: float) -> bool:
-        return self.state(now) is BreakerState.HALF_OPEN
+        return self.refused or self.state(now) is BreakerState.HALF_OPEN
 
-    def record_probe(self, ok: bool, now: float) -> None:
+    def record_probe(self, ok: bool, now: float, hard: bool = False) -> None:
         if ok:
             self.record_success()
         else:
             self.reopens += 1
             self.opened_at = now
+            self.refused = hard

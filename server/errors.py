@@ -105,7 +105,8 @@ class GatewayError(Exception):
     def body(self) -> dict[str, object]:
         if self.body_override is not None:
             return self.body_override
-        status, err_type = ERROR_TABLE[self.cause]
+        status = self.status
+        err_type = ERROR_TYPES[status]  # the answered status's type, also under a status_override
         code: int | str = _STRING_CODES.get(self.cause, status)
         return {"error": {"message": self.message, "type": err_type, "param": self.param, "code": code}}
 

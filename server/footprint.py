@@ -21,7 +21,8 @@ the P/D prefill hop).
   tokens its worker reported (`with_context`).
 The estimate steers routing, KV reservations and rate limits; workers count exactly and their `usage` is
 what is reported and metered. Context checks refuse an untokenized prompt only on its floor, ceil(c / 8)
-for c characters (framing included), whatever the script (`MAX_CHARS_PER_TOKEN`).
+for c characters (framing included), whatever the script (`MAX_CHARS_PER_TOKEN`), a run of whitespace
+counting as one character (`_floor_basis`).
 
 **Sequences.** A batch of k prompts (`/v1/completions`) with `n` completions each decodes k·n sequences;
 each holds its own KV and has its own context. `prompt_tokens` is the sum over prompts, `prompt_lens` each
@@ -185,8 +186,21 @@ def estimate_text_tokens(text: str) -> int:
 
 
 def _floor_basis(text: str) -> int:
-    """ceil(len / 4) whatever the script: the floor (÷ 2 → len / 8 characters a token) is taken on this."""
-    return math.ceil(len(text) / CHARS_PER_TOKEN)
+    """ceil(len / 4) whatever the script: the floor (÷ 2 → len / 8 characters a token) is taken on this.
+
+    A run of whitespace counts as one character: BPE vocabularies hold tokens of many spaces or newlines, so
+    indented code or pretty-printed JSON of 451 tokens (Llama's tokenizer) has over 8 characters a token
+    (4,350), and its plain floor refused it on a 512-token context that vLLM served. Only texts over
+    `_WHITESPACE_SCAN_CHARS` are scanned (the scan costs ~6 µs per 1,000 characters): a shorter one's floor
+    is at most 256 tokens, under any context a model is served with."""
+    n = len(text)
+    if n > _WHITESPACE_SCAN_CHARS:
+        words = text.split()
+        n = min(n, sum(map(len, words)) + len(words) + 1)  # each word, one character per run between
+    return math.ceil(n / CHARS_PER_TOKEN)
+
+
+_WHITESPACE_SCAN_CHARS = 2048
 
 
 def _floor(basis: int) -> int:

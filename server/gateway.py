@@ -122,8 +122,9 @@ class Gateway:
                     "requests only it could serve are refused at once",
                     pool.name,
                 )
-            self.registry.add_pool(info, tracked, may_have_workers=waited_for)
+            self.registry.add_pool(info, tracked, waited_for=waited_for)
         self.models: tuple[str, ...] = tuple(self.registry.models())
+        self.registry.on_context = self._note_served_context
         # `models[].lora_resolver`: unknown names are adapters of that model (server.footprint.AdapterResolver)
         resolving = config.lora_resolver_model
         self.adapter_resolver = (
@@ -214,9 +215,13 @@ class Gateway:
             )
         # `autoscaler.enabled` with the embedded or dry-run actuator: the controller runs in this process.
         if config.autoscaler.enabled and not in_process(config):
-            log.warning(
+            # every gateway replica of the Helm chart with its controller on reads such a config (INFO there);
+            # without a Kubernetes pool nothing would ever scale these pools: a mistake worth a WARNING
+            on_kubernetes = any(p.endpoints.kubernetes is not None for p in config.pools)
+            log.log(
+                logging.INFO if on_kubernetes else logging.WARNING,
                 "autoscaler.actuator %s runs in `mosaic autoscale` (the Helm chart's controller), not in this "
-                "gateway: nothing here scales the pools",
+                "gateway: this process does not scale the pools",
                 config.autoscaler.actuator,
             )
         self.autoscaler: AutoscalerController | None = (
@@ -224,6 +229,14 @@ class Gateway:
         )
         if self.autoscaler is not None:
             self.admission.on_queued = self._wake_autoscaler
+
+    def _note_served_context(self, model: str) -> None:
+        """A worker's /v1/models gave its context limit (vLLM's --max-model-len): the model's limit is the largest
+        one its workers serve, for /v1/models and chat's default output length (the rest of the context),
+        instead of the config's or the catalog's (a Llama-3.1 pool is 128k by the catalog, often served at 8k)."""
+        served = self.registry.served_context(model)
+        if served is not None:
+            self.max_model_len[model] = served
 
     def _wake_autoscaler(self, model: str, reject: RejectLike) -> None:
         """A request waits for a pool with no worker (scaled to zero): decide now, not at the interval's end."""
@@ -435,7 +448,8 @@ class Gateway:
         """(ready, the /ready body). Ready = not draining and every pool's discovery has listed successfully
         at least once; with `readiness.require_all_models`, also every configured model has a ready worker.
         A model without a ready worker is reported in the body either way (its requests wait in the admission
-        queue for a worker, then get 429 `queue_timeout`)."""
+        queue for a worker, then get 503 `queue_timeout`; or get 503 at once when nothing can add a worker to
+        its pools, `stays_empty`)."""
         ready = dict.fromkeys(self.models, 0)
         now = self.clock()
         for rec in self.registry.records():

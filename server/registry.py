@@ -109,6 +109,10 @@ class WorkerRecord:
     # LoRA adapters its /v1/models lists: name → the card's `root` (the adapter's path); when last fetched
     adapters: dict[str, str | None] = field(default_factory=dict)
     adapters_at: float | None = None
+    # the context its /v1/models card gives (vLLM's --max-model-len, which its own checks use): routing and
+    # the gateway's /v1/models use it over the pool's configured or catalog value
+    served_max_model_len: int | None = None
+    _capacity: WorkerCapacity | None = field(default=None, repr=False, compare=False)
     # this gateway's requests in flight there per LoRA adapter (`InflightTicket`): demand for its `--max-loras`
     # slots that vLLM's metric shows only once the requests run (queued ones appear in neither label)
     inflight_adapters: dict[str, int] = field(default_factory=dict)
@@ -171,7 +175,7 @@ class WorkerRecord:
             p.role,
             state,
             breaker_open,
-            p.capacity,
+            self.capacity,
             s.num_running if s else None,
             s.num_waiting if s else None,
             s.kv_usage if s else None,
@@ -185,9 +189,19 @@ class WorkerRecord:
             self.inflight_prefill_tokens,
             self.inflight_decode_requests,
             self.domain or p.domain,
-            _engines(last, fresh=s is not None, capacity=p.capacity),
+            _engines(last, fresh=s is not None, capacity=self.capacity),
             self._lora(s),
         )
+
+    @property
+    def capacity(self) -> WorkerCapacity:
+        """The pool's capacity, with the context limit the worker itself serves when its card gives one."""
+        served, configured = self.served_max_model_len, self.pool.capacity
+        if served is None or served == configured.max_model_len:
+            return configured
+        if self._capacity is None or self._capacity.max_model_len != served:
+            self._capacity = dataclasses.replace(configured, max_model_len=served)
+        return self._capacity
 
     def _lora(self, s: WorkerStats | None) -> LoraState:
         """Its adapters, with their load from a fresh scrape (None fields when stale or not exposed) and this
@@ -362,15 +376,16 @@ class Registry:
         # called at each health round while a worker is unhealthy (its failed check included): the gateway
         # closes the connections to it that have been silent since about when its checks began failing
         self.on_unhealthy: Callable[[WorkerRecord], None] | None = None
+        # called with the model when a worker's /v1/models gives a context limit it had not given before
+        self.on_context: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ pools and discovery
-    def add_pool(self, info: PoolInfo, source: Source, may_have_workers: bool = True) -> None:
-        """`may_have_workers=False` (a pool configured with `max_replicas: 0`) keeps the pool out of the
-        view's `pools`: a request for its role is refused at once rather than held for it."""
+    def add_pool(self, info: PoolInfo, source: Source, waited_for: bool = True) -> None:
+        """`waited_for=False` (nothing can add a worker to the pool: `max_replicas: 0`, `gateway.stays_empty`):
+        a request only it could serve is refused at once rather than held for it (`PoolRef.waited_for`)."""
         self._pools[info.name] = _Pool(info, source)
-        if may_have_workers:
-            ref = PoolRef(info.name, info.model, info.role, info.capacity.max_model_len)
-            self._pool_refs = (*self._pool_refs, ref)
+        ref = PoolRef(info.name, info.model, info.role, info.capacity.max_model_len, waited_for)
+        self._pool_refs = (*self._pool_refs, ref)
 
     async def start(self) -> None:
         """Start sources, list them once, health-check everything, then run the background loops."""
@@ -547,10 +562,12 @@ class Registry:
         ok, hard, why = await self._get_health(rec.url)
         now = self._clock()
         if probing:
-            rec.breaker.record_probe(ok, now)
+            rec.breaker.record_probe(ok, now, hard=hard)
         if ok:
             if rec.health_ok is not True or rec.health_failures:  # first up, or back after a failed check
                 rec.healthy_since = now
+            if rec.health_ok is False:
+                log.info("worker %s is healthy again", rec.id)
             rec.health_ok = True
             rec.health_failures = 0
             due = rec.adapters_at is None or now - rec.adapters_at >= self._scrape_cfg.models_interval_s
@@ -565,6 +582,10 @@ class Registry:
         rec.last_error = why
         rec.health_failures += 1
         if rec.health_failures >= self._health_cfg.failure_threshold or rec.health_ok is None:
+            if rec.health_ok is True:  # once per spell; a worker not up yet (starting, loading) only at INFO
+                log.warning("worker %s is unhealthy: %s (%d failed checks)", rec.id, why, rec.health_failures)
+            elif rec.health_ok is None:
+                log.info("worker %s is not healthy yet: %s", rec.id, why)
             rec.health_ok = False
         if not probing:
             rec.breaker.record_failure(now, hard=hard)
@@ -598,10 +619,24 @@ class Registry:
             }
             if not all(isinstance(name, str) for name in adapters):
                 raise ValueError("a card's id is not a string")
+            served = _served_context(cards)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             rec.last_error = f"models: {type(exc).__name__}"
             rec.adapters_at = asked_at  # asked again at the next good health check
             return False
+        if served is not None and served != rec.served_max_model_len:
+            configured = rec.pool.capacity.max_model_len
+            if served != configured:
+                log.info(
+                    "worker %s serves max_model_len %d (its pool's is %s): routing and /v1/models use %d",
+                    rec.id,
+                    served,
+                    configured if configured is not None else "unknown",
+                    served,
+                )
+            rec.served_max_model_len, rec._view = served, None  # the capacity is in the cached view
+            if self.on_context is not None:
+                self.on_context(rec.pool.model)
         if adapters != rec.adapters:
             if rec.adapters or adapters:
                 log.info("worker %s serves LoRA adapters: %s", rec.id, ", ".join(sorted(adapters)) or "none")
@@ -609,6 +644,15 @@ class Registry:
             rec.adapters, rec._view, rec._lora_state = adapters, None, None
             self._adapter_models = None
         return True
+
+    def served_context(self, model: str) -> int | None:
+        """The largest context a worker of `model` serves by its own /v1/models card; None when none gave one."""
+        served = [
+            r.served_max_model_len
+            for r in self._workers.values()
+            if r.pool.model == model and r.served_max_model_len is not None
+        ]
+        return max(served) if served else None
 
     def adapter_models(self) -> dict[str, str]:
         """Each LoRA adapter some worker lists → the model of that worker's pool. An adapter name listed under
@@ -752,3 +796,14 @@ class Registry:
                 }
             )
         return out
+
+
+def _served_context(cards: list[Any]) -> int | None:
+    """The `max_model_len` of the base model's card (vLLM's /v1/models: the card without a `parent`), if it
+    gives a positive integer."""
+    for c in cards:
+        if isinstance(c, dict) and c.get("parent") is None:
+            value = c.get("max_model_len")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None

@@ -612,10 +612,10 @@ class VllmPoolLauncher:
         self._live.append(replica)
         # Every start is logged, the first ones and the replacements alike: a crash loop shows as launches.
         log.info(
-            "launched vLLM %s at %s on GPUs %s (pid %s, log %s)",
+            "launched vLLM %s at %s %s (pid %s, log %s)",
             replica.id,
             replica.url,
-            ",".join(gpu_ids) or "-",
+            f"on GPUs {','.join(gpu_ids)}" if gpu_ids else "without GPUs",
             process.pid,
             process.log_path,
         )

@@ -259,12 +259,17 @@ class ClusterSimulator:
             )
             for p in fleet.pools
         }
-        # as the gateway: a request for the role of a pool at zero waits for it (the router's empty_pool),
-        # when a policy can bring the pool back
+        # as the gateway: a request for the role of a pool at zero waits for it (the router's empty_pool)
+        # when a policy can bring the pool back, else is refused at once (pool_stays_empty)
         self._pool_refs = tuple(
-            PoolRef(p.name, p.model or fleet.model, Role(p.role), self._caps[p.name].max_model_len)
+            PoolRef(
+                p.name,
+                p.model or fleet.model,
+                Role(p.role),
+                self._caps[p.name].max_model_len,
+                waited_for=p.max_replicas > 0 and policy is not None,
+            )
             for p in fleet.pools
-            if p.max_replicas > 0 and policy is not None
         )
         self._heap: list[tuple[float, int, int, _Ev, Any]] = []
         self._seq = 0

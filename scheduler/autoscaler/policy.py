@@ -23,8 +23,8 @@ Per model, each cycle:
    an EWMA (`smoothing`, 0.3) before sizing, so one noisy interval does not buy an instance the
    scale-down window then holds; optionally (`lookahead_s`, e.g. the cold start) rising demand is
    projected along the level's smoothed trend. The projection only adds. An idle interval (no arrival,
-   no token, nothing waiting) is zero demand, not the decayed level, so an idle pool with
-   `min_replicas: 0` reaches zero once a scale-down window has passed without load.
+   no token, nothing waiting or running in the model's pools) is zero demand, not the decayed level, so
+   an idle pool with `min_replicas: 0` reaches zero once a scale-down window has passed without load.
 6. **Damping**: no change while capacity covers the requirement with less than `tolerance` to spare; a
    shortfall scales up at once
    (bounded by `max_scale_up_step` / `max_scale_up_factor`); scale-down only to the highest target
@@ -228,10 +228,18 @@ class MosaicAutoscaler:
         arriving_decode = seen.request_rate * out_tokens
         decode_sample = max(decode_tps, arriving_decode)
         decode_level = self._forecast(f"{model}/decode", decode_sample, obs.now)
-        if decode_sample == 0 and waiting == 0:
-            # An idle interval (nothing arrived, decoded or waits) recommends no capacity: the smoothed level
-            # only decays towards 0, and its remainder, rounded up to one instance, kept a `min_replicas: 0`
-            # pool up for ever. The scale-down window still holds what the interval before it needed.
+        # An idle interval recommends no capacity: nothing arrived, decoded, prefilled, waited or ran (a mixed
+        # instance busy with one long prefill for the whole interval decodes nothing, but is not idle). The
+        # smoothed level only decays towards 0, and its remainder, rounded up to one instance, kept a
+        # `min_replicas: 0` pool up for ever; the scale-down window still holds what the load before needed.
+        model_pools = [obs.pools[p.name] for p in pools if p.name in obs.pools]
+        idle = (
+            decode_sample == 0
+            and waiting == 0
+            and seen.request_rate == 0
+            and all(po.prompt_tokens_per_s == 0 and po.gpu_utilization == 0 for po in model_pools)
+        )
+        if idle:
             decode_level = 0.0
         decode_backlog = self._backlog(waiting * out_tokens, decode_level, decode_pools, decode_cap, obs)
         decode_demand = (decode_level + decode_backlog / cfg.queue_drain_s) * decode_boost
@@ -265,10 +273,9 @@ class MosaicAutoscaler:
         def prefill_cap(p: PoolSpec) -> float:
             return p.prefill_tps_capacity
 
-        prompt_sample = max(prompt_tps, arriving_prompt)
-        prompt_level = self._forecast(f"{model}/prefill", prompt_sample, obs.now)
-        if prompt_sample == 0 and prefill_waiting == 0:
-            prompt_level = 0.0  # idle, as decode above
+        prompt_level = self._forecast(f"{model}/prefill", max(prompt_tps, arriving_prompt), obs.now)
+        if idle:
+            prompt_level = 0.0
         prompt_backlog = self._backlog(
             prefill_waiting * in_tokens, prompt_level, prefill_pools, prefill_cap, obs
         )

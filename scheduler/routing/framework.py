@@ -418,6 +418,8 @@ class Cycle:
                 counts[FilterReason.EMPTY_POOL] = counts.get(FilterReason.EMPTY_POOL, 0) + empty
             elif (exceeding := self._exceeds_everywhere(profile, counts)) is not None:
                 counts = exceeding
+            elif never := len(self.view.empty_pools(req.model, profile.roles, tokens, waited_for=False)):
+                counts[FilterReason.POOL_STAYS_EMPTY] = counts.get(FilterReason.POOL_STAYS_EMPTY, 0) + never
             return ProfileResult(profile.name, None, (), counts)
         # One survivor: scores would only rank it against itself (the Kubernetes scheduler skips scoring
         # then too). It is scored as by a profile without scorers (total 0, no parts); the picker still

@@ -10,7 +10,10 @@ Its `primary` reason picks the table row: the most frequent *retryable* reason i
 full now may free up), else the most frequent other reason; `wrong_model` counts only when no worker
 serves the model at all. `empty_pool` is the router's, not a worker's: a configured pool of the request's
 model and role with no worker now (`FleetView.pools`), so a fleet whose decode pool was scaled to zero
-holds the request until the pool is back instead of refusing it as `wrong_role`.
+holds the request until the pool is back instead of refusing it as `wrong_role`. `pool_stays_empty` is
+the same for a pool nothing can add a worker to (`PoolRef.waited_for` False): final, a 503 at once, also when
+it is the model's only pool (which an empty tally would have read as a retryable `no_workers`, and the
+other models' workers as `wrong_model`, a 404 for a model the gateway lists).
 
 `kv_full` and `kv_exceeds_capacity` split "the KV does not fit": the first fits the worker's reservable
 capacity once others finish (retryable, 429 at the queue deadline); the second exceeds it even with
@@ -46,6 +49,8 @@ class FilterReason(StrEnum):
     # a configured pool the request could use has no worker now (scaled to zero, pods not yet listed):
     # counted once per such pool when nothing else fits, so the request waits for it to come back
     EMPTY_POOL = "empty_pool"
+    # ... and one that nothing can add a worker to (`PoolRef.waited_for` False): final, refused at once
+    POOL_STAYS_EMPTY = "pool_stays_empty"
 
 
 class Outcome(StrEnum):
@@ -104,6 +109,7 @@ REJECT_TABLE: Mapping[FilterReason, RejectRule] = {
     FilterReason.NO_WORKERS: RejectRule(503, "no_workers", True, 5.0),
     FilterReason.EXCLUDED: RejectRule(502, "upstream_failed", False, 1.0),
     FilterReason.WRONG_ROLE: RejectRule(503, "no_worker_for_role", False, 5.0),
+    FilterReason.POOL_STAYS_EMPTY: RejectRule(503, "no_worker_for_role", False, 0.0),
     # the gateway resolved the adapter from a worker that listed it, gone since: as vLLM answers a name it
     # does not serve
     FilterReason.NO_ADAPTER: RejectRule(404, "model_not_found", False, 0.0),

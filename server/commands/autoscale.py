@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Mapping
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from server.commands.common import check_log_level, fail, python_log_level
+from server.commands.common import check_log_level, configure_logging, fail, python_log_level
 from server.config import AuthConfig, ConfigError, MosaicConfig, load_config
 
 if TYPE_CHECKING:
@@ -275,7 +274,6 @@ def register(app: typer.Typer) -> None:
                 "autoscaler.actuator: embedded starts simulated workers inside `mosaic serve`; "
                 "mosaic autoscale needs kubernetes or dry-run"
             )
-        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+        configure_logging(level)
         metrics = (metrics_host, metrics_port) if metrics_port else None
         asyncio.run(_run(cfg, cycles, as_json, None, metrics=metrics))

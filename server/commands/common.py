@@ -35,6 +35,14 @@ def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
     return soft
 
 
+def configure_logging(level: str) -> None:
+    """The long-running commands' log format at `level` (`python_log_level`'s name); httpx's one line per
+    request (every health check and scrape of every worker: ~150 lines in 4 minutes for one worker) only at
+    DEBUG."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
+
+
 TABLE_WIDTH = 132  # the widest table a command prints (replay's latency table: 8 columns) fits
 
 

@@ -23,6 +23,7 @@ import typer
 from server.commands.common import (
     check_log_level,
     check_number,
+    configure_logging,
     fail,
     python_log_level,
     raise_open_files_limit,
@@ -151,10 +152,7 @@ def register(app: typer.Typer) -> None:
                 cfg = default_config(time_scale=time_scale or 1.0)
         except ConfigError as exc:
             fail(str(exc))
-        logging.basicConfig(
-            level=python_log_level(log_level),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+        configure_logging(python_log_level(log_level))
         raise_open_files_limit()
         # uvloop when installed (uvicorn[standard]); uvicorn picks httptools by itself the same way.
         with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:

@@ -2,7 +2,7 @@
 zero, P/D requests wait in the admission queue for it (the router's `empty_pool` reject is retryable), the
 embedded autoscaler brings decode back from their arrivals, and every request is served. Without an
 autoscaler nothing can bring it back, so the same requests are refused at once (503); behind a source the
-gateway does not own (Kubernetes) they are held and end at the queue deadline, in one 429 each — none hangs."""
+gateway does not own (Kubernetes) they are held and end at the queue deadline, in one 503 each — none hangs."""
 
 from __future__ import annotations
 
@@ -87,14 +87,48 @@ def test_without_an_autoscaler_they_are_refused_at_once() -> None:
     for status, body, elapsed in out["results"]:
         assert status == 503, body
         assert body["error"]["code"] == "no_worker_for_role"
-        assert "wrong_role" in body["error"]["message"]
+        assert (
+            body["error"]["message"]
+            == "no worker fits: 1 wrong_role, 1 pool_stays_empty (model 'llama-3-8b')"
+        )
         assert elapsed < 2.0
     assert out["decode_workers"] == []
 
 
+def test_a_model_whose_every_pool_stays_empty_is_refused_at_once_not_404() -> None:
+    """Its only pool empty for good: a 503 at once, also beside another model's workers (which made it a 404
+    `model_not_found` for a model /v1/models lists) and alone (a retryable `no_workers`, 429 at the deadline)."""
+
+    def pool(name: str, model: str, endpoints: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "model": model, "gpu": "L4", "endpoints": endpoints}
+
+    async def run(pools: list[dict[str, Any]]) -> tuple[int, dict[str, Any], float]:
+        cfg = validate_config({"pools": pools, "limits": {"queue_deadline_s": 10}})
+        running = await start_gateway_server(cfg, "127.0.0.1", 0)
+        try:
+            async with httpx.AsyncClient(base_url=running.url, timeout=60) as client:
+                listed = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+                assert MODEL in listed
+                return await _send(client, SHORT_PROMPT)
+        finally:
+            await running.stop()
+
+    served = pool("other", "qwen2.5-7b", {"simulated": {"replicas": 1, "time_scale": 20}})
+    for pools in (
+        [pool("empty", MODEL, {"static": []}), served],
+        [pool("empty", MODEL, {"simulated": {"replicas": 0}}), served],
+        [pool("empty", MODEL, {"static": []})],
+    ):
+        status, body, elapsed = asyncio.run(run(pools))
+        assert status == 503, (pools, body)
+        assert body["error"]["code"] == "no_worker_for_role"
+        assert body["error"]["message"] == f"no worker fits: 1 pool_stays_empty (model '{MODEL}')"
+        assert elapsed < 2.0
+
+
 def test_a_pool_something_else_may_fill_is_still_waited_for() -> None:
     """The same empty decode pool behind a source the gateway does not own (as a Kubernetes Deployment that
-    KEDA or `mosaic autoscale` scales): requests wait for it and end at the queue deadline, 429."""
+    KEDA or `mosaic autoscale` scales): requests wait for it and end at the queue deadline, 503."""
     from server.discovery import StaticSource
 
     async def run() -> list[tuple[int, dict[str, Any], float]]:
@@ -107,7 +141,8 @@ def test_a_pool_something_else_may_fill_is_still_waited_for() -> None:
             await running.stop()
 
     for status, body, elapsed in asyncio.run(run()):
-        assert status == 429, body
+        assert status == 503, body  # no worker available, not a rate limit
+        assert body["error"]["type"] == "ServiceUnavailableError"
         assert body["error"]["code"] == "queue_timeout"
         assert "empty_pool" in body["error"]["message"]
         assert 1.0 <= elapsed < 5.0

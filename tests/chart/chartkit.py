@@ -89,6 +89,17 @@ class Rendered:
         return data
 
 
+def with_decode(pool: dict[str, Any]) -> list[dict[str, Any]]:
+    """`pool`, and for a prefill pool a decode pool of its model after it: a model with prefill pools only is
+    refused at render (nothing would finish its requests), so a test about a prefill pool renders a P/D pair."""
+    if pool.get("role") != "prefill":
+        return [pool]
+    return [
+        pool,
+        {"name": f"{pool['name']}-decode", "model": pool["model"], "gpu": pool["gpu"], "role": "decode"},
+    ]
+
+
 def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> Rendered:
     manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
     objects: list[dict[str, Any]] = []

@@ -22,6 +22,7 @@ from tests.chart.chartkit import (
     pod_spec,
     render,
     validated_deployment,
+    with_decode,
 )
 
 REAL = {"name": "l4", "model": "llama-3-8b", "gpu": "L4"}
@@ -75,7 +76,7 @@ def test_a_dp_pool_takes_its_gpus_from_its_own_gpu_resource(chart: helm.Chart) -
 
 def test_a_pd_dp_pool_declares_each_engines_nixl_side_channel(chart: helm.Chart) -> None:
     """vLLM 0.32's NIXL connector listens on VLLM_NIXL_SIDE_CHANNEL_PORT + the engine's data-parallel index."""
-    rendered = render(chart, {"pools": [{**REAL, "role": "prefill", "dp": 3}]})
+    rendered = render(chart, {"pools": with_decode({**REAL, "role": "prefill", "dp": 3})})
     ports = container(validated_deployment(rendered, "l4"))["ports"]
     assert ports == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
@@ -140,10 +141,12 @@ def test_dp_1_renders_the_pod_templates_as_before(chart: helm.Chart, pool: dict[
     """A pod-template change restarts every GPU pod (a model reload each): at dp 1 the chart writes no
     --data-parallel-size, no mosaic.dev/dp and no second side channel, and `dp: 1` renders byte-identical
     to no dp at all."""
-    raw = chart.render({"pools": [pool]}, name=RELEASE, namespace="llm", is_install=True)
-    explicit = chart.render({"pools": [{**pool, "dp": 1}]}, name=RELEASE, namespace="llm", is_install=True)
+    raw = chart.render({"pools": with_decode(pool)}, name=RELEASE, namespace="llm", is_install=True)
+    explicit = chart.render(
+        {"pools": with_decode({**pool, "dp": 1})}, name=RELEASE, namespace="llm", is_install=True
+    )
     assert explicit["mosaic/templates/pools.yaml"] == raw["mosaic/templates/pools.yaml"]
-    dep = render(chart, {"pools": [pool]}).pool_deployments()[0]
+    dep = render(chart, {"pools": with_decode(pool)}).pool_deployments()[0]
     c = container(dep)
     assert "--data-parallel-size" not in container_args(dep)
     assert "mosaic.dev/dp" not in dep["spec"]["template"]["metadata"]["annotations"]
@@ -151,7 +154,7 @@ def test_dp_1_renders_the_pod_templates_as_before(chart: helm.Chart, pool: dict[
     if not pool.get("simulated"):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == pool.get("tp", 1)
     # the config says dp as it says tp: always
-    assert render(chart, {"pools": [pool]}).config()["pools"][0]["dp"] == 1
+    assert render(chart, {"pools": with_decode(pool)}).config()["pools"][0]["dp"] == 1
 
 
 # ---- values ----

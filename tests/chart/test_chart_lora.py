@@ -22,6 +22,7 @@ from tests.chart.chartkit import (
     parse_mosaic_line,
     render,
     validated_deployment,
+    with_decode,
 )
 
 REAL = {"name": "l4", "model": "llama-3-8b", "gpu": "L4"}
@@ -204,11 +205,11 @@ def test_no_adapters_render_the_pod_templates_as_before(
         out = chart.render(values, name=RELEASE, namespace="llm", is_install=True)
         return out["mosaic/templates/pools.yaml"]
 
-    before = pools_yaml({"pools": [pool]})
+    before = pools_yaml({"pools": with_decode(pool)})
     assert "lora" not in before.lower()
-    assert pools_yaml({"pools": [{**pool, "lora": lora}]}) == before
+    assert pools_yaml({"pools": with_decode({**pool, "lora": lora})}) == before
     defaults = {"lora": {"maxLoras": 4, "maxLoraRank": 64}}
-    assert pools_yaml({"poolDefaults": defaults, "pools": [{**pool, "lora": lora}]}) == before
+    assert pools_yaml({"poolDefaults": defaults, "pools": with_decode({**pool, "lora": lora})}) == before
 
 
 # ---- values the schema refuses ----

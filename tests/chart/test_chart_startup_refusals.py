@@ -264,7 +264,7 @@ def test_knobs_at_their_bounds_render_and_load(chart: helm.Chart, tmp_path: Path
 REFUSED_POLICIES = [
     "random", "Mosaic", "fixed", "mosaic:", "hpa", "mosaic:1", "hpa-util:1.5", "hpa-util:0", "hpa-util:x", "hpa-waiting:-1",
     "hpa-waiting:0", "dynamo:nan", "dynamo:inf", "dynamo:1e999", "static:q=1", "static:p=5", "static:p=-1",
-    "static:p", "static:p=1.5", " mosaic", "mosaic ", "hpa-util:0.5:1",
+    "static:p", "static:p=1.5", " mosaic", "mosaic ", "hpa-util:0.5:1", "static:p=1,p=2",
 ]  # fmt: skip
 ACCEPTED_POLICIES = [
     "mosaic", "hpa-util", "hpa-util:", "hpa-util:1", "hpa-util:0.05", "hpa-util:5e-1", "hpa-waiting:4",
@@ -302,6 +302,24 @@ def test_static_counts_are_checked_against_the_pools_own_bounds(chart: helm.Char
         "config.autoscaler.policy" in message
         and "outside pool p's minReplicas..maxReplicas (0..2)" in message
     )
+
+
+@pytest.mark.parametrize(
+    "pools",
+    [
+        pytest.param([{**POOL, "role": "prefill"}], id="one model, prefill only"),
+        pytest.param(
+            [POOL, {"name": "q", "model": "qwen2.5-7b", "gpu": "L4", "role": "prefill"}],
+            id="a second model with a prefill pool only",
+        ),
+    ],
+)
+def test_a_model_with_prefill_pools_only_is_refused(chart: helm.Chart, pools: list[dict[str, Any]]) -> None:
+    """server/config.py `MosaicConfig._cross_checks` (`scheduler.fleet.prefill_only_models`): nothing would
+    finish its requests, and every gateway pod would exit at start."""
+    message = _refusal(chart, {"pools": pools})
+    model = pools[-1]["model"]
+    assert f'pools: model "{model}" has only prefill pools ({pools[-1]["name"]})' in message
 
 
 # ---- 5. duplicate config.models[].name ----

@@ -79,14 +79,14 @@ def test_a_pool_configured_with_max_zero_is_not_waited_for() -> None:
     data = fleet(1, 0)
     data["pools"][1]["max_replicas"] = 0
     _, result = run(data, five_per_second(20))
-    assert result.failed == {"wrong_role": 100}
+    assert result.failed == {"pool_stays_empty": 100}
 
 
 def test_without_a_policy_nothing_waits_for_an_empty_pool() -> None:
     """No autoscaler (`fixed`): a pool at zero stays there, so P/D requests are refused at once."""
     parsed = parse_fleet(fleet(1, 0))
     result = ClusterSimulator(parsed, None, "fixed").run(five_per_second(20))
-    assert result.failed == {"wrong_role": 100}
+    assert result.failed == {"pool_stays_empty": 100}
 
 
 def test_idle_pools_go_to_zero_and_come_back() -> None:

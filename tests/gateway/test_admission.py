@@ -1,4 +1,5 @@
-"""The bounded per-model admission queue: FIFO, woken when capacity frees, deadline and size → 429."""
+"""The bounded per-model admission queue: FIFO, woken when capacity frees, deadline and size → 429 (a deadline
+without any worker up → 503)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,32 @@ def test_deadline_rejects_with_429() -> None:
             await q.admit("m", R)
         assert err.value.cause is Cause.QUEUE_TIMEOUT and err.value.status == 429
         assert "at_capacity" in err.value.message
+
+    asyncio.run(run())
+
+
+def test_deadline_with_no_worker_available_is_503_not_a_rate_limit() -> None:
+    """The last try found no worker up (unhealthy, starting, a pool at zero: the router's 503 rows): a dead
+    backend answered 429 RateLimitError, which sends clients and operators looking for a rate limit."""
+
+    @dataclass
+    class Down(R):
+        reason: str = "no worker fits: 1 unhealthy"
+        retry_after_s: float = 5.0
+        http_status: int = 503
+
+    async def run() -> None:
+        q = _queue(deadline=0.05, poll=0.01)
+        with pytest.raises(GatewayError) as err:
+            await q.admit("m", Down)
+        assert err.value.cause is Cause.QUEUE_TIMEOUT and err.value.status == 503
+        assert err.value.body()["error"] == {
+            "message": "No worker available for model 'm' within 0.05 s: no worker fits: 1 unhealthy",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": "queue_timeout",
+        }
+        assert err.value.retry_after_s == 5.0
 
     asyncio.run(run())
 

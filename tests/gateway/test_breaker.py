@@ -65,7 +65,10 @@ def test_breaker_transitions(events: list[tuple[str, float]], state: BreakerStat
     assert b.state(now) is state
 
 
-def test_registry_ejects_and_probes_a_worker_back() -> None:
+def _one_worker(
+    health: HealthConfig, clock: list[float]
+) -> tuple[dict[str, bool], httpx.AsyncClient, Registry]:
+    """A registry of one worker, http://w:1, whose /health answers 200 while `up["ok"]`, else refuses."""
     up = {"ok": True}
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -73,23 +76,26 @@ def test_registry_ejects_and_probes_a_worker_back() -> None:
             raise httpx.ConnectError("refused", request=request)
         return httpx.Response(200, text="")
 
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    reg = Registry(ScrapeConfig(), health, GatewayMetrics(), client=client, clock=lambda: clock[0])
+    reg.add_pool(
+        PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b")),
+        StaticSource(["http://w:1"]),
+    )
+    return up, client, reg
+
+
+def test_registry_ejects_and_probes_a_worker_back() -> None:
     async def run() -> None:
         clock = [100.0]
-        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-        reg = Registry(
-            ScrapeConfig(), HealthConfig(open_s=5.0), GatewayMetrics(), client=client, clock=lambda: clock[0]
-        )
-        reg.add_pool(
-            PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b")),
-            StaticSource(["http://w:1"]),
-        )
+        up, client, reg = _one_worker(HealthConfig(open_s=5.0), clock)
         await reg.resync("p")
         await reg.health_once()
         (view,) = reg.view().workers
         assert view.state is WorkerState.READY and not view.breaker_open
-        reg.report_failure("p/w:1", "connect", hard=True)  # passive ejection on a refused dispatch
+        for _ in range(3):  # three timeouts (the threshold): ejected, backed off for open_s
+            reg.report_failure("p/w:1", "timeout")
         assert reg.view().workers[0].breaker_open
-        up["ok"] = True
         clock[0] += 4.9
         await reg.health_once()  # not yet probe-able: no probe sent, still open
         assert reg.view().workers[0].breaker_open
@@ -97,7 +103,57 @@ def test_registry_ejects_and_probes_a_worker_back() -> None:
         await reg.health_once()  # probe succeeds → closed
         (view,) = reg.view().workers
         assert not view.breaker_open and view.state is WorkerState.READY
+        # a refused connection (nothing listens: restarting): every health round probes, whatever the backoff
+        up["ok"] = False
+        reg.report_failure("p/w:1", "connect", hard=True)  # passive ejection on a refused dispatch
+        for _ in range(3):
+            clock[0] += 1.0
+            await reg.health_once()  # refused probes: open, backoff growing
+        assert reg.view().workers[0].breaker_open
+        up["ok"] = True  # it listens again
+        clock[0] += 1.0  # well inside the backed-off open time (5 · 2³ s)
+        await reg.health_once()
+        (view,) = reg.view().workers
+        assert not view.breaker_open and view.state is WorkerState.READY
         await reg.stop()
         await client.aclose()
 
     asyncio.run(run())
+
+
+def test_a_refused_connection_is_probed_at_every_check_a_failing_answer_waits_its_backoff() -> None:
+    b = CircuitBreaker(failure_threshold=3, open_s=5.0)
+    b.record_failure(0.0, hard=True)
+    assert b.probe_due(0.1)  # nothing listens: a probe costs the worker nothing
+    b.record_probe(False, 1.0, hard=True)
+    assert b.probe_due(1.1) and b.state(1.1) is BreakerState.OPEN  # still refused: next check probes too
+    b.record_probe(False, 2.0)  # now it answers, but fails (a timeout, a 5xx): back to the backoff
+    assert not b.probe_due(2.1) and b.probe_due(2.0 + 5.0 * 4)  # second re-open: 4 · open_s
+    b.record_probe(True, 30.0)
+    assert b.state(30.0) is BreakerState.CLOSED and not b.refused
+
+
+def test_health_transitions_are_logged_once_each(caplog: pytest.LogCaptureFixture) -> None:
+    """An operator sees a worker go down and come back in the gateway's log (it logged nothing until a request
+    hit the dead worker, and nothing when it came back)."""
+
+    async def run() -> None:
+        up, client, reg = _one_worker(HealthConfig(failure_threshold=2), [0.0])
+        await reg.resync("p")
+        await reg.health_once()
+        up["ok"] = False
+        for _ in range(4):
+            await reg.health_once()
+        up["ok"] = True
+        for _ in range(2):
+            await reg.health_once()
+        await reg.stop()
+        await client.aclose()
+
+    with caplog.at_level("INFO", logger="mosaic.registry"):
+        asyncio.run(run())
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "worker p/w:1 is" in r.getMessage()]
+    assert lines == [
+        ("WARNING", "worker p/w:1 is unhealthy: health: connect (2 failed checks)"),
+        ("INFO", "worker p/w:1 is healthy again"),
+    ]

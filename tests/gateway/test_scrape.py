@@ -265,7 +265,10 @@ def test_a_hung_worker_with_an_open_breaker_is_scraped_beside_the_round_not_in_i
             handler, clock, ScrapeConfig(timeout_s=5.0), "http://w1:8000", "http://w2:8000"
         )
         hung = next(r for r in reg.records() if r.url == "http://w1:8000")
-        hung.breaker.record_failure(clock(), hard=True)  # open
+        for _ in range(
+            hung.breaker.failure_threshold
+        ):  # open, by timeouts (a refused one is probed each round)
+            hung.breaker.record_failure(clock())
         ticket = reg.track(hung.id, 100, False)
         for _ in range(3):  # each round is quick; one scrape of the hung worker is outstanding at a time
             await asyncio.wait_for(reg.scrape_once(), 1.0)

@@ -18,6 +18,7 @@ from scheduler.kv.ledger import KvLedger, LedgerSettings
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.filters import ContextLengthFilter
 from scheduler.routing.framework import Cycle, RouteRequest
+from scheduler.routing.reasons import FilterReason
 from server.footprint import estimate_text_tokens, parse_request, route_request
 from tests.kv.kvkit import worker
 
@@ -88,3 +89,26 @@ def test_context_floor_of_a_long_cjk_prompt_still_lets_a_worker_decide() -> None
     w = worker(blocks=10_000, max_model_len=8192)
     # over the context by the estimate, not by the floor, and no worker fits the estimate: passed on
     assert ContextLengthFilter().filter(Cycle(r, FleetView((w,)), 0.0, random.Random(0)), w) is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "floor", "fits"),
+    [
+        # measured on vLLM 0.32 (tiny-llama, Llama's tokenizer, 512 tokens): 451 tokens, served by vLLM;
+        # the plain floor, ceil(4,350 / 8) = 544, refused it. Each line: "return" "self" and one character
+        # per whitespace run: 12 → ceil((150 · 12 + 1) / 4) = 451 → ceil(451 / 2) = 226
+        pytest.param(("\n" + " " * 16 + "return self\n") * 150, 226, True, id="indented code: 451 tokens"),
+        pytest.param(" " * 4500, 1, True, id="whitespace only: 282 tokens (was refused at 563)"),
+        pytest.param("word " * 1000, 625, False, id="prose, one space a word: unchanged, over 512"),
+        pytest.param("x" * 2048, 256, True, id="at the scan threshold: plain, unchanged"),
+    ],
+)
+def test_the_context_floor_counts_a_whitespace_run_as_one_character(
+    prompt: str, floor: int, fits: bool
+) -> None:
+    r = _route({"model": "m", "prompt": prompt, "max_tokens": 4})
+    assert r.prompt_tokens_floor == floor
+    w = worker(blocks=10_000, max_model_len=512)
+    refused = ContextLengthFilter().filter(Cycle(r, FleetView((w,)), 0.0, random.Random(0)), w)
+    # under the 512-token context on its floor: passed to the worker, which counts and decides
+    assert refused is (None if fits else FilterReason.EXCEEDS_CONTEXT)

@@ -187,6 +187,24 @@ def test_prompt_anyone_sees_too_long_streaming_is_json_400(target: Target) -> No
     assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        pytest.param(
+            ("\n" + " " * 16 + "return self\n") * 150, id="indented code: 4,350 characters, 451 tokens"
+        ),
+        pytest.param(("\n" + " " * 24) * 200, id="blank indented lines: 5,000 characters, 200 tokens"),
+    ],
+)
+def test_whitespace_heavy_prompts_vllm_serves_are_not_refused(target: Target, prompt: str) -> None:
+    """Over 8 characters a token (its tokenizer merges runs of spaces): Mosaic's context floor, which counts
+    a whitespace run as one character, must not refuse what vLLM serves (it did: 400 'about 1088 tokens')."""
+    with target.openai() as client:
+        resp = client.completions.create(model=target.model, prompt=prompt, max_tokens=4, temperature=0)
+    assert resp.usage is not None and resp.usage.prompt_tokens < 512
+    assert resp.usage.completion_tokens == 4 or resp.choices[0].finish_reason == "stop"
+
+
 def test_prompt_fits_but_max_tokens_overflows_is_clamped_not_refused(target: Target) -> None:
     """vLLM answers 200 and stops at max-model-len when prompt + max_tokens exceeds it; Mosaic must not
     refuse what vLLM would serve. 20 token ids + 500 max_tokens (520 > 512): 492 come back (512 − 20).

@@ -738,6 +738,7 @@ these are the rules across keys. Each cites the loader's own rule: keep them in 
 {{- include "mosaic.checkKnobsOnce" $cfg }}
 {{- include "mosaic.checkBacklogLead" $cfg }}
 {{- include "mosaic.checkPolicy" (list $cfg $pools) }}
+{{- include "mosaic.checkPrefillOnly" $pools }}
 {{- /* the chart writes autoscaler.kubernetes.domains, which the inventory is checked against, only for the controller */}}
 {{- if $root.Values.controller.enabled }}
 {{- include "mosaic.checkNodeDomains" (list $root $pools) }}
@@ -822,6 +823,7 @@ Arguments: (list configValues resolvedPools). */}}
 {{- else if eq $name "static" }}
 {{- $bounds := dict }}
 {{- range $pools }}{{ $_ := set $bounds .name (list (int .minReplicas) (int .maxReplicas)) }}{{ end }}
+{{- $seen := dict }}
 {{- range (splitList "," $arg) }}
 {{- if . }}
 {{- $pool := index (splitList "=" .) 0 }}
@@ -829,11 +831,32 @@ Arguments: (list configValues resolvedPools). */}}
 {{- if not (hasKey $bounds $pool) }}
 {{- fail (printf "config.autoscaler.policy %q: %q is not a pool (pools: %s); the gateway refuses it at start" $spec $pool (keys $bounds | sortAlpha | join ", ")) }}
 {{- end }}
+{{- if hasKey $seen $pool }}
+{{- fail (printf "config.autoscaler.policy %q: pool %s is given twice; the gateway refuses it at start" $spec $pool) }}
+{{- end }}
+{{- $_ := set $seen $pool true }}
 {{- $b := get $bounds $pool }}
 {{- if or (lt $n (index $b 0)) (gt $n (index $b 1)) }}
 {{- fail (printf "config.autoscaler.policy %q: the count %d is outside pool %s's minReplicas..maxReplicas (%d..%d); the gateway refuses it at start" $spec $n $pool (index $b 0) (index $b 1)) }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A model whose every pool is a prefill pool: nothing would finish its requests; scheduler/fleet.py
+`prefill_only_models`, which the gateway's config loader refuses. Argument: the resolved pools. */}}
+{{- define "mosaic.checkPrefillOnly" -}}
+{{- $byModel := dict }}
+{{- $finishing := dict }}
+{{- range . }}
+{{- $model := toString .model }}
+{{- $_ := set $byModel $model (append (get $byModel $model | default list) .name) }}
+{{- if ne (toString .role) "prefill" }}{{ $_ := set $finishing $model true }}{{ end }}
+{{- end }}
+{{- range $model := keys $byModel | sortAlpha }}
+{{- if not (hasKey $finishing $model) }}
+{{- fail (printf "pools: model %q has only prefill pools (%s): a prefill worker does not finish a request; add a decode or mixed pool (the gateway refuses it at start)" $model (get $byModel $model | join ", ")) }}
 {{- end }}
 {{- end }}
 {{- end }}

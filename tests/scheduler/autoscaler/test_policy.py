@@ -343,6 +343,22 @@ def test_an_idle_pool_at_min_zero_reaches_zero_and_a_lone_idle_interval_removes_
     assert targets[90] == 2 and targets[105] == 0 and set(targets.values()) == {0, 2}
 
 
+def test_an_interval_without_tokens_is_not_idle_while_something_runs() -> None:
+    """A mixed instance busy with one long prefill for a whole interval decodes nothing: not idle (its busy
+    fraction, or its prompt tokens), so a window of 0 does not scale it away under its request."""
+    cfg = AutoscalerConfig(utilization_target=0.8, scale_down_window_s=0, max_scale_down_fraction=1.0)
+    for busy in (
+        PoolObservation(ready=1, gpu_utilization=1.0),
+        PoolObservation(ready=1, prompt_tokens_per_s=9000.0),
+    ):
+        policy = MosaicAutoscaler([decode_pool(lo=0)], cfg)
+        assert policy.decide(obs(0, **{"d-a100": po(1, 400)})).targets["d-a100"] == 1
+        assert policy.decide(obs(15, **{"d-a100": busy})).targets["d-a100"] == 1
+    policy = MosaicAutoscaler([decode_pool(lo=0)], cfg)
+    assert policy.decide(obs(0, **{"d-a100": po(1, 400)})).targets["d-a100"] == 1
+    assert policy.decide(obs(15, **{"d-a100": PoolObservation(ready=1)})).targets["d-a100"] == 0  # idle
+
+
 def test_backlog_acts_at_once_through_the_smoothing() -> None:
     cfg = AutoscalerConfig(utilization_target=0.8, queue_drain_s=30, default_output_tokens=200)
     policy = MosaicAutoscaler([decode_pool()], cfg)

@@ -25,8 +25,10 @@ def test_each_row_is_a_consistent_openai_error(reason: FilterReason):
     rule = REJECT_TABLE[reason]
     assert rule.error_type == TYPES_BY_STATUS[rule.status]
     assert rule.code and rule.code == rule.code.lower()
-    # retryable reasons are the ones that can clear by waiting: 429 (full now) or 503 (not ready now)
-    assert rule.retryable == (rule.status in (429, 503) and reason is not FilterReason.WRONG_ROLE)
+    # retryable reasons are the ones that can clear by waiting: 429 (full now) or 503 (not ready now); a 503
+    # for a role no worker has, or a pool nothing can add one to, cannot
+    final_503 = (FilterReason.WRONG_ROLE, FilterReason.POOL_STAYS_EMPTY)
+    assert rule.retryable == (rule.status in (429, 503) and reason not in final_503)
     assert rule.retry_after_s >= 0
     body = Reject.from_counts({reason: 1}).error_body()
     assert set(body["error"]) == {"message", "type", "param", "code"}
