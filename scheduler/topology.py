@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from placement.catalog import Catalog, CatalogError
+from placement.offers import canonical_gpu
 from placement.profiles import Role
 from placement.topology import (
     Group,
@@ -46,13 +47,7 @@ from placement.topology import (
 def pool_gpus(pools: Iterable[Any], catalog: Catalog) -> set[str]:
     """The catalog names of the GPUs `pools` (anything with a `.gpu`) run on; an unknown name as given (the
     pools' own validation refuses it)."""
-    names = set()
-    for p in pools:
-        try:
-            names.add(catalog.gpu(p.gpu).name)
-        except CatalogError:
-            names.add(str(p.gpu))
-    return names
+    return {canonical_gpu(str(p.gpu), catalog) for p in pools}
 
 
 @dataclass(frozen=True, slots=True)

@@ -234,9 +234,8 @@ class MosaicAutoscaler:
         # `min_replicas: 0` pool up for ever; the scale-down window still holds what the load before needed.
         model_pools = [obs.pools[p.name] for p in pools if p.name in obs.pools]
         idle = (
-            decode_sample == 0
+            decode_sample == 0  # no arrival either: the sample is at least arrivals × mean output length
             and waiting == 0
-            and seen.request_rate == 0
             and all(po.prompt_tokens_per_s == 0 and po.gpu_utilization == 0 for po in model_pools)
         )
         if idle:
