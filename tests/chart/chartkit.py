@@ -157,6 +157,25 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
+def label_selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A metav1.LabelSelector (`matchLabels` and `matchExpressions`, as monitors and PDBs carry it) selects
+    `labels`: every pair present and every expression true. An empty selector selects nothing here (the chart
+    never writes one; Kubernetes would read it as everything)."""
+    pairs = selector.get("matchLabels") or {}
+    expressions = selector.get("matchExpressions") or []
+    if not pairs and not expressions:
+        return False
+    checks = {
+        "In": lambda key, values: labels.get(key) in values,
+        "NotIn": lambda key, values: labels.get(key) not in values,
+        "Exists": lambda key, _: key in labels,
+        "DoesNotExist": lambda key, _: key not in labels,
+    }
+    return all(labels.get(k) == v for k, v in pairs.items()) and all(
+        checks[e["operator"]](e["key"], e.get("values") or []) for e in expressions
+    )
+
+
 def parse_selector(text: str) -> dict[str, str]:
     """`k=v,k=v` (equality-based label selector, the only form the chart writes) → dict."""
     pairs = [p.split("=", 1) for p in text.split(",")]

@@ -22,6 +22,7 @@ from tests.chart.chartkit import (
     NAMESPACE,
     RELEASE,
     container,
+    label_selector_matches,
     load_values,
     parse_selector,
     pod_labels,
@@ -273,11 +274,11 @@ def test_controller_pod_monitor(chart: helm.Chart, values: dict[str, Any], monit
     chosen = [
         d
         for d in rendered.of_kind("Deployment")
-        if selects(pm["spec"]["selector"]["matchLabels"], pod_labels(d))
+        if label_selector_matches(pm["spec"]["selector"], pod_labels(d))
     ]
     assert [d["metadata"]["name"] for d in chosen] == [f"{RELEASE}-controller"]
     assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container(chosen[0])["ports"]
     # and no other monitor scrapes it (the workers' PodMonitor, the ServiceMonitor's Services)
     for other in rendered.of_kind("PodMonitor"):
         if other is not pm:
-            assert not selects(other["spec"]["selector"]["matchLabels"], pod_labels(chosen[0]))
+            assert not label_selector_matches(other["spec"]["selector"], pod_labels(chosen[0]))

@@ -22,6 +22,7 @@ from tests.chart.chartkit import (
     container,
     env_map,
     example_files,
+    label_selector_matches,
     load_values,
     parse_mosaic_args,
     pod_labels,
@@ -256,7 +257,7 @@ def test_service_and_pod_monitors_select_what_exists(chart: helm.Chart) -> None:
     workers = [
         d
         for d in rendered.of_kind("Deployment")
-        if selects(pm["spec"]["selector"]["matchLabels"], pod_labels(d))
+        if label_selector_matches(pm["spec"]["selector"], pod_labels(d))
     ]
     assert {d["metadata"]["name"] for d in workers} == {
         d["metadata"]["name"] for d in rendered.pool_deployments()
@@ -268,6 +269,44 @@ def test_service_and_pod_monitors_select_what_exists(chart: helm.Chart) -> None:
     for name in (f"{RELEASE}-gateway", f"{RELEASE}-controller"):
         notes = rendered.get("Deployment", name)["spec"]["template"]["metadata"]["annotations"]
         assert "prometheus.io/scrape" not in notes
+
+
+def _scraped_by(rendered: Rendered) -> dict[str, list[str]]:
+    """Each Deployment's pods → the operator monitors that scrape them: a PodMonitor by the pods' labels, the
+    ServiceMonitor through the Services it selects (by their labels) and the pods behind them."""
+    by: dict[str, list[str]] = {d["metadata"]["name"]: [] for d in rendered.of_kind("Deployment")}
+    for pm in rendered.of_kind("PodMonitor"):
+        for d in rendered.of_kind("Deployment"):
+            if label_selector_matches(pm["spec"]["selector"], pod_labels(d)):
+                by[d["metadata"]["name"]].append(f"PodMonitor/{pm['metadata']['name']}")
+    for sm in rendered.of_kind("ServiceMonitor"):
+        ports = {e["port"] for e in sm["spec"]["endpoints"]}
+        for svc in rendered.of_kind("Service"):
+            if not label_selector_matches(sm["spec"]["selector"], svc["metadata"]["labels"]):
+                continue
+            assert ports <= {p["name"] for p in svc["spec"]["ports"]}, svc["metadata"]["name"]
+            for d in rendered.of_kind("Deployment"):
+                if selects(svc["spec"]["selector"], pod_labels(d)):
+                    by[d["metadata"]["name"]].append(f"ServiceMonitor/{sm['metadata']['name']}")
+    return by
+
+
+@pytest.mark.parametrize(
+    "monitors",
+    [
+        pytest.param({"serviceMonitor": {"enabled": True}}, id="ServiceMonitor"),
+        pytest.param({"podMonitor": {"enabled": True}}, id="PodMonitor"),
+        pytest.param({"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}, id="both"),
+    ],
+)
+def test_every_pod_is_scraped_by_exactly_one_monitor(chart: helm.Chart, monitors: dict[str, Any]) -> None:
+    """Before: with the PodMonitor alone (examples/topology-domains.yaml) the gateway lost its scrape
+    annotations and no monitor selected it, so its mosaic_* metrics (the dashboard's top rows, its model and
+    pool variables) were never collected while NOTES said they were."""
+    rendered = render(chart, {**load_values(EXAMPLES_DIR / "multi-model.yaml"), "monitoring": monitors})
+    by = _scraped_by(rendered)
+    assert set(by) >= {f"{RELEASE}-gateway", f"{RELEASE}-controller"} and len(by) > 2
+    assert {name: found for name, found in by.items() if len(found) != 1} == {}
 
 
 def test_service_monitor_alone_also_covers_the_workers(chart: helm.Chart) -> None:

@@ -73,6 +73,19 @@ def test_a_load_balancer_address_is_its_ip_or_its_hostname(chart: helm.Chart) ->
 
 
 @pytest.mark.parametrize(
+    ("key", "path"),
+    [("api-keys", "{.data.api-keys}"), ("api.keys", "{.data.api\\.keys}"), ("a.b.c", "{.data.a\\.b\\.c}")],
+)
+def test_the_api_key_command_reads_the_secret_key_the_gateway_uses(
+    chart: helm.Chart, key: str, path: str
+) -> None:
+    """Before: a key name with a dot (`auth.apiKeysKey: api.keys`, which the schema allows) gave
+    `{.data.api.keys}`, a path kubectl's JSONPath reads as two fields: MOSAIC_API_KEY was empty."""
+    notes = render(chart, {"auth": {"apiKeysKey": key}}).notes
+    assert f"-o jsonpath='{path}' | base64 -d" in notes
+
+
+@pytest.mark.parametrize(
     ("monitoring", "line", "annotated"),
     [
         pytest.param(

@@ -84,6 +84,20 @@ def test_default_probe_timings(
         assert (probe["periodSeconds"], probe["failureThreshold"], probe["timeoutSeconds"]) == expected[kind]
 
 
+def test_simulated_workers_are_probed_with_the_gateways_default_timings(chart: helm.Chart) -> None:
+    """Before: Kubernetes' 1 s timeout, which a simulated worker's one event loop, timing every stream it
+    serves, can miss under load: three misses restarted it and cut its streams."""
+    rendered = render(chart, {"simulated": True})
+    gateway = container(rendered.get("Deployment", f"{RELEASE}-gateway"))
+    for dep in rendered.pool_deployments():
+        c = container(dep)
+        assert c["command"][0] == "mosaic" or "worker" in c.get("args", [])
+        for field in PROBES.values():
+            timings = ("periodSeconds", "failureThreshold", "timeoutSeconds")
+            assert {k: c[field][k] for k in timings} == {k: gateway[field][k] for k in timings}, field
+        _validate(dep)
+
+
 def test_a_gateway_liveness_timeout_set_to_null_keeps_a_safe_default(chart: helm.Chart) -> None:
     """A user's `timeoutSeconds: null` removes the key (Helm): liveness falls back to 5 s, the others to 1 s."""
     probes = {kind: {"timeoutSeconds": None} for kind in PROBES}

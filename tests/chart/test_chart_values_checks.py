@@ -80,6 +80,51 @@ def test_kubernetes_quantities_are_accepted(chart: helm.Chart, place: Any, good:
     chart.validate_schema(place(good))
 
 
+# ---- requests above limits ----
+
+REAL_POOL = {**POOL, "gpu": "H100", "model": "meta-llama/Meta-Llama-3-8B-Instruct"}
+RESOURCE_PLACES = [
+    pytest.param(lambda r: {"pools": [{**REAL_POOL, "resources": r}]}, "pools[0] (p)", id="a pool over poolDefaults"),
+    pytest.param(lambda r: {"poolDefaults": {"resources": r}, "pools": [REAL_POOL]}, "pools[0] (p)", id="poolDefaults"),
+    pytest.param(lambda r: {"gateway": {"resources": r}}, "gateway", id="gateway"),
+    pytest.param(lambda r: {"controller": {"resources": r}}, "controller", id="controller"),
+    pytest.param(lambda r: {"simulator": {"resources": r}, "simulated": True}, "simulator", id="simulator"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("place", "where"), RESOURCE_PLACES)
+@pytest.mark.parametrize(
+    ("key", "request_", "limit"),
+    [
+        ("memory", "128Gi", "64Gi"),
+        ("memory", "65G", "60Gi"),  # 65e9 > 64.4e9
+        ("memory", "2e9", "1Gi"),
+        ("cpu", "1.5", "1"),
+        ("cpu", "1001m", "1"),
+        ("cpu", 2, "1500m"),
+    ],
+)
+def test_a_request_above_its_limit_is_refused_at_render(
+    chart: helm.Chart, place: Any, where: str, key: str, request_: Any, limit: Any
+) -> None:
+    """Before: a pool's `resources: {requests: {memory: 128Gi}}` was merged over poolDefaults' 64Gi limit, and
+    the API server refused the Deployment halfway through `helm install`."""
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(chart, place({"requests": {key: request_}, "limits": {key: limit}}))
+    message = str(caught.value)
+    assert f"{where}: resources.requests.{key} {request_} is above resources.limits.{key} {limit}" in message
+
+
+@pytest.mark.parametrize(("place", "where"), RESOURCE_PLACES)
+@pytest.mark.parametrize(
+    ("request_", "limit"), [("64Gi", "64Gi"), ("60G", "60Gi"), ("1000m", "1"), ("1e9", "1Gi")]
+)
+def test_a_request_at_or_below_its_limit_renders(
+    chart: helm.Chart, place: Any, where: str, request_: Any, limit: Any
+) -> None:
+    render(chart, place({"requests": {"memory": request_}, "limits": {"memory": limit}}))
+
+
 # ---- PodDisruptionBudgets that block drains ----
 
 PDB_PLACES = [

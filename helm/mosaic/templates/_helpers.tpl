@@ -993,3 +993,34 @@ resolves the name. Arguments: (list root pool); returns YAML `{products: [...]}`
 {{- end }}
 {{- dict "products" ($found | default list) | toYaml }}
 {{- end }}
+
+{{/* A Kubernetes quantity (a string or a number of the schema's `quantity` form) as a float, for comparing a
+container's requests with its limits: 16Gi → 17179869184, 500m → 0.5, 1e3 → 1000, 4 → 4. */}}
+{{- define "mosaic.quantity" -}}
+{{- $s := toString . | trimPrefix "+" }}
+{{- $suffix := regexFind "([KMGTPE]i|[numkMGTPE])$" $s }}
+{{- $factors := dict "n" 1e-9 "u" 1e-6 "m" 1e-3 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- if $suffix }}
+{{- mulf (float64 (trimSuffix $suffix $s)) (get $factors $suffix) }}
+{{- else }}
+{{- float64 $s }}
+{{- end }}
+{{- end }}
+
+{{/* The API server refuses a pod whose container requests more of a resource than its limit ("must be less
+than or equal to ... limit"), after the release has been half applied: refuse it at render. Arguments: where
+(the values path), the resources, and a hint to add. */}}
+{{- define "mosaic.checkResources" -}}
+{{- $where := index . 0 }}
+{{- $res := index . 1 | default dict }}
+{{- $hint := index . 2 }}
+{{- $limits := $res.limits | default dict }}
+{{- range $k, $req := $res.requests | default dict }}
+{{- $limit := get $limits $k }}
+{{- if and (not (kindIs "invalid" $req)) (not (kindIs "invalid" $limit)) (ne (toString $limit) "") }}
+{{- if gt (float64 (include "mosaic.quantity" $req)) (float64 (include "mosaic.quantity" $limit)) }}
+{{- fail (printf "%s: resources.requests.%s %v is above resources.limits.%s %v, which Kubernetes refuses; raise the limit or lower the request%s" $where $k $req $k $limit $hint) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
