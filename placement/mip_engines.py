@@ -39,7 +39,8 @@ def count_bounds(
         need = max((v for (_, oo), v in worst.items() if oo == o), default=0.0)
         offer = problem.gpus[opt.gpu]
         # A GPU minimum may have to be met by this option alone, whatever its load.
-        ub = max(opt.min_instances, math.ceil(need - 1e-9), -(-offer.min_gpus // opt.tp))
+        # Any load at all needs an instance: ⌈need − 1e-9⌉ alone is 0 for a load under 1e-9 of one.
+        ub = max(opt.min_instances, math.ceil(need - 1e-9), int(need > 0), -(-offer.min_gpus // opt.tp))
         gpu_cap = offer.max_gpus
         if opt.max_instances is not None:
             ub = min(ub, opt.max_instances)

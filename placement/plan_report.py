@@ -12,7 +12,6 @@ from typing import Any
 
 from placement.binpacking import MixSolution
 from placement.planner import Plan, WhatIfRow
-from placement.profiles import Role
 from placement.solver import SingleType
 from placement.topology import InstanceKind, Node, Placement
 
@@ -189,15 +188,10 @@ def plan_to_dict(
 
 
 def placement_to_dict(placement: Placement, nodes: Sequence[Node]) -> dict[str, Any]:
-    """Where each instance goes: per node, `model/GPU[/tpN][/role] ×n` strings; groups → domains."""
+    """Where each instance goes: per node, `model/GPU[/tpN][/dpN][/role] ×n` strings; groups → domains."""
     per_node: dict[str, dict[str, int]] = {n.name: {} for n in nodes}
     for p in placement.instances:
-        k = p.kind
-        label = (
-            f"{k.model}/{k.gpu}"
-            + (f"/tp{k.tp}" if k.tp > 1 else "")
-            + ("" if k.role is Role.MIXED else f"/{k.role.value}")
-        )
+        label = p.kind.label
         per_node[p.node][label] = per_node[p.node].get(label, 0) + 1
     return {
         "status": placement.status,

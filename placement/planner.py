@@ -136,6 +136,13 @@ def build_problem(
     for p in chosen:
         gpu, model = canonical_gpu(p.gpu, catalog), canonical_model(p.model, catalog)
         if gpu not in offers:
+            if gpu not in catalog.gpus:  # a typo would leave the GPU it meant without a profile, quietly
+                raise PlacementError(
+                    f"profile {model} on GPU {p.gpu!r}: that GPU is neither in the catalog nor offered"
+                    f" ({', '.join(sorted(offers))})"
+                )
+            unused = f"{gpu}: profiled but not offered; its profiles are not used"
+            notes += [unused] if unused not in notes else []
             continue
         grid = Grid(p.input_edges, p.output_edges, p.shape)
         if grids.setdefault(model, grid) != grid:

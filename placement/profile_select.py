@@ -43,7 +43,8 @@ def select_profiles(
         if p.role in keep:
             key = (canonical_model(p.model, catalog), canonical_gpu(p.gpu, catalog), p.tp, p.role)
             by_key.setdefault(key, []).append(p)
-    chosen, notes = [], []
+    chosen: list[ThroughputProfile] = []
+    notes: list[str] = []
     for key, group in by_key.items():
         label = (
             f"{key[0]}/{key[1]}"
@@ -72,7 +73,26 @@ def select_profiles(
                 f"{label}: profile measured at {_slo_text(best.slo)} used for {_slo_text(need)} (conservative)"
             )
         chosen.append(best)
+    if target is None and chosen:
+        notes += _one_slo_per_role(chosen)
     return chosen, notes
+
+
+def _one_slo_per_role(chosen: Sequence[ThroughputProfile]) -> list[str]:
+    """Without a target the plan holds at the profiles' own SLO: one per role (in the limits that bind it), or
+    a fleet of 120 ms profiles beside 40 ms ones would be planned, and shown, as if it held at either."""
+    slos: dict[Role, set[str]] = {}
+    for p in chosen:
+        slos.setdefault(p.role, set()).add(_slo_text(_relevant(p.slo, p.role)))
+    mixed = {role: sorted(texts) for role, texts in slos.items() if len(texts) > 1}
+    if mixed:
+        role, texts = next(iter(mixed.items()))
+        raise PlacementError(
+            f"the {role.value} profiles were measured at different SLOs ({'; '.join(texts)}): give the target"
+            " SLO (--slo-tpot-ms, --slo-ttft-ms) to choose the ones that meet it"
+        )
+    held = "; ".join(f"{role.value} {next(iter(texts))}" for role, texts in sorted(slos.items()))
+    return [f"no target SLO given: the plan holds at the profiles' SLO ({held})"]
 
 
 def _looseness(slo: Slo) -> tuple[float, float, float]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from placement.binpacking import (
+    LOAD_TOL,
     EngineResult,
     MixProblem,
     MixSolution,
@@ -153,6 +154,12 @@ def _finish(
             counts[o], status = need, Status.FEASIBLE
     if status is not Status.OPTIMAL:
         _trim(problem, counts, peak)
+    if not any(counts) and max(peak, default=0.0) > 0:
+        # the load check forgives LOAD_TOL of an instance as float noise: a whole demand that small fits in none
+        raise PlacementError(
+            f"the demand is too small to plan: its busiest window needs {max(peak):.3g} of an instance, "
+            f"below the planner's resolution ({LOAD_TOL:g}); check the rates"
+        )
     opts = problem.options
     cost = sum(problem.option_cost(opt) * n for opt, n in zip(opts, counts, strict=True))
     bound = cost if status is Status.OPTIMAL else min(cost, r.bound if r.bound is not None else 0.0)

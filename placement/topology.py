@@ -73,6 +73,16 @@ class InstanceKind:
         """GPUs one instance takes, all on one node: tp × dp."""
         return self.tp * self.dp
 
+    @property
+    def label(self) -> str:
+        """`model/GPU[/tpN][/dpN][/role]`: what the plan's placement prints, and distinct per kind."""
+        return (
+            f"{self.model}/{self.gpu}"
+            + (f"/tp{self.tp}" if self.tp > 1 else "")
+            + (f"/dp{self.dp}" if self.dp > 1 else "")
+            + ("" if self.role is Role.MIXED else f"/{self.role.value}")
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Group:
@@ -132,7 +142,7 @@ def groups_from_counts(counts: Mapping[InstanceKind, int], max_group_gpus: int |
         groups += [Group(f"{model}/pd{g}", m) for g, m in enumerate(members)]
     for kind, n in sorted(counts.items(), key=lambda kv: (kv[0].model, kv[0].gpu, kv[0].gpus)):
         if kind.role is Role.MIXED:
-            groups += [Group(f"{kind.model}/{kind.gpu}#{i}", {kind: 1}) for i in range(n)]
+            groups += [Group(f"{kind.label}#{i}", {kind: 1}) for i in range(n)]
     return groups
 
 
@@ -160,26 +170,39 @@ def _precheck(nodes: Sequence[Node], groups: Sequence[Group], require: bool) -> 
                 f"{n} instances of {size} GPUs on {gpu} need {size} free GPUs on one node each; nodes hold only {room} (largest free block {largest})"
             )
     if require:
+        free_in: dict[tuple[str, str], int] = {}  # (domain, GPU) → free GPUs
+        for x in nodes:
+            free_in[(x.domain, x.gpu)] = free_in.get((x.domain, x.gpu), 0) + x.free
         domains = sorted({x.domain for x in nodes})
         for g in groups:
-            fits = [
-                d
-                for d in domains
-                if all(
-                    sum(x.free for x in nodes if x.domain == d and x.gpu == gpu) >= n
-                    for gpu, n in g.gpus_by_type.items()
-                )
-            ]
-            if not fits:
-                want = ", ".join(f"{n}× {gpu}" for gpu, n in sorted(g.gpus_by_type.items()))
-                best = max(domains, key=lambda d: sum(x.free for x in nodes if x.domain == d))
-                have = ", ".join(
-                    f"{sum(x.free for x in nodes if x.domain == best and x.gpu == gpu)}× {gpu}"
-                    for gpu in sorted(g.gpus_by_type)
-                )
+            want = g.gpus_by_type
+            if not any(all(free_in.get((d, gpu), 0) >= n for gpu, n in want.items()) for d in domains):
+                best = max(domains, key=lambda d: sum(v for (dd, _), v in free_in.items() if dd == d))
+                have = ", ".join(f"{free_in.get((best, gpu), 0)}× {gpu}" for gpu in sorted(want))
+                wanted = ", ".join(f"{n}× {gpu}" for gpu, n in sorted(want.items()))
                 raise TopologyError(
-                    f"group {g.name} needs {want} in one domain; the roomiest domain {best} has {have} free"
+                    f"group {g.name} needs {wanted} in one domain; the roomiest domain {best} has {have} free"
                 )
+
+
+def _lone_instances(groups: Sequence[Group]) -> dict[InstanceKind, list[int]]:
+    """Groups of one instance and no anchors (every mixed instance of `groups_from_counts`), by kind. One
+    instance sits on one node, so such a group never spreads or splits a pair and always has one domain: the
+    model places them as a count per (kind, node), not a variable per (group, node) — 1,000 mixed instances
+    on 200 nodes is 200 variables, not 200,000 — and hands them out to their groups afterwards."""
+    lone: dict[InstanceKind, list[int]] = {}
+    for gi, g in enumerate(groups):
+        present = [k for k, n in g.members.items() if n > 0]
+        if not g.anchors and sum(g.members.values()) == 1:
+            lone.setdefault(present[0], []).append(gi)
+    return lone
+
+
+def _no_node_for(g: Group, kind: InstanceKind) -> TopologyError:
+    return TopologyError(
+        f"group {g.name}: no {kind.gpu} node has {kind.gpus} free GPUs for an instance of tp {kind.tp}"
+        + (f" × dp {kind.dp}" if kind.dp > 1 else "")
+    )
 
 
 def place_instances(
@@ -190,36 +213,62 @@ def place_instances(
     time_limit_s: float = 5.0,
     deterministic: bool = False,
 ) -> Placement:
-    """Place every group's instances on nodes (see the module docstring); raises TopologyError if impossible."""
+    """Place every group's instances on nodes (see the module docstring); raises TopologyError if impossible.
+    `time_limit_s` bounds the whole call, building the model included."""
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise TopologyError("node names must be unique")
     if any(x.gpus < 0 or x.used < 0 or x.used > x.gpus for x in nodes):
         raise TopologyError("every node needs 0 ≤ used ≤ gpus")
     require = same_domain == "require"
-    _precheck(nodes, groups, require)
     started = time.perf_counter()
+    _precheck(nodes, groups, require)
     m = cp_model.CpModel()
     domains = sorted({x.domain for x in nodes} | {d for g in groups for d in g.anchors})
+    lone = _lone_instances(groups)
+    lone_groups = {gi for members in lone.values() for gi in members}
+    # y[g,r,n] for the groups whose domains matter; x[r,n] for the lone instances of kind r
     y: dict[tuple[int, InstanceKind, int], cp_model.IntVar] = {}
+    x: dict[tuple[InstanceKind, int], cp_model.IntVar] = {}
+    on_node: dict[int, list[cp_model.LinearExprT]] = {}
+    in_domain_cells: dict[tuple[int, str], list[cp_model.IntVar]] = {}
+    role_cells: dict[tuple[int, Role, str], list[cp_model.IntVar]] = {}
+
+    def cells_for(kind: InstanceKind, count: int, name: str) -> list[tuple[int, cp_model.IntVar]]:
+        out = []
+        for ni, node in enumerate(nodes):
+            if node.gpu == kind.gpu and node.free >= kind.gpus:
+                var = m.new_int_var(0, min(count, node.free // kind.gpus), f"{name}_{ni}")
+                on_node.setdefault(ni, []).append(kind.gpus * var)
+                out.append((ni, var))
+        return out
+
+    for ri, (kind, members) in enumerate(sorted(lone.items(), key=lambda kv: kv[1][0])):
+        cells = cells_for(kind, len(members), f"x{ri}")
+        if not cells:
+            raise _no_node_for(groups[members[0]], kind)
+        x.update({(kind, ni): var for ni, var in cells})
+        m.add(sum(var for _, var in cells) == len(members))
     for gi, g in enumerate(groups):
+        if gi in lone_groups:
+            continue
         for kind, count in g.members.items():
-            cells = []
-            for ni, node in enumerate(nodes):
-                if node.gpu == kind.gpu and node.free >= kind.gpus:
-                    y[(gi, kind, ni)] = var = m.new_int_var(
-                        0, min(count, node.free // kind.gpus), f"y{gi}_{ni}"
-                    )
-                    cells.append(var)
+            cells = cells_for(kind, count, f"y{gi}")
             if not cells:
-                raise TopologyError(
-                    f"group {g.name}: no {kind.gpu} node has {kind.gpus} free GPUs for an instance of tp {kind.tp}"
-                    + (f" × dp {kind.dp}" if kind.dp > 1 else "")
-                )
-            m.add(sum(cells) == count)
+                raise _no_node_for(g, kind)
+            for ni, var in cells:
+                y[(gi, kind, ni)] = var
+                in_domain_cells.setdefault((gi, nodes[ni].domain), []).append(var)
+                role_cells.setdefault((gi, kind.role, nodes[ni].domain), []).append(var)
+            m.add(sum(var for _, var in cells) == count)
     used_vars, frag_vars = [], []
+    # per GPU type: (GPUs in use after placing, Σ size·used, Σ size·full) over its nodes that can take an instance
+    by_type: dict[
+        str, tuple[list[cp_model.LinearExprT], list[cp_model.LinearExprT], list[cp_model.LinearExprT]]
+    ]
+    by_type = {}
     for ni, node in enumerate(nodes):
-        terms = [kind.gpus * v for (_, kind, nn), v in y.items() if nn == ni]
+        terms = on_node.get(ni)
         used, full, frag = m.new_bool_var(f"u{ni}"), m.new_bool_var(f"f{ni}"), m.new_bool_var(f"x{ni}")
         used_vars.append(used)
         frag_vars.append(frag)
@@ -234,11 +283,23 @@ def place_instances(
         m.add(total >= 1).only_enforce_if(used)
         m.add(total == node.gpus).only_enforce_if(full)
         m.add(frag >= used - full)
+        totals, opened, filled = by_type.setdefault(node.gpu, ([], [], []))
+        totals.append(total)
+        opened.append(node.gpus * used)
+        filled.append(node.gpus * full)
+    # Redundant, and what lets CP-SAT prove a packing optimal on many identical nodes: the nodes in use hold
+    # at least the GPUs in use, and the full ones at most. Without them its bound stays at "no node used" and a
+    # 1,100-instance fleet of two sizes was still "feasible" after 20 s.
+    for totals, opened, filled in by_type.values():
+        m.add(sum(opened) >= sum(totals))
+        m.add(sum(filled) <= sum(totals))
     cross_terms, spread_terms, shared_terms = [], [], []
     for gi, g in enumerate(groups):
+        if gi in lone_groups:
+            continue
         in_domain = []
         for d in domains:
-            cells = [v for (gg, _, ni), v in y.items() if gg == gi and nodes[ni].domain == d]
+            cells = in_domain_cells.get((gi, d), [])
             z = m.new_bool_var(f"z{gi}_{d}")
             if cells:
                 m.add(sum(cells) == 0).only_enforce_if(~z)
@@ -256,41 +317,32 @@ def place_instances(
             for d in domains:
                 ap, ad = g.anchors.get(d, (0, 0))
                 for role, other in ((Role.PREFILL, a_dec - ad), (Role.DECODE, a_pre - ap)):
-                    cells = [
-                        v
-                        for (gg, k, ni), v in y.items()
-                        if gg == gi and k.role is role and nodes[ni].domain == d
-                    ]
+                    cells = role_cells.get((gi, role, d), [])
                     if other and cells:
                         cross_terms.append(other * sum(cells))
         if pre and dec:
             cross_terms.append(pre * dec)
             for d in domains:
-                p = sum(
-                    v
-                    for (gg, k, ni), v in y.items()
-                    if gg == gi and k.role is Role.PREFILL and nodes[ni].domain == d
-                )
-                q = sum(
-                    v
-                    for (gg, k, ni), v in y.items()
-                    if gg == gi and k.role is Role.DECODE and nodes[ni].domain == d
-                )
                 pv, qv, prod = (
                     m.new_int_var(0, pre, ""),
                     m.new_int_var(0, dec, ""),
                     m.new_int_var(0, pre * dec, ""),
                 )
-                m.add(pv == p)
-                m.add(qv == q)
+                m.add(pv == sum(role_cells.get((gi, Role.PREFILL, d), [])))
+                m.add(qv == sum(role_cells.get((gi, Role.DECODE, d), [])))
                 m.add_multiplication_equality(prod, [pv, qv])
                 shared_terms.append(prod)
     cross = sum(cross_terms) - sum(shared_terms)
     m.minimize(
         W_CROSS * cross + W_SPREAD * sum(spread_terms) + W_FRAG * sum(frag_vars) + W_NODE * sum(used_vars)
     )
+    left = time_limit_s - (time.perf_counter() - started)
+    if left <= 0:
+        raise TopologyError(
+            f"no placement found within {time_limit_s:g} s (building the model took it all); raise the time limit"
+        )
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.max_time_in_seconds = left
     solver.parameters.num_workers = 1 if deterministic else 8
     code = solver.solve(m)
     wall = time.perf_counter() - started
@@ -298,19 +350,31 @@ def place_instances(
         raise TopologyError(_explain(nodes, groups, require))
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise TopologyError(f"no placement found within {time_limit_s:g} s; raise the time limit")
-    placed = []
-    for (gi, kind, ni), v in sorted(y.items(), key=lambda kv: (kv[0][0], kv[0][2])):
-        placed += [PlacedInstance(groups[gi].name, kind, nodes[ni].name, nodes[ni].domain)] * int(
+    placed: list[tuple[int, int, PlacedInstance]] = []
+    for (gi, kind, ni), v in y.items():
+        node = nodes[ni]
+        placed += [(gi, ni, PlacedInstance(groups[gi].name, kind, node.name, node.domain))] * int(
             solver.value(v)
         )
-    group_domains = {g.name: tuple(sorted({p.domain for p in placed if p.group == g.name})) for g in groups}
+    for kind, members in lone.items():
+        waiting = iter(members)  # each lone group takes the next instance of its kind, nodes in order
+        for ni, node in enumerate(nodes):
+            if (kind, ni) in x:
+                for _ in range(int(solver.value(x[(kind, ni)]))):
+                    gi = next(waiting)
+                    placed.append((gi, ni, PlacedInstance(groups[gi].name, kind, node.name, node.domain)))
+    placed.sort(key=lambda row: (row[0], row[1]))
+    instances = tuple(p for _, _, p in placed)
+    touched: dict[str, set[str]] = {g.name: set() for g in groups}
+    for p in instances:
+        touched[p.group].add(p.domain)
     fragmented = tuple(nodes[i].name for i, f in enumerate(frag_vars) if solver.value(f))
     return Placement(
         "optimal" if code == cp_model.OPTIMAL else "feasible",
-        tuple(placed),
+        instances,
         int(solver.value(cross)) if cross_terms else 0,
         fragmented,
-        group_domains,
+        {name: tuple(sorted(d)) for name, d in touched.items()},
         wall,
     )
 

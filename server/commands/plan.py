@@ -208,7 +208,10 @@ def run_plan(opts: dict[str, Any]) -> dict[str, Any]:
             "require" if (opts["same_domain"] or same) == "require" else "prefer"
         )
         placed = place_instances(
-            nodes, groups_from_counts(instance_counts(plan), cap), same_domain=same_domain
+            nodes,
+            groups_from_counts(instance_counts(plan), cap),
+            same_domain=same_domain,
+            time_limit_s=opts["time_limit"],
         )
         placement = placement_to_dict(placed, nodes)
     return plan_to_dict(plan, what_if=rows, placement=placement)

@@ -175,6 +175,21 @@ def test_trace_input_time_varying_and_nodes(app: typer.Typer) -> None:
     assert used == sum(r["count"] for r in doc["instances"])
 
 
+def test_nodes_placement_takes_the_time_limit(app: typer.Typer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: `--time-limit` never reached the placement, which always had 5 s, and its error said to raise
+    the limit."""
+    seen: list[float] = []
+    place = plan_command.place_instances
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["time_limit_s"])
+        return place(*args, **kwargs)
+
+    monkeypatch.setattr(plan_command, "place_instances", spy)
+    doc = run_json(app, *BASE, "--nodes", str(PLACEMENT / "nodes.yaml"), "--time-limit", "7.5")
+    assert seen == [7.5] and doc["placement"]["status"] == "optimal"
+
+
 def test_real_azure_trace(app: typer.Typer, shared_data: Path) -> None:
     trace = str(shared_data / "traces" / "azure_llm_2023_conv.csv")
     args = [
@@ -681,6 +696,28 @@ def test_bad_counts_in_files_exit_2_with_one_line(
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert lines == [f"error: {path}: {message}"]
+
+
+@pytest.mark.parametrize(
+    ("rate", "needs"),
+    [
+        pytest.param("1e-9", "1.99e-10", id="before: no fleet serves the demand even without caps"),
+        pytest.param("1e-300", "1.19e-300", id="before: a $0.00/h plan, exit 0"),
+    ],
+)
+def test_a_demand_below_the_load_tolerance_is_refused(
+    app: typer.Typer, tmp_path: Path, rate: str, needs: str
+) -> None:
+    """The load check forgives 1e-9 of an instance as float noise, so a whole demand that small was planned
+    as nothing, or found infeasible with a message contradicting itself."""
+    path = tmp_path / "workload.yaml"
+    path.write_text((PLACEMENT / "workload.yaml").read_text().replace("rate: 20 ", f"rate: {rate} "))
+    result = run(app, "plan", "--workload", str(path), *BASE[3:])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"error: the demand is too small to plan: its busiest window needs {needs} of an instance, below the"
+        " planner's resolution (1e-09); check the rates"
+    ]
 
 
 def test_node_inventory_gpu_names_take_aliases_and_case(app: typer.Typer, tmp_path: Path) -> None:

@@ -41,6 +41,16 @@ def one_bucket(
     )
 
 
+_PREFILL = {
+    "schema": "mosaic.profile/v1",
+    "model": "m",
+    "role": "prefill",
+    "input_edges": [1, 100],
+    "output_edges": [1, 100],
+    "max_rate": [[8]],
+}
+
+
 def demand(rate: float, model: str = "m", *windows: float) -> ModelWorkload:
     rates = (rate, *windows)
     return ModelWorkload(model, (1, 100), (1, 100), tuple(Window(3600.0, (r,)) for r in rates))
@@ -104,6 +114,50 @@ def test_select_profiles_errors() -> None:
     )
     with pytest.raises(PlacementError, match="no usable profile"):
         make_plan(inp)
+
+
+def test_without_a_target_the_profiles_must_share_one_slo_which_the_plan_names() -> None:
+    """Before: a 120 ms profile beside 40 ms ones was planned without a word, and neither the table nor the
+    JSON said at which SLO the plan holds."""
+    with pytest.raises(PlacementError) as caught:
+        select_profiles(
+            (one_bucket("A100-80GB", 4, slo=40), one_bucket("L4", 2, slo=120), one_bucket("A10G", 1, slo=40)),
+            None,
+        )
+    assert str(caught.value) == (
+        "the mixed profiles were measured at different SLOs (TPOT 120 ms; TPOT 40 ms): give the target SLO"
+        " (--slo-tpot-ms, --slo-ttft-ms) to choose the ones that meet it"
+    )
+    # one SLO per role: prefill profiles are compared on TTFT, decode ones on TPOT
+    pd = (
+        one_bucket("A100-80GB", 4, "decode", slo=40),
+        one_bucket("L4", 2, "decode", slo=40),
+        profile_from_dict({**_PREFILL, "gpu": "H100", "slo": {"ttft_ms": 2000}}),
+    )
+    picked, notes = select_profiles(pd, None)
+    assert len(picked) == 3
+    assert notes == [
+        "no target SLO given: the plan holds at the profiles' SLO (decode TPOT 40 ms; prefill TTFT 2000 ms)"
+    ]
+    plan = make_plan(
+        PlanInput({"A100-80GB": A100}, (one_bucket("A100-80GB", 4, slo=40),), (demand(6.0),), None)
+    )
+    assert plan.notes == ("no target SLO given: the plan holds at the profiles' SLO (mixed TPOT 40 ms)",)
+
+
+def test_a_profile_for_a_gpu_nobody_offers_is_refused_or_noted() -> None:
+    """Before: a profile of `gpu: H900` (a typo for H100) was dropped without a word and the plan went on
+    without H100; a profile of a known GPU not offered was dropped silently too."""
+    work = (demand(6.0),)
+    typo = (one_bucket("H900", 4, slo=40), one_bucket("A100-80GB", 4, slo=40))
+    with pytest.raises(PlacementError) as caught:
+        make_plan(PlanInput({"A100-80GB": A100}, typo, work, Slo(tpot_ms=40)))
+    assert str(caught.value) == (
+        "profile m on GPU 'H900': that GPU is neither in the catalog nor offered (A100-80GB)"
+    )
+    known = (one_bucket("L4", 2, slo=40), one_bucket("A100-80GB", 4, slo=40))
+    plan = make_plan(PlanInput({"A100-80GB": A100}, known, work, Slo(tpot_ms=40)))
+    assert plan.notes == ("L4: profiled but not offered; its profiles are not used",)
 
 
 def test_unservable_buckets_are_named_or_dropped() -> None:

@@ -151,12 +151,52 @@ def test_data_parallel_instances_take_tp_times_dp_gpus_of_one_node() -> None:
         place_instances(roomy, groups_from_counts({dp2: 2}))
 
 
+def test_a_large_mixed_fleet_is_placed_whole_nodes_first_within_the_limit() -> None:
+    """Before: every mixed instance had a variable per node and domain, and building the model scanned all of
+    them per group: 271 instances on 200 nodes found no placement within 5 s, and 5,400 on 2,000 nodes ran
+    out of memory. Lone instances are now a count per (kind, node)."""
+    nodes = [Node(f"n{i:03d}", "A100-80GB", 8, f"rack-{i % 10}") for i in range(200)]
+    l4 = [Node(f"l{i:03d}", "L4", 4, f"rack-{i % 10}", used=i % 4) for i in range(50)]
+    counts = {MIX: 1_000, TP2: 100, InstanceKind("m", "L4", 1, Role.MIXED): 75}
+    groups = groups_from_counts(counts)
+    assert len(groups) == 1_175
+    placed = place_instances(nodes + l4, groups, same_domain="require", deterministic=True)
+    assert placed.status == "optimal"
+    # each instance once, under its own group's name, on a node of its GPU with room for it
+    assert Counter(p.group for p in placed.instances) == {g.name: 1 for g in groups}
+    assert all(p.kind == next(iter(g.members)) for p, g in zip(placed.instances, groups, strict=True))
+    used = gpus_used(placed, nodes + l4)
+    assert all(used[n.name] <= n.gpus for n in nodes + l4)
+    # 1,200 A100 GPUs fill 150 whole nodes; the 75 L4s exactly fill the 37 partly used L4 nodes (39 + 24 + 12
+    # free GPUs), none opened: nothing fragmented, and the solver proves it
+    assert sum(1 for n in nodes if used[n.name] == 8) == 150
+    assert sum(1 for n in nodes if used[n.name] == 0) == 50
+    assert placed.fragmented_nodes == ()
+    assert all(used[n.name] == (4 if n.used else 0) for n in l4)
+    assert {g: len(d) for g, d in placed.group_domains.items()} == {g.name: 1 for g in groups}
+    assert placed.cross_domain_pairs == 0
+
+
+def test_the_time_limit_covers_building_the_model() -> None:
+    nodes = [Node(f"n{i}", "A100-80GB", 8, "r") for i in range(4)] + [Node("l", "L4", 4, "r")]
+    with pytest.raises(
+        TopologyError, match=r"no placement found within 1e-06 s \(building the model took it all\)"
+    ):
+        place_instances(nodes, groups_from_counts({PRE: 3, DEC: 3}), time_limit_s=1e-6)
+
+
 def test_groups_from_counts_deals_pd_instances_evenly() -> None:
     groups = groups_from_counts({PRE: 3, DEC: 7, MIX: 2}, max_group_gpus=5)
     pd = [g for g in groups if "/pd" in g.name]
     # 10 P/D GPUs / 5 per group → 2 groups: prefill 2 + 1, decode 4 + 3
     assert [dict(g.members) for g in pd] == [{DEC: 4, PRE: 2}, {DEC: 3, PRE: 1}]
     assert sum(1 for g in groups if "/pd" not in g.name) == 2  # each mixed instance alone
+    # named by their kind: before, tp 1 and tp 2 instances of one GPU had the same names (m/A100-80GB#0)
+    assert [g.name for g in groups_from_counts({MIX: 1, TP2: 2})] == [
+        "m/A100-80GB#0",
+        "m/A100-80GB/tp2#0",
+        "m/A100-80GB/tp2#1",
+    ]
     assert len(groups_from_counts({PRE: 1, DEC: 9}, max_group_gpus=2)) == 1  # never a group without a prefill
 
 
