@@ -63,7 +63,6 @@ from server.config import ConfigError, MosaicConfig
 from server.deadlines import TaskTimeouts
 from server.errors import (
     NOT_JSON,
-    SHUTDOWN_MESSAGE,
     STREAM_DONE,
     Cause,
     GatewayError,
@@ -72,7 +71,6 @@ from server.errors import (
     shutting_down,
 )
 from server.failure import (
-    SHUTDOWN_EVENT,
     DisconnectWatch,
     GatewayOutcome,
     Lease,
@@ -111,7 +109,6 @@ from server.responses_api import (
     SERVED_STATUSES,
     ResponsesStreamSession,
     context_tokens,
-    error_event,
     responses_usage,
 )
 from server.upstream import SlotWait, UpstreamResponse
@@ -810,11 +807,8 @@ class Dispatcher:
             push=session.push if session.can_push() else None,
             stopped=self.stopped,
             stall_s=self.limits.stall_timeout_s,
-            shutdown_event=RESPONSES_SHUTDOWN_EVENT if responses else SHUTDOWN_EVENT,
+            shutdown_event=session.shutdown_event,
         )
-
-
-RESPONSES_SHUTDOWN_EVENT = error_event(SHUTDOWN_MESSAGE, 503, "ServiceUnavailableError", 0)
 
 
 def _first_is_error(parsed: ParsedRequest, first: bytes) -> bool:

@@ -239,7 +239,7 @@ class RelayResponse(StreamingResponse):
         push: Callable[[FastCycle], Awaitable[bytes]] | None = None,
         stopped: Callable[[asyncio.Task[Any]], bool] | None = None,
         stall_s: float | None = None,
-        shutdown_event: bytes = SHUTDOWN_EVENT,
+        shutdown_event: Callable[[], bytes] = lambda: SHUTDOWN_EVENT,
     ) -> None:
         # Headers come ready-made (`server.responses.relay_headers`): Starlette's `init_headers` would
         # encode and scan a header dict per stream.
@@ -312,7 +312,7 @@ class RelayResponse(StreamingResponse):
         if not started:  # cancelled while the start message waited: the whole answer is the 503
             await shutting_down().to_response()(scope, receive, send)
         else:
-            await send({"type": "http.response.body", "body": self._shutdown_event, "more_body": False})
+            await send({"type": "http.response.body", "body": self._shutdown_event(), "more_body": False})
 
 
 class DisconnectWatch:

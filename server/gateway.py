@@ -429,8 +429,21 @@ class Gateway:
         )
         margin = min(SHUTDOWN_MARGIN_S, grace_s / 2)  # uvicorn cancels at ceil(grace_s) + 0.1 s
         self._shutdown_timer = asyncio.get_running_loop().call_later(
-            max(0.0, grace_s - margin), self.dispatcher.stop_requests
+            max(0.0, grace_s - margin), self._end_the_rest, grace_s
         )
+
+    def _end_the_rest(self, grace_s: float) -> None:
+        """The grace ran out: end what still runs, and say so (the pod's last words; /metrics is gone by the
+        time anyone could scrape how many were cut)."""
+        cut = self.dispatcher.stop_requests()
+        if cut:
+            log.warning(
+                "shutdown grace of %g s ran out: ended %d request(s) still running with 503 (an error event on"
+                " streams); raise limits.shutdown_grace_s (and the pod's terminationGracePeriodSeconds) if"
+                " requests routinely run longer",
+                grace_s,
+                cut,
+            )
 
     async def stop(self) -> None:
         if self._shutdown_timer is not None:

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from scheduler.routing.reasons import Outcome
-from server.errors import STREAM_DONE, is_error_event, stream_error_event
+from server.errors import SHUTDOWN_MESSAGE, STREAM_DONE, is_error_event, stream_error_event
 from server.failure import GatewayOutcome, Lease, classify
 from server.fast_http import ClientStalled
 from server.footprint import ParsedRequest
@@ -255,6 +255,11 @@ class StreamSession:
         """The gateway's own error event ending a stream, in the stream's framing (`[DONE]` after it)."""
         return stream_error_event(message, status, err_type)
 
+    def shutdown_event(self) -> bytes:
+        """What ends this stream when the gateway shuts down before it did (`RelayResponse`): built when it
+        is sent, as a Responses stream's error event carries the next sequence number."""
+        return self._error_event(SHUTDOWN_MESSAGE, 503, "ServiceUnavailableError")
+
     def _failed(self, exc: BaseException) -> bytes:
         """The stream failed after the first byte: the error event to send. The worker's breaker hears of
         it unless it was the gateway's own `total_timeout_s` (a long generation streaming steadily is not a
@@ -411,12 +416,19 @@ class StreamSession:
         self._resumed = self._clock()
 
     async def close(self) -> None:
-        """Called by the response however it ends; a no-op after the body's own close."""
-        await self._close(self._cancelled_outcome())
+        """Called by the response however it ends; a no-op after the body's own close (checked first: the
+        outcome of an ended stream tells the worker's breaker)."""
+        if not self.closed:
+            await self._close(self._cancelled_outcome())
 
     def _cancelled_outcome(self) -> Outcome | GatewayOutcome:
         """A stream cut short by cancellation: the gateway's shutdown (`Dispatcher.stop_requests`, the
-        response then sends the error event) or the client leaving."""
+        response then sends the error event) or the client leaving. One whose end was already relayed (its
+        `[DONE]`, or the worker's error event) ended as that end says: vLLM writes `[DONE]` and the body's end
+        apart, and clients hang up on `[DONE]` (the openai SDK on an error event), so those were counted
+        disconnects, and a worker's error event never reached its breaker."""
+        if self.relay.done or self.relay.error is not None:
+            return self._ended_outcome()
         task = asyncio.current_task()
         stopped = task is not None and self.d.stopped(task)
         return GatewayOutcome.SHUT_DOWN if stopped else Outcome.CLIENT_DISCONNECTED

@@ -465,7 +465,7 @@ async def _late_done_worker(reader: asyncio.StreamReader, writer: asyncio.Stream
         while True:
             head, body = await read_raw_request(reader)
             if head.startswith(b"GET /metrics"):
-                text = METRICS_TEXT.format(model="llama-3-8b", running=0).encode()
+                text = METRICS_TEXT.format(model="llama-3-8b", running=0, generated=0).encode()
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
             elif head.startswith(b"GET "):
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
@@ -514,6 +514,107 @@ def test_a_pushed_stream_whose_done_comes_past_the_total_timeout_is_completed_no
             events = [e for e in answer[1].split(b"\n\n") if e]
             assert len(events) == 3 and events[-1] == b"data: [DONE]" and b'"error"' not in answer[1]
             assert running.gateway.dispatcher.outcomes == {"completed": 1}
+        finally:
+            await running.stop()
+            worker.close()
+
+    run(go)
+
+
+_TOKEN = b'data: {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "w", "finish_reason": %s}]}\n\n'
+_WORKER_ERROR = b'data: {"error": {"message": "engine died", "type": "InternalServerError", "param": null, "code": 500}}\n\n'
+
+
+def _ends_apart_worker(
+    last: bytes, ended: asyncio.Event
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Coroutine[Any, Any, None]]:
+    """A raw vLLM-like worker whose stream's last events (`last`, ending in `[DONE]`) and the body's end
+    (the terminating chunk) are two writes 0.5 s apart, as Starlette writes them; `ended` is set after the
+    second."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head, _ = await read_raw_request(reader)
+                if head.startswith(b"GET /metrics"):
+                    text = METRICS_TEXT.format(model="llama-3-8b", running=0, generated=0).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
+                elif head.startswith(b"GET /v1/models"):
+                    cards = json.dumps({"object": "list", "data": [{"id": "llama-3-8b", "object": "model"}]})
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(cards), cards.encode())
+                    )
+                elif head.startswith(b"GET "):
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+                    for event in (_TOKEN % b"null", last):
+                        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        await writer.drain()
+                    await asyncio.sleep(0.5)
+                    writer.write(b"0\r\n\r\n")
+                    ended.set()
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    return serve
+
+
+@pytest.mark.parametrize("target", [FAST, SLOW], ids=["fast cycle", "uvicorn's cycle"])
+@pytest.mark.parametrize(
+    ("last", "outcome", "breaker"),
+    [
+        pytest.param(_TOKEN % b'"length"' + b"data: [DONE]\n\n", "completed", None, id="[DONE]"),
+        pytest.param(
+            _WORKER_ERROR + b"data: [DONE]\n\n", "worker_error", "stream_error_event", id="error event"
+        ),
+    ],
+)
+def test_a_client_that_hangs_up_on_the_streams_end_gets_the_outcome_of_that_end(
+    target: bytes, last: bytes, outcome: str, breaker: str | None
+) -> None:
+    """Before: a client closing as soon as it read `[DONE]` (the usual loop) or the worker's error event (the
+    openai SDK raises on it) while the worker's body had not ended was counted `client_disconnected`: a
+    whole answer lost to the completed count and the latency histograms, a worker error to its breaker."""
+
+    async def go() -> None:
+        ended = asyncio.Event()
+        worker = await asyncio.start_server(_ends_apart_worker(last, ended), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{worker.sockets[0].getsockname()[1]}"
+        cfg = validate_config(
+            {
+                "pools": [
+                    {
+                        "name": "raw",
+                        "model": "llama-3-8b",
+                        "gpu": "L4",
+                        "role": "mixed",
+                        "endpoints": {"static": [url]},
+                    }
+                ]
+            }
+        )
+        running = await start_gateway_server(cfg, "127.0.0.1", 0)
+        try:
+            for _ in range(200):  # until the worker was found healthy
+                if running.gateway.readiness()[1]["ready_workers"]["llama-3-8b"]:
+                    break
+                await asyncio.sleep(0.05)
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            writer.write(request(target, completion(stream=True)))
+            seen = await reader.readuntil(b"data: [DONE]")
+            assert (b'"error"' in seen) is (breaker is not None)
+            writer.close()  # before the body's end, which comes 0.5 s later
+            dispatcher = running.gateway.dispatcher
+            for _ in range(100):
+                if dispatcher.outcomes:
+                    break
+                await asyncio.sleep(0.02)
+            assert dispatcher.outcomes == {outcome: 1} and not dispatcher.open
+            assert [r.last_error for r in running.gateway.registry.records()] == [breaker]
+            await asyncio.wait_for(ended.wait(), 5)  # the worker's handler back to reading, not cut mid-sleep
         finally:
             await running.stop()
             worker.close()

@@ -179,7 +179,7 @@ def test_graceful_shutdown_drains_an_open_stream() -> None:
         assert gw.gateway.dispatcher.outcomes == {"completed": 1}
 
 
-def test_shutdown_ends_what_outlives_the_grace_in_openai_shape() -> None:
+def test_shutdown_ends_what_outlives_the_grace_in_openai_shape(caplog: pytest.LogCaptureFixture) -> None:
     """One worker with max_num_seqs 1 (at-capacity lets 2 in flight): a stream and a non-streaming request
     run, a third waits in the admission queue. On stop the queued one gets 503 at once; when the 1 s grace
     (less its margin) runs out, the gateway ends the other two itself: 503 JSON before the response began,
@@ -223,6 +223,32 @@ def test_shutdown_ends_what_outlives_the_grace_in_openai_shape() -> None:
             assert answer.json()["error"]["type"] == "ServiceUnavailableError"
         assert gw.gateway.dispatcher.outcomes == {"shut_down": 1, "rejected_shutting_down": 2}
         assert not gw.gateway.dispatcher.open
+    # the operator hears how many the grace cut (before, nothing after "shutting down: ...")
+    cut = [r for r in caplog.records if "grace of 1 s ran out" in r.getMessage()]
+    assert [(r.levelname, r.getMessage().split(";")[0]) for r in cut] == [
+        (
+            "WARNING",
+            "shutdown grace of 1 s ran out: ended 2 request(s) still running with 503 (an error event on streams)",
+        )
+    ]
+
+
+def test_a_responses_stream_cut_at_shutdown_ends_with_the_next_sequence_number() -> None:
+    """Before: the shutdown's `event: error` of a Responses stream was a constant with `sequence_number` 0,
+    after events numbered from 0 up; the gateway's other error events there carry the next number."""
+    cfg = _config(replicas=1, limits={"shutdown_grace_s": 1})
+    body = {"model": MODEL, "input": "hello", "max_output_tokens": 300, "stream": True}
+    with GatewayThread(cfg) as gw, httpx.Client(base_url=gw.url, timeout=30) as http:
+        with http.stream("POST", "/v1/responses", json=body) as r:
+            lines = r.iter_lines()
+            assert next(e for e in lines if e).startswith("event: response.created")
+            assert gw.running is not None
+            stopping = asyncio.run_coroutine_threadsafe(gw.running.stop(), gw.loop)
+            events = [json.loads(e.removeprefix("data: ")) for e in lines if e.startswith("data: ")]
+        stopping.result(10)
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "503"
+    numbers = [e["sequence_number"] for e in events]
+    assert numbers == list(range(len(numbers))) and len(numbers) > 3
 
 
 def test_a_body_still_arriving_at_shutdown_is_refused_not_sent_to_a_worker() -> None:
