@@ -458,18 +458,47 @@ def test_a_pushed_stream_past_the_total_timeout_ends_with_an_error_event() -> No
     run(go)
 
 
+def _answer_get(head: bytes, writer: asyncio.StreamWriter) -> bool:
+    """A raw vLLM-like worker's GETs: /metrics, /v1/models, and 200 to the rest (/health). False for a POST."""
+    if head.startswith(b"GET /metrics"):
+        text = METRICS_TEXT.format(model="llama-3-8b", running=0, generated=0).encode()
+    elif head.startswith(b"GET /v1/models"):
+        text = json.dumps({"object": "list", "data": [{"id": "llama-3-8b", "object": "model"}]}).encode()
+    elif head.startswith(b"GET "):
+        text = b""
+    else:
+        return False
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
+    return True
+
+
+async def _gateway_before(worker: asyncio.Server, **limits: float) -> RunningGateway:
+    """A gateway whose one pool is the raw `worker`, once it has found it healthy."""
+    url = f"http://127.0.0.1:{worker.sockets[0].getsockname()[1]}"
+    pool_cfg = {
+        "name": "raw",
+        "model": "llama-3-8b",
+        "gpu": "L4",
+        "role": "mixed",
+        "endpoints": {"static": [url]},
+    }
+    running = await start_gateway_server(
+        validate_config({"pools": [pool_cfg], "limits": limits}), "127.0.0.1", 0
+    )
+    for _ in range(200):
+        if running.gateway.readiness()[1]["ready_workers"]["llama-3-8b"]:
+            break
+        await asyncio.sleep(0.05)
+    return running
+
+
 async def _late_done_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """A raw vLLM-like worker: /health, /metrics, and a stream whose `[DONE]` (with the terminating chunk,
     one read) comes 0.6 s after its two tokens."""
     try:
         while True:
             head, body = await read_raw_request(reader)
-            if head.startswith(b"GET /metrics"):
-                text = METRICS_TEXT.format(model="llama-3-8b", running=0, generated=0).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
-            elif head.startswith(b"GET "):
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-            else:
+            if not _answer_get(head, writer):
                 assert json.loads(body)["stream"] is True
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
@@ -494,21 +523,8 @@ def test_a_pushed_stream_whose_done_comes_past_the_total_timeout_is_completed_no
 
     async def go() -> None:
         worker = await asyncio.start_server(_late_done_worker, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{worker.sockets[0].getsockname()[1]}"
-        pool_cfg = {
-            "name": "raw",
-            "model": "llama-3-8b",
-            "gpu": "L4",
-            "role": "mixed",
-            "endpoints": {"static": [url]},
-        }
-        cfg = validate_config({"pools": [pool_cfg], "limits": {"total_timeout_s": 0.3}})
-        running = await start_gateway_server(cfg, "127.0.0.1", 0)
+        running = await _gateway_before(worker, total_timeout_s=0.3)
         try:
-            for _ in range(200):  # until the worker was found healthy
-                if running.gateway.readiness()[1]["ready_workers"]["llama-3-8b"]:
-                    break
-                await asyncio.sleep(0.05)
             (answer,) = await exchange(running, request(FAST, completion(stream=True, max_tokens=2)))
             assert answer[0].startswith(b"HTTP/1.1 200")
             events = [e for e in answer[1].split(b"\n\n") if e]
@@ -536,17 +552,7 @@ def _ends_apart_worker(
         try:
             while True:
                 head, _ = await read_raw_request(reader)
-                if head.startswith(b"GET /metrics"):
-                    text = METRICS_TEXT.format(model="llama-3-8b", running=0, generated=0).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
-                elif head.startswith(b"GET /v1/models"):
-                    cards = json.dumps({"object": "list", "data": [{"id": "llama-3-8b", "object": "model"}]})
-                    writer.write(
-                        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(cards), cards.encode())
-                    )
-                elif head.startswith(b"GET "):
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                else:
+                if not _answer_get(head, writer):
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                                  b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
                     for event in (_TOKEN % b"null", last):
@@ -582,26 +588,8 @@ def test_a_client_that_hangs_up_on_the_streams_end_gets_the_outcome_of_that_end(
     async def go() -> None:
         ended = asyncio.Event()
         worker = await asyncio.start_server(_ends_apart_worker(last, ended), "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{worker.sockets[0].getsockname()[1]}"
-        cfg = validate_config(
-            {
-                "pools": [
-                    {
-                        "name": "raw",
-                        "model": "llama-3-8b",
-                        "gpu": "L4",
-                        "role": "mixed",
-                        "endpoints": {"static": [url]},
-                    }
-                ]
-            }
-        )
-        running = await start_gateway_server(cfg, "127.0.0.1", 0)
+        running = await _gateway_before(worker)
         try:
-            for _ in range(200):  # until the worker was found healthy
-                if running.gateway.readiness()[1]["ready_workers"]["llama-3-8b"]:
-                    break
-                await asyncio.sleep(0.05)
             reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
             writer.write(request(target, completion(stream=True)))
             seen = await reader.readuntil(b"data: [DONE]")
