@@ -166,7 +166,13 @@ def test_gateway_replicas_spread_over_nodes_by_default(chart: helm.Chart) -> Non
     gateway = rendered.get("Deployment", f"{RELEASE}-gateway")
     (constraint,) = pod_spec(gateway)["topologySpreadConstraints"]
     selector = gateway["spec"]["selector"]["matchLabels"]
-    assert constraint == {**HOSTNAME_SPREAD, "labelSelector": {"matchLabels": selector}}
+    # matchLabelKeys: a rollout's new pods are spread among themselves (before, the old ReplicaSet's pods
+    # counted toward the skew, so new pods stacked on the nodes the old ones were leaving)
+    assert constraint == {
+        **HOSTNAME_SPREAD,
+        "labelSelector": {"matchLabels": selector},
+        "matchLabelKeys": ["pod-template-hash"],
+    }
     # it counts exactly the gateway's pods
     spread = [
         d["metadata"]["name"] for d in rendered.of_kind("Deployment") if selects(selector, pod_labels(d))
