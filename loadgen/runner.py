@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -98,7 +99,7 @@ async def _one(
     target: Target,
     opts: RunOptions,
     origin: float,
-    slots: asyncio.Semaphore | None,
+    slots: _Slots | None,
     observer: Observer | None,
     watch: _ReachWatch,
 ) -> None:
@@ -152,6 +153,30 @@ class _ReachWatch:
             self._halt.set()
 
 
+class _Slots:
+    """The concurrency limit, and when each slot came free. Slots are alike and come free in time order, so
+    the k-th request under a limit of n could go no sooner than the (k − n)-th release: that is when its slot
+    was free (`RequestRecord.slot_s`), whether or not the loop was still blocked then. (Asking only whether
+    the loop blocked booked the wait of every request behind the first one a burst of releases let through
+    as the generator's own send lag.)"""
+
+    __slots__ = ("_freed", "_taken", "n", "sem")
+
+    def __init__(self, n: int) -> None:
+        self.n, self.sem = n, asyncio.Semaphore(n)
+        self._freed: deque[float] = deque()  # release times not yet matched to a later acquisition
+        self._taken = 0
+
+    def release(self) -> None:
+        self._freed.append(time.perf_counter())
+        self.sem.release()
+
+    def took(self) -> float | None:
+        """Record an acquisition: when its slot came free (perf_counter), None for one of the first n."""
+        self._taken += 1
+        return self._freed.popleft() if self._taken > self.n else None
+
+
 CLIENT_SHARDS = 8  # measured: 300 req/s of small requests, 1 pool 2.6–5.0 ms CPU/request, 8 pools 1.45 ms
 
 
@@ -177,7 +202,7 @@ async def replay(
     if target.endpoint not in ENDPOINT_PATHS:
         raise ValueError(f"endpoint must be one of {', '.join(ENDPOINT_PATHS)}, got {target.endpoint!r}")
     prompts = PromptBuilder(opts.seed, opts.prompt_salt)
-    slots = asyncio.Semaphore(opts.concurrency) if opts.concurrency else None
+    slots = _Slots(opts.concurrency) if opts.concurrency else None
     result = RunResult(started_at=datetime.now(UTC).isoformat())
     tasks: set[asyncio.Task[None]] = set()
     models = ModelChooser(target.model, target.lora_modules, target.lora_assignment, opts.seed)
@@ -192,7 +217,8 @@ async def replay(
         # ends, so one pool of n connections costs O(n) per request; shards keep n small at high load.
         shards = [await stack.enter_async_context(make_client(opts, transport)) for _ in range(CLIENT_SHARDS)]
         try:
-            ahead.pull()
+            if ahead.pull():  # the opening burst is built before the clock starts, not behind its send times
+                ahead.fill(ahead.queue[0][0].send_at_s, math.inf)
             origin = time.perf_counter()
             while ahead.queue:
                 nxt, model, body = ahead.queue[0]
@@ -202,11 +228,9 @@ async def replay(
                 # than after every overdue body is built (all of them in memory, the first send seconds late).
                 if await _stopped_while_waiting(halt, due - time.perf_counter()):
                     break
-                # Concurrency wait is only the time the loop blocks for a slot: with one free when the loop gets
-                # here, any lateness is the generator's own (send lag), not the limit's
-                blocked = slots is not None and slots.locked()
-                if slots is not None and not await _slot_unless_stopped(slots, halt):
+                if slots is not None and not await _slot_unless_stopped(slots.sem, halt):
                     break
+                freed = slots.took() if slots is not None else None
                 ahead.pop()
                 rec = RequestRecord(
                     nxt.index,
@@ -216,7 +240,7 @@ async def replay(
                     trace_line=nxt.trace_line,
                     model=model,
                 )
-                rec.slot_s = time.perf_counter() - origin if blocked else rec.scheduled_s
+                rec.slot_s = rec.scheduled_s if freed is None else max(rec.scheduled_s, freed - origin)
                 result.records.append(rec)
                 client = shards[nxt.index % len(shards)]
                 task = asyncio.create_task(

@@ -29,7 +29,7 @@ from placement.binpacking import (
 )
 from placement.catalog import Catalog, load_catalog
 from placement.offers import canonical_gpu, canonical_model, load_gpu_offers
-from placement.profile_select import Mode, select_profiles
+from placement.profile_select import Mode, one_slo_per_role, select_profiles
 from placement.profiles import Role, Slo, ThroughputProfile, bucket_label
 from placement.solver import SingleType, UnservableError, best_single_type, single_type_fleets, solve_mix
 from placement.workload import ModelWorkload, Window
@@ -133,6 +133,8 @@ def build_problem(
     offers = dict(inp.offers)
     grids: dict[str, Grid] = {}
     options: list[InstanceOption] = []
+    kept: list[ThroughputProfile] = []  # the profiles the options come from
+    unoffered: list[str] = []  # noted after the reasons an offered GPU has no option
     for p in chosen:
         gpu, model = canonical_gpu(p.gpu, catalog), canonical_model(p.model, catalog)
         if gpu not in offers:
@@ -142,7 +144,7 @@ def build_problem(
                     f" ({', '.join(sorted(offers))})"
                 )
             unused = f"{gpu}: profiled but not offered; its profiles are not used"
-            notes += [unused] if unused not in notes else []
+            unoffered += [unused] if unused not in unoffered else []
             continue
         grid = Grid(p.input_edges, p.output_edges, p.shape)
         if grids.setdefault(model, grid) != grid:
@@ -155,6 +157,7 @@ def build_problem(
                 f"two profiles make option {option.key}: give one per model, GPU, tp and role"
             )
         options.append(option)
+        kept.append(p)
     for name, offer in offers.items():
         if not any(o.gpu == name for o in options):
             if offer.min_gpus > 0:  # a floor is paid for whatever serves: never let its cost vanish
@@ -165,10 +168,16 @@ def build_problem(
             notes.append(f"{name}: no usable profile, not considered")
     if not options:
         why = (
-            "; ".join(notes[:3])
+            "; ".join((notes + unoffered)[:3])
             or f"profiles are for GPUs {sorted({p.gpu for p in inp.profiles})}, offered {sorted(offers)}"
         )
         raise PlacementError(f"no usable profile for the offered GPUs: {why}")
+    notes += unoffered
+    if inp.slo is None:  # the plan holds at the profiles' own SLO: those it can use must agree on it
+        models = {canonical_model(w.model, catalog) for w in inp.workloads}
+        notes.append(
+            one_slo_per_role([p for p in kept if canonical_model(p.model, catalog) in models] or kept)
+        )
     windows, dropped = _demand(inp.workloads, grids, catalog, options, inp.drop_unservable)
     peak = max(sum(w.windows[k].total for w in inp.workloads) for k in range(len(windows)))
     check_something_left(windows, peak)

@@ -73,16 +73,15 @@ def select_profiles(
                 f"{label}: profile measured at {_slo_text(best.slo)} used for {_slo_text(need)} (conservative)"
             )
         chosen.append(best)
-    if target is None and chosen:
-        notes += _one_slo_per_role(chosen)
     return chosen, notes
 
 
-def _one_slo_per_role(chosen: Sequence[ThroughputProfile]) -> list[str]:
-    """Without a target the plan holds at the profiles' own SLO: one per role (in the limits that bind it), or
-    a fleet of 120 ms profiles beside 40 ms ones would be planned, and shown, as if it held at either."""
+def one_slo_per_role(used: Sequence[ThroughputProfile]) -> str:
+    """Without a target the plan holds at the profiles' own SLO: the ones a plan uses (offered GPUs, models
+    of the workload) must share one per role, in the limits that bind it, or a fleet of 120 ms profiles
+    beside 40 ms ones would be planned, and shown, as if it held at either. Returns the note naming it."""
     slos: dict[Role, set[str]] = {}
-    for p in chosen:
+    for p in used:
         slos.setdefault(p.role, set()).add(_slo_text(_relevant(p.slo, p.role)))
     mixed = {role: sorted(texts) for role, texts in slos.items() if len(texts) > 1}
     if mixed:
@@ -92,7 +91,7 @@ def _one_slo_per_role(chosen: Sequence[ThroughputProfile]) -> list[str]:
             " SLO (--slo-tpot-ms, --slo-ttft-ms) to choose the ones that meet it"
         )
     held = "; ".join(f"{role.value} {next(iter(texts))}" for role, texts in sorted(slos.items()))
-    return [f"no target SLO given: the plan holds at the profiles' SLO ({held})"]
+    return f"no target SLO given: the plan holds at the profiles' SLO ({held})"
 
 
 def _looseness(slo: Slo) -> tuple[float, float, float]:

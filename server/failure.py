@@ -268,7 +268,7 @@ class RelayResponse(StreamingResponse):
             )
             started = True
             cycle = getattr(send, "__self__", None)
-            last = b""
+            last: bytes | None = None  # the pushed stream's last bytes, once it ended (outcome recorded)
             if self._push is not None and isinstance(cycle, FastCycle):
                 # the body written from the worker's reads (`StreamSession.push`), but its last bytes
                 last = await self._push(cycle)
@@ -279,7 +279,7 @@ class RelayResponse(StreamingResponse):
                 async for chunk in self.body_iterator:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             exhausted = True
-            await send({"type": "http.response.body", "body": last, "more_body": False})
+            await send({"type": "http.response.body", "body": last or b"", "more_body": False})
         except ClientStalled:
             # connected but reading nothing past the stall bound: the stream was closed upstream (its slot
             # and KV released), and the connection is dropped, as nothing more can reach that client
@@ -293,7 +293,7 @@ class RelayResponse(StreamingResponse):
                 task.uncancel()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(SHUTDOWN_SEND_S):
-                        await self._send_shutdown(scope, receive, send, started)
+                        await self._send_shutdown(scope, receive, send, started, last)
             else:
                 raise
         finally:
@@ -308,11 +308,17 @@ class RelayResponse(StreamingResponse):
                         await aclose()  # finalises a generator left suspended at a yield
                     await self._on_close()
 
-    async def _send_shutdown(self, scope: Scope, receive: Receive, send: Send, started: bool) -> None:
+    async def _send_shutdown(
+        self, scope: Scope, receive: Receive, send: Send, started: bool, last: bytes | None
+    ) -> None:
+        """The shutdown's end of the answer: the 503 before it began; a stream that had ended (pushed, its
+        last bytes held while the client drained) gets those bytes, not an error after its end; else the
+        session's shutdown event (nothing after a relayed `[DONE]`)."""
         if not started:  # cancelled while the start message waited: the whole answer is the 503
             await shutting_down().to_response()(scope, receive, send)
         else:
-            await send({"type": "http.response.body", "body": self._shutdown_event(), "more_body": False})
+            body = last if last is not None else self._shutdown_event()
+            await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class DisconnectWatch:

@@ -438,9 +438,9 @@ class Gateway:
         cut = self.dispatcher.stop_requests()
         if cut:
             log.warning(
-                "shutdown grace of %g s ran out: ended %d request(s) still running with 503 (an error event on"
-                " streams); raise limits.shutdown_grace_s (and the pod's terminationGracePeriodSeconds) if"
-                " requests routinely run longer",
+                "shutdown grace of %g s ran out: ended %d request(s) still open (503, or an error event on a"
+                " stream not yet ended); raise limits.shutdown_grace_s (and the pod's"
+                " terminationGracePeriodSeconds) if requests routinely run longer",
                 grace_s,
                 cut,
             )

@@ -256,8 +256,14 @@ class StreamSession:
         return stream_error_event(message, status, err_type)
 
     def shutdown_event(self) -> bytes:
-        """What ends this stream when the gateway shuts down before it did (`RelayResponse`): built when it
-        is sent, as a Responses stream's error event carries the next sequence number."""
+        """What ends this stream when the gateway shuts down before its body ended (`RelayResponse`): the
+        gateway's 503 event, built when sent (a Responses stream's carries the next sequence number). Once the
+        stream's end was relayed, only what its framing still lacks: nothing after `[DONE]` (the answer is
+        whole and counted so, `_cancelled_outcome`), `_cut_tail` after the worker's own error event."""
+        if self.relay.done:
+            return b""
+        if self.relay.error is not None:
+            return self._cut_tail()
         return self._error_event(SHUTDOWN_MESSAGE, 503, "ServiceUnavailableError")
 
     def _failed(self, exc: BaseException) -> bytes:

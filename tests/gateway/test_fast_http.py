@@ -568,6 +568,26 @@ def _ends_apart_worker(
     return serve
 
 
+@asynccontextmanager
+async def _streamed_to_done(
+    last: bytes, target: bytes
+) -> AsyncIterator[tuple[RunningGateway, asyncio.StreamReader, asyncio.StreamWriter, bytes]]:
+    """A stream from `_ends_apart_worker(last)` read up to its `[DONE]`, the worker's body end still 0.5 s
+    away: (gateway, reader, writer, what was read). On exit the worker's handler is let finish (not cut
+    mid-sleep) and everything is stopped."""
+    ended = asyncio.Event()
+    worker = await asyncio.start_server(_ends_apart_worker(last, ended), "127.0.0.1", 0)
+    running = await _gateway_before(worker)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+        writer.write(request(target, completion(stream=True)))
+        yield running, reader, writer, await reader.readuntil(b"data: [DONE]")
+        await asyncio.wait_for(ended.wait(), 5)
+    finally:
+        await running.stop()
+        worker.close()
+
+
 @pytest.mark.parametrize("target", [FAST, SLOW], ids=["fast cycle", "uvicorn's cycle"])
 @pytest.mark.parametrize(
     ("last", "outcome", "breaker"),
@@ -586,13 +606,7 @@ def test_a_client_that_hangs_up_on_the_streams_end_gets_the_outcome_of_that_end(
     whole answer lost to the completed count and the latency histograms, a worker error to its breaker."""
 
     async def go() -> None:
-        ended = asyncio.Event()
-        worker = await asyncio.start_server(_ends_apart_worker(last, ended), "127.0.0.1", 0)
-        running = await _gateway_before(worker)
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
-            writer.write(request(target, completion(stream=True)))
-            seen = await reader.readuntil(b"data: [DONE]")
+        async with _streamed_to_done(last, target) as (running, _, writer, seen):
             assert (b'"error"' in seen) is (breaker is not None)
             writer.close()  # before the body's end, which comes 0.5 s later
             dispatcher = running.gateway.dispatcher
@@ -602,10 +616,32 @@ def test_a_client_that_hangs_up_on_the_streams_end_gets_the_outcome_of_that_end(
                 await asyncio.sleep(0.02)
             assert dispatcher.outcomes == {outcome: 1} and not dispatcher.open
             assert [r.last_error for r in running.gateway.registry.records()] == [breaker]
-            await asyncio.wait_for(ended.wait(), 5)  # the worker's handler back to reading, not cut mid-sleep
-        finally:
-            await running.stop()
-            worker.close()
+
+    run(go)
+
+
+@pytest.mark.parametrize("target", [FAST, SLOW], ids=["fast cycle", "uvicorn's cycle"])
+@pytest.mark.parametrize(
+    ("last", "outcome"),
+    [
+        pytest.param(_TOKEN % b'"length"' + b"data: [DONE]\n\n", "completed", id="[DONE]"),
+        pytest.param(_WORKER_ERROR + b"data: [DONE]\n\n", "worker_error", id="error event"),
+    ],
+)
+def test_a_stream_whose_end_was_relayed_gets_nothing_more_at_shutdown(
+    target: bytes, last: bytes, outcome: str
+) -> None:
+    """The grace runs out while the worker's body end is still on its way, after `[DONE]` was relayed.
+    Before, the client got a 503 error event and a second `[DONE]` after its whole answer (and, with the
+    hang-up rule, the metrics said completed while the client saw an error)."""
+
+    async def go() -> None:
+        async with _streamed_to_done(last, target) as (running, reader, writer, _):
+            running.gateway.begin_shutdown(0.1)  # runs out while the body's end is 0.5 s away
+            rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
+            assert rest == b"\n\n\r\n0\r\n\r\n"  # the [DONE] event's end, then the body's: nothing after
+            writer.close()
+            assert running.gateway.dispatcher.outcomes == {outcome: 1}
 
     run(go)
 

@@ -228,7 +228,7 @@ def test_shutdown_ends_what_outlives_the_grace_in_openai_shape(caplog: pytest.Lo
     assert [(r.levelname, r.getMessage().split(";")[0]) for r in cut] == [
         (
             "WARNING",
-            "shutdown grace of 1 s ran out: ended 2 request(s) still running with 503 (an error event on streams)",
+            "shutdown grace of 1 s ran out: ended 2 request(s) still open (503, or an error event on a stream not yet ended)",
         )
     ]
 

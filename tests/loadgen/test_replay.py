@@ -10,6 +10,7 @@ import httpx
 import pytest
 from rich.console import Console
 
+from loadgen import runner
 from loadgen.formats import open_trace
 from loadgen.metrics import Slo
 from loadgen.prompts import BLOCK_TOKENS
@@ -118,8 +119,11 @@ def count_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_sends_start_while_the_replay_is_behind_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """All 300 requests are due at once: the first must reach the worker after a few bodies are built, not
-    after all 300 (the loop built every overdue body before yielding to the tasks that send them)."""
+    """All 300 requests are due at once and nothing was built ahead (the opening burst is built before the
+    clock starts: `test_the_opening_burst_leaves_together`; here no window, as when the replay falls behind
+    mid-run): the first must reach the worker after a few bodies are built, not after all 300 (the loop built
+    every overdue body before yielding to the tasks that send them)."""
+    monkeypatch.setattr(runner, "PREBUILD_WINDOW_S", 0.0)
     built = count_builds(monkeypatch)
     worker = FakeWorker()
     first_seen: list[int] = []
@@ -135,6 +139,50 @@ def test_sends_start_while_the_replay_is_behind_schedule(monkeypatch: pytest.Mon
     out = run(ReplayRequest(spec, "http://fake", "m", progress=False), worker)
     assert out.metrics.completed == 300  # type: ignore[attr-defined]
     assert first_seen and first_seen[0] < 30, first_seen
+
+
+def test_the_opening_burst_leaves_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten requests due at 0: every body is built before the clock starts, so none is built behind its send
+    time. Before, the clock started after the first body and the other nine were built one by one after it:
+    on the Mooncake trace, whose first ten rows all arrive at 0, lags of 12–35 ms and the lag warning."""
+    built = count_builds(monkeypatch)
+    at_first_send: list[int] = []
+
+    class Watch:
+        def sent(self, rec: object) -> None:
+            at_first_send.append(built[0])
+
+        def done(self, rec: object) -> None:
+            pass
+
+    sched = [ScheduledRequest(k, 0.0, 8, 2) for k in range(10)]
+    transport = httpx.ASGITransport(app=FakeWorker().app())
+    asyncio.run(replay(sched, Target("http://fake", "m"), RunOptions(), Watch(), transport))
+    assert at_first_send[0] == 10
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 4])
+def test_a_slot_freed_while_the_loop_waited_for_another_is_concurrency_wait_not_send_lag(
+    concurrency: int,
+) -> None:
+    """Sixteen requests due at once under a limit of n, each taking ~20 ms: every request but the first n
+    waits for a slot, and that wait is concurrency wait. Before, only the request the loop blocked on got it:
+    those behind, finding a slot that a burst of releases had freed meanwhile, had their whole wait booked
+    as send lag (p99 9 s in a replay of 80 requests at --concurrency 4, and the lag warning)."""
+    worker = FakeWorker(step_s=0.01)  # two tokens: ~20 ms per request
+    sched = [ScheduledRequest(k, 0.0, 8, 2) for k in range(16)]
+    transport = httpx.ASGITransport(app=worker.app())
+    opts = RunOptions(concurrency=concurrency)
+    result = asyncio.run(replay(sched, Target("http://fake", "m"), opts, None, transport))
+    records = sorted(result.records, key=lambda r: r.index)
+    assert all(r.success for r in records) and worker.max_in_flight <= concurrency
+    assert max(r.send_lag_s for r in records) < 0.01
+    waits = [r.slot_s - r.scheduled_s for r in records]
+    assert waits[:concurrency] == [0.0] * concurrency and min(waits[concurrency:]) > 0.01
+    # a request's slot came free when an earlier one ended, never after it was sent
+    ends = sorted(r.end_s for r in records)
+    for k, r in enumerate(records[concurrency:]):
+        assert r.slot_s == pytest.approx(ends[k], abs=0.005) and r.slot_s <= r.sent_s
 
 
 def test_window_and_max_requests_on_a_timed_trace() -> None:
@@ -298,6 +346,9 @@ def test_a_stalled_generator_shows_as_send_lag_whatever_the_concurrency_limit(
         return real(req, *a)  # type: ignore[arg-type]
 
     monkeypatch.setattr(loadgen.runner, "build_body", slow)
+    monkeypatch.setattr(
+        loadgen.runner, "PREBUILD_WINDOW_S", 0.0
+    )  # built as each comes due: the stall is mid-run
     sched = [ScheduledRequest(k, k * 0.001, 8, 2) for k in range(10)]  # due before the body can be built
     transport = httpx.ASGITransport(app=FakeWorker().app())
     result = asyncio.run(

@@ -14,7 +14,7 @@ from placement.profiles import Role, Slo, ThroughputProfile, load_profile, profi
 from placement.workload import ModelWorkload, Window, load_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
-A10G, A100 = GpuOffer("A10G", 1.01), GpuOffer("A100-80GB", 3.67)
+A10G, A100, L4 = GpuOffer("A10G", 1.01), GpuOffer("A100-80GB", 3.67), GpuOffer("L4", 0.70)
 
 
 def fixture_profiles(*names: str) -> tuple[ThroughputProfile, ...]:
@@ -116,33 +116,46 @@ def test_select_profiles_errors() -> None:
         make_plan(inp)
 
 
-def test_without_a_target_the_profiles_must_share_one_slo_which_the_plan_names() -> None:
+def test_without_a_target_the_profiles_a_plan_uses_must_share_one_slo_which_it_names() -> None:
     """Before: a 120 ms profile beside 40 ms ones was planned without a word, and neither the table nor the
-    JSON said at which SLO the plan holds."""
+    JSON said at which SLO the plan holds. Profiles the plan cannot use (a GPU not offered, a model not in
+    the workload) do not count."""
+    offers = {"A100-80GB": A100, "L4": L4}
+    mixed = (one_bucket("A100-80GB", 4, slo=40), one_bucket("L4", 2, slo=120))
     with pytest.raises(PlacementError) as caught:
-        select_profiles(
-            (one_bucket("A100-80GB", 4, slo=40), one_bucket("L4", 2, slo=120), one_bucket("A10G", 1, slo=40)),
-            None,
-        )
+        make_plan(PlanInput(offers, mixed, (demand(6.0),), None))
     assert str(caught.value) == (
         "the mixed profiles were measured at different SLOs (TPOT 120 ms; TPOT 40 ms): give the target SLO"
         " (--slo-tpot-ms, --slo-ttft-ms) to choose the ones that meet it"
+    )
+    # L4 not offered, another model's profile at 120 ms: neither is used, so the plan holds at 40 ms
+    spare = (*mixed, one_bucket("A100-80GB", 4, model="other", slo=120))
+    plan = make_plan(PlanInput({"A100-80GB": A100}, spare, (demand(6.0),), None))
+    assert plan.notes == (
+        "L4: profiled but not offered; its profiles are not used",
+        "no target SLO given: the plan holds at the profiles' SLO (mixed TPOT 40 ms)",
     )
     # one SLO per role: prefill profiles are compared on TTFT, decode ones on TPOT
     pd = (
         one_bucket("A100-80GB", 4, "decode", slo=40),
         one_bucket("L4", 2, "decode", slo=40),
-        profile_from_dict({**_PREFILL, "gpu": "H100", "slo": {"ttft_ms": 2000}}),
+        profile_from_dict({**_PREFILL, "gpu": "L4", "slo": {"ttft_ms": 2000}}),
     )
-    picked, notes = select_profiles(pd, None)
-    assert len(picked) == 3
-    assert notes == [
+    plan = make_plan(PlanInput(offers, pd, (demand(1.0),), None))
+    assert plan.notes[-1] == (
         "no target SLO given: the plan holds at the profiles' SLO (decode TPOT 40 ms; prefill TTFT 2000 ms)"
-    ]
-    plan = make_plan(
-        PlanInput({"A100-80GB": A100}, (one_bucket("A100-80GB", 4, slo=40),), (demand(6.0),), None)
     )
-    assert plan.notes == ("no target SLO given: the plan holds at the profiles' SLO (mixed TPOT 40 ms)",)
+
+
+def test_the_reason_an_offered_gpu_has_no_profile_comes_first() -> None:
+    """Before: the notes about profiles of GPUs not offered came first and cut the real reason (the offered
+    GPU has none) out of the error's first three."""
+    profiles = (one_bucket("L4", 2, slo=40), one_bucket("A10G", 1, slo=40), one_bucket("H100", 9, slo=40))
+    with pytest.raises(PlacementError) as caught:
+        make_plan(PlanInput({"A100-80GB": A100}, profiles, (demand(1.0),), None))
+    assert str(caught.value).startswith(
+        "no usable profile for the offered GPUs: A100-80GB: no usable profile, not considered; "
+    )
 
 
 def test_a_profile_for_a_gpu_nobody_offers_is_refused_or_noted() -> None:
