@@ -53,7 +53,10 @@ _WORDS = np.array(WORDS)
 def _rng(seed: int, kind: int, key: int, salt: int = 0) -> np.random.Generator:
     # SeedSequence mixes the integers into independent streams: (seed, block h) ≠ (seed, request h); a salt
     # (a later probe of the same requests) draws other ids, and salt 0 the ids it always drew.
-    entropy = [seed & 0xFFFFFFFF, kind, key & (2**63 - 1)] + ([salt & (2**63 - 1)] if salt else [])
+    # a negative seed maps past every seed below 2**64 (seeds were cut to 32 bits: 0 and 2**32 drew the same)
+    entropy = [seed if seed >= 0 else (1 << 64) - seed, kind, key & (2**63 - 1)] + (
+        [salt & (2**63 - 1)] if salt else []
+    )
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
 
 

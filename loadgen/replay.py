@@ -38,6 +38,10 @@ class ReplayError(ValueError):
     """Replay options that cannot work (bad concurrency or timeout, nothing to send)."""
 
 
+class ReplayInterrupted(ReplayError):
+    """Ctrl-C before the first request was sent: nothing to report (the CLI exits 130, as for any Ctrl-C)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ReplayRequest:
     """Everything `mosaic replay` takes."""
@@ -154,7 +158,7 @@ async def run_replay_async(
         )
     if not result.records:
         if result.interrupted:
-            raise ReplayError("interrupted before any request was sent")
+            raise ReplayInterrupted("interrupted before any request was sent")
         raise ReplayError("no requests to send: the trace (or the --start/--duration window) is empty")
     metrics = compute_metrics(result.records, result.duration_s, req.slo, req.lag_threshold_ms)
     if metrics.completed == 0 and set(metrics.errors) <= FATAL_ERRORS:
@@ -169,8 +173,9 @@ async def run_replay_async(
         model=req.model,
         rate_scale=s.rate_scale,
         rate=s.rate,
-        arrival=s.arrival,
-        burstiness=s.burstiness,
+        # the re-timing `--rate` applies; with the trace's own times there is none to report
+        arrival=s.arrival if s.rate is not None else None,
+        burstiness=s.burstiness if s.rate is not None else None,
         start_s=s.start_s,
         duration_s=s.duration_s,
         max_requests=s.max_requests,

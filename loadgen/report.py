@@ -54,8 +54,8 @@ class ReplayConfig:
     model: str
     rate_scale: float = 1.0
     rate: float | None = None
-    arrival: str = "poisson"
-    burstiness: float = 1.0
+    arrival: str | None = "poisson"  # None: the trace's own arrival times (no --rate)
+    burstiness: float | None = 1.0
     start_s: float = 0.0
     duration_s: float | None = None
     max_requests: int | None = None

@@ -24,7 +24,7 @@ from loadgen.console import print_summary
 from loadgen.formats import FORMATS
 from loadgen.lora import LORA_ASSIGNMENTS, LoraError
 from loadgen.metrics import Slo
-from loadgen.replay import ReplayError, ReplayRequest, run_replay
+from loadgen.replay import ReplayError, ReplayInterrupted, ReplayRequest, run_replay
 from loadgen.schedule import ScheduleError, ScheduleOptions
 from loadgen.synthetic import SpecError
 from loadgen.trace import TraceError
@@ -188,6 +188,9 @@ def register(app: typer.Typer) -> None:
             console = table_console(stderr=True)
             raise_open_files_limit()
             outcome = run_replay(req, console, summary=False)
+        except ReplayInterrupted as e:
+            typer.echo(f"{e}", err=True)
+            raise typer.Exit(130) from None  # as a shell reports a run stopped by Ctrl-C
         except (TraceError, ScheduleError, SpecError, ReplayError, LoraError) as e:
             fail(str(e))
         m = outcome.metrics

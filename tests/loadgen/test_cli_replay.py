@@ -158,6 +158,27 @@ def test_ctrl_c_stops_the_replay_and_keeps_what_was_measured(tmp_path: Path) -> 
         loop.close()
 
 
+def test_ctrl_c_before_the_first_send_exits_130(tmp_path: Path, closed_url: str) -> None:
+    """Before: exit 2 ("bad input") for a run stopped by Ctrl-C while waiting for its first send time."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    trace = tmp_path / "gap.jsonl"  # with --start 1, the first request is due 59 s in
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 100, "output_length": 10, "hash_ids": [1]}\n'
+        '{"timestamp": 60000, "input_length": 100, "output_length": 10, "hash_ids": [2]}\n'
+    )
+    mosaic = str(Path(sys.executable).with_name("mosaic"))
+    cmd = [mosaic, "replay", str(trace), "--url", closed_url, "--model", "m", "--start", "1", "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(5)  # started and waiting (the CLI imports and installs its handler in ~1 s here)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert (proc.returncode, stderr.strip()) == (130, "interrupted before any request was sent")
+
+
 def test_a_model_the_server_does_not_serve_exits_2_after_the_first_requests(worker_url: str) -> None:
     """vLLM answers 404 to every request for a model it does not serve: the replay played its whole
     schedule and exited 0 with nothing measured."""

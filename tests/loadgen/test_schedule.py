@@ -179,6 +179,21 @@ def test_same_block_across_runs_and_different_across_seeds() -> None:
     assert PromptBuilder(1).token_ids(r) == PromptBuilder(1).token_ids(r) != PromptBuilder(2).token_ids(r)
 
 
+@pytest.mark.parametrize(("a", "b"), [(0, 2**32), (-1, 2**32 - 1), (5, 2**40 + 5), (-3, 3)])
+def test_seeds_that_differ_past_32_bits_give_other_prompts(a: int, b: int) -> None:
+    """Before: seeds were cut to 32 bits, so seeds from large numbers (nanosecond timestamps) could send
+    the same prompts as another run's, defeating "give each run its own --seed"."""
+    r = req(5, 700, (42, 43))
+    assert PromptBuilder(a).token_ids(r) != PromptBuilder(b).token_ids(r)
+
+
+def test_seeds_within_32_bits_keep_their_prompts() -> None:
+    """The fix changed no prompt of a seed in [0, 2**32): runs stay comparable with earlier reports."""
+    r = req(0, 4)  # the ids these seeds drew before the change
+    assert PromptBuilder(7).token_ids(r) == [9158, 9061, 5432, 13909]
+    assert PromptBuilder(2**32 - 1).token_ids(r) == [23225, 11079, 6328, 20805]
+
+
 def test_requests_without_hash_ids_share_nothing() -> None:
     p = PromptBuilder(0)
     a, b = p.token_ids(req(0, 64)), p.token_ids(req(1, 64))
