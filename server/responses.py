@@ -312,7 +312,8 @@ class StreamSession:
     # ------------------------------------------------------------------ the two ways
     async def body(self) -> AsyncIterator[bytes]:
         outcome: Outcome | GatewayOutcome = Outcome.WORKER_ERROR
-        try:
+        ended = False  # the outcome is settled before the last bytes go out: a client hanging up on them
+        try:  # (the gateway's own error event, say) does not make it a disconnect
             out = self._begin()
             if out:
                 yield out
@@ -322,14 +323,16 @@ class StreamSession:
                     yield out
                     self._check_total(out)
             tail = self._end()
+            outcome, ended = self._ended_outcome(), True
             if tail:
                 yield tail
-            outcome = self._ended_outcome()
         except (httpx.HTTPError, TimeoutError) as exc:
-            yield self._failed(exc)
-            outcome = self._failure_outcome(exc)
+            last = self._failed(exc)
+            outcome, ended = self._failure_outcome(exc), True
+            yield last
         except BaseException:
-            outcome = self._cancelled_outcome()
+            if not ended:
+                outcome = self._cancelled_outcome()
             raise
         finally:
             await self._close(outcome)
