@@ -262,13 +262,13 @@ class RelayResponse(StreamingResponse):
         watch.start()
         exhausted = False  # the body iterator ran to its end (and ran its own clean-up)
         started = False  # the start message went out: a stream's error must be an event, not a status
+        last: bytes | None = None  # the pushed stream's last bytes, once it ended (outcome recorded)
         try:
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
             started = True
             cycle = getattr(send, "__self__", None)
-            last: bytes | None = None  # the pushed stream's last bytes, once it ended (outcome recorded)
             if self._push is not None and isinstance(cycle, FastCycle):
                 # the body written from the worker's reads (`StreamSession.push`), but its last bytes
                 last = await self._push(cycle)
