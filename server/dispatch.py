@@ -759,8 +759,8 @@ class Dispatcher:
     ) -> Response:
         """A worker's 4xx answer to the request, passed through: the worker is healthy, nothing was served."""
         self.registry.report_success(worker_id)
-        lease.release(Outcome.WORKER_ERROR)  # the router's view: nothing cached, nothing generated
-        self.finish(rec, status, GatewayOutcome.WORKER_REJECTED)
+        lease.release(Outcome.WORKER_REJECTED)
+        self.finish(rec, status, Outcome.WORKER_REJECTED)
         log.info("request %s: worker %s answered %d", rec.request_id, worker_id, status)
         return PassthroughResponse(content, status, rec.request_id, ctype)
 

@@ -52,7 +52,6 @@ SHUTDOWN_SEND_S = 0.25  # the longest a stream's last event waits on a full clie
 class GatewayOutcome(StrEnum):
     """Terminal outcomes the gateway records beyond the router's `Outcome` (metrics, /admin, logs)."""
 
-    WORKER_REJECTED = "worker_rejected"  # the worker answered 4xx (bad request, context too long, ...)
     TIMED_OUT = "timed_out"  # total_timeout_s ended the request: a stream, or the wait for a whole answer
     SHUT_DOWN = "shut_down"  # still running when the shutdown grace ran out: the gateway ended it (503)
     INTERNAL_ERROR = "internal_error"  # the gateway itself failed (a bug): no worker is to blame

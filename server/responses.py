@@ -298,7 +298,7 @@ class StreamSession:
             return Outcome.COMPLETED
         code = error.get("code")
         if type(code) is int and 400 <= code < 500:
-            return GatewayOutcome.WORKER_REJECTED
+            return Outcome.WORKER_REJECTED
         self.d.registry.report_failure(self.lease.decision.decode.id, "stream_error_event")
         return Outcome.WORKER_ERROR
 
@@ -461,8 +461,6 @@ class StreamSession:
             cut = outcome in (GatewayOutcome.TIMED_OUT, GatewayOutcome.SHUT_DOWN)
             if cut:
                 self.lease.release(Outcome.CLIENT_DISCONNECTED)
-            elif outcome is GatewayOutcome.WORKER_REJECTED:  # as `_whole`: nothing served, nothing cached
-                self.lease.release(Outcome.WORKER_ERROR)
             else:
                 self.lease.release(outcome)  # type: ignore[arg-type]
             self.d.finish(self.rec, 200, outcome, self.relay.usage)

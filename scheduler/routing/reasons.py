@@ -60,6 +60,9 @@ class Outcome(StrEnum):
     FAILED_BEFORE_FIRST_BYTE = "failed_before_first_byte"
     CLIENT_DISCONNECTED = "client_disconnected"
     WORKER_ERROR = "worker_error"
+    # the worker answered 4xx (bad request, context too long, unknown adapter, ...): healthy, nothing served
+    # and nothing cached, but not its fault (a breaker, a KV release metric or a dashboard must tell it apart)
+    WORKER_REJECTED = "worker_rejected"
     LEASE_EXPIRED = "lease_expired"
     UNRESERVED = "unreserved"  # released inside the routing cycle (Unreserve); the request never ran there
 

@@ -39,6 +39,9 @@ from scheduler.routing.framework import Cycle, Decision, PluginParams, RouteRequ
 from scheduler.routing.prefix import PrefixIndex
 from scheduler.routing.reasons import Outcome
 
+# Outcomes after which the worker holds none of the request's blocks: its dispatch's prefix record is taken back.
+_BUILT_NOTHING = frozenset({Outcome.FAILED_BEFORE_FIRST_BYTE, Outcome.UNRESERVED, Outcome.WORKER_REJECTED})
+
 
 class NoParams(PluginParams):
     """No parameters: any key is refused."""
@@ -210,12 +213,13 @@ class PrefixAffinityScorer:
     def on_complete(self, worker_id: str, req: RouteRequest, outcome: Outcome, now: float) -> None:
         """A finished request frees its blocks into the worker's cache now (vLLM's free queue is LRU by
         release time), so refresh their recency. One that failed before its first byte, or was taken back
-        inside the routing cycle, built nothing there: the blocks its dispatch added are taken back (else
+        inside the routing cycle, or was refused by the worker (a 4xx: vLLM checks a request before it schedules
+        it), built nothing there: the blocks its dispatch added are taken back (else
         the prefix's next requests, its own retry among them, are steered to a worker that lacks it)."""
         if not req.prefix_hashes:
             return
         pending = self._pending.pop((id(req), worker_id), None)
         if outcome in (Outcome.COMPLETED, Outcome.CLIENT_DISCONNECTED):
             self.index.record(worker_id, req.prefix_hashes, now)
-        elif pending is not None and outcome in (Outcome.FAILED_BEFORE_FIRST_BYTE, Outcome.UNRESERVED):
+        elif pending is not None and outcome in _BUILT_NOTHING:
             self.index.unrecord(worker_id, pending[2], pending[1])

@@ -552,6 +552,23 @@ def test_kv_reservations_follow_each_request() -> None:
     run(body)
 
 
+def test_a_worker_refusal_releases_its_kv_reservation_as_worker_rejected() -> None:
+    """A worker's 4xx releases the request's KV lease under its own outcome, not as a worker error (the
+    release counter told a refused request apart from a failing worker no better than a coin)."""
+    a = FakeWorker("a", mode="status", status=400)
+
+    async def body() -> None:
+        async with gateway(config(pool("p", "L4", "mixed", a)), FakeFleet(a)) as (c, gw):
+            assert gw.ledger is not None
+            assert (await c.post(CHAT, json=chat(max_tokens=3))).status_code == 400
+            assert dict(gw.ledger.stats.released) == {"worker_rejected": 1}
+            text = (await c.get("/metrics")).text
+            assert 'mosaic_kv_reservations_released_total{outcome="worker_rejected"} 1.0' in text
+            assert 'mosaic_kv_reserved_units{worker="p/a:8000"} 0.0' in text
+
+    run(body)
+
+
 def test_unknown_fields_reach_the_worker_byte_for_byte() -> None:
     a = FakeWorker("a")
     raw = (

@@ -113,6 +113,7 @@ def test_prefix_affinity_records_both_sides_of_a_pd_pair_and_refreshes_on_comple
     [
         (Outcome.FAILED_BEFORE_FIRST_BYTE, 1),  # nothing built there: only the block held before stays
         (Outcome.UNRESERVED, 1),  # taken back inside the routing cycle: it never ran there
+        (Outcome.WORKER_REJECTED, 1),  # the worker answered 4xx: refused before it was scheduled
         (Outcome.COMPLETED, 3),
         (Outcome.CLIENT_DISCONNECTED, 3),
         (Outcome.WORKER_ERROR, 3),  # failed after its first byte: its prompt was prefilled there
