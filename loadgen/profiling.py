@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -193,6 +193,18 @@ def unloaded_requests(bucket: Bucket, max_context: int, seed: int, n: int = 10) 
     return [r for _, r in zip(range(n), bucket_requests(bucket, max_context, seed), strict=False)]
 
 
+def _search_bucket(
+    b: Bucket, factory: MeasureFactory, slo: SearchSlo, config: SearchConfig, queue: QueueBound
+) -> SearchResult | None:
+    bm = factory(b)
+    if bm is None:
+        return None
+    if bm.unloaded is not None and not slo.passes(bm.unloaded):
+        return SearchResult(0.0, None, unloaded_miss=True)  # monotone in the SLO, as the search
+    cfg = dataclasses.replace(config, hint=bm.hint)
+    return search_max_rate(bm.measure, slo, cfg, queue.cap_ms(bm.unloaded_ttft_ms))
+
+
 def profile_grid(
     input_edges: Sequence[int],
     output_edges: Sequence[int],
@@ -201,24 +213,23 @@ def profile_grid(
     config: SearchConfig = SearchConfig(),
     on_bucket: Callable[[Bucket, SearchResult | None], None] | None = None,
     queue: QueueBound = QueueBound(),
+    done: Mapping[tuple[int, int], SearchResult | None] | None = None,
 ) -> ProfileGrid:
     """Search every bucket; `factory(bucket)` gives its measure function, hint and unloaded TTFT, or None
-    when it cannot be served (max rate 0). `config.hint` is replaced by each bucket's own hint."""
+    when it cannot be served (max rate 0). `config.hint` is replaced by each bucket's own hint. Buckets in
+    `done` (an interrupted run's results, `loadgen.profile_checkpoint`) are taken as they are: not measured
+    again, and not passed to `on_bucket`."""
     bs = buckets(input_edges, output_edges)
     rows, cols = len(input_edges) - 1, len(output_edges) - 1
     grid = ProfileGrid([[0.0] * cols for _ in range(rows)], [[None] * cols for _ in range(rows)])
+    done = done or {}
     for b in bs:
-        bm = factory(b)
-        res = None
-        if bm is not None and bm.unloaded is not None and not slo.passes(bm.unloaded):
-            res = SearchResult(0.0, None, unloaded_miss=True)  # monotone in the SLO, as the search
-        elif bm is not None:
-            cfg = dataclasses.replace(config, hint=bm.hint)
-            res = search_max_rate(bm.measure, slo, cfg, queue.cap_ms(bm.unloaded_ttft_ms))
+        resumed = (b.i, b.j) in done
+        res = done[(b.i, b.j)] if resumed else _search_bucket(b, factory, slo, config, queue)
         if res is not None:
             grid.max_rate[b.i][b.j] = res.max_rate
             grid.measured[b.i][b.j] = res.measurement
             grid.results[(b.i, b.j)] = res
-        if on_bucket is not None:
+        if on_bucket is not None and not resumed:
             on_bucket(b, res)
     return grid

@@ -25,6 +25,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from loadgen.profile_checkpoint import Checkpoint, CheckpointError, checkpoint_path
 from loadgen.profile_search import (
     MAX_GRID_RATES,
     SearchConfig,
@@ -34,7 +35,15 @@ from loadgen.profile_search import (
     grid_size,
 )
 from loadgen.profile_url import ProfileError, preflight, url_measure_factory
-from loadgen.profiling import Bucket, MeasureFactory, ProbePlan, ProfileGrid, QueueBound, profile_grid
+from loadgen.profiling import (
+    Bucket,
+    MeasureFactory,
+    ProbePlan,
+    ProfileGrid,
+    QueueBound,
+    buckets,
+    profile_grid,
+)
 from loadgen.replay import ReplayError, check_target
 from loadgen.runner import RunOptions, Target
 from placement.catalog import CatalogError, load_catalog
@@ -159,6 +168,34 @@ def _check_target(target: Target) -> None:
         fail(str(e))
 
 
+def _open_checkpoint(out: Path, settings: dict[str, object], resume: bool) -> Checkpoint:
+    """`--resume`: the interrupted run's checkpoint, which must have these settings. Otherwise a fresh one,
+    refused while an unfinished run's checkpoint is there (starting over would overwrite hours of probes)."""
+    path = checkpoint_path(out)
+    check_output_file(path, "--out")
+    if resume:
+        try:
+            return Checkpoint.load(path, settings)
+        except CheckpointError as e:
+            fail(f"--resume: {e}")
+    if path.exists():
+        fail(
+            f"--out {out}: an unfinished run's checkpoint is at {path}: pass --resume to continue it, or delete "
+            "it to start over"
+        )
+    return Checkpoint.fresh(path, settings)
+
+
+def _kept(checkpoint: Checkpoint, total: int) -> str:
+    """What an interrupted or failed run leaves behind, for its last line."""
+    if not checkpoint.done:
+        return ""
+    return (
+        f"; {len(checkpoint.done)} of {total} buckets are kept in {checkpoint.path}: rerun the same command with "
+        "--resume to continue"
+    )
+
+
 def register(app: typer.Typer) -> None:
     @app.command("profile")
     def profile_cmd(
@@ -212,6 +249,11 @@ def register(app: typer.Typer) -> None:
         ),
         queue_factor: float = typer.Option(
             5.0, "--queue-factor", help="Sustainable: p90 TTFT ≤ this × unloaded TTFT + 1 s (0 = off)."
+        ),
+        resume: bool = typer.Option(
+            False,
+            "--resume",
+            help="Continue an interrupted run from its checkpoint (<out>.partial.json), with the same settings.",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the profile as JSON on stdout."),
     ) -> None:
@@ -288,6 +330,31 @@ def register(app: typer.Typer) -> None:
         if out.suffix.lower() not in (".yaml", ".yml", ".json"):  # the suffix picks the format
             fail(f"--out {out}: name a .yaml, .yml or .json file (the suffix picks the format)")
         check_output_file(out, "--out")
+        settings = {
+            "gpu": gpu_spec.name,
+            "model": model_spec.name,
+            "tp": tp,
+            "role": the_role.value,
+            "source": "sim" if sim else "url",
+            "url": url,
+            "served_model": served_model,
+            "slo_tpot_ms": slo.tpot_ms,
+            "slo_ttft_ms": slo.ttft_ms,
+            "input_edges": inp,
+            "output_edges": outp,
+            "seed": seed,
+            "resolution": resolution,
+            "min_rate": min_rate,
+            "max_rate": max_rate,
+            "queue_factor": queue_factor,
+            "probe_window_s": probe_window_s,
+            "probe_requests": probe_requests,
+            "probe_e2e_factor": probe_e2e_factor,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "kv_link_gbps": kv_link_gbps,
+        }
+        checkpoint = _open_checkpoint(out, settings, resume)
         plan = ProbePlan(probe_window_s, probe_requests, probe_e2e_factor)
         factory: MeasureFactory
         console = table_console(stderr=True)
@@ -314,31 +381,40 @@ def register(app: typer.Typer) -> None:
                 target, model_spec.max_context, seed, plan, RunOptions(), hint, on_probe=probing
             )
 
-        capped: list[str] = []  # buckets that passed at --max-rate itself: their limit may be higher
-
         def progress(b: Bucket, res: SearchResult | None) -> None:
+            checkpoint.record(b, res)
             if res is None:
                 rate = "cannot (does not fit)"
             elif res.unloaded_miss:
                 rate = "cannot (misses the SLO, or is refused, one request at a time)"
             elif res.capped:
-                capped.append(b.label)
                 rate = f"≥ {res.max_rate:.2f} req/s (passed at the rate grid's top; {len(res.probes)} probes)"
             else:
                 rate = f"{res.max_rate:.2f} req/s ({len(res.probes)} probes)"
             console.print(f"{b.label}: {rate}  [{time.perf_counter() - t0:.1f} s]")
 
         cfg = SearchConfig(min_rate=min_rate, max_rate=max_rate, resolution=resolution)
+        total = (len(inp) - 1) * (len(outp) - 1)
+        if checkpoint.done:
+            console.print(f"resuming: {len(checkpoint.done)} of {total} buckets from {checkpoint.path}")
         try:
-            grid = profile_grid(inp, outp, factory, slo, cfg, progress, QueueBound(factor=queue_factor))
+            grid = profile_grid(
+                inp, outp, factory, slo, cfg, progress, QueueBound(factor=queue_factor), checkpoint.done
+            )
         except ProfileError as e:  # unreachable, or refusing every request: no profile is better than zeros
-            fail(str(e))
+            fail(str(e) + _kept(checkpoint, total))
+        except KeyboardInterrupt:
+            typer.echo(f"interrupted{_kept(checkpoint, total)}", err=True)
+            raise typer.Exit(130) from None  # as a shell reports a run stopped by Ctrl-C
         profile = build_profile(
             grid, model_spec.name, gpu_spec.name, tp, "sim" if sim else "url", slo, inp, outp, the_role
         )
         out.parent.mkdir(parents=True, exist_ok=True)
         save_profile(profile, out)
+        checkpoint.remove()
         console.print(_table(profile))
+        # buckets that passed at --max-rate itself (this run's or a resumed one's): their limit may be higher
+        capped = [b.label for b in buckets(inp, outp) if (r := grid.results.get((b.i, b.j))) and r.capped]
         if capped:  # written as the top of the grid: the planner would buy more instances than needed
             console.print(
                 f"{len(capped)} bucket(s) passed at the top of the rate grid (--max-rate {max_rate:g} req/s): "
