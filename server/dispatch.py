@@ -386,9 +386,12 @@ class Dispatcher:
             try:
                 return await self._attempt(decision, parsed, path, rec, lease)
             except UpstreamFailure as failure:
-                lease.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
                 if failure.budget_spent:  # its own total_timeout_s ran out: no worker to blame, no time left
+                    # the gateway hung up on a worker that was serving it: a hang-up to the router, as a stream
+                    # the gateway cuts (the worker built the prompt's KV; prefix affinity keeps it)
+                    lease.release(Outcome.CLIENT_DISCONNECTED)
                     return self._timed_out(rec)
+                lease.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
                 if failure.status == 429:  # busy, not broken: retried elsewhere, but no mark on its breaker
                     self.registry.report_success(failure.worker_id)
                 elif failure.kind not in ("pool_timeout", "removed"):

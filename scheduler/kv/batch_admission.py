@@ -6,7 +6,8 @@ Each tick the gateway may take the first n waiting requests (tens) and the worke
     subject to Σ_w x_iw ≤ 1                          each request at most once
                Σ_i need_iw · x_iw ≤ free_w           KV pages (ledger units of w: `KvLedger.free`)
                Σ_i x_iw ≤ slots_w                     sequences: max_num_seqs − demand
-    v_iw = floor(W · weight_i − λ · ttft_iw / ttft_ref)   (pairs with need_iw > free_w are left out)
+    v_iw = floor(W · weight_i − λ · ttft_iw / ttft_ref)   (pairs with need_iw > free_w are left out, but one
+    the ledger admits alone on an empty worker, past its watermark, is planned with need_iw = free_w)
     weight_i = (1 + priority_i) · (1 + age_i / aging_s)                  age = now − arrival (aging)
     ttft_iw  = overhead_w + (queued prefill tokens_w + P_i) / prefill_tps_w   (the est-ttft scorer's estimate)
 
@@ -124,10 +125,18 @@ def build_instance(
                 continue  # a pinned request (a Responses continuation) runs on its own worker, an adapter's
                 # on a worker serving it
             fp, _ = ledger.footprint(r, w)
-            if fp.peak <= free[j] and ledger.fits(r, w, now):
+            if fp.peak <= free[j]:
+                units = fp.peak
+            elif free[j] == ledger.capacity(w) and ledger.reserved(w.id) == 0:
+                # past the free pages of an empty worker: the ledger admits a request there alone (the
+                # watermark is a margin for many requests), so in the plan it takes all of that worker
+                units = free[j]
+            else:
+                continue
+            if ledger.fits(r, w, now):
                 raw = p.weight_scale * weights[i] - p.latency_weight * est_ttft_s(r, w) / p.ttft_ref_s
                 value[(i, j)] = plan_value(raw)
-                need[(i, j)] = fp.peak
+                need[(i, j)] = units
     order = tuple(sorted(range(len(head)), key=lambda i: (-weights[i], head[i].arrival_s, i)))
     return Instance(
         tuple(r.request_id for r in head), tuple(w.id for w in workers), value, need, free, slots, order

@@ -115,7 +115,9 @@ class KvConfig(_Strict):
 
     enabled: bool = True
     mode: Literal["worst_case", "predicted"] = "worst_case"
-    watermark: float = Field(default=0.02, ge=0, lt=1)  # > 0: see `_watermark_covers_the_null_block`
+    # > 0, checked by `_watermark_covers_the_null_block` alone, with why (a `ge=0` here answered -0.1 with
+    # "should be greater than or equal to 0", and then the validator refused 0 itself)
+    watermark: float = Field(default=0.02, lt=1)
     share: float | None = Field(default=None, gt=0, le=1)
     lease_s: float = Field(default=900.0, gt=0)
     alpha: float = Field(default=2.0, ge=0)

@@ -230,6 +230,9 @@ class _Book:
     total: int = 0  # units on the worker (last seen)
     unshared: float = 0.0  # min(total · (1 − watermark), total − the null block), derived with `total`
     base_capacity: int = 0  # floor(unshared · share) (capacity = it − shrink)
+    usable: int = 0  # total − the null block (watermark 0: total): the most one sequence can ever hold
+    # floor(usable · share): what a request may take when it is alone on the worker (`_lone_room`)
+    lone_capacity: int = 0
     reserved: int = 0
     worst_reserved: int = 0
     shrink: int = 0
@@ -380,7 +383,7 @@ class KvLedger:
     def can_ever_fit(self, req: RouteRequest, worker: WorkerView) -> bool:
         """Whether the request fits this worker's capacity when nothing else is reserved."""
         fp, _ = self.footprint(req, worker)
-        return any(fp.peak <= self._capacity_of(b) for b in self._engine_books(worker))
+        return any(fp.peak <= max(0, b.lone_capacity - b.shrink) for b in self._engine_books(worker))
 
     def exceeds_capacity(self, req: RouteRequest, worker: WorkerView) -> tuple[int, int] | None:
         """The router's `CapacityBound`: None when `req` would be admitted on this worker with nothing else
@@ -399,9 +402,9 @@ class KvLedger:
         return max(bounds, key=lambda b: b[1])
 
     def _exceeds(self, book: _Book, fp: Footprint, worst: Footprint) -> tuple[int, int] | None:
-        room = book.base_capacity
+        room = book.lone_capacity  # alone on the worker (`_lone_room`): the most it could ever get
         if self._share_ceiling > self.settings.share:  # a lowered share may come back (`set_share`)
-            room = math.floor(book.unshared * self._share_ceiling)
+            room = math.floor(book.usable * self._share_ceiling)
         need_units = fp.peak
         if need_units <= room and self.settings.mode == "predicted" and worst.peak > fp.peak:
             limit = math.floor(room * (1.0 + self.settings.max_overbook_frac))
@@ -459,14 +462,30 @@ class KvLedger:
         return self._roomiest(tuple(admitting), holder)
 
     def _admissible(self, book: _Book, holder: str | int, fp: Footprint, worst: Footprint) -> bool:
-        if fp.peak > self._free_of(book, holder):
-            return False
+        capacity = self._capacity_of(book)
+        if fp.peak > capacity - book.reserved - self._held_for_others(book, holder):
+            lone = self._lone_room(book, holder)
+            if lone is None or fp.peak > lone:
+                return False
+            capacity = lone
         if self.settings.mode == "predicted":
             # the bound is on the sum of every reservation's worst case, this one's too even when it is
             # exact (a cold predictor, a small max_tokens): skipping those let overbooked ones exceed it
-            limit = self._capacity_of(book) * (1.0 + book.overbook)
+            limit = capacity * (1.0 + book.overbook)
             return book.worst_reserved + worst.peak <= limit
         return True
+
+    def _lone_room(self, book: _Book, holder: str | int | None) -> int | None:
+        """What one request may take on a worker where nothing is reserved or held for others: all of it but
+        the null block (less shrink, within this process's share); None when the worker is not empty.
+
+        The watermark is a margin against many requests' estimates erring together. Alone, a request's
+        reservation bounds what it can use, and vLLM admits a sequence of up to every block but the null one:
+        with the watermark, a worker whose KV only just covers its max_model_len (vLLM's own advice when the
+        cache is smaller than the context) refused for good every request that left out max_tokens."""
+        if book.reserved or self._held_for_others(book, holder):
+            return None
+        return max(0, book.lone_capacity - book.shrink)
 
     # --- holds (aging) ---------------------------------------------------------------------------------
     def hold(
@@ -613,6 +632,7 @@ class KvLedger:
         self.settings = replace(self.settings, share=share)  # validated there: (0, 1]
         for book in self._books.values():
             book.base_capacity = math.floor(book.unshared * share)
+            book.lone_capacity = math.floor(book.usable * share)
 
     # --- reconcile -------------------------------------------------------------------------------------
     def reconcile(self, view: FleetView | Iterable[WorkerView], now: float) -> list[ReconcileSample]:
@@ -804,7 +824,9 @@ class KvLedger:
             # head-page units where it leaves less than one block's worth); a watermark of 0, which the
             # config refuses, is an idealised ledger with nothing kept back (unit tests' arithmetic)
             usable = max(0, book.total - book.spec.units_per_block) if s.watermark > 0 else book.total
+            book.usable = usable
             book.unshared = min(book.total * (1.0 - s.watermark), usable)
             book.base_capacity = math.floor(book.unshared * s.share)
+            book.lone_capacity = math.floor(usable * s.share)
             book.needs.clear()
         return book

@@ -56,7 +56,11 @@ async def _check_kubernetes_config(config: MosaicConfig) -> None:
             fail("loading the Kubernetes config (for kubernetes endpoints) took over 30 s")
 
 
-async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, embedded: bool) -> None:
+async def _serve(
+    config: MosaicConfig, host: str, port: int, log_level: str, embedded: bool, config_name: str | None = None
+) -> None:
+    """`config_name`: the config file as the user named it, the prefix of a config error found only once the
+    gateway is built (a KV profile that does not exist), as `load_config`'s own errors have it."""
     from server.runner import bind_socket, start_gateway_server  # imports uvicorn/fastapi only when serving
 
     await _check_kubernetes_config(config)
@@ -76,7 +80,9 @@ async def _serve(config: MosaicConfig, host: str, port: int, log_level: str, emb
             on_startup_error=startup_errors.append,
         )
     except (KubernetesUnavailable, ConfigError) as exc:  # ConfigError: what only the built gateway can check
-        fail(str(exc))
+        sock.close()  # never served: the listening socket would be left to the collector
+        prefix = f"{config_name}: " if isinstance(exc, ConfigError) and config_name is not None else ""
+        fail(f"{prefix}{exc}")
     if startup_errors:
         # e.g. a launched vLLM pool: too few GPUs, vLLM not installed. What had started is stopped already
         # (server.app's lifespan); the app came up draining, so stop it and exit 2 with one line.
@@ -163,6 +169,7 @@ def register(app: typer.Typer) -> None:
                     cfg.gateway.port if port is None else port,
                     log_level,
                     config is None,
+                    None if config is None else str(config),
                 )
             )
 

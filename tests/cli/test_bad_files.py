@@ -34,6 +34,10 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "unknown-routing.yaml").write_text(
         fleet.replace("routing: {policy: mosaic}", "routing: {policy: foo}")
     )
+    (tmp_path / "missing-profile.yaml").write_text(
+        "pools: [{name: a, model: llama-3-8b, gpu: L4, endpoints: {static: ['http://127.0.0.1:9']}}]\n"
+        "kv: {compression: [{model: llama-3-8b, profile: nope.npz}]}\n"
+    )
     (tmp_path / "nan-ratio.yaml").write_text(fleet.replace("pd_ratio: 1.5", "pd_ratio: .nan"))
     (tmp_path / "inf-interval.yaml").write_text(
         fleet.replace("decision_interval_s: 15", "decision_interval_s: .inf")
@@ -43,6 +47,10 @@ def files(tmp_path: Path) -> Path:
 
 CASES = [
     (["serve", "--config", "{d}/binary.yaml"], "cannot read config file {d}/binary.yaml: not UTF-8 text"),
+    (  # found only once the gateway is built, and still prefixed with the config file, as load errors are
+        ["serve", "--config", "{d}/missing-profile.yaml", "--host", "127.0.0.1", "--port", "0"],
+        "{d}/missing-profile.yaml: kv.compression.0.profile: profile file {d}/nope.npz does not exist",
+    ),
     (["simulate", "--trace", SYNTH, "--fleet", "{d}/binary.yaml"], "cannot read fleet file {d}/binary.yaml: not UTF-8"),
     (["simulate", "--trace", "{d}/binary.csv", "--fleet", str(FLEET)], "{d}/binary.csv: not UTF-8 text"),
     (["replay", "{d}/binary.csv", "--url", "http://127.0.0.1:9"], "{d}/binary.csv: not UTF-8 text"),

@@ -56,6 +56,9 @@ def test_long_whole_answers_do_not_eject_a_healthy_worker() -> None:
             rs = await asyncio.gather(*[c.post(CHAT, json=chat(f"q{i}")) for i in range(4)])
             assert [r.status_code for r in rs] == [504] * 4
             assert failures(gw) == {"slow": 0}
+            # the gateway hung up on a worker serving them: released as hang-ups, as a stream it cuts (they
+            # had been `failed_before_first_byte`, which takes back the prefix the worker did build)
+            assert gw.ledger is not None and dict(gw.ledger.stats.released) == {"client_disconnected": 4}
             ok, body = gw.readiness()
             assert ok and body["ready_workers"] == {"llama-3-8b": 1}
 

@@ -50,6 +50,9 @@ def test_compression_pool_gets_the_sorted_layout_of_its_profile() -> None:
     [
         pytest.param({"mode": "greedy"}, "kv.mode", id="unknown mode names the field"),
         pytest.param({"watermark": 1.5}, "kv.watermark", id="watermark above 1"),
+        # one reason for every value ≤ 0 (a negative one read "should be ≥ 0", and then 0 was refused)
+        pytest.param({"watermark": -0.1}, "must be > 0 (e.g. 0.01)", id="negative watermark"),
+        pytest.param({"watermark": 0}, "must be > 0 (e.g. 0.01)", id="zero watermark"),
         pytest.param({"surprise": 1}, "kv.surprise", id="unknown key"),
         pytest.param({"data_parallel": "per_rank"}, "kv.data_parallel", id="unknown data-parallel booking"),
         pytest.param(

@@ -45,6 +45,29 @@ def test_the_null_block_stays_out_of_reach_under_any_watermark_and_unit() -> Non
     assert comp.total_units(w) - comp.capacity(w) >= 256  # one block of 256 heads at least
 
 
+def test_a_request_past_the_watermark_is_admitted_alone_and_only_alone() -> None:
+    """Capacity keeps the watermark back (floor(100 · 0.98) = 98 blocks), but one request on an empty worker
+    may take every block but the null one, as vLLM admits it: 99 blocks alone, not beside another request;
+    100 never."""
+    from scheduler.routing.reasons import Outcome
+
+    led = KvLedger(LedgerSettings(watermark=0.02))
+    w = worker("w0", blocks=100)
+    assert led.capacity(w) == 98
+    big = request("big", prompt=16 * 98, max_out=16)  # 99 blocks
+    assert led.exceeds_capacity(big, w) is None and led.can_ever_fit(big, w)
+    small = led.reserve(request("small", prompt=8, max_out=8), w, 0.0)  # 1 block
+    assert small is not None
+    assert not led.fits(big, w, 0.0) and led.reserve(big, w, 0.0) is None  # not alone: waits (kv_full)
+    small.release(Outcome.COMPLETED)
+    alone = led.reserve(big, w, 0.0)
+    assert alone is not None and led.reserved("w0") == 99
+    assert led.reserve(request("next", prompt=8, max_out=8), w, 0.0) is None  # nothing beside it
+    assert led.exceeds_capacity(request("huge", prompt=16 * 99, max_out=16), w) == (100, 99)
+    alone.release(Outcome.COMPLETED)
+    assert led.reserved("w0") == 0
+
+
 def test_a_request_that_never_fits_is_final_even_when_its_workers_are_busy() -> None:
     """110 blocks on a worker of 100 (98 reservable): a 400 kv_exceeds_capacity at once. With the worker at
     max_num_seqs, starting again or its breaker open, the filters before kv-fit answered a retryable reason
@@ -68,7 +91,8 @@ def test_a_request_that_never_fits_is_final_even_when_its_workers_are_busy() -> 
     ):
         r = router.route(huge, FleetView((busy, worker("x", model="other"))), 0.0, random.Random(0))
         assert isinstance(r, Reject) and (r.primary, r.retryable) == (FilterReason.KV_EXCEEDS_CAPACITY, False)
-        assert r.details["kv_need_blocks"] == 110 and r.details["kv_reservable_blocks"] == 98
+        # alone on the worker a request may take all but the null block (99), past the watermark's 98
+        assert r.details["kv_need_blocks"] == 110 and r.details["kv_reservable_blocks"] == 99
     guess = dataclasses.replace(worker("w0", blocks=100, max_num_seqs=4), inflight_requests=8)
     r = router.route(huge, FleetView((guess,)), 0.0, random.Random(0))
     assert isinstance(r, Reject) and r.primary is FilterReason.AT_CAPACITY and r.retryable

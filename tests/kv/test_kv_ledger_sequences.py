@@ -100,17 +100,18 @@ def _route_on(router: object, req: RouteRequest, *workers: object) -> Decision |
 
 def test_a_request_over_every_workers_reservable_capacity_is_refused_as_final() -> None:
     router, ledger = _router_and_ledger()
-    # reservable = floor(blocks · 0.98 · 0.5): 49 and 58; the request: ceil((944 + 16) / 16) = 60 blocks
+    # capacity = floor(blocks · 0.98 · 0.5): 49 and 58; one request alone may take floor((blocks − the null
+    # block) · 0.5): 49 and 59; the request: ceil((944 + 16) / 16) = 60 blocks
     a, b = worker("a", blocks=100), worker("b", blocks=120)
     assert (ledger.capacity(a), ledger.capacity(b)) == (49, 58)
     out = _route_on(router, request("big", 944, 16), a, b)
     assert isinstance(out, Reject)
     assert out.primary is FilterReason.KV_EXCEEDS_CAPACITY and not out.retryable
     assert out.http_status == 400
-    assert out.details == {"kv_need_blocks": 60, "kv_reservable_blocks": 58}
+    assert out.details == {"kv_need_blocks": 60, "kv_reservable_blocks": 59}
     assert out.error_body("m") == {
         "error": {
-            "message": "The request's KV-cache footprint of 60 blocks exceeds the 58 blocks the largest worker "
+            "message": "The request's KV-cache footprint of 60 blocks exceeds the 59 blocks the largest worker "
             "of model 'm' can reserve for one request; lower max_tokens (or n, or the prompt length)",
             "type": "BadRequestError",
             "param": None,
@@ -148,9 +149,25 @@ def test_predicted_mode_is_final_when_the_worst_case_exceeds_the_overbook_limit(
     assert out.details == {"kv_need_blocks": 64, "kv_reservable_blocks": 53}
 
 
+def test_a_chat_request_without_max_tokens_is_served_on_a_worker_whose_kv_just_covers_its_context() -> None:
+    """The L4 at gpu_memory_utilization 0.75 holds 467 blocks and serves max_model_len 7,456 (466 blocks), as
+    vLLM clamps it. A request without max_tokens reserves up to max_model_len: past the watermark's 457
+    blocks, it was refused for good (400 kv_exceeds_capacity) though the worker serves it; alone it fits."""
+    cfg = validate_config({"pools": [simulated_l4_pool("llama-3-8b")], "health": {"interval_s": 60}})
+    with GatewayThread(cfg) as gw, httpx.Client(base_url=gw.url, timeout=30) as http:
+        chat = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "Hi"}]}
+        r = http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        body = {"model": "llama-3-8b", "prompt": [9] * 7300, "max_tokens": 100, "ignore_eos": True}  # ≤ 7,456
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 100
+
+
 def test_gateway_answers_400_at_once_when_a_prompt_exceeds_its_share_of_every_worker() -> None:
-    """Two gateway replicas: this one owns half of the L4's 467 blocks. A 4,000-token prompt (251 blocks with
-    max_tokens 16) fits the worker but never this gateway's share: 400 at once, not a 429 after 5 s."""
+    """Two gateway replicas: this one owns half of the L4's 466 reservable blocks. A 4,000-token prompt (251
+    blocks with max_tokens 16) fits the worker but never this gateway's share: 400 at once, not a 429 after
+    5 s."""
     cfg = validate_config(
         {
             "pools": [simulated_l4_pool("llama-3-8b")],
@@ -167,7 +184,7 @@ def test_gateway_answers_400_at_once_when_a_prompt_exceeds_its_share_of_every_wo
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "kv_exceeds_capacity" and err["param"] is None
-        assert "footprint of 251 blocks exceeds the 228 blocks" in err["message"]  # floor(467 · 0.98 / 2)
+        assert "footprint of 251 blocks exceeds the 233 blocks" in err["message"]  # floor((467 − 1) / 2)
         assert elapsed < 2.0
         ok = http.post("/v1/completions", json={**body, "prompt": [9] * 1000})  # 64 blocks: served
         assert ok.status_code == 200
