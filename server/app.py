@@ -302,7 +302,8 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
             gw.metrics.requests.labels(model, "none", str(CLIENT_CLOSED_STATUS)).inc()
             return Response(status_code=CLIENT_CLOSED_STATUS)
         child(received, model).inc()  # arrivals, before any queueing (the autoscaler's request rate)
-        rec = RequestRecord(rid, model, key, arrival, charged, adapter=parsed.adapter)
+        adapter = gw.dispatcher.adapter_label(parsed.adapter)
+        rec = RequestRecord(rid, model, key, arrival, charged, adapter=adapter)
         return await gw.dispatcher.handle(parsed, path, rec, receive)
 
     return endpoint

@@ -68,6 +68,7 @@ from server.errors import (
     GatewayError,
     is_client_error_event,
     is_error_event,
+    response_not_found,
     shutting_down,
 )
 from server.failure import (
@@ -106,6 +107,7 @@ from server.registry import Registry
 from server.response_store import ResponseAffinity
 from server.responses import PassthroughResponse, StreamSession, relay_headers
 from server.responses_api import (
+    BACKGROUND_STATUSES,
     SERVED_STATUSES,
     ResponsesStreamSession,
     context_tokens,
@@ -141,7 +143,10 @@ class RequestRecord:
     finished: bool = False
     first_byte_at: float | None = None
     task: asyncio.Task[Any] | None = None  # the task serving it (set by `Dispatcher.handle`)
-    adapter: str | None = None  # the LoRA adapter it names (`model` is its base model)
+    # the LoRA adapter it names (`model` is its base model), as its metrics label it: decided when the request
+    # is accepted (`Dispatcher.adapter_label`), so one still running when its adapter is unloaded is still
+    # booked under its name (chargeback), not `(unlisted)`
+    adapter: str | None = None
 
 
 def worker_auth_headers(config: MosaicConfig) -> dict[str, tuple[bytes, bytes]]:
@@ -253,6 +258,13 @@ class Dispatcher:
             watch.done = True  # from here on a disconnect must not cancel this task
             watch.stop()
 
+    def adapter_label(self, adapter: str | None) -> str | None:
+        """The metrics label of a request naming `adapter`: a name no worker lists now (a model's
+        `lora_resolver` sends any name on) is one label, not one each, as clients choose those names."""
+        if adapter is None or adapter in self.registry.adapter_models():
+            return adapter
+        return UNLISTED_ADAPTER
+
     def finish(
         self,
         rec: RequestRecord,
@@ -283,10 +295,6 @@ class Dispatcher:
         used = 0
         adapter = rec.adapter
         if adapter is not None:
-            # a name no worker lists (a model's `lora_resolver` sends any name on) is one label, not one each:
-            # clients choose those names
-            if adapter not in self.registry.adapter_models():
-                adapter = UNLISTED_ADAPTER
             self.metrics.lora_requests.labels(rec.model, adapter, str(status)).inc()
         if usage:  # the worker's numbers: anything but a count ≥ 0 counts as 0 (a counter cannot go down)
             prompt = usage_count(usage.get("prompt_tokens"))
@@ -429,9 +437,7 @@ class Dispatcher:
             self.affinity.forget(rid)
             entry = None
         if entry is None:
-            raise GatewayError(
-                Cause.NOT_FOUND, f"Response with id '{rid}' not found.", param="previous_response_id"
-            )
+            raise response_not_found(rid)
         if entry.model != parsed.model:  # its worker serves another model: no worker could continue it
             raise GatewayError(
                 Cause.BAD_REQUEST,
@@ -772,7 +778,8 @@ class Dispatcher:
     ) -> Response:
         """A whole Responses answer (status 200): the `response` object. Its id is remembered with the worker
         (stored-response affinity); `completed` and `incomplete` (stopped at max_output_tokens, as chat's
-        finish_reason "length") are completions, `cancelled` and `failed` not (no breaker mark: vLLM answers
+        finish_reason "length") are completions, `queued`/`in_progress` (`background: true`) `backgrounded`,
+        `cancelled` and `failed` not (no breaker mark: vLLM answers
         a failed generation with a 5xx, so these are stops, not faults)."""
         try:
             payload = json.loads(content)
@@ -785,9 +792,14 @@ class Dispatcher:
         if isinstance(rid, str):
             self.affinity.remember(rid, worker_id, rec.model, context_tokens(usage), self.clock())
         self.registry.report_success(worker_id)
-        outcome = Outcome.COMPLETED if payload.get("status") in SERVED_STATUSES else Outcome.WORKER_ERROR
-        lease.release(outcome)
-        self.finish(rec, 200, outcome, usage)
+        status = payload.get("status")
+        if status in BACKGROUND_STATUSES:  # `background: true`: the worker runs it on from here, unseen
+            lease.release(Outcome.COMPLETED)  # to the router: dispatched and running there (prefix kept)
+            self.finish(rec, 200, GatewayOutcome.BACKGROUNDED, usage)
+        else:
+            outcome = Outcome.COMPLETED if status in SERVED_STATUSES else Outcome.WORKER_ERROR
+            lease.release(outcome)
+            self.finish(rec, 200, outcome, usage)
         return PassthroughResponse(content, 200, rec.request_id, ctype)
 
     def _stream(

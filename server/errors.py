@@ -122,6 +122,17 @@ class GatewayError(Exception):
         return Response(json.dumps(self.body()), self.status, headers, media_type="application/json")
 
 
+def response_not_found(response_id: str) -> GatewayError:
+    """404 for a Responses id the gateway cannot place (never served, forgotten, its worker gone), in vLLM's
+    own body for an id it does not store (`invalid_request_error`, param `response_id`, as for a
+    continuation, a GET or a cancel): a client sees one shape whichever of the two answered."""
+    message = f"Response with id '{response_id}' not found."
+    body = {
+        "error": {"message": message, "type": "invalid_request_error", "param": "response_id", "code": 404}
+    }
+    return GatewayError(Cause.NOT_FOUND, message, param="response_id", body_override=body)
+
+
 STREAM_DONE = b"data: [DONE]\n\n"  # the last event of every OpenAI stream
 SHUTDOWN_MESSAGE = "The gateway is shutting down; retry on another replica."
 

@@ -55,6 +55,9 @@ class GatewayOutcome(StrEnum):
     TIMED_OUT = "timed_out"  # total_timeout_s ended the request: a stream, or the wait for a whole answer
     SHUT_DOWN = "shut_down"  # still running when the shutdown grace ran out: the gateway ended it (503)
     INTERNAL_ERROR = "internal_error"  # the gateway itself failed (a bug): no worker is to blame
+    # a Responses request with `background: true`: the worker answered `queued` (or `in_progress`) and runs it
+    # on its own; the gateway's part ended there, its tokens and KV unseen (docs/gateway.md)
+    BACKGROUNDED = "backgrounded"
 
 
 @dataclass(slots=True)

@@ -561,7 +561,11 @@ class LoraAdmin:
                     "model": spec.model,
                     "path": spec.path,
                     "is_3d_lora_weight": spec.is_3d_lora_weight,
-                    "serving": sorted(r.id for r in workers if not _other_path(r, spec)),
+                    # workers listing it from its path (a card without a `root`: from any); a worker that
+                    # lists it not at all is `missing`, never both
+                    "serving": sorted(
+                        r.id for r in workers if spec.name in r.adapters and not _other_path(r, spec)
+                    ),
                     # workers listing the name from another path (down during an in-place reload, their own
                     # --lora-modules, another replica's load): reconcile leaves them as they are
                     "other_path": [

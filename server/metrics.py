@@ -9,7 +9,7 @@ nothing per request.
 |---|---|---|
 | mosaic_requests_total | counter | model, pool, status (HTTP status sent to the client; pool `none` when never routed) |
 | mosaic_requests_received_total | counter | model (at arrival, past auth, validation and rate limits: the autoscaler's arrival rate) |
-| mosaic_request_outcomes_total | counter | model, outcome (completed, failed_before_first_byte, client_disconnected, worker_error, timed_out, shut_down, worker_rejected, internal_error, ...) |
+| mosaic_request_outcomes_total | counter | model, outcome (completed, failed_before_first_byte, client_disconnected, worker_error, timed_out, shut_down, worker_rejected, internal_error, backgrounded, ...) |
 | mosaic_time_to_first_token_seconds | histogram | model, pool (arrival → first streamed event relayed, unless an error event) |
 | mosaic_inter_token_latency_seconds | histogram | model, pool (gap between relayed stream events carrying tokens: not `[DONE]`, not the usage-only event; streams of one sequence) |
 | mosaic_time_per_output_token_seconds | histogram | model, pool (per completed stream of one sequence and n ≥ 2 tokens: (e2e − TTFT) / (n − 1), as vLLM and the load generator) |

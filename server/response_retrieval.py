@@ -20,7 +20,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.errors import Cause, GatewayError, shutting_down
+from server.errors import Cause, GatewayError, response_not_found, shutting_down
 from server.failure import blame
 from server.proxy import upstream_headers
 from server.responses import PassthroughResponse
@@ -56,9 +56,7 @@ async def _forward(
     entry = gw.dispatcher.affinity.lookup(response_id, gw.clock())
     worker = gw.registry.get(entry.worker_id) if entry is not None else None
     if worker is None:
-        raise GatewayError(
-            Cause.NOT_FOUND, f"Response with id '{response_id}' not found.", param="response_id"
-        )
+        raise response_not_found(response_id)
     path = f"/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
     headers = upstream_headers(request_id)
     auth = gw.dispatcher.worker_auth.get(worker.pool.name)

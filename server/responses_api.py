@@ -50,6 +50,8 @@ ERROR_EVENT = b"error"
 # The response statuses of a response that ran to its end (`incomplete`: stopped at max_output_tokens, as a
 # chat completion's finish_reason "length")
 SERVED_STATUSES = frozenset({"completed", "incomplete"})
+# a whole answer to `background: true`: the response was stored and runs on in the worker
+BACKGROUND_STATUSES = frozenset({"queued", "in_progress"})
 
 
 def responses_usage(usage: Any) -> dict[str, Any] | None:

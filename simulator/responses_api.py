@@ -8,7 +8,9 @@ limit cut it; a stream is `event: <type>\\ndata: {json}\\n\\n` events numbered b
 `[DONE]`. Shapes recorded from vLLM 0.32: tests/gateway/fixtures/vllm_responses_*.
 
 Not simulated: the response store (vLLM's is off by default, `VLLM_ENABLE_RESPONSES_API_STORE`), so
-`previous_response_id` is vLLM's 404 for an unknown response; tools, reasoning, logprobs.
+`previous_response_id`, `GET /v1/responses/{id}` and `.../cancel` are vLLM's 404 for an unknown response
+(`not_found`), and `background: true` is refused as vLLM refuses it without a store; tools, reasoning,
+logprobs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from simulator.protocol import ApiError, ApiRequest, parse_request, validated
+from simulator.protocol import ApiError, ApiRequest, parse_request, validated, vllm_error
 
 
 class _InputText(BaseModel):
@@ -38,6 +40,7 @@ class _MessageItem(BaseModel):
 class ResponsesFields(BaseModel):
     """The ResponsesRequest fields the simulator reads, with vLLM's annotations; unknown fields ignored."""
 
+    background: bool | None = False
     input: str | list[_MessageItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -52,6 +55,7 @@ class ResponsesFields(BaseModel):
     user: str | None = None
     metadata: dict[str, str] | None = None
     request_id: str | None = None
+    store: bool | None = True
 
 
 def _messages(f: ResponsesFields) -> list[dict[str, Any]]:
@@ -74,23 +78,47 @@ def parse_responses(
 ) -> tuple[ResponsesFields, ApiRequest]:
     """The validated request and the chat request it runs as; raises ApiError (vLLM's 400 for a field of the
     wrong type, 404 for a `previous_response_id`: nothing is stored). `model` may name a LoRA adapter."""
+    if body.get("background") and not body.get("store", True):  # vLLM's `mode="before"` validator
+        raise vllm_error("background can only be used when `store` is true", "background")
     f = validated(ResponsesFields, body)
-    if f.previous_response_id is not None:
+    if f.store and f.background:  # vLLM with its store off (the default), as the simulator is
         raise ApiError(
-            404,
-            f"Response with id '{f.previous_response_id}' not found.",
+            400,
+            "This vLLM engine does not support `store=True` and therefore does not support the background mode. "
+            "To enable these features, set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` when "
+            "launching the vLLM server.",
             "invalid_request_error",
-            "response_id",
+            "background",
         )
-    # vLLM's get_max_tokens clamps max_output_tokens to the room the prompt leaves (chat's TokenizeParams
-    # check over max_model_len does not apply), which `check_request` does once it is at most max_model_len
-    cap = None if f.max_output_tokens is None else min(f.max_output_tokens, max_model_len)
-    chat = {"model": f.model, "messages": _messages(f), "max_tokens": cap, "stream": bool(f.stream)}
+    if f.previous_response_id is not None:
+        raise not_found(f.previous_response_id)
+    # vLLM's TokenizeParams check, as chat's but named max_output_tokens; within max_model_len, get_max_tokens
+    # clamps it to the room the prompt leaves, which `check_request` does
+    if f.max_output_tokens is not None and f.max_output_tokens > max_model_len:
+        raise vllm_error(
+            f"max_output_tokens={f.max_output_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            "max_output_tokens",
+            f.max_output_tokens,
+        )
+    chat = {
+        "model": f.model,
+        "messages": _messages(f),
+        "max_tokens": f.max_output_tokens,
+        "stream": bool(f.stream),
+    }
     if f.temperature is not None:
         chat["temperature"] = f.temperature
     if f.top_p is not None:
         chat["top_p"] = f.top_p
     return f, parse_request(chat, True, served, max_model_len, adapters)
+
+
+def not_found(response_id: str) -> ApiError:
+    """vLLM's answer for a response id it does not store (a continuation, `GET`, `cancel`)."""
+    return ApiError(
+        404, f"Response with id '{response_id}' not found.", "invalid_request_error", "response_id"
+    )
 
 
 def new_ids(f: ResponsesFields) -> tuple[str, str]:

@@ -4,7 +4,8 @@
     app.state.worker -> WorkerRuntime   (engine, driver, metrics, faults; `await aclose()` when not served
                                          by uvicorn — the app's lifespan does it otherwise)
 
-Routes (vLLM's): POST /v1/completions, POST /v1/chat/completions, POST /v1/responses
+Routes (vLLM's): POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/responses/{id} and
+POST /v1/responses/{id}/cancel (vLLM's 404: nothing is stored)
 (`simulator.responses_api`), GET /v1/models, POST /tokenize,
 POST /detokenize (`simulator.tokenize_api`), GET /health, GET /metrics. Simulator-only (not in vLLM, under /sim/): GET|POST /sim/faults (failure injection at
 run time), POST /sim/kv/release (P/D: the decode side tells the prefill side its KV was fetched),
@@ -100,6 +101,7 @@ from simulator.responses_api import (
     ResponsesFields,
     message_item,
     new_ids,
+    not_found,
     parse_responses,
     response_body,
 )
@@ -760,6 +762,12 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
     async def responses(request: Request) -> Response:
         return await rt.handle_responses(request)
 
+    async def stored_response(request: Request) -> Response:
+        # GET /v1/responses/{id} and POST .../cancel: vLLM always routes them, and with its store off (as
+        # here) knows no id: its 404 in OpenAI's shape (a bare `{"detail": "Not Found"}` before)
+        err = not_found(request.path_params["response_id"])
+        return JSONResponse(err.body(), status_code=err.status)
+
     async def models(request: Request) -> Response:
         return JSONResponse(rt.models_body())
 
@@ -846,6 +854,8 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         ("/v1/completions", completions, ["POST"], False),
         ("/v1/chat/completions", chat_completions, ["POST"], False),
         ("/v1/responses", responses, ["POST"], False),
+        ("/v1/responses/{response_id}", stored_response, ["GET"], True),
+        ("/v1/responses/{response_id}/cancel", stored_response, ["POST"], False),
         ("/v1/models", models, ["GET"], True),
         ("/tokenize", tokenize, ["POST"], False),
         ("/detokenize", detokenize, ["POST"], False),

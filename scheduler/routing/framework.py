@@ -371,6 +371,13 @@ class Cycle:
                 else:
                     kept.append(worker)
             workers = kept
+        pinned = self.req.pinned_worker
+        if pinned is not None:  # the others are excluded whatever else a filter would say of them, so the
+            # answer is the pinned worker's own reason (`Reject.from_counts(pinned=True)`)
+            others = sum(1 for w in workers if w.id != pinned)
+            if others:
+                counts[FilterReason.EXCLUDED] = counts.get(FilterReason.EXCLUDED, 0) + others
+                workers = [w for w in workers if w.id == pinned]
         filters = profile.per_worker
         for worker in workers:
             for f in filters:  # a plain loop: this is the router's hottest path (workers × filters)
@@ -444,7 +451,13 @@ class Cycle:
             return None  # a final reason already (a prompt over the context, ...)
         bounds = [p for p in self.reserve_plugins if isinstance(p, CapacityBound)]
         req = self.req
-        workers = [w for w in self.view.workers if w.model == req.model and w.role in profile.roles]
+        workers = [
+            w
+            for w in self.view.workers
+            if w.model == req.model
+            and w.role in profile.roles
+            and (req.pinned_worker is None or w.id == req.pinned_worker)  # a continuation can go nowhere else
+        ]
         if not bounds or not workers:
             return None
         largest: tuple[int, int] | None = None
@@ -502,7 +515,7 @@ class Cycle:
         for r in results:
             counts.update(r.counts)
         details = {**self.facts.get(CONTEXT_FACT, {}), **self.facts.get(KV_EXCEEDS_FACT, {})}
-        return Reject.from_counts(counts, details=details)
+        return Reject.from_counts(counts, details=details, pinned=self.req.pinned_worker is not None)
 
 
 class Router:

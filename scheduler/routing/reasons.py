@@ -189,12 +189,18 @@ class Reject:
 
     @classmethod
     def from_counts(
-        cls, counts: Mapping[FilterReason, int], details: Mapping[str, Any] | None = None
+        cls,
+        counts: Mapping[FilterReason, int],
+        details: Mapping[str, Any] | None = None,
+        pinned: bool = False,
     ) -> Reject:
         """Summarise per-reason counts; `wrong_model` is left out of the summary when other reasons exist
         (workers of other models are not news), `wrong_role` is the primary reason only when no other is,
         and an empty tally means an empty fleet. `details` is kept as is (the kv-fit filter's
-        `KV_EXCEEDS_FACT`, read by `error_body`)."""
+        `KV_EXCEEDS_FACT`, read by `error_body`). `pinned`: the request may run on one worker only (a
+        Responses continuation), every other one counted `excluded`; the answer is then the pinned worker's
+        own reason whenever it has one (the others' exclusions outnumbered it: a continuation naming an
+        adapter its worker lacks was a 502 `upstream_failed` the SDK retried twice, not the final 404)."""
         tally = {FilterReason(r): n for r, n in counts.items() if n > 0}
         shown: dict[FilterReason, int] = {
             r: n for r, n in tally.items() if r is not FilterReason.WRONG_MODEL
@@ -207,7 +213,10 @@ class Reject:
         # Workers of a role the profile does not use are the reason only when nothing else is: a P/D
         # fleet's prefill workers outnumbering the decode workers that refuse a prompt over the context
         # made the answer a 503 no_worker_for_role, not the 400 context_length_exceeded.
-        primary = _primary({r: n for r, n in shown.items() if r is not FilterReason.WRONG_ROLE} or shown)
+        candidates = {r: n for r, n in shown.items() if r is not FilterReason.WRONG_ROLE} or shown
+        if pinned:
+            candidates = {r: n for r, n in candidates.items() if r is not FilterReason.EXCLUDED} or candidates
+        primary = _primary(candidates)
         rule = REJECT_TABLE[primary]
         ordered = sorted(shown.items(), key=lambda kv: (-kv[1], _ORDER[kv[0]]))
         summary = "no worker fits: " + ", ".join(f"{n} {r.value}" for r, n in ordered)

@@ -134,6 +134,30 @@ def test_adapters_loaded_or_unloaded_at_run_time_are_seen_at_the_next_read() -> 
     run(body)
 
 
+def test_a_request_running_when_its_adapter_is_unloaded_is_booked_under_its_name() -> None:
+    """The adapter label is decided when the request is accepted: one that finishes after its adapter was
+    unloaded (vLLM lets it finish) was booked under `(unlisted)`, lost to the adapter's chargeback."""
+    a = FakeWorker("a", adapters={"sql": "/adapters/sql"}, whole_delay_s=0.3)
+    cfg = config(pool("p", "H100", "mixed", a), scrape={"interval_s": 60, "models_interval_s": 0.01})
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(a)) as (c, gw):
+            running = asyncio.create_task(c.post(CHAT, json=chat() | {"model": "sql"}))
+            await asyncio.sleep(0.1)
+            a.adapters.clear()
+            await gw.registry.health_once()
+            assert gw.registry.adapter_models() == {}  # unloaded while the request runs
+            assert (await running).status_code == 200
+            assert metric(gw, "mosaic_lora_requests_total", model=MODEL, adapter="sql", status="200") == 1
+            assert metric(gw, "mosaic_lora_tokens_total", model=MODEL, adapter="sql", kind="generation") == 4
+            unlisted = metric(
+                gw, "mosaic_lora_requests_total", model=MODEL, adapter="(unlisted)", status="200"
+            )
+            assert unlisted == 0
+
+    run(body)
+
+
 def test_a_configured_model_named_like_an_adapter_stays_the_model() -> None:
     a = FakeWorker("a", adapters={"qwen": "/adapters/qwen"})
     q = FakeWorker("q", model="qwen")

@@ -309,6 +309,8 @@ def test_a_failing_reconcile_backs_off_doubling_to_retry_max_s() -> None:
             assert delays == [0.01, 0.02, 0.04, 0.04]
             missing = (await c.get("/admin/lora")).json()["adapters"][0]["missing"]
             assert [m["worker"] for m in missing] == ["p/b:8000"] and 0 <= missing[0]["next_try_in_s"] <= 0.04
+            # ... and only there: it was listed as serving too
+            assert (await c.get("/admin/lora")).json()["adapters"][0]["serving"] == ["p/a:8000"]
             # within the wait, a health check does not ask again
             calls = len(loads(b))
             await gw.registry.health_once()

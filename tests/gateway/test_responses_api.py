@@ -75,6 +75,9 @@ def test_a_whole_answer_passes_through_with_usage_metered_and_its_worker_remembe
         ),
         pytest.param("cancelled", "worker_error", id="cancelled by the worker → not a completion"),
         pytest.param("failed", "worker_error", id="failed → not a completion"),
+        # `background: true`: the worker stored it and runs it on; not a worker error (it had been)
+        pytest.param("queued", "backgrounded", id="queued → backgrounded"),
+        pytest.param("in_progress", "backgrounded", id="in_progress → backgrounded"),
     ],
 )
 def test_a_whole_answers_status_decides_its_outcome(status: str, outcome: str) -> None:
@@ -85,6 +88,10 @@ def test_a_whole_answers_status_decides_its_outcome(status: str, outcome: str) -
             r = await c.post(RESPONSES, json=ask())
             assert r.status_code == 200 and r.json()["status"] == status
             assert gw.dispatcher.outcomes == {outcome: 1}
+            assert metric(gw, "mosaic_request_outcomes_total", model="llama-3-8b", outcome=outcome) == 1
+            # the breaker hears no fault, and the lease is released (its KV is the worker's own from here)
+            assert [r.breaker.failures for r in gw.registry.records()] == [0]
+            assert gw.ledger is not None and not gw.ledger.active()
 
     run(body)
 
@@ -144,7 +151,7 @@ def test_a_whole_answer_that_is_no_json_is_retried_elsewhere() -> None:
         pytest.param(
             {"model": MODEL, "input": "x", "previous_response_id": "resp_never"},
             404,
-            "previous_response_id",
+            "response_id",  # vLLM's param for an id it does not store
             id="previous_response_id the gateway never served → 404",
         ),
     ],
@@ -376,8 +383,15 @@ def test_a_response_whose_worker_left_the_fleet_is_not_found() -> None:
         async with gateway(mixed(a), FakeFleet(a)) as (c, gw):
             gw.dispatcher.affinity.remember("resp_gone", "p/gone:8000", MODEL, 10, gw.clock())
             r = await c.post(RESPONSES, json=ask(previous_response_id="resp_gone"))
-            assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
-            assert r.json()["error"]["message"] == "Response with id 'resp_gone' not found."
+            # vLLM's own body for an id it does not store: one shape, whether the gateway or the worker answers
+            assert r.status_code == 404 and r.json() == {
+                "error": {
+                    "message": "Response with id 'resp_gone' not found.",
+                    "type": "invalid_request_error",
+                    "param": "response_id",
+                    "code": 404,
+                }
+            }
             assert gw.dispatcher.affinity.lookup("resp_gone", gw.clock()) is None  # forgotten
             assert (await c.get("/v1/responses/resp_gone")).status_code == 404
             assert gw.dispatcher.outcomes == {"rejected_not_found": 1}

@@ -67,11 +67,11 @@ async def test_whole_answer_counts_input_as_chat_and_is_cut_at_max_output_tokens
 
 async def test_whole_answer_that_ends_by_itself_is_completed(asgi) -> None:
     async with asgi(FAST) as (client, _):
-        r = await client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 100000})
+        r = await client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 8000})
     body = r.json()
     assert r.status_code == 200
     assert (body["status"], body["incomplete_details"]) == ("completed", None)
-    assert 0 < body["usage"]["output_tokens"] < 100000
+    assert 0 < body["usage"]["output_tokens"] < 8000
 
 
 async def test_stream_events_in_vllms_order_one_delta_per_token(asgi) -> None:
@@ -125,3 +125,58 @@ async def test_malformed_input_and_previous_response_are_refused(
     assert err["type"] == ("Bad Request" if status == 400 else "invalid_request_error")
     if param is not None:
         assert err["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "kind"),
+    [
+        pytest.param(
+            {"input": "x", "background": True, "store": False},
+            "background can only be used when `store` is true (parameter=background)",
+            "BadRequestError",
+            id="background without store: vLLM's before-validator",
+        ),
+        pytest.param(
+            {"input": "x", "background": True},
+            "This vLLM engine does not support `store=True` and therefore does not support the background mode.",
+            "invalid_request_error",
+            id="background with vLLM's store off, as the simulator's",
+        ),
+        pytest.param(
+            {"input": "x", "max_output_tokens": 100000},
+            "max_output_tokens=100000 cannot be greater than max_model_len=8192. Please request fewer output "
+            "tokens. (parameter=max_output_tokens, value=100000)",
+            "BadRequestError",
+            id="max_output_tokens past max_model_len: refused, not clamped",
+        ),
+    ],
+)
+async def test_what_vllm_refuses_without_a_store_or_past_the_context_is_refused(
+    asgi, body: dict[str, Any], message: str, kind: str
+) -> None:
+    """vLLM 0.32 (store off, its default) answers these 400s; the simulator ran them as ordinary requests."""
+    async with asgi(FAST) as (client, worker):
+        r = await client.post("/v1/responses", json=body)
+        assert worker.inflight == 0
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"].startswith(message) and err["type"] == kind
+    assert err["param"] == ("max_output_tokens" if "max_output_tokens" in body else "background")
+
+
+async def test_a_stored_response_is_vllms_404_to_get_and_cancel(asgi) -> None:
+    """vLLM always routes GET /v1/responses/{id} and .../cancel; with its store off no id is known: its 404
+    in OpenAI's shape (the simulator answered Starlette's bare {"detail": "Not Found"})."""
+    async with asgi(FAST) as (client, _):
+        got = await client.get("/v1/responses/resp_1")
+        cancelled = await client.post("/v1/responses/resp_1/cancel")
+    for r in (got, cancelled):
+        assert r.status_code == 404
+        assert r.json() == {
+            "error": {
+                "message": "Response with id 'resp_1' not found.",
+                "type": "invalid_request_error",
+                "param": "response_id",
+                "code": 404,
+            }
+        }

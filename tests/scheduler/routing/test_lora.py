@@ -93,6 +93,23 @@ def test_no_worker_serving_the_adapter_is_a_final_404() -> None:
     assert reject.error_body("llama-3-8b")["error"]["code"] == "model_not_found"
 
 
+def test_a_continuation_pinned_to_a_worker_without_its_adapter_is_that_workers_404() -> None:
+    """A Responses continuation may run only where its response is stored; every other worker is counted
+    `excluded`. They outnumbered the pinned worker's own reason, and the answer was 502 upstream_failed (the
+    SDK retries a 5xx twice) for a request that can never succeed there."""
+    fleet = view(lora_worker("a", {"sql"}), lora_worker("b", {"sql"}), lora_worker("c", set()))
+    pinned = dataclasses.replace(lora_req("sql"), pinned_worker="c")
+    reject = build_router().route(pinned, fleet, 0.0, random.Random(0))
+    assert isinstance(reject, Reject)
+    assert (reject.primary, reject.http_status, reject.retryable) == (FilterReason.NO_ADAPTER, 404, False)
+    assert reject.counts == {FilterReason.EXCLUDED: 2, FilterReason.NO_ADAPTER: 1}
+    # pinned to a worker serving it, which failed this request before (a retry): nothing else may take it,
+    # and the answer stays the 502 of the failure
+    on_a = dataclasses.replace(pinned, pinned_worker="a")
+    again = build_router().route(on_a, fleet, 0.0, random.Random(0), exclude=frozenset({"a"}))
+    assert isinstance(again, Reject) and again.primary is FilterReason.EXCLUDED and again.http_status == 502
+
+
 def test_an_adapter_on_a_worker_not_ready_waits_for_it() -> None:
     """The one worker serving it is starting: a retryable reason wins over the others' no_adapter."""
     starting = lora_worker("s", {"sql"}, state="starting")
