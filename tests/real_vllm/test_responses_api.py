@@ -62,3 +62,27 @@ def test_a_stored_response_is_continued_and_retrieved(target: Target) -> None:
         assert client.responses.retrieve(more.id).id == more.id
         with pytest.raises(openai.NotFoundError):
             client.responses.create(model=target.model, input="x", previous_response_id="resp_nonexistent")
+
+
+def test_an_unknown_response_id_and_an_output_past_the_context_are_vllms_errors_on_both(
+    target: Target,
+) -> None:
+    """The gateway's own 404 for a response id it cannot place is vLLM's body, so a client sees one shape
+    whichever answered; a `max_output_tokens` past `max_model_len` is vLLM's 400 naming it (the simulated
+    worker used to clamp it)."""
+    with target.openai() as client:
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.retrieve("resp_nonexistent")
+        with pytest.raises(openai.BadRequestError) as too_long:
+            client.responses.create(model=target.model, input="x", max_output_tokens=100000)
+    assert missing.value.response.json() == {
+        "error": {
+            "message": "Response with id 'resp_nonexistent' not found.",
+            "type": "invalid_request_error",
+            "param": "response_id",
+            "code": 404,
+        }
+    }
+    err = too_long.value.response.json()["error"]
+    assert err["param"] == "max_output_tokens"
+    assert err["message"].startswith("max_output_tokens=100000 cannot be greater than max_model_len=")
