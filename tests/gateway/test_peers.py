@@ -80,7 +80,8 @@ def test_a_request_fitting_the_share_ceiling_is_not_refused_for_good() -> None:
     ledger.set_share(0.25, ceiling=0.5)  # 247 now, 495 lately
     assert ledger.exceeds_capacity(big, w) is None and ledger.reserve(big, w, now=0.0) is None  # it waits
     ledger.set_share(0.25)  # the ceiling followed the share down
-    assert ledger.exceeds_capacity(big, w) == (301, 247)
+    # the most one request could get alone: floor((1000 − the null block) · 0.25) = 249
+    assert ledger.exceeds_capacity(big, w) == (301, 249)
     with pytest.raises(ValueError):
         ledger.set_share(0.5, ceiling=1.5)
 
