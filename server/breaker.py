@@ -4,8 +4,12 @@
   checks) open it; a connection refused/reset opens it at once (passive ejection: the process is not
   listening, retrying it only burns the retry budget).
 - **open**: the router filters the worker out (`breaker_open`). After `open_s` it becomes probe-able.
-- **half-open**: the next active health check is the probe (no client request is risked on it): success
-  closes the breaker; failure re-opens it for `open_s` · 2^k (k = consecutive re-opens, capped at 8·open_s).
+- **half-open**: the next active health check is the probe (no client request is risked on it): failure
+  re-opens it for `open_s` · 2^k (k = consecutive re-opens, capped at 8·open_s); success closes the breaker
+  **on probation**. A `/health` 200 does not show that requests succeed (a worker answering every request
+  500, or stalling every stream, passes it), so on probation the first request failure re-opens it at once,
+  with k kept and raised, and only a request's success ends the probation and resets k. Before, the probe's
+  success reset k and took `failure_threshold` failed client requests to re-open, every `open_s`.
 - **refused**: while the last failure was a refused connection (nothing listens: a process starting,
   restarting or gone), every health check is a probe, whatever the backoff: a check of a closed port costs
   the worker nothing, and a vLLM that has just loaded its model is routable at the next health round instead
@@ -35,6 +39,7 @@ class CircuitBreaker:
     reopens: int = 0
     trips: int = 0  # times opened, for /admin/workers
     refused: bool = False  # the last failure was a refused connection: probe at every health check
+    probation: bool = False  # closed by a health probe: the next request failure re-opens it at once
 
     def state(self, now: float) -> BreakerState:
         if self.opened_at is None:
@@ -51,17 +56,23 @@ class CircuitBreaker:
         return self.open_s * min(8, 2**self.reopens)
 
     def record_success(self) -> None:
+        """A request succeeded (the registry calls it while closed): the count, probation and backoff end."""
         self.failures = 0
         self.opened_at = None
         self.reopens = 0
         self.refused = False
+        self.probation = False
 
     def record_failure(self, now: float, hard: bool = False) -> bool:
-        """Count a failure; `hard` (connection refused) trips at once. True when this call opened it."""
+        """Count a failure; `hard` (connection refused) trips at once, and so does any on probation (then as a
+        re-open: the backoff doubles). True when this call opened it."""
         if self.opened_at is not None:
             return False
         self.failures += 1
-        if hard or self.failures >= self.failure_threshold:
+        if hard or self.probation or self.failures >= self.failure_threshold:
+            if self.probation:
+                self.reopens += 1
+            self.probation = False
             self.opened_at = now
             self.trips += 1
             self.refused = hard
@@ -72,8 +83,11 @@ class CircuitBreaker:
         return self.refused or self.state(now) is BreakerState.HALF_OPEN
 
     def record_probe(self, ok: bool, now: float, hard: bool = False) -> None:
-        if ok:
-            self.record_success()
+        if ok:  # closed on probation, the backoff kept until a request succeeds
+            self.failures = 0
+            self.opened_at = None
+            self.refused = False
+            self.probation = True
         else:
             self.reopens += 1
             self.opened_at = now

@@ -92,3 +92,7 @@ def main() -> None:
         typer.echo(f"error: {message}{where}", err=True)
         sys.exit(exc.exit_code)
     sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":  # `python -m server.cli`, as the `mosaic` script
+    main()

@@ -385,7 +385,7 @@ class Dispatcher:
             else:  # a retry was admitted already: another worker now, or give up with the real failure
                 routed = self._route(rreq, exclude)
                 if isinstance(routed, Reject):
-                    return self._give_up(rec, last)
+                    return self._give_up(rec, last, "no other worker can take it")
                 decision = routed
                 self.metrics.retries.labels(parsed.model, last.kind).inc()  # counted once it is dispatched
                 log.info("request %s: retrying after %s", rec.request_id, last)
@@ -407,15 +407,9 @@ class Dispatcher:
                 exclude.add(failure.worker_id)
                 last = failure
                 attempt += 1
-                now = self.clock()
-                if (
-                    attempt > self.limits.max_retries
-                    or now - rec.arrival > self.limits.retry_budget_s
-                    # a whole answer has total_timeout_s from arrival, retries included: with nothing left,
-                    # a retry would only be sent to time out at once (and blamed on that worker)
-                    or (not parsed.stream and now >= rec.arrival + self.limits.total_timeout_s)
-                ):
-                    return self._give_up(rec, failure)
+                why = self._no_retry(parsed, rec, attempt)
+                if why is not None:
+                    return self._give_up(rec, failure, why)
             except BaseException as exc:
                 lease.release(
                     Outcome.CLIENT_DISCONNECTED
@@ -459,16 +453,28 @@ class Dispatcher:
         self.finish(rec, err.status, GatewayOutcome.TIMED_OUT)
         return err.to_response(rec.request_id)
 
-    def _give_up(self, rec: RequestRecord, failure: UpstreamFailure) -> Response:
+    def _no_retry(self, parsed: ParsedRequest, rec: RequestRecord, attempt: int) -> str | None:
+        """Why a request that failed before its first byte is not retried (None: it is), for its error."""
+        limits, now = self.limits, self.clock()
+        if attempt > limits.max_retries:
+            return f"retries exhausted (limits.max_retries {limits.max_retries})"
+        if now - rec.arrival > limits.retry_budget_s:
+            # a stream's first-token time-out (60 s by default) always lands here: warned of at start-up
+            return f"no retry after limits.retry_budget_s ({limits.retry_budget_s:g} s) from its arrival"
+        if not parsed.stream and now >= rec.arrival + limits.total_timeout_s:
+            # a whole answer has total_timeout_s from arrival, retries included: with nothing left, a retry
+            # would only be sent to time out at once (and blamed on that worker)
+            return "no time left within limits.total_timeout_s"
+        return None
+
+    def _give_up(self, rec: RequestRecord, failure: UpstreamFailure, why: str) -> Response:
         if failure.status is not None:  # the worker answered: its body passes through unchanged
             self.finish(rec, failure.status, Outcome.FAILED_BEFORE_FIRST_BYTE)
             return PassthroughResponse(
                 failure.body, failure.status, rec.request_id, failure.content_type, failure.retry_after
             )
         cause = Cause.UPSTREAM_TIMEOUT if failure.is_timeout else Cause.UPSTREAM_UNAVAILABLE
-        err = GatewayError(
-            cause, f"Upstream worker failed before responding ({failure.kind}); retries exhausted."
-        )
+        err = GatewayError(cause, f"Upstream worker failed before responding ({failure.kind}); {why}.")
         self.finish(rec, err.status, Outcome.FAILED_BEFORE_FIRST_BYTE)
         return err.to_response(rec.request_id)
 
@@ -591,7 +597,9 @@ class Dispatcher:
                 # hung (its /health may still answer): its breaker hears of it, as a stream's stall would tell
                 self.registry.report_failure(decode.id, "timeout_no_progress")
             raise UpstreamFailure(waiting_on.id, kind, hard, budget_spent=spent) from None
-        self.registry.report_success(decode.id)
+        # no `report_success` here: a stream's first byte proves little (a worker failing every stream midway
+        # sends one), and resetting its breaker's count then kept such a worker in rotation forever; the
+        # stream's end tells the breaker (`StreamSession._close`)
         lease.first_token()
         return self._stream(resp, chunks, first, parsed, rec, lease)
 

@@ -394,6 +394,17 @@ class Gateway:
         warning = self.keys.open_warning()
         if warning:
             log.warning(warning)
+        limits = self.config.limits
+        # said of a config that sets either (the defaults, 60 s and 10 s, are documented as not retrying it)
+        chosen = {"first_token_timeout_s", "retry_budget_s"} & limits.model_fields_set
+        if chosen and limits.max_retries > 0 and limits.first_token_timeout_s >= limits.retry_budget_s:
+            log.warning(
+                "limits.first_token_timeout_s (%g s) is not below limits.retry_budget_s (%g s): a stream whose "
+                "worker sends no first token in time is not retried on another worker; lower the one or raise "
+                "the other to retry it",
+                limits.first_token_timeout_s,
+                limits.retry_budget_s,
+            )
         if self.peers is not None:
             await self.peers.start()
         await self.registry.start()

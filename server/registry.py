@@ -515,9 +515,11 @@ class Registry:
 
     # ------------------------------------------------------------------ passive health
     def report_success(self, worker_id: str) -> None:
+        """A request to the worker succeeded (or was judged by it, a 4xx): its breaker's count, probation and
+        backoff end. An open breaker is left to its probe (a request dispatched before it opened)."""
         rec = self._workers.get(worker_id)
         if rec is not None and rec.breaker.opened_at is None:
-            rec.breaker.failures = 0
+            rec.breaker.record_success()
 
     def report_failure(self, worker_id: str, kind: str, hard: bool = False) -> None:
         """A request to the worker failed (`kind`: connect, timeout, status_5xx...); `hard` ejects at once."""
@@ -766,6 +768,7 @@ class Registry:
                         "state": r.breaker.state(now).value,
                         "trips": r.breaker.trips,
                         "failures": r.breaker.failures,
+                        "probation": r.breaker.probation,  # closed by a probe: one failure re-opens it
                     },
                     "last_error": r.last_error,
                     "lora_adapters": sorted(r.adapters),

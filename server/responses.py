@@ -463,4 +463,9 @@ class StreamSession:
                 self.lease.release(Outcome.CLIENT_DISCONNECTED)
             else:
                 self.lease.release(outcome)  # type: ignore[arg-type]
+            if outcome in (
+                Outcome.COMPLETED,
+                Outcome.WORKER_REJECTED,
+            ):  # the worker served or judged it whole
+                self.d.registry.report_success(self.lease.decision.decode.id)
             self.d.finish(self.rec, 200, outcome, self.relay.usage)

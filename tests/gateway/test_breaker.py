@@ -46,6 +46,22 @@ from server.registry import PoolInfo, Registry
             id="… then probe-able again",
         ),
         pytest.param([("hard", 0.0), ("probe_ok", 5.0)], BreakerState.CLOSED, id="successful probe → closed"),
+        # on probation after a probe: one request failure re-opens it, for twice as long
+        pytest.param(
+            [("fail", 0.0), ("fail", 0.1), ("fail", 0.2), ("probe_ok", 5.2), ("fail", 5.3), ("tick", 15.2)],
+            BreakerState.OPEN,
+            id="a failure after a probe's success → open again at once, for 2·open_s",
+        ),
+        pytest.param(
+            [("fail", 0.0), ("fail", 0.1), ("fail", 0.2), ("probe_ok", 5.2), ("fail", 5.3), ("tick", 15.3)],
+            BreakerState.HALF_OPEN,
+            id="… then probe-able again",
+        ),
+        pytest.param(
+            [("hard", 0.0), ("probe_ok", 5.0), ("ok", 5.1), ("fail", 5.2), ("fail", 5.3)],
+            BreakerState.CLOSED,
+            id="a request's success ends the probation: the threshold counts again",
+        ),
     ],
 )
 def test_breaker_transitions(events: list[tuple[str, float]], state: BreakerState) -> None:
@@ -157,3 +173,51 @@ def test_health_transitions_are_logged_once_each(caplog: pytest.LogCaptureFixtur
         ("WARNING", "worker p/w:1 is unhealthy: health: connect (2 failed checks)"),
         ("INFO", "worker p/w:1 is healthy again"),
     ]
+
+
+def test_a_worker_failing_requests_but_passing_health_is_kept_out_longer_each_time() -> None:
+    """A worker answering /health 200 but failing every request: each probe lets it back on probation, its
+    first failed request re-opens it, and the open time doubles up to 8 · open_s. Before, the probe reset the
+    backoff and three client requests failed every open_s."""
+    b = CircuitBreaker(failure_threshold=3, open_s=5.0)
+    for t in (0.0, 0.1, 0.2):
+        b.record_failure(t)
+    opened, lost = [], 3
+    now = 0.2
+    for _ in range(5):
+        now = b.opened_at + b.open_s * min(8, 2**b.reopens)  # type: ignore[operator]
+        assert b.probe_due(now)
+        b.record_probe(True, now)
+        assert b.state(now) is BreakerState.CLOSED and b.probation
+        assert b.record_failure(now + 0.1)  # one client request lost per probe, not failure_threshold
+        lost += 1
+        opened.append(round(now - 0.2, 1))
+    assert b.trips == 6 and lost == 8
+    # open for 5, 10, 20, 40, 40 s: the probes come 5, 15.1, 35.2, 75.3, 115.4 s after the first trip
+    assert opened == [5.0, 15.1, 35.2, 75.3, 115.4]
+    b.record_probe(True, 200.0)
+    b.record_success()  # a request succeeded: healthy again, backoff and probation gone
+    assert (b.reopens, b.probation, b.failures) == (0, False, 0)
+
+
+def test_a_worker_failing_every_stream_midway_is_ejected() -> None:
+    """Each stream's first byte had reset the worker's breaker count, so its failures never reached the
+    threshold: a worker failing every stream after its first tokens stayed in rotation. A stream's success is
+    now told at its end: three such streams in a row open the breaker, and the healthy worker takes the rest."""
+    from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+    from tests.gateway.test_faults import CHAT, RR, chat, gateway, run
+
+    broken = FakeWorker("broken", mode="error_mid_stream", die_after=2, tokens=5)
+    healthy = FakeWorker("healthy", tokens=5)
+
+    async def body() -> None:
+        cfg = config(pool("p", "H100", "mixed", broken, healthy), health={"failure_threshold": 3}, **RR)
+        async with gateway(cfg, FakeFleet(broken, healthy)) as (c, gw):
+            texts = [(await c.post(CHAT, json=chat(f"q{i}", stream=True))).text for i in range(12)]
+            failed = sum('"error"' in t for t in texts)
+            assert failed == 3 and len(broken.seen) == 3 and len(healthy.seen) == 9
+            (rec,) = [r for r in gw.registry.records() if "broken" in r.url]
+            assert rec.breaker.opened_at is not None and rec.breaker.trips == 1
+
+    run(body)
+
