@@ -220,4 +220,3 @@ def test_a_worker_failing_every_stream_midway_is_ejected() -> None:
             assert rec.breaker.opened_at is not None and rec.breaker.trips == 1
 
     run(body)
-
