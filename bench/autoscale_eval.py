@@ -10,7 +10,8 @@ Traces: a synthetic diurnal + burst curve (`loadgen.diurnal`), and the real Azur
 autoscaler starts from the same running fleet (2 prefill + 2 decode); static provisioning starts and stays
 at its size.
 
-    python bench/autoscale_eval.py [--quick]
+    python bench/autoscale_eval.py [--quick]   (--quick, or a run without ../shared/data's Azure trace, writes
+                                               autoscale_eval_quick.json / _fixture.json and no plot)
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
     python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--observed-context] [--quick]
     python bench/autoscale_eval.py --load-sweep 1,2,4 [--grid ...] [--observed-context] [--quick]
@@ -793,10 +794,18 @@ def main() -> None:
             f"{trace_name}: Mosaic/HPA {ratios['mosaic_vs_best_hpa']}, Mosaic/Dynamo "
             f"{ratios['mosaic_vs_dynamo']} GPU-h at ≥99% SLO"
         )
-    write_result("autoscale_eval", {"slo_target": SLO_TARGET, "fleet": FLEET, "traces": summary})
-    _plot_replicas(summary)
+    # The standard results (bench/results/autoscale_eval.json and the README's plot) come from the full run
+    # on the real trace; a --quick run, or one on the fixture (no ../shared/data), writes its own name and no
+    # plot: the README's "Reproduce" line overwrote the committed results with a quick run's.
+    standard = not args.quick and "azure-format fixture" not in summary
+    name = (
+        "autoscale_eval" if standard else "autoscale_eval_quick" if args.quick else "autoscale_eval_fixture"
+    )
+    write_result(name, {"slo_target": SLO_TARGET, "fleet": FLEET, "traces": summary})
+    if standard:
+        _plot_replicas(summary)
     command = "python bench/autoscale_eval.py" + (" --quick" if args.quick else "")
-    append_line("autoscale_eval", command, "; ".join(lines))
+    append_line(name, command, "; ".join(lines))
     for line in lines:
         print(line)
 

@@ -227,5 +227,20 @@ def run_replay(req: ReplayRequest, console: Console | None = None, summary: bool
     console = console or Console(stderr=True)
     outcome = asyncio.run(run_replay_async(req, console))
     if summary:
-        print_summary(console, outcome.metrics)
+        print_outcome(console, outcome)
     return outcome
+
+
+def print_outcome(console: Console, outcome: ReplayOutcome) -> None:
+    """The summary tables, and the trace rows the run left out (malformed and skipped, or not replayable):
+    only the report had said so (`trace.skipped_bad_rows`), and a run on a fraction of its trace looked whole."""
+    print_summary(console, outcome.metrics)
+    trace = outcome.report["trace"]
+    left = [(kind, trace[f"{kind}_by_reason"]) for kind in ("skipped", "dropped")]
+    said = [
+        f"{kind} {sum(by.values())} ({', '.join(f'{w} {n}' for w, n in by.items())})"
+        for kind, by in left
+        if by
+    ]
+    if said:
+        console.print(f"trace rows left out: {'; '.join(said)} of {trace['rows']}", style="yellow")

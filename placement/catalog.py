@@ -18,6 +18,7 @@ Names are matched case-insensitively; common aliases (`H100` → `H100-SXM`, `A1
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,14 @@ class CatalogError(ValueError):
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite int or float, not a bool (YAML's `.nan` and `.inf` are floats the perf model cannot use)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive(row: str, field_name: str, value: object, allow_zero: bool = False) -> None:
     if not _number(value) or value < 0 or (value == 0 and not allow_zero):  # type: ignore[operator]
         bound = "≥ 0" if allow_zero else "> 0"
-        raise ValueError(f"{row!r}: {field_name} must be a number {bound}, got {value!r}")
+        raise ValueError(f"{row!r}: {field_name} must be a finite number {bound}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)

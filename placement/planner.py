@@ -373,7 +373,8 @@ def cheapest_mix(
     for model, rates in demand.items():
         match = [p for p in profiles if canonical_model(p.model, catalog) == canonical_model(model, catalog)]
         if not match:
-            raise PlacementError(f"no profile for model {model!r}")
+            covered = ", ".join(sorted({canonical_model(p.model, catalog) for p in profiles})) or "none"
+            raise PlacementError(f"no profile for model {model!r}; the profiles cover {covered}")
         workloads.append(
             ModelWorkload(model, match[0].input_edges, match[0].output_edges, (Window(1.0, tuple(rates)),))
         )

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -46,6 +45,7 @@ from placement.textfiles import parse_yaml, read_text
 from scheduler.autoscaler.factory import POLICY_NAMES, PolicyError, build_policy
 from scheduler.autoscaler.policy import AutoscalerConfig as PolicyConfig
 from scheduler.autoscaler.signals import PoolSpec
+from scheduler.config_numbers import NoBoolNumbers
 from scheduler.fleet import prefill_only_models
 from scheduler.kv.config import KvConfig
 from scheduler.routing.config import RoutingConfig, RoutingConfigError
@@ -58,7 +58,7 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message is one line naming the field."""
 
 
-class _Strict(BaseModel):
+class _Strict(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf or .nan is a typo
 
 
@@ -834,10 +834,13 @@ def check_catalog(config: MosaicConfig, source: str = "config") -> Catalog:
             raise ConfigError(f"{source}: pools.{i}.gpu: {exc}") from None
         spec = config.model_config_for(pool.model).spec_name
         try:
-            catalog.model(spec)
+            model = catalog.model(spec)
         except CatalogError as exc:
             where = f"pools.{i}.model" if not config.models else f"models.{pool.model}.spec"
             raise ConfigError(f"{source}: {where}: {exc}; set models[].spec to a catalog model") from None
+        tp_error = model.tp_error(pool.tp)  # vLLM would not start such a worker (`mosaic worker` refuses it)
+        if tp_error is not None:
+            raise ConfigError(f"{source}: pools.{i}.tp: {tp_error}")
         if pool.endpoints.kubernetes is not None and not math.isfinite(pool.endpoints.kubernetes.resync_s):
             raise ConfigError(f"{source}: pools.{i}.endpoints.kubernetes.resync_s: must be finite")
     return catalog

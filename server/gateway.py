@@ -391,6 +391,12 @@ class Gateway:
         return GpuAllocator(detected, pools)
 
     async def start(self) -> None:
+        if self.peers is not None:
+            await self.peers.start()
+        await self.registry.start()
+        if self.autoscaler is not None:
+            self.autoscaler.start()
+        # warnings once the start succeeded: a start that fails says one line, its error (`mosaic serve`)
         warning = self.keys.open_warning()
         if warning:
             log.warning(warning)
@@ -405,11 +411,6 @@ class Gateway:
                 limits.first_token_timeout_s,
                 limits.retry_budget_s,
             )
-        if self.peers is not None:
-            await self.peers.start()
-        await self.registry.start()
-        if self.autoscaler is not None:
-            self.autoscaler.start()
 
     @property
     def draining(self) -> bool:

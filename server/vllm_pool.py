@@ -68,10 +68,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from placement.textfiles import parse_yaml, read_text
 from scheduler.actuators.base import ScaleAction
+from scheduler.config_numbers import NoBoolNumbers
 from server.vllm_launcher import (
     NEVER_INHERITED_ENV,
     LaunchError,
@@ -85,7 +86,7 @@ from server.vllm_launcher import (
 log = logging.getLogger("mosaic.vllm")
 
 
-class LaunchVllmConfig(BaseModel):
+class LaunchVllmConfig(NoBoolNumbers):
     """A pool's `endpoints.launch`: `launch: vllm` (all defaults) or a mapping with these keys."""
 
     # allow_inf_nan=False: a grace, backoff or timeout of .inf would never end (and NaN compares false)

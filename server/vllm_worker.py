@@ -263,7 +263,7 @@ def run_vllm_worker(ctx: typer.Context) -> int:
             max_model_len=p.get("max_model_len"),
             gpu_memory_utilization=p["gpu_memory_utilization"] if given("gpu_memory_utilization") else None,
             served_model_name=p.get("served_model_name"),
-            vllm_command=p.get("vllm_command") or "vllm serve",
+            vllm_command=p.get("vllm_command", "vllm serve"),  # an empty one is refused, not replaced
             extra_args=[*flags, *ctx.args],
             advertise_host=p.get("advertise_host"),
         )

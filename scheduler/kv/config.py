@@ -37,10 +37,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from placement.kv_layout import sorted_groups
 from placement.kv_profile import HeadProfile
+from scheduler.config_numbers import NoBoolNumbers
 from scheduler.kv.batch_admission import AdmissionParams
 from scheduler.kv.footprint import CompressionSpec
 from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
@@ -48,7 +49,7 @@ from scheduler.kv.tp_layout import TpLayout, contiguous_rank_of, rank_split_spec
 from scheduler.length_predictor import DEFAULT_INPUT_EDGES, LengthPredictor
 
 
-class _Strict(BaseModel):
+class _Strict(NoBoolNumbers):
     # inf/NaN refused in every float (a time limit, lease or aging of `inf` is accepted by `gt=0` otherwise)
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 

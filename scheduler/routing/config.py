@@ -27,8 +27,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
+from scheduler.config_numbers import NoBoolNumbers
 from scheduler.kv.plugins import KvBestFitScorer
 from scheduler.routing import filters, pickers, scorers
 from scheduler.routing.framework import (
@@ -94,7 +95,7 @@ class RoutingConfigError(ValueError):
     """A routing config that cannot be built; the message names the plugin and the field."""
 
 
-class _Strict(BaseModel):
+class _Strict(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite weight overflowed routing
 
 

@@ -29,8 +29,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
+from scheduler.config_numbers import NoBoolNumbers
 from scheduler.fleet import FleetView, Role, WorkerView
 from scheduler.routing.reasons import (
     CONTEXT_FACT,
@@ -118,7 +119,7 @@ class RouteRequest:
 # Extension points: one Protocol, one method each.
 
 
-class PluginParams(BaseModel):
+class PluginParams(NoBoolNumbers):
     """A plugin's `params:` block. Unknown keys are typos; `.inf` and `.nan` are too (an infinite factor
     or weight overflowed `ceil`/`round` on every request, a NaN one silently disabled its check)."""
 

@@ -269,9 +269,14 @@ def register(app: typer.Typer) -> None:
             cfg = load_config(config)
         except ConfigError as exc:
             fail(str(exc))
+        if "autoscaler" not in cfg.model_fields_set:  # its actuator defaults to embedded: say what is missing
+            fail(
+                f"{config}: no autoscaler section: mosaic autoscale needs one with actuator kubernetes or dry-run "
+                "(docs/autoscaling-live.md)"
+            )
         if cfg.autoscaler.actuator == "embedded":
             fail(
-                "autoscaler.actuator: embedded starts simulated workers inside `mosaic serve`; "
+                f"{config}: autoscaler.actuator: embedded starts simulated workers inside `mosaic serve`; "
                 "mosaic autoscale needs kubernetes or dry-run"
             )
         configure_logging(level)

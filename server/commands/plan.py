@@ -94,7 +94,7 @@ def _trace_workload(
     name = canonical_model(model or models[0], catalog)
     grid = next((p for p in chosen if canonical_model(p.model, catalog) == name), None)
     if grid is None:
-        raise PlacementError(f"no profile for model {model!r}")
+        raise PlacementError(f"no profile for model {model!r}; the profiles cover {', '.join(models)}")
     try:
         trace = open_trace(path, fmt)
         rows = ((r.arrival_s, r.input_tokens, r.output_tokens) for r in trace)

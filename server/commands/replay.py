@@ -20,11 +20,10 @@ from typing import Any
 import typer
 from typer.core import TyperCommand
 
-from loadgen.console import print_summary
 from loadgen.formats import FORMATS
 from loadgen.lora import LORA_ASSIGNMENTS, LoraError
 from loadgen.metrics import Slo
-from loadgen.replay import ReplayError, ReplayInterrupted, ReplayRequest, run_replay
+from loadgen.replay import ReplayError, ReplayInterrupted, ReplayRequest, print_outcome, run_replay
 from loadgen.schedule import ScheduleError, ScheduleOptions
 from loadgen.synthetic import SpecError
 from loadgen.trace import TraceError
@@ -73,10 +72,14 @@ class ReplayCommand(TyperCommand):
         expanded = expand_lora_modules(args)
         if expanded is None:
             ctx.fail(f"{LORA_FLAG} needs at least one adapter name")  # click's usage error: one line, exit 2
+        # before parsing: click consumes the list it is given (compared after, it always differed, and every
+        # missing option was blamed on --lora-modules)
+        regrouped = expanded != list(args)
         try:
-            return super().parse_args(ctx, expanded)
+            return super().parse_args(ctx, list(expanded))
         except Exception as exc:  # click's own copy in typer: recognised by shape, as server.cli.main does
-            if type(exc).__name__ == "MissingParameter" and expanded != list(args):
+            param = getattr(getattr(exc, "param", None), "name", None)
+            if type(exc).__name__ == "MissingParameter" and regrouped and param == "trace":
                 # `--lora-modules A B TRACE`: the flag took TRACE as a name, as vLLM's argparse would
                 ctx.fail(
                     f"Missing argument 'trace': {LORA_FLAG} takes every word up to the next option, give TRACE before it"
@@ -194,7 +197,7 @@ def register(app: typer.Typer) -> None:
         except (TraceError, ScheduleError, SpecError, ReplayError, LoraError) as e:
             fail(str(e))
         m = outcome.metrics
-        print_summary(console, m)
+        print_outcome(console, outcome)
         if as_json:
             typer.echo(json.dumps(outcome.report["summary"], indent=1))
         if out is not None:

@@ -208,6 +208,16 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(run_vllm_worker(ctx))
         if engine != "sim":
             fail(f"--engine must be sim or vllm, got {engine!r}")
+        # --engine vllm's own flags, given to the simulated worker: refused, as the reverse is, not ignored
+        vllm_only = [
+            flag
+            for name, flag in (("gpu_ids", "--gpu-ids"), ("vllm_command", "--vllm-command"))
+            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+        ]
+        if vllm_only:
+            fail(
+                f"{', '.join(vllm_only)}: --engine vllm only; the simulated worker (--engine sim) would ignore it"
+            )
         log_level = check_log_level(log_level)
         if gpu is None:
             fail("--gpu is required for the simulated worker")

@@ -59,6 +59,11 @@ def _static(autoscaler: dict[str, Any], **pool: Any) -> dict[str, Any]:
             id="the embedded actuator belongs to mosaic serve",
         ),
         pytest.param(
+            {"pools": [SIM_POOL]},
+            "mosaic.yaml: no autoscaler section: mosaic autoscale needs one with actuator kubernetes or dry-run",
+            id="no autoscaler section: said so, not blamed on an actuator never written",
+        ),
+        pytest.param(
             _static({"policy": "hpa-utl"}),
             "autoscaler.policy: unknown policy 'hpa-utl'",
             id="misspelt policy names the field and the valid ones",

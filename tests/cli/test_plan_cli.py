@@ -302,6 +302,13 @@ def test_a_trace_of_unknown_format_names_the_flag_plan_takes(app: typer.Typer, t
     assert lines[0].endswith("use --trace-format"), lines[0]
 
 
+def test_a_trace_model_no_profile_covers_lists_the_ones_they_do(app: typer.Typer) -> None:
+    result = run(app, *TRACE_A10G, "--slo-tpot-ms", "40", "--model", "gpt-9")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert lines == ["error: no profile for model 'gpt-9'; the profiles cover llama-3-8b"], lines
+
+
 def test_registered_under_mosaic() -> None:
     from server.cli import COMMAND_MODULES
 

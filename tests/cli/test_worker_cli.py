@@ -201,6 +201,30 @@ def test_the_runtime_lora_flag_is_refused_for_a_real_vllm(app: typer.Typer) -> N
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--gpu-ids", "0"], "error: --gpu-ids: --engine vllm only", id="--gpu-ids"),
+        pytest.param(
+            ["--vllm-command", "vllm serve"], "error: --vllm-command: --engine vllm only", id="command"
+        ),
+    ],
+)
+def test_vllm_only_flags_are_refused_for_the_simulated_worker(
+    app: typer.Typer, args: list[str], message: str
+) -> None:
+    """Ignored before, as the simulated worker has no use for them: refused like the reverse case."""
+    result = CliRunner().invoke(app, ["worker", *H100, "--port", "0", *args])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().startswith(message), result.output
+
+
+def test_an_empty_vllm_command_is_refused_not_replaced(app: typer.Typer) -> None:
+    result = CliRunner().invoke(app, ["worker", "--engine", "vllm", "--model", "m", "--vllm-command", ""])
+    assert result.exit_code == 2, result.output
+    assert "--vllm-command must not be empty" in result.output
+
+
+@pytest.mark.parametrize(
     ("args", "tail"),
     [
         pytest.param(["--lora-modules", "a=/p", "b=/q", "--max-loras", "2"],

@@ -345,3 +345,48 @@ def test_a_symlinked_config_reads_relative_paths_beside_the_link(tmp_path: Path)
     cfg = load_config(tmp_path / "mount" / "config.yaml")
     assert check_catalog(cfg).gpu("L4").cost_per_hour == 0.5
     assert cfg.source_dir == tmp_path / "mount"
+
+
+def test_a_tp_that_does_not_divide_the_models_heads_is_refused_at_load() -> None:
+    """vLLM refuses to start such an engine, as `mosaic worker --tp` does; the gateway started a simulated
+    pool of it (and a static one) without a word."""
+    pool = {"name": "p", "model": "llama-3-8b", "gpu": "L4", "tp": 3, "endpoints": {"static": ["http://x:1"]}}
+    with pytest.raises(ConfigError) as err:
+        validate_config({"pools": [pool]}, "c.yaml")
+    assert str(err.value) == (
+        "c.yaml: pools.0.tp: Total number of attention heads (32) must be divisible by tensor parallel size (3)."
+    )
+    assert check_catalog(validate_config({"pools": [{**pool, "tp": 4}]}))
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        pytest.param({"gateway": {"port": False}}, "gateway.port", id="port: false served on a random port"),
+        pytest.param({"slo": {"ttft_ms": True}}, "slo.ttft_ms", id="ttft_ms: true held TTFT to 1 ms"),
+        pytest.param({"kv": {"watermark": True}}, "kv.watermark", id="a KV number"),
+    ],
+)
+def test_a_boolean_where_a_number_goes_is_refused(section: dict[str, object], field: str) -> None:
+    """Pydantic's lax mode read YAML's true/false/yes/no as 1 and 0 in number fields, silently."""
+    pool = {"name": "p", "model": "llama-3-8b", "gpu": "L4", "endpoints": {"static": ["http://x:1"]}}
+    with pytest.raises(ConfigError) as err:
+        validate_config({"pools": [pool], **section})
+    assert field in str(err.value) and "Input should be a number, not a boolean" in str(err.value)
+
+
+def test_a_boolean_replica_count_is_refused() -> None:
+    pool = {"name": "p", "model": "llama-3-8b", "gpu": "L4", "endpoints": {"simulated": {"replicas": True}}}
+    with pytest.raises(
+        ConfigError, match=r"pools\.0\.endpoints\.simulated\.replicas: .*not a boolean \(true\)"
+    ):
+        validate_config({"pools": [pool]})
+
+
+def test_only_number_types_count_as_numbers() -> None:
+    from typing import Annotated
+
+    from scheduler.config_numbers import is_number_type
+
+    assert all(is_number_type(t) for t in (int, float, int | None, float | int, Annotated[int, "x"]))
+    assert not any(is_number_type(t) for t in (bool, str, int | str, list[int], bool | None))

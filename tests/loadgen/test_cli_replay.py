@@ -47,6 +47,17 @@ def test_trace_file_with_window_and_cap(worker_url: str) -> None:
     assert (s["completed"], s["total_input_tokens"], s["total_output_tokens"]) == (2, 889, 1141)
 
 
+def test_rows_left_out_are_said_on_the_console(worker_url: str) -> None:
+    """5 of azure_bad_tokens.csv's 7 rows are skipped with --skip-bad-rows: only report.json had said so, and
+    a run on a fraction of its trace looked whole."""
+    res = mosaic(
+        str(FIX / "azure_bad_tokens.csv"), "--url", worker_url, "--skip-bad-rows", "--rate-scale", "100"
+    )
+    assert res.exit_code == 0, res.output  # type: ignore[attr-defined]
+    line = next(ln for ln in res.stderr.splitlines() if "trace rows left out" in ln)  # type: ignore[attr-defined]
+    assert line.startswith("trace rows left out: skipped 5 (") and line.endswith(" of 7"), line
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

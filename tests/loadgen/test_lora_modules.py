@@ -169,3 +169,22 @@ def test_cli_names_the_cause_when_the_flag_took_the_trace(closed_url: str) -> No
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "give TRACE before it" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param([SPEC, "--quiet"], "Missing option '--url'", id="no --url"),
+        pytest.param(["--url", "http://127.0.0.1:9"], "Missing argument 'trace'", id="no trace, no adapters"),
+        pytest.param([SPEC, "--lora-modules", "a"], "Missing option '--url'", id="adapters, no --url"),
+    ],
+)
+def test_a_missing_argument_is_named_and_lora_modules_blamed_only_when_it_took_the_trace(
+    args: list[str], message: str
+) -> None:
+    """Click consumes the argument list it parses: compared after parsing, every missing option (no --url
+    at all) was blamed on --lora-modules."""
+    proc = run_cli("replay", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "--lora-modules" not in lines[0], lines

@@ -118,28 +118,37 @@ def test_bad_catalog_file_is_a_clear_error(tmp_path: Path) -> None:
     [
         pytest.param(
             "gpus: {L4: {memory_gb: abc}}\n",
-            "memory_gb must be a number > 0, got 'abc'",
+            "memory_gb must be a finite number > 0, got 'abc'",
             id="a string where a number goes",
         ),
         pytest.param(
-            "gpus: {L4: {hbm_gbps: 0}}\n", "hbm_gbps must be a number > 0, got 0", id="zero bandwidth"
+            "gpus: {L4: {hbm_gbps: 0}}\n", "hbm_gbps must be a finite number > 0, got 0", id="zero bandwidth"
         ),
         pytest.param(
-            "gpus: {L4: {hbm_gbps: -5}}\n", "hbm_gbps must be a number > 0", id="negative bandwidth"
+            "gpus: {L4: {hbm_gbps: -5}}\n", "hbm_gbps must be a finite number > 0", id="negative bandwidth"
         ),
         pytest.param(
             "gpus: {H100: {allreduce_gbps: 0}}\n",
-            "allreduce_gbps must be a number > 0, got 0",
+            "allreduce_gbps must be a finite number > 0, got 0",
             id="zero all-reduce bandwidth",
+        ),
+        pytest.param(  # YAML's .nan and .inf: the perf model worked on with them (a worker served)
+            "gpus: {A100-80GB: {hbm_gbps: .nan}}\n", "hbm_gbps must be a finite number > 0, got nan", id="NaN"
+        ),
+        pytest.param("gpus: {L4: {tflops: .inf}}\n", "tflops must be a finite number > 0, got inf", id="inf"),
+        pytest.param(
+            "models: {llama-3-8b: {params_b: .nan}}\n",
+            "params_b must be a finite number > 0, got nan",
+            id="a NaN model size (was 'cannot convert float NaN to integer')",
         ),
         pytest.param(
             "gpus: {L4: {allreduce_latency_us: -3}}\n",
-            "allreduce_latency_us must be a number > 0, got -3",
+            "allreduce_latency_us must be a finite number > 0, got -3",
             id="negative all-reduce latency",
         ),
         pytest.param(
             "gpus: {L4: {allreduce_gbps: fast}}\n",
-            "allreduce_gbps must be a number > 0, got 'fast'",
+            "allreduce_gbps must be a finite number > 0, got 'fast'",
             id="a word for the all-reduce bandwidth",
         ),
         pytest.param("gpus: [1, 2]\n", "'gpus' must be a mapping", id="a list instead of a mapping"),

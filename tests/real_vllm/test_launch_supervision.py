@@ -1033,7 +1033,7 @@ def test_a_vllm_config_file_setting_a_parallel_size_makes_serve_exit_2(tmp_path:
     assert (done.returncode, done.stderr.strip().splitlines()) == (
         2,
         [
-            f"error: pools[p].endpoints.launch.extra_args: --config {file} sets data_parallel_size: set the "
+            f"error: {path}: pools[p].endpoints.launch.extra_args: --config {file} sets data_parallel_size: set the "
             "pool's dp instead (the gateway gives each replica tp × dp GPUs and books its capacity from them)"
         ],
     ), done.stderr
