@@ -10,8 +10,9 @@ Traces: a synthetic diurnal + burst curve (`loadgen.diurnal`), and the real Azur
 autoscaler starts from the same running fleet (2 prefill + 2 decode); static provisioning starts and stays
 at its size.
 
-    python bench/autoscale_eval.py [--quick]   (--quick, or a run without ../shared/data's Azure trace, writes
-                                               autoscale_eval_quick.json / _fixture.json and no plot)
+    python bench/autoscale_eval.py [--quick]   (every mode's --quick writes <name>_quick.json; the default
+                                               mode without ../shared/data's Azure trace writes
+                                               autoscale_eval_fixture.json; neither draws the README's plot)
     python bench/autoscale_eval.py --pd-gate-sweep [--quick]
     python bench/autoscale_eval.py --grid 0.60,0.61,...,0.70 [--observed-context] [--quick]
     python bench/autoscale_eval.py --load-sweep 1,2,4 [--grid ...] [--observed-context] [--quick]
@@ -400,12 +401,13 @@ def pd_gate_sweep(quick: bool, workers: int) -> None:
             best_gh = {f: (v["best"] or {}).get("gpu_hours") for f, v in fams.items()}
             lines.append(f"{trace_name} gate {bound}: best GPU-h {best_gh}, Mosaic/Dynamo {ratio}")
         summary[trace_name] = per_bound
+    name = _quick_name("autoscale_pd_gate", quick)
     write_result(
-        "autoscale_pd_gate",
+        name,
         {"slo_target": SLO_TARGET, "fleet": FLEET, "bounds": list(PD_GATE_BOUNDS), "traces": summary},
     )
     command = "python bench/autoscale_eval.py --pd-gate-sweep" + (" --quick" if quick else "")
-    append_line("autoscale_pd_gate", command, "; ".join(lines))
+    append_line(name, command, "; ".join(lines))
     for line in lines:
         print(line)
 
@@ -637,12 +639,19 @@ def _variant(
     return name, flag
 
 
+def _quick_name(name: str, quick: bool) -> str:
+    """A --quick run's result name: the committed standard results come from full runs only."""
+    return f"{name}_quick" if quick else name
+
+
 def _knob_text(value: Any) -> str:
     return str(int(value)) if isinstance(value, bool) else f"{value:g}"
 
 
 def _record(name: str, flag: str, quick: bool, payload: dict[str, Any], lines: list[str]) -> None:
-    """`bench/results/<name>.json`, one BENCHMARKS.md line with the command, and the lines printed."""
+    """`bench/results/<name>.json` (`<name>_quick.json` for a --quick run, which must not replace the
+    standard result), one BENCHMARKS.md line with the command, and the lines printed."""
+    name = _quick_name(name, quick)
     write_result(name, payload)
     command = f"python bench/autoscale_eval.py {flag}" + (" --quick" if quick else "")
     append_line(name, command, "; ".join(lines))
@@ -895,7 +904,7 @@ def mooncake_eval(scales: tuple[float, ...], quick: bool, workers: int, observed
                 for f, b in bests.items()
             )
         )
-    result = "autoscale_mooncake" + ("_observed_context" if observed_context else "")
+    result = _quick_name("autoscale_mooncake" + ("_observed_context" if observed_context else ""), quick)
     fleet_used = {**FLEET, **MOONCAKE_FLEET}
     write_result(
         result,

@@ -40,6 +40,9 @@ class CircuitBreaker:
     trips: int = 0  # times opened, for /admin/workers
     refused: bool = False  # the last failure was a refused connection: probe at every health check
     probation: bool = False  # closed by a health probe: the next request failure re-opens it at once
+    # of `failures`, those of streams that failed after they began (`stream_*` kinds): a later stream's first
+    # byte does not excuse them (`record_first_byte`), only a request's success does
+    stream_failures: int = 0
 
     def state(self, now: float) -> BreakerState:
         if self.opened_at is None:
@@ -58,17 +61,26 @@ class CircuitBreaker:
     def record_success(self) -> None:
         """A request succeeded (the registry calls it while closed): the count, probation and backoff end."""
         self.failures = 0
+        self.stream_failures = 0
         self.opened_at = None
         self.reopens = 0
         self.refused = False
         self.probation = False
 
-    def record_failure(self, now: float, hard: bool = False) -> bool:
-        """Count a failure; `hard` (connection refused) trips at once, and so does any on probation (then as a
-        re-open: the backoff doubles). True when this call opened it."""
+    def record_first_byte(self) -> None:
+        """A stream began: the worker is reachable and generates, which excuses the failures that say it was
+        not (connect errors, time-outs, failed checks), not those of streams that broke after they began: a
+        worker failing every stream midway sends first bytes too (each had reset the whole count, and it was
+        never ejected)."""
+        self.failures = self.stream_failures
+
+    def record_failure(self, now: float, hard: bool = False, stream: bool = False) -> bool:
+        """Count a failure (`stream`: of a stream after it began); `hard` (connection refused) trips at once,
+        and so does any on probation (then as a re-open: the backoff doubles). True when this call opened it."""
         if self.opened_at is not None:
             return False
         self.failures += 1
+        self.stream_failures += stream
         if hard or self.probation or self.failures >= self.failure_threshold:
             if self.probation:
                 self.reopens += 1
@@ -85,6 +97,7 @@ class CircuitBreaker:
     def record_probe(self, ok: bool, now: float, hard: bool = False) -> None:
         if ok:  # closed on probation, the backoff kept until a request succeeds
             self.failures = 0
+            self.stream_failures = 0
             self.opened_at = None
             self.refused = False
             self.probation = True

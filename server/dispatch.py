@@ -395,9 +395,13 @@ class Dispatcher:
                 return await self._attempt(decision, parsed, path, rec, lease)
             except UpstreamFailure as failure:
                 if failure.budget_spent:  # its own total_timeout_s ran out: no worker to blame, no time left
-                    # the gateway hung up on a worker that was serving it: a hang-up to the router, as a stream
-                    # the gateway cuts (the worker built the prompt's KV; prefix affinity keeps it)
-                    lease.release(Outcome.CLIENT_DISCONNECTED)
+                    # the gateway hung up on the decode worker serving it: a hang-up to the router, as a stream
+                    # the gateway cuts (the worker built the prompt's KV; prefix affinity keeps it); one that
+                    # never got there (spent in the queue, waiting for a connection, on the prefill hop) built
+                    # nothing on it
+                    served = failure.sent and failure.worker_id == decision.decode.id
+                    served = served and failure.kind != "pool_timeout"
+                    lease.release(Outcome.CLIENT_DISCONNECTED if served else Outcome.FAILED_BEFORE_FIRST_BYTE)
                     return self._timed_out(rec)
                 lease.release(Outcome.FAILED_BEFORE_FIRST_BYTE)
                 if failure.status == 429:  # busy, not broken: retried elsewhere, but no mark on its breaker
@@ -490,7 +494,7 @@ class Dispatcher:
         else:
             timeout = rec.arrival + self.limits.total_timeout_s - self.clock()
             if timeout <= 0:  # spent waiting in the admission queue: sent nowhere, to time out at once
-                raise UpstreamFailure(decision.decode.id, "timeout", budget_spent=True)
+                raise UpstreamFailure(decision.decode.id, "timeout", budget_spent=True, sent=False)
         decode = decision.decode
         waiting_on = decode
         mark = None if parsed.stream else self._progress_mark(decode.id)
@@ -597,9 +601,10 @@ class Dispatcher:
                 # hung (its /health may still answer): its breaker hears of it, as a stream's stall would tell
                 self.registry.report_failure(decode.id, "timeout_no_progress")
             raise UpstreamFailure(waiting_on.id, kind, hard, budget_spent=spent) from None
-        # no `report_success` here: a stream's first byte proves little (a worker failing every stream midway
-        # sends one), and resetting its breaker's count then kept such a worker in rotation forever; the
-        # stream's end tells the breaker (`StreamSession._close`)
+        # not a success yet: a worker failing every stream midway sends first bytes too, and resetting its
+        # breaker's whole count here kept it in rotation forever; the first byte excuses only the failures that
+        # said it was unreachable, and the stream's end tells the rest (`StreamSession._close`)
+        self.registry.report_first_byte(decode.id)
         lease.first_token()
         return self._stream(resp, chunks, first, parsed, rec, lease)
 

@@ -72,6 +72,7 @@ class UpstreamFailure(Exception):
     # the request's own total_timeout_s ran out while it waited (a non-streaming answer): not the worker's
     # fault, and no budget is left for a retry
     budget_spent: bool = False
+    sent: bool = True  # False: the request never reached the worker (its budget was spent in the queue)
 
     def __str__(self) -> str:
         return f"{self.worker_id}: {self.kind}"

@@ -521,6 +521,12 @@ class Registry:
         if rec is not None and rec.breaker.opened_at is None:
             rec.breaker.record_success()
 
+    def report_first_byte(self, worker_id: str) -> None:
+        """A stream from the worker began (`CircuitBreaker.record_first_byte`); its success is told at its end."""
+        rec = self._workers.get(worker_id)
+        if rec is not None and rec.breaker.opened_at is None:
+            rec.breaker.record_first_byte()
+
     def report_failure(self, worker_id: str, kind: str, hard: bool = False) -> None:
         """A request to the worker failed (`kind`: connect, timeout, status_5xx...); `hard` ejects at once."""
         rec = self._workers.get(worker_id)
@@ -530,7 +536,7 @@ class Registry:
             return  # gone (its series were forgotten): a late failure must not bring one back
         self._metrics.upstream_errors.labels(worker_id, kind).inc()
         rec.last_error = kind
-        if rec.breaker.record_failure(self._clock(), hard=hard):
+        if rec.breaker.record_failure(self._clock(), hard=hard, stream=kind.startswith("stream_")):
             log.warning("worker %s ejected (circuit breaker open) after %s", worker_id, kind)
 
     # ------------------------------------------------------------------ loops

@@ -461,6 +461,10 @@ class StreamSession:
             cut = outcome in (GatewayOutcome.TIMED_OUT, GatewayOutcome.SHUT_DOWN)
             if cut:
                 self.lease.release(Outcome.CLIENT_DISCONNECTED)
+            elif outcome is Outcome.WORKER_REJECTED:
+                # a 4xx error event after the stream began: the request ran there (its prompt's KV was built),
+                # so not the router's `worker_rejected`, which takes back the prefix record of a refused one
+                self.lease.release(Outcome.WORKER_ERROR)
             else:
                 self.lease.release(outcome)  # type: ignore[arg-type]
             if outcome in (

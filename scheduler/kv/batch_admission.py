@@ -127,9 +127,9 @@ def build_instance(
             fp, _ = ledger.footprint(r, w)
             if fp.peak <= free[j]:
                 units = fp.peak
-            elif free[j] == ledger.capacity(w) and ledger.reserved(w.id) == 0:
-                # past the free pages of an empty worker: the ledger admits a request there alone (the
-                # watermark is a margin for many requests), so in the plan it takes all of that worker
+            elif (lone := ledger.lone_room(w)) is not None and fp.peak <= lone:
+                # past the free pages, but an empty engine of the worker admits it alone (the watermark is a
+                # margin for many requests): in the plan it takes all of that worker
                 units = free[j]
             else:
                 continue

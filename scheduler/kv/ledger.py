@@ -231,7 +231,7 @@ class _Book:
     unshared: float = 0.0  # min(total · (1 − watermark), total − the null block), derived with `total`
     base_capacity: int = 0  # floor(unshared · share) (capacity = it − shrink)
     usable: int = 0  # total − the null block (watermark 0: total): the most one sequence can ever hold
-    # floor(usable · share): what a request may take when it is alone on the worker (`_lone_room`)
+    # floor(usable · share): what a request may take when it is alone on the worker (`lone_room`)
     lone_capacity: int = 0
     reserved: int = 0
     worst_reserved: int = 0
@@ -402,7 +402,7 @@ class KvLedger:
         return max(bounds, key=lambda b: b[1])
 
     def _exceeds(self, book: _Book, fp: Footprint, worst: Footprint) -> tuple[int, int] | None:
-        room = book.lone_capacity  # alone on the worker (`_lone_room`): the most it could ever get
+        room = book.lone_capacity  # alone on the worker (`lone_room`): the most it could ever get
         if self._share_ceiling > self.settings.share:  # a lowered share may come back (`set_share`)
             room = math.floor(book.usable * self._share_ceiling)
         need_units = fp.peak
@@ -463,11 +463,13 @@ class KvLedger:
 
     def _admissible(self, book: _Book, holder: str | int, fp: Footprint, worst: Footprint) -> bool:
         capacity = self._capacity_of(book)
-        if fp.peak > capacity - book.reserved - self._held_for_others(book, holder):
-            lone = self._lone_room(book, holder)
-            if lone is None or fp.peak > lone:
-                return False
-            capacity = lone
+        held = self._held_for_others(book, holder)
+        if (
+            not book.reserved and not held
+        ):  # alone on it: its peak and its worst case bounded as `_exceeds` does
+            capacity = max(capacity, book.lone_capacity - book.shrink)
+        if fp.peak > capacity - book.reserved - held:
+            return False
         if self.settings.mode == "predicted":
             # the bound is on the sum of every reservation's worst case, this one's too even when it is
             # exact (a cold predictor, a small max_tokens): skipping those let overbooked ones exceed it
@@ -475,17 +477,21 @@ class KvLedger:
             return book.worst_reserved + worst.peak <= limit
         return True
 
-    def _lone_room(self, book: _Book, holder: str | int | None) -> int | None:
-        """What one request may take on a worker where nothing is reserved or held for others: all of it but
-        the null block (less shrink, within this process's share); None when the worker is not empty.
+    def lone_room(self, worker: WorkerView, holder: str | int | None = None) -> int | None:
+        """What one request may take on the worker (its roomiest engine) when nothing is reserved or held for
+        others there: all of it but the null block (less shrink, within this process's share); None when no
+        engine is empty. The batch planner gives such a request a worker alone.
 
         The watermark is a margin against many requests' estimates erring together. Alone, a request's
         reservation bounds what it can use, and vLLM admits a sequence of up to every block but the null one:
         with the watermark, a worker whose KV only just covers its max_model_len (vLLM's own advice when the
         cache is smaller than the context) refused for good every request that left out max_tokens."""
-        if book.reserved or self._held_for_others(book, holder):
-            return None
-        return max(0, book.lone_capacity - book.shrink)
+        rooms = [
+            max(0, b.lone_capacity - b.shrink)
+            for b in self._engine_books(worker)
+            if not b.reserved and not self._held_for_others(b, holder)
+        ]
+        return max(rooms, default=None)
 
     # --- holds (aging) ---------------------------------------------------------------------------------
     def hold(

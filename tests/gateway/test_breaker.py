@@ -46,6 +46,16 @@ from server.registry import PoolInfo, Registry
             id="… then probe-able again",
         ),
         pytest.param([("hard", 0.0), ("probe_ok", 5.0)], BreakerState.CLOSED, id="successful probe → closed"),
+        pytest.param(
+            [("fail", 0.0), ("fail", 0.1), ("first", 0.2), ("fail", 0.3)],
+            BreakerState.CLOSED,
+            id="a stream's first byte excuses failures that said the worker was unreachable",
+        ),
+        pytest.param(
+            [("stream_fail", 0.0), ("stream_fail", 0.1), ("first", 0.2), ("stream_fail", 0.3)],
+            BreakerState.OPEN,
+            id="... not streams that broke after they began",
+        ),
         # on probation after a probe: one request failure re-opens it, for twice as long
         pytest.param(
             [("fail", 0.0), ("fail", 0.1), ("fail", 0.2), ("probe_ok", 5.2), ("fail", 5.3), ("tick", 15.2)],
@@ -72,6 +82,10 @@ def test_breaker_transitions(events: list[tuple[str, float]], state: BreakerStat
             b.record_failure(now)
         elif kind == "hard":
             b.record_failure(now, hard=True)
+        elif kind == "stream_fail":
+            b.record_failure(now, stream=True)
+        elif kind == "first":
+            b.record_first_byte()
         elif kind == "ok":
             b.record_success()
         elif kind == "probe_fail":
@@ -218,5 +232,35 @@ def test_a_worker_failing_every_stream_midway_is_ejected() -> None:
             assert failed == 3 and len(broken.seen) == 3 and len(healthy.seen) == 9
             (rec,) = [r for r in gw.registry.records() if "broken" in r.url]
             assert rec.breaker.opened_at is not None and rec.breaker.trips == 1
+
+    run(body)
+
+
+def test_streams_that_begin_excuse_scattered_failed_checks_but_not_broken_streams() -> None:
+    """Three isolated failed health checks, a long stream begun after each: the streams' first bytes show the
+    worker reachable, so the checks' failures do not add up to an ejection (they did once first bytes stopped
+    resetting the count). Failures of streams after they began are not excused by a first byte (the test
+    above)."""
+    from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+    from tests.gateway.test_faults import CHAT, chat, gateway, run
+
+    w = FakeWorker("w", tokens=40, chunk_delay_s=0.05)
+
+    async def body() -> None:
+        cfg = config(pool("p", "H100", "mixed", w), health={"failure_threshold": 3})
+        async with gateway(cfg, FakeFleet(w)) as (c, gw):
+            (rec,) = list(gw.registry.records())
+            tasks = []
+            for i in range(3):
+                w.health_ok = False
+                await gw.registry.health_once()
+                w.health_ok = True
+                await gw.registry.health_once()
+                tasks.append(
+                    asyncio.create_task(c.post(CHAT, json=chat(f"q{i}", stream=True, max_tokens=40)))
+                )
+                await asyncio.sleep(0.3)  # its first tokens flowed; it has not ended
+            assert rec.breaker.trips == 0 and rec.breaker.failures == 0
+            assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
 
     run(body)

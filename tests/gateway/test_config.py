@@ -365,6 +365,7 @@ def test_a_tp_that_does_not_divide_the_models_heads_is_refused_at_load() -> None
         pytest.param({"gateway": {"port": False}}, "gateway.port", id="port: false served on a random port"),
         pytest.param({"slo": {"ttft_ms": True}}, "slo.ttft_ms", id="ttft_ms: true held TTFT to 1 ms"),
         pytest.param({"kv": {"watermark": True}}, "kv.watermark", id="a KV number"),
+        pytest.param({"routing": {"weights": {"cost": True}}}, "routing.weights", id="a mapping's value"),
     ],
 )
 def test_a_boolean_where_a_number_goes_is_refused(section: dict[str, object], field: str) -> None:
@@ -390,3 +391,8 @@ def test_only_number_types_count_as_numbers() -> None:
 
     assert all(is_number_type(t) for t in (int, float, int | None, float | int, Annotated[int, "x"]))
     assert not any(is_number_type(t) for t in (bool, str, int | str, list[int], bool | None))
+    from scheduler.config_numbers import boolean_number
+
+    assert boolean_number(dict[str, float], {"a": 1.0, "b": False}) is False
+    assert boolean_number(list[int] | None, [1, True]) is True
+    assert boolean_number(dict[str, bool], {"a": True}) is None and boolean_number(list[int], [1, 2]) is None

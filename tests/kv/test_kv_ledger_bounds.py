@@ -117,3 +117,35 @@ def test_a_sample_is_reconciled_once_however_many_scrape_rounds_reuse_it() -> No
     assert led.capacity(w) == 98
     fresh = dataclasses.replace(w, kv_usage=0.0, scrape_age_s=0.1)
     assert led.reconcile([fresh], 4.0)[0].shrink_units == 0 and led.capacity(w) == 98
+
+
+def test_in_predicted_mode_a_request_within_the_lone_bound_is_admitted_on_an_empty_worker() -> None:
+    """`exceeds_capacity` bounds the worst case by the lone room · (1 + max_frac); admission bounded it by the
+    watermarked capacity, so a request between the two waited on an empty worker until its 429."""
+    led = KvLedger(LedgerSettings(mode="predicted", watermark=0.02, max_overbook_frac=0.0))
+    w = worker("w0", blocks=100)  # capacity 98, alone 99
+    r = request("r", prompt=16, max_out=16 * 98, predicted=16)  # predicted 2 blocks, worst 99
+    assert led.exceeds_capacity(r, w) is None and led.fits(r, w, 0.0)
+    defaults = KvLedger(LedgerSettings(mode="predicted"))  # watermark 0.02, overbook 0.1
+    wide = worker("w1", blocks=1000)  # worst bound alone: floor(999 · 1.1) = 1098
+    big = request("big", prompt=16, max_out=16 * 1090, predicted=16)  # worst 1091 blocks
+    assert defaults.exceeds_capacity(big, wide) is None and defaults.reserve(big, wide, 0.0) is not None
+
+
+def test_batch_admission_plans_a_lone_request_on_a_data_parallel_workers_empty_engine() -> None:
+    """Two engines of 100 blocks, one holding a small request: the other admits a 99-block request alone,
+    and the plan must offer it (it summed both engines' reservations and left it out until its 429)."""
+    from dataclasses import replace
+
+    from scheduler.fleet import EngineView
+    from scheduler.kv.batch_admission import AdmissionParams, build_instance
+
+    w = replace(
+        worker("w0", blocks=200, scraped_blocks=200), engines=(EngineView(0, 100), EngineView(1, 100))
+    )
+    led = KvLedger(LedgerSettings(watermark=0.02))
+    assert led.reserve(request("small", prompt=8, max_out=8), w, 0.0) is not None
+    big = request("big", prompt=16 * 98, max_out=16)  # 99 blocks: past capacity 98, within alone 99
+    assert led.fits(big, w, 0.0) and led.lone_room(w) == 99
+    inst = build_instance([big], [w], led, 0.0, AdmissionParams())
+    assert inst.need == {(0, 0): 98}  # all of the empty engine's free pages
