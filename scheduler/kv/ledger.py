@@ -464,9 +464,7 @@ class KvLedger:
     def _admissible(self, book: _Book, holder: str | int, fp: Footprint, worst: Footprint) -> bool:
         capacity = self._capacity_of(book)
         held = self._held_for_others(book, holder)
-        if (
-            not book.reserved and not held
-        ):  # alone on it: its peak and its worst case bounded as `_exceeds` does
+        if not book.reserved and not held:  # alone on it: peak and worst case bounded as `_exceeds` does
             capacity = max(capacity, book.lone_capacity - book.shrink)
         if fp.peak > capacity - book.reserved - held:
             return False
