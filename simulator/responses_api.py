@@ -78,7 +78,10 @@ def parse_responses(
 ) -> tuple[ResponsesFields, ApiRequest]:
     """The validated request and the chat request it runs as; raises ApiError (vLLM's 400 for a field of the
     wrong type, 404 for a `previous_response_id`: nothing is stored). `model` may name a LoRA adapter."""
-    if body.get("background") and not body.get("store", True):  # vLLM's `mode="before"` validator
+    # vLLM's `mode="before"` validators, in the order pydantic runs them (the last defined first)
+    if body.get("prompt") is not None:  # OpenAI's reusable prompt templates: not in vLLM
+        raise vllm_error("prompt template is not supported", "prompt")
+    if body.get("background") and not body.get("store", True):
         raise vllm_error("background can only be used when `store` is true", "background")
     f = validated(ResponsesFields, body)
     if f.store and f.background:  # vLLM with its store off (the default), as the simulator is

@@ -143,6 +143,12 @@ async def test_malformed_input_and_previous_response_are_refused(
             id="background with vLLM's store off, as the simulator's",
         ),
         pytest.param(
+            {"input": "x", "prompt": {"id": "pmpt_1"}, "background": True, "store": False},
+            "prompt template is not supported (parameter=prompt)",
+            "BadRequestError",
+            id="an OpenAI prompt template: vLLM's validator, before the background one",
+        ),
+        pytest.param(
             {"input": "x", "max_output_tokens": 100000},
             "max_output_tokens=100000 cannot be greater than max_model_len=8192. Please request fewer output "
             "tokens. (parameter=max_output_tokens, value=100000)",
@@ -161,7 +167,8 @@ async def test_what_vllm_refuses_without_a_store_or_past_the_context_is_refused(
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["message"].startswith(message) and err["type"] == kind
-    assert err["param"] == ("max_output_tokens" if "max_output_tokens" in body else "background")
+    param = next(p for p in ("prompt", "max_output_tokens", "background") if p in body)
+    assert err["param"] == param
 
 
 async def test_a_stored_response_is_vllms_404_to_get_and_cancel(asgi) -> None:
