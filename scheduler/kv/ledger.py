@@ -600,7 +600,10 @@ class KvLedger:
         new_units = fp.steady if res.prefilled else fp.peak
         delta = new_units - res.units
         held = self._held_for_others(book, res.holder)
-        if delta > 0 and book.reserved + delta + held > self._capacity_of(book):
+        capacity = self._capacity_of(book)
+        if book.reserved == res.units and not held:  # alone on it: it may grow as far as it could be admitted
+            capacity = max(capacity, book.lone_capacity - book.shrink)
+        if delta > 0 and book.reserved + delta + held > capacity:
             self.stats.grow_refused += 1
             return False
         self._resize(res, new_units, res.worst_units)

@@ -213,8 +213,9 @@ def test_router_reserves_through_the_ledger_and_rejects_kv_full() -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Property: under any interleaving of reserves, completions, errors, disconnects, duplicate releases,
-# first tokens, growth and lease sweeps, reserved never exceeds capacity, every reservation ends exactly
-# once, and the books always equal the sum of live reservations.
+# first tokens, growth and lease sweeps, reserved never exceeds capacity (a request alone on its worker or
+# engine: the lone room), every reservation ends exactly once, and the books always equal the sum of live
+# reservations.
 
 OUTCOMES = [
     Outcome.COMPLETED,
@@ -243,10 +244,14 @@ def test_ledger_invariants_under_random_lifecycles(
     settings_ = LedgerSettings(mode=mode, lease_s=20.0)  # type: ignore[arg-type]
     ledger = KvLedger(settings_, specs, LengthPredictor(min_samples=1))
     workers = [worker(f"w{i}", blocks=40 + 20 * i, block_size=4) for i in range(3)]
-    engine_caps: list[int] = []
+    engine_caps: list[tuple[int, int]] = []  # per engine: (capacity, lone room)
     if data_parallel:  # w2 (80 blocks) as two engines of 40: each request's pages within one engine
         workers[2] = replace(workers[2], engines=(EngineView(0, 40), EngineView(1, 40)))
-        engine_caps = [KvLedger(settings_, specs).capacity(worker("w2", blocks=40, block_size=4))] * 2
+        engine = worker("w2", blocks=40, block_size=4)
+        fresh = KvLedger(settings_, specs)
+        engine_caps = [(fresh.capacity(engine), fresh.lone_room(engine) or 0)] * 2
+    # a request alone on a worker (engine) may take every block but the null one, past the watermark
+    lone = [KvLedger(settings_, specs).lone_room(w) or 0 for w in workers]
     made = []
     now = 0.0
     for o in ops:
@@ -268,15 +273,16 @@ def test_ledger_invariants_under_random_lifecycles(
                 r.first_token(now)
             else:
                 r.on_tokens(o[2], now)
-        for w in workers:
+        for w, lone_w in zip(workers, lone, strict=True):
             live = [x for x in made if x.worker_id == w.id and x.outcome is None]
             assert ledger.reserved(w.id) == sum(x.units for x in live)
             if w.engines:
-                for e, cap in enumerate(engine_caps):
-                    assert sum(x.units for x in live if x.engine == e) <= cap
+                for e, (cap, lone_e) in enumerate(engine_caps):
+                    on_e = [x.units for x in live if x.engine == e]
+                    assert sum(on_e) <= (lone_e if len(on_e) == 1 else cap)
                 assert all(x.engine in (0, 1) for x in live)
             else:
-                assert ledger.reserved(w.id) <= ledger.capacity(w)
+                assert ledger.reserved(w.id) <= (lone_w if len(live) == 1 else ledger.capacity(w))
     for r in made:  # the gateway's finally: release everything still held
         r.release(Outcome.COMPLETED)
     assert all(ledger.reserved(w.id) == 0 for w in workers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from scheduler.kv.footprint import CompressionSpec
 from scheduler.kv.ledger import KvLedger, LedgerSettings, SpecTable
+from scheduler.length_predictor import LengthPredictor
 from tests.kv.kvkit import request, worker
 
 
@@ -149,3 +150,26 @@ def test_batch_admission_plans_a_lone_request_on_a_data_parallel_workers_empty_e
     assert led.fits(big, w, 0.0) and led.lone_room(w) == 99
     inst = build_instance([big], [w], led, 0.0, AdmissionParams())
     assert inst.need == {(0, 0): 98}  # all of the empty engine's free pages
+
+
+def test_a_request_alone_grows_as_far_as_it_could_be_admitted_and_not_beside_another() -> None:
+    """Growth was bounded by the watermarked capacity (98 of 100 blocks) though the same request, asked for
+    its full length on the empty worker, is admitted at 99: alone it now grows to 99. With a second request
+    beside it, the watermark holds (the books stay within 98)."""
+    from scheduler.routing.reasons import Outcome
+
+    led = KvLedger(LedgerSettings(mode="predicted", watermark=0.02), predictor=LengthPredictor(min_samples=1))
+    w = worker("w0", blocks=100)  # capacity 98, alone 99
+    r = led.reserve(request("a", prompt=16 * 90, max_out=16 * 9, predicted=16), w, 0.0)  # 91 blocks now
+    assert r is not None and r.units == 91
+    while r.reserved_output < r.max_output:
+        assert r.on_tokens(r.reserved_output, 1.0)
+    assert (r.units, led.reserved("w0"), led.stats.grow_refused) == (99, 99, 0)
+    r.release(Outcome.COMPLETED)
+
+    r = led.reserve(request("a2", prompt=16 * 90, max_out=16 * 9, predicted=16), w, 2.0)
+    other = led.reserve(request("b", prompt=8, max_out=8, predicted=8), w, 2.0)  # 1 block beside it
+    assert r is not None and other is not None
+    while r.on_tokens(r.reserved_output, 3.0) and r.reserved_output < r.max_output:
+        pass
+    assert led.reserved("w0") <= 98 and led.stats.grow_refused == 1
