@@ -29,7 +29,7 @@ NAMESPACE = "llm"
 
 # Kinds the Prometheus operator and the Gateway API define as CRDs: kubernetes-validate ships only the
 # built-in API's OpenAPI schemas, so these are checked by structure (tests/chart/test_chart_structure.py).
-CRD_KINDS = frozenset({"ServiceMonitor", "PodMonitor", "HTTPRoute"})
+CRD_KINDS = frozenset({"ServiceMonitor", "PodMonitor", "PrometheusRule", "HTTPRoute"})
 
 # Label values: ≤ 63 chars, alphanumeric at both ends, `-_.` inside (Kubernetes' validation.IsValidLabelValue).
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")

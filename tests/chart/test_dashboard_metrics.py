@@ -5,59 +5,17 @@ metric names, REFERENCE.md). A renamed metric fails here instead of leaving an e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.chart.chartkit import CHART_DIR, REPO_ROOT
+from tests.chart.promkit import gateway_exports, metric_names, simulated_worker_exports
 
 DASHBOARDS = sorted((CHART_DIR / "dashboards").glob("*.json"))
-
-# Sample names a metric family exposes, by type (Prometheus text format 0.0.4, prometheus_client's naming).
-_SUFFIXES = {
-    "counter": ("_total", "_created"),
-    "histogram": ("_bucket", "_sum", "_count", "_created"),
-    "summary": ("", "_sum", "_count", "_created"),
-    "gauge": ("",),
-    "info": ("_info",),
-    "unknown": ("",),
-}
-# PromQL words that look like identifiers but are not metric names.
-_KEYWORDS = {
-    "by",
-    "without",
-    "on",
-    "ignoring",
-    "group_left",
-    "group_right",
-    "bool",
-    "and",
-    "or",
-    "unless",
-    "offset",
-    "inf",
-    "nan",
-}
-
-
-def metric_names(expr: str) -> set[str]:
-    """Metric names a PromQL expression selects (no PromQL parser is among the dependencies; the grammar
-    subset the dashboard uses is: functions and aggregations, `by (...)`, label matchers, range vectors)."""
-    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals (label values, $variables)
-    s = re.sub(r"\{[^}]*\}", " ", s)  # label matchers
-    s = re.sub(r"\[[^\]]*\]", " ", s)  # range selectors, e.g. [$__rate_interval]
-    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)  # label lists
-    names = set()
-    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
-        followed_by_call = s[m.end() :].lstrip().startswith("(")
-        if not followed_by_call and m.group().lower() not in _KEYWORDS:
-            names.add(m.group())
-    return names
 
 
 @pytest.mark.parametrize(
@@ -102,43 +60,6 @@ def _exprs(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
         query = var.get("query")
         if var["type"] == "query" and isinstance(query, dict):
             yield f"variable {var['name']}", re.sub(r"^label_values\((\w+),.*\)$", r"\1", query["query"])
-
-
-def _family_samples(name: str, kind: str) -> set[str]:
-    base = name.removesuffix("_total") if kind == "counter" else name
-    return {base + suffix for suffix in _SUFFIXES.get(kind, ("",))}
-
-
-def gateway_exports() -> set[str]:
-    """Every sample name the gateway's registry can expose (families exist before any label is used)."""
-    from server.metrics import GatewayMetrics
-
-    metrics = GatewayMetrics()
-    metrics.attach_live(lambda: [], dict)
-    return {s for fam in metrics.registry.collect() for s in _family_samples(fam.name, fam.type)}
-
-
-def simulated_worker_exports() -> set[str]:
-    """Sample names the simulated worker's /metrics serves, read over HTTP in-process (ASGI)."""
-    worker_app = pytest.importorskip(
-        "simulator.worker_app", reason="simulator/worker_app.py is not written yet"
-    )
-    import httpx
-
-    app = worker_app.create_worker_app(worker_app.WorkerConfig(gpu="A100-80GB", model="llama-3-8b"))
-
-    async def scrape() -> str:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://worker"
-        ) as client:
-            response = await client.get("/metrics")
-            response.raise_for_status()
-            return response.text
-
-    names: set[str] = set()
-    for fam in text_string_to_metric_families(asyncio.run(scrape())):
-        names |= _family_samples(fam.name, fam.type) | {s.name for s in fam.samples}
-    return names
 
 
 def test_dashboards_exist_and_are_grafana_json() -> None:

@@ -1,0 +1,312 @@
+"""The chart's alerting rules (`monitoring.prometheusRule`): what renders for which values, that every metric,
+label and label value a rule selects is one Mosaic or the simulated worker (vLLM's names) exposes, and that a
+live gateway's /metrics has the series the rules select, in the proportions the alerts compare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import helm_python as helm
+import httpx
+import pytest
+
+from tests.chart.chartkit import CHART_DIR, NAMESPACE, Rendered, render
+from tests.chart.promkit import (
+    TARGET_LABELS,
+    controller_labels,
+    gateway_labels,
+    label_lists,
+    samples,
+    selectors,
+    simulated_worker_labels,
+)
+
+ALERTS = [
+    "MosaicPoolNoReadyWorkers",
+    "MosaicGatewayErrors",
+    "MosaicRequestsShed",
+    "MosaicTTFTAboveSLO",
+    "MosaicTPOTAboveSLO",
+    "MosaicWorkerBreakerOpen",
+    "MosaicWorkerMetricsStale",
+    "MosaicWorkerPreempting",
+    "MosaicAutoscalerCycleFailing",
+    "MosaicAutoscalerScaleErrors",
+    "MosaicAutoscalerPlacementShortfall",
+]
+LATENCY = {"MosaicTTFTAboveSLO", "MosaicTPOTAboveSLO"}
+AUTOSCALER = {
+    "MosaicAutoscalerCycleFailing",
+    "MosaicAutoscalerScaleErrors",
+    "MosaicAutoscalerPlacementShortfall",
+}
+SLO = {"config": {"slo": {"ttft_ms": 500, "tpot_ms": 50}}}
+
+
+def on(**rule: Any) -> dict[str, Any]:
+    return {"monitoring": {"prometheusRule": {"enabled": True, **rule}}}
+
+
+def rules(rendered: Rendered) -> dict[str, dict[str, Any]]:
+    (obj,) = rendered.of_kind("PrometheusRule")
+    assert obj["apiVersion"] == "monitoring.coreos.com/v1" and obj["metadata"]["namespace"] == NAMESPACE
+    (group,) = obj["spec"]["groups"]
+    return {r["alert"]: r for r in group["rules"]}
+
+
+def test_no_rules_unless_enabled(chart: helm.Chart) -> None:
+    assert render(chart, SLO).of_kind("PrometheusRule") == []
+
+
+def test_every_alert_renders_with_the_slo_as_latency_thresholds(chart: helm.Chart) -> None:
+    got = rules(render(chart, {**on(), **SLO}))
+    assert list(got) == ALERTS
+    assert got["MosaicTTFTAboveSLO"]["expr"].startswith("histogram_quantile(0.9, ")
+    assert got["MosaicTTFTAboveSLO"]["expr"].endswith("\n> 0.5")  # 500 ms
+    assert got["MosaicTPOTAboveSLO"]["expr"].endswith("\n> 0.05")  # 50 ms
+    for r in got.values():
+        assert re.fullmatch(r"[0-9]+[smh]", r["for"]) and r["labels"]["severity"] in ("warning", "critical")
+        assert r["annotations"]["summary"] and r["annotations"]["description"]
+    assert got["MosaicPoolNoReadyWorkers"]["labels"]["severity"] == "critical"
+
+
+def test_latency_alerts_are_left_out_without_a_threshold(chart: helm.Chart) -> None:
+    assert list(rules(render(chart, on()))) == [a for a in ALERTS if a not in LATENCY]
+    only_ttft = {"config": {"slo": {"ttft_ms": 2000}}}
+    assert list(rules(render(chart, {**on(), **only_ttft}))) == [
+        a for a in ALERTS if a != "MosaicTPOTAboveSLO"
+    ]
+
+
+def test_thresholds_quantile_and_window_come_from_the_values(chart: helm.Chart) -> None:
+    values = on(
+        ttftSeconds=2,
+        tpotSeconds=0.1,
+        latencyQuantile=0.99,
+        errorRatio=0.02,
+        shedRatio=0.1,
+        rateWindow="2m",
+        scrapeAgeSeconds=30,
+    )
+    got = rules(render(chart, {**values, **SLO}))  # explicit seconds win over config.slo
+    ttft = got["MosaicTTFTAboveSLO"]
+    assert ttft["expr"].startswith("histogram_quantile(0.99, ") and ttft["expr"].endswith("[2m])))\n> 2")
+    assert "quantile 0.99" in ttft["annotations"]["summary"]
+    assert got["MosaicTPOTAboveSLO"]["expr"].endswith("\n> 0.1")
+    assert got["MosaicGatewayErrors"]["expr"].endswith("[2m]))\n> 0.02")
+    assert got["MosaicRequestsShed"]["expr"].endswith("[2m]))\n> 0.1")
+    assert got["MosaicWorkerMetricsStale"]["expr"].endswith(") > 30")
+
+
+def test_disabled_overrides_and_labels(chart: helm.Chart) -> None:
+    values = on(
+        disabled=["MosaicWorkerPreempting"],
+        overrides={"MosaicRequestsShed": {"for": "30m", "severity": "critical"}},
+        labels={"release": "kube-prometheus-stack"},
+        alertLabels={"team": "llm-platform"},
+    )
+    rendered = render(chart, values)
+    got = rules(rendered)
+    assert "MosaicWorkerPreempting" not in got and len(got) == len(ALERTS) - len(LATENCY) - 1
+    shed = got["MosaicRequestsShed"]
+    assert (shed["for"], shed["labels"]["severity"]) == ("30m", "critical")
+    assert (got["MosaicGatewayErrors"]["for"], got["MosaicWorkerBreakerOpen"]["labels"]["severity"]) == (
+        "10m",
+        "warning",
+    )
+    assert all(r["labels"]["team"] == "llm-platform" for r in got.values())
+    (obj,) = rendered.of_kind("PrometheusRule")
+    assert obj["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_every_alert_disabled_renders_no_rule(chart: helm.Chart) -> None:
+    assert render(chart, {**on(disabled=ALERTS), **SLO}).of_kind("PrometheusRule") == []
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param(on(disabled=["MosaicTypo"]), id="disabled"),
+        pytest.param(on(overrides={"MosaicTypo": {"for": "5m"}}), id="overrides"),
+    ],
+)
+def test_an_unknown_alert_name_fails_the_render(chart: helm.Chart, values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError) as caught:
+        render(chart, values)
+    assert "value must be one of 'MosaicPoolNoReadyWorkers', 'MosaicGatewayErrors', " in str(caught.value)
+
+
+def test_the_schema_and_the_template_name_the_same_alerts() -> None:
+    """The schema refuses an unknown name in `disabled`/`overrides`; the template's own list (its `fail`
+    guards a render with --skip-schema-validation) and this file's must stay the same."""
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    rule = schema["properties"]["monitoring"]["properties"]["prometheusRule"]["properties"]
+    assert rule["disabled"]["items"]["enum"] == ALERTS
+    assert rule["overrides"]["propertyNames"]["enum"] == ALERTS
+    template = (CHART_DIR / "templates" / "prometheusrule.yaml").read_text()
+    listed = re.search(r"\$names := list ((?:\"\w+\" ?)+)", template)
+    assert listed is not None and re.findall(r"\"(\w+)\"", listed[1]) == ALERTS
+    assert re.findall(r'"alert" "(\w+)"', template) == ALERTS  # each written once, in this order
+
+
+@pytest.mark.parametrize(
+    "controller",
+    [
+        pytest.param({"enabled": False}, id="no controller"),
+        pytest.param({"metricsPort": 0}, id="no metrics port"),
+    ],
+)
+def test_autoscaler_alerts_need_the_controllers_metrics(
+    chart: helm.Chart, controller: dict[str, Any]
+) -> None:
+    got = rules(render(chart, {**on(), "controller": controller}))
+    assert not AUTOSCALER & set(got) and "MosaicGatewayErrors" in got
+
+
+@pytest.mark.parametrize(
+    ("selector", "expected"),
+    [
+        pytest.param(None, ("namespace", "=", NAMESPACE), id="default: the release's namespace"),
+        pytest.param('cluster="eu-1"', ("cluster", "=", "eu-1"), id="a matcher of the user's"),
+        pytest.param("", None, id="none"),
+    ],
+)
+def test_every_selector_carries_the_configured_matchers(
+    chart: helm.Chart, selector: str | None, expected: tuple[str, str, str] | None
+) -> None:
+    got = rules(render(chart, {**on(selector=selector), **SLO}))
+    seen = [sel for r in got.values() for sel in selectors(r["expr"])]
+    assert len(seen) >= len(ALERTS)
+    for sel in seen:
+        if expected is not None:
+            assert sel.matchers[-1] == expected, sel
+        else:
+            assert all(label != "namespace" for label, _, _ in sel.matchers), sel
+
+
+def test_every_metric_and_label_a_rule_uses_is_exposed(chart: helm.Chart) -> None:
+    """Names from the gateway's and the controller's registries and the simulated worker's /metrics; labels
+    in matchers and `by`/`on` lists on those samples or put there by the scrape; `$labels.x` in annotations
+    on the alert's series (the expression's outer `by`)."""
+    exposed = {**gateway_labels(), **controller_labels(), **simulated_worker_labels()}
+    for name, r in rules(render(chart, {**on(), **SLO})).items():
+        sels = selectors(r["expr"])
+        assert sels, name
+        available = set(TARGET_LABELS)
+        for sel in sels:
+            assert sel.name in exposed, f"{name}: {sel.name} is not exposed"
+            available |= exposed[sel.name]
+            for label, _, _ in sel.matchers:
+                assert label in exposed[sel.name] | TARGET_LABELS, f"{name}: {sel.name} has no label {label}"
+        lists = label_lists(r["expr"])
+        for keyword, labels in lists:
+            assert set(labels) <= available, f"{name}: {keyword} ({labels}) not among {sorted(available)}"
+        outer = next((set(labels) - {"le"} for kw, labels in lists if kw == "by"), available)
+        for text in r["annotations"].values():
+            for label in re.findall(r"\$labels\.(\w+)", text):
+                assert label in outer, f"{name}: the alert's series have no {label} label"
+
+
+def _emitted_outcomes() -> set[str]:
+    from scheduler.routing.reasons import REJECT_TABLE, Outcome
+    from server.errors import Cause
+    from server.failure import GatewayOutcome
+
+    rejected = {f"rejected_{c.value}" for c in Cause} | {f"rejected_{r.code}" for r in REJECT_TABLE.values()}
+    return {o.value for o in Outcome} | {o.value for o in GatewayOutcome} | rejected
+
+
+def test_every_label_value_a_rule_matches_is_one_mosaic_emits(chart: helm.Chart) -> None:
+    """A typo in `outcome=~"rejected_(...)"` or `state="ready"` would select nothing, and the alert would
+    never fire: every alternative must be a value the gateway can write."""
+    from scheduler.fleet import WorkerState
+    from scheduler.routing.reasons import REJECT_TABLE
+    from server.errors import ERROR_TABLE
+
+    domains = {
+        "outcome": _emitted_outcomes(),
+        "state": {s.value for s in WorkerState},
+        "status": {str(s) for s, _ in ERROR_TABLE.values()} | {str(r.status) for r in REJECT_TABLE.values()},
+    }
+    checked = 0
+    for name, r in rules(render(chart, {**on(selector=""), **SLO})).items():
+        for sel in selectors(r["expr"]):
+            for label, op, value in sel.matchers:
+                domain = domains[label]
+                if op == "=":
+                    assert value in domain, f"{name}: {label}={value!r} is never emitted"
+                else:
+                    grouped = re.fullmatch(r"(\w*)\(([\w|]+)\)", value)
+                    alternatives = [grouped[1] + a for a in grouped[2].split("|")] if grouped else [value]
+                    for alt in alternatives:
+                        hits = {v for v in domain if re.fullmatch(alt, v)}
+                        assert hits, f"{name}: {label}=~{value!r}: {alt!r} matches nothing emitted"
+                checked += 1
+    assert checked == 3  # the errors' status, the shed outcomes, the ready state
+
+
+MODEL = "llama-3-8b"
+
+
+def test_the_rules_select_a_live_gateways_series_in_the_proportions_they_compare(chart: helm.Chart) -> None:
+    """One L4 slot and a queue of one (as tests/gateway/test_protection.py): a stream, then a burst of four
+    of which one runs, two find the queue full and one waits out its deadline. The shed rule's numerator
+    then counts 3 and its denominator 5, and each rule's other selectors find their series."""
+    from server.config import validate_config
+    from tests.gateway.serverkit import GatewayThread
+
+    cfg = validate_config(
+        {
+            "pools": [
+                {
+                    "name": "l4",
+                    "model": MODEL,
+                    "gpu": "L4",
+                    "role": "mixed",
+                    "max_num_seqs": 1,
+                    "endpoints": {"simulated": {"replicas": 1, "time_scale": 2.0}},
+                }
+            ],
+            "routing": {"plugins": [{"type": "at-capacity", "params": {"inflight_factor": 1.0}}]},
+            "limits": {"queue_size": 1, "queue_deadline_s": 0.4},
+        }
+    )
+    body = {"model": MODEL, "prompt": [1] * 16, "max_tokens": 40, "ignore_eos": True}
+
+    async def traffic(url: str) -> list[int]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            stream = await http.post("/v1/completions", json={**body, "max_tokens": 8, "stream": True})
+            first = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            rest = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(3)]
+            return [stream.status_code, *[(await t).status_code for t in (first, *rest)]]
+
+    with GatewayThread(cfg) as gw:
+        assert sorted(asyncio.run(traffic(gw.url))) == [200, 200, 429, 429, 429]
+        gw.metric_reaches("mosaic_requests_received_total", 5, model=MODEL)
+        text = httpx.get(f"{gw.url}/metrics").text
+    exposition = list(samples(text))
+
+    def total(sel: Any) -> float:
+        return sum(v for n, labels, v in exposition if sel.matches(n, labels))
+
+    got = rules(render(chart, {**on(selector=""), **SLO}))
+    shed = selectors(got["MosaicRequestsShed"]["expr"])
+    assert [total(s) for s in shed] == [3.0, 5.0]  # 2 queue_full + 1 queue_timeout, of 5 received
+    errors = selectors(got["MosaicGatewayErrors"]["expr"])
+    assert [total(s) for s in errors] == [0.0, 5.0]  # no 5xx among the 5 answers
+    workers, ready = selectors(got["MosaicPoolNoReadyWorkers"]["expr"])
+    assert total(workers) == total(ready) == 1.0  # the one worker, ready: the rule's `unless` leaves nothing
+    for alert in ("MosaicTTFTAboveSLO", "MosaicTPOTAboveSLO"):
+        (bucket,) = selectors(got[alert]["expr"])
+        inf = [v for n, labels, v in exposition if bucket.matches(n, labels) and labels["le"] == "+Inf"]
+        assert inf == [1.0], alert  # the stream: TTFT and TPOT are measured on streams
+    (breaker,) = selectors(got["MosaicWorkerBreakerOpen"]["expr"])
+    assert [v for n, labels, v in exposition if breaker.matches(n, labels)] == [0.0]
+    (age,) = selectors(got["MosaicWorkerMetricsStale"]["expr"])
+    ages = [v for n, labels, v in exposition if age.matches(n, labels)]
+    assert len(ages) == 1 and 0.0 <= ages[0] < 60
