@@ -125,7 +125,10 @@ class PlacementBook:
             s.name: InstanceKind(s.model, s.gpu, pools[s.name].tp, Role(s.role), pools[s.name].dp)
             for s in specs
         }
-        return cls(TopologyPlacer(inventory, kinds), PlacementMetrics(registry), config.autoscaler.history)
+        metrics = PlacementMetrics(registry)
+        for s in specs:  # each series from the start: increase() misses a counter's first step
+            metrics.shortfall.labels(s.name)
+        return cls(TopologyPlacer(inventory, kinds), metrics, config.autoscaler.history)
 
     def seed(self, counts: Mapping[str, int], places: Any) -> None:
         """Computed slots for the instances running at startup in pools the actuator does not place."""

@@ -140,6 +140,8 @@ class AutoscalerController:
         self.reader = reader
         self.metrics = metrics
         self.managed = managed
+        for pool in sorted(managed):  # each series from the start: increase() misses a counter's first step
+            metrics.errors.labels(pool)
         self.offload = offload  # blocking actuator (Kubernetes API calls): run its calls in a thread
         self.clock = clock
         self.policy_config = self.settings.policy_config(config.slo)

@@ -27,7 +27,7 @@ from tests.chart.promkit import (
 
 ALERTS = [
     "MosaicPoolNoReadyWorkers",
-    "MosaicGatewayErrors",
+    "MosaicRequestsFailing",
     "MosaicRequestsShed",
     "MosaicTTFTAboveSLO",
     "MosaicTPOTAboveSLO",
@@ -48,7 +48,8 @@ SLO = {"config": {"slo": {"ttft_ms": 500, "tpot_ms": 50}}}
 
 
 def on(**rule: Any) -> dict[str, Any]:
-    return {"monitoring": {"prometheusRule": {"enabled": True, **rule}}}
+    """The rules on, with the ServiceMonitor whose series they select."""
+    return {"monitoring": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True, **rule}}}
 
 
 def rules(rendered: Rendered) -> dict[str, dict[str, Any]]:
@@ -66,8 +67,12 @@ def test_every_alert_renders_with_the_slo_as_latency_thresholds(chart: helm.Char
     got = rules(render(chart, {**on(), **SLO}))
     assert list(got) == ALERTS
     assert got["MosaicTTFTAboveSLO"]["expr"].startswith("histogram_quantile(0.9, ")
-    assert got["MosaicTTFTAboveSLO"]["expr"].endswith("\n> 0.5")  # 500 ms
-    assert got["MosaicTPOTAboveSLO"]["expr"].endswith("\n> 0.05")  # 50 ms
+    assert "[5m])))\n> 0.5\nand on" in got["MosaicTTFTAboveSLO"]["expr"]  # 500 ms
+    assert "[5m])))\n> 0.05\nand on" in got["MosaicTPOTAboveSLO"]["expr"]  # 50 ms
+    for name in ("MosaicRequestsFailing", "MosaicRequestsShed", *LATENCY):  # judged from 0.05 requests/s
+        assert got[name]["expr"].endswith("[5m])) > 0.05"), name
+    # a pool may load for the vLLM startup probe's budget (10 s × 180 = 30 min) before it counts as down
+    assert got["MosaicPoolNoReadyWorkers"]["for"] == "35m"
     for r in got.values():
         assert re.fullmatch(r"[0-9]+[smh]", r["for"]) and r["labels"]["severity"] in ("warning", "critical")
         assert r["annotations"]["summary"] and r["annotations"]["description"]
@@ -89,17 +94,24 @@ def test_thresholds_quantile_and_window_come_from_the_values(chart: helm.Chart) 
         latencyQuantile=0.99,
         errorRatio=0.02,
         shedRatio=0.1,
+        minRequestRate=1,
+        preemptionRatio=0.2,
         rateWindow="2m",
         scrapeAgeSeconds=30,
     )
-    got = rules(render(chart, {**values, **SLO}))  # explicit seconds win over config.slo
+    startup = {"vllm": {"probes": {"startup": {"periodSeconds": 10, "failureThreshold": 30}}}}  # 5 min
+    got = rules(render(chart, {**values, **SLO, **startup}))  # explicit seconds win over config.slo
     ttft = got["MosaicTTFTAboveSLO"]
-    assert ttft["expr"].startswith("histogram_quantile(0.99, ") and ttft["expr"].endswith("[2m])))\n> 2")
+    assert ttft["expr"].startswith("histogram_quantile(0.99, ") and "[2m])))\n> 2\nand on" in ttft["expr"]
     assert "quantile 0.99" in ttft["annotations"]["summary"]
-    assert got["MosaicTPOTAboveSLO"]["expr"].endswith("\n> 0.1")
-    assert got["MosaicGatewayErrors"]["expr"].endswith("[2m]))\n> 0.02")
-    assert got["MosaicRequestsShed"]["expr"].endswith("[2m]))\n> 0.1")
-    assert got["MosaicWorkerMetricsStale"]["expr"].endswith(") > 30")
+    assert "\n> 0.1\nand on" in got["MosaicTPOTAboveSLO"]["expr"]
+    assert "[2m]))\n> 0.02\nand on" in got["MosaicRequestsFailing"]["expr"]
+    assert "[2m]))\n> 0.1\nand on" in got["MosaicRequestsShed"]["expr"]
+    for name in ("MosaicRequestsFailing", "MosaicRequestsShed", *LATENCY):
+        assert got[name]["expr"].endswith("[2m])) > 1"), name
+    assert got["MosaicWorkerPreempting"]["expr"].endswith("[2m]))\n> 0.2")
+    assert ") > 30\nand on" in got["MosaicWorkerMetricsStale"]["expr"]
+    assert got["MosaicPoolNoReadyWorkers"]["for"] == "15m"  # never shorter
 
 
 def test_disabled_overrides_and_labels(chart: helm.Chart) -> None:
@@ -114,7 +126,7 @@ def test_disabled_overrides_and_labels(chart: helm.Chart) -> None:
     assert "MosaicWorkerPreempting" not in got and len(got) == len(ALERTS) - len(LATENCY) - 1
     shed = got["MosaicRequestsShed"]
     assert (shed["for"], shed["labels"]["severity"]) == ("30m", "critical")
-    assert (got["MosaicGatewayErrors"]["for"], got["MosaicWorkerBreakerOpen"]["labels"]["severity"]) == (
+    assert (got["MosaicRequestsFailing"]["for"], got["MosaicWorkerBreakerOpen"]["labels"]["severity"]) == (
         "10m",
         "warning",
     )
@@ -137,7 +149,7 @@ def test_every_alert_disabled_renders_no_rule(chart: helm.Chart) -> None:
 def test_an_unknown_alert_name_fails_the_render(chart: helm.Chart, values: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmError) as caught:
         render(chart, values)
-    assert "value must be one of 'MosaicPoolNoReadyWorkers', 'MosaicGatewayErrors', " in str(caught.value)
+    assert "value must be one of 'MosaicPoolNoReadyWorkers', 'MosaicRequestsFailing', " in str(caught.value)
 
 
 def test_the_schema_and_the_template_name_the_same_alerts() -> None:
@@ -154,17 +166,38 @@ def test_the_schema_and_the_template_name_the_same_alerts() -> None:
 
 
 @pytest.mark.parametrize(
-    "controller",
+    "values",
     [
-        pytest.param({"enabled": False}, id="no controller"),
-        pytest.param({"metricsPort": 0}, id="no metrics port"),
+        pytest.param({"controller": {"enabled": False}}, id="no controller"),
+        pytest.param({"controller": {"metricsPort": 0}}, id="no metrics port"),
+        pytest.param(
+            {"monitoring": {"scrapeAnnotations": False, "prometheusRule": {"enabled": True, "selector": ""}}},
+            id="no monitor and no scrape annotations",
+        ),
     ],
 )
-def test_autoscaler_alerts_need_the_controllers_metrics(
-    chart: helm.Chart, controller: dict[str, Any]
+def test_autoscaler_alerts_need_the_controllers_metrics_scraped(
+    chart: helm.Chart, values: dict[str, Any]
 ) -> None:
-    got = rules(render(chart, {**on(), "controller": controller}))
-    assert not AUTOSCALER & set(got) and "MosaicGatewayErrors" in got
+    got = rules(render(chart, {**on(), **values}))
+    assert not AUTOSCALER & set(got) and "MosaicRequestsFailing" in got
+
+
+def test_autoscaler_alerts_with_the_controller_scraped_by_annotation(chart: helm.Chart) -> None:
+    """No operator monitor: the controller's pod carries prometheus.io/* annotations, and a selector for that
+    Prometheus's own labels keeps the autoscaler alerts."""
+    annotated = {"monitoring": {"prometheusRule": {"enabled": True, "selector": 'job="mosaic"'}}}
+    assert set(rules(render(chart, annotated))) >= AUTOSCALER
+
+
+def test_the_default_scope_needs_a_monitor_of_the_chart(chart: helm.Chart) -> None:
+    """`namespace="<release namespace>"` is the label the operator's monitors put on their targets: with
+    neither monitor on nothing would carry it and every rule would select nothing, silently."""
+    with pytest.raises(helm.HelmError) as caught:
+        render(chart, {"monitoring": {"prometheusRule": {"enabled": True}}})
+    assert "turn one of monitoring.serviceMonitor, monitoring.podMonitor on" in str(caught.value)
+    pod_monitor = {"monitoring": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
+    assert "MosaicRequestsFailing" in rules(render(chart, pod_monitor))
 
 
 @pytest.mark.parametrize(
@@ -216,7 +249,10 @@ def _emitted_outcomes() -> set[str]:
     from server.errors import Cause
     from server.failure import GatewayOutcome
 
-    rejected = {f"rejected_{c.value}" for c in Cause} | {f"rejected_{r.code}" for r in REJECT_TABLE.values()}
+    # Cause.NO_WORKER is raised on the request path only with the router's code as its reason (admission's
+    # `_refuse_if_final`); its other raisers (tokenize, LoRA admin) record no outcome
+    causes = {c.value for c in Cause} - {Cause.NO_WORKER.value}
+    rejected = {f"rejected_{c}" for c in causes} | {f"rejected_{r.code}" for r in REJECT_TABLE.values()}
     return {o.value for o in Outcome} | {o.value for o in GatewayOutcome} | rejected
 
 
@@ -224,13 +260,10 @@ def test_every_label_value_a_rule_matches_is_one_mosaic_emits(chart: helm.Chart)
     """A typo in `outcome=~"rejected_(...)"` or `state="ready"` would select nothing, and the alert would
     never fire: every alternative must be a value the gateway can write."""
     from scheduler.fleet import WorkerState
-    from scheduler.routing.reasons import REJECT_TABLE
-    from server.errors import ERROR_TABLE
 
     domains = {
         "outcome": _emitted_outcomes(),
         "state": {s.value for s in WorkerState},
-        "status": {str(s) for s, _ in ERROR_TABLE.values()} | {str(r.status) for r in REJECT_TABLE.values()},
     }
     checked = 0
     for name, r in rules(render(chart, {**on(selector=""), **SLO})).items():
@@ -241,12 +274,16 @@ def test_every_label_value_a_rule_matches_is_one_mosaic_emits(chart: helm.Chart)
                     assert value in domain, f"{name}: {label}={value!r} is never emitted"
                 else:
                     grouped = re.fullmatch(r"(\w*)\(([\w|]+)\)", value)
-                    alternatives = [grouped[1] + a for a in grouped[2].split("|")] if grouped else [value]
+                    alternatives = (
+                        [grouped[1] + a for a in grouped[2].split("|")] if grouped else value.split("|")
+                    )
                     for alt in alternatives:
                         hits = {v for v in domain if re.fullmatch(alt, v)}
                         assert hits, f"{name}: {label}=~{value!r}: {alt!r} matches nothing emitted"
                 checked += 1
-    assert checked == 3  # the errors' status, the shed outcomes, the ready state
+    # the failures' and the shed outcomes; the ready state (no ready worker, stale metrics); ready or
+    # unhealthy (an open breaker)
+    assert checked == 5
 
 
 MODEL = "llama-3-8b"
@@ -255,7 +292,8 @@ MODEL = "llama-3-8b"
 def test_the_rules_select_a_live_gateways_series_in_the_proportions_they_compare(chart: helm.Chart) -> None:
     """One L4 slot and a queue of one (as tests/gateway/test_protection.py): a stream, then a burst of four
     of which one runs, two find the queue full and one waits out its deadline. The shed rule's numerator
-    then counts 3 and its denominator 5, and each rule's other selectors find their series."""
+    then counts 3 and its denominator 5, the failure rule's 0 of 5, and each rule's other selectors find
+    their series."""
     from server.config import validate_config
     from tests.gateway.serverkit import GatewayThread
 
@@ -295,18 +333,22 @@ def test_the_rules_select_a_live_gateways_series_in_the_proportions_they_compare
         return sum(v for n, labels, v in exposition if sel.matches(n, labels))
 
     got = rules(render(chart, {**on(selector=""), **SLO}))
-    shed = selectors(got["MosaicRequestsShed"]["expr"])
-    assert [total(s) for s in shed] == [3.0, 5.0]  # 2 queue_full + 1 queue_timeout, of 5 received
-    errors = selectors(got["MosaicGatewayErrors"]["expr"])
-    assert [total(s) for s in errors] == [0.0, 5.0]  # no 5xx among the 5 answers
-    workers, ready = selectors(got["MosaicPoolNoReadyWorkers"]["expr"])
-    assert total(workers) == total(ready) == 1.0  # the one worker, ready: the rule's `unless` leaves nothing
-    for alert in ("MosaicTTFTAboveSLO", "MosaicTPOTAboveSLO"):
-        (bucket,) = selectors(got[alert]["expr"])
+    counts = {name: [total(sel) for sel in selectors(r["expr"])] for name, r in got.items()}
+    # failures: none of the 5 outcomes; all 5 received (≥ the traffic floor)
+    assert counts["MosaicRequestsFailing"] == [0.0, 5.0, 5.0]
+    assert counts["MosaicRequestsShed"] == [3.0, 5.0, 5.0]  # 2 queue_full + 1 queue_timeout, of 5 received
+    # the one worker listed, and ready: the rule's `unless` leaves nothing
+    assert counts["MosaicPoolNoReadyWorkers"] == [1.0, 1.0]
+    for alert in LATENCY:
+        bucket, count = selectors(got[alert]["expr"])
         inf = [v for n, labels, v in exposition if bucket.matches(n, labels) and labels["le"] == "+Inf"]
-        assert inf == [1.0], alert  # the stream: TTFT and TPOT are measured on streams
-    (breaker,) = selectors(got["MosaicWorkerBreakerOpen"]["expr"])
+        assert inf == [1.0] and total(count) == 1.0, (
+            alert
+        )  # the stream: TTFT and TPOT are measured on streams
+    breaker, ready_or_unhealthy = selectors(got["MosaicWorkerBreakerOpen"]["expr"])
     assert [v for n, labels, v in exposition if breaker.matches(n, labels)] == [0.0]
-    (age,) = selectors(got["MosaicWorkerMetricsStale"]["expr"])
+    assert total(ready_or_unhealthy) == 1.0
+    age, ready, closed = selectors(got["MosaicWorkerMetricsStale"]["expr"])
     ages = [v for n, labels, v in exposition if age.matches(n, labels)]
-    assert len(ages) == 1 and 0.0 <= ages[0] < 60
+    assert len(ages) == 1 and 0.0 <= ages[0] < 60 and total(ready) == 1.0
+    assert [v for n, labels, v in exposition if closed.matches(n, labels)] == [0.0]

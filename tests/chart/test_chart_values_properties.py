@@ -330,12 +330,12 @@ def values(draw: st.DrawFn) -> dict[str, Any]:
         }
         v["monitoring"]["grafanaDashboard"] = {"enabled": draw(st.booleans())}
     if draw(st.booleans()):
-        names = ["MosaicGatewayErrors", "MosaicWorkerPreempting", "MosaicAutoscalerScaleErrors"]
+        names = ["MosaicRequestsFailing", "MosaicWorkerPreempting", "MosaicAutoscalerScaleErrors"]
         v.setdefault("monitoring", {})["prometheusRule"] = {
             "enabled": True,
             "selector": draw(st.sampled_from([None, "", 'cluster="eu-1"'])),
             "disabled": draw(st.lists(st.sampled_from(names), unique=True)),
-            "overrides": draw(st.sampled_from([{}, {"MosaicGatewayErrors": {"severity": "page: now"}}])),
+            "overrides": draw(st.sampled_from([{}, {"MosaicRequestsFailing": {"severity": "page: now"}}])),
             "ttftSeconds": draw(st.sampled_from([None, 0.8])),
         }
     if draw(st.booleans()):

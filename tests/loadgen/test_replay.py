@@ -273,9 +273,20 @@ def test_requests_waiting_for_a_concurrency_slot_hold_no_task_of_their_own() -> 
     spec = "synthetic:rate=100000,n=3000,arrival=constant,input=uniform:5:60,output=uniform:1:9,seed=3"
     worker = FakeWorker(step_s=0.05)  # 50 ms per token: ≥ 50 ms a request, two at a time
 
+    handle = worker._handle
+
     async def main() -> RunResult:
         stop = asyncio.Event()
-        asyncio.get_running_loop().call_later(0.5, stop.set)
+        loop = asyncio.get_running_loop()
+
+        async def first_send_starts_the_clock(body: dict[str, object], chat: bool) -> object:
+            # 0.5 s from the first send: the opening burst's 3,000 bodies are built before it (~0.3 s here),
+            # and a timer started before the replay left too little time for three records on a slow machine
+            if not worker.received:
+                loop.call_later(0.5, stop.set)
+            return await handle(body, chat)
+
+        worker._handle = first_send_starts_the_clock  # type: ignore[method-assign]
         scheduled = schedule(open_trace(spec), ScheduleOptions())
         transport = httpx.ASGITransport(app=worker.app())
         return await replay(
