@@ -147,7 +147,7 @@ class FakeAppsApi:
         return None
 
 
-async def _kubernetes(api: FakeAppsApi) -> tuple[list[Any], float]:
+async def _kubernetes(api: FakeAppsApi) -> tuple[list[Any], float, float | None]:
     cfg = validate_config(
         {
             "pools": [
@@ -177,20 +177,22 @@ async def _kubernetes(api: FakeAppsApi) -> tuple[list[Any], float]:
             offload=True,
             actuator_factory=lambda initial: KubernetesActuator(api, "llm", {"dec": "mosaic-dec"}),
         )
+        # the pool's series exists before any failure: Prometheus' increase() would miss its first step
+        before = gw.metrics.registry.get_sample_value("mosaic_autoscaler_scale_errors_total", {"pool": "dec"})
         await ctl.cycle()
         await ctl.cycle()
         errors = (
             gw.metrics.registry.get_sample_value("mosaic_autoscaler_scale_errors_total", {"pool": "dec"})
             or 0.0
         )
-        return list(ctl.actions), errors
+        return list(ctl.actions), errors, before
     finally:
         await gw.stop()
 
 
 def test_controller_patches_the_deployment_scale_once_then_holds() -> None:
     api = FakeAppsApi(replicas=1)
-    actions, errors = asyncio.run(_kubernetes(api))
+    actions, errors, _ = asyncio.run(_kubernetes(api))
     # cycle 1: read (desired), read (actuator's before), patch → 3; cycle 2: read → 3 = target, nothing to do
     assert api.calls == [
         ("read", "mosaic-dec", "llm"),
@@ -203,8 +205,8 @@ def test_controller_patches_the_deployment_scale_once_then_holds() -> None:
 
 def test_a_refused_patch_is_recorded_and_retried_next_cycle() -> None:
     api = FakeAppsApi(replicas=1, refuse=True)
-    actions, errors = asyncio.run(_kubernetes(api))
+    actions, errors, before = asyncio.run(_kubernetes(api))
     assert [(a["before"], a["after"], a["applied"], a["error"]) for a in actions] == [
         (1, 1, False, "patching deployments/mosaic-dec/scale in namespace llm to 3 replicas: 403 Forbidden")
     ] * 2
-    assert errors == 2.0
+    assert (before, errors) == (0.0, 2.0)

@@ -115,6 +115,8 @@ async def _dry_run(cfg: MosaicConfig) -> dict[str, Any]:
             "actions": [(a["pool"], a["before"], a["after"]) for a in ctl.actions],
             "decision": ctl.decisions[-1],
             "shortfall": metric("mosaic_autoscaler_placement_shortfall_total", {"pool": "decode"}),
+            # every pool's series from the start, so Prometheus' increase() sees a first shortfall
+            "prefill_shortfall": metric("mosaic_autoscaler_placement_shortfall_total", {"pool": "prefill"}),
             "cross": metric("mosaic_autoscaler_cross_domain_pairs", {}),
             "topology": ctl.describe()["topology"],
             "workers": len(running.gateway.registry.records()),
@@ -136,7 +138,7 @@ def test_short_inventory_clips_the_decision_with_a_reason_a_metric_and_a_log(
         "decode": 2,
         "why": "not enough free GPUs — L4: need 5 GPUs, 3 free",
     }
-    assert out["shortfall"] == 2.0
+    assert (out["shortfall"], out["prefill_shortfall"]) == (2.0, 0.0)
     assert (
         out["topology"]["shortfalls"][0]["requested"] == 5 and out["topology"]["shortfalls"][0]["placed"] == 3
     )
