@@ -10,6 +10,7 @@ import asyncio
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -112,13 +113,35 @@ def family_samples(name: str, kind: str) -> set[str]:
     return {base + suffix for suffix in _SUFFIXES.get(kind, ("",))}
 
 
-def gateway_exports() -> set[str]:
-    """Every sample name the gateway's registry can expose (families exist before any label is used)."""
+def _gateway_metrics() -> Any:
+    """The gateway's registry with every collector a gateway can attach (KV reservation's included)."""
+    from scheduler.kv.ledger import LedgerStats
+    from server.kv_admission import KvQueueStats
     from server.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
-    metrics.attach_live(lambda: [], dict)
-    return {s for fam in metrics.registry.collect() for s in family_samples(fam.name, fam.type)}
+    metrics.attach_live(lambda: [], dict, dict)
+    metrics.attach_kv_ledger(LedgerStats)
+    metrics.attach_kv_queue(KvQueueStats)
+    return metrics
+
+
+def _controller_registry() -> CollectorRegistry:
+    """The autoscaler's metrics (`mosaic autoscale --metrics-port`, or a gateway with the autoscaler on)."""
+    from server.autoscale_placement import PlacementMetrics
+    from server.autoscaling import AutoscalerMetrics
+
+    registry = CollectorRegistry()
+    AutoscalerMetrics(registry)
+    PlacementMetrics(registry)
+    return registry
+
+
+def gateway_exports() -> set[str]:
+    """Every sample name the gateway's and the controller's registries can expose (families exist before any
+    label is used)."""
+    registries = (_gateway_metrics().registry, _controller_registry())
+    return {s for r in registries for fam in r.collect() for s in family_samples(fam.name, fam.type)}
 
 
 def _labels_by_sample(registry: CollectorRegistry) -> dict[str, set[str]]:
@@ -131,11 +154,16 @@ def _labels_by_sample(registry: CollectorRegistry) -> dict[str, set[str]]:
 
 def gateway_labels() -> dict[str, set[str]]:
     """Sample name → its label names, from the gateway's registry with one series of every metric."""
+    from scheduler.kv.ledger import LedgerStats
+    from server.kv_admission import KvQueueStats
     from server.metrics import Counter, GatewayMetrics, Histogram, WorkerGaugeRow
 
     metrics = GatewayMetrics()
     row = WorkerGaugeRow("w", "p", "ready", 0, 0, False, 0.5, 1.0)
-    metrics.attach_live(lambda: [row], lambda: {"m": 1})
+    kv = {"w": {"total_units": 1, "reserved_units": 0, "shrink_units": 0, "active": 0, "estimate_error": 0.0}}
+    metrics.attach_live(lambda: [row], lambda: {"m": 1}, lambda: kv)
+    metrics.attach_kv_ledger(LedgerStats)
+    metrics.attach_kv_queue(KvQueueStats)
     for m in vars(metrics).values():
         if isinstance(m, Counter | Histogram):
             m.labels(*("x",) * len(m.labelnames))

@@ -1,6 +1,7 @@
-"""The Grafana dashboard queries only metrics that exist: `mosaic_*` names from the gateway's own registry
-(server/metrics.py) and `vllm:*` names from what the simulated worker's /metrics serves (it speaks vLLM's
-metric names, REFERENCE.md). A renamed metric fails here instead of leaving an empty panel.
+"""The Grafana dashboard queries only metrics that exist: `mosaic_*` names from the gateway's registry
+(server/metrics.py, KV reservation's collectors included) and the autoscaler's (server/autoscaling.py), and
+`vllm:*` names from what the simulated worker's /metrics serves (it speaks vLLM's metric names, REFERENCE.md).
+A renamed metric fails here instead of leaving an empty panel.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ REQUIRED = [
     pytest.param("queue depth", "mosaic_admission_queue_depth", id="queue depth"),
     pytest.param("rejections", "mosaic_rejections_total", id="rejections"),
     pytest.param("replicas per pool", "mosaic_worker_state", id="replicas per pool"),
+    pytest.param("desired replicas", "mosaic_autoscaler_desired_replicas", id="the autoscaler's decisions"),
+    pytest.param("scale failures", "mosaic_autoscaler_scale_errors_total", id="the autoscaler's failures"),
+    pytest.param("KV reserved", "mosaic_kv_reserved_units", id="KV reserved per worker"),
+    pytest.param("KV refusals", "mosaic_kv_reservations_refused_total", id="KV reservations refused"),
 ]
 
 
@@ -99,7 +104,7 @@ def test_dashboard_covers(topic: str, metric: str) -> None:
     assert metric in queried, f"no panel shows {topic}"
 
 
-def test_every_mosaic_metric_queried_is_exported_by_the_gateway() -> None:
+def test_every_mosaic_metric_queried_is_exported_by_the_gateway_or_the_controller() -> None:
     exported = gateway_exports()
     assert "mosaic_requests_total" in exported  # sanity: the registry was read
     missing = {
@@ -109,7 +114,7 @@ def test_every_mosaic_metric_queried_is_exported_by_the_gateway() -> None:
         for name in metric_names(expr)
         if name.startswith("mosaic_") and name not in exported
     }
-    assert not missing, f"queried but not exported by server/metrics.py: {sorted(missing)}"
+    assert not missing, f"queried but exported by neither the gateway nor the controller: {sorted(missing)}"
 
 
 def test_every_vllm_metric_queried_is_served_by_the_simulated_worker() -> None:
