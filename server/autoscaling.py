@@ -142,6 +142,8 @@ class AutoscalerController:
         self.managed = managed
         for pool in sorted(managed):  # each series from the start: increase() misses a counter's first step
             metrics.errors.labels(pool)
+            for direction in ("up", "down"):
+                metrics.events.labels(pool, direction)
         self.offload = offload  # blocking actuator (Kubernetes API calls): run its calls in a thread
         self.clock = clock
         self.policy_config = self.settings.policy_config(config.slo)

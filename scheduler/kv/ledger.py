@@ -601,7 +601,7 @@ class KvLedger:
         delta = new_units - res.units
         held = self._held_for_others(book, res.holder)
         capacity = self._capacity_of(book)
-        if book.reserved == res.units and not held:  # alone on it: it may grow as far as it could be admitted
+        if len(book.active) == 1 and not held:  # alone on it: it may grow as far as it could be admitted
             capacity = max(capacity, book.lone_capacity - book.shrink)
         if delta > 0 and book.reserved + delta + held > capacity:
             self.stats.grow_refused += 1

@@ -28,7 +28,8 @@ RELEASE = "mosaic"
 NAMESPACE = "llm"
 
 # Kinds the Prometheus operator and the Gateway API define as CRDs: kubernetes-validate ships only the
-# built-in API's OpenAPI schemas, so these are checked by structure (tests/chart/test_chart_structure.py).
+# built-in API's OpenAPI schemas, so these are checked by structure (tests/chart/test_chart_structure.py;
+# PrometheusRule: tests/chart/test_chart_alerts.py).
 CRD_KINDS = frozenset({"ServiceMonitor", "PodMonitor", "PrometheusRule", "HTTPRoute"})
 
 # Label values: ≤ 63 chars, alphanumeric at both ends, `-_.` inside (Kubernetes' validation.IsValidLabelValue).

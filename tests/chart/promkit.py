@@ -45,6 +45,9 @@ _KEYWORDS = {
 TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "service", "container", "endpoint"})
 
 _STRING = r'"(?:[^"\\]|\\.)*"'
+# Number and duration literals (`0.05`, `1e-05`, `5m`, `1h30m`): not names. A digit inside a name (`e2e`) is not
+# one's start.
+_NUMBER = re.compile(r"(?<![A-Za-z0-9_:.])(?:(?:[0-9]+(?:ms|[smhdwy]))+|[0-9][0-9.]*(?:[eE][-+]?[0-9]+)?)")
 _LABEL_LIST = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
 _MATCHER = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*(" + _STRING + r")\s*,?")
 
@@ -73,7 +76,8 @@ class Selector:
 
 def selectors(expr: str) -> list[Selector]:
     """Each `name{matchers}` of the expression, in order."""
-    masked = re.sub(_STRING, lambda m: "_" * len(m.group()), expr)  # strings cannot look like names
+    masked = re.sub(_STRING, lambda m: " " * len(m.group()), expr)  # strings cannot look like names
+    masked = _NUMBER.sub(lambda m: " " * len(m.group()), masked)
     masked = re.sub(r"\[[^\]]*\]", lambda m: " " * len(m.group()), masked)  # range selectors
     masked = _LABEL_LIST.sub(lambda m: " " * len(m.group()), masked)  # label lists
     masked = re.sub(r"\{[^}]*\}", lambda m: "{" + " " * (len(m.group()) - 2) + "}", masked)  # matchers

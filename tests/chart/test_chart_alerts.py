@@ -135,6 +135,30 @@ def test_disabled_overrides_and_labels(chart: helm.Chart) -> None:
     assert obj["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        pytest.param(
+            on(alertLabels={"severity": "page"}),
+            "severity is each alert's own label; change an alert's with monitoring.prometheusRule.overrides",
+            id="severity among the common labels (two severity keys)",
+        ),
+        pytest.param(
+            on(overrides={"MosaicRequestsShed": {"for": "30s5m"}}),
+            "/monitoring/prometheusRule/overrides/MosaicRequestsShed/for",
+            id="units out of Prometheus' order",
+        ),
+        pytest.param(on(rateWindow="0m"), "/monitoring/prometheusRule/rateWindow", id="an empty rate window"),
+    ],
+)
+def test_values_prometheus_would_refuse_fail_the_render(
+    chart: helm.Chart, values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm.HelmError) as caught:
+        render(chart, values)
+    assert message in str(caught.value)
+
+
 def test_every_alert_disabled_renders_no_rule(chart: helm.Chart) -> None:
     assert render(chart, {**on(disabled=ALERTS), **SLO}).of_kind("PrometheusRule") == []
 
@@ -251,7 +275,8 @@ def _emitted_outcomes() -> set[str]:
 
     # Cause.NO_WORKER is raised on the request path only with the router's code as its reason (admission's
     # `_refuse_if_final`); its other raisers (tokenize, LoRA admin) record no outcome
-    causes = {c.value for c in Cause} - {Cause.NO_WORKER.value}
+    # and a gateway bug ends a dispatched request as `internal_error`, not `rejected_internal_error`
+    causes = {c.value for c in Cause} - {Cause.NO_WORKER.value, Cause.INTERNAL.value}
     rejected = {f"rejected_{c}" for c in causes} | {f"rejected_{r.code}" for r in REJECT_TABLE.values()}
     return {o.value for o in Outcome} | {o.value for o in GatewayOutcome} | rejected
 
@@ -281,9 +306,9 @@ def test_every_label_value_a_rule_matches_is_one_mosaic_emits(chart: helm.Chart)
                         hits = {v for v in domain if re.fullmatch(alt, v)}
                         assert hits, f"{name}: {label}=~{value!r}: {alt!r} matches nothing emitted"
                 checked += 1
-    # the failures' and the shed outcomes; the ready state (no ready worker, stale metrics); ready or
-    # unhealthy (an open breaker)
-    assert checked == 5
+    # the failed and the dispatched outcomes, the shed ones; the ready state (no ready worker, stale
+    # metrics); ready or unhealthy (an open breaker)
+    assert checked == 6
 
 
 MODEL = "llama-3-8b"
@@ -292,8 +317,8 @@ MODEL = "llama-3-8b"
 def test_the_rules_select_a_live_gateways_series_in_the_proportions_they_compare(chart: helm.Chart) -> None:
     """One L4 slot and a queue of one (as tests/gateway/test_protection.py): a stream, then a burst of four
     of which one runs, two find the queue full and one waits out its deadline. The shed rule's numerator
-    then counts 3 and its denominator 5, the failure rule's 0 of 5, and each rule's other selectors find
-    their series."""
+    then counts 3 and its denominator 5, the failure rule's 0 of the 2 sent to the worker, and each rule's
+    other selectors find their series."""
     from server.config import validate_config
     from tests.gateway.serverkit import GatewayThread
 
@@ -334,8 +359,8 @@ def test_the_rules_select_a_live_gateways_series_in_the_proportions_they_compare
 
     got = rules(render(chart, {**on(selector=""), **SLO}))
     counts = {name: [total(sel) for sel in selectors(r["expr"])] for name, r in got.items()}
-    # failures: none of the 5 outcomes; all 5 received (≥ the traffic floor)
-    assert counts["MosaicRequestsFailing"] == [0.0, 5.0, 5.0]
+    # failures: none of the 2 requests sent to the worker (the 3 shed are not its failures); 5 received
+    assert counts["MosaicRequestsFailing"] == [0.0, 2.0, 5.0]
     assert counts["MosaicRequestsShed"] == [3.0, 5.0, 5.0]  # 2 queue_full + 1 queue_timeout, of 5 received
     # the one worker listed, and ready: the rule's `unless` leaves nothing
     assert counts["MosaicPoolNoReadyWorkers"] == [1.0, 1.0]

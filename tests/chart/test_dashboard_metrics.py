@@ -41,6 +41,9 @@ DASHBOARDS = sorted((CHART_DIR / "dashboards").glob("*.json"))
             id="colon in a vLLM name",
         ),
         pytest.param("a / on (pod) group_left b", {"a", "b"}, id="binary operator with matching"),
+        pytest.param("x > 1e-05 and y < 0.5", {"x", "y"}, id="number literals are not names"),
+        pytest.param("rate(vllm:e2e_total[5m] offset 1h30m) > 2", {"vllm:e2e_total"}, id="durations, e2e"),
+        pytest.param('label_replace(z, "dst", "$1", "src", "(.*)")', {"z"}, id="strings are not names"),
     ],
 )
 def test_metric_name_extraction(expr: str, expected: set[str]) -> None:

@@ -287,6 +287,7 @@ def test_requests_waiting_for_a_concurrency_slot_hold_no_task_of_their_own() -> 
             return await handle(body, chat)
 
         worker._handle = first_send_starts_the_clock  # type: ignore[method-assign]
+        loop.call_later(10.0, stop.set)  # bounded even if no request ever reached the worker
         scheduled = schedule(open_trace(spec), ScheduleOptions())
         transport = httpx.ASGITransport(app=worker.app())
         return await replay(
