@@ -86,6 +86,31 @@ def test_the_api_key_command_reads_the_secret_key_the_gateway_uses(
 
 
 @pytest.mark.parametrize(
+    ("labels", "line"),
+    [
+        pytest.param(
+            {},
+            "its ruleSelector matches the rule's labels: none are set (monitoring.prometheusRule.labels), and "
+            "kube-prometheus-stack's selector wants release: <its release name>.",
+            id="no labels: the usual reason a rule is never loaded",
+        ),
+        pytest.param(
+            {"release": "kps", "team": "ml"},
+            "its ruleSelector matches the rule's labels (release: kps, team: ml).",
+            id="labels",
+        ),
+    ],
+)
+def test_the_notes_name_the_alert_rule_and_what_loads_it(
+    chart: helm.Chart, labels: dict[str, str], line: str
+) -> None:
+    monitoring = {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True, "labels": labels}}
+    notes = render(chart, {"monitoring": monitoring}).notes
+    assert "Alerts: PrometheusRule/mosaic (group mosaic.rules" in notes and line in notes
+    assert "Alerts:" not in render(chart, {"monitoring": {"serviceMonitor": {"enabled": True}}}).notes
+
+
+@pytest.mark.parametrize(
     ("monitoring", "line", "annotated"),
     [
         pytest.param(
