@@ -62,6 +62,9 @@ from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
 from simulator.tokens import VOCAB_SIZE, render_chat, text_token_ids
 
+# vLLM's chat renderer on `messages: []` (chat, /tokenize) or a Responses `input: []` without instructions
+EMPTY_CONVERSATION = "Cannot apply chat template to an empty conversation. Provide at least one message."
+
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
@@ -282,10 +285,19 @@ def validated(
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        errors = [
-            {"type": e["type"], "loc": _param_of(e["loc"]), "msg": e["msg"], "input": error_input(e["input"])}
-            for e in exc.errors(include_url=False)
-        ]
+        errors = []
+        for e in exc.errors(include_url=False):
+            error = {
+                "type": e["type"],
+                "loc": _param_of(e["loc"]),
+                "msg": e["msg"],
+                "input": error_input(e["input"]),
+            }
+            if (
+                "ctx" in e
+            ):  # FastAPI keeps pydantic's context (a literal's expected values, a bound); text of an error
+                error["ctx"] = {k: str(v) if isinstance(v, Exception) else v for k, v in e["ctx"].items()}
+            errors.append(error)
     if union_missing is not None:
         missing = {"type": "missing", "loc": f"body.{union_missing}", "msg": "Field required"}
         missing["input"] = error_input(dict(body))
@@ -683,7 +695,7 @@ def parse_request(
         _check_content_parts(body["messages"], served)  # vLLM names the base model, adapter or not
         chat_ids = _chat_prompt(body["messages"], f.add_generation_prompt)
         if chat_ids is None:
-            raise ApiError(400, "messages must not be empty")  # vLLM names no param
+            raise ApiError(400, EMPTY_CONVERSATION)  # vLLM names no param
         prompts, from_text = [chat_ids], (True,)
     else:
         prompts, from_text = _completion_prompts(f.prompt)

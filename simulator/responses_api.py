@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from simulator.protocol import ApiError, ApiRequest, parse_request, validated, vllm_error
 
@@ -35,6 +35,30 @@ class _MessageItem(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[_InputText]
+
+
+# `text`: OpenAI's ResponseTextConfig, whose `format` is a plain union (pydantic names each member in its
+# errors, as vLLM's 400 does: `body.text.format.ResponseFormatText.type`, ...). The simulator echoes it and
+# generates as without it (it ignores chat's response_format the same way).
+class ResponseFormatText(BaseModel):
+    type: Literal["text"]
+
+
+class ResponseFormatTextJSONSchemaConfig(BaseModel):
+    name: str
+    schema_: dict[str, object] = Field(alias="schema")
+    type: Literal["json_schema"]
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatJSONObject(BaseModel):
+    type: Literal["json_object"]
+
+
+class _TextConfig(BaseModel):
+    format: ResponseFormatText | ResponseFormatTextJSONSchemaConfig | ResponseFormatJSONObject | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ResponsesFields(BaseModel):
@@ -56,6 +80,7 @@ class ResponsesFields(BaseModel):
     metadata: dict[str, str] | None = None
     request_id: str | None = None
     store: bool | None = True
+    text: _TextConfig | None = None
 
 
 def _messages(f: ResponsesFields) -> list[dict[str, Any]]:
@@ -193,7 +218,7 @@ def response_body(
         "reasoning": None,
         "service_tier": f.service_tier,
         "status": status,
-        "text": None,
+        "text": None if f.text is None else f.text.model_dump(by_alias=True),
         "top_logprobs": None,
         "truncation": f.truncation,
         "usage": None if done is None else _usage(done[2], done[3]),

@@ -26,10 +26,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from simulator.protocol import ApiError, text_ids, validated
+from simulator.protocol import EMPTY_CONVERSATION, ApiError, text_ids, validated
 from simulator.tokens import CHARS_PER_TOKEN, id_text, render_chat
-
-EMPTY_CONVERSATION = "Cannot apply chat template to an empty conversation. Provide at least one message."
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -597,3 +597,42 @@ def test_cors_preflight_and_answer_headers(real_vllm: RealServer, sim_url: str) 
     assert real.status_code == sim.status_code == 200
     assert {h: real.headers.get(h) for h in cors} == {h: sim.headers.get(h) for h in cors}
     assert "access-control-allow-origin" not in sim.headers
+
+
+RESPONSES_REFUSED = {
+    "empty input": {"input": [], "max_output_tokens": 4},
+    "unknown text format": {"input": "hi", "max_output_tokens": 4, "text": {"format": {"type": "bogus"}}},
+    "json_schema format without its schema": {
+        "input": "hi",
+        "max_output_tokens": 4,
+        "text": {"format": {"type": "json_schema"}},
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(RESPONSES_REFUSED))
+def test_responses_refusals_are_vllms_byte_for_byte(real_vllm: RealServer, sim_url: str, case: str) -> None:
+    """The simulated worker answered `input: []` with its own message and accepted any `text.format`."""
+    real, sim = both(
+        real_vllm, sim_url, "POST", "/v1/responses", json={"model": MODEL, **RESPONSES_REFUSED[case]}
+    )
+    assert real.status_code == sim.status_code == 400
+    assert sim.json() == real.json()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        {"format": {"type": "text"}},
+        {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}},
+        {"format": {"type": "json_object"}},
+        {"verbosity": "low"},
+    ],
+)
+def test_responses_echo_the_text_config_as_vllm(
+    real_vllm: RealServer, sim_url: str, text: dict[str, Any]
+) -> None:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, "text": text}
+    real, sim = both(real_vllm, sim_url, "POST", "/v1/responses", json=body)
+    assert real.status_code == sim.status_code == 200
+    assert sim.json()["text"] == real.json()["text"]

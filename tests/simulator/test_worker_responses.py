@@ -187,3 +187,61 @@ async def test_a_stored_response_is_vllms_404_to_get_and_cancel(asgi) -> None:
                 "code": 404,
             }
         }
+
+
+async def test_an_empty_input_and_a_text_format_of_no_known_type_are_vllms_400s(asgi) -> None:
+    """`input: []` is vLLM's chat renderer's refusal (the chat path's `messages: []` too), and `text.format` is
+    OpenAI's union, each member named in vLLM's validation errors (tests/real_vllm/test_fidelity.py compares
+    the whole bodies with the real server)."""
+    async with asgi(FAST) as (client, worker):
+        empty = await client.post("/v1/responses", json={"input": [], "max_output_tokens": 4})
+        chat = await client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 4})
+        bogus = await client.post(
+            "/v1/responses", json={"input": "hi", "text": {"format": {"type": "bogus"}}}
+        )
+        assert worker.inflight == 0
+    expected = {
+        "message": "Cannot apply chat template to an empty conversation. Provide at least one message.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    assert empty.json() == chat.json() == {"error": expected}
+    err = bogus.json()["error"]
+    assert (bogus.status_code, err["param"]) == (400, "body.text.format.ResponseFormatText.type")
+    assert err["message"].startswith("5 validation errors:\n  {'type': 'literal_error', 'loc': ")
+    assert "'ctx': {'expected': \"'text'\"}" in err["message"]  # pydantic's context, as FastAPI keeps it
+
+
+@pytest.mark.parametrize(
+    ("text", "echoed"),
+    [
+        pytest.param(None, None, id="none: null"),
+        pytest.param({"verbosity": "low"}, {"format": None, "verbosity": "low"}, id="verbosity alone"),
+        pytest.param(
+            {"format": {"schema": {"type": "object"}, "type": "json_schema", "name": "x"}},
+            {
+                "format": {
+                    "name": "x",
+                    "schema": {"type": "object"},
+                    "type": "json_schema",
+                    "description": None,
+                    "strict": None,
+                },
+                "verbosity": None,
+            },
+            id="json_schema: vLLM's field order and defaults",
+        ),
+    ],
+)
+async def test_the_text_config_is_echoed_as_vllm_echoes_it(
+    asgi, text: dict[str, Any] | None, echoed: dict[str, Any] | None
+) -> None:
+    body: dict[str, Any] = {"input": "hi", "max_output_tokens": 2}
+    if text is not None:
+        body["text"] = text
+    async with asgi(FAST) as (client, _):
+        r = await client.post("/v1/responses", json=body)
+    assert r.status_code == 200
+    assert r.json()["text"] == echoed
+    assert list((r.json()["text"] or {}).get("format") or {}) == list((echoed or {}).get("format") or {})
