@@ -117,6 +117,13 @@ def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> Rendered:
     return Rendered(tuple(objects), tuple(sources), notes)
 
 
+def refusal(chart: helm.Chart, values: dict[str, Any]) -> str:
+    """The message a render refuses `values` with: the schema's, or a template's `fail`."""
+    with pytest.raises(helm.HelmError) as caught:
+        render(chart, values)
+    return str(caught.value)
+
+
 def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
     spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
     return spec
