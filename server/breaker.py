@@ -9,7 +9,10 @@
   **on probation**. A `/health` 200 does not show that requests succeed (a worker answering every request
   500, or stalling every stream, passes it), so on probation the first request failure re-opens it at once,
   with k kept and raised, and only a request's success ends the probation and resets k. Before, the probe's
-  success reset k and took `failure_threshold` failed client requests to re-open, every `open_s`.
+  success reset k and took `failure_threshold` failed client requests to re-open, every `open_s`. A failed
+  health check on probation counts as when closed (`failure_threshold` in a row re-open it, k raised): a
+  gateway without traffic never ends its probation, and one slow `/health` had re-opened a worker serving
+  fine for up to 8·open_s (its only worker: 503s for 40 s).
 - **refused**: while the last failure was a refused connection (nothing listens: a process starting,
   restarting or gone), every health check is a probe, whatever the backoff: a check of a closed port costs
   the worker nothing, and a vLLM that has just loaded its model is routable at the next health round instead
@@ -43,6 +46,9 @@ class CircuitBreaker:
     # of `failures`, those of streams that failed after they began (`stream_*` kinds): a later stream's first
     # byte does not excuse them (`record_first_byte`), only a request's success does
     stream_failures: int = 0
+    # of `failures`, the failed health checks: the next passed check excuses them (`record_check_ok`), not
+    # the requests' failures (a /health 200 does not show that requests succeed)
+    check_failures: int = 0
 
     def state(self, now: float) -> BreakerState:
         if self.opened_at is None:
@@ -62,6 +68,7 @@ class CircuitBreaker:
         """A request succeeded (the registry calls it while closed): the count, probation and backoff end."""
         self.failures = 0
         self.stream_failures = 0
+        self.check_failures = 0
         self.opened_at = None
         self.reopens = 0
         self.refused = False
@@ -73,15 +80,27 @@ class CircuitBreaker:
         worker failing every stream midway sends first bytes too (each had reset the whole count, and it was
         never ejected)."""
         self.failures = self.stream_failures
+        self.check_failures = 0
 
-    def record_failure(self, now: float, hard: bool = False, stream: bool = False) -> bool:
-        """Count a failure (`stream`: of a stream after it began); `hard` (connection refused) trips at once,
-        and so does any on probation (then as a re-open: the backoff doubles). True when this call opened it."""
+    def record_check_ok(self) -> None:
+        """A health check passed while closed: the failed checks before it were not in a row. Without this an
+        idle gateway (no request to reset the count) ejected a worker after any `failure_threshold` failed
+        checks, however far apart."""
+        self.failures -= self.check_failures
+        self.check_failures = 0
+
+    def record_failure(
+        self, now: float, hard: bool = False, stream: bool = False, check: bool = False
+    ) -> bool:
+        """Count a failure (`stream`: of a stream after it began; `check`: a failed health check, not a
+        request); `hard` (connection refused) trips at once, and so does a request's on probation. Opened on
+        probation, it is a re-open: the backoff doubles. True when this call opened it."""
         if self.opened_at is not None:
             return False
         self.failures += 1
         self.stream_failures += stream
-        if hard or self.probation or self.failures >= self.failure_threshold:
+        self.check_failures += check
+        if hard or (self.probation and not check) or self.failures >= self.failure_threshold:
             if self.probation:
                 self.reopens += 1
             self.probation = False
@@ -98,6 +117,7 @@ class CircuitBreaker:
         if ok:  # closed on probation, the backoff kept until a request succeeds
             self.failures = 0
             self.stream_failures = 0
+            self.check_failures = 0
             self.opened_at = None
             self.refused = False
             self.probation = True

@@ -571,6 +571,8 @@ class Registry:
         now = self._clock()
         if probing:
             rec.breaker.record_probe(ok, now, hard=hard)
+        elif ok:
+            rec.breaker.record_check_ok()
         if ok:
             if rec.health_ok is not True or rec.health_failures:  # first up, or back after a failed check
                 rec.healthy_since = now
@@ -596,7 +598,7 @@ class Registry:
                 log.info("worker %s is not healthy yet: %s", rec.id, why)
             rec.health_ok = False
         if not probing:
-            rec.breaker.record_failure(now, hard=hard)
+            rec.breaker.record_failure(now, hard=hard, check=True)
         if rec.health_ok is False and self.on_unhealthy is not None:
             self.on_unhealthy(rec)
 

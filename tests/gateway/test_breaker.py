@@ -72,6 +72,39 @@ from server.registry import PoolInfo, Registry
             BreakerState.CLOSED,
             id="a request's success ends the probation: the threshold counts again",
         ),
+        # a failed health check on probation counts toward the threshold, as when closed: an idle gateway
+        # never ends its probation, and one slow /health re-opened a worker serving fine for up to 40 s
+        pytest.param(
+            [("hard", 0.0), ("probe_ok", 5.0), ("check_fail", 7.0), ("check_fail", 9.0)],
+            BreakerState.CLOSED,
+            id="on probation, failed checks below the threshold leave it closed",
+        ),
+        pytest.param(
+            [
+                ("hard", 0.0),
+                ("probe_ok", 5.0),
+                ("check_fail", 7.0),
+                ("check_fail", 9.0),
+                ("check_fail", 11.0),
+            ],
+            BreakerState.OPEN,
+            id="... the threshold's worth re-opens it",
+        ),
+        pytest.param(
+            [("check_fail", 0.0), ("check_fail", 2.0), ("check_ok", 4.0), ("check_fail", 6.0)],
+            BreakerState.CLOSED,
+            id="a passed check excuses the failed checks before it: they were not in a row",
+        ),
+        pytest.param(
+            [("fail", 0.0), ("fail", 0.1), ("check_ok", 2.0), ("fail", 2.1)],
+            BreakerState.OPEN,
+            id="... not the requests' failures (a /health 200 does not show requests succeed)",
+        ),
+        pytest.param(
+            [("hard", 0.0), ("probe_ok", 5.0), ("check_fail", 7.0), ("fail", 7.5)],
+            BreakerState.OPEN,
+            id="... and a request's failure still re-opens it at once",
+        ),
     ],
 )
 def test_breaker_transitions(events: list[tuple[str, float]], state: BreakerState) -> None:
@@ -84,6 +117,10 @@ def test_breaker_transitions(events: list[tuple[str, float]], state: BreakerStat
             b.record_failure(now, hard=True)
         elif kind == "stream_fail":
             b.record_failure(now, stream=True)
+        elif kind == "check_fail":
+            b.record_failure(now, check=True)
+        elif kind == "check_ok":
+            b.record_check_ok()
         elif kind == "first":
             b.record_first_byte()
         elif kind == "ok":
@@ -264,3 +301,47 @@ def test_streams_that_begin_excuse_scattered_failed_checks_but_not_broken_stream
             assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
 
     run(body)
+
+
+def test_an_idle_gateways_worker_on_probation_survives_one_slow_health_check() -> None:
+    """Seen in `make test-vllm` on a loaded machine: a gateway without traffic never ends a worker's probation
+    (only a request's success does), and each slow /health re-opened it at once, the backoff doubling to 40 s,
+    so the next requests waited out their queue deadline (503). A failed check on probation now counts toward
+    the threshold as when closed; three in a row still re-open it, for twice as long."""
+
+    async def run() -> None:
+        clock = [100.0]
+        answer = {"status": 200}
+        client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(answer["status"])))
+        reg = Registry(
+            ScrapeConfig(), HealthConfig(open_s=5.0), GatewayMetrics(), client=client, clock=lambda: clock[0]
+        )
+        reg.add_pool(
+            PoolInfo("p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b")),
+            StaticSource(["http://w:1"]),
+        )
+        await reg.resync("p")
+        await reg.health_once()
+        for _ in range(3):
+            reg.report_failure("p/w:1", "timeout")
+        clock[0] += 5.0
+        await reg.health_once()  # the probe succeeds: closed, on probation
+        breaker = reg.records()[0].breaker
+        assert not reg.view().workers[0].breaker_open and breaker.probation
+        answer["status"] = 503  # /health slow or failing for a moment
+        for _ in range(2):
+            clock[0] += 2.0
+            await reg.health_once()
+            assert not reg.view().workers[0].breaker_open  # before: open again at the first
+        answer["status"] = 200
+        clock[0] += 2.0
+        await reg.health_once()
+        assert not reg.view().workers[0].breaker_open and breaker.failures == 0
+        answer["status"] = 503
+        for _ in range(3):  # the threshold's worth in a row: re-opened, the backoff doubled
+            clock[0] += 2.0
+            await reg.health_once()
+        assert reg.view().workers[0].breaker_open and breaker.reopens == 1
+        await client.aclose()
+
+    asyncio.run(run())
