@@ -255,6 +255,13 @@ class _Book:
     engine: int | None = None  # the data-parallel rank of an engine's book
 
 
+def _room_alone(book: _Book) -> int:
+    """The most one request may take on the book's engine when nothing else is reserved or held there:
+    its lone capacity, less any shrink (never below zero). Admission, growth, `lone_room` and
+    `can_ever_fit` all bound a lone request by this one figure, so they cannot disagree."""
+    return max(0, book.lone_capacity - book.shrink)
+
+
 @dataclass(slots=True)
 class _DataParallel:
     """A data-parallel worker's engines as books: the views derived from the worker's last view."""
@@ -383,7 +390,7 @@ class KvLedger:
     def can_ever_fit(self, req: RouteRequest, worker: WorkerView) -> bool:
         """Whether the request fits this worker's capacity when nothing else is reserved."""
         fp, _ = self.footprint(req, worker)
-        return any(fp.peak <= max(0, b.lone_capacity - b.shrink) for b in self._engine_books(worker))
+        return any(fp.peak <= _room_alone(b) for b in self._engine_books(worker))
 
     def exceeds_capacity(self, req: RouteRequest, worker: WorkerView) -> tuple[int, int] | None:
         """The router's `CapacityBound`: None when `req` would be admitted on this worker with nothing else
@@ -465,7 +472,7 @@ class KvLedger:
         capacity = self._capacity_of(book)
         held = self._held_for_others(book, holder)
         if not book.reserved and not held:  # alone on it: peak and worst case bounded as `_exceeds` does
-            capacity = max(capacity, book.lone_capacity - book.shrink)
+            capacity = max(capacity, _room_alone(book))
         if fp.peak > capacity - book.reserved - held:
             return False
         if self.settings.mode == "predicted":
@@ -485,7 +492,7 @@ class KvLedger:
         with the watermark, a worker whose KV only just covers its max_model_len (vLLM's own advice when the
         cache is smaller than the context) refused for good every request that left out max_tokens."""
         rooms = [
-            max(0, b.lone_capacity - b.shrink)
+            _room_alone(b)
             for b in self._engine_books(worker)
             if not b.reserved and not self._held_for_others(b, holder)
         ]
@@ -602,7 +609,7 @@ class KvLedger:
         held = self._held_for_others(book, res.holder)
         capacity = self._capacity_of(book)
         if len(book.active) == 1 and not held:  # alone on it: it may grow as far as it could be admitted
-            capacity = max(capacity, book.lone_capacity - book.shrink)
+            capacity = max(capacity, _room_alone(book))
         if delta > 0 and book.reserved + delta + held > capacity:
             self.stats.grow_refused += 1
             return False
