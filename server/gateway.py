@@ -16,6 +16,7 @@ optionally batch-plans its waiters (`server.kv_admission.KvQueuePolicy`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -25,6 +26,7 @@ from typing import Any
 import httpx
 
 from placement.catalog import load_catalog
+from placement.perf_model import PerfModel
 from scheduler.fleet import Role, WorkerState, capacity_for
 from scheduler.kv.config import KvConfigError
 from scheduler.kv.ledger import KvLedger
@@ -305,7 +307,29 @@ class Gateway:
             capacity,
             pool.domain,
             model_cfg.lora_resolver,
+            self._stuck_window(pool, catalog, model_cfg.spec_name),
         )
+
+    def _stuck_window(
+        self, pool: PoolConfig, catalog: Any, spec_name: str
+    ) -> Callable[[int | None], float] | None:
+        """`PoolInfo.stuck_window`: for a worker serving a context of n tokens, `health.stuck_engine_s` or
+        twice the perf model's prefill of an n-token prompt when that is longer (vLLM counts a prompt's tokens
+        only once its prefill is done, and its scheduler prefills long prompts one after another), in wall
+        seconds for a simulated pool slower than real time. None when `stuck_engine_s` is off."""
+        base = self.config.health.stuck_engine_s
+        if base is None:
+            return None
+        perf = PerfModel(catalog.gpu(pool.gpu), catalog.model(spec_name), pool.tp)
+        simulated = pool.endpoints.simulated
+        slowdown = 1 / simulated.time_scale if simulated is not None and simulated.time_scale < 1 else 1.0
+
+        @functools.lru_cache(maxsize=16)
+        def window(context: int | None) -> float:
+            prefill = perf.prefill_time([context]) if context else 0.0
+            return max(base, 2 * prefill) * slowdown
+
+        return window
 
     def _source(self, pool: PoolConfig) -> Source:
         ep = pool.endpoints

@@ -76,6 +76,9 @@ class PoolInfo:
     lora_resolver: bool = (
         False  # its model's workers load unknown adapters on demand (`models[].lora_resolver`)
     )
+    # how long an engine serving a context of n tokens may report running requests with no token counted
+    # before it is judged stuck (`health.stuck_engine_s`, raised to cover such a prefill); None: never judged
+    stuck_window: Callable[[int | None], float] | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True)
@@ -97,6 +100,8 @@ class WorkerRecord:
     prompt_tokens_per_s: float | None = None
     generation_tokens_per_s: float | None = None
     progress_at: float | None = None  # the last scrape whose token counters had moved: its engine works
+    # since when its scrapes show requests running and token counters that do not move (None: not so)
+    stalled_since: float | None = None
     side_scraping: bool = False  # a scrape of it runs beside the rounds (its breaker is open: `scrape_once`)
     inflight_requests: int = 0
     inflight_prefill_tokens: int = 0
@@ -568,6 +573,12 @@ class Registry:
                 self.on_unhealthy(rec)  # no probe this round; its requests still wait on it
             return
         ok, hard, why = await self._get_health(rec.url)
+        if ok and rec.stalled_since is not None:
+            if probing:  # an open breaker's worker is not scraped without our requests there: look again now
+                await self._scrape(rec)
+            stuck = self.stuck(rec, self._clock())
+            if stuck is not None:  # /health 200 from an API server whose engine is hung: a failed check
+                ok, why = False, stuck
         now = self._clock()
         if probing:
             rec.breaker.record_probe(ok, now, hard=hard)
@@ -736,7 +747,25 @@ class Registry:
             )
             if (rec.generation_tokens_per_s or 0) > 0 or (rec.prompt_tokens_per_s or 0) > 0:
                 rec.progress_at = now
+        rec.stalled_since = _stalled_since(rec, prev, stats, now)
         rec.stats, rec.stats_at = stats, now
+
+    def stuck(self, rec: WorkerRecord, now: float) -> str | None:
+        """Why the worker's engine is judged stuck, or None. vLLM's `/health` asks only whether the engine
+        process died, so an engine hung in a step (a collective that never returns, a deadlock) answers
+        200 while its API server stays up; its scheduler gauges then freeze where the last step left them
+        and its token counters stop. Stuck: fresh stats, `vllm:num_requests_running` above zero and neither
+        token counter moving for the pool's `stuck_after_s` (a prefill counts its prompt only when it
+        completes, so that bound covers the longest prefill of the context the worker serves)."""
+        since, window = rec.stalled_since, rec.pool.stuck_window
+        if since is None or window is None:
+            return None
+        if now - since < window(rec.served_max_model_len or rec.pool.capacity.max_model_len):
+            return None
+        if rec.fresh_stats(now, self._scrape_cfg.stale_after_s) is None:
+            return None
+        running = rec.stats.num_running if rec.stats is not None else None
+        return f"engine stuck: {running} request(s) running and no token counted for {now - since:.0f} s"
 
     # ------------------------------------------------------------------ reporting
     def gauge_rows(self) -> list[WorkerGaugeRow]:
@@ -818,3 +847,21 @@ def _served_context(cards: list[Any]) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return None
+
+
+def _stalled_since(
+    rec: WorkerRecord, prev: WorkerStats | None, stats: WorkerStats, now: float
+) -> float | None:
+    """`WorkerRecord.stalled_since` after a scrape: kept while requests run and the token counters stand
+    still since the scrape before, set now when that begins, None otherwise. Counters the worker does not
+    export (not a vLLM) or a first scrape (nothing to compare) give no evidence: None."""
+    if prev is None or not stats.num_running:
+        return None
+    counters = (
+        (prev.prompt_tokens_total, stats.prompt_tokens_total),
+        (prev.generation_tokens_total, stats.generation_tokens_total),
+    )
+    exported = [(before, after) for before, after in counters if after is not None]
+    if not exported or any(before != after for before, after in exported):  # moved, reset or new
+        return None
+    return rec.stalled_since if rec.stalled_since is not None else now

@@ -122,14 +122,18 @@ class ScriptedWorker:
 
 @asynccontextmanager
 async def fleet(
-    *workers: ScriptedWorker, sever: bool = True, scrape_s: float = 60, **limits: float
+    *workers: ScriptedWorker,
+    sever: bool = True,
+    scrape_s: float = 60,
+    health: dict[str, Any] | None = None,
+    **limits: float,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, RunningGateway]]:
     for w in workers:
         await w.start()
     addresses = [SimpleNamespace(url=w.url) for w in workers]  # what `pool` reads of a worker
     cfg = config(
         pool("p", "H100", "mixed", *addresses),  # type: ignore[arg-type]
-        health={**HEALTH, "sever_silent_requests": sever},
+        health={**HEALTH, "sever_silent_requests": sever, **(health or {})},
         scrape={"interval_s": scrape_s},
         limits={"first_token_timeout_s": 20, "stall_timeout_s": 20, "total_timeout_s": 30, **limits},
         **RR,

@@ -1,0 +1,310 @@
+"""`health.stuck_engine_s`: a vLLM whose engine hangs in a step keeps answering `/health` 200 (it asks only
+whether the engine process died), its scheduler gauges freeze with requests running and its token counters stop.
+Such a worker now fails its health checks, so the breaker keeps new requests off it, its silent connections are
+severed (`health.sever_silent_requests`) and its probes fail until its counters move again. Before, every request
+sent there waited its first-token or stall timeout (60 s each), and each probe's `/health` 200 let more in."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from placement.catalog import load_catalog
+from placement.perf_model import PerfModel
+from scheduler.fleet import Role, capacity_for
+from server.config import HealthConfig, ScrapeConfig
+from server.discovery import StaticSource
+from server.gateway import Gateway
+from server.metrics import GatewayMetrics
+from server.registry import PoolInfo, Registry, WorkerRecord, _stalled_since
+from server.scrape import WorkerStats
+from tests.gateway.fakes import config, pool
+from tests.gateway.scripted_http import SSE_HEAD, chunk
+from tests.gateway.test_faults import CHAT, metric
+from tests.gateway.test_sever_silent import ScriptedWorker, _chat, _token, fleet
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _metrics(running: int, prompt: float | None, generation: float | None) -> str:
+    lines = [f'vllm:num_requests_running{{engine="0"}} {running}']
+    if prompt is not None:
+        lines.append(f'vllm:prompt_tokens_total{{engine="0"}} {prompt}')
+    if generation is not None:
+        lines.append(f'vllm:generation_tokens_total{{engine="0"}} {generation}')
+    return "\n".join(lines) + "\n"
+
+
+class _Engine:
+    """What a worker's `/health` and `/metrics` answer: health always 200 (as a vLLM whose engine hangs)."""
+
+    def __init__(self) -> None:
+        self.running = 2
+        self.prompt: float | None = 500.0
+        self.generation: float | None = 100.0
+        self.scrapes = 0
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/metrics":
+            self.scrapes += 1
+            return httpx.Response(200, text=_metrics(self.running, self.prompt, self.generation))
+        return httpx.Response(404)
+
+
+async def _registry(
+    engine: _Engine, clock: _Clock, window: Callable[[int | None], float] | None
+) -> tuple[httpx.AsyncClient, Registry, WorkerRecord]:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(engine.handler))
+    reg = Registry(
+        ScrapeConfig(stale_after_s=5.0), HealthConfig(), GatewayMetrics(), client=client, clock=clock
+    )
+    info = PoolInfo(
+        "p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b"), stuck_window=window
+    )
+    reg.add_pool(info, StaticSource(["http://w1:8000"]))
+    await reg.resync("p")
+    return client, reg, reg.records()[0]
+
+
+def test_a_worker_whose_counters_stand_still_with_requests_running_fails_its_checks_then_recovers() -> None:
+    """Window 10 s, 3 failed checks to go unhealthy: stalled from t=1 (the first scrape is no evidence), no
+    verdict at t=9, a failed check from t=11 on (every 2 s) with the reason in `last_error`, unhealthy (and `on_unhealthy`
+    called: the gateway severs its silent connections) at the third; once a counter moves it passes again."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0)
+        unhealthy: list[str] = []
+        reg.on_unhealthy = lambda r: unhealthy.append(r.id)
+        await reg.scrape_once()
+        assert rec.stalled_since is None  # nothing to compare with
+        clock.t += 1.0
+        await reg.scrape_once()
+        assert rec.stalled_since == 1001.0
+        clock.t += 8.0
+        await reg.scrape_once()
+        await reg.health_once()
+        assert (rec.health_ok, rec.health_failures) == (True, 0)
+        for failures in (1, 2, 3):
+            clock.t += 2.0
+            await reg.scrape_once()
+            await reg.health_once()
+            assert rec.health_failures == failures
+        assert rec.last_error == "engine stuck: 2 request(s) running and no token counted for 14 s"
+        assert rec.health_ok is False and unhealthy == [rec.id]
+        assert rec.breaker.is_open(clock.t)  # failed checks count toward failure_threshold
+        engine.generation = 101.0  # the engine stepped once: it is not stuck
+        clock.t += rec.breaker.open_s
+        await reg.health_once()  # the probe scrapes it first: the breaker kept it out of the scrape rounds
+        assert rec.stalled_since is None
+        assert rec.health_ok is True and not rec.breaker.is_open(clock.t)
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_stuck_worker_fails_its_probes_while_its_counters_stand_still() -> None:
+    """Its breaker open and no request of ours there, it is not scraped; each probe scrapes it before judging,
+    so a `/health` 200 does not let requests back onto an engine that still counts nothing."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0)
+        for _ in range(2):
+            await reg.scrape_once()
+            clock.t += 11.0
+        for _ in range(3):
+            await reg.scrape_once()
+            await reg.health_once()
+        assert rec.breaker.is_open(clock.t)
+        scrapes = engine.scrapes
+        clock.t += 60.0  # the stats are stale now: only the probe's own scrape can judge
+        await reg.scrape_once()
+        assert engine.scrapes == scrapes  # an open breaker's worker is left out of the rounds
+        await reg.health_once()
+        assert engine.scrapes == scrapes + 1
+        assert rec.breaker.is_open(clock.t) and rec.last_error is not None
+        assert rec.last_error.startswith("engine stuck: 2 request(s) running")
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "window, running, prompt, generation, after_s",
+    [
+        pytest.param(None, 2, 500.0, 100.0, 60.0, id="stuck_engine_s off"),
+        pytest.param(10.0, 0, 500.0, 100.0, 60.0, id="nothing running: an idle engine counts nothing"),
+        pytest.param(10.0, 2, None, None, 60.0, id="no token counters: not a vLLM, no evidence"),
+        pytest.param(10.0, 2, 500.0, 100.0, 9.5, id="within the window"),
+    ],
+)
+def test_no_verdict_without_evidence(
+    window: float | None, running: int, prompt: float | None, generation: float | None, after_s: float
+) -> None:
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        engine.running, engine.prompt, engine.generation = running, prompt, generation
+        client, reg, rec = await _registry(
+            engine, clock, None if window is None else (lambda context: window)
+        )
+        await reg.scrape_once()
+        clock.t += 1.0
+        await reg.scrape_once()
+        clock.t += after_s - 1.0
+        await reg.scrape_once()
+        await reg.health_once()
+        assert reg.stuck(rec, clock.t) is None
+        assert (rec.health_ok, rec.health_failures) == (True, 0)
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_stale_stats_give_no_verdict() -> None:
+    """A worker whose `/metrics` stopped answering (its last stats older than `stale_after_s`) is not judged
+    by stats that old: a frozen process fails `/health` on its own."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0)
+        await reg.scrape_once()
+        clock.t += 1.0
+        await reg.scrape_once()
+        clock.t += 30.0
+        assert rec.stalled_since == 1001.0
+        assert reg.stuck(rec, clock.t) is None
+        await reg.scrape_once()
+        assert reg.stuck(rec, clock.t) == "engine stuck: 2 request(s) running and no token counted for 30 s"
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def _stats(running: int | None, prompt: float | None, generation: float | None) -> WorkerStats:
+    return WorkerStats(num_running=running, prompt_tokens_total=prompt, generation_tokens_total=generation)
+
+
+@pytest.mark.parametrize(
+    "before, after, was, expected",
+    [
+        pytest.param(_stats(1, 5, 9), _stats(1, 5, 9), None, 7.0, id="begins now"),
+        pytest.param(_stats(1, 5, 9), _stats(1, 5, 9), 3.0, 3.0, id="goes on from when it began"),
+        pytest.param(_stats(1, 5, 9), _stats(1, 5, 10), 3.0, None, id="a generated token ends it"),
+        pytest.param(_stats(1, 5, 9), _stats(1, 6, 9), 3.0, None, id="a finished prefill ends it"),
+        pytest.param(_stats(1, 5, 9), _stats(1, 0, 0), 3.0, None, id="counters reset: a restarted server"),
+        pytest.param(_stats(1, 5, 9), _stats(0, 5, 9), 3.0, None, id="nothing running"),
+        pytest.param(_stats(1, None, 9), _stats(1, None, 9), None, 7.0, id="only one counter exported"),
+        pytest.param(_stats(1, None, 9), _stats(1, 5, 9), 3.0, None, id="a counter that appears is movement"),
+        pytest.param(_stats(1, None, None), _stats(1, None, None), None, None, id="no counter: no evidence"),
+        pytest.param(None, _stats(1, 5, 9), None, None, id="first scrape"),
+    ],
+)
+def test_stalled_since(
+    before: WorkerStats | None, after: WorkerStats, was: float | None, expected: float | None
+) -> None:
+    rec = WorkerRecord("w", "http://w", None, None)  # type: ignore[arg-type]  # only stalled_since is read
+    rec.stalled_since = was
+    assert _stalled_since(rec, before, after, 7.0) == expected
+
+
+def test_the_window_covers_the_longest_prefill_of_the_served_context() -> None:
+    """`stuck_engine_s` (30 s), or twice the perf model's prefill of a whole-context prompt when that is longer
+    (vLLM counts a prompt only once its prefill is done), for the context the worker serves, in wall seconds
+    for a simulated pool slower than real time."""
+    cfg = config(
+        pool("l4", "L4", "mixed"),
+        pool("slow", "H100", "mixed", endpoints={"simulated": {"replicas": 1, "time_scale": 0.5}}),
+        models=[{"name": "llama-3-8b", "spec": "llama-3.1-8b"}],
+    )
+    gateway = Gateway(cfg)
+    catalog = load_catalog()
+    l4 = PerfModel(catalog.gpu("L4"), catalog.model("llama-3.1-8b"), 1)
+    window = gateway._pool_info(cfg.pools[0], catalog).stuck_window
+    assert window is not None
+    assert window(131_072) == pytest.approx(2 * l4.prefill_time([131_072]))  # 182 s: an L4's 128k prefill
+    assert 180 < window(131_072) < 185
+    assert window(8192) == 30.0  # 2 × 2.1 s is shorter than stuck_engine_s
+    assert window(None) == 30.0
+    slow = gateway._pool_info(cfg.pools[1], catalog).stuck_window
+    assert slow is not None and slow(8192) == 60.0  # half real time: twice the wall seconds
+    off = config(pool("l4", "L4", "mixed"), health={"stuck_engine_s": None})
+    assert Gateway(off)._pool_info(off.pools[0], catalog).stuck_window is None
+
+
+class HungEngineWorker(ScriptedWorker):
+    """A worker on a real socket whose engine hangs at its first chat request: its `/health` still answers
+    200, `/metrics` shows that request running and token counters that stopped, and the request gets nothing
+    more (a stream, its first `tokens_before_freeze` tokens). Before that its counters move."""
+
+    async def answer(self, path: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        if path == b"/health":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            return
+        if path == b"/metrics":
+            if not self.frozen:
+                self.generated += 10
+            text = _metrics(1 if self.frozen else 0, 40.0, self.generated).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(text), text))
+            return
+        if path != CHAT.encode():
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            return
+        self.chats += 1
+        self.frozen = True
+        if json.loads(body).get("stream"):
+            writer.write(SSE_HEAD)
+            for i in range(self.tokens_before_freeze):
+                writer.write(chunk(_token(f"t{i} ")))
+            await writer.drain()
+        await asyncio.sleep(3600)  # the engine never steps again; the gateway's abort ends this
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_on_a_hung_engine_is_retried_elsewhere_and_the_engine_kept_out(stream: bool) -> None:
+    """Two requests at once, round robin: the one sent to the worker whose engine hangs (its `/health` still
+    200) is served by the other worker in a few seconds (window 0.6 s: the H100's 8k prefill, twice; then
+    2 failed checks 0.2 s apart, then its connection's 0.4 s of silence), not at its first-token timeout (20 s
+    here, 60 s by default). Its probes (every 0.3 s and up) keep failing, so the next requests all go to the
+    other worker."""
+
+    async def body() -> None:
+        hung, healthy = HungEngineWorker(), ScriptedWorker()
+        async with fleet(hung, healthy, scrape_s=0.1, health={"stuck_engine_s": 0.5, "open_s": 0.3}) as (
+            client,
+            running,
+        ):
+            started = time.monotonic()
+            answers = await asyncio.gather(*(client.post(CHAT, json=_chat(stream)) for _ in range(2)))
+            took = time.monotonic() - started
+            assert [a.status_code for a in answers] == [200, 200]
+            assert took < 8, took
+            gw = running.gateway
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="unhealthy") == 1
+            rec = next(r for r in gw.registry.records() if r.url == hung.url)
+            await asyncio.sleep(1.5)  # several probes: /health 200 each time, the engine still stuck
+            assert rec.breaker.is_open(time.monotonic()) and rec.last_error is not None
+            assert rec.last_error.startswith("engine stuck: 1 request(s) running")
+            for _ in range(4):
+                assert (await client.post(CHAT, json=_chat(stream))).status_code == 200
+            assert (hung.chats, healthy.chats) == (1, 6)
+            assert gw.dispatcher.outcomes == {"completed": 6}
+
+    asyncio.run(asyncio.wait_for(body(), 40))
