@@ -125,6 +125,10 @@ log = logging.getLogger("mosaic.dispatch")
 _OutcomeChildren = tuple[Any, Any, Any, Any, Any, Any]
 
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": recorded, never sent
+# Outcomes of a stream (status 200) that ended in the worker's error event before any token: every worker
+# failed it, or the worker refused it (4xx). Refunded in full like the same failures answered as an error
+# status; any other stream without usage keeps its whole token debit (it may have generated up to it).
+_NOTHING_GENERATED = frozenset({Outcome.FAILED_BEFORE_FIRST_BYTE, Outcome.WORKER_REJECTED})
 # A time-out this close to the end of a request's total_timeout_s is that budget's (timers fire at or after it)
 BUDGET_SLACK_S = 0.01
 WATCH_AFTER_S = 0.05  # requests answered faster than this never start a disconnect watcher
@@ -309,7 +313,7 @@ class Dispatcher:
                 self.predictor.observe(
                     rec.model, prompt, gen
                 )  # output lengths for `predicted` KV reservations
-        elif status == 200:
+        elif status == 200 and outcome not in _NOTHING_GENERATED:
             used = rec.reserved_tokens  # no usage reported: keep the whole debit
         self.limiter.settle(rec.key, rec.reserved_tokens, used, now)
 

@@ -217,3 +217,46 @@ def test_requests_with_a_huge_max_tokens_are_limited_by_what_they_use() -> None:
             return [(await client.post("/v1/completions", json=body)).status_code for _ in range(3)]
 
     assert asyncio.run(go()) == [200, 429, 429]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(
+    "worker, outcome",
+    [
+        pytest.param(FakeWorker("a", mode="status", status=503), "failed_before_first_byte", id="503"),
+        pytest.param(FakeWorker("a", mode="status", status=400), "worker_rejected", id="400"),
+    ],
+)
+def test_a_request_that_generated_nothing_is_refunded_in_full(
+    worker: FakeWorker, outcome: str, stream: bool
+) -> None:
+    """Every worker failed it (503) or the worker refused it (400): its whole debit (prompt + 50,000 reserved
+    output tokens of a 100,000-token bucket) comes back. A stream gets these as the worker's error event
+    before any token (status 200 to the client): that kept the whole debit, as for a stream cut without
+    usage, so a key whose streams kept failing was throttled as if each had generated `max_tokens`."""
+    if stream:
+        code = worker.status
+        worker = FakeWorker("a", mode="error_event", error_code=code)
+    cfg = config(pool("p", "L4", "mixed", worker), limits={"rate_limit": {"tokens_per_min": 100_000}})
+    body = {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 50_000,
+        "stream": stream,
+    }
+
+    async def go() -> tuple[int, dict[str, int], float]:
+        app = create_app(cfg, transport=FakeFleet(worker).transport)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
+        ):
+            status = (await client.post("/v1/chat/completions", json=body)).status_code
+            gw = app.state.gateway
+            (bucket,) = gw.limiter._tokens.values()
+            return status, dict(gw.dispatcher.outcomes), bucket.level
+
+    status, outcomes, level = asyncio.run(go())
+    assert status == (200 if stream else worker.status)
+    assert outcomes == {outcome: 1}
+    assert level > 99_990  # full again but for the refill's rounding; 49,99x when the debit was kept
