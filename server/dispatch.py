@@ -656,7 +656,10 @@ class Dispatcher:
         itself, and a time-out during this hop is the prefill worker's, never charged to the decode one."""
         worker = decision.prefill
         assert worker is not None
-        ticket = lease.track(worker.id, parsed.prompt_tokens)
+        try:
+            ticket = lease.track(worker.id, parsed.prompt_tokens)
+        except UpstreamFailure:  # it left the fleet since routing: the decode worker prefills the request
+            return self._fall_back(parsed, lease, worker.id, Fallback.REMOVED)
         try:
             budget = min(self.limits.first_token_timeout_s, left_s) / 2
             with self.timeouts.timeout(budget):

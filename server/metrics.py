@@ -20,7 +20,7 @@ nothing per request.
 | mosaic_lora_admin_calls_total | counter | operation (load, unload, reconcile; forget: an adapter unloaded elsewhere), outcome (ok, failed): run-time LoRA calls to workers, one per worker |
 | mosaic_rejections_total | counter | reason (auth, rate limit, queue full/timeout, no worker, ...) |
 | mosaic_retries_total | counter | model, reason (connect, timeout, status_429, status_503, ...) |
-| mosaic_pd_fallbacks_total | counter | model, reason (prefill hop failed → decode-only: timeout, pool_timeout, worker_error, busy, refused, bad_response, no_params; `server.prefill_hop`) |
+| mosaic_pd_fallbacks_total | counter | model, reason (prefill hop failed → decode-only: timeout, pool_timeout, worker_error, busy, refused, bad_response, no_params, removed; `server.prefill_hop`) |
 | mosaic_upstream_errors_total | counter | worker, kind |
 | mosaic_scrape_errors_total | counter | worker |
 | mosaic_worker_inflight_requests, mosaic_worker_inflight_prefill_tokens | gauge | worker, pool |

@@ -12,6 +12,7 @@ go to the decode worker, and a bounded warning for a prefill pool that is miscon
 | refused | any other status but 200: 401/403 (the pool's `api_key_env`), 404 (path or model); 400 and 422 only when the decode worker serves the request | nothing; a WARNING |
 | bad_response | a 200 whose body is no JSON object, is longer than `MAX_ANSWER_BYTES`, or whose `kv_transfer_params` fail `kv_params_fault` | a failure |
 | no_params | a 200 without `kv_transfer_params` (null or absent: vLLM without a KV connector) | a success; a WARNING |
+| removed | none: the worker left the fleet (discovery) between routing and the hop | nothing |
 
 A 400 or 422 (`REQUEST_FAULTS`: vLLM's answer to an invalid request — a bad parameter, a prompt over the
 context) goes decode-only too (`PrefillRefusal`), but is counted `refused` and warned of only when the decode
@@ -62,6 +63,7 @@ class Fallback(StrEnum):
     REFUSED = "refused"
     BAD_RESPONSE = "bad_response"
     NO_PARAMS = "no_params"
+    REMOVED = "removed"  # the prefill worker left the fleet between routing and the hop
 
     @classmethod
     def of_failure(cls, kind: str) -> Fallback:

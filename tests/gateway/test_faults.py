@@ -401,6 +401,35 @@ def test_pd_falls_back_to_decode_only(mode: str, reason: str) -> None:
     run(body)
 
 
+def test_a_prefill_worker_gone_between_routing_and_the_hop_means_decode_only() -> None:
+    """The prefill worker left the fleet (discovery) after the router chose it: the request runs decode-only
+    (`removed`) in the same attempt, as the two-hop path promises for any failed hop. It was an
+    `UpstreamFailure` of the whole attempt: a retry (`mosaic_retries_total{reason="removed"}`) routed again,
+    and with `max_retries: 0` a 502."""
+    p, d = FakeWorker("p"), FakeWorker("d")
+    cfg = pd_config(p, d)
+
+    async def body() -> None:
+        async with gateway(cfg, FakeFleet(p, d)) as (c, gw):
+            track = gw.registry.track
+
+            def gone(worker_id: str, *args: Any, **kwargs: Any) -> Any:
+                if worker_id == "prefill/p:8000":
+                    raise KeyError(worker_id)  # what the registry raises for a worker it no longer has
+                return track(worker_id, *args, **kwargs)
+
+            gw.registry.track = gone  # type: ignore[method-assign]
+            r = await c.post(CHAT, json=chat(LONG_PROMPT))
+            assert r.status_code == 200
+            assert p.seen == [] and len(d.seen) == 1 and "kv_transfer_params" not in d.seen[0]
+            assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b", reason="removed") == 1
+            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="removed") == 0
+            assert gw.dispatcher.outcomes == {"completed": 1}
+            assert gw.registry.get("prefill/p:8000").breaker.failures == 0  # type: ignore[union-attr]
+
+    run(body)
+
+
 def test_a_busy_prefill_worker_is_not_ejected() -> None:
     """A 429 on the prefill hop counted as a breaker failure (on the decode hop it is busy, not broken):
     three in a row opened the breaker of a worker that was merely full."""
