@@ -67,3 +67,96 @@ def test_a_request_to_a_vllm_that_froze_ends_once_it_fails_health_checks(
         timeout=60,
     )
     assert answer.status_code == 200, answer.text
+
+
+def _engine_processes(root: int) -> list[int]:
+    """The pids below `root` that vLLM titled `VLLM::…` (its EngineCore and the executor's workers): the
+    processes that run the model, apart from the API server."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    below, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - below
+        below |= frontier
+    titled = []
+    for pid in sorted(below):
+        try:
+            if (Path("/proc") / str(pid) / "cmdline").read_bytes().startswith(b"VLLM::"):
+                titled.append(pid)
+        except OSError:
+            continue
+    return titled
+
+
+def test_a_stream_on_a_vllm_whose_engine_hangs_ends_and_the_engine_is_kept_out_until_it_steps(
+    real_vllm_own: RealServer, tmp_path: Path
+) -> None:
+    """vLLM's engine processes are stopped (SIGSTOP) mid-stream while its API server runs on: `/health` stays
+    200 (it asks only whether the engine died), `/metrics` shows the request running and the token counters
+    standing still (checked here on the server itself). The gateway judges the engine stuck after
+    `health.stuck_engine_s` (2 s here), its checks fail, and the stream, silent since, ends with the
+    "unhealthy" error event and `[DONE]` within seconds, not at the 60 s stall timeout. After SIGCONT the
+    engine steps again, a probe passes, and requests are served."""
+    server = real_vllm_own
+    assert server.process is not None
+    engine = _engine_processes(server.process.pid)
+    assert engine, "no VLLM::EngineCore process below the server"
+    config = static_config(
+        server.model,
+        [server.url],
+        extra={
+            "health": {**HEALTH, "stuck_engine_s": 2.0, "open_s": 1.0},
+            "limits": {"stall_timeout_s": 60, "first_token_timeout_s": 60},
+        },
+    )
+    request = {
+        "model": server.model,
+        "prompt": "hello",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events: list[str] = []
+    with MosaicGateway(config, tmp_path) as gateway:
+        gateway.wait_ready()
+        gateway.wait_worker_scraped()
+        with gateway.target(server.model).http() as http:
+            try:
+                with http.stream("POST", "/v1/completions", json=request) as answer:
+                    assert answer.status_code == 200
+                    for line in answer.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line.removeprefix("data: "))
+                        if len(events) == 5:
+                            for pid in engine:
+                                os.kill(pid, signal.SIGSTOP)
+                            stopped = time.monotonic()
+                            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+                took = time.monotonic() - stopped
+                metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+            finally:
+                for pid in engine:
+                    os.kill(pid, signal.SIGCONT)
+        assert 'vllm:num_requests_running{engine="0",model_name="' + server.model + '"} 1.0' in metrics
+        assert events[-1] == "[DONE]" and "unhealthy" in events[-2], events[-3:]
+        assert took < 20, (
+            took
+        )  # stuck after 2 s, two failed checks 0.5 s apart, 1 s of silence; the stall: 60
+        log = gateway.log_path.read_text()
+        assert "is unhealthy: engine stuck: 1 request(s) running and no token counted for" in log, log[-3000:]
+        deadline = time.monotonic() + 60
+        with gateway.target(server.model).http() as http:
+            while True:  # a probe passes once the resumed engine has stepped (the aborted request ends)
+                answer = http.post(
+                    "/v1/completions", json={"model": server.model, "prompt": "x", "max_tokens": 2}
+                )
+                if answer.status_code == 200:
+                    break
+                assert time.monotonic() < deadline, answer.text
+                time.sleep(0.5)
