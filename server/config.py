@@ -279,8 +279,8 @@ class HealthConfig(_Strict):
     # While a worker is unhealthy, close the gateway's connections to it that got no byte for
     # failure_threshold × interval_s: requests not begun go to another worker, streams end with an error event
     sever_silent_requests: bool = True
-    # An engine that reports requests running and counts no token for this long (raised per pool to twice
-    # its longest prefill, `max_model_len` at the perf model's rate) fails its health checks although its
+    # An engine that reports requests running and no step for this long (raised per pool to twice its
+    # longest prefill, `max_model_len` at the perf model's rate) fails its health checks although its
     # /health says 200: vLLM's answers only whether the engine process died. None: never judged stuck
     stuck_engine_s: float | None = Field(default=30.0, gt=0)
 

@@ -314,9 +314,9 @@ class Gateway:
         self, pool: PoolConfig, catalog: Any, spec_name: str
     ) -> Callable[[int | None], float] | None:
         """`PoolInfo.stuck_window`: for a worker serving a context of n tokens, `health.stuck_engine_s` or
-        twice the perf model's prefill of an n-token prompt when that is longer (vLLM counts a prompt's tokens
-        only once its prefill is done, and its scheduler prefills long prompts one after another), in wall
-        seconds for a simulated pool slower than real time. None when `stuck_engine_s` is off."""
+        twice the perf model's prefill of an n-token prompt when that is longer (a step that prefills a whole
+        prompt, chunked prefill off, reports only at its end), in wall seconds for a simulated pool slower
+        than real time. None when `stuck_engine_s` is off."""
         base = self.config.health.stuck_engine_s
         if base is None:
             return None

@@ -520,12 +520,13 @@ class LoraAdmin:
     async def _post(self, rec: WorkerRecord, path: str, body: dict[str, Any]) -> WorkerAnswer:
         auth = self.registry.auth_header(rec.pool.name)
         try:
-            resp = await self.registry.client.post(
-                rec.url + path,
-                json=body,
-                headers=dict([auth]) if auth else None,
-                timeout=self.config.load_timeout_s,
-            )
+            with self.registry.engine_call(rec):  # vLLM loads in its engine loop: no step meanwhile
+                resp = await self.registry.client.post(
+                    rec.url + path,
+                    json=body,
+                    headers=dict([auth]) if auth else None,
+                    timeout=self.config.load_timeout_s,
+                )
         except httpx.HTTPError as exc:
             return WorkerAnswer(rec.id, None, b"", None, type(exc).__name__)
         return WorkerAnswer(

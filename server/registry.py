@@ -35,7 +35,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -76,7 +76,7 @@ class PoolInfo:
     lora_resolver: bool = (
         False  # its model's workers load unknown adapters on demand (`models[].lora_resolver`)
     )
-    # how long an engine serving a context of n tokens may report running requests with no token counted
+    # how long an engine serving a context of n tokens may report running requests and no step
     # before it is judged stuck (`health.stuck_engine_s`, raised to cover such a prefill); None: never judged
     stuck_window: Callable[[int | None], float] | None = field(default=None, compare=False)
 
@@ -100,8 +100,11 @@ class WorkerRecord:
     prompt_tokens_per_s: float | None = None
     generation_tokens_per_s: float | None = None
     progress_at: float | None = None  # the last scrape whose token counters had moved: its engine works
-    # since when its scrapes show requests running and token counters that do not move (None: not so)
+    # since when its scrapes show requests running and an engine that reported no step since (None: not so)
     stalled_since: float | None = None
+    # the gateway's own calls in flight that hold its engine's loop (LoRA loads and unloads run in it, and a
+    # Hub download or slow storage makes them long): no stall is judged meanwhile (`engine_call`)
+    engine_calls: int = 0
     side_scraping: bool = False  # a scrape of it runs beside the rounds (its breaker is open: `scrape_once`)
     inflight_requests: int = 0
     inflight_prefill_tokens: int = 0
@@ -576,9 +579,10 @@ class Registry:
         if ok and rec.stalled_since is not None:
             if probing:  # an open breaker's worker is not scraped without our requests there: look again now
                 await self._scrape(rec)
-            stuck = self.stuck(rec, self._clock())
-            if stuck is not None:  # /health 200 from an API server whose engine is hung: a failed check
-                ok, why = False, stuck
+            # a probe needs fresh evidence that the engine steps again: unreadable /metrics is none
+            stuck = self.stuck(rec, self._clock(), stale_is_stuck=probing)
+            if stuck is not None and not await self._paused(rec):
+                ok, why = False, stuck  # /health 200 from an API server whose engine is hung: a failed check
         now = self._clock()
         if probing:
             rec.breaker.record_probe(ok, now, hard=hard)
@@ -750,22 +754,57 @@ class Registry:
         rec.stalled_since = _stalled_since(rec, prev, stats, now)
         rec.stats, rec.stats_at = stats, now
 
-    def stuck(self, rec: WorkerRecord, now: float) -> str | None:
+    def stuck(self, rec: WorkerRecord, now: float, stale_is_stuck: bool = False) -> str | None:
         """Why the worker's engine is judged stuck, or None. vLLM's `/health` asks only whether the engine
         process died, so an engine hung in a step (a collective that never returns, a deadlock) answers
-        200 while its API server stays up; its scheduler gauges then freeze where the last step left them
-        and its token counters stop. Stuck: fresh stats, `vllm:num_requests_running` above zero and neither
-        token counter moving for the pool's `stuck_after_s` (a prefill counts its prompt only when it
-        completes, so that bound covers the longest prefill of the context the worker serves)."""
+        200 while its API server stays up. Its `/metrics` shows it: every engine step sends the scheduler's
+        stats, which the API server records (the gauges) with the step's tokens (the counters), so a hung
+        engine's gauges freeze where its last step left them and its counters stop. Stuck: fresh stats
+        with `vllm:num_requests_running` above zero, and neither a token counter nor a scheduler gauge
+        changed for the pool's `stuck_window` (raised to cover the longest prefill of the context the worker
+        serves: a step that prefills a whole prompt reports only at its end). Never while an engine call of
+        ours runs there (`engine_call`). `stale_is_stuck` (a probe): stats that could not be read again are
+        no sign that it steps again."""
         since, window = rec.stalled_since, rec.pool.stuck_window
-        if since is None or window is None:
+        if since is None or window is None or rec.engine_calls:
             return None
         if now - since < window(rec.served_max_model_len or rec.pool.capacity.max_model_len):
             return None
-        if rec.fresh_stats(now, self._scrape_cfg.stale_after_s) is None:
-            return None
         running = rec.stats.num_running if rec.stats is not None else None
-        return f"engine stuck: {running} request(s) running and no token counted for {now - since:.0f} s"
+        if rec.fresh_stats(now, self._scrape_cfg.stale_after_s) is None:
+            if not stale_is_stuck:
+                return None
+            return f"engine stuck: {running} request(s) running at the last scrape {now - since:.0f} s ago, none since"
+        return f"engine stuck: {running} request(s) running and no engine step for {now - since:.0f} s"
+
+    async def _paused(self, rec: WorkerRecord) -> bool:
+        """Whether vLLM says its engine is paused or asleep on purpose (`GET /is_paused`, `/is_sleeping`: a
+        server in dev mode, as RL frameworks run it to update weights, its requests kept in `keep` mode),
+        which stops its steps as a hang does. A hung engine cannot answer them (they ask the engine): a
+        time-out, or any other answer, is no."""
+        headers = dict([auth]) if (auth := self._auth.get(rec.pool.name)) else None
+
+        async def says(path: str, key: str) -> bool:
+            try:
+                resp = await self._client.get(
+                    rec.url + path, headers=headers, timeout=self._health_cfg.timeout_s
+                )
+                return resp.status_code == 200 and resp.json().get(key) is True
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return False
+
+        return any(await asyncio.gather(says("/is_paused", "is_paused"), says("/is_sleeping", "is_sleeping")))
+
+    @contextlib.contextmanager
+    def engine_call(self, rec: WorkerRecord) -> Iterator[None]:
+        """Around a call of ours that holds the worker's engine loop (vLLM runs LoRA loads and unloads in it):
+        no stall is judged meanwhile, and the stall it caused is forgotten when it ends."""
+        rec.engine_calls += 1
+        try:
+            yield
+        finally:
+            rec.engine_calls -= 1
+            rec.stalled_since = None
 
     # ------------------------------------------------------------------ reporting
     def gauge_rows(self) -> list[WorkerGaugeRow]:
@@ -852,9 +891,11 @@ def _served_context(cards: list[Any]) -> int | None:
 def _stalled_since(
     rec: WorkerRecord, prev: WorkerStats | None, stats: WorkerStats, now: float
 ) -> float | None:
-    """`WorkerRecord.stalled_since` after a scrape: kept while requests run and the token counters stand
-    still since the scrape before, set now when that begins, None otherwise. Counters the worker does not
-    export (not a vLLM) or a first scrape (nothing to compare) give no evidence: None."""
+    """`WorkerRecord.stalled_since` after a scrape: kept while requests run and the engine reported no step
+    since the scrape before, set now when that begins, None otherwise. A step shows as a token counter that
+    moved or a scheduler gauge that changed (requests running or waiting, KV usage: a chunk of a long
+    prefill allocates blocks before its prompt is counted). Token counters the worker does not export (not
+    a vLLM, or `--disable-log-stats`) or a first scrape (nothing to compare) give no evidence: None."""
     if prev is None or not stats.num_running:
         return None
     counters = (
@@ -863,5 +904,11 @@ def _stalled_since(
     )
     exported = [(before, after) for before, after in counters if after is not None]
     if not exported or any(before != after for before, after in exported):  # moved, reset or new
+        return None
+    gauges = (
+        (prev.num_running, prev.num_waiting, prev.kv_usage),
+        (stats.num_running, stats.num_waiting, stats.kv_usage),
+    )
+    if gauges[0] != gauges[1]:
         return None
     return rec.stalled_since if rec.stalled_since is not None else now

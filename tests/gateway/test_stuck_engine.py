@@ -1,7 +1,7 @@
 """`health.stuck_engine_s`: a vLLM whose engine hangs in a step keeps answering `/health` 200 (it asks only
 whether the engine process died), its scheduler gauges freeze with requests running and its token counters stop.
 Such a worker now fails its health checks, so the breaker keeps new requests off it, its silent connections are
-severed (`health.sever_silent_requests`) and its probes fail until its counters move again. Before, every request
+severed (`health.sever_silent_requests`) and its probes fail until its engine steps again. Before, every request
 sent there waited its first-token or stall timeout (60 s each), and each probe's `/health` 200 let more in."""
 
 from __future__ import annotations
@@ -53,14 +53,26 @@ class _Engine:
         self.running = 2
         self.prompt: float | None = 500.0
         self.generation: float | None = 100.0
+        self.waiting = 0
+        self.kv_usage = 0.25
         self.scrapes = 0
+        self.paused: dict[str, bool] = {}  # what a dev-mode vLLM's /is_paused and /is_sleeping say
+        self.metrics_down = False
 
     def handler(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
+        path = request.url.path
+        if path == "/health":
             return httpx.Response(200)
-        if request.url.path == "/metrics":
+        if path == "/metrics":
+            if self.metrics_down:
+                return httpx.Response(500)
             self.scrapes += 1
-            return httpx.Response(200, text=_metrics(self.running, self.prompt, self.generation))
+            text = _metrics(self.running, self.prompt, self.generation)
+            text += f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
+            text += f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\n'
+            return httpx.Response(200, text=text)
+        if path.removeprefix("/") in self.paused:
+            return httpx.Response(200, json={path.removeprefix("/"): self.paused[path.removeprefix("/")]})
         return httpx.Response(404)
 
 
@@ -103,7 +115,7 @@ def test_a_worker_whose_counters_stand_still_with_requests_running_fails_its_che
             await reg.scrape_once()
             await reg.health_once()
             assert rec.health_failures == failures
-        assert rec.last_error == "engine stuck: 2 request(s) running and no token counted for 14 s"
+        assert rec.last_error == "engine stuck: 2 request(s) running and no engine step for 14 s"
         assert rec.health_ok is False and unhealthy == [rec.id]
         assert rec.breaker.is_open(clock.t)  # failed checks count toward failure_threshold
         engine.generation = 101.0  # the engine stepped once: it is not stuck
@@ -191,15 +203,23 @@ def test_stale_stats_give_no_verdict() -> None:
         assert rec.stalled_since == 1001.0
         assert reg.stuck(rec, clock.t) is None
         await reg.scrape_once()
-        assert reg.stuck(rec, clock.t) == "engine stuck: 2 request(s) running and no token counted for 30 s"
+        assert reg.stuck(rec, clock.t) == "engine stuck: 2 request(s) running and no engine step for 30 s"
         await reg.stop()
         await client.aclose()
 
     asyncio.run(run())
 
 
-def _stats(running: int | None, prompt: float | None, generation: float | None) -> WorkerStats:
-    return WorkerStats(num_running=running, prompt_tokens_total=prompt, generation_tokens_total=generation)
+def _stats(
+    running: int | None, prompt: float | None, generation: float | None, waiting: int = 0, kv: float = 0.5
+) -> WorkerStats:
+    return WorkerStats(
+        num_running=running,
+        num_waiting=waiting,
+        kv_usage=kv,
+        prompt_tokens_total=prompt,
+        generation_tokens_total=generation,
+    )
 
 
 @pytest.mark.parametrize(
@@ -213,6 +233,13 @@ def _stats(running: int | None, prompt: float | None, generation: float | None) 
         pytest.param(_stats(1, 5, 9), _stats(0, 5, 9), 3.0, None, id="nothing running"),
         pytest.param(_stats(1, None, 9), _stats(1, None, 9), None, 7.0, id="only one counter exported"),
         pytest.param(_stats(1, None, 9), _stats(1, 5, 9), 3.0, None, id="a counter that appears is movement"),
+        pytest.param(
+            _stats(1, 5, 9), _stats(1, 5, 9, kv=0.6), 3.0, None, id="a prefill chunk's blocks end it"
+        ),
+        pytest.param(
+            _stats(1, 5, 9), _stats(1, 5, 9, waiting=1), 3.0, None, id="a gauge that changed ends it"
+        ),
+        pytest.param(_stats(2, 5, 9), _stats(1, 5, 9), 3.0, None, id="fewer running: a step ended one"),
         pytest.param(_stats(1, None, None), _stats(1, None, None), None, None, id="no counter: no evidence"),
         pytest.param(None, _stats(1, 5, 9), None, None, id="first scrape"),
     ],
@@ -247,6 +274,83 @@ def test_the_window_covers_the_longest_prefill_of_the_served_context() -> None:
     assert slow is not None and slow(8192) == 60.0  # half real time: twice the wall seconds
     off = config(pool("l4", "L4", "mixed"), health={"stuck_engine_s": None})
     assert Gateway(off)._pool_info(off.pools[0], catalog).stuck_window is None
+
+
+async def _stalled_for(reg: Registry, clock: _Clock, seconds: float) -> None:
+    """Two scrapes 1 s apart (the stall begins at the second), then one `seconds` later."""
+    await reg.scrape_once()
+    clock.t += 1.0
+    await reg.scrape_once()
+    clock.t += seconds
+    await reg.scrape_once()
+
+
+@pytest.mark.parametrize("endpoint", ["is_paused", "is_sleeping"])
+def test_an_engine_paused_or_asleep_on_purpose_is_not_judged_stuck(endpoint: str) -> None:
+    """A vLLM in dev mode paused (`POST /pause?mode=keep`, an RL framework updating weights) or asleep keeps its
+    requests and steps no more: its `/is_paused` or `/is_sleeping` says so, and it is not judged stuck.
+    A hung engine cannot answer them."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0)
+        engine.paused[endpoint] = True
+        await _stalled_for(reg, clock, 20.0)
+        assert reg.stuck(rec, clock.t) is not None  # the evidence alone says stuck
+        await reg.health_once()
+        assert (rec.health_ok, rec.health_failures) == (True, 0)
+        engine.paused[endpoint] = False
+        await reg.health_once()
+        assert rec.health_failures == 1
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_no_stall_is_judged_while_a_lora_load_of_ours_holds_the_engine() -> None:
+    """vLLM loads a LoRA adapter in its engine loop (from slow storage or the Hub: minutes): no step meanwhile.
+    The gateway's own load (`LoraAdmin`) is such an `engine_call`: no verdict while it runs, and the stall it
+    caused is forgotten when it ends."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0)
+        with reg.engine_call(rec):
+            await _stalled_for(reg, clock, 60.0)
+            await reg.health_once()
+            assert (rec.health_ok, rec.health_failures) == (True, 0)
+        assert rec.stalled_since is None
+        clock.t += 1.0
+        await reg.scrape_once()  # still standing still: a new stall begins, judged after its own window
+        await reg.health_once()
+        assert rec.stalled_since == clock.t and rec.health_failures == 0
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_probe_that_cannot_read_metrics_again_fails() -> None:
+    """Judged stuck, its breaker open: a probe whose scrape fails has no sign that the engine steps again, so it
+    fails (before, stale stats gave no verdict and the probe's `/health` 200 let requests back on)."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0)
+        await _stalled_for(reg, clock, 11.0)
+        for _ in range(3):
+            await reg.health_once()
+        assert rec.breaker.is_open(clock.t)
+        engine.metrics_down = True
+        clock.t += 60.0
+        await reg.health_once()
+        assert rec.breaker.is_open(clock.t)
+        assert rec.last_error == "engine stuck: 2 request(s) running at the last scrape 71 s ago, none since"
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
 
 
 class HungEngineWorker(ScriptedWorker):
@@ -301,7 +405,7 @@ def test_a_request_on_a_hung_engine_is_retried_elsewhere_and_the_engine_kept_out
             rec = next(r for r in gw.registry.records() if r.url == hung.url)
             await asyncio.sleep(1.5)  # several probes: /health 200 each time, the engine still stuck
             assert rec.breaker.is_open(time.monotonic()) and rec.last_error is not None
-            assert rec.last_error.startswith("engine stuck: 1 request(s) running")
+            assert rec.last_error.startswith("engine stuck: 1 request(s) running and no engine step for")
             for _ in range(4):
                 assert (await client.post(CHAT, json=_chat(stream))).status_code == 200
             assert (hung.chats, healthy.chats) == (1, 6)

@@ -149,7 +149,7 @@ def test_a_stream_on_a_vllm_whose_engine_hangs_ends_and_the_engine_is_kept_out_u
             took
         )  # stuck after 2 s, two failed checks 0.5 s apart, 1 s of silence; the stall: 60
         log = gateway.log_path.read_text()
-        assert "is unhealthy: engine stuck: 1 request(s) running and no token counted for" in log, log[-3000:]
+        assert "is unhealthy: engine stuck: 1 request(s) running and no engine step for" in log, log[-3000:]
         deadline = time.monotonic() + 60
         with gateway.target(server.model).http() as http:
             while True:  # a probe passes once the resumed engine has stepped (the aborted request ends)
