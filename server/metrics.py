@@ -26,6 +26,7 @@ nothing per request.
 | mosaic_worker_inflight_requests, mosaic_worker_inflight_prefill_tokens | gauge | worker, pool |
 | mosaic_worker_state | gauge (1) | worker, pool, state |
 | mosaic_worker_breaker_open | gauge | worker, pool |
+| mosaic_worker_engine_stuck | gauge | worker, pool: 1 while its last health check judged its engine stuck (requests running, no step: `health.stuck_engine_s`) |
 | mosaic_worker_scrape_age_seconds | gauge | worker, pool (absent until first scrape) |
 | mosaic_worker_cost_per_hour | gauge | worker, pool ($/h from the worker's capacity; sum it for the fleet's $/h) |
 | mosaic_autoscaler_* | | when the autoscaler runs in-process: see `server.autoscaling` |
@@ -88,6 +89,7 @@ class WorkerGaugeRow:
     breaker_open: bool
     scrape_age_s: float | None
     cost_per_hour: float | None = None  # WorkerCapacity.cost_per_hour (the whole TP group)
+    engine_stuck: bool = False  # its last health check judged its engine stuck
 
 
 class _LiveCollector(Collector):
@@ -129,6 +131,11 @@ class _LiveCollector(Collector):
             "Seconds since the worker's last successful /metrics scrape",
             labels=["worker", "pool"],
         )
+        stuck = GaugeMetricFamily(
+            "mosaic_worker_engine_stuck",
+            "1 while the worker's last health check judged its engine stuck (requests running, no step)",
+            labels=["worker", "pool"],
+        )
         cost = GaugeMetricFamily(
             "mosaic_worker_cost_per_hour",
             "$/h of the worker (its GPU type and TP degree)",
@@ -140,6 +147,7 @@ class _LiveCollector(Collector):
             prefill.add_metric(labels, row.inflight_prefill_tokens)
             state.add_metric([*labels, row.state], 1)
             breaker.add_metric(labels, 1 if row.breaker_open else 0)
+            stuck.add_metric(labels, 1 if row.engine_stuck else 0)
             if row.scrape_age_s is not None:
                 age.add_metric(labels, row.scrape_age_s)
             if row.cost_per_hour is not None:
@@ -149,7 +157,7 @@ class _LiveCollector(Collector):
         )
         for model, n in self._queues().items():
             depth.add_metric([model], n)
-        yield from (inflight, prefill, state, breaker, age, cost, depth)
+        yield from (inflight, prefill, state, breaker, stuck, age, cost, depth)
         if self._kv is not None:
             yield from _kv_families(self._kv())
 

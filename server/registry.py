@@ -61,8 +61,11 @@ from server.metrics import GatewayMetrics, WorkerGaugeRow
 from server.scrape import WorkerStats, counter_rate, parse_vllm_metrics
 
 log = logging.getLogger("mosaic.registry")
-VIEW_AGE_RESOLUTION_S = 0.01
-PER_EVENT_STREAMS = 32  # streams whose tokens per event a worker's record keeps  # a cached worker view's scrape_age_s is at most this much behind
+VIEW_AGE_RESOLUTION_S = 0.01  # a cached worker view's scrape_age_s is at most this much behind
+PER_EVENT_STREAMS = 32  # streams whose tokens per event a worker's record keeps
+STUCK = (
+    "engine stuck"  # how a failed check's reason begins when the engine was judged stuck (`Registry.stuck`)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,7 @@ class WorkerRecord:
     # the gateway's own calls in flight that hold its engine's loop (LoRA loads and unloads run in it, and a
     # Hub download or slow storage makes them long): no stall is judged meanwhile (`engine_call`)
     engine_calls: int = 0
+    engine_stuck: bool = False  # its last health check judged its engine stuck (a metric and /admin/workers)
     side_scraping: bool = False  # a scrape of it runs beside the rounds (its breaker is open: `scrape_once`)
     inflight_requests: int = 0
     inflight_prefill_tokens: int = 0
@@ -583,6 +587,7 @@ class Registry:
             stuck = self.stuck(rec, self._clock(), stale_is_stuck=probing)
             if stuck is not None and not await self._paused(rec):
                 ok, why = False, stuck  # /health 200 from an API server whose engine is hung: a failed check
+        rec.engine_stuck = not ok and why.startswith(STUCK)
         now = self._clock()
         if probing:
             rec.breaker.record_probe(ok, now, hard=hard)
@@ -774,8 +779,8 @@ class Registry:
         if rec.fresh_stats(now, self._scrape_cfg.stale_after_s) is None:
             if not stale_is_stuck:
                 return None
-            return f"engine stuck: {running} request(s) running at the last scrape {now - since:.0f} s ago, none since"
-        return f"engine stuck: {running} request(s) running and no engine step for {now - since:.0f} s"
+            return f"{STUCK}: {running} request(s) running at the last scrape {now - since:.0f} s ago, none since"
+        return f"{STUCK}: {running} request(s) running and no engine step for {now - since:.0f} s"
 
     async def _paused(self, rec: WorkerRecord) -> bool:
         """Whether vLLM says its engine is paused or asleep on purpose (`GET /is_paused`, `/is_sleeping`: a
@@ -819,6 +824,7 @@ class Registry:
                 r.breaker.is_open(now),
                 (now - r.stats_at) if r.stats_at is not None else None,
                 r.pool.capacity.cost_per_hour,
+                r.engine_stuck,
             )
             for r in self._workers.values()
         ]
@@ -847,6 +853,7 @@ class Registry:
                         "probation": r.breaker.probation,  # closed by a probe: one failure re-opens it
                     },
                     "last_error": r.last_error,
+                    "engine_stuck": r.engine_stuck,  # its last health check judged its engine stuck
                     "lora_adapters": sorted(r.adapters),
                     "lora_inflight": dict(sorted(r.inflight_adapters.items())),
                     "inflight": {

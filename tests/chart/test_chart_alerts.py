@@ -32,6 +32,7 @@ ALERTS = [
     "MosaicTTFTAboveSLO",
     "MosaicTPOTAboveSLO",
     "MosaicWorkerBreakerOpen",
+    "MosaicWorkerEngineStuck",
     "MosaicWorkerMetricsStale",
     "MosaicWorkerPreempting",
     "MosaicAutoscalerCycleFailing",

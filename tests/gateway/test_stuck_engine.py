@@ -117,12 +117,14 @@ def test_a_worker_whose_counters_stand_still_with_requests_running_fails_its_che
             assert rec.health_failures == failures
         assert rec.last_error == "engine stuck: 2 request(s) running and no engine step for 14 s"
         assert rec.health_ok is False and unhealthy == [rec.id]
+        assert rec.engine_stuck and reg.describe()[0]["engine_stuck"] is True
         assert rec.breaker.is_open(clock.t)  # failed checks count toward failure_threshold
         engine.generation = 101.0  # the engine stepped once: it is not stuck
         clock.t += rec.breaker.open_s
         await reg.health_once()  # the probe scrapes it first: the breaker kept it out of the scrape rounds
         assert rec.stalled_since is None
         assert rec.health_ok is True and not rec.breaker.is_open(clock.t)
+        assert not rec.engine_stuck
         await reg.stop()
         await client.aclose()
 
@@ -406,6 +408,9 @@ def test_a_request_on_a_hung_engine_is_retried_elsewhere_and_the_engine_kept_out
             await asyncio.sleep(1.5)  # several probes: /health 200 each time, the engine still stuck
             assert rec.breaker.is_open(time.monotonic()) and rec.last_error is not None
             assert rec.last_error.startswith("engine stuck: 1 request(s) running and no engine step for")
+            assert metric(gw, "mosaic_worker_engine_stuck", worker=rec.id, pool="p") == 1
+            other = next(r for r in gw.registry.records() if r is not rec)
+            assert metric(gw, "mosaic_worker_engine_stuck", worker=other.id, pool="p") == 0
             for _ in range(4):
                 assert (await client.post(CHAT, json=_chat(stream))).status_code == 200
             assert (hung.chats, healthy.chats) == (1, 6)
