@@ -70,8 +70,13 @@ async def _split(policy: str) -> tuple[float, int]:
 
 @pytest.mark.timeout(60)
 def test_h100_and_l4_split_by_capacity_not_evenly() -> None:
-    mosaic_share, mosaic_done = asyncio.run(_split("mosaic"))
-    rr_share, rr_done = asyncio.run(_split("round-robin"))
-    assert 0.005 <= mosaic_share <= 0.2  # ≈ 9% proportional; measured 4% here (it favours the faster GPU)
-    assert 0.4 <= rr_share <= 0.6  # round-robin: half to the L4
-    assert mosaic_done > rr_done  # and more requests finish in the same time
+    """Completions are counted in wall time, so each policy runs twice, interleaved, and its better run counts:
+    alone on the machine `mosaic` finishes about twice what round-robin does (89-99 vs 46-47), but one run of
+    each in a full suite once measured 44 vs 45 (a stall of the machine during the `mosaic` run)."""
+    runs = [asyncio.run(_split(policy)) for policy in ("mosaic", "round-robin", "mosaic", "round-robin")]
+    for share, _ in runs[0::2]:
+        assert 0.005 <= share <= 0.2  # ≈ 9% proportional; measured 4-5% here (it favours the faster GPU)
+    for share, _ in runs[1::2]:
+        assert 0.4 <= share <= 0.6  # round-robin: half to the L4
+    # and more requests finish in the same time
+    assert max(done for _, done in runs[0::2]) > max(done for _, done in runs[1::2])
