@@ -449,7 +449,7 @@ def _validation_error(exc: ValidationError) -> GatewayError:
     errors = exc.errors(include_url=False)
     err = errors[0]
     if err["type"] == "json_invalid":
-        return GatewayError(Cause.BAD_REQUEST, f"Request body is not valid JSON: {err['msg']}")
+        return GatewayError(Cause.BAD_REQUEST, f"The request body is not valid JSON: {err['msg']}")
     if err["type"] == "model_type" and not err["loc"]:
         return GatewayError(Cause.BAD_REQUEST, "Request body must be a JSON object")
     path, tag = _split_union_tag(err["loc"])

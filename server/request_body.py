@@ -42,8 +42,16 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     text = body[3:] if body.startswith(codecs.BOM_UTF8) else body
     try:
         data: Any = json.loads(text)
-    except (*NOT_JSON, UnicodeDecodeError):  # (nested past the parser's recursion limit too)
-        raise GatewayError(Cause.BAD_REQUEST, "The request body is not valid JSON.") from None
+    except (*NOT_JSON, UnicodeDecodeError) as exc:  # (nested past the parser's recursion limit too)
+        if isinstance(exc, json.JSONDecodeError):  # the proxy paths' message names the position too
+            why = f": {exc}"
+        elif isinstance(exc, UnicodeDecodeError):
+            why = ": it is not UTF-8"
+        elif isinstance(exc, RecursionError):
+            why = ": it is nested too deeply"
+        else:
+            why = ""
+        raise GatewayError(Cause.BAD_REQUEST, f"The request body is not valid JSON{why}.") from None
     if not isinstance(data, dict):
         raise GatewayError(Cause.BAD_REQUEST, "The request body must be a JSON object.")
     return data

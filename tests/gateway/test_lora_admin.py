@@ -154,8 +154,9 @@ def test_bad_load_bodies_are_refused_before_any_worker_is_asked(
             }
             assert a.lora_calls == [] and b.lora_calls == [] and gw.lora_admin.desired == {}
             r = await c.post(LOAD, content=b"{", headers={"content-type": "application/json"})
-            assert (
-                r.status_code == 400 and r.json()["error"]["message"] == "The request body is not valid JSON."
+            assert r.status_code == 400 and r.json()["error"]["message"] == (
+                "The request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 "
+                "column 2 (char 1)."
             )
             r = await c.post(LOAD, content=b"{}", headers={"content-type": "text/plain"})
             assert r.status_code == 400

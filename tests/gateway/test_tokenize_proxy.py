@@ -135,7 +135,15 @@ def test_retries_are_bounded_by_max_retries() -> None:
                      id="unknown model"),
         pytest.param(b'{"model": 5}', {}, 400, "'model' must be a string.", "model", id="model not a string"),
         pytest.param(b"[1]", {}, 400, "The request body must be a JSON object.", None, id="not an object"),
-        pytest.param(b"{", {}, 400, "The request body is not valid JSON.", None, id="not JSON"),
+        pytest.param(
+            b"{",
+            {},
+            400,
+            "The request body is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
+            "(char 1).",
+            None,
+            id="not JSON",
+        ),
         pytest.param(b'{"prompt": "x"}', {"content-type": "text/plain"}, 400, UNSUPPORTED_MEDIA_TYPE, None,
                      id="not application/json"),
         pytest.param(b'{"prompt": "' + b"x" * 2000 + b'"}', {}, 413, "Request body exceeds the 1024-byte limit.",
@@ -272,7 +280,10 @@ def test_a_body_nested_past_the_parsers_recursion_limit_is_a_400() -> None:
             for path in ("/tokenize", "/detokenize"):
                 r = await c.post(path, content=deep, headers={"content-type": "application/json"})
                 assert r.status_code == 400, r.text
-                assert r.json()["error"]["message"] == "The request body is not valid JSON."
+                assert (
+                    r.json()["error"]["message"]
+                    == "The request body is not valid JSON: it is nested too deeply."
+                )
             assert a.seen == []
 
     asyncio.run(body())
