@@ -9,7 +9,9 @@
   `scrape.timeout_s` (not a worker whose breaker is open, unless requests of ours run there); counters become
   per-second rates between scrapes, and a scrape that sees them move marks the engine working (`progress_at`). Stats older than
   `scrape.stale_after_s` are withheld from the view (the router sees None rather than stale numbers).
-- **Health** (`health.interval_s`): GET `/health`; `failure_threshold` consecutive failures → unhealthy.
+- **Health** (`health.interval_s`): GET `/health`; `failure_threshold` consecutive failures → unhealthy. A
+  `/health` 200 from a worker one of whose engines reports requests running and no step for the pool's
+  `stuck_window` counts as a failure (`Registry.stuck`: vLLM's `/health` does not see a hung engine).
   A worker whose breaker is open gets no requests; its next health check after `open_s` is the probe.
   Each health round while a worker is unhealthy calls `on_unhealthy` (the gateway severs its silent
   connections: `server.upstream.ConnectionPool.sever_silent`).
@@ -103,8 +105,10 @@ class WorkerRecord:
     prompt_tokens_per_s: float | None = None
     generation_tokens_per_s: float | None = None
     progress_at: float | None = None  # the last scrape whose token counters had moved: its engine works
-    # since when its scrapes show requests running and an engine that reported no step since (None: not so)
+    # since when its scrapes show one of its engines with requests running and no step reported since (the
+    # longest such stall; None: none), and each stalled engine's (label → since)
     stalled_since: float | None = None
+    engine_stalls: dict[str, float] = field(default_factory=dict)
     # the gateway's own calls in flight that hold its engine's loop (LoRA loads and unloads run in it, and a
     # Hub download or slow storage makes them long): no stall is judged meanwhile (`engine_call`)
     engine_calls: int = 0
@@ -756,7 +760,8 @@ class Registry:
             )
             if (rec.generation_tokens_per_s or 0) > 0 or (rec.prompt_tokens_per_s or 0) > 0:
                 rec.progress_at = now
-        rec.stalled_since = _stalled_since(rec, prev, stats, now)
+        rec.engine_stalls = _engine_stalls(rec.engine_stalls, prev, stats, now)
+        rec.stalled_since = min(rec.engine_stalls.values(), default=None)
         rec.stats, rec.stats_at = stats, now
 
     def stuck(self, rec: WorkerRecord, now: float, stale_is_stuck: bool = False) -> str | None:
@@ -775,12 +780,15 @@ class Registry:
             return None
         if now - since < window(rec.served_max_model_len or rec.pool.capacity.max_model_len):
             return None
-        running = rec.stats.num_running if rec.stats is not None else None
+        label = min(rec.engine_stalls, key=rec.engine_stalls.__getitem__)
+        marks = rec.stats.engine_marks if rec.stats is not None else ()
+        running = next((round(m.num_running or 0) for m in marks if m.engine == label), None)
+        where = f" on engine {label}" if len(marks) > 1 else ""  # a data-parallel server: which one
         if rec.fresh_stats(now, self._scrape_cfg.stale_after_s) is None:
             if not stale_is_stuck:
                 return None
-            return f"{STUCK}: {running} request(s) running at the last scrape {now - since:.0f} s ago, none since"
-        return f"{STUCK}: {running} request(s) running and no engine step for {now - since:.0f} s"
+            return f"{STUCK}: {running} request(s) running{where} at the last scrape {now - since:.0f} s ago, none since"
+        return f"{STUCK}: {running} request(s) running{where} and no engine step for {now - since:.0f} s"
 
     async def _paused(self, rec: WorkerRecord) -> bool:
         """Whether vLLM says its engine is paused or asleep on purpose (`GET /is_paused`, `/is_sleeping`: a
@@ -810,6 +818,7 @@ class Registry:
         finally:
             rec.engine_calls -= 1
             rec.stalled_since = None
+            rec.engine_stalls = {}
 
     # ------------------------------------------------------------------ reporting
     def gauge_rows(self) -> list[WorkerGaugeRow]:
@@ -869,6 +878,7 @@ class Registry:
                     else {
                         **{k: getattr(stats, k) for k in stats.__slots__},  # type: ignore[attr-defined]
                         "engine_views": [dataclasses.asdict(e) for e in stats.engine_views],
+                        "engine_marks": [dataclasses.asdict(m) for m in stats.engine_marks],
                         **{  # frozensets → sorted lists (JSON)
                             k: None if getattr(stats, k) is None else sorted(getattr(stats, k))
                             for k in ("lora_running", "lora_waiting")
@@ -895,27 +905,27 @@ def _served_context(cards: list[Any]) -> int | None:
     return None
 
 
-def _stalled_since(
-    rec: WorkerRecord, prev: WorkerStats | None, stats: WorkerStats, now: float
-) -> float | None:
-    """`WorkerRecord.stalled_since` after a scrape: kept while requests run and the engine reported no step
-    since the scrape before, set now when that begins, None otherwise. A step shows as a token counter that
-    moved or a scheduler gauge that changed (requests running or waiting, KV usage: a chunk of a long
-    prefill allocates blocks before its prompt is counted). Token counters the worker does not export (not
-    a vLLM, or `--disable-log-stats`) or a first scrape (nothing to compare) give no evidence: None."""
-    if prev is None or not stats.num_running:
-        return None
-    counters = (
-        (prev.prompt_tokens_total, stats.prompt_tokens_total),
-        (prev.generation_tokens_total, stats.generation_tokens_total),
-    )
-    exported = [(before, after) for before, after in counters if after is not None]
-    if not exported or any(before != after for before, after in exported):  # moved, reset or new
-        return None
-    gauges = (
-        (prev.num_running, prev.num_waiting, prev.kv_usage),
-        (stats.num_running, stats.num_waiting, stats.kv_usage),
-    )
-    if gauges[0] != gauges[1]:
-        return None
-    return rec.stalled_since if rec.stalled_since is not None else now
+def _engine_stalls(
+    stalls: dict[str, float], prev: WorkerStats | None, stats: WorkerStats, now: float
+) -> dict[str, float]:
+    """`WorkerRecord.engine_stalls` after a scrape: an engine (its `engine` label; one per data-parallel rank)
+    with requests running that reported no step since the scrape before keeps its stall's start (now when
+    it begins); any other has none. A step shows as a token counter that moved or a gauge that changed
+    (requests running or waiting, KV usage: a chunk of a long prefill allocates blocks before its prompt is
+    counted). Token counters the worker does not export (not a vLLM, or `--disable-log-stats`) or a first
+    scrape (nothing to compare) give no evidence. Engines apart: one hung rank of a data-parallel server
+    whose other ranks work is seen."""
+    if prev is None:
+        return {}
+    before = {m.engine: m for m in prev.engine_marks}
+    stalled = {}
+    for marks in stats.engine_marks:
+        was = before.get(marks.engine)
+        if was is None or not marks.num_running:
+            continue
+        if marks.prompt_tokens_total is None and marks.generation_tokens_total is None:
+            continue  # no token counters: no evidence
+        if marks != was:  # a counter moved (or reset: a restarted server) or a gauge changed: it stepped
+            continue
+        stalled[marks.engine] = stalls.get(marks.engine, now)
+    return stalled

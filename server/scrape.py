@@ -28,7 +28,9 @@ the rows' value is the server's total, not summed again. Each engine is also kep
 (`WorkerStats.engine_views`: total ÷ engines blocks, its usage and preemptions, in rank order) when there are
 two or more: a sequence lives in one engine's cache, so the KV ledger reserves per engine. The engines of
 one server are alike (same GPU, same `--gpu-memory-utilization`); a block or two of difference between
-them is inside the ledger's watermark.
+them is inside the ledger's watermark. Every engine's (one without an `engine` label too) running and waiting
+counts, KV usage and token counters are kept apart as well (`WorkerStats.engine_marks`): what its steps change,
+which the registry's stuck-engine check compares from one scrape to the next.
 When both a v1 name and its legacy name are present, the v1 name wins.
 
 Parsing is `prometheus_client.parser`; lines of families we do not read are dropped first (a real vLLM
@@ -66,6 +68,8 @@ _SAMPLES: dict[str, tuple[str, bool]] = {
     "vllm:time_to_first_token_seconds_sum": ("ttft_sum", False),
     "vllm:time_to_first_token_seconds_count": ("ttft_count", False),
 }
+# What shows one engine's steps (`EngineMarks`): every step's stats set the gauges, its tokens the counters
+_STEP_KEYS = ("num_running", "num_waiting", "prompt_tokens_total", "generation_tokens_total")
 _CACHE_INFO = "vllm:cache_config_info"
 _LORA_INFO = "vllm:lora_requests_info"
 _WANTED_PREFIXES = tuple(sorted({*_SAMPLES, _CACHE_INFO, _LORA_INFO}))
@@ -73,6 +77,20 @@ _WANTED_PREFIXES = tuple(sorted({*_SAMPLES, _CACHE_INFO, _LORA_INFO}))
 _WANTED_FAMILIES = frozenset(_WANTED_PREFIXES) | frozenset(
     n.removesuffix("_total").removesuffix("_sum").removesuffix("_count") for n in _WANTED_PREFIXES
 )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMarks:
+    """One engine's (its `engine` label's) series that every step of it changes or may change: an engine that
+    steps moves its token counters or its gauges, a hung one leaves all of them where its last step did
+    (`server.registry`'s stuck-engine check). None where the worker does not export the series."""
+
+    engine: str
+    num_running: float | None = None
+    num_waiting: float | None = None
+    kv_usage: float | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +114,7 @@ class WorkerStats:
     ttft_count: float | None = None
     engines: int = 0  # distinct `engine` label values seen (0 when the label is absent)
     engine_views: tuple[EngineView, ...] = ()  # per engine, when ≥ 2 engines all report num_gpu_blocks
+    engine_marks: tuple[EngineMarks, ...] = ()  # per engine label ("" when absent), in label order
     legacy_names: tuple[str, ...] = field(default=())  # legacy metric names read (for /admin/workers)
     # `vllm:lora_requests_info`'s latest series: adapters with running / waiting requests, and --max-loras
     lora_running: frozenset[str] | None = None
@@ -129,6 +148,7 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
     engines: set[str] = set()
     legacy: set[str] = set()
     preemptions_by_engine: dict[str, float] = defaultdict(float)
+    steps: dict[tuple[str, str, bool], float] = defaultdict(float)  # (engine, step key, legacy) → value
     lora: tuple[float, dict[str, str]] | None = None  # the latest lora_requests_info series (value, labels)
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
@@ -161,6 +181,8 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
                 (old if is_legacy else new)[key] += float(sample.value)
                 if key == "preemptions_total":
                     preemptions_by_engine[engine] += float(sample.value)
+                elif key in _STEP_KEYS:
+                    steps[(engine, key, is_legacy)] += float(sample.value)
             if is_legacy:
                 legacy.add(sample.name)
     values = {**old, **new}  # v1 names win over legacy ones
@@ -184,10 +206,32 @@ def parse_vllm_metrics(text: str) -> WorkerStats:
         ttft_count=values.get("ttft_count"),
         engines=len(engines),
         engine_views=_engine_views(engines, server_blocks, usage_by_engine, preemptions_by_engine),
+        engine_marks=_engine_marks(steps, usage_by_engine),
         legacy_names=tuple(sorted(legacy)),
         lora_running=_names(lora[1].get("running_lora_adapters")) if lora else None,
         lora_waiting=_names(lora[1].get("waiting_lora_adapters")) if lora else None,
         max_lora=_count_label(lora[1].get("max_lora")) if lora else None,
+    )
+
+
+def _engine_marks(
+    steps: dict[tuple[str, str, bool], float], usage: dict[str, tuple[float, bool]]
+) -> tuple[EngineMarks, ...]:
+    """Each engine's `EngineMarks` (a v1 series over a legacy one, as for the totals), in label order."""
+    labels = sorted({engine for engine, _, _ in steps} | set(usage))
+
+    def value(engine: str, key: str) -> float | None:
+        found = steps.get((engine, key, False))
+        return found if found is not None else steps.get((engine, key, True))
+
+    return tuple(
+        EngineMarks(
+            e,
+            *(value(e, k) for k in _STEP_KEYS[:2]),
+            usage[e][0] if e in usage else None,
+            *(value(e, k) for k in _STEP_KEYS[2:]),
+        )
+        for e in labels
     )
 
 

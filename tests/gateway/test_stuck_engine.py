@@ -21,8 +21,8 @@ from server.config import HealthConfig, ScrapeConfig
 from server.discovery import StaticSource
 from server.gateway import Gateway
 from server.metrics import GatewayMetrics
-from server.registry import PoolInfo, Registry, WorkerRecord, _stalled_since
-from server.scrape import WorkerStats
+from server.registry import PoolInfo, Registry, WorkerRecord, _engine_stalls
+from server.scrape import EngineMarks, WorkerStats
 from tests.gateway.fakes import config, pool
 from tests.gateway.scripted_http import SSE_HEAD, chunk
 from tests.gateway.test_faults import CHAT, metric
@@ -215,13 +215,8 @@ def test_stale_stats_give_no_verdict() -> None:
 def _stats(
     running: int | None, prompt: float | None, generation: float | None, waiting: int = 0, kv: float = 0.5
 ) -> WorkerStats:
-    return WorkerStats(
-        num_running=running,
-        num_waiting=waiting,
-        kv_usage=kv,
-        prompt_tokens_total=prompt,
-        generation_tokens_total=generation,
-    )
+    """One engine's scrape (label "0")."""
+    return WorkerStats(engine_marks=(EngineMarks("0", running, waiting, kv, prompt, generation),))
 
 
 @pytest.mark.parametrize(
@@ -246,12 +241,63 @@ def _stats(
         pytest.param(None, _stats(1, 5, 9), None, None, id="first scrape"),
     ],
 )
-def test_stalled_since(
+def test_engine_stalls(
     before: WorkerStats | None, after: WorkerStats, was: float | None, expected: float | None
 ) -> None:
-    rec = WorkerRecord("w", "http://w", None, None)  # type: ignore[arg-type]  # only stalled_since is read
-    rec.stalled_since = was
-    assert _stalled_since(rec, before, after, 7.0) == expected
+    stalls = _engine_stalls({} if was is None else {"0": was}, before, after, 7.0)
+    assert stalls == ({} if expected is None else {"0": expected})
+
+
+def test_one_hung_engine_of_a_data_parallel_server_is_seen_beside_working_ones() -> None:
+    """Two engines (`engine` 0 and 1): rank 0 steps, rank 1 stands still with a request running. Their sums
+    move, which hid rank 1; each engine is judged apart, and the reason names the hung one."""
+
+    def scrape(generated: float) -> str:
+        return (
+            f'vllm:num_requests_running{{engine="0"}} 3\nvllm:num_requests_running{{engine="1"}} 1\n'
+            f'vllm:generation_tokens_total{{engine="0"}} {generated}\nvllm:generation_tokens_total{{engine="1"}} 40\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:kv_cache_usage_perc{engine="1"} 0.2\n'
+        )
+
+    async def run() -> None:
+        clock, generated = _Clock(), iter(range(100, 10_000, 10))
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/metrics":
+                return httpx.Response(200, text=scrape(next(generated)))
+            return httpx.Response(200 if request.url.path == "/health" else 404)
+
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        reg = Registry(
+            ScrapeConfig(stale_after_s=5.0), HealthConfig(), GatewayMetrics(), client=client, clock=clock
+        )
+        info = PoolInfo(
+            "p",
+            "llama-3-8b",
+            "L4",
+            Role.MIXED,
+            capacity_for("L4", "llama-3-8b", dp=2),
+            stuck_window=lambda c: 10.0,
+        )
+        reg.add_pool(info, StaticSource(["http://w1:8000"]))
+        await reg.resync("p")
+        rec = reg.records()[0]
+        for _ in range(12):
+            await reg.scrape_once()
+            clock.t += 1.0
+        assert rec.engine_stalls == {"1": 1001.0}
+        assert rec.stats is not None and rec.stats.generation_tokens_total == 40 + 210  # the sum moved
+        await reg.scrape_once()
+        assert (
+            reg.stuck(rec, clock.t)
+            == "engine stuck: 1 request(s) running on engine 1 and no engine step for 11 s"
+        )
+        (worker,) = json.loads(json.dumps(reg.describe()))  # /admin/workers shows each engine's marks
+        assert [m["engine"] for m in worker["stats"]["engine_marks"]] == ["0", "1"]
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
 
 
 def test_the_window_covers_the_longest_prefill_of_the_served_context() -> None:
