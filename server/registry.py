@@ -65,9 +65,8 @@ from server.scrape import WorkerStats, counter_rate, parse_vllm_metrics
 log = logging.getLogger("mosaic.registry")
 VIEW_AGE_RESOLUTION_S = 0.01  # a cached worker view's scrape_age_s is at most this much behind
 PER_EVENT_STREAMS = 32  # streams whose tokens per event a worker's record keeps
-STUCK = (
-    "engine stuck"  # how a failed check's reason begins when the engine was judged stuck (`Registry.stuck`)
-)
+# how a failed check's reason begins when an engine was judged stuck (`Registry.stuck`)
+STUCK = "engine stuck"
 
 
 @dataclass(frozen=True, slots=True)
