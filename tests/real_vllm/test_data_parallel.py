@@ -18,6 +18,9 @@ bytes; an out-of-range rank on a server without data parallelism too (`real_vllm
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +28,16 @@ import httpx
 import pytest
 import vllm_env
 from conftest import RealServer
+from engine_processes import engine_processes
 from kv_burst import BURST, MAX_TOKENS, assert_all_served, run_burst, server_stats
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.registry import _engine_stalls
+from server.scrape import parse_vllm_metrics
+
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
 MODEL = vllm_env.SERVED_MODEL_NAME  # what the real servers and the simulated workers serve
+RANK = "X-data-parallel-rank"
 
 
 def test_the_scrape_splits_the_servers_blocks_between_its_engines(real_vllm_dp: RealServer) -> None:
@@ -172,3 +180,58 @@ def _assert_refused_alike(real_url: str, sim_url: str, rank: str, stream: bool) 
     real, sim = answers
     assert real == sim
     assert real[0] == (200 if stream else 400) and "is out of range [0, " in str(real[2])
+
+
+def test_one_hung_engine_is_seen_beside_a_working_one(real_vllm_dp: RealServer) -> None:
+    """Engine 1's processes stopped (SIGSTOP) while it streams a request, engine 0 serving on: `/health` says
+    200, the server's summed token counters move, and only engine 1's series stand still with its request
+    running, which is what the gateway's stuck-engine check reads per engine (`_engine_stalls`). Last in the
+    module: the engine is resumed (SIGCONT) and its stream finishes."""
+    server = real_vllm_dp
+    if server.process is None:
+        pytest.skip(
+            "the DP server was started elsewhere (MOSAIC_REAL_VLLM_DP_URL): its processes are not ours"
+        )
+    engine = engine_processes(server.process.pid, "VLLM::EngineCore_DP1")
+    assert engine, "no VLLM::EngineCore_DP1 process below the server"
+    stopped = threading.Event()
+    streamed: list[int] = []
+
+    def stream_on_engine_1() -> None:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=body, headers={RANK: "1"}, timeout=120
+        ) as answer:
+            for line in answer.iter_lines():
+                if line.startswith("data: "):
+                    streamed.append(1)
+                    if len(streamed) == 5:
+                        for pid in engine:
+                            os.kill(pid, signal.SIGSTOP)
+                        stopped.set()
+
+    def on_engine_0() -> None:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 20}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, headers={RANK: "0"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+
+    streaming = threading.Thread(target=stream_on_engine_1)
+    streaming.start()
+    try:
+        assert stopped.wait(60), "engine 1's stream never began"
+        on_engine_0()
+        before = parse_vllm_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        on_engine_0()
+        after = parse_vllm_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        health = httpx.get(f"{server.url}/health", timeout=10).status_code
+    finally:
+        for pid in engine:
+            os.kill(pid, signal.SIGCONT)
+        streaming.join(120)
+    assert health == 200
+    assert after.generation_tokens_total is not None and before.generation_tokens_total is not None
+    assert after.generation_tokens_total > before.generation_tokens_total  # the sums move: engine 0 works
+    (hung,) = [m for m in after.engine_marks if m.engine == "1"]
+    assert hung.num_running == 1
+    assert _engine_stalls({}, before, after, 7.0) == {"1": 7.0}
+    assert not streaming.is_alive() and len(streamed) > 400  # resumed: 480 tokens and [DONE]

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import RealServer
+from engine_processes import engine_processes
 from gateway_harness import MosaicGateway, static_config
 
 from server.vllm_launcher import health_ok
@@ -69,31 +70,6 @@ def test_a_request_to_a_vllm_that_froze_ends_once_it_fails_health_checks(
     assert answer.status_code == 200, answer.text
 
 
-def _engine_processes(root: int) -> list[int]:
-    """The pids below `root` that vLLM titled `VLLM::…` (its EngineCore and the executor's workers): the
-    processes that run the model, apart from the API server."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:  # gone meanwhile
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    below, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - below
-        below |= frontier
-    titled = []
-    for pid in sorted(below):
-        try:
-            if (Path("/proc") / str(pid) / "cmdline").read_bytes().startswith(b"VLLM::"):
-                titled.append(pid)
-        except OSError:
-            continue
-    return titled
-
-
 def test_a_stream_on_a_vllm_whose_engine_hangs_ends_and_the_engine_is_kept_out_until_it_steps(
     real_vllm_own: RealServer, tmp_path: Path
 ) -> None:
@@ -105,7 +81,7 @@ def test_a_stream_on_a_vllm_whose_engine_hangs_ends_and_the_engine_is_kept_out_u
     engine steps again, a probe passes, and requests are served."""
     server = real_vllm_own
     assert server.process is not None
-    engine = _engine_processes(server.process.pid)
+    engine = engine_processes(server.process.pid)
     assert engine, "no VLLM::EngineCore process below the server"
     config = static_config(
         server.model,
