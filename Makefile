@@ -4,13 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test vllm-env test-vllm bench lint fmt clean
+.PHONY: env run test vllm-env test-vllm bench lint fmt clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# .venv with the project and its dev tools (what every other target builds first).
+env: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/mosaic serve

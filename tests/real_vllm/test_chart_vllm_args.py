@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +55,79 @@ print(json.dumps(out))
 """
 
 
-def _vllm(script: str, argvs: list[list[str]]) -> list[Any]:
+# One Python of .venv-vllm for the whole module, which runs each script sent to it (a JSON line: the script and
+# its stdin) and answers its stdout: importing vLLM takes ~10 s on 2 cores, once instead of once per script.
+INTERPRETER = """
+import contextlib, io, json, sys, traceback
+answers = sys.stdout
+for line in sys.stdin:
+    job = json.loads(line)
+    sys.stdin, out = io.StringIO(job["stdin"]), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(job["script"], {"__name__": "__job__"})
+        answers.write(json.dumps({"stdout": out.getvalue()}) + "\\n")
+    except BaseException:
+        answers.write(json.dumps({"error": traceback.format_exc()}) + "\\n")
+    answers.flush()
+"""
+
+
+class VllmInterpreter:
+    """`INTERPRETER` running in .venv-vllm's Python; its stderr (argparse's complaints) goes to a temp file."""
+
+    def __init__(self) -> None:
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by close())
+        self._proc = subprocess.Popen(
+            [str(VENV_PYTHON), "-c", INTERPRETER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
+
+    def run(self, script: str, stdin: str) -> str:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps({"script": script, "stdin": stdin}) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            self._stderr.seek(0)
+            raise AssertionError(f"vLLM's Python exited: {self._stderr.read()[-2000:]}")
+        answer = json.loads(line)
+        assert "error" not in answer, answer["error"][-2000:]
+        return str(answer["stdout"])
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._stderr.close()
+
+
+_interpreter: list[VllmInterpreter] = []  # started by the first script, stopped after the module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_interpreter() -> Iterator[None]:
+    yield
+    while _interpreter:
+        _interpreter.pop().close()
+
+
+def _vllm(script: str, argvs: list[Any]) -> list[Any]:
     """`script` run by .venv-vllm's Python on `argvs` (JSON on stdin), its JSON answer."""
     if not VENV_PYTHON.exists():
         pytest.skip(f"{VENV_PYTHON} missing: `make vllm-env` builds the vLLM environment")
-    proc = subprocess.run(
-        [str(VENV_PYTHON), "-c", script], input=json.dumps(argvs), capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out: list[Any] = json.loads(proc.stdout)
+    if not _interpreter:
+        _interpreter.append(VllmInterpreter())
+    out: list[Any] = json.loads(_interpreter[0].run(script, json.dumps(argvs)))
     return out
 
 

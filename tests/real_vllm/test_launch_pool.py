@@ -1,9 +1,9 @@
-"""A `launch: vllm` pool: the gateway starts a real vLLM (CPU build, mixed role), routes to it once /health
-answers, and stops it when the gateway stops; with `dp: 2`, one vLLM of two engines that both serve."""
+"""A `launch: vllm` pool with `dp: 2`: the gateway starts one real vLLM (CPU build) of two engines that both
+serve; and why launched replicas get `--shutdown-timeout` (a SIGTERM to a vLLM with a stream running). A
+launched pool's start, routing and stop with one engine: test_scale_from_zero_vllm.py."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
@@ -11,50 +11,7 @@ import pytest
 import vllm_env
 from gateway_harness import MosaicGateway, launch_endpoints, static_config
 
-from server.vllm_launcher import health_ok, stop_pid
-
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
-
-
-def test_gateway_launches_serves_and_stops_a_vllm_pool(tmp_path: Path) -> None:
-    reason = vllm_env.missing_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    config = static_config(vllm_env.SERVED_MODEL_NAME, [], pool="launched")
-    config["pools"][0]["endpoints"] = launch_endpoints(tmp_path / "vllm-logs", replicas=1)
-    with MosaicGateway(config, tmp_path) as gateway:
-        gateway.wait_ready()
-        started = time.monotonic()
-        (worker,) = gateway.wait_worker_scraped(timeout_s=540)
-        ready_s = time.monotonic() - started
-        assert worker["pool"] == "launched"
-        assert worker["stats"]["num_gpu_blocks"] == 16384 and worker["stats"]["block_size"] == 128
-        with gateway.target(vllm_env.SERVED_MODEL_NAME).openai() as client:
-            resp = client.completions.create(
-                model=vllm_env.SERVED_MODEL_NAME,
-                prompt=[7, 8, 9],
-                max_tokens=4,
-                extra_body={"ignore_eos": True},
-            )
-        assert resp.usage is not None and resp.usage.completion_tokens == 4
-        vllm_url = worker["url"]
-        assert health_ok(vllm_url)
-    # Gateway stopped → its launched vLLM stopped with it.
-    deadline = time.monotonic() + 60
-    while health_ok(vllm_url) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if health_ok(vllm_url):  # do not leak a server (it runs in its own session) before failing
-        port = vllm_url.rsplit(":", 1)[1]
-        pids = subprocess.run(
-            ["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True
-        ).stdout.split()
-        for pid in pids:
-            stop_pid(int(pid), timeout_s=10)
-        pytest.fail(f"launched vLLM at {vllm_url} still up after the gateway stopped")
-    log = (tmp_path / "mosaic.log").read_text(encoding="utf-8")
-    print(
-        f"\nlaunched pool ready after {ready_s:.1f} s; {log.strip().splitlines()[0] if log.strip() else ''}"
-    )
 
 
 def test_a_data_parallel_launched_pool_is_one_server_of_two_engines(tmp_path: Path) -> None:
