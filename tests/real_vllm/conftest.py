@@ -49,6 +49,54 @@ RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # vLLM's readin
 RESOLVABLE_ADAPTER = "tiny-lora-resolvable"
 
 
+# CI's whole run has a hard time limit (.ci/run sets MOSAIC_TESTS_DEADLINE, seconds since the epoch). A
+# real-vLLM test that would begin with less than DEADLINE_RESERVE_S left (a server start and its checks) is
+# skipped with that reason and counted in the summary, so a slow machine runs fewer of them, not none.
+DEADLINE_ENV = "MOSAIC_TESTS_DEADLINE"
+DEADLINE_RESERVE_S = 150.0
+# Modules that start servers of their own for one or two checks (~45-100 s each on 2 cores): run after the
+# ones that check the gateway against the shared servers, so a budget spent early costs the least coverage.
+LAST_MODULES = (
+    "test_env_skips.py",
+    "test_vllm_worker.py",
+    "test_scale_from_zero_vllm.py",
+    "test_launch_pool.py",
+)
+_over_budget: list[str] = []
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-vLLM tests of LAST_MODULES move to the end, in that order (each module's tests stay together
+    and in their order, so module-scoped servers start once); every other test keeps its place."""
+
+    def last(item: pytest.Item) -> int:
+        name = item.path.name
+        if item.get_closest_marker("real_vllm") is None or name not in LAST_MODULES:
+            return 0
+        return 1 + LAST_MODULES.index(name)
+
+    items[:] = sorted(items, key=last)  # stable: ties keep collection order
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    deadline = os.environ.get(DEADLINE_ENV)
+    if not deadline or item.get_closest_marker("real_vllm") is None:
+        return
+    left = float(deadline) - time.time()
+    if left < DEADLINE_RESERVE_S:
+        _over_budget.append(item.nodeid)
+        pytest.skip(f"not run: {left:.0f} s of the CI time budget left ({DEADLINE_ENV})")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _over_budget:
+        terminalreporter.write_line(
+            f"CI time budget spent: {len(_over_budget)} real-vLLM test(s) not run, from {_over_budget[0]}",
+            yellow=True,
+            bold=True,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class RealServer:
     url: str
