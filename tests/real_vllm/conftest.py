@@ -1,8 +1,9 @@
 """Fixtures for tests against a real vLLM server (CPU build, tiny local model).
 
 `real_vllm`: one server per test session (started on first use, 25-80 s, stopped at the end).
-`real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started only
-for the module that asks for it and stopped after it; `real_vllm_dp` likewise, with two data-parallel engines;
+`real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started for
+the tests that ask for it, kept while they run one after another, and stopped after them; `real_vllm_dp`
+is started for the module that asks for it and stopped after it, with two data-parallel engines;
 `real_vllm_lora` likewise, with two LoRA adapters built at test time (build_lora.py), `--max-loras 1` and runtime
 adapter loading on (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; `sim_lora_url` is the simulated worker set up the
 same way). All
@@ -24,7 +25,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,24 +145,36 @@ def real_vllm() -> Iterator[RealServer]:
     yield from _serve("pytest-main", ())
 
 
-@pytest.fixture(scope="module")
-def real_vllm_own() -> Iterator[RealServer]:
-    """A default server for one module alone, for tests that freeze or break it (the session's `real_vllm` must
-    stay usable for every other test); started for the module that asks for it and stopped after it."""
-    _skip_if_absent()
-    yield from _serve("pytest-own", ())
+# Servers kept from one test to the next while the next one asks for the same fixture too, and stopped as soon
+# as it does not (`pytest_runtest_teardown`): a module's server that the adjacent module shares (one start).
+_kept: dict[str, tuple[RealServer, Iterator[RealServer]]] = {}
 
 
-@pytest.fixture(scope="module")  # stopped after its module: never more than ~3 servers (2.6 GB each) at once
-def real_vllm_kv() -> Iterator[RealServer]:
+def _keep(fixture: str, serve: Callable[[], Iterator[RealServer]]) -> RealServer:
+    if fixture not in _kept:
+        running = serve()
+        _kept[fixture] = (next(running), running)
+    return _kept[fixture][0]
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    for fixture in list(_kept):
+        if nextitem is None or fixture not in getattr(nextitem, "fixturenames", ()):
+            _kept.pop(fixture)[1].close()  # `_serve`'s finally: the server stops
+
+
+@pytest.fixture
+def real_vllm_kv() -> RealServer:
+    """A server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), kept while the tests that
+    ask for it run one after another (test_frozen_worker.py, which stops and resumes it, then
+    test_kv_pressure.py, which counts deltas) and stopped after them."""
     _skip_if_absent()
     external = os.environ.get("MOSAIC_REAL_VLLM_KV_URL")  # e.g. `real_vllm.sh start --name kv --kv-pressure`
     if external:
         if not health_ok(external):
             pytest.fail(f"MOSAIC_REAL_VLLM_KV_URL={external} does not answer /health")
-        yield RealServer(url=external.rstrip("/"), model=vllm_env.SERVED_MODEL_NAME, process=None)
-        return
-    yield from _serve("pytest-kv", vllm_env.KV_PRESSURE_ARGS)
+        return RealServer(url=external.rstrip("/"), model=vllm_env.SERVED_MODEL_NAME, process=None)
+    return _keep("real_vllm_kv", lambda: _serve("pytest-kv", vllm_env.KV_PRESSURE_ARGS))
 
 
 @pytest.fixture(scope="module")
