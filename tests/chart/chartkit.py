@@ -101,6 +101,10 @@ def with_decode(pool: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+# libyaml's safe loader where PyYAML was built with it: the same objects, ~6x faster (most of a render's time)
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> Rendered:
     manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
     objects: list[dict[str, Any]] = []
@@ -110,7 +114,7 @@ def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> Rendered:
         if template.endswith("NOTES.txt"):
             notes = text
             continue
-        for doc in yaml.safe_load_all(text):
+        for doc in yaml.load_all(text, Loader=SAFE_LOADER):
             if doc:
                 objects.append(doc)
                 sources.append(template)
