@@ -55,8 +55,20 @@ RESOLVABLE_ADAPTER = "tiny-lora-resolvable"
 # skipped with that reason and counted in the summary, so a slow machine runs fewer of them, not none.
 DEADLINE_ENV = "MOSAIC_TESTS_DEADLINE"
 DEADLINE_RESERVE_S = 150.0
-# Modules that start servers of their own for one or two checks (~45-100 s each on 2 cores): run after the
-# ones that check the gateway against the shared servers, so a budget spent early costs the least coverage.
+# The order real-vLLM modules run in, so a budget spent early costs the least coverage: first the gateway
+# against the session's server (the OpenAI surface, the scrape, the simulated worker's fidelity) and the
+# KV-pressure server (stuck workers, KV reservation), then the rest in collection order, and last the modules
+# that start servers of their own for one or two checks (~45-100 s each on 2 cores).
+FIRST_MODULES = (
+    "test_openai_surface.py",
+    "test_admin_stats.py",
+    "test_fidelity.py",
+    "test_differential.py",
+    "test_responses_api.py",
+    "test_profile_url_vllm.py",
+    "test_frozen_worker.py",
+    "test_kv_pressure.py",
+)
 LAST_MODULES = (
     "test_env_skips.py",
     "test_vllm_worker.py",
@@ -67,16 +79,20 @@ _over_budget: list[str] = []
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The real-vLLM tests of LAST_MODULES move to the end, in that order (each module's tests stay together
-    and in their order, so module-scoped servers start once); every other test keeps its place."""
+    """The real-vLLM tests of FIRST_MODULES move to the front and those of LAST_MODULES to the end, in those
+    orders (each module's tests stay together and in their order, so module-scoped servers start once); every
+    other test keeps its place."""
 
-    def last(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> tuple[int, int]:
         name = item.path.name
-        if item.get_closest_marker("real_vllm") is None or name not in LAST_MODULES:
-            return 0
-        return 1 + LAST_MODULES.index(name)
+        if item.get_closest_marker("real_vllm") is not None:
+            if name in FIRST_MODULES:
+                return 0, FIRST_MODULES.index(name)
+            if name in LAST_MODULES:
+                return 2, LAST_MODULES.index(name)
+        return 1, 0
 
-    items[:] = sorted(items, key=last)  # stable: ties keep collection order
+    items[:] = sorted(items, key=rank)  # stable: ties keep collection order
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
