@@ -127,8 +127,8 @@ def test_a_stream_on_a_vllm_whose_engine_hangs_ends_and_the_engine_is_kept_out_u
     """vLLM's engine processes are stopped (SIGSTOP) mid-stream while its API server runs on: `/health` stays
     200 (it asks only whether the engine died), `/metrics` shows the request running (checked here on the
     server itself; an engine stopped before or after it ran the request is resumed and a new one tried). The
-    gateway judges the engine stuck after `health.stuck_engine_s` (2 s here), its checks fail, and the stream, silent since, ends with the
-    "unhealthy" error event and `[DONE]` within seconds, not at the 60 s stall timeout. After SIGCONT the
+    gateway judges the engine stuck after `health.stuck_engine_s` (2 s here), its checks fail, and the stream,
+    silent since, ends with the "unhealthy" error event and `[DONE]` within seconds, not at the 60 s stall timeout. After SIGCONT the
     engine steps again, a probe passes, and requests are served."""
     server = real_vllm_kv
     if server.process is None:

@@ -3,8 +3,8 @@ The first request waits in the admission queue, its arrival makes the policy sta
 tiny model), the gateway routes to it once /health answers and reads its KV capacity from its metrics, the
 request is answered once that server is up, and the launched vLLM stops when the gateway stops. (A pool
 launched at start, `replicas: 1`, goes through the same launcher: test_launch_supervision.py runs it
-with a stand-in `vllm serve`; one real start is enough here, each costs ~40 s on 2 cores.) (With the only pool at zero the router's
-reject is `no_workers`/`empty_pool`, both retryable; the cases only `empty_pool` holds — decode at zero
+with a stand-in `vllm serve`; one real start is enough here, each costs ~40 s on 2 cores.) (With the only
+pool at zero the router's reject is `no_workers`/`empty_pool`, both retryable; the cases only `empty_pool` holds — decode at zero
 behind a running prefill pool, one model at zero beside another's workers — are tested with simulated
 workers in tests/autoscaling/test_scale_from_zero_live.py and tests/scheduler/routing/test_profiles.py.)"""
 
