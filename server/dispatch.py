@@ -516,7 +516,7 @@ class Dispatcher:
                         refused, params = params, None
                 waiting_on, slot = decode, SlotWait()
                 body = self._decode_body(parsed, params)
-                lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None)
+                lease.track(decode.id, parsed.prompt_tokens, prefilled_remotely=params is not None, slot=slot)
                 if not parsed.stream:
                     # No first byte to see before the whole answer: prefill counts as over once its
                     # estimated TTFT has passed, not at the end. The prompt leaves this worker's prefill
@@ -609,6 +609,7 @@ class Dispatcher:
         # breaker's whole count here kept it in rotation forever; the first byte excuses only the failures that
         # said it was unreachable, and the stream's end tells the rest (`StreamSession._close`)
         self.registry.report_first_byte(decode.id)
+        lease.answered()
         lease.first_token()
         return self._stream(resp, chunks, first, parsed, rec, lease)
 
@@ -657,7 +658,7 @@ class Dispatcher:
         worker = decision.prefill
         assert worker is not None
         try:
-            ticket = lease.track(worker.id, parsed.prompt_tokens)
+            ticket = lease.track(worker.id, parsed.prompt_tokens, slot=slot)
         except UpstreamFailure:  # it left the fleet since routing: the decode worker prefills the request
             return self._fall_back(parsed, lease, worker.id, Fallback.REMOVED)
         try:

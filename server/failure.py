@@ -42,7 +42,7 @@ from scheduler.routing.framework import Decision, Router, RouteRequest
 from scheduler.routing.reasons import Outcome
 from server.errors import SHUTDOWN_MESSAGE, shutting_down, stream_error_event
 from server.fast_http import ClientStalled, FastCycle
-from server.registry import InflightTicket, Registry
+from server.registry import InflightTicket, Registry, SlotLike
 from server.upstream import WorkerSevered
 
 SHUTDOWN_EVENT = stream_error_event(SHUTDOWN_MESSAGE, 503, "ServiceUnavailableError")
@@ -161,9 +161,15 @@ class Lease:
         """The outcome it was released with (None while held)."""
         return self._released
 
-    def track(self, worker_id: str, prompt_tokens: int, prefilled_remotely: bool = False) -> InflightTicket:
+    def track(
+        self,
+        worker_id: str,
+        prompt_tokens: int,
+        prefilled_remotely: bool = False,
+        slot: SlotLike | None = None,
+    ) -> InflightTicket:
         try:
-            ticket = self.registry.track(worker_id, prompt_tokens, prefilled_remotely, self.req.adapter)
+            ticket = self.registry.track(worker_id, prompt_tokens, prefilled_remotely, self.req.adapter, slot)
         except KeyError:
             raise UpstreamFailure(worker_id, "removed") from None
         self._tickets.append(ticket)
@@ -179,6 +185,11 @@ class Lease:
             hook = getattr(r, "first_token", None)
             if hook is not None:
                 hook(now)
+
+    def answered(self) -> None:
+        """The stream's first event came: its worker's engine took the request (`InflightTicket.answered`)."""
+        for t in self._tickets:
+            t.answered()
 
     def on_tokens(self, events: int, now: float) -> None:
         """`events` token events streamed so far: renews leases and lets reservations grow, by the tokens they

@@ -26,7 +26,7 @@ nothing per request.
 | mosaic_worker_inflight_requests, mosaic_worker_inflight_prefill_tokens | gauge | worker, pool |
 | mosaic_worker_state | gauge (1) | worker, pool, state |
 | mosaic_worker_breaker_open | gauge | worker, pool |
-| mosaic_worker_engine_stuck | gauge | worker, pool: 1 while its last health check judged its engine stuck (requests running, no step: `health.stuck_engine_s`) |
+| mosaic_worker_engine_stuck | gauge | worker, pool: 1 while its last health check judged its engine stuck (requests running, or sent there and not taken up, and no step: `health.stuck_engine_s`) |
 | mosaic_worker_scrape_age_seconds | gauge | worker, pool (absent until first scrape) |
 | mosaic_worker_cost_per_hour | gauge | worker, pool ($/h from the worker's capacity; sum it for the fleet's $/h) |
 | mosaic_autoscaler_* | | when the autoscaler runs in-process: see `server.autoscaling` |
@@ -133,7 +133,7 @@ class _LiveCollector(Collector):
         )
         stuck = GaugeMetricFamily(
             "mosaic_worker_engine_stuck",
-            "1 while the worker's last health check judged its engine stuck (requests running, no step)",
+            "1 while the worker's last health check judged its engine stuck (requests running or not taken up, no step)",
             labels=["worker", "pool"],
         )
         cost = GaugeMetricFamily(

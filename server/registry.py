@@ -11,7 +11,9 @@
   `scrape.stale_after_s` are withheld from the view (the router sees None rather than stale numbers).
 - **Health** (`health.interval_s`): GET `/health`; `failure_threshold` consecutive failures → unhealthy. A
   `/health` 200 from a worker one of whose engines reports requests running and no step for the pool's
-  `stuck_window` counts as a failure (`Registry.stuck`: vLLM's `/health` does not see a hung engine).
+  `stuck_window` counts as a failure (`Registry.stuck`: vLLM's `/health` does not see a hung engine), as
+  does one whose engines all show nothing running or waiting and no step for that long while a request of
+  ours sent there waits for its first byte (an engine hung in the first step after idle).
   A worker whose breaker is open gets no requests; its next health check after `open_s` is the probe.
   Each health round while a worker is unhealthy calls `on_unhealthy` (the gateway severs its silent
   connections: `server.upstream.ConnectionPool.sever_silent`).
@@ -108,6 +110,15 @@ class WorkerRecord:
     # longest such stall; None: none), and each stalled engine's (label → since)
     stalled_since: float | None = None
     engine_stalls: dict[str, float] = field(default_factory=dict)
+    # since when its scrapes show the same engine marks (gauges and token counters: no engine step since;
+    # None before its first scrape), and since when they have also shown every engine idle while a request
+    # of ours sent there since then waits for its first byte: an engine hung in the first step after idle,
+    # whose gauges froze at zero running (`_untaken_since`; None: not so)
+    quiet_since: float | None = None
+    untaken_since: float | None = None
+    # this gateway's requests sent there with no byte of their answer yet (a stream's first event, a whole
+    # answer's end), oldest first: `InflightTicket.answered()` and `done()` remove theirs
+    unanswered: dict[InflightTicket, None] = field(default_factory=dict)
     # the gateway's own calls in flight that hold its engine's loop (LoRA loads and unloads run in it, and a
     # Hub download or slow storage makes them long): no stall is judged meanwhile (`engine_call`)
     engine_calls: int = 0
@@ -287,20 +298,38 @@ class FirstTokenHook(Protocol):
     def first_token(self) -> None: ...
 
 
+class SlotLike(Protocol):
+    """`server.upstream.SlotWait`: whether a post still waits for a connection slot (not sent yet)."""
+
+    waiting: bool
+
+
 class InflightTicket:
     """One request's load on one worker. `first_token()` moves its prompt out of the prefill backlog;
-    `done()` removes it entirely. Both are idempotent; `done()` implies the first."""
+    `done()` removes it entirely. Both are idempotent; `done()` implies the first. Apart from them,
+    `answered()` says a byte of its answer came (a stream's first event): until then, or `done()`, it is
+    one of the worker's `unanswered` requests, which the stuck-engine check reads (`sent_at`, and `slot`:
+    one still waiting for a connection was not sent yet)."""
 
-    __slots__ = ("__weakref__", "_done", "_first", "adapter", "prompt_tokens", "record")
+    __slots__ = ("__weakref__", "_done", "_first", "adapter", "prompt_tokens", "record", "sent_at", "slot")
 
     def __init__(
-        self, record: WorkerRecord, prompt_tokens: int, prefilled_remotely: bool, adapter: str | None = None
+        self,
+        record: WorkerRecord,
+        prompt_tokens: int,
+        prefilled_remotely: bool,
+        adapter: str | None = None,
+        sent_at: float = 0.0,
+        slot: SlotLike | None = None,
     ) -> None:
         self.record = record
         self.prompt_tokens = prompt_tokens if not prefilled_remotely else 0
         self._first = prefilled_remotely
         self._done = False
         self.adapter = adapter
+        self.sent_at = sent_at
+        self.slot = slot
+        record.unanswered[self] = None
         if adapter is not None:
             held = record.inflight_adapters.get(adapter, 0)
             record.inflight_adapters[adapter] = held + 1
@@ -319,9 +348,17 @@ class InflightTicket:
         self.record.inflight_prefill_tokens -= self.prompt_tokens
         self.record.inflight_decode_requests += 1
 
+    def answered(self) -> None:
+        """A byte of its answer came: the worker's engine took it (and so steps; an untaken stall ends)."""
+        record = self.record
+        if record.unanswered.pop(self, 0) is None and record.untaken_since is not None:
+            record.untaken_since = None
+            record.stalled_since = min(record.engine_stalls.values(), default=None)
+
     def done(self) -> None:
         if self._done:
             return
+        self.record.unanswered.pop(self, None)
         if not self._first:
             self.record.inflight_prefill_tokens -= self.prompt_tokens
         else:
@@ -501,12 +538,19 @@ class Registry:
         return [p.info for p in self._pools.values()]
 
     def track(
-        self, worker_id: str, prompt_tokens: int, prefilled_remotely: bool = False, adapter: str | None = None
+        self,
+        worker_id: str,
+        prompt_tokens: int,
+        prefilled_remotely: bool = False,
+        adapter: str | None = None,
+        slot: SlotLike | None = None,
     ) -> InflightTicket:
+        """A request about to be sent to the worker (`slot`: the post's `SlotWait`, if it may queue for a
+        connection first). KeyError when the worker left the fleet since routing."""
         rec = self._workers.get(worker_id)
         if rec is None:  # removed between routing and dispatch: account on a detached record
             raise KeyError(worker_id)
-        return InflightTicket(rec, prompt_tokens, prefilled_remotely, adapter)
+        return InflightTicket(rec, prompt_tokens, prefilled_remotely, adapter, self._clock(), slot)
 
     def prefill_ends_in(self, ticket: FirstTokenHook, seconds: float) -> None:
         """`ticket.first_token()` runs `seconds` from now (at the first `view()` after, i.e. before the next
@@ -760,7 +804,13 @@ class Registry:
             if (rec.generation_tokens_per_s or 0) > 0 or (rec.prompt_tokens_per_s or 0) > 0:
                 rec.progress_at = now
         rec.engine_stalls = _engine_stalls(rec.engine_stalls, prev, stats, now)
-        rec.stalled_since = min(rec.engine_stalls.values(), default=None)
+        if prev is None or stats.engine_marks != prev.engine_marks:
+            rec.quiet_since = now
+        rec.untaken_since = _untaken_since(rec, stats, now)
+        rec.stalled_since = min(
+            (*rec.engine_stalls.values(), *(() if rec.untaken_since is None else (rec.untaken_since,))),
+            default=None,
+        )
         rec.stats, rec.stats_at = stats, now
 
     def stuck(self, rec: WorkerRecord, now: float, stale_is_stuck: bool = False) -> str | None:
@@ -779,15 +829,19 @@ class Registry:
             return None
         if now - since < window(rec.served_max_model_len or rec.pool.capacity.max_model_len):
             return None
-        label = min(rec.engine_stalls, key=rec.engine_stalls.__getitem__)
-        marks = rec.stats.engine_marks if rec.stats is not None else ()
-        running = next((round(m.num_running or 0) for m in marks if m.engine == label), None)
-        where = f" on engine {label}" if len(marks) > 1 else ""  # a data-parallel server: which one
+        if since == rec.untaken_since:  # every engine idle, and none took what was sent (`_untaken_since`)
+            what, where = "none running or waiting, request(s) sent there not taken up,", ""
+        else:
+            label = min(rec.engine_stalls, key=rec.engine_stalls.__getitem__)
+            marks = rec.stats.engine_marks if rec.stats is not None else ()
+            running = next((round(m.num_running or 0) for m in marks if m.engine == label), None)
+            what = f"{running} request(s) running"
+            where = f" on engine {label}" if len(marks) > 1 else ""  # a data-parallel server: which one
         if rec.fresh_stats(now, self._scrape_cfg.stale_after_s) is None:
             if not stale_is_stuck:
                 return None
-            return f"{STUCK}: {running} request(s) running{where} at the last scrape {now - since:.0f} s ago, none since"
-        return f"{STUCK}: {running} request(s) running{where} and no engine step for {now - since:.0f} s"
+            return f"{STUCK}: {what}{where} at the last scrape {now - since:.0f} s ago, none since"
+        return f"{STUCK}: {what}{where} and no engine step for {now - since:.0f} s"
 
     async def _paused(self, rec: WorkerRecord) -> bool:
         """Whether vLLM says its engine is paused or asleep on purpose (`GET /is_paused`, `/is_sleeping`: a
@@ -816,7 +870,7 @@ class Registry:
             yield
         finally:
             rec.engine_calls -= 1
-            rec.stalled_since = None
+            rec.stalled_since = rec.untaken_since = None
             rec.engine_stalls = {}
 
     # ------------------------------------------------------------------ reporting
@@ -901,6 +955,30 @@ def _served_context(cards: list[Any]) -> int | None:
             value = c.get("max_model_len")
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
+    return None
+
+
+def _untaken_since(rec: WorkerRecord, stats: WorkerStats, now: float) -> float | None:
+    """`WorkerRecord.untaken_since` after a scrape (`stats`, at `now`; `rec.quiet_since` already updated):
+    when, since a scrape whose marks still stand, every engine shows nothing running or waiting and a request
+    of ours was sent there that has had no byte of its answer. A vLLM engine hung in the first step after it
+    was idle (a collective that never returns, a GPU fault) leaves its gauges at zero, where its last step
+    left them, so `_engine_stalls` (requests running, no step) cannot see it; what shows it is that requests
+    go in and nothing moves: a healthy engine takes a request up within a step (it shows as running or
+    waiting, or its prompt is counted). Keeps the stall's start while it lasts; ends when the marks change
+    or the requests that showed it end (severed, cancelled) or are answered. Token counters the worker does
+    not export give no evidence. A request still waiting for a connection slot was not sent: not evidence."""
+    since = rec.quiet_since
+    marks = stats.engine_marks
+    if since is None or since >= now or not marks:
+        return None  # the marks changed at this scrape (or there is nothing to compare)
+    if any(m.num_running is None or m.num_running > 0 or (m.num_waiting or 0) > 0 for m in marks):
+        return None
+    if all(m.prompt_tokens_total is None and m.generation_tokens_total is None for m in marks):
+        return None
+    for ticket in rec.unanswered:  # oldest first
+        if ticket.sent_at >= since and (ticket.slot is None or not ticket.slot.waiting):
+            return now if rec.untaken_since is None else rec.untaken_since
     return None
 
 

@@ -68,6 +68,10 @@ def test_every_alert_renders_with_the_slo_as_latency_thresholds(chart: helm.Char
     got = rules(render(chart, {**on(), **SLO}))
     assert list(got) == ALERTS
     assert got["MosaicTTFTAboveSLO"]["expr"].startswith("histogram_quantile(0.9, ")
+    # an engine hung while idle is judged again at each request sent there, its gauge 1 only until the probe
+    assert got["MosaicWorkerEngineStuck"]["expr"] == (
+        'max by (namespace, pool, worker) (max_over_time(mosaic_worker_engine_stuck{namespace="llm"}[4m])) == 1'
+    )
     assert "[5m])))\n> 0.5\nand on" in got["MosaicTTFTAboveSLO"]["expr"]  # 500 ms
     assert "[5m])))\n> 0.05\nand on" in got["MosaicTPOTAboveSLO"]["expr"]  # 50 ms
     for name in ("MosaicRequestsFailing", "MosaicRequestsShed", *LATENCY):  # judged from 0.05 requests/s

@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -91,6 +92,20 @@ async def _registry(
     return client, reg, reg.records()[0]
 
 
+async def _judged_after_the_window(reg: Registry, rec: WorkerRecord, clock: _Clock, before_s: float) -> None:
+    """A stall began at the last scrape (window 10 s): `before_s` later a check still passes; then a scrape and a
+    check every 2 s, each failing, the third making the worker unhealthy."""
+    clock.t += before_s
+    await reg.scrape_once()
+    await reg.health_once()
+    assert (rec.health_ok, rec.health_failures) == (True, 0)
+    for failures in (1, 2, 3):
+        clock.t += 2.0
+        await reg.scrape_once()
+        await reg.health_once()
+        assert rec.health_failures == failures
+
+
 def test_a_worker_whose_counters_stand_still_with_requests_running_fails_its_checks_then_recovers() -> None:
     """Window 10 s, 3 failed checks to go unhealthy: stalled from t=1 (the first scrape is no evidence), no
     verdict at t=9, a failed check from t=11 on (every 2 s) with the reason in `last_error`, unhealthy (and `on_unhealthy`
@@ -106,15 +121,7 @@ def test_a_worker_whose_counters_stand_still_with_requests_running_fails_its_che
         clock.t += 1.0
         await reg.scrape_once()
         assert rec.stalled_since == 1001.0
-        clock.t += 8.0
-        await reg.scrape_once()
-        await reg.health_once()
-        assert (rec.health_ok, rec.health_failures) == (True, 0)
-        for failures in (1, 2, 3):
-            clock.t += 2.0
-            await reg.scrape_once()
-            await reg.health_once()
-            assert rec.health_failures == failures
+        await _judged_after_the_window(reg, rec, clock, 8.0)
         assert rec.last_error == "engine stuck: 2 request(s) running and no engine step for 14 s"
         assert rec.health_ok is False and unhealthy == [rec.id]
         assert rec.engine_stuck and reg.describe()[0]["engine_stuck"] is True
@@ -153,6 +160,92 @@ def test_a_stuck_worker_fails_its_probes_while_its_counters_stand_still() -> Non
         assert engine.scrapes == scrapes + 1
         assert rec.breaker.is_open(clock.t) and rec.last_error is not None
         assert rec.last_error.startswith("engine stuck: 2 request(s) running")
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_an_engine_hung_while_idle_is_judged_stuck_once_a_request_sent_there_is_not_taken_up() -> None:
+    """An engine that hung in the first step after it was idle (a collective that never returns) leaves its
+    gauges at zero running and waiting, so the running-stall rule sees nothing. A request of ours sent there
+    0.5 s after a scrape, then marks unchanged at the next (0.5 s later): the stall begins then (t=1001); window
+    10 s, 3 failed checks to go unhealthy, with its own reason. Once the request ends (the gateway severs it) there is
+    no evidence left: the probe passes, and the next request sent there would show it again."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        engine.running = 0
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0)
+        unhealthy: list[str] = []
+        reg.on_unhealthy = lambda r: unhealthy.append(r.id)
+        await reg.scrape_once()
+        clock.t += 0.5
+        ticket = reg.track(rec.id, 100)
+        clock.t += 0.5
+        await reg.scrape_once()  # no step since the request: the stall begins
+        assert (rec.untaken_since, rec.stalled_since) == (1001.0, 1001.0)
+        await _judged_after_the_window(reg, rec, clock, 8.0)
+        assert rec.last_error == (
+            "engine stuck: none running or waiting, request(s) sent there not taken up, and no engine step "
+            "for 14 s"
+        )
+        assert rec.health_ok is False and unhealthy == [rec.id] and rec.engine_stuck
+        ticket.done()  # severed: nothing of ours waits there now
+        clock.t += rec.breaker.open_s
+        await reg.health_once()  # the probe scrapes it: idle, nothing sent, no evidence
+        assert (rec.untaken_since, rec.stalled_since) == (None, None)
+        assert rec.health_ok is True and not rec.engine_stuck
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sent before the marks changed",
+        "waiting for a connection slot",
+        "answered",
+        "a request waiting in the engine",
+        "no token counters",
+        "a gauge moved",
+    ],
+)
+def test_no_untaken_verdict_without_evidence(case: str) -> None:
+    """What does not show an engine hung while idle: a request sent before the engine last stepped (it took
+    it, and the answer is on its way), one still waiting for a connection slot of the gateway's (not sent), one
+    whose first byte came (`answered` also ends a stall already begun), an engine with a request waiting (its
+    own queue: a P/D decode side waiting for its KV, a LoRA slot), a worker without token counters, an engine
+    that steps."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        engine.running = 0
+        engine.prompt, engine.generation = (None, None) if case == "no token counters" else (500.0, 100.0)
+        engine.waiting = 1 if case == "a request waiting in the engine" else 0
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0)
+        await reg.scrape_once()
+        clock.t += 0.5
+        slot = SimpleNamespace(waiting=case == "waiting for a connection slot")
+        ticket = reg.track(rec.id, 100, slot=slot)
+        if case == "sent before the marks changed":
+            engine.prompt = 600.0
+        clock.t += 0.5
+        await reg.scrape_once()
+        if case == "answered":
+            assert rec.untaken_since == 1001.0
+            ticket.answered()
+            assert (rec.untaken_since, rec.stalled_since) == (None, None)
+        for _ in range(15):
+            clock.t += 1.0
+            if case == "a gauge moved":
+                engine.kv_usage += 0.01
+            await reg.scrape_once()
+        assert (rec.untaken_since, reg.stuck(rec, clock.t)) == (None, None)
+        await reg.health_once()
+        assert (rec.health_ok, rec.health_failures) == (True, 0)
         await reg.stop()
         await client.aclose()
 
@@ -401,6 +494,20 @@ def test_a_probe_that_cannot_read_metrics_again_fails() -> None:
     asyncio.run(run())
 
 
+async def _one_of_two_retried_elsewhere(
+    client: httpx.AsyncClient, gw: Gateway, hung: ScriptedWorker, stream: bool
+) -> WorkerRecord:
+    """Two requests at once, round robin: both answered 200 within 8 s, one of them retried for the worker being
+    unhealthy (not at its first-token timeout, 20 s here). The hung worker's record."""
+    started = time.monotonic()
+    answers = await asyncio.gather(*(client.post(CHAT, json=_chat(stream)) for _ in range(2)))
+    took = time.monotonic() - started
+    assert [a.status_code for a in answers] == [200, 200]
+    assert took < 8, took
+    assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="unhealthy") == 1
+    return next(r for r in gw.registry.records() if r.url == hung.url)
+
+
 class HungEngineWorker(ScriptedWorker):
     """A worker on a real socket whose engine hangs at its first chat request: its `/health` still answers
     200, `/metrics` shows that request running and token counters that stopped, and the request gets nothing
@@ -443,14 +550,8 @@ def test_a_request_on_a_hung_engine_is_retried_elsewhere_and_the_engine_kept_out
             client,
             running,
         ):
-            started = time.monotonic()
-            answers = await asyncio.gather(*(client.post(CHAT, json=_chat(stream)) for _ in range(2)))
-            took = time.monotonic() - started
-            assert [a.status_code for a in answers] == [200, 200]
-            assert took < 8, took
             gw = running.gateway
-            assert metric(gw, "mosaic_retries_total", model="llama-3-8b", reason="unhealthy") == 1
-            rec = next(r for r in gw.registry.records() if r.url == hung.url)
+            rec = await _one_of_two_retried_elsewhere(client, gw, hung, stream)
             await asyncio.sleep(1.5)  # several probes: /health 200 each time, the engine still stuck
             assert rec.breaker.is_open(time.monotonic()) and rec.last_error is not None
             assert rec.last_error.startswith("engine stuck: 1 request(s) running and no engine step for")
@@ -461,5 +562,55 @@ def test_a_request_on_a_hung_engine_is_retried_elsewhere_and_the_engine_kept_out
                 assert (await client.post(CHAT, json=_chat(stream))).status_code == 200
             assert (hung.chats, healthy.chats) == (1, 6)
             assert gw.dispatcher.outcomes == {"completed": 6}
+
+    asyncio.run(asyncio.wait_for(body(), 40))
+
+
+class IdleHungEngineWorker(ScriptedWorker):
+    """A worker on a real socket whose engine hung while idle: `/health` 200, `/metrics` shows nothing running
+    or waiting and token counters that never move, and a request gets nothing (a stream: vLLM's response head,
+    sent before the engine is asked, then nothing)."""
+
+    async def answer(self, path: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        if path == b"/health":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            return
+        if path == b"/metrics":
+            text = _metrics(0, 40.0, 80.0).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(text), text))
+            return
+        if path != CHAT.encode():
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            return
+        self.chats += 1
+        if json.loads(body).get("stream"):
+            writer.write(SSE_HEAD)
+            await writer.drain()
+        await asyncio.sleep(3600)  # the engine never takes it; the gateway's abort ends this
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_on_an_engine_hung_while_idle_is_retried_elsewhere(
+    stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two requests at once, round robin: the one sent to the worker whose engine hung while idle (gauges at
+    zero, `/health` 200) is served by the other worker in a few seconds, not at its first-token timeout (20 s
+    here, 60 s by default), with the stuck-engine reason. Before, such a worker was never judged stuck: every
+    request sent there waited out its timeout, and it looked idle to the router."""
+
+    async def body() -> None:
+        hung, healthy = IdleHungEngineWorker(), ScriptedWorker()
+        async with fleet(hung, healthy, scrape_s=0.1, health={"stuck_engine_s": 0.5, "open_s": 0.3}) as (
+            client,
+            running,
+        ):
+            gw = running.gateway
+            rec = await _one_of_two_retried_elsewhere(client, gw, hung, stream)
+            assert (
+                f"worker {rec.id} is unhealthy: engine stuck: none running or waiting, request(s) sent"
+                in (caplog.text)
+            )
+            assert (hung.chats, healthy.chats) == (1, 2)
+            assert gw.dispatcher.outcomes == {"completed": 2}
 
     asyncio.run(asyncio.wait_for(body(), 40))

@@ -96,6 +96,21 @@ def stop_while_running(pids: list[int], url: str, engine: str = "0") -> bool:
     return False
 
 
+def stop_while_idle(pids: list[int], url: str, timeout_s: float = 60.0) -> None:
+    """Stop (SIGSTOP) the engine's processes once the server shows it idle: every engine with nothing
+    running or waiting (a request aborted just before may still be leaving it). Nothing else sends requests
+    to the server meanwhile, so once stopped it stays as it was: an engine that will hang in its next step."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        marks = parse_vllm_metrics(httpx.get(f"{url}/metrics", timeout=10).text).engine_marks
+        if marks and not any(m.num_running or m.num_waiting for m in marks):
+            break
+        assert time.monotonic() < deadline, f"the engine was not idle within {timeout_s} s: {marks}"
+        time.sleep(0.2)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+
+
 def resume(pids: list[int]) -> None:
     for pid in pids:
         os.kill(pid, signal.SIGCONT)

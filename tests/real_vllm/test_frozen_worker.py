@@ -1,8 +1,8 @@
 """A real vLLM that stops answering without closing its connections — its API server process stopped with
 SIGSTOP, as a frozen process or a lost node looks from the gateway — has its request ended by the gateway once
 the worker fails its health checks (`health.sever_silent_requests`), not at the 60 s first-token timeout; after
-SIGCONT the same server serves again. Its engine processes stopped while it generates (a hung engine behind
-`/health` 200) are judged stuck (`health.stuck_engine_s`). The server is the KV-pressure one (`real_vllm_kv`),
+SIGCONT the same server serves again. Its engine processes stopped while it generates, or while it is idle
+(a hung engine behind `/health` 200), are judged stuck (`health.stuck_engine_s`). The server is the KV-pressure one (`real_vllm_kv`),
 resumed after each test and used by test_kv_pressure.py next."""
 
 from __future__ import annotations
@@ -16,9 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import RealServer
-from engine_processes import completions_posted, engine_processes, resume, stop_once_running
+from engine_processes import (
+    completions_posted,
+    engine_processes,
+    resume,
+    stop_once_running,
+    stop_while_idle,
+)
 from gateway_harness import MosaicGateway, static_config
 
+from server.scrape import parse_vllm_metrics
 from server.vllm_launcher import health_ok
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(300)]
@@ -73,6 +80,36 @@ def test_a_request_to_a_vllm_that_froze_ends_once_it_fails_health_checks(
         timeout=60,
     )
     assert answer.status_code == 200, answer.text
+
+
+def _engine_and_stuck_config(server: RealServer) -> tuple[list[int], dict[str, object]]:
+    """The server's engine processes, and a gateway config in front of it that judges a stuck engine after 2 s
+    (60 s timeouts, which the tests show are not what ends their requests). Skips for a server not ours."""
+    if server.process is None:
+        pytest.skip("the server was started elsewhere (MOSAIC_REAL_VLLM_KV_URL): its processes are not ours")
+    engine = engine_processes(server.process.pid)
+    assert engine, "no VLLM::EngineCore process below the server"
+    config = static_config(
+        server.model,
+        [server.url],
+        extra={
+            "health": {**HEALTH, "stuck_engine_s": 2.0, "open_s": 1.0},
+            "limits": {"stall_timeout_s": 60, "first_token_timeout_s": 60},
+        },
+    )
+    return engine, config
+
+
+def _served_again(gateway: MosaicGateway, model: str, within_s: float = 60.0) -> None:
+    """Posts a short completion through the gateway every 0.5 s until one is answered 200."""
+    deadline = time.monotonic() + within_s
+    with gateway.target(model).http() as http:
+        while True:
+            answer = http.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+            if answer.status_code == 200:
+                return
+            assert time.monotonic() < deadline, answer.text
+            time.sleep(0.5)
 
 
 def _stream_stopping_the_engine(
@@ -131,18 +168,7 @@ def test_a_stream_on_a_vllm_whose_engine_hangs_ends_and_the_engine_is_kept_out_u
     silent since, ends with the "unhealthy" error event and `[DONE]` within seconds, not at the 60 s stall timeout. After SIGCONT the
     engine steps again, a probe passes, and requests are served."""
     server = real_vllm_kv
-    if server.process is None:
-        pytest.skip("the server was started elsewhere (MOSAIC_REAL_VLLM_KV_URL): its processes are not ours")
-    engine = engine_processes(server.process.pid)
-    assert engine, "no VLLM::EngineCore process below the server"
-    config = static_config(
-        server.model,
-        [server.url],
-        extra={
-            "health": {**HEALTH, "stuck_engine_s": 2.0, "open_s": 1.0},
-            "limits": {"stall_timeout_s": 60, "first_token_timeout_s": 60},
-        },
-    )
+    engine, config = _engine_and_stuck_config(server)
     request = {
         "model": server.model,
         "prompt": "hello",
@@ -167,13 +193,39 @@ def test_a_stream_on_a_vllm_whose_engine_hangs_ends_and_the_engine_is_kept_out_u
         )  # stuck after 2 s, two failed checks 0.5 s apart, 1 s of silence; the stall: 60
         log = gateway.log_path.read_text()
         assert "is unhealthy: engine stuck: 1 request(s) running and no engine step for" in log, log[-3000:]
-        deadline = time.monotonic() + 60
-        with gateway.target(server.model).http() as http:
-            while True:  # a probe passes once the resumed engine has stepped (the aborted request ends)
-                answer = http.post(
-                    "/v1/completions", json={"model": server.model, "prompt": "x", "max_tokens": 2}
-                )
-                if answer.status_code == 200:
-                    break
-                assert time.monotonic() < deadline, answer.text
-                time.sleep(0.5)
+        _served_again(gateway, server.model)  # a probe passes once the resumed engine has stepped
+
+
+def test_a_request_to_a_vllm_whose_engine_hung_while_idle_ends_once_the_engine_is_judged_stuck(
+    real_vllm_kv: RealServer, tmp_path: Path
+) -> None:
+    """vLLM's engine processes are stopped (SIGSTOP) while the server is idle, so its gauges stay at zero running
+    and waiting and `/health` at 200: an engine that hangs in the first step after idle. A stream sent through
+    the gateway is accepted by the API server (its response head) and never taken up by the engine (checked
+    on the server); the gateway judges the engine stuck after `health.stuck_engine_s` (2 s here), its checks
+    fail, and the request, sent nothing yet, is given up (no other worker here) within seconds, not at the
+    60 s first-token timeout. After SIGCONT the server serves again."""
+    server = real_vllm_kv
+    engine, config = _engine_and_stuck_config(server)
+    request = {"model": server.model, "prompt": "hello", "max_tokens": 8, "stream": True}
+    with MosaicGateway(config, tmp_path) as gateway:
+        gateway.wait_ready()
+        gateway.wait_worker_scraped()
+        stop_while_idle(engine, server.url)
+        try:
+            stopped = time.monotonic()
+            with gateway.target(server.model).http() as http:
+                answer = http.post("/v1/completions", json=request)
+            took = time.monotonic() - stopped
+            marks = parse_vllm_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text).engine_marks
+        finally:
+            resume(engine)
+        assert not any(m.num_running or m.num_waiting for m in marks), marks  # the gauges stayed at zero
+        assert answer.status_code == 502, answer.text
+        assert "unhealthy" in answer.json()["error"]["message"], answer.text
+        assert took < 20, took  # stuck after 2 s, two failed checks 0.5 s apart, 1 s of silence; timeout: 60
+        log = gateway.log_path.read_text()
+        assert (
+            "is unhealthy: engine stuck: none running or waiting, request(s) sent there not taken up" in log
+        ), log[-3000:]
+        _served_again(gateway, server.model)  # nothing of ours waits there now: the probe passes
