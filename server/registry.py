@@ -13,7 +13,8 @@
   `/health` 200 from a worker one of whose engines reports requests running and no step for the pool's
   `stuck_window` counts as a failure (`Registry.stuck`: vLLM's `/health` does not see a hung engine), as
   does one whose engines all show nothing running or waiting and no step for that long while a request of
-  ours sent there waits for its first byte (an engine hung in the first step after idle).
+  ours sent there waits for its first byte (an engine hung in the first step after idle; its probes then ask
+  for a 1-token completion: `Registry._takes_a_request`).
   A worker whose breaker is open gets no requests; its next health check after `open_s` is the probe.
   Each health round while a worker is unhealthy calls `on_unhealthy` (the gateway severs its silent
   connections: `server.upstream.ConnectionPool.sever_silent`).
@@ -119,6 +120,10 @@ class WorkerRecord:
     # this gateway's requests sent there with no byte of their answer yet (a stream's first event, a whole
     # answer's end), oldest first: `InflightTicket.answered()` and `done()` remove theirs
     unanswered: dict[InflightTicket, None] = field(default_factory=dict)
+    # a failed check of it judged its engine hung while idle: with its requests severed, nothing left shows
+    # whether the engine takes requests again, so its probes ask it for a 1-token completion until it answers
+    # one (`Registry._takes_a_request`), or until its marks change or a request of ours there is answered
+    untaken_stuck: bool = False
     # the gateway's own calls in flight that hold its engine's loop (LoRA loads and unloads run in it, and a
     # Hub download or slow storage makes them long): no stall is judged meanwhile (`engine_call`)
     engine_calls: int = 0
@@ -138,6 +143,7 @@ class WorkerRecord:
     # the context its /v1/models card gives (vLLM's --max-model-len, which its own checks use): routing and
     # the gateway's /v1/models use it over the pool's configured or catalog value
     served_max_model_len: int | None = None
+    served_model: str | None = None  # the id of its base model's /v1/models card (the name it serves)
     _capacity: WorkerCapacity | None = field(default=None, repr=False, compare=False)
     # this gateway's requests in flight there per LoRA adapter (`InflightTicket`): demand for its `--max-loras`
     # slots that vLLM's metric shows only once the requests run (queued ones appear in neither label)
@@ -354,6 +360,7 @@ class InflightTicket:
         if record.unanswered.pop(self, 0) is None and record.untaken_since is not None:
             record.untaken_since = None
             record.stalled_since = min(record.engine_stalls.values(), default=None)
+        record.untaken_stuck = False
 
     def done(self) -> None:
         if self._done:
@@ -627,13 +634,17 @@ class Registry:
                 self.on_unhealthy(rec)  # no probe this round; its requests still wait on it
             return
         ok, hard, why = await self._get_health(rec.url)
-        if ok and rec.stalled_since is not None:
+        if ok and (rec.stalled_since is not None or (probing and rec.untaken_stuck)):
             if probing:  # an open breaker's worker is not scraped without our requests there: look again now
                 await self._scrape(rec)
             # a probe needs fresh evidence that the engine steps again: unreadable /metrics is none
             stuck = self.stuck(rec, self._clock(), stale_is_stuck=probing)
             if stuck is not None and not await self._paused(rec):
                 ok, why = False, stuck  # /health 200 from an API server whose engine is hung: a failed check
+                if rec.untaken_since is not None and rec.stalled_since == rec.untaken_since:
+                    rec.untaken_stuck = True
+        if ok and probing and rec.untaken_stuck and not await self._paused(rec):
+            ok, why = await self._takes_a_request(rec)
         rec.engine_stuck = not ok and why.startswith(STUCK)
         now = self._clock()
         if probing:
@@ -697,6 +708,9 @@ class Registry:
             if not all(isinstance(name, str) for name in adapters):
                 raise ValueError("a card's id is not a string")
             served = _served_context(cards)
+            rec.served_model = next(
+                (c["id"] for c in cards if isinstance(c, dict) and c.get("parent") is None), rec.served_model
+            )
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             rec.last_error = f"models: {type(exc).__name__}"
             rec.adapters_at = asked_at  # asked again at the next good health check
@@ -806,6 +820,8 @@ class Registry:
         rec.engine_stalls = _engine_stalls(rec.engine_stalls, prev, stats, now)
         if prev is None or stats.engine_marks != prev.engine_marks:
             rec.quiet_since = now
+            if prev is not None:
+                rec.untaken_stuck = False  # it stepped (for someone): it takes requests
         rec.untaken_since = _untaken_since(rec, stats, now)
         rec.stalled_since = min(
             (*rec.engine_stalls.values(), *(() if rec.untaken_since is None else (rec.untaken_since,))),
@@ -860,6 +876,39 @@ class Registry:
                 return False
 
         return any(await asyncio.gather(says("/is_paused", "is_paused"), says("/is_sleeping", "is_sleeping")))
+
+    async def _takes_a_request(self, rec: WorkerRecord) -> tuple[bool, str]:
+        """The probe of a worker whose engine was judged hung while idle (`WorkerRecord.untaken_stuck`) and has
+        not stepped since: `/health` 200 says nothing of it, and once the requests that showed it were severed
+        its gauges and counters say nothing either (a resumed engine whose only requests were aborted before
+        it scheduled them reports no step). So the probe asks it for a 1-token completion of its base model,
+        within `health.timeout_s`: answered → it takes requests (passed); no answer → still stuck; a 4xx was
+        refused before the engine (a model name or prompt it does not take), which shows nothing about the
+        engine and is not held against it (passed, as before this probe)."""
+        auth = self._auth.get(rec.pool.name)
+        timeout = self._health_cfg.timeout_s
+        try:
+            resp = await self._client.post(
+                rec.url + "/v1/completions",
+                json={"model": rec.served_model or rec.pool.model, "prompt": "ping", "max_tokens": 1},
+                headers=dict([auth]) if auth else None,
+                timeout=timeout,
+            )
+        except httpx.TimeoutException:
+            return (
+                False,
+                f"{STUCK}: a 1-token completion sent as its probe had no answer within {timeout:g} s",
+            )
+        except httpx.HTTPError as exc:
+            return False, f"health: probe completion: {type(exc).__name__}"
+        if resp.status_code >= 500:
+            return False, f"health: probe completion: status {resp.status_code}"
+        if resp.status_code != 200:
+            log.info(
+                "worker %s refused the probe's 1-token completion (%d): passed", rec.id, resp.status_code
+            )
+        rec.untaken_stuck = False
+        return True, ""
 
     @contextlib.contextmanager
     def engine_call(self, rec: WorkerRecord) -> Iterator[None]:

@@ -68,7 +68,7 @@ def test_every_alert_renders_with_the_slo_as_latency_thresholds(chart: helm.Char
     got = rules(render(chart, {**on(), **SLO}))
     assert list(got) == ALERTS
     assert got["MosaicTTFTAboveSLO"]["expr"].startswith("histogram_quantile(0.9, ")
-    # an engine hung while idle is judged again at each request sent there, its gauge 1 only until the probe
+    # judged stuck at least once in every 4 minutes: one verdict that clears (a stall that ended) does not fire
     assert got["MosaicWorkerEngineStuck"]["expr"] == (
         'max by (namespace, pool, worker) (max_over_time(mosaic_worker_engine_stuck{namespace="llm"}[4m])) == 1'
     )

@@ -59,6 +59,9 @@ class _Engine:
         self.scrapes = 0
         self.paused: dict[str, bool] = {}  # what a dev-mode vLLM's /is_paused and /is_sleeping say
         self.metrics_down = False
+        self.completions: list[dict[str, object]] = []  # the 1-token completions its probes asked for
+        self.generates = False  # whether it answers them (else they time out, as on a hung engine)
+        self.completions_status: int | None = None  # a status it answers them with instead
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -72,6 +75,13 @@ class _Engine:
             text += f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
             text += f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\n'
             return httpx.Response(200, text=text)
+        if path == "/v1/completions":
+            self.completions.append(json.loads(request.content))
+            if self.completions_status is not None:
+                return httpx.Response(self.completions_status, json={"error": {"message": "no"}})
+            if not self.generates:
+                raise httpx.ReadTimeout("no answer", request=request)
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": "!"}]})
         if path.removeprefix("/") in self.paused:
             return httpx.Response(200, json={path.removeprefix("/"): self.paused[path.removeprefix("/")]})
         return httpx.Response(404)
@@ -191,11 +201,58 @@ def test_an_engine_hung_while_idle_is_judged_stuck_once_a_request_sent_there_is_
             "for 14 s"
         )
         assert rec.health_ok is False and unhealthy == [rec.id] and rec.engine_stuck
-        ticket.done()  # severed: nothing of ours waits there now
+        ticket.done()  # severed: nothing of ours waits there now, so its marks show nothing more
         clock.t += rec.breaker.open_s
-        await reg.health_once()  # the probe scrapes it: idle, nothing sent, no evidence
+        await reg.health_once()  # the probe: /health 200, marks unchanged, and a 1-token completion
         assert (rec.untaken_since, rec.stalled_since) == (None, None)
-        assert rec.health_ok is True and not rec.engine_stuck
+        assert engine.completions == [{"model": "llama-3-8b", "prompt": "ping", "max_tokens": 1}]
+        assert (
+            rec.last_error == "engine stuck: a 1-token completion sent as its probe had no answer within 1 s"
+        )
+        assert rec.breaker.is_open(clock.t) and rec.engine_stuck
+        engine.generates = (
+            True  # resumed: an engine whose only request was aborted unscheduled reports no step
+        )
+        clock.t += 2 * rec.breaker.open_s  # the backoff after a failed probe
+        await reg.health_once()
+        assert len(engine.completions) == 2 and rec.health_ok is True and not rec.engine_stuck
+        assert not rec.breaker.is_open(clock.t) and not rec.untaken_stuck
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("shown_by", ["a step", "an answer", "a refused probe"])
+def test_a_worker_judged_hung_while_idle_is_back_once_it_shows_it_takes_requests(shown_by: str) -> None:
+    """Judged hung while idle and its request severed, a probe passes without asking for a completion once its
+    marks changed (it stepped for someone) or a request of ours there was answered; a probe completion refused
+    with a 4xx (refused before the engine: a name or prompt it does not take) shows nothing and passes."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        engine.running = 0
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0)
+        await reg.scrape_once()
+        clock.t += 0.5
+        ticket, other = reg.track(rec.id, 100), reg.track(rec.id, 100)
+        clock.t += 0.5
+        await reg.scrape_once()
+        await _judged_after_the_window(reg, rec, clock, 8.0)
+        assert rec.untaken_stuck and rec.breaker.is_open(clock.t)
+        ticket.done()
+        if shown_by == "a step":
+            other.done()
+            engine.prompt = 501.0
+        elif shown_by == "an answer":
+            other.answered()  # its first byte came after all
+        else:
+            other.done()
+            engine.completions_status = 404
+        clock.t += rec.breaker.open_s
+        await reg.health_once()
+        assert rec.health_ok is True and not rec.untaken_stuck and not rec.breaker.is_open(clock.t)
+        assert len(engine.completions) == (1 if shown_by == "a refused probe" else 0)
         await reg.stop()
         await client.aclose()
 
@@ -571,6 +628,8 @@ class IdleHungEngineWorker(ScriptedWorker):
     or waiting and token counters that never move, and a request gets nothing (a stream: vLLM's response head,
     sent before the engine is asked, then nothing)."""
 
+    probes = 0
+
     async def answer(self, path: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
         if path == b"/health":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
@@ -579,6 +638,9 @@ class IdleHungEngineWorker(ScriptedWorker):
             text = _metrics(0, 40.0, 80.0).encode()
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(text), text))
             return
+        if path == b"/v1/completions":  # the gateway's probe asks for one token: never answered either
+            self.probes += 1
+            await asyncio.sleep(3600)
         if path != CHAT.encode():
             writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
             return
@@ -596,7 +658,8 @@ def test_a_request_on_an_engine_hung_while_idle_is_retried_elsewhere(
     """Two requests at once, round robin: the one sent to the worker whose engine hung while idle (gauges at
     zero, `/health` 200) is served by the other worker in a few seconds, not at its first-token timeout (20 s
     here, 60 s by default), with the stuck-engine reason. Before, such a worker was never judged stuck: every
-    request sent there waited out its timeout, and it looked idle to the router."""
+    request sent there waited out its timeout, and it looked idle to the router. Its probes ask it for a
+    1-token completion, which it does not answer either, so the next requests all go to the other worker."""
 
     async def body() -> None:
         hung, healthy = IdleHungEngineWorker(), ScriptedWorker()
@@ -610,7 +673,15 @@ def test_a_request_on_an_engine_hung_while_idle_is_retried_elsewhere(
                 f"worker {rec.id} is unhealthy: engine stuck: none running or waiting, request(s) sent"
                 in (caplog.text)
             )
-            assert (hung.chats, healthy.chats) == (1, 2)
-            assert gw.dispatcher.outcomes == {"completed": 2}
+            await asyncio.sleep(1.5)  # several probes: /health 200 each time, no answer to the completion
+            assert rec.breaker.is_open(time.monotonic()) and hung.probes >= 2
+            assert (
+                rec.last_error
+                == "engine stuck: a 1-token completion sent as its probe had no answer within 0.2 s"
+            )
+            for _ in range(4):
+                assert (await client.post(CHAT, json=_chat(stream))).status_code == 200
+            assert (hung.chats, healthy.chats) == (1, 6)
+            assert gw.dispatcher.outcomes == {"completed": 6}
 
     asyncio.run(asyncio.wait_for(body(), 40))

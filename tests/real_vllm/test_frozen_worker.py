@@ -204,7 +204,9 @@ def test_a_request_to_a_vllm_whose_engine_hung_while_idle_ends_once_the_engine_i
     the gateway is accepted by the API server (its response head) and never taken up by the engine (checked
     on the server); the gateway judges the engine stuck after `health.stuck_engine_s` (2 s here), its checks
     fail, and the request, sent nothing yet, is given up (no other worker here) within seconds, not at the
-    60 s first-token timeout. After SIGCONT the server serves again."""
+    60 s first-token timeout. Its probes then ask for a 1-token completion, which the stopped engine does not
+    answer (the worker stays out, though nothing of ours waits there and its gauges say nothing); after
+    SIGCONT a probe's completion is answered and requests are served."""
     server = real_vllm_kv
     engine, config = _engine_and_stuck_config(server)
     request = {"model": server.model, "prompt": "hello", "max_tokens": 8, "stream": True}
@@ -218,6 +220,14 @@ def test_a_request_to_a_vllm_whose_engine_hung_while_idle_ends_once_the_engine_i
                 answer = http.post("/v1/completions", json=request)
             took = time.monotonic() - stopped
             marks = parse_vllm_metrics(httpx.get(f"{server.url}/metrics", timeout=10).text).engine_marks
+            deadline = time.monotonic() + 30
+            while True:  # a probe (after open_s, 1 s) asks for a completion the stopped engine cannot answer
+                (worker,) = gateway.admin_get("/admin/workers")["workers"]
+                if "1-token completion sent as its probe had no answer" in (worker["last_error"] or ""):
+                    break
+                assert time.monotonic() < deadline, worker
+                time.sleep(0.3)
+            assert worker["engine_stuck"] is True and worker["breaker"]["state"] != "closed", worker
         finally:
             resume(engine)
         assert not any(m.num_running or m.num_waiting for m in marks), marks  # the gauges stayed at zero
@@ -228,4 +238,4 @@ def test_a_request_to_a_vllm_whose_engine_hung_while_idle_ends_once_the_engine_i
         assert (
             "is unhealthy: engine stuck: none running or waiting, request(s) sent there not taken up" in log
         ), log[-3000:]
-        _served_again(gateway, server.model)  # nothing of ours waits there now: the probe passes
+        _served_again(gateway, server.model)  # a probe's completion is answered now
