@@ -673,8 +673,12 @@ def test_a_request_on_an_engine_hung_while_idle_is_retried_elsewhere(
                 f"worker {rec.id} is unhealthy: engine stuck: none running or waiting, request(s) sent"
                 in (caplog.text)
             )
-            await asyncio.sleep(1.5)  # several probes: /health 200 each time, no answer to the completion
-            assert rec.breaker.is_open(time.monotonic()) and hung.probes >= 2
+            deadline = time.monotonic() + 10
+            while hung.probes < 2:  # two probes (0.3 s, then 0.6 s of backoff): /health 200, no completion
+                assert time.monotonic() < deadline, hung.probes
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # the second probe's completion times out (0.2 s)
+            assert rec.breaker.is_open(time.monotonic())
             assert (
                 rec.last_error
                 == "engine stuck: a 1-token completion sent as its probe had no answer within 0.2 s"
