@@ -196,12 +196,13 @@ def test_a_stream_on_a_vllm_whose_engine_hangs_ends_and_the_engine_is_kept_out_u
         _served_again(gateway, server.model)  # a probe passes once the resumed engine has stepped
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 def test_a_request_to_a_vllm_whose_engine_hung_while_idle_ends_once_the_engine_is_judged_stuck(
-    real_vllm_kv: RealServer, tmp_path: Path
+    stream: bool, real_vllm_kv: RealServer, tmp_path: Path
 ) -> None:
     """vLLM's engine processes are stopped (SIGSTOP) while the server is idle, so its gauges stay at zero running
-    and waiting and `/health` at 200: an engine that hangs in the first step after idle. A stream sent through
-    the gateway is accepted by the API server (its response head) and never taken up by the engine (checked
+    and waiting and `/health` at 200: an engine that hangs in the first step after idle. A request sent through
+    the gateway (a stream: the API server sends its response head at once) is never taken up by the engine (checked
     on the server); the gateway judges the engine stuck after `health.stuck_engine_s` (2 s here), its checks
     fail, and the request, sent nothing yet, is given up (no other worker here) within seconds, not at the
     60 s first-token timeout. Its probes then ask for a 1-token completion, which the stopped engine does not
@@ -209,7 +210,7 @@ def test_a_request_to_a_vllm_whose_engine_hung_while_idle_ends_once_the_engine_i
     SIGCONT a probe's completion is answered and requests are served."""
     server = real_vllm_kv
     engine, config = _engine_and_stuck_config(server)
-    request = {"model": server.model, "prompt": "hello", "max_tokens": 8, "stream": True}
+    request = {"model": server.model, "prompt": "hello", "max_tokens": 8, "stream": stream}
     with MosaicGateway(config, tmp_path) as gateway:
         gateway.wait_ready()
         gateway.wait_worker_scraped()
