@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_env
 from build_lora import RANK as LORA_RANK
 from build_lora import write_adapters
+from engine_processes import yield_cpu_to_api_server
 from gateway_harness import CATALOG, MosaicGateway, Target, static_config
 
 from server.vllm_launcher import LaunchError, VllmProcess, free_port, health_ok, log_tail
@@ -140,6 +141,7 @@ def _serve(
         proc.wait_healthy(START_TIMEOUT_S)
         # /health answers 200 even when the engine process died during start-up: one real completion proves it.
         vllm_env.smoke_test(proc.url)
+        yield_cpu_to_api_server(proc.pid)
     except (LaunchError, RuntimeError) as exc:
         proc.stop()
         pytest.fail(f"real vLLM server {name!r} did not start: {exc}\n{log_tail(proc.log_path, 40)}")
