@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
@@ -57,8 +58,13 @@ def _title(pid: int) -> str:
 def engine_processes(root: int, engine: str = "VLLM::EngineCore") -> list[int]:
     """The pids below `root` of the engine process titled `engine` and of every process below it (its
     executor's workers), in pid order; [] when there is none."""
+    return _engines_below(root, lambda title: title == engine)
+
+
+def _engines_below(root: int, is_engine: Callable[[str], bool]) -> list[int]:
+    """The pids below `root` of the processes whose title `is_engine`, and of every process below them."""
     parents = _parents()
-    cores = [pid for pid in _below(root, parents) if _title(pid) == engine]
+    cores = [pid for pid in _below(root, parents) if is_engine(_title(pid))]
     return sorted({pid for core in cores for pid in (core, *_below(core, parents))})
 
 
@@ -92,9 +98,7 @@ def yield_cpu_to_api_server(root: int) -> None:
     The engine's processes share an autogroup with the API server, so this hands the API server the CPU it
     needs first, as a production host with cores to spare does; the engine still gets every cycle left.
     Threads started later inherit the nice value of the thread that starts them."""
-    parents = _parents()
-    cores = [pid for pid in _below(root, parents) if _title(pid).startswith("VLLM::EngineCore")]
-    for pid in {pid for core in cores for pid in (core, *_below(core, parents))}:
+    for pid in _engines_below(root, lambda title: title.startswith("VLLM::EngineCore")):
         with suppress(FileNotFoundError):  # a process that ended meanwhile
             for task in (PROC / str(pid) / "task").iterdir():
                 # a thread that ended meanwhile; a sandbox that refuses it (the engine then keeps its priority,

@@ -175,7 +175,7 @@ def test_a_stream_on_a_vllm_whose_engine_hangs_ends_and_the_engine_is_kept_out_u
     with MosaicGateway(config, tmp_path) as gateway:
         gateway.wait_ready()
         gateway.wait_worker_scraped()
-        for _ in range(TRIES):  # until the engine is stopped before it finished the answer (a fast machine)
+        for _ in range(TRIES):  # until the engine is stopped with the request running (`stop_once_running`)
             events, took = _stream_stopping_the_engine(gateway, server, engine, request)
             if took is not None:
                 break
