@@ -95,7 +95,7 @@ class _Seq:
     """Mutable per-request state. While DECODING, `out`/`computed`/`num_tokens` are stale: see `_sync`."""
 
     __slots__ = (
-        "arrival", "blocks", "c0", "computed", "expiry", "first_scheduled", "first_token", "g0", "g_fin", "grow_at",
+        "arrival", "blocks", "c0", "cached", "computed", "expiry", "first_scheduled", "first_token", "g0", "g_fin", "grow_at",
         "hashes", "id", "n_hashed", "num_tokens", "out", "out0", "pending", "preemptions", "prompt_len", "ready_at",
         "remote_pending", "req", "shared", "state", "stop_at", "stop_reason",
     )  # fmt: skip
@@ -109,6 +109,7 @@ class _Seq:
         self.stop_reason = stop_reason
         self.num_tokens = self.prompt_len  # prompt + generated
         self.computed = 0  # tokens whose KV is computed
+        self.cached = 0  # prompt tokens it did not compute (prefix cache, remote KV), as first scheduled
         self.out = 0
         self.blocks = 0
         self.state = _State.WAITING
@@ -192,6 +193,7 @@ class Engine:
         self._finish: dict[int, list[_Seq]] = {}  # step → sequences emitting their last token
         self._tie = 0
         self._landed: list[str] = []  # transfers landed during the current step (StepResult.kv_received)
+        self._prompt_computed = 0  # prompt tokens of the requests whose first token the current step emits
         self._now = 0.0  # start of the step being scheduled
         self._loras: dict[str, int] = {}  # LoRA adapter → running sequences of it (vLLM's scheduled_loras)
 
@@ -377,6 +379,7 @@ class Engine:
                     self._finish_decode(s, g, end, finished)
         prefilled: list[str] = []
         firsts: list[str] = []
+        self._prompt_computed = 0
         if chunks:
             self._partial = None
             for s, n in chunks:
@@ -389,7 +392,7 @@ class Engine:
         return StepResult(
             now, dur, p_tokens, n_dec, decoded, tuple(prefilled) if prefilled else (),
             tuple(firsts) if firsts else (), tuple(finished) if finished else (),
-            tuple(preempted) if preempted else (), landed,
+            tuple(preempted) if preempted else (), landed, self._prompt_computed,
         )  # fmt: skip
 
     def _grow_decodes(self, g: int, preempted: list[str]) -> None:
@@ -500,6 +503,7 @@ class Engine:
                 loras[lora] = loras.get(lora, 0) + 1
             if s.first_scheduled is None:
                 s.first_scheduled = now
+                s.cached = s.computed
             chunks.append((s, n))
             budget -= n
         if skipped:
@@ -536,6 +540,7 @@ class Engine:
             self._loras[lora] = self._loras.get(lora, 0) + 1
         if s.first_scheduled is None:
             s.first_scheduled = self._now
+            s.cached = s.computed
         chunks.append((s, n))
         return n
 
@@ -685,6 +690,7 @@ class Engine:
         if s.first_token is None:
             s.first_token = end
             self.counters.prompt_tokens += s.prompt_len
+            self._prompt_computed += s.prompt_len - s.cached
             firsts.append(s.id)
         if s.out >= s.stop_at:
             self._stop_running(s)

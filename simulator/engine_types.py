@@ -91,6 +91,9 @@ class StepResult(NamedTuple):
     finished: tuple[RequestRecord, ...] = ()
     preempted: tuple[str, ...] = ()
     kv_received: tuple[str, ...] = ()  # P/D decode side: remote KV transfers that landed before this step
+    # prompt tokens computed for the requests in `first_tokens` (less their prefix-cache or remote-KV part),
+    # all counted at the step that emits the first token, as vLLM's prefill stats are
+    prompt_computed: int = 0
 
     @property
     def end(self) -> float:

@@ -40,10 +40,8 @@ accepted, where vLLM would download or read it and may refuse it (bad rank, offl
 
 from __future__ import annotations
 
-import email.message
 import json
 import os
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
@@ -53,7 +51,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from simulator.engine_types import vllm_env_flag
-from simulator.protocol import UNSUPPORTED_MEDIA_TYPE, ApiError, bad_shape, error_input, validated
+from simulator.protocol import ApiError, bad_shape, parse_body, sanitize_message, validated
 
 LORA_INFO = "vllm:lora_requests_info"
 LORA_INFO_HELP = "Running stats on lora requests."
@@ -195,65 +193,11 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
-_PATHS = (
-    re.compile(r" at 0x[0-9a-fA-F]+>"),
-    re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?'),
-    re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"),
-    re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"),
-)
-
-
-def sanitize_message(message: str) -> str:
-    """vLLM's `sanitize_message` (entrypoints/serve/exception_handling/utils.py), which every error body's
-    message goes through: object addresses, traceback lines and file paths under /home, /tmp, ... (or any
-    path ending in a file extension) become `>`, nothing and `<path>`."""
-    message = _PATHS[0].sub(">", message)
-    message = _PATHS[1].sub("", message)
-    message = _PATHS[2].sub("<path>", message)
-    message = _PATHS[3].sub("<path>", message)
-    return message.strip()
-
-
-def _validation_error(errors: Sequence[dict[str, Any] | str], param: str | None) -> ApiError:
-    """vLLM's answer to FastAPI's RequestValidationError (`validation_exception_handler`)."""
-    head = f"{len(errors)} validation {'error' if len(errors) == 1 else 'errors'}:"
-    return bad_shape(sanitize_message("\n  ".join([head, *map(str, errors)])), param)
-
-
 def fastapi_body(raw: bytes, content_type: str | None, model: type[ModelT]) -> ModelT:
-    """A POST body as vLLM's FastAPI route with `Depends(validate_json_request)` and a pydantic body reads it,
-    in FastAPI's order, or the ApiError vLLM answers (400 "Bad Request", param the error's location):
-    1. a non-empty body with a JSON content type (application/json or */*+json) is parsed: malformed JSON
-       is a `json_invalid` error at `body.<byte offset>`, undecodable bytes FastAPI's "There was an error
-       parsing the body";
-    2. `validate_json_request`: a media type (before any `;`) other than exactly `application/json`;
-    3. the model, validated as FastAPI does (`from_attributes`): no body (or `null`) is `body` missing,
-       a JSON value that is no object cannot give fields, then each field's type."""
-    body: Any = None
-    if raw and content_type:
-        msg = email.message.Message()
-        msg["content-type"] = content_type
-        subtype = msg.get_content_subtype()
-        if msg.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json")):
-            try:
-                body = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                err = {"type": "json_invalid", "loc": f"body.{exc.pos}", "msg": "JSON decode error",
-                       "input": error_input({}), "ctx": {"error": exc.msg}}  # fmt: skip
-                raise _validation_error([err], err["loc"]) from None
-            except ValueError:  # bytes that are no UTF-8/16/32: FastAPI's HTTPException, its phrase as type
-                raise bad_shape("There was an error parsing the body") from None
-    # vLLM's validate_json_request: no strip, so "application/json ;charset=utf-8" is refused too
-    if (content_type or "").lower().split(";", 1)[0] != "application/json":
-        raise _validation_error([UNSUPPORTED_MEDIA_TYPE], None)
-    if body is None:
-        raise _validation_error([{"type": "missing", "loc": "body", "msg": "Field required",
-                                  "input": error_input(None)}], "body")  # fmt: skip
-    if not isinstance(body, dict):
-        err = {"type": "model_attributes_type", "loc": "body",
-               "msg": "Input should be a valid dictionary or object to extract fields from",
-               "input": error_input(body)}  # fmt: skip
-        raise _validation_error([err], "body")
+    """A POST body as vLLM's FastAPI route with `Depends(validate_json_request)` and a pydantic body reads it
+    (`protocol.parse_body`), then the model validated as FastAPI does (`from_attributes`), each field's type;
+    or the ApiError vLLM answers (400 "Bad Request", param the error's location)."""
+    body = parse_body(raw, content_type)
     try:
         return validated(model, body)
     except ApiError as exc:  # vLLM sanitizes these messages too (a path-like string value is an `input`)

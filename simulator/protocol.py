@@ -29,7 +29,8 @@ by stage in vLLM's order, so a request with several faults gets vLLM's answer to
    SamplingParams' checks: logit_bias keys that are no integers, n, penalties, temperature, top_p, top_k, min_p, max_tokens ≥ 1 (param
    `max_tokens`), min_tokens (no param), empty stop strings, n = 1 under greedy sampling (temperature 0);
 7. the engine's checks (`EngineInputError`): at most 20 logprobs, then 20 prompt logprobs (echo asks for the
-   sample's count), token ids of `logit_bias` and `stop_token_ids` in the vocabulary; an
+   sample's count), token ids of `logit_bias` and `stop_token_ids` in the vocabulary, `allowed_token_ids`
+   not empty and in the vocabulary; an
    `X-data-parallel-rank` header's rank in [0, engines) (`data_parallel_rank 5 is out of range [0, 2).`,
    no param; `simulator.data_parallel`); then per prompt no
    empty prompt (`[[]]`, `[""]`: no param) and no token id outside the model's vocabulary (`Token id N is
@@ -51,8 +52,10 @@ ignored without a type check: a `json_schema` response format's schema.
 
 from __future__ import annotations
 
+import email.message
 import json
 import math
+import re
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -164,6 +167,7 @@ class _ResponseFormat(BaseModel):
 class _CompletionFields(BaseModel):
     model: str | None = None
     prompt: _TokenIds | list[_TokenIds] | str | list[str] | None = None
+    prompt_embeds: bytes | list[bytes] | None = None  # refused (as by a vLLM without --enable-prompt-embeds)
     echo: bool | None = False
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -185,6 +189,7 @@ class _CompletionFields(BaseModel):
     repetition_penalty: float | None = None
     length_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -227,6 +232,7 @@ class _ChatFields(BaseModel):
     repetition_penalty: float | None = None
     length_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -326,7 +332,8 @@ def _before_validators(body: Mapping[str, Any], chat: bool) -> None:
                 "To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable.",
                 "prompt",
             )
-        if prompt is None or prompt == "":
+        embeds = body.get("prompt_embeds")
+        if (prompt is None or prompt == "") and (embeds is None or embeds == []):
             raise vllm_error("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     # The raw values' truthiness, as vLLM tests them: `stream: "false"` passes here (a non-empty string) and
     # is then coerced to False; `stream: 0` does not pass.
@@ -469,20 +476,69 @@ UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is all
 def is_json_media_type(content_type: str | None) -> bool:
     """vLLM's check on its POST routes: the media type (before any `;` parameter) is exactly
     `application/json`, case-insensitively; no header, `text/plain` or a form encoding (curl `-d` without
-    `-H`) are refused with 400, whatever the body holds."""
+    `-H`) are refused with 400, whatever the body holds. (The gateway's check, which also takes
+    `application/json ;charset=utf-8`; vLLM's own does not strip: `parse_body`.)"""
     return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
+_PATHS = (
+    re.compile(r" at 0x[0-9a-fA-F]+>"),
+    re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?'),
+    re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"),
+    re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"),
+)
+
+
+def sanitize_message(message: str) -> str:
+    """vLLM's `sanitize_message` (entrypoints/serve/exception_handling/utils.py), which every error body's
+    message goes through: object addresses, traceback lines and file paths under /home, /tmp, ... (or any
+    path ending in a file extension) become `>`, nothing and `<path>`."""
+    message = _PATHS[0].sub(">", message)
+    message = _PATHS[1].sub("", message)
+    message = _PATHS[2].sub("<path>", message)
+    message = _PATHS[3].sub("<path>", message)
+    return message.strip()
+
+
+def _validation_error(errors: Sequence[dict[str, Any] | str], param: str | None) -> ApiError:
+    """vLLM's answer to FastAPI's RequestValidationError (`validation_exception_handler`)."""
+    head = f"{len(errors)} validation {'error' if len(errors) == 1 else 'errors'}:"
+    return bad_shape(sanitize_message("\n  ".join([head, *map(str, errors)])), param)
+
+
 def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
-    if not is_json_media_type(content_type):
-        raise bad_shape(UNSUPPORTED_MEDIA_TYPE)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        pos = f"body.{exc.pos}" if isinstance(exc, json.JSONDecodeError) else None
-        raise bad_shape(f"JSON decode error: {exc}", pos) from None
+    """A POST body as vLLM's FastAPI routes read it (`Depends(validate_json_request)` and a pydantic body),
+    in FastAPI's order, up to the JSON object the request model is validated from; or the ApiError vLLM
+    answers (400 "Bad Request", param the error's location):
+    1. a non-empty body with a JSON content type (application/json or */*+json) is parsed: malformed JSON
+       is a `json_invalid` error at `body.<byte offset>`, undecodable bytes FastAPI's "There was an error
+       parsing the body";
+    2. `validate_json_request`: a media type (before any `;`, not stripped) other than `application/json`;
+    3. no body (or `null`) is `body` missing, a JSON value that is no object cannot give fields."""
+    body: Any = None
+    if raw and content_type:
+        msg = email.message.Message()
+        msg["content-type"] = content_type
+        subtype = msg.get_content_subtype()
+        if msg.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json")):
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                err = {"type": "json_invalid", "loc": f"body.{exc.pos}", "msg": "JSON decode error",
+                       "input": error_input({}), "ctx": {"error": exc.msg}}  # fmt: skip
+                raise _validation_error([err], err["loc"]) from None
+            except ValueError:  # bytes that are no UTF-8/16/32: FastAPI's HTTPException, its phrase as type
+                raise bad_shape("There was an error parsing the body") from None
+    if (content_type or "").lower().split(";", 1)[0] != "application/json":
+        raise _validation_error([UNSUPPORTED_MEDIA_TYPE], None)
+    if body is None:
+        raise _validation_error([{"type": "missing", "loc": "body", "msg": "Field required",
+                                  "input": error_input(None)}], "body")  # fmt: skip
     if not isinstance(body, dict):
-        raise bad_shape("Input should be a valid dictionary or object to extract fields from")
+        err = {"type": "model_attributes_type", "loc": "body",
+               "msg": "Input should be a valid dictionary or object to extract fields from",
+               "input": error_input(body)}  # fmt: skip
+        raise _validation_error([err], "body")
     return body
 
 
@@ -497,6 +553,20 @@ def text_ids(text: str) -> list[int]:
         raise ApiError(400, UNENCODABLE_TEXT) from None
 
 
+# vLLM's renderer, on continue_final_message with add_generation_prompt left at its default (true)
+CONTINUE_WITH_GENERATION_PROMPT = (
+    "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message when you "
+    "want the model to continue the final message, and add_generation_prompt when you want to add a header "
+    "that will prompt it to start a new assistant message instead."
+)
+
+
+def check_generation_prompt(body: Mapping[str, Any]) -> None:
+    """vLLM's `check_generation_prompt` before-validator (chat and /tokenize's chat form), on the raw values."""
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+
+
 def _messages_before(body: Mapping[str, Any]) -> None:
     """vLLM's chat before-validators that touch `messages`, first of all (the last defined): its system-message
     check iterates `messages` (a number or null fails there, as Python's TypeError), then the generation-prompt
@@ -504,8 +574,7 @@ def _messages_before(body: Mapping[str, Any]) -> None:
     messages = body.get("messages", [])
     if messages is None or isinstance(messages, (int, float)):  # bool is an int
         raise ApiError(400, f"'{type(messages).__name__}' object is not iterable")
-    if body.get("continue_final_message") and body.get("add_generation_prompt"):
-        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    check_generation_prompt(body)
 
 
 def _messages_after(body: Mapping[str, Any]) -> None:
@@ -686,18 +755,17 @@ def parse_request(
         )
     if isinstance(f, _ChatFields):  # vLLM's renderer
         if f.continue_final_message and f.add_generation_prompt:
-            raise ApiError(
-                400,
-                "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message "
-                "when you want the model to continue the final message, and add_generation_prompt when you want "
-                "to add a header that will prompt it to start a new assistant message instead.",
-            )
+            raise ApiError(400, CONTINUE_WITH_GENERATION_PROMPT)
         _check_content_parts(body["messages"], served)  # vLLM names the base model, adapter or not
         chat_ids = _chat_prompt(body["messages"], f.add_generation_prompt)
         if chat_ids is None:
             raise ApiError(400, EMPTY_CONVERSATION)  # vLLM names no param
         prompts, from_text = [chat_ids], (True,)
     else:
+        if f.prompt_embeds:  # vLLM's renderer loads them before the prompt, and only with the flag
+            raise vllm_error(
+                "You must set `--enable-prompt-embeds` to input `prompt_embeds`.", "prompt_embeds"
+            )
         prompts, from_text = _completion_prompts(f.prompt)
     if truncate is not None and (truncate >= 0 or max_model_len is not None):
         # vLLM's tokenizer keeps the last `truncate` tokens (-1: max_model_len of them); 0 leaves none
@@ -832,7 +900,8 @@ def _engine_error(message: str, parameter: str, value: Any) -> EngineInputError:
 def _check_engine(f: _Fields, vocab_size: int) -> None:
     """SamplingParams.verify, the engine's first input check, after every prompt's SamplingParams: the
     logprobs counts (sample, then prompt: echo asks for the prompt's as many as the sample's), then the
-    token ids of logit_bias and stop_token_ids, each within the vocabulary."""
+    token ids of logit_bias and stop_token_ids, each within the vocabulary, then allowed_token_ids (not
+    empty, each within the vocabulary)."""
     if isinstance(f, _ChatFields):  # chat asks for top_logprobs only with logprobs true
         sample, prompt = (f.top_logprobs if f.logprobs else None), f.prompt_logprobs
         if prompt is None and f.echo:
@@ -858,6 +927,15 @@ def _check_engine(f: _Fields, vocab_size: int) -> None:
                 f"token_id(s) {invalid} in {param} contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
                 param,
                 invalid,
+            )
+    allowed = f.allowed_token_ids
+    if allowed is not None:
+        if not allowed:
+            raise _engine_error("allowed_token_ids is not None and empty!", "allowed_token_ids", allowed)
+        invalid = [i for i in allowed if i < 0 or i >= vocab_size]
+        if invalid:
+            raise _engine_error(
+                "allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids", invalid
             )
 
 

@@ -22,11 +22,18 @@ models does), an empty `messages` 400 in vLLM's words.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from simulator.protocol import EMPTY_CONVERSATION, ApiError, text_ids, validated
+from simulator.protocol import (
+    CONTINUE_WITH_GENERATION_PROMPT,
+    EMPTY_CONVERSATION,
+    ApiError,
+    check_generation_prompt,
+    text_ids,
+    validated,
+)
 from simulator.tokens import CHARS_PER_TOKEN, id_text, render_chat
 
 
@@ -51,7 +58,7 @@ class TokenizeChatRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]  # as vLLM's: a negative id is refused
 
 
 def _check_model(model: str | None, served: str, adapters: Collection[str]) -> None:
@@ -65,6 +72,7 @@ def tokenize_body(
     """The `/tokenize` answer for a parsed JSON object body; raises ApiError."""
     if "messages" in body:
         try:
+            check_generation_prompt(body)
             # vLLM's union lists the completion form first: its missing `prompt` leads the errors
             chat = validated(
                 TokenizeChatRequest, body, None if "prompt" in body else "prompt", union_first=True
@@ -79,8 +87,10 @@ def tokenize_body(
         _check_model(chat.model, served, adapters)
         if not chat.messages:
             raise ApiError(400, EMPTY_CONVERSATION)
+        if chat.continue_final_message and chat.add_generation_prompt:  # the default generation prompt
+            raise ApiError(400, CONTINUE_WITH_GENERATION_PROMPT)
         try:
-            text = render_chat(chat.messages, chat.add_generation_prompt and not chat.continue_final_message)
+            text = render_chat(chat.messages, chat.add_generation_prompt)
         except TypeError as exc:
             raise ApiError(400, f"messages: {exc}", "Bad Request", "body.messages") from None
         strs = chat.return_token_strs

@@ -860,7 +860,7 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         ("/tokenize", tokenize, ["POST"], False),
         ("/detokenize", detokenize, ["POST"], False),
         ("/health", health, ["GET"], True),
-        ("/metrics", metrics, ["GET"], False),
+        ("/metrics", metrics, ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"], False),
         ("/sim/state", state, ["GET"], False),
         ("/sim/faults", faults, ["GET", "POST"], False),
         ("/sim/kv/release", kv_release, ["POST"], False),

@@ -312,9 +312,21 @@ BAD_REQUESTS = [
             ("/detokenize", "without tokens", {"model": MODEL}),
             ("/detokenize", "unknown model", {"model": "nope", "tokens": [1]}),
             ("/detokenize", "id out of vocabulary", {"model": MODEL, "tokens": [99_999_999]}),
+            ("/detokenize", "a negative id", {"model": MODEL, "tokens": [3, -1]}),
+            ("/tokenize", "continue_final_message and add_generation_prompt",
+             {"model": MODEL, "messages": CHAT, "continue_final_message": True, "add_generation_prompt": True}),
+            ("/tokenize", "continue_final_message with the default add_generation_prompt",
+             {"model": MODEL, "messages": CHAT, "continue_final_message": True}),
         )
     ],
-]
+    ("allowed_token_ids []", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                 "allowed_token_ids": []}),
+    ("allowed_token_ids out of vocabulary", "/v1/chat/completions",
+     {"model": MODEL, "messages": CHAT, "max_tokens": 2, "allowed_token_ids": [5, 2048]}),
+    ("allowed_token_ids in the vocabulary", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "max_tokens": 2, "allowed_token_ids": [5, 2047]}),
+    ("prompt_embeds without the flag", "/v1/completions", {"model": MODEL, "prompt_embeds": "AAAA", "max_tokens": 2}),
+]  # fmt: skip
 
 
 def status_type_param(resp: httpx.Response) -> tuple[int, str | None, str | None]:
@@ -354,13 +366,25 @@ def test_error_status_type_param(
                 "headers": {"content-type": "text/plain"},
             },
         ),
+        ("no body", {"content": b"", "headers": {"content-type": "application/json"}}),
+        ("JSON null", {"content": b"null", "headers": {"content-type": "application/json"}}),
+        ("a JSON list", {"content": b"[1, 2]", "headers": {"content-type": "application/json"}}),
+        (
+            "a space before the media type's parameter",
+            {
+                "content": json.dumps({"model": MODEL, "prompt": "hi"}).encode(),
+                "headers": {"content-type": "application/json ;charset=utf-8"},
+            },
+        ),
     ],
 )
 def test_unparseable_bodies(real_vllm: RealServer, sim_url: str, case: str, kwargs: dict[str, Any]) -> None:
+    """FastAPI's reading of the body, before any field: the same status, type, param and message."""
     real, sim = both(real_vllm, sim_url, "POST", "/v1/completions", **kwargs)
     a, b = status_type_param(real), status_type_param(sim)
     assert a[0] == 400 and a[1] == "Bad Request"
     assert_listed(set() if a == b else {f"{case}: {a} vs {b}"}, KNOWN_ERRORS, f"{case}: ")
+    assert real.json()["error"]["message"] == sim.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
@@ -440,6 +464,30 @@ def test_metric_families_and_labels(real_vllm: RealServer, sim_url: str) -> None
     family_diffs = {f"{n}: present vs absent" for n in real.keys() - sim.keys()}
     family_diffs |= {f"{n}: absent vs present" for n in sim.keys() - real.keys()}
     assert_listed(family_diffs, KNOWN_METRIC_FAMILIES, "")
+
+
+def iteration_tokens(url: str) -> tuple[float, float]:
+    """(sum, count) of `vllm:iteration_tokens_total`."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    (fam,) = [f for f in text_string_to_metric_families(text) if f.name == "vllm:iteration_tokens_total"]
+    values = {s.name: s.value for s in fam.samples}
+    return values["vllm:iteration_tokens_total_sum"], values["vllm:iteration_tokens_total_count"]
+
+
+def test_iteration_tokens_and_metrics_by_post(real_vllm: RealServer, sim_url: str) -> None:
+    """`vllm:iteration_tokens_total` observes each step with outputs: the prompt computed at its first token
+    plus the tokens generated (10 + 1, then 1 per decode), on both; and /metrics answers POST as GET."""
+    body = {"model": MODEL, "prompt": list(range(300, 310)), "max_tokens": 5, "ignore_eos": True}
+    deltas = []
+    for url in (real_vllm.url, sim_url):
+        before = iteration_tokens(url)
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        after = iteration_tokens(url)
+        deltas.append((after[0] - before[0], after[1] - before[1]))
+    assert deltas[0] == deltas[1] == (10 + 5, 5)
+    real, sim = both(real_vllm, sim_url, "POST", "/metrics")
+    assert real.status_code == sim.status_code == 200
+    assert "vllm:iteration_tokens_total" in real.text and "vllm:iteration_tokens_total" in sim.text
 
 
 MULTI = {  # case → (path, body, shape case); token-id prompts: both count the same prompt tokens

@@ -146,7 +146,15 @@ async def test_error_shape(
         pytest.param(
             b'{"model": ', "application/json", "body.10", id="malformed JSON → Bad Request at offset 10"
         ),
-        pytest.param(b"[1, 2]", "application/json", None, id="JSON that is not an object → Bad Request"),
+        pytest.param(b"[1, 2]", "application/json", "body", id="JSON that is not an object → Bad Request"),
+        pytest.param(b"", "application/json", "body", id="no body → body missing"),
+        pytest.param(b"null", "application/json", "body", id="JSON null → body missing"),
+        pytest.param(
+            b'{"model": "llama-3-8b", "prompt": "hi"}',
+            "application/json ;charset=utf-8",
+            None,
+            id="a space before the parameter (vLLM does not strip the media type)",
+        ),
         pytest.param(
             b'{"model": "llama-3-8b", "prompt": "hi"}', "text/plain", None, id="not application/json"
         ),
@@ -163,6 +171,28 @@ async def test_unparseable_bodies(asgi, content: bytes, ctype: str, param: str |
         resp = await client.post(C, content=content, headers={"content-type": ctype})
     assert resp.status_code == 400
     assert (resp.json()["error"]["type"], resp.json()["error"]["param"]) == ("Bad Request", param)
+
+
+async def test_unparseable_bodies_in_vllms_words(asgi) -> None:
+    """FastAPI's validation errors as vLLM's handler words them (vLLM 0.32, compared against it)."""
+    head = "1 validation error:\n  "
+    cases = {
+        b"": (head + "{'type': 'missing', 'loc': 'body', 'msg': 'Field required', 'input': 'None'}"),
+        b"[1, 2]": (
+            head
+            + "{'type': 'model_attributes_type', 'loc': 'body', 'msg': 'Input should be a valid dictionary "
+            "or object to extract fields from', 'input': '<list of 2 items>'}"
+        ),
+        b'{"model": ': (
+            head + "{'type': 'json_invalid', 'loc': 'body.10', 'msg': 'JSON decode error', "
+            "'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting value'}}"
+        ),
+    }
+    async with asgi(CFG) as (client, _):
+        for content, message in cases.items():
+            for path in (C, "/v1/chat/completions", "/tokenize"):
+                resp = await client.post(path, content=content, headers={"content-type": "application/json"})
+                assert resp.json()["error"]["message"] == message, (path, content)
 
 
 async def test_unknown_path_is_plain_404_and_unknown_fields_are_accepted(asgi) -> None:

@@ -40,7 +40,41 @@ ENGINE_ERRORS = [
     pytest.param(C, {"prompt": "hi", "logit_bias": {str(VOCAB): 1}}, "logit_bias", id="logit_bias id"),
     pytest.param(C, {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids", id="stop_token_ids -1"),
     pytest.param(C, {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", id="prompt_logprobs 21"),
+    pytest.param(
+        C, {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", id="allowed_token_ids []"
+    ),
+    pytest.param(
+        CHAT,
+        {"messages": MSG, "allowed_token_ids": [5, VOCAB]},
+        "allowed_token_ids",
+        id="chat allowed_token_ids out of vocabulary",
+    ),
 ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        pytest.param({"prompt_embeds": "AAAA"}, "prompt_embeds",
+                     "You must set `--enable-prompt-embeds` to input `prompt_embeds`. (parameter=prompt_embeds)",
+                     id="prompt_embeds without a prompt"),
+        pytest.param({"prompt": "hi", "prompt_embeds": ["AAAA"]}, "prompt_embeds",
+                     "You must set `--enable-prompt-embeds` to input `prompt_embeds`. (parameter=prompt_embeds)",
+                     id="prompt_embeds beside a prompt"),
+        pytest.param({"prompt_embeds": []}, "prompt",
+                     "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+                     id="no prompt, empty prompt_embeds"),
+    ],
+)  # fmt: skip
+async def test_found_prompt_embeds_refused_as_without_the_flag(
+    asgi, extra: dict[str, Any], param: str, message: str
+) -> None:
+    """vLLM (without --enable-prompt-embeds, its default) refuses embeddings when its renderer loads them,
+    naming prompt_embeds; the simulator answered that no prompt was given."""
+    async with asgi(CFG) as (client, _):
+        resp = await client.post(C, json={"model": M, "max_tokens": 2, **extra})
+    assert _error(resp) == (400, "BadRequestError", param)
+    assert resp.json()["error"]["message"] == message
 
 
 @pytest.mark.parametrize(("path", "extra", "param"), ENGINE_ERRORS)

@@ -122,17 +122,53 @@ async def test_counters_and_histograms_after_a_workload(asgi) -> None:
     assert value(fams, "vllm:request_generation_tokens", "vllm:request_generation_tokens_sum") == gen_total
     # every token after a request's first is one inter-token gap: 5 × (40 − 1)
     assert value(fams, "vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == 5 * 39
-    # One observation per engine step; their sum is every token computed: each prompt once, 39 decodes per
-    # request (the first token comes from the prefill), plus the KV thrown away by preemptions (recomputed).
+    # One observation per engine step (no prompt here is chunked, so every step emits a token); their sum is
+    # as vLLM's: each prompt once plus every token generated, the KV that preemptions threw away and the
+    # steps recomputed not counted.
     assert (
         value(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") == eng.counters.steps
     )
+    assert eng.counters.recomputed_tokens > 0
     iteration_sum = value(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum")
-    assert iteration_sum == prompt_total + 5 * 39 + eng.counters.recomputed_tokens
+    assert iteration_sum == prompt_total + gen_total
     le_inf = value(
         fams, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_bucket", le="+Inf"
     )
     assert le_inf == 5
+
+
+async def test_iteration_tokens_count_a_chunked_prompt_whole_at_its_first_token(asgi) -> None:
+    """vLLM observes an iteration only when it has outputs, and a prompt's computed tokens (less its prefix
+    cache hit) at the step that emits its first token: a prompt prefilled in 64-token chunks is one
+    observation of prompt + 1, and the same prompt again counts only the part the cache did not hold."""
+    engine = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, block_size=16, enable_prefix_caching=True
+    )
+    cfg = WorkerConfig(gpu="H100", model=M, time_scale=1e5, engine=engine)
+    body = {"model": M, "prompt": "z" * 800, "max_tokens": 3, "ignore_eos": True}
+    async with asgi(cfg) as (client, rt):
+        first = (await client.post("/v1/completions", json=body)).json()
+        fams = parse((await client.get("/metrics")).text)
+        steps = rt.engine.counters.steps
+        prompt = first["usage"]["prompt_tokens"]
+        assert prompt == 200 and steps == 4 + 2  # ceil(200 / 64) prefill chunks, then 2 decodes
+        assert value(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") == 3
+        assert value(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum") == 201 + 1 + 1
+        # the buckets stop at max_num_batched_tokens, as vLLM's: the whole prompt lands above them, as in vLLM
+        assert (
+            value(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_bucket", le="64.0") == 2
+        )
+        assert (
+            value(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_bucket", le="+Inf") == 3
+        )
+        await client.post("/v1/completions", json=body)
+        fams = parse((await client.get("/metrics")).text)
+    hits = value(fams, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
+    assert hits == 12 * 16  # every full block but the last: ≥ 1 prompt token is computed for the logits
+    assert value(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") == 6
+    assert (
+        value(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum") == 203 + (200 - 192) + 3
+    )
 
 
 async def test_prefix_cache_counters_with_caching_on(asgi) -> None:

@@ -297,12 +297,14 @@ async def test_x_request_id_header_names_the_response_and_may_repeat(served) -> 
 
 async def test_head_is_not_allowed_on_health_and_models(served) -> None:
     """vLLM's /health and /v1/models are FastAPI GET routes: HEAD → 405 (`Allow: GET`). Its /metrics is a
-    mounted Prometheus app, which answers HEAD."""
+    mounted Prometheus app, which answers HEAD, and POST with the metrics as GET does."""
     async with served(FAST) as w, httpx.AsyncClient(base_url=w.url) as h:
         head_health, head_models, head_metrics = [
             await h.head(p) for p in ("/health", "/v1/models", "/metrics")
         ]
         get_health = await h.get("/health")
+        post_metrics = await h.post("/metrics")
     assert (head_health.status_code, head_health.headers["allow"]) == (405, "GET")
     assert (head_models.status_code, head_models.headers["allow"]) == (405, "GET")
     assert head_metrics.status_code == get_health.status_code == 200
+    assert post_metrics.status_code == 200 and "vllm:num_requests_running" in post_metrics.text

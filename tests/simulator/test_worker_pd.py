@@ -55,9 +55,10 @@ async def test_prefill_then_decode_handshake(served) -> None:
         assert await wait_for(lambda: pe.num_held == 0)
         assert pe.kv.used == 0
         de = d.runtime.engine
-        # The decode worker computed only the last prompt token, then 19 decodes: 20 tokens in all.
+        # The decode worker computed only the last prompt token, then 19 decodes: 20 steps, whose observed
+        # tokens are (as vLLM's) that prompt token and the 20 generated.
         assert de.counters.steps == 20
-        assert d.runtime.metrics.iteration_tokens.sum == 20
+        assert d.runtime.metrics.iteration_tokens.sum == 1 + 20
         # its TTFT includes pulling 200 · 128 KiB = 26.2 MB at 10 GB/s = 2.6 ms of simulated time
         ttft_sum = d.runtime.metrics.ttft.sum
         assert ttft_sum >= 200 * 131072 / 10e9

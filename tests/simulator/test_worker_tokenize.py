@@ -64,7 +64,7 @@ def test_empty_prompt_is_no_token(client: TestClient) -> None:
 
 
 def test_detokenize_gives_pseudo_words_and_drops_ids_outside_the_vocabulary(client: TestClient) -> None:
-    r = client.post("/detokenize", json={"tokens": [0, 1, len(WORDS) + 2, 128_256, -1]})
+    r = client.post("/detokenize", json={"tokens": [0, 1, len(WORDS) + 2, 128_256]})
     assert r.status_code == 200 and r.json() == {"prompt": f" {WORDS[0]} {WORDS[1]} {WORDS[2]}"}
     assert client.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
 
@@ -81,6 +81,27 @@ def test_detokenize_gives_pseudo_words_and_drops_ids_outside_the_vocabulary(clie
         ("/detokenize", {"tokens": "abc"}, 400, "Bad Request", "body.tokens"),
         ("/detokenize", {}, 400, "Bad Request", "body.tokens"),
         ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "NotFoundError", "model"),
+        ("/detokenize", {"tokens": [3, -1]}, 400, "Bad Request", "body.tokens.1"),  # vLLM's ids are ≥ 0
+        # the chat form's generation-prompt checks, as vLLM's chat completions make them (its before-validator,
+        # then its renderer, continue_final_message with the default add_generation_prompt)
+        (
+            "/tokenize",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
+            400,
+            "BadRequestError",
+            None,
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+            400,
+            "BadRequestError",
+            None,
+        ),
     ],
 )
 def test_errors_in_vllm_shapes(
