@@ -412,6 +412,36 @@ def test_a_pool_can_override_the_security_contexts(chart: helm.Chart) -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "security",
+    [
+        pytest.param({"privileged": True}, id="privileged"),
+        pytest.param({"capabilities": {"add": ["CAP_SYS_ADMIN"]}}, id="CAP_SYS_ADMIN"),
+    ],
+)
+def test_a_privileged_pool_does_not_inherit_no_privilege_escalation(
+    chart: helm.Chart, security: dict[str, Any]
+) -> None:
+    """Kubernetes' API server refuses `allowPrivilegeEscalation: false` beside `privileged: true` or an added
+    CAP_SYS_ADMIN (a check the OpenAPI schema has not): poolDefaults' false made such a pool's Deployment fail
+    half-way through `helm install`. The pool's container may escalate; the rest of the defaults stay."""
+    sc = container(_deployment(chart, securityContext=security))["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is True
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert {k: v for k, v in sc.items() if k in security} == {
+        k: ({**v, "drop": ["ALL"]} if k == "capabilities" else v) for k, v in security.items()
+    }
+
+
+def test_a_pool_that_forbids_escalation_and_asks_for_privilege_fails_the_render(chart: helm.Chart) -> None:
+    pool = {**REAL, "securityContext": {"privileged": True, "allowPrivilegeEscalation": False}}
+    with pytest.raises(helm.HelmRenderError) as caught:
+        render(chart, {"pools": [pool]})
+    assert "pools[0] (l4): securityContext sets allowPrivilegeEscalation false beside privileged" in str(
+        caught.value
+    )
+
+
 @pytest.mark.parametrize("mount", ["/models", "/cache"])
 def test_every_vllm_cache_is_on_the_cache_volume(chart: helm.Chart, mount: str) -> None:
     """Before: only HF_HOME; HOME (/root in the image) held vLLM's, Triton's and FlashInfer's caches, which a

@@ -19,14 +19,17 @@ from tests.chart.chartkit import (
     RELEASE,
     Rendered,
     container,
+    container_args,
     env_map,
     example_files,
     load_values,
+    parse_mosaic_args,
     parse_selector,
     pod_labels,
     pod_spec,
     render,
     selects,
+    validated_deployment,
 )
 
 CASES = [pytest.param(None, id="default values")] + [
@@ -416,6 +419,36 @@ def test_simulated_worker_is_timed_by_the_catalog_row_the_config_names(chart: he
     assert _flag(args, "--catalog") == "/etc/mosaic/catalog.yaml"
     assert {"name": "config", "mountPath": "/etc/mosaic", "readOnly": True} in c["volumeMounts"]
     assert {"name": "config", "configMap": {"name": f"{RELEASE}-config"}} in pod_spec(dep)["volumes"]
+
+
+_SIM_POOL = {"name": "sim", "model": "llama-3-8b", "gpu": "L4"}
+
+
+@pytest.mark.parametrize(
+    ("values", "pool", "simulated"),
+    [
+        pytest.param({"poolDefaults": {"simulated": True}}, {}, True, id="poolDefaults' simulated"),
+        pytest.param({"simulated": True, "poolDefaults": {"simulated": False}}, {}, False,
+                     id="poolDefaults' over the chart-wide switch"),
+        pytest.param({"poolDefaults": {"simulated": True}}, {"simulated": False}, False, id="the pool's own"),
+    ],
+)  # fmt: skip
+def test_pool_defaults_simulated_reaches_every_pool(
+    chart: helm.Chart, values: dict[str, Any], pool: dict[str, Any], simulated: bool
+) -> None:
+    """poolDefaults are merged under every pool, `simulated` included (it was read only from the pool and the
+    chart-wide switch, so poolDefaults' true rendered real vLLM pods asking for GPUs)."""
+    dep = validated_deployment(render(chart, {**values, "pools": [{**_SIM_POOL, **pool}]}), "sim")
+    assert dep["metadata"]["labels"]["mosaic.dev/simulated"] == str(simulated).lower()
+    assert container(dep)["command"] == (["mosaic"] if simulated else ["vllm", "serve"])
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_simulated_pool_caches_prefixes_as_its_vllm_would(chart: helm.Chart, on: bool) -> None:
+    """`enablePrefixCaching` (default true, vLLM's default) reaches `mosaic worker` too, whose own default is off."""
+    pool = {**_SIM_POOL, "simulated": True, "enablePrefixCaching": on}
+    dep = validated_deployment(render(chart, {"pools": [pool]}), "sim")
+    assert parse_mosaic_args(container_args(dep))["enable_prefix_caching"] is on
 
 
 NODE_READER_CASES = [

@@ -184,9 +184,22 @@ characters: cut to 54 + `-` + 8 hex of its sha256), the pool's initial `replicas
 {{- if ge (int $pool.drainSeconds) (int $pool.terminationGracePeriodSeconds) }}
 {{- fail (printf "pools[%d] (%s): drainSeconds %d must be below terminationGracePeriodSeconds %d, or the kubelet kills the worker during its preStop sleep and in-flight requests die on every scale-in" $i $pool.name (int $pool.drainSeconds) (int $pool.terminationGracePeriodSeconds)) }}
 {{- end }}
+{{- /* the pool's own `simulated`, else poolDefaults', else the chart-wide switch */}}
 {{- $sim := $root.Values.simulated }}
+{{- if hasKey ($root.Values.poolDefaults | default dict) "simulated" }}{{ $sim = $root.Values.poolDefaults.simulated }}{{ end }}
 {{- if hasKey $p "simulated" }}{{ $sim = $p.simulated }}{{ end }}
 {{- $_ := set $pool "simulated" $sim }}
+{{- /* Kubernetes refuses allowPrivilegeEscalation false beside privileged or CAP_SYS_ADMIN (a privileged
+container always may escalate): a pool that asks for either does not inherit poolDefaults' false, and one
+that sets both itself fails here rather than half-way through an install */}}
+{{- $sc := $pool.securityContext | default dict }}
+{{- if or $sc.privileged (has "CAP_SYS_ADMIN" (($sc.capabilities | default dict).add | default list)) }}
+{{- $own := $p.securityContext | default dict }}
+{{- if and (hasKey $own "allowPrivilegeEscalation") (not $own.allowPrivilegeEscalation) }}
+{{- fail (printf "pools[%d] (%s): securityContext sets allowPrivilegeEscalation false beside privileged or capabilities.add CAP_SYS_ADMIN, which Kubernetes refuses; drop one of them" $i $pool.name) }}
+{{- end }}
+{{- $_ := set $sc "allowPrivilegeEscalation" true }}
+{{- end }}
 {{- if and $sim (not (hasKey $p "tolerations")) }}
 {{- /* poolDefaults' tolerations are for GPU nodes' taints: a CPU-only simulated pod must not land there */}}
 {{- $_ := set $pool "tolerations" list }}
