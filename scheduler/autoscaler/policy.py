@@ -104,7 +104,8 @@ class AutoscalerConfig:
             "pd_ratio": 0.0,
             "tolerance": 0.0,
             "scale_down_window_s": 0.0,
-            "max_scale_up_step": 0,
+            # 0 would cap a pool at zero at zero for ever (max(0 + 0, 0 · factor)); the HPA refuses a 0 policy too
+            "max_scale_up_step": 1,
             "max_scale_up_factor": 1.0,  # below 1 a "scale-up" would shrink the pool
             "lookahead_s": 0.0,
             "backlog_lead_s": 0.0,

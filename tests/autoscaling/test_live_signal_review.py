@@ -158,7 +158,9 @@ KNOB_POOL = {
         ("lookahead_s", "30", "lookahead_s must be a number"),  # TypeError every cycle
         ("max_scale_up_step", "4", "max_scale_up_step must be an integer"),  # TypeError at the first scale-up
         ("max_scale_up_step", 2.5, "max_scale_up_step must be an integer"),
-        ("max_scale_up_step", -2, "max_scale_up_step must be ≥ 0"),
+        ("max_scale_up_step", -2, "max_scale_up_step must be ≥ 1"),
+        # 0: a pool scaled to zero could never come back (the step cap is max(0 + 0, ceil(0 · factor)) = 0)
+        ("max_scale_up_step", 0, "max_scale_up_step must be ≥ 1"),
         ("max_scale_up_factor", 0.1, "max_scale_up_factor must be ≥ 1"),  # a "scale-up" from 4 to 2
         ("max_scale_down_fraction", 0, "max_scale_down_fraction must be in (0, 1]"),
         ("moderate_boost", 0.5, "moderate_boost must be ≥ 1"),  # the latency net would remove capacity

@@ -248,7 +248,7 @@ def test_knobs_at_their_bounds_render_and_load(chart: helm.Chart, tmp_path: Path
         "trend_smoothing": 0.01,
         "max_scale_down_fraction": 1,
         "max_scale_up_factor": 1,
-        "max_scale_up_step": 0,
+        "max_scale_up_step": 1,
         "moderate_boost": 1,
         "tolerance": 0,
         "pd_ratio": 0,
