@@ -5,8 +5,8 @@ Over successful requests only (failed ones are counted by error type and exclude
 - TPOT  = (E2EL − TTFT) / (output_tokens − 1), only for requests with ≥ 2 output tokens (excludes the first token);
 - ITL   = every gap between successive content chunks, pooled over requests;
 - statistics: mean, std, median, p90/p95/p99 by `numpy.percentile` (linear interpolation), in ms;
-- duration = from the replay start (the first scheduled send: a window's first arrival may come seconds after
-  the window opens) to the end of the last request;
+- duration = from the replay start (t = 0: the window's opening, or a fixed rate's start, one gap before its
+  first send) to the end of the last request, as vLLM's benchmark times from before its first request's delay;
 - request throughput = completed / duration; output throughput = Σ output tokens / duration;
   total token throughput = (Σ input + Σ output tokens of completed requests) / duration;
 - goodput = completed requests meeting every given SLO (TTFT, TPOT, E2EL in ms) / duration; a request
@@ -40,7 +40,7 @@ DEFINITIONS = {
     "goodput": "completed requests meeting every given SLO per second of duration (TPOT of 1-token requests = 0)",
     "slo_attainment": "requests meeting every given SLO / requests sent",
     "send_lag": "actual send − max(scheduled send, concurrency slot free)",
-    "duration": "replay start (first scheduled send) → end of the last request",
+    "duration": "replay start (t = 0, before the first arrival's offset) → end of the last request",
 }
 
 
@@ -190,11 +190,12 @@ def compute_metrics(
 
 
 def replay_duration(records: Sequence[RequestRecord]) -> float:
-    """First scheduled send → end of the last request (0 without records), as vLLM's benchmark times from its
-    first send: the idle time before a window's first arrival is no part of it."""
+    """The replay's start (t = 0) → end of the last request (0 without records), as vLLM's benchmark times
+    from before its first request's delay: a fixed rate's first gap, or a trace's offset before its first
+    arrival, is part of the time the load was offered over (N requests at R req/s span N / R)."""
     if not records:
         return 0.0
-    return max(r.end_s for r in records) - min(r.scheduled_s for r in records)
+    return max(r.end_s for r in records)
 
 
 def _rate(count: float, duration_s: float) -> float:

@@ -86,7 +86,7 @@ class Observer(Protocol):
 class RunResult:
     records: list[RequestRecord] = field(default_factory=list)
     started_at: str = ""  # wall-clock ISO time of t = 0
-    duration_s: float = 0.0  # first scheduled send → end of the last request (`replay_duration`)
+    duration_s: float = 0.0  # the replay's start → end of the last request (`replay_duration`)
     interrupted: bool = False  # `stop` was set: nothing more sent, requests in flight cancelled
     # stopped early: the first GIVE_UP_AFTER requests to finish all failed with FATAL_ERRORS
     gave_up: bool = False

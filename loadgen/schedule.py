@@ -8,9 +8,11 @@ so `--rate-scale 2` replays twice as fast, and `--start 600 --duration 60` repla
 (the window is in trace seconds, before scaling). Fixed rate (`--rate R`): the window still selects by
 the trace's own times when it has any, then the selected requests keep their order and lengths and are
 re-timed by a Poisson process at R req/s (gamma gaps with shape k = `burstiness`; `constant` spacing on
-request), starting at 0. Traces without times (ShareGPT, length samples) need `--rate`. A request scheduled
-past `latest_send_s` (`mosaic replay`: 10⁷ s, 116 days) is refused.
-`max_requests` cuts the stream after N requests. Everything is lazy: one request in, one out.
+request) as vLLM's benchmark re-times them: the first after one gap, the N gaps rescaled so that the last
+request goes at exactly N / R (`synthetic.fixed_rate_arrivals`). Traces without times (ShareGPT, length
+samples) need `--rate`. A request scheduled past `latest_send_s` (`mosaic replay`: 10⁷ s, 116 days) is
+refused. `max_requests` cuts the stream after N requests. With the trace's timing everything is lazy (one
+request in, one out); with `--rate` the window (or the first N) is read first, as N sets the rescaling.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from loadgen.synthetic import interarrival_sampler
+from loadgen.synthetic import fixed_rate_arrivals
 from loadgen.trace import TraceRequest
 
 
@@ -80,32 +82,18 @@ class ScheduledRequest:
 
 
 def schedule(requests: Iterable[TraceRequest], opts: ScheduleOptions) -> Iterator[ScheduledRequest]:
-    """The replay's send times, lazily; stops reading the trace as soon as the window or the cap is passed."""
-    end = None if opts.duration_s is None else opts.start_s + opts.duration_s
-    gap = None
-    rng = random.Random(f"mosaic-schedule-{opts.seed}")
+    """The replay's send times; stops reading the trace as soon as the window or the cap is passed. Lazy
+    with the trace's timing; with `rate`, the window is read before the first send (its size sets the
+    rescaling, `fixed_rate_arrivals`)."""
+    selected = _selected(requests, opts)
     if opts.rate is not None:
-        gap = interarrival_sampler(opts.rate, opts.arrival, opts.burstiness)
-    t_fixed = 0.0
-    index = 0
-    if opts.max_requests is not None and opts.max_requests <= 0:
-        return
-    for req in requests:
-        if req.arrival_s is not None:
-            if req.arrival_s < opts.start_s:
-                continue
-            if end is not None and req.arrival_s >= end:
-                return  # arrivals are non-decreasing (readers enforce it): nothing later is in the window
-        if gap is not None:
-            send_at = t_fixed
-            t_fixed += gap(rng)
-        else:
-            assert req.arrival_s is not None
-            send_at = (req.arrival_s - opts.start_s) / opts.rate_scale
-            if not math.isfinite(send_at):  # a rate scale so small that the division overflows
-                raise ScheduleError(
-                    f"rate scale {opts.rate_scale:g} puts a request at infinity (trace time {req.arrival_s:g} s)"
-                )
+        chosen = list(selected)
+        rng = random.Random(f"mosaic-schedule-{opts.seed}")
+        times = fixed_rate_arrivals(len(chosen), opts.rate, opts.arrival, opts.burstiness, rng)
+        timed: Iterable[tuple[TraceRequest, float]] = zip(chosen, times, strict=True)
+    else:
+        timed = ((req, _trace_time(req, opts)) for req in selected)
+    for index, (req, send_at) in enumerate(timed):
         if send_at > opts.latest_send_s:
             raise ScheduleError(
                 f"request {index} would be sent {send_at:g} s after the start, past the replay's limit of "
@@ -113,6 +101,31 @@ def schedule(requests: Iterable[TraceRequest], opts: ScheduleOptions) -> Iterato
                 "rate, or --duration"
             )
         yield ScheduledRequest(index, send_at, req.input_tokens, req.output_tokens, req.hash_ids, req.line)
-        index += 1
-        if opts.max_requests is not None and index >= opts.max_requests:
+
+
+def _selected(requests: Iterable[TraceRequest], opts: ScheduleOptions) -> Iterator[TraceRequest]:
+    """The requests of the window (by the trace's own times, when it has any), at most `max_requests`."""
+    end = None if opts.duration_s is None else opts.start_s + opts.duration_s
+    if opts.max_requests is not None and opts.max_requests <= 0:
+        return
+    count = 0
+    for req in requests:
+        if req.arrival_s is not None:
+            if req.arrival_s < opts.start_s:
+                continue
+            if end is not None and req.arrival_s >= end:
+                return  # arrivals are non-decreasing (readers enforce it): nothing later is in the window
+        yield req
+        count += 1
+        if opts.max_requests is not None and count >= opts.max_requests:
             return  # before the loop pulls another row: a bad row past the cap is never read
+
+
+def _trace_time(req: TraceRequest, opts: ScheduleOptions) -> float:
+    assert req.arrival_s is not None
+    send_at = (req.arrival_s - opts.start_s) / opts.rate_scale
+    if not math.isfinite(send_at):  # a rate scale so small that the division overflows
+        raise ScheduleError(
+            f"rate scale {opts.rate_scale:g} puts a request at infinity (trace time {req.arrival_s:g} s)"
+        )
+    return send_at

@@ -15,15 +15,18 @@
 Length distributions, each sample rounded and clipped to ≥ 1: `N` (fixed), `uniform:LO:HI` (integers,
 inclusive), `normal:MEAN:STD`, `lognormal:MEDIAN:SIGMA` (σ of ln length), `exp:MEAN`.
 
-The first request arrives at 0. The stream is generated lazily from `random.Random(seed)`: the same spec
-and seed give the same trace (not bit-identical to vLLM's numpy draws, the same distributions).
+Arrivals are spaced as vLLM's benchmark spaces them at a fixed rate: the first request comes after one gap,
+and with `n` the gaps are rescaled so that the n-th arrives at exactly n / rate (`fixed_rate_arrivals`). The
+lengths are generated lazily from `random.Random(seed)`: the same spec and seed give the same trace (not
+bit-identical to vLLM's numpy draws, the same distributions).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from loadgen.trace import MAX_TOKENS, TraceRequest
@@ -180,16 +183,33 @@ def interarrival_sampler(rate: float, arrival: str, burstiness: float) -> Callab
     return lambda rng: rng.expovariate(rate)
 
 
+def fixed_rate_arrivals(
+    n: int, rate: float, arrival: str, burstiness: float, rng: random.Random
+) -> list[float]:
+    """`n` arrival times at `rate` as vLLM's benchmark spaces them (`get_request` without a ramp-up): `n`
+    gaps, the first one before the first request, their running sum rescaled so that the last arrival is at
+    exactly n / rate. Unscaled, the span of n random gaps strays from n / rate by a few percent from one
+    seed to the next, and every throughput measured over it with it (vLLM's reason)."""
+    gap = interarrival_sampler(rate, arrival, burstiness)
+    times = list(itertools.accumulate(gap(rng) for _ in range(n)))
+    if times and times[-1] > 0:
+        scale = (n / rate) / times[-1]
+        times = [t * scale for t in times]
+    return times
+
+
 def generate(spec: SyntheticSpec, seed: int = 0) -> Iterator[TraceRequest]:
     """The spec's requests, lazily; `spec.seed` wins over `seed`. Lengths and gaps use separate streams,
     so changing the arrival process keeps each request's lengths."""
     base = spec.seed if spec.seed is not None else seed
     gaps = random.Random(f"mosaic-synthetic-arrivals-{base}")
     lengths = random.Random(f"mosaic-synthetic-lengths-{base}")
-    gap = interarrival_sampler(spec.rate, spec.arrival, spec.burstiness)
-    t = 0.0
-    i = 0
-    while (spec.n is None or i < spec.n) and (spec.duration_s is None or t < spec.duration_s):
+    if spec.n is not None:
+        times: Iterable[float] = fixed_rate_arrivals(spec.n, spec.rate, spec.arrival, spec.burstiness, gaps)
+    else:  # a duration alone: as many arrivals as fall in it, the first after one gap too
+        gap = interarrival_sampler(spec.rate, spec.arrival, spec.burstiness)
+        times = itertools.accumulate(gap(gaps) for _ in itertools.count())
+    for i, t in enumerate(times):
+        if spec.duration_s is not None and t >= spec.duration_s:
+            return
         yield TraceRequest(t, spec.input.sample(lengths), spec.output.sample(lengths), (), i + 1)
-        i += 1
-        t += gap(gaps)

@@ -67,7 +67,10 @@ def load_gpu_offers(
         raise PlacementError(f"{origin}: no GPU types given")
     offers: dict[str, GpuOffer] = {}
     given_as: dict[str, str] = {}  # canonical name → the name the user wrote (A100 and A100-80GB are one)
-    for raw, row in rows.items():
+    for key, row in rows.items():
+        if key is None or isinstance(key, bool):  # `~:`, `yes:`: YAML read no name there
+            raise PlacementError(f"{origin}: GPU name {key!r} is not a name; quote it")
+        raw = str(key)  # `4090:` is a number to YAML, and a GPU name here
         row = row or {}
         if not isinstance(row, Mapping) or set(row) - {"cost_per_hour", "min", "max"}:
             raise PlacementError(f"{origin}: GPU {raw}: allowed keys are cost_per_hour, min, max")

@@ -233,8 +233,14 @@ def _demand(
         )
     per_window: list[list[Demand]] = [[] for _ in range(counts.pop())]
     dropped: list[Dropped] = []
+    given_as: dict[str, str] = {}  # canonical model → the name the workload wrote
     for wl in workloads:
         model = canonical_model(wl.model, catalog)
+        if model in given_as:  # its demand would be counted twice, and its routing hints only once
+            raise PlacementError(
+                f"model {wl.model} appears twice in the workload (also as {given_as[model]})"
+            )
+        given_as[model] = wl.model
         grid = grids.get(model)
         if grid is None:
             raise PlacementError(f"workload model {wl.model!r} has no profile among the offered GPUs")

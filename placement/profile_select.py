@@ -33,8 +33,8 @@ def select_profiles(
 
     Model and GPU are compared by their catalog names: `gpu: a100` and `gpu: A100-80GB` are one GPU (two
     options of one key were counted twice). With no target every profile is used as given, and two for
-    the same key is an error (which SLO?). `mode` keeps mixed only, P/D only, or both ("auto": the solver
-    picks per bucket).
+    the same key is an error (which SLO?); so are two at the loosest fitting SLO (which measurement?).
+    `mode` keeps mixed only, P/D only, or both ("auto": the solver picks per bucket).
     """
     catalog = catalog or load_catalog()
     keep = {"auto": set(Role), "mixed": {Role.MIXED}, "pd": {Role.PREFILL, Role.DECODE}}[mode]
@@ -68,6 +68,17 @@ def select_profiles(
         # loosest in the limits that bind this role only: a prefill profile measured with no TPOT limit is
         # not looser for prefill than one at the target's TTFT (it would win on TPOT = ∞ first)
         best = max(fit, key=lambda p: _looseness(_relevant(p.slo, key[3])))
+        loosest = _looseness(_relevant(best.slo, key[3]))
+        tables = {
+            (p.input_edges, p.output_edges, p.max_rate)
+            for p in fit
+            if _looseness(_relevant(p.slo, key[3])) == loosest
+        }
+        if len(tables) > 1:  # two different measurements of one thing: the answer followed --profile order
+            raise PlacementError(
+                f"{len(tables)} different profiles for {label} at one SLO ({_slo_text(_relevant(best.slo, key[3]))}): "
+                "give one of them"
+            )
         if _relevant(best.slo, key[3]) != need:
             notes.append(
                 f"{label}: profile measured at {_slo_text(best.slo)} used for {_slo_text(need)} (conservative)"

@@ -402,7 +402,8 @@ def nodes_from_dict(
 ) -> tuple[list[Node], int | None, str]:
     """`{nodes: [{name, gpu, gpus, domain, used?}], max_group_gpus?: N, same_domain?: prefer|require}`.
 
-    GPU names go through the catalog's canonical names (aliases and case, as --gpus and profiles do);
+    GPU names go through the catalog's canonical names (aliases and case, as --gpus and profiles do), then
+    take the offered type's own spelling when one of `known_gpus` is that type (a Mélange file's "A100");
     `gpus` (≥ 1), `used` (≥ 0 and ≤ gpus) and `max_group_gpus` (≥ 1) must be whole numbers, node names
     unique. Given `known_gpus` (the offered types), a GPU neither in the catalog nor among them is refused
     as a typo; without, it is kept, and no instance lands on its nodes. Errors name the file and the node."""
@@ -412,6 +413,11 @@ def nodes_from_dict(
     if extra:
         raise TopologyError(f"{origin}: unknown key(s) {extra}")
     catalog = catalog or load_catalog()
+    # the plan's own spelling of each offered type: a Mélange file names its GPUs as it likes ("A100"), and
+    # a node's A100 or A100-80GB is that type
+    spelled: dict[str, str] = {}
+    for offered_name in known_gpus or ():
+        spelled.setdefault(canonical_gpu(offered_name, catalog), offered_name)
     nodes: list[Node] = []
     names: set[str] = set()
     for i, row in enumerate(data["nodes"]):
@@ -427,6 +433,7 @@ def nodes_from_dict(
             raise TopologyError(f"{where} ({name}): node names must be unique; {name} is given twice")
         names.add(name)
         gpu = canonical_gpu(str(row["gpu"]), catalog)
+        gpu = spelled.get(gpu, gpu)
         if known_gpus is not None and gpu not in known_gpus and gpu not in catalog.gpus:
             offered = ", ".join(sorted(known_gpus)) or "none"
             raise TopologyError(

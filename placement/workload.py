@@ -200,6 +200,7 @@ def histogram_from_requests(
     window_s: float | None = None,
     rate: float | None = None,
     end_s: float | None = None,
+    start_s: float | None = None,
 ) -> ModelWorkload:
     """Bin a trace into windows of `window_s` seconds of arrival time (None: one window, the whole trace).
 
@@ -207,7 +208,9 @@ def histogram_from_requests(
     except the last one, which the trace may cover only in part: its rate is its count / the time the trace
     covers of it, from its start to the trace's end (`end_s` when known, e.g. a synthetic trace's duration;
     else the last arrival), at least 1 s, at most `window_s`. A `--window-s` longer than the trace thus gives
-    the trace's own rate, not a diluted one. A single window spans first arrival → end (at least 1 s).
+    the trace's own rate, not a diluted one. A single window spans first arrival → end (at least 1 s), or
+    `start_s` → end when the trace's start is known (a synthetic trace starts at 0, its first arrival one
+    gap later).
     Traces without arrival times need `rate` (req/s): one window whose histogram is their length
     distribution at that rate. `rate` given for a timed trace rescales every window so that the busiest
     has that total rate.
@@ -266,7 +269,8 @@ def histogram_from_requests(
         if not timed:
             duration = 1.0
         elif not window_s:
-            duration = max(end - span[0], 1.0)
+            start = span[0] if start_s is None else min(start_s, span[0])
+            duration = max(end - start, 1.0)
         elif tail_s:
             duration = window_s + tail_s if k == last else window_s
         elif k < last:

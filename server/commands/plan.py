@@ -12,6 +12,7 @@ tables in `plan_render`. A trace is binned on the profiles' bucket edges with th
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -19,9 +20,10 @@ import typer
 from rich.console import Console
 
 from placement.binpacking import PlacementError, Variant
-from placement.catalog import CatalogError, load_catalog
+from placement.catalog import Catalog, CatalogError, load_catalog
 from placement.counts import MAX_PLAN_INSTANCES
 from placement.melange import MELANGE_MODEL, MelangeInput, load_melange
+from placement.offers import canonical_gpu
 from placement.plan_report import instance_counts, placement_to_dict, plan_to_dict
 from placement.planner import (
     Grid,
@@ -78,14 +80,21 @@ def _trace_workload(
     slo: Slo | None,
     window_s: float | None,
     rate: float | None,
+    *,
+    offered: Collection[str],
+    mode: Literal["auto", "mixed", "pd"],
+    catalog: Catalog,
 ) -> ModelWorkload:
+    """The trace binned on the bucket grid of the profiles the plan can use: those of offered GPUs, of the
+    `mode`'s roles, at the SLO (a profile the plan would not use gave the grid, and refused a trace the plan
+    itself could serve)."""
     try:
         from loadgen.formats import open_trace
         from loadgen.trace import TraceError
     except ImportError:  # pragma: no cover - loadgen ships with Mosaic; kept for partial installs
         fail("--trace needs the load generator's trace readers (loadgen), which are not installed")
-    catalog = load_catalog()
-    chosen, notes = select_profiles(profiles, slo, catalog=catalog)
+    chosen, notes = select_profiles(profiles, slo, mode, catalog)
+    chosen = [p for p in chosen if canonical_gpu(p.gpu, catalog) in offered]
     if not chosen:
         raise PlacementError(f"no usable profile: {'; '.join(notes) or 'none given'}")
     models = sorted({canonical_model(p.model, catalog) for p in chosen})
@@ -106,6 +115,7 @@ def _trace_workload(
             window_s=window_s,
             rate=rate,
             end_s=_trace_end(trace.source) if trace.format == "synthetic" else None,
+            start_s=0.0 if trace.format == "synthetic" else None,
         )
     except TraceError as exc:  # the readers' hint names replay's and simulate's --format
         raise PlacementError(str(exc).replace("; use --format", "; use --trace-format")) from None
@@ -256,6 +266,7 @@ def _mosaic_plan(
     slo = None
     if opts["slo_tpot_ms"] is not None or opts["slo_ttft_ms"] is not None:
         slo = Slo(tpot_ms=opts["slo_tpot_ms"], ttft_ms=opts["slo_ttft_ms"])
+    offers = load_gpu_offers(opts["gpus"], catalog)
     if opts["workload"]:
         workloads = load_workload(opts["workload"])
     else:
@@ -268,10 +279,13 @@ def _mosaic_plan(
                 slo,
                 opts["window_s"],
                 opts["rate"],
+                offered=set(offers),
+                mode=opts["mode"],
+                catalog=catalog,
             ),
         )
     inp = PlanInput(
-        offers=load_gpu_offers(opts["gpus"], catalog),
+        offers=offers,
         profiles=tuple(profiles),
         workloads=workloads,
         slo=slo,

@@ -190,6 +190,30 @@ def test_nodes_placement_takes_the_time_limit(app: typer.Typer, monkeypatch: pyt
     assert seen == [7.5] and doc["placement"]["status"] == "optimal"
 
 
+@pytest.mark.parametrize("node_gpu", ["A100", "A100-80GB", "a100"])
+def test_a_melange_plan_is_placed_on_nodes_of_its_gpus_any_spelling(
+    app: typer.Typer, tmp_path: Path, node_gpu: str
+) -> None:
+    """Mélange's own inputs name the GPU "A100"; a node's GPU goes through the catalog (A100 → A100-80GB),
+    so no spelling of it matched the plan's "A100" ("not enough free GPUs — A100: need 5 GPUs, 0 free")."""
+    doc = {
+        "gpu_info": {"A10G": {"cost": 1.01, "tputs": [[5, 1], [10, 5]]}, "A100": {"cost": 1.0, "tputs": [[20, 2], [50, 20]]}},
+        "workload_distribution": [[0.25, 0.5], [0.25, 0.25]],
+        "total_request_rate": 16,
+        "slice_factor": 1,
+    }  # fmt: skip
+    melange = tmp_path / "m.json"
+    melange.write_text(json.dumps(doc))
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(
+        f"nodes:\n  - {{name: n1, gpu: A10G, gpus: 8}}\n  - {{name: n2, gpu: {node_gpu}, gpus: 8}}\n"
+    )
+    plan = run_json(app, "plan", "--melange", str(melange), "--nodes", str(nodes))
+    assert plan["gpus"] == {"A100": 5} and plan["placement"]["status"] == "optimal"
+    (node,) = [n for n in plan["placement"]["nodes"] if n["instances"]]
+    assert node["name"] == "n2"
+
+
 def test_real_azure_trace(app: typer.Typer, shared_data: Path) -> None:
     trace = str(shared_data / "traces" / "azure_llm_2023_conv.csv")
     args = [
@@ -758,6 +782,49 @@ def test_a_gpu_profiled_under_its_alias_is_one_option(app: typer.Typer, tmp_path
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines() == [
         "error: 2 profiles for llama-3-8b/A100-80GB (SLOs ['TPOT 40 ms', 'TPOT 40 ms']): give the SLO to choose"
+    ]
+
+
+def test_a_trace_is_binned_on_the_grid_of_the_profiles_the_plan_uses(app: typer.Typer) -> None:
+    """A profile of a GPU not offered (the repo's L4 profile, on another bucket grid) listed first gave the
+    trace its grid, and the plan then refused it ("workload of llama-3-8b uses bucket edges …"); in the
+    other order it planned. Not offered, it is noted and not used, whatever the order."""
+    l4 = str(Path(__file__).resolve().parents[2] / "placement" / "profiles" / "llama-3-8b" / "L4.yaml")
+    a100 = str(PLACEMENT / "llama3-a100-tpot40.yaml")
+    trace = "synthetic:rate=5,duration=600,input=lognormal:700:1.0,output=lognormal:180:0.9,seed=1"
+    args = ["plan", "--trace", trace, "--drop-unservable", "--gpus", "A100-80GB"]
+    first = run_json(app, *args, "--profile", l4, "--profile", a100)
+    second = run_json(app, *args, "--profile", a100, "--profile", l4)
+    assert first["cost_per_hour"] == second["cost_per_hour"] and first["gpus"] == second["gpus"]
+    assert "L4: profiled but not offered; its profiles are not used" in first["notes"]
+
+
+def test_a_model_given_twice_under_two_spellings_is_refused(app: typer.Typer, tmp_path: Path) -> None:
+    """llama-3-8b and Llama-3-8B are one model: the fleet was sized for both rows' demand while the routing
+    hints (`assignment`) covered one of them."""
+    row = "input_edges: [1, 512, 2048, 8193], output_edges: [1, 128, 512, 2049], rate: 5, histogram: [[1,1,1],[1,1,1],[1,1,1]]"
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        f"schema: mosaic.workload/v1\nmodels:\n - {{model: llama-3-8b, {row}}}\n - {{model: Llama-3-8B, {row}}}\n"
+    )
+    result = run(app, "plan", "--workload", str(path), *BASE[3:])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "error: model Llama-3-8B appears twice in the workload (also as llama-3-8b)"
+    ]
+
+
+def test_two_different_profiles_of_one_gpu_at_one_slo_are_refused(app: typer.Typer, tmp_path: Path) -> None:
+    """Both fit the target and neither is looser: the plan took whichever came first on the command line
+    ($18.35/h one way, $11.01/h the other, no word). Identical copies (above) stay one option."""
+    faster = tmp_path / "a100-faster.yaml"
+    faster.write_text(
+        (PLACEMENT / "llama3-a100-tpot40.yaml").read_text().replace("[12.0, 6.0, 2.0]", "[120.0, 60.0, 20.0]")
+    )
+    result = run(app, *BASE, "--profile", str(faster))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "error: 2 different profiles for llama-3-8b/A100-80GB at one SLO (TPOT 40 ms): give one of them"
     ]
 
 

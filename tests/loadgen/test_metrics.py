@@ -76,11 +76,13 @@ def test_input_tokens_are_the_servers_count_when_its_usage_gives_one() -> None:
 
 def test_throughput_counts_completed_requests_over_the_duration() -> None:
     m = compute_metrics(RECORDS)
-    assert m.duration_s == 2.0  # the first scheduled send (C, 0.25) → B's last chunk (2.25)
+    # the replay's start (0, as vLLM's benchmark clock starts before the first request's delay; the first
+    # send, C's, is at 0.25) → B's last chunk (2.25)
+    assert m.duration_s == 2.25
     assert m.total_input_tokens == 180 and m.total_output_tokens == 9  # 100 + 50 + 30; 5 + 1 + 3
-    assert m.request_throughput == pytest.approx(3 / 2.0)
-    assert m.output_throughput == pytest.approx(9 / 2.0)
-    assert m.total_token_throughput == pytest.approx(189 / 2.0)
+    assert m.request_throughput == pytest.approx(3 / 2.25)
+    assert m.output_throughput == pytest.approx(9 / 2.25)
+    assert m.total_token_throughput == pytest.approx(189 / 2.25)
     assert m.errors == {"http_503": 1}
 
 
@@ -99,7 +101,7 @@ def test_throughput_counts_completed_requests_over_the_duration() -> None:
 )
 def test_goodput_and_slo_attainment(slo: Slo, good: int) -> None:
     m = compute_metrics(RECORDS, slo=slo)
-    assert m.goodput == pytest.approx(good / 2.0)
+    assert m.goodput == pytest.approx(good / 2.25)  # over the duration from t = 0
     assert m.slo_attainment == pytest.approx(good / 4)  # the failed request misses its SLO
 
 

@@ -46,13 +46,17 @@ def test_bad_synthetic_specs_name_the_key(spec: str, message: str) -> None:
 
 def test_constant_arrivals_are_evenly_spaced_and_lengths_fixed() -> None:
     reqs = list(generate(parse_spec("synthetic:rate=4,n=5,arrival=constant,input=100,output=7")))
-    assert [r.arrival_s for r in reqs] == [0.0, 0.25, 0.5, 0.75, 1.0]  # gaps 1/4 s
+    # gaps 1/4 s, the first before the first request (vLLM's spacing): the 5th at exactly 5 / 4 s
+    assert [r.arrival_s for r in reqs] == [0.25, 0.5, 0.75, 1.0, 1.25]
     assert {(r.input_tokens, r.output_tokens) for r in reqs} == {(100, 7)}
 
 
 def test_duration_stops_at_the_first_arrival_past_it() -> None:
     reqs = list(generate(parse_spec("synthetic:rate=10,duration=2,arrival=constant")))
-    assert len(reqs) == 20 and reqs[-1].arrival_s == pytest.approx(1.9)  # 0.0 … 1.9
+    assert len(reqs) == 19 and reqs[-1].arrival_s == pytest.approx(1.9)  # 0.1 … 1.9 (2.0 is past it)
+    capped = list(generate(parse_spec("synthetic:rate=10,n=50,duration=2,arrival=constant")))
+    # n rescales nothing at constant gaps
+    assert [r.arrival_s for r in capped] == pytest.approx([r.arrival_s for r in reqs], rel=1e-12)
 
 
 def test_synthetic_is_deterministic_for_a_seed_and_differs_across_seeds() -> None:
@@ -119,14 +123,37 @@ def test_max_requests_caps_and_indexes_from_zero() -> None:
 
 def test_fixed_rate_retimes_in_order_and_keeps_lengths() -> None:
     out = list(schedule(trace(None, None, None), ScheduleOptions(rate=2, arrival="constant")))
-    assert [(s.send_at_s, s.input_tokens) for s in out] == [(0.0, 10), (0.5, 11), (1.0, 12)]
+    assert [(s.send_at_s, s.input_tokens) for s in out] == [(0.5, 10), (1.0, 11), (1.5, 12)]
 
 
 def test_fixed_poisson_rate_is_seeded() -> None:
     reqs = trace(*[None] * 50)
     a = send_times(reqs, rate=10, seed=1)
     assert a == send_times(reqs, rate=10, seed=1) != send_times(reqs, rate=10, seed=2)
-    assert a[0] == 0.0 and all(y >= x for x, y in itertools.pairwise(a))
+    assert a[0] > 0.0 and all(y >= x for x, y in itertools.pairwise(a))
+
+
+@pytest.mark.parametrize("arrival", ["poisson", "gamma"])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_fixed_rate_spans_exactly_n_over_the_rate_whatever_the_seed(arrival: str, seed: int) -> None:
+    """vLLM's get_request rescales the N gaps so that the last request goes at exactly N / R: otherwise the
+    span, and every throughput over it, strays by the seed (30 requests at 100 req/s: 0.22–0.32 s)."""
+    reqs = trace(*[None] * 30)
+    a = send_times(reqs, rate=100, seed=seed, arrival=arrival, burstiness=0.5 if arrival == "gamma" else 1.0)
+    assert a[-1] == pytest.approx(30 / 100, rel=1e-12) and a[0] > 0.0
+    windowed = send_times(
+        trace(*[float(i) for i in range(40)]), rate=100, seed=seed, start_s=5, max_requests=30
+    )
+    assert windowed[-1] == pytest.approx(30 / 100, rel=1e-12) and len(windowed) == 30
+
+
+def test_synthetic_n_spans_exactly_n_over_the_rate() -> None:
+    for seed in range(4):
+        t = [
+            r.arrival_s
+            for r in generate(parse_spec("synthetic:rate=50,n=20,arrival=gamma,burstiness=0.5"), seed)
+        ]
+        assert t[-1] == pytest.approx(20 / 50, rel=1e-12) and 0 < t[0] < t[-1]
 
 
 @pytest.mark.parametrize(

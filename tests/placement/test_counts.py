@@ -81,6 +81,18 @@ def _nodes(cap: Any = None, **node: Any) -> dict[str, Any]:
             id="offers min a string",
         ),
         pytest.param(
+            lambda: load_gpu_offers({None: {}, "A10G": {}}),
+            PlacementError,
+            "--gpus: GPU name None is not a name; quote it",
+            id="a `~:` key (YAML's null) → one error (was a traceback rendering the plan)",
+        ),
+        pytest.param(
+            lambda: load_gpu_offers({True: {}}),
+            PlacementError,
+            "--gpus: GPU name True is not a name; quote it",
+            id="a YAML 1.1 `yes:` key",
+        ),
+        pytest.param(
             lambda: melange_from_dict(_melange(max_count=float("inf")), "m.json"),
             MelangeFormatError,
             "m.json: gpu_info.A10G.max_count must be a whole number ≥ 0, got inf",
@@ -136,6 +148,13 @@ def test_each_reader_refuses_a_bad_count_with_one_error(
 
 def test_each_reader_accepts_a_whole_float() -> None:
     assert load_gpu_offers({"A10G": {"min": 1.0, "max": 2.0}})["A10G"].max_gpus == 2
+
+
+def test_a_gpu_name_yaml_reads_as_a_number_is_that_name() -> None:
+    """`4090: {cost_per_hour: 0.4}`: YAML reads the key as the integer 4090; the plan's table then failed to
+    render it (a rich traceback) and a node of GPU 4090 never matched it."""
+    offers = load_gpu_offers({4090: {"cost_per_hour": 0.4}})
+    assert list(offers) == ["4090"] and offers["4090"].cost_per_hour == 0.4
     offer = melange_from_dict({**_melange(max_count=3.0), "slice_factor": 2.0}).problem.gpus["A10G"]
     assert offer.max_gpus == 3
     nodes, cap, _ = nodes_from_dict(_nodes(4.0, gpus=8.0, used=2.0))
