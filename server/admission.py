@@ -279,6 +279,9 @@ class AdmissionQueue(Generic[D]):
         head = [w for w in list(q)[: policy.max_head] if w.req is not None and not w.has_result]
         if not head:
             return
+        # the oldest waiter's aging hold, as in per-request mode: the plan's age weight cannot help a request
+        # that never fits, since every tick plans the freed pages into smaller ones (it starved to its 429)
+        policy.before_attempt(head[0].req, self._clock() - head[0].since)
         reqs = [w.req for w in head]
         decided = await policy.plan(model, reqs)
         admitted = False

@@ -609,8 +609,8 @@ class Dispatcher:
         # breaker's whole count here kept it in rotation forever; the first byte excuses only the failures that
         # said it was unreachable, and the stream's end tells the rest (`StreamSession._close`)
         self.registry.report_first_byte(decode.id)
-        lease.answered()
-        lease.first_token()
+        lease.answered()  # prefill is over at the first token (`StreamSession._first_token`), not here: a
+        # Responses stream's `response.created` comes before the engine has run
         return self._stream(resp, chunks, first, parsed, rec, lease)
 
     def _progress_mark(self, worker_id: str) -> tuple[float, float] | None:

@@ -151,11 +151,14 @@ class StreamSession:
         return out
 
     def _first_token(self, now: float) -> None:
-        """TTFT as the client sees it: the first relayed piece with a token event."""
+        """TTFT as the client sees it: the first relayed piece with a token event. Prefill is over then: the
+        prompt leaves the worker's backlog and KV reservations drop their transient prefill pages (at the
+        first event, a Responses stream's `response.created`, they dropped them before prefill ran)."""
         d, rec = self.d, self.rec
         d.child(d.metrics.ttft, rec.model, rec.pool).observe(now - rec.arrival)
         self._first_at = self._last_token = now
         self._ttft_pending = self.relay.watch_roles = False
+        self.lease.first_token()
 
     def _first_token_unless_error(self, now: float) -> None:
         """The first piece with an event after a role-only opening: TTFT, unless that event is the worker's

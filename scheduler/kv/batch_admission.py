@@ -7,7 +7,8 @@ Each tick the gateway may take the first n waiting requests (tens) and the worke
                Σ_i need_iw · x_iw ≤ free_w           KV pages (ledger units of w: `KvLedger.free`)
                Σ_i x_iw ≤ slots_w                     sequences: max_num_seqs − demand
     v_iw = floor(W · weight_i − λ · ttft_iw / ttft_ref)   (pairs with need_iw > free_w are left out, but one
-    the ledger admits alone on an empty worker, past its watermark, is planned with need_iw = free_w)
+    the ledger admits alone on an empty worker, past its watermark, is planned with need_iw = free_w; free_w
+    excludes every aging hold, and a request's own hold on w counts for it: need_iw is its peak less that)
     weight_i = (1 + priority_i) · (1 + age_i / aging_s)                  age = now − arrival (aging)
     ttft_iw  = overhead_w + (queued prefill tokens_w + P_i) / prefill_tps_w   (the est-ttft scorer's estimate)
 
@@ -110,7 +111,8 @@ def build_instance(
     p: AdmissionParams,
 ) -> Instance:
     head = list(queue[: p.max_head])
-    free = tuple(max(0, ledger.free(w)) for w in workers)
+    shared = [ledger.free(w) for w in workers]  # every hold set aside (no holder may plan into another's)
+    free = tuple(max(0, f) for f in shared)
     slots = tuple(max(0, w.capacity.max_num_seqs - w.demand) for w in workers)
     value: dict[tuple[int, int], float] = {}
     need: dict[tuple[int, int], int] = {}
@@ -125,9 +127,11 @@ def build_instance(
                 continue  # a pinned request (a Responses continuation) runs on its own worker, an adapter's
                 # on a worker serving it
             fp, _ = ledger.footprint(r, w)
-            if fp.peak <= free[j]:
-                units = fp.peak
-            elif (lone := ledger.lone_room(w)) is not None and fp.peak <= lone:
+            room = ledger.free(w, r.holder)  # its own aging hold included
+            own = max(0, room - shared[j])  # the pages held for it: only the rest comes from the shared free
+            if fp.peak <= room:
+                units = max(0, min(free[j], fp.peak - own))
+            elif (lone := ledger.lone_room(w, r.holder)) is not None and fp.peak <= lone:
                 # past the free pages, but an empty engine of the worker admits it alone (the watermark is a
                 # margin for many requests): in the plan it takes all of that worker
                 units = free[j]

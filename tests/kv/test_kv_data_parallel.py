@@ -144,6 +144,24 @@ def test_engine_books_leave_with_the_worker_and_when_it_restarts_without_engines
     assert ledger.free(single) == 35
 
 
+def test_a_single_book_goes_once_the_worker_turns_out_data_parallel() -> None:
+    """Booked as one engine before its first scrape (no engines known), then scraped as two: the single book
+    was kept for good beside the engines' (total_units 400 for a 200-block server)."""
+    ledger = exact()
+    before = worker("w0", blocks=200)
+    r = ledger.reserve(r65("a"), before, 0.0)
+    assert r is not None and r.book_id == "w0" and r.engine is None
+    w = dp_worker(100, 100)
+    assert ledger.reserve(r65("b"), w, 1.0) is not None  # now booked per engine
+    assert ledger.snapshot()["w0"]["total_units"] == 200 + 200  # the old book lives while "a" runs there
+    r.release(Outcome.COMPLETED)
+    for res in ledger.active("w0"):
+        res.release(Outcome.COMPLETED)
+    ledger.reconcile(FleetView((w,)), 5.0)
+    assert ledger.snapshot()["w0"]["total_units"] == 200
+    assert ledger.free(w) == 100
+
+
 def test_a_listed_dp_worker_keeps_its_engine_books_through_reconciles() -> None:
     ledger = exact(reconcile_tolerance=0.0)
     w = dp_worker(100, 100, usage=(0.65, 0.0))
