@@ -95,6 +95,13 @@ class PoolConfig(_Strict):
     )  # per instance; default: catalog $/GPU-h · tp · dp
     domain: str | None = None
 
+    @field_validator("name")
+    @classmethod
+    def _not_the_time_key(cls, name: str) -> str:
+        if name == "t":  # a sample is {"t": time, <pool>: count}: this pool's count overwrote the time
+            raise ValueError("pool name 't' is reserved: it is the time key of the report's replicas series")
+        return name
+
     @model_validator(mode="after")
     def _bounds(self) -> PoolConfig:
         if not self.min_replicas <= self.max_replicas:
@@ -113,8 +120,10 @@ class FleetConfig(_Strict):
     cold_start_s: float = Field(default=120.0, ge=0)
     decision_interval_s: float = Field(default=15.0, ge=1e-3)  # ≥ 1 ms: t + interval must move the clock
     scrape_interval_s: float = Field(default=1.0, ge=1e-3)
-    kv_link_gbps: float = Field(default=25.0, gt=0)
-    kv_link_cross_domain_gbps: float | None = Field(default=None, gt=0)
+    # ≥ 1 MB/s: below it a prompt's KV takes days to cross, and the run's scrapes and decisions tick on until
+    # it lands (1e-300 GB/s ran for ever without a word)
+    kv_link_gbps: float = Field(default=25.0, ge=1e-3)
+    kv_link_cross_domain_gbps: float | None = Field(default=None, ge=1e-3)
     nodes: dict[str, Any] | None = None  # node inventory (a path is read by `parse_fleet`)
     admission_queue_size: int = Field(default=100_000, ge=0)
     admission_deadline_s: float = Field(default=600.0, gt=0)

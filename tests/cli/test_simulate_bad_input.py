@@ -272,6 +272,23 @@ def test_an_interval_too_small_to_move_the_clock_is_refused(tmp_path: Path, fiel
     assert code == 2 and len(lines) == 1 and field in lines[0] and "0.001" in lines[0], lines
 
 
+@pytest.mark.parametrize("field", ["kv_link_gbps", "kv_link_cross_domain_gbps"])
+def test_a_kv_link_too_slow_to_ever_deliver_is_refused(tmp_path: Path, field: str) -> None:
+    """1e-300 GB/s: a prompt's KV took ~1e300 s to cross while scrapes and decisions ticked on (the run never
+    ended, without a word). At least 1 MB/s."""
+    pools = "  - {name: p, gpu: H100, role: prefill, replicas: 1}\n  - {name: d, gpu: A100-80GB, role: decode, replicas: 1}\n"
+    fleet, lines = refused_fleet(tmp_path, f"{field}: 1.0e-300\npools:\n{pools}")
+    assert lines == [f"error: {fleet}: {field}: Input should be greater than or equal to 0.001"]
+
+
+def test_a_pool_named_like_the_time_key_is_refused(tmp_path: Path) -> None:
+    """A pool named `t` overwrote each replicas sample's time with its count, and was left out of the plot."""
+    fleet, lines = refused_fleet(tmp_path, "pools:\n  - {name: t, gpu: L4, replicas: 1}\n")
+    assert lines == [
+        f"error: {fleet}: pools.0.name: pool name 't' is reserved: it is the time key of the report's replicas series"
+    ]
+
+
 def test_a_plot_folder_that_cannot_be_written_fails_before_the_run(tmp_path: Path) -> None:
     """Checked by writing into it: before, /proc passed the check (as root) and the run failed at its end
     with the report already written."""
