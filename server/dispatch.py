@@ -84,6 +84,7 @@ from server.h1_response import AnswerTooLarge, H1Response, read_at_most
 from server.metrics import GatewayMetrics
 from server.prefill_hop import (
     MAX_ANSWER_BYTES,
+    PREFILL_BUILT_NOTHING,
     REQUEST_FAULTS,
     WARN_EVERY_S,
     WARNED,
@@ -713,8 +714,10 @@ class Dispatcher:
         self, parsed: ParsedRequest, lease: Lease, worker_id: str, reason: Fallback, status: int = 200
     ) -> None:
         """Count a decode-only fallback (the hop then returns None); a misconfigured prefill pool (`WARNED`)
-        is a bounded WARNING."""
+        is a bounded WARNING. A hop that built nothing on the prefill worker says so to its routing plugins
+        at the end (else prefix affinity kept sending the prompt's next requests to the worker that failed)."""
         self.child(self.metrics.pd_fallbacks, parsed.model, reason.value).inc()
+        lease.prefill_outcome = PREFILL_BUILT_NOTHING.get(reason)
         rid = lease.req.request_id
         held = self._pd_warnings.due((worker_id, reason)) if reason in WARNED else None
         if held is None:

@@ -129,6 +129,7 @@ class Lease:
         "_tickets",
         "clock",
         "decision",
+        "prefill_outcome",
         "registry",
         "req",
     )
@@ -151,6 +152,9 @@ class Lease:
         self._per_event = 1.0  # tokens per stream event on the decode worker, read at the first `on_tokens`
         self._tickets: list[InflightTicket] = []
         self._released: Outcome | None = None
+        # the prefill worker's own outcome for the routing plugins when its hop fell back having built nothing
+        # there (`prefill_hop.PREFILL_BUILT_NOTHING`); None: the request's
+        self.prefill_outcome: Outcome | None = None
         # reservations on the worker that streams (decode side) with an `on_tokens(generated, now)` hook;
         # found on the first `on_tokens` (only streams call it)
         self._growable: list[Any] | None = None
@@ -221,7 +225,7 @@ class Lease:
             decision, router = self.decision, self._router
             router.on_complete(decision.decode.id, self.req, outcome, now)
             if decision.prefill is not None:
-                router.on_complete(decision.prefill.id, self.req, outcome, now)
+                router.on_complete(decision.prefill.id, self.req, self.prefill_outcome or outcome, now)
             self._notify(self.req.model)
         return True
 

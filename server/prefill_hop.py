@@ -36,10 +36,12 @@ again, and JSON nested near the parser's limit fails there) and `MAX_KV_VALUES` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+from scheduler.routing.reasons import Outcome
 
 # A prefill worker's statuses that judge the request (or a pool set up apart): see the module docstring.
 REQUEST_FAULTS = frozenset({400, 422})
@@ -79,6 +81,17 @@ class Fallback(StrEnum):
             return cls.BUSY
         return cls.WORKER_ERROR if status >= 500 else cls.REFUSED
 
+
+# What a decode-only fallback tells the prefill worker's stateful routing plugins (prefix affinity) when the
+# request ends: a hop the worker refused, or that failed before it ran, built no KV there (the affinity its
+# dispatch recorded is taken back); one that timed out or answered may have (the request's own outcome).
+PREFILL_BUILT_NOTHING: Mapping[Fallback, Outcome] = {
+    Fallback.REFUSED: Outcome.WORKER_REJECTED,
+    Fallback.BUSY: Outcome.WORKER_REJECTED,
+    Fallback.WORKER_ERROR: Outcome.FAILED_BEFORE_FIRST_BYTE,
+    Fallback.POOL_TIMEOUT: Outcome.FAILED_BEFORE_FIRST_BYTE,
+    Fallback.REMOVED: Outcome.FAILED_BEFORE_FIRST_BYTE,
+}
 
 # Misconfigurations a healthy prefill worker shows: logged as a WARNING (bounded), the rest at INFO.
 WARNED = frozenset({Fallback.REFUSED, Fallback.NO_PARAMS})

@@ -789,8 +789,10 @@ class KvLedger:
         if dp is not None and tuple(v.id for v in dp.views) != tuple(v.id for v in views):
             for gone in {v.id for v in dp.views} - {v.id for v in views}:  # fewer engines now
                 self._forget_book(gone)
-        if dp is None:  # a server first booked as one engine (before its first scrape) or restarted with DP:
-            self._forget_book(worker.id)  # its single book goes once its reservations end (else kept for good)
+        if dp is None:
+            # a server first booked as one engine (before its first scrape), or restarted with DP: its single
+            # book goes once its reservations end (it was kept for good)
+            self._forget_book(worker.id)
         self._dp[worker.id] = _DataParallel(worker, views, tuple(e.rank for e in worker.engines))
         return views
 

@@ -38,9 +38,21 @@ class MaxScorePicker:
         if len(scored) == 1:  # the gateway's common case with one candidate left: same draw, no sort
             cycle.rng.random()
             return [scored[0].worker]
-        keyed = [(round(s.total / _TIE), cycle.rng.random(), i) for i, s in enumerate(scored)]
-        keyed.sort(key=lambda k: (-k[0], k[1]))
-        return [scored[i].worker for _, _, i in keyed]
+        draws = [cycle.rng.random() for _ in scored]
+        order = sorted(range(len(scored)), key=lambda i: -scored[i].total)
+        # Ties: totals within _TIE of their group's best, whatever their digits (rounding to multiples of
+        # _TIE split two totals 2e-10 apart across a boundary), each group ordered by its draws.
+        out: list[WorkerView] = []
+        group = [order[0]]
+        for i in order[1:]:
+            if scored[group[0]].total - scored[i].total > _TIE:
+                group.sort(key=draws.__getitem__)
+                out.extend(scored[j].worker for j in group)
+                group = []
+            group.append(i)
+        group.sort(key=draws.__getitem__)
+        out.extend(scored[j].worker for j in group)
+        return out
 
 
 class RoundRobinPicker:

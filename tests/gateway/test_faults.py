@@ -367,12 +367,12 @@ def test_a_multi_sequence_request_skips_the_prefill_hop() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "reason"),
+    ("mode", "reason", "built"),
     [
-        ("refuse", "worker_error"),
-        ("no_kv_params", "no_params"),
-        ("status", "worker_error"),
-        ("stall", "timeout"),
+        ("refuse", "worker_error", False),
+        ("no_kv_params", "no_params", True),
+        ("status", "worker_error", False),
+        ("stall", "timeout", True),
     ],
     ids=[
         "prefill worker dead",
@@ -381,7 +381,10 @@ def test_a_multi_sequence_request_skips_the_prefill_hop() -> None:
         "prefill stalls past half the first-token budget",
     ],
 )
-def test_pd_falls_back_to_decode_only(mode: str, reason: str) -> None:
+def test_pd_falls_back_to_decode_only(mode: str, reason: str, built: bool) -> None:
+    """Decode-only in the same attempt; and the prefill worker keeps the prompt's prefix affinity only if it
+    may have built the KV (it answered, or timed out while running it): a hop it refused or failed before
+    running built nothing there, and the prompt's next requests were steered back to it every time."""
     p, d = FakeWorker("p"), FakeWorker("d")
     cfg = config(
         pool("prefill", "H100", "prefill", p),
@@ -397,6 +400,9 @@ def test_pd_falls_back_to_decode_only(mode: str, reason: str) -> None:
             assert len(d.seen) == 1 and "kv_transfer_params" not in d.seen[0]
             assert metric(gw, "mosaic_pd_fallbacks_total", model="llama-3-8b", reason=reason) == 1
             assert gw.dispatcher.outcomes == {"completed": 1}
+            (affinity,) = [s.scorer for s in gw.router.handler.prefill.scorers if s.name == "prefix-affinity"]
+            assert (affinity.index.size("prefill/p:8000") > 0) is built
+            assert affinity.index.size("decode/d:8000") > 0  # the decode worker prefilled it
 
     run(body)
 

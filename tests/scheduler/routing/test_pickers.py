@@ -34,6 +34,18 @@ def test_max_score_breaks_ties_with_the_rng_and_replays_with_the_same_seed():
     assert runs[0][-1] == "d"
 
 
+def test_max_score_ties_totals_within_1e_9_whatever_their_digits():
+    """Rounding to multiples of 1e-9 split 5.0000000004 and 5.0000000006 (2e-10 apart) into two buckets: b won
+    every time. Totals within 1e-9 of the best tie; 2e-9 apart do not."""
+    for a_total, b_total in ((5.0000000004, 5.0000000006), (5.0000000001, 5.0000000009), (5.0, 5.0000000002)):
+        firsts = {
+            ids(MaxScorePicker().pick(cycle(seed), scored(a=a_total, b=b_total)))[0] for seed in range(40)
+        }
+        assert firsts == {"a", "b"}, (a_total, b_total)
+    apart = {ids(MaxScorePicker().pick(cycle(seed), scored(a=5.0, b=5.000000002)))[0] for seed in range(40)}
+    assert apart == {"b"}
+
+
 def test_round_robin_rotates_over_ids_and_skips_missing_ones():
     rr = RoundRobinPicker()
     picks = [ids(rr.pick(cycle(), scored(a=0, b=0, c=0)))[0] for _ in range(4)]
