@@ -218,20 +218,29 @@ class SseRelay:
         "_buf",
         "_cr_held",
         "_crlf",
+        "_fingerprint",
         "_finish",
         "aborted",
         "done",
         "error",
         "finished",
         "role_only_relayed",
+        "seen_fingerprint",
         "strip_usage",
         "usage",
         "usage_only_relayed",
         "watch_roles",
     )
 
-    def __init__(self, strip_usage: bool) -> None:
+    def __init__(self, strip_usage: bool, fingerprint: bytes | None = None) -> None:
         self.strip_usage = strip_usage
+        # Asked for usage, vLLM names itself (`system_fingerprint`) on the usage-only event instead of the last
+        # choice events, where it names itself for a client that asked for no usage: with the usage injected
+        # and stripped, those events get `fingerprint` (the worker's, JSON-encoded, learned from an earlier
+        # stream's dropped usage event: `seen_fingerprint`). Grafting this stream's own would mean holding its
+        # last token until the usage event (vLLM sends each event as its own HTTP chunk).
+        self._fingerprint = fingerprint if strip_usage else None
+        self.seen_fingerprint: bytes | None = None
         self.usage: dict[str, Any] | None = None
         self.usage_only_relayed = 0
         self.role_only_relayed = 0
@@ -294,6 +303,8 @@ class SseRelay:
             self._note_error(chunk)
         if self.watch_roles:
             self._note_roles(chunk)
+        if self._fingerprint is not None and chunk.find(self._finish) >= 0:
+            chunk = self._with_fingerprint(chunk, self._fingerprint)
         if chunk.find(b'"usage"') < 0:
             return chunk  # the fast path: nothing to look at
         return self._filter(chunk)
@@ -354,6 +365,17 @@ class SseRelay:
         kept.append(chunk[kept_from:])
         return b"".join(kept)
 
+    def _with_fingerprint(self, chunk: bytes, fingerprint: bytes) -> bytes:
+        """`chunk` with `"system_fingerprint"` on each event that ends a choice without one (a set
+        finish_reason; inserted before the event object's closing brace)."""
+        events = chunk.split(b"\n\n")
+        for i, event in enumerate(events):
+            if event.find(self._finish) >= 0 and event.find(b'"system_fingerprint"') < 0:
+                close = event.rfind(b"}")
+                if close > 0:
+                    events[i] = event[:close] + b',"system_fingerprint":' + fingerprint + event[close:]
+        return b"\n\n".join(events)
+
     def _note_error(self, chunk: bytes) -> None:
         for event in chunk.split(b"\n\n"):
             if event.startswith(b"data:"):
@@ -392,6 +414,9 @@ class SseRelay:
                 if payload.get("choices"):
                     return False
                 if self.strip_usage:
+                    fingerprint = payload.get("system_fingerprint")
+                    if isinstance(fingerprint, str):
+                        self.seen_fingerprint = json.dumps(fingerprint).encode()
                     return True
                 self.usage_only_relayed += 1
         return False

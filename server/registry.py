@@ -102,6 +102,9 @@ class WorkerRecord:
     healthy_since: float | None = None
     health_failures: int = 0
     last_error: str | None = None
+    # its server's `system_fingerprint` (JSON-encoded), learned from the usage event the relay drops: vLLM puts
+    # it there rather than on the last choice events once usage is asked for (`SseRelay`)
+    system_fingerprint: bytes | None = None
     stats: WorkerStats | None = None
     stats_at: float | None = None
     prompt_tokens_per_s: float | None = None

@@ -132,7 +132,8 @@ class StreamSession:
 
     def _new_relay(self, parsed: ParsedRequest) -> SseRelay:
         """The stream's framing (chat and completions: `SseRelay`); a subclass relays another API's."""
-        return SseRelay(strip_usage=not parsed.client_wants_usage)
+        rec = self.d.registry.get(self.lease.decision.decode.id)
+        return SseRelay(not parsed.client_wants_usage, rec.system_fingerprint if rec is not None else None)
 
     # ------------------------------------------------------------------ steps shared by both ways
     def _begin(self) -> bytes:
@@ -233,6 +234,9 @@ class StreamSession:
         one early) is ended as a failed stream is: an error event (unless the worker sent one) and `[DONE]`,
         the incomplete event it was in the middle of dropped — the client is never left without `[DONE]`."""
         tail = self.relay.flush()
+        seen = getattr(self.relay, "seen_fingerprint", None)  # (a Responses relay learns none)
+        if seen is not None and (rec := self.d.registry.get(self.lease.decision.decode.id)) is not None:
+            rec.system_fingerprint = seen  # the next streams from this worker carry it
         if not self.relay.done:
             return self._cut_tail()
         n = usage_count((self.relay.usage or {}).get("completion_tokens"))

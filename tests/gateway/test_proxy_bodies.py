@@ -115,6 +115,40 @@ def test_relay_strips_injected_usage_only_when_not_asked(strip: bool) -> None:
     assert relay.usage == USAGE["usage"]
 
 
+FP = "vllm-0.32.0-3d1d254b"
+LAST = {"choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "length"}]}
+
+
+def _compact(*payloads: object) -> bytes:
+    """Events as vLLM writes them (compact JSON: the relay reads a set finish_reason as `"finish_reason":"`)."""
+    return b"".join(
+        b"data: " + (p if isinstance(p, bytes) else json.dumps(p, separators=(",", ":")).encode()) + b"\n\n"
+        for p in payloads
+    )
+
+
+def test_the_last_choice_events_carry_the_fingerprint_the_dropped_usage_event_had() -> None:
+    """Asked for usage, vLLM 0.32 names itself on the usage-only event, not on the last choice events where
+    it names itself for a client that asked for none: with the usage injected and dropped, every stream
+    reached the client 44 bytes short of vLLM's. The relay learns the worker's fingerprint from a dropped
+    usage event and puts it on the last choice events of the streams after (both of n = 2)."""
+    second = {"choices": [{**LAST["choices"][0], "index": 1}]}
+    upstream = [
+        _compact(CHUNK),
+        _compact(LAST),
+        _compact(second),
+        _compact({**USAGE, "system_fingerprint": FP}),
+    ]
+    first = SseRelay(strip_usage=True)
+    assert b"".join(first.feed(c) for c in upstream) == _compact(CHUNK, LAST, second)  # not known yet
+    assert first.seen_fingerprint == json.dumps(FP).encode()
+    later = SseRelay(strip_usage=True, fingerprint=first.seen_fingerprint)
+    named = [{**e, "system_fingerprint": FP} for e in (LAST, second)]
+    assert b"".join(later.feed(c) for c in upstream) == _compact(CHUNK, *named)
+    asked = SseRelay(strip_usage=False, fingerprint=first.seen_fingerprint)  # vLLM names itself on its usage
+    assert b"".join(asked.feed(c) for c in upstream) == b"".join(upstream)
+
+
 def test_relay_passes_chunks_through_untouched() -> None:
     relay = SseRelay(strip_usage=True)
     raw = b'data: {"choices":[{"delta":{"content":"a\\n\\nb"}}]}\n\n'  # escaped newlines stay inside JSON

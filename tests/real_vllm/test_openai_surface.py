@@ -84,6 +84,21 @@ def test_chat_stream_usage_only_when_asked(target: Target, include_usage: bool) 
     assert finishes == ["length"]
 
 
+def test_a_stream_names_its_server_on_its_last_chunk(target: Target) -> None:
+    """vLLM puts `system_fingerprint` on the last choice chunk of a stream that asked for no usage; through
+    Mosaic (which asks for usage upstream, where vLLM puts it on the usage chunk it then drops) the gateway
+    puts the worker's on that chunk once it has learned it (the worker's first stream through it)."""
+    with target.openai() as client:
+        for _ in range(2):
+            stream = client.chat.completions.create(
+                model=target.model, messages=CHAT, max_tokens=3, temperature=0, stream=True, extra_body=EXACT
+            )
+            chunks = list(stream)
+    named = [c for c in chunks if c.system_fingerprint]
+    assert len(named) == 1 and named[0].system_fingerprint.startswith("vllm-")
+    assert named[0] is chunks[-1] and chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_completion_stream_with_usage(target: Target) -> None:
     with target.openai() as client:
         stream = client.completions.create(
