@@ -234,7 +234,7 @@ class StreamSession:
         one early) is ended as a failed stream is: an error event (unless the worker sent one) and `[DONE]`,
         the incomplete event it was in the middle of dropped — the client is never left without `[DONE]`."""
         tail = self.relay.flush()
-        seen = getattr(self.relay, "seen_fingerprint", None)  # (a Responses relay learns none)
+        seen = self.relay.seen_fingerprint
         if seen is not None and (rec := self.d.registry.get(self.lease.decision.decode.id)) is not None:
             rec.system_fingerprint = seen  # the next streams from this worker carry it
         if not self.relay.done:

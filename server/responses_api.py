@@ -129,6 +129,7 @@ class ResponsesRelay:
         "on_usage",
         "response_id",
         "role_only_relayed",
+        "seen_fingerprint",
         "status",
         "strip_usage",
         "tokens",
@@ -158,6 +159,7 @@ class ResponsesRelay:
         self.role_only_relayed = 0
         self.watch_roles = False
         self.strip_usage = False  # usage is part of the terminal event: never stripped
+        self.seen_fingerprint: bytes | None = None  # a Responses stream names no `system_fingerprint`
         self._buf = b""
         self._cr_held = False
 

@@ -1009,9 +1009,16 @@ Choice = tuple[str, str, dict[str, Any] | None]  # text, finish reason, `logprob
 
 
 def completion_body(
-    rid: str, model: str, created: int, choices: list[Choice], prompt: int, completion: int, kvp: Any
+    rid: str,
+    model: str,
+    created: int,
+    choices: list[Choice],
+    prompt: int,
+    completion: int,
+    kvp: Any,
+    fingerprint: str | None,
 ) -> dict[str, Any]:
-    """`choices`: one per sequence, in index order."""
+    """`choices`: one per sequence, in index order; `fingerprint`: the server's `system_fingerprint`."""
     return {
         "id": rid,
         "object": "text_completion",
@@ -1022,16 +1029,23 @@ def completion_body(
              "prompt_logprobs": None}
             for i, (text, finish, lp) in enumerate(choices)
         ],
+        "system_fingerprint": fingerprint,
         "usage": usage(prompt, completion),
-        "system_fingerprint": None,
         "kv_transfer_params": kvp,
     }  # fmt: skip
 
 
 def chat_body(
-    rid: str, model: str, created: int, choices: list[Choice], prompt: int, completion: int, kvp: Any
+    rid: str,
+    model: str,
+    created: int,
+    choices: list[Choice],
+    prompt: int,
+    completion: int,
+    kvp: Any,
+    fingerprint: str | None,
 ) -> dict[str, Any]:
-    """`choices`: one per sequence, in index order."""
+    """`choices`: one per sequence, in index order; `fingerprint`: the server's `system_fingerprint`."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -1055,6 +1069,7 @@ def chat_body(
             }
             for i, (text, finish, lp) in enumerate(choices)
         ],
+        "system_fingerprint": fingerprint,
         "usage": usage(prompt, completion),
         "prompt_logprobs": None,
         "kv_transfer_params": kvp,
@@ -1075,12 +1090,29 @@ def _continuous_usage(so_far: tuple[int, int] | None, chat: bool = False) -> str
 
 
 class ChunkWriter:
-    """Server-sent-event lines of one stream: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`."""
+    """Server-sent-event lines of one stream: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`.
 
-    __slots__ = ("_head", "_tail", "chat", "created", "model", "rid")
+    `fingerprint` (the server's `system_fingerprint`) goes where vLLM 0.32 puts it: on the usage event when
+    the client asked for usage (`include_usage`), else on each choice's last event (its finish_reason's)."""
 
-    def __init__(self, rid: str, model: str, chat: bool) -> None:
+    __slots__ = (
+        "_fingerprint_on_finish",
+        "_fingerprint_on_usage",
+        "_head",
+        "_tail",
+        "chat",
+        "created",
+        "model",
+        "rid",
+    )
+
+    def __init__(
+        self, rid: str, model: str, chat: bool, fingerprint: str | None, include_usage: bool
+    ) -> None:
         self.rid, self.model, self.chat = rid, model, chat
+        named = "" if fingerprint is None else f',"system_fingerprint":{json.dumps(fingerprint)}'
+        self._fingerprint_on_usage = named if include_usage else ""
+        self._fingerprint_on_finish = "" if include_usage else named
         self.created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         # The constant head of every chunk, serialised once: a stream writes one chunk per token.
@@ -1115,12 +1147,16 @@ class ChunkWriter:
             )
         else:
             choice = f'{{"index":{index},"text":{t},"logprobs":{lp},"finish_reason":{fr},"stop_reason":null}}'
-        return f'{self._head}"choices":[{choice}]{_continuous_usage(usage_so_far, self.chat)}{self._tail}'
+        named = "" if finish is None else self._fingerprint_on_finish
+        return (
+            f'{self._head}"choices":[{choice}]{_continuous_usage(usage_so_far, self.chat)}{named}{self._tail}'
+        )
 
     def usage(self, prompt: int, completion: int) -> str:
         u = usage(prompt, completion)
         del u["prompt_tokens_details"]  # vLLM's usage event (chat and completions) omits it
-        return f'{self._head}"choices":[],"usage":{json.dumps(u, separators=(",", ":"))}{self._tail}'
+        u_json = json.dumps(u, separators=(",", ":"))
+        return f'{self._head}"choices":[],"usage":{u_json}{self._fingerprint_on_usage}{self._tail}'
 
     @staticmethod
     def error(err: ApiError) -> str:

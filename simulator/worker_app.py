@@ -65,6 +65,7 @@ from placement.catalog import load_catalog
 from placement.perf_model import PerfModel
 from simulator.data_parallel import RANK_HEADER, DpBalancer, EngineLoad, requested_rank
 from simulator.engine import Engine, EngineConfig
+from simulator.fingerprint import VLLM_VERSION, system_fingerprint
 from simulator.lora import (
     LoadLoraAdapterRequest,
     LoraModule,
@@ -240,6 +241,10 @@ class WorkerRuntime:
             raise ValueError(tp_error)
         self.perf = PerfModel(catalog.gpu(cfg.gpu), model, tp=cfg.tp)
         self.served = cfg.served_model_name or self.perf.model.name
+        # vLLM's `system_fingerprint` on every completion (the whole answer, a stream's last events)
+        self.fingerprint = system_fingerprint(
+            self.perf.model.name, self.perf.gpu.name, cfg.tp, cfg.data_parallel_size, asdict(cfg.engine)
+        )
         check_lora_modules(cfg.lora_modules, self.served)  # vLLM refuses to start on these too
         # adapter name → module, in load order; runtime loads and unloads change it in place, so the request
         # parsers given it see the current adapters
@@ -336,7 +341,7 @@ class WorkerRuntime:
         eid, seqs, tickets, rank, driver = admitted
         faults = self.faults
         if api.stream and api.echo_only:  # vLLM streams an echo without generation as one event per sequence
-            writer = ChunkWriter(rid, api.model, api.chat)
+            writer = ChunkWriter(rid, api.model, api.chat, self.fingerprint, api.include_usage)
             return StreamingResponse(_echo_only_stream(api, writer, tickets), media_type="text/event-stream")
         if api.stream:
             cut = faults.midstream_error_rate and self.rng.random() < faults.midstream_error_rate
@@ -358,7 +363,7 @@ class WorkerRuntime:
         build = chat_body if chat else completion_body
         kvp = self._kv_response(recs[0], rank) if len(recs) == 1 else None
         out = build(rid, api.model, int(time.time()), choices, sum(map(len, api.prompts)),
-                    sum(rec.output_tokens for rec in recs), kvp)  # fmt: skip
+                    sum(rec.output_tokens for rec in recs), kvp, self.fingerprint)  # fmt: skip
         return JSONResponse(out)
 
     async def _admit(
@@ -478,7 +483,7 @@ class WorkerRuntime:
         `rid`: the response id every chunk carries; `engine_id`: the request's engine id (default `rid`);
         `driver`: the engine's driver that runs it (default rank 0's). `cut`: a simulated failure halfway
         through."""
-        w = ChunkWriter(rid, api.model, api.chat)
+        w = ChunkWriter(rid, api.model, api.chat, self.fingerprint, api.include_usage)
         driver = driver or self.driver
         seed, cont, k = self.cfg.seed, api.continuous_usage, api.logprobs
         sent = [0] * len(tickets)
@@ -789,6 +794,9 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
     async def health(request: Request) -> Response:
         return Response(status_code=200 if rt.faults.healthy else 503)
 
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": VLLM_VERSION})
+
     async def metrics(request: Request) -> Response:
         rt.expire_held()
         return Response(rt.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -860,6 +868,8 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         ("/tokenize", tokenize, ["POST"], False),
         ("/detokenize", detokenize, ["POST"], False),
         ("/health", health, ["GET"], True),
+        ("/ping", health, ["GET", "POST"], False),  # vLLM's SageMaker health route: /health's answer
+        ("/version", version, ["GET"], True),
         ("/metrics", metrics, ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"], False),
         ("/sim/state", state, ["GET"], False),
         ("/sim/faults", faults, ["GET", "POST"], False),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections.abc
 import json
+import re
 from typing import Any
 
 import httpx
@@ -81,6 +82,36 @@ def test_streaming_chat_with_and_without_usage(client: openai.OpenAI, gw: Gatewa
     )
     # both streams' tokens were counted at the gateway: 6 + 6
     assert gw.metric_reaches("mosaic_generation_tokens_total", before + 12, model=MODEL) - before == 12
+
+
+def test_streams_name_their_worker_once_the_gateway_has_learned_its_fingerprint(
+    client: openai.OpenAI, gw: GatewayThread
+) -> None:
+    """The simulated workers name themselves as vLLM 0.32 does: on the usage event the gateway asks for and
+    drops. The relay learns each worker's fingerprint from it and puts it on the last chunk of that worker's
+    later streams, which a client that asked for no usage gets from vLLM direct (a worker's first stream
+    through the gateway goes without)."""
+    named_streams = 0
+    for _ in range(6):
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=_ask("Who are you?"),
+                max_tokens=3,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
+        named = [c for c in chunks if c.system_fingerprint]
+        assert named in ([], [chunks[-1]]) and chunks[-1].choices[0].finish_reason == "length"
+        named_streams += bool(named)
+        learned = {
+            json.loads(r.system_fingerprint) for r in gw.gateway.registry.records() if r.system_fingerprint
+        }
+        assert {c.system_fingerprint for c in named} <= learned
+        assert all(re.fullmatch(r"vllm-0\.32\.0-[0-9a-f]{8}", f) for f in learned)
+    # at most one unnamed stream per worker that serves short prompts (2 L4, 2 A100)
+    assert named_streams >= 6 - 4
 
 
 def test_pd_path_end_to_end(client: openai.OpenAI, gw: GatewayThread) -> None:

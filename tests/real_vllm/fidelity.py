@@ -24,7 +24,6 @@ KNOWN_BODY: Mapping[str, str] = {
     "chat .prompt_text: null vs absent": _NEWER,
     "chat .prompt_token_ids: null vs absent": _NEWER,
     "chat .service_tier: null vs absent": _NEWER,
-    "chat .system_fingerprint: str vs absent": "vLLM sends `vllm-<version>-<hash>`; the simulator omits it",
     "chat .usage.completion_tokens_details: null vs absent": _NEWER,
     "completion .choices[].prompt_token_ids: null vs absent": _NEWER,
     "completion .choices[].routed_experts: null vs absent": _NEWER,
@@ -32,7 +31,6 @@ KNOWN_BODY: Mapping[str, str] = {
     "completion .ec_transfer_params: null vs absent": _NEWER,
     "completion .metrics: null vs absent": _NEWER,
     "completion .service_tier: null vs absent": _NEWER,
-    "completion .system_fingerprint: str vs null": "vLLM sends `vllm-<version>-<hash>`; the simulator sends null",
     "completion .usage.completion_tokens_details: null vs absent": _NEWER,
 }
 
@@ -42,12 +40,10 @@ KNOWN_STREAM: Mapping[str, str] = {
     "chat-stream first .prompt_token_ids: null vs absent": _NEWER,
     "chat-stream content .choices[].token_ids: null vs absent": _NEWER,
     "chat-stream last .choices[].token_ids: null vs absent": _NEWER,
-    "chat-stream usage .system_fingerprint: str vs absent": "the simulator omits system_fingerprint",
     "completion-stream content .choices[].prompt_token_ids: null vs absent": _NEWER,
     "completion-stream content .choices[].token_ids: null vs absent": _NEWER,
     "completion-stream last .choices[].prompt_token_ids: null vs absent": _NEWER,
     "completion-stream last .choices[].token_ids: null vs absent": _NEWER,
-    "completion-stream last .system_fingerprint: str vs absent": "the simulator omits system_fingerprint",
 }
 
 # --- differences only the differential test's random requests reach (tests/real_vllm/test_differential.py):
@@ -91,8 +87,6 @@ KNOWN_DIFFERENTIAL: Mapping[str, str] = {
     "completion-stream content .choices[].prompt_token_ids[]: int vs absent": _ECHO,
     "completion-stream last .choices[].prompt_token_ids: list vs absent": _ECHO,
     "completion-stream last .choices[].prompt_token_ids[]: int vs absent": _ECHO,
-    "completion-stream usage .system_fingerprint: str vs absent": "the simulator omits system_fingerprint",
-    "chat-stream last .system_fingerprint: str vs absent": "the simulator omits system_fingerprint",
     "chat error: (400, 'BadRequestError', 'type') vs (400, 'BadRequestError', None)": _PARTS,
     "chat error: (400, 'BadRequestError', None) vs (400, 'BadRequestError', 'type')": _PARTS,
 }
