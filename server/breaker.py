@@ -13,6 +13,10 @@
   health check on probation counts as when closed (`failure_threshold` in a row re-open it, k raised): a
   gateway without traffic never ends its probation, and one slow `/health` had re-opened a worker serving
   fine for up to 8·open_s (its only worker: 503s for 40 s).
+- **ejection limit**: a request's failure that would open it while the gateway's `max_ejection_percent` of the
+  worker's peers are ejected already (`may_open` False) is counted and leaves it closed (`overflows`): a
+  client whose requests fail on every worker (one that trips a vLLM bug) would otherwise eject them all.
+  A failed health check or a refused connection opens it regardless: those say the worker is down.
 - **refused**: while the last failure was a refused connection (nothing listens: a process starting,
   restarting or gone), every health check is a probe, whatever the backoff: a check of a closed port costs
   the worker nothing, and a vLLM that has just loaded its model is routable at the next health round instead
@@ -49,6 +53,9 @@ class CircuitBreaker:
     # of `failures`, the failed health checks: the next passed check excuses them (`record_check_ok`), not
     # the requests' failures (a /health 200 does not show that requests succeed)
     check_failures: int = 0
+    overflows: int = (
+        0  # openings the ejection limit held back (`record_failure`'s `may_open`), for /admin/workers
+    )
 
     def state(self, now: float) -> BreakerState:
         if self.opened_at is None:
@@ -90,17 +97,27 @@ class CircuitBreaker:
         self.check_failures = 0
 
     def record_failure(
-        self, now: float, hard: bool = False, stream: bool = False, check: bool = False
+        self,
+        now: float,
+        hard: bool = False,
+        stream: bool = False,
+        check: bool = False,
+        may_open: bool = True,
     ) -> bool:
         """Count a failure (`stream`: of a stream after it began; `check`: a failed health check, not a
         request); `hard` (connection refused) trips at once, and so does a request's on probation. Opened on
-        probation, it is a re-open: the backoff doubles. True when this call opened it."""
+        probation, it is a re-open: the backoff doubles. `may_open` False: the ejection limit is reached, so a
+        request's failure is counted without opening it (a later one opens it once the limit allows; a failed
+        check or `hard` opens it regardless). True when this call opened it."""
         if self.opened_at is not None:
             return False
         self.failures += 1
         self.stream_failures += stream
         self.check_failures += check
         if hard or (self.probation and not check) or self.failures >= self.failure_threshold:
+            if not (hard or check or may_open):
+                self.overflows += 1
+                return False
             if self.probation:
                 self.reopens += 1
             self.probation = False

@@ -23,6 +23,7 @@ nothing per request.
 | mosaic_pd_fallbacks_total | counter | model, reason (prefill hop failed → decode-only: timeout, pool_timeout, worker_error, busy, refused, bad_response, no_params, removed; `server.prefill_hop`) |
 | mosaic_upstream_errors_total | counter | worker, kind |
 | mosaic_scrape_errors_total | counter | worker |
+| mosaic_breaker_ejections_overflow_total | counter | worker (request failures that would have opened its breaker, held back by `health.max_ejection_percent`) |
 | mosaic_worker_inflight_requests, mosaic_worker_inflight_prefill_tokens | gauge | worker, pool |
 | mosaic_worker_state | gauge (1) | worker, pool, state |
 | mosaic_worker_breaker_open | gauge | worker, pool |
@@ -462,6 +463,11 @@ class GatewayMetrics:
             "mosaic_upstream_errors", "Errors talking to workers", ["worker", "kind"]
         )
         self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"])
+        self.ejections_overflow = Counter(
+            "mosaic_breaker_ejections_overflow",
+            "Request failures that would have opened the worker's breaker, held back by health.max_ejection_percent",
+            ["worker"],
+        )
         # per LoRA adapter (names the workers list in /v1/models; any other is "(unlisted)": a client cannot add one)
         self.lora_requests = Counter(
             "mosaic_lora_requests",
@@ -483,7 +489,7 @@ class GatewayMetrics:
             "POST /tokenize and /detokenize, forwarded to a worker (server.tokenize_proxy), by answer status",
             ["path", "model", "status"],
         )
-        self._per_worker = (self.upstream_errors, self.scrape_errors)
+        self._per_worker = (self.upstream_errors, self.scrape_errors, self.ejections_overflow)
         r.register(
             LeanCollector(
                 [
@@ -501,6 +507,7 @@ class GatewayMetrics:
                     self.pd_fallbacks,
                     self.upstream_errors,
                     self.scrape_errors,
+                    self.ejections_overflow,
                     self.tokenizer_requests,
                     self.lora_requests,
                     self.lora_tokens,

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import heapq
 import logging
+import math
 import time
 import weakref
 from collections import deque
@@ -605,8 +606,35 @@ class Registry:
             return  # gone (its series were forgotten): a late failure must not bring one back
         self._metrics.upstream_errors.labels(worker_id, kind).inc()
         rec.last_error = kind
-        if rec.breaker.record_failure(self._clock(), hard=hard, stream=kind.startswith("stream_")):
+        now, breaker = self._clock(), rec.breaker
+        overflows = breaker.overflows
+        stream = kind.startswith("stream_")
+        if breaker.record_failure(now, hard=hard, stream=stream, may_open=self._may_eject(rec, now)):
             log.warning("worker %s ejected (circuit breaker open) after %s", worker_id, kind)
+        elif breaker.overflows > overflows:
+            self._metrics.ejections_overflow.labels(worker_id).inc()
+            if breaker.failures == breaker.failure_threshold or breaker.probation:  # once per streak
+                log.warning(
+                    "worker %s not ejected after %s: %s%% of its model's %s workers are ejected already "
+                    "(health.max_ejection_percent)",
+                    worker_id, kind, f"{self._health_cfg.max_ejection_percent:g}", rec.pool.role.value,
+                )  # fmt: skip
+
+    def _may_eject(self, rec: WorkerRecord, now: float) -> bool:
+        """Whether request failures may open `rec`'s breaker now: fewer than `health.max_ejection_percent`
+        (at least one) of its peers — the healthy workers serving its model in its role, itself included — are
+        ejected. A worker not passing its health checks (failing them, or not up yet) or leaving is no peer: it
+        serves nothing, and may be ejected."""
+        if rec.health_ok is not True or rec.terminating:
+            return True
+        model, role = rec.pool.model, rec.pool.role
+        peers = [
+            r
+            for r in self._workers.values()
+            if r.pool.model == model and r.pool.role == role and r.health_ok is True and not r.terminating
+        ]
+        limit = max(1, math.floor(self._health_cfg.max_ejection_percent * len(peers) / 100 + 1e-9))
+        return sum(1 for r in peers if r is not rec and r.breaker.is_open(now)) < limit
 
     # ------------------------------------------------------------------ loops
     async def _every(self, interval_s: float, fn: Callable[[], Any]) -> None:
@@ -965,6 +993,8 @@ class Registry:
                         "trips": r.breaker.trips,
                         "failures": r.breaker.failures,
                         "probation": r.breaker.probation,  # closed by a probe: one failure re-opens it
+                        # failures that would have ejected it, held back by health.max_ejection_percent
+                        "overflows": r.breaker.overflows,
                     },
                     "last_error": r.last_error,
                     "engine_stuck": r.engine_stuck,  # its last health check judged its engine stuck
