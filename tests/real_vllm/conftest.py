@@ -65,6 +65,7 @@ FIRST_MODULES = (
     "test_admin_stats.py",
     "test_fidelity.py",
     "test_differential.py",
+    "test_ejection_limit_vllm.py",
     "test_responses_api.py",
     "test_profile_url_vllm.py",
     "test_frozen_worker.py",
