@@ -13,10 +13,12 @@
   health check on probation counts as when closed (`failure_threshold` in a row re-open it, k raised): a
   gateway without traffic never ends its probation, and one slow `/health` had re-opened a worker serving
   fine for up to 8·open_s (its only worker: 503s for 40 s).
-- **ejection limit**: a request's failure that would open it while the gateway's `max_ejection_percent` of the
-  worker's peers are ejected already (`may_open` False) is counted and leaves it closed (`overflows`): a
-  client whose requests fail on every worker (one that trips a vLLM bug) would otherwise eject them all.
-  A failed health check or a refused connection opens it regardless: those say the worker is down.
+- **ejection limit**: a failure that would open it while the gateway's `max_ejection_percent` of the worker's
+  peers are out already (`may_open` False) is counted and leaves it closed (`overflows`, `held_back`): a
+  client whose requests fail on every worker (one that trips a vLLM bug) would otherwise eject them all. A
+  refused connection opens it regardless, and so do failed health checks once they alone reach
+  `failure_threshold` (the worker is down: unhealthy): one slow check on top of held-back request failures
+  does not.
 - **refused**: while the last failure was a refused connection (nothing listens: a process starting,
   restarting or gone), every health check is a probe, whatever the backoff: a check of a closed port costs
   the worker nothing, and a vLLM that has just loaded its model is routable at the next health round instead
@@ -53,9 +55,10 @@ class CircuitBreaker:
     # of `failures`, the failed health checks: the next passed check excuses them (`record_check_ok`), not
     # the requests' failures (a /health 200 does not show that requests succeed)
     check_failures: int = 0
-    overflows: int = (
-        0  # openings the ejection limit held back (`record_failure`'s `may_open`), for /admin/workers
-    )
+    # openings the ejection limit held back (`record_failure`'s `may_open`), for /admin/workers; `held_back`:
+    # the last failure was one (set by the first of a streak; ended by a success, a probe or its opening)
+    overflows: int = 0
+    held_back: bool = False
 
     def state(self, now: float) -> BreakerState:
         if self.opened_at is None:
@@ -80,6 +83,7 @@ class CircuitBreaker:
         self.reopens = 0
         self.refused = False
         self.probation = False
+        self.held_back = False
 
     def record_first_byte(self) -> None:
         """A stream began: the worker is reachable and generates, which excuses the failures that say it was
@@ -106,18 +110,21 @@ class CircuitBreaker:
     ) -> bool:
         """Count a failure (`stream`: of a stream after it began; `check`: a failed health check, not a
         request); `hard` (connection refused) trips at once, and so does a request's on probation. Opened on
-        probation, it is a re-open: the backoff doubles. `may_open` False: the ejection limit is reached, so a
-        request's failure is counted without opening it (a later one opens it once the limit allows; a failed
-        check or `hard` opens it regardless). True when this call opened it."""
+        probation, it is a re-open: the backoff doubles. `may_open` False: the ejection limit is reached, so the
+        failure is counted without opening it (a later one opens it once the limit allows), unless it is `hard`
+        or a failed check that makes `failure_threshold` failed checks in a row. True when this call opened it."""
         if self.opened_at is not None:
             return False
         self.failures += 1
         self.stream_failures += stream
         self.check_failures += check
         if hard or (self.probation and not check) or self.failures >= self.failure_threshold:
-            if not (hard or check or may_open):
+            down = hard or (check and self.check_failures >= self.failure_threshold)
+            if not (down or may_open):
                 self.overflows += 1
+                self.held_back = True
                 return False
+            self.held_back = False
             if self.probation:
                 self.reopens += 1
             self.probation = False
@@ -138,6 +145,7 @@ class CircuitBreaker:
             self.opened_at = None
             self.refused = False
             self.probation = True
+            self.held_back = False
         else:
             self.reopens += 1
             self.opened_at = now

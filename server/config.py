@@ -276,10 +276,11 @@ class HealthConfig(_Strict):
     timeout_s: float = Field(default=1.0, gt=0)
     failure_threshold: int = Field(default=3, ge=1)  # consecutive failures that open the breaker
     open_s: float = Field(default=5.0, gt=0)  # open this long, then one probe decides (half-open)
-    # Request failures (5xx, time-outs, broken streams) eject at most this percentage of the healthy workers
-    # serving a model in one role at once (at least one; Envoy's outlier detection `max_ejection_percent`): a
-    # client whose requests fail on every worker (one that trips a vLLM bug) cannot eject them all. A failed
-    # health check or a refused connection ejects regardless. 100: no limit.
+    # Failures eject a worker only while fewer than this percentage of the workers serving its model in its
+    # role are out (ejected, or failing their health checks; at least one may be; Envoy's outlier detection
+    # `max_ejection_percent`): a client whose requests fail on every worker (one that trips a vLLM bug) cannot
+    # eject them all. A refused connection, or failed checks reaching failure_threshold, eject regardless.
+    # 100: no limit.
     max_ejection_percent: float = Field(default=50.0, ge=0, le=100)
     # While a worker is unhealthy, close the gateway's connections to it that got no byte for
     # failure_threshold × interval_s: requests not begun go to another worker, streams end with an error event

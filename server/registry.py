@@ -606,35 +606,57 @@ class Registry:
             return  # gone (its series were forgotten): a late failure must not bring one back
         self._metrics.upstream_errors.labels(worker_id, kind).inc()
         rec.last_error = kind
-        now, breaker = self._clock(), rec.breaker
-        overflows = breaker.overflows
-        stream = kind.startswith("stream_")
-        if breaker.record_failure(now, hard=hard, stream=stream, may_open=self._may_eject(rec, now)):
+        if self._record_failure(rec, self._clock(), kind, hard=hard, stream=kind.startswith("stream_")):
             log.warning("worker %s ejected (circuit breaker open) after %s", worker_id, kind)
-        elif breaker.overflows > overflows:
-            self._metrics.ejections_overflow.labels(worker_id).inc()
-            if breaker.failures == breaker.failure_threshold or breaker.probation:  # once per streak
-                log.warning(
-                    "worker %s not ejected after %s: %s%% of its model's %s workers are ejected already "
-                    "(health.max_ejection_percent)",
-                    worker_id, kind, f"{self._health_cfg.max_ejection_percent:g}", rec.pool.role.value,
-                )  # fmt: skip
 
-    def _may_eject(self, rec: WorkerRecord, now: float) -> bool:
-        """Whether request failures may open `rec`'s breaker now: fewer than `health.max_ejection_percent`
-        (at least one) of its peers — the healthy workers serving its model in its role, itself included — are
-        ejected. A worker not passing its health checks (failing them, or not up yet) or leaving is no peer: it
-        serves nothing, and may be ejected."""
+    def _record_failure(
+        self,
+        rec: WorkerRecord,
+        now: float,
+        why: str,
+        hard: bool = False,
+        stream: bool = False,
+        check: bool = False,
+    ) -> bool:
+        """`rec.breaker.record_failure` under the ejection limit; a failure it holds back is counted
+        (`mosaic_breaker_ejections_overflow_total`) and logged at the first of a streak. True: it opened."""
+        breaker = rec.breaker
+        overflows, held = breaker.overflows, breaker.held_back
+        out, peers, limit = self._ejection_room(rec, now)
+        opened = breaker.record_failure(now, hard=hard, stream=stream, check=check, may_open=out < limit)
+        if breaker.overflows > overflows:
+            self._metrics.ejections_overflow.labels(rec.id).inc()
+            if not held:
+                log.warning(
+                    "worker %s not ejected after %s: %d of the %d workers serving %s as %s are out already "
+                    "(health.max_ejection_percent: %s)",
+                    rec.id, why, out, peers, rec.pool.model, rec.pool.role.value,
+                    f"{self._health_cfg.max_ejection_percent:g}",
+                )  # fmt: skip
+        return opened
+
+    def _ejection_room(self, rec: WorkerRecord, now: float) -> tuple[int, int, int]:
+        """(out, peers, limit): of `rec`'s peers — the workers serving its model in its role that were checked
+        and are not leaving, itself included — those out of rotation besides itself (failing their health
+        checks, or their breaker open), how many there are, and how many may be out at once
+        (`health.max_ejection_percent` of them, at least one). Failures may open `rec`'s breaker while out <
+        limit. A worker failing its checks counts as out: a model whose other worker restarts is not left
+        without its last one. `rec` itself not passing its checks, or leaving, is no peer: (0, 0, 1)."""
         if rec.health_ok is not True or rec.terminating:
-            return True
+            return 0, 0, 1
         model, role = rec.pool.model, rec.pool.role
         peers = [
             r
             for r in self._workers.values()
-            if r.pool.model == model and r.pool.role == role and r.health_ok is True and not r.terminating
+            if r.pool.model == model
+            and r.pool.role == role
+            and r.health_ok is not None
+            and r.discovered_ready
+            and not r.terminating
         ]
         limit = max(1, math.floor(self._health_cfg.max_ejection_percent * len(peers) / 100 + 1e-9))
-        return sum(1 for r in peers if r is not rec and r.breaker.is_open(now)) < limit
+        out = sum(1 for r in peers if r is not rec and (r.health_ok is False or r.breaker.is_open(now)))
+        return out, len(peers), limit
 
     # ------------------------------------------------------------------ loops
     async def _every(self, interval_s: float, fn: Callable[[], Any]) -> None:
@@ -707,7 +729,7 @@ class Registry:
                 log.info("worker %s is not healthy yet: %s", rec.id, why)
             rec.health_ok = False
         if not probing:
-            rec.breaker.record_failure(now, hard=hard, check=True)
+            self._record_failure(rec, now, why, hard=hard, check=True)
         if rec.health_ok is False and self.on_unhealthy is not None:
             self.on_unhealthy(rec)
 

@@ -2,11 +2,13 @@
 
 vLLM 0.32 names itself on every completion (`--fingerprint-mode full`, its default):
 `vllm-<version>[-tp<N>][-pp<N>][-dp<N>][-ep]-<hash8>`, where hash8 is the first 8 hex digits of its config's
-hash (model identity, cache and parallel configs, ...): two servers of one configuration share it, and a
-client that compares fingerprints (as OpenAI's docs suggest, to notice a backend change) sees one change
-when the configuration does. The simulator does the same over the configuration it simulates (model,
-GPU, parallelism, engine knobs). The seed is left out: it draws the simulated text, as a model's weights
-would, and vLLM's hash does not see the weights either.
+hash: two servers of one configuration share it, and a client that compares fingerprints (as OpenAI's docs
+suggest, to notice a backend change) sees one change when the configuration does. The simulator hashes the
+factors of its configuration that vLLM's `compute_hash` covers: the model and its `max_model_len`, the
+scheduler's `max_num_seqs` and `max_num_batched_tokens`, the KV `block_size`, the parallel sizes, and
+`max_loras` when LoRA is on. Not what vLLM leaves out: the GPU (its device config hashes nothing), memory
+utilisation, a block-count override and prefix caching (its cache config skips them), nor the simulator's
+seed and output-length law, which stand for the model's weights, and vLLM does not hash those either.
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ from typing import Any
 VLLM_VERSION = "0.32.0"  # the vLLM release whose API the simulated worker speaks
 
 
-def system_fingerprint(
-    model: str, gpu: str, tp: int, data_parallel_size: int, engine: Mapping[str, Any]
-) -> str:
-    """vLLM's `full` fingerprint of a simulated server: parallelism degrees above 1 named, then the hash."""
-    config = {"model": model, "gpu": gpu, "tp": tp, "dp": data_parallel_size, "engine": dict(engine)}
+def system_fingerprint(model: str, tp: int, data_parallel_size: int, factors: Mapping[str, Any]) -> str:
+    """vLLM's `full` fingerprint of a simulated server: parallelism degrees above 1 named, then the hash of
+    the model, the parallel sizes and `factors` (the other hashed settings, module docstring)."""
+    config = {"model": model, "tp": tp, "dp": data_parallel_size, "factors": dict(factors)}
     hash8 = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
     parts = [f"vllm-{VLLM_VERSION}"]
     if tp > 1:

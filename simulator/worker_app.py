@@ -241,10 +241,6 @@ class WorkerRuntime:
             raise ValueError(tp_error)
         self.perf = PerfModel(catalog.gpu(cfg.gpu), model, tp=cfg.tp)
         self.served = cfg.served_model_name or self.perf.model.name
-        # vLLM's `system_fingerprint` on every completion (the whole answer, a stream's last events)
-        self.fingerprint = system_fingerprint(
-            self.perf.model.name, self.perf.gpu.name, cfg.tp, cfg.data_parallel_size, asdict(cfg.engine)
-        )
         check_lora_modules(cfg.lora_modules, self.served)  # vLLM refuses to start on these too
         # adapter name → module, in load order; runtime loads and unloads change it in place, so the request
         # parsers given it see the current adapters
@@ -255,6 +251,19 @@ class WorkerRuntime:
         # does not depend on which engine runs it (vLLM at temperature 0 likewise).
         self.engines = [Engine(self.perf, cfg.engine, seed=cfg.seed) for _ in range(cfg.data_parallel_size)]
         self.engine = self.engines[0]
+        # vLLM's `system_fingerprint` on every completion (the whole answer, a stream's last events)
+        self.fingerprint = system_fingerprint(
+            self.perf.model.name,
+            cfg.tp,
+            cfg.data_parallel_size,
+            {
+                "max_model_len": self.engine.max_model_len,
+                "max_num_seqs": cfg.engine.max_num_seqs,
+                "max_num_batched_tokens": cfg.engine.max_num_batched_tokens,
+                "block_size": cfg.engine.block_size,
+                "max_loras": cfg.engine.max_loras if self.lora_enabled else None,
+            },
+        )
         lora = LoraRequestStates(cfg.engine.max_loras) if self.lora_enabled else None
         self.metrics = WorkerMetrics(self.engine, self.served, lora=lora)
         self.engine_metrics = [self.metrics, *(self.metrics.add_engine(e) for e in self.engines[1:])]

@@ -44,12 +44,21 @@ def test_on_probation_a_held_back_failure_keeps_the_probation() -> None:
 
 
 def _registry(
-    health: HealthConfig, pools: dict[str, tuple[Role, int]], clock: list[float], down: set[str]
+    health: HealthConfig,
+    pools: dict[str, tuple[Role, int]],
+    clock: list[float],
+    down: set[str],
+    refused: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[httpx.AsyncClient, Registry]:
-    """Pools of `n` workers (`http://<pool>-<i>:1`) of one model; /health answers 503 for hosts in `down`."""
-    client = httpx.AsyncClient(
-        transport=httpx.MockTransport(lambda r: httpx.Response(503 if r.url.host in down else 200))
-    )
+    """Pools of `n` workers (`http://<pool>-<i>:1`) of one model; /health answers 503 for hosts in `down`, and
+    hosts in `refused` refuse the connection."""
+
+    def health_answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host in refused:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(503 if request.url.host in down else 200)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(health_answer))
     reg = Registry(ScrapeConfig(), health, GatewayMetrics(), client=client, clock=lambda: clock[0])
     for name, (role, n) in pools.items():
         reg.add_pool(
@@ -93,9 +102,9 @@ def test_request_failures_eject_at_most_the_limit_and_at_least_one(
     asyncio.run(run())
 
 
-def test_the_limit_counts_peers_of_one_model_and_role_that_pass_their_checks() -> None:
-    """Two decode workers and two prefill: each role keeps one in. A worker failing its health checks is no
-    peer: with one of three decode workers down, the two left are the group, and one of them stays in."""
+def test_the_limit_counts_peers_of_one_model_and_role_and_a_worker_failing_its_checks_is_out() -> None:
+    """Three decode workers and two prefill, every one failing requests: prefill keeps one in, and decode,
+    whose one worker already fails its health checks (out: 1 of 3, the limit), keeps both others in."""
 
     async def run() -> None:
         clock, down = [0.0], {"d-2"}
@@ -106,10 +115,7 @@ def test_the_limit_counts_peers_of_one_model_and_role_that_pass_their_checks() -
             await reg.health_once()  # d-2 fails three checks: unhealthy, its breaker open
         assert _ejected(reg) == ["d/d-2:1"]
         await _fail(reg)
-        assert [w for w in _ejected(reg) if w != "d/d-2:1"] in (
-            ["d/d-0:1", "pf/pf-0:1"],
-            ["d/d-1:1", "pf/pf-0:1"],
-        )
+        assert _ejected(reg) == ["d/d-2:1", "pf/pf-0:1"]
         await reg.stop()
         await client.aclose()
 
@@ -145,12 +151,70 @@ def test_a_held_back_worker_is_ejected_once_its_ejected_peer_is_back_and_it_stil
     with caplog.at_level("WARNING", logger="mosaic.registry"):
         asyncio.run(run())
     held_logs = [r.getMessage() for r in caplog.records if "not ejected" in r.getMessage()]
+    out = "1 of the 2 workers serving llama-3-8b as mixed are out already (health.max_ejection_percent: 50)"
     assert held_logs == [  # once per streak: at p-1's threshold, then p-0's failure on probation
-        "worker p/p-1:1 not ejected after status_5xx: 50% of its model's mixed workers are ejected already "
-        "(health.max_ejection_percent)",
-        "worker p/p-0:1 not ejected after status_5xx: 50% of its model's mixed workers are ejected already "
-        "(health.max_ejection_percent)",
+        f"worker p/p-1:1 not ejected after status_5xx: {out}",
+        f"worker p/p-0:1 not ejected after status_5xx: {out}",
     ]
+
+
+def test_one_failed_check_on_top_of_held_back_failures_does_not_eject_a_streak_of_checks_does(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A held-back worker's count is past the threshold: one slow /health must not open it (it did: a failed
+    check opened it whatever the limit, and the model was out); failed checks that alone reach the threshold
+    (the worker is down) do. Its further failed requests are held back without a log line each."""
+
+    async def run() -> None:
+        clock, down = [0.0], set()
+        client, reg = _registry(HealthConfig(failure_threshold=3), {"p": (Role.MIXED, 2)}, clock, down)
+        await reg.resync("p")
+        await reg.health_once()
+        await _fail(reg)
+        held = reg.get("p/p-1:1")
+        assert held is not None and _ejected(reg) == ["p/p-0:1"]
+        down.add("p-1")
+        await reg.health_once()  # one failed check (a slow /health): still in
+        assert _ejected(reg) == ["p/p-0:1"] and held.breaker.overflows == 2
+        for _ in range(5):
+            reg.report_failure(held.id, "status_5xx")
+        assert _ejected(reg) == ["p/p-0:1"]
+        await reg.health_once()
+        await reg.health_once()  # its third failed check in a row: down, ejected whatever the limit
+        assert _ejected(reg) == ["p/p-0:1", "p/p-1:1"]
+        await reg.stop()
+        await client.aclose()
+
+    with caplog.at_level("WARNING", logger="mosaic.registry"):
+        asyncio.run(run())
+    assert sum("not ejected" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_restarting_peer_leaves_the_last_worker_in() -> None:
+    """One of two workers refuses connections (restarting): ejected, then failing its checks. Request failures
+    on the other do not eject it (before, a peer failing its checks left the group, and the last worker was
+    a lone one that could go)."""
+
+    async def run() -> None:
+        clock, refused = [0.0], set()
+        client, reg = _registry(
+            HealthConfig(failure_threshold=3), {"p": (Role.MIXED, 2)}, clock, set(), refused
+        )
+        await reg.resync("p")
+        await reg.health_once()
+        reg.report_failure("p/p-0:1", "connect", hard=True)
+        refused.add("p-0")
+        for _ in range(3):
+            clock[0] += 2.0
+            await reg.health_once()
+        assert reg.get("p/p-0:1").health_ok is False  # type: ignore[union-attr]
+        for _ in range(4):
+            reg.report_failure("p/p-1:1", "status_5xx")
+        assert _ejected(reg) == ["p/p-0:1"]
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize("percent", [50.0, 100.0])

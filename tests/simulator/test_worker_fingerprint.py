@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -25,25 +25,37 @@ def _events(raw: str) -> list[dict[str, Any]]:
     return [json.loads(f.removeprefix("data: ")) for f in frames[:-2]]
 
 
-def test_the_fingerprint_is_vllms_full_form_of_the_configuration() -> None:
-    engine = asdict(EngineConfig())
-    one = system_fingerprint("llama-3-8b", "H100-SXM", 1, 1, engine)
+def test_the_fingerprint_is_vllms_full_form_of_what_vllm_hashes() -> None:
+    factors = {"max_model_len": 8192, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "block_size": 16}
+    one = system_fingerprint("llama-3-8b", 1, 1, factors)
     assert FULL.fullmatch(one)
-    assert system_fingerprint("llama-3-8b", "H100-SXM", 1, 1, engine) == one  # a replica's is the same
-    assert system_fingerprint("llama-3-8b", "L4", 1, 1, engine) != one
-    assert system_fingerprint("llama-3-8b", "H100-SXM", 1, 1, {**engine, "max_num_seqs": 64}) != one
-    assert re.fullmatch(r"vllm-0\.32\.0-tp2-dp4-[0-9a-f]{8}", system_fingerprint("m", "g", 2, 4, engine))
+    assert system_fingerprint("llama-3-8b", 1, 1, dict(factors)) == one  # a replica's is the same
+    assert system_fingerprint("llama-3-8b", 1, 1, {**factors, "max_num_seqs": 64}) != one
+    assert system_fingerprint("mistral-7b", 1, 1, factors) != one
+    assert re.fullmatch(r"vllm-0\.32\.0-tp2-dp4-[0-9a-f]{8}", system_fingerprint("m", 2, 4, factors))
 
 
-async def test_whole_answers_carry_the_workers_fingerprint_and_its_seed_does_not_change_it(asgi) -> None:
+async def test_workers_differing_only_where_vllms_hash_does_not_look_share_it(asgi) -> None:
+    """vLLM's config hash skips the device, memory utilisation, a block-count override and prefix caching;
+    the seed and output-length law stand for weights, which it does not hash either. A scheduler knob counts."""
+    same = [
+        replace(FAST, gpu="A100-80GB", seed=8),
+        replace(FAST, engine=EngineConfig(gpu_memory_utilization=0.8, enable_prefix_caching=True)),
+        replace(FAST, engine=EngineConfig(num_gpu_blocks=4096, natural_output_mean=50.0)),
+    ]
+    async with asgi(FAST) as (_, rt):
+        for cfg in same:
+            async with asgi(cfg) as (_, other):
+                assert other.fingerprint == rt.fingerprint, cfg
+        async with asgi(replace(FAST, engine=EngineConfig(max_num_seqs=64))) as (_, other):
+            assert other.fingerprint != rt.fingerprint
+
+
+async def test_whole_answers_carry_the_workers_fingerprint(asgi) -> None:
     body = {"model": "llama-3-8b", "max_tokens": 3}
-    async with asgi(FAST) as (client, rt), asgi(replace(FAST, seed=8)) as (other, rt8):
+    async with asgi(FAST) as (client, rt):
         done = (await client.post("/v1/completions", json={**body, "prompt": "hello"})).json()
         chat = (await client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]})).json()  # fmt: skip
-        assert rt.fingerprint == rt8.fingerprint  # the seed draws the text, as weights would: not hashed
-        assert (await other.post("/v1/completions", json={**body, "prompt": "hello"})).json()[
-            "system_fingerprint"
-        ] == rt.fingerprint
     assert FULL.fullmatch(rt.fingerprint)
     assert done["system_fingerprint"] == chat["system_fingerprint"] == rt.fingerprint
     # where vLLM's response model has it: after choices, before usage
