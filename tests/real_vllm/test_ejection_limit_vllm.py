@@ -22,16 +22,17 @@ def test_a_request_that_fails_on_every_worker_leaves_the_model_in_service(
     real_vllm: RealServer, tmp_path_factory: pytest.TempPathFactory, percent: int, after: int
 ) -> None:
     """The bug is vLLM's `KeyError` on a token missing from a step's top logprobs, which depends on what was
-    sampled: through the gateway 5 to 9 in 10 such requests fail, so the client sends it up to 40 times (a
-    success resets a worker's count, as any request's does; `failure_threshold` 2 here). Without the limit
-    both workers end ejected; with it, one at most."""
+    sampled: 5 to 10 in 10 such requests fail, and a success resets a worker's count, as any request's does.
+    With `failure_threshold` 1 the order of successes does not matter: the client sends it up to 60 times,
+    until both workers are out (without the limit; the next request then waits out its queue deadline, 503) or
+    every one of the 60 was sent (with it: one worker stays in and serves the next request)."""
     reason = gateway_available()
     if reason is not None:
         pytest.skip(reason)
     urls = [real_vllm.url, real_vllm.url.replace("127.0.0.1", "localhost")]
     extra: dict[str, Any] = {
         "routing": {"policy": "round-robin"},
-        "health": {"failure_threshold": 2, "open_s": 120.0, "max_ejection_percent": percent},
+        "health": {"failure_threshold": 1, "open_s": 300.0, "max_ejection_percent": percent},
         "limits": {"connect_timeout_s": 15.0, "queue_deadline_s": 2.0},
     }
     config = static_config(real_vllm.model, urls, extra=extra)
@@ -41,7 +42,7 @@ def test_a_request_that_fails_on_every_worker_leaves_the_model_in_service(
         headers = {"authorization": f"Bearer {API_KEY}"}
         failed = 0
         with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as http:
-            for i in range(40):
+            for i in range(60):
                 body = {"model": real_vllm.model, "prompt": f"poison {i}", **POISON}
                 resp = http.post("/v1/completions", json=body)
                 if resp.status_code == 503:  # every worker ejected: the queue deadline passed
@@ -52,7 +53,7 @@ def test_a_request_that_fails_on_every_worker_leaves_the_model_in_service(
                 "/v1/completions", json={"model": real_vllm.model, "prompt": "hi", "max_tokens": 3}
             )
         workers = gateway.admin_get("/admin/workers")["workers"]
-    assert failed >= 4
+    assert failed >= 2
     ejected = sum(w["breaker"]["state"] != "closed" for w in workers)
     overflows = sum(w["breaker"]["overflows"] for w in workers)
     assert (ejected, normal.status_code) == ((1, 200) if percent == 50 else (2, 503))
