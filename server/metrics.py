@@ -23,7 +23,7 @@ nothing per request.
 | mosaic_pd_fallbacks_total | counter | model, reason (prefill hop failed → decode-only: timeout, pool_timeout, worker_error, busy, refused, bad_response, no_params, removed; `server.prefill_hop`) |
 | mosaic_upstream_errors_total | counter | worker, kind |
 | mosaic_scrape_errors_total | counter | worker |
-| mosaic_breaker_ejections_overflow_total | counter | worker (request failures that would have opened its breaker, held back by `health.max_ejection_percent`) |
+| mosaic_breaker_ejections_overflow_total | counter | worker (failures, of requests or a health check among them, that would have opened its breaker, held back by `health.max_ejection_percent`) |
 | mosaic_worker_inflight_requests, mosaic_worker_inflight_prefill_tokens | gauge | worker, pool |
 | mosaic_worker_state | gauge (1) | worker, pool, state |
 | mosaic_worker_breaker_open | gauge | worker, pool |
@@ -465,7 +465,7 @@ class GatewayMetrics:
         self.scrape_errors = Counter("mosaic_scrape_errors", "Failed /metrics scrapes", ["worker"])
         self.ejections_overflow = Counter(
             "mosaic_breaker_ejections_overflow",
-            "Request failures that would have opened the worker's breaker, held back by health.max_ejection_percent",
+            "Failures that would have opened the worker's breaker, held back by health.max_ejection_percent",
             ["worker"],
         )
         # per LoRA adapter (names the workers list in /v1/models; any other is "(unlisted)": a client cannot add one)
