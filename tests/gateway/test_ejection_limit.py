@@ -8,6 +8,8 @@ import asyncio
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.fleet import Role, capacity_for
 from server.breaker import CircuitBreaker
@@ -245,3 +247,48 @@ def test_a_request_failing_on_every_worker_leaves_the_model_in_service(percent: 
             assert (ejected, after.status_code) == ((1, 200) if percent == 50.0 else (2, 503))
 
     run(body)
+
+
+@given(
+    workers=st.integers(1, 6),
+    percent=st.sampled_from([0.0, 10.0, 34.0, 50.0, 80.0, 100.0]),
+    threshold=st.integers(1, 3),
+    events=st.lists(
+        st.tuples(st.sampled_from(["fail", "stream_fail", "ok", "tick"]), st.integers(0, 5)), max_size=40
+    ),
+)
+@settings(max_examples=150, deadline=None)
+def test_request_failures_never_leave_more_than_the_limit_out(
+    workers: int, percent: float, threshold: int, events: list[tuple[str, int]]
+) -> None:
+    """Whatever the order of request failures, successes and health rounds (all `/health` 200, so probes
+    bring ejected workers back on probation), no more than max(1, ⌊percent · n / 100⌋) of n workers that pass
+    their checks are ejected at once, and a worker that fails `threshold` requests in a row while there is
+    room is ejected."""
+
+    async def run() -> None:
+        clock = [0.0]
+        health = HealthConfig(failure_threshold=threshold, open_s=5.0, max_ejection_percent=percent)
+        client, reg = _registry(health, {"p": (Role.MIXED, workers)}, clock, set())
+        await reg.resync("p")
+        await reg.health_once()
+        limit = max(1, int(percent * workers / 100 + 1e-9))
+        for kind, index in events:
+            rec = reg.records()[index % workers]
+            if kind == "tick":
+                clock[0] += 3.0
+                await reg.health_once()
+            elif kind == "ok":
+                reg.report_success(rec.id)
+            else:
+                room = len(_ejected(reg)) < limit
+                was_open = rec.breaker.opened_at is not None
+                last_chance = rec.breaker.failures + 1 >= threshold or rec.breaker.probation
+                reg.report_failure(rec.id, "status_5xx" if kind == "fail" else "stream_truncated")
+                if room and last_chance and not was_open:
+                    assert rec.breaker.opened_at is not None
+            assert len(_ejected(reg)) <= limit
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
