@@ -14,7 +14,7 @@
   gateway without traffic never ends its probation, and one slow `/health` had re-opened a worker serving
   fine for up to 8·open_s (its only worker: 503s for 40 s).
 - **ejection limit**: a failure that would open it while the gateway's `max_ejection_percent` of the worker's
-  peers are out already (`may_open` False) is counted and leaves it closed (`overflows`, `held_back`): a
+  peers are out already (`may_open()` False) is counted and leaves it closed (`overflows`, `held_back`): a
   client whose requests fail on every worker (one that trips a vLLM bug) would otherwise eject them all. A
   refused connection opens it regardless, and so do failed health checks once they alone reach
   `failure_threshold` (the worker is down: unhealthy): one slow check on top of held-back request failures
@@ -29,6 +29,7 @@ Time is passed in (`now`, monotonic seconds) so the breaker is testable without 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -106,13 +107,15 @@ class CircuitBreaker:
         hard: bool = False,
         stream: bool = False,
         check: bool = False,
-        may_open: bool = True,
+        may_open: Callable[[], bool] | None = None,
     ) -> bool:
         """Count a failure (`stream`: of a stream after it began; `check`: a failed health check, not a
         request); `hard` (connection refused) trips at once, and so does a request's on probation. Opened on
-        probation, it is a re-open: the backoff doubles. `may_open` False: the ejection limit is reached, so the
+        probation, it is a re-open: the backoff doubles. `may_open` (asked only when this failure would open it,
+        so the failures below the threshold cost nothing) returning False: the ejection limit is reached, and the
         failure is counted without opening it (a later one opens it once the limit allows), unless it is `hard`
-        or a failed check that makes `failure_threshold` failed checks in a row. True when this call opened it."""
+        or a failed check that makes `failure_threshold` failed checks in a row. None: no limit. True when this
+        call opened it."""
         if self.opened_at is not None:
             return False
         self.failures += 1
@@ -120,7 +123,7 @@ class CircuitBreaker:
         self.check_failures += check
         if hard or (self.probation and not check) or self.failures >= self.failure_threshold:
             down = hard or (check and self.check_failures >= self.failure_threshold)
-            if not (down or may_open):
+            if not down and may_open is not None and not may_open():
                 self.overflows += 1
                 self.held_back = True
                 return False

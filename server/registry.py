@@ -622,11 +622,16 @@ class Registry:
         (`mosaic_breaker_ejections_overflow_total`) and logged at the first of a streak. True: it opened."""
         breaker = rec.breaker
         overflows, held = breaker.overflows, breaker.held_back
-        out, peers, limit = self._ejection_room(rec, now)
-        opened = breaker.record_failure(now, hard=hard, stream=stream, check=check, may_open=out < limit)
+
+        def may_open() -> bool:  # the peers are scanned only for a failure that would open the breaker
+            out, _, limit = self._ejection_room(rec, now)
+            return out < limit
+
+        opened = breaker.record_failure(now, hard=hard, stream=stream, check=check, may_open=may_open)
         if breaker.overflows > overflows:
             self._metrics.ejections_overflow.labels(rec.id).inc()
             if not held:
+                out, peers, _ = self._ejection_room(rec, now)
                 log.warning(
                     "worker %s not ejected after %s: %d of the %d workers serving %s as %s are out already "
                     "(health.max_ejection_percent: %s)",

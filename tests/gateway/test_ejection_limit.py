@@ -22,17 +22,32 @@ from server.registry import PoolInfo, Registry
 def test_a_held_back_failure_is_counted_and_leaves_the_breaker_closed() -> None:
     b = CircuitBreaker(failure_threshold=3, open_s=5.0)
     for t in (0.0, 0.1):
-        assert not b.record_failure(t, may_open=False)
-    assert not b.record_failure(0.2, may_open=False)  # the threshold's failure: held back
+        assert not b.record_failure(t, may_open=lambda: False)
+    assert not b.record_failure(0.2, may_open=lambda: False)  # the threshold's failure: held back
     assert (b.opened_at, b.failures, b.overflows) == (None, 3, 1)
     assert b.record_failure(0.3)  # the limit allows it again: the next failure opens it
     assert b.opened_at == 0.3 and b.trips == 1
 
 
+def test_the_limit_is_asked_only_for_a_failure_that_would_open_the_breaker() -> None:
+    """The registry's answer scans the worker's peers: failures below the threshold do not ask for it."""
+    asked: list[float] = []
+
+    def may_open() -> bool:
+        asked.append(1.0)
+        return True
+
+    b = CircuitBreaker(failure_threshold=3, open_s=5.0)
+    b.record_failure(0.0, may_open=may_open)
+    b.record_failure(0.1, may_open=may_open)
+    assert asked == []
+    assert b.record_failure(0.2, may_open=may_open) and asked == [1.0]
+
+
 @pytest.mark.parametrize(("kind", "opens"), [("check", True), ("hard", True), ("request", False)])
 def test_failed_checks_and_refused_connections_eject_whatever_the_limit(kind: str, opens: bool) -> None:
     b = CircuitBreaker(failure_threshold=1, open_s=5.0)
-    b.record_failure(0.0, hard=kind == "hard", check=kind == "check", may_open=False)
+    b.record_failure(0.0, hard=kind == "hard", check=kind == "check", may_open=lambda: False)
     assert (b.opened_at is not None) is opens
 
 
@@ -40,7 +55,7 @@ def test_on_probation_a_held_back_failure_keeps_the_probation() -> None:
     b = CircuitBreaker(failure_threshold=3, open_s=5.0)
     b.record_failure(0.0, hard=True)
     b.record_probe(True, 5.0)
-    assert not b.record_failure(5.1, may_open=False)
+    assert not b.record_failure(5.1, may_open=lambda: False)
     assert b.probation and b.opened_at is None and b.reopens == 0
     assert b.record_failure(5.2) and b.reopens == 1  # once allowed, its next failure re-opens it at once
 
