@@ -3,6 +3,7 @@
 | path | auth | does |
 |---|---|---|
 | POST /v1/chat/completions, /v1/completions, /v1/responses | API key | route and proxy (see `server.dispatch`) |
+| POST /v1/embeddings | API key | the same, for models whose pools run vLLM's pooling runner (400 for the others, and theirs 400 on the generation routes) |
 | GET /v1/responses/{id}, POST /v1/responses/{id}/cancel | API key | forwarded to the worker that served that response (`server.response_retrieval`) |
 | GET /v1/models | API key | the union of the fleet's models (OpenAI list shape) |
 | GET /health | none | 200 while the process serves |
@@ -178,6 +179,7 @@ def create_app(
         ("/v1/chat/completions", "chat"),
         ("/v1/completions", "completions"),
         ("/v1/responses", "responses"),
+        ("/v1/embeddings", "embeddings"),
     )
     for path, kind in proxied:
         serve = _proxy_endpoint(gw, path, kind)
@@ -292,6 +294,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
                     Cause.MODEL_NOT_FOUND, f"The model `{parsed.model}` does not exist.", param="model"
                 )
             model = parsed.model
+            _check_runner(path, kind, model, gw.pooling_models)
             reserved = parsed.prompt_tokens + parsed.max_output_tokens
             charged = gw.limiter.admit(key, reserved, arrival)
         except GatewayError as err:
@@ -307,6 +310,21 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
         return await gw.dispatcher.handle(parsed, path, rec, receive)
 
     return endpoint
+
+
+def _check_runner(path: str, kind: Kind, model: str, pooling_models: frozenset[str]) -> None:
+    """400 when the model's workers do not serve this endpoint: a pooling model (`runner: pooling`) answers
+    embeddings only, a generate model everything else (its vLLM has no such route and would answer a bare
+    404 `Not Found`, which reads as a wrong URL rather than a wrong model)."""
+    pooling = model in pooling_models
+    if (kind == "embeddings") == pooling:
+        return
+    what = "an embedding model (runner: pooling)" if pooling else "a generative model (runner: generate)"
+    raise GatewayError(
+        Cause.BAD_REQUEST,
+        f"The model `{model}` is {what} and does not serve {path}",
+        param="model",
+    )
 
 
 def _add_info_routes(app: FastAPI, gw: Gateway) -> None:

@@ -105,10 +105,17 @@ def pool_specs(
     config: MosaicConfig, registry: Registry, managed: frozenset[str], catalog: Catalog
 ) -> list[PoolSpec]:
     """Unmanaged pools pinned (min = max): at their configured count, else 0 until the controller pins them
-    at their observed count (module docstring), never at free bounds nobody applies."""
+    at their observed count (module docstring), never at free bounds nobody applies. Pooling pools
+    (embeddings) are never managed: the policy's signal, decode tokens/s, is one they never produce."""
     infos = {p.name: p for p in registry.pools()}
     return [
-        pool_spec(config, p, infos[p.name], catalog, None if p.name in managed else configured_count(p) or 0)
+        pool_spec(
+            config,
+            p,
+            infos[p.name],
+            catalog,
+            None if p.name in managed and p.runner == "generate" else configured_count(p) or 0,
+        )
         for p in config.pools
     ]
 

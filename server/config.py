@@ -52,6 +52,9 @@ from scheduler.routing.config import RoutingConfig, RoutingConfigError
 from server.vllm_pool import LaunchVllmConfig
 
 RoleName = Literal["prefill", "decode", "mixed"]
+# vLLM's `--runner`: `generate` serves completions, chat and responses; `pooling` serves embeddings (an
+# embedding model, or a causal LM with `--convert embed`) and none of the generation endpoints
+RunnerName = Literal["generate", "pooling"]
 
 
 class ConfigError(ValueError):
@@ -201,6 +204,7 @@ class PoolConfig(_Strict):
     model: str
     gpu: str
     role: RoleName = "mixed"
+    runner: RunnerName = "generate"  # vLLM's --runner: what the pool's workers serve (RunnerName)
     tp: int = Field(default=1, ge=1)  # GPUs per engine (vLLM's --tensor-parallel-size)
     # engines per worker, behind its one API server (vLLM's --data-parallel-size), each on `tp` GPUs with its
     # own KV cache: a worker is `dp` times one engine's capacity and price, on tp × dp GPUs
@@ -223,6 +227,9 @@ class PoolConfig(_Strict):
     def _replica_bounds(self) -> PoolConfig:
         if self.max_replicas is not None and self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
+        if self.runner == "pooling" and self.role != "mixed":
+            # vLLM hands KV from prefill to decode for generation only: a pooling request ends at its prefill
+            raise ValueError(f"a pooling pool serves whole requests: role must be mixed, not {self.role}")
         return self
 
 
@@ -540,6 +547,7 @@ class MosaicConfig(_Strict):
                 f"model {model!r} has only prefill pools ({', '.join(names)}): a prefill worker does not "
                 "finish a request; add a decode or mixed pool",
             )
+        _check_one_runner_per_model(self.pools)
         _check_launch_gpus(self)
         for i, pool in enumerate(self.pools):
             sim = pool.endpoints.simulated
@@ -571,6 +579,20 @@ class MosaicConfig(_Strict):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+
+def _check_one_runner_per_model(pools: list[PoolConfig]) -> None:
+    """A model's pools share one runner: the gateway answers a model's requests by what its workers serve
+    (embeddings, or completions, chat and responses), as one vLLM serves one or the other under a name."""
+    runner_of: dict[str, tuple[str, str]] = {}  # model → (runner, the first pool that set it)
+    for i, pool in enumerate(pools):
+        first = runner_of.setdefault(pool.model, (pool.runner, pool.name))
+        if first[0] != pool.runner:
+            raise _FieldError(
+                f"pools.{i}.runner",
+                f"model {pool.model!r} is served by pool {first[1]!r} with runner {first[0]} and by "
+                f"{pool.name!r} with {pool.runner}; serve the embedding model under a name of its own",
+            )
 
 
 def _check_launch_gpus(config: MosaicConfig) -> None:
@@ -645,6 +667,13 @@ def _check_autoscaler(config: MosaicConfig) -> None:
                 "each Deployment can scale one pool only",
             )
         mapped_by[deployment] = mapped
+        if next(p for p in config.pools if p.name == mapped).runner == "pooling":
+            # the policy's signal is decode tokens/s, which an embedding pool never produces: it would only
+            # ever be scaled down
+            raise _FieldError(
+                f"autoscaler.kubernetes.deployments.{mapped}",
+                f"pool {mapped!r} runs the pooling runner (embeddings), which the autoscaler does not scale",
+            )
     _check_domains(a.kubernetes.deployments, a.kubernetes.domains, names)
     # The parameters parse (hpa-util:0.7, static:pool=N, ...), and `static:` counts lie within their pools'
     # configured bounds; the live policy is built by the controller (which also clamps every target to them).

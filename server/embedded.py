@@ -109,6 +109,7 @@ class SimulatedPoolSource:
             gpu=pool.gpu,
             model=self.model.spec_name,
             role=pool.role,
+            runner=pool.runner,
             tp=pool.tp,
             time_scale=sim.time_scale,
             seed=sim.seed + index,

@@ -48,7 +48,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -69,7 +69,8 @@ REPLY_PRIMING_TOKENS = 3
 DEFAULT_CONTEXT = 8192  # a model's context when the gateway knows no max_model_len for it
 PREFIX_HASH_BLOCKS = 64  # hash at most this many leading blocks (affinity needs the prefix, not all of it)
 
-Kind = Literal["chat", "completions", "responses"]
+Kind = Literal["chat", "completions", "responses", "embeddings"]
+GENERATION_KINDS: frozenset[Kind] = frozenset({"chat", "completions", "responses"})
 
 
 class _Lenient(BaseModel):
@@ -137,6 +138,16 @@ class _Responses(_Lenient):
     instructions: str | None = None
     max_output_tokens: int | None = None
     previous_response_id: str | None = None
+    kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
+
+
+class _Embeddings(_Lenient):
+    """The fields of an embeddings request the gateway reads (vLLM 0.32's `EmbeddingRequest`: `input` as
+    OpenAI's, or chat `messages` rendered by the model's template; no stream, no output)."""
+
+    model: str | None = None
+    input: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
+    messages: list[_Message] | None = None
     kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
 
 
@@ -280,12 +291,7 @@ def parse_responses(
 ) -> ParsedRequest:
     """`parse_request` for a Responses body (`text`: the body without a byte-order mark). One sequence; the
     stream carries its usage in its last event whatever the client asks, so nothing is rewritten upstream."""
-    try:
-        req = _Responses.model_validate_json(text)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    model, adapter = _model_of(req.model, default_model, adapters, resolver)
-    _refuse_kv_params(req.kv_transfer_params)
+    req, model, adapter = _validated(_Responses, text, default_model, adapters, resolver)
     prompt, floor, prompt_text = _responses_prompt(req)
     limit = req.max_output_tokens
     if limit is None:
@@ -306,6 +312,48 @@ def parse_responses(
         prompt_floor=floor,
         previous_response_id=req.previous_response_id,
         output_defaulted=req.max_output_tokens is None,
+        adapter=adapter,
+    )
+
+
+def parse_embeddings(
+    body: bytes,
+    text: bytes,
+    default_model: str | None,
+    adapters: Mapping[str, str] | None = None,
+    resolver: AdapterResolver | None = None,
+) -> ParsedRequest:
+    """`parse_request` for an embeddings body: each input is one sequence that ends at its prefill (no
+    output tokens), so its footprint is its prompt. The worker checks what the gateway does not read (an
+    empty input, `dimensions` on a model without Matryoshka embeddings, `encoding_format`) in its own words."""
+    req, model, adapter = _validated(_Embeddings, text, default_model, adapters, resolver)
+    if req.input is None and req.messages is None:
+        raise GatewayError(Cause.BAD_REQUEST, "'input' is required (or chat 'messages')", param="input")
+    if req.input is not None:
+        # an empty list is the worker's 400 ("You must pass at least one prompt"): counted as one empty prompt
+        prompt, exact, lens, floor, token_ids, prompt_text = (
+            _completion_prompt(req.input) if req.input != [] else (0, True, (0,), None, None, None)
+        )
+    else:
+        messages = req.messages or []
+        prompt = sum(_message_tokens(m) for m in messages) + REPLY_PRIMING_TOKENS
+        floor = _floor(sum(_message_floor_basis(m) for m in messages) + REPLY_PRIMING_TOKENS)
+        exact, lens, token_ids, prompt_text = False, (prompt,), None, _chat_text(messages)
+    return ParsedRequest(
+        kind="embeddings",
+        body=body,
+        model=model,
+        stream=False,
+        client_wants_usage=False,
+        has_stream_options=False,
+        prompt_tokens=prompt,
+        prompt_exact=exact,
+        sequences=max(1, len(lens)),
+        max_output_tokens=0,
+        token_ids=token_ids,
+        prompt_text=prompt_text,
+        prompt_lens=lens if len(lens) > 1 else (),
+        prompt_floor=None if exact else floor,
         adapter=adapter,
     )
 
@@ -359,6 +407,27 @@ def _model_of(
     return (model, None) if base is None else (base, model)
 
 
+_Body = TypeVar("_Body", _Chat, _Completion, _Responses, _Embeddings)
+
+
+def _validated(
+    cls: type[_Body],
+    text: bytes,
+    default_model: str | None,
+    adapters: Mapping[str, str] | None,
+    resolver: AdapterResolver | None,
+) -> tuple[_Body, str, str | None]:
+    """The body validated as `cls` (400 naming the field), the model to route as and the adapter it names;
+    a client's `kv_transfer_params` refused."""
+    try:
+        req = cls.model_validate_json(text)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    model, adapter = _model_of(req.model, default_model, adapters, resolver)
+    _refuse_kv_params(req.kv_transfer_params)
+    return req, model, adapter
+
+
 def _refuse_kv_params(kv_transfer_params: Any) -> None:
     if kv_transfer_params is not None:
         # vLLM's connector fields (do_remote_decode holds KV blocks until an abort timeout, outside the KV
@@ -391,12 +460,11 @@ def parse_request(
     text = body[3:] if body.startswith(codecs.BOM_UTF8) else body
     if kind == "responses":
         return parse_responses(body, text, max_model_len, default_model, adapters, resolver)
-    try:
-        req: _Chat | _Completion = (_Chat if kind == "chat" else _Completion).model_validate_json(text)
-    except ValidationError as exc:
-        raise _validation_error(exc) from None
-    model, adapter = _model_of(req.model, default_model, adapters, resolver)
-    _refuse_kv_params(req.kv_transfer_params)
+    if kind == "embeddings":
+        return parse_embeddings(body, text, default_model, adapters, resolver)
+    req, model, adapter = _validated(
+        _Chat if kind == "chat" else _Completion, text, default_model, adapters, resolver
+    )
     n = req.n if req.n and req.n > 0 else 1
     token_ids: list[int] | None = None
     text: str | None = None
@@ -544,7 +612,8 @@ def route_request(
         prompt_lens=parsed.prompt_lens,
         ticket=ticket,
         # vLLM's Responses request has no P/D handover; prompt logprobs need the prompt run where they are asked
-        single_hop=parsed.kind == "responses" or parsed.prompt_logprobs,
+        # embeddings end at their prefill, so there is nothing to hand over
+        single_hop=parsed.kind in ("responses", "embeddings") or parsed.prompt_logprobs,
         pinned_worker=pinned_worker,
         adapter=parsed.adapter,
     )

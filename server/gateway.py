@@ -126,6 +126,8 @@ class Gateway:
                 )
             self.registry.add_pool(info, tracked, waited_for=waited_for)
         self.models: tuple[str, ...] = tuple(self.registry.models())
+        # models whose pools run vLLM's pooling runner: embeddings only (config: one runner per model)
+        self.pooling_models = frozenset(p.model for p in config.pools if p.runner == "pooling")
         self.registry.on_context = self._note_served_context
         # `models[].lora_resolver`: unknown names are adapters of that model (server.footprint.AdapterResolver)
         resolving = config.lora_resolver_model
@@ -308,6 +310,7 @@ class Gateway:
             pool.domain,
             model_cfg.lora_resolver,
             self._stuck_window(pool, catalog, model_cfg.spec_name),
+            pooling=pool.runner == "pooling",
         )
 
     def _stuck_window(
@@ -373,6 +376,7 @@ class Gateway:
             pool.name,
             served_model=model.name,
             role=pool.role,
+            runner=pool.runner,
             tp=pool.tp,
             dp=pool.dp,
             max_model_len=model.max_model_len,

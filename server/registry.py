@@ -87,6 +87,7 @@ class PoolInfo:
     # how long an engine serving a context of n tokens may report running requests and no step
     # before it is judged stuck (`health.stuck_engine_s`, raised to cover such a prefill); None: never judged
     stuck_window: Callable[[int | None], float] | None = field(default=None, compare=False)
+    pooling: bool = False  # its workers run vLLM's pooling runner: embeddings, no completions
 
 
 @dataclass(slots=True)
@@ -939,18 +940,22 @@ class Registry:
         """The probe of a worker whose engine was judged hung while idle (`WorkerRecord.untaken_stuck`) and has
         not stepped since: `/health` 200 says nothing of it, and once the requests that showed it were severed
         its gauges and counters say nothing either (a resumed engine whose only requests were aborted before
-        it scheduled them reports no step). So the probe asks it for a 1-token completion of its base model,
-        within `health.timeout_s`: answered → it takes requests (passed); no answer → still stuck; a 4xx was
+        it scheduled them reports no step). So the probe asks it for a 1-token completion of its base model
+        (an embedding of one word on a pooling worker, which serves no completions), within
+        `health.timeout_s`: answered → it takes requests (passed); no answer → still stuck; a 4xx was
         refused before the engine (a model name or prompt it does not take), which shows nothing about the
         engine and is not held against it (passed, as before this probe)."""
         auth = self._auth.get(rec.pool.name)
         timeout = self._health_cfg.timeout_s
+        model = rec.served_model or rec.pool.model
+        path, body = (
+            ("/v1/embeddings", {"model": model, "input": "ping"})
+            if rec.pool.pooling
+            else ("/v1/completions", {"model": model, "prompt": "ping", "max_tokens": 1})
+        )
         try:
             resp = await self._client.post(
-                rec.url + "/v1/completions",
-                json={"model": rec.served_model or rec.pool.model, "prompt": "ping", "max_tokens": 1},
-                headers=dict([auth]) if auth else None,
-                timeout=timeout,
+                rec.url + path, json=body, headers=dict([auth]) if auth else None, timeout=timeout
             )
         except httpx.TimeoutException:
             return (

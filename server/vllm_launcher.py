@@ -4,7 +4,7 @@ Command built by `build_command(spec)` (vLLM 0.32 flags):
 
     [*spec.vllm_command, MODEL, --host H, --port P, [--served-model-name N], --tensor-parallel-size TP,
      [--data-parallel-size DP], [--max-model-len L], [--gpu-memory-utilization U], [--max-num-seqs S],
-     [--block-size B],
+     [--block-size B], [--runner pooling],
      [--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer"|"kv_consumer"}'],
      [--shutdown-timeout S], *spec.extra_args]
 
@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import IO, Self
 
 ROLES = ("mixed", "prefill", "decode")
+RUNNERS = ("generate", "pooling")  # vLLM's --runner values a pool may run (its `auto` is not one: explicit)
 # vLLM 0.32 NixlConnector: "set kv_role='kv_producer' for prefill instances and 'kv_consumer' for decode".
 KV_ROLE_BY_ROLE: Mapping[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 DEFAULT_VLLM_COMMAND: tuple[str, ...] = ("vllm", "serve")
@@ -112,6 +113,9 @@ class VllmLaunchSpec:
     host: str = "127.0.0.1"
     served_model_name: str | None = None
     role: str = "mixed"
+    # vLLM's --runner: "pooling" is passed (an embeddings server); "generate" leaves vLLM's `auto`, which
+    # picks generation for a causal LM (a causal LM served for embeddings also needs `--convert embed`)
+    runner: str = "generate"
     tensor_parallel_size: int = 1  # GPUs per engine
     # engines behind the one API server (--data-parallel-size), each on its own tensor_parallel_size GPUs
     data_parallel_size: int = 1
@@ -137,6 +141,10 @@ class VllmLaunchSpec:
             raise ValueError("model: must not be empty")
         if self.role not in ROLES:
             raise ValueError(f"role: {self.role!r} is not one of {', '.join(ROLES)}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner: {self.runner!r} is not one of {', '.join(RUNNERS)}")
+        if self.runner == "pooling" and self.role != "mixed":  # no KV connector hands over an embedding
+            raise ValueError(f"runner: pooling serves whole requests, role must be mixed, not {self.role}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port: {self.port} is not in 1..65535")
         if not self.host or self.host.startswith("[") or any(c.isspace() for c in self.host):
@@ -228,6 +236,7 @@ def build_command(spec: VllmLaunchSpec) -> list[str]:
         ("--max-num-seqs", spec.max_num_seqs),
         ("--block-size", spec.block_size),
         ("--shutdown-timeout", spec.shutdown_timeout_s),
+        ("--runner", "pooling" if spec.runner == "pooling" else None),
     ):
         if value is not None and not _gives(spec.extra_args, flag):
             cmd += [flag, str(value)]

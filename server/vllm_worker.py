@@ -65,6 +65,7 @@ def worker_spec(
     *,
     model: str,
     role: str = "mixed",
+    runner: str = "generate",
     host: str = "127.0.0.1",
     port: int = 8000,
     tp: int = 1,
@@ -106,6 +107,7 @@ def worker_spec(
             host=host,
             served_model_name=served_model_name,
             role=role,
+            runner=runner,
             tensor_parallel_size=tp,
             data_parallel_size=dp,
             max_model_len=max_model_len,
@@ -255,6 +257,7 @@ def run_vllm_worker(ctx: typer.Context) -> int:
         spec = worker_spec(
             model=p["model"],
             role=p["role"],
+            runner=p.get("runner", "generate"),
             host=p["host"],
             port=p["port"],
             tp=p["tp"],

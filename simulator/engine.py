@@ -43,6 +43,10 @@ per block_size tokens per sequence), admissions, preemptions — because decodin
 implicitly by a global step counter: a sequence that joined decode at step g0 with c0 tokens computed has
 c0 + (g − g0) at step g. Only `StepResult.decoded` (a tuple of the decoding ids) is O(batch), in C.
 
+Pooling (`EngineRequest.pooling`, vLLM's `--runner pooling`): a prefill-only request, scheduled, chunked,
+preempted and holding KV like any other; the step that computes the last of its prompt finishes it (reason
+stop, 0 output tokens, its first-token time = its end, as vLLM's pooling outputs carry it) and frees its KV.
+
 Prefix caching (`enable_prefix_caching`, token-id prompts): full prompt blocks are hashed and reused at
 admission (simulator/prefix_cache.py); hit tokens cost no prefill work.
 
@@ -194,6 +198,7 @@ class Engine:
         self._tie = 0
         self._landed: list[str] = []  # transfers landed during the current step (StepResult.kv_received)
         self._prompt_computed = 0  # prompt tokens of the requests whose first token the current step emits
+        self._pooled = 0  # pooling requests the current step finished (StepResult.num_pooled)
         self._now = 0.0  # start of the step being scheduled
         self._loras: dict[str, int] = {}  # LoRA adapter → running sequences of it (vLLM's scheduled_loras)
 
@@ -269,6 +274,9 @@ class Engine:
         prompt = req.num_prompt_tokens
         if prompt < 1:
             raise ValueError("prompt must have at least one token")
+        if req.pooling:
+            self._queue(req, self._check_pooling(req, prompt), FinishReason.STOP, now, arrival)
+            return
         if prompt >= self.max_model_len:
             raise ValueError(
                 f"prompt of {prompt} tokens leaves no room for output (max_model_len {self.max_model_len})"
@@ -289,10 +297,26 @@ class Engine:
             natural = max(natural, req.min_tokens, 1)
             if natural < cap:  # EOS before the length limit; at equality vLLM reports "length"
                 stop_at, reason = natural, FinishReason.STOP
+        self._queue(req, stop_at, reason, now, arrival)
+
+    def _check_pooling(self, req: EngineRequest, prompt: int) -> int:
+        """A pooling request's own checks (ValueError); returns its output length, 0. Its prompt may fill the
+        context: nothing is generated after it (vLLM's pooling runner takes a prompt of max_model_len)."""
+        if prompt > self.max_model_len:
+            raise ValueError(f"prompt of {prompt} tokens exceeds max_model_len {self.max_model_len}")
+        if req.max_tokens != 0 or req.min_tokens != 0:
+            raise ValueError("a pooling request generates no tokens: max_tokens and min_tokens must be 0")
+        if req.kv_transfer is not None:
+            raise ValueError("a pooling request has no P/D role (vLLM disaggregates generation only)")
+        return 0
+
+    def _queue(
+        self, req: EngineRequest, stop_at: int, reason: FinishReason, now: float, arrival: float | None
+    ) -> None:
         s = _Seq(req, now if arrival is None else arrival, stop_at, reason)
         if self._pc is not None and req.token_ids is not None:
             s.hashes = block_hashes(req.token_ids, self.kv.block_size, req.lora)
-        self._seqs[rid] = s
+        self._seqs[req.request_id] = s
         self._waiting.append(s)
 
     def abort(self, request_id: str, now: float) -> RequestRecord | None:
@@ -380,6 +404,7 @@ class Engine:
         prefilled: list[str] = []
         firsts: list[str] = []
         self._prompt_computed = 0
+        self._pooled = 0
         if chunks:
             self._partial = None
             for s, n in chunks:
@@ -392,7 +417,7 @@ class Engine:
         return StepResult(
             now, dur, p_tokens, n_dec, decoded, tuple(prefilled) if prefilled else (),
             tuple(firsts) if firsts else (), tuple(finished) if finished else (),
-            tuple(preempted) if preempted else (), landed, self._prompt_computed,
+            tuple(preempted) if preempted else (), landed, self._prompt_computed, self._pooled,
         )  # fmt: skip
 
     def _grow_decodes(self, g: int, preempted: list[str]) -> None:
@@ -683,10 +708,19 @@ class Engine:
         firsts: list[str],
         finished: list[RequestRecord],
     ) -> None:
+        prefilled.append(s.id)
+        if s.req.pooling:  # prefill only: done now, its KV freed, no token generated or counted
+            self._pooled += 1
+            s.first_token = end
+            self.counters.prompt_tokens += s.prompt_len
+            self._prompt_computed += s.prompt_len - s.cached
+            firsts.append(s.id)
+            self._stop_running(s)
+            self._end(s, end, finished)
+            return
         s.out += 1
         s.num_tokens += 1
         self.counters.generation_tokens += 1
-        prefilled.append(s.id)
         if s.first_token is None:
             s.first_token = end
             self.counters.prompt_tokens += s.prompt_len

@@ -86,7 +86,8 @@ class StepResult(NamedTuple):
     num_prefill_tokens: int = 0
     num_decodes: int = 0
     decoded: tuple[str, ...] = ()  # decoding sequences (in decode-join order); includes those finishing
-    prefilled: tuple[str, ...] = ()  # prefill or recompute completed → one token
+    # prefill or recompute completed → one token (a pooling request's: none, it finished; `num_pooled`)
+    prefilled: tuple[str, ...] = ()
     first_tokens: tuple[str, ...] = ()  # subset of `prefilled`: the request's very first token
     finished: tuple[RequestRecord, ...] = ()
     preempted: tuple[str, ...] = ()
@@ -94,6 +95,8 @@ class StepResult(NamedTuple):
     # prompt tokens computed for the requests in `first_tokens` (less their prefix-cache or remote-KV part),
     # all counted at the step that emits the first token, as vLLM's prefill stats are
     prompt_computed: int = 0
+    # pooling requests among `prefilled`: their prefill completed and finished them without emitting a token
+    num_pooled: int = 0
 
     @property
     def end(self) -> float:

@@ -789,6 +789,21 @@ def parse_request(
     )  # fmt: skip
 
 
+def check_prompt_length(ids: list[int], text: bool, max_model_len: int) -> None:
+    """vLLM's refusal of a prompt over the context (`input_tokens`), for completions, chat and embeddings.
+    It tokenises text with max_length = max_model_len + 1, so it counts at most that many ("at least")."""
+    count = min(len(ids), max_model_len + 1) if text else len(ids)
+    if count > max_model_len:
+        at_least = "at least " if count == max_model_len + 1 else ""
+        raise vllm_error(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{at_least}{count} input tokens, which exceeds this limit even without any output tokens. "
+            "Please reduce the length of the input prompt.",
+            "input_tokens",
+            count,
+        )
+
+
 def check_request(
     api: ApiRequest,
     max_model_len: int,
@@ -801,17 +816,7 @@ def check_request(
     header's rank against the server's engines, token ids from 0 to `vocab_size` − 1). Returns max_tokens
     per prompt."""
     for ids, text in zip(api.prompts, api.from_text or [False] * len(api.prompts), strict=True):
-        # vLLM tokenises text with max_length = max_model_len + 1, so it counts at most that many
-        count = min(len(ids), max_model_len + 1) if text else len(ids)
-        if count > max_model_len:
-            at_least = "at least " if count == max_model_len + 1 else ""
-            raise vllm_error(
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
-                f"{at_least}{count} input tokens, which exceeds this limit even without any output tokens. "
-                "Please reduce the length of the input prompt.",
-                "input_tokens",
-                count,
-            )
+        check_prompt_length(ids, text, max_model_len)
     out = []
     for ids in api.prompts:
         room = max_model_len - len(ids)  # vLLM's get_max_tokens: 0 when the prompt fills the context

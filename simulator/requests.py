@@ -59,6 +59,10 @@ class EngineRequest:
     natural_output_tokens: int | None = None  # where EOS falls; None → drawn from the engine's seed
     kv_transfer: KvTransfer | None = None
     lora: str | None = None  # the LoRA adapter it runs with (its name); None → the base model
+    # A pooling (embedding) request, as vLLM's `--runner pooling` runs one: prefill only. It is scheduled,
+    # chunked and holds KV like any request, and finishes (reason stop, no output token) when its prompt is
+    # computed; `max_tokens` must be 0. Its prompt may fill max_model_len (no room for output is needed).
+    pooling: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,12 @@ this server's (the simulated release goes to /sim/kv/release, which finds the en
 `/sim/state` sums the engines (KV usage: their mean; blocks: the server's total, as `cache_config_info`)
 and lists each under `engines`. N = 1 answers exactly as a worker without data parallelism.
 
+Runners (`runner`, vLLM's `--runner`): "generate" serves the routes above; "pooling" is an embedding server
+(`vllm serve MODEL --runner pooling --convert embed`): POST /v1/embeddings (`simulator.embeddings`) instead
+of /v1/completions, /v1/chat/completions and /v1/responses[/...], which are then unknown paths (vLLM's 404
+`{"detail": "Not Found"}`). Each input of an embeddings request is one prefill-only engine request
+(`EngineRequest.pooling`), all submitted together; mixed role only (vLLM has no P/D for pooling).
+
 LoRA (`lora_modules`, vLLM's `--enable-lora --lora-modules ...`; `simulator.lora`): a request whose `model`
 is an adapter's name (completions, chat, the Responses API, /tokenize, /detokenize) is served with it and
 answered with that name as `model`; its engine requests carry the adapter, so the engine's `max_loras`
@@ -64,6 +70,7 @@ from starlette.routing import Route
 from placement.catalog import load_catalog
 from placement.perf_model import PerfModel
 from simulator.data_parallel import RANK_HEADER, DpBalancer, EngineLoad, requested_rank
+from simulator.embeddings import EmbedRequest, embedding, embeddings_body, embeddings_bytes, parse_embeddings
 from simulator.engine import Engine, EngineConfig
 from simulator.fingerprint import VLLM_VERSION, system_fingerprint
 from simulator.lora import (
@@ -92,6 +99,7 @@ from simulator.protocol import (
 )
 from simulator.requests import (
     EngineRequest,
+    FinishReason,
     KvTransfer,
     RequestRecord,
     prompt_fingerprint,
@@ -111,6 +119,7 @@ from simulator.tokens import VOCAB_SIZE, id_text, pseudo_top_logprobs, pseudo_wo
 from simulator.worker_runtime import EngineDriver, Ticket
 
 ROLES = ("mixed", "prefill", "decode")
+RUNNERS = ("generate", "pooling")  # vLLM's --runner: text generation, or an embedding (pooling) server
 MIN_TIME_SCALE = 1e-3  # time_scale floor: at most 1000× slower than real time
 _MASK64 = (1 << 64) - 1
 _SEQUENCE_MIX = 0x9E3779B97F4A7C15  # spreads completion j of a prompt over the fingerprint's bits
@@ -202,10 +211,20 @@ class WorkerConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: env VLLM_ALLOW_RUNTIME_LORA_UPDATING); it
     # does not turn LoRA on: without it a load is vLLM's 500 "LoRA is not enabled"
     allow_runtime_lora_updating: bool = False
+    # vLLM's --runner: "generate" (completions, chat, responses) or "pooling" (an embedding server, as
+    # `--runner pooling --convert embed`: /v1/embeddings only)
+    runner: str = "generate"
 
     def validate(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.runner == "pooling" and self.role != "mixed":
+            raise ValueError(
+                f"runner 'pooling' needs role 'mixed', got {self.role!r}: vLLM disaggregates prefill and "
+                "decode for generation only"
+            )
         if isinstance(self.data_parallel_size, bool) or not (
             isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1
         ):
@@ -397,12 +416,9 @@ class WorkerRuntime:
             return JSONResponse(err.body(), status_code=err.status)
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
-        faults = self.faults
-        if faults.stall_rate and self.rng.random() < faults.stall_rate:
-            await asyncio.sleep(faults.stall_s)
-        if faults.error_rate and self.rng.random() < faults.error_rate:
-            err = ApiError(500, "simulated worker failure (error_rate)", "InternalServerError")
-            return JSONResponse(err.body(), status_code=500)
+        failed = await self._inject_faults()
+        if failed is not None:
+            return failed
         # A client's id may repeat (retries, P/D sending one id to both sides), so the engine gets its own:
         # the response id plus 8 random hex digits, as vLLM's input processor makes it.
         eid = f"{rid}-{secrets.token_hex(4)}"
@@ -416,6 +432,16 @@ class WorkerRuntime:
             err = ApiError(400, str(exc))
             return JSONResponse(err.body(), status_code=err.status)
         return eid, seqs, tickets, rank, driver
+
+    async def _inject_faults(self) -> Response | None:
+        """The request-level failure injection (`FaultConfig`): maybe stall, then maybe the 500 to answer."""
+        faults = self.faults
+        if faults.stall_rate and self.rng.random() < faults.stall_rate:
+            await asyncio.sleep(faults.stall_s)
+        if faults.error_rate and self.rng.random() < faults.error_rate:
+            err = ApiError(500, "simulated worker failure (error_rate)", "InternalServerError")
+            return JSONResponse(err.body(), status_code=500)
+        return None
 
     def _tops(self, seq: ApiSequence, start: int, stop: int, k: int) -> list[list[tuple[str, float]]]:
         """Tokens start..stop−1 of `seq`'s answer with their max(1, k) most likely candidates."""
@@ -549,6 +575,66 @@ class WorkerRuntime:
             for tk in tickets:
                 driver.abort(tk)  # no-op once finished; a client disconnect aborts the request
             self._abandon_remote(engine_id or rid)
+
+    # ------------------------------------------------------------ embeddings (runner "pooling")
+    async def handle_embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings: every input one prefill-only engine request, submitted together on one engine;
+        answered when all have finished (`simulator.embeddings` for the checks and the bodies)."""
+        dp_rank = requested_rank(request.headers.get(RANK_HEADER))
+        try:
+            body = parse_body(await request.body(), request.headers.get("content-type"))
+            vocab = self.perf.model.vocab_size or VOCAB_SIZE
+            req = parse_embeddings(
+                body, self.served, self.engine.max_model_len, vocab, self.loras, dp_rank, len(self.engines)
+            )
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        # vLLM's `_base_request_id`, as for completions: X-Request-Id, else the body's request_id, else random
+        base = request.headers.get("x-request-id")
+        if base is None:
+            base = req.request_id if req.request_id is not None else secrets.token_hex(8)
+        rid = "embd-" + base
+        failed = await self._inject_faults()
+        if failed is not None:
+            return failed
+        recs = await self._run_pooling(request, req, f"{rid}-{secrets.token_hex(4)}", dp_rank)
+        if isinstance(recs, Response):
+            return recs
+        return self._embeddings_response(rid, req)
+
+    async def _run_pooling(
+        self, request: Request, req: EmbedRequest, eid: str, dp_rank: int | None
+    ) -> list[RequestRecord] | Response:
+        """Run the inputs as engine requests `<eid>-<i>` (vLLM numbers a pooling batch's prompts so); their
+        records, or the Response to answer (refused by the engine, client gone, aborted by a stop)."""
+        lora = req.model if req.model in self.loras else None
+        reqs = [
+            EngineRequest(f"{eid}-{i}", ids, 0, lora=lora, pooling=True) for i, ids in enumerate(req.prompts)
+        ]
+        driver = self.drivers[self.engine_for(dp_rank)]
+        try:
+            tickets = await driver.submit_all(reqs, stream=False)
+        except ValueError as exc:  # the engine refused what the checks let through: a 400, not a 500
+            err = ApiError(400, str(exc))
+            return JSONResponse(err.body(), status_code=err.status)
+        recs = await self._finished_or_disconnected(request, tickets, driver)
+        if recs is None:
+            return Response(status_code=499)  # nobody is listening any more
+        if any(rec.finish_reason is FinishReason.ABORT for rec in recs):
+            # the server is stopping: vLLM's batch collector then lacks an output and answers this ValueError
+            err = ApiError(400, "Failed to generate results for all prompts")
+            return JSONResponse(err.body(), status_code=err.status)
+        return recs
+
+    def _embeddings_response(self, rid: str, req: EmbedRequest) -> Response:
+        dim = self.perf.model.hidden_size
+        vectors = [embedding(self.cfg.seed, ids, dim) for ids in req.prompts]
+        tokens = sum(map(len, req.prompts))
+        created = int(time.time())
+        if req.encoding_format in ("bytes", "bytes_only"):
+            content, headers = embeddings_bytes(rid, created, req, vectors, tokens)
+            return Response(content, media_type="application/octet-stream", headers=headers)
+        return JSONResponse(embeddings_body(rid, created, req, vectors, tokens))
 
     # ------------------------------------------------------------ responses
     async def handle_responses(self, request: Request) -> Response:
@@ -776,6 +862,9 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
     async def responses(request: Request) -> Response:
         return await rt.handle_responses(request)
 
+    async def embeddings(request: Request) -> Response:
+        return await rt.handle_embeddings(request)
+
     async def stored_response(request: Request) -> Response:
         # GET /v1/responses/{id} and POST .../cancel: vLLM always routes them, and with its store off (as
         # here) knows no id: its 404 in OpenAI's shape (a bare `{"detail": "Not Found"}` before)
@@ -867,12 +956,18 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
         if cfg.allow_runtime_lora_updating
         else ()
     )  # fmt: skip
+    # the runner's own routes: a pooling server has no generation API (those paths are vLLM's unknown paths)
+    runner_routes = (
+        (("/v1/completions", completions, ["POST"], False),
+         ("/v1/chat/completions", chat_completions, ["POST"], False),
+         ("/v1/responses", responses, ["POST"], False),
+         ("/v1/responses/{response_id}", stored_response, ["GET"], True),
+         ("/v1/responses/{response_id}/cancel", stored_response, ["POST"], False))
+        if cfg.runner == "generate"
+        else (("/v1/embeddings", embeddings, ["POST"], False),)
+    )  # fmt: skip
     for path, endpoint, methods, get_only in (
-        ("/v1/completions", completions, ["POST"], False),
-        ("/v1/chat/completions", chat_completions, ["POST"], False),
-        ("/v1/responses", responses, ["POST"], False),
-        ("/v1/responses/{response_id}", stored_response, ["GET"], True),
-        ("/v1/responses/{response_id}/cancel", stored_response, ["POST"], False),
+        *runner_routes,
         ("/v1/models", models, ["GET"], True),
         ("/tokenize", tokenize, ["POST"], False),
         ("/detokenize", detokenize, ["POST"], False),

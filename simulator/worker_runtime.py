@@ -261,7 +261,9 @@ class EngineDriver:
         if res.decoded or res.prefilled:
             # vLLM observes an iteration that has outputs: the prompt tokens its first tokens completed (each
             # prompt once, whole, at its first token) plus the tokens generated; recomputed KV is not counted
-            m.iteration_tokens.observe(res.prompt_computed + len(res.decoded) + len(res.prefilled))
+            # (a pooling request's prefill generates nothing: `num_pooled`)
+            generated = len(res.decoded) + len(res.prefilled) - res.num_pooled
+            m.iteration_tokens.observe(res.prompt_computed + generated)
         if res.decoded:
             # Decoding sequences run every step and steps are back to back, so each decode token's
             # inter-token latency is this step's duration: one bulk observation.

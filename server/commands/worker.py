@@ -18,6 +18,9 @@ vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING` set to "1" or "true" (vLLM's reading),
 `--allow-runtime-lora-updating` (the simulator's own flag: vLLM has only the variable). As in vLLM it does not
 turn LoRA on: a load without `--enable-lora` or adapters is vLLM's 500 "LoRA is not enabled".
 
+`--runner pooling` makes it an embedding server, as vLLM's `--runner pooling --convert embed`: POST
+/v1/embeddings instead of the generation routes (mixed role only).
+
 `serve_simulated` is the simulated backend; `--engine vllm` hands the flags to a real vLLM instead.
 """
 
@@ -39,7 +42,7 @@ from server.commands.common import check_log_level, fail, raise_open_files_limit
 from simulator.engine import EngineConfig
 from simulator.engine_types import LONG_MAX_MODEL_LEN_ENV, vllm_env_flag
 from simulator.lora import RUNTIME_LORA_ENV, LoraModule, parse_lora_modules, runtime_lora_updating
-from simulator.worker_app import ROLES, FaultConfig, WorkerConfig, WorkerRuntime
+from simulator.worker_app import ROLES, RUNNERS, FaultConfig, WorkerConfig, WorkerRuntime
 from simulator.worker_server import start_worker_server
 
 
@@ -95,8 +98,10 @@ async def serve_simulated(cfg: WorkerConfig, host: str, port: int, log_level: st
     eng = rt.engine
     # data parallel: the blocks are each engine's (the cache_config_info rows report the server's sum)
     dp = f" ×{cfg.data_parallel_size} engines" if cfg.data_parallel_size > 1 else ""
+    # an embedding worker says so: its clients need /v1/embeddings, not completions
+    kind = "pooling (embedding) worker serving" if cfg.runner == "pooling" else "serving"
     typer.echo(
-        f"mosaic worker: simulated {rt.perf.gpu.name} ×{cfg.tp} serving {rt.served} ({cfg.role}) at {worker.url} "
+        f"mosaic worker: simulated {rt.perf.gpu.name} ×{cfg.tp} {kind} {rt.served} ({cfg.role}) at {worker.url} "
         f"— num_gpu_blocks={eng.num_gpu_blocks}{dp} block_size={eng.block_size} max_model_len={eng.max_model_len} "
         f"time_scale={cfg.time_scale:g}"
         + (
@@ -140,6 +145,11 @@ def register(app: typer.Typer) -> None:
             "vllm serve", "--vllm-command", help="--engine vllm: command that runs vLLM."
         ),
         role: str = typer.Option("mixed", "--role", help="mixed | prefill | decode (P/D disaggregation)."),
+        runner: str = typer.Option(
+            "generate",
+            "--runner",
+            help="vLLM's --runner: generate (completions, chat) | pooling (an embedding server: /v1/embeddings).",
+        ),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
         port: int = typer.Option(8001, "--port", help="Port to bind (0 = a free port)."),
         time_scale: float = typer.Option(
@@ -231,6 +241,10 @@ def register(app: typer.Typer) -> None:
             fail("LoRA is not enabled. Use --enable-lora to enable LoRA.")  # vLLM's words, at its startup
         if role not in ROLES:
             fail(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
+        if runner not in RUNNERS:
+            fail(f"--runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+        if runner == "pooling" and role != "mixed":
+            fail(f"--runner pooling needs --role mixed, got {role!r} (vLLM disaggregates generation only)")
         if not 0 <= port <= 65535:
             fail(f"--port must be in 0..65535, got {port}")
         try:
@@ -249,6 +263,7 @@ def register(app: typer.Typer) -> None:
                 advertise_host=advertise_host or host, data_parallel_size=data_parallel_size,
                 lora_modules=lora.modules, enable_lora=bool(lora.enable_lora),
                 allow_runtime_lora_updating=allow_runtime_lora_updating or runtime_lora_updating(os.environ),
+                runner=runner,
             )  # fmt: skip
             # Build the runtime once up front so catalog and capacity errors exit 2 before binding.
             WorkerRuntime(cfg)

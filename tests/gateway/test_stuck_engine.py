@@ -62,6 +62,7 @@ class _Engine:
         self.completions: list[dict[str, object]] = []  # the 1-token completions its probes asked for
         self.generates = False  # whether it answers them (else they time out, as on a hung engine)
         self.completions_status: int | None = None  # a status it answers them with instead
+        self.embeddings: list[dict[str, object]] = []  # a pooling worker's probes: one-word embeddings
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -82,20 +83,31 @@ class _Engine:
             if not self.generates:
                 raise httpx.ReadTimeout("no answer", request=request)
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "!"}]})
+        if path == "/v1/embeddings":
+            self.embeddings.append(json.loads(request.content))
+            if not self.generates:
+                raise httpx.ReadTimeout("no answer", request=request)
+            return httpx.Response(200, json={"data": [{"index": 0, "embedding": [1.0]}]})
         if path.removeprefix("/") in self.paused:
             return httpx.Response(200, json={path.removeprefix("/"): self.paused[path.removeprefix("/")]})
         return httpx.Response(404)
 
 
 async def _registry(
-    engine: _Engine, clock: _Clock, window: Callable[[int | None], float] | None
+    engine: _Engine, clock: _Clock, window: Callable[[int | None], float] | None, pooling: bool = False
 ) -> tuple[httpx.AsyncClient, Registry, WorkerRecord]:
     client = httpx.AsyncClient(transport=httpx.MockTransport(engine.handler))
     reg = Registry(
         ScrapeConfig(stale_after_s=5.0), HealthConfig(), GatewayMetrics(), client=client, clock=clock
     )
     info = PoolInfo(
-        "p", "llama-3-8b", "L4", Role.MIXED, capacity_for("L4", "llama-3-8b"), stuck_window=window
+        "p",
+        "llama-3-8b",
+        "L4",
+        Role.MIXED,
+        capacity_for("L4", "llama-3-8b"),
+        stuck_window=window,
+        pooling=pooling,
     )
     reg.add_pool(info, StaticSource(["http://w1:8000"]))
     await reg.resync("p")
@@ -217,6 +229,36 @@ def test_an_engine_hung_while_idle_is_judged_stuck_once_a_request_sent_there_is_
         await reg.health_once()
         assert len(engine.completions) == 2 and rec.health_ok is True and not rec.engine_stuck
         assert not rec.breaker.is_open(clock.t) and not rec.untaken_stuck
+        await reg.stop()
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_pooling_worker_hung_while_idle_is_probed_with_an_embedding() -> None:
+    """A pooling worker (`runner: pooling`) serves no completions (vLLM has no such route there: a 404 the probe
+    would pass as refused), so its probe asks for the embedding of one word: unanswered → still stuck,
+    answered → back."""
+
+    async def run() -> None:
+        clock, engine = _Clock(), _Engine()
+        engine.running = 0
+        client, reg, rec = await _registry(engine, clock, lambda context: 10.0, pooling=True)
+        await reg.scrape_once()
+        clock.t += 0.5
+        ticket = reg.track(rec.id, 100)
+        clock.t += 0.5
+        await reg.scrape_once()
+        await _judged_after_the_window(reg, rec, clock, 8.0)
+        ticket.done()
+        clock.t += rec.breaker.open_s
+        await reg.health_once()
+        assert engine.embeddings == [{"model": "llama-3-8b", "input": "ping"}] and engine.completions == []
+        assert rec.breaker.is_open(clock.t) and rec.engine_stuck and rec.untaken_stuck
+        engine.generates = True
+        clock.t += 2 * rec.breaker.open_s
+        await reg.health_once()
+        assert len(engine.embeddings) == 2 and rec.health_ok is True and not rec.untaken_stuck
         await reg.stop()
         await client.aclose()
 

@@ -4,7 +4,8 @@
 `real_vllm_kv`: a second server with `--max-num-seqs 2 --num-gpu-blocks-override 8` (KV pressure), started for
 the tests that ask for it, kept while they run one after another, and stopped after them; `real_vllm_dp`
 is started for the module that asks for it and stopped after it, with two data-parallel engines;
-`real_vllm_lora` likewise, with two LoRA adapters built at test time (build_lora.py), `--max-loras 1` and runtime
+`real_vllm_pooling` likewise, an embedding server (`--runner pooling --convert embed`; `sim_pooling_url` is the
+simulated worker with `--runner pooling`); `real_vllm_lora` likewise, with two LoRA adapters built at test time (build_lora.py), `--max-loras 1` and runtime
 adapter loading on (`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; `sim_lora_url` is the simulated worker set up the
 same way). All
 skip with the reason from `vllm_env.missing_reason()` when `.venv-vllm` or the model is absent (`make test-vllm`
@@ -141,7 +142,7 @@ def _serve(
     try:
         proc.wait_healthy(START_TIMEOUT_S)
         # /health answers 200 even when the engine process died during start-up: one real completion proves it.
-        vllm_env.smoke_test(proc.url)
+        vllm_env.smoke_test(proc.url, extra_args=extra_args)
         yield_cpu_to_api_server(proc.pid)
     except (LaunchError, RuntimeError) as exc:
         proc.stop()
@@ -240,6 +241,24 @@ def real_vllm_lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealSer
     yield from _serve("pytest-lora", args, adapters=tuple(dirs), extra_env=env)
 
 
+POOLING_ARGS = ("--runner", "pooling", "--convert", "embed")  # an embedding server of the tiny Llama
+
+
+@pytest.fixture
+def real_vllm_pooling() -> RealServer:
+    """A pooling (embedding) server, `--runner pooling --convert embed`: /v1/embeddings, no completions.
+    Kept while the tests that ask for it run one after another (test_embeddings_fidelity.py, then the gateway in
+    front of it, test_embeddings_vllm.py: one start) and stopped after them; `MOSAIC_REAL_VLLM_POOLING_URL`
+    points it at one already running (`real_vllm.sh start --name emb -- --runner pooling --convert embed`)."""
+    _skip_if_absent()
+    external = os.environ.get("MOSAIC_REAL_VLLM_POOLING_URL")
+    if external:
+        if not health_ok(external):
+            pytest.fail(f"MOSAIC_REAL_VLLM_POOLING_URL={external} does not answer /health")
+        return RealServer(url=external.rstrip("/"), model=vllm_env.SERVED_MODEL_NAME, process=None)
+    return _keep("real_vllm_pooling", lambda: _serve("pytest-pooling", POOLING_ARGS))
+
+
 def gateway_available() -> str | None:
     """Why the gateway cannot be put in front of the real server yet, or None when it can."""
     for module in ("server.app", "server.config"):
@@ -273,6 +292,12 @@ def sim_lora_url(real_vllm_lora: RealServer, tmp_path_factory: pytest.TempPathFa
     yield from _sim_worker(
         tmp_path_factory, "--max-loras", "1", "--lora-modules", *modules, env=RUNTIME_LORA_ENV
     )
+
+
+@pytest.fixture(scope="module")
+def sim_pooling_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The simulated worker as an embedding server (`--runner pooling`), the tiny model's 128 hidden floats."""
+    yield from _sim_worker(tmp_path_factory, "--runner", "pooling")
 
 
 def _sim_worker(

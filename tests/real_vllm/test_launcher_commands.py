@@ -159,6 +159,33 @@ NIXL_CONSUMER = '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'
             ],
             id="custom vllm command (CPU wrapper) and extra args kept last, in order",
         ),
+        pytest.param(
+            VllmLaunchSpec(
+                model="intfloat/e5-mistral-7b-instruct",
+                port=8001,
+                served_model_name="e5",
+                runner="pooling",
+                extra_args=("--convert", "embed"),
+            ),
+            [
+                "vllm",
+                "serve",
+                "intfloat/e5-mistral-7b-instruct",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "8001",
+                "--served-model-name",
+                "e5",
+                "--tensor-parallel-size",
+                "1",
+                "--runner",
+                "pooling",
+                "--convert",
+                "embed",
+            ],
+            id="a pooling pool: vLLM's pooling runner (an embeddings server)",
+        ),
     ],
 )
 def test_command_line(spec: VllmLaunchSpec, argv: list[str]) -> None:
@@ -247,6 +274,8 @@ def test_environment(spec: VllmLaunchSpec, expected: dict[str, str], absent: tup
         pytest.param({"tensor_parallel_size": 0}, "tensor_parallel_size", id="zero TP"),
         pytest.param({"port": 70000}, "port", id="port out of range"),
         pytest.param({"max_model_len": 0}, "max_model_len", id="zero max model len"),
+        pytest.param({"runner": "auto"}, "runner", id="a runner vLLM has but a pool does not name"),
+        pytest.param({"runner": "pooling", "role": "prefill"}, "runner", id="a pooling prefill worker"),
     ],
 )
 def test_bad_spec_names_the_field(kwargs: dict[str, object], field: str) -> None:

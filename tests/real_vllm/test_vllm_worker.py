@@ -62,6 +62,12 @@ FAKE_VLLM = f"{sys.executable} {Path(__file__).parent / 'fixtures' / 'fake_vllm.
             ("0", "1", "2", "3"),
             id="--gpu-ids 0-3 with --data-parallel-size 2 → two engines of TP2 (not TP4 × 2 on 4 GPUs)",
         ),
+        pytest.param(
+            {"runner": "pooling", "extra_args": ["--", "--convert", "embed"]},
+            ["--tensor-parallel-size", "1", "--runner", "pooling", "--convert", "embed"],
+            (),
+            id="--runner pooling reaches vLLM (an embeddings server)",
+        ),
     ],
 )
 def test_worker_spec(kwargs: dict[str, object], argv_tail: list[str], gpus: tuple[str, ...]) -> None:
@@ -329,6 +335,11 @@ def test_vllm_that_cannot_start_exits_1() -> None:
             "context parallelism (the server would need --tp × pcp × --data-parallel-size GPUs, and the gateway "
             "books a pool's capacity and GPUs from tp × dp only); use --tp instead",
             id="vllm: a prefill context parallel size after --",
+        ),
+        pytest.param(
+            ["--engine", "vllm", "--model", "m", "--runner", "pooling", "--role", "decode"],
+            "error: vllm worker: runner: pooling serves whole requests, role must be mixed, not decode",
+            id="vllm: a pooling decode worker",
         ),
     ],
 )

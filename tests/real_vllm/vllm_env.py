@@ -195,23 +195,44 @@ def start_process(
     return VllmProcess.start(spec, log_path=LOG_DIR / f"{name}.log", cwd=REPO_ROOT, detached=detached)
 
 
-def smoke_test(url: str, timeout_s: float = 120.0) -> None:
-    """One 2-token completion; RuntimeError with the server's answer if it is not a 200 with 2 tokens.
+def is_pooling(extra_args: Sequence[str]) -> bool:
+    """Whether `vllm serve` args make a pooling (embedding) server: `--runner pooling` or `--runner=pooling`
+    (the last one given wins, as argparse reads it)."""
+    runner = None
+    for i, arg in enumerate(extra_args):
+        if arg == "--runner" and i + 1 < len(extra_args):
+            runner = extra_args[i + 1]
+        elif arg.startswith("--runner="):
+            runner = arg.split("=", 1)[1]
+    return runner == "pooling"
+
+
+def smoke_test(url: str, timeout_s: float = 120.0, extra_args: Sequence[str] = ()) -> None:
+    """One 2-token completion (a pooling server, per `extra_args`: one embedding of 3 token ids, which has no
+    completions route); RuntimeError with the server's answer if it is not a 200 of the expected size.
     (vLLM's /health says 200 even when its engine process died while starting.)"""
-    body = json.dumps(
-        {"model": SERVED_MODEL_NAME, "prompt": [10, 11, 12], "max_tokens": 2, "ignore_eos": True}
-    )
+    if is_pooling(extra_args):
+        path, payload = "/v1/embeddings", {"model": SERVED_MODEL_NAME, "input": [10, 11, 12]}
+    else:
+        path = "/v1/completions"
+        payload = {"model": SERVED_MODEL_NAME, "prompt": [10, 11, 12], "max_tokens": 2, "ignore_eos": True}
     request = urllib.request.Request(
-        f"{url}/v1/completions", data=body.encode(), headers={"content-type": "application/json"}
+        f"{url}{path}", data=json.dumps(payload).encode(), headers={"content-type": "application/json"}
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            usage = json.loads(resp.read())["usage"]
+            answer = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"smoke completion failed: {exc.code} {exc.read()[:300]!r}") from None
+        raise RuntimeError(f"smoke request {path} failed: {exc.code} {exc.read()[:300]!r}") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise RuntimeError(f"smoke completion failed: {exc}") from None
-    if usage.get("completion_tokens") != 2:
+        raise RuntimeError(f"smoke request {path} failed: {exc}") from None
+    usage = answer.get("usage") or {}
+    if path == "/v1/embeddings":
+        if not usage.get("prompt_tokens", 0) > 0 or len(answer.get("data") or []) != 1:
+            raise RuntimeError(
+                f"smoke embedding returned {usage} with {len(answer.get('data') or [])} vectors"
+            )
+    elif usage.get("completion_tokens") != 2:
         raise RuntimeError(f"smoke completion returned {usage}")
 
 
@@ -237,7 +258,7 @@ def start(name: str, port: int | None, extra_args: Sequence[str], timeout_s: flo
     _pid_file(name).write_text(json.dumps(record), encoding="utf-8")
     try:
         waited = proc.wait_healthy(timeout_s)
-        smoke_test(proc.url)
+        smoke_test(proc.url, extra_args=extra_args)
     except (LaunchError, RuntimeError) as exc:
         stop(name)
         raise LaunchError(f"{exc}\n(log: {proc.log_path})") from None

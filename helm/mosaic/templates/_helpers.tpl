@@ -641,6 +641,9 @@ first listing of the gateway Service's EndpointSlices, after which N is the coun
 {{- end }}
 {{- $k8s := dict "namespace" $root.Release.Namespace "label_selector" $selector "port" (int $root.Values.vllm.port) "resource" $disc.resource "resync_s" (float64 $disc.resyncSeconds) "in_cluster" true "domain_label" $disc.domainLabel }}
 {{- $entry := dict "name" .name "model" .model "gpu" .gpu "role" .role "tp" (int .tp) "dp" (int .dp) }}
+{{- if eq (toString .runner) "pooling" }}
+{{- $_ := set $entry "runner" "pooling" }}
+{{- end }}
 {{- $_ := set $entry "min_replicas" (int .minReplicas) }}
 {{- $_ := set $entry "max_replicas" (int .maxReplicas) }}
 {{- $_ := set $entry "max_num_seqs" (int .maxNumSeqs) }}
@@ -675,7 +678,9 @@ config; kubernetes is the chart's default whether or not the controller runs. */
 {{- $deployments := dict }}
 {{- $domains := dict }}
 {{- range (include "mosaic.pools" $root | fromYaml).pools }}
-{{- if .domains }}
+{{- /* a pooling pool (embeddings) is not the autoscaler's: its signal, decode tokens/s, is one such a pool never produces */}}
+{{- if eq (toString .runner) "pooling" }}
+{{- else if .domains }}
 {{- $by := dict }}
 {{- range .deployments }}{{ $_ := set $by .domain .name }}{{ end }}
 {{- $_ := set $domains .name $by }}
@@ -752,6 +757,7 @@ these are the rules across keys. Each cites the loader's own rule: keep them in 
 {{- include "mosaic.checkBacklogLead" $cfg }}
 {{- include "mosaic.checkPolicy" (list $cfg $pools) }}
 {{- include "mosaic.checkPrefillOnly" $pools }}
+{{- include "mosaic.checkRunners" $pools }}
 {{- /* the chart writes autoscaler.kubernetes.domains, which the inventory is checked against, only for the controller */}}
 {{- if $root.Values.controller.enabled }}
 {{- include "mosaic.checkNodeDomains" (list $root $pools) }}
@@ -871,6 +877,23 @@ Arguments: (list configValues resolvedPools). */}}
 {{- if not (hasKey $finishing $model) }}
 {{- fail (printf "pools: model %q has only prefill pools (%s): a prefill worker does not finish a request; add a decode or mixed pool (the gateway refuses it at start)" $model (get $byModel $model | join ", ")) }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A pooling pool is role mixed and its model is served by pooling pools only: server/config.py
+(`PoolConfig._replica_bounds`, `_check_one_runner_per_model`). Argument: the merged pools. */}}
+{{- define "mosaic.checkRunners" -}}
+{{- $runnerOf := dict }}
+{{- range . }}
+{{- $runner := toString (.runner | default "generate") }}
+{{- if and (eq $runner "pooling") (ne (toString .role) "mixed") }}
+{{- fail (printf "pools: %s has runner pooling and role %s: a pooling request ends at its prefill, so a pooling pool is role mixed" .name .role) }}
+{{- end }}
+{{- $model := toString .model }}
+{{- if and (hasKey $runnerOf $model) (ne (index (get $runnerOf $model) 0) $runner) }}
+{{- fail (printf "pools: model %q is served by %s with runner %s and by %s with runner %s; serve the embedding model under a name of its own (the gateway refuses it at start)" $model (index (get $runnerOf $model) 1) (index (get $runnerOf $model) 0) .name $runner) }}
+{{- end }}
+{{- if not (hasKey $runnerOf $model) }}{{ $_ := set $runnerOf $model (list $runner (toString .name)) }}{{ end }}
 {{- end }}
 {{- end }}
 

@@ -1,0 +1,159 @@
+"""End to end over real sockets: the `openai` SDK's embeddings → gateway → simulated pooling workers
+(`runner: pooling`, vLLM's `--runner pooling`), beside a generative model on its own pool. Routed, KV-reserved
+(the prompt only: an embedding ends at its prefill) and metered like any request; each model answers only
+its own endpoints."""
+
+from __future__ import annotations
+
+import base64
+import collections.abc
+import struct
+
+import httpx
+import openai
+import pytest
+
+from server.config import validate_config
+from tests.gateway.serverkit import GatewayThread
+
+CHAT, EMBED = "llama-3-8b", "embed-mistral"
+HIDDEN = 4096  # the catalog's mistral-7b hidden size: the simulated worker's embedding dimension
+
+
+@pytest.fixture(scope="module")
+def gw() -> collections.abc.Iterator[GatewayThread]:
+    def sim(replicas: int, seed: int) -> dict[str, object]:
+        return {"simulated": {"replicas": replicas, "time_scale": 200.0, "seed": seed}}
+
+    cfg = validate_config(
+        {
+            "models": [{"name": CHAT}, {"name": EMBED, "spec": "mistral-7b"}],
+            "pools": [
+                {"name": "chat-l4", "model": CHAT, "gpu": "L4", "endpoints": sim(1, 0)},
+                {
+                    "name": "embed-l4",
+                    "model": EMBED,
+                    "gpu": "L4",
+                    "runner": "pooling",
+                    "endpoints": sim(2, 10),
+                },
+            ],
+            "limits": {"queue_deadline_s": 2},
+        },
+        "test",
+    )
+    with GatewayThread(cfg) as thread:
+        yield thread
+
+
+@pytest.fixture
+def client(gw: GatewayThread) -> collections.abc.Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def test_the_sdk_embeds_a_batch_through_the_gateway(client: openai.OpenAI, gw: GatewayThread) -> None:
+    """The SDK asks for base64 by default and decodes it: the worker's bytes reach it untouched."""
+    before = gw.metric("mosaic_prompt_tokens_total", model=EMBED)
+    r = client.embeddings.create(model=EMBED, input=[[1, 2, 3], [4, 5, 6, 7]])
+    assert [d.index for d in r.data] == [0, 1]
+    assert all(len(d.embedding) == HIDDEN for d in r.data)
+    norms = [sum(x * x for x in d.embedding) for d in r.data]
+    assert all(abs(n - 1.0) < 1e-3 for n in norms)  # vLLM normalises embeddings
+    assert (r.usage.prompt_tokens, r.usage.total_tokens) == (7, 7)
+    assert gw.metric_reaches("mosaic_prompt_tokens_total", before + 7, model=EMBED) == before + 7
+    assert gw.metric("mosaic_generation_tokens_total", model=EMBED) == 0
+    again = client.embeddings.create(model=EMBED, input=[[1, 2, 3]])
+    assert (
+        again.data[0].embedding == r.data[0].embedding
+    )  # the same tokens, the same vector, on either worker
+
+
+def test_float_and_base64_answers_carry_the_same_vector(gw: GatewayThread) -> None:
+    body = {"model": EMBED, "input": [9, 8, 7]}
+    floats = httpx.post(gw.url + "/v1/embeddings", json={**body, "encoding_format": "float"}, timeout=30)
+    packed = httpx.post(gw.url + "/v1/embeddings", json={**body, "encoding_format": "base64"}, timeout=30)
+    assert floats.status_code == packed.status_code == 200
+    assert floats.headers["x-request-id"]
+    vector = floats.json()["data"][0]["embedding"]
+    raw = base64.b64decode(packed.json()["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(vector, rel=1e-6)
+
+
+def _successes(metrics: str) -> float:
+    """A worker's `vllm:request_success_total`, summed over its labels."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:request_success_total{")
+    )
+
+
+def test_embeddings_are_routed_over_the_pool_and_their_kv_released(gw: GatewayThread) -> None:
+    """Every request ends completed on the pooling pool, spread over both workers (the router's load
+    scorers), each one a KV reservation in the ledger, none left open after."""
+    done = gw.metric("mosaic_requests_total", model=EMBED, pool="embed-l4", status="200")
+    reserved = gw.metric("mosaic_kv_reservations_total")
+    with httpx.Client(base_url=gw.url, timeout=30) as http:
+        pooling = [w for w in http.get("/admin/workers").json()["workers"] if w["pool"] == "embed-l4"]
+        served = [_successes(http.get(w["url"] + "/metrics").text) for w in pooling]
+        for i in range(12):
+            r = http.post("/v1/embeddings", json={"model": EMBED, "input": f"sentence number {i} " * 20})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0
+        after = [_successes(http.get(w["url"] + "/metrics").text) for w in pooling]
+    assert gw.metric("mosaic_requests_total", model=EMBED, pool="embed-l4", status="200") == done + 12
+    assert sum(after) - sum(served) == 12 and all(a > s for a, s in zip(after, served, strict=True))
+    assert gw.metric("mosaic_kv_reservations_total") == reserved + 12
+    for w in pooling:
+        assert gw.metric("mosaic_kv_total_units", worker=w["id"]) > 0  # the ledger books this worker
+        assert gw.metric("mosaic_kv_active_reservations", worker=w["id"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        (
+            "/v1/chat/completions",
+            {"model": EMBED, "messages": [{"role": "user", "content": "hi"}]},
+            f"The model `{EMBED}` is an embedding model (runner: pooling) and does not serve /v1/chat/completions",
+        ),
+        (
+            "/v1/completions",
+            {"model": EMBED, "prompt": "hi"},
+            f"The model `{EMBED}` is an embedding model (runner: pooling) and does not serve /v1/completions",
+        ),
+        (
+            "/v1/embeddings",
+            {"model": CHAT, "input": "hi"},
+            f"The model `{CHAT}` is a generative model (runner: generate) and does not serve /v1/embeddings",
+        ),
+    ],
+)
+def test_a_model_answers_only_its_runners_endpoints(
+    gw: GatewayThread, path: str, body: dict[str, object], message: str
+) -> None:
+    r = httpx.post(gw.url + path, json=body, timeout=30)
+    assert r.status_code == 400
+    assert r.json() == {
+        "error": {"message": message, "type": "BadRequestError", "param": "model", "code": 400}
+    }
+
+
+def test_the_workers_own_400s_pass_through(gw: GatewayThread) -> None:
+    """What the gateway does not read (an empty input, `dimensions` on a model without Matryoshka embeddings)
+    the worker refuses in vLLM's words, passed through as it answered."""
+    empty = httpx.post(gw.url + "/v1/embeddings", json={"model": EMBED, "input": []}, timeout=30)
+    assert empty.status_code == 400
+    assert empty.json()["error"]["message"] == "You must pass at least one prompt"
+    dims = httpx.post(
+        gw.url + "/v1/embeddings", json={"model": EMBED, "input": "x", "dimensions": 8}, timeout=30
+    )
+    assert dims.status_code == 400 and "Matryoshka" in dims.json()["error"]["message"]
+    missing = httpx.post(gw.url + "/v1/embeddings", json={"model": EMBED}, timeout=30)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "input"
+    unknown = httpx.post(gw.url + "/v1/embeddings", json={"model": "nope", "input": "x"}, timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+def test_models_lists_both(client: openai.OpenAI) -> None:
+    assert sorted(m.id for m in client.models.list().data) == sorted([CHAT, EMBED])
