@@ -286,8 +286,9 @@ class PoolRef:
     # one): a request only it could serve is refused at once (`FilterReason.POOL_STAYS_EMPTY`), not held
     waited_for: bool = True
 
-    def could_serve(self, prompt_tokens: int) -> bool:
-        return self.max_model_len is None or prompt_tokens + 1 <= self.max_model_len
+    def could_serve(self, prompt_tokens: int, generates: bool = True) -> bool:
+        """The prompt (and one output token, unless it generates none: embeddings) fits its context."""
+        return self.max_model_len is None or prompt_tokens + int(generates) <= self.max_model_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +300,12 @@ class FleetView:
     pools: tuple[PoolRef, ...] = ()
 
     def empty_pools(
-        self, model: str, roles: frozenset[Role], prompt_tokens: int, waited_for: bool = True
+        self,
+        model: str,
+        roles: frozenset[Role],
+        prompt_tokens: int,
+        waited_for: bool = True,
+        generates: bool = True,
     ) -> list[PoolRef]:
         """Configured pools of `model` in one of `roles` whose context fits `prompt_tokens`, `waited_for` or
         not, and that have no worker in the view, in any state. (Called only when nothing else fits, which is
@@ -311,7 +317,7 @@ class FleetView:
             if p.model == model
             and p.role in roles
             and p.waited_for == waited_for
-            and p.could_serve(prompt_tokens)
+            and p.could_serve(prompt_tokens, generates)
         }
         for w in self.workers:
             if not wanted:

@@ -294,7 +294,7 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
                     Cause.MODEL_NOT_FOUND, f"The model `{parsed.model}` does not exist.", param="model"
                 )
             model = parsed.model
-            _check_runner(path, kind, model, gw.pooling_models)
+            _check_runner(path, kind, model, gw.pooling_models, parsed.adapter)
             reserved = parsed.prompt_tokens + parsed.max_output_tokens
             charged = gw.limiter.admit(key, reserved, arrival)
         except GatewayError as err:
@@ -312,18 +312,20 @@ def _proxy_endpoint(gw: Gateway, path: str, kind: Kind) -> ProxyEndpoint:
     return endpoint
 
 
-def _check_runner(path: str, kind: Kind, model: str, pooling_models: frozenset[str]) -> None:
+def _check_runner(
+    path: str, kind: Kind, model: str, pooling_models: frozenset[str], adapter: str | None = None
+) -> None:
     """400 when the model's workers do not serve this endpoint: a pooling model (`runner: pooling`) answers
     embeddings only, a generate model everything else (its vLLM has no such route and would answer a bare
-    404 `Not Found`, which reads as a wrong URL rather than a wrong model)."""
+    404 `Not Found`, which reads as a wrong URL rather than a wrong model). Named as the client named it (a
+    LoRA adapter, or any name a `lora_resolver` model takes for one), then its base model."""
     pooling = model in pooling_models
     if (kind == "embeddings") == pooling:
         return
     what = "an embedding model (runner: pooling)" if pooling else "a generative model (runner: generate)"
+    name = f"`{model}`" if adapter is None else f"`{adapter}` (an adapter of `{model}`)"
     raise GatewayError(
-        Cause.BAD_REQUEST,
-        f"The model `{model}` is {what} and does not serve {path}",
-        param="model",
+        Cause.BAD_REQUEST, f"The model {name} is {what} and does not serve {path}", param="model"
     )
 
 

@@ -63,7 +63,8 @@ def pool_spec(
         max_num_seqs=pool.max_num_seqs,
         kv_tokens=kv_tokens,
     ).times(pool.dp)
-    if pool.role != "prefill" and cap.decode_tps <= 0:
+    # (a pooling pool is never scaled: its decode capacity is not a reason to refuse the autoscaler)
+    if pool.role != "prefill" and cap.decode_tps <= 0 and pool.runner == "generate":
         why = no_decode_reason(perf, tpot_s, config.autoscaler.context_tokens, kv_tokens)
         raise ConfigError(
             f"autoscaler: pool {pool.name}: {pool.gpu} cannot decode {pool.model} within TPOT "
@@ -105,19 +106,20 @@ def pool_specs(
     config: MosaicConfig, registry: Registry, managed: frozenset[str], catalog: Catalog
 ) -> list[PoolSpec]:
     """Unmanaged pools pinned (min = max): at their configured count, else 0 until the controller pins them
-    at their observed count (module docstring), never at free bounds nobody applies. Pooling pools
-    (embeddings) are never managed: the policy's signal, decode tokens/s, is one they never produce."""
+    at their observed count (module docstring), never at free bounds nobody applies."""
     infos = {p.name: p for p in registry.pools()}
     return [
-        pool_spec(
-            config,
-            p,
-            infos[p.name],
-            catalog,
-            None if p.name in managed and p.runner == "generate" else configured_count(p) or 0,
-        )
+        pool_spec(config, p, infos[p.name], catalog, None if p.name in managed else configured_count(p) or 0)
         for p in config.pools
     ]
+
+
+def scalable(config: MosaicConfig, pools: frozenset[str]) -> frozenset[str]:
+    """`pools` less the pooling ones (embeddings): the policy's signal, decode tokens/s, is one they never
+    produce, so an actuator managing one would only ever scale it down. Left unmanaged, they are pinned at
+    their configured or observed count."""
+    pooling = {p.name for p in config.pools if p.runner == "pooling"}
+    return frozenset(pools - pooling)
 
 
 def in_process(config: MosaicConfig) -> bool:
@@ -219,6 +221,7 @@ def controller_for(
         cold_start_s=config.autoscaler.cold_start_s,
     )
     catalog = load_catalog(config.catalog)
+    managed = scalable(config, managed)
     specs = pool_specs(config, registry, managed, catalog)
     placement = PlacementBook.from_config(config, specs, catalog, metrics_registry)
     registry.on_refresh.append(reader.on_scrape)

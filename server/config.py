@@ -674,6 +674,11 @@ def _check_autoscaler(config: MosaicConfig) -> None:
                 f"autoscaler.kubernetes.deployments.{mapped}",
                 f"pool {mapped!r} runs the pooling runner (embeddings), which the autoscaler does not scale",
             )
+    for pooled in (p.name for p in config.pools if p.runner == "pooling" and p.name in a.kubernetes.domains):
+        raise _FieldError(
+            f"autoscaler.kubernetes.domains.{pooled}",
+            f"pool {pooled!r} runs the pooling runner (embeddings), which the autoscaler does not scale",
+        )
     _check_domains(a.kubernetes.deployments, a.kubernetes.domains, names)
     # The parameters parse (hpa-util:0.7, static:pool=N, ...), and `static:` counts lie within their pools'
     # configured bounds; the live policy is built by the controller (which also clamps every target to them).

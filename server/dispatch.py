@@ -21,7 +21,7 @@ Per request:
 Timeouts: `first_token_timeout_s` bounds dispatch → first byte of a stream (prefill hop included);
 `total_timeout_s` bounds a whole non-streaming request (its headers come only when generation ends, so
 the wait for them gets that budget; when it runs out the request ends `timed_out`, with no retry, and the
-worker's breaker is told only if its generation counter stood still meanwhile) and is checked between
+worker's breaker is told only if its token counters stood still meanwhile) and is checked between
 stream chunks; `stall_timeout_s` (the client's read
 timeout) bounds every gap between a stream's chunks and the read of a body once its headers came.
 
@@ -453,7 +453,7 @@ class Dispatcher:
     def _timed_out(self, rec: RequestRecord) -> Response:
         """A whole (non-streaming) answer not there when `total_timeout_s` ran out: 504, outcome `timed_out`,
         as a stream the same limit ends (a long generation is not a broken worker; `_attempt` told the
-        breaker already if the worker generated nothing meanwhile, `timeout_no_progress`)."""
+        breaker already if the worker computed nothing meanwhile, `timeout_no_progress`)."""
         err = GatewayError(
             Cause.UPSTREAM_TIMEOUT,
             f"The request did not complete within the gateway's total timeout of "
@@ -615,16 +615,20 @@ class Dispatcher:
         return self._stream(resp, chunks, first, parsed, rec, lease)
 
     def _progress_mark(self, worker_id: str) -> tuple[float, float] | None:
-        """(when, tokens): the worker's last scraped `vllm:generation_tokens_total`, None when unknown."""
+        """(when, tokens): the worker's last scraped `vllm:generation_tokens_total` plus
+        `vllm:prompt_tokens_total` (a pooling worker, embeddings, only ever moves the second), None when
+        unknown."""
         rec = self.registry.get(worker_id)
         if rec is None or rec.stats is None or rec.stats_at is None:
             return None
-        total = rec.stats.generation_tokens_total
-        return None if total is None else (rec.stats_at, total)
+        generated, prompts = rec.stats.generation_tokens_total, rec.stats.prompt_tokens_total
+        if generated is None and prompts is None:
+            return None
+        return rec.stats_at, (generated or 0.0) + (prompts or 0.0)
 
     def _made_no_progress(self, worker_id: str, mark: tuple[float, float] | None) -> bool:
-        """The worker's generation counter, scraped since `mark` was taken, has not moved: it generated
-        nothing for anyone while this request waited. False when there is no such later scrape."""
+        """The worker's token counters, scraped since `mark` was taken, have not moved: it computed nothing
+        for anyone while this request waited. False when there is no such later scrape."""
         now = self._progress_mark(worker_id)
         return mark is not None and now is not None and now[0] > mark[0] and now[1] <= mark[1]
 
@@ -772,6 +776,8 @@ class Dispatcher:
             return self._rejected(content, status, ctype, worker_id, rec, lease)
         elif status == 200 and parsed.kind == "responses":
             return self._whole_response(content, ctype, worker_id, rec, lease)
+        elif status == 200 and parsed.kind == "embeddings" and _is_octet_stream(ctype):
+            return self._whole_binary(content, ctype, resp.headers.get("metadata"), worker_id, rec, lease)
         elif status == 200 and content.find(b'"finish_reason":"abort"') >= 0:
             # the worker stopped it (vLLM stopping aborts what it runs): passed through, not a completion (its
             # cut length must not train the length predictor), no mark on the breaker (a stop is no fault)
@@ -786,6 +792,30 @@ class Dispatcher:
             lease.release(Outcome.COMPLETED)
             self.finish(rec, status, Outcome.COMPLETED, response_usage(content) if status == 200 else None)
         return PassthroughResponse(content, status, rec.request_id, ctype)
+
+    def _whole_binary(
+        self,
+        content: bytes,
+        ctype: str,
+        metadata: str | None,
+        worker_id: str,
+        rec: RequestRecord,
+        lease: Lease,
+    ) -> Response:
+        """vLLM's binary embeddings (`encoding_format` `bytes` or `bytes_only`): the vectors' bytes, no JSON,
+        and for `bytes` a `metadata` header (JSON: each vector's byte range, the usage), passed on with them.
+        A completion; metered from the header's usage, else the whole debit is kept (`bytes_only` has none)."""
+        usage = None
+        try:
+            meta = json.loads(metadata) if metadata is not None else None
+        except NOT_JSON:
+            meta = None
+        if isinstance(meta, dict) and isinstance(meta.get("usage"), dict):
+            usage = meta["usage"]
+        self.registry.report_success(worker_id)
+        lease.release(Outcome.COMPLETED)
+        self.finish(rec, 200, Outcome.COMPLETED, usage)
+        return PassthroughResponse(content, 200, rec.request_id, ctype, metadata=metadata)
 
     def _rejected(
         self, content: bytes, status: int, ctype: str, worker_id: str, rec: RequestRecord, lease: Lease
@@ -866,6 +896,10 @@ def _first_is_error(parsed: ParsedRequest, first: bytes) -> bool:
     code = payload.get("code") if isinstance(payload, dict) else None
     code = int(code) if isinstance(code, str) and code.isdigit() else code
     return not (type(code) is int and 400 <= code < 500)
+
+
+def _is_octet_stream(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == "application/octet-stream"
 
 
 def _json_object(body: bytes, whole: bool) -> bool:

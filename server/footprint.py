@@ -143,11 +143,14 @@ class _Responses(_Lenient):
 
 class _Embeddings(_Lenient):
     """The fields of an embeddings request the gateway reads (vLLM 0.32's `EmbeddingRequest`: `input` as
-    OpenAI's, or chat `messages` rendered by the model's template; no stream, no output)."""
+    OpenAI's, or chat conversations rendered by the model's template, one vector each: a conversation or a
+    batch of them in `messages`, or in `input`; no stream, no output)."""
 
     model: str | None = None
-    input: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
-    messages: list[_Message] | None = None
+    input: (
+        str | list[TokenId] | list[str] | list[list[TokenId]] | list[_Message] | list[list[_Message]] | None
+    ) = None
+    messages: list[_Message] | list[list[_Message]] | None = None
     kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
 
 
@@ -329,16 +332,18 @@ def parse_embeddings(
     req, model, adapter = _validated(_Embeddings, text, default_model, adapters, resolver)
     if req.input is None and req.messages is None:
         raise GatewayError(Cause.BAD_REQUEST, "'input' is required (or chat 'messages')", param="input")
-    if req.input is not None:
-        # an empty list is the worker's 400 ("You must pass at least one prompt"): counted as one empty prompt
-        prompt, exact, lens, floor, token_ids, prompt_text = (
-            _completion_prompt(req.input) if req.input != [] else (0, True, (0,), None, None, None)
+    conversations = _conversations(req.messages if req.messages is not None else req.input)
+    if conversations is not None:  # each conversation one sequence, counted as a chat prompt
+        lens = tuple(sum(_message_tokens(m) for m in c) + REPLY_PRIMING_TOKENS for c in conversations)
+        prompt, exact, token_ids, prompt_text = sum(lens), False, None, _chat_text(conversations[0])
+        floor = _floor(
+            max(sum(_message_floor_basis(m) for m in c) + REPLY_PRIMING_TOKENS for c in conversations)
         )
     else:
-        messages = req.messages or []
-        prompt = sum(_message_tokens(m) for m in messages) + REPLY_PRIMING_TOKENS
-        floor = _floor(sum(_message_floor_basis(m) for m in messages) + REPLY_PRIMING_TOKENS)
-        exact, lens, token_ids, prompt_text = False, (prompt,), None, _chat_text(messages)
+        # an empty list is the worker's 400 ("You must pass at least one prompt"): counted as one empty prompt
+        prompt, exact, lens, floor, token_ids, prompt_text = (
+            _completion_prompt(req.input) if req.input else (0, True, (0,), None, None, None)
+        )
     return ParsedRequest(
         kind="embeddings",
         body=body,
@@ -356,6 +361,17 @@ def parse_embeddings(
         prompt_floor=None if exact else floor,
         adapter=adapter,
     )
+
+
+def _conversations(value: Any) -> list[list[_Message]] | None:
+    """The chat conversations an embeddings body holds (one, or a batch), None when it holds prompts."""
+    if not value or not isinstance(value, list):
+        return None
+    if all(isinstance(m, _Message) for m in value):
+        return [value]
+    if all(isinstance(c, list) and c and all(isinstance(m, _Message) for m in c) for c in value):
+        return value
+    return None
 
 
 def with_context(parsed: ParsedRequest, tokens: int, max_model_len: Mapping[str, int] | None) -> None:
@@ -616,4 +632,5 @@ def route_request(
         single_hop=parsed.kind in ("responses", "embeddings") or parsed.prompt_logprobs,
         pinned_worker=pinned_worker,
         adapter=parsed.adapter,
+        generates=parsed.kind != "embeddings",
     )

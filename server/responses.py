@@ -59,7 +59,13 @@ class PassthroughResponse(Response):
     """A worker's whole answer with the gateway's request id (module docstring)."""
 
     def __init__(
-        self, body: bytes, status: int, request_id: str, content_type: str, retry_after: str | None = None
+        self,
+        body: bytes,
+        status: int,
+        request_id: str,
+        content_type: str,
+        retry_after: str | None = None,
+        metadata: str | None = None,
     ) -> None:
         self.status_code = status
         self.body = body
@@ -67,6 +73,8 @@ class PassthroughResponse(Response):
         headers = [(b"x-request-id", request_id.encode("latin-1"))]
         if retry_after is not None:  # a worker's 429/503 keeps its back-off hint
             headers.append((b"retry-after", retry_after.encode("latin-1")))
+        if metadata is not None:  # vLLM's binary embeddings (`encoding_format: bytes`): what the bytes hold
+            headers.append((b"metadata", metadata.encode("latin-1")))
         if status >= 200 and status not in (204, 304):  # statuses without a body carry no length
             headers.append((b"content-length", b"%d" % len(body)))
         headers.append((b"content-type", _media_type(content_type)))

@@ -106,7 +106,8 @@ class BreakerFilter:
 
 
 class ContextLengthFilter:
-    """The prompt (plus one output token) must fit the worker's context limit and its whole KV cache.
+    """The prompt (plus one output token, unless it generates none: a pooling request) must fit the worker's
+    context limit and its whole KV cache.
 
     Per sequence: each prompt of a batch (and each of `n` completions) has its own context, so the
     longest prompt is checked (`RouteRequest.longest_prompt`), not their sum; what all sequences need
@@ -125,9 +126,9 @@ class ContextLengthFilter:
     def filter(self, cycle: Cycle, worker: WorkerView) -> FilterReason | None:
         req = cycle.req
         longest = req.longest_prompt
-        if _fits(longest, worker):
+        if _fits(longest, worker, req.generates):
             return None
-        if req.prompt_tokens_floor is None or not _fits(req.prompt_tokens_floor, worker):
+        if req.prompt_tokens_floor is None or not _fits(req.prompt_tokens_floor, worker, req.generates):
             return _exceeds(cycle, worker, longest)
         # Over by the estimate, not by the floor: pass only if no worker that could take the request now
         # fits the estimate (a down, draining, excluded or wrong-role one that would fit must not turn this
@@ -136,7 +137,7 @@ class ContextLengthFilter:
         some_fit = cycle.facts.get(key)
         if some_fit is None:
             some_fit = cycle.facts[key] = any(
-                _could_serve(cycle, w) and _fits(longest, w) for w in cycle.view.workers
+                _could_serve(cycle, w) and _fits(longest, w, req.generates) for w in cycle.view.workers
             )
         return _exceeds(cycle, worker, longest) if some_fit else None
 
@@ -151,6 +152,7 @@ def _exceeds(cycle: Cycle, worker: WorkerView, prompt_tokens: int) -> FilterReas
             "context_limit_tokens": limit,
             "prompt_tokens": prompt_tokens,
             "exact": exact,
+            "generates": cycle.req.generates,
         }
     return FilterReason.EXCEEDS_CONTEXT
 
@@ -177,8 +179,8 @@ def _could_serve(cycle: Cycle, worker: WorkerView) -> bool:
     )
 
 
-def _fits(prompt_tokens: int, worker: WorkerView) -> bool:
-    tokens = prompt_tokens + 1
+def _fits(prompt_tokens: int, worker: WorkerView, generates: bool = True) -> bool:
+    tokens = prompt_tokens + int(generates)
     capacity = worker.capacity
     limit = capacity.max_model_len
     if limit is not None and tokens > limit:

@@ -85,6 +85,9 @@ class RouteRequest:
     # the LoRA adapter the request names (`model` is then its base model): only workers serving it may
     # take it (`scheduler.routing.lora`)
     adapter: str | None = None
+    # False for a pooling request (embeddings): it ends at its prefill, so its prompt alone must fit the
+    # context (vLLM's pooling runner takes a prompt of max_model_len), where a generation needs one more token
+    generates: bool = True
 
     @property
     def holder(self) -> str | int:
@@ -421,12 +424,16 @@ class Cycle:
             # prompt over its context: that would wait (and hold the FIFO queue behind it) for nothing.
             req = self.req
             tokens = req.longest_prompt if req.prompt_tokens_floor is None else req.prompt_tokens_floor
-            empty = len(self.view.empty_pools(req.model, profile.roles, tokens))
+            empty = len(self.view.empty_pools(req.model, profile.roles, tokens, generates=req.generates))
             if empty:
                 counts[FilterReason.EMPTY_POOL] = counts.get(FilterReason.EMPTY_POOL, 0) + empty
             elif (exceeding := self._exceeds_everywhere(profile, counts)) is not None:
                 counts = exceeding
-            elif never := len(self.view.empty_pools(req.model, profile.roles, tokens, waited_for=False)):
+            elif never := len(
+                self.view.empty_pools(
+                    req.model, profile.roles, tokens, waited_for=False, generates=req.generates
+                )
+            ):
                 counts[FilterReason.POOL_STAYS_EMPTY] = counts.get(FilterReason.POOL_STAYS_EMPTY, 0) + never
             return ProfileResult(profile.name, None, (), counts)
         # One survivor: scores would only rank it against itself (the Kubernetes scheduler skips scoring

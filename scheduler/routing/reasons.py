@@ -164,10 +164,16 @@ class Reject:
                 else f"The maximum context length of model {model!r}"
             )
             about = "" if self.details.get("exact") else "about "
+            # a pooling request (embeddings) needs no room for output: its prompt alone is over
+            why = (
+                "leaves no room for any output token"
+                if self.details.get("generates", True)
+                else "exceeds this limit even without any output tokens"
+            )
             message = (
                 f"{of} is {self.details['context_limit_tokens']} tokens. However, your "
-                f"prompt contains {about}{self.details['prompt_tokens']} input tokens, which leaves no room for "
-                "any output token. Please reduce the length of the input prompt."
+                f"prompt contains {about}{self.details['prompt_tokens']} input tokens, which {why}. Please "
+                "reduce the length of the input prompt."
             )
         elif self.primary is FilterReason.KV_EXCEEDS_CAPACITY and "kv_need_blocks" in self.details:
             of = "" if model is None else f" of model {model!r}"

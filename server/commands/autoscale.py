@@ -42,12 +42,14 @@ if TYPE_CHECKING:
 
 def kubernetes_deployments(cfg: MosaicConfig) -> dict[str, str]:
     """Pool → Deployment the kubernetes actuator scales (config mapping, else every kubernetes pool by name
-    that `autoscaler.kubernetes.domains` does not split per domain)."""
+    that `autoscaler.kubernetes.domains` does not split per domain, but a pooling one: never scaled)."""
     k = cfg.autoscaler.kubernetes
     if k.deployments:
         return dict(k.deployments)
     return {
-        p.name: p.name for p in cfg.pools if p.endpoints.kubernetes is not None and p.name not in k.domains
+        p.name: p.name
+        for p in cfg.pools
+        if p.endpoints.kubernetes is not None and p.name not in k.domains and p.runner == "generate"
     }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import collections.abc
+import json
 import struct
 
 import httpx
@@ -18,6 +19,7 @@ from tests.gateway.serverkit import GatewayThread
 
 CHAT, EMBED = "llama-3-8b", "embed-mistral"
 HIDDEN = 4096  # the catalog's mistral-7b hidden size: the simulated worker's embedding dimension
+CONTEXT = 64  # the embedding model's max_model_len
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def gw() -> collections.abc.Iterator[GatewayThread]:
 
     cfg = validate_config(
         {
-            "models": [{"name": CHAT}, {"name": EMBED, "spec": "mistral-7b"}],
+            "models": [{"name": CHAT}, {"name": EMBED, "spec": "mistral-7b", "max_model_len": CONTEXT}],
             "pools": [
                 {"name": "chat-l4", "model": CHAT, "gpu": "L4", "endpoints": sim(1, 0)},
                 {
@@ -98,7 +100,7 @@ def test_embeddings_are_routed_over_the_pool_and_their_kv_released(gw: GatewayTh
         pooling = [w for w in http.get("/admin/workers").json()["workers"] if w["pool"] == "embed-l4"]
         served = [_successes(http.get(w["url"] + "/metrics").text) for w in pooling]
         for i in range(12):
-            r = http.post("/v1/embeddings", json={"model": EMBED, "input": f"sentence number {i} " * 20})
+            r = http.post("/v1/embeddings", json={"model": EMBED, "input": f"sentence number {i} " * 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0
         after = [_successes(http.get(w["url"] + "/metrics").text) for w in pooling]
     assert gw.metric("mosaic_requests_total", model=EMBED, pool="embed-l4", status="200") == done + 12
@@ -157,3 +159,106 @@ def test_the_workers_own_400s_pass_through(gw: GatewayThread) -> None:
 
 def test_models_lists_both(client: openai.OpenAI) -> None:
     assert sorted(m.id for m in client.models.list().data) == sorted([CHAT, EMBED])
+
+
+def test_a_prompt_that_fills_the_context_is_embedded(gw: GatewayThread) -> None:
+    """vLLM's pooling runner takes a prompt of max_model_len tokens (nothing is generated after it): the
+    router's context check asks no room for an output token of an embedding. One more token is the
+    gateway's 400, before any worker."""
+    full = httpx.post(
+        gw.url + "/v1/embeddings", json={"model": EMBED, "input": list(range(CONTEXT))}, timeout=30
+    )
+    assert full.status_code == 200 and full.json()["usage"]["prompt_tokens"] == CONTEXT
+    over = httpx.post(
+        gw.url + "/v1/embeddings", json={"model": EMBED, "input": list(range(CONTEXT + 1))}, timeout=30
+    )
+    assert over.status_code == 400
+    assert over.json()["error"] == {
+        "message": f"The maximum context length of model '{EMBED}' is {CONTEXT} tokens. However, your prompt "
+        f"contains {CONTEXT + 1} input tokens, which exceeds this limit even without any output tokens. Please "
+        "reduce the length of the input prompt.",
+        "type": "BadRequestError",
+        "param": "input_tokens",
+        "code": "context_length_exceeded",
+    }
+
+
+@pytest.mark.parametrize("encoding", ["bytes", "bytes_only"])
+def test_binary_answers_pass_through_as_completions(gw: GatewayThread, encoding: str) -> None:
+    """vLLM's binary embeddings (`application/octet-stream`, no JSON; `bytes` adds a `metadata` header) are
+    answers, not a broken worker: passed on with the header, metered from it, no breaker failure (the first
+    version retried them as `not_json` and ejected the workers that answered them)."""
+    body = {"model": EMBED, "input": [[1, 2, 3], [4, 5]], "encoding_format": encoding}
+    tokens = gw.metric("mosaic_prompt_tokens_total", model=EMBED)
+    for _ in range(4):  # more than failure_threshold (3): a miscounted answer would have opened a breaker
+        r = httpx.post(gw.url + "/v1/embeddings", json=body, timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+        assert len(r.content) == 2 * HIDDEN * 4  # two float32 vectors back to back
+    if encoding == "bytes":
+        meta = json.loads(r.headers["metadata"])
+        assert [(d["start"], d["end"]) for d in meta["data"]] == [
+            (0, HIDDEN * 4),
+            (HIDDEN * 4, 2 * HIDDEN * 4),
+        ]
+        assert meta["usage"]["prompt_tokens"] == 5
+        assert gw.metric_reaches("mosaic_prompt_tokens_total", tokens + 20, model=EMBED) == tokens + 20
+    else:
+        assert "metadata" not in r.headers
+    with httpx.Client(base_url=gw.url, timeout=30) as http:
+        pooling = [w for w in http.get("/admin/workers").json()["workers"] if w["pool"] == "embed-l4"]
+    assert [(w["breaker"]["trips"], w["breaker"]["failures"], w["last_error"]) for w in pooling] == [
+        (0, 0, None)
+    ] * 2
+    after = sum(
+        gw.metric("mosaic_upstream_errors_total", worker=w["id"], kind=kind)
+        for w in pooling
+        for kind in ("not_json", "status_502")
+    )
+    assert after == 0
+
+
+@pytest.mark.parametrize("field", ["input", "messages"])
+def test_conversations_are_embedded_one_vector_each(gw: GatewayThread, field: str) -> None:
+    """Chat conversations, one or a batch, in `messages` or in `input`, as vLLM takes them (the first version
+    refused all but one conversation in `messages` with a 400 of its own)."""
+    one = [{"role": "user", "content": "hello there"}]
+    two = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    for conversations, vectors in ((one, 1), ([one, two], 2)):
+        r = httpx.post(gw.url + "/v1/embeddings", json={"model": EMBED, field: conversations}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == vectors
+
+
+def test_a_name_a_lora_resolver_takes_is_named_as_the_client_sent_it() -> None:
+    """With `lora_resolver` on the generative model every unknown name is an adapter of it: an embeddings
+    request naming one (a typo of the embedding model's name) is refused naming that name, then the model."""
+    cfg = validate_config(
+        {
+            "models": [{"name": CHAT, "lora_resolver": True}, {"name": EMBED, "spec": "mistral-7b"}],
+            "pools": [
+                {
+                    "name": "chat-l4",
+                    "model": CHAT,
+                    "gpu": "L4",
+                    "endpoints": {"simulated": {"time_scale": 200.0}},
+                },
+                {
+                    "name": "embed-l4",
+                    "model": EMBED,
+                    "gpu": "L4",
+                    "runner": "pooling",
+                    "endpoints": {"simulated": {"time_scale": 200.0}},
+                },
+            ],
+        },
+        "test",
+    )
+    with GatewayThread(cfg) as thread:
+        r = httpx.post(
+            thread.url + "/v1/embeddings", json={"model": "embed-mistrl", "input": "x"}, timeout=30
+        )
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        f"The model `embed-mistrl` (an adapter of `{CHAT}`) is a generative model (runner: generate) and does "
+        "not serve /v1/embeddings"
+    )

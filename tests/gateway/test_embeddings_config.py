@@ -42,6 +42,18 @@ def test_chat_messages_are_counted_as_chat() -> None:
     assert (parsed.prompt_tokens, parsed.sequences) == (2 + 3 + 3, 1)  # text, framing, reply priming
 
 
+@pytest.mark.parametrize("field", ["input", "messages"])
+def test_conversations_are_one_sequence_each_wherever_they_are(field: str) -> None:
+    """vLLM takes a conversation, or a batch of them, in `messages` or in `input`: one vector each."""
+    one = [{"role": "user", "content": "a" * 8}]
+    two = [{"role": "system", "content": "b" * 4}, {"role": "user", "content": "c" * 12}]
+    single = _parse({"model": "e5", field: one})
+    assert (single.prompt_tokens, single.sequences, single.prompt_lens) == (8, 1, ())
+    batch = _parse({"model": "e5", field: [one, two]})
+    assert (batch.prompt_tokens, batch.sequences, batch.prompt_lens) == (8 + 13, 2, (8, 1 + 3 + 3 + 3 + 3))
+    assert batch.prompt_text == "user\naaaaaaaa\n" and not batch.prompt_exact
+
+
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
@@ -105,6 +117,9 @@ def test_the_autoscaler_does_not_scale_a_pooling_pool() -> None:
     )
     data["autoscaler"] = {"kubernetes": {"deployments": {"chat": "chat", "embed": "embed"}}}
     with pytest.raises(ConfigError, match=r"autoscaler\.kubernetes\.deployments\.embed: .*not scale"):
+        validate_config(data, "t")
+    data["autoscaler"] = {"kubernetes": {"domains": {"embed": {"zone-a": "embed-a"}}}}
+    with pytest.raises(ConfigError, match=r"autoscaler\.kubernetes\.domains\.embed: .*not scale"):
         validate_config(data, "t")
     data["autoscaler"] = {"kubernetes": {"deployments": {"chat": "chat"}}}
     assert validate_config(data, "t").pools[1].runner == "pooling"

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from server.runner import start_gateway_server
-from tests.gateway.fakes import FakeFleet, FakeWorker, config, pool
+from tests.gateway.fakes import METRICS_TEXT, FakeFleet, FakeWorker, config, pool
 from tests.gateway.scripted_http import EMPTY_200, SSE_HEAD, chunk, read_request
 from tests.gateway.test_faults import CHAT, RR, chat, gateway, metric, run, sse_events
 
@@ -386,13 +386,33 @@ class Progressing(FakeWorker):
         return await super().handle(request)
 
 
+class Prefilling(FakeWorker):
+    """A slow pooling worker (embeddings): its prompt counter moves at every scrape, its generation one never."""
+
+    prompted = 0.0
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            self.prompted += 1000
+            text = METRICS_TEXT.format(model=self.model, running=1, generated=0.0)
+            return httpx.Response(
+                200, text=text + f'vllm:prompt_tokens_total{{engine="0"}} {self.prompted}\n'
+            )
+        return await super().handle(request)
+
+
 def test_a_hung_worker_is_told_by_whole_answers_a_slow_one_is_not() -> None:
-    """Both time out every whole answer (total_timeout_s 0.3 s). The hung one's generation counter never
-    moves while it holds them: its breaker opens after failure_threshold of them, as before 2026-12-05 (the
-    review found non-streaming traffic could no longer eject it); the one generating for others is not told."""
+    """All time out every whole answer (total_timeout_s 0.3 s). The hung one's token counters never move
+    while it holds them: its breaker opens after failure_threshold of them, as before 2026-12-05 (the review
+    found non-streaming traffic could no longer eject it); the one generating for others is not told, nor one
+    that only prefills for them (a pooling worker's embeddings generate nothing: its first version was told)."""
     limits = {"total_timeout_s": 0.3, "retry_budget_s": 0.0}
     scrape = {"interval_s": 0.05}
-    for worker, hung in ((FakeWorker("w", mode="stall"), True), (Progressing("w", whole_delay_s=5.0), False)):
+    for worker, hung in (
+        (FakeWorker("w", mode="stall"), True),
+        (Progressing("w", whole_delay_s=5.0), False),
+        (Prefilling("w", whole_delay_s=5.0), False),
+    ):
 
         async def body(worker: FakeWorker = worker, hung: bool = hung) -> None:
             cfg = config(pool("p", "L4", "mixed", worker), limits=limits, scrape=scrape)
