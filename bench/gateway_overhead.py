@@ -13,7 +13,10 @@ client on asyncio streams, one connection per concurrent request, in this proces
 while a phase runs, its CPU per request is measured (≈ 0.1 ms, the same on both paths) and reported.
 
 **Workloads.** `/v1/completions`, 8-token prompt, `max_tokens: 16`, `ignore_eos` — non-streaming, and
-streaming (16 token chunks + `[DONE]`).
+streaming (16 token chunks + `[DONE]`). With `--runner pooling` the worker is an embedding server
+(`mosaic worker --runner pooling`, the pool `runner: pooling`) and the one workload `/v1/embeddings` of 8 token
+ids, `encoding_format: base64` (the `openai` SDK's default; 4,096 floats: ~22 KB an answer); results go to
+`results/gateway_overhead_embeddings.json`.
 
 **Phases.** Per round and workload: direct then gateway, each `--seconds` after a `--warmup`, at
 `--concurrency`; rounds repeat that, so both paths see the same background load over time. After the
@@ -62,6 +65,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "gateway_overhead.json"
@@ -71,7 +75,38 @@ MOSAIC = (
     [str(ROOT / ".venv" / "bin" / "mosaic")] if (ROOT / ".venv" / "bin" / "mosaic").exists() else ["mosaic"]
 )
 URL_RE = re.compile(r"http://127\.0\.0\.1:(\d+)")
-WORKLOADS = (("non-stream", False), ("stream-16", True))
+
+
+class Workload(NamedTuple):
+    name: str
+    endpoint: str
+    body: dict[str, object]
+    events: int  # SSE `data:` lines a good streamed answer has; 0: a whole answer
+    marker: bytes  # what a good whole answer holds
+
+
+_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+_COMPLETION = {"model": "llama-3-8b", "prompt": _PROMPT, "max_tokens": 16, "ignore_eos": True}
+WORKLOADS = (
+    Workload("non-stream", "/v1/completions", {**_COMPLETION, "stream": False}, 0, b'"usage"'),
+    Workload("stream-16", "/v1/completions", {**_COMPLETION, "stream": True}, 17, b""),  # 16 chunks + [DONE]
+)
+# `--runner pooling`: the worker is an embedding server; the openai SDK's default encoding (base64)
+EMBED_WORKLOADS = (
+    Workload(
+        "embed-8",
+        "/v1/embeddings",
+        {"model": "llama-3-8b", "input": _PROMPT, "encoding_format": "base64"},
+        0,
+        b'"embedding"',
+    ),
+)
+
+
+def answer_ok(w: Workload, status: int, body: bytes) -> bool:
+    if status != 200:
+        return False
+    return body.count(b"data: ") == w.events if w.events else w.marker in body
 
 
 # ------------------------------------------------------------------------------------ minimal client
@@ -105,18 +140,10 @@ class Conn:
         self.w.close()
 
 
-def request_bytes(port: int, stream: bool) -> bytes:
-    body = json.dumps(
-        {
-            "model": "llama-3-8b",
-            "prompt": [1, 2, 3, 4, 5, 6, 7, 8],
-            "max_tokens": 16,
-            "ignore_eos": True,
-            "stream": stream,
-        }
-    ).encode()
+def request_bytes(port: int, w: Workload) -> bytes:
+    body = json.dumps(w.body).encode()
     return (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"POST {w.endpoint} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
@@ -143,8 +170,8 @@ class Phase:
         return self.cpu_s[proc] / max(1, self.requests_total) * 1e3
 
 
-async def run_phase(port: int, stream: bool, warmup: float, phase: Phase) -> None:
-    raw = request_bytes(port, stream)
+async def run_phase(port: int, w: Workload, warmup: float, phase: Phase) -> None:
+    raw = request_bytes(port, w)
     conns = [await Conn.open(port) for _ in range(phase.concurrency)]
     start = time.perf_counter()
     t_measure, t_end = start + warmup, start + warmup + phase.seconds
@@ -157,7 +184,7 @@ async def run_phase(port: int, stream: bool, warmup: float, phase: Phase) -> Non
             status, body = await conn.post(raw)
             t1 = time.perf_counter()
             phase.requests_total += 1
-            ok = status == 200 and (not stream or body.count(b"data: ") == 17)  # 16 chunks + [DONE]
+            ok = answer_ok(w, status, body)
             if t0 >= t_measure and t1 <= t_end:
                 if ok:
                     phase.latencies.append(t1 - t0)
@@ -244,17 +271,16 @@ def _server_stack(python: str | None) -> str:
 def measure(
     procs: dict[str, int | None],
     port: int,
-    workload: str,
-    stream: bool,
+    w: Workload,
     path: str,
     concurrency: int,
     seconds: float,
     warmup: float,
 ) -> Phase:
-    ph = Phase(path, workload, seconds, concurrency)
+    ph = Phase(path, w.name, seconds, concurrency)
     before = {k: sched(pid) for k, pid in procs.items()}
     t0 = time.perf_counter()
-    asyncio.run(run_phase(port, stream, warmup, ph))
+    asyncio.run(run_phase(port, w, warmup, ph))
     ph.wall_s = time.perf_counter() - t0
     after = {k: sched(pid) for k, pid in procs.items()}
     ph.cpu_s = {k: after[k][0] - before[k][0] for k in procs}
@@ -333,9 +359,9 @@ def summarise(phases: list[Phase], workload: str, cores: int) -> dict[str, objec
     return out
 
 
-async def fixed_requests(port: int, stream: bool, n: int, concurrency: int) -> None:
+async def fixed_requests(port: int, w: Workload, n: int, concurrency: int) -> None:
     """Exactly `n` requests at `concurrency` (every answer checked)."""
-    raw = request_bytes(port, stream)
+    raw = request_bytes(port, w)
     conns = [await Conn.open(port) for _ in range(concurrency)]
     left = [n]
 
@@ -343,7 +369,7 @@ async def fixed_requests(port: int, stream: bool, n: int, concurrency: int) -> N
         while left[0] > 0:
             left[0] -= 1
             status, body = await conn.post(raw)
-            if status != 200 or (stream and body.count(b"data: ") != 17):
+            if not answer_ok(w, status, body):
                 raise RuntimeError(f"bad answer {status}: {body[-200:]!r}")
 
     try:
@@ -353,7 +379,9 @@ async def fixed_requests(port: int, stream: bool, n: int, concurrency: int) -> N
             c.close()
 
 
-def instructions_per_request(mosaic: list[str], cfg_path: str, n: int, concurrency: int) -> dict[str, float]:
+def instructions_per_request(
+    mosaic: list[str], cfg_path: str, n: int, concurrency: int, workloads: tuple[Workload, ...]
+) -> dict[str, float]:
     """The gateway's user-space instructions per request, per workload, counted by valgrind's callgrind
     (instrumentation switched on only around `n` requests after a warm-up). Deterministic to ~1% whatever
     else runs on the machine, unlike CPU time; it does not count the kernel's share (system calls)."""
@@ -375,13 +403,14 @@ def instructions_per_request(mosaic: list[str], cfg_path: str, n: int, concurren
         )
         try:
             asyncio.run(wait_ready(gport))
-            for workload, stream in WORKLOADS:
-                asyncio.run(fixed_requests(gport, stream, max(100, n // 5), concurrency))  # warm-up
+            for w in workloads:
+                workload = w.name
+                asyncio.run(fixed_requests(gport, w, max(100, n // 5), concurrency))  # warm-up
                 ctl = ["callgrind_control"]
                 before = set(Path(tmp).glob("cg.out*"))
                 subprocess.run([*ctl, "--zero", str(gateway.pid)], check=True, capture_output=True)
                 subprocess.run([*ctl, "-i", "on", str(gateway.pid)], check=True, capture_output=True)
-                asyncio.run(fixed_requests(gport, stream, n, concurrency))
+                asyncio.run(fixed_requests(gport, w, n, concurrency))
                 subprocess.run([*ctl, "-i", "off", str(gateway.pid)], check=True, capture_output=True)
                 subprocess.run(
                     [*ctl, f"--dump={workload}", str(gateway.pid)], check=True, capture_output=True
@@ -414,13 +443,14 @@ def record_instructions(args: argparse.Namespace, counts: dict[str, float]) -> i
     }
     print(json.dumps(result, indent=2))
     if not args.no_record:
-        (RESULTS.parent / "gateway_overhead_instructions.json").write_text(
+        suffix = "_embeddings" if args.runner == "pooling" else ""
+        (RESULTS.parent / f"gateway_overhead{suffix}_instructions.json").write_text(
             json.dumps(result, indent=2) + "\n"
         )
+        each = ", ".join(f"{name} {n:,.0f}" for name, n in counts.items())
         line = (
             f"| {result['date'][:10]} | gateway_overhead | `{result['command']}` | gateway user-space instructions "
-            f"per request (callgrind, c={args.concurrency}): non-stream {counts['non-stream']:,.0f}, "
-            f"stream-16 {counts['stream-16']:,.0f} |\n"
+            f"per request (callgrind, c={args.concurrency}): {each} |\n"
         )
         with BENCHMARKS.open("a") as fh:
             fh.write(line)
@@ -443,6 +473,12 @@ def main() -> int:
         "(robust on a shared machine; results/gateway_overhead_instructions.json)",
     )
     ap.add_argument(
+        "--runner",
+        choices=("generate", "pooling"),
+        default="generate",
+        help="pooling: the worker is an embedding server and the workload /v1/embeddings (8 token ids, base64)",
+    )
+    ap.add_argument(
         "--python",
         help="run worker and gateway with this interpreter (e.g. a venv that adds uvloop/httptools)",
     )
@@ -451,19 +487,35 @@ def main() -> int:
     cores = os.cpu_count() or 1
     load_start = os.getloadavg()[0]
 
+    workloads = EMBED_WORKLOADS if args.runner == "pooling" else WORKLOADS
     worker, wport = start(
-        [*mosaic, "worker", "--gpu", "H100", "--model", "llama-3-8b", "--port", "0", "--time-scale", "1e9"]
+        [
+            *mosaic,
+            "worker",
+            "--gpu",
+            "H100",
+            "--model",
+            "llama-3-8b",
+            "--port",
+            "0",
+            "--time-scale",
+            "1e9",
+            "--runner",
+            args.runner,
+        ]
     )
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(
-            "pools:\n  - {name: sim, model: llama-3-8b, gpu: H100, role: mixed, "
+            f"pools:\n  - {{name: sim, model: llama-3-8b, gpu: H100, role: mixed, runner: {args.runner}, "
             f"endpoints: {{static: [http://127.0.0.1:{wport}]}}}}\n"
             "limits: {queue_size: 4096}\n"
         )
         cfg_path = f.name
     if args.instructions:
         try:
-            counts = instructions_per_request(mosaic, cfg_path, args.instructions, args.concurrency)
+            counts = instructions_per_request(
+                mosaic, cfg_path, args.instructions, args.concurrency, workloads
+            )
         finally:
             stop(worker)
             os.unlink(cfg_path)
@@ -475,16 +527,14 @@ def main() -> int:
     try:
         asyncio.run(wait_ready(gport))
         for _ in range(args.rounds):
-            for workload, stream in WORKLOADS:
+            for w in workloads:
                 for path, port in (("direct", wport), ("gateway", gport)):
-                    ph = measure(
-                        procs, port, workload, stream, path, args.concurrency, args.seconds, args.warmup
-                    )
+                    ph = measure(procs, port, w, path, args.concurrency, args.seconds, args.warmup)
                     phases.append(ph)
                     report_phase(ph, shown[path])
-        for workload, stream in WORKLOADS:
+        for w in workloads:
             for path, port in (("direct", wport), ("gateway", gport)):
-                ph = measure(procs, port, workload, stream, path, 1, args.single_seconds, 0.3)
+                ph = measure(procs, port, w, path, 1, args.single_seconds, 0.3)
                 phases.append(ph)
                 report_phase(ph, shown[path])
     finally:
@@ -492,7 +542,7 @@ def main() -> int:
         stop(worker)
         os.unlink(cfg_path)
 
-    summary = {workload: summarise(phases, workload, cores) for workload, _ in WORKLOADS}
+    summary = {w.name: summarise(phases, w.name, cores) for w in workloads}
     result = {
         "bench": "gateway_overhead",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -529,17 +579,12 @@ def main() -> int:
     print(json.dumps(summary, indent=2))
     if not args.no_record:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-        ns, st = summary["non-stream"], summary["stream-16"]
+        suffix = "_embeddings" if args.runner == "pooling" else ""
+        RESULTS.with_name(f"gateway_overhead{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+        each = "; ".join(_summary_text(name, summary[name]) for name in summary)
         line = (
             f"| {result['date'][:10]} | gateway_overhead | `{result['command']}` | c={args.concurrency}, "
-            f"{result['server_stack']}, load {load_start:.1f}: non-stream {ns['ratio']:.2f}× direct "
-            f"(rounds {ns['ratio_min']:.2f}–{ns['ratio_max']:.2f}; {ns['gateway_rps']:.0f} vs {ns['direct_rps']:.0f} req/s, "
-            f"+{ns['added_p50_ms']:.1f} ms p50), stream-16 {st['ratio']:.2f}× ({st['ratio_min']:.2f}–{st['ratio_max']:.2f}; "
-            f"{st['gateway_rps']:.0f} vs {st['direct_rps']:.0f} req/s, +{st['added_p50_ms']:.1f} ms p50); gateway CPU "
-            f"{ns['cpu_ms_per_request']['gateway']['gateway']:.2f}/{st['cpu_ms_per_request']['gateway']['gateway']:.2f} ms "
-            f"per request vs worker {ns['cpu_ms_per_request']['direct']['worker']:.2f}/"
-            f"{st['cpu_ms_per_request']['direct']['worker']:.2f}; bar 0.80 |\n"
+            f"{result['server_stack']}, load {load_start:.1f}: {each}; bar 0.80 |\n"
         )
         new = not BENCHMARKS.exists()
         with BENCHMARKS.open("a") as fh:
@@ -547,6 +592,16 @@ def main() -> int:
                 fh.write(BENCH_HEADER)
             fh.write(line)
     return 0
+
+
+def _summary_text(name: str, s: dict[str, Any]) -> str:
+    """One workload's part of the BENCHMARKS.md line."""
+    cpu = s["cpu_ms_per_request"]
+    return (
+        f"{name} {s['ratio']:.2f}× direct (rounds {s['ratio_min']:.2f}–{s['ratio_max']:.2f}; "
+        f"{s['gateway_rps']:.0f} vs {s['direct_rps']:.0f} req/s, +{s['added_p50_ms']:.1f} ms p50; gateway CPU "
+        f"{cpu['gateway']['gateway']:.2f} ms per request vs worker {cpu['direct']['worker']:.2f})"
+    )
 
 
 if __name__ == "__main__":
