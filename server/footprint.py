@@ -369,7 +369,9 @@ def _conversations(value: Any) -> list[list[_Message]] | None:
         return None
     if all(isinstance(m, _Message) for m in value):
         return [value]
-    if all(isinstance(c, list) and c and all(isinstance(m, _Message) for m in c) for c in value):
+    # a batch: an empty conversation among them is one (the worker refuses it in its words), but a batch of
+    # empty lists alone is a batch of empty token-id prompts
+    if any(value) and all(isinstance(c, list) and all(isinstance(m, _Message) for m in c) for c in value):
         return value
     return None
 

@@ -262,3 +262,12 @@ def test_a_name_a_lora_resolver_takes_is_named_as_the_client_sent_it() -> None:
         f"The model `embed-mistrl` (an adapter of `{CHAT}`) is a generative model (runner: generate) and does "
         "not serve /v1/embeddings"
     )
+
+
+def test_an_empty_conversation_in_a_batch_is_the_workers_400(gw: GatewayThread) -> None:
+    message = {"role": "user", "content": "hi"}
+    r = httpx.post(
+        gw.url + "/v1/embeddings", json={"model": EMBED, "input": [[message] * 20, []]}, timeout=30
+    )
+    # the worker's validation error (vLLM's conversation needs a message), passed through as it answered
+    assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request"

@@ -138,3 +138,29 @@ def test_a_pooling_pool_starts_vllm_with_the_pooling_runner() -> None:
     assert [a for a in mine if a.startswith("--runner")] == ["--runner=pooling"]
     with pytest.raises(ValueError, match="runner: 'auto' is not one of generate, pooling"):
         VllmLaunchSpec(model="m", port=8001, runner="auto")
+
+
+@pytest.mark.parametrize("field", ["input", "messages"])
+def test_an_empty_conversation_in_a_batch_is_one_sequence_not_token_ids(field: str) -> None:
+    """A second reviewer sent `[[40 messages], []]`: read as token-id prompts (the messages as ids), it
+    crashed prefix hashing (a 500). It is a batch of two conversations; the worker refuses the empty one."""
+    message = {"role": "user", "content": "a" * 8}
+    parsed = _parse({"model": "e5", field: [[message] * 40, []]})
+    assert (parsed.sequences, parsed.prompt_lens, parsed.prompt_exact) == (2, (40 * 5 + 3, 3), False)
+    assert parsed.token_ids is None
+    route_request(parsed, "r1", 0.0, default_output_tokens=256)  # hashes the text, not the messages
+    empty_prompts = _parse({"model": "e5", field: [[], []]}) if field == "input" else None
+    if empty_prompts is not None:  # two empty token-id prompts, for the worker to refuse
+        assert (empty_prompts.sequences, empty_prompts.prompt_tokens) == (2, 0)
+
+
+def test_the_runner_names_agree_across_floors() -> None:
+    """Three packages name vLLM's runners (the config's Literal, the launcher's standard-library list, the
+    simulated worker's), each unable to import the others' by the package floors: they must agree."""
+    from typing import get_args
+
+    from server.config import RunnerName
+    from server.vllm_launcher import RUNNERS as LAUNCHED
+    from simulator.worker_app import RUNNERS as SIMULATED
+
+    assert get_args(RunnerName) == LAUNCHED == SIMULATED == ("generate", "pooling")
