@@ -332,7 +332,7 @@ def parse_embeddings(
     req, model, adapter = _validated(_Embeddings, text, default_model, adapters, resolver)
     if req.input is None and req.messages is None:
         raise GatewayError(Cause.BAD_REQUEST, "'input' is required (or chat 'messages')", param="input")
-    conversations = _conversations(req.messages if req.messages is not None else req.input)
+    conversations = _conversations(req.messages) or _conversations(req.input)
     if conversations is not None:  # each conversation one sequence, counted as a chat prompt
         lens = tuple(sum(_message_tokens(m) for m in c) + REPLY_PRIMING_TOKENS for c in conversations)
         prompt, exact, token_ids, prompt_text = sum(lens), False, None, _chat_text(conversations[0])
