@@ -49,6 +49,23 @@ _FIELDS = {
     "completions": ("prompt",),
     "responses": ("input",),
 }
+# the other fields each kind reads (server.footprint's models), drawn as any JSON
+_COMMON = (
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "n",
+    "kv_transfer_params",
+    "prompt_logprobs",
+    "echo",
+)
+_OTHERS = {
+    "embeddings": ("model", "kv_transfer_params"),
+    "chat": (*_COMMON, "max_completion_tokens", "top_logprobs"),
+    "completions": (*_COMMON, "logprobs"),
+    "responses": ("model", "stream", "instructions", "max_output_tokens", "previous_response_id"),
+}
 
 
 @settings(max_examples=400, deadline=None)
@@ -61,8 +78,11 @@ def test_any_json_in_the_read_fields_is_a_400_or_a_routable_request(kind: str, d
     for field in _FIELDS[kind]:
         if data.draw(st.booleans(), label=f"{field} present"):
             body[field] = data.draw(_VALUE, label=field)
+    for field in _OTHERS[kind]:
+        if data.draw(st.integers(min_value=0, max_value=3), label=f"{field} drawn") == 0:
+            body[field] = data.draw(_JSON, label=field)
     try:
-        parsed = parse_request(kind, json.dumps(body).encode(), {"m": 4096})  # type: ignore[arg-type]
+        parsed = parse_request(kind, json.dumps(body).encode(), {"m": 4096}, default_model="m")  # type: ignore[arg-type]
     except GatewayError as err:
         assert err.status == 400
         return
