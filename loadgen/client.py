@@ -8,6 +8,10 @@ Timing (all `time.perf_counter()` seconds relative to the replay's start):
   (a chunk may carry several tokens); output tokens from the `usage` chunk (`completion_tokens`), or the
   number of content chunks when the server sends no usage.
 
+Embeddings (`/v1/embeddings`, a whole JSON answer): the answer's arrival is its one content chunk, so
+TTFT = E2EL = its latency (vLLM's own TTFT of a pooling request is its end too), no ITL or TPOT, no output
+tokens; `usage.prompt_tokens` as for completions.
+
 A request fails (and is excluded from latency statistics, as in vLLM) with one error type:
 `connect_error`, `timeout` (whole request longer than the per-request timeout), `http_<status>`,
 `stream_error` (an `{"error": ...}` event in the stream), `no_content` (stream ended without a content
@@ -28,7 +32,12 @@ import httpx
 
 Clock = Callable[[], float]
 
-ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINT_PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "embeddings": "/v1/embeddings",
+}
+WHOLE_ENDPOINTS = frozenset({"embeddings"})  # answered whole, not streamed
 
 
 @dataclass(slots=True)
@@ -140,6 +149,43 @@ async def _stream(
         raise _Fail("client_error", f"{type(e).__name__}: {e}") from None
 
 
+async def _whole(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    rec: RequestRecord,
+    since: Clock,
+) -> None:
+    """A whole JSON answer (embeddings): its arrival is the one content chunk when it holds `data`."""
+    try:
+        resp = await client.post(url, content=body, headers=headers)
+    except httpx.ConnectError as e:
+        raise _Fail("connect_error", str(e) or type(e).__name__) from None
+    except httpx.TimeoutException as e:
+        raise _Fail("timeout", str(e) or type(e).__name__) from None
+    except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+        raise _Fail("read_error", str(e) or type(e).__name__) from None
+    except httpx.TransportError as e:
+        raise _Fail("transport_error", f"{type(e).__name__}: {e}") from None
+    except httpx.HTTPError as e:
+        raise _Fail("client_error", f"{type(e).__name__}: {e}") from None
+    now = since()
+    if resp.status_code != 200:
+        raise _Fail(f"http_{resp.status_code}", _error_message(resp.text))
+    try:
+        answer = json.loads(resp.content)
+    except (ValueError, RecursionError):
+        raise _Fail("bad_chunk", f"answer is not JSON: {resp.content[:80]!r}") from None
+    if not isinstance(answer, dict):
+        raise _Fail("bad_chunk", f"answer is not an object: {resp.content[:80]!r}")
+    if answer.get("data"):
+        rec.chunk_s.append(now)
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        rec.usage_prompt_tokens = usage["prompt_tokens"]
+
+
 def _error_message(text: str) -> str:
     try:
         err = json.loads(text).get("error")
@@ -165,10 +211,12 @@ async def send_request(
     origin: float,
     timeout_s: float | None,
     clock: Clock = time.perf_counter,
+    whole: bool = False,
 ) -> RequestRecord:
     """Send one request and fill `rec`; never raises for server or network failures (they are recorded).
 
-    Times are `clock() − origin`; tests inject a clock to get exact chunk timings.
+    Times are `clock() − origin`; tests inject a clock to get exact chunk timings. `whole`: the answer is
+    one JSON object, not a stream (embeddings).
     """
 
     def since() -> float:
@@ -177,10 +225,13 @@ async def send_request(
     rec.sent_s = since()
     try:
         async with asyncio.timeout(timeout_s):
-            await _stream(client, url, body, headers, rec, since)
+            await (_whole if whole else _stream)(client, url, body, headers, rec, since)
         if not rec.chunk_s:
-            raise _Fail("no_content", "the stream ended without a content chunk")
-        if rec.output_tokens == 0:
+            raise _Fail(
+                "no_content",
+                "the answer held no content" if whole else "the stream ended without a content chunk",
+            )
+        if rec.output_tokens == 0 and not whole:
             rec.output_tokens = len(rec.chunk_s)  # no usage chunk: one token per content chunk
         rec.success = True
     except _Fail as f:

@@ -96,8 +96,12 @@ class PromptBuilder:
 
 
 def build_body(req: ScheduledRequest, endpoint: str, model: str, prompts: PromptBuilder) -> bytes:
-    """The JSON body of one streaming request for `endpoint` ("completions" | "chat")."""
+    """The JSON body of one request for `endpoint`: a streaming "completions" or "chat" request, or an
+    "embeddings" one (the trace's input as token ids; its output length does not apply)."""
     body: dict[str, object] = {"model": model}
+    if endpoint == "embeddings":
+        body["input"] = prompts.token_ids(req)
+        return json.dumps(body, separators=(",", ":")).encode()
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompts.text(req)}]
     else:

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import httpx
 
-from loadgen.client import ENDPOINT_PATHS, RequestRecord, send_request
+from loadgen.client import ENDPOINT_PATHS, WHOLE_ENDPOINTS, RequestRecord, send_request
 from loadgen.lora import ModelChooser
 from loadgen.metrics import replay_duration
 from loadgen.prompts import PromptBuilder, build_body
@@ -48,7 +48,7 @@ GIVE_UP_AFTER = 8
 class Target:
     url: str  # base URL, e.g. http://127.0.0.1:8000
     model: str
-    endpoint: str = "completions"  # completions | chat
+    endpoint: str = "completions"  # completions | chat | embeddings
     api_key: str | None = None
     # each request names one of these LoRA adapters instead of `model` (`loadgen.lora`); () = none
     lora_modules: tuple[str, ...] = ()
@@ -59,7 +59,8 @@ class Target:
         return self.url.rstrip("/") + ENDPOINT_PATHS[self.endpoint]
 
     def headers(self) -> dict[str, str]:
-        h = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        accept = "application/json" if self.endpoint in WHOLE_ENDPOINTS else "text/event-stream"
+        h = {"Content-Type": "application/json", "Accept": accept}
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
@@ -123,7 +124,16 @@ async def _send(
 ) -> None:
     if observer is not None:
         observer.sent(rec)
-    await send_request(client, target.request_url, body, target.headers(), rec, origin, opts.timeout_s)
+    await send_request(
+        client,
+        target.request_url,
+        body,
+        target.headers(),
+        rec,
+        origin,
+        opts.timeout_s,
+        whole=target.endpoint in WHOLE_ENDPOINTS,
+    )
     if observer is not None:
         observer.done(rec)
 
@@ -236,7 +246,7 @@ async def replay(
                     nxt.index,
                     nxt.send_at_s,
                     nxt.input_tokens,
-                    nxt.output_tokens,
+                    0 if target.endpoint in WHOLE_ENDPOINTS else nxt.output_tokens,  # an embedding: none
                     trace_line=nxt.trace_line,
                     model=model,
                 )

@@ -20,6 +20,7 @@ from typing import Any
 import typer
 from typer.core import TyperCommand
 
+from loadgen.client import ENDPOINT_PATHS
 from loadgen.formats import FORMATS
 from loadgen.lora import LORA_ASSIGNMENTS, LoraError
 from loadgen.metrics import Slo
@@ -122,7 +123,10 @@ def register(app: typer.Typer) -> None:
             None, "--api-key", envvar="MOSAIC_API_KEY", help="Bearer API key."
         ),
         endpoint: str = typer.Option(
-            "completions", "--endpoint", help="completions (token-id prompts) | chat."
+            "completions",
+            "--endpoint",
+            help="completions (token-id prompts) | chat | embeddings (token-id inputs, answered whole: "
+            "TTFT = E2EL, no output tokens).",
         ),
         concurrency: int | None = typer.Option(None, "--concurrency", help="Max requests in flight."),
         timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout, seconds."),
@@ -144,8 +148,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the report's summary as JSON on stdout."),
     ) -> None:
         """Replay a trace against a server and report TTFT/TPOT/ITL/E2EL, throughput and goodput (vLLM's definitions)."""
-        if endpoint not in ("completions", "chat"):
-            fail(f"--endpoint must be completions or chat, got {endpoint!r}")
+        if endpoint not in ENDPOINT_PATHS:
+            fail(f"--endpoint must be one of {', '.join(ENDPOINT_PATHS)}, got {endpoint!r}")
         if not url.startswith(("http://", "https://")):
             fail(f"--url must start with http:// or https://, got {url!r}")
         for name, value in (

@@ -65,7 +65,11 @@ def test_rows_left_out_are_said_on_the_console(worker_url: str) -> None:
         pytest.param([str(FIX / "azure_bad_tokens.csv"), "--rate-scale", "1000"], "azure_bad_tokens.csv:3:", id="malformed row names file and line"),
         pytest.param([str(FIX / "burstgpt_lengths.csv")], "give --rate", id="length-only trace without --rate"),
         pytest.param(["synthetic:rate=1"], "n=COUNT or duration", id="bad synthetic spec"),
-        pytest.param([SPEC, "--endpoint", "embeddings"], "--endpoint must be completions or chat", id="unknown endpoint"),
+        pytest.param(
+            [SPEC, "--endpoint", "pooling"],
+            "--endpoint must be one of completions, chat, embeddings",
+            id="unknown endpoint",
+        ),
         pytest.param([SPEC, "--rate", "5", "--rate-scale", "2"], "give one", id="--rate with --rate-scale"),
         pytest.param([str(FIX / "azure_header_only.csv")], "no requests to send", id="a trace without requests"),
     ],

@@ -97,3 +97,30 @@ def test_replay_through_the_gateway_over_the_embedded_fleet() -> None:
     assert out.metrics.total_input_tokens == sum(e.input_tokens for e in expected)
     assert out.metrics.total_output_tokens == sum(e.output_tokens for e in expected)
     assert out.metrics.output_length_mismatches == 0
+
+
+def test_an_embeddings_replay_against_a_pooling_worker() -> None:
+    """`--endpoint embeddings`: each request the trace's input as token ids, answered whole by a pooling
+    worker; exact prompt tokens, no output tokens (no length mismatch), TTFT = E2EL, no TPOT or ITL."""
+
+    async def go() -> ReplayOutcome:
+        worker = await start_worker_server(
+            WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=200.0, runner="pooling")
+        )
+        try:
+            with open("/dev/null", "w") as sink:
+                req = ReplayRequest(SPEC, worker.url, "llama-3-8b", endpoint="embeddings", progress=False)
+                return await run_replay_async(req, Console(file=sink))
+        finally:
+            await worker.stop()
+
+    out = asyncio.run(go())
+    expected = list(open_trace(SPEC))
+    m = out.metrics
+    assert (m.sent, m.completed, m.failed) == (40, 40, 0)
+    assert m.total_input_tokens == sum(r.input_tokens for r in expected)
+    assert (m.total_output_tokens, m.output_length_mismatches) == (0, 0)
+    recs = sorted(out.result.records, key=lambda r: r.index)
+    assert [r.usage_prompt_tokens for r in recs] == [e.input_tokens for e in expected]
+    assert all(r.ttft_s == r.e2el_s and r.ttft_s is not None and r.ttft_s > 0 for r in recs)
+    assert all(r.tpot_s is None and r.itls_s() == [] for r in recs)
