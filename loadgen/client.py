@@ -22,10 +22,11 @@ chunk), `read_error` (connection lost mid-stream), `bad_chunk` (a chunk that is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -116,25 +117,11 @@ def _consume(rec: RequestRecord, data: str, now: float) -> bool:
     return False
 
 
-async def _stream(
-    client: httpx.AsyncClient,
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
-    rec: RequestRecord,
-    since: Clock,
-) -> None:
+@contextlib.contextmanager
+def _http_errors() -> Iterator[None]:
+    """httpx's failures of one request as its recorded error type (module docstring)."""
     try:
-        async with client.stream("POST", url, content=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                raise _Fail(f"http_{resp.status_code}", _error_message(text))
-            done = False
-            # Read to the end of the body even after [DONE]: a connection whose response was not drained
-            # cannot go back to the pool, and a new TCP connection per request costs the sender ~1 ms.
-            async for line in resp.aiter_lines():
-                if not done and line.startswith("data:"):
-                    done = _consume(rec, line[5:].strip(), since())
+        yield
     except httpx.ConnectError as e:
         raise _Fail("connect_error", str(e) or type(e).__name__) from None
     except httpx.TimeoutException as e:
@@ -149,6 +136,27 @@ async def _stream(
         raise _Fail("client_error", f"{type(e).__name__}: {e}") from None
 
 
+async def _stream(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    rec: RequestRecord,
+    since: Clock,
+) -> None:
+    with _http_errors():
+        async with client.stream("POST", url, content=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                raise _Fail(f"http_{resp.status_code}", _error_message(text))
+            done = False
+            # Read to the end of the body even after [DONE]: a connection whose response was not drained
+            # cannot go back to the pool, and a new TCP connection per request costs the sender ~1 ms.
+            async for line in resp.aiter_lines():
+                if not done and line.startswith("data:"):
+                    done = _consume(rec, line[5:].strip(), since())
+
+
 async def _whole(
     client: httpx.AsyncClient,
     url: str,
@@ -158,18 +166,8 @@ async def _whole(
     since: Clock,
 ) -> None:
     """A whole JSON answer (embeddings): its arrival is the one content chunk when it holds `data`."""
-    try:
+    with _http_errors():
         resp = await client.post(url, content=body, headers=headers)
-    except httpx.ConnectError as e:
-        raise _Fail("connect_error", str(e) or type(e).__name__) from None
-    except httpx.TimeoutException as e:
-        raise _Fail("timeout", str(e) or type(e).__name__) from None
-    except (httpx.RemoteProtocolError, httpx.ReadError) as e:
-        raise _Fail("read_error", str(e) or type(e).__name__) from None
-    except httpx.TransportError as e:
-        raise _Fail("transport_error", f"{type(e).__name__}: {e}") from None
-    except httpx.HTTPError as e:
-        raise _Fail("client_error", f"{type(e).__name__}: {e}") from None
     now = since()
     if resp.status_code != 200:
         raise _Fail(f"http_{resp.status_code}", _error_message(resp.text))
