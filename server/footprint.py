@@ -29,6 +29,14 @@ each holds its own KV and has its own context. `prompt_tokens` is the sum over p
 prompt's count (for k > 1), and the route request carries both with `n`, so the KV footprint and the
 context check go per sequence (`RouteRequest.sequence_shape`, `scheduler.kv.footprint.request_need`).
 
+**Truncation.** vLLM cuts each prompt of a request with `truncate_prompt_tokens` (completions, chat,
+embeddings; a Responses request's `truncation: "auto"` is -1) to that many tokens before it checks the
+context, so a prompt over the context with it is served, not refused: each prompt is counted at most that
+many tokens (-1: the model's context, less the one output token a generation with `max_tokens` keeps back;
+unknown context: not cut, the worker cuts to its own), and a larger value than the model's context is
+refused in vLLM's words. Prefix hashing follows the cut: vLLM keeps a generation's last tokens (its tokenizer
+truncates on the left) and a pooling request's first (`truncation_side` overrides either).
+
 **Output tokens** reserved: chat's `max_completion_tokens` or `max_tokens`, completions' `max_tokens` (vLLM's
 completions request has no `max_completion_tokens`: it ignores one and generates `max_tokens`, so charging it
 let a client buy 2,000 tokens at the price of 1); absent, vLLM's defaults — 16 for
@@ -48,7 +56,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -56,7 +64,10 @@ from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import RouteRequest
 from scheduler.routing.prefix import adapter_seed, block_hashes, text_block_hashes
 from server.errors import Cause, GatewayError
-from simulator.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS  # vLLM's and OpenAI's, for /v1/completions
+from simulator.protocol import (  # vLLM's: the completions default and how its validation errors read
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    vllm_error,
+)
 
 CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text (ASCII characters)
 NON_ASCII_BYTES_PER_TOKEN = 3  # other characters: one token per CJK character (3 UTF-8 bytes)
@@ -82,6 +93,11 @@ class _Message(_Lenient):
     content: str | list[dict[str, Any]] | None = None
 
 
+# vLLM 0.32's `truncate_prompt_tokens` (-1: the model's context) and `truncation_side`
+TruncateTokens = Annotated[int, Field(ge=-1, lt=2**63)]
+TruncationSide = Literal["left", "right"]
+
+
 class _StreamOptions(_Lenient):
     """vLLM 0.32's StreamOptions, read as vLLM reads them (lax booleans: "false", "no", 0 are false)."""
 
@@ -100,6 +116,8 @@ class _Common(_Lenient):
     # what makes vLLM compute prompt logprobs (`wants_prompt_logprobs`), typed as vLLM 0.32 types them
     prompt_logprobs: int | None = None
     echo: bool | None = False
+    truncate_prompt_tokens: TruncateTokens | None = None
+    truncation_side: TruncationSide | None = None
 
 
 class _Chat(_Common):
@@ -114,6 +132,8 @@ TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 
 class _Completion(_Common):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    # vLLM's default when absent; an explicit null also generates 16 but bounds no truncation (`_truncation`)
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = None
 
 
@@ -138,6 +158,7 @@ class _Responses(_Lenient):
     instructions: str | None = None
     max_output_tokens: int | None = None
     previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] | None = "disabled"  # "auto": vLLM's truncate_prompt_tokens -1
     kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
 
 
@@ -151,6 +172,8 @@ class _Embeddings(_Lenient):
         str | list[TokenId] | list[str] | list[list[TokenId]] | list[_Message] | list[list[_Message]] | None
     ) = None
     messages: list[_Message] | list[list[_Message]] | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None
+    truncation_side: TruncationSide | None = None
     kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
 
 
@@ -181,6 +204,7 @@ class ParsedRequest:
     # engine instead: vLLM issue #50792). Such a request never takes the two-hop path
     prompt_logprobs: bool = False
     adapter: str | None = None  # the LoRA adapter `model` named (`model` is then its base model)
+    prompt_cap: int | None = None  # vLLM cuts each prompt to this many tokens (`Truncation`)
 
     def data(self) -> dict[str, Any]:
         """The body as a dict (parsed once, lazily: only the rewriting paths need it)."""
@@ -295,7 +319,15 @@ def parse_responses(
     """`parse_request` for a Responses body (`text`: the body without a byte-order mark). One sequence; the
     stream carries its usage in its last event whatever the client asks, so nothing is rewritten upstream."""
     req, model, adapter = _validated(_Responses, text, default_model, adapters, resolver)
-    prompt, floor, prompt_text = _responses_prompt(req)
+    tokens, floor, prompt_text = _responses_prompt(req)
+    cut = _truncation(
+        -1 if req.truncation != "disabled" else None,  # vLLM reads a null `truncation` as "auto"
+        None,
+        _context_of(max_model_len, model),
+        pooling=False,
+        bounds_output=bool(req.max_output_tokens),
+    )
+    prompt, _, _, floor, _, prompt_text = _cut(_Prompts(tokens, False, (), floor, None, prompt_text), cut)
     limit = req.max_output_tokens
     if limit is None:
         limit = _rest_of_context(max_model_len, model, prompt)
@@ -316,12 +348,14 @@ def parse_responses(
         previous_response_id=req.previous_response_id,
         output_defaulted=req.max_output_tokens is None,
         adapter=adapter,
+        prompt_cap=cut.cap if cut else None,
     )
 
 
 def parse_embeddings(
     body: bytes,
     text: bytes,
+    max_model_len: Mapping[str, int] | None,
     default_model: str | None,
     adapters: Mapping[str, str] | None = None,
     resolver: AdapterResolver | None = None,
@@ -335,15 +369,21 @@ def parse_embeddings(
     conversations = _conversations(req.messages) or _conversations(req.input)
     if conversations is not None:  # each conversation one sequence, counted as a chat prompt
         lens = tuple(sum(_message_tokens(m) for m in c) + REPLY_PRIMING_TOKENS for c in conversations)
-        prompt, exact, token_ids, prompt_text = sum(lens), False, None, _chat_text(conversations[0])
         floor = _floor(
             max(sum(_message_floor_basis(m) for m in c) + REPLY_PRIMING_TOKENS for c in conversations)
         )
+        prompts = _Prompts(sum(lens), False, lens, floor, None, _chat_text(conversations[0]))
     else:
         # an empty list is the worker's 400 ("You must pass at least one prompt"): counted as one empty prompt
-        prompt, exact, lens, floor, token_ids, prompt_text = (
-            _completion_prompt(req.input) if req.input else (0, True, (0,), None, None, None)
-        )
+        prompts = _completion_prompt(req.input) if req.input else _Prompts(0, True, (0,), None, None, None)
+    cut = _truncation(
+        req.truncate_prompt_tokens,
+        req.truncation_side,
+        _context_of(max_model_len, model),
+        pooling=True,
+        bounds_output=False,
+    )
+    prompt, exact, lens, floor, token_ids, prompt_text = _cut(prompts, cut)
     return ParsedRequest(
         kind="embeddings",
         body=body,
@@ -360,6 +400,7 @@ def parse_embeddings(
         prompt_lens=lens if len(lens) > 1 else (),
         prompt_floor=None if exact else floor,
         adapter=adapter,
+        prompt_cap=cut.cap if cut else None,
     )
 
 
@@ -382,6 +423,10 @@ def with_context(parsed: ParsedRequest, tokens: int, max_model_len: Mapping[str,
     parsed.prompt_tokens += tokens
     if parsed.prompt_floor is not None:
         parsed.prompt_floor += tokens
+    if parsed.prompt_cap is not None:  # `truncation: "auto"` cuts the whole conversation
+        parsed.prompt_tokens = min(parsed.prompt_tokens, parsed.prompt_cap)
+        if parsed.prompt_floor is not None:
+            parsed.prompt_floor = min(parsed.prompt_floor, parsed.prompt_cap)
     if parsed.output_defaulted:
         parsed.max_output_tokens = _rest_of_context(max_model_len, parsed.model, parsed.prompt_tokens)
 
@@ -479,29 +524,38 @@ def parse_request(
     if kind == "responses":
         return parse_responses(body, text, max_model_len, default_model, adapters, resolver)
     if kind == "embeddings":
-        return parse_embeddings(body, text, default_model, adapters, resolver)
+        return parse_embeddings(body, text, max_model_len, default_model, adapters, resolver)
     req, model, adapter = _validated(
         _Chat if kind == "chat" else _Completion, text, default_model, adapters, resolver
     )
     n = req.n if req.n and req.n > 0 else 1
-    token_ids: list[int] | None = None
-    text: str | None = None
-    lens: tuple[int, ...] = ()
     if isinstance(req, _Chat):
-        prompt = sum(_message_tokens(m) for m in req.messages) + REPLY_PRIMING_TOKENS
-        floor: int | None = _floor(sum(_message_floor_basis(m) for m in req.messages) + REPLY_PRIMING_TOKENS)
-        exact, prompts = False, 1
-        text = _chat_text(req.messages)
+        counted = _Prompts(
+            sum(_message_tokens(m) for m in req.messages) + REPLY_PRIMING_TOKENS,
+            False,
+            (),
+            _floor(sum(_message_floor_basis(m) for m in req.messages) + REPLY_PRIMING_TOKENS),
+            None,
+            _chat_text(req.messages),
+        )
         default_out = None
     else:
-        prompt, exact, lens, floor, token_ids, text = _completion_prompt(req.prompt)
-        prompts = max(1, len(lens))
+        counted = _completion_prompt(req.prompt)
         default_out = COMPLETIONS_DEFAULT_MAX_TOKENS
     # vLLM's chat requests take max_completion_tokens over max_tokens; its completions requests have no
     # max_completion_tokens at all (ignored, so max_tokens decides what is generated, and what is charged)
     limit = req.max_tokens
     if isinstance(req, _Chat) and req.max_completion_tokens is not None:
         limit = req.max_completion_tokens
+    cut = _truncation(
+        req.truncate_prompt_tokens,
+        req.truncation_side,
+        _context_of(max_model_len, model),
+        pooling=False,
+        bounds_output=bool(limit),
+    )
+    prompt, exact, lens, floor, token_ids, text = _cut(counted, cut)
+    prompts = max(1, len(lens))
     per_seq_prompt = math.ceil(prompt / prompts)
     if limit is None:
         limit = (
@@ -525,6 +579,7 @@ def parse_request(
         prompt_floor=None if exact else floor,
         prompt_logprobs=wants_prompt_logprobs(req),
         adapter=adapter,
+        prompt_cap=cut.cap if cut else None,
     )
 
 
@@ -564,24 +619,106 @@ def _split_union_tag(loc: tuple[int | str, ...]) -> tuple[tuple[int | str, ...],
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
-def _completion_prompt(
-    prompt: Any,
-) -> tuple[int, bool, tuple[int, ...], int | None, list[int] | None, str | None]:
-    """(tokens over all prompts, exact, each prompt's tokens, the longest prompt's floor (text only),
-    first prompt's ids, first prompt's text)."""
+class _Prompts(NamedTuple):
+    """A request's prompts as the gateway counts them."""
+
+    tokens: int  # over all prompts
+    exact: bool  # counted from token ids
+    lens: tuple[int, ...]  # each prompt's tokens (() for one rendered chat conversation)
+    floor: int | None  # the fewest tokens the longest prompt can have (estimated text only)
+    token_ids: list[int] | None  # the first prompt's ids, when given as ids
+    text: str | None  # the first prompt's text otherwise (prefix hashing)
+
+
+def _completion_prompt(prompt: Any) -> _Prompts:
     if isinstance(prompt, str):
         tokens = estimate_text_tokens(prompt)
-        return tokens, False, (tokens,), _floor(_floor_basis(prompt)), None, prompt
+        return _Prompts(tokens, False, (tokens,), _floor(_floor_basis(prompt)), None, prompt)
     if not prompt:
         raise GatewayError(Cause.BAD_REQUEST, "'prompt' must not be empty", param="prompt")
     if isinstance(prompt[0], int):
-        return len(prompt), True, (len(prompt),), None, list(prompt), None
+        return _Prompts(len(prompt), True, (len(prompt),), None, list(prompt), None)
     if isinstance(prompt[0], str):
         lens = tuple(estimate_text_tokens(p) for p in prompt)
         floor = _floor(max(_floor_basis(p) for p in prompt))
-        return sum(lens), False, lens, floor, None, prompt[0]
+        return _Prompts(sum(lens), False, lens, floor, None, prompt[0])
     lens = tuple(len(p) for p in prompt)
-    return sum(lens), True, lens, None, list(prompt[0]), None
+    return _Prompts(sum(lens), True, lens, None, list(prompt[0]), None)
+
+
+@dataclass(frozen=True, slots=True)
+class Truncation:
+    """How vLLM 0.32 cuts each prompt of a request (its `TokenizeParams`): to `cap` tokens, keeping the last
+    ones (`side` "left") or the first ("right")."""
+
+    cap: int
+    side: TruncationSide
+
+
+# vLLM 0.32's words for a truncation longer than the context: a generation's (TokenizeParams) names the
+# field, a pooling request's (its own check, before the renderer's) does not
+_POOLING_TRUNCATION_TOO_LONG = (
+    "truncate_prompt_tokens value is greater than max_model_len. Please request a smaller truncation size."
+)
+
+
+def _truncation(
+    truncate: int | None,
+    side: TruncationSide | None,
+    context: int | None,
+    *,
+    pooling: bool,
+    bounds_output: bool,
+) -> Truncation | None:
+    """The cut a request asks for, None when none. -1 is the context, less the output token a generation with
+    an output bound keeps back (`max_truncation_tokens`); with the context unknown the worker cuts to its own,
+    and the gateway counts the whole prompt. More than the context is refused as vLLM refuses it. The side is
+    vLLM's tokenizer's unless given: left for generation, right for pooling."""
+    if truncate is None:
+        return None
+    if context and truncate > context:
+        if pooling:
+            raise GatewayError(Cause.BAD_REQUEST, _POOLING_TRUNCATION_TOO_LONG)
+        refusal = vllm_error(
+            f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = {context}. "
+            "Please request a smaller truncation size.",
+            "truncate_prompt_tokens",
+            truncate,
+        )
+        raise GatewayError(Cause.BAD_REQUEST, refusal.message, param=refusal.param)
+    if truncate < 0:
+        if not context:
+            return None
+        truncate = context - 1 if bounds_output and not pooling else context
+    return Truncation(truncate, side or ("right" if pooling else "left"))
+
+
+def _cut(prompts: _Prompts, cut: Truncation | None) -> _Prompts:
+    """`prompts` as the worker will hold them after `cut`: each at most `cut.cap` tokens, the first prompt's ids
+    cut as vLLM cuts them (its cached prefix is theirs); the text of one cut on the left is dropped (where the
+    kept tail begins is not known without a tokenizer), so it is routed without prefix affinity."""
+    if cut is None:
+        return prompts
+    cap = cut.cap
+    first = prompts.lens[0] if prompts.lens else prompts.tokens
+    lens = tuple(min(n, cap) for n in prompts.lens)
+    token_ids, text = prompts.token_ids, prompts.text
+    if first > cap:
+        if token_ids is not None:
+            token_ids = token_ids[len(token_ids) - cap :] if cut.side == "left" else token_ids[:cap]
+        elif cut.side == "left":
+            text = None
+    return prompts._replace(
+        tokens=sum(lens) if lens else min(prompts.tokens, cap),
+        lens=lens,
+        floor=None if prompts.floor is None else min(prompts.floor, cap),
+        token_ids=token_ids,
+        text=text,
+    )
+
+
+def _context_of(max_model_len: Mapping[str, int] | None, model: str) -> int | None:
+    return (max_model_len or {}).get(model) or None
 
 
 def route_request(

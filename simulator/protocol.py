@@ -23,7 +23,8 @@ by stage in vLLM's order, so a request with several faults gets vLLM's answer to
    that field, then `truncate_prompt_tokens` over it; chat rendering: `continue_final_message` with the
    default `add_generation_prompt`, content parts (text only: a media part is refused by a text-only model,
    anything else fails validation; no param); no prompt at all (`prompt: []`, `messages: []`) → 400 with no
-   param; prompts truncated to their last `truncate_prompt_tokens` tokens;
+   param; prompts truncated to their last `truncate_prompt_tokens` tokens (first, with `truncation_side`
+   "right"; -1: max_model_len, less one with `max_tokens` set);
 5. a prompt over max_model_len → 400 `input_tokens` (plain JSON even for streams);
 6. per prompt, `max_tokens` clamped to max_model_len − prompt (0 for a prompt that fills the context), then
    SamplingParams' checks: logit_bias keys that are no integers, n, penalties, temperature, top_p, top_k, min_p, max_tokens ≥ 1 (param
@@ -196,6 +197,7 @@ class _CompletionFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: _Truncate = None
+    truncation_side: Literal["left", "right"] | None = None
     prompt_logprobs: int | None = None
     add_special_tokens: bool = True
     response_format: _ResponseFormat | None = None
@@ -239,6 +241,7 @@ class _ChatFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: _Truncate = None
+    truncation_side: Literal["left", "right"] | None = None
     prompt_logprobs: int | None = None
     echo: bool = False
     add_generation_prompt: bool = True
@@ -733,6 +736,7 @@ def parse_request(
         max_tokens, field = f.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, field = f.max_tokens, "max_tokens"
+    bounded = bool(max_tokens)  # TokenizeParams' max_output_tokens: the bound sent, before any default
     if not chat and max_tokens is None:  # completions: null means the default, 16
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     # vLLM's "echo without generation": completions' echo with max_tokens 0 samples one token (counted in the
@@ -768,9 +772,11 @@ def parse_request(
             )
         prompts, from_text = _completion_prompts(f.prompt)
     if truncate is not None and (truncate >= 0 or max_model_len is not None):
-        # vLLM's tokenizer keeps the last `truncate` tokens (-1: max_model_len of them); 0 leaves none
-        keep = max_model_len if truncate == -1 else truncate
-        prompts = [ids[-keep:] if keep else [] for ids in prompts]
+        # vLLM's TokenizeParams: -1 is max_model_len, less the token a request with an output bound keeps back
+        # for it; a generation's tokenizer keeps the last tokens unless `truncation_side` is "right"; 0 none
+        keep = truncate if truncate >= 0 else max_model_len - bounded  # type: ignore[operator]
+        right = f.truncation_side == "right"
+        prompts = [ids[:keep] if right else ids[len(ids) - keep :] for ids in prompts]
     n = 1 if f.n is None else f.n
     kvp = f.kv_transfer_params
     if kvp and len(prompts) * max(n, 1) > 1:

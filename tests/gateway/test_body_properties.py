@@ -59,12 +59,21 @@ _COMMON = (
     "kv_transfer_params",
     "prompt_logprobs",
     "echo",
+    "truncate_prompt_tokens",
+    "truncation_side",
 )
 _OTHERS = {
-    "embeddings": ("model", "kv_transfer_params"),
+    "embeddings": ("model", "kv_transfer_params", "truncate_prompt_tokens", "truncation_side"),
     "chat": (*_COMMON, "max_completion_tokens", "top_logprobs"),
     "completions": (*_COMMON, "logprobs"),
-    "responses": ("model", "stream", "instructions", "max_output_tokens", "previous_response_id"),
+    "responses": (
+        "model",
+        "stream",
+        "instructions",
+        "max_output_tokens",
+        "previous_response_id",
+        "truncation",
+    ),
 }
 
 

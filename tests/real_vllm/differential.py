@@ -103,6 +103,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "prompt_logprobs": st.sampled_from([0, 1, 3, -1, 21, None, "x"]),
     "skip_special_tokens": st.sampled_from([True, False, "x"]),
     "truncate_prompt_tokens": st.sampled_from([1, 5, -1, 0, 600, None, "x"]),
+    "truncation_side": st.sampled_from(["left", "right", None, "middle", 5]),
 }
 COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "logprobs": st.one_of(

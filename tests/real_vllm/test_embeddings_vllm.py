@@ -111,3 +111,25 @@ def test_the_generation_endpoints_are_a_400_naming_the_model(
         "param": "model",
         "code": 400,
     }
+
+
+@pytest.mark.parametrize(("truncate", "prompt_tokens"), [(-1, 512), (10, 10)])
+def test_inputs_over_the_context_with_truncate_prompt_tokens_are_embedded_as_the_server_does(
+    gateway: MosaicGateway, real_vllm_pooling: RealServer, truncate: int, prompt_tokens: int
+) -> None:
+    """600 token ids on a 512-token model: vLLM keeps the first `truncate_prompt_tokens` (-1: the context) and
+    embeds them; the gateway refused the input for its length before it read the field."""
+    body = {
+        "model": real_vllm_pooling.model,
+        "input": list(range(5, 605)),
+        "truncate_prompt_tokens": truncate,
+    }
+    theirs = httpx.post(real_vllm_pooling.url + "/v1/embeddings", json=body, timeout=60)
+    ours = httpx.post(
+        gateway.url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    )
+    assert theirs.status_code == ours.status_code == 200, ours.text
+    assert ours.json()["usage"]["prompt_tokens"] == theirs.json()["usage"]["prompt_tokens"] == prompt_tokens
+    assert ours.json()["data"][0]["embedding"] == pytest.approx(
+        theirs.json()["data"][0]["embedding"], rel=1e-6
+    )

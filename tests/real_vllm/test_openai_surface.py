@@ -220,6 +220,61 @@ def test_whitespace_heavy_prompts_vllm_serves_are_not_refused(target: Target, pr
     assert resp.usage.completion_tokens == 4 or resp.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "prompt_tokens"),
+    [
+        pytest.param(
+            "/v1/completions",
+            {"prompt": list(range(100, 700)), "truncate_prompt_tokens": 40},
+            40,
+            id="600 token ids cut to their last 40",
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": list(range(100, 700)), "truncate_prompt_tokens": -1},
+            511,
+            id="600 token ids cut to the context less the output token (-1)",
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "hello world " * 400, "truncate_prompt_tokens": 100},
+            100,
+            id="4,800 characters of text cut to 100 tokens",
+        ),
+        pytest.param(
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hello world " * 400}], "truncate_prompt_tokens": 64},
+            64,
+            id="a chat conversation over the context cut to 64 tokens",
+        ),
+    ],
+)
+def test_prompts_over_the_context_with_truncate_prompt_tokens_are_served(
+    target: Target, path: str, body: dict[str, object], prompt_tokens: int
+) -> None:
+    """vLLM cuts each prompt to `truncate_prompt_tokens` before its context check, so these are served; the
+    gateway refused every one with its context-length 400 before it read the field."""
+    with target.http() as http:
+        resp = http.post(path, json={"model": target.model, "max_tokens": 4, **body})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == prompt_tokens
+
+
+def test_a_truncation_longer_than_the_context_is_a_400_naming_it(target: Target) -> None:
+    with target.http() as http:
+        resp = http.post(
+            "/v1/completions",
+            json={"model": target.model, "prompt": [1, 2, 3], "max_tokens": 4, "truncate_prompt_tokens": 513},
+        )
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "truncate_prompt_tokens"
+    assert error["message"] == (
+        "truncate_prompt_tokens=513 cannot be greater than max_model_len = 512. "
+        "Please request a smaller truncation size. (parameter=truncate_prompt_tokens, value=513)"
+    )
+
+
 def test_prompt_fits_but_max_tokens_overflows_is_clamped_not_refused(target: Target) -> None:
     """vLLM answers 200 and stops at max-model-len when prompt + max_tokens exceeds it; Mosaic must not
     refuse what vLLM would serve. 20 token ids + 500 max_tokens (520 > 512): 492 come back (512 − 20).
