@@ -24,8 +24,9 @@ is the first error's location). Checks, in vLLM's order (each measured against t
 6. `dimensions` (any value, 0 and negatives included): the catalog models are not Matryoshka models →
    400 "Model '<name>' does not support Matryoshka embeddings; dimensions must be unset (received
    dimensions=N)." (no param);
-7. an `X-data-parallel-rank` outside the engines, then per prompt: empty (`""`, `[]`) → "The decoder prompt
-   cannot be empty", a token id outside the vocabulary → "Token id N is out of vocabulary".
+7. per prompt: empty (`""`, `[]`) → "The decoder prompt cannot be empty", a token id outside the vocabulary
+   → "Token id N is out of vocabulary". (An `X-data-parallel-rank` header is ignored: vLLM's pooling
+   handlers never hand it to the engine, so even a rank outside the engines is answered.)
 
 Text is tokenised with the simulator's pseudo-tokenizer (`simulator.tokens`: ceil(characters / 4) tokens,
 no BOS), so text usage differs from a real tokenizer's; token-id inputs are counted exactly. Conversations
@@ -63,7 +64,6 @@ from simulator.protocol import (
     ApiError,
     EngineInputError,
     bad_shape,
-    check_data_parallel_rank,
     check_prompt_length,
     error_input,
     sanitize_message,
@@ -192,7 +192,7 @@ _Conversation = Annotated[list[_Message], Field(min_length=1)]
 
 
 # ---------------------------------------------------------------- the request models (vLLM's field order)
-class _Request(BaseModel):
+class OpenAIBaseModel(BaseModel):
     """vLLM's OpenAIBaseModel: extra fields allowed, and a wrap validator, which makes each request model's
     union branch a bracketed segment of an error's `loc` (dropped from the reported location)."""
 
@@ -232,26 +232,26 @@ _COMMON: dict[str, Any] = {
     "cache_salt": (Annotated[str, Field(min_length=1, max_length=1024)] | None, None),
 }
 
-EmbeddingCompletionRequest: type[_Request] = create_model(
+EmbeddingCompletionRequest: type[OpenAIBaseModel] = create_model(
     "EmbeddingCompletionRequest",
-    __base__=_Request,
+    __base__=OpenAIBaseModel,
     add_special_tokens=(bool, True),
     **_ENCODING,
     input=(list[int] | list[list[int]] | str | list[str], ...),
     **_COMMON,
 )
-EmbeddingChatRequest: type[_Request] = create_model(
+EmbeddingChatRequest: type[OpenAIBaseModel] = create_model(
     "EmbeddingChatRequest",
-    __base__=_Request,
+    __base__=OpenAIBaseModel,
     add_special_tokens=(bool, False),
     **_ENCODING,
     **_CHAT_TEMPLATE,
     messages=(list[_Message], ...),
     **_COMMON,
 )
-EmbeddingBatchChatRequest: type[_Request] = create_model(
+EmbeddingBatchChatRequest: type[OpenAIBaseModel] = create_model(
     "EmbeddingBatchChatRequest",
-    __base__=_Request,
+    __base__=OpenAIBaseModel,
     add_special_tokens=(bool, False),
     **_ENCODING,
     **_CHAT_TEMPLATE,
@@ -325,18 +325,25 @@ def _before_validators(body: Mapping[str, Any]) -> None:
     task = body.get("task")
     if isinstance(task, str) and task in _REMOVED_TASKS:
         raise vllm_error(_REMOVED_TASKS[task], "task")
-    salt = body.get("cache_salt")
-    if salt is not None:
-        if not isinstance(salt, str) or not salt:
-            raise vllm_error("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-        if len(salt) > _CACHE_SALT_MAX or any(c in _CACHE_SALT_FORBIDDEN for c in salt):
-            raise vllm_error(
-                "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
-                "'\\\\', or NUL.",
-                "cache_salt",
-            )
+    check_cache_salt(body)
     if body.get("continue_final_message") and body.get("add_generation_prompt"):
         raise ApiError(400, BOTH_CHAT_FLAGS)
+
+
+def check_cache_salt(body: Mapping[str, Any]) -> None:
+    """vLLM's `validate_cache_salt`, a "before" validator of every pooling request: it raises past pydantic, so
+    a bad salt is a 400 BadRequestError naming the param, ahead of any type error."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise vllm_error("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > _CACHE_SALT_MAX or any(c in _CACHE_SALT_FORBIDDEN for c in salt):
+        raise vllm_error(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', "
+            "'\\\\', or NUL.",
+            "cache_salt",
+        )
 
 
 def _param_of(loc: Sequence[Any]) -> str:
@@ -346,7 +353,7 @@ def _param_of(loc: Sequence[Any]) -> str:
     return ".".join(kept or parts)
 
 
-def _union_error(exc: ValidationError) -> ApiError:
+def union_error(exc: ValidationError) -> ApiError:
     """Stage 2: vLLM's answer to the union's validation errors (its `validation_exception_handler`)."""
     errors = []
     for e in exc.errors(include_url=False):
@@ -393,7 +400,7 @@ def _plain_message(msg: Any) -> Mapping[str, Any]:
     return msg
 
 
-def _fit(ids: list[int], req: Any, max_model_len: int) -> list[int]:
+def fit_prompt(ids: list[int], req: Any, max_model_len: int) -> list[int]:
     """`truncate_prompt_tokens` (-1: max_model_len) from the side vLLM's tokenizer cuts, then padding."""
     keep = req.truncate_prompt_tokens
     if keep is not None:
@@ -410,22 +417,20 @@ def parse_embeddings(
     max_model_len: int,
     vocab_size: int,
     adapters: Collection[str] = (),
-    data_parallel_rank: int | None = None,
-    data_parallel_size: int = 1,
 ) -> EmbedRequest:
     """Every check of the module docstring, in vLLM's order; raises ApiError (EngineInputError for stage 7)."""
     _before_validators(body)
     try:
         req = _EmbeddingRequest.validate_python(dict(body))
     except ValidationError as exc:
-        raise _union_error(exc) from None
+        raise union_error(exc) from None
     model = req.model or served
     if model != served and model not in adapters:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > max_model_len:
         raise ApiError(400, TRUNCATE_OVER_CONTEXT)
     prompts, from_text = _prompts(req)
-    prompts = [_fit(ids, req, max_model_len) for ids in prompts]
+    prompts = [fit_prompt(ids, req, max_model_len) for ids in prompts]
     for ids, text in zip(prompts, from_text, strict=True):
         check_prompt_length(ids, text, max_model_len)
     if req.dimensions is not None:
@@ -434,7 +439,6 @@ def parse_embeddings(
             f"Model '{served}' does not support Matryoshka embeddings; dimensions must be unset "
             f"(received dimensions={req.dimensions}).",
         )
-    check_data_parallel_rank(data_parallel_rank, data_parallel_size)
     for ids, text in zip(prompts, from_text, strict=True):
         if not ids:
             raise EngineInputError(400, EMPTY_PROMPT)
@@ -509,7 +513,7 @@ def encode_vector(v: np.ndarray, embed_dtype: str, endianness: str) -> bytes:
 
 
 # ---------------------------------------------------------------- responses
-def _usage(prompt_tokens: int) -> dict[str, Any]:
+def usage_info(prompt_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,
         "prompt_tokens_details": None, "completion_tokens_details": None,
@@ -529,7 +533,7 @@ def embeddings_body(
     return {
         "id": rid, "object": "list", "created": created, "model": req.model,
         "data": [{"index": i, "object": "embedding", "embedding": e} for i, e in enumerate(data)],
-        "usage": _usage(prompt_tokens),
+        "usage": usage_info(prompt_tokens),
     }  # fmt: skip
 
 

@@ -512,12 +512,25 @@ def _validation_error(errors: Sequence[dict[str, Any] | str], param: str | None)
 def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
     """A POST body as vLLM's FastAPI routes read it (`Depends(validate_json_request)` and a pydantic body),
     in FastAPI's order, up to the JSON object the request model is validated from; or the ApiError vLLM
-    answers (400 "Bad Request", param the error's location):
+    answers (400 "Bad Request", param the error's location): `parse_json_body`'s checks, then a JSON value
+    that is no object cannot give fields."""
+    body = parse_json_body(raw, content_type)
+    if not isinstance(body, dict):
+        err = {"type": "model_attributes_type", "loc": "body",
+               "msg": "Input should be a valid dictionary or object to extract fields from",
+               "input": error_input(body)}  # fmt: skip
+        raise _validation_error([err], "body")
+    return body
+
+
+def parse_json_body(raw: bytes, content_type: str | None) -> Any:
+    """The JSON value of a POST body, in FastAPI's order, for a route whose body model is a union (each member
+    then refuses a value that is no object on its own: one error per member):
     1. a non-empty body with a JSON content type (application/json or */*+json) is parsed: malformed JSON
        is a `json_invalid` error at `body.<byte offset>`, undecodable bytes FastAPI's "There was an error
        parsing the body";
     2. `validate_json_request`: a media type (before any `;`, not stripped) other than `application/json`;
-    3. no body (or `null`) is `body` missing, a JSON value that is no object cannot give fields."""
+    3. no body (or `null`) is `body` missing."""
     body: Any = None
     if raw and content_type:
         msg = email.message.Message()
@@ -537,11 +550,6 @@ def parse_body(raw: bytes, content_type: str | None) -> dict[str, Any]:
     if body is None:
         raise _validation_error([{"type": "missing", "loc": "body", "msg": "Field required",
                                   "input": error_input(None)}], "body")  # fmt: skip
-    if not isinstance(body, dict):
-        err = {"type": "model_attributes_type", "loc": "body",
-               "msg": "Input should be a valid dictionary or object to extract fields from",
-               "input": error_input(body)}  # fmt: skip
-        raise _validation_error([err], "body")
     return body
 
 

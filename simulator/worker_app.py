@@ -33,10 +33,13 @@ this server's (the simulated release goes to /sim/kv/release, which finds the en
 and lists each under `engines`. N = 1 answers exactly as a worker without data parallelism.
 
 Runners (`runner`, vLLM's `--runner`): "generate" serves the routes above; "pooling" is an embedding server
-(`vllm serve MODEL --runner pooling --convert embed`): POST /v1/embeddings (`simulator.embeddings`) instead
-of /v1/completions, /v1/chat/completions and /v1/responses[/...], which are then unknown paths (vLLM's 404
-`{"detail": "Not Found"}`). Each input of an embeddings request is one prefill-only engine request
-(`EngineRequest.pooling`), all submitted together; mixed role only (vLLM has no P/D for pooling).
+(`vllm serve MODEL --runner pooling --convert embed`): POST /v1/embeddings (`simulator.embeddings`), and the
+bi-encoder score and rerank routes POST /score, /v1/score, /rerank, /v1/rerank, /v2/rerank
+(`simulator.scoring`), instead of /v1/completions, /v1/chat/completions and /v1/responses[/...], which are
+then unknown paths (vLLM's 404 `{"detail": "Not Found"}`; the pooling routes are unknown on a generate
+worker likewise). Each input of an embeddings request, and each query and each document of a score or rerank
+request (queries once, not once per pair), is one prefill-only engine request (`EngineRequest.pooling`), all
+submitted together; mixed role only (vLLM has no P/D for pooling).
 
 LoRA (`lora_modules`, vLLM's `--enable-lora --lora-modules ...`; `simulator.lora`): a request whose `model`
 is an adapter's name (completions, chat, the Responses API, /tokenize, /detokenize) is served with it and
@@ -95,6 +98,7 @@ from simulator.protocol import (
     completion_body,
     logprobs_body,
     parse_body,
+    parse_json_body,
     parse_request,
 )
 from simulator.requests import (
@@ -114,6 +118,7 @@ from simulator.responses_api import (
     parse_responses,
     response_body,
 )
+from simulator.scoring import architecture, pair_scores, parse_scoring, rerank_body, score_body
 from simulator.tokenize_api import detokenize_body, tokenize_body
 from simulator.tokens import VOCAB_SIZE, id_text, pseudo_top_logprobs, pseudo_words
 from simulator.worker_runtime import EngineDriver, Ticket
@@ -212,7 +217,7 @@ class WorkerConfig:
     # does not turn LoRA on: without it a load is vLLM's 500 "LoRA is not enabled"
     allow_runtime_lora_updating: bool = False
     # vLLM's --runner: "generate" (completions, chat, responses) or "pooling" (an embedding server, as
-    # `--runner pooling --convert embed`: /v1/embeddings only)
+    # `--runner pooling --convert embed`: /v1/embeddings, /score and /rerank)
     runner: str = "generate"
 
     def validate(self) -> None:
@@ -580,13 +585,10 @@ class WorkerRuntime:
     async def handle_embeddings(self, request: Request) -> Response:
         """POST /v1/embeddings: every input one prefill-only engine request, submitted together on one engine;
         answered when all have finished (`simulator.embeddings` for the checks and the bodies)."""
-        dp_rank = requested_rank(request.headers.get(RANK_HEADER))
         try:
             body = parse_body(await request.body(), request.headers.get("content-type"))
             vocab = self.perf.model.vocab_size or VOCAB_SIZE
-            req = parse_embeddings(
-                body, self.served, self.engine.max_model_len, vocab, self.loras, dp_rank, len(self.engines)
-            )
+            req = parse_embeddings(body, self.served, self.engine.max_model_len, vocab, self.loras)
         except ApiError as err:
             return JSONResponse(err.body(), status_code=err.status)
         # vLLM's `_base_request_id`, as for completions: X-Request-Id, else the body's request_id, else random
@@ -597,21 +599,49 @@ class WorkerRuntime:
         failed = await self._inject_faults()
         if failed is not None:
             return failed
-        recs = await self._run_pooling(request, req, f"{rid}-{secrets.token_hex(4)}", dp_rank)
+        eid = f"{rid}-{secrets.token_hex(4)}"
+        recs = await self._run_pooling(request, req.prompts, req.model, eid)
         if isinstance(recs, Response):
             return recs
         return self._embeddings_response(rid, req)
 
+    async def handle_scoring(self, request: Request, rerank: bool) -> Response:
+        """POST /score, /v1/score (`rerank` False) or /rerank, /v1/rerank, /v2/rerank: every query and every
+        document one prefill-only engine request, submitted together; answered when all have finished
+        (`simulator.scoring` for the checks, the scores and the bodies)."""
+        try:
+            body = parse_json_body(await request.body(), request.headers.get("content-type"))
+            arch = architecture(self.perf.model.name)
+            job = parse_scoring(body, rerank, self.served, arch, self.engine.max_model_len, self.loras)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        base = request.headers.get("x-request-id")
+        if base is None:
+            base = job.request_id if job.request_id is not None else secrets.token_hex(8)
+        rid = "score-" + base  # vLLM's ServingScores prefix, for /rerank too
+        failed = await self._inject_faults()
+        if failed is not None:
+            return failed
+        recs = await self._run_pooling(request, job.prompts, job.model, f"{rid}-{secrets.token_hex(4)}")
+        if isinstance(recs, Response):
+            return recs
+        scores = pair_scores(job, self.cfg.seed, self.perf.model.hidden_size)
+        tokens = sum(map(len, job.prompts))
+        if rerank:
+            return JSONResponse(rerank_body(rid, job, scores, tokens))
+        return JSONResponse(score_body(rid, int(time.time()), job, scores, tokens))
+
     async def _run_pooling(
-        self, request: Request, req: EmbedRequest, eid: str, dp_rank: int | None
+        self, request: Request, prompts: list[list[int]], model: str, eid: str
     ) -> list[RequestRecord] | Response:
-        """Run the inputs as engine requests `<eid>-<i>` (vLLM numbers a pooling batch's prompts so); their
-        records, or the Response to answer (refused by the engine, client gone, aborted by a stop)."""
-        lora = req.model if req.model in self.loras else None
-        reqs = [
-            EngineRequest(f"{eid}-{i}", ids, 0, lora=lora, pooling=True) for i, ids in enumerate(req.prompts)
-        ]
-        driver = self.drivers[self.engine_for(dp_rank)]
+        """Run `prompts` as engine requests `<eid>-<i>` (vLLM numbers a pooling batch's prompts so) for the
+        model answered as `model` (an adapter's name runs with it); their records, or the Response to answer
+        (refused by the engine, client gone, aborted by a stop)."""
+        lora = model if model in self.loras else None
+        reqs = [EngineRequest(f"{eid}-{i}", ids, 0, lora=lora, pooling=True) for i, ids in enumerate(prompts)]
+        # vLLM's pooling handlers never hand X-data-parallel-rank to the engine (a rank outside the engines is
+        # answered too): the balancer picks
+        driver = self.drivers[self.engine_for(None)]
         try:
             tickets = await driver.submit_all(reqs, stream=False)
         except ValueError as exc:  # the engine refused what the checks let through: a 400, not a 500
@@ -865,6 +895,12 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
     async def embeddings(request: Request) -> Response:
         return await rt.handle_embeddings(request)
 
+    async def score(request: Request) -> Response:
+        return await rt.handle_scoring(request, rerank=False)
+
+    async def rerank(request: Request) -> Response:
+        return await rt.handle_scoring(request, rerank=True)
+
     async def stored_response(request: Request) -> Response:
         # GET /v1/responses/{id} and POST .../cancel: vLLM always routes them, and with its store off (as
         # here) knows no id: its 404 in OpenAI's shape (a bare `{"detail": "Not Found"}` before)
@@ -964,7 +1000,9 @@ def create_worker_app(cfg: WorkerConfig) -> FastAPI:
          ("/v1/responses/{response_id}", stored_response, ["GET"], True),
          ("/v1/responses/{response_id}/cancel", stored_response, ["POST"], False))
         if cfg.runner == "generate"
-        else (("/v1/embeddings", embeddings, ["POST"], False),)
+        else (("/v1/embeddings", embeddings, ["POST"], False),
+              *((path, score, ["POST"], False) for path in ("/score", "/v1/score")),
+              *((path, rerank, ["POST"], False) for path in ("/rerank", "/v1/rerank", "/v2/rerank")))
     )  # fmt: skip
     for path, endpoint, methods, get_only in (
         *runner_routes,

@@ -19,7 +19,7 @@ vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING` set to "1" or "true" (vLLM's reading),
 turn LoRA on: a load without `--enable-lora` or adapters is vLLM's 500 "LoRA is not enabled".
 
 `--runner pooling` makes it an embedding server, as vLLM's `--runner pooling --convert embed`: POST
-/v1/embeddings instead of the generation routes (mixed role only).
+/v1/embeddings and the score and rerank routes instead of the generation routes (mixed role only).
 
 `serve_simulated` is the simulated backend; `--engine vllm` hands the flags to a real vLLM instead.
 """
@@ -148,7 +148,8 @@ def register(app: typer.Typer) -> None:
         runner: str = typer.Option(
             "generate",
             "--runner",
-            help="vLLM's --runner: generate (completions, chat) | pooling (an embedding server: /v1/embeddings).",
+            help="vLLM's --runner: generate (completions, chat) | pooling (an embedding server: /v1/embeddings, "
+            "/score, /rerank).",
         ),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
         port: int = typer.Option(8001, "--port", help="Port to bind (0 = a free port)."),
