@@ -3,7 +3,7 @@
 | path | auth | does |
 |---|---|---|
 | POST /v1/chat/completions, /v1/completions, /v1/responses | API key | route and proxy (see `server.dispatch`) |
-| POST /v1/embeddings | API key | the same, for models whose pools run vLLM's pooling runner (400 for the others, and theirs 400 on the generation routes) |
+| POST /v1/embeddings, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank | API key | the same, for models whose pools run vLLM's pooling runner (400 for the others, and theirs 400 on the generation routes) |
 | GET /v1/responses/{id}, POST /v1/responses/{id}/cancel | API key | forwarded to the worker that served that response (`server.response_retrieval`) |
 | GET /v1/models | API key | the union of the fleet's models (OpenAI list shape) |
 | GET /health | none | 200 while the process serves |
@@ -48,7 +48,7 @@ from server.config import CorsConfig, MosaicConfig
 from server.discovery import Source
 from server.dispatch import CLIENT_CLOSED_STATUS, RequestRecord
 from server.errors import Cause, GatewayError, shutting_down
-from server.footprint import Kind, parse_request
+from server.footprint import POOLING_KINDS, Kind, parse_request
 from server.gateway import Gateway
 from server.lora_admin import LOAD_PATH, UNLOAD_PATH
 from server.metrics import CONTENT_TYPE
@@ -180,6 +180,12 @@ def create_app(
         ("/v1/completions", "completions"),
         ("/v1/responses", "responses"),
         ("/v1/embeddings", "embeddings"),
+        # vLLM's score and rerank routes, each under every path vLLM serves it (rerank: Jina's and Cohere's v2)
+        ("/score", "score"),
+        ("/v1/score", "score"),
+        ("/rerank", "rerank"),
+        ("/v1/rerank", "rerank"),
+        ("/v2/rerank", "rerank"),
     )
     for path, kind in proxied:
         serve = _proxy_endpoint(gw, path, kind)
@@ -316,13 +322,13 @@ def _check_runner(
     path: str, kind: Kind, model: str, pooling_models: frozenset[str], adapter: str | None = None
 ) -> None:
     """400 when the model's workers do not serve this endpoint: a pooling model (`runner: pooling`) answers
-    embeddings only, a generate model everything else (its vLLM has no such route and would answer a bare
+    embeddings, score and rerank only, a generate model everything else (its vLLM has no such route and would answer a bare
     404 `Not Found`, which reads as a wrong URL rather than a wrong model). Named as the client named it (a
     LoRA adapter, or any name a `lora_resolver` model takes for one), then its base model."""
     pooling = model in pooling_models
-    if (kind == "embeddings") == pooling:
+    if (kind in POOLING_KINDS) == pooling:
         return
-    what = "an embedding model (runner: pooling)" if pooling else "a generative model (runner: generate)"
+    what = "a pooling model (runner: pooling)" if pooling else "a generative model (runner: generate)"
     name = f"`{model}`" if adapter is None else f"`{adapter}` (an adapter of `{model}`)"
     raise GatewayError(
         Cause.BAD_REQUEST, f"The model {name} is {what} and does not serve {path}", param="model"

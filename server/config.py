@@ -52,8 +52,9 @@ from scheduler.routing.config import RoutingConfig, RoutingConfigError
 from server.vllm_pool import LaunchVllmConfig
 
 RoleName = Literal["prefill", "decode", "mixed"]
-# vLLM's `--runner`: `generate` serves completions, chat and responses; `pooling` serves embeddings (an
-# embedding model, or a causal LM with `--convert embed`) and none of the generation endpoints
+# vLLM's `--runner`: `generate` serves completions, chat and responses; `pooling` serves embeddings, score
+# and rerank (an embedding or reranker model, or a causal LM with `--convert embed`) and none of the
+# generation endpoints
 RunnerName = Literal["generate", "pooling"]
 
 
@@ -583,7 +584,8 @@ class MosaicConfig(_Strict):
 
 def _check_one_runner_per_model(pools: list[PoolConfig]) -> None:
     """A model's pools share one runner: the gateway answers a model's requests by what its workers serve
-    (embeddings, or completions, chat and responses), as one vLLM serves one or the other under a name."""
+    (embeddings, score and rerank, or completions, chat and responses), as one vLLM serves one or the other
+    under a name."""
     runner_of: dict[str, tuple[str, str]] = {}  # model → (runner, the first pool that set it)
     for i, pool in enumerate(pools):
         first = runner_of.setdefault(pool.model, (pool.runner, pool.name))

@@ -80,8 +80,11 @@ REPLY_PRIMING_TOKENS = 3
 DEFAULT_CONTEXT = 8192  # a model's context when the gateway knows no max_model_len for it
 PREFIX_HASH_BLOCKS = 64  # hash at most this many leading blocks (affinity needs the prefix, not all of it)
 
-Kind = Literal["chat", "completions", "responses", "embeddings"]
+Kind = Literal["chat", "completions", "responses", "embeddings", "score", "rerank"]
 GENERATION_KINDS: frozenset[Kind] = frozenset({"chat", "completions", "responses"})
+POOLING_KINDS: frozenset[Kind] = frozenset(
+    {"embeddings", "score", "rerank"}
+)  # vLLM's pooling runner serves them
 
 
 class _Lenient(BaseModel):
@@ -177,6 +180,57 @@ class _Embeddings(_Lenient):
     kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
 
 
+# vLLM 0.32's `ScoreInput`: a text, or `{"content": [parts]}` (a multimodal model's text, image or video parts)
+_ScoreInput = str | dict[str, Any]
+_ScoreInputs = _ScoreInput | list[_ScoreInput]
+
+
+class _Scoring(_Lenient):
+    """The fields of a score or rerank request the gateway reads (vLLM 0.32's `ScoringRequestMixin`)."""
+
+    model: str | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None
+    truncation_side: TruncationSide | None = None
+    max_tokens_per_query: int | None = 0  # each query cut to this many tokens before it is encoded (0: not)
+    max_tokens_per_doc: int | None = 0
+    kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
+
+
+class _Score(_Scoring):
+    """`/score`: vLLM's union of four request shapes, the first whose two fields are present (its order)."""
+
+    queries: _ScoreInputs | None = None
+    documents: _ScoreInputs | None = None
+    items: _ScoreInputs | None = None
+    data_1: _ScoreInputs | None = None
+    data_2: _ScoreInputs | None = None
+    text_1: _ScoreInputs | None = None
+    text_2: _ScoreInputs | None = None
+
+    def sides(self) -> tuple[_ScoreInputs, _ScoreInputs]:
+        for first, second in (
+            (self.queries, self.documents),
+            (self.queries, self.items),
+            (self.data_1, self.data_2),
+            (self.text_1, self.text_2),
+        ):
+            if first is not None and second is not None:
+                return first, second
+        raise GatewayError(
+            Cause.BAD_REQUEST,
+            "a score request needs 'queries' and 'documents' (or 'queries' and 'items', 'data_1' and 'data_2', "
+            "'text_1' and 'text_2')",
+            param="queries",
+        )
+
+
+class _Rerank(_Scoring):
+    """`/rerank`: one query, its documents."""
+
+    query: _ScoreInput
+    documents: _ScoreInputs
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     kind: Kind
@@ -205,6 +259,9 @@ class ParsedRequest:
     prompt_logprobs: bool = False
     adapter: str | None = None  # the LoRA adapter `model` named (`model` is then its base model)
     prompt_cap: int | None = None  # vLLM cuts each prompt to this many tokens (`Truncation`)
+    # the longest prompt one sequence's context must hold, when not the longest of `prompt_lens` (a score
+    # request's: `parse_scoring`)
+    context_tokens: int | None = None
 
     def data(self) -> dict[str, Any]:
         """The body as a dict (parsed once, lazily: only the rewriting paths need it)."""
@@ -376,6 +433,75 @@ def parse_embeddings(
     else:
         # an empty list is the worker's 400 ("You must pass at least one prompt"): counted as one empty prompt
         prompts = _completion_prompt(req.input) if req.input else _Prompts(0, True, (0,), None, None, None)
+    return _pooled("embeddings", body, model, adapter, prompts, req, max_model_len)
+
+
+def _conversations(value: Any) -> list[list[_Message]] | None:
+    """The chat conversations an embeddings body holds (one, or a batch), None when it holds prompts."""
+    if not value or not isinstance(value, list):
+        return None
+    if all(isinstance(m, _Message) for m in value):
+        return [value]
+    # a batch: an empty conversation among them is one (the worker refuses it in its words), but a batch of
+    # empty lists alone is a batch of empty token-id prompts
+    if any(value) and all(isinstance(c, list) and all(isinstance(m, _Message) for m in c) for c in value):
+        return value
+    return None
+
+
+def parse_scoring(
+    kind: Literal["score", "rerank"],
+    body: bytes,
+    text: bytes,
+    max_model_len: Mapping[str, int] | None,
+    default_model: str | None,
+    adapters: Mapping[str, str] | None = None,
+    resolver: AdapterResolver | None = None,
+) -> ParsedRequest:
+    """`parse_request` for a score or rerank body: queries scored against documents, 1:1, 1:N or N:N. How a
+    pooling worker encodes them depends on its model, which the gateway does not know: a cross-encoder (a
+    reranker: vLLM's classify task) runs each (query, document) pair as one prompt, a bi-encoder (an
+    embedding model) each text alone. So the KV is counted by pairs, the most either holds (each sequence a
+    pair, no output), and the context by the longest text, the least either needs (a pair over a
+    cross-encoder's context is its worker's 400); `max_tokens_per_query`/`_doc` cut the texts first and
+    `truncate_prompt_tokens` each prompt. Prefix affinity is the first query's text, where every pair of a
+    cross-encoder begins. Lengths that do not pair up, and empty sides, are the worker's 400 in its words."""
+    req: _Score | _Rerank
+    req, model, adapter = _validated(
+        _Score if kind == "score" else _Rerank, text, default_model, adapters, resolver
+    )
+    first, second = req.sides() if isinstance(req, _Score) else (req.query, req.documents)
+    queries = _score_texts(first, req.max_tokens_per_query)
+    documents = _score_texts(second, req.max_tokens_per_doc)
+    # a single query goes with every document; N queries with N documents (other counts: the worker's 400)
+    pairs = list(zip(queries * len(documents) if len(queries) == 1 else queries, documents, strict=False))
+    lens = tuple(q[0] + d[0] for q, d in pairs) or (0,)
+    texts = queries + documents
+    longest = max((n for n, _, _ in texts), default=0)
+    prompts = _Prompts(
+        sum(lens),
+        False,
+        lens,
+        max((f for _, f, _ in texts), default=0),
+        None,
+        queries[0][2] if queries else None,
+    )
+    return _pooled(kind, body, model, adapter, prompts, req, max_model_len, longest)
+
+
+def _pooled(
+    kind: Kind,
+    body: bytes,
+    model: str,
+    adapter: str | None,
+    prompts: _Prompts,
+    req: _Embeddings | _Scoring,
+    max_model_len: Mapping[str, int] | None,
+    longest: int | None = None,
+) -> ParsedRequest:
+    """A pooling request: one sequence a prompt, each ending at its prefill (no output), its prompts as the
+    request's `truncate_prompt_tokens` leaves them; `longest`: the text the context must hold, when it is
+    not the longest prompt (`ParsedRequest.context_tokens`)."""
     cut = _truncation(
         req.truncate_prompt_tokens,
         req.truncation_side,
@@ -385,7 +511,7 @@ def parse_embeddings(
     )
     prompt, exact, lens, floor, token_ids, prompt_text = _cut(prompts, cut)
     return ParsedRequest(
-        kind="embeddings",
+        kind=kind,
         body=body,
         model=model,
         stream=False,
@@ -401,20 +527,31 @@ def parse_embeddings(
         prompt_floor=None if exact else floor,
         adapter=adapter,
         prompt_cap=cut.cap if cut else None,
+        context_tokens=longest if longest is None or cut is None else min(longest, cut.cap),
     )
 
 
-def _conversations(value: Any) -> list[list[_Message]] | None:
-    """The chat conversations an embeddings body holds (one, or a batch), None when it holds prompts."""
-    if not value or not isinstance(value, list):
-        return None
-    if all(isinstance(m, _Message) for m in value):
-        return [value]
-    # a batch: an empty conversation among them is one (the worker refuses it in its words), but a batch of
-    # empty lists alone is a batch of empty token-id prompts
-    if any(value) and all(isinstance(c, list) and all(isinstance(m, _Message) for m in c) for c in value):
-        return value
-    return None
+def _score_texts(value: _ScoreInputs, cap: int | None) -> list[tuple[int, int, str]]:
+    """(estimated tokens, floor, text) of each input of a score side: a text, or a multimodal input's text
+    parts (its other parts are not counted, as in chat), each at most `cap` tokens when `cap` > 0."""
+    out = []
+    for item in value if isinstance(value, list) else [value]:
+        content = item if isinstance(item, str) else item.get("content")
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list):  # any JSON: the worker validates the parts
+            text = "".join(
+                p["text"]
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            )
+        else:
+            text = ""
+        tokens, floor = estimate_text_tokens(text), _floor(_floor_basis(text))
+        if cap is not None and cap > 0:
+            tokens, floor = min(tokens, cap), min(floor, cap)
+        out.append((tokens, floor, text))
+    return out
 
 
 def with_context(parsed: ParsedRequest, tokens: int, max_model_len: Mapping[str, int] | None) -> None:
@@ -470,7 +607,7 @@ def _model_of(
     return (model, None) if base is None else (base, model)
 
 
-_Body = TypeVar("_Body", _Chat, _Completion, _Responses, _Embeddings)
+_Body = TypeVar("_Body", _Chat, _Completion, _Responses, _Embeddings, _Score, _Rerank)
 
 
 def _validated(
@@ -525,6 +662,8 @@ def parse_request(
         return parse_responses(body, text, max_model_len, default_model, adapters, resolver)
     if kind == "embeddings":
         return parse_embeddings(body, text, max_model_len, default_model, adapters, resolver)
+    if kind == "score" or kind == "rerank":
+        return parse_scoring(kind, body, text, max_model_len, default_model, adapters, resolver)
     req, model, adapter = _validated(
         _Chat if kind == "chat" else _Completion, text, default_model, adapters, resolver
     )
@@ -767,9 +906,10 @@ def route_request(
         prompt_lens=parsed.prompt_lens,
         ticket=ticket,
         # vLLM's Responses request has no P/D handover; prompt logprobs need the prompt run where they are asked
-        # embeddings end at their prefill, so there is nothing to hand over
-        single_hop=parsed.kind in ("responses", "embeddings") or parsed.prompt_logprobs,
+        # pooling requests end at their prefill, so there is nothing to hand over
+        single_hop=parsed.kind == "responses" or parsed.kind in POOLING_KINDS or parsed.prompt_logprobs,
         pinned_worker=pinned_worker,
         adapter=parsed.adapter,
-        generates=parsed.kind != "embeddings",
+        generates=parsed.kind in GENERATION_KINDS,
+        context_tokens=parsed.context_tokens,
     )

@@ -126,7 +126,8 @@ class Gateway:
                 )
             self.registry.add_pool(info, tracked, waited_for=waited_for)
         self.models: tuple[str, ...] = tuple(self.registry.models())
-        # models whose pools run vLLM's pooling runner: embeddings only (config: one runner per model)
+        # models whose pools run vLLM's pooling runner: embeddings, score and rerank only (config: one runner
+        # per model)
         self.pooling_models = frozenset(p.model for p in config.pools if p.runner == "pooling")
         self.registry.on_context = self._note_served_context
         # `models[].lora_resolver`: unknown names are adapters of that model (server.footprint.AdapterResolver)

@@ -88,6 +88,10 @@ class RouteRequest:
     # False for a pooling request (embeddings): it ends at its prefill, so its prompt alone must fit the
     # context (vLLM's pooling runner takes a prompt of max_model_len), where a generation needs one more token
     generates: bool = True
+    # the longest prompt one sequence's context must hold when that is not the longest of `prompt_lens`: a
+    # score request's KV is counted by its (query, document) pairs, a cross-encoder's prompts, while an
+    # embedding model's worker encodes (and so needs room for) each text alone; None: `longest_prompt`'s own
+    context_tokens: int | None = None
 
     @property
     def holder(self) -> str | int:
@@ -106,7 +110,10 @@ class RouteRequest:
 
     @property
     def longest_prompt(self) -> int:
-        """The longest prompt's tokens: what one sequence's context must hold (`prompt_tokens` for one prompt)."""
+        """The longest prompt's tokens: what one sequence's context must hold (`prompt_tokens` for one prompt;
+        `context_tokens` when set)."""
+        if self.context_tokens is not None:
+            return self.context_tokens
         return max(self.prompt_lens) if self.prompt_lens else self.prompt_tokens
 
     @property

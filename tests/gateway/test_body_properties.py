@@ -35,9 +35,12 @@ _JSON = st.recursive(
     ),
     max_leaves=40,
 )
-# the fields' own shapes, nested and mixed (a batch with an empty member, ids beside texts)
+# the fields' own shapes, nested and mixed (a batch with an empty member, ids beside texts, score inputs)
+_SCORE_INPUT = st.one_of(st.text(max_size=10), st.fixed_dictionaries({"content": _JSON}))
 _VALUE = st.one_of(
     _JSON,
+    _SCORE_INPUT,
+    st.lists(_SCORE_INPUT, max_size=4),
     st.lists(_MESSAGE, max_size=4),
     st.lists(st.lists(_MESSAGE, max_size=3), max_size=3),
     st.lists(st.lists(st.integers(min_value=0, max_value=100), max_size=4), max_size=3),
@@ -48,6 +51,8 @@ _FIELDS = {
     "chat": ("messages",),
     "completions": ("prompt",),
     "responses": ("input",),
+    "score": ("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2"),
+    "rerank": ("query", "documents"),
 }
 # the other fields each kind reads (server.footprint's models), drawn as any JSON
 _COMMON = (
@@ -62,6 +67,14 @@ _COMMON = (
     "truncate_prompt_tokens",
     "truncation_side",
 )
+_SCORING = (
+    "model",
+    "kv_transfer_params",
+    "truncate_prompt_tokens",
+    "truncation_side",
+    "max_tokens_per_query",
+    "max_tokens_per_doc",
+)
 _OTHERS = {
     "embeddings": ("model", "kv_transfer_params", "truncate_prompt_tokens", "truncation_side"),
     "chat": (*_COMMON, "max_completion_tokens", "top_logprobs"),
@@ -74,6 +87,8 @@ _OTHERS = {
         "previous_response_id",
         "truncation",
     ),
+    "score": _SCORING,
+    "rerank": _SCORING,
 }
 
 

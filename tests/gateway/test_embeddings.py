@@ -15,36 +15,13 @@ import openai
 import pytest
 
 from server.config import validate_config
+from tests.gateway.pooling_fleet import CHAT, CONTEXT, EMBED, HIDDEN, pooling_fleet
 from tests.gateway.serverkit import GatewayThread
-
-CHAT, EMBED = "llama-3-8b", "embed-mistral"
-HIDDEN = 4096  # the catalog's mistral-7b hidden size: the simulated worker's embedding dimension
-CONTEXT = 64  # the embedding model's max_model_len
 
 
 @pytest.fixture(scope="module")
 def gw() -> collections.abc.Iterator[GatewayThread]:
-    def sim(replicas: int, seed: int) -> dict[str, object]:
-        return {"simulated": {"replicas": replicas, "time_scale": 200.0, "seed": seed}}
-
-    cfg = validate_config(
-        {
-            "models": [{"name": CHAT}, {"name": EMBED, "spec": "mistral-7b", "max_model_len": CONTEXT}],
-            "pools": [
-                {"name": "chat-l4", "model": CHAT, "gpu": "L4", "endpoints": sim(1, 0)},
-                {
-                    "name": "embed-l4",
-                    "model": EMBED,
-                    "gpu": "L4",
-                    "runner": "pooling",
-                    "endpoints": sim(2, 10),
-                },
-            ],
-            "limits": {"queue_deadline_s": 2},
-        },
-        "test",
-    )
-    with GatewayThread(cfg) as thread:
+    with GatewayThread(pooling_fleet()) as thread:
         yield thread
 
 
@@ -117,12 +94,12 @@ def test_embeddings_are_routed_over_the_pool_and_their_kv_released(gw: GatewayTh
         (
             "/v1/chat/completions",
             {"model": EMBED, "messages": [{"role": "user", "content": "hi"}]},
-            f"The model `{EMBED}` is an embedding model (runner: pooling) and does not serve /v1/chat/completions",
+            f"The model `{EMBED}` is a pooling model (runner: pooling) and does not serve /v1/chat/completions",
         ),
         (
             "/v1/completions",
             {"model": EMBED, "prompt": "hi"},
-            f"The model `{EMBED}` is an embedding model (runner: pooling) and does not serve /v1/completions",
+            f"The model `{EMBED}` is a pooling model (runner: pooling) and does not serve /v1/completions",
         ),
         (
             "/v1/embeddings",

@@ -106,7 +106,7 @@ def test_the_generation_endpoints_are_a_400_naming_the_model(
         ours = http.post(path, json={"model": model, **body})
     assert ours.status_code == 400
     assert ours.json()["error"] == {
-        "message": f"The model `{model}` is an embedding model (runner: pooling) and does not serve {path}",
+        "message": f"The model `{model}` is a pooling model (runner: pooling) and does not serve {path}",
         "type": "BadRequestError",
         "param": "model",
         "code": 400,
@@ -133,3 +133,47 @@ def test_inputs_over_the_context_with_truncate_prompt_tokens_are_embedded_as_the
     assert ours.json()["data"][0]["embedding"] == pytest.approx(
         theirs.json()["data"][0]["embedding"], rel=1e-6
     )
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/score", {"queries": "paged attention", "documents": ["a block table", "paged attention", "kv"]}),
+        ("/v1/score", {"text_1": ["one", "two"], "text_2": ["three", "four"]}),
+        (
+            "/rerank",
+            {"query": "paged attention", "documents": ["a block table", "paged attention"], "top_n": 1},
+        ),
+        ("/v2/rerank", {"query": "q", "documents": ["x", "y", "z"]}),
+    ],
+)
+def test_score_and_rerank_through_the_gateway_are_the_servers(
+    gateway: MosaicGateway, real_vllm_pooling: RealServer, path: str, body: dict[str, Any]
+) -> None:
+    """vLLM's scoring routes on an embedding model (cosine of the two texts' embeddings): the gateway routes
+    them to the pooling pool and passes the answer through; the scores and usage are the server's."""
+    body = {"model": real_vllm_pooling.model, **body}
+    theirs = httpx.post(real_vllm_pooling.url + path, json=body, timeout=60)
+    ours = httpx.post(
+        gateway.url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    )
+    assert theirs.status_code == ours.status_code == 200, ours.text
+    mine, server = ours.json(), theirs.json()
+    assert mine["usage"] == server["usage"]
+    key = "data" if "score" in path else "results"
+    strip = ("id", "created")
+    assert [{k: v for k, v in d.items() if k not in strip} for d in mine[key]] == [
+        {k: v for k, v in d.items() if k not in strip} for d in server[key]
+    ]
+
+
+def test_a_score_request_for_an_unknown_model_is_a_404_naming_the_param(
+    gateway: MosaicGateway, real_vllm_pooling: RealServer
+) -> None:
+    resp = httpx.post(
+        gateway.url + "/rerank",
+        json={"model": "nope", "query": "q", "documents": ["d"]},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
