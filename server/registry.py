@@ -87,7 +87,7 @@ class PoolInfo:
     # how long an engine serving a context of n tokens may report running requests and no step
     # before it is judged stuck (`health.stuck_engine_s`, raised to cover such a prefill); None: never judged
     stuck_window: Callable[[int | None], float] | None = field(default=None, compare=False)
-    pooling: bool = False  # its workers run vLLM's pooling runner: embeddings, no completions
+    pooling: bool = False  # its workers run vLLM's pooling runner: embeddings, score, rerank; no completions
 
 
 @dataclass(slots=True)
@@ -941,22 +941,30 @@ class Registry:
         not stepped since: `/health` 200 says nothing of it, and once the requests that showed it were severed
         its gauges and counters say nothing either (a resumed engine whose only requests were aborted before
         it scheduled them reports no step). So the probe asks it for a 1-token completion of its base model
-        (an embedding of one word on a pooling worker, which serves no completions), within
-        `health.timeout_s`: answered → it takes requests (passed); no answer → still stuck; a 4xx was
-        refused before the engine (a model name or prompt it does not take), which shows nothing about the
-        engine and is not held against it (passed, as before this probe)."""
+        (on a pooling worker, which serves no completions, the embedding of one word, or a reranker's score
+        of one pair when it serves no embeddings), within `health.timeout_s`: answered → it takes requests
+        (passed); no answer → still stuck; a 4xx was refused before the engine (a model name or prompt it
+        does not take), which shows nothing about the engine and is not held against it (passed, as before
+        this probe)."""
         auth = self._auth.get(rec.pool.name)
         timeout = self._health_cfg.timeout_s
         model = rec.served_model or rec.pool.model
-        path, body = (
-            ("/v1/embeddings", {"model": model, "input": "ping"})
+        probes = (
+            [
+                ("/v1/embeddings", {"model": model, "input": "ping"}),
+                # a cross-encoder (a reranker, vLLM's classify task) has no /v1/embeddings: a 404 there
+                ("/score", {"model": model, "queries": "ping", "documents": "ping"}),
+            ]
             if rec.pool.pooling
-            else ("/v1/completions", {"model": model, "prompt": "ping", "max_tokens": 1})
+            else [("/v1/completions", {"model": model, "prompt": "ping", "max_tokens": 1})]
         )
         try:
-            resp = await self._client.post(
-                rec.url + path, json=body, headers=dict([auth]) if auth else None, timeout=timeout
-            )
+            for path, body in probes:
+                resp = await self._client.post(
+                    rec.url + path, json=body, headers=dict([auth]) if auth else None, timeout=timeout
+                )
+                if resp.status_code != 404:
+                    break
         except httpx.TimeoutException:
             return (
                 False,
