@@ -259,6 +259,25 @@ def real_vllm_pooling() -> RealServer:
     return _keep("real_vllm_pooling", lambda: _serve("pytest-pooling", POOLING_ARGS))
 
 
+# a reranker (cross-encoder) of the tiny Llama: one score from the classify head, vLLM's scoring API needs one label
+RERANKER_ARGS = ("--runner", "pooling", "--convert", "classify", "--hf-overrides", '{"num_labels": 1}')
+
+
+@pytest.fixture(scope="module")
+def real_vllm_reranker() -> Iterator[RealServer]:
+    """A reranker server (`--runner pooling --convert classify`, one label): /score and /rerank run each
+    (query, document) pair as one prompt, and it has no /v1/embeddings; started for the module that asks for
+    it. `MOSAIC_REAL_VLLM_RERANKER_URL` points it at one already running."""
+    _skip_if_absent()
+    external = os.environ.get("MOSAIC_REAL_VLLM_RERANKER_URL")
+    if external:
+        if not health_ok(external):
+            pytest.fail(f"MOSAIC_REAL_VLLM_RERANKER_URL={external} does not answer /health")
+        yield RealServer(url=external.rstrip("/"), model=vllm_env.SERVED_MODEL_NAME, process=None)
+        return
+    yield from _serve("pytest-reranker", RERANKER_ARGS)
+
+
 def gateway_available() -> str | None:
     """Why the gateway cannot be put in front of the real server yet, or None when it can."""
     for module in ("server.app", "server.config"):

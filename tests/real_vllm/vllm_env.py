@@ -195,23 +195,30 @@ def start_process(
     return VllmProcess.start(spec, log_path=LOG_DIR / f"{name}.log", cwd=REPO_ROOT, detached=detached)
 
 
-def is_pooling(extra_args: Sequence[str]) -> bool:
-    """Whether `vllm serve` args make a pooling (embedding) server: `--runner pooling` or `--runner=pooling`
-    (the last one given wins, as argparse reads it)."""
-    runner = None
+def _option(extra_args: Sequence[str], name: str) -> str | None:
+    """The value `vllm serve` args give `name` (`--name V` or `--name=V`; the last one wins, as argparse)."""
+    value = None
     for i, arg in enumerate(extra_args):
-        if arg == "--runner" and i + 1 < len(extra_args):
-            runner = extra_args[i + 1]
-        elif arg.startswith("--runner="):
-            runner = arg.split("=", 1)[1]
-    return runner == "pooling"
+        if arg == name and i + 1 < len(extra_args):
+            value = extra_args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def is_pooling(extra_args: Sequence[str]) -> bool:
+    """Whether `vllm serve` args make a pooling (embedding or reranker) server: `--runner pooling`."""
+    return _option(extra_args, "--runner") == "pooling"
 
 
 def smoke_test(url: str, timeout_s: float = 120.0, extra_args: Sequence[str] = ()) -> None:
-    """One 2-token completion (a pooling server, per `extra_args`: one embedding of 3 token ids, which has no
-    completions route); RuntimeError with the server's answer if it is not a 200 of the expected size.
-    (vLLM's /health says 200 even when its engine process died while starting.)"""
-    if is_pooling(extra_args):
+    """One 2-token completion (a pooling server, per `extra_args`, has no completions route: one embedding of 3
+    token ids, or on a reranker, `--convert classify`, which has no embeddings route either, the score of one
+    pair); RuntimeError with the server's answer if it is not a 200 of the expected size. (vLLM's /health says
+    200 even when its engine process died while starting.)"""
+    if is_pooling(extra_args) and _option(extra_args, "--convert") == "classify":
+        path, payload = "/score", {"model": SERVED_MODEL_NAME, "queries": "ping", "documents": "pong"}
+    elif is_pooling(extra_args):
         path, payload = "/v1/embeddings", {"model": SERVED_MODEL_NAME, "input": [10, 11, 12]}
     else:
         path = "/v1/completions"
@@ -227,11 +234,9 @@ def smoke_test(url: str, timeout_s: float = 120.0, extra_args: Sequence[str] = (
     except (urllib.error.URLError, OSError) as exc:
         raise RuntimeError(f"smoke request {path} failed: {exc}") from None
     usage = answer.get("usage") or {}
-    if path == "/v1/embeddings":
+    if path != "/v1/completions":
         if not usage.get("prompt_tokens", 0) > 0 or len(answer.get("data") or []) != 1:
-            raise RuntimeError(
-                f"smoke embedding returned {usage} with {len(answer.get('data') or [])} vectors"
-            )
+            raise RuntimeError(f"smoke {path} returned {usage} with {len(answer.get('data') or [])} items")
     elif usage.get("completion_tokens") != 2:
         raise RuntimeError(f"smoke completion returned {usage}")
 
