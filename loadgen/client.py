@@ -37,8 +37,9 @@ ENDPOINT_PATHS = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
     "embeddings": "/v1/embeddings",
+    "rerank": "/rerank",  # vLLM's path (also /v1/rerank, /v2/rerank)
 }
-WHOLE_ENDPOINTS = frozenset({"embeddings"})  # answered whole, not streamed
+WHOLE_ENDPOINTS = frozenset({"embeddings", "rerank"})  # answered whole, not streamed
 
 
 @dataclass(slots=True)
@@ -165,7 +166,8 @@ async def _whole(
     rec: RequestRecord,
     since: Clock,
 ) -> None:
-    """A whole JSON answer (embeddings): its arrival is the one content chunk when it holds `data`."""
+    """A whole JSON answer (embeddings, rerank): its arrival is the one content chunk when it holds `data`
+    (vectors) or `results` (ranked documents)."""
     with _http_errors():
         resp = await client.post(url, content=body, headers=headers)
     now = since()
@@ -177,7 +179,7 @@ async def _whole(
         raise _Fail("bad_chunk", f"answer is not JSON: {resp.content[:80]!r}") from None
     if not isinstance(answer, dict):
         raise _Fail("bad_chunk", f"answer is not an object: {resp.content[:80]!r}")
-    if answer.get("data"):
+    if answer.get("data") or answer.get("results"):
         rec.chunk_s.append(now)
     usage = answer.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):

@@ -19,6 +19,10 @@ seed; requests sharing leading hash ids share their leading tokens exactly, as i
 the last hash id, and whole prompts of traces without hash ids, come from an RNG seeded by
 (seed, request index): unique per request, so nothing is shared by accident.
 
+Rerank (`/rerank`, vLLM's scoring API of a reranker or embedding model): the chat text's words split into a
+query (its first `RERANK_QUERY_TOKENS` words, at most a fifth of them) and `documents` documents of nearly
+equal length from the rest, every word sent once; nothing is generated, so the output length does not apply.
+
 Output length: `max_tokens` = the trace's output length with `ignore_eos: true` (vLLM's sampling
 extension), so the server generates exactly that many tokens; `stream_options.include_usage` asks for
 the usage chunk that the metrics take token counts from.
@@ -26,6 +30,7 @@ the usage chunk that the metrics take token counts from.
 
 from __future__ import annotations
 
+import itertools
 import json
 from functools import lru_cache
 
@@ -34,6 +39,8 @@ import numpy as np
 from loadgen.schedule import ScheduledRequest
 
 BLOCK_TOKENS = 512  # tokens per hash id (Mooncake FAST'25 traces)
+RERANK_QUERY_TOKENS = 16  # a search query's length in words (one token each)
+RERANK_DOCUMENTS = 4  # documents a rerank request scores, unless the replay says otherwise
 TOKEN_ID_LOW, TOKEN_ID_HIGH = 1000, 30000
 
 # fmt: off
@@ -95,12 +102,33 @@ class PromptBuilder:
         return " ".join(_WORDS[self._ids(req) % len(WORDS)].tolist())
 
 
-def build_body(req: ScheduledRequest, endpoint: str, model: str, prompts: PromptBuilder) -> bytes:
-    """The JSON body of one request for `endpoint`: a streaming "completions" or "chat" request, or an
-    "embeddings" one (the trace's input as token ids; its output length does not apply)."""
+def rerank_split(words: list[str], documents: int) -> tuple[str, list[str]]:
+    """(query, documents): the first `RERANK_QUERY_TOKENS` words (at most a fifth, at least one) and the rest
+    cut into `documents` nearly equal documents (fewer when there are fewer words; a one-word input is its
+    own document)."""
+    q = max(1, min(RERANK_QUERY_TOKENS, len(words) // 5))
+    rest = words[q:] or words[:q]
+    k = max(1, min(documents, len(rest)))
+    bounds = [len(rest) * i // k for i in range(k + 1)]
+    return " ".join(words[:q]), [" ".join(rest[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def build_body(
+    req: ScheduledRequest,
+    endpoint: str,
+    model: str,
+    prompts: PromptBuilder,
+    documents: int = RERANK_DOCUMENTS,
+) -> bytes:
+    """The JSON body of one request for `endpoint`: a streaming "completions" or "chat" request, an
+    "embeddings" one (the trace's input as token ids) or a "rerank" one (its words as a query and
+    `documents` documents); the output length does not apply to the last two."""
     body: dict[str, object] = {"model": model}
     if endpoint == "embeddings":
         body["input"] = prompts.token_ids(req)
+        return json.dumps(body, separators=(",", ":")).encode()
+    if endpoint == "rerank":
+        body["query"], body["documents"] = rerank_split(prompts.text(req).split(), documents)
         return json.dumps(body, separators=(",", ":")).encode()
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompts.text(req)}]

@@ -28,6 +28,7 @@ from loadgen.formats import Trace, open_trace
 from loadgen.lora import LoraError, check_lora_modules
 from loadgen.metrics import Metrics, Slo, compute_metrics
 from loadgen.plots import write_plots
+from loadgen.prompts import RERANK_DOCUMENTS
 from loadgen.report import ReplayConfig, build_report, write_report
 from loadgen.runner import FATAL_ERRORS, GIVE_UP_AFTER, RunOptions, RunResult, Target, replay
 from loadgen.schedule import ScheduleOptions, schedule
@@ -65,6 +66,7 @@ class ReplayRequest:
     # each request names one of these LoRA adapters instead of `model` (loadgen.lora); () = none
     lora_modules: tuple[str, ...] = ()
     lora_assignment: str = "random"  # random | round-robin
+    rerank_documents: int = RERANK_DOCUMENTS  # --endpoint rerank: documents per request
 
 
 @dataclass(slots=True)
@@ -142,7 +144,13 @@ async def run_replay_async(
     console = console or Console(stderr=True)
     trace = prepare(req)
     target = Target(
-        req.url, req.model, req.endpoint, req.api_key, tuple(req.lora_modules), req.lora_assignment
+        req.url,
+        req.model,
+        req.endpoint,
+        req.api_key,
+        tuple(req.lora_modules),
+        req.lora_assignment,
+        req.rerank_documents,
     )
     opts = RunOptions(req.concurrency, req.timeout_s, req.seed)
     scheduled = schedule(trace, req.schedule)
@@ -184,6 +192,7 @@ async def run_replay_async(
         seed=req.seed,
         lora_modules=tuple(req.lora_modules) if req.lora_modules else None,
         lora_assignment=req.lora_assignment if req.lora_modules else None,
+        extra={"rerank_documents": req.rerank_documents} if req.endpoint == "rerank" else {},
     )
     trace_stats = {"source": trace.source, "format": trace.format, **trace.stats.as_dict()}
     report = build_report(config, metrics, result.records, trace_stats, result.started_at)

@@ -30,7 +30,7 @@ import httpx
 from loadgen.client import ENDPOINT_PATHS, WHOLE_ENDPOINTS, RequestRecord, send_request
 from loadgen.lora import ModelChooser
 from loadgen.metrics import replay_duration
-from loadgen.prompts import PromptBuilder, build_body
+from loadgen.prompts import RERANK_DOCUMENTS, PromptBuilder, build_body
 from loadgen.schedule import ScheduledRequest
 
 PREBUILD_WINDOW_S = 2.0  # bodies of requests due this far past the next one are built while waiting
@@ -48,11 +48,12 @@ GIVE_UP_AFTER = 8
 class Target:
     url: str  # base URL, e.g. http://127.0.0.1:8000
     model: str
-    endpoint: str = "completions"  # completions | chat | embeddings
+    endpoint: str = "completions"  # completions | chat | embeddings | rerank
     api_key: str | None = None
     # each request names one of these LoRA adapters instead of `model` (`loadgen.lora`); () = none
     lora_modules: tuple[str, ...] = ()
     lora_assignment: str = "random"  # random | round-robin (vLLM's --lora-assignment)
+    rerank_documents: int = RERANK_DOCUMENTS  # documents per request of the rerank endpoint
 
     @property
     def request_url(self) -> str:
@@ -361,7 +362,7 @@ class _Prebuilt:
             self._done = True
             return False
         model = self._models.model_for(req.index)
-        body = build_body(req, self._target.endpoint, model, self._prompts)
+        body = build_body(req, self._target.endpoint, model, self._prompts, self._target.rerank_documents)
         self.queue.append((req, model, body))
         self.bytes += len(body)
         return True

@@ -24,6 +24,7 @@ from loadgen.client import ENDPOINT_PATHS
 from loadgen.formats import FORMATS
 from loadgen.lora import LORA_ASSIGNMENTS, LoraError
 from loadgen.metrics import Slo
+from loadgen.prompts import RERANK_DOCUMENTS
 from loadgen.replay import ReplayError, ReplayInterrupted, ReplayRequest, print_outcome, run_replay
 from loadgen.schedule import ScheduleError, ScheduleOptions
 from loadgen.synthetic import SpecError
@@ -126,7 +127,11 @@ def register(app: typer.Typer) -> None:
             "completions",
             "--endpoint",
             help="completions (token-id prompts) | chat | embeddings (token-id inputs, answered whole: "
-            "TTFT = E2EL, no output tokens).",
+            "TTFT = E2EL, no output tokens) | rerank (vLLM's /rerank: the input's words as a query and "
+            "--rerank-documents documents, answered whole).",
+        ),
+        rerank_documents: int = typer.Option(
+            RERANK_DOCUMENTS, "--rerank-documents", help="--endpoint rerank: documents per request (≥ 1)."
         ),
         concurrency: int | None = typer.Option(None, "--concurrency", help="Max requests in flight."),
         timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout, seconds."),
@@ -152,6 +157,8 @@ def register(app: typer.Typer) -> None:
             fail(f"--endpoint must be one of {', '.join(ENDPOINT_PATHS)}, got {endpoint!r}")
         if not url.startswith(("http://", "https://")):
             fail(f"--url must start with http:// or https://, got {url!r}")
+        if rerank_documents < 1:
+            fail(f"--rerank-documents must be at least 1, got {rerank_documents}")
         for name, value in (
             ("--timeout", timeout),
             ("--slo-ttft-ms", slo_ttft_ms),
@@ -190,6 +197,7 @@ def register(app: typer.Typer) -> None:
             progress=not quiet,
             lora_modules=tuple(lora_modules or ()),
             lora_assignment=lora_assignment,
+            rerank_documents=rerank_documents,
         )
         try:
             console = table_console(stderr=True)

@@ -67,8 +67,13 @@ def test_rows_left_out_are_said_on_the_console(worker_url: str) -> None:
         pytest.param(["synthetic:rate=1"], "n=COUNT or duration", id="bad synthetic spec"),
         pytest.param(
             [SPEC, "--endpoint", "pooling"],
-            "--endpoint must be one of completions, chat, embeddings",
+            "--endpoint must be one of completions, chat, embeddings, rerank",
             id="unknown endpoint",
+        ),
+        pytest.param(
+            [SPEC, "--endpoint", "rerank", "--rerank-documents", "0"],
+            "--rerank-documents must be at least 1, got 0",
+            id="no documents",
         ),
         pytest.param([SPEC, "--rate", "5", "--rate-scale", "2"], "give one", id="--rate with --rate-scale"),
         pytest.param([str(FIX / "azure_header_only.csv")], "no requests to send", id="a trace without requests"),

@@ -124,3 +124,33 @@ def test_an_embeddings_replay_against_a_pooling_worker() -> None:
     assert [r.usage_prompt_tokens for r in recs] == [e.input_tokens for e in expected]
     assert all(r.ttft_s == r.e2el_s and r.ttft_s is not None and r.ttft_s > 0 for r in recs)
     assert all(r.tpot_s is None and r.itls_s() == [] for r in recs)
+
+
+def test_a_rerank_replay_against_a_pooling_worker() -> None:
+    """`--endpoint rerank`: each request the trace's input words as a query and three documents, scored by a
+    pooling worker (vLLM's /rerank), answered whole: every document ranked, the words' tokens the worker's
+    usage (each text encoded once: an embedding model's scoring), TTFT = E2EL, no output tokens."""
+
+    async def go() -> ReplayOutcome:
+        worker = await start_worker_server(
+            WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=200.0, runner="pooling")
+        )
+        try:
+            with open("/dev/null", "w") as sink:
+                req = ReplayRequest(
+                    SPEC, worker.url, "llama-3-8b", endpoint="rerank", progress=False, rerank_documents=3
+                )
+                return await run_replay_async(req, Console(file=sink))
+        finally:
+            await worker.stop()
+
+    out = asyncio.run(go())
+    expected = list(open_trace(SPEC))
+    m = out.metrics
+    assert (m.sent, m.completed, m.failed) == (40, 40, 0)
+    assert (m.total_output_tokens, m.output_length_mismatches) == (0, 0)
+    recs = sorted(out.result.records, key=lambda r: r.index)
+    # three-letter words, one token each by the worker's ceil(characters / 4) (no separator between texts)
+    assert [r.usage_prompt_tokens for r in recs] == [e.input_tokens for e in expected]
+    assert all(r.ttft_s == r.e2el_s and r.ttft_s is not None and r.ttft_s > 0 for r in recs)
+    assert out.report["config"]["rerank_documents"] == 3

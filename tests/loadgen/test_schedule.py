@@ -254,6 +254,29 @@ def test_request_bodies_ask_for_exactly_the_output_length() -> None:
     assert "prompt" not in chat and chat["max_tokens"] == 17
 
 
+@pytest.mark.parametrize(
+    ("n", "documents", "query_words", "document_words"),
+    [
+        (100, 4, 16, [21, 21, 21, 21]),  # a 16-word query, the rest in four
+        (102, 4, 16, [21, 22, 21, 22]),  # nearly equal
+        (20, 4, 4, [4, 4, 4, 4]),  # a query of at most a fifth of the words
+        (6, 4, 1, [1, 1, 1, 2]),
+        (3, 4, 1, [1, 1]),  # fewer words than documents: one word each
+        (1, 4, 1, [1]),  # a single word is its own document
+    ],
+)
+def test_a_rerank_body_splits_the_input_into_a_query_and_documents(
+    n: int, documents: int, query_words: int, document_words: list[int]
+) -> None:
+    text = PromptBuilder(0).text(req(0, n))
+    body = json.loads(build_body(req(0, n), "rerank", "m", PromptBuilder(0), documents))
+    assert set(body) == {"model", "query", "documents"}  # nothing is generated: no max_tokens, no stream
+    assert len(body["query"].split(" ")) == query_words
+    assert [len(d.split(" ")) for d in body["documents"]] == document_words
+    if n > 1:  # every word sent once, in order
+        assert " ".join([body["query"], *body["documents"]]) == text
+
+
 def test_max_requests_stops_before_reading_the_next_row() -> None:
     """A bad row right after the cap is never read (the cap is checked before pulling another row)."""
 
