@@ -99,6 +99,8 @@ class _Message(_Lenient):
 # vLLM 0.32's `truncate_prompt_tokens` (-1: the model's context) and `truncation_side`
 TruncateTokens = Annotated[int, Field(ge=-1, lt=2**63)]
 TruncationSide = Literal["left", "right"]
+# a pooling request's `padding` (vLLM 0.32's PoolingBasicRequestMixin): "max_length" pads each prompt to the context
+Padding = Literal["max_length", "do_not_pad"]
 
 
 class _StreamOptions(_Lenient):
@@ -135,8 +137,6 @@ TokenId = Annotated[int, Field(ge=0, lt=2**63)]
 
 class _Completion(_Common):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    # vLLM's default when absent; an explicit null also generates 16 but bounds no truncation (`_truncation`)
-    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = None
 
 
@@ -177,6 +177,7 @@ class _Embeddings(_Lenient):
     messages: list[_Message] | list[list[_Message]] | None = None
     truncate_prompt_tokens: TruncateTokens | None = None
     truncation_side: TruncationSide | None = None
+    padding: Padding | None = None
     kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
 
 
@@ -191,6 +192,7 @@ class _Scoring(_Lenient):
     model: str | None = None
     truncate_prompt_tokens: TruncateTokens | None = None
     truncation_side: TruncationSide | None = None
+    padding: Padding | None = None
     max_tokens_per_query: int | None = 0  # each query cut to this many tokens before it is encoded (0: not)
     max_tokens_per_doc: int | None = 0
     kv_transfer_params: Any = None  # refused when set, as on chat: only the gateway may steer KV transfers
@@ -486,7 +488,8 @@ def parse_scoring(
         None,
         queries[0][2] if queries else None,
     )
-    return _pooled(kind, body, model, adapter, prompts, req, max_model_len, longest)
+    # padded, a bi-encoder's every text is a whole context, more than a cross-encoder's pairs
+    return _pooled(kind, body, model, adapter, prompts, req, max_model_len, longest, len(texts))
 
 
 def _pooled(
@@ -498,18 +501,27 @@ def _pooled(
     req: _Embeddings | _Scoring,
     max_model_len: Mapping[str, int] | None,
     longest: int | None = None,
+    padded_sequences: int | None = None,
 ) -> ParsedRequest:
     """A pooling request: one sequence a prompt, each ending at its prefill (no output), its prompts as the
     request's `truncate_prompt_tokens` leaves them; `longest`: the text the context must hold, when it is
-    not the longest prompt (`ParsedRequest.context_tokens`)."""
+    not the longest prompt (`ParsedRequest.context_tokens`). `padding: "max_length"` makes each of its
+    `padded_sequences` (default: its prompts) a whole context, as vLLM pads them (with the context unknown,
+    the prompts are counted as sent)."""
+    context = _context_of(max_model_len, model)
     cut = _truncation(
         req.truncate_prompt_tokens,
         req.truncation_side,
-        _context_of(max_model_len, model),
+        context,
         pooling=True,
         bounds_output=False,
     )
-    prompt, exact, lens, floor, token_ids, prompt_text = _cut(prompts, cut)
+    prompts = _cut(prompts, cut)
+    if req.padding == "max_length" and context:
+        count = padded_sequences or len(prompts.lens) or 1
+        prompts = prompts._replace(tokens=count * context, lens=(context,) * count, floor=context)
+        longest = None if longest is None else context
+    prompt, exact, lens, floor, token_ids, prompt_text = prompts
     return ParsedRequest(
         kind=kind,
         body=body,
@@ -691,7 +703,8 @@ def parse_request(
         req.truncation_side,
         _context_of(max_model_len, model),
         pooling=False,
-        bounds_output=bool(limit),
+        # completions: absent or null is 16 before vLLM sizes the truncation (its before-validator)
+        bounds_output=bool(limit if limit is not None else default_out),
     )
     prompt, exact, lens, floor, token_ids, text = _cut(counted, cut)
     prompts = max(1, len(lens))

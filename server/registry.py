@@ -951,33 +951,35 @@ class Registry:
         model = rec.served_model or rec.pool.model
         probes = (
             [
-                ("/v1/embeddings", {"model": model, "input": "ping"}),
+                ("/v1/embeddings", {"model": model, "input": "ping"}, "an embedding of one word"),
                 # a cross-encoder (a reranker, vLLM's classify task) has no /v1/embeddings: a 404 there
-                ("/score", {"model": model, "queries": "ping", "documents": "ping"}),
+                ("/score", {"model": model, "queries": "ping", "documents": "ping"}, "a score of one pair"),
             ]
             if rec.pool.pooling
-            else [("/v1/completions", {"model": model, "prompt": "ping", "max_tokens": 1})]
+            else [
+                (
+                    "/v1/completions",
+                    {"model": model, "prompt": "ping", "max_tokens": 1},
+                    "a 1-token completion",
+                )
+            ]
         )
         try:
-            for path, body in probes:
+            for path, body, asked in probes:
+                what = asked  # named in the verdict: the last probe sent
                 resp = await self._client.post(
                     rec.url + path, json=body, headers=dict([auth]) if auth else None, timeout=timeout
                 )
                 if resp.status_code != 404:
                     break
         except httpx.TimeoutException:
-            return (
-                False,
-                f"{STUCK}: a 1-token completion sent as its probe had no answer within {timeout:g} s",
-            )
+            return False, f"{STUCK}: {what} sent as its probe had no answer within {timeout:g} s"
         except httpx.HTTPError as exc:
-            return False, f"health: probe completion: {type(exc).__name__}"
+            return False, f"health: probe ({what}): {type(exc).__name__}"
         if resp.status_code >= 500:
-            return False, f"health: probe completion: status {resp.status_code}"
+            return False, f"health: probe ({what}): status {resp.status_code}"
         if resp.status_code != 200:
-            log.info(
-                "worker %s refused the probe's 1-token completion (%d): passed", rec.id, resp.status_code
-            )
+            log.info("worker %s refused the probe, %s (%d): passed", rec.id, what, resp.status_code)
         rec.untaken_stuck = False
         return True, ""
 

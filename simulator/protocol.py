@@ -744,9 +744,9 @@ def parse_request(
         max_tokens, field = f.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, field = f.max_tokens, "max_tokens"
-    bounded = bool(max_tokens)  # TokenizeParams' max_output_tokens: the bound sent, before any default
-    if not chat and max_tokens is None:  # completions: null means the default, 16
+    if not chat and max_tokens is None:  # completions: null means the default, 16 (vLLM's before-validator)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    bounded = bool(max_tokens)  # TokenizeParams' max_output_tokens (chat: the bound sent, else 0)
     # vLLM's "echo without generation": completions' echo with max_tokens 0 samples one token (counted in the
     # usage, finish_reason length) and a stream of it sends no event, only [DONE]
     echo_only = isinstance(f, _CompletionFields) and bool(f.echo) and max_tokens == 0

@@ -35,10 +35,17 @@ request (O = k·n·max_tokens in the worst case) each sequence gets o = ceil(O /
 each sequence clamped to max_model_len and rounded to blocks on its own. A prompt's blocks are shared by
 its n sequences only when the worker caches prefixes; that is not counted on (each sequence reserves its
 prompt), so the footprint is an upper bound either way.
+
+Prefill-only sequences (`resident_shape`): a pooling request's sequences (embeddings, score, rerank) each end
+at their prefill and free their KV then; vLLM's scheduler runs at most `max_num_seqs` of them at once, so the
+request holds at most its largest `max_num_seqs` sequences at a time; and as they are scheduled as blocks
+free, a batch larger than the KV runs in turns (the ledger reserves it at most one request's share of the
+worker: `scheduler.kv.ledger`), served, not refused.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -82,6 +89,7 @@ class WorkerKvSpec:
     block_size: int = 16
     max_model_len: int | None = None
     compression: CompressionSpec | None = None
+    max_num_seqs: int | None = None  # sequences one engine runs at once (`resident_shape`); None: unbounded
 
     @property
     def units_per_block(self) -> int:
@@ -143,6 +151,19 @@ def need(prompt_tokens: int, output_tokens: int, spec: WorkerKvSpec) -> Footprin
 
 SequenceShape = int | tuple[tuple[int, ...], int]
 """A request's prompt side: the prompt tokens of its one sequence, or (each prompt's tokens, n)."""
+
+
+def resident_shape(shape: SequenceShape, max_num_seqs: int | None) -> SequenceShape:
+    """The sequences of a prefill-only request that vLLM holds at once (module docstring): all of them when
+    they are at most `max_num_seqs`, else its `max_num_seqs` largest."""
+    if isinstance(shape, int) or not max_num_seqs:
+        return shape
+    prompts, n = shape
+    n = max(1, n)
+    if len(prompts) * n <= max_num_seqs:
+        return shape
+    largest = heapq.nlargest(max_num_seqs, (p for p in prompts for _ in range(n)))
+    return tuple(largest), 1
 
 
 def request_need(shape: SequenceShape, output_tokens: int, spec: WorkerKvSpec) -> Footprint:

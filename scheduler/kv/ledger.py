@@ -57,7 +57,14 @@ from types import TracebackType
 from typing import Literal
 
 from scheduler.fleet import FleetView, Role, WorkerView
-from scheduler.kv.footprint import CompressionSpec, Footprint, SequenceShape, WorkerKvSpec, request_need
+from scheduler.kv.footprint import (
+    CompressionSpec,
+    Footprint,
+    SequenceShape,
+    WorkerKvSpec,
+    request_need,
+    resident_shape,
+)
 from scheduler.length_predictor import LengthPredictor
 from scheduler.routing.framework import RouteRequest
 from scheduler.routing.reasons import Outcome
@@ -89,15 +96,32 @@ class SpecTable:
     by_model: Mapping[str, CompressionSpec] = field(default_factory=dict)
     # one spec object per distinct (block size, context, layout): the workers of a pool share it, so a
     # request's footprint is computed once per spec, not once per worker (`KvLedger._footprint`)
-    _interned: dict[tuple[int, int, int], WorkerKvSpec] = field(default_factory=dict)
+    _interned: dict[tuple[int, int | None, int, int], WorkerKvSpec] = field(default_factory=dict)
 
     def spec_for(self, worker: WorkerView) -> WorkerKvSpec:
         comp = self.by_pool.get(worker.pool) or self.by_model.get(worker.model)
-        key = (worker.effective_block_size, worker.capacity.max_model_len, id(comp))
+        # one engine's sequences (a DP worker's capacity is its engines' sum)
+        seqs = worker.capacity.max_num_seqs // max(1, worker.capacity.engines)
+        key = (worker.effective_block_size, worker.capacity.max_model_len, id(comp), seqs)
         spec = self._interned.get(key)
         if spec is None:
-            spec = self._interned[key] = WorkerKvSpec(key[0], key[1], comp)
+            spec = self._interned[key] = WorkerKvSpec(key[0], key[1], comp, seqs or None)
         return spec
+
+
+def _within_the_worker(sized: tuple[Footprint, Footprint], book: _Book) -> tuple[Footprint, Footprint]:
+    """A pooling request's footprint, at most what one request may take on the worker (`lone_capacity`):
+    vLLM schedules its prefill-only sequences as blocks free, so a batch larger than the KV runs in turns
+    (and takes the whole worker meanwhile) where a generation of that size could never run."""
+    cap = book.lone_capacity
+    fp, worst = sized
+    if cap <= 0 or worst.peak <= cap:
+        return sized
+    return _capped(fp, cap), _capped(worst, cap)
+
+
+def _capped(fp: Footprint, cap: int) -> Footprint:
+    return replace(fp, peak=min(fp.peak, cap), steady=min(fp.steady, cap))
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,8 +384,10 @@ class KvLedger:
         key = (id(book.spec), prefill)
         sized = self._sizes.get(key)
         if sized is not None:
-            return sized
+            return sized if req.generates else _within_the_worker(sized, book)
         shape = req.sequence_shape
+        if not req.generates:  # pooling: its sequences end at their prefill, at most max_num_seqs at once
+            shape = resident_shape(shape, book.spec.max_num_seqs)
         if prefill:
             fp = self._need(book, shape, 1)
             sized = fp, fp
@@ -373,7 +399,7 @@ class KvLedger:
                 predicted = min(req.max_output_tokens, max(1, req.predicted_output_tokens))
                 sized = self._need(book, shape, predicted), worst
         self._sizes[key] = sized
-        return sized
+        return sized if req.generates else _within_the_worker(sized, book)
 
     @staticmethod
     def _need(book: _Book, shape: SequenceShape, output: int) -> Footprint:

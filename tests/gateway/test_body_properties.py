@@ -74,9 +74,10 @@ _SCORING = (
     "truncation_side",
     "max_tokens_per_query",
     "max_tokens_per_doc",
+    "padding",
 )
 _OTHERS = {
-    "embeddings": ("model", "kv_transfer_params", "truncate_prompt_tokens", "truncation_side"),
+    "embeddings": ("model", "kv_transfer_params", "truncate_prompt_tokens", "truncation_side", "padding"),
     "chat": (*_COMMON, "max_completion_tokens", "top_logprobs"),
     "completions": (*_COMMON, "logprobs"),
     "responses": (

@@ -78,6 +78,19 @@ def test_truncate_prompt_tokens_cuts_every_prompt_and_the_context_check() -> Non
     assert route_request(parsed, "r", 0.0, default_output_tokens=16).longest_prompt == CONTEXT
 
 
+def test_padding_to_max_length_makes_every_text_a_whole_context() -> None:
+    """vLLM pads each prompt to the context with `padding: "max_length"` (measured: /score of a query and two
+    documents on the 512-token embedding server uses 1,536 tokens): counted so, as every text of a
+    bi-encoder (the most either kind holds); the reviewer found it counted as sent."""
+    parsed = _parse("rerank", query="hi", documents=["a", "b"], padding="max_length")
+    assert (parsed.prompt_lens, parsed.prompt_tokens) == ((CONTEXT,) * 3, 3 * CONTEXT)
+    assert route_request(parsed, "r", 0.0, default_output_tokens=16).longest_prompt == CONTEXT
+    embed = _parse("embeddings", input=[[1, 2], [3]], padding="max_length")
+    assert (embed.prompt_lens, embed.prompt_tokens) == ((CONTEXT, CONTEXT), 2 * CONTEXT)
+    assert _parse("embeddings", input=[1, 2], padding="do_not_pad").prompt_tokens == 2
+    assert _parse("embeddings", {}, input=[1, 2], padding="max_length").prompt_tokens == 2  # context unknown
+
+
 def test_counts_that_do_not_pair_up_and_empty_sides_are_left_to_the_worker() -> None:
     assert _parse("score", queries=["a", "b"], documents=["c", "d", "e"]).sequences == 2
     assert _parse("rerank", query="q", documents=[]).prompt_tokens == 0

@@ -145,6 +145,7 @@ def test_inputs_over_the_context_with_truncate_prompt_tokens_are_embedded_as_the
             {"query": "paged attention", "documents": ["a block table", "paged attention"], "top_n": 1},
         ),
         ("/v2/rerank", {"query": "q", "documents": ["x", "y", "z"]}),
+        ("/score", {"queries": "hi", "documents": ["a", "b"], "padding": "max_length"}),  # 3 × 512 tokens
     ],
 )
 def test_score_and_rerank_through_the_gateway_are_the_servers(

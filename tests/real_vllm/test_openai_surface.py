@@ -237,6 +237,12 @@ def test_whitespace_heavy_prompts_vllm_serves_are_not_refused(target: Target, pr
         ),
         pytest.param(
             "/v1/completions",
+            {"prompt": list(range(100, 700)), "truncate_prompt_tokens": -1, "max_tokens": None},
+            511,
+            id="a null max_tokens is 16 to vLLM: -1 keeps one token back too",
+        ),
+        pytest.param(
+            "/v1/completions",
             {"prompt": "hello world " * 400, "truncate_prompt_tokens": 100},
             100,
             id="4,800 characters of text cut to 100 tokens",
