@@ -14,9 +14,9 @@ while a phase runs, its CPU per request is measured (≈ 0.1 ms, the same on bot
 
 **Workloads.** `/v1/completions`, 8-token prompt, `max_tokens: 16`, `ignore_eos` — non-streaming, and
 streaming (16 token chunks + `[DONE]`). With `--runner pooling` the worker is an embedding server
-(`mosaic worker --runner pooling`, the pool `runner: pooling`) and the one workload `/v1/embeddings` of 8 token
-ids, `encoding_format: base64` (the `openai` SDK's default; 4,096 floats: ~22 KB an answer); results go to
-`results/gateway_overhead_embeddings.json`.
+(`mosaic worker --runner pooling`, the pool `runner: pooling`) and the workloads `/v1/embeddings` of 8 token
+ids, `encoding_format: base64` (the `openai` SDK's default; 4,096 floats: ~22 KB an answer), and `/rerank` of
+a query and four short documents; results go to `results/gateway_overhead_embeddings.json`.
 
 **Phases.** Per round and workload: direct then gateway, each `--seconds` after a `--warmup`, at
 `--concurrency`; rounds repeat that, so both paths see the same background load over time. After the
@@ -99,6 +99,18 @@ EMBED_WORKLOADS = (
         {"model": "llama-3-8b", "input": _PROMPT, "encoding_format": "base64"},
         0,
         b'"embedding"',
+    ),
+    # vLLM's /rerank on the same server: a query and four documents, five prefill-only engine requests
+    Workload(
+        "rerank-4",
+        "/rerank",
+        {
+            "model": "llama-3-8b",
+            "query": "paged attention",
+            "documents": ["kv", "block table", "cache", "page"],
+        },
+        0,
+        b'"relevance_score"',
     ),
 )
 
@@ -476,7 +488,8 @@ def main() -> int:
         "--runner",
         choices=("generate", "pooling"),
         default="generate",
-        help="pooling: the worker is an embedding server and the workload /v1/embeddings (8 token ids, base64)",
+        help="pooling: the worker is an embedding server and the workloads /v1/embeddings (8 token ids, base64) "
+        "and /rerank (a query, four documents)",
     )
     ap.add_argument(
         "--python",
