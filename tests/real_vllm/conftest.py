@@ -247,8 +247,9 @@ POOLING_ARGS = ("--runner", "pooling", "--convert", "embed")  # an embedding ser
 @pytest.fixture
 def real_vllm_pooling() -> RealServer:
     """A pooling (embedding) server, `--runner pooling --convert embed`: /v1/embeddings, no completions.
-    Kept while the tests that ask for it run one after another (test_embeddings_fidelity.py, then the gateway in
-    front of it, test_embeddings_vllm.py: one start) and stopped after them; `MOSAIC_REAL_VLLM_POOLING_URL`
+    Kept while the tests that ask for it run one after another (test_embeddings_fidelity.py, its scoring twin
+    test_embeddings_scoring_fidelity.py, then the gateway in front of it, test_embeddings_vllm.py: one start;
+    the module names keep them adjacent) and stopped after them; `MOSAIC_REAL_VLLM_POOLING_URL`
     points it at one already running (`real_vllm.sh start --name emb -- --runner pooling --convert embed`)."""
     _skip_if_absent()
     external = os.environ.get("MOSAIC_REAL_VLLM_POOLING_URL")

@@ -1,6 +1,6 @@
 """The pooling runner's score and rerank routes (`/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank`):
 vLLM 0.32's bi-encoder path of a `--runner pooling --convert embed` server (measured in
-tests/real_vllm/test_scoring_fidelity.py): routes, scores against the worker's own embeddings, pairing,
+tests/real_vllm/test_embeddings_scoring_fidelity.py): routes, scores against the worker's own embeddings, pairing,
 rerank order, usage, ids, errors in vLLM's order and words, engine requests and metrics."""
 
 from __future__ import annotations
