@@ -3,7 +3,7 @@
 | path | auth | does |
 |---|---|---|
 | POST /v1/chat/completions, /v1/completions, /v1/responses | API key | route and proxy (see `server.dispatch`) |
-| POST /v1/embeddings, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank | API key | the same, for models whose pools run vLLM's pooling runner (400 for the others, and theirs 400 on the generation routes) |
+| POST /v1/embeddings, /classify, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank | API key | the same, for models whose pools run vLLM's pooling runner (400 for the others, and theirs 400 on the generation routes) |
 | GET /v1/responses/{id}, POST /v1/responses/{id}/cancel | API key | forwarded to the worker that served that response (`server.response_retrieval`) |
 | GET /v1/models | API key | the union of the fleet's models (OpenAI list shape) |
 | GET /health | none | 200 while the process serves |
@@ -180,6 +180,7 @@ def create_app(
         ("/v1/completions", "completions"),
         ("/v1/responses", "responses"),
         ("/v1/embeddings", "embeddings"),
+        ("/classify", "classify"),  # vLLM's classification route (a classify-task pooling model)
         # vLLM's score and rerank routes, each under every path vLLM serves it (rerank: Jina's and Cohere's v2)
         ("/score", "score"),
         ("/v1/score", "score"),
@@ -322,7 +323,7 @@ def _check_runner(
     path: str, kind: Kind, model: str, pooling_models: frozenset[str], adapter: str | None = None
 ) -> None:
     """400 when the model's workers do not serve this endpoint: a pooling model (`runner: pooling`) answers
-    embeddings, score and rerank only, a generate model everything else (its vLLM has no such route and would answer a bare
+    embeddings, classify, score and rerank only, a generate model everything else (its vLLM has no such route and would answer a bare
     404 `Not Found`, which reads as a wrong URL rather than a wrong model). Named as the client named it (a
     LoRA adapter, or any name a `lora_resolver` model takes for one), then its base model."""
     pooling = model in pooling_models

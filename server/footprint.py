@@ -80,11 +80,10 @@ REPLY_PRIMING_TOKENS = 3
 DEFAULT_CONTEXT = 8192  # a model's context when the gateway knows no max_model_len for it
 PREFIX_HASH_BLOCKS = 64  # hash at most this many leading blocks (affinity needs the prefix, not all of it)
 
-Kind = Literal["chat", "completions", "responses", "embeddings", "score", "rerank"]
+Kind = Literal["chat", "completions", "responses", "embeddings", "classify", "score", "rerank"]
 GENERATION_KINDS: frozenset[Kind] = frozenset({"chat", "completions", "responses"})
-POOLING_KINDS: frozenset[Kind] = frozenset(
-    {"embeddings", "score", "rerank"}
-)  # vLLM's pooling runner serves them
+# vLLM's pooling runner serves them (each model those of its task: embeddings, or classify, score and rerank)
+POOLING_KINDS: frozenset[Kind] = frozenset({"embeddings", "classify", "score", "rerank"})
 
 
 class _Lenient(BaseModel):
@@ -418,10 +417,13 @@ def parse_embeddings(
     default_model: str | None,
     adapters: Mapping[str, str] | None = None,
     resolver: AdapterResolver | None = None,
+    kind: Literal["embeddings", "classify"] = "embeddings",
 ) -> ParsedRequest:
     """`parse_request` for an embeddings body: each input is one sequence that ends at its prefill (no
     output tokens), so its footprint is its prompt. The worker checks what the gateway does not read (an
-    empty input, `dimensions` on a model without Matryoshka embeddings, `encoding_format`) in its own words."""
+    empty input, `dimensions` on a model without Matryoshka embeddings, `encoding_format`) in its own words.
+    A classify body (vLLM's `/classify`: `input` as a completion's, or one chat conversation in `messages`,
+    one label distribution each) is read the same way, as `kind` "classify"."""
     req, model, adapter = _validated(_Embeddings, text, default_model, adapters, resolver)
     if req.input is None and req.messages is None:
         raise GatewayError(Cause.BAD_REQUEST, "'input' is required (or chat 'messages')", param="input")
@@ -435,7 +437,7 @@ def parse_embeddings(
     else:
         # an empty list is the worker's 400 ("You must pass at least one prompt"): counted as one empty prompt
         prompts = _completion_prompt(req.input) if req.input else _Prompts(0, True, (0,), None, None, None)
-    return _pooled("embeddings", body, model, adapter, prompts, req, max_model_len)
+    return _pooled(kind, body, model, adapter, prompts, req, max_model_len)
 
 
 def _conversations(value: Any) -> list[list[_Message]] | None:
@@ -672,8 +674,8 @@ def parse_request(
     text = body[3:] if body.startswith(codecs.BOM_UTF8) else body
     if kind == "responses":
         return parse_responses(body, text, max_model_len, default_model, adapters, resolver)
-    if kind == "embeddings":
-        return parse_embeddings(body, text, max_model_len, default_model, adapters, resolver)
+    if kind == "embeddings" or kind == "classify":
+        return parse_embeddings(body, text, max_model_len, default_model, adapters, resolver, kind)
     if kind == "score" or kind == "rerank":
         return parse_scoring(kind, body, text, max_model_len, default_model, adapters, resolver)
     req, model, adapter = _validated(

@@ -942,7 +942,7 @@ class Registry:
         its gauges and counters say nothing either (a resumed engine whose only requests were aborted before
         it scheduled them reports no step). So the probe asks it for a 1-token completion of its base model
         (on a pooling worker, which serves no completions, the embedding of one word, or a reranker's score
-        of one pair when it serves no embeddings), within `health.timeout_s`: answered → it takes requests
+        of one pair when it serves no embeddings, or a classifier's classification of one word), within `health.timeout_s`: answered → it takes requests
         (passed); no answer → still stuck; a 4xx was refused before the engine (a model name or prompt it
         does not take), which shows nothing about the engine and is not held against it (passed, as before
         this probe)."""
@@ -954,6 +954,8 @@ class Registry:
                 ("/v1/embeddings", {"model": model, "input": "ping"}, "an embedding of one word"),
                 # a cross-encoder (a reranker, vLLM's classify task) has no /v1/embeddings: a 404 there
                 ("/score", {"model": model, "queries": "ping", "documents": "ping"}, "a score of one pair"),
+                # a classifier of several labels has no scoring route either
+                ("/classify", {"model": model, "input": "ping"}, "a classification of one word"),
             ]
             if rec.pool.pooling
             else [

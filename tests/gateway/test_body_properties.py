@@ -51,6 +51,7 @@ _FIELDS = {
     "chat": ("messages",),
     "completions": ("prompt",),
     "responses": ("input",),
+    "classify": ("input", "messages"),
     "score": ("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2"),
     "rerank": ("query", "documents"),
 }
@@ -78,6 +79,7 @@ _SCORING = (
 )
 _OTHERS = {
     "embeddings": ("model", "kv_transfer_params", "truncate_prompt_tokens", "truncation_side", "padding"),
+    "classify": ("model", "kv_transfer_params", "truncate_prompt_tokens", "truncation_side", "padding"),
     "chat": (*_COMMON, "max_completion_tokens", "top_logprobs"),
     "completions": (*_COMMON, "logprobs"),
     "responses": (

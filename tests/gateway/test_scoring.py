@@ -1,4 +1,5 @@
-"""vLLM's score and rerank routes (`/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank`) through the
+"""vLLM's score and rerank routes (`/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank`), and its
+`/classify`, through the
 gateway, for pooling models: sized as the pairs a cross-encoder runs, the context checked by the longest text
 an embedding model encodes alone, routed, KV-reserved and released, metered, and refused for generative
 models with a 400 naming the model. End to end over real sockets against simulated pooling workers, whose
@@ -231,3 +232,24 @@ def test_a_text_over_the_context_is_the_gateways_400_before_any_worker(gw: Gatew
     )
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_classify_is_read_as_embeddings_are() -> None:
+    parsed = _parse("classify", input=[[1, 2, 3], [4, 5]])
+    assert (parsed.kind, parsed.prompt_lens, parsed.max_output_tokens) == ("classify", (3, 2), 0)
+    chat = _parse("classify", messages=[{"role": "user", "content": "x" * 40}])
+    assert chat.prompt_tokens == 10 + 3 + 3  # counted as a chat prompt
+    req = route_request(parsed, "r", 0.0, default_output_tokens=16)
+    assert (req.single_hop, req.generates) == (True, False)
+
+
+def test_classify_reaches_the_pooling_workers(gw: GatewayThread) -> None:
+    """Routed to the pooling pool; its (embedding) workers have no /classify, as vLLM's embedding runner has
+    none: their 404 is passed through, and a generative model's request is the gateway's 400."""
+    served = httpx.post(gw.url + "/classify", json={"model": EMBED, "input": "hi"}, timeout=30)
+    assert served.status_code == 404 and served.json() == {"detail": "Not Found"}
+    refused = httpx.post(gw.url + "/classify", json={"model": CHAT, "input": "hi"}, timeout=30)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        f"The model `{CHAT}` is a generative model (runner: generate) and does not serve /classify"
+    )

@@ -65,6 +65,8 @@ class _Engine:
         self.embeddings: list[dict[str, object]] = []  # a pooling worker's probes: one-word embeddings
         self.reranker = False  # a cross-encoder: no /v1/embeddings (404), /score instead
         self.scores: list[dict[str, object]] = []  # a reranker's probes: the score of one pair
+        self.classifier = False  # several labels: no /v1/embeddings nor /score (404s), /classify instead
+        self.classifications: list[dict[str, object]] = []  # a classifier's probes: one word's labels
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -85,12 +87,17 @@ class _Engine:
             if not self.generates:
                 raise httpx.ReadTimeout("no answer", request=request)
             return httpx.Response(200, json={"choices": [{"index": 0, "text": "!"}]})
-        if path == "/score":
+        if path == "/classify" and self.classifier:
+            self.classifications.append(json.loads(request.content))
+            if not self.generates:
+                raise httpx.ReadTimeout("no answer", request=request)
+            return httpx.Response(200, json={"data": [{"index": 0, "probs": [0.5, 0.5]}]})
+        if path == "/score" and not self.classifier:
             self.scores.append(json.loads(request.content))
             if not self.generates:
                 raise httpx.ReadTimeout("no answer", request=request)
             return httpx.Response(200, json={"data": [{"index": 0, "score": 0.5}]})
-        if path == "/v1/embeddings" and not self.reranker:
+        if path == "/v1/embeddings" and not (self.reranker or self.classifier):
             self.embeddings.append(json.loads(request.content))
             if not self.generates:
                 raise httpx.ReadTimeout("no answer", request=request)
@@ -242,16 +249,19 @@ def test_an_engine_hung_while_idle_is_judged_stuck_once_a_request_sent_there_is_
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("reranker", [False, True], ids=["embedding model", "reranker"])
-def test_a_pooling_worker_hung_while_idle_is_probed_with_an_embedding_or_a_score(reranker: bool) -> None:
+@pytest.mark.parametrize(
+    "task", ["embed", "score", "classify"], ids=["embedding model", "reranker", "classifier"]
+)
+def test_a_pooling_worker_hung_while_idle_is_probed_with_a_request_of_its_task(task: str) -> None:
     """A pooling worker (`runner: pooling`) serves no completions (vLLM has no such route there: a 404 the probe
     would pass as refused), so its probe asks for the embedding of one word, or, on a reranker, which serves
-    no embeddings either, the score of one pair: unanswered → still stuck, answered → back."""
+    no embeddings either, the score of one pair, or on a classifier of several labels, which has neither, the
+    classification of one word: unanswered → still stuck, answered → back."""
 
     async def run() -> None:
         clock, engine = _Clock(), _Engine()
         engine.running = 0
-        engine.reranker = reranker
+        engine.reranker, engine.classifier = task == "score", task == "classify"
         client, reg, rec = await _registry(engine, clock, lambda context: 10.0, pooling=True)
         await reg.scrape_once()
         clock.t += 0.5
@@ -262,15 +272,17 @@ def test_a_pooling_worker_hung_while_idle_is_probed_with_an_embedding_or_a_score
         ticket.done()
         clock.t += rec.breaker.open_s
         await reg.health_once()
-        probed = engine.scores if reranker else engine.embeddings
-        asked = {"queries": "ping", "documents": "ping"} if reranker else {"input": "ping"}
+        probed = {"embed": engine.embeddings, "score": engine.scores, "classify": engine.classifications}[
+            task
+        ]
+        asked = {"queries": "ping", "documents": "ping"} if task == "score" else {"input": "ping"}
         assert probed == [{"model": "llama-3-8b", **asked}] and engine.completions == []
         assert rec.breaker.is_open(clock.t) and rec.engine_stuck and rec.untaken_stuck
         engine.generates = True
         clock.t += 2 * rec.breaker.open_s
         await reg.health_once()
         assert len(probed) == 2 and rec.health_ok is True and not rec.untaken_stuck
-        assert engine.scores == [] or reranker  # an embedding model is never asked for a score
+        assert engine.scores == [] or task == "score"  # an embedding model is never asked for a score
         await reg.stop()
         await client.aclose()
 

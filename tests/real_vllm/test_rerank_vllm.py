@@ -1,5 +1,5 @@
 """The gateway in front of a real vLLM reranker (a cross-encoder: `--runner pooling --convert classify` of the
-tiny Llama, one label): `/score` and `/rerank` answer through the gateway as the server does, each request a
+tiny Llama, one label): `/score`, `/rerank` and `/classify` answer through the gateway as the server does, each request a
 KV reservation sized by its (query, document) pairs — what a cross-encoder runs — released with the answer;
 the server has no embeddings route, and its 404 is passed through."""
 
@@ -44,6 +44,7 @@ def _metric(text: str, name: str) -> float:
         ("/v2/rerank", {"query": "q", "documents": ["x", "y"]}),
         ("/score", {"queries": "hello there", "documents": ["a cat", "the dog sat"]}),
         ("/v1/score", {"text_1": ["one", "two"], "text_2": ["three", "four"]}),
+        ("/classify", {"input": ["hello there", "the dog sat"]}),
     ],
 )
 def test_scores_through_the_gateway_are_the_servers(
@@ -55,7 +56,7 @@ def test_scores_through_the_gateway_are_the_servers(
     assert theirs.status_code == ours.status_code == 200, ours.text
     mine, server = ours.json(), theirs.json()
     assert mine["usage"] == server["usage"]
-    key = "results" if "rerank" in path else "data"
+    key = "results" if "rerank" in path else "data"  # (classify: one label distribution per input)
     assert mine[key] == server[key]
 
 
