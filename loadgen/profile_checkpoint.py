@@ -19,7 +19,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loadgen.profile_search import Measurement, SearchResult
 from loadgen.profiling import Bucket
@@ -51,15 +53,44 @@ def _record(res: SearchResult | None) -> dict[str, Any]:
     }
 
 
-def _result(rec: Mapping[str, Any]) -> SearchResult | None:
-    if not rec["fits"]:
+# what a record read back must hold: a hand-edited or damaged one is refused before any bucket is probed (it
+# crashed the run only when the profile was written, after the rest of the grid: hours on a real GPU)
+_Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_Count = Annotated[int, Field(ge=0)]
+
+
+class _MeasurementRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    rate: _Amount
+    n: _Count
+    ttft_p90_ms: _Amount
+    tpot_p90_ms: _Amount
+    stable: bool = True
+    failed: _Count = 0
+
+
+class _BucketRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    i: _Count
+    j: _Count
+    fits: bool
+    max_rate: _Amount = 0.0
+    capped: bool = False
+    unloaded_miss: bool = False
+    measurement: _MeasurementRecord | None = None
+
+
+def _result(rec: _BucketRecord) -> SearchResult | None:
+    if not rec.fits:
         return None
-    m = rec["measurement"]
+    m = rec.measurement
     return SearchResult(
-        max_rate=float(rec["max_rate"]),
-        measurement=None if m is None else Measurement(**m),
-        capped=bool(rec["capped"]),
-        unloaded_miss=bool(rec["unloaded_miss"]),
+        max_rate=rec.max_rate,
+        measurement=None if m is None else Measurement(**m.model_dump()),
+        capped=rec.capped,
+        unloaded_miss=rec.unloaded_miss,
     )
 
 
@@ -108,10 +139,20 @@ class Checkpoint:
                 f"{path} is a run with other settings ({'; '.join(differ)}): rerun with its settings, or delete "
                 "it to start over"
             )
-        try:
-            done: Done = {(int(r["i"]), int(r["j"])): _result(r) for r in doc["buckets"]}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: a bucket record is malformed ({exc!r})") from None
+        buckets = doc.get("buckets")
+        if not isinstance(buckets, list):
+            raise CheckpointError(f"{path}: the checkpoint has no bucket list")
+        done: Done = {}
+        for k, raw in enumerate(buckets):
+            try:
+                rec = _BucketRecord.model_validate(raw)
+            except ValidationError as exc:
+                err = exc.errors(include_url=False)[0]
+                where = ".".join(str(p) for p in err["loc"]) or "the record"
+                raise CheckpointError(
+                    f"{path}: bucket record {k} is malformed ({where}: {err['msg']}); delete the file to start over"
+                ) from None
+            done[(rec.i, rec.j)] = _result(rec)
         return cls(path, want, done)
 
     def record(self, bucket: Bucket, res: SearchResult | None) -> None:

@@ -6,7 +6,7 @@
 |---|---|---|
 | `rate` | mean arrival rate, requests/s (> 0) | required |
 | `n` | number of requests | — |
-| `duration` | seconds of arrivals (stop at the first arrival ≥ duration) | — (one of `n`/`duration` required; both: whichever ends first) |
+| `duration` | seconds of arrivals (stop at the first arrival ≥ duration) | — (one of `n`/`duration` required; both: whichever ends first; at most `MAX_REQUESTS` requests either way) |
 | `arrival` | `poisson` (exponential gaps), `gamma` (gaps ~ Gamma(k, 1/(rate·k)), k = `burstiness`), `constant` (gaps 1/rate) | `poisson` |
 | `burstiness` | gamma shape k: 1 = Poisson, < 1 burstier, > 1 smoother (vLLM's `--burstiness`) | 1 |
 | `input`, `output` | a length distribution (tokens, below) | `input=512`, `output=128` |
@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from loadgen.trace import MAX_TOKENS, TraceRequest
 
 PREFIX = "synthetic:"
+# the most requests a spec may ask for (its n, or rate × duration): 100 million is days of load at the rates
+# one load generator sustains; more is a typo that would never end (and `plan`/`simulate` hold the trace)
+MAX_REQUESTS = 100_000_000
 Sampler = Callable[[random.Random], int]
 
 
@@ -136,6 +139,10 @@ def parse_spec(text: str) -> SyntheticSpec:
     duration = _positive("duration", fields["duration"]) if "duration" in fields else None
     if n is None and duration is None:
         raise SpecError("give n=COUNT or duration=SECONDS")
+    expected = min(math.inf if n is None else n, math.inf if duration is None else rate * duration)
+    if expected > MAX_REQUESTS:
+        asked = f"n={n}" if n is not None and n <= rate * (duration or math.inf) else "rate × duration"
+        raise SpecError(f"{asked} is {expected:.3g} requests; a synthetic trace has at most {MAX_REQUESTS:,}")
     arrival = fields.get("arrival", "poisson")
     if arrival not in ("poisson", "gamma", "constant"):
         raise SpecError(f"arrival={arrival!r}: poisson, gamma or constant")
