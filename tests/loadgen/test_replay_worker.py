@@ -99,9 +99,8 @@ def test_replay_through_the_gateway_over_the_embedded_fleet() -> None:
     assert out.metrics.output_length_mismatches == 0
 
 
-def test_an_embeddings_replay_against_a_pooling_worker() -> None:
-    """`--endpoint embeddings`: each request the trace's input as token ids, answered whole by a pooling
-    worker; exact prompt tokens, no output tokens (no length mismatch), TTFT = E2EL, no TPOT or ITL."""
+def _replay_on_a_pooling_worker(endpoint: str, **options: int) -> ReplayOutcome:
+    """`SPEC` replayed at `endpoint` against a simulated pooling worker (`--runner pooling`)."""
 
     async def go() -> ReplayOutcome:
         worker = await start_worker_server(
@@ -109,12 +108,20 @@ def test_an_embeddings_replay_against_a_pooling_worker() -> None:
         )
         try:
             with open("/dev/null", "w") as sink:
-                req = ReplayRequest(SPEC, worker.url, "llama-3-8b", endpoint="embeddings", progress=False)
+                req = ReplayRequest(
+                    SPEC, worker.url, "llama-3-8b", endpoint=endpoint, progress=False, **options
+                )  # type: ignore[arg-type]
                 return await run_replay_async(req, Console(file=sink))
         finally:
             await worker.stop()
 
-    out = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_an_embeddings_replay_against_a_pooling_worker() -> None:
+    """`--endpoint embeddings`: each request the trace's input as token ids, answered whole by a pooling
+    worker; exact prompt tokens, no output tokens (no length mismatch), TTFT = E2EL, no TPOT or ITL."""
+    out = _replay_on_a_pooling_worker("embeddings")
     expected = list(open_trace(SPEC))
     m = out.metrics
     assert (m.sent, m.completed, m.failed) == (40, 40, 0)
@@ -130,21 +137,7 @@ def test_a_rerank_replay_against_a_pooling_worker() -> None:
     """`--endpoint rerank`: each request the trace's input words as a query and three documents, scored by a
     pooling worker (vLLM's /rerank), answered whole: every document ranked, the words' tokens the worker's
     usage (each text encoded once: an embedding model's scoring), TTFT = E2EL, no output tokens."""
-
-    async def go() -> ReplayOutcome:
-        worker = await start_worker_server(
-            WorkerConfig(gpu="H100", model="llama-3-8b", time_scale=200.0, runner="pooling")
-        )
-        try:
-            with open("/dev/null", "w") as sink:
-                req = ReplayRequest(
-                    SPEC, worker.url, "llama-3-8b", endpoint="rerank", progress=False, rerank_documents=3
-                )
-                return await run_replay_async(req, Console(file=sink))
-        finally:
-            await worker.stop()
-
-    out = asyncio.run(go())
+    out = _replay_on_a_pooling_worker("rerank", rerank_documents=3)
     expected = list(open_trace(SPEC))
     m = out.metrics
     assert (m.sent, m.completed, m.failed) == (40, 40, 0)
