@@ -106,6 +106,16 @@ def test_embeddings_are_routed_over_the_pool_and_their_kv_released(gw: GatewayTh
             {"model": CHAT, "input": "hi"},
             f"The model `{CHAT}` is a generative model (runner: generate) and does not serve /v1/embeddings",
         ),
+        (
+            "/rerank",
+            {"model": CHAT, "query": "q", "documents": ["d"]},
+            f"The model `{CHAT}` is a generative model (runner: generate) and does not serve /rerank",
+        ),
+        (
+            "/v1/score",
+            {"model": CHAT, "text_1": "q", "text_2": "d"},
+            f"The model `{CHAT}` is a generative model (runner: generate) and does not serve /v1/score",
+        ),
     ],
 )
 def test_a_model_answers_only_its_runners_endpoints(

@@ -186,31 +186,6 @@ def test_scoring_requests_are_reserved_released_and_metered(gw: GatewayThread) -
         assert gw.metric("mosaic_kv_active_reservations", worker=w["id"]) == 0
 
 
-@pytest.mark.parametrize(
-    ("path", "body", "message"),
-    [
-        (
-            "/rerank",
-            {"model": CHAT, "query": "q", "documents": ["d"]},
-            f"The model `{CHAT}` is a generative model (runner: generate) and does not serve /rerank",
-        ),
-        (
-            "/v1/score",
-            {"model": CHAT, "text_1": "q", "text_2": "d"},
-            f"The model `{CHAT}` is a generative model (runner: generate) and does not serve /v1/score",
-        ),
-    ],
-)
-def test_a_generative_model_does_not_score(
-    gw: GatewayThread, path: str, body: dict[str, object], message: str
-) -> None:
-    r = httpx.post(gw.url + path, json=body, timeout=30)
-    assert r.status_code == 400
-    assert r.json() == {
-        "error": {"message": message, "type": "BadRequestError", "param": "model", "code": 400}
-    }
-
-
 def test_the_workers_own_400s_pass_through(gw: GatewayThread) -> None:
     """What the gateway leaves to the worker (sides that do not pair up, an empty side) is vLLM's 400 in its
     words, passed through as the worker answered."""
